@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make test` and `make demo`.
+# Both create (or reuse) the project virtual environment in $(VENV) and install everything.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and pinned: on the dev/CI machine this version is a local CPU wheel,
+# on a GPU machine the same pin pulls the matching CUDA build from PyPI.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" -x
+
+demo: $(STAMP)
+	$(PY) -m trinity_trl.algorithms.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,41 @@
+"""Pure-PyTorch implementations of Trinity-RFT's algorithm components (see spec ALGORITHMS.md).
+
+Registries (name -> class, ``.get(name)``, ``.names()``):
+
+* ``POLICY_LOSS_FN``: ppo, gspo, cispo, sapo, topr, sppo, rec, opmd, sft, sft_is, sft_phi, dpo,
+  importance_sampling, mix, mix_chord
+* ``KL_FN``: none, k1, k2, k3, low_var_kl, abs, corrected_k3
+* ``ENTROPY_LOSS_FN``: default, mix, none
+* ``ADVANTAGE_FN``: group operators (grpo, step_wise_grpo, opmd, asymre, reinforce, rec) and
+  batch functions (ppo, reinforceplusplus, rloo, remax, grpo_verl, opmd_verl, asymre_verl,
+  on_policy_distill)
+* ``ALGORITHM_TYPE``: the 19 presets
+
+This package imports only torch and the standard library.
+"""
+
+from .advantage import ADVANTAGE_FN
+from .entropy import ENTROPY_LOSS_FN
+from .experience import EID, Experience, gather_metrics, group_by
+from .kl import KL_FN
+from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from .policy_loss import POLICY_LOSS_FN, mu_schedule_function, phi_function
+
+__all__ = [
+    "ADVANTAGE_FN",
+    "ENTROPY_LOSS_FN",
+    "KL_FN",
+    "POLICY_LOSS_FN",
+    "EID",
+    "Experience",
+    "LOSS_AGG_MODES",
+    "agg_loss",
+    "gather_metrics",
+    "group_by",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "mu_schedule_function",
+    "phi_function",
+]

@@ -1,0 +1,24 @@
+"""Advantage functions (spec §12); importing this package registers every key in ``ADVANTAGE_FN``."""
+
+from . import (  # noqa: F401
+    asymre,
+    gae,
+    grpo,
+    on_policy_distill,
+    opmd,
+    rec,
+    reinforce,
+    reinforceplusplus,
+    remax,
+    rloo,
+    step_wise_grpo,
+)
+from .base import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, scalar_rewards_to_token_level
+
+__all__ = [
+    "ADVANTAGE_FN",
+    "AdvantageFn",
+    "BatchAdvantageFn",
+    "GroupAdvantageFn",
+    "scalar_rewards_to_token_level",
+]

@@ -1,0 +1,106 @@
+"""Base classes of the two kinds of advantage functions (spec §12.2)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..experience import Experience
+from ..inputs import INPUT_ALIASES
+from ..registry import Registry
+
+
+class AdvantageFn:
+    """Common interface: ``default_args()`` and ``compute_in_trainer()``."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def compute_in_trainer(cls) -> bool:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class GroupAdvantageFn(AdvantageFn):
+    """Experience operator: ``exps_out, metrics = fn(exps)`` (runs before batching).
+
+    Writes ``exp.advantages = score · action_mask`` and ``exp.returns`` in place. Output order is
+    group order (see :func:`group_by`), not input order.
+    """
+
+    @classmethod
+    def compute_in_trainer(cls) -> bool:
+        return False
+
+    def __call__(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+        return self.process(experiences)
+
+    def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+        raise NotImplementedError
+
+
+class BatchAdvantageFn(AdvantageFn):
+    """Trainer-side function on padded tensors: ``batch, metrics = fn(batch)``.
+
+    Reads ``token_level_rewards`` (falls back to ``token_level_scores``) ``(B, T)``,
+    ``response_mask`` (or ``action_mask`` / ``completion_mask``) ``(B, T)`` and, for grouped
+    functions, ``uid`` (one group id per row). Writes ``advantages`` and ``returns`` ``(B, T)``.
+    """
+
+    @classmethod
+    def compute_in_trainer(cls) -> bool:
+        return True
+
+    def __call__(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        return self.process(batch)
+
+    def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        raise NotImplementedError
+
+
+def batch_get(batch: dict[str, Any], name: str) -> Any:
+    """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent."""
+    if name == "token_level_rewards":
+        aliases: tuple[str, ...] = ("token_level_rewards", "token_level_scores")
+    else:
+        aliases = INPUT_ALIASES.get(name, (name,))
+    for alias in aliases:
+        if batch.get(alias) is not None:
+            return batch[alias]
+    raise ValueError(f"The batch has no {name!r} (looked for: {', '.join(aliases)}); present: {', '.join(batch)}")
+
+
+def group_index(uid: Any) -> tuple[torch.Tensor, int]:
+    """Map per-row group ids (strings, ints, a tensor or array) to dense indices ``0..G-1``
+    in order of first appearance. Returns ``(index (B,), G)``."""
+    if isinstance(uid, torch.Tensor):
+        uid = uid.tolist()
+    ids: dict[Any, int] = {}
+    index = [ids.setdefault(u if not isinstance(u, list) else tuple(u), len(ids)) for u in uid]
+    return torch.tensor(index, dtype=torch.long), len(ids)
+
+
+def scalar_rewards_to_token_level(rewards: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Place each row's scalar reward at its last position whose mask is 1 (spec §12.1).
+
+    ``rewards``: ``(B,)``; ``attention_mask``: ``(B, T)`` over the response. Rows with an empty
+    mask get no reward (all zeros).
+    """
+    mask = attention_mask != 0
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has_token = last >= 0
+    rows = torch.arange(mask.shape[0], device=mask.device)[has_token]
+    out[rows, last[has_token]] = rewards.to(out.dtype)[has_token]
+    return out
+
+
+ADVANTAGE_FN: Registry[type[AdvantageFn]] = Registry("advantage function")

@@ -1,0 +1,118 @@
+"""Experiences (one trained sample each) and their grouping helpers (spec §12.1-§12.2)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GROUP_LEVELS = {"task": "tid", "run": "rid", "step": "sid"}
+
+
+@dataclass
+class EID:
+    """Experience id. ``task`` groups GRPO-like advantages, ``run`` is one trajectory, ``step`` a turn."""
+
+    batch: int | str = 0
+    task: int | str = 0
+    run: int = 0
+    step: int = 0
+    suffix: str = field(default_factory=lambda: secrets.token_hex(3))
+
+    @property
+    def tid(self) -> str:
+        return f"{self.batch}/{self.task}"
+
+    @property
+    def rid(self) -> str:
+        return f"{self.batch}/{self.task}/{self.run}"
+
+    @property
+    def sid(self) -> str:
+        return f"{self.batch}/{self.task}/{self.step}"
+
+    @property
+    def uid(self) -> str:
+        return f"{self.batch}/{self.task}/{self.run}/{self.step}/{self.suffix}"
+
+
+@dataclass
+class Experience:
+    """One training sample: prompt + response tokens and what the algorithms need about them.
+
+    Per-token fields (``logprobs``, ``action_mask``, ``advantages``, ``returns``,
+    ``token_level_reward``, ``teacher_logprobs``) cover the response only: length
+    ``len(tokens) - prompt_length``. ``action_mask`` defaults to all ones (single-turn).
+    """
+
+    eid: EID
+    tokens: torch.Tensor
+    prompt_length: int
+    reward: float | None = None
+    logprobs: torch.Tensor | None = None
+    action_mask: torch.Tensor | None = None
+    token_level_reward: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    chosen: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, torch.Tensor):
+            self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
+        response_length = len(self.tokens) - int(self.prompt_length)
+        if response_length < 0:
+            raise ValueError(f"prompt_length {self.prompt_length} exceeds the {len(self.tokens)} tokens of {self.eid.uid}")
+        if self.action_mask is None:
+            self.action_mask = torch.ones(response_length, dtype=torch.bool)
+        elif len(self.action_mask) != response_length:
+            raise ValueError(
+                f"action_mask of {self.eid.uid} has length {len(self.action_mask)}, expected the response "
+                f"length {response_length}"
+            )
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - int(self.prompt_length)
+
+    def set_advantage(self, score: float | torch.Tensor) -> None:
+        """Write ``advantages = score · action_mask`` (float32) and ``returns = clone(advantages)``."""
+        self.advantages = self.action_mask.to(torch.float32) * score
+        self.returns = self.advantages.clone()
+
+
+def group_by(experiences: Iterable[Experience], level: str = "task") -> dict[str, list[Experience]]:
+    """Group by ``tid`` (task), ``rid`` (run) or ``sid`` (step), in order of first appearance."""
+    if level not in GROUP_LEVELS:
+        raise ValueError(f"Unknown grouping level {level!r}; allowed: {', '.join(GROUP_LEVELS)}")
+    attr = GROUP_LEVELS[level]
+    groups: dict[str, list[Experience]] = {}
+    for exp in experiences:
+        groups.setdefault(getattr(exp.eid, attr), []).append(exp)
+    return groups
+
+
+def gather_metrics(metric_list: list[Mapping[str, Any]], prefix: str) -> dict[str, float]:
+    """Reduce per-group metric dicts to ``{prefix}/{key}/mean|max|min`` over groups, skipping NaN."""
+    if not metric_list:
+        return {}
+    keys: list[str] = []
+    for metrics in metric_list:
+        keys += [k for k, v in metrics.items() if k not in keys and isinstance(v, (int, float, torch.Tensor))]
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [float(m[key]) for m in metric_list if key in m]
+        values = [v for v in values if not math.isnan(v)]
+        if not values:
+            continue
+        out[f"{prefix}/{key}/mean"] = sum(values) / len(values)
+        out[f"{prefix}/{key}/max"] = max(values)
+        out[f"{prefix}/{key}/min"] = min(values)
+    return out

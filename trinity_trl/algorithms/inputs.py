@@ -1,0 +1,87 @@
+"""Input-name mapping shared by every component (spec §0.1, §0.5).
+
+Components use Trinity's internal names. Callers may use the internal names, verl's names or
+TRL's names; :func:`resolve_inputs` maps them. Unknown keys are ignored so a trainer can pass its
+whole batch dict, but passing two different tensors for the same input is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+# internal name -> accepted aliases (internal first, then verl, then TRL)
+INPUT_ALIASES: dict[str, tuple[str, ...]] = {
+    "logprob": ("logprob", "log_prob", "log_probs", "per_token_logps"),
+    "old_logprob": ("old_logprob", "old_log_probs", "old_log_prob", "old_per_token_logps"),
+    "ref_logprob": ("ref_logprob", "ref_log_prob", "ref_log_probs", "ref_per_token_logps"),
+    "action_mask": ("action_mask", "response_mask", "completion_mask"),
+    "advantages": ("advantages",),
+    "expert_mask": ("expert_mask",),
+    "step": ("step",),
+    "teacher_logprobs": ("teacher_logprobs", "teacher_log_prob", "teacher_per_token_logps"),
+    "entropy": ("entropy", "entropies"),
+}
+
+# backend -> internal name -> the name that backend uses (for ``select_keys``)
+BACKEND_NAMES: dict[str, dict[str, str]] = {
+    "trl": {
+        "logprob": "per_token_logps",
+        "old_logprob": "old_per_token_logps",
+        "ref_logprob": "ref_per_token_logps",
+        "action_mask": "completion_mask",
+        "teacher_logprobs": "teacher_per_token_logps",
+    },
+    "verl": {
+        "logprob": "log_prob",
+        "old_logprob": "old_log_probs",
+        "ref_logprob": "ref_log_prob",
+        "action_mask": "response_mask",
+    },
+}
+BACKENDS = tuple(BACKEND_NAMES)
+
+# per-token inputs whose masked-out positions are zeroed before any maths
+PER_TOKEN_INPUTS = ("logprob", "old_logprob", "ref_logprob", "advantages", "teacher_logprobs", "entropy")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"Unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    return backend
+
+
+def backend_name(internal: str, backend: str) -> str:
+    return BACKEND_NAMES[backend].get(internal, internal)
+
+
+def resolve_inputs(kwargs: Mapping[str, Any], required: Iterable[str], optional: Iterable[str] = ()) -> dict[str, Any]:
+    """Pick the inputs a component needs out of ``kwargs``, whatever naming convention it uses.
+
+    Returns ``{internal_name: value}`` for every required and every present optional input.
+    Raises ``ValueError`` when a required input is missing (or ``None``) or when two aliases of
+    the same input carry different objects.
+    """
+    resolved: dict[str, Any] = {}
+    for internal in (*required, *optional):
+        found = [(alias, kwargs[alias]) for alias in INPUT_ALIASES.get(internal, (internal,)) if kwargs.get(alias) is not None]
+        if len({id(v) for _, v in found}) > 1:
+            names = ", ".join(alias for alias, _ in found)
+            raise ValueError(f"Ambiguous input {internal!r}: got several different values under {names}; pass one")
+        if found:
+            resolved[internal] = found[0][1]
+        elif internal in required:
+            aliases = ", ".join(INPUT_ALIASES.get(internal, (internal,)))
+            raise ValueError(f"Missing required input {internal!r} (accepted names: {aliases})")
+    return resolved
+
+
+def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Detach tensor metrics and turn them into Python floats with a single device sync."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if keys:
+        values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+        out.update(zip(keys, values))
+    return {k: out[k] for k in metrics}

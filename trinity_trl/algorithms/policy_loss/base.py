@@ -1,0 +1,67 @@
+"""Base class of every policy loss (spec §0.4-§0.5)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..inputs import PER_TOKEN_INPUTS, backend_name, check_backend, metrics_to_floats, resolve_inputs
+from ..masked import masked_fill_invalid
+from ..registry import Registry
+
+
+class PolicyLossFn:
+    """A policy loss: ``loss, metrics = fn(logprob=..., **inputs)``.
+
+    Subclasses set :attr:`inputs` (what they need besides ``logprob``) and implement
+    :meth:`compute`, which receives the inputs under their internal names, already cleaned:
+    per-token tensors hold 0 wherever ``action_mask`` is 0, so NaN/inf in padding can leak
+    neither into the loss nor into its gradient. ``compute`` returns ``(loss, metrics)`` where
+    metric values may be tensors; :meth:`__call__` turns them into Python floats.
+    """
+
+    name: ClassVar[str]
+    inputs: ClassVar[tuple[str, ...]] = ("old_logprob", "action_mask", "advantages")
+    optional_inputs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, backend: str = "trl"):
+        self.backend = check_backend(backend)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        """Arguments a preset uses when the user gives none (may differ from constructor defaults)."""
+        return {}
+
+    @property
+    def select_keys(self) -> list[str]:
+        """The inputs this loss needs besides ``logprob``, in the backend's names."""
+        return [backend_name(k, self.backend) for k in self.inputs]
+
+    def __call__(self, logprob: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        if logprob is not None:
+            kwargs["logprob"] = logprob
+        inputs = resolve_inputs(kwargs, ("logprob", *self.inputs), self.optional_inputs)
+        mask = inputs["action_mask"]
+        if mask.shape != inputs["logprob"].shape:
+            raise ValueError(f"action_mask shape {tuple(mask.shape)} != logprob shape {tuple(inputs['logprob'].shape)}")
+        advantages = inputs.get("advantages")
+        if isinstance(advantages, torch.Tensor) and advantages.dim() < mask.dim():
+            # TRL-style sequence advantages (B,) -> one value per token
+            inputs["advantages"] = advantages.reshape(mask.shape[0], 1).expand(mask.shape)
+        raw_advantages = inputs.get("advantages")
+        for key in PER_TOKEN_INPUTS:
+            value = inputs.get(key)
+            if isinstance(value, torch.Tensor) and value.shape == mask.shape:
+                inputs[key] = masked_fill_invalid(value, mask)
+        loss, metrics = self.compute(raw_advantages=raw_advantages, **inputs)
+        return loss, metrics_to_floats(metrics)
+
+    def compute(self, **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+POLICY_LOSS_FN: Registry[type[PolicyLossFn]] = Registry("policy loss")
