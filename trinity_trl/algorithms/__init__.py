@@ -20,8 +20,17 @@ from .experience import EID, Experience, gather_metrics, group_by
 from .kl import KL_FN
 from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 from .policy_loss import POLICY_LOSS_FN, mu_schedule_function, phi_function
+from .presets import ALGORITHM_TYPE, GLOBAL_DEFAULTS, AlgorithmConfig, AlgorithmType, resolve_algorithm_config
+from .functional import compute_policy_loss, kl_penalty
 
 __all__ = [
+    "ALGORITHM_TYPE",
+    "AlgorithmConfig",
+    "AlgorithmType",
+    "GLOBAL_DEFAULTS",
+    "compute_policy_loss",
+    "kl_penalty",
+    "resolve_algorithm_config",
     "ADVANTAGE_FN",
     "ENTROPY_LOSS_FN",
     "KL_FN",

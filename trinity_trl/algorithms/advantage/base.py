@@ -70,7 +70,8 @@ def batch_get(batch: dict[str, Any], name: str) -> Any:
     if name == "token_level_rewards":
         aliases: tuple[str, ...] = ("token_level_rewards", "token_level_scores")
     else:
-        aliases = INPUT_ALIASES.get(name, (name,))
+        internal = next((k for k, names in INPUT_ALIASES.items() if name in names), name)
+        aliases = INPUT_ALIASES.get(internal, (name,))
     for alias in aliases:
         if batch.get(alias) is not None:
             return batch[alias]

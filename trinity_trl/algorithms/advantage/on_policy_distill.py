@@ -1,1 +1,59 @@
-"""(placeholder: being written)"""
+"""On-policy distillation — key ``on_policy_distill`` (spec §12.9, batch function).
+
+The per-token advantage is the teacher's log-ratio over the behaviour policy,
+``kl_coef·(ℓτ − ℓo)·M``: minus the per-token reverse KL sample, so tokens the teacher likes
+more than the student are reinforced. Masked positions are replaced by 0 before the
+difference, so NaN/inf log-probs in padding cannot leak (the reference's plain ``·M`` would).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..masked import masked_fill_invalid
+from .base import ADVANTAGE_FN, BatchAdvantageFn, batch_get
+
+
+@ADVANTAGE_FN.register("on_policy_distill")
+class OnPolicyDistillAdvantage(BatchAdvantageFn):
+    """Args: ``kl_coef`` (finite number, default 1.0).
+
+    Reads ``teacher_logprobs (B, T)``, the behaviour log-probs ``old_logprob`` (also
+    ``old_log_probs`` / ``old_per_token_logps``) ``(B, T)`` and ``response_mask (B, T)``. Writes
+    ``advantages = returns (B, T)``. Metrics, with ``k_b = Σ_t (ℓo − ℓτ)·M`` (nats):
+    ``kl/mean``, ``kl/std`` (unbiased; 0.0 for one row) and ``advantages/mean = mean_b Σ_t A``.
+    """
+
+    def __init__(self, kl_coef: float = 1.0):
+        if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef):
+            raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
+        self.kl_coef = float(kl_coef)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"kl_coef": 1.0}
+
+    @torch.no_grad()
+    def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        teacher = batch_get(batch, "teacher_logprobs")
+        old = batch_get(batch, "old_logprob")
+        mask = batch_get(batch, "action_mask")
+        if not (teacher.shape == old.shape == mask.shape) or teacher.dim() != 2:
+            raise ValueError(
+                f"teacher_logprobs {tuple(teacher.shape)}, old_logprob {tuple(old.shape)} and response_mask "
+                f"{tuple(mask.shape)} must all be (B, T)"
+            )
+        reverse_kl = (masked_fill_invalid(old, mask) - masked_fill_invalid(teacher, mask)) * mask.to(old.dtype)
+        advantages = -self.kl_coef * reverse_kl
+        batch["advantages"] = advantages
+        batch["returns"] = advantages.clone()
+        kl_sum = reverse_kl.sum(dim=-1)
+        metrics = {
+            "kl/mean": kl_sum.mean().item(),
+            "kl/std": kl_sum.std().item() if len(kl_sum) > 1 else 0.0,
+            "advantages/mean": advantages.sum(dim=-1).mean().item(),
+        }
+        return batch, metrics

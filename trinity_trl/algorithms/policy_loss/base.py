@@ -39,6 +39,12 @@ class PolicyLossFn:
         return [backend_name(k, self.backend) for k in self.inputs]
 
     def __call__(self, logprob: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, metrics = self.evaluate(logprob, **kwargs)
+        return loss, metrics_to_floats(metrics)
+
+    def evaluate(self, logprob: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Like ``__call__`` but metric values stay detached 0-d tensors (no device sync), for
+        callers that gather or average metrics themselves."""
         if logprob is not None:
             kwargs["logprob"] = logprob
         inputs = resolve_inputs(kwargs, ("logprob", *self.inputs), self.optional_inputs)
@@ -55,7 +61,7 @@ class PolicyLossFn:
             if isinstance(value, torch.Tensor) and value.shape == mask.shape:
                 inputs[key] = masked_fill_invalid(value, mask)
         loss, metrics = self.compute(raw_advantages=raw_advantages, **inputs)
-        return loss, metrics_to_floats(metrics)
+        return loss, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
     def compute(self, **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         raise NotImplementedError

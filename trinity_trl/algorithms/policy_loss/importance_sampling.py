@@ -1,1 +1,42 @@
-"""(placeholder: being written)"""
+"""Plain importance-sampled policy gradient, no clipping (spec §8.6; on-policy distillation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from .base import POLICY_LOSS_FN, PolicyLossFn
+
+
+@POLICY_LOSS_FN.register("importance_sampling")
+class ImportanceSamplingLossFn(PolicyLossFn):
+    """Per-token loss ``−A·r`` with ``r = exp(clamp(ℓ − ℓo, −20, 20))``; the gradient is ``−A·r·∇ℓ``.
+
+    No clip: meant for on-policy distillation, where ``A`` is a teacher signal and the ratio
+    only corrects for the small lag between behaviour and current policy.
+
+    Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``.
+    Metrics: ``pg_loss``, ``ratio/mean = MMEAN(r)``, ``approx_kl = MMEAN(−δ)`` (clamped δ).
+    """
+
+    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+        super().__init__(backend)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"loss_agg_mode": "token-mean"}
+
+    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+        mask = action_mask
+        log_ratio = torch.clamp(logprob - old_logprob, -20.0, 20.0)
+        ratio = torch.exp(log_ratio)
+        loss = agg_loss(-advantages * ratio, mask, self.loss_agg_mode)
+        metrics: dict[str, Any] = {
+            "pg_loss": loss.detach(),
+            "ratio/mean": masked_mean(ratio.detach(), mask),
+            "approx_kl": masked_mean(-log_ratio.detach(), mask),
+        }
+        return loss, metrics

@@ -1,1 +1,38 @@
-"""(placeholder: being written)"""
+"""OPMD policy loss: REINFORCE scaled by ``1/(1+τ)`` (spec §8.1)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..masked import agg_loss, check_loss_agg_mode
+from .base import POLICY_LOSS_FN, PolicyLossFn
+
+
+@POLICY_LOSS_FN.register("opmd")
+class OPMDPolicyLossFn(PolicyLossFn):
+    """OPMD: ``AGG(−A·ℓ, m) / (1 + tau)``; the behaviour log-probs are not used.
+
+    ``tau`` is OPMD's mirror-descent regularisation strength; in this loss it only shrinks the
+    step by ``1/(1+τ)``, so it must be ``>= 0`` (a negative value would enlarge or flip the step).
+
+    Shapes: ``logprob``, ``advantages``, ``action_mask``: ``(B, T)``.
+    Metric: ``opmd_loss`` (after the division).
+    """
+
+    inputs = ("action_mask", "advantages")
+
+    def __init__(self, tau: float = 1.0, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+        super().__init__(backend)
+        if not (math.isfinite(tau) and tau >= 0):
+            raise ValueError(f"opmd: tau must be a finite number >= 0, got {tau}")
+        self.tau = float(tau)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"tau": 1.0, "loss_agg_mode": "token-mean"}
+
+    def compute(self, logprob, action_mask, advantages, **_):
+        loss = agg_loss(-advantages * logprob, action_mask, self.loss_agg_mode) / (1.0 + self.tau)
+        return loss, {"opmd_loss": loss.detach()}

@@ -2,9 +2,93 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+
+from ..masked import agg_loss, check_loss_agg_mode
+from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
 def phi_function(token_prob: torch.Tensor) -> torch.Tensor:
     """CHORD's φ weight ``p·(1−p)``: small for tokens the model finds very unlikely or already certain."""
     return token_prob * (1.0 - token_prob)
+
+
+@POLICY_LOSS_FN.register("sft")
+class SFTLossFn(PolicyLossFn):
+    """Negative log-likelihood ``AGG(−ℓ, m)``.
+
+    Shapes: ``logprob``, ``action_mask``: ``(B, T)``. Metric: ``sft_loss``.
+    """
+
+    inputs = ("action_mask",)
+
+    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+        super().__init__(backend)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"loss_agg_mode": "token-mean"}
+
+    def compute(self, logprob, action_mask, **_):
+        loss = agg_loss(-logprob, action_mask, self.loss_agg_mode)
+        return loss, {"sft_loss": loss.detach()}
+
+
+@POLICY_LOSS_FN.register("sft_is")
+class SFTISLossFn(PolicyLossFn):
+    """NLL weighted by the detached token probability: ``AGG(−ℓ·sg(exp(ℓ)), m)``.
+
+    Tokens the model already finds unlikely are down-weighted (gradient ``−p·∇ℓ = −∇p``).
+    Shapes: ``logprob``, ``action_mask``: ``(B, T)``. Metric: ``sft_is_loss``.
+    """
+
+    inputs = ("action_mask",)
+
+    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+        super().__init__(backend)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"loss_agg_mode": "token-mean"}
+
+    def compute(self, logprob, action_mask, **_):
+        loss = agg_loss(-logprob * torch.exp(logprob).detach(), action_mask, self.loss_agg_mode)
+        return loss, {"sft_is_loss": loss.detach()}
+
+
+@POLICY_LOSS_FN.register("sft_phi")
+class SFTPhiLossFn(PolicyLossFn):
+    """CHORD-φ SFT: ``AGG(−ℓ'·sg(φ(p)), m)`` with ``p = exp(ℓ)`` and ``φ(p) = p·(1−p)``.
+
+    ``ℓ' = min(ℓ, ln cutoff_prob)`` when ``cutoff_prob < 1``, else ``ℓ``: tokens with
+    ``p > cutoff_prob`` then add a constant and no gradient. ``φ`` is taken from the unclamped
+    ``ℓ``. ``0 < cutoff_prob <= 1`` (0 would need ``ln 0``).
+
+    Shapes: ``logprob``, ``action_mask``: ``(B, T)``. Metric: ``sft_phi_loss``.
+    """
+
+    inputs = ("action_mask",)
+
+    def __init__(self, loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0, backend: str = "trl"):
+        super().__init__(backend)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+        if not 0.0 < cutoff_prob <= 1.0:
+            raise ValueError(f"sft_phi: cutoff_prob must be in (0, 1], got {cutoff_prob}")
+        self.cutoff_prob = float(cutoff_prob)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"loss_agg_mode": "token-mean", "cutoff_prob": 1.0}
+
+    def compute(self, logprob, action_mask, **_):
+        weight = phi_function(torch.exp(logprob)).detach()
+        clipped = logprob
+        if self.cutoff_prob < 1.0:
+            clipped = torch.clamp(logprob, max=math.log(self.cutoff_prob))
+        loss = agg_loss(-clipped * weight, action_mask, self.loss_agg_mode)
+        return loss, {"sft_phi_loss": loss.detach()}

@@ -1,0 +1,132 @@
+"""The 19 presets of spec §13.1 and configuration resolution of §13.2."""
+
+from __future__ import annotations
+
+import pytest
+
+from trinity_trl.algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, resolve_algorithm_config
+
+# key: (crit, ref, adv@tr, bal, schema, repeat, sample_strategy, policy, advantage, kl_penalty, kl_loss, entropy)
+TABLE = {
+    "sft": (False, False, False, True, "sft", None, "default", "sft", "ppo", "none", "none", "none"),
+    "ppo": (True, True, True, True, "experience", 1, "default", "ppo", "ppo", "none", "k2", "default"),
+    "grpo": (False, True, False, True, "experience", 2, "default", "ppo", "grpo", "none", "k2", "default"),
+    "reinforceplusplus": (False, True, True, True, "experience", 2, "default", "ppo", "reinforceplusplus", "none", "k2", "default"),
+    "rloo": (False, True, True, True, "experience", 2, "default", "ppo", "rloo", "none", "k2", "default"),
+    "opmd": (False, True, False, True, "experience", 2, "default", "opmd", "opmd", "none", "k2", "default"),
+    "asymre": (False, False, False, True, "experience", 2, "default", "opmd", "asymre", "none", "none", "none"),
+    "dpo": (False, True, False, False, "dpo", 2, "default", "dpo", "ppo", "none", "k2", "default"),
+    "topr": (False, True, False, True, "experience", 2, "default", "topr", "reinforce", "none", "k2", "default"),
+    "cispo": (False, True, False, True, "experience", 2, "default", "cispo", "grpo", "none", "k2", "default"),
+    "gspo": (False, True, False, True, "experience", 2, "default", "gspo", "grpo", "none", "k2", "default"),
+    "sapo": (False, True, False, True, "experience", 2, "default", "sapo", "grpo", "none", "k2", "default"),
+    "mix": (False, True, False, True, "experience", 8, "mix", "mix", "grpo", "none", "k2", "mix"),
+    "mix_chord": (False, True, False, True, "experience", 8, "mix", "mix_chord", "grpo", "none", "k2", "mix"),
+    "raft": (False, False, False, True, "experience", None, "default", "sft", "ppo", "none", "none", "none"),
+    "sppo": (False, False, False, True, "experience", 2, "default", "sppo", "opmd", "none", "none", "none"),
+    "rec": (False, True, False, True, "experience", 2, "default", "rec", "rec", "none", "k2", "default"),
+    "multi_step_grpo": (False, True, False, True, "experience", 8, "default", "ppo", "step_wise_grpo", "none", "k2", "default"),
+    "on_policy_distill": (False, False, True, True, "experience", 8, "default", "ppo", "on_policy_distill", "none", "none", "none"),
+}
+
+
+@pytest.mark.parametrize("key", list(TABLE))
+def test_preset_flags_and_resolved_components(key):
+    crit, ref, adv_tr, bal, schema, rep, strategy, policy, adv, klp, kll, ent = TABLE[key]
+    preset = ALGORITHM_TYPE.get(key)
+    assert (preset.use_critic, preset.use_reference, preset.compute_advantage_in_trainer, preset.can_balance_batch) == (
+        crit, ref, adv_tr, bal)
+    assert preset.schema == schema
+    assert preset.use_rollout == (key in ("mix", "mix_chord"))
+    assert preset.default_config().get("repeat_times") == rep
+    cfg = resolve_algorithm_config(key)
+    assert (cfg.sample_strategy, cfg.policy_loss_fn, cfg.advantage_fn, cfg.kl_penalty_fn, cfg.kl_loss_fn,
+            cfg.entropy_loss_fn) == (strategy, policy, adv, klp, kll, ent)
+    assert cfg.loss_agg_mode == "token-mean"
+    assert preset.paper or key == "sft"
+
+
+def test_default_config_is_a_fresh_copy():
+    cfg = ALGORITHM_TYPE.get("on_policy_distill").default_config()
+    cfg["advantage_fn_args"]["kl_coef"] = 99.0
+    assert ALGORITHM_TYPE.get("on_policy_distill").default_config()["advantage_fn_args"] == {"kl_coef": 1.0}
+
+
+def test_args_default_to_component_default_args_and_preset_args():
+    cfg = resolve_algorithm_config("cispo")
+    assert cfg.policy_loss_fn_args == POLICY_LOSS_FN.get("cispo").default_args()
+    assert resolve_algorithm_config("on_policy_distill").advantage_fn_args == {"kl_coef": 1.0}
+
+
+def test_user_args_replace_defaults_wholesale():
+    # reference behaviour (spec §13.2 step 3): clip_range is lost, so PPO cannot resolve its low bound
+    with pytest.raises(ValueError, match="clip"):
+        resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range_high": 0.28})
+    cfg = resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range": 0.1, "clip_range_high": 0.28})
+    assert cfg.policy_loss_fn_args == {"clip_range": 0.1, "clip_range_high": 0.28}
+
+
+def test_merge_args_option_lays_user_args_over_defaults():
+    cfg = resolve_algorithm_config("grpo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.28})
+    assert cfg.policy_loss_fn_args["clip_range"] == 0.2
+    assert cfg.policy_loss_fn_args["clip_range_high"] == 0.28
+    fn = cfg.build_policy_loss()
+    assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.28)
+
+
+def test_merged_clip_range_replaces_default_specific_bounds():
+    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss_fn_args={"clip_range": 0.2}).build_policy_loss()
+    assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.2)
+    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.001}).build_policy_loss()
+    assert (fn.clip_range_low, fn.clip_range_high) == (0.0003, 0.001)
+
+
+def test_global_loss_agg_mode_overrides_policy_args():
+    cfg = resolve_algorithm_config("gspo")  # spec caveat: GSPO's own seq-mean-token-mean is overwritten
+    assert cfg.policy_loss_fn_args["loss_agg_mode"] == "token-mean"
+    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum",
+                                   policy_loss_fn_args={"clip_range": 0.2, "loss_agg_mode": "token-mean"})
+    assert cfg.policy_loss_fn_args["loss_agg_mode"] == "seq-mean-token-sum"
+    assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
+
+
+def test_user_component_choice_wins_and_preset_args_do_not_leak():
+    cfg = resolve_algorithm_config("grpo", policy_loss_fn="sapo", kl_loss_fn="low_var_kl", entropy_loss_fn="none")
+    assert (cfg.policy_loss_fn, cfg.kl_loss_fn, cfg.entropy_loss_fn) == ("sapo", "low_var_kl", "none")
+    cfg = resolve_algorithm_config("on_policy_distill", advantage_fn="rloo")
+    assert cfg.advantage_fn_args == {}
+
+
+def test_dpo_forces_two_repeats_and_a_kl_loss():
+    cfg = resolve_algorithm_config("dpo", kl_loss_fn="none", repeat_times=4)
+    assert cfg.repeat_times == 2
+    assert cfg.kl_loss_fn == "k2"
+    assert cfg.needs_reference
+
+
+def test_needs_reference_follows_the_kl_choice():
+    assert resolve_algorithm_config("grpo").needs_reference
+    assert not resolve_algorithm_config("grpo", kl_loss_fn="none").needs_reference
+    assert not resolve_algorithm_config("asymre").needs_reference
+    assert resolve_algorithm_config("asymre", kl_penalty_fn="k1").needs_reference
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy_loss_fn": "ppx"}, "policy loss 'ppx'"),
+        ({"kl_loss_fn": "k4"}, "KL function 'k4'"),
+        ({"loss_agg_mode": "sum"}, "loss_agg_mode"),
+        ({"advantage_fn": "rloo"}, "batch function"),  # grpo computes advantages on experience groups
+        ({"policy_loss_fn_args": ["clip_range", 0.2]}, "must be a dict"),
+        ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_ratio_c": 0.5}}, "clip_ratio_c"),
+    ],
+)
+def test_bad_configurations_fail_at_resolution(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_algorithm_config("grpo", **kwargs)
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match="mix_chord"):
+        resolve_algorithm_config("chord")

@@ -1,0 +1,387 @@
+"""The 19 algorithm presets and configuration resolution (spec §13).
+
+A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
+``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
+it sets. :func:`resolve_algorithm_config` fills in everything else as Trinity does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from .advantage import ADVANTAGE_FN
+from .entropy import ENTROPY_LOSS_FN
+from .kl import KL_FN
+from .masked import check_loss_agg_mode
+from .policy_loss import POLICY_LOSS_FN
+from .registry import Registry
+
+# spec §13.2 step 1: used for every field neither the user nor the preset sets
+GLOBAL_DEFAULTS: dict[str, Any] = {
+    "sample_strategy": "warmup",
+    "policy_loss_fn": "ppo",
+    "advantage_fn": "ppo",
+    "kl_penalty_fn": "none",
+    "kl_loss_fn": "k2",
+    "entropy_loss_fn": "default",
+    "loss_agg_mode": "token-mean",
+}
+
+# component field -> registry it names
+COMPONENTS: dict[str, Registry] = {
+    "policy_loss_fn": POLICY_LOSS_FN,
+    "advantage_fn": ADVANTAGE_FN,
+    "kl_penalty_fn": KL_FN,
+    "kl_loss_fn": KL_FN,
+    "entropy_loss_fn": ENTROPY_LOSS_FN,
+}
+
+SCHEMAS = ("sft", "dpo", "experience")
+
+
+class AlgorithmType:
+    """A preset. Class attributes only; ``ALGORITHM_TYPE.get(name)`` returns the class."""
+
+    name: ClassVar[str]
+    use_critic: ClassVar[bool] = False
+    use_reference: ClassVar[bool] = True
+    compute_advantage_in_trainer: ClassVar[bool] = False
+    can_balance_batch: ClassVar[bool] = True
+    use_rollout: ClassVar[bool] = False
+    schema: ClassVar[str] = "experience"
+    # presets whose advantage function never runs (no advantage needed)
+    uses_advantage: ClassVar[bool] = True
+    paper: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """The settings this preset makes (spec §13.1; footnoted components come from
+        :data:`GLOBAL_DEFAULTS` instead)."""
+        return {}
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Preset-specific adjustments applied during resolution (in place)."""
+
+
+ALGORITHM_TYPE: Registry[type[AlgorithmType]] = Registry("algorithm")
+
+
+def _preset(
+    key: str,
+    *,
+    description: str,
+    paper: str = "",
+    repeat_times: int | None = 2,
+    sample_strategy: str = "default",
+    **settings: Any,
+):
+    """Declare a preset from its table row (spec §13.1)."""
+
+    def decorator(cls: type[AlgorithmType]) -> type[AlgorithmType]:
+        config: dict[str, Any] = {"sample_strategy": sample_strategy, **settings}
+        if repeat_times is not None:
+            config = {"repeat_times": repeat_times, **config}
+        cls.default_config = classmethod(lambda c, _cfg=config: {k: (dict(v) if isinstance(v, dict) else v) for k, v in _cfg.items()})  # type: ignore[method-assign]
+        cls.description = description
+        cls.paper = paper
+        return ALGORITHM_TYPE.register(key)(cls)
+
+    return decorator
+
+
+_RL = {"kl_penalty_fn": "none", "kl_loss_fn": "k2", "entropy_loss_fn": "default"}
+_NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "none"}
+
+
+@_preset("sft", description="Supervised fine-tuning on demonstrations", repeat_times=None,
+         policy_loss_fn="sft", kl_loss_fn="none", entropy_loss_fn="none")
+class SFTAlgorithm(AlgorithmType):
+    use_reference = False
+    schema = "sft"
+    uses_advantage = False
+
+
+@_preset("ppo", description="PPO with a value model and GAE", paper="arXiv:1707.06347",
+         repeat_times=1, policy_loss_fn="ppo", advantage_fn="ppo", **_RL)
+class PPOAlgorithm(AlgorithmType):
+    use_critic = True
+    compute_advantage_in_trainer = True
+
+
+@_preset("grpo", description="GRPO: PPO-clip with group-normalised rewards", paper="arXiv:2402.03300",
+         policy_loss_fn="ppo", advantage_fn="grpo", **_RL)
+class GRPOAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("reinforceplusplus", description="REINFORCE++: discounted returns, batch-whitened",
+         paper="arXiv:2501.03262", policy_loss_fn="ppo", advantage_fn="reinforceplusplus", **_RL)
+class ReinforcePlusPlusAlgorithm(AlgorithmType):
+    compute_advantage_in_trainer = True
+
+
+@_preset("rloo", description="RLOO: leave-one-out baseline", paper="arXiv:2402.14740",
+         policy_loss_fn="ppo", advantage_fn="rloo", **_RL)
+class RLOOAlgorithm(AlgorithmType):
+    compute_advantage_in_trainer = True
+
+
+@_preset("opmd", description="Online policy mirror descent", paper="arXiv:2505.17826",
+         policy_loss_fn="opmd", advantage_fn="opmd", **_RL)
+class OPMDAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("asymre", description="Asymmetric REINFORCE (shifted group baseline)", paper="arXiv:2506.20520",
+         policy_loss_fn="opmd", advantage_fn="asymre", **_NO_KL)
+class AsymREAlgorithm(AlgorithmType):
+    use_reference = False
+
+
+@_preset("dpo", description="Direct preference optimisation", paper="arXiv:2305.18290",
+         policy_loss_fn="dpo", kl_loss_fn="k2", entropy_loss_fn="default")
+class DPOAlgorithm(AlgorithmType):
+    can_balance_batch = False  # chosen/rejected rows must stay adjacent
+    schema = "dpo"
+    uses_advantage = False
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        config["repeat_times"] = 2
+        if config["kl_loss_fn"] == "none":
+            config["kl_loss_fn"] = "k2"
+
+
+@_preset("topr", description="Tapered off-policy REINFORCE", paper="arXiv:2503.14286",
+         policy_loss_fn="topr", advantage_fn="reinforce", **_RL)
+class TOPRAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("cispo", description="CISPO: clipped IS-weight policy optimisation (MiniMax-M1)",
+         paper="arXiv:2506.13585", policy_loss_fn="cispo", advantage_fn="grpo", **_RL)
+class CISPOAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("gspo", description="GSPO: sequence-level importance ratio", paper="arXiv:2507.18071",
+         policy_loss_fn="gspo", advantage_fn="grpo", **_RL)
+class GSPOAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("sapo", description="SAPO: soft adaptive gate instead of a hard clip", paper="arXiv:2511.20347",
+         policy_loss_fn="sapo", advantage_fn="grpo", **_RL)
+class SAPOAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("mix", description="MIX: on-policy RL plus expert SFT with a fixed weight", paper="arXiv:2508.11408",
+         repeat_times=8, sample_strategy="mix", policy_loss_fn="mix", advantage_fn="grpo", entropy_loss_fn="mix")
+class MIXAlgorithm(AlgorithmType):
+    use_rollout = True
+
+
+@_preset("mix_chord", description="CHORD: on-policy RL plus φ-weighted expert SFT with a scheduled weight μ",
+         paper="arXiv:2508.11408", repeat_times=8, sample_strategy="mix", policy_loss_fn="mix_chord",
+         advantage_fn="grpo", entropy_loss_fn="mix")
+class MIXCHORDAlgorithm(AlgorithmType):
+    use_rollout = True
+
+
+@_preset("raft", description="RAFT: SFT on the best (rewarded) samples", paper="arXiv:2304.06767",
+         repeat_times=None, policy_loss_fn="sft", kl_loss_fn="none", entropy_loss_fn="none")
+class RAFTAlgorithm(AlgorithmType):
+    use_reference = False
+    uses_advantage = False
+
+
+@_preset("sppo", description="sPPO: log-ratio policy gradient inside a trust region", paper="arXiv:2108.05828",
+         policy_loss_fn="sppo", advantage_fn="opmd", **_NO_KL)
+class sPPOAlgorithm(AlgorithmType):  # noqa: N801 (Trinity's name)
+    use_reference = False
+
+
+@_preset("rec", description="REC: group-relative REINFORCE with optional clipping", paper="arXiv:2509.24203",
+         policy_loss_fn="rec", advantage_fn="rec", **_RL)
+class RECAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("multi_step_grpo", description="Step-wise GRPO for multi-step agents (run reward broadcast to every step)",
+         paper="rLLM (github.com/rllm-org/rllm)", repeat_times=8, policy_loss_fn="ppo",
+         advantage_fn="step_wise_grpo", **_RL)
+class MultiStepGRPOAlgorithm(AlgorithmType):
+    pass
+
+
+@_preset("on_policy_distill", description="On-policy distillation: per-token teacher log-ratio as advantage",
+         paper="arXiv:2306.13649", repeat_times=8, policy_loss_fn="ppo", advantage_fn="on_policy_distill",
+         advantage_fn_args={"kl_coef": 1.0}, **_NO_KL)
+class OnPolicyDistillAlgorithm(AlgorithmType):
+    use_reference = False
+    compute_advantage_in_trainer = True
+
+
+@dataclass
+class AlgorithmConfig:
+    """A fully resolved algorithm: component names, their argument dicts and the preset flags."""
+
+    algorithm: str
+    policy_loss_fn: str
+    policy_loss_fn_args: dict[str, Any]
+    advantage_fn: str
+    advantage_fn_args: dict[str, Any]
+    kl_penalty_fn: str
+    kl_penalty_fn_args: dict[str, Any]
+    kl_loss_fn: str
+    kl_loss_fn_args: dict[str, Any]
+    entropy_loss_fn: str
+    entropy_loss_fn_args: dict[str, Any]
+    loss_agg_mode: str
+    sample_strategy: str
+    repeat_times: int | None
+    use_critic: bool
+    compute_advantage_in_trainer: bool
+    can_balance_batch: bool
+    schema: str
+    uses_advantage: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference log-probs are needed: a KL term or penalty, or DPO."""
+        return self.kl_loss_fn != "none" or self.kl_penalty_fn != "none" or self.policy_loss_fn == "dpo"
+
+    def build_policy_loss(self, **kwargs: Any):
+        return POLICY_LOSS_FN.get(self.policy_loss_fn)(**self.policy_loss_fn_args, **kwargs)
+
+    def build_advantage_fn(self):
+        return ADVANTAGE_FN.get(self.advantage_fn)(**self.advantage_fn_args)
+
+    def build_kl_loss(self):
+        return KL_FN.get(self.kl_loss_fn)(**self.kl_loss_fn_args)
+
+    def build_kl_penalty(self):
+        return KL_FN.get(self.kl_penalty_fn)(**self.kl_penalty_fn_args)
+
+    def build_entropy_loss(self):
+        return ENTROPY_LOSS_FN.get(self.entropy_loss_fn)(**self.entropy_loss_fn_args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_algorithm_config(
+    algorithm: str,
+    *,
+    merge_args: bool = False,
+    policy_loss_fn: str | None = None,
+    policy_loss_fn_args: dict[str, Any] | None = None,
+    advantage_fn: str | None = None,
+    advantage_fn_args: dict[str, Any] | None = None,
+    kl_penalty_fn: str | None = None,
+    kl_penalty_fn_args: dict[str, Any] | None = None,
+    kl_loss_fn: str | None = None,
+    kl_loss_fn_args: dict[str, Any] | None = None,
+    entropy_loss_fn: str | None = None,
+    entropy_loss_fn_args: dict[str, Any] | None = None,
+    loss_agg_mode: str | None = None,
+    sample_strategy: str | None = None,
+    repeat_times: int | None = None,
+) -> AlgorithmConfig:
+    """Resolve a preset plus user overrides into concrete components (spec §13.2).
+
+    1. Fields left ``None`` take the preset's value, else :data:`GLOBAL_DEFAULTS`.
+    2. A component without a user args dict uses its ``default_args()`` (or the preset's args
+       for that same component). A user args dict **replaces** ``default_args()`` (reference
+       behaviour; missing keys fall back to constructor defaults) unless ``merge_args=True``, in
+       which case it is laid over ``default_args()`` (a user ``clip_range`` then also replaces the
+       default ``clip_range_low``/``clip_range_high``, so it is never silently overridden).
+    3. If ``loss_agg_mode`` is a key of the policy-loss args, the global ``loss_agg_mode`` wins.
+    4. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
+
+    Every name is checked against its registry, and every component is constructed once so that
+    invalid arguments fail here, not in the first training step.
+    """
+    preset = ALGORITHM_TYPE.get(algorithm)
+    preset_cfg = preset.default_config()
+    user = {
+        "policy_loss_fn": policy_loss_fn,
+        "advantage_fn": advantage_fn,
+        "kl_penalty_fn": kl_penalty_fn,
+        "kl_loss_fn": kl_loss_fn,
+        "entropy_loss_fn": entropy_loss_fn,
+        "loss_agg_mode": loss_agg_mode,
+        "sample_strategy": sample_strategy,
+        "repeat_times": repeat_times,
+    }
+    user_args = {
+        "policy_loss_fn": policy_loss_fn_args,
+        "advantage_fn": advantage_fn_args,
+        "kl_penalty_fn": kl_penalty_fn_args,
+        "kl_loss_fn": kl_loss_fn_args,
+        "entropy_loss_fn": entropy_loss_fn_args,
+    }
+    config: dict[str, Any] = {}
+    for key, value in user.items():
+        if value is not None:
+            config[key] = value
+        elif key in preset_cfg:
+            config[key] = preset_cfg[key]
+        else:
+            config[key] = GLOBAL_DEFAULTS.get(key)
+    check_loss_agg_mode(config["loss_agg_mode"])
+    preset.check_config(config)
+
+    for key, registry in COMPONENTS.items():
+        name = config[key]
+        cls = registry.get(name)  # unknown name -> ValueError listing known names
+        given = user_args[key]
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"{key}_args must be a dict, got {type(given).__name__}")
+        if given is None:
+            preset_args = preset_cfg.get(f"{key}_args") if preset_cfg.get(key) == name else None
+            args = dict(preset_args) if preset_args is not None else cls.default_args()
+        elif merge_args:
+            defaults = cls.default_args()
+            if "clip_range" in given:
+                # a user's symmetric clip_range must not lose to default specific bounds (GSPO's 3e-4/4e-4)
+                defaults.pop("clip_range_low", None)
+                defaults.pop("clip_range_high", None)
+            args = {**defaults, **given}
+        else:
+            args = dict(given)
+        config[f"{key}_args"] = args
+
+    if "loss_agg_mode" in config["policy_loss_fn_args"]:
+        config["policy_loss_fn_args"]["loss_agg_mode"] = config["loss_agg_mode"]
+
+    advantage_cls = ADVANTAGE_FN.get(config["advantage_fn"])
+    if preset.uses_advantage and advantage_cls.compute_in_trainer() != preset.compute_advantage_in_trainer:
+        where = "in the trainer on padded batches" if preset.compute_advantage_in_trainer else "on experience groups"
+        raise ValueError(
+            f"algorithm {algorithm!r} computes advantages {where}, but advantage_fn {config['advantage_fn']!r} "
+            f"is a {'batch' if advantage_cls.compute_in_trainer() else 'group'} function"
+        )
+
+    resolved = AlgorithmConfig(
+        algorithm=algorithm,
+        use_critic=preset.use_critic,
+        compute_advantage_in_trainer=preset.compute_advantage_in_trainer,
+        can_balance_batch=preset.can_balance_batch,
+        schema=preset.schema,
+        uses_advantage=preset.uses_advantage,
+        **config,
+    )
+    # construct every component once so bad arguments fail at resolution time
+    resolved.build_policy_loss()
+    resolved.build_kl_loss()
+    resolved.build_kl_penalty()
+    resolved.build_entropy_loss()
+    if preset.uses_advantage:
+        resolved.build_advantage_fn()
+    return resolved
