@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..inputs import PER_TOKEN_INPUTS, backend_name, check_backend, metrics_to_floats, resolve_inputs
-from ..masked import masked_fill_invalid
+from ..masked import check_loss_agg_mode, masked_fill_invalid
 from ..registry import Registry
 
 
@@ -68,6 +68,18 @@ class PolicyLossFn:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
+
+
+class AggregatedLossFn(PolicyLossFn):
+    """A policy loss whose only option is how token losses are aggregated (spec §0.3)."""
+
+    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+        super().__init__(backend)
+        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+
+    @classmethod
+    def default_args(cls) -> dict[str, Any]:
+        return {"loss_agg_mode": "token-mean"}
 
 
 POLICY_LOSS_FN: Registry[type[PolicyLossFn]] = Registry("policy loss")

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
-from .base import POLICY_LOSS_FN, PolicyLossFn
+from ..masked import agg_loss, masked_mean
+from .base import POLICY_LOSS_FN, AggregatedLossFn
 
 
 @POLICY_LOSS_FN.register("importance_sampling")
-class ImportanceSamplingLossFn(PolicyLossFn):
+class ImportanceSamplingLossFn(AggregatedLossFn):
     """Per-token loss ``−A·r`` with ``r = exp(clamp(ℓ − ℓo, −20, 20))``; the gradient is ``−A·r·∇ℓ``.
 
     No clip: meant for on-policy distillation, where ``A`` is a teacher signal and the ratio
@@ -20,14 +20,6 @@ class ImportanceSamplingLossFn(PolicyLossFn):
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``.
     Metrics: ``pg_loss``, ``ratio/mean = MMEAN(r)``, ``approx_kl = MMEAN(−δ)`` (clamped δ).
     """
-
-    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
-        super().__init__(backend)
-        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask = action_mask

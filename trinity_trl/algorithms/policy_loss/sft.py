@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..masked import agg_loss, check_loss_agg_mode
-from .base import POLICY_LOSS_FN, PolicyLossFn
+from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn
 
 
 def phi_function(token_prob: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,7 @@ def phi_function(token_prob: torch.Tensor) -> torch.Tensor:
 
 
 @POLICY_LOSS_FN.register("sft")
-class SFTLossFn(PolicyLossFn):
+class SFTLossFn(AggregatedLossFn):
     """Negative log-likelihood ``AGG(−ℓ, m)``.
 
     Shapes: ``logprob``, ``action_mask``: ``(B, T)``. Metric: ``sft_loss``.
@@ -25,21 +25,13 @@ class SFTLossFn(PolicyLossFn):
 
     inputs = ("action_mask",)
 
-    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
-        super().__init__(backend)
-        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean"}
-
     def compute(self, logprob, action_mask, **_):
         loss = agg_loss(-logprob, action_mask, self.loss_agg_mode)
         return loss, {"sft_loss": loss.detach()}
 
 
 @POLICY_LOSS_FN.register("sft_is")
-class SFTISLossFn(PolicyLossFn):
+class SFTISLossFn(AggregatedLossFn):
     """NLL weighted by the detached token probability: ``AGG(−ℓ·sg(exp(ℓ)), m)``.
 
     Tokens the model already finds unlikely are down-weighted (gradient ``−p·∇ℓ = −∇p``).
@@ -47,14 +39,6 @@ class SFTISLossFn(PolicyLossFn):
     """
 
     inputs = ("action_mask",)
-
-    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
-        super().__init__(backend)
-        self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, action_mask, **_):
         loss = agg_loss(-logprob * torch.exp(logprob).detach(), action_mask, self.loss_agg_mode)
