@@ -1,0 +1,182 @@
+"""``TrinityConfig``: a ``GRPOConfig`` whose algorithm is chosen by preset and components."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from trl import GRPOConfig
+
+from ..algorithms import ALGORITHM_TYPE, AlgorithmConfig, resolve_algorithm_config
+
+# GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
+# component. Each non-default value is rejected with the way to get the same effect here, so no
+# option is silently ignored. Every other GRPOConfig field is honoured by TRL/transformers as usual
+# (tests/trainers/test_config.py walks all fields to keep this list complete).
+REPLACED_GRPO_FIELDS: dict[str, str] = {
+    "beta": "TRL's k3 KL; use kl_loss_fn='k3' (or any KL) with kl_loss_fn_args={'kl_coef': ...}",
+    "loss_type": "TRL's loss; choose policy_loss_fn (or an algorithm preset) and loss_agg_mode",
+    "epsilon": "PPO clip range; use policy_loss_fn_args={'clip_range': ...}",
+    "epsilon_high": "PPO upper clip; use policy_loss_fn_args={'clip_range_high': ...}",
+    "delta": "TRL's two-sided clip; use policy_loss_fn_args={'clip_ratio_c': ...} (dual clip, ppo)",
+    "importance_sampling_level": "sequence-level ratios; use policy_loss_fn='gspo' (algorithm='gspo')",
+    "scale_rewards": "reward normalisation; use advantage_fn_args={'std_cal_level': 'batch'} for grpo",
+    "multi_objective_aggregation": "reward normalisation is done by advantage_fn on the weighted reward sum",
+    "vespo_k_pos": "VESPO is not a trinity_trl loss",
+    "vespo_lambda_pos": "VESPO is not a trinity_trl loss",
+    "vespo_k_neg": "VESPO is not a trinity_trl loss",
+    "vespo_lambda_neg": "VESPO is not a trinity_trl loss",
+    "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses",
+    "entropy_coef": "use entropy_loss_fn_args={'entropy_coef': ...}",
+    "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_coef_min": "only used by TRL's adaptive entropy",
+    "entropy_coef_max": "only used by TRL's adaptive entropy",
+    "entropy_coef_delta": "only used by TRL's adaptive entropy",
+    "entropy_target": "only used by TRL's adaptive entropy",
+    "off_policy_mask_threshold": "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)",
+    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta)",
+    "sapo_temperature_pos": "only used with policy_loss_fn='sapo' (becomes tau_pos)",
+    "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
+}
+
+COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
+ARGS_MODES = ("merge", "replace")
+
+
+def _grpo_default(name: str) -> Any:
+    for f in fields(GRPOConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+@dataclass
+class TrinityConfig(GRPOConfig):
+    r"""
+    Configuration of [`TrinityTrainer`]: every [`~trl.GRPOConfig`] option, plus the algorithm.
+
+    The algorithm is a preset (`algorithm`) whose components can be replaced one by one. Resolution
+    follows Trinity-RFT: an unset component takes the preset's choice, then the global default;
+    a component without an args dict uses its `default_args()`.
+
+    Parameters:
+        algorithm (`str`, *optional*, defaults to `"grpo"`):
+            One of the 19 presets: `sft`, `ppo`, `grpo`, `reinforceplusplus`, `rloo`, `opmd`, `asymre`,
+            `dpo`, `topr`, `cispo`, `gspo`, `sapo`, `mix`, `mix_chord`, `raft`, `sppo`, `rec`,
+            `multi_step_grpo`, `on_policy_distill`.
+        policy_loss_fn (`str` or `None`, *optional*):
+            Policy loss key (e.g. `ppo`, `cispo`, `sapo`); `None` keeps the preset's.
+        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+            Arguments of the policy loss.
+        advantage_fn (`str` or `None`, *optional*): Advantage function key; `None` keeps the preset's.
+        advantage_fn_args (`dict` or `str` or `None`, *optional*): Its arguments.
+        kl_loss_fn (`str` or `None`, *optional*):
+            KL estimator added to the loss (`none`, `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`).
+        kl_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"kl_coef": 0.001}`.
+        kl_penalty_fn (`str` or `None`, *optional*):
+            KL estimator subtracted from token rewards before trainer-side advantages (presets
+            `reinforceplusplus`, `rloo`, `on_policy_distill`).
+        kl_penalty_fn_args (`dict` or `str` or `None`, *optional*):
+            e.g. `{"kl_coef": 0.01, "adaptive": True, "target_kl": 0.1, "horizon": 10000}`.
+        entropy_loss_fn (`str` or `None`, *optional*): `default`, `mix` or `none`.
+        entropy_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"entropy_coef": 0.001}`.
+        loss_agg_mode (`str` or `None`, *optional*):
+            `token-mean` (default), `seq-mean-token-sum`, `seq-mean-token-mean` or
+            `seq-mean-token-sum-norm`. It also overrides the policy loss's own mode, and the KL and
+            entropy terms use it.
+        component_args_mode (`str`, *optional*, defaults to `"merge"`):
+            How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
+            keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
+            `"replace"` uses your dict alone, as Trinity-RFT does.
+
+    TRL options whose job a component takes over (`beta`, `loss_type`, `epsilon`, `epsilon_high`,
+    `delta`, `importance_sampling_level`, `scale_rewards`, `multi_objective_aggregation`,
+    `entropy_coef` and the adaptive-entropy options, `top_entropy_quantile`,
+    `off_policy_mask_threshold`, `use_bias_correction_kl`, the VESPO options) must keep their
+    defaults: a different value raises an error that names the replacement.
+    `sapo_temperature_pos`/`_neg` are honoured when the policy loss is `sapo`.
+    """
+
+    algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
+    policy_loss_fn: str | None = field(default=None, metadata={"help": "Policy loss key; None keeps the preset's."})
+    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Policy loss arguments (dict or JSON)."})
+    advantage_fn: str | None = field(default=None, metadata={"help": "Advantage function key; None keeps the preset's."})
+    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Advantage function arguments."})
+    kl_loss_fn: str | None = field(default=None, metadata={"help": "KL estimator used as a loss term."})
+    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001}."})
+    kl_penalty_fn: str | None = field(default=None, metadata={"help": "KL estimator subtracted from token rewards."})
+    kl_penalty_fn_args: dict | str | None = field(default=None, metadata={"help": "KL penalty arguments (adaptive controller)."})
+    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Entropy term: default, mix or none."})
+    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."})
+    loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
+    component_args_mode: str = field(
+        default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in COMPONENT_FIELDS:
+            value = getattr(self, f"{name}_args")
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{name}_args must be a dict or a JSON object string, got {value!r}") from err
+                setattr(self, f"{name}_args", value)
+        if self.component_args_mode not in ARGS_MODES:
+            raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
+        ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
+        self._check_replaced_fields()
+        self.resolved_algorithm()  # validates names and arguments now, not at the first step
+
+    def _user_overrides(self) -> dict[str, Any]:
+        """Hook for subclasses: component settings implied by their own options."""
+        return {}
+
+    def _check_replaced_fields(self) -> None:
+        sapo_fields = ("sapo_temperature_pos", "sapo_temperature_neg")
+        for name, replacement in REPLACED_GRPO_FIELDS.items():
+            value, default = getattr(self, name), _grpo_default(name)
+            if name == "scale_rewards" and value == "group":
+                continue
+            if name in sapo_fields and self._policy_loss_name() == "sapo":
+                continue
+            if value != default:
+                raise ValueError(
+                    f"{type(self).__name__}: {name}={value!r} is not used by trinity_trl ({replacement}). "
+                    f"Leave it at its default ({default!r})."
+                )
+
+    def _policy_loss_name(self) -> str:
+        return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+
+    def resolved_algorithm(self) -> AlgorithmConfig:
+        """The algorithm with every component and argument resolved (spec §13.2)."""
+        settings: dict[str, Any] = {name: getattr(self, name) for name in COMPONENT_FIELDS}
+        settings.update({f"{name}_args": getattr(self, f"{name}_args") for name in COMPONENT_FIELDS})
+        settings["loss_agg_mode"] = self.loss_agg_mode
+        for key, value in self._user_overrides().items():
+            if key.endswith("_args"):
+                given = settings.get(key) or {}
+                clash = {k for k in value if k in given and given[k] != value[k]}
+                if clash:
+                    raise ValueError(
+                        f"{key} sets {sorted(clash)}, which {type(self).__name__} also sets from its own fields "
+                        f"({ {k: value[k] for k in sorted(clash)} }); set them in one place"
+                    )
+                settings[key] = {**given, **value}
+            elif settings.get(key) is None:
+                settings[key] = value
+        if self._policy_loss_name() == "sapo":
+            args = dict(settings.get("policy_loss_fn_args") or {})
+            for trl_name, ours in (("sapo_temperature_pos", "tau_pos"), ("sapo_temperature_neg", "tau_neg")):
+                value = getattr(self, trl_name)
+                if value != _grpo_default(trl_name):
+                    if ours in args and args[ours] != value:
+                        raise ValueError(f"{trl_name}={value} conflicts with policy_loss_fn_args[{ours!r}]={args[ours]}")
+                    args[ours] = value
+            settings["policy_loss_fn_args"] = args or settings.get("policy_loss_fn_args")
+        return resolve_algorithm_config(
+            self.algorithm, merge_args=self.component_args_mode == "merge", **settings
+        )

@@ -1,0 +1,359 @@
+"""``TrinityTrainer``: TRL's ``GRPOTrainer`` with Trinity-RFT's losses, KL terms and advantages.
+
+It owns three seams of ``GRPOTrainer`` (see the TRL notes):
+
+* ``_calculate_rewards``: keeps the rewards TRL gathers from every process;
+* ``_generate_and_score_completions``: replaces TRL's advantages with the configured advantage
+  function, computed on the global batch and sliced back to this process (optionally after a KL
+  reward penalty);
+* ``_compute_loss``: policy loss − entropy term + KL loss, from one forward pass through TRL's
+  own log-prob helper.
+
+Everything else (generation, vLLM, reward functions and models, ``rollout_func``, PEFT, the
+reference model, logging, checkpoints) is TRL's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ..algorithms import EID, Experience
+from ..algorithms.advantage import scalar_rewards_to_token_level
+from ..algorithms.inputs import metrics_to_floats
+from .config import TrinityConfig
+from .model_card import algorithm_card_section, paper_for
+
+# multimodal keys TRL's forward pass accepts; passed through unchanged
+_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+# group-advantage options that need data a TRL batch does not carry, or that add rows
+_UNSUPPORTED_GROUP_ARGS = {
+    "rank_penalty": "it needs every sample's behaviour log-probs at advantage time",
+    "duplicate_experiences": "TRL's batch geometry is fixed, so filtered groups cannot be refilled by copies",
+}
+
+
+class TrinityTrainer(GRPOTrainer):
+    """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
+
+    Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
+    on-policy distillation. ``args`` must be a [`TrinityConfig`] (or a subclass).
+    """
+
+    _tag_names = ["trl", "trinity_trl"]
+    _name = "Trinity"
+    config_class = TrinityConfig
+
+    def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = self.config_class(output_dir=f"{str(model_name).split('/')[-1]}-{self.config_class.__name__}")
+        if not isinstance(args, TrinityConfig):
+            raise TypeError(f"{type(self).__name__} needs a TrinityConfig (or subclass), got {type(args).__name__}")
+        self.algorithm = args.resolved_algorithm()
+        self._check_algorithm(args, teacher_model)
+        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
+            from ..tokenizer import hf_tokenizer
+
+            kwargs["processing_class"] = hf_tokenizer(model, padding_side="left")
+
+        # TRL loads the reference model and computes its log-probs iff beta != 0; beta itself is
+        # never used by our loss (TrinityConfig rejects a user beta), so set it only for __init__.
+        user_beta = args.beta
+        args.beta = 1.0 if self.algorithm.needs_reference else 0.0
+        try:
+            super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        finally:
+            args.beta = user_beta
+
+        self.policy_loss = self.algorithm.build_policy_loss(**self._policy_loss_runtime_args())
+        self.kl_loss = self.algorithm.build_kl_loss()
+        self.kl_penalty = self.algorithm.build_kl_penalty()
+        self.entropy_loss = self.algorithm.build_entropy_loss()
+        self.advantage_fn = self.algorithm.build_advantage_fn() if self.algorithm.uses_advantage else None
+        self.teacher_model = self._prepare_teacher(teacher_model) if teacher_model is not None else None
+        self._generation_count = 0
+        self._stashed_rewards: torch.Tensor | None = None
+        preset_name, paper = paper_for(self.algorithm.algorithm)
+        self._name = self._name if type(self)._name != "Trinity" else preset_name
+        self._paper = paper
+
+    # ----------------------------------------------------------------------------------- set-up
+    def _check_algorithm(self, args: TrinityConfig, teacher_model: Any) -> None:
+        algo = self.algorithm
+        if algo.use_critic:
+            raise NotImplementedError(
+                f"algorithm {algo.algorithm!r} needs a value model (critic) and GAE, which trinity_trl's "
+                "GRPO-based trainers do not have yet; use a critic-free preset such as 'grpo' or 'reinforceplusplus'"
+            )
+        if algo.schema != "experience":
+            raise ValueError(
+                f"algorithm {algo.algorithm!r} trains on {algo.schema!r} data, not on rollouts; use "
+                f"{'TrinitySFTTrainer' if algo.schema == 'sft' else 'TrinityDPOTrainer'} instead"
+            )
+        if algo.policy_loss_fn in ("mix", "mix_chord") and not getattr(self, "_supports_expert_rows", False):
+            raise ValueError(f"policy loss {algo.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
+        if algo.kl_penalty_fn != "none" and not algo.compute_advantage_in_trainer:
+            raise ValueError(
+                f"kl_penalty_fn={algo.kl_penalty_fn!r} subtracts a KL from token rewards before trainer-side "
+                f"advantages, but algorithm {algo.algorithm!r} computes advantages on experience groups "
+                "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
+            )
+        if not algo.uses_advantage:
+            return
+        if algo.advantage_fn == "on_policy_distill" and teacher_model is None:
+            raise ValueError("advantage_fn 'on_policy_distill' needs a teacher_model (a model or a path)")
+        if algo.advantage_fn == "remax":
+            raise ValueError("advantage_fn 'remax' needs greedy-rollout reward baselines, which this trainer does not produce")
+        if algo.advantage_fn == "ppo":
+            raise ValueError("advantage_fn 'ppo' (GAE) needs critic values; it is only available with a value model")
+        if not algo.compute_advantage_in_trainer:
+            for key, why in _UNSUPPORTED_GROUP_ARGS.items():
+                if algo.advantage_fn_args.get(key):
+                    raise ValueError(f"advantage_fn_args[{key!r}] is not supported in TRL trainers: {why}")
+
+    def _policy_loss_runtime_args(self) -> dict[str, Any]:
+        """Policy-loss arguments that depend on the trainer's batch geometry (MIX/CHORD override)."""
+        return {}
+
+    def _prepare_teacher(self, teacher_model: Any):
+        from transformers import AutoModelForCausalLM
+        from trl.trainer.utils import add_fused_lm_head
+
+        if isinstance(teacher_model, str):
+            teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=self.model.dtype)
+        teacher_model.eval()
+        teacher_model.requires_grad_(False)
+        add_fused_lm_head(teacher_model, temperature=self.temperature, outputs=("log_probs", "entropy"))
+        return self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+
+    # ------------------------------------------------------------------------------- advantages
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._stashed_rewards = rewards_per_func  # (world·B, n_funcs), process-major, gathered
+        return rewards_per_func
+
+    def _global_rewards(self) -> torch.Tensor:
+        """The weighted reward sum of every completion of every process; NaN where no function scored."""
+        per_func = self._stashed_rewards
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        self._generation_count += 1
+        rewards = self._global_rewards()
+        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        unscorable = ~torch.isfinite(rewards)
+        metrics: dict[str, Any] = {"unscorable_count": float(unscorable.sum())}
+        if self.algorithm.policy_loss_fn == "sft":  # RAFT: SFT on the best completion(s) of each group
+            keep = self._best_of_group(rewards, group_size)
+            output["completion_mask"] = output["completion_mask"] * keep[local].unsqueeze(1).to(output["completion_mask"].dtype)
+            output["advantages"] = torch.zeros_like(output["advantages"])
+            metrics["raft/kept_fraction"] = float(keep.float().mean())
+        elif self.algorithm.compute_advantage_in_trainer:
+            output["advantages"], batch_metrics = self._batch_advantages(output, rewards, group_size, local)
+            metrics.update(batch_metrics)
+        else:
+            advantages, kept, group_metrics = self._group_advantages(rewards, group_size)
+            output["advantages"] = advantages[local].to(output["advantages"].device)
+            output["completion_mask"] = output["completion_mask"] * kept[local].unsqueeze(1).to(output["completion_mask"].dtype)
+            metrics.update(group_metrics)
+        self._log_metrics(mode, metrics)
+        return output
+
+    def _best_of_group(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        grouped = torch.nan_to_num(rewards, nan=-torch.inf).view(-1, group_size)
+        best = grouped.max(dim=1, keepdim=True).values
+        spread = best > grouped.min(dim=1, keepdim=True).values
+        return ((grouped == best) & spread & torch.isfinite(grouped)).view(-1)
+
+    def _group_advantages(self, rewards: torch.Tensor, group_size: int):
+        """Run a group operator over every process's completions. Returns ``(advantages (N,),
+        kept (N,) bool, metrics)``; rows it filters out (std threshold) or that no reward function
+        scored get advantage 0 and are excluded from the loss."""
+        values = rewards.tolist()
+        experiences = [
+            Experience(
+                eid=EID(batch=self._generation_count, task=row // group_size, run=row % group_size),
+                tokens=torch.zeros(1, dtype=torch.long),
+                prompt_length=0,
+                reward=value,
+            )
+            for row, value in enumerate(values)
+            if math.isfinite(value)
+        ]
+        out, metrics = self.advantage_fn(experiences)
+        advantages = torch.zeros(len(values), dtype=torch.float32)
+        kept = torch.zeros(len(values), dtype=torch.bool)
+        for exp in out:
+            row = exp.eid.task * group_size + exp.eid.run
+            advantages[row] = exp.advantages[0]
+            kept[row] = True
+        return advantages, kept, metrics
+
+    def _batch_advantages(self, output: dict, rewards: torch.Tensor, group_size: int, local: slice):
+        """Run a batch (trainer-side) advantage function on the padded batch of every process, after
+        the optional KL reward penalty, and return this process's ``(B, T)`` advantages."""
+        completion_mask = output["completion_mask"]
+        response_mask = completion_mask * output["tool_mask"] if "tool_mask" in output else completion_mask
+        local_rewards = rewards[local].to(completion_mask.device)
+        scorable = torch.isfinite(local_rewards)
+        response_mask = response_mask * scorable.unsqueeze(1).to(response_mask.dtype)
+        output["completion_mask"] = completion_mask * scorable.unsqueeze(1).to(completion_mask.dtype)
+        batch: dict[str, Any] = {
+            "token_level_scores": scalar_rewards_to_token_level(torch.nan_to_num(local_rewards), completion_mask),
+            "response_mask": response_mask,
+        }
+        metrics: dict[str, Any] = {}
+        needs_old = self.kl_penalty.name != "none" or self.algorithm.advantage_fn == "on_policy_distill"
+        if needs_old:
+            batch["old_log_probs"] = self._behaviour_logps(output)
+        if self.algorithm.advantage_fn == "on_policy_distill":
+            batch["teacher_logprobs"] = self._teacher_logps(output)
+        if self.kl_penalty.name != "none":
+            batch["ref_log_prob"] = output["ref_per_token_logps"]
+            global_batch = self._gather_padded(batch)
+            global_batch, penalty_metrics = self.kl_penalty.apply_kl_penalty_to_reward(global_batch)
+            metrics.update({f"critic/{k}": v for k, v in penalty_metrics.items()})
+        else:
+            global_batch = self._gather_padded(batch)
+            global_batch["token_level_rewards"] = global_batch["token_level_scores"]
+        rows = global_batch["response_mask"].shape[0]
+        uid = torch.arange(rows) // group_size
+        # unscorable rows form their own groups so they cannot bias a group baseline
+        unscored = ~torch.isfinite(rewards.cpu())
+        uid[unscored] = -1 - torch.arange(int(unscored.sum()))
+        global_batch["uid"] = uid
+        global_batch, adv_metrics = self.advantage_fn(global_batch)
+        metrics.update(adv_metrics)
+        width = completion_mask.shape[1]
+        return global_batch["advantages"][local, :width].to(completion_mask.device), metrics
+
+    def _gather_padded(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every process's ``(B, T)`` tensors, right-padded to a common width and concatenated in
+        process order (the order TRL gathers rewards in)."""
+        out = {}
+        for key, value in batch.items():
+            padded = self.accelerator.pad_across_processes(value, dim=1, pad_index=0)
+            out[key] = self.accelerator.gather(padded)
+        return out
+
+    @torch.no_grad()
+    def _forward_logps(self, model, output: dict) -> torch.Tensor:
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, output["completion_ids"].size(1),
+            batch_size=self.args.per_device_train_batch_size,
+            **{key: output[key] for key in _FORWARD_KEYS if key in output},
+        )
+        return logps
+
+    def _behaviour_logps(self, output: dict) -> torch.Tensor:
+        """Log-probs of the policy that generated the batch: TRL's ``old_per_token_logps`` when it
+        computed them, else one no-grad forward of the current (= behaviour) policy."""
+        if output.get("old_per_token_logps") is None:
+            output["old_per_token_logps"] = self._forward_logps(self.model, output)
+        return output["old_per_token_logps"]
+
+    def _teacher_logps(self, output: dict) -> torch.Tensor:
+        return self._forward_logps(self.teacher_model, output)
+
+    # ------------------------------------------------------------------------------------- loss
+    def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        """Keyword inputs of the policy loss (subclasses add theirs)."""
+        advantages = inputs["advantages"]
+        if "importance_sampling_ratio" in inputs:
+            # TRL weights each token's loss by the vLLM IS ratio; every advantage-linear loss gets the
+            # same weighting from scaled advantages (ratio >= 0 keeps signs and clip branches)
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            advantages = advantages * inputs["importance_sampling_ratio"]
+        old = inputs.get("old_per_token_logps")
+        return {
+            "logprob": logps,
+            "old_logprob": logps.detach() if old is None else old,
+            "action_mask": mask,
+            "advantages": advantages,
+            "ref_logprob": inputs.get("ref_per_token_logps"),
+        }
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=self.entropy_loss.name != "none",
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        loss_inputs = self._loss_inputs(inputs, logps, mask)
+        agg = self.algorithm.loss_agg_mode
+        loss, metrics = self.policy_loss.evaluate(**loss_inputs)
+        metrics = {f"actor/{k}": v for k, v in metrics.items()}
+        if self.entropy_loss.name != "none":
+            entropy_term, entropy_metrics = self.entropy_loss(
+                entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"), loss_agg_mode=agg
+            )
+            loss = loss - entropy_term
+            metrics.update({f"actor/{k}": v for k, v in entropy_metrics.items()})
+        if self.kl_loss.name != "none":
+            kl_term, kl_metrics = self.kl_loss.calculate_kl_loss(
+                logps, loss_inputs["ref_logprob"], mask, agg, old_logprob=loss_inputs["old_logprob"]
+            )
+            loss = loss + kl_term
+            metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
+        if mode == "train":
+            # GRPOTrainer sets loss_is_scaled_for_ga: the loss must be divided by the accumulation itself
+            loss = loss / self.current_gradient_accumulation_steps
+        if self.aux_loss_enabled:
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            metrics["aux_loss"] = aux_loss.detach()
+        metrics["actor/loss"] = loss.detach()
+        self._log_metrics(mode, metrics)
+        return loss
+
+    def _log_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
+        """Append metrics to TRL's per-mode lists (averaged at logging time). Values are this
+        process's; no collective is issued, so ranks may log different key sets."""
+        for key, value in metrics_to_floats(metrics).items():
+            self._metrics[mode][key].append(value)
+
+    # ------------------------------------------------------------------------------ model card
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name,
+                                  tags=tags + [self.algorithm.algorithm])
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        with open(path, "a", encoding="utf-8") as card:
+            card.write(algorithm_card_section(self.algorithm, type(self).__name__))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            target = output_dir or self.args.output_dir
+            saved_output_dir, self.args.output_dir = self.args.output_dir, target
+            try:
+                self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
+            finally:
+                self.args.output_dir = saved_output_dir
