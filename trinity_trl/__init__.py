@@ -1,2 +1,7 @@
 """trinity_trl: Trinity-RFT algorithms for Hugging Face TRL."""
+
+from .tokenizer import hf_tokenizer
+
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "hf_tokenizer"]

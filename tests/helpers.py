@@ -1,0 +1,246 @@
+"""Shared test helpers: a tiny tokenizer and model built offline, tiny datasets, CPU GRPO settings, rewards.
+
+`tests/conftest.py` puts this directory on `sys.path`, so test modules (and scripts started from tests, e.g. under
+`torchrun`) import these with `from helpers import ...`. Heavy imports (transformers, datasets) happen inside the
+functions, so importing this module is cheap.
+
+Everything here is deterministic and needs no network: the tokenizer is a byte-level BPE trained in about 0.3 s on a
+synthetic corpus, and the model is a randomly initialised 2-layer Qwen2 (about 200k parameters).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+# ChatML, as used by Qwen2: `<|im_start|>role\ncontent<|im_end|>\n` per message.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_CHAT_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_CHAT_TOKEN, EOS_TOKEN]
+
+TINY_VOCAB_SIZE = 512
+
+# `transformers/models/qwen2/tokenization_qwen2.py` PRETOKENIZE_REGEX.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_WORDS = (  # noqa: SIM905
+    "the a an is are was what how many much plus minus times equals answer question number sum total "
+    "apples books cats dogs friends has have gives takes left right more less first then so because "
+    "please think step by step final result correct wrong yes no and or of to in on with for from"
+).split()
+
+
+def tiny_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
+    """A synthetic arithmetic / English corpus (`num_lines` strings), deterministic for a given seed."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        kind = i % 4
+        if kind == 0:
+            lines.append(f"What is {a}+{b}? The answer is {a + b}.")
+        elif kind == 1:
+            lines.append(f"Question: {a} - {b} = {a - b}\nAnswer: {a - b}")
+        elif kind == 2:
+            lines.append(f"{a} * {b} = {a * b}. Let's think step by step.")
+        else:
+            lines.append(
+                " ".join(
+                    rng.choice(_WORDS) for _ in range(rng.randint(4, 12))
+                ).capitalize()
+                + "."
+            )
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
+    """Train a byte-level BPE on `tiny_corpus()` and wrap it in a `PreTrainedTokenizerFast`.
+
+    Special tokens: `<|im_start|>`, `<|im_end|>` (eos) and `<|endoftext|>` (pad); ChatML chat template; left
+    padding (what generation wants). The byte-level alphabet makes it lossless on any text.
+    """
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    # The same normalizer / pre-tokenizer / decoder as `Qwen2Tokenizer`. Transformers 5 loads any tokenizer saved
+    # next to a Qwen2 `config.json` as `Qwen2Tokenizer`, which rebuilds this pipeline around the saved vocab and
+    # merges; matching it keeps the token ids identical whichever directory the tokenizer is loaded from.
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHATML_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_tiny_model(tokenizer, arch: str = "qwen2", seed: int = 0):
+    """A randomly initialised tiny causal LM whose vocabulary and eos/pad ids match `tokenizer`.
+
+    `arch="qwen2"` (default) or `"llama"`: hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads (head_dim 16),
+    tied embeddings. Weights are drawn under `seed` without disturbing the global torch RNG.
+    """
+    import torch
+
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+    if arch == "qwen2":
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+    elif arch == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
+    else:
+        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Model(Config(**common))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_tiny_model(
+    path: str | os.PathLike, tokenizer=None, arch: str = "qwen2", seed: int = 0
+) -> str:
+    """Build the tiny model (and tokenizer if not given) and `save_pretrained` both into `path`; return `str(path)`.
+
+    Pass the returned path as `model=` to trainers: TRL reloads the reference model from `config._name_or_path`,
+    which is empty for an in-memory model.
+    """
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, arch=arch, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def arithmetic_rows(n: int = 32) -> list[tuple[int, int]]:
+    """`n` distinct `(a, b)` pairs (n <= 81), in a fixed order."""
+    pairs = [(a, b) for b in range(1, 10) for a in range(1, 10)]
+    if not 1 <= n <= len(pairs):
+        raise ValueError(f"n must be in [1, {len(pairs)}], got {n}")
+    return pairs[:n]
+
+
+def tiny_conversational_dataset(n: int = 32):
+    """`datasets.Dataset` with columns `prompt` (one user message) and `answer` (str); all prompts distinct."""
+    from datasets import Dataset
+
+    rows = arithmetic_rows(n)
+    return Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows
+            ],
+            "answer": [str(a + b) for a, b in rows],
+        }
+    )
+
+
+def tiny_plain_text_dataset(n: int = 32):
+    """`datasets.Dataset` with columns `prompt` (plain string) and `answer` (str); all prompts distinct."""
+    from datasets import Dataset
+
+    rows = arithmetic_rows(n)
+    return Dataset.from_dict(
+        {
+            "prompt": [f"Question: what is {a}+{b}? Answer:" for a, b in rows],
+            "answer": [str(a + b) for a, b in rows],
+        }
+    )
+
+
+def tiny_grpo_kwargs(**overrides: Any) -> dict[str, Any]:
+    """CPU-friendly `GRPOConfig` keyword arguments for the tiny model; `overrides` replace or add entries.
+
+    Does not set `output_dir`: pass `output_dir=str(tmp_path)`. Generation batch: 4 rows = 1 prompt x 4 completions
+    of at most 8 tokens; 2 optimizer steps.
+    """
+    kwargs: dict[str, Any] = {
+        "use_cpu": True,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "ddp_find_unused_parameters": False,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def completion_text(completion: Any) -> str:
+    """Text of one completion: a string, or the concatenated `content` of a list of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message.get("content") or "" for message in completion)
+
+
+def length_reward(completions: list, **kwargs: Any) -> list[float]:
+    """Reward = number of characters in the completion / 10. Random models give group variance > 0 almost surely."""
+    return [len(completion_text(c)) / 10.0 for c in completions]
+
+
+def answer_reward(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where the completion contains the row's `answer` string, else 0.0."""
+    return [
+        float(str(a) in completion_text(c))
+        for c, a in zip(completions, answer, strict=True)
+    ]

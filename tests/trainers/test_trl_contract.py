@@ -1,0 +1,470 @@
+"""Contract tests: the TRL 1.16 internals that `trinity_trl.trainers` relies on.
+
+Our trainers subclass `GRPOTrainer` and use private seams (notes/TRL_1_16.md §1, §2.6). Each test here pins one fact
+about them, observed on a real run of the tiny model, so that a TRL upgrade that changes a seam fails here, loudly and
+by name, rather than silently changing training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+import trl
+from helpers import completion_text, length_reward, tiny_grpo_kwargs
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+REQUIRED_KEYS = {
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "num_items_in_batch",
+}
+
+
+def _detach(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class RecordingGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` that records what flows through each seam, without changing it."""
+
+    def __init__(self, *args, **kwargs):
+        self.records = {
+            "rows": [],
+            "generated": [],
+            "rewards": [],
+            "logps": [],
+            "loss_inputs": [],
+        }
+        super().__init__(*args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        self.records["rows"].append([dict(row) for row in inputs])
+        output = super()._generate_and_score_completions(inputs)
+        self.records["generated"].append(
+            {key: _detach(value) for key, value in output.items()}
+        )
+        return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        self.records["rewards"].append(
+            {
+                "prompts": list(prompts),
+                "completions": list(completions),
+                "completion_ids": [list(ids) for ids in completion_ids_list],
+                "rewards": rewards.detach().clone(),
+            }
+        )
+        return rewards
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+    ):
+        result = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        self.records["logps"].append(
+            {
+                "input_shape": tuple(input_ids.shape),
+                "logits_to_keep": logits_to_keep,
+                "compute_entropy": kwargs.get("compute_entropy", False),
+                "is_ref_model": model is self.ref_model,
+                "result": result
+                if not isinstance(result, tuple)
+                else tuple(_detach(x) for x in result),
+                "arity": len(result) if isinstance(result, tuple) else None,
+            }
+        )
+        return result
+
+    def _compute_loss(self, model, inputs):
+        self.records["loss_inputs"].append(
+            {key: _detach(value) for key, value in inputs.items()}
+        )
+        return super()._compute_loss(model, inputs)
+
+
+def position_reward(completions, **kwargs):
+    """Reward = position of the completion in the reward call, so each row's reward names its row."""
+    return [float(i) for i in range(len(completions))]
+
+
+def _run(tmp_path, model_dir, dataset, **overrides) -> RecordingGRPOTrainer:
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **overrides))
+    trainer = RecordingGRPOTrainer(
+        model=model_dir,
+        reward_funcs=[length_reward, position_reward],
+        args=args,
+        train_dataset=dataset,
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def basic_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> RecordingGRPOTrainer:
+    """beta=0, GA=1, spg=1: 2 optimizer steps, one generation of 4 rows (1 prompt x 4) per step."""
+    return _run(tmp_path_factory.mktemp("basic_run"), tiny_model_dir, tiny_dataset)
+
+
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> RecordingGRPOTrainer:
+    """beta=0.04, GA=2, spg=4: one generation of 16 rows (4 prompts x 4) split into 4 micro-batches, 2 consumed."""
+    return _run(
+        tmp_path_factory.mktemp("ref_run"),
+        tiny_model_dir,
+        tiny_dataset,
+        beta=0.04,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        max_steps=1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Static contract: version, class attributes, signatures, helpers
+
+
+def test_trl_version_is_1_16():
+    assert trl.__version__.startswith("1.16."), (
+        f"trinity_trl pins TRL 1.16.*, found {trl.__version__}"
+    )
+
+
+def test_grpo_loss_is_scaled_for_gradient_accumulation():
+    # `_compute_loss` divides by the global token count of the whole generation batch, so Trainer must not divide
+    # by gradient_accumulation_steps again; our `_compute_loss` replacement must keep this scaling.
+    assert "loss_is_scaled_for_ga" in vars(GRPOTrainer)
+    assert GRPOTrainer.loss_is_scaled_for_ga is True
+    assert "loss_is_scaled_for_ga" in vars(
+        transformers.Trainer
+    )  # and transformers still reads the attribute
+
+
+def _params(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("_generate_and_score_completions", ["self", "inputs"]),
+        (
+            "_calculate_rewards",
+            ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+        ),
+        ("_compute_loss", ["self", "model", "inputs"]),
+        ("_prepare_inputs", ["self", "generation_batch"]),
+        (
+            "compute_loss",
+            ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+        ),
+    ],
+)
+def test_seam_signatures(method, expected):
+    assert _params(getattr(GRPOTrainer, method)) == expected
+
+
+def test_per_token_logps_signature():
+    signature = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert list(signature.parameters)[:8] == [
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ]
+    defaults = {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if name in ("batch_size", "compute_entropy")
+    }
+    assert defaults == {"batch_size": None, "compute_entropy": False}
+    # Every other parameter is an optional keyword (VLM inputs), so our calls with the first ones stay valid.
+    assert all(p.default is None for p in list(signature.parameters.values())[8:])
+
+
+def test_constructor_takes_rollout_func():
+    assert "rollout_func" in inspect.signature(GRPOTrainer.__init__).parameters
+
+
+def test_add_fused_lm_head_exists():
+    from trl.trainer.utils import add_fused_lm_head
+
+    params = inspect.signature(add_fused_lm_head).parameters
+    assert (
+        next(iter(params)) == "model"
+        and "temperature" in params
+        and "outputs" in params
+    )
+
+
+def test_split_tensor_dict_drops_rows_beyond_a_multiple_of_the_chunk_count():
+    batch = {
+        "x": torch.arange(10),
+        "pair": torch.arange(20).view(10, 2),
+        "names": [f"r{i}" for i in range(10)],
+        "count": torch.tensor(7),
+        "absent": None,
+    }
+    chunks = split_tensor_dict(batch, 4)
+    assert len(chunks) == 4
+    assert [c["x"].tolist() for c in chunks] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]  # rows 8 and 9 are gone, silently
+    assert chunks[3]["names"] == ["r6", "r7"]
+    assert chunks[1]["pair"].tolist() == [[4, 5], [6, 7]]
+    assert all(
+        c["count"] is batch["count"] for c in chunks
+    )  # 0-dim tensors pass through unchanged
+    assert all(c["absent"] is None for c in chunks)
+    with pytest.raises(
+        AttributeError
+    ):  # a Python scalar value is not supported (`.ndim`)
+        split_tensor_dict({"x": torch.arange(4), "scalar": 1.5}, 2)
+
+
+def test_shuffle_sequence_dict_applies_one_permutation_to_every_key():
+    torch.manual_seed(0)
+    batch = {
+        "x": torch.arange(8),
+        "pair": torch.arange(8).repeat_interleave(2).view(8, 2),
+        "names": list(range(8)),
+        "count": torch.tensor(3),
+        "absent": None,
+    }
+    shuffled = shuffle_sequence_dict(batch)
+    permutation = shuffled["x"].tolist()
+    assert sorted(permutation) == list(range(8)) and permutation != list(range(8))
+    assert shuffled["pair"][:, 0].tolist() == permutation
+    assert shuffled["names"] == permutation
+    assert shuffled["count"] is batch["count"] and shuffled["absent"] is None
+    with pytest.raises(TypeError):  # a Python scalar value is not supported
+        shuffle_sequence_dict({"x": torch.arange(4), "scalar": 1.5})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Observed contract: one real run of the tiny model
+
+
+def test_generate_output_keys_and_shapes(basic_run):
+    generated = basic_run.records["generated"]
+    assert len(generated) == 2  # GA=1, spg=1: a fresh generation every optimizer step
+    for output in generated:
+        assert (
+            set(output) == REQUIRED_KEYS
+        )  # beta=0, GA % spg == 0, no vLLM/tools: nothing else
+        batch = output["prompt_ids"].shape[0]
+        assert batch == 4
+        assert (
+            output["prompt_ids"].dtype == output["completion_ids"].dtype == torch.long
+        )
+        assert output["prompt_mask"].shape == output["prompt_ids"].shape
+        assert output["completion_mask"].shape == output["completion_ids"].shape
+        assert output["completion_ids"].shape[1] <= 8  # max_completion_length
+        assert (
+            output["advantages"].shape == (batch,)
+            and output["advantages"].dtype == torch.float32
+        )
+        assert output["num_items_in_batch"].ndim == 0
+        # prompts are left-padded, completions right-padded
+        assert bool(output["prompt_mask"][:, -1].all())
+        mask = output["completion_mask"]
+        assert bool((mask[:, 1:] <= mask[:, :-1]).all())
+        # one process: the loss-token count of the whole generation batch
+        assert output["num_items_in_batch"].item() == mask.sum().item()
+
+
+def test_rewards_are_one_row_per_completion_in_order(basic_run):
+    tokenizer = basic_run.processing_class
+    for call, output in zip(
+        basic_run.records["rewards"], basic_run.records["generated"], strict=True
+    ):
+        rewards = call["rewards"]
+        assert rewards.shape == (
+            4,
+            2,
+        )  # (B_global, n_reward_funcs); one process, so B_global == B
+        assert rewards[:, 0].tolist() == pytest.approx(
+            length_reward(call["completions"])
+        )
+        assert rewards[:, 1].tolist() == [0.0, 1.0, 2.0, 3.0]
+        # completion i of the reward call is row i of the output tensors
+        for i, ids in enumerate(call["completion_ids"]):
+            row = output["completion_ids"][i][output["completion_mask"][i].bool()]
+            assert row.tolist() == ids
+            assert completion_text(call["completions"][i]) == tokenizer.decode(
+                ids, skip_special_tokens=True
+            )
+
+
+def test_default_advantages_are_group_zscores_of_the_summed_rewards(basic_run):
+    for call, output in zip(
+        basic_run.records["rewards"], basic_run.records["generated"], strict=True
+    ):
+        total = call["rewards"].sum(dim=1).view(-1, 4)  # reward_weights default to 1
+        assert bool(
+            (total.std(dim=1) > 0).all()
+        )  # position_reward alone guarantees a non-zero group std
+        expected = (total - total.mean(dim=1, keepdim=True)) / (
+            total.std(dim=1, keepdim=True) + 1e-4
+        )
+        torch.testing.assert_close(output["advantages"], expected.flatten())
+
+
+def test_groups_of_num_generations_share_a_prompt(ref_run):
+    (rows,) = ref_run.records["rows"]
+    (call,) = ref_run.records["rewards"]
+    assert (
+        len(rows) == len(call["prompts"]) == 16
+    )  # per_device_bs * steps_per_generation
+    prompts = [row["prompt"][0]["content"] for row in rows]
+    groups = [prompts[g * 4 : (g + 1) * 4] for g in range(4)]
+    assert all(
+        len(set(group)) == 1 for group in groups
+    )  # RepeatSampler: each prompt 4 times in a row
+    assert len({group[0] for group in groups}) == 4  # and 4 different prompts
+    assert [
+        p[0]["content"] for p in call["prompts"]
+    ] == prompts  # reward call sees the rows in sampler order
+    for row in rows:  # dataset columns travel with their row
+        a, b = (
+            row["prompt"][0]["content"]
+            .removeprefix("What is ")
+            .removesuffix("?")
+            .split("+")
+        )
+        assert row["answer"] == str(int(a) + int(b))
+
+
+def test_per_token_logps_returns_logps_entropies_aux(basic_run):
+    calls = basic_run.records["logps"]
+    assert calls, "_compute_loss no longer calls _get_per_token_logps_and_entropies"
+    for call in calls:
+        assert call["arity"] == 3
+        logps, entropies, aux = call["result"]
+        batch = call["input_shape"][0]
+        assert logps.shape == (batch, call["logits_to_keep"])
+        assert (
+            call["compute_entropy"] is True
+        )  # _compute_loss always asks for entropies
+        assert entropies is not None and entropies.shape == logps.shape
+        assert aux is None  # dense model: no MoE auxiliary loss
+        assert bool((logps <= 0).all())
+
+
+def test_loss_inputs_are_the_generation_output_for_one_micro_batch(basic_run):
+    loss_inputs = basic_run.records["loss_inputs"]
+    assert len(loss_inputs) == 2
+    for inputs, output in zip(loss_inputs, basic_run.records["generated"], strict=True):
+        assert set(inputs) == set(output)
+        assert (
+            inputs["num_items_in_batch"].item() == output["num_items_in_batch"].item()
+        )
+
+
+def test_beta_adds_ref_logps_from_the_saved_model(ref_run):
+    (output,) = ref_run.records["generated"]
+    assert "ref_per_token_logps" in output
+    assert output["ref_per_token_logps"].shape == output["completion_ids"].shape
+    assert (
+        ref_run.ref_model is not None
+    )  # reloaded from config._name_or_path (the saved directory)
+    assert any(
+        call["is_ref_model"] and call["arity"] == 3 for call in ref_run.records["logps"]
+    )
+    # Before the first update the policy and the reference are the same weights.
+    mask = output["completion_mask"].bool()
+    torch.testing.assert_close(
+        output["ref_per_token_logps"][mask],
+        output["old_per_token_logps"][mask],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_loss_micro_batches_are_shuffled_slices_of_the_generation(ref_run):
+    (output,) = ref_run.records["generated"]
+    loss_inputs = ref_run.records["loss_inputs"]
+    assert (
+        len(loss_inputs) == 2
+    )  # GA=2 micro-batches of the 4 buffered ones were consumed
+    assert set(loss_inputs[0]) == set(output)
+
+    def row_keys(batch):
+        return [
+            (tuple(p.tolist()), tuple(c.tolist()), round(a.item(), 5))
+            for p, c, a in zip(
+                batch["prompt_ids"],
+                batch["completion_ids"],
+                batch["advantages"],
+                strict=True,
+            )
+        ]
+
+    generated = Counter(row_keys(output))
+    seen = Counter()
+    for inputs in loss_inputs:
+        assert inputs["completion_ids"].shape[0] == 4  # per_device_train_batch_size
+        assert inputs["old_per_token_logps"].shape == inputs["completion_ids"].shape
+        # the count is for the whole generation batch, not for the micro-batch
+        assert (
+            inputs["num_items_in_batch"].item()
+            == output["completion_mask"].sum().item()
+        )
+        seen.update(row_keys(inputs))
+    assert not seen - generated  # every micro-batch row is a generation row, none twice
+
+
+@pytest.mark.parametrize(
+    ("gradient_accumulation_steps", "steps_per_generation", "num_iterations"),
+    [(1, 1, 1), (2, 4, 1), (2, 2, 1), (1, 1, 2), (4, 2, 2)],
+)
+def test_old_logps_present_iff_ga_not_a_multiple_of_spg_times_iterations(
+    request,
+    tmp_path,
+    tiny_model_dir,
+    tiny_dataset,
+    gradient_accumulation_steps,
+    steps_per_generation,
+    num_iterations,
+):
+    # notes/TRL_1_16.md §1.4 step 8 (no vLLM): otherwise `_compute_loss` uses `per_token_logps.detach()` as "old".
+    expected = (
+        gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0
+    )
+    key = (gradient_accumulation_steps, steps_per_generation, num_iterations)
+    reuse = {
+        (1, 1, 1): "basic_run",
+        (2, 4, 1): "ref_run",
+    }  # runs other tests already made
+    if key in reuse:
+        trainer = request.getfixturevalue(reuse[key])
+    else:
+        trainer = _run(
+            tmp_path,
+            tiny_model_dir,
+            tiny_dataset,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            steps_per_generation=steps_per_generation,
+            num_iterations=num_iterations,
+            max_steps=1,
+        )
+    for output in trainer.records["generated"]:
+        assert ("old_per_token_logps" in output) is expected, key

@@ -1,0 +1,316 @@
+"""CHORD (and MIX): on-policy RL on rollouts plus SFT on expert demonstrations in one batch.
+
+Each generation batch gets ``expert_batch_size`` demonstration rows per process, appended after
+TRL has generated and scored the rollouts. Expert rows go through the same forward pass as the
+rollouts; the ``mix_chord`` loss weighs the PPO loss of rollouts and the (φ-weighted) SFT loss of
+demonstrations with ``μ``, scheduled over training steps (spec §9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+from ..algorithms import mu_schedule_function
+from .config import TrinityConfig
+from .trinity import TrinityTrainer
+
+EXPERT_PRESETS = ("mix_chord", "mix")
+
+
+@dataclass
+class ChordConfig(TrinityConfig):
+    r"""
+    Configuration of [`ChordTrainer`]: CHORD (`algorithm="mix_chord"`, default) or MIX (`"mix"`).
+
+    Parameters:
+        expert_batch_size (`int` or `None`, *optional*):
+            Expert (demonstration) rows added to each process's generation batch. Must be a multiple of
+            `steps_per_generation` so every micro-batch keeps the same size. `None`: derived from
+            `expert_data_ratio`.
+        expert_data_ratio (`float`, *optional*, defaults to `0.25`):
+            Target fraction of expert rows in the mixed batch, used when `expert_batch_size` is `None`;
+            the count is rounded to a multiple of `steps_per_generation` (at least one per micro-step).
+        mu_warmup_steps (`int`, *optional*, defaults to `0`): Steps of linear warm-up of μ from 0 to `mu_peak`.
+        mu_decay_steps (`int`, *optional*, defaults to `0`): Steps of cosine decay of μ from `mu_peak` to `mu_valley`.
+        mu_peak (`float`, *optional*, defaults to `0.1`): μ at the end of the warm-up.
+        mu_valley (`float`, *optional*, defaults to `0.1`): μ after the decay.
+        enable_phi_function (`bool`, *optional*, defaults to `True`):
+            Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ); `False` uses plain SFT (CHORD-μ).
+        sft_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the SFT part (default: `loss_agg_mode`).
+        rl_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the RL (PPO) part (default: `loss_agg_mode`).
+
+    The paper's variants: CHORD-μ `enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9,
+    mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is constant: set it with
+    `policy_loss_fn_args={"mu": ...}` (the schedule fields must then keep their defaults).
+    """
+
+    algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
+    expert_batch_size: int | None = field(default=None, metadata={"help": "Expert rows per process per generation batch."})
+    expert_data_ratio: float = field(default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."})
+    mu_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."})
+    mu_decay_steps: int = field(default=0, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."})
+    mu_peak: float = field(default=0.1, metadata={"help": "Peak mu."})
+    mu_valley: float = field(default=0.1, metadata={"help": "Final mu."})
+    enable_phi_function: bool = field(default=True, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."})
+    sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
+    rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the RL part."})
+
+    def __post_init__(self):
+        if self.algorithm not in EXPERT_PRESETS:
+            raise ValueError(f"ChordConfig trains {EXPERT_PRESETS}, got algorithm={self.algorithm!r}")
+        super().__post_init__()
+        if not 0.0 < self.expert_data_ratio < 1.0:
+            raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
+        spg = self.steps_per_generation
+        if self.expert_batch_size is not None and (self.expert_batch_size < spg or self.expert_batch_size % spg):
+            raise ValueError(
+                f"expert_batch_size ({self.expert_batch_size}) must be a positive multiple of steps_per_generation "
+                f"({spg}); otherwise TRL's batch split would drop rows"
+            )
+
+    def local_expert_rows(self) -> int:
+        """Expert rows each process adds to one generation batch."""
+        if self.expert_batch_size is not None:
+            return self.expert_batch_size
+        spg = self.steps_per_generation
+        rollouts = self.per_device_train_batch_size * spg
+        wanted = self.expert_data_ratio / (1.0 - self.expert_data_ratio) * rollouts
+        return max(1, round(wanted / spg)) * spg
+
+    def _user_overrides(self) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        if self.sft_loss_agg_mode is not None:
+            args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
+        if self.rl_loss_agg_mode is not None:
+            args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
+        schedule = {
+            "mu_warmup_steps": self.mu_warmup_steps,
+            "mu_decay_steps": self.mu_decay_steps,
+            "mu_peak": self.mu_peak,
+            "mu_valley": self.mu_valley,
+            "enable_phi_function": self.enable_phi_function,
+        }
+        if self.algorithm == "mix_chord":
+            args.update(schedule)
+        else:
+            defaults = {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1, "enable_phi_function": True}
+            changed = [k for k, v in schedule.items() if v != defaults[k]]
+            if changed:
+                raise ValueError(f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss_fn_args['mu']")
+        return {"policy_loss_fn_args": args}
+
+
+def _expert_columns(dataset: Dataset) -> str:
+    columns = set(dataset.column_names)
+    if "messages" in columns:
+        return "messages"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    raise ValueError(
+        "expert_dataset needs a 'messages' column (conversations ending with the assistant's answer) or "
+        f"'prompt' and 'completion' columns; it has {sorted(columns)}"
+    )
+
+
+class ChordTrainer(TrinityTrainer):
+    """[`TrinityTrainer`] that mixes expert demonstrations into every generation batch (CHORD / MIX).
+
+    Args:
+        expert_dataset ([`~datasets.Dataset`]): demonstrations, in the formats TRL's `SFTTrainer`
+            accepts: conversational `messages` (the last message is the assistant's answer), or
+            `prompt` (text or messages) + `completion` (text or an assistant message list).
+        Other arguments: as [`TrinityTrainer`].
+
+    Logged: `actor/mu`, the SFT loss (`actor/expert/sft_phi_loss` or `actor/expert/sft_loss`), the
+    RL loss (`actor/usual/pg_loss`), both scaled as in the spec (§9.1), and per generation batch
+    `chord/expert_rows`, `chord/expert_tokens`, `chord/on_policy_tokens`.
+    """
+
+    _name = "CHORD"
+    config_class = ChordConfig
+    _supports_expert_rows = True
+
+    def __init__(self, model, reward_funcs=None, args: ChordConfig | None = None, *pos, expert_dataset=None, **kwargs):
+        if args is not None and not isinstance(args, ChordConfig):
+            raise TypeError(f"ChordTrainer needs a ChordConfig, got {type(args).__name__}")
+        if expert_dataset is None:
+            raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
+        if len(expert_dataset) == 0:
+            raise ValueError("expert_dataset is empty")
+        self._expert_format = _expert_columns(expert_dataset)
+        self.expert_dataset = expert_dataset
+        self._expert_cache: dict[int, tuple[Any, list[int]]] = {}
+        self._expert_cursor = 0  # rows of the global expert stream consumed so far
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        if self.algorithm.algorithm == "mix" and self.args.algorithm == "mix":
+            self._name = "MIX"
+
+    def _policy_loss_runtime_args(self) -> dict[str, Any]:
+        # spec §9.1 in TRL: fixed-size branch with gradient_accumulation = GA, and Bu/Be = usual/expert
+        # samples per device per optimizer step, so every sample weighs the same within a step
+        args = self.args
+        per_step = args.gradient_accumulation_steps / args.steps_per_generation
+        rollouts = args.per_device_train_batch_size * args.steps_per_generation
+        return {
+            "use_dynamic_bsz": False,
+            "ppo_mini_batch_size": args.gradient_accumulation_steps,
+            "ppo_micro_batch_size_per_gpu": 1,
+            "ngpus_trainer": 1,
+            "train_batch_size_usual": max(1, round(rollouts * per_step)),
+            "train_batch_size_expert": max(1, round(args.local_expert_rows() * per_step)),
+        }
+
+    # ---------------------------------------------------------------------------- expert rows
+    def _next_expert_indices(self) -> list[int]:
+        """This process's slice of the next expert rows: one global stream, reshuffled every pass
+        over the dataset with the run's seed, split contiguously across processes."""
+        per_process = self.args.local_expert_rows()
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        size = len(self.expert_dataset)
+        rows = []
+        for position in range(self._expert_cursor + rank * per_process, self._expert_cursor + (rank + 1) * per_process):
+            epoch, offset = divmod(position, size)
+            generator = torch.Generator().manual_seed(self.args.seed + epoch)
+            rows.append(int(torch.randperm(size, generator=generator)[offset]))
+        self._expert_cursor += world * per_process
+        return rows
+
+    def _tokenize_expert(self, index: int) -> tuple[Any, list[int]]:
+        """``(prompt for TRL's prompt tokenizer, completion ids + eos)`` of expert row ``index``."""
+        if index not in self._expert_cache:
+            row = self.expert_dataset[index]
+            if self._expert_format == "messages":
+                messages = row["messages"]
+                if not messages or messages[-1].get("role") != "assistant":
+                    raise ValueError(f"expert_dataset row {index}: the last message must be the assistant's answer")
+                prompt, answer = messages[:-1], messages[-1]["content"]
+            else:
+                prompt, answer = row["prompt"], row["completion"]
+                if isinstance(answer, list):
+                    if len(answer) != 1 or answer[0].get("role") != "assistant":
+                        raise ValueError(f"expert_dataset row {index}: a conversational completion must be one assistant message")
+                    answer = answer[0]["content"]
+            if not isinstance(answer, str) or not answer:
+                raise ValueError(f"expert_dataset row {index}: empty completion")
+            tokenizer = self._tokenizer
+            ids = tokenizer(text=answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            self._expert_cache[index] = (prompt, ids[: self.max_completion_length])
+        return self._expert_cache[index]
+
+    def _expert_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Expert rows tokenized like rollouts: left-padded prompts, right-padded completions."""
+        prompts, completions = zip(*(self._tokenize_expert(i) for i in self._next_expert_indices()))
+        prompt_ids, images, multimodal = self._tokenize_prompts(list(prompts))
+        if images is not None or multimodal:
+            raise ValueError("expert_dataset prompts with images are not supported")
+        prompt_ids, prompt_mask = _pad(prompt_ids, self._tokenizer.pad_token_id, left=True)
+        completion_ids, completion_mask = _pad(completions, self._tokenizer.pad_token_id, left=False)
+        return {
+            "prompt_ids": prompt_ids.to(device),
+            "prompt_mask": prompt_mask.to(device),
+            "completion_ids": completion_ids.to(device),
+            "completion_mask": completion_mask.to(device),
+        }
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        n_rollouts = output["prompt_ids"].shape[0]
+        device = output["prompt_ids"].device
+        if not self.model.training:  # evaluation scores rollouts only
+            output["expert_mask"] = torch.zeros(n_rollouts, dtype=torch.bool, device=device)
+            return output
+        expert = self._expert_batch(device)
+        n_expert = expert["prompt_ids"].shape[0]
+        merged: dict[str, Any] = {
+            "prompt_ids": _stack(output["prompt_ids"], expert["prompt_ids"], self._tokenizer.pad_token_id, left=True),
+            "prompt_mask": _stack(output["prompt_mask"], expert["prompt_mask"], 0, left=True),
+            "completion_ids": _stack(output["completion_ids"], expert["completion_ids"], self._tokenizer.pad_token_id, left=False),
+            "completion_mask": _stack(output["completion_mask"], expert["completion_mask"], 0, left=False),
+            "expert_mask": torch.arange(n_rollouts + n_expert, device=device) >= n_rollouts,
+            "num_items_in_batch": output["num_items_in_batch"],
+        }
+        width = merged["completion_ids"].shape[1]
+
+        def extend(key: str, fill: float) -> torch.Tensor:
+            value = output[key]
+            rows = torch.full((n_expert, *value.shape[1:]), fill, dtype=value.dtype, device=device)
+            stacked = torch.cat([value, rows]) if value.dim() == 1 else _stack(value, rows, fill, left=False)
+            return stacked if value.dim() == 1 or value.shape[1] == 1 else _widen(stacked, width, fill)
+
+        merged["advantages"] = extend("advantages", 0.0)
+        # demonstrations' behaviour log-probs are 0 (spec §9.4); the PPO part never sees these rows
+        for key, fill in (("old_per_token_logps", 0.0), ("sampling_per_token_logps", float("nan")),
+                          ("tool_mask", 1), ("importance_sampling_ratio", 1.0)):
+            if key in output:
+                merged[key] = extend(key, fill)
+        if "ref_per_token_logps" in output:
+            merged["ref_per_token_logps"] = torch.cat(
+                [_widen(output["ref_per_token_logps"], width, 0.0), _widen(self._reference_logps(expert), width, 0.0)]
+            )
+        unknown = set(output) - set(merged)
+        if unknown:
+            raise ValueError(f"ChordTrainer cannot append expert rows to batches with {sorted(unknown)}")
+        self._log_metrics("train", {
+            "chord/expert_rows": float(n_expert),
+            "chord/expert_tokens": expert["completion_mask"].sum(),
+            "chord/on_policy_tokens": output["completion_mask"].sum(),
+        })
+        return merged
+
+    @torch.no_grad()
+    def _reference_logps(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference log-probs of expert rows (for the KL loss), obtained as TRL obtains them for
+        rollouts: the reference model, or the policy with its adapter disabled under PEFT."""
+        from trl.trainer.utils import use_adapter
+
+        if self.ref_model is not None:
+            return self._forward_logps(self.ref_model, rows)
+        model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return self._forward_logps(self.model, rows)
+
+    # ----------------------------------------------------------------------------------- loss
+    def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        loss_inputs = super()._loss_inputs(inputs, logps, mask)
+        loss_inputs["expert_mask"] = inputs["expert_mask"]
+        # Trinity stamps samples with the step being trained, counted from 1 (spec §9.3)
+        loss_inputs["step"] = torch.full((logps.shape[0],), self.state.global_step + 1)
+        return loss_inputs
+
+    def current_mu(self) -> float:
+        """μ for the optimizer step in progress."""
+        fn = self.policy_loss
+        if not hasattr(fn, "mu_warmup_steps"):
+            return float(fn.mu)
+        return mu_schedule_function(self.state.global_step + 1, fn.mu_warmup_steps, fn.mu_decay_steps, fn.mu_peak, fn.mu_valley)
+
+
+def _pad(rows, value: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token-id lists to one width: ``(ids, mask)``, masks from lengths (pad may equal eos)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.as_tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def _widen(x: torch.Tensor, width: int, value: float, left: bool = False) -> torch.Tensor:
+    """Pad ``(B, T)`` to ``(B, width)`` on the right (or left) with ``value``."""
+    missing = width - x.shape[1]
+    if missing <= 0:
+        return x
+    pad = torch.full((x.shape[0], missing), value, dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def _stack(a: torch.Tensor, b: torch.Tensor, value: float, left: bool) -> torch.Tensor:
+    """Rows of ``a`` then ``b``, padded to a common width (prompts on the left, completions on the right)."""
+    width = max(a.shape[1], b.shape[1])
+    return torch.cat([_widen(a, width, value, left), _widen(b.to(a.dtype), width, value, left)])
