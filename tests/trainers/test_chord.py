@@ -1,0 +1,219 @@
+"""ChordTrainer: expert rows in the rollout batch, the CHORD/MIX loss, μ schedule, configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+from peft import LoraConfig
+
+from trinity_trl.algorithms import POLICY_LOSS_FN, mu_schedule_function
+from trinity_trl.trainers import ChordConfig, ChordTrainer
+
+ANSWERS = {(1, 2): "The answer is 3.", (3, 4): "It is 7.", (5, 6): "11", (7, 8): "Fifteen, so 15.", (2, 2): "4"}
+
+
+def expert_messages() -> Dataset:
+    return Dataset.from_list([
+        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": text}]}
+        for (a, b), text in ANSWERS.items()
+    ])
+
+
+def expert_prompt_completion(conversational: bool) -> Dataset:
+    rows = []
+    for (a, b), text in ANSWERS.items():
+        if conversational:
+            rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+                         "completion": [{"role": "assistant", "content": text}]})
+        else:
+            rows.append({"prompt": f"What is {a}+{b}?", "completion": text})
+    return Dataset.from_list(rows)
+
+
+class RecordingChordTrainer(ChordTrainer):
+    """Keeps every generation batch and the tensors each loss call used."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches, self.loss_calls = [], []
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
+        return out
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._last_logps = logps
+        return logps, entropies, aux
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.loss_calls.append({"inputs": {k: v for k, v in inputs.items()}, "logps": self._last_logps.detach(),
+                                "loss": loss.detach(), "step": self.state.global_step + 1})
+        return loss
+
+
+def make_trainer(tmp_path, model_dir, cls=RecordingChordTrainer, expert=None, peft=False, **config):
+    kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))
+    kwargs.update(config)
+    return cls(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=ChordConfig(**kwargs),
+        train_dataset=tiny_conversational_dataset(),
+        expert_dataset=expert if expert is not None else expert_messages(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if peft else None,
+    )
+
+
+def test_expert_rows_join_the_batch_tokenized_like_rollouts(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2)
+    trainer.train()
+    batch = trainer.batches[0]
+    expert = batch["expert_mask"]
+    assert expert.tolist() == [False] * 4 + [True] * 2
+    tok = trainer.processing_class
+    answers = {text for text in ANSWERS.values()}
+    for row in torch.nonzero(expert).flatten().tolist():
+        ids = batch["completion_ids"][row][batch["completion_mask"][row].bool()].tolist()
+        assert ids[-1] == tok.eos_token_id
+        assert tok.decode(ids[:-1]) in answers
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        question = tok.decode(prompt)
+        assert question.startswith("<|im_start|>user\nWhat is ") and question.endswith("<|im_start|>assistant\n")
+        # left-padded prompt, right-padded completion
+        assert batch["prompt_mask"][row, -1] == 1 and batch["completion_mask"][row, 0] == 1
+    assert torch.all(batch["advantages"][expert] == 0)
+    assert batch["prompt_ids"].shape[0] == batch["completion_ids"].shape[0] == batch["advantages"].shape[0] == 6
+    assert batch["ref_per_token_logps"].shape == batch["completion_ids"].shape
+
+
+@pytest.mark.parametrize("dataset", ["messages", "prompt_completion_text", "prompt_completion_chat"])
+def test_expert_dataset_formats(tmp_path, tiny_model_dir, dataset):
+    expert = {"messages": expert_messages(), "prompt_completion_text": expert_prompt_completion(False),
+              "prompt_completion_chat": expert_prompt_completion(True)}[dataset]
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert=expert, expert_batch_size=2)
+    trainer.train()
+    batch = trainer.batches[0]
+    tok = trainer.processing_class
+    for row in torch.nonzero(batch["expert_mask"]).flatten().tolist():
+        prompt = tok.decode(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()])
+        if dataset == "prompt_completion_text":
+            assert prompt.startswith("What is ")  # plain text prompts are not chat-templated, as in TRL
+        else:
+            assert prompt.startswith("<|im_start|>user")
+
+
+def test_loss_equals_library_mix_chord_on_the_same_tensors(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=3, mu_warmup_steps=1, mu_decay_steps=2, mu_peak=0.5,
+                           mu_valley=0.02, kl_loss_fn="none", entropy_loss_fn="none", expert_batch_size=2)
+    trainer.train()
+    cls = POLICY_LOSS_FN.get("mix_chord")
+    reference = cls(**{**cls.default_args(), "mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.5, "mu_valley": 0.02,
+                       "ppo_mini_batch_size": 1, "train_batch_size_usual": 4, "train_batch_size_expert": 2})
+    assert len(trainer.loss_calls) == 3
+    for call in trainer.loss_calls:
+        inputs = call["inputs"]
+        expected, metrics = reference(
+            logprob=call["logps"], old_logprob=call["logps"], action_mask=inputs["completion_mask"],
+            advantages=inputs["advantages"], expert_mask=inputs["expert_mask"],
+            step=torch.full((6,), call["step"]),
+        )
+        assert call["loss"].item() == pytest.approx(expected.item(), abs=1e-6)
+        assert metrics["mu"] == pytest.approx(mu_schedule_function(call["step"], 1, 2, 0.5, 0.02))
+    logged = [h["actor/mu"] for h in trainer.state.log_history if "actor/mu" in h]
+    assert logged == pytest.approx([0.5, 0.26, 0.02])
+
+
+def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, expert_batch_size=2)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    for key in ("actor/mu", "actor/expert/sft_phi_loss", "actor/usual/pg_loss", "chord/expert_tokens",
+                "chord/on_policy_tokens", "chord/expert_rows"):
+        assert key in log, key
+    batch = trainer.batches[0]
+    assert log["chord/expert_tokens"] == batch["completion_mask"][batch["expert_mask"]].sum().item()
+    assert log["chord/on_policy_tokens"] == batch["completion_mask"][~batch["expert_mask"]].sum().item()
+
+
+def test_no_row_is_dropped_by_the_micro_batch_split(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, gradient_accumulation_steps=2, expert_batch_size=2)
+    trainer.train()
+    rows = sum(call["inputs"]["prompt_ids"].shape[0] for call in trainer.loss_calls)
+    experts = sum(int(call["inputs"]["expert_mask"].sum()) for call in trainer.loss_calls)
+    assert rows == 8 + 2 and experts == 2
+
+
+def test_expert_stream_visits_every_row_each_pass(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=1)
+    seen = [trainer._next_expert_indices()[0] for _ in range(10)]
+    assert sorted(seen[:5]) == sorted(seen[5:]) == list(range(5))
+    again = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=1)
+    assert [again._next_expert_indices()[0] for _ in range(10)] == seen  # seeded
+
+
+def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, peft=True, expert_batch_size=2)
+    trainer.train()
+    batch = trainer.batches[-1]  # generated after one update: adapter non-zero
+    expert = batch["expert_mask"]
+    rows = {k: batch[k][expert] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with model.disable_adapter():
+        base = trainer._forward_logps(trainer.model, rows)
+    mask = rows["completion_mask"].bool()
+    width = base.shape[1]
+    assert torch.allclose(batch["ref_per_token_logps"][expert][:, :width][mask], base[mask], atol=1e-5)
+    policy = trainer._forward_logps(trainer.model, rows)
+    assert not torch.allclose(policy[mask], base[mask], atol=1e-5)
+
+
+def test_mix_uses_a_constant_mu(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, algorithm="mix", policy_loss_fn_args={"mu": 0.3}, max_steps=1,
+                           expert_batch_size=2)
+    assert trainer.policy_loss.mu == 0.3
+    trainer.train()
+    assert "actor/expert/sft_loss" in trainer.state.log_history[0]
+
+
+def test_expert_row_count_defaults_from_the_ratio():
+    config = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", per_device_train_batch_size=12, num_generations=4,
+                                            gradient_accumulation_steps=2))
+    assert config.local_expert_rows() % config.steps_per_generation == 0
+    assert config.local_expert_rows() == 8  # 0.25/0.75 · 24 rollouts = 8
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"algorithm": "grpo"}, "ChordConfig trains"),
+        ({"expert_batch_size": 3, "gradient_accumulation_steps": 2}, "multiple of steps_per_generation"),
+        ({"expert_data_ratio": 1.0}, "expert_data_ratio"),
+        ({"algorithm": "mix", "mu_peak": 0.5}, "only apply to CHORD"),
+        ({"mu_peak": 0.5, "policy_loss_fn_args": {"mu_peak": 0.2}}, "set them in one place"),
+        ({"mu_valley": 2.0}, "mu_valley"),
+    ],
+)
+def test_bad_chord_configs(config, match):
+    with pytest.raises(ValueError, match=match):
+        ChordConfig(**tiny_grpo_kwargs(output_dir="unused", **config))
+
+
+def test_bad_expert_datasets(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="needs an expert_dataset"):
+        ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                     args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+                     train_dataset=tiny_conversational_dataset())
+    with pytest.raises(ValueError, match="'messages' column"):
+        make_trainer(tmp_path, tiny_model_dir, expert=Dataset.from_list([{"text": "hello"}]))
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tmp_path, tiny_model_dir, expert=Dataset.from_list([{"messages": []}]).select([]))
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=1,
+                           expert=Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]))
+    with pytest.raises(ValueError, match="row 0: the last message must be the assistant"):
+        trainer.train()
