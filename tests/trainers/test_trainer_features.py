@@ -1,0 +1,137 @@
+"""TrinityTrainer features: on-policy distillation, KL reward penalty, model card, save/push, tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import length_reward, save_tiny_model, tiny_conversational_dataset, tiny_grpo_kwargs
+from peft import LoraConfig
+
+from trinity_trl.algorithms import KL_FN
+from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
+
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+class Recording(TrinityTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
+        return out
+
+
+def make(tmp_path, model_dir, cls=Recording, peft=False, **config):
+    return cls(model=model_dir, reward_funcs=length_reward,
+               args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), **config)),
+               train_dataset=tiny_conversational_dataset(), peft_config=LORA if peft else None)
+
+
+def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_path, tiny_model_dir):
+    teacher_dir = save_tiny_model(tmp_path / "teacher", seed=7)
+    trainer = Recording(model=tiny_model_dir, reward_funcs=length_reward, teacher_model=teacher_dir,
+                        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="on_policy_distill")),
+                        train_dataset=tiny_conversational_dataset())
+    trainer.train()
+    batch = trainer.batches[0]
+    mask = batch["completion_mask"].bool()
+    teacher = trainer._teacher_logps(batch)
+    expected = (teacher - batch["old_per_token_logps"])[mask]
+    assert torch.allclose(batch["advantages"][mask], expected, atol=1e-5)
+    assert torch.all(batch["advantages"][~mask] == 0)
+    assert "kl/mean" in trainer.state.log_history[0]
+
+
+def test_on_policy_distillation_needs_a_teacher(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="teacher_model"):
+        make(tmp_path, tiny_model_dir, algorithm="on_policy_distill")
+
+
+def test_kl_reward_penalty_with_adaptive_coefficient(tmp_path, tiny_model_dir):
+    args = {"kl_coef": 0.05, "adaptive": True, "target_kl": 1e-6, "horizon": 10}
+    trainer = make(tmp_path, tiny_model_dir, algorithm="rloo", kl_penalty_fn="k1", kl_penalty_fn_args=args, max_steps=3)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "critic/kl_coef" in h]
+    coefs = [h["critic/kl_coef"] for h in logs]
+    kls = [h["critic/kl"] for h in logs]
+    # step 1: policy == reference, KL 0 < target: β shrinks by 20%·n/horizon (n = 4 rows); later KL > target: it grows
+    assert kls[0] == 0.0 and kls[1] > 1e-6 and kls[2] > 1e-6
+    step = 0.2 * 4 / 10
+    assert coefs == pytest.approx([0.05, 0.05 * (1 - step), 0.05 * (1 - step) * (1 + step)])
+    assert trainer.kl_penalty.kl_coef == pytest.approx(coefs[-1] * (1 + step))
+    # the penalised token rewards reach the advantages: recompute with the library on the recorded batch
+    batch = trainer.batches[-1]
+    fn = KL_FN.get("k1")(kl_coef=logs[-1]["critic/kl_coef"])
+    kl = fn.calculate_kl(batch["old_per_token_logps"], batch["ref_per_token_logps"])
+    assert torch.isfinite(kl[batch["completion_mask"].bool()]).all()
+
+
+def test_importance_sampling_ratio_scales_advantages(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir)
+    logps = torch.zeros(2, 3)
+    inputs = {"advantages": torch.tensor([1.0, -2.0]), "importance_sampling_ratio": torch.tensor([[0.5], [2.0]])}
+    scaled = trainer._loss_inputs(inputs, logps, torch.ones(2, 3))["advantages"]
+    assert scaled.tolist() == [[0.5], [-4.0]]
+
+
+def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
+    expert = Dataset.from_list([{"messages": [{"role": "user", "content": "What is 1+1?"},
+                                              {"role": "assistant", "content": "2"}]}])
+    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert, peft_config=LORA,
+                           args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1,
+                                                               mu_peak=0.4, mu_decay_steps=10)),
+                           train_dataset=tiny_conversational_dataset())
+    trainer.train()
+    target = tmp_path / "saved"
+    trainer.save_model(str(target))
+    files = set(os.listdir(target))
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= files
+    card = (target / "README.md").read_text()
+    assert "## Algorithm: CHORD" in card
+    assert "arXiv:2508.11408" in card or "2508.11408" in card
+    assert '"mu_peak": 0.4' in card and "mix_chord" in card
+    assert "trained with CHORD" in card.lower() or "CHORD" in card
+
+
+def test_push_to_hub_uploads_adapter_and_card(tmp_path, tiny_model_dir, monkeypatch):
+    import transformers.trainer as hf_trainer
+
+    uploaded = {}
+
+    class FakeApi:
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            uploaded["repo_id"] = repo_id
+            uploaded["files"] = set(os.listdir(folder_path))
+            uploaded["card"] = open(os.path.join(folder_path, "README.md"), encoding="utf-8").read()
+
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, peft=True, algorithm="cispo", max_steps=1)
+    trainer.train()
+    trainer.hub_model_id = "someone/tiny-cispo"
+    trainer.push_to_hub()
+    assert uploaded["repo_id"] == "someone/tiny-cispo"
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= uploaded["files"]
+    assert "## Algorithm: CISPO" in uploaded["card"]
+    assert "MiniMax-M1" in uploaded["card"] and "clip_range_high" in uploaded["card"]
+
+
+def test_model_name_loads_tokenizer_with_hf_tokenizer(tmp_path, tiny_model_dir, monkeypatch):
+    import trinity_trl.tokenizer as tokenizer_module
+
+    calls = []
+    original = tokenizer_module.hf_tokenizer
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs))
+        return original(name, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module, "hf_tokenizer", spy)
+    trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, max_steps=1)
+    assert calls and calls[0][0] == tiny_model_dir
+    assert trainer.processing_class.pad_token is not None
