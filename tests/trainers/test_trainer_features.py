@@ -135,3 +135,11 @@ def test_model_name_loads_tokenizer_with_hf_tokenizer(tmp_path, tiny_model_dir, 
     trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, max_steps=1)
     assert calls and calls[0][0] == tiny_model_dir
     assert trainer.processing_class.pad_token is not None
+
+
+def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="sync_ref_model=True updates the reference model"):
+        make(tmp_path, tiny_model_dir, algorithm="asymre", sync_ref_model=True)
+    trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, sync_ref_model=True, ref_model_sync_steps=1, max_steps=2)
+    trainer.train()  # grpo has a k2 KL loss, so TRL keeps and syncs a reference model
+    assert trainer.ref_model is not None

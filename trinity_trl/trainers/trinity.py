@@ -106,6 +106,11 @@ class TrinityTrainer(GRPOTrainer):
                 f"advantages, but algorithm {algo.algorithm!r} computes advantages on experience groups "
                 "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
             )
+        if args.sync_ref_model and not algo.needs_reference:
+            raise ValueError(
+                "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "
+                "penalty): set kl_loss_fn or kl_penalty_fn, or sync_ref_model=False"
+            )
         if not algo.uses_advantage:
             return
         if algo.advantage_fn == "on_policy_distill" and teacher_model is None:
