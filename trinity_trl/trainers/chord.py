@@ -63,6 +63,11 @@ class ChordConfig(TrinityConfig):
         if self.algorithm not in EXPERT_PRESETS:
             raise ValueError(f"ChordConfig trains {EXPERT_PRESETS}, got algorithm={self.algorithm!r}")
         super().__post_init__()
+        if self.loss_normalization != "micro_batch":
+            raise ValueError(
+                "ChordConfig: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert samples "
+                "with their own per-sample normalisation (spec §9.1)"
+            )
         if not 0.0 < self.expert_data_ratio < 1.0:
             raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
         spg = self.steps_per_generation

@@ -42,6 +42,7 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
 
 COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
 ARGS_MODES = ("merge", "replace")
+LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
 
 def _grpo_default(name: str) -> Any:
@@ -85,6 +86,13 @@ class TrinityConfig(GRPOConfig):
             `token-mean` (default), `seq-mean-token-sum`, `seq-mean-token-mean` or
             `seq-mean-token-sum-norm`. It also overrides the policy loss's own mode, and the KL and
             entropy terms use it.
+        loss_normalization (`str`, *optional*, defaults to `"micro_batch"`):
+            How `token-mean` terms are normalised. `"micro_batch"` (Trinity-RFT, verl): each micro-batch's
+            token mean, divided by `gradient_accumulation_steps`; micro-batches and processes with fewer
+            tokens then weigh their tokens more. `"global"`: every token of the optimizer step weighs the
+            same, across micro-batches and processes (like TRL's `dapo`), so N processes give exactly the
+            gradients of one. Other aggregation modes are per row, and TRL's batches have equal row counts,
+            so both settings coincide for them.
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
             keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
@@ -113,6 +121,11 @@ class TrinityConfig(GRPOConfig):
     component_args_mode: str = field(
         default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
     )
+    loss_normalization: str = field(
+        default="micro_batch",
+        metadata={"help": "'micro_batch' (Trinity: token-mean per micro-batch, then / gradient_accumulation_steps) "
+                          "or 'global' (token-mean terms divided by the global token count of the optimizer step)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -124,6 +137,8 @@ class TrinityConfig(GRPOConfig):
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{name}_args must be a dict or a JSON object string, got {value!r}") from err
                 setattr(self, f"{name}_args", value)
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets

@@ -175,6 +175,10 @@ class TrinityTrainer(GRPOTrainer):
             output["completion_mask"] = output["completion_mask"] * kept[local].unsqueeze(1).to(output["completion_mask"].dtype)
             metrics.update(group_metrics)
         self._log_metrics(mode, metrics)
+        if self.args.loss_normalization == "global":
+            loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+            # one unconditional collective per generation batch: every rank reaches it
+            output["global_loss_tokens"] = self.accelerator.gather(loss_mask.sum().reshape(1).float()).sum()
         return output
 
     def _best_of_group(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -326,8 +330,7 @@ class TrinityTrainer(GRPOTrainer):
             loss = loss + kl_term
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         if mode == "train":
-            # GRPOTrainer sets loss_is_scaled_for_ga: the loss must be divided by the accumulation itself
-            loss = loss / self.current_gradient_accumulation_steps
+            loss = loss * self._loss_scale(inputs, mask, agg)
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
@@ -335,6 +338,18 @@ class TrinityTrainer(GRPOTrainer):
         metrics["actor/loss"] = loss.detach()
         self._log_metrics(mode, metrics)
         return loss
+
+    def _loss_scale(self, inputs: dict, mask: torch.Tensor, agg: str) -> torch.Tensor | float:
+        """Factor applied to a training micro-batch loss (GRPOTrainer sets ``loss_is_scaled_for_ga``,
+        so the trainer, not transformers, accounts for gradient accumulation)."""
+        accumulation = self.current_gradient_accumulation_steps
+        if self.args.loss_normalization == "micro_batch" or agg != "token-mean":
+            return 1.0 / accumulation
+        # the token mean becomes Σ over this micro-batch / tokens per process per optimizer step; DDP's
+        # average over processes then yields Σ over every token of the step / the step's token count
+        per_step = inputs["global_loss_tokens"] / self.accelerator.num_processes
+        per_step = per_step * accumulation / self.args.steps_per_generation
+        return mask.sum() / per_step.clamp(min=1.0)
 
     def _log_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Append metrics to TRL's per-mode lists (averaged at logging time). Values are this

@@ -1,0 +1,290 @@
+"""``TrinityDPOTrainer``: TRL's ``DPOTrainer`` running Trinity-RFT's ``dpo`` preset.
+
+Preset ``dpo`` (spec §8.5, §13.1) = the DPO sigmoid loss with label smoothing per preference pair,
+plus a KL loss (Trinity forces ``k2``, ``kl_coef = 0.001``) and the default entropy term
+(``entropy_coef = 0``), all aggregated with ``loss_agg_mode`` over the chosen and rejected
+completion tokens.
+
+The seam is the forward passes ``DPOTrainer._compute_loss`` already makes: one of the policy and,
+unless reference log-probs were precomputed, one of the reference, both through TRL's fused LM
+head, which returns per-token ``log_probs`` (and the policy's differentiable ``entropy``). TRL's
+``compute_loss`` runs unchanged, so its metrics (``rewards/*``, ``logps/*``, ``logits/*``,
+``entropy``, ``mean_token_accuracy``, ``num_tokens``) stay TRL's; a module hook catches the two
+forwards' outputs, and the trainer returns its own loss computed on them:
+
+* the library ``dpo`` loss, called once per pair (rows ``(chosen_i, rejected_i)``: the library sums
+  over all rows of a micro-batch, which is per-pair DPO only for one pair), averaged over pairs as
+  TRL does;
+* ``+ kl_coef · AGG(kl(ℓ, ℓr), m)`` with the per-token policy and reference log-probs of both
+  completions (no extra forward);
+* ``− entropy_coef · AGG(H, m)``.
+
+TRL's batch holds ``[chosen_1..chosen_B, rejected_1..rejected_B]``; pairs are rebuilt from that
+layout, so no batch reordering can split them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from trl import DPOConfig, DPOTrainer
+
+from ..algorithms import AlgorithmConfig, resolve_algorithm_config
+from ..algorithms.masked import check_loss_agg_mode
+from .model_card import paper_for
+from .sft import (
+    PresetTrainerMixin,
+    capture_fused_outputs,
+    parse_args_field,
+    reject_sequence_sharding,
+)
+
+ENTROPY_LOSSES = ("default", "none")
+
+# DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
+# the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
+REPLACED_DPO_FIELDS: dict[str, tuple[Any, str]] = {
+    "loss_type": (["sigmoid"], "the dpo preset is the sigmoid loss (with label_smoothing); other TRL DPO losses are not Trinity's"),
+    "loss_weights": (None, "only one loss (sigmoid) is used"),
+    "ld_alpha": (None, "LD-DPO length weighting changes the summed log-probs the dpo loss is defined on"),
+    "f_divergence_type": ("reverse_kl", "the dpo loss is defined on log-ratios (reverse KL)"),
+    "f_alpha_divergence_coef": (0.5, "only used with f_divergence_type='alpha_divergence'"),
+    "use_weighting": (False, "WPO weighting is not part of the dpo loss"),
+    "discopop_tau": (0.05, "only used by loss_type='discopop'"),
+    "label_smoothing_factor": (
+        0.0,
+        (
+            "token-level label smoothing of Trainer; for conservative DPO set label_smoothing (or "
+            "policy_loss_fn_args={'label_smoothing': ...})"
+        ),
+    ),
+}
+_DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
+
+
+@dataclass
+class TrinityDPOConfig(DPOConfig):
+    r"""
+    Configuration of [`TrinityDPOTrainer`]: every [`~trl.DPOConfig`] option, plus the `dpo` preset's
+    KL and entropy terms.
+
+    Parameters:
+        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+            Arguments of the `dpo` loss, laid over its `default_args()` (`beta=0.1`,
+            `label_smoothing=0.0`). `beta` and `label_smoothing` may be given here or as the
+            DPOConfig fields of the same name (which TRL's metrics also use); the two are kept equal.
+            A key here wins over a field left at its default; a field set to another value that
+            differs from the key is an error.
+        kl_loss_fn (`str`, *optional*, defaults to `"k2"`):
+            KL estimator added to the loss: `k1`, `k2`, `k3`, `low_var_kl`, `abs` or `corrected_k3`.
+            The preset always has one (Trinity turns `none` into `k2`), so `none` is refused; switch
+            the term off with `kl_loss_fn_args={"kl_coef": 0.0}`.
+        kl_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+            e.g. `{"kl_coef": 0.001}` (the default), merged over the estimator's `default_args()`.
+        entropy_loss_fn (`str`, *optional*, defaults to `"default"`):
+            `default` (subtract `entropy_coef · AGG(H, m)`) or `none`.
+        entropy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+            e.g. `{"entropy_coef": 0.001}`; the default coefficient is 0.
+        loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
+            Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
+            of a micro-batch (spec §0.3). The DPO term itself is a mean over pairs.
+
+    TRL options that choose or reshape TRL's own DPO loss (`loss_type` other than `["sigmoid"]`,
+    `loss_weights`, `ld_alpha`, `f_divergence_type`, `f_alpha_divergence_coef`, `use_weighting`,
+    `discopop_tau`) and `label_smoothing_factor` must keep their defaults. With
+    `precompute_ref_log_probs=True` TRL keeps only summed reference log-probs, so the per-token KL
+    term needs `kl_coef = 0`. Every other option is honoured.
+    """
+
+    policy_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "dpo loss arguments (beta, label_smoothing), dict or JSON."}
+    )
+    kl_loss_fn: str = field(
+        default="k2", metadata={"help": "KL estimator of the KL loss term: k1, k2, k3, low_var_kl, abs, corrected_k3."}
+    )
+    kl_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001} (0 switches the term off)."}
+    )
+    entropy_loss_fn: str = field(default="default", metadata={"help": "Entropy term: 'default' or 'none'."})
+    entropy_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001} (default 0)."}
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        owner = type(self).__name__
+        for name in ("policy_loss_fn_args", "kl_loss_fn_args", "entropy_loss_fn_args"):
+            setattr(self, name, parse_args_field(owner, name, getattr(self, name)))
+        check_loss_agg_mode(self.loss_agg_mode)
+        for name, (default, why) in REPLACED_DPO_FIELDS.items():
+            value = getattr(self, name)
+            if value != default and not (name == "loss_weights" and value == [1.0]):
+                raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
+        if self.kl_loss_fn == "none":
+            raise ValueError(
+                f"{owner}: kl_loss_fn='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
+                "'none' by 'k2'); use kl_loss_fn_args={'kl_coef': 0.0} to switch the term off"
+            )
+        if self.entropy_loss_fn not in ENTROPY_LOSSES:
+            raise ValueError(f"{owner}: entropy_loss_fn must be one of {ENTROPY_LOSSES}, got {self.entropy_loss_fn!r}")
+        self._sync_dpo_fields(owner)
+        algorithm = self.resolved_algorithm()  # bad names / arguments fail here
+        if self.precompute_ref_log_probs and algorithm.kl_loss_fn_args.get("kl_coef", 0.0) != 0.0:
+            raise ValueError(
+                f"{owner}: precompute_ref_log_probs=True keeps only the summed reference log-prob of each completion, "
+                f"so the per-token KL loss ({algorithm.kl_loss_fn}, kl_coef={algorithm.kl_loss_fn_args['kl_coef']}) "
+                "cannot be computed; set kl_loss_fn_args={'kl_coef': 0.0} or precompute_ref_log_probs=False"
+            )
+
+    def _sync_dpo_fields(self, owner: str) -> None:
+        """Make DPOConfig's `beta` / `label_smoothing` and `policy_loss_fn_args` say the same thing."""
+        args = dict(self.policy_loss_fn_args or {})
+        for name, default in _DPO_FIELD_DEFAULTS.items():
+            from_field = getattr(self, name)
+            if name in args:
+                if from_field != default and from_field != args[name]:
+                    raise ValueError(
+                        f"{owner}: {name}={from_field} conflicts with policy_loss_fn_args[{name!r}]={args[name]}; "
+                        "set it in one place"
+                    )
+                setattr(self, name, args[name])  # TRL's metrics (rewards/*) use the same beta
+            else:
+                args[name] = from_field
+        self.policy_loss_fn_args = args
+
+    def resolved_algorithm(self) -> AlgorithmConfig:
+        """The `dpo` preset with this config's components and arguments (spec §13.2; args merged)."""
+        return resolve_algorithm_config(
+            "dpo",
+            merge_args=True,
+            policy_loss_fn="dpo",
+            policy_loss_fn_args=self.policy_loss_fn_args,
+            kl_loss_fn=self.kl_loss_fn,
+            kl_loss_fn_args=self.kl_loss_fn_args,
+            entropy_loss_fn=self.entropy_loss_fn,
+            entropy_loss_fn_args=self.entropy_loss_fn_args,
+            loss_agg_mode=self.loss_agg_mode,
+        )
+
+
+def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` chosen and rejected rows -> ``(2B, T)`` interleaved ``c1, r1, c2, r2, ...``."""
+    return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
+
+
+class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
+    """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`]).
+
+    Arguments are those of [`~trl.DPOTrainer`]; ``args`` must be a [`TrinityDPOConfig`].
+
+    Logged metrics: TRL's (`loss`, `rewards/chosen|rejected|accuracies|margins`, `logps/*`,
+    `logits/*`, `entropy`, `mean_token_accuracy`, `num_tokens`) plus, prefixed `actor/`, the
+    library's per-pair means (`dpo_loss`, `chosen_reward`, `rejected_reward`, `accuracy_mean`), and
+    `kl_loss`, `kl_coef`, `entropy_loss` (the aggregated values before their coefficients).
+    """
+
+    _tag_names: ClassVar[list[str]] = ["trl", "trinity_trl", "dpo"]
+    config_class = TrinityDPOConfig
+    # the loss is a per-micro-batch mean; Trainer.training_step divides it by the accumulation steps
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, model, ref_model=None, args: TrinityDPOConfig | None = None, *pos, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-TrinityDPO")
+        if not isinstance(args, TrinityDPOConfig):
+            raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
+        self.algorithm = args.resolved_algorithm()
+        super().__init__(model, ref_model, args, *pos, **kwargs)
+        reject_sequence_sharding(self, type(self).__name__)
+        self.policy_loss = self.algorithm.build_policy_loss()
+        self.kl_loss = self.algorithm.build_kl_loss()
+        self.entropy_loss = self.algorithm.build_entropy_loss()
+        self._name, self._paper = paper_for(self.algorithm.algorithm)
+        self._paper = {**DPOTrainer._paper, **self._paper}  # keep TRL's DPO citation
+
+    def pair_losses(
+        self, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The library `dpo` loss of each pair, shape ``(B,)``.
+
+        ``logps``, ``mask``: ``(2B, T)`` in TRL's layout (the ``B`` chosen rows, then the ``B``
+        rejected rows of the same pairs). ``ref_logps``: ``(2B, T)`` per-token reference log-probs,
+        or ``(2B, 1)`` summed ones (``precompute_ref_log_probs``). Returns the per-pair losses and the
+        per-pair mean of each library metric.
+        """
+        if ref_logps.shape != logps.shape:
+            # a summed reference becomes one extra token, trained for the reference only: the
+            # library's MSUM(ℓ) − MSUM(ℓr) is then unchanged for the policy and equals the sum for ℓr
+            extra = torch.ones_like(ref_logps, dtype=mask.dtype)
+            ref_logps = torch.cat([torch.zeros_like(logps), ref_logps.to(logps.dtype)], dim=1)
+            logps = torch.cat([logps, torch.zeros_like(extra, dtype=logps.dtype)], dim=1)
+            mask = torch.cat([mask, extra], dim=1)
+        logps, ref_logps, mask = (pair_rows(*x.chunk(2)) for x in (logps, ref_logps, mask))
+        losses, metrics = [], []
+        for pair in range(logps.shape[0] // 2):
+            rows = slice(2 * pair, 2 * pair + 2)
+            loss, pair_metrics = self.policy_loss.evaluate(
+                logprob=logps[rows], ref_logprob=ref_logps[rows], action_mask=mask[rows]
+            )
+            losses.append(loss)
+            metrics.append(pair_metrics)
+        mean = {k: torch.stack([torch.as_tensor(m[k]).float() for m in metrics]).mean() for k in metrics[0]}
+        return torch.stack(losses), mean
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        precomputed = self.precompute_ref_logps
+        # TRL runs its forwards (policy, then reference) and logs its metrics unchanged; its loss is discarded
+        with capture_fused_outputs([model, self.model, self.ref_model]) as calls:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        expected = 1 if precomputed else 2
+        if len(calls) != expected:
+            raise RuntimeError(
+                f"{type(self).__name__} expected DPOTrainer.compute_loss to run {expected} fused-LM-head forward(s) "
+                f"(policy{'' if precomputed else ', reference'}), saw {len(calls)}; the TRL version may have changed "
+                "this seam"
+            )
+        mask = inputs["completion_mask"][:, 1:]
+        width = mask.shape[1]
+        # prompt-learning PEFT prepends virtual tokens to the outputs; keep the real positions (as TRL does)
+        outputs = calls[0]
+        logps = outputs.log_probs[:, -width:]
+        if precomputed:
+            ref_logps = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).unsqueeze(1)
+        else:
+            ref_logps = calls[1].log_probs[:, -width:]
+        losses, dpo_metrics = self.pair_losses(logps, ref_logps.to(logps.dtype), mask)
+        loss = losses.mean()  # TRL averages its per-pair loss too
+        metrics: dict[str, Any] = {f"actor/{k}": v for k, v in dpo_metrics.items()}
+        agg = self.algorithm.loss_agg_mode
+        if not precomputed:
+            # with kl_coef = 0 the KL is still logged, from detached log-probs (no backward through it)
+            policy = logps if self.kl_loss.kl_coef != 0.0 else logps.detach()
+            kl_term, kl_metrics = self.kl_loss.calculate_kl_loss(policy, ref_logps, mask, agg)
+            loss = loss + kl_term
+            metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
+        if self.algorithm.entropy_loss_fn != "none":
+            entropy = outputs.entropy[:, -width:]
+            if self.entropy_loss.entropy_coef == 0.0:
+                entropy = entropy.detach()  # metric only: no backward through the entropy
+            entropy_term, entropy_metrics = self.entropy_loss(entropy=entropy, action_mask=mask, loss_agg_mode=agg)
+            loss = loss - entropy_term
+            metrics.update({f"actor/{k}": v for k, v in entropy_metrics.items()})
+        if self.aux_loss_enabled:
+            # as in DPOTrainer: the MoE load-balancing loss is added once per micro-batch
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+        self._log_local_metrics(mode, metrics)
+        if return_outputs:
+            return loss, result[1]
+        return loss
+
+
+__all__ = ["TrinityDPOConfig", "TrinityDPOTrainer"]

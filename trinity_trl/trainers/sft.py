@@ -1,0 +1,290 @@
+"""``TrinitySFTTrainer``: TRL's ``SFTTrainer`` with Trinity-RFT's SFT losses (preset ``sft``).
+
+The seam is the one forward pass ``SFTTrainer.compute_loss`` already makes: it calls the model with
+TRL's fused LM head (``model(**inputs, fused_lm_head=True)``), which returns the per-token
+log-probabilities of the shifted labels (``log_probs``, zero where the label is ``-100``) and the
+mask of trained tokens (``label_mask``), without building the full-vocabulary logits. We let TRL
+run its ``compute_loss`` unchanged (so its metrics ``entropy``, ``mean_token_accuracy`` and
+``num_tokens`` stay exactly TRL's), catch that forward's outputs with a module hook, and return
+the library loss (``sft``, ``sft_is`` or ``sft_phi``) computed on them instead of TRL's NLL. No
+second forward, no copied TRL code.
+
+Gradient accumulation follows Trinity (spec §11.2, §15.1): the loss is aggregated per micro-batch
+(``token-mean`` = mean over that micro-batch's trained tokens) and divided by the number of
+accumulation steps (``loss_is_scaled_for_ga = False``: ``Trainer.training_step`` divides it).
+TRL's own NLL instead divides the micro-batch sum by ``num_items_in_batch`` (the token count of the
+whole accumulation window, summed over processes when ``average_tokens_across_devices``). Both
+agree for one micro-batch on one process; with several micro-batches of different token counts
+Trinity's token-mean weights each micro-batch equally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from ..algorithms import AlgorithmConfig, resolve_algorithm_config
+from ..algorithms.inputs import metrics_to_floats
+from ..algorithms.masked import check_loss_agg_mode
+from .model_card import algorithm_card_section, paper_for
+
+SFT_LOSSES = ("sft", "sft_is", "sft_phi")
+
+# SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
+# A non-default value raises an error that says how to get the same effect (or why it cannot work).
+REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
+    "loss_type": (
+        "nll",
+        "TRL's loss is replaced by policy_loss_fn; loss_type='dft' (−ℓ·sg(p)) is policy_loss_fn='sft_is'",
+    ),
+    "label_smoothing_factor": (
+        0.0,
+        "label smoothing needs the full logits and replaces the token log-likelihood; no trinity_trl SFT loss uses it",
+    ),
+}
+
+
+def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
+    """A ``*_args`` field given as a dict, a JSON object string (command line / YAML) or ``None``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {value!r}") from err
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class TrinitySFTConfig(SFTConfig):
+    r"""
+    Configuration of [`TrinitySFTTrainer`]: every [`~trl.SFTConfig`] option, plus Trinity-RFT's SFT loss.
+
+    Parameters:
+        policy_loss_fn (`str`, *optional*, defaults to `"sft"`):
+            The loss on the trained (completion / assistant) tokens: `sft` (negative log-likelihood
+            `−ℓ`), `sft_is` (`−ℓ·sg(p)`, importance-weighted; TRL calls it DFT) or `sft_phi`
+            (`−ℓ'·sg(p(1−p))`, CHORD's φ weighting, with an optional `cutoff_prob`).
+        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+            Arguments of the loss, laid over its `default_args()` (e.g. `{"cutoff_prob": 0.9}` for
+            `sft_phi`). A `loss_agg_mode` key here is overridden by `loss_agg_mode` below.
+        loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
+            How a micro-batch's per-token losses become one number: `token-mean`, `seq-mean-token-sum`,
+            `seq-mean-token-mean` or `seq-mean-token-sum-norm` (spec §0.3). The result is divided by
+            the gradient-accumulation steps. With `packing` or `padding_free` a row holds several
+            sequences, so only `token-mean` is allowed there.
+
+    `loss_type` must stay `"nll"` (`"dft"` is `policy_loss_fn="sft_is"`) and `label_smoothing_factor`
+    must stay 0: both would replace the loss this trainer computes. Every other option is honoured;
+    in particular `completion_only_loss` and `assistant_only_loss` choose the trained tokens as in
+    TRL. `average_tokens_across_devices` only changes TRL's `num_items_in_batch`, which Trinity's
+    per-micro-batch aggregation does not use.
+    """
+
+    policy_loss_fn: str = field(
+        default="sft", metadata={"help": "SFT loss: 'sft' (NLL), 'sft_is' (importance-weighted) or 'sft_phi' (φ-weighted)."}
+    )
+    policy_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "Loss arguments (dict or JSON), merged over the loss's default_args()."}
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={
+            "help": "Aggregation of per-token losses: token-mean, seq-mean-token-sum, seq-mean-token-mean or "
+            "seq-mean-token-sum-norm."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        owner = type(self).__name__
+        self.policy_loss_fn_args = parse_args_field(owner, "policy_loss_fn_args", self.policy_loss_fn_args)
+        if self.policy_loss_fn not in SFT_LOSSES:
+            raise ValueError(f"{owner}: policy_loss_fn must be one of {SFT_LOSSES}, got {self.policy_loss_fn!r}")
+        check_loss_agg_mode(self.loss_agg_mode)
+        for name, (default, why) in REPLACED_SFT_FIELDS.items():
+            value = getattr(self, name)
+            if value != default:
+                raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
+        if self.loss_agg_mode != "token-mean":
+            for name in ("packing", "padding_free", "eval_packing"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{owner}: {name}=True puts several sequences in one row, so loss_agg_mode="
+                        f"{self.loss_agg_mode!r} would average over rows that are not sequences; use "
+                        "loss_agg_mode='token-mean' or turn packing / padding-free off"
+                    )
+        self.resolved_algorithm()  # bad loss arguments fail here, not at the first step
+
+    def resolved_algorithm(self) -> AlgorithmConfig:
+        """The `sft` preset with this config's loss and arguments (spec §13.2; args merged)."""
+        return resolve_algorithm_config(
+            "sft",
+            merge_args=True,
+            policy_loss_fn=self.policy_loss_fn,
+            policy_loss_fn_args=self.policy_loss_fn_args,
+            loss_agg_mode=self.loss_agg_mode,
+        )
+
+
+# --------------------------------------------------------------------------------------- shared seams
+@contextlib.contextmanager
+def capture_fused_outputs(modules: Iterable[torch.nn.Module]):
+    """Record the outputs of the outermost ``fused_lm_head=True`` calls of ``modules``, in call order.
+
+    TRL's SFT and DPO trainers call the policy (and the reference) with ``fused_lm_head=True``; the
+    outputs carry per-token ``log_probs``, ``entropy`` and ``label_mask``. A call through a wrapper
+    (DDP, PEFT) also runs the wrapped module's hooks, so calls nested inside another recorded call
+    are skipped: each forward is recorded once.
+    """
+    calls: list[Any] = []
+    depth = [0]
+
+    def is_fused(kwargs: dict) -> bool:
+        return bool(kwargs.get("fused_lm_head"))
+
+    def pre_hook(module, args, kwargs):
+        if is_fused(kwargs):
+            depth[0] += 1
+
+    def post_hook(module, args, kwargs, output):
+        if is_fused(kwargs):
+            depth[0] -= 1
+            if depth[0] == 0:
+                calls.append(output)
+
+    handles = []
+    seen: set[int] = set()
+    try:
+        for module in modules:
+            if module is None or id(module) in seen:
+                continue
+            seen.add(id(module))
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def reject_sequence_sharding(trainer, owner: str) -> None:
+    """Context / sequence parallelism split each sequence across processes before the loss, so a
+    process would aggregate over a shard, not over the micro-batch the loss is defined on."""
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is None:
+        return
+    for flag in ("cp_enabled", "sp_enabled"):
+        if getattr(config, flag, False):
+            raise ValueError(
+                f"{owner} does not support context or sequence parallelism ({flag}): Trinity's losses aggregate over "
+                "whole sequences of a micro-batch, which these modes split across processes"
+            )
+
+
+class PresetTrainerMixin:
+    """What the preset trainers built on TRL's SFT/DPO trainers share: the algorithm section (name,
+    paper, resolved components) appended to TRL's model card, and metric logging into TRL's lists."""
+
+    algorithm: AlgorithmConfig
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name,
+                                  tags=tags + [self.algorithm.algorithm])
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        with open(path, "a", encoding="utf-8") as card:
+            card.write(algorithm_card_section(self.algorithm, type(self).__name__))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            target = output_dir or self.args.output_dir
+            saved_output_dir, self.args.output_dir = self.args.output_dir, target
+            try:
+                self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
+            finally:
+                self.args.output_dir = saved_output_dir
+
+    def _log_local_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
+        """Average each metric over processes (one gather) and append it to TRL's per-mode lists."""
+        floats = metrics_to_floats(metrics)
+        if not floats:
+            return
+        keys = sorted(floats)
+        values = torch.tensor([floats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        values = self.accelerator.gather(values.unsqueeze(0)).mean(dim=0).tolist()
+        for key, value in zip(keys, values):
+            self._metrics[mode][key].append(value)
+
+
+# ----------------------------------------------------------------------------------------- trainer
+class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
+    """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`]).
+
+    Arguments are those of [`~trl.SFTTrainer`], except `compute_loss_func` (deprecated in TRL, and
+    it would replace the loss this trainer computes). ``args`` must be a [`TrinitySFTConfig`].
+
+    Logged metrics: TRL's (`loss`, `entropy`, `mean_token_accuracy`, `num_tokens`, `aux_loss` for
+    MoE models) plus the loss's own, prefixed `actor/` (`actor/sft_loss`, `actor/sft_is_loss` or
+    `actor/sft_phi_loss`; the micro-batch value before the accumulation division).
+    """
+
+    _tag_names: ClassVar[list[str]] = ["trl", "trinity_trl", "sft"]
+    _name = "SFT"
+    config_class = TrinitySFTConfig
+    # the loss is a per-micro-batch aggregate; Trainer.training_step divides it by the accumulation steps
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, model, args: TrinitySFTConfig | None = None, *pos, compute_loss_func=None, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-TrinitySFT")
+        if not isinstance(args, TrinitySFTConfig):
+            raise TypeError(f"{type(self).__name__} needs a TrinitySFTConfig (or subclass), got {type(args).__name__}")
+        if compute_loss_func is not None:
+            raise ValueError(
+                f"{type(self).__name__} computes its loss from policy_loss_fn; compute_loss_func would replace it "
+                "(choose policy_loss_fn / policy_loss_fn_args instead)"
+            )
+        self.algorithm = args.resolved_algorithm()
+        super().__init__(model, args, *pos, **kwargs)
+        if self.compute_loss_func is not None:  # passed positionally
+            raise ValueError(f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func")
+        reject_sequence_sharding(self, type(self).__name__)
+        self.policy_loss = self.algorithm.build_policy_loss()
+        self._name, self._paper = paper_for(self.algorithm.algorithm)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        # TRL runs its forward (and logs its metrics) unchanged; its loss is discarded
+        with capture_fused_outputs([model, self.model]) as calls:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        if len(calls) != 1:
+            raise RuntimeError(
+                f"{type(self).__name__} expected SFTTrainer.compute_loss to run exactly one fused-LM-head forward, "
+                f"saw {len(calls)}; the TRL version may have changed this seam"
+            )
+        outputs = calls[0]
+        loss, metrics = self.policy_loss.evaluate(logprob=outputs.log_probs, action_mask=outputs.label_mask)
+        if self.aux_loss_enabled:
+            # as in SFTTrainer: the MoE load-balancing loss is added once per micro-batch
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+        self._log_local_metrics(mode, {f"actor/{k}": v for k, v in metrics.items()})
+        if return_outputs:
+            return loss, result[1]
+        return loss
+
+
+__all__ = ["SFT_LOSSES", "TrinitySFTConfig", "TrinitySFTTrainer"]
