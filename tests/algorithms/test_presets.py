@@ -90,6 +90,17 @@ def test_global_loss_agg_mode_overrides_policy_args():
     assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
 
 
+def test_force_loss_agg_mode_reaches_a_replace_mode_args_dict():
+    # reference: a replace-mode dict without the key keeps the loss's constructor default
+    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", policy_loss_fn_args={"clip_range": 0.2})
+    assert "loss_agg_mode" not in cfg.policy_loss_fn_args
+    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", force_loss_agg_mode=True,
+                                   policy_loss_fn_args={"clip_range": 0.2})
+    assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
+    cfg = resolve_algorithm_config("dpo", force_loss_agg_mode=True, loss_agg_mode="seq-mean-token-sum")
+    assert "loss_agg_mode" not in cfg.policy_loss_fn_args  # dpo has no aggregation mode
+
+
 def test_user_component_choice_wins_and_preset_args_do_not_leak():
     cfg = resolve_algorithm_config("grpo", policy_loss_fn="sapo", kl_loss_fn="low_var_kl", entropy_loss_fn="none")
     assert (cfg.policy_loss_fn, cfg.kl_loss_fn, cfg.entropy_loss_fn) == ("sapo", "low_var_kl", "none")

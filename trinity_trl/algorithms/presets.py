@@ -7,6 +7,7 @@ it sets. :func:`resolve_algorithm_config` fills in everything else as Trinity do
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -279,6 +280,7 @@ def resolve_algorithm_config(
     algorithm: str,
     *,
     merge_args: bool = False,
+    force_loss_agg_mode: bool = False,
     policy_loss_fn: str | None = None,
     policy_loss_fn_args: dict[str, Any] | None = None,
     advantage_fn: str | None = None,
@@ -301,7 +303,10 @@ def resolve_algorithm_config(
        behaviour; missing keys fall back to constructor defaults) unless ``merge_args=True``, in
        which case it is laid over ``default_args()`` (a user ``clip_range`` then also replaces the
        default ``clip_range_low``/``clip_range_high``, so it is never silently overridden).
-    3. If ``loss_agg_mode`` is a key of the policy-loss args, the global ``loss_agg_mode`` wins.
+    3. If ``loss_agg_mode`` is a key of the policy-loss args, the global ``loss_agg_mode`` wins. With
+       ``force_loss_agg_mode=True`` it also wins when the key is absent (a ``replace``-mode args dict
+       without it), for every loss that takes an aggregation mode, so the policy loss always
+       aggregates like the KL and entropy terms (Trinity keeps the loss's constructor default then).
     4. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
 
     Every name is checked against its registry, and every component is constructed once so that
@@ -357,8 +362,10 @@ def resolve_algorithm_config(
             args = dict(given)
         config[f"{key}_args"] = args
 
-    if "loss_agg_mode" in config["policy_loss_fn_args"]:
-        config["policy_loss_fn_args"]["loss_agg_mode"] = config["loss_agg_mode"]
+    policy_args = config["policy_loss_fn_args"]
+    accepts_mode = "loss_agg_mode" in inspect.signature(POLICY_LOSS_FN.get(config["policy_loss_fn"])).parameters
+    if "loss_agg_mode" in policy_args or (force_loss_agg_mode and accepts_mode):
+        policy_args["loss_agg_mode"] = config["loss_agg_mode"]
 
     advantage_cls = ADVANTAGE_FN.get(config["advantage_fn"])
     if preset.uses_advantage and advantage_cls.compute_in_trainer() != preset.compute_advantage_in_trainer:

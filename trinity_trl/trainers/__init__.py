@@ -3,9 +3,22 @@
 from .chord import ChordConfig, ChordTrainer
 from .cispo import CISPOConfig, CISPOTrainer
 from .config import TrinityConfig
+from .dpo import TrinityDPOConfig, TrinityDPOTrainer
 from .sapo import SAPOConfig, SAPOTrainer
+from .sft import TrinitySFTConfig, TrinitySFTTrainer
 from .trinity import TrinityTrainer
 
 __all__ = [
+    "CISPOConfig",
+    "CISPOTrainer",
     "ChordConfig",
-    "ChordTrainer","CISPOConfig", "CISPOTrainer", "SAPOConfig", "SAPOTrainer", "TrinityConfig", "TrinityTrainer"]
+    "ChordTrainer",
+    "SAPOConfig",
+    "SAPOTrainer",
+    "TrinityConfig",
+    "TrinityDPOConfig",
+    "TrinityDPOTrainer",
+    "TrinitySFTConfig",
+    "TrinitySFTTrainer",
+    "TrinityTrainer",
+]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, AlgorithmConfig, resolve_algorithm_config
+from .common import parse_args_field
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -130,13 +130,7 @@ class TrinityConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         for name in COMPONENT_FIELDS:
-            value = getattr(self, f"{name}_args")
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{name}_args must be a dict or a JSON object string, got {value!r}") from err
-                setattr(self, f"{name}_args", value)
+            setattr(self, f"{name}_args", parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")))
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
         if self.component_args_mode not in ARGS_MODES:
@@ -193,5 +187,5 @@ class TrinityConfig(GRPOConfig):
                     args[ours] = value
             settings["policy_loss_fn_args"] = args or settings.get("policy_loss_fn_args")
         return resolve_algorithm_config(
-            self.algorithm, merge_args=self.component_args_mode == "merge", **settings
+            self.algorithm, merge_args=self.component_args_mode == "merge", force_loss_agg_mode=True, **settings
         )

@@ -34,12 +34,7 @@ from trl import DPOConfig, DPOTrainer
 from ..algorithms import AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from .model_card import paper_for
-from .sft import (
-    PresetTrainerMixin,
-    capture_fused_outputs,
-    parse_args_field,
-    reject_sequence_sharding,
-)
+from .common import PresetTrainerMixin, capture_fused_outputs, parse_args_field, reject_sequence_sharding
 
 ENTROPY_LOSSES = ("default", "none")
 

@@ -16,7 +16,6 @@ reference model, logging, checkpoints) is TRL's.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -26,7 +25,8 @@ from ..algorithms import EID, Experience
 from ..algorithms.advantage import scalar_rewards_to_token_level
 from ..algorithms.inputs import metrics_to_floats
 from .config import TrinityConfig
-from .model_card import algorithm_card_section, paper_for
+from .common import AlgorithmCardMixin
+from .model_card import paper_for
 
 # multimodal keys TRL's forward pass accepts; passed through unchanged
 _FORWARD_KEYS = (
@@ -40,7 +40,7 @@ _UNSUPPORTED_GROUP_ARGS = {
 }
 
 
-class TrinityTrainer(GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
 
     Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
@@ -356,24 +356,3 @@ class TrinityTrainer(GRPOTrainer):
         process's; no collective is issued, so ranks may log different key sets."""
         for key, value in metrics_to_floats(metrics).items():
             self._metrics[mode][key].append(value)
-
-    # ------------------------------------------------------------------------------ model card
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name,
-                                  tags=tags + [self.algorithm.algorithm])
-        if not self.is_world_process_zero():
-            return
-        path = os.path.join(self.args.output_dir, "README.md")
-        with open(path, "a", encoding="utf-8") as card:
-            card.write(algorithm_card_section(self.algorithm, type(self).__name__))
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
-        if not _internal_call and self.is_world_process_zero():
-            target = output_dir or self.args.output_dir
-            saved_output_dir, self.args.output_dir = self.args.output_dir, target
-            try:
-                self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
-            finally:
-                self.args.output_dir = saved_output_dir
