@@ -131,6 +131,7 @@ def test_needs_reference_follows_the_kl_choice():
         ({"advantage_fn": "rloo"}, "batch function"),  # grpo computes advantages on experience groups
         ({"policy_loss_fn_args": ["clip_range", 0.2]}, "must be a dict"),
         ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_ratio_c": 0.5}}, "clip_ratio_c"),
+        ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_rang_high": 0.3}}, "takes no argument.*clip_range_high"),
     ],
 )
 def test_bad_configurations_fail_at_resolution(kwargs, match):

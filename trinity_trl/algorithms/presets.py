@@ -227,6 +227,20 @@ class OnPolicyDistillAlgorithm(AlgorithmType):
     compute_advantage_in_trainer = True
 
 
+def build_component(registry: Registry, name: str, args: dict[str, Any]):
+    """``registry.get(name)(**args)``; an argument the component does not take is a ``ValueError``
+    that lists the ones it does."""
+    cls = registry.get(name)
+    parameters = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        unknown = sorted(set(args) - set(parameters))
+        if unknown:
+            raise ValueError(
+                f"{registry.kind} {name!r} takes no argument(s) {unknown}; its arguments are: {', '.join(parameters)}"
+            )
+    return cls(**args)
+
+
 @dataclass
 class AlgorithmConfig:
     """A fully resolved algorithm: component names, their argument dicts and the preset flags."""
@@ -258,19 +272,19 @@ class AlgorithmConfig:
         return self.kl_loss_fn != "none" or self.kl_penalty_fn != "none" or self.policy_loss_fn == "dpo"
 
     def build_policy_loss(self, **kwargs: Any):
-        return POLICY_LOSS_FN.get(self.policy_loss_fn)(**self.policy_loss_fn_args, **kwargs)
+        return build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
 
     def build_advantage_fn(self):
-        return ADVANTAGE_FN.get(self.advantage_fn)(**self.advantage_fn_args)
+        return build_component(ADVANTAGE_FN, self.advantage_fn, self.advantage_fn_args)
 
     def build_kl_loss(self):
-        return KL_FN.get(self.kl_loss_fn)(**self.kl_loss_fn_args)
+        return build_component(KL_FN, self.kl_loss_fn, self.kl_loss_fn_args)
 
     def build_kl_penalty(self):
-        return KL_FN.get(self.kl_penalty_fn)(**self.kl_penalty_fn_args)
+        return build_component(KL_FN, self.kl_penalty_fn, self.kl_penalty_fn_args)
 
     def build_entropy_loss(self):
-        return ENTROPY_LOSS_FN.get(self.entropy_loss_fn)(**self.entropy_loss_fn_args)
+        return build_component(ENTROPY_LOSS_FN, self.entropy_loss_fn, self.entropy_loss_fn_args)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,715 @@
+"""`TrinityConfig` (and its CISPO/SAPO subclasses) and the construction-time checks of `TrinityTrainer`.
+
+* Every `trl.GRPOConfig` field is accounted for: a `TrainingArguments` field, a GRPO field TRL honours, or a field
+  `trinity_trl` replaces by a component (and rejects when not at its default). A TRL upgrade that adds or removes a
+  field fails `test_every_grpo_field_is_classified` by name.
+* Algorithm resolution at config construction: presets, component names, arguments, JSON strings, merge/replace.
+* Trainer construction: presets the GRPO-based trainer cannot run, bad combinations, the reference model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+import trl
+from helpers import length_reward, tiny_grpo_kwargs
+from trl import GRPOConfig
+
+from trinity_trl.algorithms import ALGORITHM_TYPE
+from trinity_trl.trainers import CISPOConfig, SAPOConfig, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers.config import REPLACED_GRPO_FIELDS
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Every GRPOConfig field is either honoured (by transformers/TRL) or replaced (and rejected when set)
+
+# GRPOConfig fields that are not TrainingArguments fields. "replaced": a trinity_trl component does the job, so a
+# non-default value is an error. "honoured": TRL's machinery (generation, vLLM, batching, rewards, reference sync,
+# logging) does its usual job around our loss and advantages.
+GRPO_SPECIFIC_FIELDS: dict[str, str] = {
+    # model loading and forward
+    "model_init_kwargs": "honoured",
+    "trust_remote_code": "honoured",
+    "router_aux_loss_coef": "honoured",  # TrinityTrainer._compute_loss adds the MoE aux loss like TRL
+    "disable_dropout": "honoured",
+    "cast_lm_head_to_fp32": "honoured",
+    # batch geometry and data
+    "num_generations": "honoured",
+    "num_generations_eval": "honoured",
+    "generation_batch_size": "honoured",
+    "steps_per_generation": "honoured",
+    "num_iterations": "honoured",
+    "shuffle_dataset": "honoured",
+    "pad_to_multiple_of": "honoured",
+    # generation
+    "max_completion_length": "honoured",
+    "ds3_gather_for_generation": "honoured",
+    "temperature": "honoured",
+    "top_p": "honoured",
+    "top_k": "honoured",
+    "min_p": "honoured",
+    "generation_kwargs": "honoured",
+    "chat_template_kwargs": "honoured",
+    "repetition_penalty": "honoured",
+    "cache_implementation": "honoured",
+    "use_transformers_continuous_batching": "honoured",
+    "transformers_continuous_batching_config": "honoured",
+    "use_transformers_paged": "honoured",
+    "max_tool_calling_iterations": "honoured",
+    "mask_truncated_completions": "honoured",
+    # vLLM
+    "use_vllm": "honoured",
+    "vllm_mode": "honoured",
+    "vllm_model_impl": "honoured",
+    "vllm_enable_sleep_mode": "honoured",
+    "vllm_structured_outputs_regex": "honoured",
+    "vllm_server_base_url": "honoured",
+    "vllm_server_host": "honoured",
+    "vllm_server_port": "honoured",
+    "vllm_server_timeout": "honoured",
+    "vllm_group_port": "honoured",
+    "vllm_gpu_memory_utilization": "honoured",
+    "vllm_max_model_length": "honoured",
+    "vllm_tensor_parallel_size": "honoured",
+    "vllm_importance_sampling_correction": "honoured",  # TrinityTrainer._loss_inputs weights advantages by it
+    "vllm_importance_sampling_mode": "honoured",
+    "vllm_importance_sampling_clip_max": "honoured",
+    "vllm_importance_sampling_clip_min": "honoured",
+    "vllm_importance_sampling_cap": "honoured",
+    # rewards (the weighted sum feeds our advantage function)
+    "reward_weights": "honoured",
+    # reference model synchronisation
+    "sync_ref_model": "honoured",
+    "ref_model_mixup_alpha": "honoured",
+    "ref_model_sync_steps": "honoured",
+    # logging
+    "log_completions": "honoured",
+    "log_multimodal": "honoured",
+    "num_completions_to_print": "honoured",
+    "log_unique_prompts": "honoured",
+    "log_completions_hub_repo": "honoured",
+    # TRL's loss, KL and advantage options: replaced by components
+    "beta": "replaced",
+    "loss_type": "replaced",
+    "epsilon": "replaced",
+    "epsilon_high": "replaced",
+    "delta": "replaced",
+    "importance_sampling_level": "replaced",
+    "scale_rewards": "replaced",
+    "multi_objective_aggregation": "replaced",
+    "vespo_k_pos": "replaced",
+    "vespo_lambda_pos": "replaced",
+    "vespo_k_neg": "replaced",
+    "vespo_lambda_neg": "replaced",
+    "top_entropy_quantile": "replaced",
+    "entropy_coef": "replaced",
+    "use_adaptive_entropy": "replaced",
+    "entropy_coef_min": "replaced",
+    "entropy_coef_max": "replaced",
+    "entropy_coef_delta": "replaced",
+    "entropy_target": "replaced",
+    "off_policy_mask_threshold": "replaced",
+    "use_bias_correction_kl": "replaced",
+    "sapo_temperature_pos": "replaced",
+    "sapo_temperature_neg": "replaced",
+}
+
+# a valid non-default value of every replaced field (GRPOConfig.__post_init__ accepts each one)
+NON_DEFAULT_VALUES: dict[str, object] = {
+    "beta": 0.04,
+    "loss_type": "grpo",
+    "epsilon": 0.3,
+    "epsilon_high": 0.28,
+    "delta": 2.0,
+    "importance_sampling_level": "sequence",
+    "scale_rewards": "batch",  # True would map to the default "group"
+    "multi_objective_aggregation": "normalize_then_sum",
+    "vespo_k_pos": 2.5,
+    "vespo_lambda_pos": 3.5,
+    "vespo_k_neg": 3.5,
+    "vespo_lambda_neg": 2.5,
+    "top_entropy_quantile": 0.5,
+    "entropy_coef": 0.01,
+    "use_adaptive_entropy": True,
+    "entropy_coef_min": 0.01,
+    "entropy_coef_max": 0.5,
+    "entropy_coef_delta": 0.01,
+    "entropy_target": 0.3,
+    "off_policy_mask_threshold": 0.5,
+    "use_bias_correction_kl": False,
+    "sapo_temperature_pos": 0.9,
+    "sapo_temperature_neg": 2.0,
+}
+
+# TrainingArguments warns about TRL's own default `gradient_checkpointing=True` on every config built here
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and on this shared 2-core machine OpenMP threads that
+    spin-wait against other processes make a 0.4 s training run take several seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+ALL_PRESETS = (
+    "sft",
+    "ppo",
+    "grpo",
+    "reinforceplusplus",
+    "rloo",
+    "opmd",
+    "asymre",
+    "dpo",
+    "topr",
+    "cispo",
+    "gspo",
+    "sapo",
+    "mix",
+    "mix_chord",
+    "raft",
+    "sppo",
+    "rec",
+    "multi_step_grpo",
+    "on_policy_distill",
+)
+
+
+def _config(tmp_path, cls=TrinityConfig, **kwargs):
+    return cls(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+def _grpo_field_defaults() -> dict[str, object]:
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def test_trl_is_the_pinned_version():
+    assert trl.__version__.startswith("1.16."), trl.__version__
+
+
+def test_every_grpo_field_is_classified():
+    training_args = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    grpo_fields = [f.name for f in dataclasses.fields(GRPOConfig)]
+    specific = [name for name in grpo_fields if name not in training_args]
+    unclassified = sorted(set(specific) - set(GRPO_SPECIFIC_FIELDS))
+    assert not unclassified, f"GRPOConfig fields neither honoured nor replaced (new in TRL?): {unclassified}"
+    gone = sorted(set(GRPO_SPECIFIC_FIELDS) - set(grpo_fields))
+    assert not gone, f"classified fields that GRPOConfig no longer has: {gone}"
+    shadowed = sorted(set(GRPO_SPECIFIC_FIELDS) & training_args)
+    assert not shadowed, f"classified fields that are TrainingArguments fields (honoured by transformers): {shadowed}"
+    assert set(GRPO_SPECIFIC_FIELDS.values()) == {"honoured", "replaced"}
+    replaced = {name for name, kind in GRPO_SPECIFIC_FIELDS.items() if kind == "replaced"}
+    assert replaced == set(REPLACED_GRPO_FIELDS)
+    assert set(NON_DEFAULT_VALUES) == replaced
+    # TrinityConfig keeps every GRPOConfig field and adds the algorithm fields
+    trinity_fields = {f.name for f in dataclasses.fields(TrinityConfig)}
+    assert set(grpo_fields) <= trinity_fields
+    assert trinity_fields - set(grpo_fields) >= {
+        "algorithm",
+        "policy_loss_fn",
+        "policy_loss_fn_args",
+        "advantage_fn",
+        "advantage_fn_args",
+        "kl_loss_fn",
+        "kl_loss_fn_args",
+        "kl_penalty_fn",
+        "kl_penalty_fn_args",
+        "entropy_loss_fn",
+        "entropy_loss_fn_args",
+        "loss_agg_mode",
+        "component_args_mode",
+    }
+
+
+def test_replaced_field_messages_say_what_to_use():
+    for name, replacement in REPLACED_GRPO_FIELDS.items():
+        assert replacement.strip(), name
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED_GRPO_FIELDS))
+def test_replaced_field_with_non_default_value_is_rejected(tmp_path, name):
+    value = NON_DEFAULT_VALUES[name]
+    assert value != _grpo_field_defaults()[name]
+    GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: value})  # TRL itself accepts the value
+    with pytest.raises(ValueError, match=name) as info:
+        _config(tmp_path, **{name: value})
+    assert REPLACED_GRPO_FIELDS[name] in str(info.value)  # and it says what to use instead
+
+
+@pytest.mark.parametrize("name", sorted(REPLACED_GRPO_FIELDS))
+def test_replaced_field_at_its_default_is_accepted(tmp_path, name):
+    _config(tmp_path, **{name: _grpo_field_defaults()[name]})
+
+
+def test_scale_rewards_true_maps_to_the_default_group(tmp_path):
+    assert _config(tmp_path, scale_rewards=True).scale_rewards == "group"
+    with pytest.raises(ValueError, match="scale_rewards"):
+        _config(tmp_path, scale_rewards=False)  # "none"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"temperature": 0.7},
+        {"top_p": 0.9, "top_k": 5},
+        {"num_iterations": 2},
+        {"reward_weights": [1.0, 0.5]},
+        {"mask_truncated_completions": True},
+        {"max_completion_length": 4, "num_generations": 2},
+        {"log_completions": True},
+        {"sync_ref_model": True, "ref_model_sync_steps": 8},
+    ],
+)
+def test_honoured_fields_are_accepted(tmp_path, overrides):
+    config = _config(tmp_path, **overrides)
+    for name, value in overrides.items():
+        assert getattr(config, name) == value
+
+
+def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_path):
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        with pytest.raises(ValueError, match=name):
+            _config(tmp_path, **{name: NON_DEFAULT_VALUES[name]})  # grpo preset: ppo loss
+    config = _config(tmp_path, algorithm="sapo", sapo_temperature_neg=2.0)
+    args = config.resolved_algorithm().policy_loss_fn_args
+    assert args["tau_neg"] == 2.0 and args["tau_pos"] == 1.0
+    # a sapo policy loss in another preset honours them too
+    args = _config(tmp_path, policy_loss_fn="sapo", sapo_temperature_pos=0.8).resolved_algorithm().policy_loss_fn_args
+    assert args["tau_pos"] == 0.8
+    # and they are checked: tau_neg must be >= tau_pos
+    with pytest.raises(ValueError, match="tau_neg"):
+        _config(tmp_path, algorithm="sapo", sapo_temperature_pos=1.2)
+    # a clash with the same key in policy_loss_fn_args is an error; the same value is not
+    with pytest.raises(ValueError, match="sapo_temperature_neg"):
+        _config(
+            tmp_path,
+            algorithm="sapo",
+            sapo_temperature_neg=2.0,
+            policy_loss_fn_args={"tau_neg": 3.0},
+        )
+    same = _config(
+        tmp_path,
+        algorithm="sapo",
+        sapo_temperature_neg=2.0,
+        policy_loss_fn_args={"tau_neg": 2.0},
+    )
+    assert same.resolved_algorithm().policy_loss_fn_args["tau_neg"] == 2.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. Resolution at config construction
+
+
+def test_the_19_presets():
+    assert sorted(ALGORITHM_TYPE.names()) == sorted(ALL_PRESETS)
+
+
+@pytest.mark.parametrize("algorithm", ALL_PRESETS)
+def test_every_preset_resolves(tmp_path, algorithm):
+    resolved = _config(tmp_path, algorithm=algorithm).resolved_algorithm()
+    assert resolved.algorithm == algorithm
+    assert resolved.policy_loss_fn == ALGORITHM_TYPE.get(algorithm).default_config()["policy_loss_fn"]
+
+
+def test_unknown_algorithm(tmp_path):
+    with pytest.raises(ValueError, match="nope"):
+        _config(tmp_path, algorithm="nope")
+
+
+@pytest.mark.parametrize(
+    "component",
+    [
+        "policy_loss_fn",
+        "advantage_fn",
+        "kl_loss_fn",
+        "kl_penalty_fn",
+        "entropy_loss_fn",
+    ],
+)
+def test_unknown_component_name(tmp_path, component):
+    with pytest.raises(ValueError, match="no_such_component"):
+        _config(tmp_path, **{component: "no_such_component"})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"policy_loss_fn_args": {"clip_ratio_c": 0.5}},
+        {"policy_loss_fn_args": {"clip_range": -0.1}},
+        {"advantage_fn_args": {"epsilon": 0.0}},
+        {"advantage_fn_args": {"std_cal_level": "nope"}},
+        {"kl_loss_fn_args": {"kl_coef": -1.0}},
+        {"kl_penalty_fn_args": {"adaptive": True}},  # without target_kl / horizon
+        {"algorithm": "cispo", "policy_loss_fn_args": {"clip_range_low": 1.5}},
+        {"algorithm": "sapo", "policy_loss_fn_args": {"tau_pos": 0.0}},
+        {"advantage_fn": "rloo"},  # a batch function in a group-advantage preset
+    ],
+)
+def test_bad_arguments_fail_at_config_construction(tmp_path, kwargs):
+    with pytest.raises(ValueError):
+        _config(tmp_path, **kwargs)
+
+
+def test_unknown_argument_key_fails_at_config_construction(tmp_path):
+    # The component constructor rejects it with a ValueError naming the key and listing the accepted ones.
+    with pytest.raises(ValueError, match="not_an_arg.*clip_range"):
+        _config(tmp_path, policy_loss_fn_args={"not_an_arg": 1})
+
+
+@pytest.mark.parametrize("field", ["loss_agg_mode", "component_args_mode", "loss_normalization"])
+def test_bad_modes(tmp_path, field):
+    with pytest.raises(ValueError, match="bad_mode"):
+        _config(tmp_path, **{field: "bad_mode"})
+
+
+def test_args_given_as_json_strings_are_parsed(tmp_path):
+    config = _config(
+        tmp_path,
+        policy_loss_fn_args='{"clip_range": 0.3}',
+        advantage_fn_args='{"epsilon": 1e-5}',
+        kl_loss_fn_args='{"kl_coef": 0.01}',
+        kl_penalty_fn_args="{}",
+        entropy_loss_fn_args='{"entropy_coef": 0.002}',
+    )
+    assert config.policy_loss_fn_args == {"clip_range": 0.3}
+    resolved = config.resolved_algorithm()
+    assert resolved.policy_loss_fn_args["clip_range"] == 0.3
+    assert resolved.advantage_fn_args["epsilon"] == 1e-5
+    assert resolved.kl_loss_fn_args["kl_coef"] == 0.01
+    assert resolved.entropy_loss_fn_args["entropy_coef"] == 0.002
+    with pytest.raises(ValueError, match="policy_loss_fn_args"):
+        _config(tmp_path, policy_loss_fn_args="{not json")
+    with pytest.raises(ValueError, match="policy_loss_fn_args"):
+        _config(tmp_path, policy_loss_fn_args="[1, 2]")  # JSON, but not an object
+
+
+def test_trl_parser_passes_args_as_json(tmp_path):
+    parser = trl.TrlParser((TrinityConfig,))
+    (config,) = parser.parse_args_and_config(
+        args=[
+            "--output_dir",
+            str(tmp_path),
+            "--use_cpu",
+            "True",
+            "--algorithm",
+            "gspo",
+            "--policy_loss_fn_args",
+            '{"clip_range": 0.3}',
+            "--kl_loss_fn",
+            "k3",
+        ]
+    )
+    assert config.policy_loss_fn_args == {"clip_range": 0.3}
+    resolved = config.resolved_algorithm()
+    assert resolved.policy_loss_fn == "gspo" and resolved.kl_loss_fn == "k3"
+    # merge mode: the user's symmetric clip_range replaces GSPO's default specific bounds
+    assert resolved.build_policy_loss().clip_range_low == resolved.build_policy_loss().clip_range_high == 0.3
+
+
+def test_merge_and_replace_semantics(tmp_path):
+    merged = _config(tmp_path, policy_loss_fn_args={"clip_range_high": 0.28}).resolved_algorithm()
+    loss = merged.build_policy_loss()
+    assert (loss.clip_range_low, loss.clip_range_high) == (0.2, 0.28)
+    assert merged.policy_loss_fn_args["clip_ratio_c"] == 3.0  # the other defaults are kept
+    with pytest.raises(ValueError, match="clip range is unresolved"):
+        _config(
+            tmp_path,
+            policy_loss_fn_args={"clip_range_high": 0.28},
+            component_args_mode="replace",
+        )
+    replaced = _config(
+        tmp_path, policy_loss_fn_args={"clip_range": 0.1}, component_args_mode="replace"
+    ).resolved_algorithm()
+    # the user's dict alone (plus the global aggregation mode, which always reaches the policy loss)
+    assert replaced.policy_loss_fn_args == {
+        "clip_range": 0.1,
+        "loss_agg_mode": "token-mean",
+    }
+    # without user args, both modes take default_args()
+    assert (
+        _config(tmp_path, component_args_mode="replace").resolved_algorithm().policy_loss_fn_args
+        == _config(tmp_path).resolved_algorithm().policy_loss_fn_args
+    )
+
+
+def test_global_loss_agg_mode_overrides_the_policy_loss(tmp_path):
+    resolved = _config(tmp_path, loss_agg_mode="seq-mean-token-sum").resolved_algorithm()
+    assert resolved.loss_agg_mode == "seq-mean-token-sum"
+    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
+
+
+def test_global_loss_agg_mode_overrides_the_policy_loss_in_replace_mode(tmp_path):
+    # a replace-mode args dict without loss_agg_mode: the config's mode still reaches the policy loss, so the
+    # policy, KL and entropy terms aggregate alike
+    resolved = _config(
+        tmp_path,
+        loss_agg_mode="seq-mean-token-mean",
+        component_args_mode="replace",
+        policy_loss_fn_args={"clip_range": 0.2},
+    ).resolved_algorithm()
+    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
+
+
+def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
+    config = _config(
+        tmp_path,
+        CISPOConfig,
+        clip_range_low=0.5,
+        clip_range_high=0.4,
+        enable_mask_clip=True,
+        mask_clip_range_low=0.9,
+        mask_clip_range_high=0.5,
+    )
+    args = config.resolved_algorithm().policy_loss_fn_args
+    assert {
+        k: args[k]
+        for k in (
+            "clip_range_low",
+            "clip_range_high",
+            "enable_mask_clip",
+            "mask_clip_range_low",
+            "mask_clip_range_high",
+        )
+    } == {
+        "clip_range_low": 0.5,
+        "clip_range_high": 0.4,
+        "enable_mask_clip": True,
+        "mask_clip_range_low": 0.9,
+        "mask_clip_range_high": 0.5,
+    }
+    resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
+    assert resolved.algorithm == "cispo" and resolved.policy_loss_fn == "cispo"
+    assert resolved.kl_loss_fn == "k2"  # the preset's KL loss
+    # a clash between a dedicated field and the same key in policy_loss_fn_args
+    with pytest.raises(ValueError, match="clip_range_high"):
+        _config(
+            tmp_path,
+            CISPOConfig,
+            clip_range_high=0.5,
+            policy_loss_fn_args={"clip_range_high": 0.6},
+        )
+    with pytest.raises(ValueError, match="clip_range_high"):
+        _config(tmp_path, CISPOConfig, policy_loss_fn_args={"clip_range_high": 0.6})  # field at its default
+    same = _config(
+        tmp_path,
+        CISPOConfig,
+        clip_range_high=0.6,
+        policy_loss_fn_args={"clip_range_high": 0.6},
+    )
+    assert same.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.6
+    with pytest.raises(ValueError, match="cispo"):
+        _config(tmp_path, CISPOConfig, algorithm="grpo")
+
+
+def test_sapo_config(tmp_path):
+    resolved = _config(tmp_path, SAPOConfig).resolved_algorithm()
+    assert resolved.policy_loss_fn == "sapo"
+    assert resolved.policy_loss_fn_args["form"] == "paper"
+    assert resolved.loss_agg_mode == "seq-mean-token-mean"
+    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
+    assert resolved.kl_loss_fn == "none" and not resolved.needs_reference
+    custom = _config(
+        tmp_path,
+        SAPOConfig,
+        sapo_temperature_pos=0.8,
+        sapo_temperature_neg=1.5,
+        sapo_form="trinity",
+    )
+    args = custom.resolved_algorithm().policy_loss_fn_args
+    assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
+    with pytest.raises(ValueError, match="sapo_form"):
+        _config(tmp_path, SAPOConfig, sapo_form="bad")
+    with pytest.raises(ValueError, match="form"):
+        _config(tmp_path, SAPOConfig, policy_loss_fn_args={"form": "trinity"})  # clash with sapo_form="paper"
+    with pytest.raises(ValueError, match="sapo"):
+        _config(tmp_path, SAPOConfig, algorithm="grpo")
+
+
+def test_sapo_config_replace_mode_keeps_its_aggregation(tmp_path):
+    resolved = _config(tmp_path, SAPOConfig, component_args_mode="replace").resolved_algorithm()
+    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Trainer construction errors
+
+
+def _trainer(tmp_path, model_dir, dataset, cls=TrinityTrainer, config_cls=TrinityConfig, **kwargs):
+    init = {k: kwargs.pop(k) for k in ("teacher_model", "peft_config") if k in kwargs}
+    args = config_cls(**tiny_grpo_kwargs(output_dir=str(tmp_path), **kwargs))
+    return cls(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=dataset,
+        **init,
+    )
+
+
+def test_ppo_needs_a_critic(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(NotImplementedError, match="critic"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="ppo")
+
+
+@pytest.mark.parametrize(("algorithm", "trainer_name"), [("sft", "SFT"), ("dpo", "DPO")])
+def test_sft_and_dpo_point_to_their_trainers(tmp_path, tiny_model_dir, tiny_dataset, algorithm, trainer_name):
+    with pytest.raises(ValueError, match=rf"{trainer_name}Trainer"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["mix", "mix_chord"])
+def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm):
+    with pytest.raises(ValueError, match="ChordTrainer"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
+
+
+def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="kl_penalty_fn"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
+
+
+def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="teacher_model"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="on_policy_distill")
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        ({"rank_penalty": 0.1}, "rank_penalty"),
+        (
+            {"duplicate_experiences": True, "std_threshold": 0.0},
+            "duplicate_experiences",
+        ),
+    ],
+)
+def test_unsupported_group_advantage_options(tmp_path, tiny_model_dir, tiny_dataset, args, key):
+    with pytest.raises(ValueError, match=key):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, advantage_fn_args=args)
+
+
+def test_plain_grpo_config_is_a_type_error(tmp_path, tiny_model_dir, tiny_dataset):
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match="TrinityConfig"):
+        TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=tiny_dataset,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. beta and the reference model
+
+
+class LossInputRecorder(TrinityTrainer):
+    def __init__(self, *args, **kwargs):
+        self.loss_inputs: list[dict] = []
+        super().__init__(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        self.loss_inputs.append(
+            {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        )
+        return super()._compute_loss(model, inputs)
+
+
+def test_reference_model_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
+    with_kl = _trainer(tmp_path / "kl", tiny_model_dir, tiny_dataset, algorithm="grpo")
+    assert with_kl.args.beta == 0.0  # restored after TRL's __init__
+    assert with_kl.algorithm.needs_reference
+    assert with_kl.ref_model is not None
+
+    no_kl = _trainer(
+        tmp_path / "none",
+        tiny_model_dir,
+        tiny_dataset,
+        algorithm="grpo",
+        kl_loss_fn="none",
+    )
+    assert no_kl.args.beta == 0.0
+    assert not no_kl.algorithm.needs_reference
+    assert no_kl.ref_model is None
+
+    no_ref_preset = _trainer(tmp_path / "asymre", tiny_model_dir, tiny_dataset, algorithm="asymre")
+    assert no_ref_preset.ref_model is None
+
+
+def test_ref_logps_reach_the_loss_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
+    with_kl = _trainer(
+        tmp_path / "kl",
+        tiny_model_dir,
+        tiny_dataset,
+        cls=LossInputRecorder,
+        max_steps=1,
+    )
+    with_kl.train()
+    assert with_kl.args.beta == 0.0
+    (inputs,) = with_kl.loss_inputs
+    assert inputs["ref_per_token_logps"].shape == inputs["completion_ids"].shape
+
+    no_kl = _trainer(
+        tmp_path / "none",
+        tiny_model_dir,
+        tiny_dataset,
+        cls=LossInputRecorder,
+        max_steps=1,
+        kl_loss_fn="none",
+    )
+    no_kl.train()
+    (inputs,) = no_kl.loss_inputs
+    assert "ref_per_token_logps" not in inputs
+
+
+def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        tiny_dataset,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+    )
+    assert trainer.ref_model is not None
+    assert any(isinstance(cb, SyncRefModelCallback) for cb in trainer.callback_handler.callbacks)
+    # without a KL term there is no reference to sync; the error speaks our terms, not TRL's beta
+    with pytest.raises(ValueError, match="kl_loss_fn"):
+        _trainer(
+            tmp_path,
+            tiny_model_dir,
+            tiny_dataset,
+            sync_ref_model=True,
+            kl_loss_fn="none",
+        )
+
+
+def test_lora_reference_is_the_base_model(tmp_path, tiny_model_dir, tiny_dataset):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        tiny_dataset,
+        cls=LossInputRecorder,
+        max_steps=2,
+        peft_config=peft_config,
+    )
+    assert trainer.args.beta == 0.0
+    assert trainer.ref_model is None  # the adapter-disabled policy is the reference
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert len(trainer.loss_inputs) == 2
+    for inputs in trainer.loss_inputs:
+        ref = inputs["ref_per_token_logps"]
+        assert ref.shape == inputs["completion_ids"].shape and torch.isfinite(ref).all()
+    kl_losses = [entry["actor/kl_loss"] for entry in trainer.state.log_history if "actor/kl_loss" in entry]
+    assert len(kl_losses) == 2 and all(math.isfinite(v) for v in kl_losses)
