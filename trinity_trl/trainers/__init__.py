@@ -6,6 +6,7 @@ from .config import TrinityConfig
 from .dpo import TrinityDPOConfig, TrinityDPOTrainer
 from .sapo import SAPOConfig, SAPOTrainer
 from .sft import TrinitySFTConfig, TrinitySFTTrainer
+from .step_grpo import StepGRPOConfig, StepGRPOTrainer
 from .trinity import TrinityTrainer
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "ChordTrainer",
     "SAPOConfig",
     "SAPOTrainer",
+    "StepGRPOConfig",
+    "StepGRPOTrainer",
     "TrinityConfig",
     "TrinityDPOConfig",
     "TrinityDPOTrainer",

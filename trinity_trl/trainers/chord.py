@@ -221,11 +221,11 @@ class ChordTrainer(TrinityTrainer):
             "completion_mask": completion_mask.to(device),
         }
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+    def _apply_algorithm(self, output: dict, num_local: int, mode: str) -> dict:
+        output = super()._apply_algorithm(output, num_local, mode)
         n_rollouts = output["prompt_ids"].shape[0]
         device = output["prompt_ids"].device
-        if not self.model.training:  # evaluation scores rollouts only
+        if mode == "eval":  # evaluation scores rollouts only
             output["expert_mask"] = torch.zeros(n_rollouts, dtype=torch.bool, device=device)
             return output
         expert = self._expert_batch(device)
@@ -265,18 +265,6 @@ class ChordTrainer(TrinityTrainer):
             "chord/on_policy_tokens": output["completion_mask"].sum(),
         })
         return merged
-
-    @torch.no_grad()
-    def _reference_logps(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Reference log-probs of expert rows (for the KL loss), obtained as TRL obtains them for
-        rollouts: the reference model, or the policy with its adapter disabled under PEFT."""
-        from trl.trainer.utils import use_adapter
-
-        if self.ref_model is not None:
-            return self._forward_logps(self.ref_model, rows)
-        model = self.accelerator.unwrap_model(self.model)
-        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            return self._forward_logps(self.model, rows)
 
     # ----------------------------------------------------------------------------------- loss
     def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:

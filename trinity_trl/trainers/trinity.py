@@ -155,10 +155,29 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        group_size = self.num_generations if mode == "train" else self.num_generations_eval
         self._generation_count += 1
+        output = self._apply_algorithm(output, len(inputs), mode)
+        if self.args.loss_normalization == "global":
+            loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+            rows = output["row_mask"].sum() if "row_mask" in output else torch.tensor(loss_mask.shape[0])
+            counts = torch.stack([loss_mask.sum().float(), rows.float().to(loss_mask.device)])
+            # one unconditional collective per generation batch: every rank reaches it
+            output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(0)
+        return output
+
+    def _group_size(self, mode: str) -> int:
+        return self.num_generations if mode == "train" else self.num_generations_eval
+
+    def _local_rows(self, num_local: int) -> slice:
+        """This process's rows in the gathered (process-major) order."""
+        start = self.accelerator.process_index * num_local
+        return slice(start, start + num_local)
+
+    def _apply_algorithm(self, output: dict, num_local: int, mode: str) -> dict:
+        """Replace TRL's advantages with the configured advantage function's (and filter rows)."""
+        group_size = self._group_size(mode)
         rewards = self._global_rewards()
-        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        local = self._local_rows(num_local)
         unscorable = ~torch.isfinite(rewards)
         metrics: dict[str, Any] = {"unscorable_count": float(unscorable.sum())}
         if self.algorithm.policy_loss_fn == "sft":  # RAFT: SFT on the best completion(s) of each group
@@ -175,10 +194,6 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             output["completion_mask"] = output["completion_mask"] * kept[local].unsqueeze(1).to(output["completion_mask"].dtype)
             metrics.update(group_metrics)
         self._log_metrics(mode, metrics)
-        if self.args.loss_normalization == "global":
-            loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-            # one unconditional collective per generation batch: every rank reaches it
-            output["global_loss_tokens"] = self.accelerator.gather(loss_mask.sum().reshape(1).float()).sum()
         return output
 
     def _best_of_group(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -276,6 +291,18 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             output["old_per_token_logps"] = self._forward_logps(self.model, output)
         return output["old_per_token_logps"]
 
+    @torch.no_grad()
+    def _reference_logps(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference log-probs of extra rows (expert rows, step rows), obtained as TRL obtains them
+        for rollouts: the reference model, or the policy with its adapter disabled under PEFT."""
+        from trl.trainer.utils import use_adapter
+
+        if self.ref_model is not None:
+            return self._forward_logps(self.ref_model, rows)
+        model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return self._forward_logps(self.model, rows)
+
     def _teacher_logps(self, output: dict) -> torch.Tensor:
         return self._forward_logps(self.teacher_model, output)
 
@@ -341,15 +368,23 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
     def _loss_scale(self, inputs: dict, mask: torch.Tensor, agg: str) -> torch.Tensor | float:
         """Factor applied to a training micro-batch loss (GRPOTrainer sets ``loss_is_scaled_for_ga``,
-        so the trainer, not transformers, accounts for gradient accumulation)."""
+        so the trainer, not transformers, accounts for gradient accumulation).
+
+        Padding rows (``row_mask`` False, added to keep micro-batches equal) carry no tokens, but the
+        ``seq-mean-*`` modes count them in ``B``; the factor ``B / real rows`` undoes that.
+        """
         accumulation = self.current_gradient_accumulation_steps
-        if self.args.loss_normalization == "micro_batch" or agg != "token-mean":
+        rows = mask.shape[0]
+        real_rows = inputs["row_mask"].sum().clamp(min=1) if "row_mask" in inputs else rows
+        if agg == "seq-mean-token-sum-norm":
             return 1.0 / accumulation
-        # the token mean becomes Σ over this micro-batch / tokens per process per optimizer step; DDP's
-        # average over processes then yields Σ over every token of the step / the step's token count
-        per_step = inputs["global_loss_tokens"] / self.accelerator.num_processes
-        per_step = per_step * accumulation / self.args.steps_per_generation
-        return mask.sum() / per_step.clamp(min=1.0)
+        if self.args.loss_normalization == "micro_batch":
+            return (1.0 if agg == "token-mean" else rows / real_rows) / accumulation
+        # the micro-batch's sum over tokens (rows) / units per process per optimizer step; DDP's average
+        # over processes then yields the sum over every token (row) of the step / the step's count
+        local, total = (mask.sum(), inputs["global_loss_tokens"]) if agg == "token-mean" else (rows, inputs["global_loss_rows"])
+        per_step = total / self.accelerator.num_processes * accumulation / self.args.steps_per_generation
+        return local / per_step.clamp(min=1.0)
 
     def _log_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Append metrics to TRL's per-mode lists (averaged at logging time). Values are this

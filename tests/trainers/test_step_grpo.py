@@ -1,0 +1,200 @@
+"""StepGRPOTrainer: the multi-step rollout, step bookkeeping, step-wise advantages, training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import length_reward, tiny_grpo_kwargs
+from peft import LoraConfig
+
+from trinity_trl.algorithms import ADVANTAGE_FN, EID, Experience
+from trinity_trl.rollouts import (
+    CalculatorEnv,
+    Environment,
+    NumberGuessEnv,
+    StepResult,
+    calculator_dataset,
+    number_guess_dataset,
+)
+from trinity_trl.rollouts.envs.calculator import safe_eval
+from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+
+
+class ScriptedEnv(Environment):
+    """Ends after ``length`` turns (from the row) with reward ``reward``; earlier steps reward 9.0,
+    which step-wise GRPO must ignore."""
+
+    def reset(self, length, reward, **row):
+        self.length, self.reward, self.turn = int(length), float(reward), 0
+        return f"Play {length} turns."
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn >= self.length:
+            return StepResult("Done.", reward=self.reward, done=True)
+        return StepResult(f"Turn {self.turn} done, go on.", reward=9.0)
+
+
+def scripted_tasks(lengths_and_rewards):
+    return Dataset.from_dict({"length": [l for l, _ in lengths_and_rewards],
+                              "reward": [r for _, r in lengths_and_rewards]})
+
+
+class Recording(StepGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches, self.loss_rows, self.run_log = [], [], []
+
+    def _apply_algorithm(self, output, num_local, mode):
+        self.run_log.append([(len(r.steps), r.reward) for r in self._runs])
+        out = super()._apply_algorithm(output, num_local, mode)
+        self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
+        return out
+
+    def _compute_loss(self, model, inputs):
+        self.loss_rows.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "completion_mask",
+                                                             "advantages", "row_mask")})
+        return super()._compute_loss(model, inputs)
+
+
+def make(tmp_path, model_dir, tasks, env=ScriptedEnv, cls=Recording, peft=False, **config):
+    kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1, shuffle_dataset=False)
+    kwargs.update(config)
+    return cls(model=model_dir, args=StepGRPOConfig(**kwargs), train_dataset=tasks, environment_factory=env,
+               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+               if peft else None)
+
+
+def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir):
+    # RepeatSampler repeats a task num_generations (4) times: 4 runs of 3 steps, all rewarded 1.0
+    tasks = scripted_tasks([(3, 1.0)] * 8)
+    trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
+    trainer.train()
+    batch = trainer.batches[0]
+    assert batch["row_mask"].sum() == 4 * 3  # 4 runs x 3 steps
+    # all runs have reward 1.0: zero std, so every advantage is 0
+    assert torch.all(batch["advantages"] == 0)
+
+
+def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
+    # two tasks x two runs (num_generations=2) whose runs last 1, 3 and 2, 1 turns: 7 step rows, which
+    # steps_per_generation=2 cannot split evenly. The runs of one task come from one repeated row, so
+    # the environment draws lengths and rewards from shared iterators.
+    tasks = Dataset.from_dict({"length": [1, 3, 2, 1], "reward": [1.0, 0.0, 0.5, 0.2]})
+    lengths = iter([1, 3, 2, 1])
+    rewards = iter([1.0, 0.0, 0.5, 0.2])
+
+    class CountingEnv(Environment):
+        def reset(self, **row):
+            self.length, self.reward, self.turn = next(lengths), next(rewards), 0
+            return "Go."
+
+        def step(self, action):
+            self.turn += 1
+            if self.turn >= self.length:
+                return StepResult("Done.", reward=self.reward, done=True)
+            return StepResult("Again.", reward=9.0)
+
+    trainer = make(tmp_path, tiny_model_dir, tasks.select([0, 2]), env=CountingEnv, num_generations=2,
+                   per_device_train_batch_size=2, gradient_accumulation_steps=2, max_env_steps=5)
+    trainer.train()
+    batch = trainer.batches[0]
+    assert trainer.run_log[0] == [(1, 1.0), (3, 0.0), (2, 0.5), (1, 0.2)]
+    assert int(batch["row_mask"].sum()) == 7
+    assert batch["row_mask"].shape[0] == 8  # padded to a multiple of steps_per_generation (2)
+    # expected advantages from the library on the same runs (non-last rewards 9.0 ignored)
+    fn = ADVANTAGE_FN.get("step_wise_grpo")(**ADVANTAGE_FN.get("step_wise_grpo").default_args())
+    exps = [Experience(eid=EID(batch=0, task=i // 2, run=i % 2, step=s), tokens=torch.zeros(1, dtype=torch.long),
+                       prompt_length=0, reward=r)
+            for i, (n, r) in enumerate(trainer.run_log[0]) for s in range(n)]
+    expected = [float(e.advantages[0]) for e in fn(exps)[0]]
+    assert batch["advantages"][batch["row_mask"]].tolist() == pytest.approx(expected, abs=1e-6)
+    # every step row is trained exactly once across the micro-batches, padding rows never
+    seen = torch.cat([rows["row_mask"] for rows in trainer.loss_rows])
+    assert int(seen.sum()) == 7 and seen.numel() == 8
+    trained_advantages = torch.cat([rows["advantages"][rows["row_mask"]] for rows in trainer.loss_rows])
+    assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
+    padding = torch.cat([rows["completion_mask"][~rows["row_mask"]] for rows in trainer.loss_rows])
+    assert padding.sum() == 0
+
+
+def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
+    tasks = scripted_tasks([(3, 1.0)] * 4)
+    trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
+    trainer.train()
+    run = trainer._runs[0]
+    eos = trainer._tokenizer.eos_token_id
+    for previous, step in zip(run.steps, run.steps[1:]):
+        history = previous.prompt_ids + previous.completion_ids
+        if previous.completion_ids[-1] != eos:
+            history = history + [eos]
+        assert step.prompt_ids[: len(history)] == history
+        assert "Turn" in trainer.processing_class.decode(step.prompt_ids[len(history):])
+    assert all(r.prefix_preserving for r in trainer._runs)
+
+
+def test_max_env_steps_bounds_runs(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, scripted_tasks([(10, 1.0)] * 4), max_env_steps=2)
+    trainer.train()
+    assert [len(r.steps) for r in trainer._runs] == [2, 2, 2, 2]
+    assert all(r.reward == 9.0 for r in trainer._runs)  # cut off: the last step's reward counts
+
+
+def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=NumberGuessEnv, peft=True, max_steps=2,
+                   max_env_steps=2)
+    trainer.train()
+    assert "multi_step/steps_per_run" in trainer.state.log_history[0]
+    extra = StepGRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=number_guess_dataset(8),
+                            environment_factory=NumberGuessEnv,
+                            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "x"), max_steps=1)))
+    assert [f.__name__ for f in extra.reward_funcs] == ["environment_reward", "length_reward"]
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"max_env_steps": 0}, "max_env_steps"),
+        ({"history": "text"}, "history"),
+        ({"std_cal_level": "global"}, "std_cal_level"),
+        ({"advantage_fn": "grpo"}, "step_wise_grpo"),
+    ],
+)
+def test_bad_configs(config, match):
+    with pytest.raises(ValueError, match=match):
+        StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused", **config))
+
+
+def test_needs_an_environment_factory(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="environment_factory"):
+        StepGRPOTrainer(model=tiny_model_dir, train_dataset=number_guess_dataset(4),
+                        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+
+
+def test_number_guess_environment():
+    env = NumberGuessEnv()
+    assert "between 1 and 100" in env.reset(target=42, low=1, high=100)
+    assert env.step("I guess 50").observation.endswith("lower.")
+    assert env.step("no idea").observation.startswith("Please")
+    result = env.step("Is it 42?")
+    assert result.done and result.reward == 1.0
+    partial = NumberGuessEnv(partial_credit=True)
+    partial.reset(target=10, low=1, high=100)
+    assert partial.step("20").reward == pytest.approx(0.5 * (1 - 10 / 99))
+    with pytest.raises(ValueError):
+        NumberGuessEnv().reset(target=200, low=1, high=100)
+
+
+def test_calculator_environment():
+    env = CalculatorEnv()
+    env.reset(question="What is 3*4-2?", answer=10)
+    assert env.step("calc(3*4)").observation == "calc(3*4) = 12"
+    assert "Error" in env.step("calc(x+1)").observation  # names are not evaluated
+    assert "Error" in env.step("calc(2**64)").observation  # nor powers
+    assert not env.step("hmm").done
+    result = env.step("answer(10)")
+    assert result.done and result.reward == 1.0
+    assert safe_eval("-(2+3)*4") == -20
+    rows = calculator_dataset(4)
+    assert len(rows) == 4 and all(isinstance(a, int) for a in rows["answer"])

@@ -1,0 +1,17 @@
+"""Multi-step environments and the rollout that turns episodes into one sample per turn."""
+
+from .environment import Environment, StepResult
+from .envs import CalculatorEnv, NumberGuessEnv, calculator_dataset, number_guess_dataset
+from .multi_step import MultiStepRollout, Run, Step
+
+__all__ = [
+    "CalculatorEnv",
+    "Environment",
+    "MultiStepRollout",
+    "NumberGuessEnv",
+    "Run",
+    "Step",
+    "StepResult",
+    "calculator_dataset",
+    "number_guess_dataset",
+]
