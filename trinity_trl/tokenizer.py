@@ -37,7 +37,12 @@ def hf_tokenizer(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    return correct_tokenizer(tokenizer, name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2)
 
+
+def correct_tokenizer(tokenizer, name_or_path, correct_pad_token: bool = True, correct_gemma2: bool = True):
+    """The corrections of :func:`hf_tokenizer`, applied in place to an already loaded tokenizer
+    (the trainers apply them to the tokenizer inside the processor TRL loads)."""
     if correct_gemma2 and "gemma-2" in str(name_or_path).lower():
         end_of_turn_id = tokenizer.convert_tokens_to_ids(GEMMA2_END_OF_TURN)
         # Unknown tokens map to None, or to the unk id when the tokenizer has an unk token.

@@ -217,3 +217,39 @@ def test_bad_expert_datasets(tmp_path, tiny_model_dir):
                            expert=Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]))
     with pytest.raises(ValueError, match="row 0: the last message must be the assistant"):
         trainer.train()
+
+
+def test_resume_restores_the_expert_stream_position(tmp_path, tiny_model_dir):
+    straight = make_trainer(tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2, save_strategy="steps",
+                            save_steps=1)
+    straight.train()
+    resumed = make_trainer(tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed._expert_cursor == straight._expert_cursor == 6
+    expert_rows = lambda t: t.batches[-1]["completion_ids"][t.batches[-1]["expert_mask"]]  # noqa: E731
+    assert torch.equal(expert_rows(resumed), expert_rows(straight))
+
+
+def test_eval_loss_does_not_depend_on_the_eval_batch_size(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2, per_device_eval_batch_size=8)
+    loss_fn = trainer._policy_loss_for("eval")
+    torch.manual_seed(0)
+    logps, adv = -torch.rand(8, 5), torch.randn(8, 5)
+    inputs = dict(logprob=logps, old_logprob=logps, action_mask=torch.ones(8, 5), advantages=adv,
+                  expert_mask=torch.zeros(8, dtype=torch.bool), step=torch.ones(8))
+    full = loss_fn(**inputs)[0]
+    half = loss_fn(**{k: v[:4] for k, v in inputs.items()})[0]
+    reference = POLICY_LOSS_FN.get("ppo")(clip_range=0.2)
+    assert full.item() == pytest.approx(0.9 * reference(logprob=logps, old_logprob=logps, action_mask=torch.ones(8, 5),
+                                                        advantages=adv)[0].item(), abs=1e-6)
+    # each sample weighs 1/per_device_eval_batch_size: a half-full eval batch contributes half
+    half_reference = reference(logprob=logps[:4], old_logprob=logps[:4], action_mask=torch.ones(4, 5),
+                               advantages=adv[:4])[0].item()
+    assert half.item() == pytest.approx(0.9 * 0.5 * half_reference, abs=1e-6)
+
+
+def test_chord_rejects_environment_factory(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="environment_factory"):
+        ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert_messages(),
+                     args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+                     train_dataset=tiny_conversational_dataset(), environment_factory=object)

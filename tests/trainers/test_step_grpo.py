@@ -54,7 +54,7 @@ class Recording(StepGRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self.loss_rows.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "completion_mask",
-                                                             "advantages", "row_mask")})
+                                                             "advantages", "sample_count")})
         return super()._compute_loss(model, inputs)
 
 
@@ -72,7 +72,7 @@ def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir)
     trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
     trainer.train()
     batch = trainer.batches[0]
-    assert batch["row_mask"].sum() == 4 * 3  # 4 runs x 3 steps
+    assert batch["sample_count"].sum() == 4 * 3  # 4 runs x 3 steps
     # all runs have reward 1.0: zero std, so every advantage is 0
     assert torch.all(batch["advantages"] == 0)
 
@@ -101,21 +101,21 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
     trainer.train()
     batch = trainer.batches[0]
     assert trainer.run_log[0] == [(1, 1.0), (3, 0.0), (2, 0.5), (1, 0.2)]
-    assert int(batch["row_mask"].sum()) == 7
-    assert batch["row_mask"].shape[0] == 8  # padded to a multiple of steps_per_generation (2)
+    assert int(batch["sample_count"].sum()) == 7
+    assert batch["sample_count"].shape[0] == 8  # padded to a multiple of steps_per_generation (2)
     # expected advantages from the library on the same runs (non-last rewards 9.0 ignored)
     fn = ADVANTAGE_FN.get("step_wise_grpo")(**ADVANTAGE_FN.get("step_wise_grpo").default_args())
     exps = [Experience(eid=EID(batch=0, task=i // 2, run=i % 2, step=s), tokens=torch.zeros(1, dtype=torch.long),
                        prompt_length=0, reward=r)
             for i, (n, r) in enumerate(trainer.run_log[0]) for s in range(n)]
     expected = [float(e.advantages[0]) for e in fn(exps)[0]]
-    assert batch["advantages"][batch["row_mask"]].tolist() == pytest.approx(expected, abs=1e-6)
+    assert batch["advantages"][batch["sample_count"].bool()].tolist() == pytest.approx(expected, abs=1e-6)
     # every step row is trained exactly once across the micro-batches, padding rows never
-    seen = torch.cat([rows["row_mask"] for rows in trainer.loss_rows])
+    seen = torch.cat([rows["sample_count"] for rows in trainer.loss_rows])
     assert int(seen.sum()) == 7 and seen.numel() == 8
-    trained_advantages = torch.cat([rows["advantages"][rows["row_mask"]] for rows in trainer.loss_rows])
+    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool()] for rows in trainer.loss_rows])
     assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
-    padding = torch.cat([rows["completion_mask"][~rows["row_mask"]] for rows in trainer.loss_rows])
+    padding = torch.cat([rows["completion_mask"][~rows["sample_count"].bool()] for rows in trainer.loss_rows])
     assert padding.sum() == 0
 
 

@@ -121,20 +121,80 @@ def test_push_to_hub_uploads_adapter_and_card(tmp_path, tiny_model_dir, monkeypa
     assert "MiniMax-M1" in uploaded["card"] and "clip_range_high" in uploaded["card"]
 
 
-def test_model_name_loads_tokenizer_with_hf_tokenizer(tmp_path, tiny_model_dir, monkeypatch):
+def test_model_name_loads_trl_processor_with_hf_tokenizer_corrections(tmp_path, tiny_model_dir, monkeypatch):
     import trinity_trl.tokenizer as tokenizer_module
 
     calls = []
-    original = tokenizer_module.hf_tokenizer
+    original = tokenizer_module.correct_tokenizer
 
-    def spy(name, **kwargs):
-        calls.append((name, kwargs))
-        return original(name, **kwargs)
+    def spy(tokenizer, name, **kwargs):
+        calls.append(name)
+        return original(tokenizer, name, **kwargs)
 
-    monkeypatch.setattr(tokenizer_module, "hf_tokenizer", spy)
+    monkeypatch.setattr(tokenizer_module, "correct_tokenizer", spy)
     trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, max_steps=1)
-    assert calls and calls[0][0] == tiny_model_dir
+    assert calls == [tiny_model_dir]
     assert trainer.processing_class.pad_token is not None
+    assert trainer.processing_class.padding_side == "left" and trainer.processing_class.truncation_side == "left"
+
+
+def test_resume_restores_the_adaptive_kl_coefficient(tmp_path, tiny_model_dir):
+    def run(**extra):
+        args = {"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10}
+        return make(tmp_path, tiny_model_dir, cls=TrinityTrainer, algorithm="reinforceplusplus", kl_penalty_fn="k2",
+                    kl_penalty_fn_args=args, max_steps=3, save_strategy="steps", save_steps=1, **extra)
+
+    straight = run()
+    straight.train()
+    resumed = run()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.kl_penalty.kl_coef == pytest.approx(straight.kl_penalty.kl_coef, rel=1e-9)
+    assert (tmp_path / "out" / "checkpoint-2" / TrinityTrainer.TRAINER_STATE_FILE).is_file()
+
+
+def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             args=TrinityConfig(**tiny_grpo_kwargs(
+                                 output_dir=str(tmp_path / "out"), algorithm="reinforceplusplus", kl_penalty_fn="k2",
+                                 kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1.0, "horizon": 10},
+                                 per_device_eval_batch_size=4)),
+                             train_dataset=tiny_conversational_dataset(), eval_dataset=tiny_conversational_dataset(8))
+    trainer.evaluate()
+    assert trainer.kl_penalty.kl_coef == 0.1
+
+
+def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, algorithm="rloo")
+    mask = torch.ones(4, 3, dtype=torch.long)
+    mask[2] = 0  # truncated completion masked by mask_truncated_completions
+    trainer._stashed_rewards = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    output = {"completion_mask": mask}
+    advantages, _ = trainer._batch_advantages(output, trainer._global_rewards(), 4, slice(0, 4))
+    # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
+    assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
+    assert torch.all(advantages[2] == 0)
+
+
+def test_completions_table_shows_our_advantages(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, algorithm="rloo", log_completions=True, max_steps=1)
+    trainer.train()
+    batch = trainer.batches[0]
+    mask = batch["completion_mask"]
+    expected = ((batch["advantages"] * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    assert list(trainer._logs["advantages"])[-4:] == pytest.approx(expected)
+
+
+def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
+    from trinity_trl.trainers import CISPOTrainer
+
+    with pytest.raises(TypeError, match="CISPOConfig"):
+        CISPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
+                     args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+
+
+def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="entropy_loss_fn 'mix'"):
+        make(tmp_path, tiny_model_dir, entropy_loss_fn="mix")
 
 
 def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, tiny_model_dir):

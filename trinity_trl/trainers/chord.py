@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from ..algorithms import mu_schedule_function
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
 
@@ -144,6 +143,8 @@ class ChordTrainer(TrinityTrainer):
             raise TypeError(f"ChordTrainer needs a ChordConfig, got {type(args).__name__}")
         if expert_dataset is None:
             raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
+        if kwargs.get("environment_factory") is not None:
+            raise ValueError("ChordTrainer does not support environment_factory: expert rows have no environment")
         if len(expert_dataset) == 0:
             raise ValueError("expert_dataset is empty")
         self._expert_format = _expert_columns(expert_dataset)
@@ -179,10 +180,36 @@ class ChordTrainer(TrinityTrainer):
         rows = []
         for position in range(self._expert_cursor + rank * per_process, self._expert_cursor + (rank + 1) * per_process):
             epoch, offset = divmod(position, size)
-            generator = torch.Generator().manual_seed(self.args.seed + epoch)
-            rows.append(int(torch.randperm(size, generator=generator)[offset]))
+            rows.append(int(self._expert_order(epoch)[offset]))
         self._expert_cursor += world * per_process
         return rows
+
+    def _expert_order(self, epoch: int) -> torch.Tensor:
+        """The seeded permutation of the expert dataset for one pass (cached: one pass at a time)."""
+        if getattr(self, "_expert_epoch", None) != epoch:
+            generator = torch.Generator().manual_seed(self.args.seed + epoch)
+            self._expert_permutation = torch.randperm(len(self.expert_dataset), generator=generator)
+            self._expert_epoch = epoch
+        return self._expert_permutation
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {**super()._trainer_state(), "expert_cursor": self._expert_cursor}
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        super()._load_trainer_state(state)
+        self._expert_cursor = state["expert_cursor"]
+
+    def _policy_loss_for(self, mode: str):
+        # evaluation batches hold rollouts only, in eval micro-batches: weigh each of their samples
+        # equally instead of with the training step's geometry (spec §9.1 weights)
+        if mode == "train":
+            return self.policy_loss
+        if getattr(self, "_eval_policy_loss", None) is None:
+            rows = self.args.per_device_eval_batch_size
+            self._eval_policy_loss = self.algorithm.build_policy_loss(**{
+                **self._policy_loss_runtime_args(), "ppo_mini_batch_size": 1,
+                "train_batch_size_usual": rows, "train_batch_size_expert": rows})
+        return self._eval_policy_loss
 
     def _tokenize_expert(self, index: int) -> tuple[Any, list[int]]:
         """``(prompt for TRL's prompt tokenizer, completion ids + eos)`` of expert row ``index``."""
@@ -270,16 +297,12 @@ class ChordTrainer(TrinityTrainer):
     def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
         loss_inputs = super()._loss_inputs(inputs, logps, mask)
         loss_inputs["expert_mask"] = inputs["expert_mask"]
+        # demonstrations' behaviour log-probs are 0 (spec §9.4) whether or not TRL computed old log-probs
+        loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(inputs["expert_mask"].unsqueeze(1), 0.0)
         # Trinity stamps samples with the step being trained, counted from 1 (spec §9.3)
         loss_inputs["step"] = torch.full((logps.shape[0],), self.state.global_step + 1)
         return loss_inputs
 
-    def current_mu(self) -> float:
-        """μ for the optimizer step in progress."""
-        fn = self.policy_loss
-        if not hasattr(fn, "mu_warmup_steps"):
-            return float(fn.mu)
-        return mu_schedule_function(self.state.global_step + 1, fn.mu_warmup_steps, fn.mu_decay_steps, fn.mu_peak, fn.mu_valley)
 
 
 def _pad(rows, value: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,13 +19,16 @@ _DISPLAY = {
     "cispo": ("CISPO", "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"),
     "gspo": ("GSPO", "Group Sequence Policy Optimization"),
     "sapo": ("SAPO", "Soft Adaptive Policy Optimization"),
-    "mix": ("MIX", None),
-    "mix_chord": ("CHORD", None),
+    "mix": ("MIX", "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement "
+                   "Learning via Dynamic Weighting"),
+    "mix_chord": ("CHORD", "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and "
+                           "Reinforcement Learning via Dynamic Weighting"),
     "raft": ("RAFT", "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"),
     "sppo": ("sPPO", None),
     "rec": ("REC", None),
     "multi_step_grpo": ("Step-wise GRPO", None),
-    "on_policy_distill": ("On-policy distillation", None),
+    "on_policy_distill": ("On-policy distillation", "On-Policy Distillation of Language Models: Learning from "
+                                                    "Self-Generated Mistakes"),
     "sft": ("SFT", None),
 }
 

@@ -191,7 +191,7 @@ class StepGRPOTrainer(TrinityTrainer):
             "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
             "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
             "advantages": torch.tensor([a for _, _, _, a, _ in rows] + [0.0] * padding, device=device),
-            "row_mask": torch.tensor([True] * len(rows) + [False] * padding, device=device),
+            "sample_count": torch.tensor([1] * len(rows) + [0] * padding, device=device),
             "num_items_in_batch": output["num_items_in_batch"],
         }
         completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right").to(device)

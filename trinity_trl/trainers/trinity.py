@@ -15,7 +15,9 @@ reference model, logging, checkpoints) is TRL's.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 import torch
@@ -53,16 +55,14 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
         if args is None:
-            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            model_name = model if isinstance(model, str) else (getattr(model.config, "_name_or_path", "") or "model")
             args = self.config_class(output_dir=f"{str(model_name).split('/')[-1]}-{self.config_class.__name__}")
-        if not isinstance(args, TrinityConfig):
-            raise TypeError(f"{type(self).__name__} needs a TrinityConfig (or subclass), got {type(args).__name__}")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
         self._check_algorithm(args, teacher_model)
         if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
-            from ..tokenizer import hf_tokenizer
-
-            kwargs["processing_class"] = hf_tokenizer(model, padding_side="left")
+            kwargs["processing_class"] = self._load_processor(model, args)
 
         # TRL loads the reference model and computes its log-probs iff beta != 0; beta itself is
         # never used by our loss (TrinityConfig rejects a user beta), so set it only for __init__.
@@ -106,6 +106,14 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
                 f"advantages, but algorithm {algo.algorithm!r} computes advantages on experience groups "
                 "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
             )
+        if algo.entropy_loss_fn == "mix" and not getattr(self, "_supports_expert_rows", False):
+            raise ValueError("entropy_loss_fn 'mix' needs expert rows; use ChordTrainer, or entropy_loss_fn='default'")
+        if args.use_vllm and args.vllm_importance_sampling_correction and not self._is_advantage_linear():
+            raise ValueError(
+                f"policy loss {algo.policy_loss_fn!r} with these arguments is not linear in the advantage, so TRL's "
+                "vLLM importance-sampling weight cannot be applied through the advantages; set "
+                "vllm_importance_sampling_correction=False"
+            )
         if args.sync_ref_model and not algo.needs_reference:
             raise ValueError(
                 "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "
@@ -124,9 +132,37 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
                 if algo.advantage_fn_args.get(key):
                     raise ValueError(f"advantage_fn_args[{key!r}] is not supported in TRL trainers: {why}")
 
+    @staticmethod
+    def _load_processor(model: str, args: TrinityConfig):
+        """TRL's processor (tokenizer or VLM processor, same loading options as GRPOTrainer), with
+        :func:`trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer."""
+        from transformers import AutoProcessor
+
+        from ..tokenizer import correct_tokenizer
+
+        processor = AutoProcessor.from_pretrained(
+            model, revision=(args.model_init_kwargs or {}).get("revision"), truncation_side="left",
+            padding_side="left", trust_remote_code=args.trust_remote_code,
+        )
+        correct_tokenizer(getattr(processor, "tokenizer", processor), model)
+        return processor
+
     def _policy_loss_runtime_args(self) -> dict[str, Any]:
         """Policy-loss arguments that depend on the trainer's batch geometry (MIX/CHORD override)."""
         return {}
+
+    def _is_advantage_linear(self) -> bool:
+        """Whether scaling the advantages by a positive per-token weight scales the loss terms by it
+        (how TRL's vLLM importance-sampling weight is applied, see :meth:`_loss_inputs`)."""
+        name, args = self.algorithm.policy_loss_fn, self.algorithm.policy_loss_fn_args
+        if name in ("sft", "sft_is", "sft_phi"):
+            return False
+        if name == "rec":
+            return args.get("weight", "none") != "advantage" and args.get("regularizer", "none") == "none" \
+                and not args.get("fix_opd_advantage", False)
+        if name == "topr":
+            return args.get("advantage_threshold", 0.0) == 0.0
+        return True
 
     def _prepare_teacher(self, teacher_model: Any):
         from transformers import AutoModelForCausalLM
@@ -159,7 +195,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         output = self._apply_algorithm(output, len(inputs), mode)
         if self.args.loss_normalization == "global":
             loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-            rows = output["row_mask"].sum() if "row_mask" in output else torch.tensor(loss_mask.shape[0])
+            rows = output["sample_count"].sum() if "sample_count" in output else torch.tensor(loss_mask.shape[0])
             counts = torch.stack([loss_mask.sum().float(), rows.float().to(loss_mask.device)])
             # one unconditional collective per generation batch: every rank reaches it
             output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(0)
@@ -194,7 +230,20 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             output["completion_mask"] = output["completion_mask"] * kept[local].unsqueeze(1).to(output["completion_mask"].dtype)
             metrics.update(group_metrics)
         self._log_metrics(mode, metrics)
+        self._replace_logged_advantages(output["advantages"], output["completion_mask"])
         return output
+
+    def _replace_logged_advantages(self, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's completions table (``log_completions``) recorded its own GRPO advantages for this batch;
+        put ours there instead (per row; the masked mean for token-level advantages)."""
+        logged = self._logs.get("advantages") if hasattr(self, "_logs") else None
+        if logged is None:
+            return
+        per_row = advantages if advantages.dim() == 1 else (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        values = self.accelerator.gather(per_row.float()).tolist()
+        for _ in range(min(len(values), len(logged))):
+            logged.pop()
+        logged.extend(values)
 
     def _best_of_group(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         grouped = torch.nan_to_num(rewards, nan=-torch.inf).view(-1, group_size)
@@ -235,8 +284,11 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         scorable = torch.isfinite(local_rewards)
         response_mask = response_mask * scorable.unsqueeze(1).to(response_mask.dtype)
         output["completion_mask"] = completion_mask * scorable.unsqueeze(1).to(completion_mask.dtype)
+        # rows whose mask is empty (mask_truncated_completions) keep their reward, on the last column, as
+        # TRL keeps them in the group baseline; the mask still excludes them from the loss
+        placement = torch.where(completion_mask.sum(1, keepdim=True) > 0, completion_mask, torch.ones_like(completion_mask))
         batch: dict[str, Any] = {
-            "token_level_scores": scalar_rewards_to_token_level(torch.nan_to_num(local_rewards), completion_mask),
+            "token_level_scores": scalar_rewards_to_token_level(torch.nan_to_num(local_rewards), placement),
             "response_mask": response_mask,
         }
         metrics: dict[str, Any] = {}
@@ -248,7 +300,10 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         if self.kl_penalty.name != "none":
             batch["ref_log_prob"] = output["ref_per_token_logps"]
             global_batch = self._gather_padded(batch)
+            controller_state = self.kl_penalty.state_dict()
             global_batch, penalty_metrics = self.kl_penalty.apply_kl_penalty_to_reward(global_batch)
+            if not self.model.training:  # evaluation measures; only training moves the adaptive coefficient
+                self.kl_penalty.load_state_dict(controller_state)
             metrics.update({f"critic/{k}": v for k, v in penalty_metrics.items()})
         else:
             global_batch = self._gather_padded(batch)
@@ -340,24 +395,26 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
-        loss_inputs = self._loss_inputs(inputs, logps, mask)
-        agg = self.algorithm.loss_agg_mode
-        loss, metrics = self.policy_loss.evaluate(**loss_inputs)
+        loss_mask, agg, divisors = self._aggregation(inputs, mask)
+        loss_inputs = self._loss_inputs(inputs, logps, loss_mask)
+        loss, metrics = self._policy_loss_for(mode).evaluate(**loss_inputs)
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         if self.entropy_loss.name != "none":
+            if self.entropy_loss.entropy_coef == 0.0:
+                entropies = entropies.detach()  # logged only: no backward through the entropy
             entropy_term, entropy_metrics = self.entropy_loss(
-                entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"), loss_agg_mode=agg
+                entropy=entropies, action_mask=loss_mask, expert_mask=loss_inputs.get("expert_mask"), loss_agg_mode=agg
             )
             loss = loss - entropy_term
             metrics.update({f"actor/{k}": v for k, v in entropy_metrics.items()})
         if self.kl_loss.name != "none":
             kl_term, kl_metrics = self.kl_loss.calculate_kl_loss(
-                logps, loss_inputs["ref_logprob"], mask, agg, old_logprob=loss_inputs["old_logprob"]
+                logps, loss_inputs["ref_logprob"], loss_mask, agg, old_logprob=loss_inputs["old_logprob"]
             )
             loss = loss + kl_term
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
         if mode == "train":
-            loss = loss * self._loss_scale(inputs, mask, agg)
+            loss = loss * self._loss_scale(inputs, *divisors)
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
@@ -366,25 +423,90 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         self._log_metrics(mode, metrics)
         return loss
 
-    def _loss_scale(self, inputs: dict, mask: torch.Tensor, agg: str) -> torch.Tensor | float:
-        """Factor applied to a training micro-batch loss (GRPOTrainer sets ``loss_is_scaled_for_ga``,
-        so the trainer, not transformers, accounts for gradient accumulation).
+    def _policy_loss_for(self, mode: str):
+        return self.policy_loss
 
-        Padding rows (``row_mask`` False, added to keep micro-batches equal) carry no tokens, but the
-        ``seq-mean-*`` modes count them in ``B``; the factor ``B / real rows`` undoes that.
+    def _aggregation(self, inputs: dict, mask: torch.Tensor) -> tuple[torch.Tensor, str, tuple]:
+        """``(loss mask, aggregation mode, (divisor used, divisor wanted))`` of a micro-batch.
+
+        The loss terms aggregate with ``loss_agg_mode`` over the micro-batch, i.e. divide by a count:
+        tokens (``token-mean``), rows (``seq-mean-*``, padding rows included) or the padded width
+        (``seq-mean-token-sum-norm``). The wanted divisor counts samples, not padding rows
+        (``sample_count``, one per real row); :meth:`_loss_scale` corrects for the difference.
+        """
+        agg = self.algorithm.loss_agg_mode
+        samples = inputs["sample_count"].sum() if "sample_count" in inputs else mask.shape[0]
+        if agg == "token-mean":
+            return mask, agg, (mask.sum(), mask.sum())
+        if agg == "seq-mean-token-sum-norm":
+            return mask, agg, (mask.shape[1], mask.shape[1])
+        return mask, agg, (mask.shape[0], samples)
+
+    def _loss_scale(self, inputs: dict, used, wanted) -> torch.Tensor | float:
+        """Factor applied to a training micro-batch loss: ``used / wanted`` turns the aggregation's
+        divisor into the wanted one, and gradient accumulation is accounted for here because
+        GRPOTrainer sets ``loss_is_scaled_for_ga`` (transformers does not divide).
+
+        ``loss_normalization="global"``: the wanted divisor is the optimizer step's global count of
+        tokens (``token-mean``) or samples (``seq-mean-*``) per process, so after DDP's average every
+        token (sample) of the step weighs the same on any number of processes.
         """
         accumulation = self.current_gradient_accumulation_steps
-        rows = mask.shape[0]
-        real_rows = inputs["row_mask"].sum().clamp(min=1) if "row_mask" in inputs else rows
-        if agg == "seq-mean-token-sum-norm":
-            return 1.0 / accumulation
-        if self.args.loss_normalization == "micro_batch":
-            return (1.0 if agg == "token-mean" else rows / real_rows) / accumulation
-        # the micro-batch's sum over tokens (rows) / units per process per optimizer step; DDP's average
-        # over processes then yields the sum over every token (row) of the step / the step's count
-        local, total = (mask.sum(), inputs["global_loss_tokens"]) if agg == "token-mean" else (rows, inputs["global_loss_rows"])
+        agg = self.algorithm.loss_agg_mode
+        if self.args.loss_normalization == "micro_batch" or agg == "seq-mean-token-sum-norm":
+            return used / (torch.as_tensor(wanted).clamp(min=1) * accumulation)
+        total = inputs["global_loss_tokens"] if agg == "token-mean" else inputs["global_loss_rows"]
         per_step = total / self.accelerator.num_processes * accumulation / self.args.steps_per_generation
-        return local / per_step.clamp(min=1.0)
+        return used / per_step.clamp(min=1.0)
+
+    # ------------------------------------------------------------------------------ state, logs
+    TRAINER_STATE_FILE = "trinity_trainer_state.json"
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """State that a checkpoint must carry beyond TRL's (restored on resume)."""
+        return {"kl_penalty": self.kl_penalty.state_dict(), "kl_loss": self.kl_loss.state_dict(),
+                "generation_count": self._generation_count}
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.kl_penalty.load_state_dict(state["kl_penalty"])
+        self.kl_loss.load_state_dict(state["kl_loss"])
+        self._generation_count = state["generation_count"]
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, self.TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(self._trainer_state(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, self.TRAINER_STATE_FILE) if checkpoint else None
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                self._load_trainer_state(json.load(f))
+
+    _OWN_METRIC_PREFIXES = ("actor/", "critic/", "chord/", "group_advantages/", "multi_step/", "raft/", "kl/",
+                            "advantages/", "filtered_count", "unscorable_count", "experience_count",
+                            "skipped_group_ratio")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # our metrics are appended per process (key sets may differ across ranks, e.g. usual/* needs
+        # usual rows): pool every rank's values before TRL averages them, as TRL does for its own
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            mode = "train" if self.model.training else "eval"
+            own = {k: list(v) for k, v in self._metrics[mode].items() if k.startswith(self._OWN_METRIC_PREFIXES)}
+            pooled: dict[str, list[float]] = {}
+            for rank_metrics in gather_object([own]):
+                for key, values in rank_metrics.items():
+                    pooled.setdefault(key, []).extend(values)
+            for key, values in pooled.items():
+                self._metrics[mode][key] = values
+        super().log(logs, start_time)
 
     def _log_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Append metrics to TRL's per-mode lists (averaged at logging time). Values are this
