@@ -54,7 +54,7 @@ class Recording(StepGRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self.loss_rows.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "completion_mask",
-                                                             "advantages", "sample_count")})
+                                                             "advantages", "sample_count", "tool_mask")})
         return super()._compute_loss(model, inputs)
 
 
@@ -69,7 +69,7 @@ def make(tmp_path, model_dir, tasks, env=ScriptedEnv, cls=Recording, peft=False,
 def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir):
     # RepeatSampler repeats a task num_generations (4) times: 4 runs of 3 steps, all rewarded 1.0
     tasks = scripted_tasks([(3, 1.0)] * 8)
-    trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
+    trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5, shared_prefix=False)
     trainer.train()
     batch = trainer.batches[0]
     assert batch["sample_count"].sum() == 4 * 3  # 4 runs x 3 steps
@@ -97,7 +97,7 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
             return StepResult("Again.", reward=9.0)
 
     trainer = make(tmp_path, tiny_model_dir, tasks.select([0, 2]), env=CountingEnv, num_generations=2,
-                   per_device_train_batch_size=2, gradient_accumulation_steps=2, max_env_steps=5)
+                   per_device_train_batch_size=2, gradient_accumulation_steps=2, max_env_steps=5, shared_prefix=False)
     trainer.train()
     batch = trainer.batches[0]
     assert trainer.run_log[0] == [(1, 1.0), (3, 0.0), (2, 0.5), (1, 0.2)]
@@ -109,13 +109,15 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
                        prompt_length=0, reward=r)
             for i, (n, r) in enumerate(trainer.run_log[0]) for s in range(n)]
     expected = [float(e.advantages[0]) for e in fn(exps)[0]]
-    assert batch["advantages"][batch["sample_count"].bool()].tolist() == pytest.approx(expected, abs=1e-6)
+    assert batch["advantages"][batch["sample_count"].bool(), 0].tolist() == pytest.approx(expected, abs=1e-6)
     # every step row is trained exactly once across the micro-batches, padding rows never
     seen = torch.cat([rows["sample_count"] for rows in trainer.loss_rows])
     assert int(seen.sum()) == 7 and seen.numel() == 8
-    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool()] for rows in trainer.loss_rows])
+    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0] for rows in trainer.loss_rows])
     assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
-    padding = torch.cat([rows["completion_mask"][~rows["sample_count"].bool()] for rows in trainer.loss_rows])
+    # padding rows attend to one pad token but train none (loss mask = completion_mask * tool_mask)
+    padding = torch.cat([(rows["completion_mask"] * rows["tool_mask"])[~rows["sample_count"].bool()]
+                         for rows in trainer.loss_rows])
     assert padding.sum() == 0
 
 
@@ -198,3 +200,62 @@ def test_calculator_environment():
     assert safe_eval("-(2+3)*4") == -20
     rows = calculator_dataset(4)
     assert len(rows) == 4 and all(isinstance(a, int) for a in rows["answer"])
+
+
+class VaryingEnv(Environment):
+    """Runs of 1 to 3 turns with distinct rewards, drawn from a class-level counter (deterministic)."""
+
+    counter = 0
+
+    def reset(self, **row):
+        VaryingEnv.counter += 1
+        self.length, self.reward, self.turn = 1 + VaryingEnv.counter % 3, (VaryingEnv.counter * 0.37) % 1.0, 0
+        return "Start."
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn >= self.length:
+            return StepResult("End.", reward=self.reward, done=True)
+        return StepResult(f"Observation {self.turn}.", reward=0.0)
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg):
+    VaryingEnv.counter = 0
+    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, num_generations=4,
+                   per_device_train_batch_size=8, max_env_steps=3, loss_agg_mode=agg, kl_loss_fn="k3",
+                   kl_loss_fn_args={"kl_coef": 0.5}, entropy_loss_fn_args={"entropy_coef": 0.05}, learning_rate=0.0)
+    trainer.train()
+    assert {len(r.steps) for r in trainer._runs} == {1, 2, 3}
+    assert any(a not in (None, 0.0) for scores in trainer._last_advantages for a in scores)
+    stub = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long), "num_items_in_batch": torch.tensor(0)}
+    trainer.args.shared_prefix = False
+    per_step = trainer._step_batch(stub, trainer._last_advantages)
+    trainer.args.shared_prefix = True
+    shared = trainer._step_batch(stub, trainer._last_advantages)
+    assert shared["prompt_ids"].shape[0] == len(trainer._runs) < per_step["prompt_ids"].shape[0]
+    assert int(shared["sample_count"].sum()) == int(per_step["sample_count"].sum())
+    trainer.model.train()
+    loss_step, grads_step = _loss_and_grads(trainer, per_step)
+    loss_shared, grads_shared = _loss_and_grads(trainer, shared)
+    assert loss_shared.item() == pytest.approx(loss_step.item(), rel=1e-4, abs=1e-6)
+    assert grads_step.keys() == grads_shared.keys()
+    for name in grads_step:
+        torch.testing.assert_close(grads_shared[name], grads_step[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model_dir):
+    VaryingEnv.counter = 0
+    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3,
+                   policy_loss_fn="gspo")
+    trainer.train()
+    batch = trainer.batches[0]
+    assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in trainer._runs)  # one row per step

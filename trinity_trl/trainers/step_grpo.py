@@ -47,6 +47,14 @@ class StepGRPOConfig(TrinityConfig):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get
             no gradient and are counted in `filtered_count`.
         advantage_epsilon (`float`, *optional*, defaults to `1e-6`): Added to the std.
+        shared_prefix (`bool`, *optional*, defaults to `True`):
+            When each turn's prompt is exactly the previous prompt + completion + observation (always with
+            `history="tokens"`), train the whole run as ONE row: one forward pass over the run, each
+            turn's tokens carrying that turn's advantage, behaviour and reference log-probs, and the
+            loss aggregated per turn, so loss and gradients equal one-row-per-turn training while the
+            cost grows linearly, not quadratically, with the number of turns. Runs whose history was
+            rewritten, and sequence-level losses (`gspo`, `rec` with GSPO clipping, `ppo` with sequence
+            masking), fall back to one row per turn.
     """
 
     algorithm: str = field(default="multi_step_grpo", metadata={"help": "Algorithm preset."})
@@ -56,6 +64,11 @@ class StepGRPOConfig(TrinityConfig):
     std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
     advantage_epsilon: float = field(default=1e-6, metadata={"help": "Added to the std."})
+    shared_prefix: bool = field(
+        default=True,
+        metadata={"help": "Train a run whose every prompt extends the previous turn in ONE row (one forward over the "
+                          "whole run) instead of one row per step; same loss and gradients."},
+    )
 
     def __post_init__(self):
         if self.max_env_steps < 1:
@@ -113,6 +126,9 @@ class StepGRPOTrainer(TrinityTrainer):
                 "StepGRPOTrainer does not support vllm_importance_sampling_correction yet (TRL computes the ratio for "
                 "the final turn only); set vllm_importance_sampling_correction=False"
             )
+        # reference log-probs are computed here for every row (step or run); TRL's pass over the final
+        # turns would be redone, so switch it off (the reference model itself stays loaded)
+        self.beta = 0.0
         self.rollout = MultiStepRollout(self, environment_factory, self.args.max_env_steps, self.args.history)
         self._runs: list[Run] = []
         self._rows: list[dict[str, Any]] = []
@@ -154,76 +170,128 @@ class StepGRPOTrainer(TrinityTrainer):
         ]
         scored, metrics = self.advantage_fn(experiences)
         score = {(e.eid.task, e.eid.run, e.eid.step): float(e.advantages[0]) for e in scored}
-        rows = []
-        for j, run in enumerate(self._runs):
-            i = first + j
-            for s, step in enumerate(run.steps):
-                key = (i // group_size, i % group_size, s)
-                rows.append((j, s, step, score.get(key, 0.0), key in score))
+        # per run and step: the step's advantage, or None if its group was filtered / unscored
+        advantages = [[score.get(((first + j) // group_size, (first + j) % group_size, s)) for s in range(len(run.steps))]
+                      for j, run in enumerate(self._runs)]
         metrics.update({
             "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
             "multi_step/run_reward": float(torch.nan_to_num(rewards).mean()),
             "multi_step/prefix_preserving": sum(r.prefix_preserving for r in self._runs) / max(1, len(self._runs)),
             "unscorable_count": float((~torch.isfinite(rewards)).sum()),
         })
+        self._last_advantages = advantages
+        batch = self._step_batch(output, advantages)
+        metrics["multi_step/rows_per_run"] = batch["sample_count"].bool().sum().item() / max(1, len(self._runs))
         self._log_metrics(mode, metrics)
-        return self._step_batch(output, rows)
+        return batch
 
-    def _step_batch(self, output: dict, rows: list[tuple[int, int, Any, float, bool]]) -> dict:
-        """One row per step (and padding rows so the count splits evenly into micro-batches).
+    def _sequence_level_loss(self) -> bool:
+        """Losses that use per-sequence statistics, which a multi-turn row would mix across turns."""
+        name, args = self.algorithm.policy_loss_fn, self.algorithm.policy_loss_fn_args
+        return (name == "gspo" or (name == "ppo" and args.get("enable_sequence_masking", False))
+                or (name == "rec" and (args.get("clip_mode") == "gspo-one-side"
+                                       or args.get("weight") == "gspo_importance_sampling")))
 
-        ``rows``: ``(run index, step index, Step, advantage, trained)``. A run's last step is the row
-        TRL already scored, so its old/reference log-probs are reused; other steps get one no-grad
-        forward each for what the loss needs.
+    def _policy_loss_runtime_args(self) -> dict[str, Any]:
+        # token-level losses aggregate through per-token weights (see _aggregation), so they run as token-mean
+        if self._sequence_level_loss() or "loss_agg_mode" not in self.algorithm.policy_loss_fn_args:
+            return {}
+        return {"loss_agg_mode": "token-mean"}
+
+    def _step_batch(self, output: dict, advantages: list[list[float | None]]) -> dict:
+        """The training rows of this process's runs: a whole run per row when it is prefix-preserving
+        and ``shared_prefix`` is on, else one row per step; then padding rows so the count splits
+        evenly into micro-batches. Per token: ``segment_ids`` (the step a trained token belongs to,
+        -1 elsewhere), ``advantages``; per row: ``sample_count`` (steps trained in it).
         """
         device = output["prompt_ids"].device
-        spg = self.args.steps_per_generation
-        padding = -len(rows) % spg
-        pad_id = self._tokenizer.pad_token_id
-        prompts = [torch.tensor(step.prompt_ids) for _, _, step, _, _ in rows] + [torch.tensor([pad_id])] * padding
-        completions = [torch.tensor(step.completion_ids) for _, _, step, _, _ in rows] + [torch.tensor([pad_id])] * padding
         eos = set(self.eos_token_ids)
-        finished = [not self.args.mask_truncated_completions or (bool(step.completion_ids) and step.completion_ids[-1] in eos)
-                    for _, _, step, _, _ in rows]
-        trained = [keep and done for (*_, keep), done in zip(rows, finished)] + [False] * padding
+        shared = self.args.shared_prefix and not self._sequence_level_loss()
+        prompts, completions, segments, token_adv, samples, widths, sampling = [], [], [], [], [], [], []
+        for run, scores in zip(self._runs, advantages):
+            trained = [score is not None and (not self.args.mask_truncated_completions
+                                              or (bool(step.completion_ids) and step.completion_ids[-1] in eos))
+                       for step, score in zip(run.steps, scores)]
+            groups = [list(range(len(run.steps)))] if shared and run.prefix_preserving else [[s] for s in range(len(run.steps))]
+            for group in groups:
+                first, last = run.steps[group[0]], run.steps[group[-1]]
+                completion = last.prompt_ids[len(first.prompt_ids):] + last.completion_ids
+                segment, adv, logps = [-1] * len(completion), [0.0] * len(completion), [float("nan")] * len(completion)
+                for s in group:
+                    start = len(run.steps[s].prompt_ids) - len(first.prompt_ids)
+                    span = range(start, start + len(run.steps[s].completion_ids))
+                    for position, token_logp in zip(span, run.steps[s].logprobs or [float("nan")] * len(span)):
+                        logps[position] = token_logp
+                        if trained[s]:
+                            segment[position], adv[position] = s, scores[s]
+                prompts.append(first.prompt_ids)
+                completions.append(completion)
+                segments.append(segment)
+                token_adv.append(adv)
+                sampling.append(logps)
+                samples.append(sum(trained[s] for s in group))
+                widths.append(max(len(run.steps[s].completion_ids) for s in group))
+        padding = -len(prompts) % self.args.steps_per_generation
+        pad_id = self._tokenizer.pad_token_id
+        prompts += [[pad_id]] * padding
+        completions += [[pad_id]] * padding
+        segments += [[-1]] * padding
+        token_adv += [[0.0]] * padding
+        sampling += [[float("nan")]] * padding
+        samples += [0] * padding
+        widths += [1] * padding
+
+        def padded(rows, value, side, dtype=torch.long):
+            return pad([torch.tensor(r, dtype=dtype) for r in rows], padding_value=value, padding_side=side).to(device)
+
+        segment_ids = padded(segments, -1, "right")
         batch: dict[str, Any] = {
-            "prompt_ids": pad(prompts, padding_value=pad_id, padding_side="left").to(device),
-            "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device),
-            "completion_ids": pad(completions, padding_value=pad_id, padding_side="right").to(device),
-            "advantages": torch.tensor([a for _, _, _, a, _ in rows] + [0.0] * padding, device=device),
-            "sample_count": torch.tensor([1] * len(rows) + [0] * padding, device=device),
+            "prompt_ids": padded(prompts, pad_id, "left"),
+            "prompt_mask": padded([[1] * len(p) for p in prompts], 0, "left"),
+            "completion_ids": padded(completions, pad_id, "right"),
+            "completion_mask": padded([[1] * len(c) for c in completions], 0, "right"),
+            "tool_mask": (segment_ids >= 0).long(),
+            "segment_ids": segment_ids,
+            "advantages": padded(token_adv, 0.0, "right", torch.float32),
+            "sample_count": torch.tensor(samples, device=device),
+            "step_width": torch.tensor(widths, device=device),
             "num_items_in_batch": output["num_items_in_batch"],
         }
-        completion_mask = pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right").to(device)
-        batch["completion_mask"] = completion_mask * torch.tensor(trained, device=device).unsqueeze(1).to(completion_mask.dtype)
-        width = batch["completion_ids"].shape[1]
-        is_last = [s == len(self._runs[j].steps) - 1 for j, s, *_ in rows] + [False] * padding
-        if "sampling_per_token_logps" in output:  # the generation backend's log-probs, recorded per step
-            sampling = torch.full((len(prompts), width), float("nan"), device=device)
-            for r, (_, _, step, _, _) in enumerate(rows):
-                if step.logprobs:
-                    sampling[r, : len(step.logprobs)] = torch.tensor(step.logprobs, device=device)
-            batch["sampling_per_token_logps"] = sampling
-        for key in ("old_per_token_logps", "ref_per_token_logps"):
-            if key not in output:
-                continue
-            values = torch.zeros((len(prompts), width), dtype=output[key].dtype, device=device)
-            last_rows = [r for r, last in enumerate(is_last) if last]
-            run_of = [rows[r][0] for r in last_rows]
-            take = min(width, output[key].shape[1])
-            values[last_rows, :take] = output[key][run_of, :take]
-            others = [r for r, last in enumerate(is_last) if not last and r < len(rows)]
-            if others:
-                values[others] = self._step_logps(key, batch, others, width)
-            batch[key] = values
-        unknown = set(output) - set(batch) - {"tool_mask", "importance_sampling_ratio"}
+        if "sampling_per_token_logps" in output:
+            batch["sampling_per_token_logps"] = padded(sampling, float("nan"), "right", torch.float32)
+        rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        if "old_per_token_logps" in output:  # TRL needs behaviour log-probs (off-policy steps): all rows
+            batch["old_per_token_logps"] = self._forward_logps(self.model, rows)
+        if self.algorithm.needs_reference:
+            batch["ref_per_token_logps"] = self._reference_logps(rows)
+        unknown = set(output) - set(batch) - {"ref_per_token_logps", "importance_sampling_ratio"}
         if unknown:
             raise ValueError(f"StepGRPOTrainer cannot expand batches with {sorted(unknown)}")
         return batch
 
-    def _step_logps(self, key: str, batch: dict, rows: list[int], width: int) -> torch.Tensor:
-        """Behaviour (``old``) or reference log-probs of the non-final step rows ``rows``."""
-        subset = {k: batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        if key == "old_per_token_logps":
-            return self._forward_logps(self.model, subset)[:, :width]
-        return self._reference_logps(subset)[:, :width]
+    def _aggregation(self, inputs: dict, mask: torch.Tensor) -> tuple[torch.Tensor, str, tuple]:
+        """Per-step aggregation through per-token weights, for rows holding one step or a whole run.
+
+        With ``n_s`` the trained tokens of step ``s``, ``S`` the steps and ``N`` the tokens of the
+        micro-batch, every mode is a token-mean with weights ``w`` times ``used / wanted``:
+        ``token-mean`` w = 1 (N / N); ``seq-mean-token-mean`` w = 1/n_s (S / S);
+        ``seq-mean-token-sum`` w = 1 (N / S); ``seq-mean-token-sum-norm`` w = 1 (N / widest step).
+        That is exactly the loss of one row per step, whatever the rows hold.
+        """
+        if self._sequence_level_loss():
+            return super()._aggregation(inputs, mask)
+        agg = self.algorithm.loss_agg_mode
+        valid = mask != 0
+        segments = inputs["segment_ids"].clamp(min=0)
+        key = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1) * mask.shape[1] + segments
+        counts = torch.bincount(key[valid], minlength=mask.numel())
+        tokens, steps = valid.sum(), (counts > 0).sum()
+        weights = valid.to(torch.float32)
+        if agg == "seq-mean-token-mean":
+            weights = weights / counts[key].clamp(min=1)
+            return weights, "token-mean", (steps, steps)
+        if agg == "seq-mean-token-sum":
+            return weights, "token-mean", (tokens, steps)
+        if agg == "seq-mean-token-sum-norm":
+            return weights, "token-mean", (tokens, inputs["step_width"].max())
+        return weights, "token-mean", (tokens, tokens)
