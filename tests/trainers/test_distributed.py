@@ -37,7 +37,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "equivalence.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CASES = ("grpo", "reinforceplusplus", "cispo_global", "cispo_micro", "chord")
+CASES = ("grpo", "reinforceplusplus", "cispo_global", "cispo_micro", "chord", "step_grpo")
 GLOBAL_ROLLOUTS = 8
 GLOBAL_EXPERT_ROWS = 4
 LAUNCH_TIMEOUT_S = 300
@@ -171,3 +171,16 @@ def test_chord_one_vs_two_processes(runs: Path):
     advantages = _scalar_advantages(one["rollouts"])
     assert advantages[:4] != advantages[4:] and any(abs(a) > 0.5 for a in advantages)
     _assert_same_step(one, ranks)
+
+
+def test_step_grpo_one_vs_two_processes(runs: Path):
+    """StepGRPOTrainer: the same runs give the same step-wise advantages (whole-run rows, token-level
+    advantages) and, with global token normalisation, the same gradient on 1 and 2 processes."""
+    one, ranks = _load(runs, "step_grpo")
+    assert one["steps"] == ranks[0]["steps"] + ranks[1]["steps"]
+    assert len(set(one["steps"])) > 1  # runs of different lengths
+    _assert_same_rows(one["rollouts"], ranks[0]["rollouts"] + ranks[1]["rollouts"], GLOBAL_ROLLOUTS, "run")
+    assert any(abs(a) > 0.1 for row in one["rollouts"] for a in row["advantages"])
+    assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])
+    assert one["grad"].norm() > 0.01
+    torch.testing.assert_close(ranks[0]["grad"], one["grad"], rtol=1e-5, atol=1e-6)

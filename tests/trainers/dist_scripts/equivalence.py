@@ -235,13 +235,66 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
     )
 
 
+STEP_COUNTER: dict[int, int] = {}
+
+
+class CountingEnv:
+    """Run k of task t lasts 1 + (t + k) % 3 turns and ends with reward ((7t + 3k) % 5) / 4. Groups never
+    straddle processes, so the per-task counter numbers the runs 0..G-1 on 1 or 2 processes alike."""
+
+    def reset(self, task_id, **row):
+        self.k = STEP_COUNTER.get(task_id, 0)
+        STEP_COUNTER[task_id] = self.k + 1
+        self.length, self.turn = 1 + (task_id + self.k) % 3, 0
+        self.reward = ((7 * task_id + 3 * self.k) % 5) / 4
+        return f"Task {task_id}: play."
+
+    def step(self, action):
+        from trinity_trl.rollouts import StepResult
+
+        self.turn += 1
+        if self.turn >= self.length:
+            return StepResult("Over.", reward=self.reward, done=True)
+        return StepResult(f"Turn {self.turn} of run {self.k}.", reward=0.0)
+
+
+def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
+    """StepGRPOTrainer with a deterministic generation (each turn's text depends only on its prompt), so
+    1 and 2 processes play the same runs; global token normalisation makes the gradients comparable."""
+    from datasets import Dataset
+
+    from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+
+    args = StepGRPOConfig(**tiny_grpo_kwargs(
+        output_dir=os.path.join(out_dir, f"run_step_grpo_world{world}"), per_device_train_batch_size=GLOBAL_ROLLOUTS // world,
+        num_generations=NUM_GENERATIONS, max_steps=1, max_grad_norm=0.0, shuffle_dataset=False, max_env_steps=3,
+        loss_normalization="global", entropy_loss_fn_args={"entropy_coef": 0.01}))
+    grads = GradRecorder()
+    trainer = recording(StepGRPOTrainer)(model=model_dir, args=args, train_dataset=Dataset.from_dict({"task_id": [0, 1]}),
+                                         environment_factory=CountingEnv, callbacks=[grads])
+    tokenizer = trainer.processing_class
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+        texts = [f"Guess {len(p) % 10} now" for p in prompt_ids]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts], None
+
+    trainer._generate_single_turn = generate
+    trainer.train()
+    torch.save({**trainer.record, "grad": grads.grad, "world": trainer.accelerator.num_processes,
+                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in trainer._runs]},
+               os.path.join(out_dir, f"step_grpo_world{world}_rank{rank}.pt"))
+
+
 def main() -> None:
     model_dir, out_dir, *cases = sys.argv[1:]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)
     for case in cases:
-        run_case(case, model_dir, out_dir, world, rank)
+        if case == "step_grpo":
+            run_step_case(model_dir, out_dir, world, rank)
+        else:
+            run_case(case, model_dir, out_dir, world, rank)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # without this, rank 0 aborts at exit with SIGABRT (notes/TRL_1_16.md §7)
         torch.distributed.barrier()
