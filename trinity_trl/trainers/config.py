@@ -91,8 +91,8 @@ class TrinityConfig(GRPOConfig):
             token mean, divided by `gradient_accumulation_steps`; micro-batches and processes with fewer
             tokens then weigh their tokens more. `"global"`: every token of the optimizer step weighs the
             same, across micro-batches and processes (like TRL's `dapo`), so N processes give exactly the
-            gradients of one. Other aggregation modes are per row, and TRL's batches have equal row counts,
-            so both settings coincide for them.
+            gradients of one. For the `seq-mean-*` modes the same holds per sample (row, or turn in
+            StepGRPO); `seq-mean-token-sum-norm` is always per micro-batch.
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
             keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
