@@ -175,11 +175,14 @@ class StepGRPOTrainer(TrinityTrainer):
                       for j, run in enumerate(self._runs)]
         metrics.update({
             "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
-            "multi_step/run_reward": float(torch.nan_to_num(rewards).mean()),
+            "multi_step/run_reward": float(rewards.nanmean()) if torch.isfinite(rewards).any() else 0.0,
             "multi_step/prefix_preserving": sum(r.prefix_preserving for r in self._runs) / max(1, len(self._runs)),
             "unscorable_count": float((~torch.isfinite(rewards)).sum()),
         })
         self._last_advantages = advantages
+        # TRL's completions table lists one row per run (its final turn): show that turn's advantage
+        final = [scores[-1] if scores[-1] is not None else 0.0 for scores in advantages]
+        self._replace_logged_advantages(torch.tensor(final, device=device), output["completion_mask"])
         batch = self._step_batch(output, advantages)
         metrics["multi_step/rows_per_run"] = batch["sample_count"].bool().sum().item() / max(1, len(self._runs))
         self._log_metrics(mode, metrics)
