@@ -42,12 +42,8 @@ def opmd_group_baseline(rewards: torch.Tensor, opmd_baseline: str, tau: float) -
     return tau * (torch.logsumexp(rewards / tau, dim=-1) - math.log(len(rewards)))
 
 
-@ADVANTAGE_FN.register("opmd")
-class OPMDGroupAdvantage(GroupAdvantageFn):
-    """Args: ``opmd_baseline`` (``"mean"`` or ``"logavgexp"``), ``tau`` (> 0, logavgexp temperature).
-
-    Metrics per group: ``group_baseline = b`` and ``reward_mean = mean(R)`` (also for singletons).
-    """
+class _OPMDArgs:
+    """Arguments shared by ``opmd`` and ``opmd_verl``."""
 
     def __init__(self, opmd_baseline: str = "mean", tau: float = 1.0):
         self.opmd_baseline = check_choice("opmd_baseline", opmd_baseline, OPMD_BASELINES)
@@ -56,6 +52,14 @@ class OPMDGroupAdvantage(GroupAdvantageFn):
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {"opmd_baseline": "mean", "tau": 1.0}
+
+
+@ADVANTAGE_FN.register("opmd")
+class OPMDGroupAdvantage(_OPMDArgs, GroupAdvantageFn):
+    """Args: ``opmd_baseline`` (``"mean"`` or ``"logavgexp"``), ``tau`` (> 0, logavgexp temperature).
+
+    Metrics per group: ``group_baseline = b`` and ``reward_mean = mean(R)`` (also for singletons).
+    """
 
     def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
         output: list[Experience] = []
@@ -71,20 +75,12 @@ class OPMDGroupAdvantage(GroupAdvantageFn):
 
 
 @ADVANTAGE_FN.register("opmd_verl")
-class OPMDBatchAdvantage(BatchAdvantageFn):
+class OPMDBatchAdvantage(_OPMDArgs, BatchAdvantageFn):
     """``(S − b_g)·M`` on padded tensors; same arguments and baselines as ``opmd``. Metrics ``{}``.
 
     Reads ``token_level_rewards (B, T)``, ``response_mask (B, T)``, ``uid``; writes
     ``advantages = returns (B, T)`` float32.
     """
-
-    def __init__(self, opmd_baseline: str = "mean", tau: float = 1.0):
-        self.opmd_baseline = check_choice("opmd_baseline", opmd_baseline, OPMD_BASELINES)
-        self.tau = check_positive("tau", tau)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"opmd_baseline": "mean", "tau": 1.0}
 
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
