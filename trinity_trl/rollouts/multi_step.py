@@ -87,7 +87,7 @@ class MultiStepRollout:
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         trainer = self.trainer
-        runs, environments, prompts = [], [], []
+        runs, environments = [], []
         for row in rows:
             env = self.environment_factory()
             messages = _initial_messages(row, env.reset(**{k: v for k, v in row.items() if k != "prompt"}))

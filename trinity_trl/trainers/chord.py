@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from trl.trainer.utils import pad
 
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
@@ -239,13 +240,16 @@ class ChordTrainer(TrinityTrainer):
         prompt_ids, images, multimodal = self._tokenize_prompts(list(prompts))
         if images is not None or multimodal:
             raise ValueError("expert_dataset prompts with images are not supported")
-        prompt_ids, prompt_mask = _pad(prompt_ids, self._tokenizer.pad_token_id, left=True)
-        completion_ids, completion_mask = _pad(completions, self._tokenizer.pad_token_id, left=False)
+        pad_id = self._tokenizer.pad_token_id
+
+        def padded(rows, value, side):  # masks come from lengths: the pad token may equal eos
+            return pad([torch.as_tensor(r, dtype=torch.long) for r in rows], padding_value=value, padding_side=side).to(device)
+
         return {
-            "prompt_ids": prompt_ids.to(device),
-            "prompt_mask": prompt_mask.to(device),
-            "completion_ids": completion_ids.to(device),
-            "completion_mask": completion_mask.to(device),
+            "prompt_ids": padded(prompt_ids, pad_id, "left"),
+            "prompt_mask": padded([[1] * len(p) for p in prompt_ids], 0, "left"),
+            "completion_ids": padded(completions, pad_id, "right"),
+            "completion_mask": padded([[1] * len(c) for c in completions], 0, "right"),
         }
 
     def _apply_algorithm(self, output: dict, num_local: int, mode: str) -> dict:
@@ -303,18 +307,6 @@ class ChordTrainer(TrinityTrainer):
         loss_inputs["step"] = torch.full((logps.shape[0],), self.state.global_step + 1)
         return loss_inputs
 
-
-
-def _pad(rows, value: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad token-id lists to one width: ``(ids, mask)``, masks from lengths (pad may equal eos)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), value, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        ids[i, span] = torch.as_tensor(row, dtype=torch.long)
-        mask[i, span] = 1
-    return ids, mask
 
 
 def _widen(x: torch.Tensor, width: int, value: float, left: bool = False) -> torch.Tensor:

@@ -221,12 +221,14 @@ class StepGRPOTrainer(TrinityTrainer):
                 completion = last.prompt_ids[len(first.prompt_ids):] + last.completion_ids
                 segment, adv, logps = [-1] * len(completion), [0.0] * len(completion), [float("nan")] * len(completion)
                 for s in group:
-                    start = len(run.steps[s].prompt_ids) - len(first.prompt_ids)
-                    span = range(start, start + len(run.steps[s].completion_ids))
-                    for position, token_logp in zip(span, run.steps[s].logprobs or [float("nan")] * len(span)):
-                        logps[position] = token_logp
-                        if trained[s]:
-                            segment[position], adv[position] = s, scores[s]
+                    step = run.steps[s]
+                    start = len(step.prompt_ids) - len(first.prompt_ids)
+                    span = slice(start, start + len(step.completion_ids))
+                    if step.logprobs:
+                        logps[span] = step.logprobs
+                    if trained[s]:
+                        segment[span] = [s] * len(step.completion_ids)
+                        adv[span] = [scores[s]] * len(step.completion_ids)
                 prompts.append(first.prompt_ids)
                 completions.append(completion)
                 segments.append(segment)

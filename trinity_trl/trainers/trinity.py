@@ -236,7 +236,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     def _replace_logged_advantages(self, advantages: torch.Tensor, mask: torch.Tensor) -> None:
         """TRL's completions table (``log_completions``) recorded its own GRPO advantages for this batch;
         put ours there instead (per row; the masked mean for token-level advantages)."""
-        logged = self._logs.get("advantages") if hasattr(self, "_logs") else None
+        # the table is only shown with log_completions (a config value, so every rank skips the gather alike)
+        logged = self._logs.get("advantages") if self.log_completions else None
         if logged is None:
             return
         per_row = advantages if advantages.dim() == 1 else (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -299,14 +300,14 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             batch["teacher_logprobs"] = self._teacher_logps(output)
         if self.kl_penalty.name != "none":
             batch["ref_log_prob"] = output["ref_per_token_logps"]
-            global_batch = self._gather_padded(batch)
+        global_batch = self._gather_padded(batch)
+        if self.kl_penalty.name != "none":
             controller_state = self.kl_penalty.state_dict()
             global_batch, penalty_metrics = self.kl_penalty.apply_kl_penalty_to_reward(global_batch)
             if not self.model.training:  # evaluation measures; only training moves the adaptive coefficient
                 self.kl_penalty.load_state_dict(controller_state)
             metrics.update({f"critic/{k}": v for k, v in penalty_metrics.items()})
         else:
-            global_batch = self._gather_padded(batch)
             global_batch["token_level_rewards"] = global_batch["token_level_scores"]
         rows = global_batch["response_mask"].shape[0]
         uid = torch.arange(rows) // group_size
