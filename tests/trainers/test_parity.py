@@ -37,16 +37,6 @@ from trinity_trl.trainers import (
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and on this shared 2-core machine OpenMP threads that
-    spin-wait against other processes make a 0.4 s training run take several seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 G = 4  # num_generations = per_device_train_batch_size: one micro-batch is one generation batch of one prompt
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 
