@@ -84,3 +84,72 @@ def tiny_text_dataset():
     from helpers import tiny_plain_text_dataset
 
     return tiny_plain_text_dataset(32)
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A local Hub-compatible HTTP server (`tests/fake_hub.py`), with `huggingface_hub` pointed at it.
+
+    Yields the running `FakeHub`: `fake_hub.url` (the endpoint), `fake_hub.files(repo_id) -> {path: bytes}`,
+    `fake_hub.commits(repo_id)` (commit titles), `fake_hub.requests` (every `(method, path)` served) and
+    `fake_hub.blocked` (URLs of requests that tried to leave for another host; they fail instead).
+
+    For the test's duration: `HF_ENDPOINT`/`constants.ENDPOINT`/`HUGGINGFACE_CO_URL_TEMPLATE` name the fake hub,
+    offline mode is off (env and module constant), `HF_TOKEN=hf_dummy`, and `HF_HOME`/the hub cache live under
+    `tmp_path/hf_home`, so every `from_pretrained("tester/<repo>")` downloads through the server into a fresh cache.
+    Use any `tester/<name>` repo id (`tester` is the fake user), e.g. in a recipe test:
+
+        def test_recipe_pushes(fake_hub, tmp_path):
+            main([..., "--push_to_hub", "--hub_model_id", "tester/chord-recipe"])
+            assert "adapter_model.safetensors" in fake_hub.files("tester/chord-recipe")
+
+    With `report_to` trackio also pass `trackio_static_space_id=False`: left at None, transformers' Trackio callback
+    syncs the project to a static Space and a Bucket on push, which fails here (`tests/test_tracking.py`).
+    Subprocesses (e.g. `torchrun`) inherit the environment variables, so they also use the fake hub, but not the
+    guard that refuses other hosts.
+    """
+    from fake_hub import FakeHub
+    from huggingface_hub import constants, hf_api
+    from huggingface_hub.utils import _http
+
+    hub = FakeHub().start()
+    home = tmp_path / "hf_home"
+    for name, value in {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_dummy", "HF_HOME": str(home),
+                        "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}.items():
+        monkeypatch.setenv(name, value)
+    template = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    for name, value in {"ENDPOINT": hub.url, "HUGGINGFACE_CO_URL_TEMPLATE": template,
+                        "HF_HUB_OFFLINE": False, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+                        "HUGGINGFACE_HUB_CACHE": str(home / "hub"), "HF_ASSETS_CACHE": str(home / "assets"),
+                        "HF_XET_CACHE": str(home / "xet"), "HF_TOKEN_PATH": str(home / "token"),
+                        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}.items():
+        monkeypatch.setattr(constants, name, value)
+    import transformers.utils.hub as transformers_hub
+
+    # HfApi instances read the endpoint when created: huggingface_hub's module-level one (behind
+    # `huggingface_hub.upload_folder` etc.) and transformers' cached one would keep the old endpoint
+    monkeypatch.setattr(hf_api.api, "endpoint", hub.url)
+    monkeypatch.setattr(transformers_hub, "_hf_api", None)
+
+    # Any request for another host (e.g. a path that still builds a huggingface.co URL) fails at once and is recorded,
+    # instead of reaching the network or stalling in retries.
+    def only_the_fake_hub(request):
+        if not str(request.url).startswith(hub.url + "/"):
+            hub.blocked.append(str(request.url))
+            raise RuntimeError(f"test tried to reach {request.url} outside the fake hub {hub.url}")
+
+    previous_factory = _http._GLOBAL_CLIENT_FACTORY
+
+    def guarded_client():
+        client = previous_factory()
+        hooks = client.event_hooks
+        hooks["request"] = [only_the_fake_hub, *hooks["request"]]
+        client.event_hooks = hooks
+        return client
+
+    _http.set_client_factory(guarded_client)
+    try:
+        yield hub
+    finally:
+        _http.set_client_factory(previous_factory)
+        hub.stop()

@@ -1,0 +1,139 @@
+"""Hub pushes against the local fake Hub (`tests/fake_hub.py`, fixture `fake_hub`): what a trainer uploads, and
+that `from_pretrained` of the pushed repo, downloaded into a fresh cache, gives back the trained weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trinity_trl.trainers import (
+    ChordConfig,
+    ChordTrainer,
+    TrinityConfig,
+    TrinityTrainer,
+)
+
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def expert_dataset() -> Dataset:
+    return Dataset.from_list([
+        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]}
+        for a, b in [(1, 2), (3, 4), (5, 6)]
+    ])
+
+
+def assert_same_tensors(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def assert_tokenizer_round_trip(repo_id: str, trained_tokenizer) -> None:
+    pulled = AutoTokenizer.from_pretrained(repo_id)
+    text = "<|im_start|>user\nWhat is 3+4?<|im_end|>\n"
+    assert pulled(text)["input_ids"] == trained_tokenizer(text)["input_ids"]
+    assert pulled.eos_token == trained_tokenizer.eos_token and pulled.pad_token == trained_tokenizer.pad_token
+    assert pulled.chat_template == trained_tokenizer.chat_template
+
+
+def test_chord_lora_push_uploads_adapter_tokenizer_and_card_and_pulls_back(tmp_path, tiny_model_dir, fake_hub):
+    args = ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), expert_batch_size=2, push_to_hub=True,
+                                          hub_model_id="tester/chord-tiny"))
+    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
+                           train_dataset=tiny_conversational_dataset(), expert_dataset=expert_dataset(),
+                           peft_config=LORA)
+    trainer.train()
+    trainer.push_to_hub()
+
+    files = fake_hub.files("tester/chord-tiny")
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} | TOKENIZER_FILES <= set(files)
+    assert "model.safetensors" not in files  # a LoRA push uploads the adapter, not the merged model
+    card = files["README.md"].decode()
+    assert "## Algorithm: CHORD" in card and "`mix_chord` preset" in card
+    assert "On-Policy RL Meets Off-Policy Experts" in card
+    assert "| policy_loss_fn | `mix_chord` |" in card
+    assert fake_hub.commits("tester/chord-tiny")[-1] == "End of training"
+
+    trained = get_peft_model_state_dict(trainer.model)
+    assert any(("lora_B" in name) and tensor.abs().sum() > 0 for name, tensor in trained.items())  # it trained
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    pulled = PeftModel.from_pretrained(base, "tester/chord-tiny")
+    assert_same_tensors(trained, get_peft_model_state_dict(pulled))
+    assert_tokenizer_round_trip("tester/chord-tiny", trainer.processing_class)
+    # it came through the server, into the fixture's fresh cache
+    assert ("GET", "/tester/chord-tiny/resolve/main/adapter_model.safetensors") in fake_hub.requests
+    assert list((tmp_path / "hf_home" / "hub").glob("models--tester--chord-tiny/snapshots/*/adapter_model.safetensors"))
+    assert fake_hub.blocked == []
+
+
+def test_full_model_push_pulls_back_the_trained_weights(tmp_path, tiny_model_dir, fake_hub):
+    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo", push_to_hub=True,
+                                            hub_model_id="tester/cispo-full"))
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
+                             train_dataset=tiny_conversational_dataset())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    trainer.push_to_hub()
+
+    files = fake_hub.files("tester/cispo-full")
+    assert {"model.safetensors", "config.json", "README.md"} | TOKENIZER_FILES <= set(files)
+    assert "## Algorithm: CISPO" in files["README.md"].decode()
+
+    trained = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], trained[k]) for k in trained)  # it trained
+    pulled = AutoModelForCausalLM.from_pretrained("tester/cispo-full")
+    assert_same_tensors(trained, pulled.state_dict())
+    assert_tokenizer_round_trip("tester/cispo-full", trainer.processing_class)
+    assert fake_hub.blocked == []
+
+
+def test_fake_hub_answers_unknown_repos_files_and_revisions_with_hub_errors(fake_hub):
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import get_session
+
+    api = HfApi()
+    with pytest.raises(RepositoryNotFoundError):
+        hf_hub_download("tester/missing", "config.json")
+    with pytest.raises(RepositoryNotFoundError):
+        api.model_info("tester/missing")
+    with pytest.raises(RepositoryNotFoundError):  # a push to a repo nobody created fails instead of creating it
+        api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id="tester/missing")
+
+    api.create_repo("tester/present")
+    api.upload_file(path_or_fileobj=b"hello", path_in_repo="a/b.txt", repo_id="tester/present")
+    api.create_repo("tester/present", exist_ok=True)
+    with pytest.raises(HfHubHTTPError, match="409"):
+        api.create_repo("tester/present")
+    with pytest.raises(EntryNotFoundError):
+        hf_hub_download("tester/present", "absent.txt")
+    with pytest.raises(RevisionNotFoundError):
+        hf_hub_download("tester/present", "a/b.txt", revision="0" * 40)
+    assert api.list_repo_files("tester/present") == ["a/b.txt"]
+    assert Path(hf_hub_download("tester/present", "a/b.txt")).read_bytes() == b"hello"
+    assert (Path(snapshot_download("tester/present")) / "a" / "b.txt").read_bytes() == b"hello"
+    assert api.whoami()["name"] == "tester"
+    with pytest.raises(RuntimeError, match="outside the fake hub"):  # the guard: no request leaves for another host
+        get_session().get("https://huggingface.co/api/whoami-v2")
+    assert fake_hub.blocked == ["https://huggingface.co/api/whoami-v2"]
