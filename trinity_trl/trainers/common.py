@@ -43,6 +43,9 @@ class AlgorithmCardMixin:
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a", encoding="utf-8") as card:
             card.write(algorithm_card_section(self.algorithm, type(self).__name__))
+            extra = getattr(self, "model_card_extra", None)  # e.g. the recipes' evaluation section
+            if extra:
+                card.write(extra)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
