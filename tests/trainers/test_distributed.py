@@ -21,8 +21,12 @@ What must be equal, and why:
   DDP-averaged gradient. That holds when the aggregation is a mean over equally sized halves:
   - `token-mean` (grpo case): both halves must hold the same number of loss tokens, so every completion has the
     same length there;
-  - `seq-mean-token-mean` (reinforceplusplus, chord): the mean over rows of per-row token means; each process holds
-    the same number of rows (4 rollouts, and for CHORD 2 expert rows), so completion lengths may differ.
+  - `seq-mean-token-mean` (reinforceplusplus, sapo, chord): the mean over rows of per-row token means; each process holds
+    the same number of rows (4 rollouts, and for CHORD 2 expert rows), so completion lengths may differ;
+  - `loss_normalization="global"` (cispo_global, step_grpo): each process divides its token sum by the global token
+    count / world, so halves with different token counts match exactly (cispo_micro shows they do not otherwise).
+
+Every case runs in the same two launches (one `python`, one `torchrun`), each playing all cases in turn.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "equivalence.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CASES = ("grpo", "reinforceplusplus", "cispo_global", "cispo_micro", "chord", "step_grpo")
+CASES = ("grpo", "reinforceplusplus", "cispo_global", "cispo_micro", "sapo", "chord", "step_grpo")
 GLOBAL_ROLLOUTS = 8
 GLOBAL_EXPERT_ROWS = 4
 LAUNCH_TIMEOUT_S = 300
@@ -159,6 +163,14 @@ def test_global_token_normalization_makes_token_mean_exact(runs: Path):
     assert not torch.allclose(ranks[0]["grad"], one["grad"], rtol=1e-3, atol=1e-6)
 
 
+def test_sapo_one_vs_two_processes(runs: Path):
+    """SAPOTrainer (soft gate, seq-mean-token-mean) on ragged completions: same advantages, loss and gradient."""
+    one, ranks = _load(runs, "sapo")
+    widths = [max(len(r["completion_ids"]) for r in rank["rollouts"]) for rank in ranks]
+    assert widths[0] != widths[1]
+    _assert_same_step(one, ranks)
+
+
 def test_chord_one_vs_two_processes(runs: Path):
     """ChordTrainer (mix_chord): same rollouts and advantages, and the two processes' expert rows together are the
     1-process expert rows (one global expert stream, split contiguously), with the same loss and gradient."""
@@ -181,6 +193,10 @@ def test_step_grpo_one_vs_two_processes(runs: Path):
     assert len(set(one["steps"])) > 1  # runs of different lengths
     _assert_same_rows(one["rollouts"], ranks[0]["rollouts"] + ranks[1]["rollouts"], GLOBAL_ROLLOUTS, "run")
     assert any(abs(a) > 0.1 for row in one["rollouts"] for a in row["advantages"])
+    # global token normalisation: each process divides its token sum by the global count / world, so the mean of the
+    # two per-process losses is the 1-process loss
+    assert len(one["losses"]) == 1 and [len(r["losses"]) for r in ranks] == [1, 1]
+    assert sum(r["losses"][0] for r in ranks) / 2 == pytest.approx(one["losses"][0], rel=1e-5, abs=1e-6)
     assert torch.equal(ranks[0]["grad"], ranks[1]["grad"])
     assert one["grad"].norm() > 0.01
     torch.testing.assert_close(ranks[0]["grad"], one["grad"], rtol=1e-5, atol=1e-6)

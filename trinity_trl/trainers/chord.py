@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 from trl.trainer.utils import pad
 
+from . import checks
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
 
@@ -236,10 +237,13 @@ class ChordTrainer(TrinityTrainer):
 
     def _expert_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Expert rows tokenized like rollouts: left-padded prompts, right-padded completions."""
-        prompts, completions = zip(*(self._tokenize_expert(i) for i in self._next_expert_indices()))
+        indices = self._next_expert_indices()
+        prompts, completions = zip(*(self._tokenize_expert(i) for i in indices))
         prompt_ids, images, multimodal = self._tokenize_prompts(list(prompts))
         if images is not None or multimodal:
             raise ValueError("expert_dataset prompts with images are not supported")
+        checks.check_context([len(p) for p in prompt_ids], [len(c) for c in completions], self._max_positions,
+                             lambda i: f"expert_dataset row {indices[i]}")
         pad_id = self._tokenizer.pad_token_id
 
         def padded(rows, value, side):  # masks come from lengths: the pad token may equal eos

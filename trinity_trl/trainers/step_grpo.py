@@ -110,6 +110,7 @@ class StepGRPOTrainer(TrinityTrainer):
 
     _name = "Step-wise GRPO"
     config_class = StepGRPOConfig
+    _prompt_optional = True  # a task's prompt may come from reset()
 
     def __init__(self, model, reward_funcs=None, args: StepGRPOConfig | None = None, *pos, environment_factory=None, **kwargs):
         if args is not None and not isinstance(args, StepGRPOConfig):

@@ -26,6 +26,7 @@ from trl import GRPOTrainer
 from ..algorithms import EID, Experience
 from ..algorithms.advantage import scalar_rewards_to_token_level
 from ..algorithms.inputs import metrics_to_floats
+from . import checks
 from .config import TrinityConfig
 from .common import AlgorithmCardMixin
 from .model_card import paper_for
@@ -40,6 +41,8 @@ _UNSUPPORTED_GROUP_ARGS = {
     "rank_penalty": "it needs every sample's behaviour log-probs at advantage time",
     "duplicate_experiences": "TRL's batch geometry is fixed, so filtered groups cannot be refilled by copies",
 }
+# batch advantage functions that whiten over every response token (need at least two)
+_WHITENED_ADVANTAGES = ("reinforceplusplus", "ppo")
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
@@ -52,17 +55,21 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     _tag_names = ["trl", "trinity_trl"]
     _name = "Trinity"
     config_class = TrinityConfig
+    _has_critic = False  # PPOTrainer: a value model for the 'ppo' preset and GAE
+    _prompt_optional = False  # StepGRPOTrainer: a task's prompt may come from its environment's reset()
 
     def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
         if args is None:
-            model_name = model if isinstance(model, str) else (getattr(model.config, "_name_or_path", "") or "model")
-            args = self.config_class(output_dir=f"{str(model_name).split('/')[-1]}-{self.config_class.__name__}")
+            args = self._default_args(model)
         if not isinstance(args, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
         self._check_algorithm(args, teacher_model)
         if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
             kwargs["processing_class"] = self._load_processor(model, args)
+        if not self._prompt_optional and kwargs.get("environment_factory") is None:
+            checks.check_prompt_dataset(kwargs.get("train_dataset", pos[0] if pos else None), "train_dataset")
+            checks.check_prompt_dataset(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval_dataset")
 
         # TRL loads the reference model and computes its log-probs iff beta != 0; beta itself is
         # never used by our loss (TrinityConfig rejects a user beta), so set it only for __init__.
@@ -81,17 +88,29 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         self.teacher_model = self._prepare_teacher(teacher_model) if teacher_model is not None else None
         self._generation_count = 0
         self._stashed_rewards: torch.Tensor | None = None
+        if self.rollout_func is not None:
+            self.rollout_func = checks.checked_rollout_func(self.rollout_func)
+        self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
+        if self._max_positions is not None and self.max_completion_length >= self._max_positions:
+            raise ValueError(f"max_completion_length ({self.max_completion_length}) leaves no room for a prompt in the "
+                             f"model's {self._max_positions} positions (max_position_embeddings)")
         preset_name, paper = paper_for(self.algorithm.algorithm)
         self._name = self._name if type(self)._name != "Trinity" else preset_name
         self._paper = paper
 
     # ----------------------------------------------------------------------------------- set-up
+    @classmethod
+    def _default_args(cls, model) -> TrinityConfig:
+        """The config used when ``args`` is None: defaults, output dir named after the model."""
+        model_name = model if isinstance(model, str) else (getattr(model.config, "_name_or_path", "") or "model")
+        return cls.config_class(output_dir=f"{str(model_name).split('/')[-1]}-{cls.config_class.__name__}")
+
     def _check_algorithm(self, args: TrinityConfig, teacher_model: Any) -> None:
         algo = self.algorithm
-        if algo.use_critic:
-            raise NotImplementedError(
-                f"algorithm {algo.algorithm!r} needs a value model (critic) and GAE, which trinity_trl's "
-                "GRPO-based trainers do not have yet; use a critic-free preset such as 'grpo' or 'reinforceplusplus'"
+        if algo.use_critic and not self._has_critic:
+            raise ValueError(
+                f"algorithm {algo.algorithm!r} needs a value model (critic) and GAE: use PPOTrainer with a PPOConfig, "
+                "or a critic-free preset such as 'grpo' or 'reinforceplusplus'"
             )
         if algo.schema != "experience":
             raise ValueError(
@@ -125,8 +144,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             raise ValueError("advantage_fn 'on_policy_distill' needs a teacher_model (a model or a path)")
         if algo.advantage_fn == "remax":
             raise ValueError("advantage_fn 'remax' needs greedy-rollout reward baselines, which this trainer does not produce")
-        if algo.advantage_fn == "ppo":
-            raise ValueError("advantage_fn 'ppo' (GAE) needs critic values; it is only available with a value model")
+        if algo.advantage_fn == "ppo" and not self._has_critic:
+            raise ValueError("advantage_fn 'ppo' (GAE) needs critic values; it is only available with a value model (PPOTrainer)")
         if not algo.compute_advantage_in_trainer:
             for key, why in _UNSUPPORTED_GROUP_ARGS.items():
                 if algo.advantage_fn_args.get(key):
@@ -177,7 +196,14 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------- advantages
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # reward functions that raise or return malformed values are reported by name and row (checks.py)
+        funcs = self.reward_funcs
+        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
+                             for f, name in zip(funcs, self.reward_func_names)]
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
         self._stashed_rewards = rewards_per_func  # (world·B, n_funcs), process-major, gathered
         return rewards_per_func
 
@@ -189,7 +215,11 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
+        if not self._prompt_optional and self.environment_factories is None:
+            checks.check_batch_prompts(inputs)
         output = super()._generate_and_score_completions(inputs)
+        checks.check_context(output["prompt_mask"].sum(1).tolist(), self.max_completion_length, self._max_positions,
+                             lambda i: f"row {i} of this process's generation batch ({checks.short(inputs[i])})")
         mode = "train" if self.model.training else "eval"
         self._generation_count += 1
         output = self._apply_algorithm(output, len(inputs), mode)
@@ -291,6 +321,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         batch: dict[str, Any] = {
             "token_level_scores": scalar_rewards_to_token_level(torch.nan_to_num(local_rewards), placement),
             "response_mask": response_mask,
+            **self._advantage_inputs(output),
         }
         metrics: dict[str, Any] = {}
         needs_old = self.kl_penalty.name != "none" or self.algorithm.advantage_fn == "on_policy_distill"
@@ -315,10 +346,28 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         unscored = ~torch.isfinite(rewards.cpu())
         uid[unscored] = -1 - torch.arange(int(unscored.sum()))
         global_batch["uid"] = uid
-        global_batch, adv_metrics = self.advantage_fn(global_batch)
+        if self.algorithm.advantage_fn in _WHITENED_ADVANTAGES and int((global_batch["response_mask"] != 0).sum()) < 2:
+            # whitening needs two tokens; with fewer (e.g. every completion truncated and masked) nothing
+            # is trained, so every advantage is 0 instead of an error deep inside the whitening
+            zeros = torch.zeros_like(global_batch["token_level_rewards"], dtype=torch.float32)
+            global_batch.update(advantages=zeros, returns=zeros.clone())
+            adv_metrics = {}
+        else:
+            global_batch, adv_metrics = self.advantage_fn(global_batch)
         metrics.update(adv_metrics)
         width = completion_mask.shape[1]
+        metrics.update(self._advantage_outputs(output, global_batch, local, width))
         return global_batch["advantages"][local, :width].to(completion_mask.device), metrics
+
+    def _advantage_inputs(self, output: dict) -> dict[str, torch.Tensor]:
+        """Extra ``(B, T)`` inputs of the batch advantage function (PPO: the critic's values),
+        gathered from every process like the rewards."""
+        return {}
+
+    def _advantage_outputs(self, output: dict, global_batch: dict, local: slice, width: int) -> dict[str, Any]:
+        """Hook after the batch advantage function: copy more of its outputs (PPO: ``returns``) into
+        this process's ``output``; returns metrics."""
+        return {}
 
     def _gather_padded(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every process's ``(B, T)`` tensors, right-padded to a common width and concatenated in
@@ -396,8 +445,12 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
+        # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
+        # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
+        mask, guard_metrics = checks.guard_loss_mask(mask, logps, inputs, entropies)
         loss_mask, agg, divisors = self._aggregation(inputs, mask)
-        loss_inputs = self._loss_inputs(inputs, logps, loss_mask)
+        loss_inputs = {k: checks.masked_finite(v, loss_mask) for k, v in self._loss_inputs(inputs, logps, loss_mask).items()}
+        logps, entropies = loss_inputs["logprob"], checks.masked_finite(entropies, loss_mask)
         loss, metrics = self._policy_loss_for(mode).evaluate(**loss_inputs)
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         if self.entropy_loss.name != "none":
@@ -420,8 +473,11 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             metrics["aux_loss"] = aux_loss.detach()
+        guard_metrics["guards/nonfinite_loss"] = float(not checks.is_finite(loss))
+        if guard_metrics["guards/nonfinite_loss"]:  # e.g. an unclamped ratio overflowed: skip this micro-batch
+            loss = checks.zero_loss(model)
         metrics["actor/loss"] = loss.detach()
-        self._log_metrics(mode, metrics)
+        self._log_metrics(mode, {**metrics, **guard_metrics})
         return loss
 
     def _policy_loss_for(self, mode: str):
@@ -465,22 +521,33 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
     def _trainer_state(self) -> dict[str, Any]:
         """State that a checkpoint must carry beyond TRL's (restored on resume)."""
+        # micro_step: TRL's micro-step counter, which decides when the next generation happens
         return {"kl_penalty": self.kl_penalty.state_dict(), "kl_loss": self.kl_loss.state_dict(),
-                "generation_count": self._generation_count}
+                "generation_count": self._generation_count, "micro_step": self._step}
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self.kl_penalty.load_state_dict(state["kl_penalty"])
         self.kl_loss.load_state_dict(state["kl_loss"])
         self._generation_count = state["generation_count"]
+        self._step = state.get("micro_step", self._step)
+
+    # a checkpoint taken while a generation batch is still being trained on (num_iterations > 1, or
+    # steps_per_generation > gradient_accumulation_steps) keeps each process's remaining batch, so a
+    # resumed run trains on the same rows instead of generating a new batch early
+    BUFFER_FILE = "trinity_generation_buffer_rank{rank}.pt"
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
             with open(os.path.join(folder, self.TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(self._trainer_state(), f)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._buffered_inputs is not None and self._step % generate_every != 0:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self._buffered_inputs, os.path.join(folder, self.BUFFER_FILE.format(rank=self.accelerator.process_index)))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -488,10 +555,13 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         if path and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 self._load_trainer_state(json.load(f))
+        buffer = os.path.join(checkpoint, self.BUFFER_FILE.format(rank=self.accelerator.process_index)) if checkpoint else None
+        if buffer and os.path.isfile(buffer):
+            self._buffered_inputs = torch.load(buffer, map_location=self.accelerator.device, weights_only=False)
 
     _OWN_METRIC_PREFIXES = ("actor/", "critic/", "chord/", "group_advantages/", "multi_step/", "raft/", "kl/",
                             "advantages/", "filtered_count", "unscorable_count", "experience_count",
-                            "skipped_group_ratio")
+                            "skipped_group_ratio", "guards/")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # our metrics are appended per process (key sets may differ across ranks, e.g. usual/* needs
@@ -507,6 +577,10 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
                     pooled.setdefault(key, []).extend(values)
             for key, values in pooled.items():
                 self._metrics[mode][key] = values
+        # guard metrics are counts: the number of events since the last log line, over every process
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for key in [k for k in metrics if k.startswith("guards/")]:
+            metrics[key] = [sum(metrics[key])]
         super().log(logs, start_time)
 
     def _log_metrics(self, mode: str, metrics: dict[str, Any]) -> None:

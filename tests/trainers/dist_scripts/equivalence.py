@@ -17,7 +17,8 @@ For each case it writes `<out>/<case>_world<W>_rank<R>.pt` holding, per rank:
 backward of the step, flattened and concatenated in `named_parameters()` order: after DDP's all-reduce, before the
 optimizer step; clipping is disabled) and `grad_norm`.
 
-Usage: equivalence.py MODEL_DIR OUT_DIR CASE [CASE ...]   (CASE in grpo, reinforceplusplus, cispo_global, cispo_micro, chord)
+Usage: equivalence.py MODEL_DIR OUT_DIR CASE [CASE ...]   (CASE in grpo, reinforceplusplus, cispo_global, cispo_micro, sapo,
+chord, step_grpo)
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from transformers import TrainerCallback
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
+    SAPOConfig,
+    SAPOTrainer,
     TrinityConfig,
     TrinityTrainer,
 )
@@ -187,6 +190,11 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
         normalization = "global" if case == "cispo_global" else "micro_batch"
         args = TrinityConfig(algorithm="cispo", loss_normalization=normalization, **common)
         cls, ragged = TrinityTrainer, True
+    elif case == "sapo":
+        # SAPOTrainer's defaults (paper form, seq-mean-token-mean) with ragged completions: each process holds 4 rows,
+        # so the DDP average of the two per-process row means is the global mean over the 8 rows
+        args = SAPOConfig(**common)
+        cls, ragged = SAPOTrainer, True
     elif case == "chord":
         # as above; every process also has the same number of expert rows (4 // world), so both the RL part (mean
         # over rollout rows) and the SFT part (mean over expert rows) average to their global means.

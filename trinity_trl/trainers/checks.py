@@ -1,0 +1,281 @@
+"""Input checks and numerical guards shared by the trainers.
+
+Bad input fails at the earliest point with a message that names the row, column or value, or is
+handled in a documented way that drops nothing silently (README, "Guarantees and bad input"):
+
+* datasets: a missing ``prompt`` column or empty prompts (``""``, ``[]``, ``None``) are rejected at
+  construction (map-style datasets, by row index) or at the first batch (iterable datasets);
+* reward functions: an exception is re-raised as :class:`RewardFunctionError` naming the function
+  and the row that raises; a result that is not a list of numbers/None is a ``TypeError`` naming
+  the value (TRL checks the length);
+* ``rollout_func``: rows with an empty completion are rejected (TRL would fail on ``ids[-1]``);
+* context: a prompt that cannot fit ``max_completion_length`` more tokens in the model's
+  positions is rejected, naming the row and the lengths;
+* loss inputs: :func:`guard_loss_mask` drops trained tokens whose log-probs or advantages are not
+  finite, and :func:`masked_finite` zeroes every untrained position, so NaN/inf cannot reach the
+  loss or its gradient; each event is counted in a ``guards/*`` metric.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+GUARD_METRICS = ("guards/nonfinite_logps", "guards/nonfinite_advantages", "guards/empty_mask", "guards/nonfinite_loss")
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised; the message names the function and, when one row alone
+    reproduces it, that row (the original exception is the ``__cause__``)."""
+
+
+# ------------------------------------------------------------------------------------- datasets
+def _is_empty_prompt(prompt: Any) -> bool:
+    return prompt is None or (isinstance(prompt, (str, list, tuple)) and len(prompt) == 0)
+
+
+def check_prompt_dataset(dataset: Any, name: str) -> None:
+    """Reject a dataset without a ``prompt`` column, or (map-style datasets) with empty prompts.
+
+    The scan reads the column's lengths from Arrow, so it costs milliseconds even on large datasets.
+    Iterable datasets are checked batch by batch (:func:`check_batch_prompts`).
+    """
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        for key, value in dataset.items():
+            check_prompt_dataset(value, f"{name}[{key!r}]")
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        return
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {sorted(columns)}); every row needs the prompt to generate "
+            "completions for (a string, or a list of chat messages)"
+        )
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
+        return
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = dataset.with_format("arrow")["prompt"]
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        lengths = pc.utf8_length(column)
+    elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        lengths = pc.list_value_length(column)
+    else:
+        return
+    empty = [i for i, n in enumerate(lengths.to_pylist()) if not n]
+    if empty:
+        raise ValueError(
+            f"{name} has {len(empty)} row(s) with an empty prompt (rows {empty[:10]}{' ...' if len(empty) > 10 else ''}); "
+            "remove them, e.g. dataset.filter(lambda row: len(row['prompt']) > 0)"
+        )
+
+
+def check_batch_prompts(inputs: list[dict[str, Any]]) -> None:
+    """Reject a generation batch holding an empty prompt (iterable datasets are not scanned upfront)."""
+    for position, row in enumerate(inputs):
+        if "prompt" not in row:
+            raise ValueError(f"a batch row has no 'prompt' (columns: {sorted(row)})")
+        if _is_empty_prompt(row["prompt"]):
+            raise ValueError(f"row {position} of this process's batch has an empty prompt: {short(row)}")
+
+
+def check_context(prompt_lengths: list[int], extra: int | list[int], limit: int | None, describe) -> None:
+    """Reject the first row whose prompt plus ``extra`` completion tokens exceed ``limit`` positions;
+    ``describe(i)`` names row ``i`` in the message."""
+    if limit is None:
+        return
+    extras = extra if isinstance(extra, list) else [extra] * len(prompt_lengths)
+    for i, (length, more) in enumerate(zip(prompt_lengths, extras)):
+        if length + more > limit:
+            raise ValueError(
+                f"{describe(i)}: its prompt has {length} tokens, and {length} + {more} completion tokens exceed the "
+                f"model's {limit} positions (max_position_embeddings). Filter or shorten long prompts, or lower "
+                "max_completion_length"
+            )
+
+
+def model_max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ------------------------------------------------------------------------------ reward functions
+def _row_kwargs(kwargs: dict[str, Any], row: int, n: int) -> dict[str, Any]:
+    return {k: [v[row]] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+
+
+def _raise_context(name: str, err: Exception, row: int | None, kwargs: dict[str, Any]) -> RewardFunctionError:
+    n = len(kwargs.get("completions") or [])
+    if row is None:
+        where = f"on this process's batch of {n} completions (no single row raises alone)"
+    else:
+        where = (f"on row {row} of this process's batch of {n} completions (prompt: "
+                 f"{short(kwargs['prompts'][row])}, completion: {short(kwargs['completions'][row])})")
+    return RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err} {where}")
+
+
+def _validated(name: str, output: Any) -> list[Any]:
+    if output is None or isinstance(output, (str, bytes, dict)) or not hasattr(output, "__len__"):
+        raise TypeError(
+            f"reward function {name!r} returned {short(output)} ({type(output).__name__}); it must return a list "
+            "with one reward per completion: a number, or None where it does not score the completion"
+        )
+    values = list(output)
+    for row, value in enumerate(values):
+        if value is None:
+            continue
+        ok = not isinstance(value, (str, bytes))
+        if ok:
+            try:
+                float(value)
+            except (TypeError, ValueError):
+                ok = False
+        if not ok:
+            raise TypeError(
+                f"reward function {name!r} returned {short(value)} ({type(value).__name__}) for row {row}; "
+                "a reward must be a number, or None where the function does not score the completion"
+            )
+    return values
+
+
+def checked_reward_func(func: Any, name: str) -> Any:
+    """``func`` (sync or async) with its failures and malformed results reported by name and row."""
+    from trl.trainer.utils import is_async_callable
+
+    if is_async_callable(func):
+        @functools.wraps(func)
+        async def checked_async(**kwargs):
+            try:
+                output = await func(**kwargs)
+            except Exception as err:
+                n, row = len(kwargs["completions"]), None
+                for i in range(n):
+                    try:
+                        await func(**_row_kwargs(kwargs, i, n))
+                    except Exception:  # noqa: BLE001 (locating the row only)
+                        row = i
+                        break
+                raise _raise_context(name, err, row, kwargs) from err
+            return _validated(name, output)
+
+        return checked_async
+
+    @functools.wraps(func)
+    def checked(**kwargs):
+        try:
+            output = func(**kwargs)
+        except Exception as err:
+            n, row = len(kwargs["completions"]), None
+            for i in range(n):  # only on failure: find the row that raises alone
+                try:
+                    func(**_row_kwargs(kwargs, i, n))
+                except Exception:  # noqa: BLE001 (locating the row only)
+                    row = i
+                    break
+            raise _raise_context(name, err, row, kwargs) from err
+        return _validated(name, output)
+
+    return checked
+
+
+# --------------------------------------------------------------------------------- rollout_func
+def checked_rollout_func(func: Any) -> Any:
+    """``rollout_func`` whose rows must each hold a non-empty completion (TRL reads ``ids[-1]``)."""
+
+    @functools.wraps(func)
+    def checked(prompts, trainer):
+        output = func(prompts, trainer)
+        completions = output.get("completion_ids") if isinstance(output, dict) else None
+        if completions is not None:
+            if len(completions) != len(prompts):
+                raise ValueError(f"rollout_func returned {len(completions)} completions for {len(prompts)} prompts")
+            empty = [i for i, ids in enumerate(completions) if len(ids) == 0]
+            if empty:
+                raise ValueError(
+                    f"rollout_func returned an empty completion for row(s) {empty[:10]} (first prompt: "
+                    f"{short(prompts[empty[0]])}); every completion needs at least one token (end it with EOS)"
+                )
+        return output
+
+    return checked
+
+
+# ------------------------------------------------------------------------------------ loss guards
+def guard_loss_mask(
+    mask: torch.Tensor, logps: torch.Tensor, inputs: dict[str, Any], entropies: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Drop trained tokens whose inputs are not finite; return ``(mask, guard metrics)``.
+
+    A token is dropped (its mask set to 0) when its current, behaviour or reference log-prob or
+    entropy (``guards/nonfinite_logps``), or its advantage or vLLM importance weight
+    (``guards/nonfinite_advantages``), is NaN or ±inf. ``guards/empty_mask`` is 1 when the
+    micro-batch then has no trained token (its loss is exactly 0).
+    """
+    valid = mask != 0
+    bad_logps = ~torch.isfinite(logps.detach())
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        value = inputs.get(key)
+        if value is not None:
+            bad_logps |= ~torch.isfinite(value)
+    if entropies is not None:
+        bad_logps |= ~torch.isfinite(entropies.detach())
+    bad_adv = torch.zeros_like(valid)
+    for key in ("advantages", "importance_sampling_ratio"):
+        value = inputs.get(key)
+        if value is not None:
+            value = value.unsqueeze(1) if value.dim() == 1 else value
+            bad_adv |= ~torch.isfinite(value).expand_as(valid)
+    bad_logps &= valid
+    bad_adv &= valid & ~bad_logps
+    dropped = bad_logps | bad_adv
+    if dropped.any():
+        mask = mask * (~dropped).to(mask.dtype)
+    metrics = {
+        "guards/nonfinite_logps": float(bad_logps.sum()),
+        "guards/nonfinite_advantages": float(bad_adv.sum()),
+        "guards/empty_mask": float(not bool((mask != 0).any())),
+    }
+    return mask, metrics
+
+
+def masked_finite(value: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """``value`` with 0 at every untrained position (``(B, T)``) or non-finite entry (``(B,)``/``(B, 1)``).
+
+    ``torch.where`` keeps the gradient of trained positions and gives exactly 0 elsewhere, so an
+    inf at a padded position cannot turn into a NaN gradient (0 · inf) inside the loss.
+    """
+    if value is None or not torch.is_tensor(value) or not value.is_floating_point():
+        return value
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    if value.shape == mask.shape:
+        return torch.where(mask != 0, value, zero)
+    return torch.where(torch.isfinite(value), value, zero)
+
+
+def zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A loss of exactly 0 whose backward gives every trainable parameter a zero gradient (so DDP's
+    all-reduce still sees every parameter), used in place of a non-finite loss."""
+    terms = [p.reshape(-1)[:1].sum() * 0.0 for p in model.parameters() if p.requires_grad]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+def is_finite(x: torch.Tensor) -> bool:
+    return bool(torch.isfinite(x).all()) if torch.is_tensor(x) else math.isfinite(x)
