@@ -11,6 +11,8 @@ Registries (name -> class, ``.get(name)``, ``.names()``):
   on_policy_distill)
 * ``ALGORITHM_TYPE``: the 19 presets
 
+The PPO critic's clipped value loss is ``clipped_value_loss`` (``value_loss.py``).
+
 This package imports only torch and the standard library.
 """
 
@@ -22,6 +24,7 @@ from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_va
 from .policy_loss import POLICY_LOSS_FN, mu_schedule_function, phi_function
 from .presets import ALGORITHM_TYPE, GLOBAL_DEFAULTS, AlgorithmConfig, AlgorithmType, resolve_algorithm_config
 from .functional import compute_policy_loss, kl_penalty
+from .value_loss import clipped_value_loss
 
 __all__ = [
     "ALGORITHM_TYPE",
@@ -39,6 +42,7 @@ __all__ = [
     "Experience",
     "LOSS_AGG_MODES",
     "agg_loss",
+    "clipped_value_loss",
     "gather_metrics",
     "group_by",
     "masked_mean",

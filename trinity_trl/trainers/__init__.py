@@ -4,6 +4,7 @@ from .chord import ChordConfig, ChordTrainer
 from .cispo import CISPOConfig, CISPOTrainer
 from .config import TrinityConfig
 from .dpo import TrinityDPOConfig, TrinityDPOTrainer
+from .ppo import PPOConfig, PPOTrainer
 from .sapo import SAPOConfig, SAPOTrainer
 from .sft import TrinitySFTConfig, TrinitySFTTrainer
 from .step_grpo import StepGRPOConfig, StepGRPOTrainer
@@ -14,6 +15,8 @@ __all__ = [
     "CISPOTrainer",
     "ChordConfig",
     "ChordTrainer",
+    "PPOConfig",
+    "PPOTrainer",
     "SAPOConfig",
     "SAPOTrainer",
     "StepGRPOConfig",
