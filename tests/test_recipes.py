@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trinity_trl.cli import main as cli
+from trinity_trl.cli import run as cli
 from trinity_trl.recipes import RECIPES, bundled_configs, config_path
 from trinity_trl.recipes.common import RecipeArguments, load_task, parse, reward_functions, to_task_format
 from trinity_trl.recipes.plot import curves
@@ -62,6 +62,7 @@ def test_recipe_trains_two_steps_and_writes_its_outputs(name, tmp_path, tiny_mod
     assert [e["step"] for e in log["log_history"] if "loss" in e and "train_runtime" not in e] == [1, 2]
     card = (tmp_path / "README.md").read_text()
     assert "## Algorithm:" in card
+    assert "huggingface.co/None" not in card and "(a local model)" in card  # the base model is a local folder
     if name != "step_grpo":  # the arithmetic recipes measure accuracy before and after
         before, after = trainer.accuracy["before"], trainer.accuracy["after"]
         assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
@@ -147,10 +148,16 @@ def test_cli_rejects_unknown_recipes_and_configs():
         cli(["chord", "--config", "no_such_config"])
 
 
-def test_console_script_is_installed():
+def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):
     script = Path(sys.executable).parent / "trinity-trl"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage: trinity-trl <recipe>" in result.stdout
+    config, tiny = RUNS["sapo"]
+    result = subprocess.run([str(script), "sapo", "--config", config, "--model_name_or_path", tiny_model_dir,
+                             "--output_dir", str(tmp_path), *tiny, "--max_steps", "1", "--eval_accuracy", "false"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "adapter_model.safetensors").exists()
 
 
 def test_bundled_configs_resolve_and_every_key_is_an_option():
@@ -263,3 +270,31 @@ def test_repository_recipe_scripts_run_the_cli():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout
     assert (REPO / "recipes" / "configs" / "chord_cpu.yaml").exists()
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    kinds = {}
+    for path in sorted((REPO / "recipes" / "accelerate").glob("*.yaml")):
+        config = ClusterConfig.from_yaml_file(str(path))
+        kinds[path.stem] = (config.distributed_type.value, (config.deepspeed_config or {}).get("zero_stage"))
+    assert kinds == {"ddp": ("MULTI_GPU", None), "fsdp": ("FSDP", None), "zero2": ("DEEPSPEED", 2),
+                     "zero3": ("DEEPSPEED", 3)}
+
+
+def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_model_dir):
+    """What the README's multi-GPU command does, on CPU: `accelerate launch` starts 2 processes of the recipe."""
+    config, tiny = RUNS["chord"]
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "recipes" / "chord.py"), "--config", config, "--model_name_or_path", tiny_model_dir,
+               "--output_dir", str(tmp_path), *tiny, "--eval_accuracy", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = json.loads((tmp_path / "training_log.json").read_text())
+    assert log["summary"]["global_step"] == 2
+    # the expert rows of both processes were trained: 2 per process per step
+    assert [e["chord/expert_rows"] for e in log["log_history"] if "chord/expert_rows" in e] == [2.0, 2.0]
+    assert (tmp_path / "adapter_model.safetensors").exists()

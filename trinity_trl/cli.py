@@ -36,7 +36,13 @@ def _resolve_config(argv: list[str]) -> list[str]:
     return argv
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> None:
+    """The console script: runs the recipe and returns nothing (a return value would become the exit status)."""
+    run(argv)
+
+
+def run(argv: list[str] | None = None):
+    """Run a recipe; returns its trainer (``None`` for the listing commands)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())

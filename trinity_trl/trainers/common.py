@@ -28,6 +28,19 @@ def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
 
 
 
+def _name_local_base_model(card_path: str, model_path: str | None) -> None:
+    """TRL's card links a base model from a local folder as "[None](https://huggingface.co/None)"; name the folder."""
+    if not os.path.exists(card_path):
+        return
+    with open(card_path, encoding="utf-8") as f:
+        text = f.read()
+    broken = "[None](https://huggingface.co/None)"
+    if broken in text:
+        name = os.path.basename(os.path.normpath(model_path)) if model_path else "a local model"
+        with open(card_path, "w", encoding="utf-8") as f:
+            f.write(text.replace(broken, f"`{name}` (a local model)"))
+
+
 class AlgorithmCardMixin:
     """Appends the algorithm section (name, paper, resolved components) to TRL's model card, and
     writes the card on ``save_model`` too, not only on checkpoints and Hub pushes."""
@@ -41,6 +54,7 @@ class AlgorithmCardMixin:
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
+        _name_local_base_model(path, getattr(self.model.config, "_name_or_path", None))
         with open(path, "a", encoding="utf-8") as card:
             card.write(algorithm_card_section(self.algorithm, type(self).__name__))
             extra = getattr(self, "model_card_extra", None)  # e.g. the recipes' evaluation section
