@@ -166,15 +166,20 @@ def test_gae_in_the_trainer_equals_the_library_with_kl_in_reward(tmp_path, tiny_
         assert torch.all((batch["old_values"] != 0) == mask.bool())
 
 
-def test_value_loss_decreases_on_a_fixed_batch(tmp_path, tiny_model_dir):
-    trainer = make(tmp_path, tiny_model_dir, value_learning_rate=3e-3, cliprange_value=0.2)
+def fixed_batch(trainer) -> dict[str, torch.Tensor]:
+    """Two rows: a left-padded prompt with a full completion, and a full prompt with a padded completion."""
     pad = trainer.processing_class.pad_token_id
-    batch = {
+    return {
         "prompt_ids": torch.tensor([[pad, 11, 12], [21, 22, 23]]),
         "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
         "completion_ids": torch.tensor([[31, 32, 33, 34], [41, 42, pad, pad]]),
         "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
     }
+
+
+def test_value_loss_decreases_on_a_fixed_batch(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, value_learning_rate=3e-3, cliprange_value=0.2)
+    batch = fixed_batch(trainer)
     returns = torch.tensor([[1.0, 1.5, 2.0, 2.5], [-1.0, -0.5, 0.0, 0.0]])
     losses = []
     for _ in range(12):
@@ -190,13 +195,7 @@ def test_value_loss_decreases_on_a_fixed_batch(tmp_path, tiny_model_dir):
 
 def test_non_finite_returns_or_old_values_never_reach_the_critic_gradient(tmp_path, tiny_model_dir):
     trainer = make(tmp_path, tiny_model_dir)
-    pad = trainer.processing_class.pad_token_id
-    batch = {
-        "prompt_ids": torch.tensor([[pad, 11, 12], [21, 22, 23]]),
-        "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        "completion_ids": torch.tensor([[31, 32, 33, 34], [41, 42, pad, pad]]),
-        "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
-    }
+    batch = fixed_batch(trainer)
     with torch.no_grad():
         batch["old_values"] = trainer._critic_values(unwrapped_critic(trainer), batch)
     batch["old_values"][1, 3] = float("inf")  # padding
@@ -475,7 +474,7 @@ def test_ppo_cpu_config_keys_are_options():
 
 
 def test_recipe_trains_and_saves_policy_and_critic_adapters(tmp_path, tiny_model_dir):
-    from trinity_trl.cli import main as cli
+    from trinity_trl.cli import run as cli
 
     trainer = cli(["ppo", "--config", "ppo_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
                    "--max_steps", "3", "--num_train_rows", "8", "--eval_accuracy", "false", "--max_completion_length",
