@@ -158,6 +158,10 @@ def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_m
                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "adapter_model.safetensors").exists()
+    # each process scored its half of the held-out rows; the printed accuracy counts all 6
+    assert "held-out accuracy before training" in result.stdout and "(6 problems)" in result.stdout
+    before = log["summary"]["accuracy_before"]
+    assert before is not None and abs(before * 6 - round(before * 6)) < 1e-9
 
 
 def test_bundled_configs_resolve_and_every_key_is_an_option():
@@ -289,7 +293,7 @@ def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_mode
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(REPO / "recipes" / "chord.py"), "--config", config, "--model_name_or_path", tiny_model_dir,
-               "--output_dir", str(tmp_path), *tiny, "--eval_accuracy", "false"]
+               "--output_dir", str(tmp_path), *tiny, "--num_eval_rows", "6"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

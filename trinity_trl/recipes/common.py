@@ -228,12 +228,25 @@ def reward_functions(names: list[str]) -> list[Callable]:
 # --------------------------------------------------------------------------------------- the run
 
 def _accuracy(trainer, task: Task, args: RecipeArguments, label: str) -> float:
-    accuracy = evaluate_accuracy(trainer.model, trainer.processing_class, task.test, batch_size=args.eval_batch_size,
-                                 max_new_tokens=args.eval_max_new_tokens,
-                                 progress=trainer.is_world_process_zero() and not trainer.args.disable_tqdm)
+    """Greedy held-out accuracy; each process scores its shard of the held-out rows and the counts are summed.
+
+    The model is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered).
+    """
+    import torch
+    from trl.models.utils import unwrap_model_for_generation
+
+    accelerator = trainer.accelerator
+    shard = task.test.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
+    with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
+        local = evaluate_accuracy(model, trainer.processing_class, shard, batch_size=args.eval_batch_size,
+                                  max_new_tokens=args.eval_max_new_tokens,
+                                  progress=trainer.is_world_process_zero() and not trainer.args.disable_tqdm) \
+            if len(shard) else 0.0
+    counts = torch.tensor([local * len(shard), float(len(shard))], dtype=torch.float64, device=accelerator.device)
+    correct, total = accelerator.reduce(counts, reduction="sum").tolist()
+    accuracy = correct / total
     if trainer.is_world_process_zero():
-        print(f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({len(task.test)} problems)",
-              flush=True)
+        print(f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({int(total)} problems)", flush=True)
     return accuracy
 
 
