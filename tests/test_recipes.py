@@ -70,6 +70,7 @@ def test_recipe_trains_two_steps_and_writes_its_outputs(name, tmp_path, tiny_mod
         assert f"**{before:.3f}** before training, **{after:.3f}** after" in card
         printed = capsys.readouterr().out
         assert "held-out accuracy before training" in printed and "held-out accuracy after training" in printed
+        assert f"accuracy {before:.3f} -> {after:.3f}; model, card, training_log.json and plot in {tmp_path}" in printed
 
 
 def test_chord_recipe_logs_mu_and_both_losses_and_plots_them(tmp_path, tiny_model_dir):

@@ -278,6 +278,10 @@ def run(trainer, script_args: RecipeArguments, task: Task | None = None):
             plot_training(trainer.state.log_history, os.path.join(output_dir, "training_curves.png"))
     if training_args.push_to_hub:
         trainer.push_to_hub()
+    if trainer.is_world_process_zero():
+        outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
+        print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and "
+              f"plot in {output_dir}", flush=True)
     trainer.accuracy = {"before": before, "after": after}
     return trainer
 
