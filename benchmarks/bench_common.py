@@ -1,0 +1,178 @@
+"""Helpers shared by the benchmark scripts: offline environment, machine description, load, memory,
+the tiny random model, formatting. Importing this module sets the offline environment variables
+(before transformers or trl are imported by the caller) and puts the repository root and ``tests/``
+(for ``helpers.build_tiny_tokenizer``) on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "disabled",
+    "DISABLE_MLFLOW_INTEGRATION": "TRUE",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (str(ROOT / "tests"), str(ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+# --------------------------------------------------------------------------------------- machine
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine slows (and blurs) the timings."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def niceness() -> int | None:
+    try:
+        return os.nice(0)
+    except OSError:
+        return None
+
+
+def machine_description(device: str = "cpu") -> dict:
+    """Platform, CPU, core count, library versions, torch threads, niceness (and the GPU on CUDA)."""
+    import torch
+    import transformers
+    import trl
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "cpu": cpu_model(),
+        "os_cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "niceness": niceness(),
+        "device": device,
+    }
+    try:
+        import peft
+
+        info["peft"] = peft.__version__
+    except ImportError:
+        pass
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def machine_line(m: dict) -> str:
+    """One Markdown sentence describing the machine of a report."""
+    gpu = f" ({m['gpu']})" if m.get("gpu") else ""
+    return (f"Machine: {m['platform']}; CPU: {m['cpu']} ({m['os_cpu_count']} visible cores); device "
+            f"`{m['device']}`{gpu}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+            f"trl {m['trl']}; torch threads {m['torch_threads']}; niceness {m['niceness']}.")
+
+
+def interpreter() -> str:
+    rel = os.path.relpath(sys.executable)
+    return sys.executable if rel.startswith("..") else rel
+
+
+# ---------------------------------------------------------------------------------------- memory
+def read_status_kb(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``), None where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` (peak RSS) to the current RSS; False where ``/proc/self/clear_refs`` is not writable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+_LIBC = None
+
+
+def malloc_trim() -> None:
+    global _LIBC
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def max_rss_mib() -> float:
+    """Peak resident set size of this process since it started (``getrusage``), in MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ------------------------------------------------------------------------------------ tiny model
+def save_random_qwen2(path: str | os.PathLike, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                      intermediate: int = 688, max_positions: int = 1024, seed: int = 0) -> str:
+    """A random Qwen2 with the tests' tiny BPE tokenizer (vocab ~490, ChatML), saved with it to ``path``."""
+    import torch
+    from helpers import build_tiny_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------ statistics
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def fmt(value, spec: str = ".3f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"

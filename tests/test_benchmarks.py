@@ -1,0 +1,99 @@
+"""Smoke tests of the benchmark scripts: each runs its smallest setting on the tiny model into a temporary
+directory and writes its result files with the expected keys. Nothing here looks at timings (they are only
+measured, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _load(path: Path) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+def _check_machine(report: dict) -> None:
+    for key in ("cpu", "os_cpu_count", "torch", "trl", "transformers", "torch_threads"):
+        assert key in report["machine"], key
+    assert "load_average_start" in report and "load_average_end" in report
+
+
+def test_algorithms_quick(tmp_path):
+    _run("algorithms.py", "--quick", "--model-config", "tiny", "--out", str(tmp_path))
+    report = _load(tmp_path / "algorithms.json")
+    _check_machine(report)
+    from trinity_trl.algorithms import ADVANTAGE_FN, KL_FN, POLICY_LOSS_FN
+
+    results, skipped = report["results"], report["skipped"]
+    # every registered component is either timed or listed as skipped with a reason
+    assert set(results["policy_loss"]) | set(skipped["policy_loss"]) == set(POLICY_LOSS_FN.names())
+    assert set(results["kl"]) | set(skipped["kl"]) == set(KL_FN.names())
+    timed_advantages = {r["name"] for r in results["advantage"].values()}
+    assert timed_advantages | set(skipped["advantage"]) == set(ADVANTAGE_FN.names())
+    for name, r in results["policy_loss"].items():
+        assert r["forward_backward"]["median_s"] > 0, name
+        assert name in report["percent_of_model"]["policy_loss"]
+    assert report["model"]["seconds_per_token"] > 0
+    assert {"worst_loss", "worst_loss_percent", "target_met"} <= set(report["summary"])
+    assert "% of model" in (tmp_path / "algorithms.md").read_text()
+
+
+def test_trl_overhead_quick_one_pair(tmp_path):
+    _run("trl_overhead.py", "--quick", "--pairs", "cispo", "--out", str(tmp_path))
+    report = _load(tmp_path / "trl_overhead.json")
+    _check_machine(report)
+    pair = report["results"]["cispo"]
+    for side in ("ours", "trl"):
+        assert {"step_s", "train_s", "generation_s", "process_peak_rss_mib", "micro_batch"} <= set(pair[side])
+        assert pair[side]["step_s"] > 0
+    assert {"step", "train", "step_paired", "memory"} <= set(pair["ratio"])
+    # the pair is equivalent: both sides log the same loss and gradient norm at every step
+    assert pair["equivalence"]["loss_max_abs_diff"] < 1e-3
+    assert pair["equivalence"]["grad_norm_max_rel_diff"] < 1e-2
+    text = (tmp_path / "trl_overhead.md").read_text()
+    assert "| cispo | " in text and "| cispo | ours |" in text  # the comparison row and its time breakdown
+
+
+@pytest.mark.slow
+def test_trl_overhead_quick_all(tmp_path):
+    _run("trl_overhead.py", "--quick", "--out", str(tmp_path))
+    report = _load(tmp_path / "trl_overhead.json")
+    assert set(report["results"]) == {"cispo", "sapo", "gspo", "grpo", "chord"}
+    for name in ("cispo", "sapo", "gspo", "grpo"):
+        assert report["results"][name]["equivalence"]["grad_norm_max_rel_diff"] < 1e-2, name
+    chord = report["results"]["chord"]
+    assert chord["ours"]["micro_batch"]["rows"] == chord["trl_same_rows"]["micro_batch"]["rows"]
+    assert {"train_vs_same_rows", "added_train_over_extra_rows_cost"} <= set(chord["ratio"])
+
+
+def test_learning_quick_tiny(tmp_path):
+    _run("learning.py", "--model", "tiny", "--quick", "--methods", "grpo", "chord", "sft", "--steps", "2",
+         "--eval-every", "1", "--eval-rows", "4", "--eval-max-new-tokens", "8", "--completion-len", "8",
+         "--out", str(tmp_path))
+    report = _load(tmp_path / "learning.json")
+    _check_machine(report)
+    assert set(report["summary"]) == {"grpo", "chord", "sft"}
+    for method, summary in report["summary"].items():
+        assert set(summary["accuracy"]) == {"0", "1", "2"}, method
+        assert 0.0 <= summary["final_mean"] <= 1.0
+    assert report["config"]["quick"] is True
+    assert (tmp_path / "learning.md").is_file()
+    png = tmp_path / "learning.png"
+    if png.exists():  # matplotlib is optional
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
