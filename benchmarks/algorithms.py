@@ -32,7 +32,6 @@ built, so nothing is skipped unless an error says otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -453,13 +452,7 @@ def main(argv=None) -> int:
         "total_wall_s": None,
     }
     report["total_wall_s"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "algorithms.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    (out / "algorithms.md").write_text(text)
-    print(text)
-    print(f"wrote {out / 'algorithms.json'} and {out / 'algorithms.md'} ({report['total_wall_s']:.0f} s)")
+    bc.write_report(args.out, "algorithms", report, markdown(report))
     return 0
 
 

@@ -164,6 +164,19 @@ def save_random_qwen2(path: str | os.PathLike, hidden: int = 256, layers: int = 
     return str(path)
 
 
+# --------------------------------------------------------------------------------------- reports
+def write_report(out_dir: str | os.PathLike, name: str, report: dict, markdown: str) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` to ``out_dir``, print the Markdown and where both went."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {out / (name + '.json')} and {out / (name + '.md')} ({report['total_wall_s']:.0f} s)")
+
+
 # ------------------------------------------------------------------------------------ statistics
 def median(values) -> float | None:
     values = [v for v in values if v is not None]

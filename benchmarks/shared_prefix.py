@@ -30,12 +30,8 @@ that file cannot be written).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
-import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -44,19 +40,7 @@ import time
 import warnings
 from pathlib import Path
 
-for _name, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_MODE": "disabled",
-}.items():
-    os.environ.setdefault(_name, _value)
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # helpers.build_tiny_tokenizer (offline BPE tokenizer)
-sys.path.insert(0, str(ROOT))
+import bench_common as bc  # sets the offline environment and sys.path before torch/trl imports
 
 import torch  # noqa: E402 (after the environment variables and sys.path)
 
@@ -64,37 +48,8 @@ LAYOUTS = ("per_step", "shared")
 
 
 # ----------------------------------------------------------------------------- memory helpers
-def _read_status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _cpu_peak_supported() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _read_status_kb("VmHWM") is not None
-    except OSError:
-        return False
-
-
-_LIBC = None
-
-
-def _malloc_trim() -> None:
-    global _LIBC
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    return bc.reset_peak_rss() and bc.read_status_kb("VmHWM") is not None
 
 
 def peak_memory_mib(fn, device: torch.device, cpu_supported: bool) -> float | None:
@@ -111,37 +66,15 @@ def peak_memory_mib(fn, device: torch.device, cpu_supported: bool) -> float | No
     if not cpu_supported:
         fn()
         return None
-    _malloc_trim()
-    before = _read_status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    bc.malloc_trim()
+    before = bc.read_status_kb("VmRSS")
+    bc.reset_peak_rss()  # the peak RSS (VmHWM) restarts from the current RSS
     fn()
-    peak = _read_status_kb("VmHWM")
+    peak = bc.read_status_kb("VmHWM")
     return (peak - before) / 1024
 
 
 # ------------------------------------------------------------------------------- setup helpers
-def save_model(path: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-               max_positions: int, seed: int) -> None:
-    from helpers import build_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
 def make_trainer(model_dir: Path, out_dir: Path, args):
     from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
@@ -310,35 +243,6 @@ def check_equivalence(trainer, runs, batches, device, cpu_mem: bool, with_logps:
 
 
 # ---------------------------------------------------------------------------------------- main
-def machine_description(device: torch.device) -> dict:
-    import transformers
-    import trl
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "os_cpu_count": os.cpu_count(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def bench_steps(trainer, tokenizer, num_steps: int, args, device, cpu_mem: bool) -> dict:
     rng = random.Random(args.seed * 1000 + num_steps)
     runs, advantages = make_runs(args.runs, num_steps, args.prompt_len, args.completion_len, args.observation_len,
@@ -399,20 +303,6 @@ def bench_steps(trainer, tokenizer, num_steps: int, args, device, cpu_mem: bool)
             "checks": checks}
 
 
-def _loadavg() -> list[float] | None:
-    """1/5/15-minute load averages: other work on the machine slows (and blurs) the timings."""
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
-def _interpreter() -> str:
-    rel = os.path.relpath(sys.executable)
-    return sys.executable if rel.startswith("..") else rel
-
-
-def fmt(value, spec=".3f", suffix=""):
-    return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
 def markdown(report: dict) -> str:
     m, c = report["machine"], report["config"]
     lines = [
@@ -446,15 +336,15 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {res['steps_per_run']} | {name.replace('_', '-')} | {lay['rows']} | {lay['width']} "
                 f"| {lay['padded_tokens']} "
-                f"| {lay['real_tokens']} | {lay['trained_tokens']} | {fmt(lay['train']['median_s'])} "
-                f"| {fmt(lay.get('logps', {}).get('median_s'))} | {fmt(lay['peak_mem_train_mib'], '.0f')} "
-                f"| {fmt(lay.get('peak_mem_logps_mib'), '.0f')} |")
+                f"| {lay['real_tokens']} | {lay['trained_tokens']} | {bc.fmt(lay['train']['median_s'])} "
+                f"| {bc.fmt(lay.get('logps', {}).get('median_s'))} | {bc.fmt(lay['peak_mem_train_mib'], '.0f')} "
+                f"| {bc.fmt(lay.get('peak_mem_logps_mib'), '.0f')} |")
         r = res["ratio_per_step_over_shared"]
         lines.append(
-            f"| {res['steps_per_run']} | **per-step / shared** | | | {fmt(r['padded_tokens'], '.2f', 'x')} "
-            f"| {fmt(r['real_tokens'], '.2f', 'x')} | | **{fmt(r['train_median'], '.2f', 'x')}** "
-            f"| **{fmt(r.get('logps_median'), '.2f', 'x')}** | {fmt(r['peak_mem_train'], '.2f', 'x')} "
-            f"| {fmt(r.get('peak_mem_logps'), '.2f', 'x')} |")
+            f"| {res['steps_per_run']} | **per-step / shared** | | | {bc.fmt(r['padded_tokens'], '.2f', 'x')} "
+            f"| {bc.fmt(r['real_tokens'], '.2f', 'x')} | | **{bc.fmt(r['train_median'], '.2f', 'x')}** "
+            f"| **{bc.fmt(r.get('logps_median'), '.2f', 'x')}** | {bc.fmt(r['peak_mem_train'], '.2f', 'x')} "
+            f"| {bc.fmt(r.get('peak_mem_logps'), '.2f', 'x')} |")
     lines += ["", "Equivalence checks (untimed, asserted): same loss to 1e-4 relative, gradients to 1e-3 relative "
               "norm, per-token log-probs of every step's completion to 1e-4.", "",
               "| steps/run | loss per-step | loss shared | loss rel. diff | grad rel. norm diff | logps max abs diff |",
@@ -512,12 +402,12 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     cpu_mem = device.type == "cpu" and _cpu_peak_supported()
     started = time.perf_counter()
-    load_start = _loadavg()
+    load_start = bc.loadavg()
 
     longest = args.prompt_len + max(args.steps) * (args.completion_len + args.observation_len)
     with tempfile.TemporaryDirectory(prefix="shared_prefix_bench_") as tmp:
         model_dir = Path(tmp) / "model"
-        save_model(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
+        bc.save_random_qwen2(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                    max_positions=max(512, longest), seed=args.seed)
         trainer = make_trainer(model_dir, Path(tmp) / "out", args)
         tokenizer = trainer._tokenizer
@@ -548,19 +438,14 @@ def main(argv=None) -> int:
         memory_note = "not measured (CPU, and /proc/self/clear_refs is not writable here)."
     report = {
         "benchmark": "shared_prefix",
-        "command": " ".join([_interpreter(), *sys.argv]),
-        "machine": {**machine_description(device), "load_average_start": load_start, "load_average_end": _loadavg()},
+        "command": " ".join([bc.interpreter(), *sys.argv]),
+        "machine": {**bc.machine_description(str(device)), "load_average_start": load_start, "load_average_end": bc.loadavg()},
         "config": config,
         "memory_note": memory_note,
         "results": results,
         "total_wall_s": time.perf_counter() - started,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shared_prefix.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "shared_prefix.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {out / 'shared_prefix.json'} and {out / 'shared_prefix.md'} ({report['total_wall_s']:.0f}s)")
+    bc.write_report(args.out, "shared_prefix", report, markdown(report))
     return 0
 
 

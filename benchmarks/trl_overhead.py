@@ -587,13 +587,7 @@ def main(argv=None) -> int:
         "runs": raw,
         "total_wall_s": time.perf_counter() - started,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trl_overhead.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    (out / "trl_overhead.md").write_text(text)
-    print(text)
-    print(f"wrote {out / 'trl_overhead.json'} and {out / 'trl_overhead.md'} ({report['total_wall_s']:.0f} s)")
+    bc.write_report(args.out, "trl_overhead", report, markdown(report))
     return 0
 
 

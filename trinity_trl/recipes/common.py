@@ -307,9 +307,14 @@ def parse(config_classes: tuple, argv: list[str] | None, ignore: tuple[str, ...]
     return tuple(parsed)
 
 
-def rl_recipe(config_class, trainer_class, argv: list[str] | None, with_expert: bool = False, **trainer_kwargs):
-    """Parse, load model and task, build a GRPO-family trainer and :func:`run` it."""
-    script_args, training_args = parse((RecipeArguments, config_class), argv)
+def rl_recipe(config_class, trainer_class, argv: list[str] | None, with_expert: bool = False,
+              script_class=RecipeArguments, extra_kwargs: Callable | None = None):
+    """Parse, load model and task, build a GRPO-family trainer and :func:`run` it.
+
+    ``extra_kwargs(script_args, training_args) -> dict`` adds trainer arguments (and may reject options).
+    """
+    script_args, training_args = parse((script_class, config_class), argv)
+    trainer_kwargs = extra_kwargs(script_args, training_args) if extra_kwargs else {}
     task = load_task(script_args, seed=training_args.seed, with_expert=with_expert)
     if with_expert:
         if task.expert is None:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..algorithms import ALGORITHM_TYPE
-from .common import RecipeArguments, load_task, parse, peft_config, resolve_model, reward_functions, rl_recipe, run
+from .common import RecipeArguments, load_task, parse, peft_config, resolve_model, rl_recipe, run
 
 
 @dataclass
@@ -93,6 +93,13 @@ def _dpo(argv):
     return run(trainer, script_args, task)
 
 
+def _teacher(script_args: TrainArguments, training_args) -> dict:
+    teacher = script_args.teacher_model_name_or_path
+    if teacher is not None and training_args.resolved_algorithm().advantage_fn != "on_policy_distill":
+        raise ValueError("teacher_model_name_or_path is only used by the on_policy_distill advantage")
+    return {"teacher_model": resolve_model(teacher) if teacher else None}
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     algorithm = algorithm_from(argv)
@@ -114,21 +121,7 @@ def main(argv: list[str] | None = None):
         return rl_recipe(PPOConfig, PPOTrainer, argv)
     from ..trainers import TrinityConfig, TrinityTrainer
 
-    script_args, training_args = parse((TrainArguments, TrinityConfig), argv)
-    teacher = script_args.teacher_model_name_or_path
-    if teacher is not None and training_args.resolved_algorithm().advantage_fn != "on_policy_distill":
-        raise ValueError("teacher_model_name_or_path is only used by the on_policy_distill advantage")
-    task = load_task(script_args, seed=training_args.seed)
-    trainer = TrinityTrainer(
-        model=resolve_model(script_args.model_name_or_path),
-        reward_funcs=reward_functions(script_args.reward_funcs),
-        args=training_args,
-        train_dataset=task.train,
-        peft_config=peft_config(script_args),
-        teacher_model=resolve_model(teacher) if teacher else None,
-    )
-    return run(trainer, script_args, task)
-
+    return rl_recipe(TrinityConfig, TrinityTrainer, argv, script_class=TrainArguments, extra_kwargs=_teacher)
 
 if __name__ == "__main__":
     main()
