@@ -25,7 +25,10 @@ class EntropyLossFn:
     """
 
     name: ClassVar[str]
+    # whether the term reads ``expert_mask`` (so the trainer must provide expert rows)
     needs_expert_mask: ClassVar[bool] = False
+    # False for the no-op ``none``: a trainer then does not compute entropies for it
+    enabled: ClassVar[bool] = True
 
     def __init__(self, entropy_coef: float):
         self.entropy_coef = float(entropy_coef)
@@ -93,6 +96,8 @@ class MixEntropyLossFn(EntropyLossFn):
 @ENTROPY_LOSS_FN.register("none")
 class DummyEntropyLossFn(EntropyLossFn):
     """No entropy term: ``(0, {})`` whatever the inputs."""
+
+    enabled = False
 
     def __call__(self, entropy=None, action_mask=None, expert_mask=None, loss_agg_mode="token-mean", **kwargs):
         device = entropy.device if isinstance(entropy, torch.Tensor) else None

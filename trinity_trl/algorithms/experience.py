@@ -47,11 +47,15 @@ class Experience:
     Per-token fields (``logprobs``, ``action_mask``, ``advantages``, ``returns``,
     ``token_level_reward``, ``teacher_logprobs``) cover the response only: length
     ``len(tokens) - prompt_length``. ``action_mask`` defaults to all ones (single-turn).
+
+    An experience may also be known by its reward alone (``tokens=None``): group operators then
+    write a 0-d score to ``advantages`` (trainers use this to score rollouts whose tokens live on
+    other processes).
     """
 
     eid: EID
-    tokens: torch.Tensor
-    prompt_length: int
+    tokens: torch.Tensor | None = None
+    prompt_length: int = 0
     reward: float | None = None
     logprobs: torch.Tensor | None = None
     action_mask: torch.Tensor | None = None
@@ -65,6 +69,10 @@ class Experience:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.tokens is None:  # known by its reward only: advantages are one scalar (0-d)
+            if self.prompt_length or self.action_mask is not None:
+                raise ValueError(f"{self.eid.uid}: prompt_length and action_mask need tokens")
+            return
         if not isinstance(self.tokens, torch.Tensor):
             self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
         response_length = len(self.tokens) - int(self.prompt_length)
@@ -80,11 +88,15 @@ class Experience:
 
     @property
     def response_length(self) -> int:
-        return len(self.tokens) - int(self.prompt_length)
+        return 0 if self.tokens is None else len(self.tokens) - int(self.prompt_length)
 
     def set_advantage(self, score: float | torch.Tensor) -> None:
-        """Write ``advantages = score · action_mask`` (float32) and ``returns = clone(advantages)``."""
-        self.advantages = self.action_mask.to(torch.float32) * score
+        """Write ``advantages = score · action_mask`` (float32) and ``returns = clone(advantages)``;
+        a 0-d ``score`` tensor for an experience without tokens."""
+        if self.action_mask is None:
+            self.advantages = torch.as_tensor(score, dtype=torch.float32).clone()
+        else:
+            self.advantages = self.action_mask.to(torch.float32) * score
         self.returns = self.advantages.clone()
 
 

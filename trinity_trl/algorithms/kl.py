@@ -25,6 +25,8 @@ class KLFn:
     """
 
     name: ClassVar[str]
+    # False for the no-op ``none``: a trainer then skips the term and needs no reference model for it
+    enabled: ClassVar[bool] = True
 
     def __init__(
         self, adaptive: bool = False, kl_coef: float = 0.001, target_kl: float | None = None, horizon: float | None = None
@@ -126,6 +128,8 @@ KL_FN: Registry[type[KLFn]] = Registry("KL function")
 @KL_FN.register("none")
 class DummyKLFn(KLFn):
     """No KL: zero estimate, zero loss with no metrics, rewards equal to scores."""
+
+    enabled = False
 
     def calculate_kl(self, logprob, ref_logprob, old_logprob=None):
         return torch.zeros_like(logprob)

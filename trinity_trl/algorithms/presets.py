@@ -268,8 +268,9 @@ class AlgorithmConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether reference log-probs are needed: a KL term or penalty, or DPO."""
-        return self.kl_loss_fn != "none" or self.kl_penalty_fn != "none" or self.policy_loss_fn == "dpo"
+        """Whether reference log-probs are needed: a KL term or penalty, or a loss that reads them (DPO)."""
+        return (KL_FN.get(self.kl_loss_fn).enabled or KL_FN.get(self.kl_penalty_fn).enabled
+                or "ref_logprob" in POLICY_LOSS_FN.get(self.policy_loss_fn).inputs)
 
     def build_policy_loss(self, **kwargs: Any):
         return build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})

@@ -12,9 +12,19 @@ from ..registry import Registry
 
 
 class AdvantageFn:
-    """Common interface: ``default_args()`` and ``compute_in_trainer()``."""
+    """Common interface: ``default_args()``, ``compute_in_trainer()`` and what a trainer must
+    provide (the ``needs_*`` flags), so trainers never compare registry names."""
 
     name: ClassVar[str]
+    # batch inputs beyond token-level rewards and the response mask
+    needs_old_logprobs: ClassVar[bool] = False  # behaviour log-probs ``old_log_probs`` (B, T)
+    needs_teacher_logprobs: ClassVar[bool] = False  # a teacher's ``teacher_logprobs`` (B, T)
+    needs_values: ClassVar[bool] = False  # a critic's ``values`` (B, T)
+    needs_reward_baselines: ClassVar[bool] = False  # ``reward_baselines`` (B,): a greedy rollout's reward
+    # whitens over every response token of the batch (needs at least two)
+    whitens: ClassVar[bool] = False
+    # scores whole runs and broadcasts the score to each of the run's steps (multi-step agents)
+    step_wise: ClassVar[bool] = False
 
     @classmethod
     def default_args(cls) -> dict[str, Any]:
@@ -34,6 +44,16 @@ class GroupAdvantageFn(AdvantageFn):
     Writes ``exp.advantages = score · action_mask`` and ``exp.returns`` in place. Output order is
     group order (see :func:`group_by`), not input order.
     """
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether each experience must carry its behaviour ``logprobs`` (e.g. GRPO's rank penalty)."""
+        return False
+
+    @property
+    def refills_filtered_groups(self) -> bool:
+        """Whether the output holds copies of kept experiences in place of filtered groups."""
+        return False
 
     @classmethod
     def compute_in_trainer(cls) -> bool:

@@ -29,6 +29,9 @@ class GAEAdvantage(BatchAdvantageFn):
     ``advantages (B, T)`` (whitened) and ``returns (B, T)`` in the reward dtype. Metrics ``{}``.
     """
 
+    needs_values = True
+    whitens = True
+
     def __init__(self, gamma: float = 1.0, lam: float = 1.0):
         self.gamma = check_discount("gamma", gamma)
         self.lam = check_discount("lam", lam)

@@ -140,6 +140,14 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
         self.rank_penalty = rank_penalty
         self.std_cal_level = check_choice("std_cal_level", std_cal_level, GRPO_STD_CAL_LEVELS)
 
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.rank_penalty is not None
+
+    @property
+    def refills_filtered_groups(self) -> bool:
+        return self.duplicate_experiences and self.std_threshold is not None
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {"epsilon": 1e-6, "std_threshold": None, "duplicate_experiences": False, "rank_penalty": None,

@@ -27,6 +27,9 @@ class OnPolicyDistillAdvantage(BatchAdvantageFn):
     ``kl/mean``, ``kl/std`` (unbiased; 0.0 for one row) and ``advantages/mean = mean_b Σ_t A``.
     """
 
+    needs_old_logprobs = True
+    needs_teacher_logprobs = True
+
     def __init__(self, kl_coef: float = 1.0):
         if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef):
             raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")

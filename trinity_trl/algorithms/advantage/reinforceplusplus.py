@@ -62,6 +62,8 @@ class REINFORCEPlusPlusAdvantage(BatchAdvantageFn):
     dtype. Metrics ``{}``. Fewer than 2 unmasked tokens in the batch is a ``ValueError`` (MVAR).
     """
 
+    whitens = True
+
     def __init__(self, gamma: float = 1.0):
         self.gamma = check_discount("gamma", gamma)
 

@@ -21,6 +21,8 @@ class ReMaxAdvantage(BatchAdvantageFn):
     ``reward_baselines (B,)`` (the reward of a greedy rollout of the same prompt). Writes
     ``advantages`` and ``returns`` ``(B, T)`` in the reward dtype. Metrics ``{}``."""
 
+    needs_reward_baselines = True
+
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         rewards = batch_get(batch, "token_level_rewards")

@@ -34,6 +34,8 @@ class StepWiseGRPOAdvantage(GroupAdvantageFn):
     Writes ``advantages = returns = score·action_mask (/ L_run)`` ``(T_resp,)`` float32 in place.
     """
 
+    step_wise = True
+
     def __init__(
         self,
         epsilon: float = 1e-6,

@@ -33,6 +33,51 @@ class PolicyLossFn:
         """Arguments a preset uses when the user gives none (may differ from constructor defaults)."""
         return {}
 
+    # ------------------------------------------------------------------ what a trainer needs to know
+    # Trainers ask these properties and never compare registry names, so a loss defined outside the
+    # package (registered with ``POLICY_LOSS_FN.register``) is trained correctly without any change
+    # to a trainer. Override them where the answer depends on the loss's arguments.
+
+    @property
+    def reads_advantages(self) -> bool:
+        """Whether the loss uses advantages. A trainer gives a loss that does not (an SFT loss) the
+        best-rewarded completions of each group instead (RAFT)."""
+        return "advantages" in self.inputs
+
+    @property
+    def needs_old_logprob(self) -> bool:
+        """Whether the loss reads the behaviour (old) log-probs."""
+        return "old_logprob" in self.inputs
+
+    @property
+    def needs_ref_logprob(self) -> bool:
+        """Whether the loss reads reference-model log-probs (DPO): the trainer must load a reference."""
+        return "ref_logprob" in self.inputs
+
+    @property
+    def needs_expert_rows(self) -> bool:
+        """Whether the loss mixes expert (SFT) rows into the batch (``expert_mask``, MIX/CHORD)."""
+        return "expert_mask" in self.inputs
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether the loss reads the global training ``step`` (CHORD's μ schedule)."""
+        return "step" in self.inputs
+
+    @property
+    def linear_in_advantage(self) -> bool:
+        """Whether multiplying the advantages by a positive per-token weight ``w`` multiplies each
+        token's loss (and gradient) by ``w``. TRL's vLLM importance-sampling correction is applied
+        that way; a loss for which this is false cannot take it. Default: true when the loss reads
+        advantages."""
+        return self.reads_advantages
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether the loss uses statistics over a whole row (a sequence-level ratio or mask), so a
+        row must hold exactly one sample: a multi-turn row packing several turns would mix them."""
+        return False
+
     @property
     def select_keys(self) -> list[str]:
         """The inputs this loss needs besides ``logprob``, in the backend's names."""

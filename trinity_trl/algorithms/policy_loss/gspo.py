@@ -51,6 +51,10 @@ class GSPOPolicyLossFn(PolicyLossFn):
                 self.loss_agg_mode,
             )
 
+    @property
+    def sequence_level(self) -> bool:
+        return True  # one ratio per row
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {"clip_range_low": 0.0003, "clip_range_high": 0.0004, "loss_agg_mode": "seq-mean-token-mean"}

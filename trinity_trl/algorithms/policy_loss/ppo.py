@@ -82,6 +82,10 @@ class PPOPolicyLossFn(PolicyLossFn):
         ):
             raise ValueError("ppo: truncate_is_range_high must be > truncate_is_range_low")
 
+    @property
+    def sequence_level(self) -> bool:
+        return self.enable_sequence_masking  # the mask uses each row's mean log-ratio
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {

@@ -73,6 +73,16 @@ class RECPolicyLossFn(PolicyLossFn):
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         self.fix_opd_advantage = bool(fix_opd_advantage)
 
+    @property
+    def linear_in_advantage(self) -> bool:
+        # exp(A/temp) weights, a regulariser that does not scale with A, and the distillation
+        # re-centring (adds a term independent of A) break linearity
+        return self.weight != "advantage" and self.regularizer == "none" and not self.fix_opd_advantage
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.clip_mode == "gspo-one-side" or self.weight == "gspo_importance_sampling"
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {

@@ -28,6 +28,11 @@ class TOPRPolicyLossFn(PolicyLossFn):
         self.advantage_threshold = float(advantage_threshold)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
+    @property
+    def linear_in_advantage(self) -> bool:
+        # which branch a token takes depends on A itself unless the threshold is 0 (sign only)
+        return self.advantage_threshold == 0.0
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {"advantage_threshold": 0.0, "loss_agg_mode": "token-mean"}
