@@ -7,7 +7,12 @@ by 0 before use, so NaN/inf in padding can never leak into a result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# an aggregation given as a function of (loss_mat (B, T), loss_mask (B, T)) -> 0-d tensor
+Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -55,7 +60,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
-def check_loss_agg_mode(loss_agg_mode: str) -> str:
+def check_loss_agg_mode(loss_agg_mode: str | Aggregation) -> str | Aggregation:
+    """A mode name of :data:`LOSS_AGG_MODES`, or an :data:`Aggregation` callable (trainers)."""
+    if callable(loss_agg_mode):
+        return loss_agg_mode
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
     return loss_agg_mode
@@ -64,10 +72,14 @@ def check_loss_agg_mode(loss_agg_mode: str) -> str:
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str | Aggregation = "token-mean",
     normalizer: float | None = None,
 ) -> torch.Tensor:
     """Aggregate a ``(B, T)`` per-token loss into a scalar (spec §0.3, verl-compatible signature).
+
+    ``loss_agg_mode`` may also be an :data:`Aggregation`, a callable ``(loss_mat, loss_mask) ->
+    scalar``: trainers pass one to normalise over more than the micro-batch (see
+    ``trinity_trl.trainers.loss``). Mode strings other than the four below are an error.
 
     * ``token-mean``: one mean over every unmasked token of the micro-batch.
     * ``seq-mean-token-sum``: per-row masked sum, then mean over all ``B`` rows.
@@ -78,6 +90,8 @@ def agg_loss(
     Rows with an empty mask still count in ``B`` for the seq-mean modes.
     """
     check_loss_agg_mode(loss_agg_mode)
+    if callable(loss_agg_mode):
+        return loss_agg_mode(loss_mat, loss_mask)
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
     if loss_agg_mode == "seq-mean-token-sum":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import torch
@@ -77,6 +78,29 @@ class PolicyLossFn:
         """Whether the loss uses statistics over a whole row (a sequence-level ratio or mask), so a
         row must hold exactly one sample: a multi-turn row packing several turns would mix them."""
         return False
+
+    @property
+    def effective_loss_agg_mode(self) -> str | None:
+        """The aggregation the loss applies to its token losses (``None`` if it has none). Usually its
+        ``loss_agg_mode``; a loss whose definition fixes the mode (REC's ``gspo-one-side``) says so."""
+        return getattr(self, "loss_agg_mode", None)
+
+    @property
+    def weighs_samples_itself(self) -> bool:
+        """Whether the loss normalises its samples itself across a whole optimizer step (MIX/CHORD,
+        spec §9.1). A trainer then divides it only by gradient accumulation, and must not pass an
+        aggregation of its own (:meth:`aggregated_with`)."""
+        return False
+
+    def aggregated_with(self, loss_agg_mode: Any) -> PolicyLossFn:
+        """A shallow copy of this loss that aggregates with ``loss_agg_mode`` (a mode name or an
+        aggregation callable, see :func:`~trinity_trl.algorithms.masked.agg_loss`). Trainers use it to
+        normalise a micro-batch by a count of their choosing (e.g. every token of the optimizer step)."""
+        if self.effective_loss_agg_mode is None or self.weighs_samples_itself:
+            raise ValueError(f"policy loss {getattr(self, 'name', type(self).__name__)!r} has no aggregation to replace")
+        copy_ = copy.copy(self)
+        copy_.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
+        return copy_
 
     @property
     def select_keys(self) -> list[str]:

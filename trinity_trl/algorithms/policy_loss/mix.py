@@ -33,6 +33,10 @@ class ExpertMixLossFn(PolicyLossFn):
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask")
 
+    @property
+    def weighs_samples_itself(self) -> bool:
+        return True  # per-sample weights w_u, w_e over the optimizer step (spec §9.1)
+
     def __init__(
         self,
         clip_range: float | None = None,

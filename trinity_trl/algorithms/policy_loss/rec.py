@@ -83,6 +83,14 @@ class RECPolicyLossFn(PolicyLossFn):
     def sequence_level(self) -> bool:
         return self.clip_mode == "gspo-one-side" or self.weight == "gspo_importance_sampling"
 
+    @property
+    def effective_loss_agg_mode(self):
+        # gspo-one-side is a sequence-level objective: always seq-mean-token-mean, unless a trainer
+        # supplied an aggregation callable that implements it (aggregated_with)
+        if self.clip_mode == "gspo-one-side" and not callable(self.loss_agg_mode):
+            return "seq-mean-token-mean"
+        return self.loss_agg_mode
+
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         return {
@@ -142,7 +150,6 @@ class RECPolicyLossFn(PolicyLossFn):
         elif self.regularizer == "k2":
             token_loss = token_loss + self.regularizer_coef * (logprob - old_logprob) ** 2
 
-        mode = "seq-mean-token-mean" if self.clip_mode == "gspo-one-side" else self.loss_agg_mode
-        loss = agg_loss(token_loss, mask, mode)
+        loss = agg_loss(token_loss, mask, self.effective_loss_agg_mode)
         metrics = {"pg_clipfrac": masked_mean((~in_range).to(logprob.dtype), mask), "pg_loss": loss.detach()}
         return loss, metrics
