@@ -133,11 +133,10 @@ def make_runs(num_runs: int, num_steps: int, prompt_len: int, completion_len: in
 
 
 def build_batch(trainer, runs, advantages, shared: bool, device: torch.device) -> dict:
-    trainer._runs = runs
     trainer.args.shared_prefix = shared
     stub = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
             "num_items_in_batch": torch.tensor(0, device=device)}
-    return trainer._step_batch(stub, advantages)
+    return trainer._step_batch(stub, runs, advantages)
 
 
 def forward_rows(batch: dict) -> dict:

@@ -52,7 +52,7 @@ def _generate(trainer, dataset=None, row=0):
         ({"kl_loss_fn_args": {"kl_coef": -1.0}}, r"kl_coef must be >= 0, got -1.0"),
         ({"policy_loss_fn_args": {"not_an_arg": 1}}, r"not_an_arg"),
         ({"loss_agg_mode": "bad_mode"}, r"bad_mode"),
-        ({"epsilon": 0.3}, r"epsilon=0.3 is not used by trinity_trl.*clip_range"),
+        ({"algorithm": "cispo", "epsilon": 0.3}, r"epsilon=0.3 is not used by trinity_trl.*clip_range"),
     ],
 )
 def test_unknown_names_and_invalid_arguments_fail_at_config_construction(tmp_path, overrides, match):

@@ -9,6 +9,7 @@ an exact zero. Logged counts since the previous log line: `guards/nonfinite_logp
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -98,14 +99,15 @@ def test_nonfinite_loss_is_replaced_by_zero_and_counted(tmp_path, tiny_model_dir
 
     class Overflowing(SAPOTrainer):
         def _policy_loss_for(self, mode):
-            loss_fn = super()._policy_loss_for(mode)
+            loss_fn = copy.copy(super()._policy_loss_for(mode))
+            compute = loss_fn.compute
 
-            class Inf:
-                def evaluate(self, **kwargs):
-                    loss, metrics = loss_fn.evaluate(**kwargs)
-                    return loss * torch.inf, metrics
+            def overflowing(**inputs):
+                loss, metrics = compute(**inputs)
+                return loss * torch.inf, metrics
 
-            return Inf()
+            loss_fn.compute = overflowing
+            return loss_fn
 
     trainer, grads = _sapo(tmp_path, tiny_model_dir, cls=Overflowing, max_steps=1)
     before = [p.detach().clone() for p in trainer.model.parameters()]

@@ -18,6 +18,7 @@ from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
+from trinity_trl.trainers.checkpoint import BUFFER_FILE
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
@@ -102,7 +103,7 @@ def test_adaptive_kl_coefficient_resume(tmp_path, tiny_model_dir):
     straight, resumed, _ = _stop_and_resume(tmp_path, tiny_model_dir, _adaptive_kl)
     coefs = [h["critic/kl_coef"] for h in straight.state.log_history if "critic/kl_coef" in h]
     assert len(set(coefs)) == STEPS  # the coefficient moves every step, so a reset would show
-    assert resumed.kl_penalty.kl_coef == pytest.approx(straight.kl_penalty.kl_coef, rel=1e-9)
+    assert resumed.components.kl_penalty.kl_coef == pytest.approx(straight.components.kl_penalty.kl_coef, rel=1e-9)
 
 
 def test_step_grpo_resume(tmp_path, tiny_model_dir):
@@ -117,9 +118,9 @@ def test_resume_in_the_middle_of_a_generation_batch(tmp_path, tiny_model_dir):
     """With num_iterations=2 a checkpoint at step 1 falls inside a generation batch: the resumed run must train step 2
     on the saved batch (TRL alone would generate a new one and shift every later generation)."""
     straight, resumed, checkpoint = _stop_and_resume(tmp_path, tiny_model_dir, _mid_generation, stop=1)
-    assert os.path.isfile(checkpoint / TrinityTrainer.BUFFER_FILE.format(rank=0))
+    assert os.path.isfile(checkpoint / BUFFER_FILE.format(rank=0))
     # no buffer in a checkpoint taken at a generation boundary
-    assert not os.path.isfile(tmp_path / "straight" / "checkpoint-2" / TrinityTrainer.BUFFER_FILE.format(rank=0))
+    assert not os.path.isfile(tmp_path / "straight" / "checkpoint-2" / BUFFER_FILE.format(rank=0))
     logs = _step_logs(straight)
     # TRL logs generation metrics only at steps that generate: 1 and 3, in both runs
     assert ["num_tokens" in logs[s] for s in range(1, STEPS + 1)] == [True, False, True, False]

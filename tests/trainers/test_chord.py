@@ -176,7 +176,7 @@ def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, 
 def test_mix_uses_a_constant_mu(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, algorithm="mix", policy_loss_fn_args={"mu": 0.3}, max_steps=1,
                            expert_batch_size=2)
-    assert trainer.policy_loss.mu == 0.3
+    assert trainer.components.policy_loss.mu == 0.3
     trainer.train()
     assert "actor/expert/sft_loss" in trainer.state.log_history[0]
 

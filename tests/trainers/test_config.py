@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ import trl
 from helpers import length_reward, tiny_grpo_kwargs
 from trl import GRPOConfig
 
-from trinity_trl.algorithms import ALGORITHM_TYPE
+from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
 from trinity_trl.trainers import CISPOConfig, SAPOConfig, TrinityConfig, TrinityTrainer
 from trinity_trl.trainers.config import REPLACED_GRPO_FIELDS
 
@@ -217,9 +219,21 @@ def test_every_grpo_field_is_classified():
     }
 
 
-def test_replaced_field_messages_say_what_to_use():
+def test_replaced_field_messages_name_a_real_replacement():
+    """Each message names an option that exists: a TrinityConfig field, a component or a component argument."""
+    known = {f.name for f in dataclasses.fields(TrinityConfig)}
+    for registry in (POLICY_LOSS_FN, ADVANTAGE_FN, KL_FN, ENTROPY_LOSS_FN):
+        for key in registry.names():
+            known.add(key)
+            known.update(inspect.signature(registry.get(key)).parameters)
     for name, replacement in REPLACED_GRPO_FIELDS.items():
-        assert replacement.strip(), name
+        named = set(re.findall(r"[a-z][a-z0-9_]*", replacement)) & known - {name, "loss", "none", "default"}
+        assert named, f"{name}: {replacement!r} names no replacement option"
+
+
+# TRL fields that some policy losses declare as their own (PolicyLossFn.trl_config_fields): rejected for a loss
+# that does not (cispo), accepted and passed on for one that does
+DECLARED_BY_SOME_LOSSES = ("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg")
 
 
 @pytest.mark.parametrize("name", sorted(REPLACED_GRPO_FIELDS))
@@ -227,9 +241,29 @@ def test_replaced_field_with_non_default_value_is_rejected(tmp_path, name):
     value = NON_DEFAULT_VALUES[name]
     assert value != _grpo_field_defaults()[name]
     GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{name: value})  # TRL itself accepts the value
+    algorithm = "cispo" if name in DECLARED_BY_SOME_LOSSES else "grpo"
     with pytest.raises(ValueError, match=name) as info:
-        _config(tmp_path, **{name: value})
+        _config(tmp_path, algorithm=algorithm, **{name: value})
     assert REPLACED_GRPO_FIELDS[name] in str(info.value)  # and it says what to use instead
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+def test_trl_epsilon_fields_are_the_relative_clip_bounds(tmp_path, algorithm):
+    """TRL's epsilon / epsilon_high mean exactly clip_range / clip_range_high of ppo and gspo: accepted and passed on."""
+    loss = _config(tmp_path, algorithm=algorithm, epsilon=0.3, epsilon_high=0.4).resolved_algorithm().build_policy_loss()
+    assert (loss.clip_range_low, loss.clip_range_high) == (0.3, 0.4)
+    loss = _config(tmp_path, algorithm=algorithm, epsilon=0.25).resolved_algorithm().build_policy_loss()
+    assert (loss.clip_range_low, loss.clip_range_high) == (0.25, 0.25)
+    unset = _config(tmp_path, algorithm=algorithm).resolved_algorithm().build_policy_loss()
+    default = POLICY_LOSS_FN.get(algorithm if algorithm == "gspo" else "ppo").default_args()
+    assert unset.clip_range_low == default.get("clip_range_low", default.get("clip_range"))
+    with pytest.raises(ValueError, match="epsilon_high"):
+        _config(tmp_path, algorithm=algorithm, epsilon_high=0.4, policy_loss_fn_args={"clip_range_high": 0.5})
+
+
+def test_trl_cispo_epsilon_high_is_rejected_with_the_relative_replacement(tmp_path):
+    with pytest.raises(ValueError, match=r"clip_range_high = epsilon_high - 1"):
+        _config(tmp_path, algorithm="cispo", epsilon_high=5.0)
 
 
 @pytest.mark.parametrize("name", sorted(REPLACED_GRPO_FIELDS))

@@ -25,6 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trinity_trl.algorithms import ADVANTAGE_FN, EID, Experience
 from trinity_trl.algorithms.advantage import scalar_rewards_to_token_level
+from trinity_trl.trainers.trl_seams import captured_return
 from trinity_trl.trainers import (
     CISPOConfig,
     CISPOTrainer,
@@ -91,11 +92,15 @@ def _detached(batch: dict) -> dict:
 
 
 def _generate(trainer, dataset, prompts=(0,), seed=0) -> dict:
-    """One generation batch: `G` completions of each dataset row in `prompts`, scored, with advantages."""
+    """One generation batch: `G` completions of each dataset row in `prompts`, scored, with advantages. The rewards
+    TRL gathered (`(N, n_funcs)`, NaN where unscored) are kept in `trainer.rewards_per_func`."""
     trainer.model.train()
     torch.manual_seed(seed)
     rows = [dict(dataset[i]) for i in prompts for _ in range(G)]
-    return _detached(trainer._generate_and_score_completions(rows))
+    with captured_return(trainer, "_calculate_rewards") as rewards:
+        batch = _detached(trainer._generate_and_score_completions(rows))
+    trainer.rewards_per_func = rewards.value
+    return batch
 
 
 @torch.no_grad()
@@ -257,7 +262,7 @@ def test_sapo_matches_trl_sapo(tmp_path, tiny_model_dir, tiny_dataset, temperatu
     )
     assert ours.ref_model is None
     if temperatures:
-        assert (ours.policy_loss.tau_pos, ours.policy_loss.tau_neg) == (0.8, 1.5)
+        assert (ours.components.policy_loss.tau_pos, ours.components.policy_loss.tau_neg) == (0.8, 1.5)
     batch = _generate(ours, tiny_dataset)
     advantages = batch["advantages"]
     assert (advantages > 0).any() and (advantages < 0).any()  # both temperatures are used
@@ -541,7 +546,7 @@ def test_grpo_advantages_are_the_library_grpo_of_the_weighted_rewards(tmp_path, 
         ),
     )
     batch = _generate(trainer, tiny_dataset, prompts=(0, 1))  # 2 groups of G
-    per_func = trainer._stashed_rewards
+    per_func = trainer.rewards_per_func
     assert per_func.shape == (2 * G, 2)
     rewards = per_func[:, 0] + 0.5 * per_func[:, 1]
 
@@ -563,7 +568,7 @@ def test_unscorable_rows_get_no_advantage_and_no_loss(tmp_path, tiny_model_dir, 
         args=_args(tmp_path, TrinityConfig, algorithm="grpo"),
     )
     batch = _generate(trainer, tiny_dataset)
-    assert math.isnan(trainer._stashed_rewards[1, 0].item())
+    assert math.isnan(trainer.rewards_per_func[1, 0].item())
     assert batch["advantages"][1].item() == 0.0
     assert batch["completion_mask"][1].sum().item() == 0
     scored = torch.tensor([0.0, 2.0, 3.0])  # group statistics over the three scored rows only
@@ -585,7 +590,7 @@ def test_rloo_advantages_are_the_library_rloo_of_the_token_level_batch(tmp_path,
         ),
     )
     batch = _generate(trainer, tiny_dataset, prompts=(0, 1))
-    rewards = trainer._stashed_rewards.sum(dim=1)
+    rewards = trainer.rewards_per_func.sum(dim=1)
     mask = batch["completion_mask"]
     library_batch = {
         "token_level_rewards": scalar_rewards_to_token_level(rewards, mask),

@@ -41,10 +41,10 @@ class Recording(PPOTrainer):
         self.batches: list[dict] = []
         super().__init__(*args, **kwargs)
 
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+    def _training_batch(self, output, inputs, rewards, mode):
+        out = super()._training_batch(output, inputs, rewards, mode)
         batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-        batch["rewards"] = self._global_rewards().clone()
+        batch["rewards"] = rewards.clone()
         self.batches.append(batch)
         return out
 

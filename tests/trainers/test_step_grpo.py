@@ -45,12 +45,18 @@ class Recording(StepGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches, self.loss_rows, self.run_log = [], [], []
+        self.runs, self.step_advantages = [], []
 
-    def _apply_algorithm(self, output, num_local, mode):
-        self.run_log.append([(len(r.steps), r.reward) for r in self._runs])
-        out = super()._apply_algorithm(output, num_local, mode)
+    def _training_batch(self, output, inputs, rewards, mode):
+        self.runs = [row["run"] for row in inputs]
+        self.run_log.append([(len(r.steps), r.reward) for r in self.runs])
+        out = super()._training_batch(output, inputs, rewards, mode)
         self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
         return out
+
+    def _step_batch(self, output, runs, advantages):
+        self.step_advantages = advantages
+        return super()._step_batch(output, runs, advantages)
 
     def _compute_loss(self, model, inputs):
         self.loss_rows.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "completion_mask",
@@ -125,7 +131,7 @@ def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
     tasks = scripted_tasks([(3, 1.0)] * 4)
     trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
     trainer.train()
-    run = trainer._runs[0]
+    run = trainer.runs[0]
     eos = trainer._tokenizer.eos_token_id
     for previous, step in zip(run.steps, run.steps[1:]):
         history = previous.prompt_ids + previous.completion_ids
@@ -133,14 +139,14 @@ def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
             history = history + [eos]
         assert step.prompt_ids[: len(history)] == history
         assert "Turn" in trainer.processing_class.decode(step.prompt_ids[len(history):])
-    assert all(r.prefix_preserving for r in trainer._runs)
+    assert all(r.prefix_preserving for r in trainer.runs)
 
 
 def test_max_env_steps_bounds_runs(tmp_path, tiny_model_dir):
     trainer = make(tmp_path, tiny_model_dir, scripted_tasks([(10, 1.0)] * 4), max_env_steps=2)
     trainer.train()
-    assert [len(r.steps) for r in trainer._runs] == [2, 2, 2, 2]
-    assert all(r.reward == 9.0 for r in trainer._runs)  # cut off: the last step's reward counts
+    assert [len(r.steps) for r in trainer.runs] == [2, 2, 2, 2]
+    assert all(r.reward == 9.0 for r in trainer.runs)  # cut off: the last step's reward counts
 
 
 def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):
@@ -234,14 +240,14 @@ def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg
                    per_device_train_batch_size=8, max_env_steps=3, loss_agg_mode=agg, kl_loss_fn="k3",
                    kl_loss_fn_args={"kl_coef": 0.5}, entropy_loss_fn_args={"entropy_coef": 0.05}, learning_rate=0.0)
     trainer.train()
-    assert {len(r.steps) for r in trainer._runs} == {1, 2, 3}
-    assert any(a not in (None, 0.0) for scores in trainer._last_advantages for a in scores)
+    assert {len(r.steps) for r in trainer.runs} == {1, 2, 3}
+    assert any(a not in (None, 0.0) for scores in trainer.step_advantages for a in scores)
     stub = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long), "num_items_in_batch": torch.tensor(0)}
     trainer.args.shared_prefix = False
-    per_step = trainer._step_batch(stub, trainer._last_advantages)
+    per_step = trainer._step_batch(stub, trainer.runs, trainer.step_advantages)
     trainer.args.shared_prefix = True
-    shared = trainer._step_batch(stub, trainer._last_advantages)
-    assert shared["prompt_ids"].shape[0] == len(trainer._runs) < per_step["prompt_ids"].shape[0]
+    shared = trainer._step_batch(stub, trainer.runs, trainer.step_advantages)
+    assert shared["prompt_ids"].shape[0] == len(trainer.runs) < per_step["prompt_ids"].shape[0]
     assert int(shared["sample_count"].sum()) == int(per_step["sample_count"].sum())
     trainer.model.train()
     loss_step, grads_step = _loss_and_grads(trainer, per_step)
@@ -258,4 +264,4 @@ def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model
                    policy_loss_fn="gspo")
     trainer.train()
     batch = trainer.batches[0]
-    assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in trainer._runs)  # one row per step
+    assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in trainer.runs)  # one row per step

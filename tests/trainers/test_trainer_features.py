@@ -12,6 +12,7 @@ from peft import LoraConfig
 
 from trinity_trl.algorithms import KL_FN
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers.checkpoint import TRAINER_STATE_FILE
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
@@ -41,7 +42,7 @@ def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_p
     trainer.train()
     batch = trainer.batches[0]
     mask = batch["completion_mask"].bool()
-    teacher = trainer._teacher_logps(batch)
+    teacher = trainer._forward_logps(trainer.teacher_model, batch)
     expected = (teacher - batch["old_per_token_logps"])[mask]
     assert torch.allclose(batch["advantages"][mask], expected, atol=1e-5)
     assert torch.all(batch["advantages"][~mask] == 0)
@@ -64,7 +65,7 @@ def test_kl_reward_penalty_with_adaptive_coefficient(tmp_path, tiny_model_dir):
     assert kls[0] == 0.0 and kls[1] > 1e-6 and kls[2] > 1e-6
     step = 0.2 * 4 / 10
     assert coefs == pytest.approx([0.05, 0.05 * (1 - step), 0.05 * (1 - step) * (1 + step)])
-    assert trainer.kl_penalty.kl_coef == pytest.approx(coefs[-1] * (1 + step))
+    assert trainer.components.kl_penalty.kl_coef == pytest.approx(coefs[-1] * (1 + step))
     # the penalised token rewards reach the advantages: recompute with the library on the recorded batch
     batch = trainer.batches[-1]
     fn = KL_FN.get("k1")(kl_coef=logs[-1]["critic/kl_coef"])
@@ -148,8 +149,8 @@ def test_resume_restores_the_adaptive_kl_coefficient(tmp_path, tiny_model_dir):
     straight.train()
     resumed = run()
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
-    assert resumed.kl_penalty.kl_coef == pytest.approx(straight.kl_penalty.kl_coef, rel=1e-9)
-    assert (tmp_path / "out" / "checkpoint-2" / TrinityTrainer.TRAINER_STATE_FILE).is_file()
+    assert resumed.components.kl_penalty.kl_coef == pytest.approx(straight.components.kl_penalty.kl_coef, rel=1e-9)
+    assert (tmp_path / "out" / "checkpoint-2" / TRAINER_STATE_FILE).is_file()
 
 
 def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
@@ -160,16 +161,16 @@ def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
                                  per_device_eval_batch_size=4)),
                              train_dataset=tiny_conversational_dataset(), eval_dataset=tiny_conversational_dataset(8))
     trainer.evaluate()
-    assert trainer.kl_penalty.kl_coef == 0.1
+    assert trainer.components.kl_penalty.kl_coef == 0.1
 
 
 def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_model_dir):
     trainer = make(tmp_path, tiny_model_dir, cls=TrinityTrainer, algorithm="rloo")
     mask = torch.ones(4, 3, dtype=torch.long)
     mask[2] = 0  # truncated completion masked by mask_truncated_completions
-    trainer._stashed_rewards = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
-    output = {"completion_mask": mask}
-    advantages, _ = trainer._batch_advantages(output, trainer._global_rewards(), 4, slice(0, 4))
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    advantages = trainer.advantage_estimator(rewards, mask, slice(0, 4), 4, 0, True,
+                                             trainer._advantage_sources({"completion_mask": mask})).advantages
     # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
     assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
     assert torch.all(advantages[2] == 0)

@@ -261,7 +261,7 @@ def run(trainer, script_args: RecipeArguments, task: Task | None = None):
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     after = _accuracy(trainer, task, script_args, "after") if evaluate else None
     if before is not None:
-        trainer.model_card_extra = (
+        trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(task.test)} held-out problems of "
             f"`{script_args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after "
             f"({trainer.state.global_step} steps).\n"

@@ -1,8 +1,9 @@
-"""Play multi-step episodes with a TRL trainer's generation backend, one sample per turn.
+"""Play multi-step episodes with a trainer's generation backend, one sample per turn.
 
-All runs that are still active generate their next turn in ONE batched call to TRL's
-``_generate_single_turn`` (transformers ``generate``, continuous batching or vLLM, whichever the
-trainer is configured for). Each turn is recorded as a ``Step``: the prompt is the whole
+All runs that are still active generate their next turn in ONE batched call to the trainer's
+generation backend (:class:`~trinity_trl.rollouts.generation.Generator`: TRL's transformers
+``generate``, continuous batching or vLLM, whichever the trainer is configured for). Each turn is
+recorded as a ``Step``: the prompt is the whole
 conversation so far, the completion is the model's turn.
 
 Two ways to extend the history after a turn (``history``):
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .environment import StepResult
+from .generation import Generator
 
 HISTORY_MODES = ("tokens", "messages")
 
@@ -66,42 +68,43 @@ def _initial_messages(row: dict[str, Any], observation: str | None) -> list[dict
 
 
 class MultiStepRollout:
-    """Plays ``len(rows)`` episodes in lockstep with ``trainer``'s generation backend.
+    """Plays ``len(rows)`` episodes in lockstep with a generation backend.
 
     Args:
-        trainer: a TRL ``GRPOTrainer`` (its tokenizer, chat template and generation settings are used).
+        generator: the generation backend (chat template, tokenizer and sampling settings).
         environment_factory: builds a fresh environment per run.
         max_steps: turns per run at most.
         history: ``"tokens"`` or ``"messages"`` (see the module docstring).
     """
 
-    def __init__(self, trainer, environment_factory: Callable[[], Any], max_steps: int, history: str = "tokens"):
+    def __init__(self, generator: Generator, environment_factory: Callable[[], Any], max_steps: int,
+                 history: str = "tokens"):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if history not in HISTORY_MODES:
             raise ValueError(f"history must be one of {HISTORY_MODES}, got {history!r}")
-        self.trainer = trainer
+        self.generator = generator
         self.environment_factory = environment_factory
         self.max_steps = max_steps
         self.history = history
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
-        trainer = self.trainer
+        generator = self.generator
         runs, environments = [], []
         for row in rows:
             env = self.environment_factory()
             messages = _initial_messages(row, env.reset(**{k: v for k, v in row.items() if k != "prompt"}))
             runs.append(Run(messages=messages))
             environments.append(env)
-        prompts = list(trainer._tokenize_prompts([run.messages for run in runs])[0])
+        prompts = generator.tokenize_conversations([run.messages for run in runs])
         for turn in range(self.max_steps):
             active = [i for i, run in enumerate(runs) if not run.done]
             if not active:
                 break
-            completions, logprobs = trainer._generate_single_turn([prompts[i] for i in active], None, {}, 1)
+            completions, logprobs = generator.generate([prompts[i] for i in active])
             for j, i in enumerate(active):
                 run, completion = runs[i], list(completions[j])
-                text = trainer.processing_class.decode(completion, skip_special_tokens=True)
+                text = generator.decode(completion)
                 result = environments[i].step(text)
                 if not isinstance(result, StepResult):
                     raise TypeError(f"environment.step must return a StepResult, got {type(result).__name__}")
@@ -118,11 +121,12 @@ class MultiStepRollout:
 
     def _next_prompt(self, run: Run, prompt: list[int], completion: list[int], text: str, observation: str) -> list[int]:
         run.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": observation}]
-        eos = self.trainer._tokenizer.eos_token_id
-        history = prompt + completion + ([] if completion and completion[-1] in self.trainer.eos_token_ids else [eos])
+        generator = self.generator
+        history = prompt + completion + ([] if completion and completion[-1] in generator.eos_token_ids
+                                         else [generator.eos_token_id])
         if self.history == "tokens":
             return history + self._observation_ids(observation)
-        rendered = list(self.trainer._tokenize_prompts([run.messages])[0][0])
+        rendered = generator.tokenize_conversations([run.messages])[0]
         if rendered[: len(prompt) + len(completion)] != prompt + completion:
             run.prefix_preserving = False
         return rendered
@@ -130,18 +134,13 @@ class MultiStepRollout:
     def _observation_ids(self, observation: str) -> list[int]:
         """Chat-template tokens that follow an assistant turn's EOS: the user observation and the
         next generation prompt. Found by rendering a dummy exchange with and without it."""
-        trainer = self.trainer
+        generator = self.generator
         dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-
-        def render(messages, generation_prompt):
-            return list(trainer.processing_class.apply_chat_template(
-                messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
-                chat_template=trainer.chat_template, **trainer.chat_template_kwargs,
-            ))
+        render = generator.render
 
         prefix = render(dummy, False)
         full = render(dummy + [{"role": "user", "content": observation}], True)
-        eos_positions = [i for i, token in enumerate(prefix) if token == trainer._tokenizer.eos_token_id]
+        eos_positions = [i for i, token in enumerate(prefix) if token == generator.eos_token_id]
         if eos_positions:  # templates render "<eos>\n" after a turn; the generated turn ends at <eos>
             prefix = prefix[: eos_positions[-1] + 1]
         if full[: len(prefix)] != prefix:

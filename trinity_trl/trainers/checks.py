@@ -279,3 +279,66 @@ def zero_loss(model: torch.nn.Module) -> torch.Tensor:
 
 def is_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all()) if torch.is_tensor(x) else math.isfinite(x)
+
+
+# ------------------------------------------------------------------------------- components
+def check_components(trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any) -> None:
+    """Reject, at construction, an algorithm whose components need something ``trainer_cls`` does not
+    provide, asking the components' declared properties (never their registry names)."""
+    policy, advantage = components.policy_loss, components.advantage_fn
+    if algorithm.use_critic and not trainer_cls.has_critic:
+        raise ValueError(
+            f"algorithm {algorithm.algorithm!r} needs a value model (critic) and GAE: use PPOTrainer with a PPOConfig, "
+            "or a critic-free preset such as 'grpo' or 'reinforceplusplus'"
+        )
+    if algorithm.schema != "experience":
+        raise ValueError(
+            f"algorithm {algorithm.algorithm!r} trains on {algorithm.schema!r} data, not on rollouts; use "
+            f"{'TrinitySFTTrainer' if algorithm.schema == 'sft' else 'TrinityDPOTrainer'} instead"
+        )
+    if policy.needs_expert_rows and not trainer_cls.supports_expert_rows:
+        raise ValueError(f"policy loss {algorithm.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
+    if components.kl_penalty.enabled and not algorithm.compute_advantage_in_trainer:
+        raise ValueError(
+            f"kl_penalty_fn={algorithm.kl_penalty_fn!r} subtracts a KL from token rewards before trainer-side "
+            f"advantages, but algorithm {algorithm.algorithm!r} computes advantages on experience groups "
+            "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
+        )
+    if components.entropy_loss.needs_expert_mask and not trainer_cls.supports_expert_rows:
+        raise ValueError(f"entropy_loss_fn {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or "
+                         "entropy_loss_fn='default'")
+    if args.use_vllm and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
+        raise ValueError(
+            f"policy loss {algorithm.policy_loss_fn!r} with these arguments is not linear in the advantage, so TRL's "
+            "vLLM importance-sampling weight cannot be applied through the advantages; set "
+            "vllm_importance_sampling_correction=False"
+        )
+    if args.sync_ref_model and not algorithm.needs_reference:
+        raise ValueError(
+            "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "
+            "penalty): set kl_loss_fn or kl_penalty_fn, or sync_ref_model=False"
+        )
+    if advantage is None or not policy.reads_advantages:
+        return
+    name = algorithm.advantage_fn
+    if advantage.needs_teacher_logprobs and teacher_model is None:
+        raise ValueError(f"advantage_fn {name!r} needs a teacher_model (a model or a path)")
+    if advantage.needs_reward_baselines:
+        raise ValueError(f"advantage_fn {name!r} needs greedy-rollout reward baselines, which this trainer does not "
+                         "produce")
+    if advantage.needs_values and not trainer_cls.has_critic:
+        raise ValueError(f"advantage_fn {name!r} (GAE) needs critic values; it is only available with a value model "
+                         "(PPOTrainer)")
+    if not advantage.compute_in_trainer():
+        if advantage.needs_logprobs:
+            raise ValueError("advantage_fn_args['rank_penalty'] is not supported in TRL trainers: it needs every "
+                             "sample's behaviour log-probs at advantage time")
+        if advantage.refills_filtered_groups:
+            raise ValueError("advantage_fn_args['duplicate_experiences'] is not supported in TRL trainers: TRL's batch "
+                             "geometry is fixed, so filtered groups cannot be refilled by copies")
+
+
+def check_completion_room(max_completion_length: int, max_positions: int | None) -> None:
+    if max_positions is not None and max_completion_length >= max_positions:
+        raise ValueError(f"max_completion_length ({max_completion_length}) leaves no room for a prompt in the "
+                         f"model's {max_positions} positions (max_position_embeddings)")

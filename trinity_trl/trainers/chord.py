@@ -8,6 +8,7 @@ demonstrations with ``μ``, scheduled over training steps (spec §9).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,20 @@ import torch
 from datasets import Dataset
 from trl.trainer.utils import pad
 
+from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
+from ..algorithms.policy_loss.chord import CHORDPolicyLossFn
 from . import checks
 from .config import TrinityConfig
+from .metrics import append_metrics
 from .trinity import TrinityTrainer
 
-EXPERT_PRESETS = ("mix_chord", "mix")
+# CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments
+MU_SCHEDULE = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
+_MU_DEFAULTS = {name: inspect.signature(CHORDPolicyLossFn).parameters[name].default for name in MU_SCHEDULE}
+
+
+def _policy_loss_class(config: TrinityConfig):
+    return POLICY_LOSS_FN.get(config._policy_loss_name())
 
 
 @dataclass
@@ -52,17 +62,22 @@ class ChordConfig(TrinityConfig):
     algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
     expert_batch_size: int | None = field(default=None, metadata={"help": "Expert rows per process per generation batch."})
     expert_data_ratio: float = field(default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."})
-    mu_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."})
-    mu_decay_steps: int = field(default=0, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."})
-    mu_peak: float = field(default=0.1, metadata={"help": "Peak mu."})
-    mu_valley: float = field(default=0.1, metadata={"help": "Final mu."})
-    enable_phi_function: bool = field(default=True, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."})
+    mu_warmup_steps: int = field(default=_MU_DEFAULTS["mu_warmup_steps"],
+                                 metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."})
+    mu_decay_steps: int = field(default=_MU_DEFAULTS["mu_decay_steps"],
+                                metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."})
+    mu_peak: float = field(default=_MU_DEFAULTS["mu_peak"], metadata={"help": "Peak mu."})
+    mu_valley: float = field(default=_MU_DEFAULTS["mu_valley"], metadata={"help": "Final mu."})
+    enable_phi_function: bool = field(default=_MU_DEFAULTS["enable_phi_function"],
+                                      metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."})
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
     rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the RL part."})
 
     def __post_init__(self):
-        if self.algorithm not in EXPERT_PRESETS:
-            raise ValueError(f"ChordConfig trains {EXPERT_PRESETS}, got algorithm={self.algorithm!r}")
+        preset_loss = ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+        if "expert_mask" not in POLICY_LOSS_FN.get(preset_loss).inputs:
+            raise ValueError(f"ChordConfig trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
+                             f"got algorithm={self.algorithm!r}")
         super().__post_init__()
         if self.loss_normalization != "micro_batch":
             raise ValueError(
@@ -93,18 +108,11 @@ class ChordConfig(TrinityConfig):
             args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
         if self.rl_loss_agg_mode is not None:
             args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
-        schedule = {
-            "mu_warmup_steps": self.mu_warmup_steps,
-            "mu_decay_steps": self.mu_decay_steps,
-            "mu_peak": self.mu_peak,
-            "mu_valley": self.mu_valley,
-            "enable_phi_function": self.enable_phi_function,
-        }
-        if self.algorithm == "mix_chord":
+        schedule = {name: getattr(self, name) for name in MU_SCHEDULE}
+        if "mu_peak" in inspect.signature(_policy_loss_class(self)).parameters:  # a loss with CHORD's schedule
             args.update(schedule)
         else:
-            defaults = {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1, "enable_phi_function": True}
-            changed = [k for k, v in schedule.items() if v != defaults[k]]
+            changed = [k for k, v in schedule.items() if v != _MU_DEFAULTS[k]]
             if changed:
                 raise ValueError(f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss_fn_args['mu']")
         return {"policy_loss_fn_args": args}
@@ -136,9 +144,8 @@ class ChordTrainer(TrinityTrainer):
     `chord/expert_rows`, `chord/expert_tokens`, `chord/on_policy_tokens`.
     """
 
-    _name = "CHORD"
     config_class = ChordConfig
-    _supports_expert_rows = True
+    supports_expert_rows = True
 
     def __init__(self, model, reward_funcs=None, args: ChordConfig | None = None, *pos, expert_dataset=None, **kwargs):
         if args is not None and not isinstance(args, ChordConfig):
@@ -153,14 +160,13 @@ class ChordTrainer(TrinityTrainer):
         self.expert_dataset = expert_dataset
         self._expert_cache: dict[int, tuple[Any, list[int]]] = {}
         self._expert_cursor = 0  # rows of the global expert stream consumed so far
+        self._expert_permutation: tuple[int, torch.Tensor] | None = None  # (epoch, order) of the current pass
+        self._eval_policy_loss = None  # built at the first evaluation
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        if self.algorithm.algorithm == "mix" and self.args.algorithm == "mix":
-            self._name = "MIX"
 
-    def _policy_loss_runtime_args(self) -> dict[str, Any]:
+    def _policy_loss_overrides(self, args: ChordConfig) -> dict[str, Any]:
         # spec §9.1 in TRL: fixed-size branch with gradient_accumulation = GA, and Bu/Be = usual/expert
         # samples per device per optimizer step, so every sample weighs the same within a step
-        args = self.args
         per_step = args.gradient_accumulation_steps / args.steps_per_generation
         rollouts = args.per_device_train_batch_size * args.steps_per_generation
         return {
@@ -188,11 +194,10 @@ class ChordTrainer(TrinityTrainer):
 
     def _expert_order(self, epoch: int) -> torch.Tensor:
         """The seeded permutation of the expert dataset for one pass (cached: one pass at a time)."""
-        if getattr(self, "_expert_epoch", None) != epoch:
+        if self._expert_permutation is None or self._expert_permutation[0] != epoch:
             generator = torch.Generator().manual_seed(self.args.seed + epoch)
-            self._expert_permutation = torch.randperm(len(self.expert_dataset), generator=generator)
-            self._expert_epoch = epoch
-        return self._expert_permutation
+            self._expert_permutation = (epoch, torch.randperm(len(self.expert_dataset), generator=generator))
+        return self._expert_permutation[1]
 
     def _trainer_state(self) -> dict[str, Any]:
         return {**super()._trainer_state(), "expert_cursor": self._expert_cursor}
@@ -205,11 +210,11 @@ class ChordTrainer(TrinityTrainer):
         # evaluation batches hold rollouts only, in eval micro-batches: weigh each of their samples
         # equally instead of with the training step's geometry (spec §9.1 weights)
         if mode == "train":
-            return self.policy_loss
-        if getattr(self, "_eval_policy_loss", None) is None:
+            return self.components.policy_loss
+        if self._eval_policy_loss is None:
             rows = self.args.per_device_eval_batch_size
             self._eval_policy_loss = self.algorithm.build_policy_loss(**{
-                **self._policy_loss_runtime_args(), "ppo_mini_batch_size": 1,
+                **self._policy_loss_overrides(self.args), "ppo_mini_batch_size": 1,
                 "train_batch_size_usual": rows, "train_batch_size_expert": rows})
         return self._eval_policy_loss
 
@@ -256,8 +261,8 @@ class ChordTrainer(TrinityTrainer):
             "completion_mask": padded([[1] * len(c) for c in completions], 0, "right"),
         }
 
-    def _apply_algorithm(self, output: dict, num_local: int, mode: str) -> dict:
-        output = super()._apply_algorithm(output, num_local, mode)
+    def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
+        output = super()._training_batch(output, inputs, rewards, mode)
         n_rollouts = output["prompt_ids"].shape[0]
         device = output["prompt_ids"].device
         if mode == "eval":  # evaluation scores rollouts only
@@ -294,7 +299,7 @@ class ChordTrainer(TrinityTrainer):
         unknown = set(output) - set(merged)
         if unknown:
             raise ValueError(f"ChordTrainer cannot append expert rows to batches with {sorted(unknown)}")
-        self._log_metrics("train", {
+        append_metrics(self._metrics["train"], {
             "chord/expert_rows": float(n_expert),
             "chord/expert_tokens": expert["completion_mask"].sum(),
             "chord/on_policy_tokens": output["completion_mask"].sum(),

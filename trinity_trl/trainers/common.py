@@ -1,4 +1,4 @@
-"""Pieces every trinity_trl trainer shares: args parsing, the algorithm model card, TRL seams."""
+"""Pieces every trinity_trl trainer shares: args parsing, the built components, the model card."""
 
 from __future__ import annotations
 
@@ -6,13 +6,19 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..algorithms import AlgorithmConfig
+from ..algorithms.advantage import AdvantageFn
+from ..algorithms.entropy import EntropyLossFn
 from ..algorithms.inputs import metrics_to_floats
-from .model_card import algorithm_card_section
+from ..algorithms.kl import KLFn
+from ..algorithms.policy_loss import PolicyLossFn
+from .model_card import algorithm_card_section, paper_for
+from .trl_seams import temporarily
 
 
 def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
@@ -41,11 +47,75 @@ def _name_local_base_model(card_path: str, model_path: str | None) -> None:
             f.write(text.replace(broken, f"`{name}` (a local model)"))
 
 
+@dataclass
+class Components:
+    """An algorithm's components, built once from its resolved config (trainers ask their properties)."""
+
+    policy_loss: PolicyLossFn
+    kl_loss: KLFn
+    kl_penalty: KLFn
+    entropy_loss: EntropyLossFn
+    advantage_fn: AdvantageFn | None
+
+    @classmethod
+    def build(cls, algorithm: AlgorithmConfig, policy_loss_overrides: dict[str, Any] | None = None) -> Components:
+        """``policy_loss_overrides``: constructor arguments a trainer sets itself (ChordTrainer's
+        batch geometry); the user may not set them too (an error, never silently overwritten)."""
+        overrides = policy_loss_overrides or {}
+        clash = sorted(set(overrides) & set(algorithm.policy_loss_fn_args))
+        if clash:
+            raise ValueError(f"policy_loss_fn_args sets {clash}, which the trainer derives from its own batch geometry "
+                             f"(would be {({k: overrides[k] for k in clash})}); remove them")
+        return cls(
+            policy_loss=algorithm.build_policy_loss(**overrides),
+            kl_loss=algorithm.build_kl_loss(),
+            kl_penalty=algorithm.build_kl_penalty(),
+            entropy_loss=algorithm.build_entropy_loss(),
+            advantage_fn=algorithm.build_advantage_fn() if algorithm.uses_advantage else None,
+        )
+
+
+def load_processor(model: str, args):
+    """TRL's processor (tokenizer or VLM processor, with GRPOTrainer's loading options), with
+    :func:`trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer."""
+    from transformers import AutoProcessor
+
+    from ..tokenizer import correct_tokenizer
+
+    processor = AutoProcessor.from_pretrained(
+        model, revision=(args.model_init_kwargs or {}).get("revision"), truncation_side="left",
+        padding_side="left", trust_remote_code=args.trust_remote_code,
+    )
+    correct_tokenizer(getattr(processor, "tokenizer", processor), model)
+    return processor
+
+
+def default_output_dir(model: Any, suffix: str) -> str:
+    """``<model name>-<suffix>``, the output folder when a trainer gets no ``args``."""
+    name = model if isinstance(model, str) else (getattr(model.config, "_name_or_path", "") or "model")
+    return f"{str(name).rstrip('/').split('/')[-1]}-{suffix}"
+
+
 class AlgorithmCardMixin:
-    """Appends the algorithm section (name, paper, resolved components) to TRL's model card, and
-    writes the card on ``save_model`` too, not only on checkpoints and Hub pushes."""
+    """Appends the algorithm section (name, paper, resolved components) and any sections added with
+    :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
+    not only on checkpoints and Hub pushes."""
 
     algorithm: AlgorithmConfig
+
+    def __init__(self, *args, **kwargs):
+        self._card_sections: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def add_model_card_section(self, markdown: str) -> None:
+        """Add a Markdown section (e.g. an evaluation) to every model card written from now on."""
+        self._card_sections.append(markdown)
+
+    def _set_card_identity(self) -> None:
+        """The card's algorithm name and paper: the trainer's own name (CISPO, SAPO, ...) or the preset's."""
+        preset_name, self._paper = paper_for(self.algorithm.algorithm)
+        if "_name" not in vars(type(self)) or type(self)._name == "Trinity":
+            self._name = preset_name
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
@@ -57,19 +127,15 @@ class AlgorithmCardMixin:
         _name_local_base_model(path, getattr(self.model.config, "_name_or_path", None))
         with open(path, "a", encoding="utf-8") as card:
             card.write(algorithm_card_section(self.algorithm, type(self).__name__))
-            extra = getattr(self, "model_card_extra", None)  # e.g. the recipes' evaluation section
-            if extra:
-                card.write(extra)
+            for section in self._card_sections:
+                card.write(section)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
         if not _internal_call and self.is_world_process_zero():
             target = output_dir or self.args.output_dir
-            saved_output_dir, self.args.output_dir = self.args.output_dir, target
-            try:
+            with temporarily(self.args, output_dir=target):  # TRL writes the card into args.output_dir
                 self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
-            finally:
-                self.args.output_dir = saved_output_dir
 
 
 class PresetTrainerMixin(AlgorithmCardMixin):

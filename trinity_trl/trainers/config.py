@@ -7,7 +7,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from ..algorithms import ALGORITHM_TYPE, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from .common import parse_args_field
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
@@ -17,36 +17,42 @@ from .common import parse_args_field
 REPLACED_GRPO_FIELDS: dict[str, str] = {
     "beta": "TRL's k3 KL; use kl_loss_fn='k3' (or any KL) with kl_loss_fn_args={'kl_coef': ...}",
     "loss_type": "TRL's loss; choose policy_loss_fn (or an algorithm preset) and loss_agg_mode",
-    "epsilon": "PPO clip range; use policy_loss_fn_args={'clip_range': ...}",
-    "epsilon_high": "PPO upper clip; use policy_loss_fn_args={'clip_range_high': ...}",
+    "epsilon": "TRL's relative clip bound, accepted for losses with the same bounds (ppo, gspo, mix, mix_chord) as "
+               "clip_range; for this loss use policy_loss_fn_args (see its arguments)",
+    "epsilon_high": "TRL's upper clip, accepted for losses with relative bounds (ppo, gspo, mix, mix_chord) as "
+                    "clip_range_high; TRL's CISPO cap is absolute: use clip_range_high = epsilon_high - 1",
     "delta": "TRL's two-sided clip; use policy_loss_fn_args={'clip_ratio_c': ...} (dual clip, ppo)",
     "importance_sampling_level": "sequence-level ratios; use policy_loss_fn='gspo' (algorithm='gspo')",
     "scale_rewards": "reward normalisation; use advantage_fn_args={'std_cal_level': 'batch'} for grpo",
     "multi_objective_aggregation": "reward normalisation is done by advantage_fn on the weighted reward sum",
-    "vespo_k_pos": "VESPO is not a trinity_trl loss",
-    "vespo_lambda_pos": "VESPO is not a trinity_trl loss",
-    "vespo_k_neg": "VESPO is not a trinity_trl loss",
-    "vespo_lambda_neg": "VESPO is not a trinity_trl loss",
-    "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses",
+    "vespo_k_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "vespo_lambda_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses; entropy terms are "
+                            "entropy_loss_fn",
     "entropy_coef": "use entropy_loss_fn_args={'entropy_coef': ...}",
     "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_min": "only used by TRL's adaptive entropy",
-    "entropy_coef_max": "only used by TRL's adaptive entropy",
-    "entropy_coef_delta": "only used by TRL's adaptive entropy",
-    "entropy_target": "only used by TRL's adaptive entropy",
+    "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
     "off_policy_mask_threshold": "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)",
-    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta)",
+    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss_fn='corrected_k3' is the "
+                              "ratio-corrected k3",
     "sapo_temperature_pos": "only used with policy_loss_fn='sapo' (becomes tau_pos)",
     "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
 }
+# The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
+# are passed to it; see the README's table "TRL's names".
 
 COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
 ARGS_MODES = ("merge", "replace")
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
 
-def _grpo_default(name: str) -> Any:
-    for f in fields(GRPOConfig):
+def _field_default(config_class: type, name: str) -> Any:
+    for f in fields(config_class):
         if f.name == name:
             return f.default
     raise KeyError(name)
@@ -103,7 +109,9 @@ class TrinityConfig(GRPOConfig):
     `entropy_coef` and the adaptive-entropy options, `top_entropy_quantile`,
     `off_policy_mask_threshold`, `use_bias_correction_kl`, the VESPO options) must keep their
     defaults: a different value raises an error that names the replacement.
-    `sapo_temperature_pos`/`_neg` are honoured when the policy loss is `sapo`.
+    Where a TRL field means exactly an argument of the policy loss, it is accepted and passed on:
+    `epsilon` / `epsilon_high` (relative clip bounds of `ppo`, `gspo`, `mix`, `mix_chord`: `clip_range` /
+    `clip_range_high`) and `sapo_temperature_pos` / `_neg` (`sapo`: `tau_pos` / `tau_neg`).
     """
 
     algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
@@ -118,6 +126,11 @@ class TrinityConfig(GRPOConfig):
     entropy_loss_fn: str | None = field(default=None, metadata={"help": "Entropy term: default, mix or none."})
     entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."})
     loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
+                          "policy_loss_fn_args['clip_range'] (None: the loss's own default)."},
+    )
     component_args_mode: str = field(
         default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
     )
@@ -144,18 +157,22 @@ class TrinityConfig(GRPOConfig):
         return {}
 
     def _check_replaced_fields(self) -> None:
-        sapo_fields = ("sapo_temperature_pos", "sapo_temperature_neg")
+        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
         for name, replacement in REPLACED_GRPO_FIELDS.items():
-            value, default = getattr(self, name), _grpo_default(name)
-            if name == "scale_rewards" and value == "group":
-                continue
-            if name in sapo_fields and self._policy_loss_name() == "sapo":
+            value, default = getattr(self, name), _field_default(type(self), name)
+            if (name == "scale_rewards" and value == "group") or name in own:
                 continue
             if value != default:
                 raise ValueError(
                     f"{type(self).__name__}: {name}={value!r} is not used by trinity_trl ({replacement}). "
                     f"Leave it at its default ({default!r})."
                 )
+
+    def _trl_field_arguments(self) -> dict[str, tuple[str, Any]]:
+        """The TRL fields the user set that mean an argument of the policy loss: ``{argument: (field, value)}``."""
+        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
+        return {ours: (trl, getattr(self, trl)) for trl, ours in own.items()
+                if getattr(self, trl) != _field_default(type(self), trl)}
 
     def _policy_loss_name(self) -> str:
         return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
@@ -177,15 +194,15 @@ class TrinityConfig(GRPOConfig):
                 settings[key] = {**given, **value}
             elif settings.get(key) is None:
                 settings[key] = value
-        if self._policy_loss_name() == "sapo":
+        trl_arguments = self._trl_field_arguments()
+        if trl_arguments:
             args = dict(settings.get("policy_loss_fn_args") or {})
-            for trl_name, ours in (("sapo_temperature_pos", "tau_pos"), ("sapo_temperature_neg", "tau_neg")):
-                value = getattr(self, trl_name)
-                if value != _grpo_default(trl_name):
-                    if ours in args and args[ours] != value:
-                        raise ValueError(f"{trl_name}={value} conflicts with policy_loss_fn_args[{ours!r}]={args[ours]}")
-                    args[ours] = value
-            settings["policy_loss_fn_args"] = args or settings.get("policy_loss_fn_args")
+            for ours, (trl, value) in trl_arguments.items():
+                if ours in args and args[ours] != value:
+                    raise ValueError(f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss_fn_args"
+                                     f"[{ours!r}]={args[ours]}; set it in one place")
+                args[ours] = value
+            settings["policy_loss_fn_args"] = args
         return resolve_algorithm_config(
             self.algorithm, merge_args=self.component_args_mode == "merge", force_loss_agg_mode=True, **settings
         )

@@ -23,10 +23,13 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from ..algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
 from ..algorithms.masked import masked_fill_invalid, masked_mean
 from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
-from .config import TrinityConfig
 from . import checks
+from .advantages import Advantages, AdvantageSources
+from .config import TrinityConfig
+from .metrics import append_metrics
 from .trinity import TrinityTrainer
 
 CRITIC_DIR = "critic"
@@ -86,8 +89,9 @@ class PPOConfig(TrinityConfig):
     )
 
     def __post_init__(self):
-        if self.algorithm != "ppo":
-            raise ValueError(f"PPOConfig trains the 'ppo' preset (a critic and GAE), got algorithm={self.algorithm!r}")
+        if not ALGORITHM_TYPE.get(self.algorithm).use_critic:
+            raise ValueError(f"PPOConfig trains the 'ppo' preset (a value model and GAE) or another preset with a "
+                             f"critic, got algorithm={self.algorithm!r}")
         super().__post_init__()
         try:
             check_cliprange_value(self.cliprange_value)
@@ -106,8 +110,9 @@ class PPOConfig(TrinityConfig):
 
     def _user_overrides(self) -> dict[str, Any]:
         advantage = self.advantage_fn or "ppo"
-        if advantage != "ppo":
-            raise ValueError(f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo', got {advantage!r}")
+        if not ADVANTAGE_FN.get(advantage).needs_values:
+            raise ValueError(f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo' (or another function "
+                             f"of critic values), got {advantage!r}")
         return {"advantage_fn_args": {"gamma": self.gamma, "lam": self.lam}}
 
 
@@ -144,7 +149,7 @@ class PPOTrainer(TrinityTrainer):
 
     _name = "PPO"
     config_class = PPOConfig
-    _has_critic = True
+    has_critic = True
 
     def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, *pos, value_model=None,
                  value_peft_config=None, **kwargs):
@@ -276,28 +281,32 @@ class PPOTrainer(TrinityTrainer):
         return masked_fill_invalid(torch.cat(chunks), completion_mask)
 
     # ------------------------------------------------------------------------------ advantages
-    def _advantage_inputs(self, output: dict) -> dict[str, torch.Tensor]:
-        # old values: once per generation batch, no gradient, outside DDP (no collective per chunk)
-        with torch.no_grad():
-            output["old_values"] = self._critic_values(
-                self.accelerator.unwrap_model(self.critic), output, batch_size=self.args.per_device_train_batch_size
-            )
-        return {"values": output["old_values"]}
+    def _advantage_sources(self, output: dict) -> AdvantageSources:
+        sources = super()._advantage_sources(output)
 
-    def _advantage_outputs(self, output: dict, global_batch: dict, local: slice, width: int) -> dict[str, Any]:
-        output["returns"] = global_batch["returns"][local, :width].to(output["completion_mask"].device)
-        mask = global_batch["response_mask"]
-        returns = global_batch["returns"]
-        values = global_batch["values"].to(returns.dtype)
+        def old_values() -> torch.Tensor:
+            # once per generation batch, no gradient, outside DDP (no collective per chunk)
+            with torch.no_grad():
+                output["old_values"] = self._critic_values(
+                    self.accelerator.unwrap_model(self.critic), output, batch_size=self.args.per_device_train_batch_size)
+            return output["old_values"]
+
+        sources.values = old_values
+        return sources
+
+    def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
+        output["returns"] = result.returns
+        mask, returns = result.batch["response_mask"], result.batch["returns"]
+        values = result.batch["values"].to(returns.dtype)
 
         def variance(x):
             return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
 
-        return {
+        append_metrics(self._metrics["train" if self.model.training else "eval"], {
             "critic/values/mean": masked_mean(values, mask),
             "critic/returns/mean": masked_mean(returns, mask),
             "critic/vf_explained_var": 1.0 - variance(returns - values) / (variance(returns) + 1e-8),
-        }
+        })
 
     # ------------------------------------------------------------------------------------ loss
     def _compute_loss(self, model, inputs):
@@ -310,8 +319,7 @@ class PPOTrainer(TrinityTrainer):
     def _value_loss(self, inputs: dict, mode: str) -> torch.Tensor:
         """The clipped value loss of a micro-batch, scaled like the policy loss (aggregation mode,
         loss normalisation, gradient accumulation)."""
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-        loss_mask, agg, divisors = self._aggregation(inputs, mask)
+        loss_mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         self.critic.train(mode == "train")
         values = self._critic_values(self.critic, inputs)
         # numerical guards, as for the policy loss (checks.py): tokens whose value, old value or return is
@@ -319,16 +327,17 @@ class PPOTrainer(TrinityTrainer):
         finite = torch.isfinite(values) & torch.isfinite(inputs["old_values"]) & torch.isfinite(inputs["returns"])
         dropped = float(((loss_mask != 0) & ~finite).sum())
         loss_mask = loss_mask * finite
+        aggregation = self.loss_normalizer.plan(inputs, loss_mask, self.algorithm.loss_agg_mode)
         loss, metrics = clipped_value_loss(
             *(checks.masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
-            loss_mask, self.args.cliprange_value, agg
+            loss_mask, self.args.cliprange_value, aggregation
         )
         if mode == "train":
-            loss = loss * self._loss_scale(inputs, *divisors)
+            loss = loss / self.current_gradient_accumulation_steps
         guards = {"guards/nonfinite_values": dropped, "guards/nonfinite_value_loss": float(not checks.is_finite(loss))}
         if guards["guards/nonfinite_value_loss"]:
             loss = checks.zero_loss(self.critic)
-        self._log_metrics(mode, {**{f"critic/{k}": v for k, v in metrics.items()}, **guards})
+        append_metrics(self._metrics[mode], {**{f"critic/{k}": v for k, v in metrics.items()}, **guards})
         return loss
 
     def _critic_optimizer_step(self) -> None:
@@ -346,7 +355,7 @@ class PPOTrainer(TrinityTrainer):
         self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
         metrics["critic/lr"] = lr
-        self._log_metrics("train", metrics)
+        append_metrics(self._metrics["train"], metrics)
 
     # --------------------------------------------------------------------------- save, resume
     def _save_critic(self, directory: str) -> None:

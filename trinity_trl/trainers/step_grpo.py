@@ -10,6 +10,7 @@ Each step then becomes a row of the training batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,14 @@ from typing import Any
 import torch
 from trl.trainer.utils import pad
 
-from ..algorithms import EID, Experience
+from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..rollouts import MultiStepRollout
 from ..rollouts.multi_step import HISTORY_MODES, Run
+from . import checks
 from .config import TrinityConfig
+from .metrics import append_metrics
 from .trinity import TrinityTrainer
+from .trl_seams import skip_trl_reference_pass, temporarily
 
 STD_CAL_LEVELS = ("group", "batch", "none")
 
@@ -81,9 +85,10 @@ class StepGRPOConfig(TrinityConfig):
 
     def _user_overrides(self) -> dict[str, Any]:
         advantage = self.advantage_fn or "step_wise_grpo"
-        if advantage != "step_wise_grpo":
-            raise ValueError(f"StepGRPOConfig needs advantage_fn='step_wise_grpo', got {advantage!r}")
-        return {"advantage_fn": "step_wise_grpo", "advantage_fn_args": {
+        if not ADVANTAGE_FN.get(advantage).step_wise:
+            raise ValueError(f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
+                             f"runs and gives each step its run's score), got advantage_fn={advantage!r}")
+        return {"advantage_fn": advantage, "advantage_fn_args": {
             "enable_step_norm": self.enable_step_norm,
             "std_cal_level": self.std_cal_level,
             "std_threshold": self.std_threshold,
@@ -110,7 +115,7 @@ class StepGRPOTrainer(TrinityTrainer):
 
     _name = "Step-wise GRPO"
     config_class = StepGRPOConfig
-    _prompt_optional = True  # a task's prompt may come from reset()
+    requires_prompt = False  # a task's prompt may come from reset()
 
     def __init__(self, model, reward_funcs=None, args: StepGRPOConfig | None = None, *pos, environment_factory=None, **kwargs):
         if args is not None and not isinstance(args, StepGRPOConfig):
@@ -120,7 +125,6 @@ class StepGRPOTrainer(TrinityTrainer):
         if kwargs.get("rollout_func") is not None:
             raise ValueError("StepGRPOTrainer plays the environment itself; rollout_func cannot be combined with it")
         extra = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-        kwargs["rollout_func"] = self._play
         super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
@@ -128,81 +132,67 @@ class StepGRPOTrainer(TrinityTrainer):
                 "the final turn only); set vllm_importance_sampling_correction=False"
             )
         # reference log-probs are computed here for every row (step or run); TRL's pass over the final
-        # turns would be redone, so switch it off (the reference model itself stays loaded)
-        self.beta = 0.0
-        self.rollout = MultiStepRollout(self, environment_factory, self.args.max_env_steps, self.args.history)
-        self._runs: list[Run] = []
-        self._rows: list[dict[str, Any]] = []
+        # turns would be redone (the reference model itself stays loaded)
+        skip_trl_reference_pass(self)
+        self.rollout = MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
 
     # ------------------------------------------------------------------------------ rollout
     def _generate_and_score_completions(self, inputs):
+        rows = [dict(row) for row in inputs]
         # TRL reads x["prompt"] before calling the rollout; tasks may get their whole prompt from reset()
-        self._rows = [dict(row) for row in inputs]
         for row in inputs:
             row.setdefault("prompt", [{"role": "user", "content": ""}])
-        return super()._generate_and_score_completions(inputs)
+        # TRL's rollout_func receives only the prompts; the environments need the whole rows (trl_seams)
+        with temporarily(self, rollout_func=checks.checked_rollout_func(functools.partial(self._play, rows))):
+            return super()._generate_and_score_completions(inputs)
 
-    def _play(self, prompts, trainer) -> dict[str, list]:
-        """TRL's ``rollout_func``: play every run, report each run's final turn (scored by TRL)."""
-        self._runs = self.rollout(self._rows)
-        last = [run.steps[-1] for run in self._runs]
+    def _play(self, rows: list[dict[str, Any]], prompts, trainer) -> dict[str, list]:
+        """TRL's ``rollout_func`` for one batch: play every run and report each run's final turn (which
+        TRL scores); the runs come back to :meth:`_training_batch` as the rows' ``run`` field."""
+        runs = self.rollout(rows)
+        last = [run.steps[-1] for run in runs]
         logprobs = [s.logprobs for s in last]
         return {
             "prompt_ids": [s.prompt_ids for s in last],
             "completion_ids": [s.completion_ids for s in last],
             "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
-            "env_reward": [run.reward for run in self._runs],
+            "env_reward": [run.reward for run in runs],
+            "run": runs,
         }
 
     # --------------------------------------------------------------------------- advantages
-    def _apply_algorithm(self, output: dict, num_local: int, mode: str) -> dict:
+    def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
+        runs: list[Run] = [row["run"] for row in inputs]
         group_size = self._group_size(mode)
-        rewards = self._global_rewards()
         device = output["prompt_ids"].device
-        steps_local = torch.tensor([len(run.steps) for run in self._runs], device=device)
-        steps = self.accelerator.gather(steps_local).cpu().tolist()  # every process's runs, process-major
-        first = self._local_rows(num_local).start
+        steps = self.accelerator.gather(torch.tensor([len(run.steps) for run in runs], device=device)).cpu().tolist()
+        first = self._local_rows(len(runs)).start
         experiences = [
-            Experience(eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s),
-                       tokens=torch.zeros(1, dtype=torch.long), prompt_length=0, reward=value)
+            Experience(eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s), reward=value)
             for i, (value, count) in enumerate(zip(rewards.tolist(), steps))
             if math.isfinite(value)
             for s in range(count)
         ]
-        scored, metrics = self.advantage_fn(experiences)
-        score = {(e.eid.task, e.eid.run, e.eid.step): float(e.advantages[0]) for e in scored}
+        scored, metrics = self.components.advantage_fn(experiences)
+        score = {(e.eid.task, e.eid.run, e.eid.step): float(e.advantages) for e in scored}
         # per run and step: the step's advantage, or None if its group was filtered / unscored
         advantages = [[score.get(((first + j) // group_size, (first + j) % group_size, s)) for s in range(len(run.steps))]
-                      for j, run in enumerate(self._runs)]
+                      for j, run in enumerate(runs)]
         metrics.update({
             "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
             "multi_step/run_reward": float(rewards.nanmean()) if torch.isfinite(rewards).any() else 0.0,
-            "multi_step/prefix_preserving": sum(r.prefix_preserving for r in self._runs) / max(1, len(self._runs)),
+            "multi_step/prefix_preserving": sum(r.prefix_preserving for r in runs) / max(1, len(runs)),
             "unscorable_count": float((~torch.isfinite(rewards)).sum()),
         })
-        self._last_advantages = advantages
         # TRL's completions table lists one row per run (its final turn): show that turn's advantage
         final = [scores[-1] if scores[-1] is not None else 0.0 for scores in advantages]
-        self._replace_logged_advantages(torch.tensor(final, device=device), output["completion_mask"])
-        batch = self._step_batch(output, advantages)
-        metrics["multi_step/rows_per_run"] = batch["sample_count"].bool().sum().item() / max(1, len(self._runs))
-        self._log_metrics(mode, metrics)
+        self._show_advantages_in_completions_table(torch.tensor(final, device=device), output["completion_mask"])
+        batch = self._step_batch(output, runs, advantages)
+        metrics["multi_step/rows_per_run"] = batch["sample_count"].bool().sum().item() / max(1, len(runs))
+        append_metrics(self._metrics[mode], metrics)
         return batch
 
-    def _sequence_level_loss(self) -> bool:
-        """Losses that use per-sequence statistics, which a multi-turn row would mix across turns."""
-        name, args = self.algorithm.policy_loss_fn, self.algorithm.policy_loss_fn_args
-        return (name == "gspo" or (name == "ppo" and args.get("enable_sequence_masking", False))
-                or (name == "rec" and (args.get("clip_mode") == "gspo-one-side"
-                                       or args.get("weight") == "gspo_importance_sampling")))
-
-    def _policy_loss_runtime_args(self) -> dict[str, Any]:
-        # token-level losses aggregate through per-token weights (see _aggregation), so they run as token-mean
-        if self._sequence_level_loss() or "loss_agg_mode" not in self.algorithm.policy_loss_fn_args:
-            return {}
-        return {"loss_agg_mode": "token-mean"}
-
-    def _step_batch(self, output: dict, advantages: list[list[float | None]]) -> dict:
+    def _step_batch(self, output: dict, runs: list[Run], advantages: list[list[float | None]]) -> dict:
         """The training rows of this process's runs: a whole run per row when it is prefix-preserving
         and ``shared_prefix`` is on, else one row per step; then padding rows so the count splits
         evenly into micro-batches. Per token: ``segment_ids`` (the step a trained token belongs to,
@@ -210,9 +200,9 @@ class StepGRPOTrainer(TrinityTrainer):
         """
         device = output["prompt_ids"].device
         eos = set(self.eos_token_ids)
-        shared = self.args.shared_prefix and not self._sequence_level_loss()
+        shared = self.args.shared_prefix and not self.components.policy_loss.sequence_level
         prompts, completions, segments, token_adv, samples, widths, sampling = [], [], [], [], [], [], []
-        for run, scores in zip(self._runs, advantages):
+        for run, scores in zip(runs, advantages):
             trained = [score is not None and (not self.args.mask_truncated_completions
                                               or (bool(step.completion_ids) and step.completion_ids[-1] in eos))
                        for step, score in zip(run.steps, scores)]
@@ -274,30 +264,3 @@ class StepGRPOTrainer(TrinityTrainer):
         if unknown:
             raise ValueError(f"StepGRPOTrainer cannot expand batches with {sorted(unknown)}")
         return batch
-
-    def _aggregation(self, inputs: dict, mask: torch.Tensor) -> tuple[torch.Tensor, str, tuple]:
-        """Per-step aggregation through per-token weights, for rows holding one step or a whole run.
-
-        With ``n_s`` the trained tokens of step ``s``, ``S`` the steps and ``N`` the tokens of the
-        micro-batch, every mode is a token-mean with weights ``w`` times ``used / wanted``:
-        ``token-mean`` w = 1 (N / N); ``seq-mean-token-mean`` w = 1/n_s (S / S);
-        ``seq-mean-token-sum`` w = 1 (N / S); ``seq-mean-token-sum-norm`` w = 1 (N / widest step).
-        That is exactly the loss of one row per step, whatever the rows hold.
-        """
-        if self._sequence_level_loss():
-            return super()._aggregation(inputs, mask)
-        agg = self.algorithm.loss_agg_mode
-        valid = mask != 0
-        segments = inputs["segment_ids"].clamp(min=0)
-        key = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1) * mask.shape[1] + segments
-        counts = torch.bincount(key[valid], minlength=mask.numel())
-        tokens, steps = valid.sum(), (counts > 0).sum()
-        weights = valid.to(torch.float32)
-        if agg == "seq-mean-token-mean":
-            weights = weights / counts[key].clamp(min=1)
-            return weights, "token-mean", (steps, steps)
-        if agg == "seq-mean-token-sum":
-            return weights, "token-mean", (tokens, steps)
-        if agg == "seq-mean-token-sum-norm":
-            return weights, "token-mean", (tokens, inputs["step_width"].max())
-        return weights, "token-mean", (tokens, tokens)

@@ -110,7 +110,12 @@ def recording(cls):
     class Recording(cls):
         def __init__(self, *args, **kwargs):
             self.record = {"rollouts": [], "experts": [], "losses": []}
+            self.runs = []
             super().__init__(*args, **kwargs)
+
+        def _training_batch(self, output, inputs, rewards, mode):
+            self.runs = [row["run"] for row in inputs if "run" in row]
+            return super()._training_batch(output, inputs, rewards, mode)
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -289,7 +294,7 @@ def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
     trainer._generate_single_turn = generate
     trainer.train()
     torch.save({**trainer.record, "grad": grads.grad, "world": trainer.accelerator.num_processes,
-                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in trainer._runs]},
+                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in trainer.runs]},
                os.path.join(out_dir, f"step_grpo_world{world}_rank{rank}.pt"))
 
 

@@ -25,6 +25,9 @@ class PolicyLossFn:
     name: ClassVar[str]
     inputs: ClassVar[tuple[str, ...]] = ("old_logprob", "action_mask", "advantages")
     optional_inputs: ClassVar[tuple[str, ...]] = ()
+    # TRL ``GRPOConfig`` fields that mean exactly one of this loss's arguments: {TRL field: argument}.
+    # Trainer configs accept them and pass them on (a field whose meaning differs is not listed).
+    trl_config_fields: ClassVar[dict[str, str]] = {}
 
     def __init__(self, backend: str = "trl"):
         self.backend = check_backend(backend)

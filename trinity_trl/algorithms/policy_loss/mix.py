@@ -32,6 +32,8 @@ class ExpertMixLossFn(PolicyLossFn):
     """
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask")
+    # TRL's epsilon / epsilon_high are the PPO part's relative clip bounds
+    trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
 
     @property
     def weighs_samples_itself(self) -> bool:

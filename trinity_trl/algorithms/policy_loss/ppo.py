@@ -36,6 +36,9 @@ class PPOPolicyLossFn(PolicyLossFn):
     (ratio 1 with the REINFORCE gradient).
     """
 
+    # TRL's epsilon / epsilon_high are the same relative bounds (1 - epsilon, 1 + epsilon_high)
+    trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
+
     def __init__(
         self,
         clip_range: float | None = None,

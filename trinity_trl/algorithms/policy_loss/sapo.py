@@ -36,6 +36,9 @@ class SAPOPolicyLossFn(PolicyLossFn):
     ``avg_ratio = MMEAN(r)``, ``pos_adv_frac = MMEAN([A > 0])``.
     """
 
+    # TRL's SAPO temperatures are the gate temperatures for positive / negative advantages
+    trl_config_fields = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
+
     def __init__(
         self,
         tau_pos: float = 1.0,

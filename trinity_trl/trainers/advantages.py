@@ -1,0 +1,175 @@
+"""Advantages of a generation batch, from the rewards TRL gathered from every process.
+
+TRL computes GRPO advantages itself; our trainers replace them with the configured component:
+
+* a **group operator** (``grpo``, ``opmd``, ``asymre``, ``rec``, ...) runs on every process's rewards,
+  grouped by prompt (``num_generations`` consecutive completions), and each process keeps its slice,
+  so N processes give the same advantages as one;
+* a **batch function** (``reinforceplusplus``, ``rloo``, ``on_policy_distill``, GAE, ...) runs on the
+  padded token batch of every process, after an optional KL penalty on the token rewards;
+* a policy loss that reads no advantages (an SFT loss: the ``raft`` preset) trains on the
+  best-rewarded completions of each group instead.
+
+Rows that a group operator filters out (``std_threshold``) and completions no reward function
+scored get advantage 0 and leave the loss (``loss_rows``). Inputs that only some functions need
+(behaviour or teacher log-probs, critic values) are computed on demand through
+:class:`AdvantageSources`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..algorithms import EID, Experience
+from ..algorithms.advantage import AdvantageFn, scalar_rewards_to_token_level
+from ..algorithms.kl import KLFn
+from ..algorithms.policy_loss import PolicyLossFn
+
+
+@dataclass
+class AdvantageSources:
+    """Per-token inputs of this process's rows, computed only if an advantage function asks.
+
+    Each is a callable returning a ``(B, T)`` tensor over the completion (``None``: not available).
+    """
+
+    behaviour_logps: Callable[[], torch.Tensor]
+    reference_logps: Callable[[], torch.Tensor | None]
+    teacher_logps: Callable[[], torch.Tensor] | None = None
+    values: Callable[[], torch.Tensor] | None = None
+
+
+@dataclass
+class Advantages:
+    """This process's advantages: ``(B,)`` (one per row) or ``(B, T)``; ``loss_rows`` ``(B,)`` bool
+    (rows to train on); ``returns`` ``(B, T)`` from batch functions, and the whole gathered
+    ``batch`` they ran on (every process's rows); ``metrics``."""
+
+    advantages: torch.Tensor
+    loss_rows: torch.Tensor
+    returns: torch.Tensor | None = None
+    batch: dict[str, Any] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of every reward function's value per completion, NaN where none scored
+    (``rewards_per_func``: ``(N, n_funcs)`` with NaN for "not scored", as TRL gathers it)."""
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def best_of_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(N,)`` bool: the completions with their group's highest reward, in groups whose rewards
+    are not all equal (RAFT). Unscored completions (NaN) are never kept."""
+    grouped = torch.nan_to_num(rewards, nan=-torch.inf).view(-1, group_size)
+    best = grouped.max(dim=1, keepdim=True).values
+    spread = best > grouped.min(dim=1, keepdim=True).values
+    return ((grouped == best) & spread & torch.isfinite(grouped)).view(-1)
+
+
+def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_size: int,
+                     batch_index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Run a group operator over every completion; ``(advantages (N,), kept (N,) bool, metrics)``.
+
+    Completion ``i`` is run ``i % group_size`` of task ``i // group_size``; unscored ones are left
+    out of their group's statistics.
+    """
+    experiences = [Experience(eid=EID(batch=batch_index, task=row // group_size, run=row % group_size), reward=value)
+                   for row, value in enumerate(rewards.tolist()) if math.isfinite(value)]
+    scored, metrics = advantage_fn(experiences)
+    advantages = torch.zeros(len(rewards), dtype=torch.float32)
+    kept = torch.zeros(len(rewards), dtype=torch.bool)
+    for exp in scored:
+        row = exp.eid.task * group_size + exp.eid.run
+        advantages[row] = exp.advantages
+        kept[row] = True
+    return advantages, kept, metrics
+
+
+class AdvantageEstimator:
+    """Computes a generation batch's advantages with the trainer's components.
+
+    Args:
+        advantage_fn: the advantage component (``None`` when the preset uses none).
+        policy_loss: the policy loss (asked whether it reads advantages).
+        kl_penalty: the KL reward penalty of batch functions (``enabled`` False: none).
+        gather: accelerate's ``gather`` (concatenates every process's tensor along dim 0).
+        pad_across_processes: accelerate's ``pad_across_processes``.
+    """
+
+    def __init__(self, advantage_fn: AdvantageFn | None, policy_loss: PolicyLossFn, kl_penalty: KLFn,
+                 gather: Callable[[torch.Tensor], torch.Tensor], pad_across_processes: Callable[..., torch.Tensor]):
+        self.advantage_fn = advantage_fn
+        self.policy_loss = policy_loss
+        self.kl_penalty = kl_penalty
+        self.gather = gather
+        self.pad_across_processes = pad_across_processes
+
+    def __call__(self, rewards: torch.Tensor, loss_mask: torch.Tensor, local: slice, group_size: int,
+                 batch_index: int, training: bool, sources: AdvantageSources) -> Advantages:
+        """``rewards``: ``(N,)`` every process's weighted rewards (NaN: unscored), process-major;
+        ``loss_mask``: this process's ``(B, T)`` trained tokens; ``local``: its rows in ``rewards``."""
+        unscored = ~torch.isfinite(rewards)
+        metrics: dict[str, Any] = {"unscorable_count": float(unscored.sum())}
+        device = loss_mask.device
+        if not self.policy_loss.reads_advantages:  # RAFT: SFT on the best completion(s) of each group
+            keep = best_of_group(rewards, group_size)
+            metrics["raft/kept_fraction"] = float(keep.float().mean())
+            return Advantages(torch.zeros(loss_mask.shape[0], device=device), keep[local].to(device), metrics=metrics)
+        if not self.advantage_fn.compute_in_trainer():
+            advantages, kept, group_metrics = group_advantages(self.advantage_fn, rewards, group_size, batch_index)
+            return Advantages(advantages[local].to(device), kept[local].to(device), metrics={**metrics, **group_metrics})
+        return self._batch_advantages(rewards, loss_mask, local, group_size, training, sources, metrics)
+
+    def _batch_advantages(self, rewards, loss_mask, local, group_size, training, sources, metrics) -> Advantages:
+        local_rewards = rewards[local].to(loss_mask.device)
+        scorable = torch.isfinite(local_rewards)
+        response_mask = loss_mask * scorable.unsqueeze(1).to(loss_mask.dtype)
+        # rows whose mask is empty (mask_truncated_completions) keep their reward, on the last column, as
+        # TRL keeps them in the group baseline; the mask still excludes them from the loss
+        placement = torch.where(loss_mask.sum(1, keepdim=True) > 0, loss_mask, torch.ones_like(loss_mask))
+        batch: dict[str, torch.Tensor] = {
+            "token_level_scores": scalar_rewards_to_token_level(torch.nan_to_num(local_rewards), placement),
+            "response_mask": response_mask,
+        }
+        fn = self.advantage_fn
+        if self.kl_penalty.enabled or fn.needs_old_logprobs:
+            batch["old_log_probs"] = sources.behaviour_logps()
+        if self.kl_penalty.enabled:
+            batch["ref_log_prob"] = sources.reference_logps()
+        if fn.needs_teacher_logprobs:
+            batch["teacher_logprobs"] = sources.teacher_logps()
+        if fn.needs_values:
+            batch["values"] = sources.values()
+        global_batch = {key: self.gather(self.pad_across_processes(value, dim=1, pad_index=0))
+                        for key, value in batch.items()}
+        controller_state = self.kl_penalty.state_dict()
+        global_batch, penalty_metrics = self.kl_penalty.apply_kl_penalty_to_reward(global_batch)
+        if not training:  # evaluation measures; only training moves the adaptive coefficient
+            self.kl_penalty.load_state_dict(controller_state)
+        metrics.update({f"critic/{k}": v for k, v in penalty_metrics.items()})
+        uid = torch.arange(global_batch["response_mask"].shape[0]) // group_size
+        # unscorable rows form their own groups so they cannot bias a group baseline
+        unscored = ~torch.isfinite(rewards.cpu())
+        uid[unscored] = -1 - torch.arange(int(unscored.sum()))
+        global_batch["uid"] = uid
+        if fn.whitens and int((global_batch["response_mask"] != 0).sum()) < 2:
+            # whitening needs two tokens; with fewer (e.g. every completion truncated and masked) nothing
+            # is trained, so every advantage is 0 instead of an error deep inside the whitening
+            zeros = torch.zeros_like(global_batch["token_level_rewards"], dtype=torch.float32)
+            global_batch.update(advantages=zeros, returns=zeros.clone())
+        else:
+            global_batch, adv_metrics = fn(global_batch)
+            metrics.update(adv_metrics)
+        width = loss_mask.shape[1]
+        return Advantages(
+            global_batch["advantages"][local, :width].to(loss_mask.device), scorable,
+            returns=global_batch["returns"][local, :width].to(loss_mask.device), batch=global_batch, metrics=metrics,
+        )

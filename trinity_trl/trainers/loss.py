@@ -1,0 +1,122 @@
+"""How a micro-batch's token losses become the optimizer step's loss: one weighted sum and its count.
+
+Every aggregation mode of the spec (§0.3) is a weighted token sum divided by a count:
+
+==========================  ===============================  =========================================
+mode                        per-token weight ``w``           count ``D`` (``micro_batch`` / ``global``)
+==========================  ===============================  =========================================
+``token-mean``              ``m``                            trained tokens of the micro-batch / of
+                                                             the optimizer step, per micro-step
+``seq-mean-token-sum``      ``m``                            samples of the micro-batch / of the step
+``seq-mean-token-mean``     ``m / n_s`` (tokens of sample s) samples, as above
+``seq-mean-token-sum-norm`` ``m``                            the padded width (the widest sample)
+==========================  ===============================  =========================================
+
+A *sample* is a row, or, in a row that packs several turns of one run (``segment_ids``, StepGRPO),
+one turn; rows that only pad the batch are no sample. ``global`` counts the whole generation batch
+of every process (one gather per generation batch, ``global_loss_tokens`` / ``global_loss_rows``)
+and divides by ``processes · steps_per_generation`` to get the count of one micro-step, so after
+DDP's mean every token (sample) of the optimizer step weighs the same on any number of processes.
+``seq-mean-token-sum-norm`` is always per micro-batch, as in the spec.
+
+The loss terms receive :class:`WeightedSum` as their aggregation, so each term *is* ``Σ m·w·ℓ / D``:
+nothing is divided by one count and multiplied back by another. Gradient accumulation is applied by
+the trainer on top (``loss / gradient_accumulation_steps``), as TRL does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..algorithms.masked import masked_sum
+
+LOSS_NORMALIZATIONS = ("micro_batch", "global")
+
+
+@dataclass(frozen=True)
+class WeightedSum:
+    """An aggregation (``agg_loss``'s ``loss_agg_mode``) returning ``Σ_{b,t} ℓ'·m·w / count``.
+
+    ``m`` is the mask the loss passes (its trained tokens), ``w`` the per-token weights of the
+    aggregation mode, ``ℓ'`` the loss with 0 where ``m`` is 0 (NaN/inf in padding never leaks). The
+    loss itself keeps seeing its plain mask, so its statistics (clip fractions, sequence ratios) are
+    those of the spec.
+    """
+
+    weights: torch.Tensor  # (B, T)
+    count: torch.Tensor  # 0-d
+
+    def __call__(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        if loss_mask.shape != self.weights.shape:
+            raise ValueError(f"this aggregation was planned for a {tuple(self.weights.shape)} batch, got a mask of "
+                             f"shape {tuple(loss_mask.shape)}")
+        return masked_sum(loss_mat, loss_mask * self.weights.to(loss_mat.dtype)) / self.count.to(loss_mat.dtype)
+
+
+class LossNormalizer:
+    """Plans the aggregation (weights and count) of a micro-batch for a mode (see the module docs).
+
+    Args:
+        normalization: ``"micro_batch"`` or ``"global"``.
+        num_processes: processes whose generation batches form one optimizer step.
+        steps_per_generation: micro-steps a generation batch is split into.
+    """
+
+    def __init__(self, normalization: str, num_processes: int, steps_per_generation: int):
+        if normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {normalization!r}")
+        self.normalization = normalization
+        self.micro_steps = num_processes * steps_per_generation
+
+    @staticmethod
+    def global_counts(loss_mask: torch.Tensor, sample_count: torch.Tensor | None) -> torch.Tensor:
+        """This process's ``(trained tokens, samples)`` of a generation batch, to be summed over
+        processes (``global_loss_tokens``, ``global_loss_rows``)."""
+        samples = sample_count.sum() if sample_count is not None else torch.tensor(loss_mask.shape[0])
+        return torch.stack([loss_mask.sum().float(), samples.float().to(loss_mask.device)])
+
+    def plan(self, inputs: dict[str, Any], mask: torch.Tensor, loss_agg_mode: str) -> WeightedSum:
+        """The aggregation of ``mask``'s tokens (``(B, T)``, 0 on untrained tokens) for ``loss_agg_mode``.
+
+        ``inputs`` may hold ``segment_ids`` (``(B, T)``, the sample of each token, -1 elsewhere),
+        ``sample_count`` (``(B,)``, samples per row), ``step_width`` (``(B,)``, the widest sample of a
+        row) and, for ``global``, ``global_loss_tokens`` / ``global_loss_rows``.
+        """
+        valid = mask != 0
+        weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+        samples, tokens_per_sample = self._samples(inputs, valid)
+        if loss_agg_mode == "token-mean":
+            count = self._global("global_loss_tokens", inputs, mask.to(torch.float32).sum())
+        elif loss_agg_mode == "seq-mean-token-sum":
+            count = self._global("global_loss_rows", inputs, samples)
+        elif loss_agg_mode == "seq-mean-token-mean":
+            weights = weights / tokens_per_sample.clamp(min=1)
+            count = self._global("global_loss_rows", inputs, samples)
+        elif loss_agg_mode == "seq-mean-token-sum-norm":
+            width = inputs["step_width"].max() if "step_width" in inputs else torch.tensor(mask.shape[1])
+            count = width.to(torch.float32)
+        else:
+            raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}")
+        return WeightedSum(weights, torch.as_tensor(count, dtype=torch.float32, device=mask.device))
+
+    def _global(self, key: str, inputs: dict[str, Any], local: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "micro_batch":
+            return torch.as_tensor(local, dtype=torch.float32).clamp(min=1.0)
+        # the average count of one micro-step of one process
+        return (inputs[key].to(torch.float32) / self.micro_steps).clamp(min=1e-8)
+
+    @staticmethod
+    def _samples(inputs: dict[str, Any], valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(number of samples, (B, T) trained tokens of each token's sample)``."""
+        if "segment_ids" in inputs:
+            # a sample is one (row, segment) pair with trained tokens
+            segments = inputs["segment_ids"].clamp(min=0)
+            key = torch.arange(valid.shape[0], device=valid.device).unsqueeze(1) * valid.shape[1] + segments
+            counts = torch.bincount(key[valid], minlength=valid.numel())
+            return (counts > 0).sum(), counts[key].to(torch.float32)
+        per_row = inputs["sample_count"] if "sample_count" in inputs else torch.ones(valid.shape[0], device=valid.device)
+        tokens = valid.sum(1, keepdim=True).to(torch.float32).expand_as(valid)
+        return per_row.sum(), tokens

@@ -1,0 +1,41 @@
+"""Metrics of our trainers in TRL's per-mode lists: appending, pooling across processes, guard counts.
+
+TRL averages ``self._metrics[mode][name]`` lists at logging time. Our components append per
+micro-batch and per process without a collective (ranks may log different key sets, e.g. CHORD's
+``usual/*`` needs usual rows), so before TRL averages, every rank's values of our keys are pooled
+(one ``gather_object``). Guard metrics are event counts: their values are summed, not averaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from ..algorithms.inputs import metrics_to_floats
+
+# keys our trainers log (TRL's own keys are gathered by TRL)
+OWN_METRIC_PREFIXES = ("actor/", "critic/", "chord/", "group_advantages/", "multi_step/", "raft/", "kl/",
+                       "advantages/", "filtered_count", "unscorable_count", "experience_count",
+                       "skipped_group_ratio", "guards/", "refill/", "remax/")
+COUNT_PREFIX = "guards/"
+
+
+def append_metrics(store: MutableMapping[str, list[float]], metrics: dict[str, Any]) -> None:
+    """Append each metric (tensors become floats with one device sync) to ``store[name]``."""
+    for key, value in metrics_to_floats(metrics).items():
+        store[key].append(value)
+
+
+def pool_metrics(store: MutableMapping[str, list[float]], gather_object: Callable[[list], list] | None) -> None:
+    """Pool every process's values of our keys into ``store`` (``gather_object`` is accelerate's;
+    ``None`` for one process), then turn count metrics into one summed value."""
+    if gather_object is not None:
+        own = {k: list(v) for k, v in store.items() if k.startswith(OWN_METRIC_PREFIXES)}
+        pooled: dict[str, list[float]] = {}
+        for rank_metrics in gather_object([own]):
+            for key, values in rank_metrics.items():
+                pooled.setdefault(key, []).extend(values)
+        for key, values in pooled.items():
+            store[key] = values
+    for key in [k for k in store if k.startswith(COUNT_PREFIX)]:
+        store[key] = [sum(store[key])]
