@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..algorithms import POLICY_LOSS_FN
+from ..algorithms.policy_loss.cispo import CISPOPolicyLossFn
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
 
@@ -49,7 +51,7 @@ class CISPOConfig(TrinityConfig):
     mask_clip_range_high: float = field(default=0.28, metadata={"help": "Mask clip: drop r > 1 + high when A > 0."})
 
     def _user_overrides(self) -> dict[str, Any]:
-        if self._policy_loss_name() != "cispo":
+        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
             raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
         return {"policy_loss_fn_args": {
             "clip_range_low": self.clip_range_low,

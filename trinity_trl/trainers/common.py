@@ -90,6 +90,18 @@ def load_processor(model: str, args):
     return processor
 
 
+def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
+    """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    if isinstance(teacher_model, str):
+        teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=dtype)
+    teacher_model.eval().requires_grad_(False)
+    add_fused_lm_head(teacher_model, temperature=temperature, outputs=("log_probs", "entropy"))
+    return accelerator.prepare_model(teacher_model, evaluation_mode=True)
+
+
 def default_output_dir(model: Any, suffix: str) -> str:
     """``<model name>-<suffix>``, the output folder when a trainer gets no ``args``."""
     name = model if isinstance(model, str) else (getattr(model.config, "_name_or_path", "") or "model")

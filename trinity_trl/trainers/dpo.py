@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from trl import DPOConfig, DPOTrainer
 
-from ..algorithms import AlgorithmConfig, resolve_algorithm_config
+from ..algorithms import KL_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from .model_card import paper_for
 from .common import PresetTrainerMixin, capture_fused_outputs, parse_args_field, reject_sequence_sharding
@@ -121,7 +121,7 @@ class TrinityDPOConfig(DPOConfig):
             value = getattr(self, name)
             if value != default and not (name == "loss_weights" and value == [1.0]):
                 raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
-        if self.kl_loss_fn == "none":
+        if not KL_FN.get(self.kl_loss_fn).enabled:
             raise ValueError(
                 f"{owner}: kl_loss_fn='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
                 "'none' by 'k2'); use kl_loss_fn_args={'kl_coef': 0.0} to switch the term off"
@@ -266,7 +266,7 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
             kl_term, kl_metrics = self.kl_loss.calculate_kl_loss(policy, ref_logps, mask, agg)
             loss = loss + kl_term
             metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
-        if self.algorithm.entropy_loss_fn != "none":
+        if self.entropy_loss.enabled:
             entropy = outputs.entropy[:, -width:]
             if self.entropy_loss.entropy_coef == 0.0:
                 entropy = entropy.detach()  # metric only: no backward through the entropy

@@ -39,3 +39,13 @@ def pool_metrics(store: MutableMapping[str, list[float]], gather_object: Callabl
             store[key] = values
     for key in [k for k in store if k.startswith(COUNT_PREFIX)]:
         store[key] = [sum(store[key])]
+
+
+def replace_logged_advantages(logged, gather: Callable, advantages, mask) -> None:
+    """Put our advantages into TRL's completions table (``logged``: TRL's deque of this batch's values,
+    every process's), one per row: the value, or the masked mean of ``(B, T)`` advantages."""
+    per_row = advantages if advantages.dim() == 1 else (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+    values = gather(per_row.float()).tolist()
+    for _ in range(min(len(values), len(logged))):  # drop TRL's values of this batch
+        logged.pop()
+    logged.extend(values)

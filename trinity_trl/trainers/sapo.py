@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..algorithms import POLICY_LOSS_FN
+from ..algorithms.policy_loss.sapo import SAPOPolicyLossFn
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
 
@@ -42,7 +44,7 @@ class SAPOConfig(TrinityConfig):
     def _user_overrides(self) -> dict[str, Any]:
         if self.sapo_form not in SAPO_FORMS:
             raise ValueError(f"sapo_form must be one of {SAPO_FORMS}, got {self.sapo_form!r}")
-        if self._policy_loss_name() != "sapo":
+        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
             raise ValueError(f"SAPOConfig needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
         return {"policy_loss_fn_args": {"form": self.sapo_form}}
 

@@ -24,11 +24,11 @@ from trl import GRPOTrainer
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
 from .checkpoint import load_generation_buffer, load_trainer_state, save_generation_buffer, save_trainer_state
-from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor
+from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer
-from .metrics import append_metrics, pool_metrics
+from .metrics import append_metrics, pool_metrics, replace_logged_advantages
 from .trl_seams import captured_return, temporarily
 
 
@@ -69,7 +69,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
                              for f, name in zip(self.reward_funcs, self.reward_func_names)]
         if self.rollout_func is not None:
             self.rollout_func = checks.checked_rollout_func(self.rollout_func)
-        self.teacher_model = self._prepare_teacher(teacher_model) if teacher_model is not None else None
+        self.teacher_model = None if teacher_model is None else prepare_teacher(
+            teacher_model, self.accelerator, self.model.dtype, self.temperature)
         self.generation = TRLGeneration(self)
         self.loss_normalizer = LossNormalizer(args.loss_normalization, self.accelerator.num_processes,
                                               args.steps_per_generation)
@@ -142,17 +143,6 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         self._generation_count = state["generation_count"]
         self._step = state.get("micro_step", self._step)
 
-    def _prepare_teacher(self, teacher_model: Any):
-        """The teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation."""
-        from transformers import AutoModelForCausalLM
-        from trl.trainer.utils import add_fused_lm_head
-
-        if isinstance(teacher_model, str):
-            teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=self.model.dtype)
-        teacher_model.eval().requires_grad_(False)
-        add_fused_lm_head(teacher_model, temperature=self.temperature, outputs=("log_probs", "entropy"))
-        return self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
-
     # ------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
         if self.requires_prompt and self.environment_factories is None:
@@ -181,14 +171,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
     def _show_advantages_in_completions_table(self, advantages: torch.Tensor, mask: torch.Tensor) -> None:
         """TRL's completions table (``log_completions``) recorded TRL's advantages; show ours instead."""
-        logged = self._logs.get("advantages") if self.log_completions else None  # a config value: same on every rank
-        if logged is None:
-            return
-        per_row = advantages if advantages.dim() == 1 else (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
-        values = self.accelerator.gather(per_row.float()).tolist()
-        for _ in range(min(len(values), len(logged))):  # a deque: drop TRL's values of this batch
-            logged.pop()
-        logged.extend(values)
+        if self.log_completions:  # a config value: every rank takes part in the gather alike
+            replace_logged_advantages(self._logs["advantages"], self.accelerator.gather, advantages, mask)
 
     @torch.no_grad()
     def _forward_logps(self, model, rows: dict) -> torch.Tensor:
