@@ -11,6 +11,8 @@ import pytest
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
 
+from .support import MY_KEYS, build
+
 _KL = {"adaptive": False, "kl_coef": 0.001}
 _ENTROPY = {"entropy_coef": 0.0}
 
@@ -72,3 +74,34 @@ def test_default_args_are_pinned(registry, name, expected):
     got = registry.get(name).default_args()
     assert got == expected
     assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in expected.items()}
+
+
+def test_default_args_match_spec():
+    assert POLICY_LOSS_FN.get("gspo").default_args() == {
+        "clip_range_low": 0.0003, "clip_range_high": 0.0004, "loss_agg_mode": "seq-mean-token-mean"
+    }  # fmt: skip
+    assert POLICY_LOSS_FN.get("cispo").default_args() == {
+        "clip_range_low": 1.0, "clip_range_high": 0.28, "enable_mask_clip": False,
+        "mask_clip_range_low": 1.0, "mask_clip_range_high": 0.28, "loss_agg_mode": "token-mean",
+    }  # fmt: skip
+    assert POLICY_LOSS_FN.get("sapo").default_args() == {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"}
+    assert POLICY_LOSS_FN.get("topr").default_args() == {"advantage_threshold": 0.0, "loss_agg_mode": "token-mean"}
+    assert POLICY_LOSS_FN.get("sppo").default_args() == {"epsilon": 0.3, "loss_agg_mode": "token-mean"}
+    assert POLICY_LOSS_FN.get("opmd").default_args() == {"tau": 1.0, "loss_agg_mode": "token-mean"}
+    assert POLICY_LOSS_FN.get("sft_phi").default_args() == {"loss_agg_mode": "token-mean", "cutoff_prob": 1.0}
+    assert POLICY_LOSS_FN.get("dpo").default_args() == {"beta": 0.1, "label_smoothing": 0.0}
+    for key in ("importance_sampling", "sft", "sft_is"):
+        assert POLICY_LOSS_FN.get(key).default_args() == {"loss_agg_mode": "token-mean"}
+
+
+def test_constructor_defaults_equal_default_args_except_gspo(policy_data):
+    four_rows = {k: v[:4] for k, v in policy_data.items()}  # DPO needs whole pairs
+    for key in MY_KEYS:
+        if key == "gspo":
+            continue
+        cls = POLICY_LOSS_FN.get(key)
+        assert cls()(**four_rows)[0].item() == build(key)(**four_rows)[0].item(), key
+    # GSPO's constructor has no clip range at all (spec §2)
+    with pytest.raises(ValueError, match="clip range is unresolved"):
+        POLICY_LOSS_FN.get("gspo")()
+    assert POLICY_LOSS_FN.get("gspo")(clip_range=0.2).clip_range_low == 0.2

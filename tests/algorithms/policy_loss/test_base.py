@@ -1,0 +1,122 @@
+"""What every policy loss inherits from ``PolicyLossFn`` (spec §0.5): input names and ``select_keys``,
+sequence advantages, NaN/inf in padding, all-zero masks, the backend argument."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trinity_trl.algorithms import POLICY_LOSS_FN
+
+from ..support import MY_KEYS, SCHEDULE, build, small_data
+
+
+INPUTS = {
+    "opmd": ("action_mask", "advantages"),
+    "sft": ("action_mask",),
+    "sft_is": ("action_mask",),
+    "sft_phi": ("action_mask",),
+    "dpo": ("ref_logprob", "action_mask"),
+}
+
+
+@pytest.mark.parametrize("key", MY_KEYS)
+def test_inputs_and_select_keys(key):
+    cls = POLICY_LOSS_FN.get(key)
+    expected = INPUTS.get(key, ("old_logprob", "action_mask", "advantages"))
+    assert tuple(cls.inputs) == expected
+    trl_names = {
+        "old_logprob": "old_per_token_logps", "ref_logprob": "ref_per_token_logps", "action_mask": "completion_mask"
+    }  # fmt: skip
+    verl_names = {"old_logprob": "old_log_probs", "ref_logprob": "ref_log_prob", "action_mask": "response_mask"}
+    assert build(key, backend="trl").select_keys == [trl_names.get(k, k) for k in expected]
+    assert build(key, backend="verl").select_keys == [verl_names.get(k, k) for k in expected]
+
+
+@pytest.mark.parametrize("key", MY_KEYS)
+def test_verl_and_trl_names_give_the_same_result(policy_data, key):
+    fn = build(key, allow_odd_rows=True) if key == "dpo" else build(key)
+    d = policy_data
+    internal = fn(**d)
+    verl = fn(
+        log_prob=d["logprob"], old_log_probs=d["old_logprob"], ref_log_prob=d["ref_logprob"],
+        response_mask=d["action_mask"], advantages=d["advantages"], unrelated_key=object(),
+    )  # fmt: skip
+    trl = fn(
+        per_token_logps=d["logprob"], old_per_token_logps=d["old_logprob"], ref_per_token_logps=d["ref_logprob"],
+        completion_mask=d["action_mask"], advantages=d["advantages"], prompt_ids=torch.zeros(5, 3), num_items=7,
+    )  # fmt: skip
+    for other in (verl, trl):
+        assert other[0].item() == internal[0].item()
+        assert other[1] == internal[1]
+
+
+@pytest.mark.parametrize("key", ["gspo", "cispo", "sapo", "topr", "sppo", "importance_sampling", "opmd"])
+def test_sequence_advantages_are_broadcast(policy_data, key):
+    seq_adv = torch.linspace(-1.0, 1.0, 5)
+    fn = build(key)
+    a = fn(**{**policy_data, "advantages": seq_adv})
+    b = fn(**{**policy_data, "advantages": seq_adv[:, None].expand(5, 20).clone()})
+    assert a[0].item() == pytest.approx(b[0].item(), abs=1e-7)
+
+
+@pytest.mark.parametrize("key", MY_KEYS)
+def test_nan_in_padding_leaks_nowhere(key):
+    data = small_data()
+    pad = ~data["action_mask"]
+    for name in ("logprob", "old_logprob", "ref_logprob", "advantages"):
+        data[name] = data[name].masked_fill(pad, float("nan"))
+    fn = build(key, clip_range_low=0.2, clip_range_high=0.2) if key == "gspo" else build(key)
+    logprob = data.pop("logprob").requires_grad_(True)
+    loss, metrics = fn(logprob=logprob, **data)
+    (grad,) = torch.autograd.grad(loss, logprob)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+    assert torch.isfinite(grad).all() and (grad[pad] == 0).all()
+
+
+@pytest.mark.parametrize("key", MY_KEYS)
+def test_unknown_backend(key):
+    with pytest.raises(ValueError, match="Unknown backend 'torch'"):
+        build(key, backend="torch")
+
+
+CASES = [
+    ("rec", dict(clip_mode="ring", weight="truncated_importance_sampling", regularizer="k2", regularizer_coef=0.1), {}),
+    ("rec", dict(clip_mode="gspo-one-side", weight="gspo_importance_sampling", fix_opd_advantage=True), {}),
+    ("mix", {}, {}),
+    ("mix_chord", SCHEDULE, {"step": [300] * 5}),
+]
+
+
+@pytest.mark.parametrize("key, overrides, extra", CASES)
+def test_nan_in_masked_positions_is_ignored(policy_data, key, overrides, extra):
+    fn = build(key, **overrides)
+    pad = ~policy_data["action_mask"]
+
+    def run(data):
+        data = dict(data, **extra)
+        logprob = data.pop("logprob").clone().requires_grad_(True)
+        loss, metrics = fn(logprob=logprob, **data)
+        loss.backward()
+        return loss, metrics, logprob.grad
+
+    dirty = dict(policy_data)
+    for name, bad in (("logprob", math.nan), ("old_logprob", math.inf), ("advantages", math.nan)):
+        dirty[name] = policy_data[name].masked_fill(pad, bad)
+    clean_loss, clean_metrics, clean_grad = run(policy_data)
+    loss, metrics, grad = run(dirty)
+    assert loss.item() == pytest.approx(clean_loss.item(), abs=1e-7)
+    assert metrics == pytest.approx(clean_metrics, abs=1e-7)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, clean_grad)
+
+
+@pytest.mark.parametrize("key, overrides, extra", CASES)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_all_zero_mask_gives_zero(policy_data, key, overrides, extra, mode):
+    data = dict(policy_data, action_mask=torch.zeros(5, 20, dtype=torch.bool), **extra)
+    loss, metrics = build(key, **{**overrides, "loss_agg_mode": mode})(**data)
+    assert loss.item() == 0.0
+    assert all(math.isfinite(v) for v in metrics.values())
