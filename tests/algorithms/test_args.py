@@ -1,4 +1,5 @@
-"""``default_args()`` of every registered component, pinned (spec §0.4, §1-§12).
+"""``default_args()`` of every registered component, pinned (spec §0.4, §1-§12), and the rule that
+derives it from the constructor signature (``args.py``).
 
 The dicts below were taken from the hand-written ``default_args()`` methods before they were derived
 from the constructor signatures; the derivation must reproduce them value for value, including
@@ -7,9 +8,14 @@ the Python type of every value (``epsilon_high_prime`` is the int ``2``, as in t
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
+from trinity_trl.algorithms.advantage import GroupAdvantageFn
+from trinity_trl.algorithms.args import constructor_defaults
+from trinity_trl.algorithms.policy_loss import PolicyLossFn
 
 from .support import MY_KEYS, build
 
@@ -105,3 +111,52 @@ def test_constructor_defaults_equal_default_args_except_gspo(policy_data):
     with pytest.raises(ValueError, match="clip range is unresolved"):
         POLICY_LOSS_FN.get("gspo")()
     assert POLICY_LOSS_FN.get("gspo")(clip_range=0.2).clip_range_low == 0.2
+
+
+# ---------------------------------------------------------------- the derivation rule (args.py)
+
+
+def test_default_args_follow_the_signature_and_preset_defaults():
+    class Loss(PolicyLossFn):
+        preset_defaults = {"clip": 0.2}
+
+        def __init__(self, backend="trl", clip=None, unset=None, required_coef=None, scale=1.5, *, extension=True):
+            super().__init__(backend)
+
+    # backend, None defaults and keyword-only parameters are left out; preset_defaults win
+    assert Loss.default_args() == {"clip": 0.2, "scale": 1.5}
+    assert constructor_defaults(Loss) == {"clip": None, "unset": None, "required_coef": None, "scale": 1.5,
+                                          "extension": True}
+
+    class Advantage(GroupAdvantageFn):
+        def __init__(self, threshold=None, eps=1e-6, required=1):
+            pass
+
+        def process(self, experiences):
+            return experiences, {}
+
+    # advantage functions keep None defaults (their constructor is their default args)
+    assert Advantage.default_args() == {"threshold": None, "eps": 1e-6, "required": 1}
+
+
+def test_required_arguments_appear_only_through_preset_defaults():
+    entropy = ENTROPY_LOSS_FN.get("default")
+    assert inspect.signature(entropy).parameters["entropy_coef"].default is inspect.Parameter.empty
+    assert entropy.preset_defaults == {"entropy_coef": 0.0}
+
+
+def test_preset_defaults_must_name_a_constructor_parameter():
+    with pytest.raises(TypeError, match=r"preset_defaults names \['clip_rang'\]"):
+        class Typo(PolicyLossFn):  # noqa: F841
+            preset_defaults = {"clip_rang": 0.2}
+
+            def __init__(self, backend="trl", clip_range=None):
+                super().__init__(backend)
+
+
+def test_trinity_trl_options_are_keyword_only_and_not_preset_args():
+    for key, option in (("sapo", "form"), ("dpo", "allow_odd_rows")):
+        cls = POLICY_LOSS_FN.get(key)
+        assert inspect.signature(cls).parameters[option].kind is inspect.Parameter.KEYWORD_ONLY
+        assert option in constructor_defaults(cls) and option not in cls.default_args()
+

@@ -11,12 +11,13 @@ from typing import Any, ClassVar, MutableMapping
 
 import torch
 
+from .args import ComponentArgs
 from .inputs import resolve_inputs
 from .masked import agg_loss, masked_fill_invalid, masked_mean
 from .registry import Registry
 
 
-class KLFn:
+class KLFn(ComponentArgs):
     """Base of the KL estimators: ``calculate_kl`` per token, plus the loss and penalty wrappers.
 
     ``kl_coef`` (β) scales both uses. With ``adaptive=True`` the penalty updates β after every
@@ -46,10 +47,6 @@ class KLFn:
     @property
     def _owner(self) -> str:
         return f"KL function {getattr(self, 'name', type(self).__name__)!r}"
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"adaptive": False, "kl_coef": 0.001}
 
     def calculate_kl(
         self, logprob: torch.Tensor, ref_logprob: torch.Tensor, old_logprob: torch.Tensor | None = None

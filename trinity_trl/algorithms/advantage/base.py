@@ -6,14 +6,21 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..args import ComponentArgs
 from ..experience import Experience
 from ..inputs import INPUT_ALIASES
 from ..registry import Registry
 
 
-class AdvantageFn:
+class AdvantageFn(ComponentArgs):
     """Common interface: ``default_args()``, ``compute_in_trainer()`` and what a trainer must
-    provide (the ``needs_*`` flags), so trainers never compare registry names."""
+    provide (the ``needs_*`` flags), so trainers never compare registry names.
+
+    ``default_args()`` is derived from the constructor signature and, unlike the losses', lists
+    ``None``-default arguments too (spec §12: the constructor is the default args).
+    """
+
+    omit_none_defaults = False
 
     name: ClassVar[str]
     # batch inputs beyond token-level rewards and the response mask
@@ -25,10 +32,6 @@ class AdvantageFn:
     whitens: ClassVar[bool] = False
     # scores whole runs and broadcasts the score to each of the run's steps (multi-step agents)
     step_wise: ClassVar[bool] = False
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {}
 
     @classmethod
     def compute_in_trainer(cls) -> bool:

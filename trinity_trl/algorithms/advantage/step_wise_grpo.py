@@ -49,10 +49,6 @@ class StepWiseGRPOAdvantage(GroupAdvantageFn):
         self.std_cal_level = check_choice("std_cal_level", std_cal_level, STEP_WISE_STD_CAL_LEVELS)
         self.std_threshold = None if std_threshold is None else float(std_threshold)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 1e-6, "enable_step_norm": False, "std_threshold": None, "std_cal_level": "group"}
-
     def calculate_last_step_advantage(
         self, last_steps: dict[str, Experience], batch_std: torch.Tensor | None = None
     ) -> tuple[dict[str, float], dict[str, float], bool]:

@@ -25,12 +25,14 @@ class GSPOPolicyLossFn(PolicyLossFn):
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``.
 
     The constructor has no default clip range (an unresolved bound raises ``ValueError``);
-    :meth:`default_args` gives the paper's tiny range 3e-4 / 4e-4. GSPO is defined with
+    a preset (``preset_defaults``) gives the paper's tiny range 3e-4 / 4e-4. GSPO is defined with
     ``seq-mean-token-mean``; another mode is allowed but logged as a warning.
 
     Metrics: ``pg_clipfrac``, ``ppo_kl`` (token-level, ``MMEAN(ℓo − ℓ)``), ``pg_loss`` and
     ``ppo_kl_seq`` (mean over rows of ``−ρ_b``).
     """
+
+    preset_defaults = {"clip_range_low": 0.0003, "clip_range_high": 0.0004}
 
     def __init__(
         self,
@@ -54,10 +56,6 @@ class GSPOPolicyLossFn(PolicyLossFn):
     @property
     def sequence_level(self) -> bool:
         return True  # one ratio per row
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"clip_range_low": 0.0003, "clip_range_high": 0.0004, "loss_agg_mode": "seq-mean-token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

@@ -41,6 +41,7 @@ class SAPOPolicyLossFn(PolicyLossFn):
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
         loss_agg_mode: str = "token-mean",
+        *,
         form: str = "trinity",
         backend: str = "trl",
     ):
@@ -54,10 +55,6 @@ class SAPOPolicyLossFn(PolicyLossFn):
         if form not in SAPO_FORMS:
             raise ValueError(f"sapo: unknown form {form!r}; allowed: {', '.join(SAPO_FORMS)}")
         self.form = form
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

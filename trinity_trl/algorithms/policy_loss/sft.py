@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -64,10 +63,6 @@ class SFTPhiLossFn(PolicyLossFn):
         if not 0.0 < cutoff_prob <= 1.0:
             raise ValueError(f"sft_phi: cutoff_prob must be in (0, 1], got {cutoff_prob}")
         self.cutoff_prob = float(cutoff_prob)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean", "cutoff_prob": 1.0}
 
     def compute(self, logprob, action_mask, **_):
         weight = phi_function(torch.exp(logprob)).detach()

@@ -28,10 +28,6 @@ class SPPOPolicyLossFn(PolicyLossFn):
         self.epsilon = float(epsilon)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 0.3, "loss_agg_mode": "token-mean"}
-
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob

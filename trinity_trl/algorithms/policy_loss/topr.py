@@ -33,10 +33,6 @@ class TOPRPolicyLossFn(PolicyLossFn):
         # which branch a token takes depends on A itself unless the threshold is 0 (sign only)
         return self.advantage_threshold == 0.0
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"advantage_threshold": 0.0, "loss_agg_mode": "token-mean"}
-
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         ratio = torch.exp(logprob - old_logprob).detach()
