@@ -160,3 +160,14 @@ def test_trinity_trl_options_are_keyword_only_and_not_preset_args():
         assert inspect.signature(cls).parameters[option].kind is inspect.Parameter.KEYWORD_ONLY
         assert option in constructor_defaults(cls) and option not in cls.default_args()
 
+
+@pytest.mark.parametrize("registry, name, expected", PINNED, ids=[f"{r.kind}:{n}" for r, n, _ in PINNED])
+def test_default_args_differ_from_constructor_only_where_declared(registry, name, expected):
+    """Every default_args() value is the constructor's default unless ``preset_defaults`` says otherwise."""
+    cls = registry.get(name)
+    defaults = constructor_defaults(cls)
+    for key, value in cls.default_args().items():
+        if key in cls.preset_defaults:
+            assert cls.preset_defaults[key] == value
+        else:
+            assert defaults[key] == value, key

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, mu_schedule_function
+from trinity_trl.algorithms.args import constructor_defaults
+from trinity_trl.algorithms.policy_loss import BatchGeometry, CHORDPolicyLossFn
 
 from ..support import DYN, SCHEDULE, as_double, build, check
 
@@ -59,7 +61,7 @@ def test_chord_step_as_list_and_keys(policy_data):
     assert type(build("mix_chord", enable_phi_function=False).sft_loss_fn) is POLICY_LOSS_FN.get("sft")
 
 
-@pytest.mark.parametrize("step", [[1, 1, 2, 1, 1], [1] * 4, torch.ones(5, 1, dtype=torch.int32), 3])
+@pytest.mark.parametrize("step", [[1, 1, 2, 1, 1], [1] * 4, torch.ones(5, 1, dtype=torch.int32), -1, 2.5, True])
 def test_chord_rejects_bad_step(policy_data, step):
     with pytest.raises(ValueError, match="step"):
         build("mix_chord")(**policy_data, step=step)
@@ -95,3 +97,28 @@ def test_chord_phi_gradient_on_expert_rows(policy_data):
     # μ · n_e·w_e · (−φ(p)·m / Σ m over expert rows)
     expected = 0.1 * 3 * (-p * (1 - p) * mask)[expert] / mask[expert].sum()
     torch.testing.assert_close(logprob.grad[expert], expected)
+
+
+# ---------------------------------------------------------------- the global step as an int, explicit weights
+
+
+@pytest.mark.parametrize("overrides, step, loss, metrics", CHORD_CASES)
+def test_chord_reference_values_with_an_int_step(policy_data, overrides, step, loss, metrics):
+    """A trainer passes the global step as a plain int; the numbers are those of the (B,) form."""
+    check(build("mix_chord", **overrides)(**policy_data, step=step), loss, {**metrics, "loss": loss})
+
+
+def test_chord_dynamic_reference_value_with_explicit_weights(policy_data):
+    w_usual, w_expert = BatchGeometry(**DYN).sample_weights(rows=5)
+    fn = build("mix_chord", usual_sample_weight=w_usual, expert_sample_weight=w_expert)
+    check(fn(**policy_data, step=0), 0.3146718442440033,
+          {"usual/pg_loss": 0.17303027212619781, "expert/sft_phi_loss": 1.5894461274147034, "loss": 0.3146718442440033})
+
+
+def test_mu_schedule_defaults_are_read_from_the_signature():
+    expected = {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1, "enable_phi_function": True}
+    assert CHORDPolicyLossFn.mu_schedule_defaults() == expected
+    defaults = constructor_defaults(POLICY_LOSS_FN.get("mix_chord"))
+    assert {k: defaults[k] for k in expected} == expected
+    assert {k: v for k, v in CHORDPolicyLossFn.default_args().items() if k in expected} == expected
+    assert CHORDPolicyLossFn.mu_schedule_defaults() is not CHORDPolicyLossFn.mu_schedule_defaults()
