@@ -3,14 +3,16 @@ sequence advantages, NaN/inf in padding, all-zero masks, the backend argument.""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
 from trinity_trl.algorithms import POLICY_LOSS_FN
+from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn
 
-from ..support import MY_KEYS, SCHEDULE, build, small_data
+from ..support import MY_KEYS, POLICY_KEYS, SCHEDULE, build, small_data
 
 
 INPUTS = {
@@ -120,3 +122,28 @@ def test_all_zero_mask_gives_zero(policy_data, key, overrides, extra, mode):
     loss, metrics = build(key, **{**overrides, "loss_agg_mode": mode})(**data)
     assert loss.item() == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+# ---------------------------------------------------------------- backend: first positional parameter, as in Trinity
+
+
+@pytest.mark.parametrize("key", POLICY_KEYS)
+def test_backend_is_the_first_parameter_positionally_or_by_keyword(key):
+    cls = POLICY_LOSS_FN.get(key)
+    parameters = list(inspect.signature(cls).parameters.values())
+    assert parameters[0].name == "backend" and parameters[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert parameters[0].default == "trl"
+    args = cls.default_args()
+    positional, keyword = cls("verl", **args), cls(backend="verl", **args)
+    assert positional.backend == keyword.backend == "verl"
+    assert positional.select_keys == keyword.select_keys == build(key, backend="verl").select_keys
+
+
+def test_seed_style_positional_backend():
+    fn = PPOPolicyLossFn("verl", clip_range=0.2)
+    assert (fn.backend, fn.clip_range_low, fn.clip_range_high) == ("verl", 0.2, 0.2)
+    assert fn.select_keys == ["old_log_probs", "response_mask", "advantages"]
+    assert PPOPolicyLossFn(backend="verl", clip_range=0.2).select_keys == fn.select_keys
+    # Trinity's positional order after backend (spec §1): clip_range, clip_range_low, clip_range_high, clip_ratio_c
+    fn = PPOPolicyLossFn("trl", 0.2, 0.1, 0.3, 2.0)
+    assert (fn.clip_range_low, fn.clip_range_high, fn.clip_ratio_c) == (0.1, 0.3, 2.0)

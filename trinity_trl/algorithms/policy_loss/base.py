@@ -117,7 +117,7 @@ class PolicyLossFn(ComponentArgs):
 class AggregatedLossFn(PolicyLossFn):
     """A policy loss whose only option is how token losses are aggregated (spec §0.3)."""
 
-    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 

@@ -39,13 +39,13 @@ class CISPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range_low: float = 1.0,
         clip_range_high: float = 0.28,
         enable_mask_clip: bool = False,
         mask_clip_range_low: float = 1.0,
         mask_clip_range_high: float = 0.28,
         loss_agg_mode: str = "token-mean",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         # a ratio is positive, so a lower bound below 0 (range_low > 1) would mean nothing

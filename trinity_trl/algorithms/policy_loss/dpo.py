@@ -40,7 +40,7 @@ class DPOLossFn(PolicyLossFn):
     inputs = ("ref_logprob", "action_mask")
 
     def __init__(
-        self, beta: float = 0.1, label_smoothing: float = 0.0, backend: str = "trl", *, allow_odd_rows: bool = False
+        self, backend: str = "trl", beta: float = 0.1, label_smoothing: float = 0.0, *, allow_odd_rows: bool = False
     ):
         super().__init__(backend)
         if not beta > 0:

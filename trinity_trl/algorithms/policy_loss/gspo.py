@@ -36,11 +36,11 @@ class GSPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range: float | None = None,
         clip_range_low: float | None = None,
         clip_range_high: float | None = None,
         loss_agg_mode: str = "seq-mean-token-mean",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.clip_range_low, self.clip_range_high = resolve_clip_range(

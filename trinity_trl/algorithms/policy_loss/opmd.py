@@ -21,7 +21,7 @@ class OPMDPolicyLossFn(PolicyLossFn):
 
     inputs = ("action_mask", "advantages")
 
-    def __init__(self, tau: float = 1.0, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", tau: float = 1.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         if not (math.isfinite(tau) and tau >= 0):
             raise ValueError(f"opmd: tau must be a finite number >= 0, got {tau}")

@@ -43,6 +43,7 @@ class PPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range: float | None = None,
         clip_range_low: float | None = None,
         clip_range_high: float | None = None,
@@ -55,7 +56,6 @@ class PPOPolicyLossFn(PolicyLossFn):
         truncate_adv_neg_is: bool = False,
         truncate_is_range_low: float = 0.0,
         truncate_is_range_high: float = 2.0,
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.clip_range_low, self.clip_range_high = resolve_clip_range(clip_range, clip_range_low, clip_range_high, "ppo")

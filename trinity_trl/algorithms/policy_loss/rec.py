@@ -37,6 +37,7 @@ class RECPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
         epsilon_low_prime: float = 0.4,
@@ -48,7 +49,6 @@ class RECPolicyLossFn(PolicyLossFn):
         temp: float = 1.0,
         loss_agg_mode: str = "token-mean",
         fix_opd_advantage: bool = False,
-        backend: str = "trl",
     ):
         super().__init__(backend)
         for name, value, low_le_one in (

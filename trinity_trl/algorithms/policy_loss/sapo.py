@@ -38,12 +38,12 @@ class SAPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
         loss_agg_mode: str = "token-mean",
         *,
         form: str = "trinity",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.tau_pos, self.tau_neg = float(tau_pos), float(tau_neg)

@@ -57,7 +57,7 @@ class SFTPhiLossFn(PolicyLossFn):
 
     inputs = ("action_mask",)
 
-    def __init__(self, loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0, backend: str = "trl"):
+    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0):
         super().__init__(backend)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         if not 0.0 < cutoff_prob <= 1.0:

@@ -21,7 +21,7 @@ class SPPOPolicyLossFn(PolicyLossFn):
     Metrics: ``pg_clipfrac = MMEAN(1 − in)``, ``pg_loss``.
     """
 
-    def __init__(self, epsilon: float = 0.3, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", epsilon: float = 0.3, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         if not epsilon > 0:
             raise ValueError(f"sppo: epsilon must be > 0, got {epsilon}")
