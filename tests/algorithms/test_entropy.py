@@ -64,3 +64,13 @@ def test_entropy_nan_safe_and_empty(kl_data, key, mode):
     if key == "mix":
         loss, grad = run(kl_data["entropy"].masked_fill(~mask, math.nan), mask, torch.ones(4, dtype=torch.bool))
         assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("key, enabled, needs_expert_mask", [("default", True, False), ("mix", True, True),
+                                                             ("none", False, False)])
+def test_declared_flags(key, enabled, needs_expert_mask):
+    cls = ENTROPY_LOSS_FN.get(key)
+    fn = cls(**cls.default_args())
+    assert cls.enabled is fn.enabled is enabled
+    assert cls.needs_expert_mask is fn.needs_expert_mask is needs_expert_mask
+    assert sorted(ENTROPY_LOSS_FN.names()) == ["default", "mix", "none"]

@@ -202,3 +202,10 @@ def test_adaptive_kl_through_penalty_and_state_dict(kl_data):
     assert restored.kl_coef == fn.kl_coef
     with pytest.raises(ValueError):
         restored.load_state_dict({})
+
+
+@pytest.mark.parametrize("key", ["none", *ESTIMATORS])
+def test_enabled_flag(key):
+    """Only ``none`` is disabled: a trainer skips the term (and needs no reference model for it)."""
+    cls = KL_FN.get(key)
+    assert cls.enabled is cls(**cls.default_args()).enabled is (key != "none")

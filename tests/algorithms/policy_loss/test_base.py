@@ -1,5 +1,6 @@
 """What every policy loss inherits from ``PolicyLossFn`` (spec §0.5): input names and ``select_keys``,
-sequence advantages, NaN/inf in padding, all-zero masks, the backend argument."""
+sequence advantages, NaN/inf in padding, all-zero masks, the backend argument, and the properties a
+loss declares to a trainer (also for a loss registered from outside the package)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import pytest
 import torch
 
-from trinity_trl.algorithms import POLICY_LOSS_FN
+from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss, resolve_algorithm_config
+from trinity_trl.algorithms.policy_loss import PolicyLossFn
 from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn
 
 from ..support import MY_KEYS, POLICY_KEYS, SCHEDULE, build, small_data
@@ -147,3 +149,106 @@ def test_seed_style_positional_backend():
     # Trinity's positional order after backend (spec §1): clip_range, clip_range_low, clip_range_high, clip_ratio_c
     fn = PPOPolicyLossFn("trl", 0.2, 0.1, 0.3, 2.0)
     assert (fn.clip_range_low, fn.clip_range_high, fn.clip_ratio_c) == (0.1, 0.3, 2.0)
+
+
+# ---------------------------------------------------------------- what a loss declares to a trainer
+
+PROPERTIES = ("reads_advantages", "needs_old_logprob", "needs_ref_logprob", "needs_expert_rows", "needs_step",
+              "linear_in_advantage", "sequence_level")
+_RL = (True, True, False, False, False, True, False)  # a clipped / weighted policy gradient on rollouts
+_SFT = (False, False, False, False, False, False, False)
+DECLARED = {
+    # key: reads_adv, old, ref, expert, step, linear, sequence-level (built from default_args())
+    "ppo": _RL, "cispo": _RL, "sapo": _RL, "topr": _RL, "sppo": _RL, "rec": _RL, "importance_sampling": _RL,
+    "gspo": (True, True, False, False, False, True, True),
+    "opmd": (True, False, False, False, False, True, False),
+    "sft": _SFT, "sft_is": _SFT, "sft_phi": _SFT,
+    "dpo": (False, False, True, False, False, False, False),
+    "mix": (True, True, False, True, False, True, False),
+    "mix_chord": (True, True, False, True, True, True, False),
+}  # fmt: skip
+
+
+def declared(fn) -> tuple[bool, ...]:
+    values = tuple(getattr(fn, name) for name in PROPERTIES)
+    assert all(type(v) is bool for v in values)
+    return values
+
+
+def test_every_registered_loss_has_declared_properties():
+    assert sorted(DECLARED) == sorted(POLICY_LOSS_FN.names())
+
+
+@pytest.mark.parametrize("key", sorted(DECLARED))
+def test_declared_properties_with_default_args(key):
+    assert dict(zip(PROPERTIES, declared(build(key)))) == dict(zip(PROPERTIES, DECLARED[key]))
+
+
+ARGUMENT_DEPENDENT = [
+    # key, overrides, {property: value}
+    ("rec", {"weight": "advantage"}, {"linear_in_advantage": False, "sequence_level": False}),
+    ("rec", {"regularizer": "k2", "regularizer_coef": 0.1}, {"linear_in_advantage": False}),
+    ("rec", {"regularizer": "forward-kl", "regularizer_coef": 0.1}, {"linear_in_advantage": False}),
+    ("rec", {"fix_opd_advantage": True}, {"linear_in_advantage": False}),
+    ("rec", {"weight": "importance_sampling", "clip_mode": "one-side"}, {"linear_in_advantage": True}),
+    ("rec", {"clip_mode": "gspo-one-side"}, {"sequence_level": True, "linear_in_advantage": True}),
+    ("rec", {"clip_mode": "gspo-one-side", "weight": "gspo_importance_sampling"}, {"sequence_level": True}),
+    ("rec", {"clip_mode": "ring"}, {"sequence_level": False}),
+    ("topr", {"advantage_threshold": 0.1}, {"linear_in_advantage": False}),
+    ("topr", {"advantage_threshold": -0.5}, {"linear_in_advantage": False}),
+    ("topr", {"advantage_threshold": 0.0}, {"linear_in_advantage": True}),
+    ("ppo", {"enable_sequence_masking": True}, {"sequence_level": True, "linear_in_advantage": True}),
+    ("ppo", {"truncate_adv_pos_is": True, "truncate_is_range_low": 0.5}, {"sequence_level": False}),
+    ("gspo", {"loss_agg_mode": "token-mean"}, {"sequence_level": True}),
+    ("mix_chord", {"enable_phi_function": False}, {"needs_step": True, "needs_expert_rows": True}),
+]
+
+
+@pytest.mark.parametrize("key, overrides, expected", ARGUMENT_DEPENDENT)
+def test_declared_properties_that_depend_on_arguments(key, overrides, expected):
+    fn = build(key, **overrides)
+    assert {name: getattr(fn, name) for name in expected} == expected
+    assert all(type(getattr(fn, name)) is bool for name in PROPERTIES)
+
+
+class _RefAnchoredLoss(PolicyLossFn):
+    """A loss defined outside the package: REINFORCE plus ``beta·(ℓ − ℓr)²``, per token."""
+
+    inputs = ("action_mask", "advantages", "ref_logprob")
+
+    def __init__(self, backend: str = "trl", beta: float = 0.5, loss_agg_mode: str = "token-mean"):
+        super().__init__(backend)
+        self.beta, self.loss_agg_mode = beta, loss_agg_mode
+
+    def compute(self, logprob, action_mask, advantages, ref_logprob, **_):
+        token_loss = -advantages * logprob + self.beta * (logprob - ref_logprob) ** 2
+        loss = agg_loss(token_loss, action_mask, self.loss_agg_mode)
+        return loss, {"my_loss": loss.detach()}
+
+
+@pytest.fixture
+def my_loss():
+    cls = POLICY_LOSS_FN.register("my_loss")(_RefAnchoredLoss)
+    yield cls
+    POLICY_LOSS_FN.unregister("my_loss")
+
+
+def test_a_loss_defined_outside_the_package_declares_and_resolves(my_loss, policy_data):
+    fn = my_loss()
+    assert declared(fn) == (True, False, True, False, False, True, False)
+    assert fn.select_keys == ["completion_mask", "advantages", "ref_per_token_logps"]
+    assert my_loss.default_args() == {"beta": 0.5, "loss_agg_mode": "token-mean"}
+
+    cfg = resolve_algorithm_config("grpo", policy_loss_fn="my_loss", kl_loss_fn="none",
+                                   loss_agg_mode="seq-mean-token-mean")
+    assert cfg.policy_loss_fn == "my_loss"
+    assert cfg.policy_loss_fn_args == {"beta": 0.5, "loss_agg_mode": "seq-mean-token-mean"}
+    assert cfg.needs_reference  # the loss reads reference log-probs, although no KL term does
+    built = cfg.build_policy_loss()
+    assert type(built) is my_loss and built.loss_agg_mode == "seq-mean-token-mean"
+    loss, metrics = built(**policy_data)
+    assert metrics["my_loss"] == pytest.approx(loss.item()) and math.isfinite(loss.item())
+
+
+def test_the_custom_loss_is_gone_after_the_test():
+    assert "my_loss" not in POLICY_LOSS_FN
