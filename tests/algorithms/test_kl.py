@@ -209,3 +209,18 @@ def test_enabled_flag(key):
     """Only ``none`` is disabled: a trainer skips the term (and needs no reference model for it)."""
     cls = KL_FN.get(key)
     assert cls.enabled is cls(**cls.default_args()).enabled is (key != "none")
+
+
+def test_kl_base_is_abstract():
+    from trinity_trl.algorithms.kl import KLFn
+
+    with pytest.raises(TypeError, match="abstract"):
+        KLFn()
+
+    class NoEstimate(KLFn):  # a subclass that forgets calculate_kl cannot be built either
+        pass
+
+    with pytest.raises(TypeError, match="calculate_kl"):
+        NoEstimate()
+    for key in ("none", *ESTIMATORS):
+        KL_FN.get(key)()  # every registered estimator can

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trinity_trl.algorithms.advantage import ADVANTAGE_FN
+from trinity_trl.algorithms.experience import Experience, group_by
 
 from ..conftest import make_step_experiences
 from .group_support import assert_advantage
@@ -88,3 +89,43 @@ def test_step_wise_grpo_needs_last_step_reward():
     exps = make_step_experiences()
     exps[1].reward = None  # a non-last step: fine
     ADVANTAGE_FN.get("step_wise_grpo")()(exps)
+
+
+def test_trinity_class_name_is_importable():
+    from trinity_trl.algorithms import StepWiseGRPOAdvantageFn as from_package
+    from trinity_trl.algorithms.advantage import StepWiseGRPOAdvantageFn as from_family
+    from trinity_trl.algorithms.advantage.step_wise_grpo import StepWiseGRPOAdvantage
+
+    assert from_package is from_family is StepWiseGRPOAdvantage is ADVANTAGE_FN.get("step_wise_grpo")
+
+
+def last_steps_of_task_0():
+    runs = group_by([e for e in make_step_experiences() if e.eid.task == 0], "run")
+    return runs, {rid: steps[-1] for rid, steps in runs.items()}
+
+
+@pytest.mark.parametrize("keyword", ["precomputed_std", "batch_std"])
+def test_calculate_last_step_advantage_takes_the_precomputed_std(keyword):
+    """Trinity's keyword is ``precomputed_std``; ``batch_std`` (the former name here) still works."""
+    fn = ADVANTAGE_FN.get("step_wise_grpo")(std_cal_level="batch")
+    _, last = last_steps_of_task_0()
+    scores, metrics, skip = fn.calculate_last_step_advantage(exps=last, **{keyword: torch.tensor(0.5)})
+    assert list(scores.values()) == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0], abs=1e-6)
+    assert metrics == pytest.approx({"reward_mean": 0.5, "reward_std": 0.5}) and skip is False
+    positional, _, _ = fn.calculate_last_step_advantage(last, torch.tensor(0.5))
+    assert positional == scores
+    with pytest.raises(ValueError, match="precomputed_std or its old name batch_std"):
+        fn.calculate_last_step_advantage(last, precomputed_std=torch.tensor(0.5), batch_std=torch.tensor(0.5))
+
+
+def test_broadcast_advantages_returns_the_runs():
+    fn = ADVANTAGE_FN.get("step_wise_grpo")(enable_step_norm=True)
+    runs, last = last_steps_of_task_0()
+    scores, _, _ = fn.calculate_last_step_advantage(last)
+    returned = fn.broadcast_advantages(runs, scores)
+    assert isinstance(returned, dict) and list(returned) == list(runs)
+    assert all(type(steps) is list and all(isinstance(e, Experience) for e in steps) for steps in returned.values())
+    run_1 = returned[next(rid for rid in returned if rid.endswith("/1"))]
+    assert len(run_1) == 2
+    for exp in run_1:  # updated in place, divided by the run's 2 steps
+        assert_advantage(exp, -0.999998 / 2)

@@ -122,3 +122,11 @@ def test_mu_schedule_defaults_are_read_from_the_signature():
     assert {k: defaults[k] for k in expected} == expected
     assert {k: v for k, v in CHORDPolicyLossFn.default_args().items() if k in expected} == expected
     assert CHORDPolicyLossFn.mu_schedule_defaults() is not CHORDPolicyLossFn.mu_schedule_defaults()
+
+
+def test_trinity_class_name_is_importable():
+    from trinity_trl.algorithms import MIXCHORDPolicyLossFn as from_package
+    from trinity_trl.algorithms.policy_loss import MIXCHORDPolicyLossFn as from_family
+    from trinity_trl.algorithms.policy_loss.chord import MIXCHORDPolicyLossFn as from_module
+
+    assert from_package is from_family is from_module is CHORDPolicyLossFn is POLICY_LOSS_FN.get("mix_chord")

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..args import ComponentArgs
-from ..experience import Experience
+from ..experience import Experience, ExperienceOperator
 from ..inputs import INPUT_ALIASES
 from ..registry import Registry
 
@@ -41,7 +41,7 @@ class AdvantageFn(ComponentArgs):
         return f"{type(self).__name__}({self.__dict__})"
 
 
-class GroupAdvantageFn(AdvantageFn):
+class GroupAdvantageFn(AdvantageFn, ExperienceOperator):
     """Experience operator: ``exps_out, metrics = fn(exps)`` (runs before batching).
 
     Writes ``exp.advantages = score · action_mask`` and ``exp.returns`` in place. Output order is
@@ -61,12 +61,6 @@ class GroupAdvantageFn(AdvantageFn):
     @classmethod
     def compute_in_trainer(cls) -> bool:
         return False
-
-    def __call__(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
-        return self.process(experiences)
-
-    def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
-        raise NotImplementedError
 
 
 class BatchAdvantageFn(AdvantageFn):

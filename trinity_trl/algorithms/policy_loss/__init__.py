@@ -2,7 +2,7 @@
 
 from . import chord, cispo, dpo, gspo, importance_sampling, mix, opmd, ppo, rec, sapo, sft, sppo, topr  # noqa: F401
 from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn
-from .chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn, mu_schedule_function
+from .chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn, MIXCHORDPolicyLossFn, mu_schedule_function
 from .mix import BatchGeometry, ExpertMixLossFn, MIXPolicyLossFn
 from .sft import phi_function
 
@@ -13,6 +13,7 @@ __all__ = [
     "BatchGeometry",
     "CHORDPolicyLossFn",
     "ExpertMixLossFn",
+    "MIXCHORDPolicyLossFn",
     "MIXPolicyLossFn",
     "PolicyLossFn",
     "mu_schedule_function",

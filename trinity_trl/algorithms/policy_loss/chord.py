@@ -150,3 +150,6 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         loss, metrics = self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, mu)
         metrics["mu"] = mu
         return loss, metrics
+
+
+MIXCHORDPolicyLossFn = CHORDPolicyLossFn  # the class's name in Trinity-RFT
