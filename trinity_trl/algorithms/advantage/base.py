@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..args import ComponentArgs
-from ..experience import Experience, ExperienceOperator
-from ..inputs import INPUT_ALIASES
+from ..experience import ExperienceOperator
+from ..inputs import INPUT_ALIASES, pick_input
 from ..registry import Registry
 
 
@@ -83,15 +83,23 @@ class BatchAdvantageFn(AdvantageFn):
 
 
 def batch_get(batch: dict[str, Any], name: str) -> Any:
-    """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent."""
+    """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent, or if two
+    aliases carry different values (as :func:`~..inputs.resolve_inputs`).
+
+    ``token_level_rewards`` falls back to ``token_level_scores``: that is not an alias (the rewards are
+    the scores minus a KL penalty, when there is one), so the rewards win when both are present.
+    """
     if name == "token_level_rewards":
         aliases: tuple[str, ...] = ("token_level_rewards", "token_level_scores")
+        for alias in aliases:
+            if batch.get(alias) is not None:
+                return batch[alias]
     else:
         internal = next((k for k, names in INPUT_ALIASES.items() if name in names), name)
         aliases = INPUT_ALIASES.get(internal, (name,))
-    for alias in aliases:
-        if batch.get(alias) is not None:
-            return batch[alias]
+        found = pick_input(batch, internal, aliases)
+        if found:
+            return found[1]
     raise ValueError(f"The batch has no {name!r} (looked for: {', '.join(aliases)}); present: {', '.join(batch)}")
 
 
