@@ -7,47 +7,9 @@ import math
 import pytest
 import torch
 
-from trinity_trl.algorithms import (
-    ADVANTAGE_FN,
-    ALGORITHM_TYPE,
-    ENTROPY_LOSS_FN,
-    KL_FN,
-    POLICY_LOSS_FN,
-    agg_loss,
-    compute_policy_loss,
-    kl_penalty,
-)
+from trinity_trl.algorithms import ADVANTAGE_FN, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
 
-POLICY_KEYS = ["ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "sft", "sft_is", "sft_phi", "dpo",
-               "importance_sampling", "mix", "mix_chord"]
-KL_KEYS = ["none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3"]
-ENTROPY_KEYS = ["default", "mix", "none"]
-GROUP_ADV_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
-BATCH_ADV_KEYS = ["ppo", "reinforceplusplus", "rloo", "remax", "grpo_verl", "opmd_verl", "asymre_verl", "on_policy_distill"]
-PRESETS = ["sft", "ppo", "grpo", "reinforceplusplus", "rloo", "opmd", "asymre", "dpo", "topr", "cispo", "gspo", "sapo",
-           "mix", "mix_chord", "raft", "sppo", "rec", "multi_step_grpo", "on_policy_distill"]
-
-
-@pytest.mark.parametrize(
-    "registry, expected",
-    [(POLICY_LOSS_FN, POLICY_KEYS), (KL_FN, KL_KEYS), (ENTROPY_LOSS_FN, ENTROPY_KEYS),
-     (ADVANTAGE_FN, GROUP_ADV_KEYS + BATCH_ADV_KEYS), (ALGORITHM_TYPE, PRESETS)],
-)
-def test_registry_lists_exactly_the_spec_keys(registry, expected):
-    assert sorted(registry.names()) == sorted(expected)
-    assert sorted(registry.list()) == sorted(expected)
-    for name in expected:
-        assert name in registry
-
-
-@pytest.mark.parametrize("registry", [POLICY_LOSS_FN, KL_FN, ENTROPY_LOSS_FN, ADVANTAGE_FN, ALGORITHM_TYPE])
-def test_unknown_name_lists_known_names(registry):
-    with pytest.raises(ValueError) as info:
-        registry.get("no_such_component")
-    message = str(info.value)
-    assert "no_such_component" in message
-    for name in registry.names():
-        assert name in message
+from .support import BATCH_ADV_KEYS, GROUP_ADV_KEYS, POLICY_KEYS
 
 
 @pytest.mark.parametrize("registry", [POLICY_LOSS_FN, KL_FN, ENTROPY_LOSS_FN, ADVANTAGE_FN])
@@ -203,54 +165,3 @@ def test_policy_loss_gradcheck_float64(name):
     others = {k: v for k, v in batch.items() if k != "logprob"}
     logprob = batch["logprob"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda lp: fn(logprob=lp, **others)[0], (logprob,), eps=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_agg_loss_modes_by_hand(mode):
-    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    expected = {"token-mean": 7.0 / 3, "seq-mean-token-sum": (3.0 + 4.0) / 2, "seq-mean-token-mean": (1.5 + 4.0) / 2,
-                "seq-mean-token-sum-norm": 7.0 / 3}[mode]
-    assert agg_loss(x, m, mode).item() == pytest.approx(expected, rel=1e-6)
-
-
-def test_agg_loss_float_mask_is_a_weight_and_normalizer():
-    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    w = torch.tensor([[0.5, 1.0], [0.0, 2.0]])
-    assert agg_loss(x, w, "token-mean").item() == pytest.approx((0.5 + 2.0 + 8.0) / 3.5)
-    assert agg_loss(x, w, "seq-mean-token-sum-norm", normalizer=10).item() == pytest.approx(10.5 / 10)
-
-
-def test_agg_loss_empty_rows_and_unknown_mode():
-    x = torch.ones(2, 3)
-    m = torch.tensor([[1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    assert agg_loss(x, m, "seq-mean-token-mean").item() == pytest.approx(0.5)  # empty row counts in B
-    assert agg_loss(x, torch.zeros_like(m), "token-mean").item() == 0.0
-    with pytest.raises(ValueError, match="token-mean"):
-        agg_loss(x, m, "sum")
-
-
-def test_verl_compute_policy_loss_matches_registry_ppo(policy_data):
-    d = policy_data
-    loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-        old_log_prob=d["old_logprob"], log_prob=d["logprob"], advantages=d["advantages"],
-        response_mask=d["action_mask"], cliprange=0.2,
-    )
-    assert loss.item() == pytest.approx(0.26889559626579285, abs=1e-6)
-    assert clipfrac.item() == pytest.approx(0.3541666567325592, abs=1e-6)
-    assert ppo_kl.item() == pytest.approx(-0.21663446724414825, abs=1e-6)
-    assert clipfrac_lower.item() == pytest.approx(0.0625, abs=1e-6)
-    with pytest.raises(ValueError):
-        compute_policy_loss(d["old_logprob"], d["logprob"], d["advantages"], d["action_mask"])  # no clip range
-
-
-def test_verl_kl_penalty_names(kl_data):
-    d = kl_data
-    lp, ref = d["logprob"], d["ref_logprob"]
-    assert torch.allclose(kl_penalty(lp, ref, "kl"), lp - ref)
-    assert torch.allclose(kl_penalty(lp, ref, "k1"), lp - ref)
-    assert torch.allclose(kl_penalty(lp, ref, "mse"), 0.5 * (lp - ref) ** 2)
-    assert torch.allclose(kl_penalty(lp, ref, "abs"), (lp - ref).abs())
-    assert torch.allclose(kl_penalty(lp, ref, "k3"), torch.exp(ref - lp) - 1 - (ref - lp))
-    with pytest.raises(ValueError):
-        kl_penalty(lp, ref, "full")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trinity_trl.algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, resolve_algorithm_config
+from trinity_trl.algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmType, resolve_algorithm_config
 
 # key: (crit, ref, adv@tr, bal, schema, repeat, sample_strategy, policy, advantage, kl_penalty, kl_loss, entropy)
 TABLE = {
@@ -142,3 +142,26 @@ def test_bad_configurations_fail_at_resolution(kwargs, match):
 def test_unknown_algorithm():
     with pytest.raises(ValueError, match="mix_chord"):
         resolve_algorithm_config("chord")
+
+
+@pytest.mark.parametrize("key", list(TABLE))
+def test_preset_flags_are_constants(key):
+    preset = ALGORITHM_TYPE.get(key)
+    for name in ("use_critic", "use_reference", "compute_advantage_in_trainer", "can_balance_batch", "schema",
+                 "default_config"):
+        before = getattr(preset, name)
+        with pytest.raises(AttributeError, match="constant"):
+            setattr(preset, name, True)
+        with pytest.raises(AttributeError, match="constant"):
+            delattr(preset, name)
+        assert getattr(preset, name) == before
+    # the defaults every preset inherits cannot change under them either
+    with pytest.raises(AttributeError, match="constant"):
+        AlgorithmType.use_critic = True
+    assert resolve_algorithm_config(key).use_critic == TABLE[key][0]
+
+
+def test_assigning_a_grpo_flag_raises():
+    with pytest.raises(AttributeError):
+        ALGORITHM_TYPE.get("grpo").use_critic = True
+    assert ALGORITHM_TYPE.get("grpo").use_critic is False

@@ -11,17 +11,20 @@ Registries (name -> class, ``.get(name)``, ``.names()``):
   on_policy_distill)
 * ``ALGORITHM_TYPE``: the 19 presets
 
+Trinity-RFT's class names that differ from ours are importable too: ``MIXCHORDPolicyLossFn`` (the
+``mix_chord`` loss, ``CHORDPolicyLossFn``) and ``StepWiseGRPOAdvantageFn`` (``StepWiseGRPOAdvantage``).
+
 The PPO critic's clipped value loss is ``clipped_value_loss`` (``value_loss.py``).
 
 This package imports only torch and the standard library.
 """
 
-from .advantage import ADVANTAGE_FN
+from .advantage import ADVANTAGE_FN, StepWiseGRPOAdvantageFn
 from .entropy import ENTROPY_LOSS_FN
-from .experience import EID, Experience, gather_metrics, group_by
+from .experience import EID, Experience, ExperienceOperator, gather_metrics, group_by
 from .kl import KL_FN
 from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
-from .policy_loss import POLICY_LOSS_FN, mu_schedule_function, phi_function
+from .policy_loss import POLICY_LOSS_FN, MIXCHORDPolicyLossFn, mu_schedule_function, phi_function
 from .presets import ALGORITHM_TYPE, GLOBAL_DEFAULTS, AlgorithmConfig, AlgorithmType, resolve_algorithm_config
 from .functional import compute_policy_loss, kl_penalty
 from .value_loss import clipped_value_loss
@@ -40,7 +43,10 @@ __all__ = [
     "POLICY_LOSS_FN",
     "EID",
     "Experience",
+    "ExperienceOperator",
     "LOSS_AGG_MODES",
+    "MIXCHORDPolicyLossFn",
+    "StepWiseGRPOAdvantageFn",
     "agg_loss",
     "clipped_value_loss",
     "gather_metrics",

@@ -11,12 +11,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from .args import ComponentArgs
 from .inputs import resolve_inputs
 from .masked import agg_loss, check_loss_agg_mode, masked_fill_invalid
 from .registry import Registry
 
 
-class EntropyLossFn:
+class EntropyLossFn(ComponentArgs):
     """``loss, metrics = fn(entropy, action_mask, expert_mask=None, loss_agg_mode="token-mean")``.
 
     ``entropy``, ``action_mask``: ``(B, T)``; ``expert_mask``: ``(B,)`` bool. Alias names
@@ -29,13 +30,11 @@ class EntropyLossFn:
     needs_expert_mask: ClassVar[bool] = False
     # False for the no-op ``none``: a trainer then does not compute entropies for it
     enabled: ClassVar[bool] = True
+    # required in the constructor, 0.0 (no entropy term) in a preset (spec §11.1)
+    preset_defaults = {"entropy_coef": 0.0}
 
     def __init__(self, entropy_coef: float):
         self.entropy_coef = float(entropy_coef)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"entropy_coef": 0.0}
 
     def __call__(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import secrets
 from collections.abc import Iterable, Mapping
@@ -98,6 +99,23 @@ class Experience:
         else:
             self.advantages = self.action_mask.to(torch.float32) * score
         self.returns = self.advantages.clone()
+
+
+class ExperienceOperator(abc.ABC):
+    """An operation on a list of experiences before they are batched for training (Trinity's
+    experience pipeline; the group advantage functions are such operators).
+
+    ``exps_out, metrics = op.process(exps)``; calling the operator does the same. Subclasses
+    implement :meth:`process`: it may change experiences in place, drop or add some, and reorder
+    them, and returns the experiences to train on with a ``dict[str, float]`` of metrics.
+    """
+
+    @abc.abstractmethod
+    def process(self, exps: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+        """``(experiences to train on, metrics)``."""
+
+    def __call__(self, exps: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+        return self.process(exps)
 
 
 def group_by(experiences: Iterable[Experience], level: str = "task") -> dict[str, list[Experience]]:

@@ -2,7 +2,8 @@
 
 Components use Trinity's internal names. Callers may use the internal names, verl's names or
 TRL's names; :func:`resolve_inputs` maps them. Unknown keys are ignored so a trainer can pass its
-whole batch dict, but passing two different tensors for the same input is an error.
+whole batch dict. One input under several names is fine when the values are equal (the same tensor,
+or equal tensors); different values are an error.
 """
 
 from __future__ import annotations
@@ -56,21 +57,55 @@ def backend_name(internal: str, backend: str) -> str:
     return BACKEND_NAMES[backend].get(internal, internal)
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two values given for one input are equal: the same object, tensors of one shape with
+    equal entries (NaN equals NaN; a bool and a float mask with the same 0/1 entries are equal), or
+    equal plain values."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        try:
+            a, b = torch.as_tensor(a), torch.as_tensor(b)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+        if a.shape != b.shape:
+            return False
+        b = b.to(a.device)
+        equal = a == b
+        if a.is_floating_point() and b.is_floating_point():
+            equal |= torch.isnan(a) & torch.isnan(b)
+        return bool(equal.all())
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. an array, whose == is elementwise
+        return False
+
+
+def pick_input(kwargs: Mapping[str, Any], internal: str, aliases: Iterable[str]) -> tuple[str, Any] | None:
+    """``(alias, value)`` of ``internal`` in ``kwargs`` (the first of ``aliases`` present and not
+    ``None``), or ``None`` if absent. ``ValueError`` when two aliases carry different values."""
+    found = [(alias, kwargs[alias]) for alias in aliases if kwargs.get(alias) is not None]
+    for alias, value in found[1:]:
+        if not same_value(found[0][1], value):
+            raise ValueError(
+                f"Ambiguous input {internal!r}: {found[0][0]} and {alias} carry different values; pass one"
+            )
+    return found[0] if found else None
+
+
 def resolve_inputs(kwargs: Mapping[str, Any], required: Iterable[str], optional: Iterable[str] = ()) -> dict[str, Any]:
     """Pick the inputs a component needs out of ``kwargs``, whatever naming convention it uses.
 
     Returns ``{internal_name: value}`` for every required and every present optional input.
     Raises ``ValueError`` when a required input is missing (or ``None``) or when two aliases of
-    the same input carry different objects.
+    the same input carry different values (equal values, see :func:`same_value`, are fine: the
+    first alias in :data:`INPUT_ALIASES` order is used).
     """
     resolved: dict[str, Any] = {}
     for internal in (*required, *optional):
-        found = [(alias, kwargs[alias]) for alias in INPUT_ALIASES.get(internal, (internal,)) if kwargs.get(alias) is not None]
-        if len({id(v) for _, v in found}) > 1:
-            names = ", ".join(alias for alias, _ in found)
-            raise ValueError(f"Ambiguous input {internal!r}: got several different values under {names}; pass one")
+        found = pick_input(kwargs, internal, INPUT_ALIASES.get(internal, (internal,)))
         if found:
-            resolved[internal] = found[0][1]
+            resolved[internal] = found[1]
         elif internal in required:
             aliases = ", ".join(INPUT_ALIASES.get(internal, (internal,)))
             raise ValueError(f"Missing required input {internal!r} (accepted names: {aliases})")

@@ -7,17 +7,20 @@ registry serves both uses: ``kl_loss_fn`` (a term added to the actor loss) and `
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar, MutableMapping
 
 import torch
 
+from .args import ComponentArgs
 from .inputs import resolve_inputs
 from .masked import agg_loss, masked_fill_invalid, masked_mean
 from .registry import Registry
 
 
-class KLFn:
-    """Base of the KL estimators: ``calculate_kl`` per token, plus the loss and penalty wrappers.
+class KLFn(ComponentArgs, abc.ABC):
+    """Base of the KL estimators: ``calculate_kl`` per token (abstract: every estimator defines it),
+    plus the loss and penalty wrappers.
 
     ``kl_coef`` (β) scales both uses. With ``adaptive=True`` the penalty updates β after every
     batch to steer the observed KL towards ``target_kl`` over ``horizon`` samples
@@ -47,15 +50,11 @@ class KLFn:
     def _owner(self) -> str:
         return f"KL function {getattr(self, 'name', type(self).__name__)!r}"
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"adaptive": False, "kl_coef": 0.001}
-
+    @abc.abstractmethod
     def calculate_kl(
         self, logprob: torch.Tensor, ref_logprob: torch.Tensor, old_logprob: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Per-token KL estimate ``(B, T)``; gradient flows through ``logprob``."""
-        raise NotImplementedError
 
     def calculate_kl_loss(
         self,

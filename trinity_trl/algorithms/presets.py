@@ -41,8 +41,28 @@ COMPONENTS: dict[str, Registry] = {
 SCHEMAS = ("sft", "dpo", "experience")
 
 
-class AlgorithmType:
-    """A preset. Class attributes only; ``ALGORITHM_TYPE.get(name)`` returns the class."""
+class ConstantMeta(type):
+    """Metaclass of the presets: a preset's flags are constants. Once a preset class is set up (the
+    ``_preset`` decorator freezes it), assigning or deleting one of its attributes raises
+    ``AttributeError``, so no code can change, say, ``use_critic`` of every later run of a preset."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if cls.__dict__.get("_frozen", False):
+            raise AttributeError(f"{cls.__name__}.{name} is a constant of the preset and cannot be reassigned")
+        super().__setattr__(name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        if cls.__dict__.get("_frozen", False):
+            raise AttributeError(f"{cls.__name__}.{name} is a constant of the preset and cannot be deleted")
+        super().__delattr__(name)
+
+    def freeze(cls) -> None:
+        type.__setattr__(cls, "_frozen", True)
+
+
+class AlgorithmType(metaclass=ConstantMeta):
+    """A preset. Class attributes only (constants, see :class:`ConstantMeta`); ``ALGORITHM_TYPE.get(name)``
+    returns the class."""
 
     name: ClassVar[str]
     use_critic: ClassVar[bool] = False
@@ -67,6 +87,8 @@ class AlgorithmType:
         """Preset-specific adjustments applied during resolution (in place)."""
 
 
+AlgorithmType.freeze()  # the defaults every preset inherits are constants too
+
 ALGORITHM_TYPE: Registry[type[AlgorithmType]] = Registry("algorithm")
 
 
@@ -88,7 +110,9 @@ def _preset(
         cls.default_config = classmethod(lambda c, _cfg=config: {k: (dict(v) if isinstance(v, dict) else v) for k, v in _cfg.items()})  # type: ignore[method-assign]
         cls.description = description
         cls.paper = paper
-        return ALGORITHM_TYPE.register(key)(cls)
+        ALGORITHM_TYPE.register(key)(cls)
+        cls.freeze()
+        return cls
 
     return decorator
 

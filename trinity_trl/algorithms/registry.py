@@ -28,6 +28,13 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` and return what it named. For tests and plugins that register a component
+        for a while (``register`` refuses a name that is taken); an unknown name is a ``ValueError``."""
+        if name not in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is not registered; known names: {', '.join(self.names())}")
+        return self._entries.pop(name)
+
     def get(self, name: str) -> T:
         if not isinstance(name, str) or name not in self._entries:
             raise ValueError(f"Unknown {self.kind} {name!r}; known names: {', '.join(self.names())}")

@@ -17,15 +17,14 @@ from datasets import Dataset
 from trl.trainer.utils import pad
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
-from ..algorithms.policy_loss.chord import CHORDPolicyLossFn
+from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
 from . import checks
 from .config import TrinityConfig
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
 
 # CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments
-MU_SCHEDULE = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
-_MU_DEFAULTS = {name: inspect.signature(CHORDPolicyLossFn).parameters[name].default for name in MU_SCHEDULE}
+_MU_DEFAULTS = CHORDPolicyLossFn.mu_schedule_defaults()
 
 
 def _policy_loss_class(config: TrinityConfig):
@@ -108,7 +107,7 @@ class ChordConfig(TrinityConfig):
             args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
         if self.rl_loss_agg_mode is not None:
             args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
-        schedule = {name: getattr(self, name) for name in MU_SCHEDULE}
+        schedule = {name: getattr(self, name) for name in MU_SCHEDULE_ARGS}
         if "mu_peak" in inspect.signature(_policy_loss_class(self)).parameters:  # a loss with CHORD's schedule
             args.update(schedule)
         else:
@@ -165,18 +164,12 @@ class ChordTrainer(TrinityTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
     def _policy_loss_overrides(self, args: ChordConfig) -> dict[str, Any]:
-        # spec §9.1 in TRL: fixed-size branch with gradient_accumulation = GA, and Bu/Be = usual/expert
-        # samples per device per optimizer step, so every sample weighs the same within a step
-        per_step = args.gradient_accumulation_steps / args.steps_per_generation
+        # spec §9.1 in TRL: every usual (expert) sample of an optimizer step weighs w = GA / (usual (expert)
+        # samples per process per optimizer step); the trainer divides by GA, so each sample counts 1/B_u
+        steps = args.gradient_accumulation_steps / args.steps_per_generation  # generation batches per step
         rollouts = args.per_device_train_batch_size * args.steps_per_generation
-        return {
-            "use_dynamic_bsz": False,
-            "ppo_mini_batch_size": args.gradient_accumulation_steps,
-            "ppo_micro_batch_size_per_gpu": 1,
-            "ngpus_trainer": 1,
-            "train_batch_size_usual": max(1, round(rollouts * per_step)),
-            "train_batch_size_expert": max(1, round(args.local_expert_rows() * per_step)),
-        }
+        return {"usual_sample_weight": args.gradient_accumulation_steps / (rollouts * steps),
+                "expert_sample_weight": args.gradient_accumulation_steps / (args.local_expert_rows() * steps)}
 
     # ---------------------------------------------------------------------------- expert rows
     def _next_expert_indices(self) -> list[int]:
@@ -213,9 +206,8 @@ class ChordTrainer(TrinityTrainer):
             return self.components.policy_loss
         if self._eval_policy_loss is None:
             rows = self.args.per_device_eval_batch_size
-            self._eval_policy_loss = self.algorithm.build_policy_loss(**{
-                **self._policy_loss_overrides(self.args), "ppo_mini_batch_size": 1,
-                "train_batch_size_usual": rows, "train_batch_size_expert": rows})
+            self._eval_policy_loss = self.algorithm.build_policy_loss(usual_sample_weight=1.0 / rows,
+                                                                      expert_sample_weight=1.0 / rows)
         return self._eval_policy_loss
 
     def _tokenize_expert(self, index: int) -> tuple[Any, list[int]]:
@@ -313,7 +305,7 @@ class ChordTrainer(TrinityTrainer):
         # demonstrations' behaviour log-probs are 0 (spec §9.4) whether or not TRL computed old log-probs
         loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(inputs["expert_mask"].unsqueeze(1), 0.0)
         # Trinity stamps samples with the step being trained, counted from 1 (spec §9.3)
-        loss_inputs["step"] = torch.full((logps.shape[0],), self.state.global_step + 1)
+        loss_inputs["step"] = self.state.global_step + 1
         return loss_inputs
 
 

@@ -14,11 +14,14 @@ from . import (  # noqa: F401
     step_wise_grpo,
 )
 from .base import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, scalar_rewards_to_token_level
+from .step_wise_grpo import StepWiseGRPOAdvantage, StepWiseGRPOAdvantageFn
 
 __all__ = [
     "ADVANTAGE_FN",
     "AdvantageFn",
     "BatchAdvantageFn",
     "GroupAdvantageFn",
+    "StepWiseGRPOAdvantage",
+    "StepWiseGRPOAdvantageFn",
     "scalar_rewards_to_token_level",
 ]

@@ -34,10 +34,6 @@ class AsymREGroupAdvantage(GroupAdvantageFn):
     def __init__(self, baseline_shift: float = -0.1):
         self.baseline_shift = _check_shift(baseline_shift)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"baseline_shift": -0.1}
-
     def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
         output: list[Experience] = []
         metric_list: list[dict[str, float]] = []
@@ -61,10 +57,6 @@ class AsymREBatchAdvantage(BatchAdvantageFn):
 
     def __init__(self, baseline_shift: float = -0.1):
         self.baseline_shift = _check_shift(baseline_shift)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"baseline_shift": -0.1}
 
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:

@@ -6,14 +6,21 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..experience import Experience
-from ..inputs import INPUT_ALIASES
+from ..args import ComponentArgs
+from ..experience import ExperienceOperator
+from ..inputs import INPUT_ALIASES, pick_input
 from ..registry import Registry
 
 
-class AdvantageFn:
+class AdvantageFn(ComponentArgs):
     """Common interface: ``default_args()``, ``compute_in_trainer()`` and what a trainer must
-    provide (the ``needs_*`` flags), so trainers never compare registry names."""
+    provide (the ``needs_*`` flags), so trainers never compare registry names.
+
+    ``default_args()`` is derived from the constructor signature and, unlike the losses', lists
+    ``None``-default arguments too (spec §12: the constructor is the default args).
+    """
+
+    omit_none_defaults = False
 
     name: ClassVar[str]
     # batch inputs beyond token-level rewards and the response mask
@@ -27,10 +34,6 @@ class AdvantageFn:
     step_wise: ClassVar[bool] = False
 
     @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {}
-
-    @classmethod
     def compute_in_trainer(cls) -> bool:
         raise NotImplementedError
 
@@ -38,7 +41,7 @@ class AdvantageFn:
         return f"{type(self).__name__}({self.__dict__})"
 
 
-class GroupAdvantageFn(AdvantageFn):
+class GroupAdvantageFn(AdvantageFn, ExperienceOperator):
     """Experience operator: ``exps_out, metrics = fn(exps)`` (runs before batching).
 
     Writes ``exp.advantages = score · action_mask`` and ``exp.returns`` in place. Output order is
@@ -58,12 +61,6 @@ class GroupAdvantageFn(AdvantageFn):
     @classmethod
     def compute_in_trainer(cls) -> bool:
         return False
-
-    def __call__(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
-        return self.process(experiences)
-
-    def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
-        raise NotImplementedError
 
 
 class BatchAdvantageFn(AdvantageFn):
@@ -86,15 +83,23 @@ class BatchAdvantageFn(AdvantageFn):
 
 
 def batch_get(batch: dict[str, Any], name: str) -> Any:
-    """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent."""
+    """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent, or if two
+    aliases carry different values (as :func:`~..inputs.resolve_inputs`).
+
+    ``token_level_rewards`` falls back to ``token_level_scores``: that is not an alias (the rewards are
+    the scores minus a KL penalty, when there is one), so the rewards win when both are present.
+    """
     if name == "token_level_rewards":
         aliases: tuple[str, ...] = ("token_level_rewards", "token_level_scores")
+        for alias in aliases:
+            if batch.get(alias) is not None:
+                return batch[alias]
     else:
         internal = next((k for k, names in INPUT_ALIASES.items() if name in names), name)
         aliases = INPUT_ALIASES.get(internal, (name,))
-    for alias in aliases:
-        if batch.get(alias) is not None:
-            return batch[alias]
+        found = pick_input(batch, internal, aliases)
+        if found:
+            return found[1]
     raise ValueError(f"The batch has no {name!r} (looked for: {', '.join(aliases)}); present: {', '.join(batch)}")
 
 

@@ -36,10 +36,6 @@ class GAEAdvantage(BatchAdvantageFn):
         self.gamma = check_discount("gamma", gamma)
         self.lam = check_discount("lam", lam)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"gamma": 1.0, "lam": 1.0}
-
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         rewards = batch_get(batch, "token_level_rewards")

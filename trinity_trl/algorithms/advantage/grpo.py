@@ -148,11 +148,6 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
     def refills_filtered_groups(self) -> bool:
         return self.duplicate_experiences and self.std_threshold is not None
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 1e-6, "std_threshold": None, "duplicate_experiences": False, "rank_penalty": None,
-                "std_cal_level": "group"}
-
     def group_scores(
         self, group: list[Experience], batch_std: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -214,10 +209,6 @@ class GRPOBatchAdvantage(BatchAdvantageFn):
 
     def __init__(self, epsilon: float = 1e-6):
         self.epsilon = check_positive("epsilon", epsilon)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 1e-6}
 
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:

@@ -35,10 +35,6 @@ class OnPolicyDistillAdvantage(BatchAdvantageFn):
             raise ValueError(f"kl_coef must be a finite number, got {kl_coef!r}")
         self.kl_coef = float(kl_coef)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"kl_coef": 1.0}
-
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         teacher = batch_get(batch, "teacher_logprobs")

@@ -49,10 +49,6 @@ class _OPMDArgs:
         self.opmd_baseline = check_choice("opmd_baseline", opmd_baseline, OPMD_BASELINES)
         self.tau = check_positive("tau", tau)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"opmd_baseline": "mean", "tau": 1.0}
-
 
 @ADVANTAGE_FN.register("opmd")
 class OPMDGroupAdvantage(_OPMDArgs, GroupAdvantageFn):

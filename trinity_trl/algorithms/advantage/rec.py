@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import torch
 
@@ -36,10 +35,6 @@ class RECGroupAdvantage(GroupAdvantageFn):
         self.epsilon = check_positive("epsilon", epsilon)
         self.std_normalize = bool(std_normalize)
         self.drop = check_choice("drop", drop, REC_DROPS)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 1e-6, "std_normalize": False, "drop": None}
 
     def group_scores(self, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores ``(|G|,)`` (0 for dropped members) and the group metrics."""

@@ -67,10 +67,6 @@ class REINFORCEPlusPlusAdvantage(BatchAdvantageFn):
     def __init__(self, gamma: float = 1.0):
         self.gamma = check_discount("gamma", gamma)
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"gamma": 1.0}
-
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
         rewards = batch_get(batch, "token_level_rewards")

@@ -7,12 +7,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..args import ComponentArgs
 from ..inputs import PER_TOKEN_INPUTS, backend_name, check_backend, metrics_to_floats, resolve_inputs
 from ..masked import check_loss_agg_mode, masked_fill_invalid
 from ..registry import Registry
 
 
-class PolicyLossFn:
+class PolicyLossFn(ComponentArgs):
     """A policy loss: ``loss, metrics = fn(logprob=..., **inputs)``.
 
     Subclasses set :attr:`inputs` (what they need besides ``logprob``) and implement
@@ -20,6 +21,9 @@ class PolicyLossFn:
     per-token tensors hold 0 wherever ``action_mask`` is 0, so NaN/inf in padding can leak
     neither into the loss nor into its gradient. ``compute`` returns ``(loss, metrics)`` where
     metric values may be tensors; :meth:`__call__` turns them into Python floats.
+
+    ``default_args()`` is derived from the constructor signature (see :class:`~..args.ComponentArgs`);
+    a subclass lists in ``preset_defaults`` only the preset values that differ from its constructor.
     """
 
     name: ClassVar[str]
@@ -31,11 +35,6 @@ class PolicyLossFn:
 
     def __init__(self, backend: str = "trl"):
         self.backend = check_backend(backend)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        """Arguments a preset uses when the user gives none (may differ from constructor defaults)."""
-        return {}
 
     # ------------------------------------------------------------------ what a trainer needs to know
     # Trainers ask these properties and never compare registry names, so a loss defined outside the
@@ -145,13 +144,9 @@ class PolicyLossFn:
 class AggregatedLossFn(PolicyLossFn):
     """A policy loss whose only option is how token losses are aggregated (spec §0.3)."""
 
-    def __init__(self, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean"}
 
 
 POLICY_LOSS_FN: Registry[type[PolicyLossFn]] = Registry("policy loss")

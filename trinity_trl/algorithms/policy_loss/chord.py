@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 
+from ..args import constructor_defaults
 from .base import POLICY_LOSS_FN, PolicyLossFn
 from .mix import ExpertMixLossFn, _unit_interval
 
@@ -28,26 +30,56 @@ def mu_schedule_function(
     return (mu_peak - mu_valley) * 0.5 * (1.0 + math.cos(math.pi * (g - w) / d)) + mu_valley
 
 
+MU_SCHEDULE_ARGS = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
+"""The CHORD constructor arguments that set μ's schedule and the expert loss (their defaults:
+:meth:`CHORDPolicyLossFn.mu_schedule_defaults`)."""
+
+
 @POLICY_LOSS_FN.register("mix_chord")
 class CHORDPolicyLossFn(ExpertMixLossFn):
     """CHORD: ``(1−μ)·L_u + μ·L_e`` with μ from :func:`mu_schedule_function` at the batch's step.
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
-    ``expert_mask``: ``(B,)`` bool; ``step``: ``(B,)`` ints (tensor or sequence), all equal to the
-    current global step. ``enable_phi_function`` picks ``sft_phi`` (φ-weighted) over plain ``sft``
-    for the expert rows.
+    ``expert_mask``: ``(B,)`` bool; ``step``: the current global step, either a plain ``int`` or,
+    as in the spec, a ``(B,)`` tensor or sequence of ints that are all equal.
+
+    Args:
+        mu_warmup_steps, mu_decay_steps, mu_peak, mu_valley: μ's schedule (:func:`mu_schedule_function`);
+            steps ``>= 0``, peak and valley in ``[0, 1]``.
+        enable_phi_function: train expert rows with ``sft_phi`` (φ-weighted) instead of plain ``sft``.
+        Every other argument: see :class:`ExpertMixLossFn` (the per-sample weights, or Trinity's
+        batch geometry; a preset uses ``clip_range=0.2``).
+
+    These defaults are declared once, in this signature; a trainer config reads them with
+    :meth:`mu_schedule_defaults` (or ``args.constructor_defaults``).
     """
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask", "step")
+    preset_defaults = {"clip_range": 0.2}
 
     def __init__(
         self,
+        backend: str = "trl",
         mu_warmup_steps: int = 0,
         mu_decay_steps: int = 0,
         mu_peak: float = 0.1,
         mu_valley: float = 0.1,
         enable_phi_function: bool = True,
-        **kwargs: Any,
+        clip_range: float | None = None,
+        clip_range_low: float | None = None,
+        clip_range_high: float | None = None,
+        use_dynamic_bsz: bool | None = None,
+        ppo_mini_batch_size: int | None = None,
+        ppo_micro_batch_size_per_gpu: int | None = None,
+        ngpus_trainer: int | None = None,
+        train_batch_size_usual: int | None = None,
+        train_batch_size_expert: int | None = None,
+        loss_agg_mode: str = "token-mean",
+        sft_loss_agg_mode: str | None = None,
+        grpo_loss_agg_mode: str | None = None,
+        *,
+        usual_sample_weight: float | None = None,
+        expert_sample_weight: float | None = None,
     ):
         if mu_warmup_steps < 0 or mu_decay_steps < 0:
             raise ValueError(
@@ -56,20 +88,31 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         self.mu_warmup_steps, self.mu_decay_steps = mu_warmup_steps, mu_decay_steps
         self.mu_peak = _unit_interval("mix_chord", "mu_peak", mu_peak)
         self.mu_valley = _unit_interval("mix_chord", "mu_valley", mu_valley)
-        self.enable_phi_function = bool(enable_phi_function)
-        super().__init__(**kwargs)
+        self.enable_phi_function = bool(enable_phi_function)  # read by build_sft_loss_fn below
+        super().__init__(
+            backend,
+            clip_range=clip_range,
+            clip_range_low=clip_range_low,
+            clip_range_high=clip_range_high,
+            use_dynamic_bsz=use_dynamic_bsz,
+            ppo_mini_batch_size=ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=ppo_micro_batch_size_per_gpu,
+            ngpus_trainer=ngpus_trainer,
+            train_batch_size_usual=train_batch_size_usual,
+            train_batch_size_expert=train_batch_size_expert,
+            loss_agg_mode=loss_agg_mode,
+            sft_loss_agg_mode=sft_loss_agg_mode,
+            grpo_loss_agg_mode=grpo_loss_agg_mode,
+            usual_sample_weight=usual_sample_weight,
+            expert_sample_weight=expert_sample_weight,
+        )
 
     @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {
-            "mu_warmup_steps": 0,
-            "mu_decay_steps": 0,
-            "mu_peak": 0.1,
-            "mu_valley": 0.1,
-            "clip_range": 0.2,
-            "enable_phi_function": True,
-            "loss_agg_mode": "token-mean",
-        }
+    def mu_schedule_defaults(cls) -> dict[str, Any]:
+        """``{mu_warmup_steps: 0, mu_decay_steps: 0, mu_peak: 0.1, mu_valley: 0.1, enable_phi_function: True}``,
+        read from the constructor signature (a fresh dict)."""
+        defaults = constructor_defaults(cls)
+        return {name: defaults[name] for name in MU_SCHEDULE_ARGS}
 
     def build_sft_loss_fn(self, loss_agg_mode: str) -> PolicyLossFn:
         if self.enable_phi_function:
@@ -77,15 +120,22 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         return super().build_sft_loss_fn(loss_agg_mode)
 
     def global_step_of(self, step: Any, batch_size: int) -> int:
-        """The one global step every row carries; rows from different steps are an error."""
+        """The global step: ``step`` itself when it is an ``int`` (>= 0), else the one value every row
+        of a ``(B,)`` tensor or sequence carries; rows from different steps are an error."""
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            if step < 0:
+                raise ValueError(f"mix_chord: step must be >= 0, got {step}")
+            return int(step)
         if isinstance(step, torch.Tensor):
             if step.dim() != 1:
-                raise ValueError(f"mix_chord: step must have shape (B,), got {tuple(step.shape)}")
+                raise ValueError(f"mix_chord: step must be an int or have shape (B,), got {tuple(step.shape)}")
             values = step.tolist()
         elif isinstance(step, (list, tuple)):
             values = list(step)
         else:
-            raise ValueError(f"mix_chord: step must be a (B,) tensor or a sequence of ints, got {type(step).__name__}")
+            raise ValueError(
+                f"mix_chord: step must be an int, a (B,) tensor or a sequence of ints, got {type(step).__name__}"
+            )
         if len(values) != batch_size:
             raise ValueError(f"mix_chord: step must have one entry per row ({batch_size}), got {len(values)}")
         if len(set(values)) != 1:
@@ -100,3 +150,6 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         loss, metrics = self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, mu)
         metrics["mu"] = mu
         return loss, metrics
+
+
+MIXCHORDPolicyLossFn = CHORDPolicyLossFn  # the class's name in Trinity-RFT

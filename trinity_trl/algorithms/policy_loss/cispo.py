@@ -39,13 +39,13 @@ class CISPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range_low: float = 1.0,
         clip_range_high: float = 0.28,
         enable_mask_clip: bool = False,
         mask_clip_range_low: float = 1.0,
         mask_clip_range_high: float = 0.28,
         loss_agg_mode: str = "token-mean",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         # a ratio is positive, so a lower bound below 0 (range_low > 1) would mean nothing
@@ -55,17 +55,6 @@ class CISPOPolicyLossFn(PolicyLossFn):
         self.mask_clip_range_low = _check_range("cispo", "mask_clip_range_low", mask_clip_range_low, 1.0)
         self.mask_clip_range_high = _check_range("cispo", "mask_clip_range_high", mask_clip_range_high, None)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {
-            "clip_range_low": 1.0,
-            "clip_range_high": 0.28,
-            "enable_mask_clip": False,
-            "mask_clip_range_low": 1.0,
-            "mask_clip_range_high": 0.28,
-            "loss_agg_mode": "token-mean",
-        }
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

@@ -40,7 +40,7 @@ class DPOLossFn(PolicyLossFn):
     inputs = ("ref_logprob", "action_mask")
 
     def __init__(
-        self, beta: float = 0.1, label_smoothing: float = 0.0, allow_odd_rows: bool = False, backend: str = "trl"
+        self, backend: str = "trl", beta: float = 0.1, label_smoothing: float = 0.0, *, allow_odd_rows: bool = False
     ):
         super().__init__(backend)
         if not beta > 0:
@@ -50,10 +50,6 @@ class DPOLossFn(PolicyLossFn):
         self.beta = float(beta)
         self.label_smoothing = float(label_smoothing)
         self.allow_odd_rows = bool(allow_odd_rows)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"beta": 0.1, "label_smoothing": 0.0}
 
     def compute(self, logprob, ref_logprob, action_mask, **_):
         n_rows = logprob.shape[0]

@@ -25,23 +25,24 @@ class GSPOPolicyLossFn(PolicyLossFn):
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``.
 
     The constructor has no default clip range (an unresolved bound raises ``ValueError``);
-    :meth:`default_args` gives the paper's tiny range 3e-4 / 4e-4. GSPO is defined with
+    a preset (``preset_defaults``) gives the paper's tiny range 3e-4 / 4e-4. GSPO is defined with
     ``seq-mean-token-mean``; another mode is allowed but logged as a warning.
 
     Metrics: ``pg_clipfrac``, ``ppo_kl`` (token-level, ``MMEAN(ℓo − ℓ)``), ``pg_loss`` and
     ``ppo_kl_seq`` (mean over rows of ``−ρ_b``).
     """
 
+    preset_defaults = {"clip_range_low": 0.0003, "clip_range_high": 0.0004}
     # TRL's epsilon / epsilon_high are the same relative bounds (1 - epsilon, 1 + epsilon_high)
     trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range: float | None = None,
         clip_range_low: float | None = None,
         clip_range_high: float | None = None,
         loss_agg_mode: str = "seq-mean-token-mean",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.clip_range_low, self.clip_range_high = resolve_clip_range(
@@ -57,10 +58,6 @@ class GSPOPolicyLossFn(PolicyLossFn):
     @property
     def sequence_level(self) -> bool:
         return True  # one ratio per row
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"clip_range_low": 0.0003, "clip_range_high": 0.0004, "loss_agg_mode": "seq-mean-token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

@@ -1,7 +1,16 @@
-"""MIX: PPO on on-policy rows plus SFT on expert rows, per-sample normalised (spec §9.1-§9.2)."""
+"""MIX: PPO on on-policy rows plus SFT on expert rows, per-sample normalised (spec §9.1-§9.2).
+
+Both MIX and CHORD (``chord.py``) weigh each usual (on-policy) sample by ``w_u`` and each expert
+sample by ``w_e``. A trainer gives these per-sample weights directly (``usual_sample_weight``,
+``expert_sample_weight``); Trinity's configuration gives its batch geometry instead
+(``ppo_mini_batch_size``, ``train_batch_size_usual``, ...), from which :class:`BatchGeometry` derives
+them with the formula of spec §9.1.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,13 +31,111 @@ def _unit_interval(owner: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def _positive_float(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """Trinity's batch geometry of a MIX/CHORD run (spec §9.1), and the per-sample weights it implies.
+
+    Args:
+        use_dynamic_bsz: whether micro-batches have a variable number of rows (verl's dynamic batch
+            size); the weights then depend on the row count of each micro-batch.
+        ppo_mini_batch_size: samples per optimizer step (Trinity passes the global count).
+        ppo_micro_batch_size_per_gpu: rows per micro-batch on one GPU (fixed-size branch).
+        ngpus_trainer: number of training GPUs.
+        train_batch_size_usual: usual (on-policy) samples per optimizer step, all GPUs.
+        train_batch_size_expert: expert (SFT) samples per optimizer step, all GPUs.
+
+    The derived integers (floor divisions, as in the reference) must all be >= 1.
+    """
+
+    use_dynamic_bsz: bool = False
+    ppo_mini_batch_size: int = 1
+    ppo_micro_batch_size_per_gpu: int = 1
+    ngpus_trainer: int = 1
+    train_batch_size_usual: int = 1
+    train_batch_size_expert: int = 1
+
+    def __post_init__(self) -> None:
+        owner = "batch geometry"
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ngpus_trainer",
+                     "train_batch_size_usual", "train_batch_size_expert"):
+            _positive_int(owner, name, getattr(self, name))
+        # a zero here would silently zero a loss or divide by zero at call time
+        derived = {
+            "train_batch_size_usual // ngpus_trainer": self.usual_per_gpu,
+            "train_batch_size_expert // ngpus_trainer": self.expert_per_gpu,
+        }
+        if self.use_dynamic_bsz:
+            derived["ppo_mini_batch_size // ngpus_trainer"] = self.experience_per_gpu
+        else:
+            derived["ppo_mini_batch_size // ppo_micro_batch_size_per_gpu"] = self.gradient_accumulation
+        for name, value in derived.items():
+            if value < 1:
+                raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
+
+    @property
+    def experience_per_gpu(self) -> int:
+        return self.ppo_mini_batch_size // self.ngpus_trainer
+
+    @property
+    def gradient_accumulation(self) -> int:
+        return self.ppo_mini_batch_size // self.ppo_micro_batch_size_per_gpu
+
+    @property
+    def usual_per_gpu(self) -> int:
+        """``Bu``: usual samples per GPU per optimizer step."""
+        return self.train_batch_size_usual // self.ngpus_trainer
+
+    @property
+    def expert_per_gpu(self) -> int:
+        """``Be``: expert samples per GPU per optimizer step."""
+        return self.train_batch_size_expert // self.ngpus_trainer
+
+    def sample_weights(self, rows: int) -> tuple[float, float]:
+        """``(w_u, w_e)`` for a micro-batch of ``rows`` rows (``B``, usual and expert together)::
+
+            dynamic batch size:  w_u = experience_per_gpu / (B · Bu),   w_e = experience_per_gpu / (B · Be)
+            fixed batch size:    w_u = gradient_accumulation / Bu,      w_e = gradient_accumulation / Be
+
+        With Trinity's trainer scaling (÷ gradient_accumulation, or × B / mini-batch size per GPU),
+        each usual sample then weighs ``1/Bu`` and each expert sample ``1/Be`` in the optimizer
+        step, whatever the make-up of the micro-batch (spec §9.1).
+        """
+        if self.use_dynamic_bsz:
+            return (self.experience_per_gpu / (rows * self.usual_per_gpu),
+                    self.experience_per_gpu / (rows * self.expert_per_gpu))
+        return self.gradient_accumulation / self.usual_per_gpu, self.gradient_accumulation / self.expert_per_gpu
+
+
 class ExpertMixLossFn(PolicyLossFn):
     """Shared machinery of ``mix`` and ``mix_chord``: split rows by ``expert_mask``, run the inner
-    PPO loss on usual rows and the inner SFT loss on expert rows, weight each by ``n·w``.
+    PPO loss on usual rows and the inner SFT loss on expert rows, and weigh them ``n_u·w_u`` and
+    ``n_e·w_e`` (``n`` = rows of that kind in the micro-batch, ``w`` = per-sample weight).
 
-    ``w`` makes every sample weigh the same within an optimizer step, whatever the make-up of the
-    micro-batch (spec §9.1): ``w_u = gradient_accumulation / Bu`` (fixed micro-batch size) or
-    ``experience_per_gpu / (B·Bu)`` (dynamic batch size), likewise ``w_e`` with ``Be``.
+    The weights come from exactly one of:
+
+    * ``usual_sample_weight`` and ``expert_sample_weight`` (keyword-only, both, each > 0): ``w_u``
+      and ``w_e`` as given, whatever the micro-batch. A trainer that divides each micro-batch loss
+      by its gradient-accumulation steps ``GA`` gives ``w = GA / samples of that kind per device per
+      optimizer step``, so every sample of a kind weighs the same in the step.
+    * Trinity's batch-geometry arguments (``use_dynamic_bsz``, ``ppo_mini_batch_size``,
+      ``ppo_micro_batch_size_per_gpu``, ``ngpus_trainer``, ``train_batch_size_usual``,
+      ``train_batch_size_expert``), turned into weights by :meth:`BatchGeometry.sample_weights`. A
+      geometry argument left ``None`` takes Trinity's default (``False`` / ``1``); with none given
+      and no explicit weights, all are defaults (``w_u = w_e = 1``), as in the reference.
+
+    Giving both forms is a ``ValueError``.
+
+    The inner losses are built from the registry: ``ppo`` with the clip range and
+    ``grpo_loss_agg_mode or loss_agg_mode`` (every other PPO argument at its constructor default:
+    dual clip 3.0 on, no sequence masking or truncation), and the SFT loss of :meth:`build_sft_loss_fn`
+    with ``sft_loss_agg_mode or loss_agg_mode``. Each sees only its own rows: ``(n_u, T)`` and
+    ``(n_e, T)`` slices of the ``(B, T)`` inputs.
     """
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask")
@@ -41,47 +148,53 @@ class ExpertMixLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range: float | None = None,
         clip_range_low: float | None = None,
         clip_range_high: float | None = None,
         use_dynamic_bsz: bool | None = None,
-        ppo_mini_batch_size: int = 1,
-        ppo_micro_batch_size_per_gpu: int = 1,
-        ngpus_trainer: int = 1,
-        train_batch_size_usual: int = 1,
-        train_batch_size_expert: int = 1,
+        ppo_mini_batch_size: int | None = None,
+        ppo_micro_batch_size_per_gpu: int | None = None,
+        ngpus_trainer: int | None = None,
+        train_batch_size_usual: int | None = None,
+        train_batch_size_expert: int | None = None,
         loss_agg_mode: str = "token-mean",
         sft_loss_agg_mode: str | None = None,
         grpo_loss_agg_mode: str | None = None,
-        backend: str = "trl",
+        *,
+        usual_sample_weight: float | None = None,
+        expert_sample_weight: float | None = None,
     ):
         super().__init__(backend)
         owner = type(self).__name__
-        for name, value in (
-            ("ppo_mini_batch_size", ppo_mini_batch_size),
-            ("ppo_micro_batch_size_per_gpu", ppo_micro_batch_size_per_gpu),
-            ("ngpus_trainer", ngpus_trainer),
-            ("train_batch_size_usual", train_batch_size_usual),
-            ("train_batch_size_expert", train_batch_size_expert),
-        ):
-            _positive_int(owner, name, value)
-        self.use_dynamic_bsz = bool(use_dynamic_bsz)
-        self.experience_per_gpu = ppo_mini_batch_size // ngpus_trainer
-        self.gradient_accumulation = ppo_mini_batch_size // ppo_micro_batch_size_per_gpu
-        self.train_batch_size_usual = train_batch_size_usual // ngpus_trainer
-        self.train_batch_size_expert = train_batch_size_expert // ngpus_trainer
-        # a zero here would silently zero a loss or divide by zero at call time
-        derived = {
-            "train_batch_size_usual // ngpus_trainer": self.train_batch_size_usual,
-            "train_batch_size_expert // ngpus_trainer": self.train_batch_size_expert,
+        geometry = {
+            "use_dynamic_bsz": use_dynamic_bsz,
+            "ppo_mini_batch_size": ppo_mini_batch_size,
+            "ppo_micro_batch_size_per_gpu": ppo_micro_batch_size_per_gpu,
+            "ngpus_trainer": ngpus_trainer,
+            "train_batch_size_usual": train_batch_size_usual,
+            "train_batch_size_expert": train_batch_size_expert,
         }
-        if self.use_dynamic_bsz:
-            derived["ppo_mini_batch_size // ngpus_trainer"] = self.experience_per_gpu
+        given = {name: value for name, value in geometry.items() if value is not None}
+        if usual_sample_weight is None and expert_sample_weight is None:
+            if "use_dynamic_bsz" in given:
+                given["use_dynamic_bsz"] = bool(given["use_dynamic_bsz"])
+            try:
+                self.geometry: BatchGeometry | None = BatchGeometry(**given)
+            except ValueError as error:
+                raise ValueError(f"{owner}: {error}") from None
+            self.usual_sample_weight = self.expert_sample_weight = None
         else:
-            derived["ppo_mini_batch_size // ppo_micro_batch_size_per_gpu"] = self.gradient_accumulation
-        for name, value in derived.items():
-            if value < 1:
-                raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
+            if usual_sample_weight is None or expert_sample_weight is None:
+                raise ValueError(f"{owner}: give both usual_sample_weight and expert_sample_weight, or neither")
+            if given:
+                raise ValueError(
+                    f"{owner}: usual_sample_weight/expert_sample_weight replace the batch geometry, but "
+                    f"{', '.join(sorted(given))} were given too; pass one form or the other"
+                )
+            self.geometry = None
+            self.usual_sample_weight = _positive_float(owner, "usual_sample_weight", usual_sample_weight)
+            self.expert_sample_weight = _positive_float(owner, "expert_sample_weight", expert_sample_weight)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         self.grpo_loss_fn = POLICY_LOSS_FN.get("ppo")(
             clip_range=clip_range,
@@ -90,6 +203,35 @@ class ExpertMixLossFn(PolicyLossFn):
             loss_agg_mode=grpo_loss_agg_mode or loss_agg_mode,
         )
         self.sft_loss_fn = self.build_sft_loss_fn(sft_loss_agg_mode or loss_agg_mode)
+
+    # Trinity's derived values (spec §9.1), None when explicit sample weights are used
+    @property
+    def use_dynamic_bsz(self) -> bool | None:
+        return None if self.geometry is None else self.geometry.use_dynamic_bsz
+
+    @property
+    def experience_per_gpu(self) -> int | None:
+        return None if self.geometry is None else self.geometry.experience_per_gpu
+
+    @property
+    def gradient_accumulation(self) -> int | None:
+        return None if self.geometry is None else self.geometry.gradient_accumulation
+
+    @property
+    def train_batch_size_usual(self) -> int | None:
+        """``Bu`` (per GPU)."""
+        return None if self.geometry is None else self.geometry.usual_per_gpu
+
+    @property
+    def train_batch_size_expert(self) -> int | None:
+        """``Be`` (per GPU)."""
+        return None if self.geometry is None else self.geometry.expert_per_gpu
+
+    def sample_weights(self, rows: int) -> tuple[float, float]:
+        """``(w_u, w_e)`` for a micro-batch of ``rows`` rows."""
+        if self.geometry is None:
+            return self.usual_sample_weight, self.expert_sample_weight
+        return self.geometry.sample_weights(rows)
 
     def build_sft_loss_fn(self, loss_agg_mode: str) -> PolicyLossFn:
         return POLICY_LOSS_FN.get("sft")(loss_agg_mode=loss_agg_mode)
@@ -112,12 +254,7 @@ class ExpertMixLossFn(PolicyLossFn):
         usual = ~expert
         n_expert = int(expert.sum())
         n_usual = batch_size - n_expert
-        if self.use_dynamic_bsz:
-            w_usual = self.experience_per_gpu / (batch_size * self.train_batch_size_usual)
-            w_expert = self.experience_per_gpu / (batch_size * self.train_batch_size_expert)
-        else:
-            w_usual = self.gradient_accumulation / self.train_batch_size_usual
-            w_expert = self.gradient_accumulation / self.train_batch_size_expert
+        w_usual, w_expert = self.sample_weights(batch_size)
 
         zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
         metrics: dict[str, Any] = {}
@@ -144,19 +281,53 @@ class ExpertMixLossFn(PolicyLossFn):
 
 @POLICY_LOSS_FN.register("mix")
 class MIXPolicyLossFn(ExpertMixLossFn):
-    """MIX: ``(1−mu)·L_u + mu·L_e`` with a constant ``mu`` (spec §9.2).
+    """MIX: ``(1−mu)·L_u + mu·L_e`` with a constant ``mu`` in ``[0, 1]`` (spec §9.2).
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
-    ``expert_mask``: ``(B,)`` bool, True for SFT demonstration rows.
+    ``expert_mask``: ``(B,)`` bool, True for SFT demonstration rows. Every other argument: see
+    :class:`ExpertMixLossFn` (a preset uses ``clip_range=0.2``).
     """
 
-    def __init__(self, mu: float = 0.1, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.mu = _unit_interval("mix", "mu", mu)
+    preset_defaults = {"clip_range": 0.2}
 
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"mu": 0.1, "clip_range": 0.2, "loss_agg_mode": "token-mean"}
+    def __init__(
+        self,
+        backend: str = "trl",
+        mu: float = 0.1,
+        clip_range: float | None = None,
+        clip_range_low: float | None = None,
+        clip_range_high: float | None = None,
+        use_dynamic_bsz: bool | None = None,
+        ppo_mini_batch_size: int | None = None,
+        ppo_micro_batch_size_per_gpu: int | None = None,
+        ngpus_trainer: int | None = None,
+        train_batch_size_usual: int | None = None,
+        train_batch_size_expert: int | None = None,
+        loss_agg_mode: str = "token-mean",
+        sft_loss_agg_mode: str | None = None,
+        grpo_loss_agg_mode: str | None = None,
+        *,
+        usual_sample_weight: float | None = None,
+        expert_sample_weight: float | None = None,
+    ):
+        super().__init__(
+            backend,
+            clip_range=clip_range,
+            clip_range_low=clip_range_low,
+            clip_range_high=clip_range_high,
+            use_dynamic_bsz=use_dynamic_bsz,
+            ppo_mini_batch_size=ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=ppo_micro_batch_size_per_gpu,
+            ngpus_trainer=ngpus_trainer,
+            train_batch_size_usual=train_batch_size_usual,
+            train_batch_size_expert=train_batch_size_expert,
+            loss_agg_mode=loss_agg_mode,
+            sft_loss_agg_mode=sft_loss_agg_mode,
+            grpo_loss_agg_mode=grpo_loss_agg_mode,
+            usual_sample_weight=usual_sample_weight,
+            expert_sample_weight=expert_sample_weight,
+        )
+        self.mu = _unit_interval("mix", "mu", mu)
 
     def compute(self, logprob, old_logprob, action_mask, advantages, expert_mask, **_):
         return self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, self.mu)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ..masked import agg_loss, check_loss_agg_mode
 from .base import POLICY_LOSS_FN, PolicyLossFn
@@ -22,16 +21,12 @@ class OPMDPolicyLossFn(PolicyLossFn):
 
     inputs = ("action_mask", "advantages")
 
-    def __init__(self, tau: float = 1.0, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", tau: float = 1.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         if not (math.isfinite(tau) and tau >= 0):
             raise ValueError(f"opmd: tau must be a finite number >= 0, got {tau}")
         self.tau = float(tau)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"tau": 1.0, "loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, action_mask, advantages, **_):
         loss = agg_loss(-advantages * logprob, action_mask, self.loss_agg_mode) / (1.0 + self.tau)

@@ -34,13 +34,18 @@ class PPOPolicyLossFn(PolicyLossFn):
     Options: off-policy sequence masking (DeepSeek-V3.2), importance-ratio truncation for
     positive / negative advantages (applied after the dual clip), and ``fallback_to_policy_gradient``
     (ratio 1 with the REINFORCE gradient).
+
+    The constructor has no default clip range (an unresolved bound raises ``ValueError``); a
+    preset uses ``clip_range=0.2`` (spec §1).
     """
 
+    preset_defaults = {"clip_range": 0.2}
     # TRL's epsilon / epsilon_high are the same relative bounds (1 - epsilon, 1 + epsilon_high)
     trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
 
     def __init__(
         self,
+        backend: str = "trl",
         clip_range: float | None = None,
         clip_range_low: float | None = None,
         clip_range_high: float | None = None,
@@ -53,7 +58,6 @@ class PPOPolicyLossFn(PolicyLossFn):
         truncate_adv_neg_is: bool = False,
         truncate_is_range_low: float = 0.0,
         truncate_is_range_high: float = 2.0,
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.clip_range_low, self.clip_range_high = resolve_clip_range(clip_range, clip_range_low, clip_range_high, "ppo")
@@ -88,21 +92,6 @@ class PPOPolicyLossFn(PolicyLossFn):
     @property
     def sequence_level(self) -> bool:
         return self.enable_sequence_masking  # the mask uses each row's mean log-ratio
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {
-            "clip_range": 0.2,
-            "clip_ratio_c": 3.0,
-            "loss_agg_mode": "token-mean",
-            "enable_sequence_masking": False,
-            "delta_sequence_masking": 0.1,
-            "fallback_to_policy_gradient": False,
-            "truncate_adv_pos_is": False,
-            "truncate_adv_neg_is": False,
-            "truncate_is_range_low": 0.0,
-            "truncate_is_range_high": 2.0,
-        }
 
     def compute(self, logprob, old_logprob, action_mask, advantages, raw_advantages, **_):
         mask, adv = action_mask, advantages

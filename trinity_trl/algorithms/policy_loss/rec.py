@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -29,10 +28,16 @@ class RECPolicyLossFn(PolicyLossFn):
     ``g`` for ``gspo-one-side``), ``weight`` rescales the advantage, ``regularizer`` adds a
     forward-KL (``−coef·ℓ``) or a k2 (``coef·(ℓ−ℓo)²``) term. ``gspo-one-side`` always aggregates
     with ``seq-mean-token-mean``.
+
+    A preset uses wider primes than the constructor: ``epsilon_low_prime=0.6, epsilon_high_prime=2``
+    (spec §7; the constructor's are 0.4 / 0.4).
     """
+
+    preset_defaults = {"epsilon_low_prime": 0.6, "epsilon_high_prime": 2}
 
     def __init__(
         self,
+        backend: str = "trl",
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
         epsilon_low_prime: float = 0.4,
@@ -44,7 +49,6 @@ class RECPolicyLossFn(PolicyLossFn):
         temp: float = 1.0,
         loss_agg_mode: str = "token-mean",
         fix_opd_advantage: bool = False,
-        backend: str = "trl",
     ):
         super().__init__(backend)
         for name, value, low_le_one in (
@@ -90,22 +94,6 @@ class RECPolicyLossFn(PolicyLossFn):
         if self.clip_mode == "gspo-one-side" and not callable(self.loss_agg_mode):
             return "seq-mean-token-mean"
         return self.loss_agg_mode
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {
-            "epsilon_low": 0.2,
-            "epsilon_high": 0.2,
-            "epsilon_low_prime": 0.6,
-            "epsilon_high_prime": 2,
-            "clip_mode": "none",
-            "weight": "none",
-            "regularizer": "none",
-            "regularizer_coef": 0.0,
-            "temp": 1.0,
-            "loss_agg_mode": "token-mean",
-            "fix_opd_advantage": False,
-        }
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

@@ -41,11 +41,12 @@ class SAPOPolicyLossFn(PolicyLossFn):
 
     def __init__(
         self,
+        backend: str = "trl",
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
         loss_agg_mode: str = "token-mean",
+        *,
         form: str = "trinity",
-        backend: str = "trl",
     ):
         super().__init__(backend)
         self.tau_pos, self.tau_neg = float(tau_pos), float(tau_neg)
@@ -57,10 +58,6 @@ class SAPOPolicyLossFn(PolicyLossFn):
         if form not in SAPO_FORMS:
             raise ValueError(f"sapo: unknown form {form!r}; allowed: {', '.join(SAPO_FORMS)}")
         self.form = form
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"tau_pos": 1.0, "tau_neg": 1.05, "loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

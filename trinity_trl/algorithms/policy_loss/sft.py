@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -58,16 +57,12 @@ class SFTPhiLossFn(PolicyLossFn):
 
     inputs = ("action_mask",)
 
-    def __init__(self, loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0, backend: str = "trl"):
+    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0):
         super().__init__(backend)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         if not 0.0 < cutoff_prob <= 1.0:
             raise ValueError(f"sft_phi: cutoff_prob must be in (0, 1], got {cutoff_prob}")
         self.cutoff_prob = float(cutoff_prob)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"loss_agg_mode": "token-mean", "cutoff_prob": 1.0}
 
     def compute(self, logprob, action_mask, **_):
         weight = phi_function(torch.exp(logprob)).detach()

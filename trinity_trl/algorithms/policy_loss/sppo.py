@@ -21,16 +21,12 @@ class SPPOPolicyLossFn(PolicyLossFn):
     Metrics: ``pg_clipfrac = MMEAN(1 − in)``, ``pg_loss``.
     """
 
-    def __init__(self, epsilon: float = 0.3, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(self, backend: str = "trl", epsilon: float = 0.3, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         if not epsilon > 0:
             raise ValueError(f"sppo: epsilon must be > 0, got {epsilon}")
         self.epsilon = float(epsilon)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"epsilon": 0.3, "loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

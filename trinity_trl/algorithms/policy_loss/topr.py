@@ -23,7 +23,9 @@ class TOPRPolicyLossFn(PolicyLossFn):
     Metrics: ``topr_loss``, ``avg_alpha = MMEAN(α)``, ``avg_ratio = MMEAN(r)``.
     """
 
-    def __init__(self, advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean", backend: str = "trl"):
+    def __init__(
+        self, backend: str = "trl", advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean"
+    ):
         super().__init__(backend)
         self.advantage_threshold = float(advantage_threshold)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
@@ -32,10 +34,6 @@ class TOPRPolicyLossFn(PolicyLossFn):
     def linear_in_advantage(self) -> bool:
         # which branch a token takes depends on A itself unless the threshold is 0 (sign only)
         return self.advantage_threshold == 0.0
-
-    @classmethod
-    def default_args(cls) -> dict[str, Any]:
-        return {"advantage_threshold": 0.0, "loss_agg_mode": "token-mean"}
 
     def compute(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages

@@ -1,4 +1,4 @@
-"""KL estimators (loss and reward penalty, adaptive β) and entropy terms: spec §14.2, §10, §11.1."""
+"""KL estimators as loss and as reward penalty, with the adaptive β (spec §10, reference values §14.2)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 
-from trinity_trl.algorithms import ENTROPY_LOSS_FN, KL_FN
+from trinity_trl.algorithms import KL_FN
 from trinity_trl.algorithms.kl import kl_penalty
 
+
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 KL_TABLE = {
     "k1": [0.06474939733743668, 0.2751849889755249, 0.1424836814403534, 0.11007396876811981],
     "k2": [0.29761651158332825, 1.2648701667785645, 0.2931048274040222, 0.5059480667114258],
@@ -19,6 +22,8 @@ KL_TABLE = {
     "abs": [0.6288116574287415, 2.6724495887756348, 0.6267802715301514, 1.0689798593521118],
     "corrected_k3": [0.4117293953895569, 1.7498499155044556, 0.3973577320575714, 0.6999399662017822],
 }
+
+
 ESTIMATORS = list(KL_TABLE)
 
 
@@ -125,9 +130,6 @@ def test_kl_penalty_functional(kl_data):
             kl_penalty(lp, ref, bad)
 
 
-# ---------------------------------------------------------------- KL in the reward
-
-
 def penalty_batch(kl_data, names=("token_level_scores", "response_mask", "old_log_probs", "ref_log_prob")):
     scores = torch.linspace(-1, 1, 40).reshape(4, 10)
     values = (scores, kl_data["response_mask"], kl_data["old_logprob"], kl_data["ref_logprob"])
@@ -202,58 +204,23 @@ def test_adaptive_kl_through_penalty_and_state_dict(kl_data):
         restored.load_state_dict({})
 
 
-# ---------------------------------------------------------------- entropy
+@pytest.mark.parametrize("key", ["none", *ESTIMATORS])
+def test_enabled_flag(key):
+    """Only ``none`` is disabled: a trainer skips the term (and needs no reference model for it)."""
+    cls = KL_FN.get(key)
+    assert cls.enabled is cls(**cls.default_args()).enabled is (key != "none")
 
 
-def test_entropy_default_reference(kl_data):
-    loss, metrics = ENTROPY_LOSS_FN.get("default")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"])
-    assert metrics["entropy_loss"] == pytest.approx(0.5555486083030701, abs=1e-6)
-    assert loss.item() == pytest.approx(0.005555486, abs=1e-8)
+def test_kl_base_is_abstract():
+    from trinity_trl.algorithms.kl import KLFn
 
+    with pytest.raises(TypeError, match="abstract"):
+        KLFn()
 
-def test_entropy_mix_reference(kl_data):
-    fn = ENTROPY_LOSS_FN.get("mix")(entropy_coef=0.01)
-    # the whole batch dict, with alias names and unrelated keys, as a trainer would pass it
-    batch = {"entropies": kl_data["entropy"], "completion_mask": kl_data["response_mask"], "logprob": kl_data["logprob"]}
-    loss, metrics = fn(**batch, expert_mask=torch.tensor([False, True, False, True]), loss_agg_mode="token-mean")
-    assert metrics["entropy_loss"] == pytest.approx(0.6252748966217041, abs=1e-6)
-    assert loss.item() == pytest.approx(0.006252748966217041, abs=1e-8)
+    class NoEstimate(KLFn):  # a subclass that forgets calculate_kl cannot be built either
+        pass
 
-
-def test_entropy_args_and_errors(kl_data):
-    for key in ("default", "mix", "none"):
-        cls = ENTROPY_LOSS_FN.get(key)
-        assert cls.default_args() == {"entropy_coef": 0.0}
-        with pytest.raises(TypeError):
-            cls()
-    with pytest.raises(ValueError, match="expert_mask"):
-        ENTROPY_LOSS_FN.get("mix")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"])
-    with pytest.raises(ValueError, match="expert_mask"):
-        ENTROPY_LOSS_FN.get("mix")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"], [True])
-    with pytest.raises(ValueError):
-        ENTROPY_LOSS_FN.get("default")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"], loss_agg_mode="x")
-    loss, metrics = ENTROPY_LOSS_FN.get("none")(entropy_coef=0.5)(kl_data["entropy"], kl_data["response_mask"])
-    assert loss.item() == 0.0 and loss.dim() == 0 and metrics == {}
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("key", ["default", "mix"])
-def test_entropy_nan_safe_and_empty(kl_data, key, mode):
-    fn = ENTROPY_LOSS_FN.get(key)(entropy_coef=0.01)
-    mask, expert = kl_data["response_mask"], torch.tensor([False, True, False, True])
-
-    def run(entropy, mask, expert):
-        entropy = entropy.clone().requires_grad_(True)
-        loss, metrics = fn(entropy=entropy, action_mask=mask, expert_mask=expert, loss_agg_mode=mode)
-        loss.backward()
-        return loss, entropy.grad
-
-    clean_loss, clean_grad = run(kl_data["entropy"], mask, expert)
-    loss, grad = run(kl_data["entropy"].masked_fill(~mask, math.nan), mask, expert)
-    assert loss.item() == pytest.approx(clean_loss.item(), abs=1e-9)
-    assert torch.isfinite(grad).all()
-    torch.testing.assert_close(grad, clean_grad)
-    assert run(kl_data["entropy"], torch.zeros_like(mask), expert)[0].item() == 0.0
-    if key == "mix":
-        loss, grad = run(kl_data["entropy"].masked_fill(~mask, math.nan), mask, torch.ones(4, dtype=torch.bool))
-        assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    with pytest.raises(TypeError, match="calculate_kl"):
+        NoEstimate()
+    for key in ("none", *ESTIMATORS):
+        KL_FN.get(key)()  # every registered estimator can

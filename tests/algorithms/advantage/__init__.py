@@ -1,0 +1,1 @@
+"""Tests of ``trinity_trl.algorithms.advantage``: one module per family, plus the shared behaviour."""

@@ -1,0 +1,37 @@
+"""On-policy distillation advantage (spec §12.9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .batch_support import distill_batch, nan_padded, run_fn
+
+
+@pytest.mark.parametrize("old_key", ["old_log_probs", "old_logprob", "old_per_token_logps"])
+def test_on_policy_distill(old_key):
+    batch = distill_batch(old_key)
+    teacher, old, mask = batch["teacher_logprobs"], batch[old_key], batch["response_mask"].float()
+    out, metrics = run_fn("on_policy_distill", batch, kl_coef=0.5)
+    expected = 0.5 * (teacher - old) * mask
+    assert torch.allclose(out["advantages"], expected, atol=1e-7)
+    assert torch.equal(out["returns"], out["advantages"]) and out["returns"] is not out["advantages"]
+    k = ((old - teacher) * mask).sum(-1)
+    assert metrics["kl/mean"] == pytest.approx(k.mean().item(), abs=1e-6)
+    assert metrics["kl/std"] == pytest.approx(k.std().item(), abs=1e-6)
+    assert metrics["advantages/mean"] == pytest.approx(expected.sum(-1).mean().item(), abs=1e-6)
+    assert set(metrics) == {"kl/mean", "kl/std", "advantages/mean"}
+
+
+def test_on_policy_distill_single_row_std_is_zero():
+    batch = {key: value[:1] for key, value in distill_batch().items()}
+    _, metrics = run_fn("on_policy_distill", batch)
+    assert metrics["kl/std"] == 0.0
+
+
+@pytest.mark.parametrize("key", ["teacher_logprobs", "old_log_probs"])
+def test_nan_padding_does_not_leak_into_on_policy_distill(key):
+    clean, clean_metrics = run_fn("on_policy_distill", distill_batch())
+    dirty, dirty_metrics = run_fn("on_policy_distill", nan_padded(distill_batch(), key))
+    assert torch.equal(dirty["advantages"], clean["advantages"])
+    assert dirty_metrics == clean_metrics

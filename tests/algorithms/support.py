@@ -1,0 +1,121 @@
+"""Helpers shared by the algorithm tests (not test data: the spec §14 builders are in conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trinity_trl.algorithms import POLICY_LOSS_FN
+
+POLICY_KEYS = ["ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "sft", "sft_is", "sft_phi", "dpo",
+               "importance_sampling", "mix", "mix_chord"]
+KL_KEYS = ["none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3"]
+ENTROPY_KEYS = ["default", "mix", "none"]
+GROUP_ADV_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
+BATCH_ADV_KEYS = ["ppo", "reinforceplusplus", "rloo", "remax", "grpo_verl", "opmd_verl", "asymre_verl", "on_policy_distill"]
+PRESETS = ["sft", "ppo", "grpo", "reinforceplusplus", "rloo", "opmd", "asymre", "dpo", "topr", "cispo", "gspo", "sapo",
+           "mix", "mix_chord", "raft", "sppo", "rec", "multi_step_grpo", "on_policy_distill"]
+
+
+PPO_KL = -0.21663446724414825
+
+
+AVG_RATIO = 1.630766749382019
+
+
+MY_KEYS = ("gspo", "cispo", "sapo", "topr", "sppo", "importance_sampling", "opmd", "sft", "sft_is", "sft_phi", "dpo")
+
+
+DYN = dict(
+    use_dynamic_bsz=True,
+    ppo_mini_batch_size=320,
+    ppo_micro_batch_size_per_gpu=4,
+    ngpus_trainer=4,
+    train_batch_size_usual=256,
+    train_batch_size_expert=64,
+)
+
+
+SCHEDULE = dict(mu_warmup_steps=200, mu_decay_steps=400, mu_peak=0.5, mu_valley=0.02)
+
+
+def build(key: str, **overrides):
+    cls = POLICY_LOSS_FN.get(key)
+    return cls(**{**cls.default_args(), **overrides})
+
+
+def as_double(data):
+    return {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+
+
+def check(result, loss, metrics):
+    value, got = result
+    assert value.item() == pytest.approx(loss, abs=1e-6)
+    for name, expected in metrics.items():
+        assert got[name] == pytest.approx(expected, abs=1e-6), name
+
+
+LOSS_METRIC = {
+    "gspo": "pg_loss", "cispo": "cispo_loss", "sapo": "sapo_loss", "topr": "topr_loss", "sppo": "pg_loss",
+    "importance_sampling": "pg_loss", "opmd": "opmd_loss", "sft": "sft_loss", "sft_is": "sft_is_loss",
+    "sft_phi": "sft_phi_loss", "dpo": "dpo_loss",
+}  # fmt: skip
+
+
+METRIC_NAMES = {
+    "gspo": {"pg_clipfrac", "ppo_kl", "pg_loss", "ppo_kl_seq"},
+    "cispo": {"cispo_loss", "ppo_kl", "unmasked_frac"},
+    "sapo": {"sapo_loss", "ppo_kl", "avg_soft_gate", "avg_ratio", "pos_adv_frac"},
+    "topr": {"topr_loss", "avg_alpha", "avg_ratio"},
+    "sppo": {"pg_clipfrac", "pg_loss"},
+    "importance_sampling": {"pg_loss", "ratio/mean", "approx_kl"},
+    "opmd": {"opmd_loss"},
+    "sft": {"sft_loss"},
+    "sft_is": {"sft_is_loss"},
+    "sft_phi": {"sft_phi_loss"},
+    "dpo": {"chosen_reward", "rejected_reward", "accuracy_mean", "dpo_loss"},
+}
+
+
+def assert_reference_values(policy_data, key, overrides, loss, metrics):
+    """The loss and metrics of ``key`` (from its default_args() plus ``overrides``) on spec §14.1 data."""
+    value, got = build(key, **overrides)(**policy_data)
+    assert value.dim() == 0 and value.requires_grad is False  # §14.1 data holds plain tensors
+    assert value.item() == pytest.approx(loss, abs=1e-6)
+    assert set(got) == METRIC_NAMES[key]
+    assert all(type(v) is float for v in got.values())
+    assert got[LOSS_METRIC[key]] == pytest.approx(loss, abs=1e-6)
+    for name, expected in metrics.items():
+        assert got[name] == pytest.approx(expected, abs=1e-6), name
+
+
+def small_data(seed: int = 0, batch: int = 4, width: int = 6) -> dict[str, torch.Tensor]:
+    """float64 data with log-ratios in ±0.6, one row partly masked at the end, one at the start."""
+    gen = torch.Generator().manual_seed(seed)
+    logprob = -2.0 * torch.rand(batch, width, generator=gen, dtype=torch.float64) - 0.05
+    old_logprob = logprob - (1.2 * torch.rand(batch, width, generator=gen, dtype=torch.float64) - 0.6)
+    ref_logprob = -2.0 * torch.rand(batch, width, generator=gen, dtype=torch.float64)
+    advantages = 2.0 * torch.rand(batch, width, generator=gen, dtype=torch.float64) - 1.0
+    mask = torch.ones(batch, width, dtype=torch.bool)
+    mask[1::4, 4:] = False
+    mask[2::4, :2] = False
+    return {
+        "logprob": logprob,
+        "old_logprob": old_logprob,
+        "ref_logprob": ref_logprob,
+        "advantages": advantages,
+        "action_mask": mask,
+    }
+
+
+def _assert_off_edges(values: torch.Tensor, edges) -> None:
+    """A finite-difference step (1e-6) must never cross a kink of the loss."""
+    for edge in edges:
+        assert (values - edge).abs().min() > 1e-3, edge
+
+
+def _grad(fn, data):
+    logprob = data["logprob"].clone().requires_grad_(True)
+    loss, _ = fn(**{**data, "logprob": logprob})
+    (grad,) = torch.autograd.grad(loss, logprob)
+    return grad
