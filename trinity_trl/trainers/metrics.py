@@ -49,3 +49,27 @@ def replace_logged_advantages(logged, gather: Callable, advantages, mask) -> Non
     for _ in range(min(len(values), len(logged))):  # drop TRL's values of this batch
         logged.pop()
     logged.extend(values)
+
+
+# the metrics of the one-line progress summary, in order: (label, keys, first present wins)
+SUMMARY_METRICS = (
+    ("reward", ("reward",)),
+    ("loss", ("loss",)),
+    ("rl", ("actor/usual/pg_loss", "actor/pg_loss", "actor/cispo_loss", "actor/sapo_loss", "actor/topr_loss")),
+    ("sft", ("actor/expert/sft_loss", "actor/expert/sft_phi_loss", "actor/sft_loss")),
+    ("kl", ("actor/kl_loss",)),
+    ("value", ("critic/vf_loss",)),
+    ("mu", ("actor/mu",)),
+)
+
+
+def summary_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
+    """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``."""
+    parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
+    for label, keys in SUMMARY_METRICS:
+        key = next((k for k in keys if k in logs), None)
+        if key is not None:
+            parts.append(f"{label} {float(logs[key]):.4g}")
+    if "step_time" in logs:
+        parts.append(f"{float(logs['step_time']):.1f} s")
+    return " | ".join(parts)

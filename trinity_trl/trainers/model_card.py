@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+from typing import Any
 
-from ..algorithms import ALGORITHM_TYPE, AlgorithmConfig
+from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, AlgorithmConfig
 
 # preset -> (display name, paper title); titles only where the reference is unambiguous
 _DISPLAY = {
@@ -43,8 +45,10 @@ def paper_for(algorithm: str) -> tuple[str, dict]:
     return name, paper
 
 
-def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str) -> str:
-    """A Markdown section naming the algorithm, its paper and every resolved hyper-parameter."""
+def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, components: Any = None) -> str:
+    """A Markdown section naming the algorithm, its paper and the resolved hyper-parameters of the components
+    the trainer uses (``components``: the built :class:`~trinity_trl.trainers.common.Components`, or ``None``
+    for trainers without rollouts, whose advantage function and KL penalty never run)."""
     name, paper = paper_for(algorithm.algorithm)
     preset = ALGORITHM_TYPE.get(algorithm.algorithm)
     lines = [
@@ -53,13 +57,133 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str) -> str
         "",
         f"Trained with `trinity_trl`'s `{trainer_name}` using the `{algorithm.algorithm}` preset: {preset.description}.",
     ]
+    variant = chord_variant(algorithm)
+    if variant:
+        lines.append(variant)
     if paper:
         lines.append(f"Paper: [{paper['title']}](https://huggingface.co/papers/{paper['id']}) (arXiv:{paper['id']}).")
     elif preset.paper:
         lines.append(f"Reference: {preset.paper}.")
     lines += ["", "| component | name | arguments |", "|---|---|---|"]
-    for component in ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn"):
+    for component in used_components(algorithm, components):
         args = getattr(algorithm, f"{component}_args")
         lines.append(f"| {component} | `{getattr(algorithm, component)}` | `{json.dumps(args, sort_keys=True, default=str)}` |")
     lines.append(f"| loss_agg_mode | `{algorithm.loss_agg_mode}` | |")
     return "\n".join(lines) + "\n"
+
+
+def used_components(algorithm: AlgorithmConfig, components: Any) -> list[str]:
+    """The component fields worth listing: the policy loss always; the advantage function and KL penalty
+    only for trainers that compute advantages; KL and entropy terms only when they are switched on."""
+    used = ["policy_loss_fn"]
+    if components is not None and components.advantage_fn is not None and components.policy_loss.reads_advantages:
+        used.append("advantage_fn")
+    kl_loss = components.kl_loss if components is not None else KL_FN.get(algorithm.kl_loss_fn)
+    if kl_loss.enabled:
+        used.append("kl_loss_fn")
+    if components is not None and components.kl_penalty.enabled:
+        used.append("kl_penalty_fn")
+    entropy = components.entropy_loss if components is not None else ENTROPY_LOSS_FN.get(algorithm.entropy_loss_fn)
+    if entropy.enabled:
+        used.append("entropy_loss_fn")
+    return used
+
+
+def chord_variant(algorithm: AlgorithmConfig) -> str | None:
+    """For CHORD: which variant the configuration is (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""
+    args = algorithm.policy_loss_fn_args
+    if "mu_peak" not in args:
+        return None
+    variant = "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))" if args.get("enable_phi_function", True) \
+        else "CHORD-μ (plain SFT term)"
+    peak, valley = args.get("mu_peak"), args.get("mu_valley")
+    warmup, decay = args.get("mu_warmup_steps", 0), args.get("mu_decay_steps", 0)
+    if decay or warmup:
+        schedule = (f"μ rises linearly from 0 to {peak} over {warmup} steps, then " if warmup else f"μ starts at {peak} "
+                    f"and ") + f"decays (cosine) to {valley} over {decay} steps"
+    else:
+        schedule = f"constant μ = {valley}"
+    return f"Variant: {variant}; {schedule}."
+
+
+def training_card_section(args: Any, peft_config: Any = None, dataset: str | None = None,
+                          environment: str | None = None) -> str:
+    """A Markdown table of the training set-up: data, steps, rates, batch and generation sizes, LoRA."""
+    rows = []
+    if dataset:
+        rows.append(("dataset", f"`{dataset}`"))
+    if environment:
+        rows.append(("environment", f"`{environment}`"))
+    rows += [("learning rate", f"{args.learning_rate:g} ({args.lr_scheduler_type})"),
+             ("max steps", str(args.max_steps) if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"),
+             ("batch per device", str(args.per_device_train_batch_size)),
+             ("gradient accumulation", str(args.gradient_accumulation_steps))]
+    for label, name in (("generations per prompt", "num_generations"), ("max completion length", "max_completion_length"),
+                        ("temperature", "temperature")):
+        if getattr(args, name, None) is not None:
+            rows.append((label, str(getattr(args, name))))
+    if peft_config is not None:
+        targets = getattr(peft_config, "target_modules", None)
+        targets = targets if isinstance(targets, str) or targets is None else ", ".join(sorted(targets))
+        rows.append(("LoRA", f"r {getattr(peft_config, 'r', '?')}, alpha {getattr(peft_config, 'lora_alpha', '?')}, "
+                             f"modules {targets}"))
+    else:
+        rows.append(("parameters", "full fine-tuning"))
+    rows.append(("precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"))
+    lines = ["", "## Training set-up", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def rewrite_card(text: str, *, base_model: str | None, base_model_license: str | None, load_from: str,
+                 is_adapter: bool) -> str:
+    """TRL's generated card with its metadata, base-model line and quick start corrected.
+
+    * metadata: ``base_model`` (a Hub id), ``library_name`` (``peft`` for an adapter), ``license`` of the
+      base model when known (TRL writes the misspelt placeholder ``licence: license``);
+    * the base model is named by its Hub id, a local folder by its name only (never a cache path);
+    * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter.
+    """
+    head, sep, rest = text.partition("\n---\n")
+    meta = [line for line in head.splitlines() if line and line != "---" and not line.startswith(("licence:", "library_name:"))]
+    meta.insert(0, f"library_name: {'peft' if is_adapter else 'transformers'}")
+    if base_model and "/" in base_model:
+        meta.insert(0, f"base_model: {base_model}")
+    if base_model_license:
+        meta.append(f"license: {base_model_license}")
+    meta.append("pipeline_tag: text-generation")
+    body = rest
+    first = body.find("This model is a fine-tuned version of")
+    if first >= 0:
+        end = body.index("\n", first)
+        if base_model and "/" in base_model:
+            named = f"[{base_model}](https://huggingface.co/{base_model})"
+        else:
+            named = f"`{os.path.basename(os.path.normpath(base_model))}` (a local model)" if base_model else "a local model"
+        body = body[:first] + f"This model is a fine-tuned version of {named}." + body[end:]
+    start = body.find("## Quick start")
+    if start >= 0:
+        end = body.find("## ", start + 3)
+        body = body[:start] + quick_start(load_from, is_adapter) + "\n" + (body[end:] if end >= 0 else "")
+    return "---\n" + "\n".join(meta) + "\n---\n" + body
+
+
+def quick_start(load_from: str, is_adapter: bool) -> str:
+    loader = ("from peft import AutoPeftModelForCausalLM\n"
+              f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model plus this adapter'
+              if is_adapter else
+              "from transformers import AutoModelForCausalLM\n"
+              f'model = AutoModelForCausalLM.from_pretrained("{load_from}")')
+    return f"""## Quick start
+
+```python
+{loader}
+from transformers import AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{load_from}")
+messages = [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens=64)
+print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+"""

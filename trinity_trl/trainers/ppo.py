@@ -24,6 +24,8 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ..algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
+from ..data.model import resolve_model
+from .common import default_output_dir
 from ..algorithms.masked import masked_fill_invalid, masked_mean
 from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
 from . import checks
@@ -99,6 +101,9 @@ class PPOConfig(TrinityConfig):
             raise ValueError(f"PPOConfig: {err}") from None
         if not (isinstance(self.critic_warmup_steps, int) and self.critic_warmup_steps >= 0):
             raise ValueError(f"PPOConfig: critic_warmup_steps must be an int >= 0, got {self.critic_warmup_steps!r}")
+        if 0 < self.max_steps <= self.critic_warmup_steps:
+            raise ValueError(f"PPOConfig: critic_warmup_steps={self.critic_warmup_steps} covers all max_steps="
+                             f"{self.max_steps}, so the policy would never train; lower critic_warmup_steps")
         if not self.value_learning_rate >= 0:
             raise ValueError(f"PPOConfig: value_learning_rate must be >= 0, got {self.value_learning_rate!r}")
         if self.fp16:
@@ -153,8 +158,9 @@ class PPOTrainer(TrinityTrainer):
 
     def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, *pos, value_model=None,
                  value_peft_config=None, **kwargs):
+        model, value_model = resolve_model(model), resolve_model(value_model)
         if args is None:
-            args = self._default_args(model)
+            args = PPOConfig(output_dir=default_output_dir(model, "PPOConfig"))
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
         trl_kwargs = {k: v for k, v in kwargs.items() if k != "teacher_model"}
@@ -183,7 +189,7 @@ class PPOTrainer(TrinityTrainer):
 
         if value_model is not None and args.value_model_name_or_path is not None:
             raise ValueError("give the critic once: either the value_model argument or value_model_name_or_path")
-        source = value_model if value_model is not None else args.value_model_name_or_path
+        source = value_model if value_model is not None else resolve_model(args.value_model_name_or_path)
         set_seed(args.seed)  # the new value head (and critic adapter) is initialised reproducibly
         if source is None and not isinstance(model, str):
             if is_peft_model(model):

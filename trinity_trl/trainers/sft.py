@@ -27,7 +27,8 @@ from trl import SFTConfig, SFTTrainer
 
 from ..algorithms import AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
-from .common import PresetTrainerMixin, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from ..data.model import resolve_model
+from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, capture_fused_outputs, parse_args_field, reject_sequence_sharding
 from .model_card import paper_for
 
 SFT_LOSSES = ("sft", "sft_is", "sft_phi")
@@ -87,7 +88,9 @@ class TrinitySFTConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
+        check_saving_options(self)
         owner = type(self).__name__
         self.policy_loss_fn_args = parse_args_field(owner, "policy_loss_fn_args", self.policy_loss_fn_args)
         if self.policy_loss_fn not in SFT_LOSSES:
@@ -137,9 +140,9 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, model, args: TrinitySFTConfig | None = None, *pos, compute_loss_func=None, **kwargs):
+        model = resolve_model(model)  # "bundled" works here too
         if args is None:
-            model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-TrinitySFT")
+            args = self.config_class(output_dir=default_output_dir(model, "TrinitySFT"))
         if not isinstance(args, TrinitySFTConfig):
             raise TypeError(f"{type(self).__name__} needs a TrinitySFTConfig (or subclass), got {type(args).__name__}")
         if compute_loss_func is not None:

@@ -136,6 +136,10 @@ class StepGRPOTrainer(TrinityTrainer):
         skip_trl_reference_pass(self)
         self.rollout = MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
 
+    def _model_card_environment(self) -> str | None:
+        factory = self.rollout.environment_factory
+        return getattr(factory, "__qualname__", None) or type(factory).__name__
+
     # ------------------------------------------------------------------------------ rollout
     def _generate_and_score_completions(self, inputs):
         rows = [dict(row) for row in inputs]

