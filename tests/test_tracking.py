@@ -153,3 +153,19 @@ def test_cispo_metrics_go_to_an_offline_wandb_run(tmp_path, tiny_model_dir, monk
     rows = {row["train/global_step"]: row for row in history if "train/actor/cispo_loss" in row}
     assert_rows_match(rows, logged_steps(trainer, CISPO_KEYS))
     assert any(r.WhichOneof("record_type") == "exit" for r in records)  # the run was closed cleanly
+
+
+def test_evaluate_after_train_with_trackio(tmp_path, tiny_model_dir, trackio_dir):
+    """TRL 1.16 logs its profiling timers straight to trackio, so `evaluate()` after `train()` failed with "Call
+    trackio.init() before trackio.log()" once the training run was finished; our trainers re-open a run."""
+    args = CISPOConfig(**{**tiny_grpo_kwargs(output_dir=str(tmp_path / "cispo"), max_steps=1),
+                          "report_to": ["trackio"], "project": "eval-tracking", "run_name": "run-1",
+                          "trackio_static_space_id": False, "per_device_eval_batch_size": 4})
+    trainer = CISPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
+                           train_dataset=tiny_conversational_dataset(), eval_dataset=tiny_conversational_dataset(4))
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_actor/loss" in metrics
+    trackio.finish()
+    logged = [row for run in trackio.Api().runs("eval-tracking") for row in SQLiteStorage.get_logs("eval-tracking", run.name)]
+    assert any("eval/reward" in row for row in logged), logged[-1:]

@@ -120,3 +120,39 @@ class LossNormalizer:
         per_row = inputs["sample_count"] if "sample_count" in inputs else torch.ones(valid.shape[0], device=valid.device)
         tokens = valid.sum(1, keepdim=True).to(torch.float32).expand_as(valid)
         return per_row.sum(), tokens
+
+
+def micro_batch_loss(policy_loss, components, normalizer: LossNormalizer, loss_agg_mode: str, inputs: dict[str, Any],
+                     loss_inputs: dict[str, Any], entropies: torch.Tensor | None,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``policy loss − entropy term + KL loss`` of one micro-batch (before gradient accumulation), and the
+    ``actor/*`` metrics of each term.
+
+    Every term is aggregated by the normalizer's plan for its mode (the policy loss's own mode, the global
+    ``loss_agg_mode`` for the KL and entropy terms), except with a loss that weighs its samples itself
+    (MIX/CHORD, spec §9.1), whose terms then aggregate over the micro-batch with the plain mode.
+    ``loss_inputs``: the policy loss's keyword inputs (``logprob``, ``old_logprob``, ``ref_logprob``, ...),
+    already zero at untrained positions; ``entropies``: ``(B, T)`` or ``None``; ``mask``: ``(B, T)``.
+    """
+    if policy_loss.weighs_samples_itself:
+        aggregation: Any = loss_agg_mode
+    else:
+        policy_loss = policy_loss.aggregated_with(normalizer.plan(inputs, mask, policy_loss.effective_loss_agg_mode))
+        aggregation = normalizer.plan(inputs, mask, loss_agg_mode)
+    loss, metrics = policy_loss.evaluate(**loss_inputs)
+    metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    entropy_loss, kl_loss = components.entropy_loss, components.kl_loss
+    if entropy_loss.enabled:
+        entropies = torch.where(mask != 0, entropies, torch.zeros((), dtype=entropies.dtype, device=entropies.device))
+        if entropy_loss.entropy_coef == 0.0:
+            entropies = entropies.detach()  # logged only: no backward through the entropy
+        term, term_metrics = entropy_loss(entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"),
+                                          loss_agg_mode=aggregation)
+        loss = loss - term
+        metrics.update({f"actor/{k}": v for k, v in term_metrics.items()})
+    if kl_loss.enabled:
+        term, term_metrics = kl_loss.calculate_kl_loss(loss_inputs["logprob"], loss_inputs["ref_logprob"], mask,
+                                                       aggregation, old_logprob=loss_inputs["old_logprob"])
+        loss = loss + term
+        metrics.update({f"actor/{k}": v for k, v in term_metrics.items()})
+    return loss, metrics

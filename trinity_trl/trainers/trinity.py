@@ -28,9 +28,9 @@ from ..data.model import resolve_model
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
-from .loss import LossNormalizer
+from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .trl_seams import captured_return, temporarily
+from .trl_seams import captured_return, reopen_trackio_run, temporarily
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
@@ -217,28 +217,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
         mask, guard_metrics = checks.guard_loss_mask(mask, logps, inputs, entropies)
         loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(inputs, logps, mask).items()}
-        policy_loss = self._policy_loss_for(mode)
-        if policy_loss.weighs_samples_itself:  # MIX/CHORD: spec §9.1 weights; the terms use the plain mode
-            aggregation = self.algorithm.loss_agg_mode
-        else:
-            policy_loss = policy_loss.aggregated_with(
-                self.loss_normalizer.plan(inputs, mask, policy_loss.effective_loss_agg_mode))
-            aggregation = self.loss_normalizer.plan(inputs, mask, self.algorithm.loss_agg_mode)
-        loss, metrics = policy_loss.evaluate(**loss_inputs)
-        metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        if components.entropy_loss.enabled:
-            entropies = checks.masked_finite(entropies, mask)
-            if components.entropy_loss.entropy_coef == 0.0:
-                entropies = entropies.detach()  # logged only: no backward through the entropy
-            entropy_term, entropy_metrics = components.entropy_loss(
-                entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"), loss_agg_mode=aggregation)
-            loss = loss - entropy_term
-            metrics.update({f"actor/{k}": v for k, v in entropy_metrics.items()})
-        if components.kl_loss.enabled:
-            kl_term, kl_metrics = components.kl_loss.calculate_kl_loss(
-                loss_inputs["logprob"], loss_inputs["ref_logprob"], mask, aggregation, old_logprob=loss_inputs["old_logprob"])
-            loss = loss + kl_term
-            metrics.update({f"actor/{k}": v for k, v in kl_metrics.items()})
+        loss, metrics = micro_batch_loss(self._policy_loss_for(mode), self.components, self.loss_normalizer,
+                                         self.algorithm.loss_agg_mode, inputs, loss_inputs, entropies, mask)
         if mode == "train":  # GRPOTrainer sets loss_is_scaled_for_ga: transformers does not divide
             loss = loss / self.current_gradient_accumulation_steps
         if self.aux_loss_enabled:
@@ -272,6 +252,10 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         buffer = load_generation_buffer(checkpoint, self.accelerator.process_index, self.accelerator.device)
         if buffer is not None:
             self._buffered_inputs = buffer
+
+    def evaluate(self, *args, **kwargs):
+        reopen_trackio_run(self)  # evaluate() after train() with report_to="trackio" (trl_seams)
+        return super().evaluate(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

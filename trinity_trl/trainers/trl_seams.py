@@ -71,3 +71,16 @@ def skip_trl_reference_pass(trainer: Any) -> None:
     iff ``trainer.beta != 0``) for trainers that compute them themselves for the rows they train
     (StepGRPO's step rows). The reference model TRL loaded stays loaded."""
     trainer.beta = 0.0
+
+
+def reopen_trackio_run(trainer: Any) -> None:
+    """TRL's profiling timers log straight to ``trackio`` whenever it is in ``report_to``; after ``train()``
+    the Trackio callback has finished the run, so ``evaluate()`` then failed with "Call trackio.init() before
+    trackio.log()" (TRL 1.16). Re-open the run through the callback before such a call."""
+    if "trackio" not in (trainer.args.report_to or []):
+        return
+    from transformers.integrations import TrackioCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TrackioCallback) and not callback._initialized:
+            callback.setup(trainer.args, trainer.state, trainer.model)
