@@ -603,21 +603,6 @@ def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_datase
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="on_policy_distill")
 
 
-@pytest.mark.parametrize(
-    ("args", "key"),
-    [
-        ({"rank_penalty": 0.1}, "rank_penalty"),
-        (
-            {"duplicate_experiences": True, "std_threshold": 0.0},
-            "duplicate_experiences",
-        ),
-    ],
-)
-def test_unsupported_group_advantage_options(tmp_path, tiny_model_dir, tiny_dataset, args, key):
-    with pytest.raises(ValueError, match=key):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, advantage_fn_args=args)
-
-
 def test_plain_grpo_config_is_a_type_error(tmp_path, tiny_model_dir, tiny_dataset):
     args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
     with pytest.raises(TypeError, match="TrinityConfig"):

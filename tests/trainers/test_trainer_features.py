@@ -170,7 +170,7 @@ def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_mo
     mask[2] = 0  # truncated completion masked by mask_truncated_completions
     rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
     advantages = trainer.advantage_estimator(rewards, mask, slice(0, 4), 4, 0, True,
-                                             trainer._advantage_sources({"completion_mask": mask})).advantages
+                                             trainer._advantage_sources({"completion_mask": mask}, [])).advantages
     # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
     assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
     assert torch.all(advantages[2] == 0)
