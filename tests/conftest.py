@@ -24,7 +24,12 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import importlib.util
+
 import pytest
+
+# tests/vllm_cpu needs vLLM (`make test-vllm` runs them in their own environment); `make test` does not collect them
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]
 
 # FutureWarnings raised by TRL's own helpers (`trl/models/utils.py`) calling deprecated transformers aliases during
 # generation; user code cannot avoid them (notes/TRL_1_16.md §6.3, items 2 and 3).

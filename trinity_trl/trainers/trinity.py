@@ -31,7 +31,7 @@ from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .trl_seams import captured_return, reopen_trackio_run, temporarily
+from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
@@ -85,6 +85,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
         self._set_card_identity()
+        use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (trl_seams)
 
     # ----------------------------------------------------------------------------- subclass hooks
     def _policy_loss_overrides(self, args: TrinityConfig) -> dict[str, Any]:
