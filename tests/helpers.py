@@ -10,8 +10,10 @@ synthetic corpus, and the model is a randomly initialised 2-layer Qwen2 (about 2
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 # ChatML, as used by Qwen2: `<|im_start|>role\ncontent<|im_end|>\n` per message.
@@ -244,3 +246,134 @@ def answer_reward(completions: list, answer: list[str], **kwargs: Any) -> list[f
         float(str(a) in completion_text(c))
         for c, a in zip(completions, answer, strict=True)
     ]
+
+
+# --------------------------------------------------------------------------------------------------- trainer tests
+def lora_config(r: int = 4):
+    """The LoRA adapter of the trainer tests: rank `r` on `q_proj`/`v_proj` of the tiny model."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def detached(batch: dict) -> dict:
+    """`batch` with every tensor detached and cloned (other values as they are)."""
+    import torch
+
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class RewardCall:
+    """One `_calculate_rewards` call: its arguments and the `(N, n_funcs)` rewards it returned (every process's,
+    NaN where a function did not score), cloned."""
+
+    prompts: list
+    completions: list
+    completion_ids: list[list[int]]
+    rewards: Any
+
+
+@dataclass
+class LogpsCall:
+    """One `_get_per_token_logps_and_entropies` call. `arguments`: its arguments by name, defaults applied
+    (`model`, `input_ids`, `logits_to_keep`, `batch_size`, `compute_entropy`, ...); `result`: what it returned,
+    as returned (`(logps, entropies, aux_loss)`, not cloned: the log-probs of a training forward carry their graph)."""
+
+    arguments: dict[str, Any]
+    result: Any
+
+
+@dataclass
+class LossCall:
+    """One loss call (`_compute_loss` of a GRPOTrainer, `compute_loss` of any other trainer).
+
+    `inputs`: the micro-batch as the call received it (tensors cloned before the call); `forward`: the first
+    `LogpsCall` made inside the call (None if none), whose `result[0]` are the grad-carrying log-probs the loss was
+    built from; `loss`: the returned loss, detached and cloned; `global_step`: `state.global_step` during the call
+    (0-based: the step being trained is `global_step + 1`).
+    """
+
+    inputs: dict
+    forward: LogpsCall | None
+    loss: Any
+    global_step: int
+
+    @property
+    def logps(self):
+        return None if self.forward is None else self.forward.result[0]
+
+
+@dataclass
+class Recorded:
+    """What a `recording(cls)` trainer saw, in call order.
+
+    `batches`: every training batch `_generate_and_score_completions` returned (tensors cloned); `rows`: the rows
+    passed to it, after the call (so with the fields TRL wrote into them, e.g. a rollout's `run`), one list per call;
+    `reward_calls`, `logps_calls`, `loss_calls`: see `RewardCall`, `LogpsCall`, `LossCall`.
+    """
+
+    batches: list[dict] = field(default_factory=list)
+    rows: list[list[dict]] = field(default_factory=list)
+    reward_calls: list[RewardCall] = field(default_factory=list)
+    logps_calls: list[LogpsCall] = field(default_factory=list)
+    loss_calls: list[LossCall] = field(default_factory=list)
+
+
+@functools.cache
+def recording(cls: type) -> type:
+    """A subclass of the trainer class `cls` (TRL's `GRPOTrainer`, any trinity_trl trainer, TRL's SFT/DPO trainers)
+    that records what flows through the seams into `trainer.recorded` (a `Recorded`) without changing anything.
+
+    The same class comes back for the same `cls`. Seams `cls` lacks are never called, so recording them costs
+    nothing. A test that needs more (a value changed on its way, another hook) subclasses the result locally.
+    """
+    import inspect
+
+    from trl import GRPOTrainer
+
+    class Recording(cls):
+        def __init__(self, *args, **kwargs):
+            self.recorded = Recorded()
+            super().__init__(*args, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            self.recorded.rows.append([dict(row) for row in inputs])
+            self.recorded.batches.append(detached(output))
+            return output
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self.recorded.reward_calls.append(RewardCall(list(prompts), list(completions),
+                                                         [list(ids) for ids in completion_ids_list],
+                                                         rewards.detach().clone()))
+            return rewards
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            bound = inspect.signature(super()._get_per_token_logps_and_entropies).bind(*args, **kwargs)
+            bound.apply_defaults()
+            self.recorded.logps_calls.append(LogpsCall(dict(bound.arguments), result))
+            return result
+
+        def _recorded_loss_call(self, call, model, inputs, *args, **kwargs):
+            cloned, first = detached(inputs), len(self.recorded.logps_calls)
+            loss = call(model, inputs, *args, **kwargs)
+            forwards = self.recorded.logps_calls[first:]
+            value = loss[0] if isinstance(loss, tuple) else loss  # compute_loss(return_outputs=True)
+            self.recorded.loss_calls.append(LossCall(cloned, forwards[0] if forwards else None,
+                                                     value.detach().clone(), self.state.global_step))
+            return loss
+
+        def _compute_loss(self, model, inputs):
+            return self._recorded_loss_call(super()._compute_loss, model, inputs)
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            return self._recorded_loss_call(super().compute_loss, model, inputs, *args, **kwargs)
+
+    # one loss seam: GRPOTrainer.compute_loss calls _compute_loss; the other trainers' seam is compute_loss
+    delattr(Recording, "compute_loss" if issubclass(cls, GRPOTrainer) else "_compute_loss")
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    Recording.__doc__ = f"`{cls.__name__}` recording what it sees in `self.recorded` (tests/helpers.py `recording`)."
+    return Recording
