@@ -377,3 +377,70 @@ def recording(cls: type) -> type:
     Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
     Recording.__doc__ = f"`{cls.__name__}` recording what it sees in `self.recorded` (tests/helpers.py `recording`)."
     return Recording
+
+
+def generate_batch(trainer, dataset, prompts=(0,), seed: int = 0, group: int = 4) -> dict:
+    """One generation batch through the trainer's `_generate_and_score_completions` seam: `group` copies of each
+    dataset row in `prompts` (what TRL's sampler hands it), scored, with advantages; tensors detached and cloned."""
+    import torch
+
+    trainer.model.train()
+    torch.manual_seed(seed)
+    rows = [dict(dataset[i]) for i in prompts for _ in range(group)]
+    return detached(trainer._generate_and_score_completions(rows))
+
+
+def policy_logps(trainer, batch: dict):
+    """No-grad log-probs of `batch`'s completions under the trainer's current policy, through TRL's own helper
+    (`GRPOTrainer`'s, so a recording subclass does not record the call)."""
+    import torch
+    from trl import GRPOTrainer
+
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_ids"].size(1))
+    return logps
+
+
+def harden_batch(trainer, batch: dict, *, ragged=True, old_noise=0.3, ref_noise=0.2, empty_row=False,
+                 lengths=None) -> dict:
+    """A copy of a 4-row `batch` made harder: ragged completion masks (the random model never emits EOS, so every
+    row is full otherwise; `lengths` per row, default `[width, width - 2, 3, 1]`, 0 for the last with
+    `empty_row`), an off-policy `old_per_token_logps` (ratios far from 1, so clips and gates are exercised) and a
+    perturbed `ref_per_token_logps` where present (a non-zero KL)."""
+    import torch
+
+    batch = detached(batch)
+    width = batch["completion_mask"].shape[1]
+    if ragged:
+        lengths = torch.tensor(lengths if lengths is not None else [width, width - 2, 3, 0 if empty_row else 1])
+        ragged_mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).to(batch["completion_mask"].dtype)
+        batch["completion_mask"] = batch["completion_mask"] * ragged_mask
+        batch["num_items_in_batch"] = batch["completion_mask"].sum()
+        if "global_loss_tokens" in batch:  # TrinityConfig(loss_normalization="global"): the same count
+            batch["global_loss_tokens"] = batch["completion_mask"].sum().float()
+    generator = torch.Generator().manual_seed(1)
+    logps = policy_logps(trainer, batch)
+    if old_noise:
+        batch["old_per_token_logps"] = logps + old_noise * torch.randn(logps.shape, generator=generator)
+    if ref_noise and "ref_per_token_logps" in batch:
+        batch["ref_per_token_logps"] = logps + ref_noise * torch.randn(logps.shape, generator=generator)
+    return batch
+
+
+def loss_and_grads(trainer, inputs: dict, ga: int = 1):
+    """`(loss, {name: grad})` of one `_compute_loss` call on `inputs` in training mode, as the trainer's loop runs
+    it with `ga` accumulation steps (the returned loss is divided by `ga`); the gradients are cleared afterwards."""
+    import torch
+
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = ga  # set by Trainer's loop; _compute_loss divides by it
+    model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(model, dict(inputs))
+    loss.backward()
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads

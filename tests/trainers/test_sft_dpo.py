@@ -14,7 +14,7 @@ from dataclasses import fields
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import save_tiny_model
+from helpers import lora_config, recording, save_tiny_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -136,19 +136,6 @@ class GradientGrab(TrainerCallback):
         self.grads = grads(model)
 
 
-def recording(cls):
-    """A subclass of ``cls`` that keeps every micro-batch ``compute_loss`` sees and the loss it returns."""
-
-    class Recording(cls):
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            batch = {k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-            loss = super().compute_loss(model, inputs, *args, **kwargs)
-            self.seen = getattr(self, "seen", []) + [(batch, loss.detach().clone())]
-            return loss
-
-    return Recording
-
-
 # ------------------------------------------------------------------------------------------------ SFT
 @pytest.mark.parametrize("ours_loss, trl_loss", [("sft", "nll"), ("sft_is", "dft")])
 def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, trl_loss):
@@ -214,11 +201,12 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
                                            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
                                            callbacks=[grab])
     trainer.train()
-    assert len(trainer.seen) == 2
+    calls = trainer.recorded.loss_calls
+    assert len(calls) == 2
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     micro_losses, token_counts = [], []
-    for batch, _ in trainer.seen:
+    for batch in (call.inputs for call in calls):
         logps, _, mask = plain_token_logps(reference, batch["input_ids"], batch["attention_mask"], batch["labels"])
         micro_losses.append(agg_loss(-logps, mask, "token-mean"))
         token_counts.append(int(mask.sum()))
@@ -227,8 +215,8 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
 
     assert_grads_close(grab.grads, grads(reference))
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), abs=1e-5)
-    for (_, returned), micro in zip(trainer.seen, micro_losses):  # compute_loss itself returns the undivided loss
-        assert returned.item() == pytest.approx(micro.item(), abs=1e-5)
+    for call, micro in zip(calls, micro_losses):  # compute_loss itself returns the undivided loss
+        assert call.loss.item() == pytest.approx(micro.item(), abs=1e-5)
     if token_counts[0] != token_counts[1]:  # Trinity's token-mean differs from TRL's window-wide token mean here
         window_mean = sum(-l * n for l, n in zip(micro_losses, token_counts)) / -sum(token_counts)
         assert abs(window_mean.item() - expected.item()) > 1e-6
@@ -237,10 +225,8 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("dataset_format", ["messages", "prompt_completion"])
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
 def test_sft_trains_two_steps(tiny_model_dir, tmp_path, dataset_format, use_lora):
-    from peft import LoraConfig
-
     dataset = messages_dataset() if dataset_format == "messages" else prompt_completion_dataset()
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if use_lora else None
+    peft_config = lora_config() if use_lora else None
     args = TrinitySFTConfig(**common_kwargs(tmp_path), policy_loss_fn="sft_phi")
     trainer = TrinitySFTTrainer(model=tiny_model_dir, args=args, train_dataset=dataset,
                                 processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), peft_config=peft_config)
@@ -383,9 +369,7 @@ def test_dpo_loss_equals_trl_sigmoid_plus_kl_and_entropy(tiny_model_dir, ref_mod
 
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
 def test_dpo_trains_two_steps(tiny_model_dir, tmp_path, use_lora):
-    from peft import LoraConfig
-
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if use_lora else None
+    peft_config = lora_config() if use_lora else None
     trainer = dpo_trainer(tiny_model_dir, tmp_path, peft_config=peft_config)
     assert (trainer.ref_model is None) == use_lora  # LoRA: the reference is the model with its adapter disabled
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -412,8 +396,8 @@ def test_dpo_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
     trainer = recording(TrinityDPOTrainer)(model=tiny_model_dir, args=args, train_dataset=preference_dataset(),
                                            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
     trainer.train()
-    assert len(trainer.seen) == 2
-    micro = [loss.item() for _, loss in trainer.seen]
+    assert len(trainer.recorded.loss_calls) == 2
+    micro = [call.loss.item() for call in trainer.recorded.loss_calls]
     assert trainer.state.log_history[0]["loss"] == pytest.approx(sum(micro) / 2, abs=1e-6)
 
 
