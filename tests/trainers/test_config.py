@@ -5,7 +5,7 @@
   field fails `test_every_grpo_field_is_classified` by name.
 * Algorithm resolution at config construction: presets, component names, arguments, JSON strings, merge/replace.
 
-What a trainer rejects at construction: test_checks.py; the reference model: test_trinity.py.
+CISPOConfig and SAPOConfig: test_cispo.py, test_sapo.py. What a trainer rejects at construction: test_checks.py; the reference model: test_trinity.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from helpers import tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
-from trinity_trl.trainers import CISPOConfig, SAPOConfig, TrinityConfig
+from trinity_trl.trainers import TrinityConfig
 from trinity_trl.trainers.config import REPLACED_GRPO_FIELDS
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -476,84 +476,4 @@ def test_global_loss_agg_mode_overrides_the_policy_loss_in_replace_mode(tmp_path
         component_args_mode="replace",
         policy_loss_fn_args={"clip_range": 0.2},
     ).resolved_algorithm()
-    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-
-
-def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
-    config = _config(
-        tmp_path,
-        CISPOConfig,
-        clip_range_low=0.5,
-        clip_range_high=0.4,
-        enable_mask_clip=True,
-        mask_clip_range_low=0.9,
-        mask_clip_range_high=0.5,
-    )
-    args = config.resolved_algorithm().policy_loss_fn_args
-    assert {
-        k: args[k]
-        for k in (
-            "clip_range_low",
-            "clip_range_high",
-            "enable_mask_clip",
-            "mask_clip_range_low",
-            "mask_clip_range_high",
-        )
-    } == {
-        "clip_range_low": 0.5,
-        "clip_range_high": 0.4,
-        "enable_mask_clip": True,
-        "mask_clip_range_low": 0.9,
-        "mask_clip_range_high": 0.5,
-    }
-    resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
-    assert resolved.algorithm == "cispo" and resolved.policy_loss_fn == "cispo"
-    assert resolved.kl_loss_fn == "k2"  # the preset's KL loss
-    # a clash between a dedicated field and the same key in policy_loss_fn_args
-    with pytest.raises(ValueError, match="clip_range_high"):
-        _config(
-            tmp_path,
-            CISPOConfig,
-            clip_range_high=0.5,
-            policy_loss_fn_args={"clip_range_high": 0.6},
-        )
-    with pytest.raises(ValueError, match="clip_range_high"):
-        _config(tmp_path, CISPOConfig, policy_loss_fn_args={"clip_range_high": 0.6})  # field at its default
-    same = _config(
-        tmp_path,
-        CISPOConfig,
-        clip_range_high=0.6,
-        policy_loss_fn_args={"clip_range_high": 0.6},
-    )
-    assert same.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.6
-    with pytest.raises(ValueError, match="cispo"):
-        _config(tmp_path, CISPOConfig, algorithm="grpo")
-
-
-def test_sapo_config(tmp_path):
-    resolved = _config(tmp_path, SAPOConfig).resolved_algorithm()
-    assert resolved.policy_loss_fn == "sapo"
-    assert resolved.policy_loss_fn_args["form"] == "paper"
-    assert resolved.loss_agg_mode == "seq-mean-token-mean"
-    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-    assert resolved.kl_loss_fn == "none" and not resolved.needs_reference
-    custom = _config(
-        tmp_path,
-        SAPOConfig,
-        sapo_temperature_pos=0.8,
-        sapo_temperature_neg=1.5,
-        sapo_form="trinity",
-    )
-    args = custom.resolved_algorithm().policy_loss_fn_args
-    assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
-    with pytest.raises(ValueError, match="sapo_form"):
-        _config(tmp_path, SAPOConfig, sapo_form="bad")
-    with pytest.raises(ValueError, match="form"):
-        _config(tmp_path, SAPOConfig, policy_loss_fn_args={"form": "trinity"})  # clash with sapo_form="paper"
-    with pytest.raises(ValueError, match="sapo"):
-        _config(tmp_path, SAPOConfig, algorithm="grpo")
-
-
-def test_sapo_config_replace_mode_keeps_its_aggregation(tmp_path):
-    resolved = _config(tmp_path, SAPOConfig, component_args_mode="replace").resolved_algorithm()
     assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
