@@ -444,3 +444,59 @@ def loss_and_grads(trainer, inputs: dict, ga: int = 1):
              for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+# ------------------------------------------------------------------------------------- TRL's SFT and DPO trainers
+def tiny_sft_dpo_kwargs(output_dir, **overrides: Any) -> dict[str, Any]:
+    """CPU-friendly `SFTConfig` / `DPOConfig` keyword arguments for the tiny model: batches of 4, 2 steps, sequences
+    of at most 64 tokens; `overrides` replace or add entries."""
+    kwargs: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "use_cpu": True,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "max_steps": 2,
+        "max_length": 64,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+    return {**kwargs, **overrides}
+
+
+def first_batch(trainer) -> dict:
+    """The first training micro-batch of a transformers `Trainer`, prepared (on its device) as `compute_loss` gets it."""
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def plain_token_logps(model, input_ids, attention_mask, labels):
+    """Per-token log-probs and entropies of the shifted `labels` (-100: not a target) from a plain forward of `model`
+    (`logits -> log_softmax -> gather`), independent of TRL's fused head: `(B, T-1)` each, and the target mask."""
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != -100
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return token * mask, entropy * mask, mask
+
+
+def parameter_grads(model) -> dict:
+    """`{name: gradient}` (cloned) of every parameter of `model` that has one."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """The same non-empty set of parameters, and each gradient close."""
+    import torch
+
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")

@@ -17,7 +17,6 @@ import re
 import pytest
 import transformers
 import trl
-from helpers import tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN

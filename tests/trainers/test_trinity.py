@@ -24,7 +24,6 @@ from helpers import (
     length_reward,
     lora_config,
     recording,
-    tiny_conversational_dataset,
     tiny_grpo_kwargs,
 )
 from transformers import TrainerCallback
