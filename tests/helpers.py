@@ -470,7 +470,7 @@ def tiny_sft_dpo_kwargs(output_dir, **overrides: Any) -> dict[str, Any]:
 
 
 def first_batch(trainer) -> dict:
-    """The first training micro-batch of a transformers `Trainer`, prepared (on its device) as `compute_loss` gets it."""
+    """The first training micro-batch of a transformers `Trainer`, prepared as `compute_loss` gets it."""
     return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
 
 

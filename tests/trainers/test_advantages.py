@@ -77,8 +77,8 @@ def test_best_of_group_judges_the_spread_of_scored_rewards_only():
 # ------------------------------------------------------------------------------------------------ group_advantages
 def library_group_advantages(rewards: list[float], group_size: int, **args) -> dict[int, float]:
     """The library's GRPO on experiences built here (tokens and all), keyed by row; unscored rows left out."""
-    experiences = [Experience(eid=EID(task=row // group_size, run=row % group_size), tokens=torch.zeros(2, dtype=torch.long),
-                              prompt_length=1, reward=value)
+    experiences = [Experience(eid=EID(task=row // group_size, run=row % group_size),
+                              tokens=torch.zeros(2, dtype=torch.long), prompt_length=1, reward=value)
                    for row, value in enumerate(rewards) if math.isfinite(value)]
     out, _ = ADVANTAGE_FN.get("grpo")(**args)(experiences)
     return {exp.eid.task * group_size + exp.eid.run: float(exp.advantages[0]) for exp in out}
@@ -194,10 +194,10 @@ def test_estimator_batch_path_subtracts_the_kl_penalty_before_the_advantages():
 
 
 def test_estimator_batch_path_asks_only_for_the_sources_it_needs():
-    mask = torch.ones(4, 2)
-    result = estimator(ADVANTAGE_FN.get("rloo")())(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, True,
+    mask, rewards = torch.ones(4, 2), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    result = estimator(ADVANTAGE_FN.get("rloo")())(rewards, mask, slice(0, 4), 4, 0, True,
                                                    sources())  # every source raises if called
-    torch.testing.assert_close(result.advantages, rloo_by_hand(torch.tensor([1.0, 2.0, 3.0, 4.0]), 4).unsqueeze(1) * mask)
+    torch.testing.assert_close(result.advantages, rloo_by_hand(rewards, 4).unsqueeze(1) * mask)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -251,8 +251,8 @@ def test_whitening_with_fewer_than_two_tokens_gives_zero_advantages(tokens):
 def test_whitening_with_two_tokens_runs():
     mask = torch.zeros(4, 3)
     mask[0, 0] = mask[1, 0] = 1
-    result = estimator(ADVANTAGE_FN.get("reinforceplusplus")())(torch.tensor([1.0, 3.0, 0.0, 0.0]), mask, slice(0, 4), 4,
-                                                                0, True, sources())
+    rewards = torch.tensor([1.0, 3.0, 0.0, 0.0])
+    result = estimator(ADVANTAGE_FN.get("reinforceplusplus")())(rewards, mask, slice(0, 4), 4, 0, True, sources())
     # returns 1 and 3 on the two trained tokens, whitened: -1/sqrt(2), +1/sqrt(2)
     assert result.advantages[:2, 0].tolist() == pytest.approx([-2 ** -0.5, 2 ** -0.5], abs=1e-5)
 

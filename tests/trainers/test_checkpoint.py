@@ -1,5 +1,6 @@
 """`trinity_trl/trainers/checkpoint.py`: the trainer-state JSON and the generation buffer, written and read back,
-and a buffer file that would run code when unpickled is refused. Resuming whole runs: tests/reliability/test_resume.py."""
+and a buffer file that would run code when unpickled is refused. Resuming whole runs:
+tests/reliability/test_resume.py."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_trainer_state_must_be_json(tmp_path):
 def test_generation_buffer_round_trip(tmp_path):
     buffer = [
         {"prompt_ids": torch.tensor([[1, 2, 3]]), "completion_mask": torch.tensor([[1, 1, 0]]),
-         "advantages": torch.tensor([0.5, -0.5]), "num_items_in_batch": torch.tensor(2), "sampling_per_token_logps": None},
+         "advantages": torch.tensor([0.5, -0.5]), "num_items_in_batch": torch.tensor(2),
+         "sampling_per_token_logps": None},
         {"prompt_ids": torch.tensor([[4, 5, 6]]), "names": ["a", "b"], "count": 3, "ratio": 0.25},
     ]
     save_generation_buffer(str(tmp_path / "ckpt"), 1, buffer)

@@ -109,7 +109,8 @@ def test_expert_rows_need_a_trainer_that_adds_them():
 def test_a_kl_penalty_needs_trainer_side_advantages():
     components = FakeComponents(kl_penalty=SimpleNamespace(enabled=True))
     with pytest.raises(ValueError, match=r"kl_penalty_fn='k1' subtracts a KL from token rewards before trainer-side "
-                                         r"advantages, but algorithm 'custom' computes advantages on experience groups"):
+                                         r"advantages, but algorithm 'custom' computes advantages on experience "
+                                         r"groups"):
         check(algorithm=FakeAlgorithm(kl_penalty_fn="k1"), components=components)
     check(algorithm=FakeAlgorithm(kl_penalty_fn="k1", compute_advantage_in_trainer=True), components=components)
 
@@ -187,8 +188,8 @@ def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
 def test_completion_room():
     check_completion_room(511, 512)
     check_completion_room(10_000, None)  # a model without max_position_embeddings
-    with pytest.raises(ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the model's 512 "
-                                         r"positions"):
+    with pytest.raises(ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the "
+                                         r"model's 512 positions"):
         check_completion_room(512, 512)
 
 
@@ -267,7 +268,8 @@ def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_datase
 
 @pytest.mark.parametrize(
     ("args", "key"),
-    [({"rank_penalty": 0.1}, "rank_penalty"), ({"duplicate_experiences": True, "std_threshold": 0.0}, "duplicate_experiences")],
+    [({"rank_penalty": 0.1}, "rank_penalty"),
+     ({"duplicate_experiences": True, "std_threshold": 0.0}, "duplicate_experiences")],
 )
 def test_unsupported_group_advantage_options(tmp_path, tiny_model_dir, tiny_dataset, args, key):
     with pytest.raises(ValueError, match=key):

@@ -49,7 +49,8 @@ def test_an_override_the_user_also_set_is_an_error():
     algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss_fn_args=user_args)).resolved_algorithm()
     with pytest.raises(ValueError, match=r"policy_loss_fn_args sets \['expert_sample_weight', 'usual_sample_weight'\], "
                                          r"which the trainer derives from its own batch geometry \(would be "
-                                         r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); remove them"):
+                                         r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
+                                         r"remove them"):
         Components.build(algorithm, {"usual_sample_weight": 0.25, "expert_sample_weight": 0.5})
 
 
@@ -65,7 +66,8 @@ def test_model_name_loads_trl_processor_with_hf_tokenizer_corrections(tmp_path, 
         return original(tokenizer, name, **kwargs)
 
     monkeypatch.setattr(tokenizer_module, "correct_tokenizer", spy)
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             train_dataset=tiny_conversational_dataset(),
                              args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)))
     assert calls == [tiny_model_dir]
     assert trainer.processing_class.pad_token is not None
@@ -76,15 +78,16 @@ def test_a_given_processor_is_used_as_it_is(tmp_path, tiny_model_dir, tiny_token
     import trinity_trl.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "correct_tokenizer", lambda *a, **k: pytest.fail("processor was reloaded"))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                             processing_class=tiny_tokenizer,
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             train_dataset=tiny_conversational_dataset(), processing_class=tiny_tokenizer,
                              args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))))
     assert trainer.processing_class is tiny_tokenizer
 
 
 # ------------------------------------------------------------------------------------------ default_output_dir
 def test_default_output_dir():
-    assert default_output_dir("HuggingFaceTB/SmolLM2-135M-Instruct/", "ChordConfig") == "SmolLM2-135M-Instruct-ChordConfig"
+    assert default_output_dir("HuggingFaceTB/SmolLM2-135M-Instruct/", "ChordConfig") == (
+        "SmolLM2-135M-Instruct-ChordConfig")
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path="/models/tiny"))
     assert default_output_dir(model, "TrinityConfig") == "tiny-TrinityConfig"
     assert default_output_dir(SimpleNamespace(config=SimpleNamespace(_name_or_path="")), "X") == "model-X"
@@ -134,7 +137,8 @@ def test_capture_fused_outputs_records_each_outermost_fused_call_once():
 @pytest.mark.parametrize("flag", ["cp_enabled", "sp_enabled"])
 def test_sequence_sharding_is_rejected(flag):
     trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(**{flag: True})))
-    with pytest.raises(ValueError, match=rf"TrinitySFTTrainer does not support context or sequence parallelism \({flag}\)"):
+    with pytest.raises(ValueError, match=rf"TrinitySFTTrainer does not support context or sequence parallelism "
+                                         rf"\({flag}\)"):
         reject_sequence_sharding(trainer, "TrinitySFTTrainer")
 
 

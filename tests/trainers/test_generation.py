@@ -18,7 +18,8 @@ MAX_NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory, tiny_model_dir):
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path_factory.mktemp("generation")),
-                                            max_completion_length=MAX_NEW_TOKENS, generation_kwargs={"do_sample": False}))
+                                            max_completion_length=MAX_NEW_TOKENS,
+                                            generation_kwargs={"do_sample": False}))  # greedy: exact comparisons
     return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
                           train_dataset=tiny_conversational_dataset())
 

@@ -183,7 +183,8 @@ def test_micro_batch_counts_are_clamped_at_one():
 # -------------------------------------------------------------------------------------------------------- global
 def global_counts_of(micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """What the trainer gathers: each generation batch's (tokens, samples), summed over processes."""
-    return torch.stack([LossNormalizer.global_counts(mb["mask"], mb.get("sample_count")) for mb in micro_batches]).sum(0)
+    counts = [LossNormalizer.global_counts(mb["mask"], mb.get("sample_count")) for mb in micro_batches]
+    return torch.stack(counts).sum(0)
 
 
 def test_global_counts_are_tokens_and_samples():
@@ -225,7 +226,8 @@ def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_st
     planned = [normalizer.plan({"global_loss_tokens": tokens, "global_loss_rows": samples}, mb["mask"], mode)
                for mb in micro_batches]
     step_loss = sum(plan(mb["loss"], mb["mask"]) for plan, mb in zip(planned, micro_batches)) / 4
-    whole = agg_loss(torch.cat([mb["loss"] for mb in micro_batches]), torch.cat([mb["mask"] for mb in micro_batches]), mode)
+    whole = agg_loss(torch.cat([mb["loss"] for mb in micro_batches]), torch.cat([mb["mask"] for mb in micro_batches]),
+                     mode)
     torch.testing.assert_close(step_loss, whole, rtol=1e-6, atol=1e-7)
     if mode == "token-mean":
         per_micro_batch = sum(micro_batch(mode, mb["mask"])(mb["loss"], mb["mask"]) for mb in micro_batches) / 4

@@ -81,7 +81,8 @@ def test_paper_titles_that_are_known():
 def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
     expert = Dataset.from_list([{"messages": [{"role": "user", "content": "What is 1+1?"},
                                               {"role": "assistant", "content": "2"}]}])
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert, peft_config=lora_config(),
+    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
+                           peft_config=lora_config(),
                            args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1,
                                                                mu_peak=0.4, mu_decay_steps=10)),
                            train_dataset=tiny_conversational_dataset())

@@ -106,7 +106,8 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
     # every step row is trained exactly once across the micro-batches, padding rows never
     seen = torch.cat([rows["sample_count"] for rows in loss_inputs(trainer)])
     assert int(seen.sum()) == 7 and seen.numel() == 8
-    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0] for rows in loss_inputs(trainer)])
+    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0]
+                                    for rows in loss_inputs(trainer)])
     assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
     # padding rows attend to one pad token but train none (loss mask = completion_mask * tool_mask)
     padding = torch.cat([(rows["completion_mask"] * rows["tool_mask"])[~rows["sample_count"].bool()]
