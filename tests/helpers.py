@@ -1,4 +1,7 @@
-"""Shared test helpers: a tiny tokenizer and model built offline, tiny datasets, CPU GRPO settings, rewards.
+"""Shared test helpers: a tiny tokenizer and model built offline, tiny datasets, CPU GRPO/SFT/DPO settings, rewards,
+and for trainer tests: `recording(cls)` (a trainer that records what flows through TRL's seams), batches made through
+the generation seam (`generate_batch`, `harden_batch`), `loss_and_grads`, and independent log-probs and gradients
+(`plain_token_logps`, `parameter_grads`, `assert_grads_close`).
 
 `tests/conftest.py` puts this directory on `sys.path`, so test modules (and scripts started from tests, e.g. under
 `torchrun`) import these with `from helpers import ...`. Heavy imports (transformers, datasets) happen inside the
@@ -278,7 +281,8 @@ class RewardCall:
 class LogpsCall:
     """One `_get_per_token_logps_and_entropies` call. `arguments`: its arguments by name, defaults applied
     (`model`, `input_ids`, `logits_to_keep`, `batch_size`, `compute_entropy`, ...); `result`: what it returned,
-    as returned (`(logps, entropies, aux_loss)`, not cloned: the log-probs of a training forward carry their graph)."""
+    as returned (`(logps, entropies, aux_loss)`, not cloned: the log-probs of a training forward carry their graph,
+    which the record keeps alive as long as the trainer: fine for the tiny models of the tests)."""
 
     arguments: dict[str, Any]
     result: Any
