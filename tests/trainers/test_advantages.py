@@ -86,7 +86,7 @@ def library_group_advantages(rewards: list[float], group_size: int, **args) -> d
 
 def test_group_advantages_equal_the_library_and_the_formula():
     rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 1.0, 1.0])
-    advantages, kept, metrics = group_advantages(ADVANTAGE_FN.get("grpo")(), rewards, 4, batch_index=3)
+    advantages, kept, _, metrics = group_advantages(ADVANTAGE_FN.get("grpo")(), rewards, 4, batch_index=3)
     expected = library_group_advantages(rewards.tolist(), 4)
     assert advantages.tolist() == pytest.approx([expected[row] for row in range(8)], abs=1e-6)
     grouped = rewards.view(2, 4)
@@ -99,7 +99,7 @@ def test_group_advantages_equal_the_library_and_the_formula():
 
 def test_group_advantages_leave_unscored_rows_out_of_the_statistics():
     rewards = torch.tensor([0.0, NAN, 2.0, 3.0])
-    advantages, kept, _ = group_advantages(ADVANTAGE_FN.get("grpo")(), rewards, 4, batch_index=0)
+    advantages, kept, _, _ = group_advantages(ADVANTAGE_FN.get("grpo")(), rewards, 4, batch_index=0)
     scored = torch.tensor([0.0, 2.0, 3.0])
     expected = (scored - scored.mean()) / (scored.std() + 1e-6)
     assert kept.tolist() == [True, False, True, True]
@@ -109,7 +109,7 @@ def test_group_advantages_leave_unscored_rows_out_of_the_statistics():
 
 def test_group_advantages_mark_filtered_groups_as_not_kept():
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, 3.0])
-    advantages, kept, metrics = group_advantages(ADVANTAGE_FN.get("grpo")(std_threshold=0.0), rewards, 4, 0)
+    advantages, kept, _, metrics = group_advantages(ADVANTAGE_FN.get("grpo")(std_threshold=0.0), rewards, 4, 0)
     assert kept.tolist() == [False] * 4 + [True] * 4
     assert advantages[:4].tolist() == [0.0] * 4
     assert metrics["filtered_count"] == 4.0
@@ -159,7 +159,7 @@ def test_estimator_raft_path_keeps_the_local_best_rows():
 def test_estimator_group_path_gives_each_process_its_slice():
     rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, NAN, 1.0, 4.0])
     fn = ADVANTAGE_FN.get("grpo")()
-    whole, kept, _ = group_advantages(fn, rewards, 4, 0)
+    whole, kept, _, _ = group_advantages(fn, rewards, 4, 0)
     for local in (slice(0, 4), slice(4, 8)):
         result = estimator(fn)(rewards, torch.ones(4, 2), local, 4, 0, True, sources())
         torch.testing.assert_close(result.advantages, whole[local])

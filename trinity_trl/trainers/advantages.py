@@ -73,10 +73,10 @@ def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> t
 def best_of_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``(N,)`` bool: the completions with their group's highest reward, in groups whose rewards
     are not all equal (RAFT). Unscored completions (NaN) are never kept."""
-    grouped = torch.nan_to_num(rewards, nan=-torch.inf).view(-1, group_size)
-    best = grouped.max(dim=1, keepdim=True).values
-    spread = best > grouped.min(dim=1, keepdim=True).values
-    return ((grouped == best) & spread & torch.isfinite(grouped)).view(-1)
+    grouped = rewards.view(-1, group_size)
+    best = torch.nan_to_num(grouped, nan=-torch.inf).max(dim=1, keepdim=True).values
+    worst = torch.nan_to_num(grouped, nan=torch.inf).min(dim=1, keepdim=True).values  # over scored rows only
+    return ((grouped == best) & (best > worst) & torch.isfinite(grouped)).view(-1)
 
 
 def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_size: int, batch_index: int,
