@@ -68,7 +68,7 @@ def force_turns(trainer, script, record=None):
             completions.append(new)
             logprobs.append(logps)
             if record is not None:
-                record.append((ids, new, logps))
+                record.append((ids, list(new), list(logps)))  # TRL extends its lists in place
         return completions, logprobs
 
     trainer._generate_single_turn = generate
@@ -145,3 +145,190 @@ def test_tool_environment_turns_are_steps_with_the_runs_advantage(tmp_path, tool
     assert logs["tools/failure_frequency"] == 0.0
     assert logs["multi_step/cut_runs"] == 0.0
     assert logs["rewards/CalculatorToolEnv/mean"] == 1.0  # get_reward, added by TRL under the class name
+
+
+def logs_of(trainer) -> dict:
+    return {k: v for entry in trainer.state.log_history for k, v in entry.items()}
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_trained_log_probs_are_the_sampled_ones_turn_by_turn(tmp_path, tool_model_dir, shared_prefix):
+    # item 2 (TRL 5224/5242: re-tokenised turns): temperature 1, one completion per generation call, three-turn runs;
+    # every turn's tokens are found in a training row after exactly the context they were sampled in, and the
+    # training forward's log-probs of them equal the ones the generation returned
+    record = []
+
+    def three_turns(text):
+        task, turn = task_of(text), turn_of(text)
+        return [tool_call("calc", expression=f"{task}*3"), tool_call("calc", expression=f"{task}*3-1"),
+                f"Task {task}: {task * 3 - 1}."][turn]
+
+    trainer = make(tmp_path, tool_model_dir, calculator_tasks(4), script=three_turns, record=record, num_generations=2,
+                   per_device_train_batch_size=4, shared_prefix=shared_prefix, learning_rate=0.0)
+    trainer.train()
+    assert len(record) == 12  # 4 runs x 3 turns, each turn sampled once
+    rows = []
+    for input_ids, logps in trainer.forwards:
+        prompt_width = input_ids.size(1) - logps.size(1)
+        for ids, row_logps in zip(input_ids.tolist(), logps):
+            left = next(i for i, t in enumerate(ids) if t != trainer.processing_class.pad_token_id)
+            rows.append((ids[left:], row_logps, prompt_width - left))
+    for context, sampled, sampled_logps in record:
+        found = [(seq, lp, start) for seq, lp, start in rows
+                 if seq[: len(context) + len(sampled)] == context + sampled and len(context) >= start]
+        assert found, "a sampled turn is missing from the training rows (or its context changed)"
+        for seq, lp, start in found:
+            trained = lp[len(context) - start: len(context) - start + len(sampled)]
+            torch.testing.assert_close(trained, torch.tensor(sampled_logps), atol=2e-5, rtol=0)
+    assert logs_of(trainer)["multi_step/steps_per_run"] == 3.0
+
+
+class EchoToolEnv:
+    """A second tool environment for routing: one tool, reward from the dataset's `target` column."""
+
+    def reset(self, target: str, **row):
+        self.target, self.said = target, None
+        return f" Say {target} with the echo tool."
+
+    def echo(self, text: str) -> str:
+        """Repeat a text.
+
+        Args:
+            text: What to repeat.
+        """
+        self.said = text
+        return text
+
+    def get_reward(self) -> float:
+        return float(self.said == self.target)
+
+
+def test_a_dict_of_tool_environments_routed_by_the_environment_column(tmp_path, tool_model_dir):
+    tasks = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"Solve task {i}: what is {i}*3-1?"}] for i in range(4)],
+        "environment": ["calculator", "echo", "calculator", "echo"],
+        "answer": [i * 3 - 1 for i in range(4)],
+        "target": ["a", "b", "c", "d"],
+    })
+    seen = {}
+
+    def script(text):
+        task, turn = task_of(text), turn_of(text)
+        header = text.split("<|im_start|>user")[0]  # the system turn, with the tool schemas
+        seen[task] = ('"name": "echo"' in header, '"name": "calc"' in header)
+        if task % 2:  # echo task: one call, then done
+            return tool_call("echo", text="abcd"[task]) if turn == 0 else f"Task {task} echoed."
+        return calculator_script(text)
+
+    trainer = make(tmp_path, tool_model_dir, tasks, env={"calculator": CalculatorToolEnv, "echo": EchoToolEnv},
+                   script=script, num_generations=2, shuffle_dataset=False)
+    trainer.train()
+    # each row saw only its own environment's tools in its prompt (TRL renders them per environment)
+    assert seen == {0: (False, True), 1: (True, False)}
+    logs = logs_of(trainer)
+    assert logs["multi_step/steps_per_run"] == 3.0  # calculator runs: 4 turns, echo runs: 2 turns
+    assert logs["rewards/CalculatorToolEnv/mean"] == 1.0 and logs["rewards/EchoToolEnv/mean"] == 1.0
+
+
+class OwnsTheData:
+    """Tool environment that owns its tasks: the dataset is TRL's placeholder; reset() returns the question."""
+
+    count = 0
+
+    def reset(self, **row):
+        OwnsTheData.count += 1
+        self.task, self.answer_given = 100 + OwnsTheData.count, None
+        return f"Solve task {self.task}: what is {self.task}*3-1?"
+
+    def answer(self, number: int) -> str:
+        """Submit the answer.
+
+        Args:
+            number: The answer.
+        """
+        self.answer_given = number
+        return "ok"
+
+    def get_reward(self):
+        return float(self.answer_given == self.task * 3 - 1)
+
+
+def test_train_dataset_none_when_the_environment_owns_the_data(tmp_path, tool_model_dir):
+    def script(text):
+        task = task_of(text)
+        return tool_call("answer", number=task * 3 - 1) if turn_of(text) == 0 else "Done."
+
+    trainer = make(tmp_path, tool_model_dir, None, env=OwnsTheData, script=script, max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert logs_of(trainer)["rewards/OwnsTheData/mean"] == 1.0
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two whole numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
+
+
+def test_standalone_tools_without_an_environment(tmp_path, tool_model_dir):
+    def script(text):
+        task = task_of(text)
+        return tool_call("multiply", a=task, b=3) if turn_of(text) == 0 else f"Task {task}: {task * 3 - 1}"
+
+    def answer_in_last_turn(completions, answer, **kwargs):
+        return [float(str(a) in c[-1]["content"]) for c, a in zip(completions, answer)]
+
+    trainer = make(tmp_path, tool_model_dir, calculator_tasks(2), env=None, tools=[multiply], script=script,
+                   reward_funcs=answer_in_last_turn)
+    trainer.train()
+    logs = logs_of(trainer)
+    assert trainer.environment_protocol == "tools" and logs["multi_step/steps_per_run"] == 2.0
+    assert logs["rewards/answer_in_last_turn/mean"] == 1.0 and logs["tools/call_frequency"] == 1.0
+
+
+# ------------------------------------------------------------------------------ item 5: errors, not hangs
+class Flaky:
+    """calc raises on task 1; get_reward is None (cannot score) on task 2; task 3 never stops calling."""
+
+    def reset(self, answer, **row):
+        self.task = (answer + 1) // 3
+        return None
+
+    def calc(self, expression: str) -> str:
+        """Compute.
+
+        Args:
+            expression: The expression.
+        """
+        if self.task == 1:
+            raise RuntimeError("calculator is broken")
+        return "42"
+
+    def get_reward(self):
+        return None if self.task == 2 else 1.0
+
+
+def test_tool_errors_malformed_calls_endless_runs_and_unscorable_rewards(tmp_path, tool_model_dir):
+    def script(text):
+        task, turn = task_of(text), turn_of(text)
+        if task == 0:  # malformed tool call: TRL's parser falls back to text, the run ends there
+            return f"Task {task} " + '<tool_call>\n{"name": "calc", "arguments": {oops}\n</tool_call>'
+        if task == 3:  # never finishes: a tool call every turn
+            return f"Task {task} turn {turn}. " + tool_call("calc", expression="1+1")
+        return f"Task {task}. " + tool_call("calc", expression="1+1") if turn == 0 else f"Task {task} done."
+
+    trainer = make(tmp_path, tool_model_dir, calculator_tasks(4), env=Flaky, script=script, num_generations=2,
+                   per_device_train_batch_size=8, max_env_steps=3)
+    trainer.train()  # nothing raises, nothing hangs
+    logs, batch = logs_of(trainer), trainer.batches[0]
+    assert logs["multi_step/malformed_tool_calls"] == 2.0  # task 0's two runs: one turn each, taken as the answer
+    assert logs["multi_step/cut_runs"] == 2.0  # task 3's runs stopped at max_env_steps=3 turns
+    # the tool that raised answered {"error": ...} to the model (TRL), counted as failures: task 1's 2 calls of 6
+    assert logs["tools/failure_frequency"] == pytest.approx(2 / 8)
+    assert logs["unscorable_count"] == 2.0  # task 2's runs: get_reward None -> NaN -> no gradient, counted
+    # trained steps: task 0 one, task 1 two, task 2 none (unscorable), task 3 three (each turn ended with EOS)
+    assert sum(batch["sample_count"].tolist()) == (1 + 2 + 0 + 3) * 2

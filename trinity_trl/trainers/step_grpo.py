@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,22 +250,37 @@ class StepGRPOTrainer(TrinityTrainer):
             runs.append(run_from_trajectory(prompt, completion, mask, logps))
         return runs
 
-    def _unfinished(self, runs: list[Run]) -> list[bool]:
-        """Whether each tool run's last turn still calls a tool (the run was stopped by ``max_env_steps`` or
-        ``max_completion_length``, not by a final answer), parsed as TRL parses turns."""
+    def _final_turns(self, runs: list[Run]) -> list[str]:
+        """How each tool run ended, its last turn parsed as TRL parses turns (``parse_response``): ``"answer"`` (no
+        tool call), ``"tool_call"`` (still calling a tool: stopped by ``max_env_steps`` or ``max_completion_length``)
+        or ``"malformed"`` (the response template's tool-call opener is there but TRL's parser found no valid call,
+        so TRL took the turn as the final answer: the run ends there, scored as it is)."""
         from trl.chat_template_utils import parse_response
 
-        if getattr(self._tokenizer, "response_template", None) is None and getattr(self._tokenizer, "response_schema", None) is None:
-            return [False] * len(runs)
-        return [bool(parse_response(self._tokenizer, run.steps[-1].completion_ids, prefix=run.steps[-1].prompt_ids,
-                                    tools=self.tools).get("tool_calls")) for run in runs]
+        template = getattr(self._tokenizer, "response_template", None)
+        if template is None and getattr(self._tokenizer, "response_schema", None) is None:
+            return ["answer"] * len(runs)
+        field = (template or {}).get("fields", {}).get("tool_calls", {})
+        opener = field.get("open_pattern") or (re.escape(field["open"]) if field.get("open") else None)
+        endings = []
+        for run in runs:
+            last = run.steps[-1]
+            if parse_response(self._tokenizer, last.completion_ids, prefix=last.prompt_ids, tools=self.tools).get("tool_calls"):
+                endings.append("tool_call")
+            elif opener is not None and re.search(opener, self._tokenizer.decode(last.completion_ids)):
+                endings.append("malformed")
+            else:
+                endings.append("answer")
+        return endings
 
     def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
+        malformed = 0
         if self.environment_protocol == TOOL_PROTOCOL:
             runs = self._tool_runs(output)
-            local = rewards[self._local_rows(len(runs))].tolist()
-            for run, unfinished, reward in zip(runs, self._unfinished(runs), local):
-                run.cut, run.reward = unfinished, reward
+            endings = self._final_turns(runs)
+            for run, ending, reward in zip(runs, endings, rewards[self._local_rows(len(runs))].tolist()):
+                run.cut, run.reward = ending == "tool_call", reward
+            malformed = endings.count("malformed")
         else:
             runs = [row["run"] for row in inputs]
         group_size = self._group_size(mode)
@@ -288,6 +304,8 @@ class StepGRPOTrainer(TrinityTrainer):
             "multi_step/prefix_preserving": sum(r.prefix_preserving for r in runs) / max(1, len(runs)),
             # runs the turn limit stopped before the environment (or a final answer) ended them
             "multi_step/cut_runs": float(self.accelerator.gather(torch.tensor(sum(r.cut for r in runs), device=device)).sum()),
+            # tool runs whose last turn was a tool call TRL could not parse (taken as the final answer)
+            "multi_step/malformed_tool_calls": float(self.accelerator.gather(torch.tensor(malformed, device=device)).sum()),
             "unscorable_count": float((~torch.isfinite(rewards)).sum()),
         })
         # TRL's completions table lists one row per run (its final turn): show that turn's advantage
