@@ -332,3 +332,58 @@ def test_tool_errors_malformed_calls_endless_runs_and_unscorable_rewards(tmp_pat
     assert logs["unscorable_count"] == 2.0  # task 2's runs: get_reward None -> NaN -> no gradient, counted
     # trained steps: task 0 one, task 1 two, task 2 none (unscorable), task 3 three (each turn ended with EOS)
     assert sum(batch["sample_count"].tolist()) == (1 + 2 + 0 + 3) * 2
+
+
+# ---------------------------------------------------------------------------- construction (issue 14)
+class NoStep(Environment):
+    def reset(self, **row):
+        return "hi"
+
+
+@pytest.mark.parametrize("env, match", [
+    (NoStep, r"NoStep subclasses trinity_trl.rollouts.Environment but does not define step"),
+    (object, r"object defines no reset"),
+    (CalculatorToolEnv(), r"must be a callable returning a fresh environment"),
+])
+def test_a_wrong_environment_fails_at_construction(tmp_path, tiny_model_dir, env, match):
+    with pytest.raises(TypeError, match=match):
+        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+                        train_dataset=calculator_tool_dataset(4), environment_factory=env)
+
+
+def test_tool_options_that_cannot_work_fail_at_construction(tmp_path, tiny_model_dir, tool_model_dir):
+    config = tiny_grpo_kwargs(output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="history='messages' is for reset/step environments"):
+        StepGRPOTrainer(model=tool_model_dir, args=StepGRPOConfig(**config, history="messages"),
+                        train_dataset=calculator_tool_dataset(4), environment_factory=CalculatorToolEnv)
+    with pytest.raises(ValueError, match="set max_env_steps=3 and leave max_tool_calling_iterations unset"):
+        StepGRPOConfig(**config, max_tool_calling_iterations=2)
+    assert StepGRPOConfig(**config, max_env_steps=4).max_tool_calling_iterations == 3
+    # a chat template that cannot render tool calls (the tiny ChatML one, like SmolLM2's): TRL's own error
+    with pytest.raises(ValueError, match="does not support tool calling"):
+        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**config), train_dataset=calculator_tool_dataset(4),
+                        environment_factory=CalculatorToolEnv)
+
+
+class Countdown(Environment):
+    """reset/step environment owning its data: a fixed number of turns, then reward 1."""
+
+    def reset(self, **row):
+        assert row == {}  # the placeholder rows hold only `prompt`, which reset/step environments do not receive
+        self.left = 2
+        return "Count down."
+
+    def step(self, action):
+        self.left -= 1
+        return StepResult("again", reward=1.0 if self.left == 0 else 0.0, done=self.left == 0)
+
+
+def test_train_dataset_none_with_a_reset_step_environment(tmp_path, tiny_model_dir):
+    trainer = StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(
+        output_dir=str(tmp_path), max_steps=1)), train_dataset=None, environment_factory=Countdown)
+    trainer.train()
+    assert trainer.environment_protocol == "reset/step"
+    assert logs_of(trainer)["multi_step/steps_per_run"] == 2.0
+    with pytest.raises(ValueError, match="needs max_steps > 0"):
+        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path),
+                        max_steps=-1)), environment_factory=Countdown)
