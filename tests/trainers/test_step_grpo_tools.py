@@ -387,3 +387,14 @@ def test_train_dataset_none_with_a_reset_step_environment(tmp_path, tiny_model_d
     with pytest.raises(ValueError, match="needs max_steps > 0"):
         StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path),
                         max_steps=-1)), environment_factory=Countdown)
+
+
+def test_the_tool_recipe_config_trains(tmp_path, tool_model_dir):
+    from trinity_trl.cli import run as cli
+
+    trainer = cli(["step_grpo", "--config", "step_grpo_tools_cpu", "--model_name_or_path", tool_model_dir,
+                   "--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--num_tasks", "8",
+                   "--max_completion_length", "16", "--max_env_steps", "2", "--lora_r", "4", "--lora_alpha", "8"])
+    assert trainer.state.global_step == 2 and trainer.environment_protocol == "tools"
+    assert sorted(t.__name__ for t in trainer.tools) == ["answer", "calc"]
+    assert (tmp_path / "run" / "training_log.json").is_file()
