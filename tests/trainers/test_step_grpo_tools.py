@@ -13,7 +13,6 @@ makes to generate.
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import pytest
@@ -45,17 +44,22 @@ def tool_call(name: str, **arguments) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
-def force_turns(trainer, script, record=None):
+def force_turns(trainer, script, record=None, free=False):
     """Replace the trainer's single-turn generation with forced sampling (see the module docstring).
-    ``script(conversation_text) -> next turn text``; ``record`` collects ``(prompt_ids, ids, logprobs)``."""
+    ``script(conversation_text) -> next turn text``; ``record`` collects ``(prompt_ids, ids, logprobs)``. With
+    ``free``, a call whose every turn the script answers ``None`` is TRL's own, unforced generation."""
     model, tokenizer = trainer.model, trainer.processing_class
     eos = tokenizer.eos_token_id
+    own = trainer._generate_single_turn
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        texts = [script(tokenizer.decode(list(ids))) for ids in prompt_ids]
+        if free and all(text is None for text in texts):
+            return own(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         completions, logprobs = [], []
-        for ids in prompt_ids:
+        for ids, text in zip(prompt_ids, texts):
             ids = list(ids)
-            target = tokenizer(script(tokenizer.decode(ids)), add_special_tokens=False)["input_ids"] + [eos]
+            target = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
             target = target[: trainer.max_completion_length]
             with torch.no_grad():
                 out = model.generate(
@@ -69,7 +73,7 @@ def force_turns(trainer, script, record=None):
             logprobs.append(logps)
             if record is not None:
                 record.append((ids, list(new), list(logps)))  # TRL extends its lists in place
-        return completions, logprobs
+        return completions, (None if free else logprobs)  # mixed with TRL's own path, which has none
 
     trainer._generate_single_turn = generate
     return trainer
@@ -398,3 +402,60 @@ def test_the_tool_recipe_config_trains(tmp_path, tool_model_dir):
     assert trainer.state.global_step == 2 and trainer.environment_protocol == "tools"
     assert sorted(t.__name__ for t in trainer.tools) == ["answer", "calc"]
     assert (tmp_path / "run" / "training_log.json").is_file()
+
+
+# ------------------------------------------------------------------------ the bundled model (slow)
+@pytest.mark.slow
+def test_bundled_smollm2_calculator_tool_task(tmp_path):
+    """SmolLM2-135M-Instruct with TRL's Qwen2.5 tool template on CalculatorToolEnv. The 135M model does not write
+    tool calls by itself (no call in 12 samples with the tool schemas, a system-prompt example or a one-shot
+    dialogue), so each run's FIRST turn is forced to a calc call (sampled by the real model, see force_turns);
+    everything after is the model's own sampling through TRL's generation. Shows on the real model and template:
+    TRL parses the call, CalculatorToolEnv executes it, the result is rendered as a tool turn, the model's own
+    next turn follows, and both turns are trained as steps for a few optimizer steps."""
+    import time
+
+    from peft import LoraConfig
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from trinity_trl.data import bundled_model_dir
+    from trinity_trl.trainers.common import load_processor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/test_bundled_model.py::one_torch_thread
+    try:
+        args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2,
+                                                 per_device_train_batch_size=4, max_completion_length=96,
+                                                 max_env_steps=3, temperature=1.0, learning_rate=1e-4))
+        tokenizer = load_processor(bundled_model_dir(), args)
+        tokenizer.chat_template = qwen2_5_chat_template
+        trainer = Recording(model=bundled_model_dir(), processing_class=tokenizer, args=args,
+                            train_dataset=calculator_tool_dataset(8, seed=1), environment_factory=CalculatorToolEnv,
+                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                   task_type="CAUSAL_LM"))
+
+        def first_turn_calls_calc(text):
+            if turn_of(text) > 0:
+                return None  # the model's own turn
+            c, a, b = re.findall(r"has (\d+) boxes with (\d+) apples each and sells (\d+)", text)[-1]
+            return tool_call("calc", expression=f"{c}*{a}-{b}")
+
+        force_turns(trainer, first_turn_calls_calc, free=True)
+        start = time.perf_counter()
+        trainer.train()
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    logs = [entry for entry in trainer.state.log_history if "multi_step/steps_per_run" in entry]
+    assert len(logs) == 2 and trainer.state.global_step == 2
+    for entry in logs:
+        assert entry["tools/call_frequency"] >= 1.0 and entry["tools/failure_frequency"] == 0.0  # parsed, executed
+        assert entry["multi_step/steps_per_run"] >= 2.0  # the model's own turn after the tool result is a step
+        assert entry["rewards/CalculatorToolEnv/mean"] >= 0.2  # get_reward saw the right value computed by calc
+    rows = [trainer.processing_class.decode(ids) for batch in trainer.batches for ids in batch["completion_ids"]]
+    assert all(re.search(r"<tool_response>\n-?\d+\n</tool_response>", row) for row in rows if row.strip())
+    print(f"\n2 steps in {elapsed:.0f} s; per step: " + "; ".join(
+        f"steps/run {e['multi_step/steps_per_run']}, tool calls/run {e['tools/call_frequency']}, reward "
+        f"{e['rewards/CalculatorToolEnv/mean']:.2f}, cut {e['multi_step/cut_runs']}, malformed "
+        f"{e['multi_step/malformed_tool_calls']}" for e in logs))
+    print("a run's second turn (the model's own):", repr(rows[0].split("</tool_response>")[-1][:200]))

@@ -1,4 +1,9 @@
-"""Multi-step environments and the rollout that turns episodes into one sample per turn."""
+"""Multi-step environments and the rollouts that turn episodes into one sample per turn.
+
+Two environment protocols (:mod:`.protocols`): this package's reset/step :class:`Environment`, played by
+:class:`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
+:func:`run_from_trajectory`. OpenEnv environments: :mod:`.openenv` (the ``openenv`` extra).
+"""
 
 from .environment import Environment, EnvironmentFailure, StepResult
 from .envs import (
@@ -11,8 +16,6 @@ from .envs import (
 )
 from .generation import Generator
 from .multi_step import MultiStepRollout, Run, Step
-from .protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
-from .trajectories import run_from_trajectory
 from .protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
 from .trajectories import run_from_trajectory
 

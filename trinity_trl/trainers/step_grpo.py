@@ -31,7 +31,7 @@ from trl.trainer.utils import pad
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..rollouts import MultiStepRollout
 from ..rollouts.multi_step import HISTORY_MODES, Run
-from ..rollouts.protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
+from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
 from . import checks
 from .config import TrinityConfig
