@@ -54,10 +54,28 @@ def adapted(code: str, model_dir: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def block_results(tmp_path_factory, tiny_model_dir):
+def readme_model_dir(tmp_path_factory):
+    """The tiny model with TRL's stored Qwen2.5 chat template (ChatML that renders tools, as Qwen2.5's own does),
+    so the tool-environment block runs as it would with the model it names."""
+    import trl.chat_template_utils
+    from helpers import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = trl.chat_template_utils.qwen2_5_chat_template
+    model = build_tiny_model(tokenizer)
+    model.config.max_position_embeddings = 4096  # tool schemas in the prompt are long in the tiny vocabulary
+    path = tmp_path_factory.mktemp("readme_model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory, readme_model_dir):
     """Run every block once; ``{line: None or the traceback}`` and the fake Hub that received the pushes."""
     from fake_hub import FakeHub
 
+    tiny_model_dir = readme_model_dir
     root = tmp_path_factory.mktemp("readme")
     scripts = []
     for line, code in BLOCKS:
