@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from trinity_trl.rollouts.environment import EnvironmentFailure
 from trinity_trl.rollouts import Environment, MultiStepRollout, StepResult
 
 USER, ASSISTANT, EOS, NEWLINE = 1000, 1001, 1002, 1003
@@ -230,7 +231,7 @@ def test_step_must_return_a_step_result():
         def step(self, action):
             return ("obs", 1.0, True)
 
-    with pytest.raises(TypeError, match="environment.step must return a StepResult, got tuple"):
+    with pytest.raises(EnvironmentFailure, match=r"run 0 \(\), turn 0: Sloppy.step\(\) must return a StepResult, got tuple"):
         MultiStepRollout(ScriptedGenerator(echo), Sloppy, max_steps=2)([{"prompt": "a"}])
 
 
@@ -242,7 +243,7 @@ def test_an_unfinished_episode_needs_an_observation():
         def step(self, action):
             return StepResult(None, done=False)
 
-    with pytest.raises(ValueError, match="returned no observation for an episode that is not done"):
+    with pytest.raises(EnvironmentFailure, match=r"turn 0: Mute.step\(\) returned no observation for an episode that is not done"):
         MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=2)([{"prompt": "a"}])
     # on the last allowed turn no observation is needed: the run ends anyway
     (run,) = MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=1)([{"prompt": "a"}])

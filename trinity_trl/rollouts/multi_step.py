@@ -137,7 +137,8 @@ class MultiStepRollout:
                 for j, i in enumerate(active):
                     run, completion = runs[i], list(completions[j])
                     text = generator.decode(completion)
-                    result = self._step(environments[i], text, f"run {i} ({_describe(rows[i])}), turn {turn}")
+                    where = f"run {i} ({_describe(rows[i])}), turn {turn}"
+                    result = self._step(environments[i], text, where)
                     reward = math.nan if result.reward is None else float(result.reward)
                     run.steps.append(Step(prompts[i], completion, logprobs[j] if logprobs is not None else None,
                                           reward, text))
@@ -148,6 +149,9 @@ class MultiStepRollout:
                     elif turn == self.max_steps - 1:
                         run.done, run.cut = True, True
                         self._close(environments[i])
+                    elif result.observation is None:  # the run goes on, so the model needs something to read
+                        raise EnvironmentFailure(f"{where}: {type(environments[i]).__name__}.step() returned no "
+                                                 "observation for an episode that is not done")
                     else:
                         prompts[i] = self._next_prompt(run, prompts[i], completion, text, result.observation)
         finally:
@@ -165,9 +169,6 @@ class MultiStepRollout:
         if not isinstance(result, StepResult):
             raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() must return a StepResult, got "
                                    f"{type(result).__name__}")
-        if not result.done and result.observation is None:
-            raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() returned no observation for an episode "
-                                   "that is not done")
         return result
 
     @staticmethod
