@@ -41,6 +41,7 @@ TRL's padded forward with one log line naming the reason (:class:`PrefixPacking`
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -474,15 +475,20 @@ class PrefixPacking:
         self.max_token_ratio = max_token_ratio
         self._unwrap = unwrap
         self._autocast = autocast
-        self._reasons: dict[int, str | None] = {}  # per model (id of the unwrapped module)
+        # per model as passed (DDP / PEFT wrapper): (the transformers model inside, why it runs padded);
+        # unwrapping costs milliseconds per call in accelerate
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._logged: set[str] = set()
+
+    def _inspect(self, model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+        if model not in self._models:
+            inner = causal_lm(model, self._unwrap)
+            self._models[model] = (inner, unsupported_reason(inner))
+        return self._models[model]
 
     def model_reason(self, model: torch.nn.Module) -> str | None:
         """Why ``model`` runs padded (``None``: it can be packed); checked once per model."""
-        inner = causal_lm(model, self._unwrap)
-        if id(inner) not in self._reasons:
-            self._reasons[id(inner)] = unsupported_reason(inner)
-        return self._reasons[id(inner)]
+        return self._inspect(model)[1]
 
     def _fall_back(self, reason: str) -> None:
         if reason not in self._logged:
@@ -522,7 +528,7 @@ class PrefixPacking:
         chunks = self._pack(model, input_ids, attention_mask, logits_to_keep, batch_size, extra)
         if chunks is None:
             return None
-        backbone = causal_lm(model, self._unwrap).base_model
+        backbone = self._inspect(model)[0].base_model
         shape = (input_ids.shape[0], logits_to_keep)
         index, logps, entropies = [], [], []
         for packed in chunks:
