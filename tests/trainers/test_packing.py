@@ -317,14 +317,15 @@ def test_lora_adapter_and_disabled_adapter_reference_equal_padded(tmp_path, mode
 @pytest.mark.parametrize("arch_peft", [("qwen2", False), ("llama", True)])
 def test_training_with_accumulation_and_iterations_equals_padded(tmp_path, tiny_model_dir, llama_model_dir, arch_peft):
     """Two optimizer steps from one generation batch (GA 2, num_iterations 2: TRL itself computes behaviour
-    log-probs, and reference ones for the KL), plain SGD: same logged losses, gradient norms and final weights."""
+    log-probs, and reference ones for the KL), plain SGD: same logged losses, gradient norms and final weights.
+    The LoRA case also checkpoints activations (the layers recompute their forward, mask included, in backward)."""
     arch, peft = arch_peft
     results = {}
     for packing in (True, False):
         args = TrinityConfig(**tiny_grpo_kwargs(
             output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4, gradient_accumulation_steps=2,
             num_iterations=2, kl_loss_fn="k3", kl_loss_fn_args={"kl_coef": 0.1}, optim="sgd", learning_rate=0.1,
-            entropy_loss_fn_args={"entropy_coef": 0.01}, prefix_packing=packing))
+            entropy_loss_fn_args={"entropy_coef": 0.01}, prefix_packing=packing, activation_checkpointing=peft))
         trainer = TrinityTrainer(model=tiny_model_dir if arch == "qwen2" else llama_model_dir,
                                  reward_funcs=length_reward, args=args, train_dataset=conversational_dataset(),
                                  peft_config=copy.deepcopy(LORA) if peft else None)

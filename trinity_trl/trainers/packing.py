@@ -509,8 +509,9 @@ class PrefixPacking:
         if reason is not None:
             self._fall_back(reason)
             return None
+        chunks = [c for c in chunks if c.num_tokens]  # rows without any token have nothing to score
         forwarded = sum(c.num_tokens for c in chunks)
-        if forwarded > self.max_token_ratio * input_ids.numel():
+        if not chunks or forwarded > self.max_token_ratio * input_ids.numel():
             return None  # too little shared or padded to be worth it: the padded forward is as fast
         return chunks
 
