@@ -227,6 +227,33 @@ def test_tree_attention_equals_sdpa_with_the_dense_tree_mask(gqa):
     assert tree_attention is not None  # the kernel SDPA dispatches to through the mask (no other use of it)
 
 
+def test_flash_varlen_path_gathers_each_segments_path(monkeypatch):
+    """The CUDA path's arguments (queries as packed, each segment's gathered path as its keys, cu_seqlens, causal
+    bottom-right) checked on CPU with a reference varlen attention standing in for FlashAttention's kernel."""
+    from trinity_trl.trainers import packing
+
+    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        assert causal and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qi, ki, vi = (t[a:b].transpose(0, 1) for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                                                                  (v, cu_k[i], cu_k[i + 1])))
+            mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                                         scale=softmax_scale).transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(packing, "attention_backend", lambda device, dtype: "flash_attn_varlen")
+    monkeypatch.setattr(packing, "_flash_varlen", lambda: reference_varlen)
+    generator = torch.Generator().manual_seed(2)
+    ids, mask, keep = padded_batch(grouped_rows(generator))
+    (packed,) = pack_rows(ids, mask, keep)
+    q, k, v = (torch.randn(1, 4, packed.num_tokens, 8, generator=generator) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packed.attention_mask(), scale=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(packed), scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_tree_mask_is_only_an_sdpa_mask():
     mask = TreeAttentionMask([], "cpu")
     assert mask.shape == (1, 1, 0, 0) and mask.device.type == "cpu"  # transformers takes it as a prepared 4D mask

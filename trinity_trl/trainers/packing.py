@@ -288,7 +288,7 @@ class TreeAttentionMask(torch.Tensor):
         if func is torch.Tensor.to:  # device placement of inputs (DDP, accelerate): already where it belongs
             return args[0]
         name = getattr(func, "__name__", "")
-        if name in ("__get__", "__repr__", "dim", "size", "__len__") or func in _METADATA:
+        if name in _METADATA:  # shape, device, dtype, ndim (property getters), repr: those of the empty tensor
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise TypeError(
@@ -296,14 +296,13 @@ class TreeAttentionMask(torch.Tensor):
             "the model's attention must be 'sdpa' (set prefix_packing=False to forward padded rows)"
         )
 
-    def _plan(self, device: torch.device, heads_dim_kv: int) -> _SegmentPlan:
-        key = (device, heads_dim_kv)
-        if key not in self._plans:
-            self._plans[key] = _SegmentPlan(self.segments, device)
-        return self._plans[key]
+    def _plan(self, device: torch.device) -> _SegmentPlan:
+        if device not in self._plans:
+            self._plans[device] = _SegmentPlan(self.segments, device)
+        return self._plans[device]
 
 
-_METADATA = (torch.Tensor.dim, torch.Tensor.size)
+_METADATA = ("__get__", "__repr__", "dim", "size", "__len__")
 
 
 class _SegmentPlan:
@@ -362,7 +361,7 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     ``(1, H, N, D)``."""
     if query.shape[0] != 1:
         raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
-    plan = attn_mask._plan(query.device, key.shape[1])
+    plan = attn_mask._plan(query.device)
     if attention_backend(query.device, query.dtype) == "flash_attn_varlen" and query.shape[-1] <= 256:
         flash = _flash_varlen()
         q = query[0].transpose(0, 1)
