@@ -257,7 +257,8 @@ def markdown(report: dict) -> str:
     lines = [
         "# Prefix-shared packed training forward vs TRL's `GRPOTrainer`",
         "",
-        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Command: `{report['command']}`",
+        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Command: "
+        + "; then ".join(f"`{x}`" for x in report["commands"]),
         "",
         bc.machine_line(m),
         f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end.",
@@ -317,6 +318,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bundled-point", type=int, nargs=3, metavar=("P", "C", "G"), default=[256, 32, 8],
                         help="one point on the bundled SmolLM2-135M-Instruct ('none' with --no-bundled)")
     parser.add_argument("--no-bundled", action="store_true", help="skip the bundled-model point")
+    parser.add_argument("--only-bundled", action="store_true", help="run the bundled-model point only")
+    parser.add_argument("--resume", metavar="JSON",
+                        help="a prefix_packing.json from an earlier (cut short) run: keep its points, run the others")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed")
     parser.add_argument("--long-prompt", type=int, default=1024,
@@ -360,15 +364,26 @@ def main(argv=None) -> int:
     # the target points first, then the rest from the cheapest: the report is rewritten after every point, so a
     # run cut short still holds whole points
     points.sort(key=lambda x: (x[1:] != TARGETS["headline"], x[1] != TARGETS["short_prompt"], x[3] * (x[1] + x[2])))
+    if args.only_bundled:
+        points = []
     if not args.no_bundled:
         points.append(("bundled", *args.bundled_point))
-    results, parameters, descriptions = [], {}, {}
+    results, parameters, descriptions, commands = [], {}, {}, []
+    if args.resume:
+        earlier = json.loads(Path(args.resume).read_text())
+        results = earlier["results"]
+        parameters, descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
+        commands = earlier.get("commands", [earlier["command"]])
+        done = {(r["model"], r["prompt_len"], r["completion_len"], r["generations"]) for r in results}
+        points = [p for p in points if p not in done]
+        args.resumed_wall_s = earlier["total_wall_s"]
     index = 0
     with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp_name:
         tmp = Path(tmp_name)
         paths = {}
         for model in dict.fromkeys(p[0] for p in points):
             paths[model], descriptions[model] = resolve_model(model, args, tmp)
+        args.commands = commands
         for n, (model, p, c, g) in enumerate(points):
             focus = p == TARGETS["short_prompt"] or (p, c, g) == TARGETS["headline"]
             repeats = args.focus_repeats if focus and model == "tiny" else args.repeats
@@ -396,6 +411,8 @@ def main(argv=None) -> int:
                             "steps": steps, "warmup": warmup,
                             "comparison": compare(runs["ours"], runs["trl"], warmup, memory_key), "runs": runs})
             write(args, argv, results, points[n + 1:], parameters, descriptions, started, load_start)
+    if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
+        write(args, argv, results, [], parameters, descriptions, started, load_start)
     return 0
 
 
@@ -416,13 +433,15 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "short_prompt_met": None if not short else max(short) <= TARGETS["short_prompt_train_time_ratio_max"],
         "all_equivalent": all(r["comparison"]["equivalence"]["equivalent"] for r in results),
     }
+    command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
     report = {
         "benchmark": "prefix_packing",
-        "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
+        "command": command,
+        "commands": [*getattr(args, "commands", []), command],  # a resumed report: every run that made it
         "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
         "load_average_start": load_start,
         "load_average_end": bc.loadavg(),
-        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "commands", "resumed_wall_s")},
         "model_description": descriptions.get("tiny") or next(iter(descriptions.values())),
         "model_descriptions": descriptions,
         "parameters": parameters.get("tiny") or next(iter(parameters.values())),
@@ -432,7 +451,7 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "summary": summary,
         "results": results,
         "not_measured": [list(p) for p in missing],
-        "total_wall_s": time.perf_counter() - started,
+        "total_wall_s": time.perf_counter() - started + getattr(args, "resumed_wall_s", 0.0),
     }
     bc.write_report(args.out, "prefix_packing", report, markdown(report))
 
