@@ -281,7 +281,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mk = report["memory_key"]
-    for point in report["results"]:
+    for point in sorted(report["results"], key=lambda r: (r["model"] != "tiny", r["prompt_len"], r["completion_len"],
+                                                          r["generations"])):
         r = point["comparison"]
         o, t, e = r["ours"], r["trl"], r["equivalence"]
         lines.append(
