@@ -143,15 +143,18 @@ def _dataset_name(dataset: Any) -> str | None:
 
 
 def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
-    """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation."""
+    """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation in the run's engine
+    (sharded like TRL's reference model under DeepSpeed ZeRO-3 and FSDP)."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
+
+    from .engines import prepare_frozen_model
 
     if isinstance(teacher_model, str):
         teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=dtype)
     teacher_model.eval().requires_grad_(False)
     add_fused_lm_head(teacher_model, temperature=temperature, outputs=("log_probs", "entropy"))
-    return accelerator.prepare_model(teacher_model, evaluation_mode=True)
+    return prepare_frozen_model(teacher_model, accelerator)
 
 
 def default_output_dir(model: Any, suffix: str) -> str:
@@ -173,12 +176,14 @@ class AlgorithmCardMixin:
         from transformers import TrainingArguments
 
         from .checks import check_hub_reachable
+        from .engines import check_engine
 
         self._card_sections: list[str] = []
         self._card_dataset: str | None = None
         config = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
         check_hub_reachable(config)  # before transformers creates the Hub repository
         super().__init__(*args, **kwargs)
+        check_engine(self)  # FSDP asked for but not set up by Accelerate (engines.py)
 
     def add_model_card_section(self, markdown: str) -> None:
         """Add a Markdown section (e.g. an evaluation) to every model card written from now on."""
