@@ -19,6 +19,7 @@ from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
 from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
+from .checkpoint import CompleteCheckpoints
 from .model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
 from .trl_seams import temporarily
 
@@ -163,10 +164,11 @@ def default_output_dir(model: Any, suffix: str) -> str:
     return f"{str(name).rstrip('/').split('/')[-1]}-{suffix}"
 
 
-class AlgorithmCardMixin:
+class AlgorithmCardMixin(CompleteCheckpoints):
     """Appends the algorithm section (name, paper, resolved components) and any sections added with
     :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
-    not only on checkpoints and Hub pushes."""
+    not only on checkpoints and Hub pushes. Checkpoints are marked complete and resuming skips
+    incomplete ones (:class:`~.checkpoint.CompleteCheckpoints`)."""
 
     algorithm: AlgorithmConfig
     #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
