@@ -50,6 +50,12 @@ def apply_cpu_defaults(config: Any) -> None:
     """
     global _CPU_DEFAULTS_ANNOUNCED
     on_cpu = config.use_cpu or not accelerator_available()
+    if config.fp16 and on_cpu:
+        # accelerate 1.15 enables fp16 autocast and its gradient scaler only on GPU-like devices (Accelerator
+        # sets native_amp for fp16 when the device is not "cpu"): on a CPU fp16=True would train in float32
+        raise ValueError(f"{type(config).__name__}: fp16=True does nothing on a CPU (Accelerate runs fp16 only on "
+                         "GPUs and would silently train in float32 here); use bf16=True, or leave both unset for "
+                         "float32")
     changed = []
     if config.bf16 is None and not config.fp16 and on_cpu:
         config.bf16 = False

@@ -293,7 +293,8 @@ class PPOTrainer(TrinityTrainer):
         sources = super()._advantage_sources(output)
 
         def old_values() -> torch.Tensor:
-            # once per generation batch, no gradient, outside DDP (no collective per chunk)
+            # once per generation batch, no gradient (outside DDP: no collective per chunk; FSDP and DeepSpeed
+            # gather their shards, every process alike)
             with torch.no_grad():
                 output["old_values"] = self._critic_values(
                     self._critic.scoring_module(), output, batch_size=self.args.per_device_train_batch_size)

@@ -21,9 +21,12 @@ For each case it writes `<out>/<case>_rank<R>.pt` (plain tensors, lists, numbers
 (distributed type, ZeRO stage, FSDP version, world size), `logs` (the per-step log dicts), `completions` (the
 completion ids of every generation batch of this rank), `accuracy` and `eval_completions` (the recipes'
 `held_out_accuracy` before and after training, and the greedy completions it scored), and on rank 0 `weights`
-(the full trained parameters, gathered from every rank: LoRA adapter, or the whole model) and `critic` (PPO).
+and `weights_step_2` (the full trained parameters at the end and after step 2, gathered from every rank: LoRA
+adapter, or the whole model), `critic` and `critic_step_2` (PPO's value model) and `checkpoints` (what the output
+folder holds).
 
 Usage: engine_run.py MODEL_DIR OUT_DIR CASE [CASE ...] [--steps N] [--save_steps K] [--resume] [--teacher DIR]
+       [--no_cpu_fsdp]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 import torch  # noqa: E402
 from cpu_fsdp import enable_fsdp_on_cpu  # noqa: E402
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 CASES = ("trinity_full", "chord_lora", "distill", "ppo", "ppo_lora")
 
@@ -141,6 +145,34 @@ def full_trained_weights(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().clone() for k, v in state.items() if k in trainable}
 
 
+class WeightsAt(TrainerCallback):
+    """Gather the trained weights (and PPO's critic) at the end of optimizer step ``step`` (every rank takes part)."""
+
+    def __init__(self, trainer, step: int):
+        self.trainer, self.step, self.weights, self.critic = trainer, step, None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.weights = full_trained_weights(self.trainer)
+            if hasattr(self.trainer, "critic_state_dict"):
+                self.critic = _cpu(self.trainer.critic_state_dict())
+
+
+def _cpu(state: dict) -> dict:
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def sharded(model) -> bool | None:
+    """Whether every parameter of ``model`` is a shard: a ZeRO-3 partitioned parameter or an FSDP2 DTensor
+    (``None`` without a model)."""
+    if model is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    return bool(params) and all(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in params)
+
+
 def engine_of(trainer) -> dict:
     state = trainer.accelerator.state
     plugin = getattr(state, "deepspeed_plugin", None)
@@ -148,7 +180,10 @@ def engine_of(trainer) -> dict:
     return {"distributed_type": str(state.distributed_type.value), "world": state.num_processes,
             "zero_stage": plugin.zero_stage if plugin is not None else None,
             "fsdp_version": fsdp.fsdp_version if fsdp is not None else None,
-            "model_class": type(trainer.model_wrapped).__name__}
+            "model_class": type(trainer.model_wrapped).__name__,
+            "sharded": {"policy": sharded(trainer.model_wrapped), "reference": sharded(trainer.ref_model),
+                        "teacher": sharded(getattr(trainer, "teacher_model", None)),
+                        "critic": sharded(getattr(trainer, "critic", None))}}
 
 
 def run(case: str, options: argparse.Namespace) -> None:
@@ -156,6 +191,8 @@ def run(case: str, options: argparse.Namespace) -> None:
     torch.manual_seed(0)
     trainer = build(case, options.model_dir, os.path.join(out_dir, case), options.steps, options.save_steps, options.teacher)
     completions = recording(trainer)
+    at_step_2 = WeightsAt(trainer, 2)
+    trainer.add_callback(at_step_2)
     record: dict = {"engine": engine_of(trainer), "accuracy": {}, "eval_completions": {}}
     if not resume:
         record["accuracy"]["before"], record["eval_completions"]["before"] = held_out(trainer, "before")
@@ -165,8 +202,11 @@ def run(case: str, options: argparse.Namespace) -> None:
     record["logs"] = [h for h in trainer.state.log_history if "loss" in h]
     record["completions"] = completions
     record["weights"] = full_trained_weights(trainer)
+    record["weights_step_2"] = at_step_2.weights
     if hasattr(trainer, "critic_state_dict"):
-        record["critic"] = trainer.critic_state_dict()
+        record["critic"] = _cpu(trainer.critic_state_dict())
+        record["critic_step_2"] = at_step_2.critic
+    record["checkpoints"] = sorted(os.listdir(os.path.join(out_dir, case))) if trainer.accelerator.is_main_process else []
     rank = trainer.accelerator.process_index
     torch.save(record, os.path.join(out_dir, f"{case}_rank{rank}.pt"))
     del trainer
@@ -181,8 +221,10 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--teacher", default=None, help="teacher model of the distill case")
+    parser.add_argument("--no_cpu_fsdp", action="store_true",
+                        help="leave Accelerate's choice for FSDP on CPU processes (MULTI_CPU), which trainers refuse")
     options = parser.parse_args()
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not options.no_cpu_fsdp:
         enable_fsdp_on_cpu()
     torch.set_num_threads(1)
     for case in options.cases:
