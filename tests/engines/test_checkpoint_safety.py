@@ -187,3 +187,23 @@ def test_transformers_refuses_a_pickled_object_in_its_own_files_too(tmp_path, ti
     with pytest.raises(Exception, match="Weights only load failed"):
         trainer().train(resume_from_checkpoint=str(checkpoint))
     assert not evidence.exists()
+
+
+def test_the_recipe_resume_option_skips_a_partial_checkpoint(tmp_path, tiny_model_dir, caplog):
+    """`trinity-trl cispo ... --resume_from_checkpoint true` (or the output folder) resumes from the last complete
+    checkpoint of the output folder."""
+    from trinity_trl.cli import run as cli
+
+    tiny = ["--config", "cispo_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
+            "--num_train_rows", "8", "--num_eval_rows", "4", "--max_completion_length", "8",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8",
+            "--save_strategy", "steps", "--save_steps", "1", "--plot", "false", "--disable_tqdm", "true"]
+    cli(["cispo", *tiny, "--max_steps", "2"])
+    (tmp_path / "checkpoint-2" / COMPLETE_FILE).unlink()
+    caplog.set_level(logging.INFO, logger="trinity_trl")
+    trainer = cli(["cispo", *tiny, "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"Skipping checkpoint {tmp_path / 'checkpoint-2'}" in m for m in messages)
+    assert f"Resuming from {tmp_path / 'checkpoint-1'}" in messages
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]  # steps 2 and 3 after resuming
+    assert all(incompleteness(str(tmp_path / f"checkpoint-{s}")) is None for s in (1, 2, 3))

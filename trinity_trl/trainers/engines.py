@@ -7,10 +7,10 @@ gathers them, and under FSDP every rank must run the same collectives.
 
 * :func:`prepare_frozen_model`: a model that is only evaluated (teacher), prepared as TRL prepares the reference
   model (``prepare_deepspeed`` / ``prepare_fsdp`` / ``accelerator.prepare_model``).
-* :func:`check_engine`: a run that asked for FSDP but got another engine is refused. Accelerate 1.15 builds the
-  FSDP plugin from its config but keeps ``DistributedType.MULTI_CPU`` for CPU processes (``accelerate/state.py``
-  turns only GPU-like distributed types into ``FSDP``), so the model would silently be trained with DDP while
-  transformers saves checkpoints as if it were sharded.
+* :func:`check_engine`: a run that asked for FSDP (an accelerate config with ``distributed_type: FSDP``, or
+  ``fsdp=...``) but got another engine is refused. Accelerate 1.15 keeps ``DistributedType.MULTI_CPU`` for CPU
+  processes and drops the FSDP plugin (``accelerate/state.py`` turns only GPU-like distributed types into ``FSDP``),
+  so the model would silently be trained with DDP (or in one unsharded process).
 """
 
 from __future__ import annotations
@@ -52,10 +52,14 @@ def prepare_frozen_model(model: Any, accelerator) -> Any:
 
 def check_engine(trainer: Any) -> None:
     """Refuse a run whose requested engine Accelerate did not set up (see the module docstring)."""
+    import os
+
     from accelerate.utils import DistributedType
 
     state = trainer.accelerator.state
-    if getattr(state, "fsdp_plugin", None) is not None and state.distributed_type != DistributedType.FSDP:
+    requested = (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp)
+                 or getattr(state, "fsdp_plugin", None) is not None)
+    if requested and state.distributed_type != DistributedType.FSDP:
         raise ValueError(
             f"FSDP was requested (accelerate config or fsdp=...), but Accelerate set up {state.distributed_type.value} "
             "instead: Accelerate 1.15 never uses FSDP for CPU processes (use_cpu=True), it wraps the model in DDP and "
