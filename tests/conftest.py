@@ -24,7 +24,12 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import importlib.util
+
 import pytest
+
+# tests/vllm_cpu needs vLLM (`make test-vllm` runs them in their own environment); `make test` does not collect them
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]
 
 # FutureWarnings raised by TRL's own helpers (`trl/models/utils.py`) calling deprecated transformers aliases during
 # generation; user code cannot avoid them (notes/TRL_1_16.md §6.3, items 2 and 3).
@@ -153,3 +158,30 @@ def fake_hub(tmp_path, monkeypatch: pytest.MonkeyPatch):
     finally:
         _http.set_client_factory(previous_factory)
         hub.stop()
+
+
+# ------------------------------------------------------------------------------------------------ torch threads
+# folders (under tests/) whose modules train the tiny model: every module there runs with one intra-op thread
+ONE_THREAD_FOLDERS = ("trainers", "reliability")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for the module. The tiny model gains nothing from intra-op threads, and on a shared
+    2-core machine OpenMP threads that spin-wait against other processes make a 0.4 s training run take several
+    seconds (generation on the real bundled model too: 40 s with one thread or two on an idle machine, > 400 s with
+    two against a 2-thread background job, 150 s with one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread_in_trainer_folders(request: pytest.FixtureRequest):
+    """`one_torch_thread` for every module of `ONE_THREAD_FOLDERS`; elsewhere a module asks for it by name."""
+    if os.path.relpath(request.path, _TESTS_DIR).split(os.sep)[0] in ONE_THREAD_FOLDERS:
+        request.getfixturevalue("one_torch_thread")
+    yield

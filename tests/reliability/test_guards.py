@@ -5,6 +5,8 @@ reference), entropies, advantages or vLLM importance weights are not finite, zer
 the loss (so an inf in padding cannot become a 0·inf = NaN gradient), and replaces a loss that is still not finite by
 an exact zero. Logged counts since the previous log line: `guards/nonfinite_logps`, `guards/nonfinite_advantages`
 (tokens), `guards/empty_mask`, `guards/nonfinite_loss` (micro-batches).
+
+The guard functions themselves (`guard_loss_mask`, `masked_finite`) on tensors: tests/trainers/test_checks.py.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trinity_trl.trainers import (
     TrinityTrainer,
     checks,
 )
-from trinity_trl.trainers.checks import GUARD_METRICS, guard_loss_mask, masked_finite
+from trinity_trl.trainers.checks import GUARD_METRICS
 
 
 class GradRecorder(TrainerCallback):
@@ -145,32 +147,3 @@ def test_guard_metrics_are_logged_as_zero_counts_in_a_normal_run(tmp_path, tiny_
     trainer.train()
     for log in _train_logs(trainer):
         assert {k: log[k] for k in GUARD_METRICS} == dict.fromkeys(GUARD_METRICS, 0.0)
-
-
-# ----------------------------------------------------------------------------------------------- on tensors
-def test_guard_loss_mask_drops_only_trained_nonfinite_tokens():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
-    logps = torch.full((3, 4), -1.0)
-    logps[0, 3] = -torch.inf  # untrained: ignored
-    old = torch.full((3, 4), -1.0)
-    old[0, 1] = torch.nan
-    ref = torch.full((3, 4), -1.0)
-    ref[1, 0] = torch.inf
-    advantages = torch.tensor([1.0, torch.nan, 2.0])  # row 1: one token left after the ref drop
-    inputs = {"old_per_token_logps": old, "ref_per_token_logps": ref, "advantages": advantages}
-    guarded, metrics = guard_loss_mask(mask, logps, inputs, entropies=None)
-    assert guarded.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
-    assert metrics == {"guards/nonfinite_logps": 2.0, "guards/nonfinite_advantages": 1.0, "guards/empty_mask": 0.0}
-    _, metrics = guard_loss_mask(torch.zeros(2, 3), torch.zeros(2, 3), {"advantages": torch.zeros(2)}, None)
-    assert metrics["guards/empty_mask"] == 1.0
-
-
-def test_masked_finite_keeps_trained_gradients_and_blocks_padding():
-    mask = torch.tensor([[1.0, 0.0]])
-    logps = torch.tensor([[-1.0, 5.0]], requires_grad=True)
-    old = torch.tensor([[-1.0, -torch.inf]])
-    ratio = torch.exp(masked_finite(logps, mask) - masked_finite(old, mask))
-    (ratio * mask).sum().backward()
-    assert logps.grad.tolist() == [[1.0, 0.0]]
-    assert masked_finite(torch.tensor([1.0, torch.nan, torch.inf]), mask).tolist() == [1.0, 0.0, 0.0]
-    assert masked_finite(torch.tensor([[1, 2]]), mask).dtype == torch.long  # masks and ids pass through

@@ -18,7 +18,7 @@ from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
-from trinity_trl.trainers.checkpoint import BUFFER_FILE
+from trinity_trl.trainers.checkpoint import BUFFER_FILE, TRAINER_STATE_FILE
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
@@ -125,3 +125,21 @@ def test_resume_in_the_middle_of_a_generation_batch(tmp_path, tiny_model_dir):
     # TRL logs generation metrics only at steps that generate: 1 and 3, in both runs
     assert ["num_tokens" in logs[s] for s in range(1, STEPS + 1)] == [True, False, True, False]
     assert ["num_tokens" in h for h in _step_logs(resumed).values()] == [True, False, True, False]
+
+
+def test_resume_restores_the_adaptive_kl_coefficient_and_writes_the_trainer_state(tmp_path, tiny_model_dir):
+    """The resumed run ends with the same adaptive β as the uninterrupted one, read from the checkpoint's
+    trinity_trainer_state.json."""
+    def run(**extra):
+        args = {"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10}
+        return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
+                              args=TrinityConfig(**tiny_grpo_kwargs(
+                                  output_dir=str(tmp_path / "out"), algorithm="reinforceplusplus", kl_penalty_fn="k2",
+                                  kl_penalty_fn_args=args, max_steps=3, save_strategy="steps", save_steps=1, **extra)))
+
+    straight = run()
+    straight.train()
+    resumed = run()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.components.kl_penalty.kl_coef == pytest.approx(straight.components.kl_penalty.kl_coef, rel=1e-9)
+    assert (tmp_path / "out" / "checkpoint-2" / TRAINER_STATE_FILE).is_file()

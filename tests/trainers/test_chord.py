@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
-from peft import LoraConfig
+from helpers import length_reward, lora_config, recording, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, mu_schedule_function
 from trinity_trl.trainers import ChordConfig, ChordTrainer
@@ -32,48 +31,23 @@ def expert_prompt_completion(conversational: bool) -> Dataset:
     return Dataset.from_list(rows)
 
 
-class RecordingChordTrainer(ChordTrainer):
-    """Keeps every generation batch and the tensors each loss call used."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches, self.loss_calls = [], []
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
-        return out
-
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if torch.is_grad_enabled():
-            self._last_logps = logps
-        return logps, entropies, aux
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        self.loss_calls.append({"inputs": {k: v for k, v in inputs.items()}, "logps": self._last_logps.detach(),
-                                "loss": loss.detach(), "step": self.state.global_step + 1})
-        return loss
-
-
-def make_trainer(tmp_path, model_dir, cls=RecordingChordTrainer, expert=None, peft=False, **config):
+def make_trainer(tmp_path, model_dir, cls=None, expert=None, peft=False, **config):
     kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))
     kwargs.update(config)
-    return cls(
+    return (cls or recording(ChordTrainer))(
         model=model_dir,
         reward_funcs=length_reward,
         args=ChordConfig(**kwargs),
         train_dataset=tiny_conversational_dataset(),
         expert_dataset=expert if expert is not None else expert_messages(),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if peft else None,
+        peft_config=lora_config() if peft else None,
     )
 
 
 def test_expert_rows_join_the_batch_tokenized_like_rollouts(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2)
     trainer.train()
-    batch = trainer.batches[0]
+    batch = trainer.recorded.batches[0]
     expert = batch["expert_mask"]
     assert expert.tolist() == [False] * 4 + [True] * 2
     tok = trainer.processing_class
@@ -98,7 +72,7 @@ def test_expert_dataset_formats(tmp_path, tiny_model_dir, dataset):
               "prompt_completion_chat": expert_prompt_completion(True)}[dataset]
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert=expert, expert_batch_size=2)
     trainer.train()
-    batch = trainer.batches[0]
+    batch = trainer.recorded.batches[0]
     tok = trainer.processing_class
     for row in torch.nonzero(batch["expert_mask"]).flatten().tolist():
         prompt = tok.decode(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()])
@@ -115,16 +89,16 @@ def test_loss_equals_library_mix_chord_on_the_same_tensors(tmp_path, tiny_model_
     cls = POLICY_LOSS_FN.get("mix_chord")
     reference = cls(**{**cls.default_args(), "mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.5, "mu_valley": 0.02,
                        "ppo_mini_batch_size": 1, "train_batch_size_usual": 4, "train_batch_size_expert": 2})
-    assert len(trainer.loss_calls) == 3
-    for call in trainer.loss_calls:
-        inputs = call["inputs"]
+    assert len(trainer.recorded.loss_calls) == 3
+    for call in trainer.recorded.loss_calls:
+        inputs, logps, step = call.inputs, call.logps.detach(), call.global_step + 1
         expected, metrics = reference(
-            logprob=call["logps"], old_logprob=call["logps"], action_mask=inputs["completion_mask"],
+            logprob=logps, old_logprob=logps, action_mask=inputs["completion_mask"],
             advantages=inputs["advantages"], expert_mask=inputs["expert_mask"],
-            step=torch.full((6,), call["step"]),
+            step=torch.full((6,), step),
         )
-        assert call["loss"].item() == pytest.approx(expected.item(), abs=1e-6)
-        assert metrics["mu"] == pytest.approx(mu_schedule_function(call["step"], 1, 2, 0.5, 0.02))
+        assert call.loss.item() == pytest.approx(expected.item(), abs=1e-6)
+        assert metrics["mu"] == pytest.approx(mu_schedule_function(step, 1, 2, 0.5, 0.02))
     logged = [h["actor/mu"] for h in trainer.state.log_history if "actor/mu" in h]
     assert logged == pytest.approx([0.5, 0.26, 0.02])
 
@@ -136,7 +110,7 @@ def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
     for key in ("actor/mu", "actor/expert/sft_phi_loss", "actor/usual/pg_loss", "chord/expert_tokens",
                 "chord/on_policy_tokens", "chord/expert_rows"):
         assert key in log, key
-    batch = trainer.batches[0]
+    batch = trainer.recorded.batches[0]
     assert log["chord/expert_tokens"] == batch["completion_mask"][batch["expert_mask"]].sum().item()
     assert log["chord/on_policy_tokens"] == batch["completion_mask"][~batch["expert_mask"]].sum().item()
 
@@ -144,8 +118,8 @@ def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
 def test_no_row_is_dropped_by_the_micro_batch_split(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, gradient_accumulation_steps=2, expert_batch_size=2)
     trainer.train()
-    rows = sum(call["inputs"]["prompt_ids"].shape[0] for call in trainer.loss_calls)
-    experts = sum(int(call["inputs"]["expert_mask"].sum()) for call in trainer.loss_calls)
+    rows = sum(call.inputs["prompt_ids"].shape[0] for call in trainer.recorded.loss_calls)
+    experts = sum(int(call.inputs["expert_mask"].sum()) for call in trainer.recorded.loss_calls)
     assert rows == 8 + 2 and experts == 2
 
 
@@ -160,7 +134,7 @@ def test_expert_stream_visits_every_row_each_pass(tmp_path, tiny_model_dir):
 def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, peft=True, expert_batch_size=2)
     trainer.train()
-    batch = trainer.batches[-1]  # generated after one update: adapter non-zero
+    batch = trainer.recorded.batches[-1]  # generated after one update: adapter non-zero
     expert = batch["expert_mask"]
     rows = {k: batch[k][expert] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -226,7 +200,7 @@ def test_resume_restores_the_expert_stream_position(tmp_path, tiny_model_dir):
     resumed = make_trainer(tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert resumed._expert_cursor == straight._expert_cursor == 6
-    expert_rows = lambda t: t.batches[-1]["completion_ids"][t.batches[-1]["expert_mask"]]  # noqa: E731
+    expert_rows = lambda t: t.recorded.batches[-1]["completion_ids"][t.recorded.batches[-1]["expert_mask"]]  # noqa: E731
     assert torch.equal(expert_rows(resumed), expert_rows(straight))
 
 

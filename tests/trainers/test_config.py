@@ -1,28 +1,26 @@
-"""`TrinityConfig` (and its CISPO/SAPO subclasses) and the construction-time checks of `TrinityTrainer`.
+"""`trinity_trl/trainers/config.py`: `TrinityConfig` (and its CISPO/SAPO subclasses).
 
 * Every `trl.GRPOConfig` field is accounted for: a `TrainingArguments` field, a GRPO field TRL honours, or a field
   `trinity_trl` replaces by a component (and rejects when not at its default). A TRL upgrade that adds or removes a
   field fails `test_every_grpo_field_is_classified` by name.
 * Algorithm resolution at config construction: presets, component names, arguments, JSON strings, merge/replace.
-* Trainer construction: presets the GRPO-based trainer cannot run, bad combinations, the reference model.
+
+CISPOConfig and SAPOConfig: test_cispo.py, test_sapo.py. What a trainer rejects at construction: test_checks.py; the reference model: test_trinity.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import re
 
 import pytest
-import torch
 import transformers
 import trl
-from helpers import length_reward, tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
-from trinity_trl.trainers import CISPOConfig, SAPOConfig, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers import TrinityConfig
 from trinity_trl.trainers.config import REPLACED_GRPO_FIELDS
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -478,262 +476,3 @@ def test_global_loss_agg_mode_overrides_the_policy_loss_in_replace_mode(tmp_path
         policy_loss_fn_args={"clip_range": 0.2},
     ).resolved_algorithm()
     assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-
-
-def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
-    config = _config(
-        tmp_path,
-        CISPOConfig,
-        clip_range_low=0.5,
-        clip_range_high=0.4,
-        enable_mask_clip=True,
-        mask_clip_range_low=0.9,
-        mask_clip_range_high=0.5,
-    )
-    args = config.resolved_algorithm().policy_loss_fn_args
-    assert {
-        k: args[k]
-        for k in (
-            "clip_range_low",
-            "clip_range_high",
-            "enable_mask_clip",
-            "mask_clip_range_low",
-            "mask_clip_range_high",
-        )
-    } == {
-        "clip_range_low": 0.5,
-        "clip_range_high": 0.4,
-        "enable_mask_clip": True,
-        "mask_clip_range_low": 0.9,
-        "mask_clip_range_high": 0.5,
-    }
-    resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
-    assert resolved.algorithm == "cispo" and resolved.policy_loss_fn == "cispo"
-    assert resolved.kl_loss_fn == "k2"  # the preset's KL loss
-    # a clash between a dedicated field and the same key in policy_loss_fn_args
-    with pytest.raises(ValueError, match="clip_range_high"):
-        _config(
-            tmp_path,
-            CISPOConfig,
-            clip_range_high=0.5,
-            policy_loss_fn_args={"clip_range_high": 0.6},
-        )
-    with pytest.raises(ValueError, match="clip_range_high"):
-        _config(tmp_path, CISPOConfig, policy_loss_fn_args={"clip_range_high": 0.6})  # field at its default
-    same = _config(
-        tmp_path,
-        CISPOConfig,
-        clip_range_high=0.6,
-        policy_loss_fn_args={"clip_range_high": 0.6},
-    )
-    assert same.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.6
-    with pytest.raises(ValueError, match="cispo"):
-        _config(tmp_path, CISPOConfig, algorithm="grpo")
-
-
-def test_sapo_config(tmp_path):
-    resolved = _config(tmp_path, SAPOConfig).resolved_algorithm()
-    assert resolved.policy_loss_fn == "sapo"
-    assert resolved.policy_loss_fn_args["form"] == "paper"
-    assert resolved.loss_agg_mode == "seq-mean-token-mean"
-    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-    assert resolved.kl_loss_fn == "none" and not resolved.needs_reference
-    custom = _config(
-        tmp_path,
-        SAPOConfig,
-        sapo_temperature_pos=0.8,
-        sapo_temperature_neg=1.5,
-        sapo_form="trinity",
-    )
-    args = custom.resolved_algorithm().policy_loss_fn_args
-    assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
-    with pytest.raises(ValueError, match="sapo_form"):
-        _config(tmp_path, SAPOConfig, sapo_form="bad")
-    with pytest.raises(ValueError, match="form"):
-        _config(tmp_path, SAPOConfig, policy_loss_fn_args={"form": "trinity"})  # clash with sapo_form="paper"
-    with pytest.raises(ValueError, match="sapo"):
-        _config(tmp_path, SAPOConfig, algorithm="grpo")
-
-
-def test_sapo_config_replace_mode_keeps_its_aggregation(tmp_path):
-    resolved = _config(tmp_path, SAPOConfig, component_args_mode="replace").resolved_algorithm()
-    assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# 3. Trainer construction errors
-
-
-def _trainer(tmp_path, model_dir, dataset, cls=TrinityTrainer, config_cls=TrinityConfig, **kwargs):
-    init = {k: kwargs.pop(k) for k in ("teacher_model", "peft_config") if k in kwargs}
-    args = config_cls(**tiny_grpo_kwargs(output_dir=str(tmp_path), **kwargs))
-    return cls(
-        model=model_dir,
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=dataset,
-        **init,
-    )
-
-
-def test_ppo_needs_a_critic(tmp_path, tiny_model_dir, tiny_dataset):
-    with pytest.raises(ValueError, match="critic.*PPOTrainer"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="ppo")
-
-
-@pytest.mark.parametrize(("algorithm", "trainer_name"), [("sft", "SFT"), ("dpo", "DPO")])
-def test_sft_and_dpo_point_to_their_trainers(tmp_path, tiny_model_dir, tiny_dataset, algorithm, trainer_name):
-    with pytest.raises(ValueError, match=rf"{trainer_name}Trainer"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
-
-
-@pytest.mark.parametrize("algorithm", ["mix", "mix_chord"])
-def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm):
-    with pytest.raises(ValueError, match="ChordTrainer"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
-
-
-def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
-    with pytest.raises(ValueError, match="kl_penalty_fn"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
-
-
-def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_dataset):
-    with pytest.raises(ValueError, match="teacher_model"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="on_policy_distill")
-
-
-@pytest.mark.parametrize(
-    ("args", "key"),
-    [
-        ({"rank_penalty": 0.1}, "rank_penalty"),
-        (
-            {"duplicate_experiences": True, "std_threshold": 0.0},
-            "duplicate_experiences",
-        ),
-    ],
-)
-def test_unsupported_group_advantage_options(tmp_path, tiny_model_dir, tiny_dataset, args, key):
-    with pytest.raises(ValueError, match=key):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, advantage_fn_args=args)
-
-
-def test_plain_grpo_config_is_a_type_error(tmp_path, tiny_model_dir, tiny_dataset):
-    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
-    with pytest.raises(TypeError, match="TrinityConfig"):
-        TrinityTrainer(
-            model=tiny_model_dir,
-            reward_funcs=length_reward,
-            args=args,
-            train_dataset=tiny_dataset,
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# 4. beta and the reference model
-
-
-class LossInputRecorder(TrinityTrainer):
-    def __init__(self, *args, **kwargs):
-        self.loss_inputs: list[dict] = []
-        super().__init__(*args, **kwargs)
-
-    def _compute_loss(self, model, inputs):
-        self.loss_inputs.append(
-            {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        )
-        return super()._compute_loss(model, inputs)
-
-
-def test_reference_model_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
-    with_kl = _trainer(tmp_path / "kl", tiny_model_dir, tiny_dataset, algorithm="grpo")
-    assert with_kl.args.beta == 0.0  # restored after TRL's __init__
-    assert with_kl.algorithm.needs_reference
-    assert with_kl.ref_model is not None
-
-    no_kl = _trainer(
-        tmp_path / "none",
-        tiny_model_dir,
-        tiny_dataset,
-        algorithm="grpo",
-        kl_loss_fn="none",
-    )
-    assert no_kl.args.beta == 0.0
-    assert not no_kl.algorithm.needs_reference
-    assert no_kl.ref_model is None
-
-    no_ref_preset = _trainer(tmp_path / "asymre", tiny_model_dir, tiny_dataset, algorithm="asymre")
-    assert no_ref_preset.ref_model is None
-
-
-def test_ref_logps_reach_the_loss_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
-    with_kl = _trainer(
-        tmp_path / "kl",
-        tiny_model_dir,
-        tiny_dataset,
-        cls=LossInputRecorder,
-        max_steps=1,
-    )
-    with_kl.train()
-    assert with_kl.args.beta == 0.0
-    (inputs,) = with_kl.loss_inputs
-    assert inputs["ref_per_token_logps"].shape == inputs["completion_ids"].shape
-
-    no_kl = _trainer(
-        tmp_path / "none",
-        tiny_model_dir,
-        tiny_dataset,
-        cls=LossInputRecorder,
-        max_steps=1,
-        kl_loss_fn="none",
-    )
-    no_kl.train()
-    (inputs,) = no_kl.loss_inputs
-    assert "ref_per_token_logps" not in inputs
-
-
-def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
-    from trl.trainer.callbacks import SyncRefModelCallback
-
-    trainer = _trainer(
-        tmp_path,
-        tiny_model_dir,
-        tiny_dataset,
-        sync_ref_model=True,
-        ref_model_sync_steps=1,
-    )
-    assert trainer.ref_model is not None
-    assert any(isinstance(cb, SyncRefModelCallback) for cb in trainer.callback_handler.callbacks)
-    # without a KL term there is no reference to sync; the error speaks our terms, not TRL's beta
-    with pytest.raises(ValueError, match="kl_loss_fn"):
-        _trainer(
-            tmp_path,
-            tiny_model_dir,
-            tiny_dataset,
-            sync_ref_model=True,
-            kl_loss_fn="none",
-        )
-
-
-def test_lora_reference_is_the_base_model(tmp_path, tiny_model_dir, tiny_dataset):
-    from peft import LoraConfig
-
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = _trainer(
-        tmp_path,
-        tiny_model_dir,
-        tiny_dataset,
-        cls=LossInputRecorder,
-        max_steps=2,
-        peft_config=peft_config,
-    )
-    assert trainer.args.beta == 0.0
-    assert trainer.ref_model is None  # the adapter-disabled policy is the reference
-    trainer.train()
-    assert trainer.state.global_step == 2
-    assert len(trainer.loss_inputs) == 2
-    for inputs in trainer.loss_inputs:
-        ref = inputs["ref_per_token_logps"]
-        assert ref.shape == inputs["completion_ids"].shape and torch.isfinite(ref).all()
-    kl_losses = [entry["actor/kl_loss"] for entry in trainer.state.log_history if "actor/kl_loss" in entry]
-    assert len(kl_losses) == 2 and all(math.isfinite(v) for v in kl_losses)

@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    length_reward,
-    tiny_conversational_dataset,
-    tiny_grpo_kwargs,
-)
-from peft import LoraConfig, PeftModel
+from helpers import length_reward, lora_config, recording, tiny_conversational_dataset, tiny_grpo_kwargs
+from peft import PeftModel
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -28,32 +24,18 @@ from trinity_trl.algorithms.advantage import scalar_rewards_to_token_level
 from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig
 from trinity_trl.trainers.ppo import CRITIC_DIR, CRITIC_OPTIMIZER_FILE
 
-LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+LORA = lora_config()
 DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "ppo_equivalence.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 
 
-class Recording(PPOTrainer):
-    """Keeps every generation batch (after the advantages) and the rewards it was scored with."""
-
-    def __init__(self, *args, **kwargs):
-        self.batches: list[dict] = []
-        super().__init__(*args, **kwargs)
-
-    def _training_batch(self, output, inputs, rewards, mode):
-        out = super()._training_batch(output, inputs, rewards, mode)
-        batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-        batch["rewards"] = rewards.clone()
-        self.batches.append(batch)
-        return out
-
-
-def make(tmp_path, model_dir, cls=Recording, peft=False, callbacks=None, **config):
+def make(tmp_path, model_dir, cls=None, peft=False, callbacks=None, **config):
     config = {"value_learning_rate": 1e-3, **config}
-    return cls(model=model_dir, reward_funcs=length_reward, peft_config=LORA if peft else None, callbacks=callbacks,
-               args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), **config)),
-               train_dataset=tiny_conversational_dataset())
+    return (cls or recording(PPOTrainer))(
+        model=model_dir, reward_funcs=length_reward, peft_config=LORA if peft else None, callbacks=callbacks,
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), **config)),
+        train_dataset=tiny_conversational_dataset())
 
 
 def unwrapped_critic(trainer):
@@ -150,14 +132,15 @@ def test_gae_in_the_trainer_equals_the_library_with_kl_in_reward(tmp_path, tiny_
     trainer = make(tmp_path, tiny_model_dir, gamma=0.9, lam=0.8, kl_penalty_fn="k1",
                    kl_penalty_fn_args={"kl_coef": 0.5})
     trainer.train()
-    assert len(trainer.batches) == 2
+    assert len(trainer.recorded.batches) == 2
     kl_coefs = [h["critic/kl_coef"] for h in trainer.state.log_history if "critic/kl_coef" in h]
-    for step, batch in enumerate(trainer.batches):
+    for step, batch in enumerate(trainer.recorded.batches):
         mask = batch["completion_mask"]
         kl = KL_FN.get("k1")().calculate_kl(batch["old_per_token_logps"], batch["ref_per_token_logps"]) * mask
         if step == 1:  # the policy moved away from the reference: the penalty is not zero
             assert kl.abs().sum() > 1e-4
-        rewards = scalar_rewards_to_token_level(batch["rewards"], mask) - kl_coefs[step] * kl
+        rewards = trainer.recorded.reward_calls[step].rewards[:, 0]  # one reward function, weight 1
+        rewards = scalar_rewards_to_token_level(rewards, mask) - kl_coefs[step] * kl
         expected, _ = ADVANTAGE_FN.get("ppo")(gamma=0.9, lam=0.8)(
             {"token_level_rewards": rewards, "values": batch["old_values"], "response_mask": mask})
         torch.testing.assert_close(batch["advantages"], expected["advantages"], atol=1e-5, rtol=1e-5)
@@ -260,8 +243,8 @@ def test_gradient_accumulation_equals_one_large_micro_batch(tmp_path, tiny_model
         recorder.trainer = trainer
         trainer.train()
         assert int(next(iter(trainer.critic_optimizer.state.values()))["step"]) == 1
-        assert trainer.batches[0]["completion_ids"].shape[0] == 4
-        grads[name] = (recorder.grads[0], trainer.batches[0]["completion_ids"])
+        assert trainer.recorded.batches[0]["completion_ids"].shape[0] == 4
+        grads[name] = (recorder.grads[0], trainer.recorded.batches[0]["completion_ids"])
     assert torch.equal(grads["ga2"][1], grads["ga1"][1])  # the same rollouts
     assert grads["ga1"][0].norm() > 1e-3
     torch.testing.assert_close(grads["ga2"][0], grads["ga1"][0], atol=1e-6, rtol=1e-4)

@@ -1,23 +1,16 @@
-"""StepGRPOTrainer: the multi-step rollout, step bookkeeping, step-wise advantages, training."""
+"""`trinity_trl/trainers/step_grpo.py`: StepGRPOTrainer, the multi-step rollout through TRL, step bookkeeping, step-wise
+advantages, shared-prefix rows, training. The rollout alone: tests/rollouts/test_multi_step.py; the environments:
+tests/rollouts/test_envs.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import length_reward, tiny_grpo_kwargs
-from peft import LoraConfig
+from helpers import length_reward, lora_config, recording, tiny_grpo_kwargs
 
 from trinity_trl.algorithms import ADVANTAGE_FN, EID, Experience
-from trinity_trl.rollouts import (
-    CalculatorEnv,
-    Environment,
-    NumberGuessEnv,
-    StepResult,
-    calculator_dataset,
-    number_guess_dataset,
-)
-from trinity_trl.rollouts.envs.calculator import safe_eval
+from trinity_trl.rollouts import Environment, NumberGuessEnv, StepResult, number_guess_dataset
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 
@@ -41,35 +34,28 @@ def scripted_tasks(lengths_and_rewards):
                               "reward": [r for _, r in lengths_and_rewards]})
 
 
-class Recording(StepGRPOTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches, self.loss_rows, self.run_log = [], [], []
-        self.runs, self.step_advantages = [], []
-
-    def _training_batch(self, output, inputs, rewards, mode):
-        self.runs = [row["run"] for row in inputs]
-        self.run_log.append([(len(r.steps), r.reward) for r in self.runs])
-        out = super()._training_batch(output, inputs, rewards, mode)
-        self.batches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
-        return out
+class Recording(recording(StepGRPOTrainer)):
+    """Also keeps the per-step advantages `_step_batch` was given (the last call's)."""
 
     def _step_batch(self, output, runs, advantages):
         self.step_advantages = advantages
         return super()._step_batch(output, runs, advantages)
 
-    def _compute_loss(self, model, inputs):
-        self.loss_rows.append({k: inputs[k].clone() for k in ("prompt_ids", "completion_ids", "completion_mask",
-                                                             "advantages", "sample_count", "tool_mask")})
-        return super()._compute_loss(model, inputs)
+
+def runs_of(trainer, call: int = -1):
+    """The runs of one generation batch: the rollout returns them in each row's `run` field."""
+    return [row["run"] for row in trainer.recorded.rows[call]]
+
+
+def loss_inputs(trainer) -> list[dict]:
+    return [call.inputs for call in trainer.recorded.loss_calls]
 
 
 def make(tmp_path, model_dir, tasks, env=ScriptedEnv, cls=Recording, peft=False, **config):
     kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1, shuffle_dataset=False)
     kwargs.update(config)
     return cls(model=model_dir, args=StepGRPOConfig(**kwargs), train_dataset=tasks, environment_factory=env,
-               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-               if peft else None)
+               peft_config=lora_config() if peft else None)
 
 
 def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir):
@@ -77,7 +63,7 @@ def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir)
     tasks = scripted_tasks([(3, 1.0)] * 8)
     trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5, shared_prefix=False)
     trainer.train()
-    batch = trainer.batches[0]
+    batch = trainer.recorded.batches[0]
     assert batch["sample_count"].sum() == 4 * 3  # 4 runs x 3 steps
     # all runs have reward 1.0: zero std, so every advantage is 0
     assert torch.all(batch["advantages"] == 0)
@@ -105,25 +91,27 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
     trainer = make(tmp_path, tiny_model_dir, tasks.select([0, 2]), env=CountingEnv, num_generations=2,
                    per_device_train_batch_size=2, gradient_accumulation_steps=2, max_env_steps=5, shared_prefix=False)
     trainer.train()
-    batch = trainer.batches[0]
-    assert trainer.run_log[0] == [(1, 1.0), (3, 0.0), (2, 0.5), (1, 0.2)]
+    batch = trainer.recorded.batches[0]
+    run_log = [(len(run.steps), run.reward) for run in runs_of(trainer, 0)]
+    assert run_log == [(1, 1.0), (3, 0.0), (2, 0.5), (1, 0.2)]
     assert int(batch["sample_count"].sum()) == 7
     assert batch["sample_count"].shape[0] == 8  # padded to a multiple of steps_per_generation (2)
     # expected advantages from the library on the same runs (non-last rewards 9.0 ignored)
     fn = ADVANTAGE_FN.get("step_wise_grpo")(**ADVANTAGE_FN.get("step_wise_grpo").default_args())
     exps = [Experience(eid=EID(batch=0, task=i // 2, run=i % 2, step=s), tokens=torch.zeros(1, dtype=torch.long),
                        prompt_length=0, reward=r)
-            for i, (n, r) in enumerate(trainer.run_log[0]) for s in range(n)]
+            for i, (n, r) in enumerate(run_log) for s in range(n)]
     expected = [float(e.advantages[0]) for e in fn(exps)[0]]
     assert batch["advantages"][batch["sample_count"].bool(), 0].tolist() == pytest.approx(expected, abs=1e-6)
     # every step row is trained exactly once across the micro-batches, padding rows never
-    seen = torch.cat([rows["sample_count"] for rows in trainer.loss_rows])
+    seen = torch.cat([rows["sample_count"] for rows in loss_inputs(trainer)])
     assert int(seen.sum()) == 7 and seen.numel() == 8
-    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0] for rows in trainer.loss_rows])
+    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0]
+                                    for rows in loss_inputs(trainer)])
     assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
     # padding rows attend to one pad token but train none (loss mask = completion_mask * tool_mask)
     padding = torch.cat([(rows["completion_mask"] * rows["tool_mask"])[~rows["sample_count"].bool()]
-                         for rows in trainer.loss_rows])
+                         for rows in loss_inputs(trainer)])
     assert padding.sum() == 0
 
 
@@ -131,7 +119,7 @@ def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
     tasks = scripted_tasks([(3, 1.0)] * 4)
     trainer = make(tmp_path, tiny_model_dir, tasks, max_env_steps=5)
     trainer.train()
-    run = trainer.runs[0]
+    run = runs_of(trainer)[0]
     eos = trainer._tokenizer.eos_token_id
     for previous, step in zip(run.steps, run.steps[1:]):
         history = previous.prompt_ids + previous.completion_ids
@@ -139,14 +127,14 @@ def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
             history = history + [eos]
         assert step.prompt_ids[: len(history)] == history
         assert "Turn" in trainer.processing_class.decode(step.prompt_ids[len(history):])
-    assert all(r.prefix_preserving for r in trainer.runs)
+    assert all(r.prefix_preserving for r in runs_of(trainer))
 
 
 def test_max_env_steps_bounds_runs(tmp_path, tiny_model_dir):
     trainer = make(tmp_path, tiny_model_dir, scripted_tasks([(10, 1.0)] * 4), max_env_steps=2)
     trainer.train()
-    assert [len(r.steps) for r in trainer.runs] == [2, 2, 2, 2]
-    assert all(r.reward == 9.0 for r in trainer.runs)  # cut off: the last step's reward counts
+    assert [len(r.steps) for r in runs_of(trainer)] == [2, 2, 2, 2]
+    assert all(r.reward == 9.0 for r in runs_of(trainer))  # cut off: the last step's reward counts
 
 
 def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):
@@ -178,34 +166,6 @@ def test_needs_an_environment_factory(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="environment_factory"):
         StepGRPOTrainer(model=tiny_model_dir, train_dataset=number_guess_dataset(4),
                         args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
-
-
-def test_number_guess_environment():
-    env = NumberGuessEnv()
-    assert "between 1 and 100" in env.reset(target=42, low=1, high=100)
-    assert env.step("I guess 50").observation.endswith("lower.")
-    assert env.step("no idea").observation.startswith("Please")
-    result = env.step("Is it 42?")
-    assert result.done and result.reward == 1.0
-    partial = NumberGuessEnv(partial_credit=True)
-    partial.reset(target=10, low=1, high=100)
-    assert partial.step("20").reward == pytest.approx(0.5 * (1 - 10 / 99))
-    with pytest.raises(ValueError):
-        NumberGuessEnv().reset(target=200, low=1, high=100)
-
-
-def test_calculator_environment():
-    env = CalculatorEnv()
-    env.reset(question="What is 3*4-2?", answer=10)
-    assert env.step("calc(3*4)").observation == "calc(3*4) = 12"
-    assert "Error" in env.step("calc(x+1)").observation  # names are not evaluated
-    assert "Error" in env.step("calc(2**64)").observation  # nor powers
-    assert not env.step("hmm").done
-    result = env.step("answer(10)")
-    assert result.done and result.reward == 1.0
-    assert safe_eval("-(2+3)*4") == -20
-    rows = calculator_dataset(4)
-    assert len(rows) == 4 and all(isinstance(a, int) for a in rows["answer"])
 
 
 class VaryingEnv(Environment):
@@ -240,14 +200,15 @@ def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg
                    per_device_train_batch_size=8, max_env_steps=3, loss_agg_mode=agg, kl_loss_fn="k3",
                    kl_loss_fn_args={"kl_coef": 0.5}, entropy_loss_fn_args={"entropy_coef": 0.05}, learning_rate=0.0)
     trainer.train()
-    assert {len(r.steps) for r in trainer.runs} == {1, 2, 3}
+    runs = runs_of(trainer)
+    assert {len(r.steps) for r in runs} == {1, 2, 3}
     assert any(a not in (None, 0.0) for scores in trainer.step_advantages for a in scores)
     stub = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long), "num_items_in_batch": torch.tensor(0)}
     trainer.args.shared_prefix = False
-    per_step = trainer._step_batch(stub, trainer.runs, trainer.step_advantages)
+    per_step = trainer._step_batch(stub, runs, trainer.step_advantages)
     trainer.args.shared_prefix = True
-    shared = trainer._step_batch(stub, trainer.runs, trainer.step_advantages)
-    assert shared["prompt_ids"].shape[0] == len(trainer.runs) < per_step["prompt_ids"].shape[0]
+    shared = trainer._step_batch(stub, runs, trainer.step_advantages)
+    assert shared["prompt_ids"].shape[0] == len(runs) < per_step["prompt_ids"].shape[0]
     assert int(shared["sample_count"].sum()) == int(per_step["sample_count"].sum())
     trainer.model.train()
     loss_step, grads_step = _loss_and_grads(trainer, per_step)
@@ -263,5 +224,5 @@ def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model
     trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3,
                    policy_loss_fn="gspo")
     trainer.train()
-    batch = trainer.batches[0]
-    assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in trainer.runs)  # one row per step
+    batch = trainer.recorded.batches[0]
+    assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in runs_of(trainer))  # one row per step

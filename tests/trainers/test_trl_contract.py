@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 import trl
-from helpers import completion_text, length_reward, tiny_grpo_kwargs
+from helpers import completion_text, length_reward, recording, tiny_grpo_kwargs
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
@@ -28,70 +28,8 @@ REQUIRED_KEYS = {
 }
 
 
-def _detach(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-class RecordingGRPOTrainer(GRPOTrainer):
-    """`GRPOTrainer` that records what flows through each seam, without changing it."""
-
-    def __init__(self, *args, **kwargs):
-        self.records = {
-            "rows": [],
-            "generated": [],
-            "rewards": [],
-            "logps": [],
-            "loss_inputs": [],
-        }
-        super().__init__(*args, **kwargs)
-
-    def _generate_and_score_completions(self, inputs):
-        self.records["rows"].append([dict(row) for row in inputs])
-        output = super()._generate_and_score_completions(inputs)
-        self.records["generated"].append(
-            {key: _detach(value) for key, value in output.items()}
-        )
-        return output
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards = super()._calculate_rewards(
-            inputs, prompts, completions, completion_ids_list
-        )
-        self.records["rewards"].append(
-            {
-                "prompts": list(prompts),
-                "completions": list(completions),
-                "completion_ids": [list(ids) for ids in completion_ids_list],
-                "rewards": rewards.detach().clone(),
-            }
-        )
-        return rewards
-
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-    ):
-        result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
-        self.records["logps"].append(
-            {
-                "input_shape": tuple(input_ids.shape),
-                "logits_to_keep": logits_to_keep,
-                "compute_entropy": kwargs.get("compute_entropy", False),
-                "is_ref_model": model is self.ref_model,
-                "result": result
-                if not isinstance(result, tuple)
-                else tuple(_detach(x) for x in result),
-                "arity": len(result) if isinstance(result, tuple) else None,
-            }
-        )
-        return result
-
-    def _compute_loss(self, model, inputs):
-        self.records["loss_inputs"].append(
-            {key: _detach(value) for key, value in inputs.items()}
-        )
-        return super()._compute_loss(model, inputs)
+def _arity(result):
+    return len(result) if isinstance(result, tuple) else None
 
 
 def position_reward(completions, **kwargs):
@@ -99,9 +37,9 @@ def position_reward(completions, **kwargs):
     return [float(i) for i in range(len(completions))]
 
 
-def _run(tmp_path, model_dir, dataset, **overrides) -> RecordingGRPOTrainer:
+def _run(tmp_path, model_dir, dataset, **overrides) -> GRPOTrainer:
     args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **overrides))
-    trainer = RecordingGRPOTrainer(
+    trainer = recording(GRPOTrainer)(
         model=model_dir,
         reward_funcs=[length_reward, position_reward],
         args=args,
@@ -112,13 +50,13 @@ def _run(tmp_path, model_dir, dataset, **overrides) -> RecordingGRPOTrainer:
 
 
 @pytest.fixture(scope="module")
-def basic_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> RecordingGRPOTrainer:
+def basic_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> GRPOTrainer:
     """beta=0, GA=1, spg=1: 2 optimizer steps, one generation of 4 rows (1 prompt x 4) per step."""
     return _run(tmp_path_factory.mktemp("basic_run"), tiny_model_dir, tiny_dataset)
 
 
 @pytest.fixture(scope="module")
-def ref_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> RecordingGRPOTrainer:
+def ref_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> GRPOTrainer:
     """beta=0.04, GA=2, spg=4: one generation of 16 rows (4 prompts x 4) split into 4 micro-batches, 2 consumed."""
     return _run(
         tmp_path_factory.mktemp("ref_run"),
@@ -264,7 +202,7 @@ def test_shuffle_sequence_dict_applies_one_permutation_to_every_key():
 
 
 def test_generate_output_keys_and_shapes(basic_run):
-    generated = basic_run.records["generated"]
+    generated = basic_run.recorded.batches
     assert len(generated) == 2  # GA=1, spg=1: a fresh generation every optimizer step
     for output in generated:
         assert (
@@ -294,31 +232,31 @@ def test_generate_output_keys_and_shapes(basic_run):
 def test_rewards_are_one_row_per_completion_in_order(basic_run):
     tokenizer = basic_run.processing_class
     for call, output in zip(
-        basic_run.records["rewards"], basic_run.records["generated"], strict=True
+        basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True
     ):
-        rewards = call["rewards"]
+        rewards = call.rewards
         assert rewards.shape == (
             4,
             2,
         )  # (B_global, n_reward_funcs); one process, so B_global == B
         assert rewards[:, 0].tolist() == pytest.approx(
-            length_reward(call["completions"])
+            length_reward(call.completions)
         )
         assert rewards[:, 1].tolist() == [0.0, 1.0, 2.0, 3.0]
         # completion i of the reward call is row i of the output tensors
-        for i, ids in enumerate(call["completion_ids"]):
+        for i, ids in enumerate(call.completion_ids):
             row = output["completion_ids"][i][output["completion_mask"][i].bool()]
             assert row.tolist() == ids
-            assert completion_text(call["completions"][i]) == tokenizer.decode(
+            assert completion_text(call.completions[i]) == tokenizer.decode(
                 ids, skip_special_tokens=True
             )
 
 
 def test_default_advantages_are_group_zscores_of_the_summed_rewards(basic_run):
     for call, output in zip(
-        basic_run.records["rewards"], basic_run.records["generated"], strict=True
+        basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True
     ):
-        total = call["rewards"].sum(dim=1).view(-1, 4)  # reward_weights default to 1
+        total = call.rewards.sum(dim=1).view(-1, 4)  # reward_weights default to 1
         assert bool(
             (total.std(dim=1) > 0).all()
         )  # position_reward alone guarantees a non-zero group std
@@ -329,10 +267,10 @@ def test_default_advantages_are_group_zscores_of_the_summed_rewards(basic_run):
 
 
 def test_groups_of_num_generations_share_a_prompt(ref_run):
-    (rows,) = ref_run.records["rows"]
-    (call,) = ref_run.records["rewards"]
+    (rows,) = ref_run.recorded.rows
+    (call,) = ref_run.recorded.reward_calls
     assert (
-        len(rows) == len(call["prompts"]) == 16
+        len(rows) == len(call.prompts) == 16
     )  # per_device_bs * steps_per_generation
     prompts = [row["prompt"][0]["content"] for row in rows]
     groups = [prompts[g * 4 : (g + 1) * 4] for g in range(4)]
@@ -341,7 +279,7 @@ def test_groups_of_num_generations_share_a_prompt(ref_run):
     )  # RepeatSampler: each prompt 4 times in a row
     assert len({group[0] for group in groups}) == 4  # and 4 different prompts
     assert [
-        p[0]["content"] for p in call["prompts"]
+        p[0]["content"] for p in call.prompts
     ] == prompts  # reward call sees the rows in sampler order
     for row in rows:  # dataset columns travel with their row
         a, b = (
@@ -354,15 +292,15 @@ def test_groups_of_num_generations_share_a_prompt(ref_run):
 
 
 def test_per_token_logps_returns_logps_entropies_aux(basic_run):
-    calls = basic_run.records["logps"]
+    calls = basic_run.recorded.logps_calls
     assert calls, "_compute_loss no longer calls _get_per_token_logps_and_entropies"
     for call in calls:
-        assert call["arity"] == 3
-        logps, entropies, aux = call["result"]
-        batch = call["input_shape"][0]
-        assert logps.shape == (batch, call["logits_to_keep"])
+        assert _arity(call.result) == 3
+        logps, entropies, aux = call.result
+        batch = call.arguments["input_ids"].shape[0]
+        assert logps.shape == (batch, call.arguments["logits_to_keep"])
         assert (
-            call["compute_entropy"] is True
+            call.arguments["compute_entropy"] is True
         )  # _compute_loss always asks for entropies
         assert entropies is not None and entropies.shape == logps.shape
         assert aux is None  # dense model: no MoE auxiliary loss
@@ -370,9 +308,9 @@ def test_per_token_logps_returns_logps_entropies_aux(basic_run):
 
 
 def test_loss_inputs_are_the_generation_output_for_one_micro_batch(basic_run):
-    loss_inputs = basic_run.records["loss_inputs"]
+    loss_inputs = [call.inputs for call in basic_run.recorded.loss_calls]
     assert len(loss_inputs) == 2
-    for inputs, output in zip(loss_inputs, basic_run.records["generated"], strict=True):
+    for inputs, output in zip(loss_inputs, basic_run.recorded.batches, strict=True):
         assert set(inputs) == set(output)
         assert (
             inputs["num_items_in_batch"].item() == output["num_items_in_batch"].item()
@@ -380,14 +318,15 @@ def test_loss_inputs_are_the_generation_output_for_one_micro_batch(basic_run):
 
 
 def test_beta_adds_ref_logps_from_the_saved_model(ref_run):
-    (output,) = ref_run.records["generated"]
+    (output,) = ref_run.recorded.batches
     assert "ref_per_token_logps" in output
     assert output["ref_per_token_logps"].shape == output["completion_ids"].shape
     assert (
         ref_run.ref_model is not None
     )  # reloaded from config._name_or_path (the saved directory)
     assert any(
-        call["is_ref_model"] and call["arity"] == 3 for call in ref_run.records["logps"]
+        call.arguments["model"] is ref_run.ref_model and _arity(call.result) == 3
+        for call in ref_run.recorded.logps_calls
     )
     # Before the first update the policy and the reference are the same weights.
     mask = output["completion_mask"].bool()
@@ -400,8 +339,8 @@ def test_beta_adds_ref_logps_from_the_saved_model(ref_run):
 
 
 def test_loss_micro_batches_are_shuffled_slices_of_the_generation(ref_run):
-    (output,) = ref_run.records["generated"]
-    loss_inputs = ref_run.records["loss_inputs"]
+    (output,) = ref_run.recorded.batches
+    loss_inputs = [call.inputs for call in ref_run.recorded.loss_calls]
     assert (
         len(loss_inputs) == 2
     )  # GA=2 micro-batches of the 4 buffered ones were consumed
@@ -466,5 +405,5 @@ def test_old_logps_present_iff_ga_not_a_multiple_of_spg_times_iterations(
             num_iterations=num_iterations,
             max_steps=1,
         )
-    for output in trainer.records["generated"]:
+    for output in trainer.recorded.batches:
         assert ("old_per_token_logps" in output) is expected, key

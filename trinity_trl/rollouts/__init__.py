@@ -1,19 +1,40 @@
-"""Multi-step environments and the rollout that turns episodes into one sample per turn."""
+"""Multi-step environments and the rollouts that turn episodes into one sample per turn.
 
-from .environment import Environment, StepResult
-from .envs import CalculatorEnv, NumberGuessEnv, calculator_dataset, number_guess_dataset
+Two environment protocols (:mod:`.protocols`): this package's reset/step :class:`Environment`, played by
+:class:`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
+:func:`run_from_trajectory`. OpenEnv environments: :mod:`.openenv` (the ``openenv`` extra).
+"""
+
+from .environment import Environment, EnvironmentFailure, StepResult
+from .envs import (
+    CalculatorEnv,
+    CalculatorToolEnv,
+    NumberGuessEnv,
+    calculator_dataset,
+    calculator_tool_dataset,
+    number_guess_dataset,
+)
 from .generation import Generator
 from .multi_step import MultiStepRollout, Run, Step
+from .protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
+from .trajectories import run_from_trajectory
 
 __all__ = [
     "CalculatorEnv",
+    "CalculatorToolEnv",
     "Environment",
+    "EnvironmentFailure",
     "Generator",
     "MultiStepRollout",
     "NumberGuessEnv",
     "Run",
+    "STEP_PROTOCOL",
     "Step",
     "StepResult",
+    "TOOL_PROTOCOL",
     "calculator_dataset",
+    "calculator_tool_dataset",
     "number_guess_dataset",
+    "resolve_protocol",
+    "run_from_trajectory",
 ]

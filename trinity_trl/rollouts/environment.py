@@ -29,19 +29,24 @@ class StepResult:
 
     Attributes:
         observation: text shown to the model as the next user message (ignored when ``done``).
-        reward: reward of this step; the run's reward is the one returned with its last step.
+        reward: reward of this step; the run's reward is the one returned with its last step. ``None``
+            means the step cannot be scored (as a TRL reward function's ``None``): a run ending on it gets
+            no gradient and is counted in ``unscorable_count``.
         done: whether the episode is over.
         info: anything to keep for logging.
     """
 
     observation: str | None
-    reward: float = 0.0
+    reward: float | None = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
 
 class Environment:
-    """Base class of environments (duck typing works too: only ``reset`` and ``step`` are called)."""
+    """Base class of reset/step environments (duck typing works too: a class whose public methods are exactly
+    ``reset`` and ``step``). An optional ``close()`` is called when the run ends (e.g. to end a server session).
+    TRL's tool environments (public methods as tools, optional ``get_reward``) are the other protocol
+    :class:`~trinity_trl.trainers.StepGRPOTrainer` accepts; see :mod:`trinity_trl.rollouts.protocols`."""
 
     def reset(self, **row: Any) -> str | None:
         """Start an episode for one dataset row (all its columns as keyword arguments).
@@ -54,3 +59,7 @@ class Environment:
     def step(self, action: str) -> StepResult:
         """React to the model's turn ``action`` (decoded text)."""
         raise NotImplementedError
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment failed during a rollout; the message names the run, its dataset row and the turn."""

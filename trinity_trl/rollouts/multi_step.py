@@ -18,11 +18,12 @@ Two ways to extend the history after a turn (``history``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .environment import StepResult
+from .environment import EnvironmentFailure, StepResult
 from .generation import Generator
 
 HISTORY_MODES = ("tokens", "messages")
@@ -41,14 +42,21 @@ class Step:
 
 @dataclass
 class Run:
-    """One episode. ``reward`` is the reward of the last step; ``prefix_preserving`` says whether
-    every step's prompt starts with the previous step's prompt + completion."""
+    """One episode. ``reward`` is the reward of the last step (NaN when it could not be scored);
+    ``prefix_preserving`` says whether every step's prompt starts with the previous step's prompt +
+    completion; ``cut`` whether the run was stopped by the turn limit before its environment ended it."""
 
     steps: list[Step] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     prefix_preserving: bool = True
+    cut: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _describe(row: dict[str, Any], limit: int = 80) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in row.items() if k != "prompt")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _initial_messages(row: dict[str, Any], observation: str | None) -> list[dict[str, Any]]:
@@ -72,13 +80,20 @@ class MultiStepRollout:
 
     Args:
         generator: the generation backend (chat template, tokenizer and sampling settings).
-        environment_factory: builds a fresh environment per run.
-        max_steps: turns per run at most.
+        environment_factory: builds a fresh environment per run; or a dict of factories, each row choosing
+            one by its ``environment`` column (not passed to ``reset``), as TRL routes its environments.
+        max_steps: turns per run at most (a run still going then ends; see :attr:`Run.done`).
         history: ``"tokens"`` or ``"messages"`` (see the module docstring).
+
+    An environment's failure (``reset`` or ``step`` raising, ``step`` returning something else than a
+    :class:`StepResult`, or no observation for a run that goes on) stops the rollout with an
+    :class:`EnvironmentFailure` naming the run, its row and the turn. A step reward of ``None`` means "cannot
+    score": the run's reward becomes NaN, and the trainer counts it and gives its steps no gradient. An
+    environment that defines ``close()`` is closed when its run ends.
     """
 
-    def __init__(self, generator: Generator, environment_factory: Callable[[], Any], max_steps: int,
-                 history: str = "tokens"):
+    def __init__(self, generator: Generator, environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]],
+                 max_steps: int, history: str = "tokens"):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if history not in HISTORY_MODES:
@@ -88,36 +103,79 @@ class MultiStepRollout:
         self.max_steps = max_steps
         self.history = history
 
+    def _start(self, index: int, row: dict[str, Any]) -> tuple[Any, Run]:
+        factory = self.environment_factory
+        kwargs = {k: v for k, v in row.items() if k != "prompt"}
+        if isinstance(factory, dict):
+            name = kwargs.pop("environment", None)
+            if name not in factory:
+                raise EnvironmentFailure(f"run {index} ({_describe(row)}): environment={name!r} is not among the "
+                                       f"environments passed to environment_factory: {list(factory)}")
+            factory = factory[name]
+        env = factory()
+        try:
+            observation = env.reset(**kwargs)
+        except Exception as err:
+            raise EnvironmentFailure(f"run {index} ({_describe(row)}): {type(env).__name__}.reset() failed: "
+                                   f"{type(err).__name__}: {err}") from err
+        return env, Run(messages=_initial_messages(row, observation))
+
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         generator = self.generator
         runs, environments = [], []
-        for row in rows:
-            env = self.environment_factory()
-            messages = _initial_messages(row, env.reset(**{k: v for k, v in row.items() if k != "prompt"}))
-            runs.append(Run(messages=messages))
+        for index, row in enumerate(rows):
+            env, run = self._start(index, row)
+            runs.append(run)
             environments.append(env)
         prompts = generator.tokenize_conversations([run.messages for run in runs])
-        for turn in range(self.max_steps):
-            active = [i for i, run in enumerate(runs) if not run.done]
-            if not active:
-                break
-            completions, logprobs = generator.generate([prompts[i] for i in active])
-            for j, i in enumerate(active):
-                run, completion = runs[i], list(completions[j])
-                text = generator.decode(completion)
-                result = environments[i].step(text)
-                if not isinstance(result, StepResult):
-                    raise TypeError(f"environment.step must return a StepResult, got {type(result).__name__}")
-                run.steps.append(Step(prompts[i], completion, logprobs[j] if logprobs is not None else None,
-                                      float(result.reward), text))
-                run.reward = float(result.reward)
-                if result.done or turn == self.max_steps - 1:
-                    run.done = True
-                    continue
-                if result.observation is None:
-                    raise ValueError("environment.step returned no observation for an episode that is not done")
-                prompts[i] = self._next_prompt(run, prompts[i], completion, text, result.observation)
+        try:
+            for turn in range(self.max_steps):
+                active = [i for i, run in enumerate(runs) if not run.done]
+                if not active:
+                    break
+                completions, logprobs = generator.generate([prompts[i] for i in active])
+                for j, i in enumerate(active):
+                    run, completion = runs[i], list(completions[j])
+                    text = generator.decode(completion)
+                    where = f"run {i} ({_describe(rows[i])}), turn {turn}"
+                    result = self._step(environments[i], text, where)
+                    reward = math.nan if result.reward is None else float(result.reward)
+                    run.steps.append(Step(prompts[i], completion, logprobs[j] if logprobs is not None else None,
+                                          reward, text))
+                    run.reward = reward
+                    if result.done:
+                        run.done = True
+                        self._close(environments[i])
+                    elif turn == self.max_steps - 1:
+                        run.done, run.cut = True, True
+                        self._close(environments[i])
+                    elif result.observation is None:  # the run goes on, so the model needs something to read
+                        raise EnvironmentFailure(f"{where}: {type(environments[i]).__name__}.step() returned no "
+                                                 "observation for an episode that is not done")
+                    else:
+                        prompts[i] = self._next_prompt(run, prompts[i], completion, text, result.observation)
+        finally:
+            for env, run in zip(environments, runs):
+                if not run.done:
+                    self._close(env)
         return runs
+
+    @staticmethod
+    def _step(env: Any, text: str, where: str) -> StepResult:
+        try:
+            result = env.step(text)
+        except Exception as err:
+            raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() failed: {type(err).__name__}: {err}") from err
+        if not isinstance(result, StepResult):
+            raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() must return a StepResult, got "
+                                   f"{type(result).__name__}")
+        return result
+
+    @staticmethod
+    def _close(env: Any) -> None:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
 
     def _next_prompt(self, run: Run, prompt: list[int], completion: list[int], text: str, observation: str) -> list[int]:
         run.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": observation}]

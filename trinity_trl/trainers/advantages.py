@@ -19,6 +19,7 @@ scored get advantage 0 and leave the loss (``loss_rows``). Inputs that only some
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ class AdvantageSources:
     reference_logps: Callable[[], torch.Tensor | None]
     teacher_logps: Callable[[], torch.Tensor] | None = None
     values: Callable[[], torch.Tensor] | None = None
+    #: ``(N,)`` every process's rows: the reward of a greedy completion of each row's prompt (ReMax)
+    reward_baselines: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Advantages:
 
     advantages: torch.Tensor
     loss_rows: torch.Tensor
+    #: ``(N,)`` for every process's rows: the row whose sample each row trains on (refilled groups), or None
+    source_rows: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     batch: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -68,29 +73,78 @@ def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> t
 def best_of_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``(N,)`` bool: the completions with their group's highest reward, in groups whose rewards
     are not all equal (RAFT). Unscored completions (NaN) are never kept."""
-    grouped = torch.nan_to_num(rewards, nan=-torch.inf).view(-1, group_size)
-    best = grouped.max(dim=1, keepdim=True).values
-    spread = best > grouped.min(dim=1, keepdim=True).values
-    return ((grouped == best) & spread & torch.isfinite(grouped)).view(-1)
+    grouped = rewards.view(-1, group_size)
+    best = torch.nan_to_num(grouped, nan=-torch.inf).max(dim=1, keepdim=True).values
+    worst = torch.nan_to_num(grouped, nan=torch.inf).min(dim=1, keepdim=True).values  # over scored rows only
+    return ((grouped == best) & (best > worst) & torch.isfinite(grouped)).view(-1)
 
 
-def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_size: int,
-                     batch_index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Run a group operator over every completion; ``(advantages (N,), kept (N,) bool, metrics)``.
+def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_size: int, batch_index: int,
+                     logprobs: list[torch.Tensor] | None = None,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Run a group operator over every completion: ``(advantages (N,), kept (N,) bool, source (N,), metrics)``.
 
-    Completion ``i`` is run ``i % group_size`` of task ``i // group_size``; unscored ones are left
-    out of their group's statistics.
+    Completion ``i`` is run ``i % group_size`` of task ``i // group_size``; unscored ones are left out of
+    their group's statistics. ``logprobs``: each completion's behaviour log-probs (GRPO's rank penalty).
+    ``source[i]`` is the row whose sample row ``i`` trains on: ``i`` itself, or, when the operator refills
+    filtered groups with copies of kept ones (GRPO's ``duplicate_experiences``), a row of the copied group;
+    the k-th copied group takes the place of the k-th filtered group. The copies are drawn with a
+    generator seeded from ``seed`` and ``batch_index``, so every process draws the same.
     """
-    experiences = [Experience(eid=EID(batch=batch_index, task=row // group_size, run=row % group_size), reward=value)
+    experiences = [Experience(eid=EID(batch=batch_index, task=row // group_size, run=row % group_size), reward=value,
+                              logprobs=None if logprobs is None else logprobs[row])
                    for row, value in enumerate(rewards.tolist()) if math.isfinite(value)]
-    scored, metrics = advantage_fn(experiences)
+    state = random.getstate()
+    random.seed(seed * 1_000_003 + batch_index)  # the operator draws its copies from Python's random module
+    try:
+        scored, metrics = advantage_fn(experiences)
+    finally:
+        random.setstate(state)
     advantages = torch.zeros(len(rewards), dtype=torch.float32)
     kept = torch.zeros(len(rewards), dtype=torch.bool)
-    for exp in scored:
+    source = torch.arange(len(rewards))
+    given = {id(exp) for exp in experiences}  # the operator appends deep copies after the kept groups
+    originals = [exp for exp in scored if id(exp) in given]
+    copies = [exp for exp in scored if id(exp) not in given]
+    for exp in originals:
         row = exp.eid.task * group_size + exp.eid.run
         advantages[row] = exp.advantages
         kept[row] = True
-    return advantages, kept, metrics
+    if copies:
+        filtered = sorted({e.eid.task for e in experiences} - {e.eid.task for e in originals})
+        copied_groups: list[list[Experience]] = []
+        for exp in copies:  # a new copied group starts where the task changes or the run index restarts
+            last = copied_groups[-1][-1] if copied_groups else None
+            if last is None or last.eid.task != exp.eid.task or exp.eid.run <= last.eid.run:
+                copied_groups.append([])
+            copied_groups[-1].append(exp)
+        for task, group in zip(filtered, copied_groups):
+            for exp in group:
+                row = task * group_size + exp.eid.run
+                advantages[row] = exp.advantages
+                kept[row] = True
+                source[row] = exp.eid.task * group_size + exp.eid.run
+    if advantage_fn.refills_filtered_groups:
+        metrics["refill/rows"] = float((source != torch.arange(len(rewards))).sum())
+    return advantages, kept, source, metrics
+
+
+def refill_rows(output: dict[str, Any], source: torch.Tensor, local: slice, gather: Callable,
+                pad_across_processes: Callable, pad_values: dict[str, float]) -> dict[str, Any]:
+    """``output`` with each of this process's rows replaced by its ``source`` row (``(N,)``, over every
+    process's rows; any process may hold the source). Every per-row tensor is gathered (prompts padded on the
+    left, the rest on the right, with ``pad_values[key]`` or 0), so all processes must call this together."""
+    rows = output["prompt_ids"].shape[0]
+    index = source[local].to(output["prompt_ids"].device)
+    refilled = dict(output)
+    for key, value in output.items():
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != rows:
+            continue
+        if value.dim() > 1:
+            value = pad_across_processes(value, dim=1, pad_index=pad_values.get(key, 0),
+                                         pad_first=key.startswith("prompt_"))
+        refilled[key] = gather(value)[index]
+    return refilled
 
 
 class AdvantageEstimator:
@@ -102,11 +156,14 @@ class AdvantageEstimator:
         kl_penalty: the KL reward penalty of batch functions (``enabled`` False: none).
         gather: accelerate's ``gather`` (concatenates every process's tensor along dim 0).
         pad_across_processes: accelerate's ``pad_across_processes``.
+        seed: the run's seed (the draws of operators that refill filtered groups derive from it).
     """
 
     def __init__(self, advantage_fn: AdvantageFn | None, policy_loss: PolicyLossFn, kl_penalty: KLFn,
-                 gather: Callable[[torch.Tensor], torch.Tensor], pad_across_processes: Callable[..., torch.Tensor]):
+                 gather: Callable[[torch.Tensor], torch.Tensor], pad_across_processes: Callable[..., torch.Tensor],
+                 seed: int = 0):
         self.advantage_fn = advantage_fn
+        self.seed = seed
         self.policy_loss = policy_loss
         self.kl_penalty = kl_penalty
         self.gather = gather
@@ -124,9 +181,19 @@ class AdvantageEstimator:
             metrics["raft/kept_fraction"] = float(keep.float().mean())
             return Advantages(torch.zeros(loss_mask.shape[0], device=device), keep[local].to(device), metrics=metrics)
         if not self.advantage_fn.compute_in_trainer():
-            advantages, kept, group_metrics = group_advantages(self.advantage_fn, rewards, group_size, batch_index)
-            return Advantages(advantages[local].to(device), kept[local].to(device), metrics={**metrics, **group_metrics})
+            logprobs = self._gathered_logprobs(sources, loss_mask) if self.advantage_fn.needs_logprobs else None
+            advantages, kept, source, group_metrics = group_advantages(
+                self.advantage_fn, rewards, group_size, batch_index, logprobs, self.seed)
+            refilled = source if bool((source != torch.arange(len(source))).any()) else None
+            return Advantages(advantages[local].to(device), kept[local].to(device), source_rows=refilled,
+                              metrics={**metrics, **group_metrics})
         return self._batch_advantages(rewards, loss_mask, local, group_size, training, sources, metrics)
+
+    def _gathered_logprobs(self, sources: AdvantageSources, loss_mask: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's behaviour log-probs, one 1-D tensor of trained tokens per completion."""
+        logps = self.gather(self.pad_across_processes(sources.behaviour_logps(), dim=1, pad_index=0)).cpu()
+        mask = self.gather(self.pad_across_processes(loss_mask, dim=1, pad_index=0)).cpu() != 0
+        return [row[m] for row, m in zip(logps, mask)]
 
     def _batch_advantages(self, rewards, loss_mask, local, group_size, training, sources, metrics) -> Advantages:
         local_rewards = rewards[local].to(loss_mask.device)
@@ -150,6 +217,8 @@ class AdvantageEstimator:
             batch["values"] = sources.values()
         global_batch = {key: self.gather(self.pad_across_processes(value, dim=1, pad_index=0))
                         for key, value in batch.items()}
+        if fn.needs_reward_baselines:
+            global_batch["reward_baselines"] = sources.reward_baselines().to(global_batch["response_mask"].device)
         controller_state = self.kl_penalty.state_dict()
         global_batch, penalty_metrics = self.kl_penalty.apply_kl_penalty_to_reward(global_batch)
         if not training:  # evaluation measures; only training moves the adaptive coefficient

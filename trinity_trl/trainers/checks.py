@@ -282,7 +282,8 @@ def is_finite(x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------- components
-def check_components(trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any) -> None:
+def check_components(trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any,
+                     rollout_func: Any = None) -> None:
     """Reject, at construction, an algorithm whose components need something ``trainer_cls`` does not
     provide, asking the components' declared properties (never their registry names)."""
     policy, advantage = components.policy_loss, components.advantage_fn
@@ -321,21 +322,18 @@ def check_components(trainer_cls: type, algorithm: Any, components: Any, args: A
     if advantage is None or not policy.reads_advantages:
         return
     name = algorithm.advantage_fn
-    if advantage.needs_teacher_logprobs and teacher_model is None:
-        raise ValueError(f"advantage_fn {name!r} needs a teacher_model (a model or a path)")
-    if advantage.needs_reward_baselines:
-        raise ValueError(f"advantage_fn {name!r} needs greedy-rollout reward baselines, which this trainer does not "
-                         "produce")
+    if advantage.needs_teacher_logprobs and teacher_model is None and rollout_func is None:
+        raise ValueError(f"advantage_fn {name!r} needs a teacher_model (a model or a path), or a rollout_func that "
+                         "returns 'teacher_logprobs'")
+    if advantage.needs_reward_baselines and (args.per_device_train_batch_size * args.steps_per_generation
+                                             % args.num_generations):
+        raise ValueError(f"advantage_fn {name!r} scores one greedy completion per prompt group, so each process's "
+                         f"generation batch (per_device_train_batch_size * steps_per_generation = "
+                         f"{args.per_device_train_batch_size * args.steps_per_generation}) must hold whole groups of "
+                         f"num_generations={args.num_generations}")
     if advantage.needs_values and not trainer_cls.has_critic:
         raise ValueError(f"advantage_fn {name!r} (GAE) needs critic values; it is only available with a value model "
                          "(PPOTrainer)")
-    if not advantage.compute_in_trainer():
-        if advantage.needs_logprobs:
-            raise ValueError("advantage_fn_args['rank_penalty'] is not supported in TRL trainers: it needs every "
-                             "sample's behaviour log-probs at advantage time")
-        if advantage.refills_filtered_groups:
-            raise ValueError("advantage_fn_args['duplicate_experiences'] is not supported in TRL trainers: TRL's batch "
-                             "geometry is fixed, so filtered groups cannot be refilled by copies")
 
 
 def check_completion_room(max_completion_length: int, max_positions: int | None) -> None:
@@ -361,3 +359,18 @@ def check_hub_reachable(args: Any) -> None:
     except Exception as err:  # noqa: BLE001 (connection refused, DNS, timeout, proxy: all mean unreachable)
         raise ValueError(f"push_to_hub=True, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable "
                          f"({type(err).__name__}): set push_to_hub=False, or check the network / HF_ENDPOINT") from None
+
+
+def rollout_teacher_logps(per_row: list[Any], completion_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` teacher log-probs from a ``rollout_func``'s ``teacher_logprobs`` (one list per completion,
+    one value per completion token), checked against the completion lengths; 0 after each completion."""
+    lengths = completion_mask.shape[1]
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=completion_mask.device)
+    for i, values in enumerate(per_row):
+        values = torch.as_tensor(values, dtype=torch.float32)
+        n = int((completion_mask[i] != 0).nonzero().max()) + 1 if (completion_mask[i] != 0).any() else 0
+        if values.dim() != 1 or values.numel() < n or values.numel() > lengths:
+            raise ValueError(f"rollout_func returned {values.numel()} teacher_logprobs for row {i}, whose completion "
+                             f"has {n} tokens; give one value per completion token")
+        out[i, : values.numel()] = values.to(out.device)
+    return out

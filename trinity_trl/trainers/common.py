@@ -128,16 +128,17 @@ class Components:
         )
 
 
-def load_processor(model: str, args):
-    """TRL's processor (tokenizer or VLM processor, with GRPOTrainer's loading options), with
-    :func:`trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer."""
+def load_processor(model: str, args, rl: bool = True):
+    """The processor TRL would load for ``model`` (a tokenizer or VLM processor, same options), with
+    :func:`trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer. ``rl``: left padding and
+    truncation as GRPOTrainer loads it; otherwise the tokenizer's own sides, as the SFT/DPO trainers load it."""
     from transformers import AutoProcessor
 
     from ..tokenizer import correct_tokenizer
 
+    sides = {"truncation_side": "left", "padding_side": "left"} if rl else {}
     processor = AutoProcessor.from_pretrained(
-        model, revision=(args.model_init_kwargs or {}).get("revision"), truncation_side="left",
-        padding_side="left", trust_remote_code=args.trust_remote_code,
+        model, revision=(args.model_init_kwargs or {}).get("revision"), trust_remote_code=args.trust_remote_code, **sides
     )
     correct_tokenizer(getattr(processor, "tokenizer", processor), model)
     return processor

@@ -35,7 +35,7 @@ from ..algorithms import KL_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from .model_card import paper_for
 from ..data.model import resolve_model
-from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, load_processor, capture_fused_outputs, parse_args_field, reject_sequence_sharding
 
 ENTROPY_LOSSES = ("default", "none")
 
@@ -199,6 +199,8 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         if not isinstance(args, TrinityDPOConfig):
             raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
+        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
+            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
         super().__init__(model, ref_model, args, *pos, **kwargs)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()

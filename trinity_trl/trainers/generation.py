@@ -7,7 +7,13 @@ exactly the sampling settings, chat template and weight syncing of TRL's generat
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+from .trl_seams import temporarily
+
+# generation settings that only apply to sampling (unset for greedy decoding)
+SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p")
 
 # multimodal keys TRL's forward pass accepts; passed through unchanged
 FORWARD_KEYS = (
@@ -37,6 +43,22 @@ class TRLGeneration:
     def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
         completions, logprobs = self._trainer._generate_single_turn(prompt_ids, None, {}, 1)
         return [list(c) for c in completions], logprobs
+
+    def generate_greedy(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """One greedy completion per prompt through the same generation path (ReMax's baselines)."""
+        trainer = self._trainer
+        if trainer.use_vllm:  # vLLM reads its sampling settings from the generation helper's attributes
+            settings = temporarily(trainer.vllm_generation, temperature=0.0)
+        else:  # transformers generate reads both the config and TRL's override kwargs
+            kwargs = {k: v for k, v in trainer.generation_kwargs.items() if k not in SAMPLING_ONLY}
+            config = copy.deepcopy(trainer.generation_config)
+            config.do_sample = False
+            for name in SAMPLING_ONLY:
+                setattr(config, name, None)
+            settings = temporarily(trainer, generation_kwargs={**kwargs, "do_sample": False}, generation_config=config)
+        with settings:
+            completions, _ = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+        return [list(c) for c in completions]
 
     def decode(self, ids: list[int]) -> str:
         return self._trainer.processing_class.decode(ids, skip_special_tokens=True)

@@ -114,7 +114,8 @@ def training_card_section(args: Any, peft_config: Any = None, dataset: str | Non
         rows.append(("dataset", f"`{dataset}`"))
     if environment:
         rows.append(("environment", f"`{environment}`"))
-    rows += [("learning rate", f"{args.learning_rate:g} ({args.lr_scheduler_type})"),
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    rows += [("learning rate", f"{args.learning_rate:g} ({scheduler})"),
              ("max steps", str(args.max_steps) if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"),
              ("batch per device", str(args.per_device_train_batch_size)),
              ("gradient accumulation", str(args.gradient_accumulation_steps))]

@@ -289,8 +289,8 @@ class PPOTrainer(TrinityTrainer):
         return masked_fill_invalid(torch.cat(chunks), completion_mask)
 
     # ------------------------------------------------------------------------------ advantages
-    def _advantage_sources(self, output: dict) -> AdvantageSources:
-        sources = super()._advantage_sources(output)
+    def _advantage_sources(self, output: dict, inputs: list[dict]) -> AdvantageSources:
+        sources = super()._advantage_sources(output, inputs)
 
         def old_values() -> torch.Tensor:
             # once per generation batch, no gradient (outside DDP: no collective per chunk; FSDP and DeepSpeed

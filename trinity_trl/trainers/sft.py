@@ -28,7 +28,7 @@ from trl import SFTConfig, SFTTrainer
 from ..algorithms import AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
-from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, load_processor, capture_fused_outputs, parse_args_field, reject_sequence_sharding
 from .model_card import paper_for
 
 SFT_LOSSES = ("sft", "sft_is", "sft_phi")
@@ -151,6 +151,8 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
                 "(choose policy_loss_fn / policy_loss_fn_args instead)"
             )
         self.algorithm = args.resolved_algorithm()
+        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
+            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
         super().__init__(model, args, *pos, **kwargs)
         if self.compute_loss_func is not None:  # passed positionally
             raise ValueError(f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func")

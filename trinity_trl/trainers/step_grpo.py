@@ -1,17 +1,27 @@
 """``StepGRPOTrainer``: multi-step agents, every turn its own sample, step-wise GRPO advantages.
 
-For each task the trainer plays ``num_generations`` runs against an environment (see
-:mod:`trinity_trl.rollouts`), batching the next turn of every active run into one generation
-call. TRL scores the runs (the environment's last-step reward, plus any reward functions on the
-final turn), the rewards of every process are gathered, and ``step_wise_grpo`` normalises each
-run's reward within its task group and gives the score to every step of the run (spec §12.4).
-Each step then becomes a row of the training batch.
+For each task the trainer plays ``num_generations`` runs against an environment, then TRL scores the
+runs, the rewards of every process are gathered, and ``step_wise_grpo`` normalises each run's reward
+within its task group and gives the score to every step of the run (spec §12.4). Each step then
+becomes a sample of the training batch (a whole prefix-preserving run in one row, see ``shared_prefix``).
+
+Two environment protocols, told apart by what the environment class defines
+(:mod:`trinity_trl.rollouts.protocols`):
+
+* **TRL's tool environments** (``environment_factory`` and ``tools`` exactly as ``GRPOTrainer`` takes
+  them): TRL plays the runs itself (its environment pool, ``reset``, chat template with the tool
+  schemas, tool-call parsing, tool execution and errors, ``get_reward``), and every assistant turn of
+  the resulting trajectory becomes a step (:mod:`trinity_trl.rollouts.trajectories`).
+* **reset/step environments** (:class:`trinity_trl.rollouts.Environment`): the turns are text;
+  :class:`~trinity_trl.rollouts.MultiStepRollout` plays them over the trainer's generation backend,
+  batching the next turn of every active run into one generation call.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +31,8 @@ from trl.trainer.utils import pad
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..rollouts import MultiStepRollout
 from ..rollouts.multi_step import HISTORY_MODES, Run
+from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
+from ..rollouts.trajectories import run_from_trajectory
 from . import checks
 from .config import TrinityConfig
 from .metrics import append_metrics
@@ -37,11 +49,14 @@ class StepGRPOConfig(TrinityConfig):
     advantages, k2 KL loss; any policy loss of the library can replace PPO).
 
     Parameters:
-        max_env_steps (`int`, *optional*, defaults to `5`): Turns per run at most.
+        max_env_steps (`int`, *optional*, defaults to `5`):
+            Turns per run at most. With a TRL tool environment a turn that calls a tool is a turn, so TRL's
+            `max_tool_calling_iterations` is `max_env_steps - 1` (set it only to that value, or leave it unset).
         history (`str`, *optional*, defaults to `"tokens"`):
             `"tokens"`: each turn's prompt is the previous prompt + the generated tokens + the
             observation's chat-template tokens (never re-tokenized). `"messages"`: the conversation is
-            re-rendered by the chat template every turn.
+            re-rendered by the chat template every turn. Only for reset/step environments: TRL's tool loop always
+            extends the token history.
         enable_step_norm (`bool`, *optional*, defaults to `False`):
             Divide a run's advantage by its number of steps, so long runs do not weigh more.
         std_cal_level (`str`, *optional*, defaults to `"group"`):
@@ -81,6 +96,14 @@ class StepGRPOConfig(TrinityConfig):
             raise ValueError(f"history must be one of {HISTORY_MODES}, got {self.history!r}")
         if self.std_cal_level not in STD_CAL_LEVELS:
             raise ValueError(f"std_cal_level must be one of {STD_CAL_LEVELS}, got {self.std_cal_level!r}")
+        # one limit on turns for both protocols: TRL's tool loop counts tool-calling iterations (turns - 1)
+        if self.max_tool_calling_iterations is None:
+            self.max_tool_calling_iterations = self.max_env_steps - 1
+        elif self.max_tool_calling_iterations != self.max_env_steps - 1:
+            raise ValueError(
+                f"StepGRPOConfig counts turns with max_env_steps (= max_tool_calling_iterations + 1); got "
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} with max_env_steps={self.max_env_steps}: "
+                f"set max_env_steps={self.max_tool_calling_iterations + 1} and leave max_tool_calling_iterations unset")
         super().__post_init__()
 
     def _user_overrides(self) -> dict[str, Any]:
@@ -96,20 +119,27 @@ class StepGRPOConfig(TrinityConfig):
         }}
 
 
-def environment_reward(completions, env_reward, **kwargs) -> list[float]:
-    """The reward the environment returned with each run's last step."""
-    return list(env_reward)
+def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
+    """The reward a reset/step environment returned with each run's last step (``None`` where it could not
+    score the run: TRL's convention, so the run is unscorable rather than rewarded 0)."""
+    return [None if reward is None or math.isnan(reward) else reward for reward in env_reward]
 
 
 class StepGRPOTrainer(TrinityTrainer):
     """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`]).
 
     Args:
-        environment_factory (`Callable[[], Environment]`): builds one environment per run (see
-            :class:`trinity_trl.rollouts.Environment`). Each dataset row is a task: its columns are
-            passed to `reset`, and its optional `prompt` starts the conversation.
-        reward_funcs: optional extra reward functions scoring each run's final turn; the
-            environment's reward is always the first reward (`environment_reward`).
+        environment_factory: builds one environment per run; or a dict of factories, each dataset row
+            choosing one by its `environment` column (TRL's contract). The protocol is read from the class
+            (:mod:`trinity_trl.rollouts.protocols`): a TRL tool environment (`reset(**row) -> str | None`,
+            public methods as tools, optional `get_reward()`), or a reset/step
+            :class:`~trinity_trl.rollouts.Environment`. A class that fits neither is rejected here, naming
+            what it lacks. Each dataset row is a task (its columns are passed to `reset`); with
+            `train_dataset=None` the environment owns the data and `max_steps` sets the length.
+        tools: standalone tools (callables), as for TRL's `GRPOTrainer`; with a tool environment or alone.
+        reward_funcs: reward functions scoring each run (TRL passes them the whole conversation of a tool run,
+            or the final turn of a reset/step run). A reset/step environment's last-step reward is always the
+            first reward (`environment_reward`); a tool environment's `get_reward()` is added by TRL.
         Other arguments: as [`TrinityTrainer`] (no `rollout_func`: the environment loop is the rollout).
     """
 
@@ -117,31 +147,70 @@ class StepGRPOTrainer(TrinityTrainer):
     config_class = StepGRPOConfig
     requires_prompt = False  # a task's prompt may come from reset()
 
-    def __init__(self, model, reward_funcs=None, args: StepGRPOConfig | None = None, *pos, environment_factory=None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: StepGRPOConfig | None = None, *pos, environment_factory=None,
+                 tools=None, **kwargs):
         if args is not None and not isinstance(args, StepGRPOConfig):
             raise TypeError(f"StepGRPOTrainer needs a StepGRPOConfig, got {type(args).__name__}")
-        if environment_factory is None or not callable(environment_factory):
-            raise ValueError("StepGRPOTrainer needs environment_factory: a callable returning a fresh environment")
         if kwargs.get("rollout_func") is not None:
             raise ValueError("StepGRPOTrainer plays the environment itself; rollout_func cannot be combined with it")
+        train_dataset = kwargs.get("train_dataset", pos[0] if pos else None)
+        columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
+        protocol, classes = resolve_protocol(environment_factory, tools, columns)
+        self.environment_protocol = protocol
+        self._environment_names = sorted({cls.__qualname__ for cls in classes.values()})
         extra = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-        super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
+        if protocol == TOOL_PROTOCOL:
+            if args is not None and args.history != "tokens":
+                raise ValueError("history='messages' is for reset/step environments; TRL's tool loop always extends "
+                                 "the token history (set history='tokens')")
+            # TRL sets up the environments (pool, tools, get_reward, response parsing, chat template)
+            super().__init__(model, extra or None, args, *pos, environment_factory=environment_factory, tools=tools,
+                             **kwargs)
+            self.rollout = None
+        else:
+            if train_dataset is None:
+                pos, kwargs = self._placeholder_tasks(args, pos, kwargs, environment_factory)
+            super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
+            self.rollout = MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps,
+                                            self.args.history)
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
                 "StepGRPOTrainer does not support vllm_importance_sampling_correction yet (TRL computes the ratio for "
-                "the final turn only); set vllm_importance_sampling_correction=False"
+                "whole completions, not turns); set vllm_importance_sampling_correction=False"
             )
         # reference log-probs are computed here for every row (step or run); TRL's pass over the final
         # turns would be redone (the reference model itself stays loaded)
         skip_trl_reference_pass(self)
-        self.rollout = MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
+
+    @staticmethod
+    def _placeholder_tasks(args, pos, kwargs, environment_factory):
+        """``train_dataset=None`` with a reset/step environment: rows of empty prompts that drive the loop
+        while ``reset`` supplies each task, the same placeholder TRL builds for its own environments."""
+        from datasets import Dataset
+
+        if isinstance(environment_factory, dict):
+            raise ValueError("a dict environment_factory routes rows by their 'environment' column: it needs a "
+                             "train_dataset with that column")
+        if args is None or args.max_steps <= 0:
+            raise ValueError("train_dataset=None (the environment owns the data) needs max_steps > 0 to set the "
+                             "training length")
+        rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size
+                                                                                   // args.num_generations)})
+        if pos:
+            return (rows, *pos[1:]), kwargs
+        return pos, {**kwargs, "train_dataset": rows}
 
     def _model_card_environment(self) -> str | None:
-        factory = self.rollout.environment_factory
-        return getattr(factory, "__qualname__", None) or type(factory).__name__
+        return ", ".join(self._environment_names) or None
 
     # ------------------------------------------------------------------------------ rollout
     def _generate_and_score_completions(self, inputs):
+        if self.environment_protocol == TOOL_PROTOCOL:
+            # TRL plays the tool loop. Its mask_truncated_completions would zero the whole trajectory (and the
+            # turn boundaries in its tool_mask) when the last turn is cut off; here each step is masked on its
+            # own in _step_batch, so TRL's whole-run masking is off during its call (trl_seams.temporarily)
+            with temporarily(self, mask_truncated_completions=False):
+                return super()._generate_and_score_completions(inputs)
         rows = [dict(row) for row in inputs]
         # TRL reads x["prompt"] before calling the rollout; tasks may get their whole prompt from reset()
         for row in inputs:
@@ -165,8 +234,55 @@ class StepGRPOTrainer(TrinityTrainer):
         }
 
     # --------------------------------------------------------------------------- advantages
+    def _tool_runs(self, output: dict) -> list[Run]:
+        """This process's runs of TRL's tool loop, one step per assistant turn (:mod:`~trinity_trl.rollouts.trajectories`):
+        the padded prompt / completion / tool-mask rows of TRL's output, back to the token lists it generated."""
+        prompt_lengths = output["prompt_mask"].sum(1).tolist()
+        completion_lengths = output["completion_mask"].sum(1).tolist()  # unmasked: see _generate_and_score_completions
+        tool_mask = output.get("tool_mask")
+        sampled = output.get("sampling_per_token_logps")
+        runs = []
+        for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+            prompt = output["prompt_ids"][i, output["prompt_ids"].size(1) - p:].tolist()
+            completion = output["completion_ids"][i, :c].tolist()
+            mask = [1] * c if tool_mask is None else tool_mask[i, :c].tolist()
+            logps = None if sampled is None else sampled[i, :c].tolist()
+            runs.append(run_from_trajectory(prompt, completion, mask, logps))
+        return runs
+
+    def _final_turns(self, runs: list[Run]) -> list[str]:
+        """How each tool run ended, its last turn parsed as TRL parses turns (``parse_response``): ``"answer"`` (no
+        tool call), ``"tool_call"`` (still calling a tool: stopped by ``max_env_steps`` or ``max_completion_length``)
+        or ``"malformed"`` (the response template's tool-call opener is there but TRL's parser found no valid call,
+        so TRL took the turn as the final answer: the run ends there, scored as it is)."""
+        from trl.chat_template_utils import parse_response
+
+        template = getattr(self._tokenizer, "response_template", None)
+        if template is None and getattr(self._tokenizer, "response_schema", None) is None:
+            return ["answer"] * len(runs)
+        field = (template or {}).get("fields", {}).get("tool_calls", {})
+        opener = field.get("open_pattern") or (re.escape(field["open"]) if field.get("open") else None)
+        endings = []
+        for run in runs:
+            last = run.steps[-1]
+            if parse_response(self._tokenizer, last.completion_ids, prefix=last.prompt_ids, tools=self.tools).get("tool_calls"):
+                endings.append("tool_call")
+            elif opener is not None and re.search(opener, self._tokenizer.decode(last.completion_ids)):
+                endings.append("malformed")
+            else:
+                endings.append("answer")
+        return endings
+
     def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
-        runs: list[Run] = [row["run"] for row in inputs]
+        malformed = 0
+        if self.environment_protocol == TOOL_PROTOCOL:
+            runs = self._tool_runs(output)
+            endings = self._final_turns(runs)
+            for run, ending, reward in zip(runs, endings, rewards[self._local_rows(len(runs))].tolist()):
+                run.cut, run.reward = ending == "tool_call", reward
+            malformed = endings.count("malformed")
+        else:
+            runs = [row["run"] for row in inputs]
         group_size = self._group_size(mode)
         device = output["prompt_ids"].device
         steps = self.accelerator.gather(torch.tensor([len(run.steps) for run in runs], device=device)).cpu().tolist()
@@ -186,6 +302,10 @@ class StepGRPOTrainer(TrinityTrainer):
             "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
             "multi_step/run_reward": float(rewards.nanmean()) if torch.isfinite(rewards).any() else 0.0,
             "multi_step/prefix_preserving": sum(r.prefix_preserving for r in runs) / max(1, len(runs)),
+            # runs the turn limit stopped before the environment (or a final answer) ended them
+            "multi_step/cut_runs": float(self.accelerator.gather(torch.tensor(sum(r.cut for r in runs), device=device)).sum()),
+            # tool runs whose last turn was a tool call TRL could not parse (taken as the final answer)
+            "multi_step/malformed_tool_calls": float(self.accelerator.gather(torch.tensor(malformed, device=device)).sum()),
             "unscorable_count": float((~torch.isfinite(rewards)).sum()),
         })
         # TRL's completions table lists one row per run (its final turn): show that turn's advantage

@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 
 import torch
 from trl import GRPOTrainer
+from trl.data_utils import is_conversational
 
 from . import checks
-from .advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
+from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from .checkpoint import load_generation_buffer, load_trainer_state, save_generation_buffer, save_trainer_state
 from ..data.model import resolve_model
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
@@ -29,7 +30,7 @@ from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .trl_seams import captured_return, reopen_trackio_run, temporarily
+from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
@@ -57,7 +58,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
-        checks.check_components(type(self), self.algorithm, self.components, args, teacher_model)
+        checks.check_components(type(self), self.algorithm, self.components, args, teacher_model,
+                                kwargs.get("rollout_func"))
         if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
             kwargs["processing_class"] = load_processor(model, args)
         if self.requires_prompt and kwargs.get("environment_factory") is None:
@@ -77,11 +79,12 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
                                               args.steps_per_generation)
         self.advantage_estimator = AdvantageEstimator(
             self.components.advantage_fn, self.components.policy_loss, self.components.kl_penalty,
-            self.accelerator.gather, self.accelerator.pad_across_processes)
+            self.accelerator.gather, self.accelerator.pad_across_processes, args.seed)
         self._generation_count = 0
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
         self._set_card_identity()
+        use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (trl_seams)
 
     # ----------------------------------------------------------------------------- subclass hooks
     def _policy_loss_overrides(self, args: TrinityConfig) -> dict[str, Any]:
@@ -98,21 +101,52 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         """
         loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
         result = self.advantage_estimator(rewards, loss_mask, self._local_rows(len(inputs)), self._group_size(mode),
-                                          self._generation_count, mode == "train", self._advantage_sources(output))
+                                          self._generation_count, mode == "train", self._advantage_sources(output, inputs))
+        if result.source_rows is not None:  # filtered groups refilled with copies of kept ones (duplicate_experiences)
+            pad = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id}
+            output = refill_rows(output, result.source_rows, self._local_rows(len(inputs)), self.accelerator.gather,
+                                 self.accelerator.pad_across_processes, pad)
         output["advantages"] = result.advantages
-        output["completion_mask"] = output["completion_mask"] * result.loss_rows.unsqueeze(1).to(loss_mask.dtype)
+        output["completion_mask"] = output["completion_mask"] * result.loss_rows.unsqueeze(1).to(output["completion_mask"].dtype)
         self._use_advantage_extras(output, result)
         append_metrics(self._metrics[mode], result.metrics)
         self._show_advantages_in_completions_table(output["advantages"], output["completion_mask"])
         return output
 
-    def _advantage_sources(self, output: dict) -> AdvantageSources:
-        """Lazily computed per-token inputs of the advantage functions (PPOTrainer adds critic values)."""
+    def _advantage_sources(self, output: dict, inputs: list[dict]) -> AdvantageSources:
+        """Lazily computed per-token inputs of the advantage functions (PPOTrainer adds critic values).
+        Teacher log-probs: those a ``rollout_func`` returned with the rollout (``teacher_logprobs``, as
+        Trinity's workflows store them), else a forward of ``teacher_model``."""
         return AdvantageSources(
             behaviour_logps=lambda: self._behaviour_logps(output),
             reference_logps=lambda: output.get("ref_per_token_logps"),
-            teacher_logps=(lambda: self._forward_logps(self.teacher_model, output)) if self.teacher_model is not None else None,
+            teacher_logps=lambda: self._teacher_logps(output, inputs),
+            reward_baselines=lambda: self._greedy_reward_baselines(inputs),
         )
+
+    def _greedy_reward_baselines(self, inputs: list[dict]) -> torch.Tensor:
+        """ReMax's baselines ``(N,)``: one greedy completion of each group's prompt, generated through TRL's
+        generation path and scored by the reward functions like the rollouts (not trained on)."""
+        mode = "train" if self.model.training else "eval"
+        group = self._group_size(mode)
+        leaders = inputs[::group]  # each process holds whole groups (checks.check_components)
+        prompts = [row["prompt"] for row in leaders]
+        completion_ids = self.generation.generate_greedy(self.generation.tokenize_conversations(prompts))
+        texts = [self.generation.decode(ids) for ids in completion_ids]
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(leaders[0]) else texts
+        rewards = weighted_rewards(self._calculate_rewards(leaders, prompts, completions, completion_ids),
+                                   self.reward_weights)
+        append_metrics(self._metrics[mode], {"remax/greedy_completions": float(len(rewards)),
+                                            "remax/greedy_reward": float(rewards.nanmean())})
+        return torch.nan_to_num(rewards).repeat_interleave(group)
+
+    def _teacher_logps(self, output: dict, inputs: list[dict]) -> torch.Tensor:
+        if all(row.get("teacher_logprobs") is not None for row in inputs):
+            return checks.rollout_teacher_logps([row["teacher_logprobs"] for row in inputs], output["completion_mask"])
+        if self.teacher_model is None:
+            raise ValueError("the advantage function needs teacher log-probs: pass teacher_model=, or return "
+                             "'teacher_logprobs' (one list per completion) from rollout_func")
+        return self._forward_logps(self.teacher_model, output)
 
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
         """Hook for more outputs of a batch advantage function (PPOTrainer: ``returns``)."""

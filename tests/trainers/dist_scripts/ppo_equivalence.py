@@ -26,7 +26,7 @@ from equivalence import (
     digit_reward,
     make_rollout_func,
 )
-from helpers import tiny_conversational_dataset, tiny_grpo_kwargs
+from helpers import recording, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.trainers import PPOConfig, PPOTrainer
 
@@ -48,23 +48,20 @@ class CriticGradRecorder(GradRecorder):
         ])
 
 
-class RecordingPPOTrainer(PPOTrainer):
-    def __init__(self, *args, **kwargs):
-        self.rows: list[dict] = []
-        super().__init__(*args, **kwargs)
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+def recorded_rows(trainer) -> list[dict]:
+    """Every rollout of this rank (tests/helpers.py `recording`), unpadded: ids, advantages, returns, old values."""
+    rows = []
+    for output in trainer.recorded.batches:
         for i in range(output["prompt_ids"].shape[0]):
             valid = output["completion_mask"][i].bool()
-            self.rows.append({
+            rows.append({
                 "prompt_ids": output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist(),
                 "completion_ids": output["completion_ids"][i][valid].tolist(),
                 "advantages": output["advantages"][i][valid].tolist(),
                 "returns": output["returns"][i][valid].tolist(),
                 "old_values": output["old_values"][i][valid].tolist(),
             })
-        return output
+    return rows
 
 
 def run(model_dir: str, out_dir: str, world: int, rank: int) -> dict:
@@ -83,14 +80,14 @@ def run(model_dir: str, out_dir: str, world: int, rank: int) -> dict:
         loss_normalization="global",
     ))
     recorder = CriticGradRecorder()
-    trainer = RecordingPPOTrainer(model=model_dir, reward_funcs=[digit_reward], args=args,
-                                  train_dataset=tiny_conversational_dataset(4), rollout_func=make_rollout_func(True),
-                                  callbacks=[recorder])
+    trainer = recording(PPOTrainer)(model=model_dir, reward_funcs=[digit_reward], args=args,
+                                    train_dataset=tiny_conversational_dataset(4), rollout_func=make_rollout_func(True),
+                                    callbacks=[recorder])
     recorder.trainer = trainer
     trainer.train()
     critic = trainer.accelerator.unwrap_model(trainer.critic)
     record = {
-        "rows": trainer.rows,
+        "rows": recorded_rows(trainer),
         "grad": recorder.grad,
         "critic_grad": recorder.critic_grad,
         "critic": {k: v.detach().clone() for k, v in critic.state_dict().items()},

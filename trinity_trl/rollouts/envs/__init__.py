@@ -1,6 +1,7 @@
 """Bundled environments that need several steps to solve."""
 
-from .calculator import CalculatorEnv, calculator_dataset
+from .calculator import CalculatorEnv, CalculatorToolEnv, calculator_dataset, calculator_tool_dataset
 from .number_guess import NumberGuessEnv, number_guess_dataset
 
-__all__ = ["CalculatorEnv", "NumberGuessEnv", "calculator_dataset", "number_guess_dataset"]
+__all__ = ["CalculatorEnv", "CalculatorToolEnv", "NumberGuessEnv", "calculator_dataset", "calculator_tool_dataset",
+           "number_guess_dataset"]

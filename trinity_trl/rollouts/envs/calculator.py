@@ -1,4 +1,11 @@
-"""Arithmetic word problems with a calculator tool: compute, read the result, then answer."""
+"""Arithmetic word problems with a calculator tool: compute, read the result, then answer.
+
+Two versions of one task, one per environment protocol:
+
+* :class:`CalculatorEnv` (reset/step): the model writes ``calc(EXPR)`` or ``answer(N)`` as plain text.
+* :class:`CalculatorToolEnv` (TRL's tool protocol): ``calc(expression)`` and ``answer(number)`` are tools the
+  model calls in its chat template's tool-call format; ``get_reward()`` checks the submitted answer.
+"""
 
 from __future__ import annotations
 
@@ -60,14 +67,80 @@ class CalculatorEnv(Environment):
         return StepResult("Write calc(EXPRESSION) to compute or answer(NUMBER) to finish.")
 
 
-def calculator_dataset(n: int = 64, seed: int = 0):
-    """``n`` two-operation word problems (columns ``question``, ``answer``)."""
-    from datasets import Dataset
+class CalculatorToolEnv:
+    """The calculator task as a TRL tool environment (``GRPOTrainer``/``StepGRPOTrainer`` ``environment_factory``).
 
+    Tools: ``calc(expression)`` returns the value of ``+ - *`` whole-number arithmetic (a bad expression raises,
+    which TRL reports to the model as ``{"error": ...}``); ``answer(number)`` submits the final answer. A run
+    ends at the first turn without a tool call. ``get_reward()``: 1.0 for a correct submitted answer, 0.2 when the
+    right value was computed with ``calc`` but not submitted (a denser signal for small models), else 0.0.
+    """
+
+    def reset(self, answer: int, **row) -> None:
+        self.target, self.submitted, self.results = int(answer), None, []
+        return None  # the question is in the row's prompt
+
+    def calc(self, expression: str) -> str:
+        """Evaluate an arithmetic expression with whole numbers and the operators + - *.
+
+        Args:
+            expression: The expression to evaluate, for example "12*7-5".
+
+        Returns:
+            The value of the expression.
+        """
+        value = safe_eval(str(expression))
+        self.results.append(value)
+        return str(value)
+
+    def answer(self, number: int) -> str:
+        """Submit the final answer to the question.
+
+        Args:
+            number: The final answer, a whole number.
+
+        Returns:
+            A confirmation.
+        """
+        self.submitted = int(number)
+        return f"Submitted {self.submitted}."
+
+    def get_reward(self) -> float:
+        if self.submitted == self.target:
+            return 1.0
+        return 0.2 if self.target in self.results else 0.0
+
+
+CALCULATOR_TOOL_SYSTEM_PROMPT = (
+    "You solve arithmetic word problems. First call the calc tool with the expression to compute, then call the "
+    "answer tool with the result."
+)
+
+
+def _word_problems(n: int, seed: int) -> tuple[list[str], list[int]]:
     rng = random.Random(seed)
     questions, answers = [], []
     for _ in range(n):
         a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(2, 9)
         questions.append(f"A shop has {c} boxes with {a} apples each and sells {b} apples. How many apples are left?")
         answers.append(a * c - b)
+    return questions, answers
+
+
+def calculator_dataset(n: int = 64, seed: int = 0):
+    """``n`` two-operation word problems (columns ``question``, ``answer``) for :class:`CalculatorEnv`."""
+    from datasets import Dataset
+
+    questions, answers = _word_problems(n, seed)
     return Dataset.from_dict({"question": questions, "answer": answers})
+
+
+def calculator_tool_dataset(n: int = 64, seed: int = 0):
+    """The same problems for :class:`CalculatorToolEnv`: columns ``prompt`` (a system message asking for the tools,
+    and the question as the user message), ``question`` and ``answer``."""
+    from datasets import Dataset
+
+    questions, answers = _word_problems(n, seed)
+    prompts = [[{"role": "system", "content": CALCULATOR_TOOL_SYSTEM_PROMPT}, {"role": "user", "content": q}]
+               for q in questions]
+    return Dataset.from_dict({"prompt": prompts, "question": questions, "answer": answers})

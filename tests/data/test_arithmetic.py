@@ -1,4 +1,5 @@
-"""The bundled arithmetic task: verified answers, disjoint splits, demonstrations, preference pairs and the reward."""
+"""`trinity_trl/data/arithmetic.py`: the bundled arithmetic task: verified answers, disjoint splits, demonstrations,
+preference pairs and the reward."""
 
 from __future__ import annotations
 

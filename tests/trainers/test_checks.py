@@ -1,0 +1,297 @@
+"""`trinity_trl/trainers/checks.py`: `check_components` (every rejection, asked from component properties, on small
+fakes), the loss guards on tensors, and the construction errors as a trainer raises them.
+
+Bad datasets, reward functions, rollouts and context lengths on real trainers: tests/reliability/test_bad_input.py;
+the guards in training runs: tests/reliability/test_guards.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+from trl import GRPOConfig
+
+from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers.checks import check_completion_room, check_components, guard_loss_mask, masked_finite
+
+
+# ------------------------------------------------------------------------------------ fakes of what is asked
+class PlainTrainer:
+    """A trainer class as check_components sees it: three class flags."""
+
+    supports_expert_rows = False
+    has_critic = False
+    requires_prompt = True
+
+
+class ExpertTrainer(PlainTrainer):
+    supports_expert_rows = True
+
+
+class CriticTrainer(PlainTrainer):
+    has_critic = True
+
+
+@dataclass
+class FakeAlgorithm:
+    algorithm: str = "custom"
+    schema: str = "experience"
+    use_critic: bool = False
+    compute_advantage_in_trainer: bool = False
+    needs_reference: bool = True
+    policy_loss_fn: str = "my_loss"
+    advantage_fn: str = "my_advantage"
+    kl_penalty_fn: str = "none"
+    entropy_loss_fn: str = "default"
+
+
+@dataclass
+class FakeAdvantage:
+    needs_teacher_logprobs: bool = False
+    needs_reward_baselines: bool = False
+    needs_values: bool = False
+    in_trainer: bool = False
+    needs_logprobs: bool = False
+    refills_filtered_groups: bool = False
+
+    def compute_in_trainer(self) -> bool:
+        return self.in_trainer
+
+
+@dataclass
+class FakeComponents:
+    policy_loss: Any = field(default_factory=lambda: SimpleNamespace(needs_expert_rows=False, linear_in_advantage=True,
+                                                                     reads_advantages=True))
+    kl_penalty: Any = field(default_factory=lambda: SimpleNamespace(enabled=False))
+    entropy_loss: Any = field(default_factory=lambda: SimpleNamespace(needs_expert_mask=False))
+    advantage_fn: Any = field(default_factory=FakeAdvantage)
+
+
+def fake_args(**overrides) -> SimpleNamespace:
+    return SimpleNamespace(**{"use_vllm": False, "vllm_importance_sampling_correction": True, "sync_ref_model": False,
+                              "per_device_train_batch_size": 8, "steps_per_generation": 1, "num_generations": 4,
+                              **overrides})
+
+
+def check(trainer_cls=PlainTrainer, algorithm=None, components=None, args=None, teacher=None,
+          rollout_func=None) -> None:
+    check_components(trainer_cls, algorithm or FakeAlgorithm(), components or FakeComponents(), args or fake_args(),
+                     teacher, rollout_func)
+
+
+def test_a_complete_setup_passes():
+    check()
+
+
+def test_a_critic_algorithm_needs_a_critic_trainer():
+    with pytest.raises(ValueError, match=r"algorithm 'custom' needs a value model \(critic\) and GAE: use PPOTrainer"):
+        check(algorithm=FakeAlgorithm(use_critic=True))
+    check(CriticTrainer, algorithm=FakeAlgorithm(use_critic=True))
+
+
+@pytest.mark.parametrize(("schema", "trainer"), [("sft", "TrinitySFTTrainer"), ("dpo", "TrinityDPOTrainer")])
+def test_offline_data_points_to_its_trainer(schema, trainer):
+    with pytest.raises(ValueError, match=rf"trains on '{schema}' data, not on rollouts; use {trainer} instead"):
+        check(algorithm=FakeAlgorithm(schema=schema))
+
+
+def test_expert_rows_need_a_trainer_that_adds_them():
+    components = FakeComponents(policy_loss=SimpleNamespace(needs_expert_rows=True, linear_in_advantage=True,
+                                                            reads_advantages=True))
+    with pytest.raises(ValueError, match=r"policy loss 'my_loss' needs expert rows; use ChordTrainer"):
+        check(components=components)
+    check(ExpertTrainer, components=components)
+
+
+def test_a_kl_penalty_needs_trainer_side_advantages():
+    components = FakeComponents(kl_penalty=SimpleNamespace(enabled=True))
+    with pytest.raises(ValueError, match=r"kl_penalty_fn='k1' subtracts a KL from token rewards before trainer-side "
+                                         r"advantages, but algorithm 'custom' computes advantages on experience "
+                                         r"groups"):
+        check(algorithm=FakeAlgorithm(kl_penalty_fn="k1"), components=components)
+    check(algorithm=FakeAlgorithm(kl_penalty_fn="k1", compute_advantage_in_trainer=True), components=components)
+
+
+def test_an_entropy_of_expert_rows_needs_expert_rows():
+    components = FakeComponents(entropy_loss=SimpleNamespace(needs_expert_mask=True))
+    with pytest.raises(ValueError, match=r"entropy_loss_fn 'mix' needs expert rows; use ChordTrainer, or "
+                                         r"entropy_loss_fn='default'"):
+        check(algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
+    check(ExpertTrainer, algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
+
+
+def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():
+    components = FakeComponents(policy_loss=SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False,
+                                                            reads_advantages=True))
+    with pytest.raises(ValueError, match=r"policy loss 'my_loss' with these arguments is not linear in the advantage.*"
+                                         r"set vllm_importance_sampling_correction=False"):
+        check(components=components, args=fake_args(use_vllm=True))
+    check(components=components, args=fake_args(use_vllm=True, vllm_importance_sampling_correction=False))
+    check(components=components, args=fake_args(use_vllm=False))  # no vLLM: no importance weight
+
+
+def test_sync_ref_model_needs_a_reference():
+    with pytest.raises(ValueError, match=r"sync_ref_model=True updates the reference model, but this algorithm uses "
+                                         r"none \(no KL loss or penalty\)"):
+        check(algorithm=FakeAlgorithm(needs_reference=False), args=fake_args(sync_ref_model=True))
+    check(algorithm=FakeAlgorithm(needs_reference=True), args=fake_args(sync_ref_model=True))
+
+
+def test_a_teacher_advantage_needs_a_teacher():
+    components = FakeComponents(advantage_fn=FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True))
+    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' needs a teacher_model \(a model or a path\), "
+                                         r"or a rollout_func that returns 'teacher_logprobs'"):
+        check(components=components)
+    check(components=components, teacher="path/to/teacher")
+    check(components=components, rollout_func=lambda prompts, trainer: {})  # teacher log-probs come with the rollout
+
+
+def test_reward_baselines_need_whole_groups_on_each_process():
+    """ReMax's greedy baseline is generated per group on the process that holds the group."""
+    components = FakeComponents(advantage_fn=FakeAdvantage(needs_reward_baselines=True, in_trainer=True))
+    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' scores one greedy completion per prompt group"):
+        check(components=components, args=fake_args(per_device_train_batch_size=2))
+    check(components=components, args=fake_args(per_device_train_batch_size=2, steps_per_generation=2))
+
+
+def test_critic_values_need_a_critic_trainer():
+    components = FakeComponents(advantage_fn=FakeAdvantage(needs_values=True, in_trainer=True))
+    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' \(GAE\) needs critic values.*PPOTrainer"):
+        check(components=components)
+    check(CriticTrainer, components=components)
+
+
+def test_group_operators_needing_behaviour_logps_or_refilling_groups_are_accepted():
+    """GRPO's rank_penalty and duplicate_experiences run in the trainers (tests/trainers/test_group_options.py)."""
+    check(components=FakeComponents(advantage_fn=FakeAdvantage(needs_logprobs=True)))
+    check(components=FakeComponents(advantage_fn=FakeAdvantage(refills_filtered_groups=True)))
+
+
+@pytest.mark.parametrize("advantage", [
+    FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True), FakeAdvantage(needs_reward_baselines=True),
+    FakeAdvantage(needs_values=True), FakeAdvantage(needs_logprobs=True), FakeAdvantage(refills_filtered_groups=True),
+])
+def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
+    """A loss that reads no advantages (RAFT's SFT loss) never runs the advantage function."""
+    policy = SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False, reads_advantages=False)
+    check(components=FakeComponents(policy_loss=policy, advantage_fn=advantage))
+    check(components=FakeComponents(advantage_fn=None))  # a preset without an advantage function
+
+
+def test_completion_room():
+    check_completion_room(511, 512)
+    check_completion_room(10_000, None)  # a model without max_position_embeddings
+    with pytest.raises(ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the "
+                                         r"model's 512 positions"):
+        check_completion_room(512, 512)
+
+
+# --------------------------------------------------------------------------------------------- loss guards
+def test_guard_loss_mask_drops_only_trained_nonfinite_tokens():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    logps = torch.full((3, 4), -1.0)
+    logps[0, 3] = -torch.inf  # untrained: ignored
+    old = torch.full((3, 4), -1.0)
+    old[0, 1] = torch.nan
+    ref = torch.full((3, 4), -1.0)
+    ref[1, 0] = torch.inf
+    advantages = torch.tensor([1.0, torch.nan, 2.0])  # row 1: one token left after the ref drop
+    inputs = {"old_per_token_logps": old, "ref_per_token_logps": ref, "advantages": advantages}
+    guarded, metrics = guard_loss_mask(mask, logps, inputs, entropies=None)
+    assert guarded.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert metrics == {"guards/nonfinite_logps": 2.0, "guards/nonfinite_advantages": 1.0, "guards/empty_mask": 0.0}
+    _, metrics = guard_loss_mask(torch.zeros(2, 3), torch.zeros(2, 3), {"advantages": torch.zeros(2)}, None)
+    assert metrics["guards/empty_mask"] == 1.0
+
+
+def test_guard_loss_mask_checks_entropies_and_importance_weights():
+    mask = torch.ones(2, 3, dtype=torch.long)
+    entropies = torch.tensor([[0.5, torch.nan, 0.5], [0.5, 0.5, 0.5]])
+    ratio = torch.tensor([[1.0, 1.0, 1.0], [torch.inf, 1.0, 1.0]])  # token-level vLLM importance weights
+    guarded, metrics = guard_loss_mask(mask, torch.zeros(2, 3), {"importance_sampling_ratio": ratio}, entropies)
+    assert guarded.tolist() == [[1, 0, 1], [0, 1, 1]]
+    assert metrics["guards/nonfinite_logps"] == 1.0 and metrics["guards/nonfinite_advantages"] == 1.0
+
+
+def test_masked_finite_keeps_trained_gradients_and_blocks_padding():
+    mask = torch.tensor([[1.0, 0.0]])
+    logps = torch.tensor([[-1.0, 5.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -torch.inf]])
+    ratio = torch.exp(masked_finite(logps, mask) - masked_finite(old, mask))
+    (ratio * mask).sum().backward()
+    assert logps.grad.tolist() == [[1.0, 0.0]]
+    assert masked_finite(torch.tensor([1.0, torch.nan, torch.inf]), mask).tolist() == [1.0, 0.0, 0.0]
+    assert masked_finite(torch.tensor([[1, 2]]), mask).dtype == torch.long  # masks and ids pass through
+    assert masked_finite(None, mask) is None
+
+
+# ------------------------------------------------------------------------------------ as a trainer raises them
+def _trainer(tmp_path, model_dir, dataset, cls=TrinityTrainer, config_cls=TrinityConfig, **kwargs):
+    init = {k: kwargs.pop(k) for k in ("teacher_model", "peft_config") if k in kwargs}
+    args = config_cls(**tiny_grpo_kwargs(output_dir=str(tmp_path), **kwargs))
+    return cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=dataset, **init)
+
+
+def test_ppo_needs_a_critic(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="critic.*PPOTrainer"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="ppo")
+
+
+@pytest.mark.parametrize(("algorithm", "trainer_name"), [("sft", "SFT"), ("dpo", "DPO")])
+def test_sft_and_dpo_point_to_their_trainers(tmp_path, tiny_model_dir, tiny_dataset, algorithm, trainer_name):
+    with pytest.raises(ValueError, match=rf"{trainer_name}Trainer"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["mix", "mix_chord"])
+def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm):
+    with pytest.raises(ValueError, match="ChordTrainer"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm=algorithm)
+
+
+def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="kl_penalty_fn"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
+
+
+def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="teacher_model"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="on_policy_distill")
+
+
+def test_plain_grpo_config_is_a_type_error(tmp_path, tiny_model_dir, tiny_dataset):
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match="TrinityConfig"):
+        TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+
+
+def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
+    from trinity_trl.trainers import CISPOTrainer
+
+    with pytest.raises(TypeError, match="CISPOConfig"):
+        CISPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
+                     args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+
+
+def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="entropy_loss_fn 'mix'"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss_fn="mix")
+    # ChordTrainer adds expert rows, so the same entropy is accepted there
+    expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})
+    ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert, train_dataset=tiny_dataset,
+                 args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss_fn="mix",
+                                                     expert_batch_size=2)))
+
+
+def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="sync_ref_model=True updates the reference model"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="asymre", sync_ref_model=True)
+    trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True,
+                       ref_model_sync_steps=1, max_steps=2)
+    trainer.train()  # grpo has a k2 KL loss, so TRL keeps and syncs a reference model
+    assert trainer.ref_model is not None

@@ -1,0 +1,148 @@
+"""`trinity_trl/trainers/common.py`: components built once from a config, the processor a model name loads, the
+default output folder, `*_args` fields, fused-head capture and the sequence-sharding refusal. The model card written
+by `AlgorithmCardMixin`: test_model_card.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+
+from trinity_trl.algorithms import KL_FN, POLICY_LOSS_FN
+from trinity_trl.trainers import ChordConfig, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers.common import (
+    Components,
+    capture_fused_outputs,
+    default_output_dir,
+    parse_args_field,
+    reject_sequence_sharding,
+)
+
+
+# ------------------------------------------------------------------------------------------------- Components
+def test_components_are_built_from_the_resolved_algorithm():
+    algorithm = TrinityConfig(**tiny_grpo_kwargs(output_dir="unused", algorithm="reinforceplusplus", kl_penalty_fn="k1",
+                                                 kl_penalty_fn_args={"kl_coef": 0.3})).resolved_algorithm()
+    components = Components.build(algorithm)
+    assert isinstance(components.policy_loss, POLICY_LOSS_FN.get(algorithm.policy_loss_fn))
+    assert isinstance(components.kl_penalty, KL_FN.get("k1")) and components.kl_penalty.kl_coef == 0.3
+    assert isinstance(components.kl_loss, KL_FN.get(algorithm.kl_loss_fn))
+    assert components.advantage_fn is not None and components.entropy_loss is not None
+
+
+def test_a_preset_without_advantages_gets_no_advantage_function():
+    algorithm = TrinityConfig(**tiny_grpo_kwargs(output_dir="unused", algorithm="raft")).resolved_algorithm()
+    assert Components.build(algorithm).advantage_fn is None
+
+
+def test_trainer_overrides_reach_the_policy_loss():
+    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm()
+    components = Components.build(algorithm, {"usual_sample_weight": 0.125, "expert_sample_weight": 0.5})
+    assert components.policy_loss.usual_sample_weight == 0.125
+    assert components.policy_loss.expert_sample_weight == 0.5
+
+
+def test_an_override_the_user_also_set_is_an_error():
+    user_args = {"usual_sample_weight": 1.0, "expert_sample_weight": 1.0}
+    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss_fn_args=user_args)).resolved_algorithm()
+    with pytest.raises(ValueError, match=r"policy_loss_fn_args sets \['expert_sample_weight', 'usual_sample_weight'\], "
+                                         r"which the trainer derives from its own batch geometry \(would be "
+                                         r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
+                                         r"remove them"):
+        Components.build(algorithm, {"usual_sample_weight": 0.25, "expert_sample_weight": 0.5})
+
+
+# ---------------------------------------------------------------------------------------------- load_processor
+def test_model_name_loads_trl_processor_with_hf_tokenizer_corrections(tmp_path, tiny_model_dir, monkeypatch):
+    import trinity_trl.tokenizer as tokenizer_module
+
+    calls = []
+    original = tokenizer_module.correct_tokenizer
+
+    def spy(tokenizer, name, **kwargs):
+        calls.append(name)
+        return original(tokenizer, name, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module, "correct_tokenizer", spy)
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             train_dataset=tiny_conversational_dataset(),
+                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)))
+    assert calls == [tiny_model_dir]
+    assert trainer.processing_class.pad_token is not None
+    assert trainer.processing_class.padding_side == "left" and trainer.processing_class.truncation_side == "left"
+
+
+def test_a_given_processor_is_used_as_it_is(tmp_path, tiny_model_dir, tiny_tokenizer, monkeypatch):
+    import trinity_trl.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "correct_tokenizer", lambda *a, **k: pytest.fail("processor was reloaded"))
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             train_dataset=tiny_conversational_dataset(), processing_class=tiny_tokenizer,
+                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))))
+    assert trainer.processing_class is tiny_tokenizer
+
+
+# ------------------------------------------------------------------------------------------ default_output_dir
+def test_default_output_dir():
+    assert default_output_dir("HuggingFaceTB/SmolLM2-135M-Instruct/", "ChordConfig") == (
+        "SmolLM2-135M-Instruct-ChordConfig")
+    model = SimpleNamespace(config=SimpleNamespace(_name_or_path="/models/tiny"))
+    assert default_output_dir(model, "TrinityConfig") == "tiny-TrinityConfig"
+    assert default_output_dir(SimpleNamespace(config=SimpleNamespace(_name_or_path="")), "X") == "model-X"
+
+
+# -------------------------------------------------------------------------------------------- parse_args_field
+def test_parse_args_field():
+    assert parse_args_field("X", "policy_loss_fn_args", '{"mu": 0.3}') == {"mu": 0.3}
+    assert parse_args_field("X", "policy_loss_fn_args", {"mu": 0.3}) == {"mu": 0.3}
+    assert parse_args_field("X", "policy_loss_fn_args", None) is None
+    with pytest.raises(ValueError, match=r"X: policy_loss_fn_args must be a dict or a JSON object string, got '\{mu'"):
+        parse_args_field("X", "policy_loss_fn_args", "{mu")
+    with pytest.raises(ValueError, match="must be a dict or a JSON object string, got list"):
+        parse_args_field("X", "policy_loss_fn_args", "[1, 2]")
+
+
+# ---------------------------------------------------------------------------------------- capture_fused_outputs
+class Head(torch.nn.Module):
+    def forward(self, x, fused_lm_head=False):
+        return {"log_probs": x * 2} if fused_lm_head else x
+
+
+class Wrapper(torch.nn.Module):
+    """A DDP/PEFT-like wrapper: calling it calls the wrapped module with the same keywords."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, fused_lm_head=False):
+        return self.inner(x, fused_lm_head=fused_lm_head)
+
+
+def test_capture_fused_outputs_records_each_outermost_fused_call_once():
+    head = Head()
+    wrapper = Wrapper(head)
+    with capture_fused_outputs([wrapper, head, head, None]) as calls:
+        wrapper(torch.ones(1), fused_lm_head=True)  # runs the hooks of both: recorded once
+        head(torch.full((1,), 3.0), fused_lm_head=True)
+        head(torch.ones(1))  # not fused: not recorded
+    assert [c["log_probs"].item() for c in calls] == [2.0, 6.0]
+    head(torch.ones(1), fused_lm_head=True)  # hooks removed afterwards
+    assert len(calls) == 2 and not head._forward_hooks and not head._forward_pre_hooks
+
+
+# ------------------------------------------------------------------------------------- reject_sequence_sharding
+@pytest.mark.parametrize("flag", ["cp_enabled", "sp_enabled"])
+def test_sequence_sharding_is_rejected(flag):
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(**{flag: True})))
+    with pytest.raises(ValueError, match=rf"TrinitySFTTrainer does not support context or sequence parallelism "
+                                         rf"\({flag}\)"):
+        reject_sequence_sharding(trainer, "TrinitySFTTrainer")
+
+
+def test_no_parallelism_config_is_accepted():
+    reject_sequence_sharding(SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=None)), "X")
+    reject_sequence_sharding(SimpleNamespace(accelerator=SimpleNamespace(
+        parallelism_config=SimpleNamespace(cp_enabled=False, sp_enabled=False))), "X")

@@ -1,0 +1,234 @@
+"""`trinity_trl/trainers/loss.py`: every aggregation mode as a weighted token sum over a count.
+
+The expected values come from the spec's aggregation (`trinity_trl.algorithms.agg_loss`, itself tested against the
+spec's formulas in tests/algorithms/test_masked.py) on an independent layout of the same data: one row per sample
+instead of segments packed in a row, the concatenated optimizer step instead of its micro-batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
+from trinity_trl.trainers.loss import LossNormalizer, WeightedSum
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def ragged_mask(lengths: list[int], width: int) -> torch.Tensor:
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+
+
+def micro_batch(mode: str, mask: torch.Tensor, **inputs) -> WeightedSum:
+    return LossNormalizer("micro_batch", num_processes=1, steps_per_generation=1).plan(inputs, mask, mode)
+
+
+# ------------------------------------------------------------------------------------------------ bad arguments
+def test_unknown_normalization_is_rejected():
+    with pytest.raises(ValueError, match=r"loss_normalization must be one of \('micro_batch', 'global'\), got 'step'"):
+        LossNormalizer("step", 1, 1)
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="Unknown loss_agg_mode 'token-sum'"):
+        micro_batch("token-sum", torch.ones(2, 3))
+
+
+def test_a_plan_applied_to_another_shape_is_a_clear_error():
+    plan = micro_batch("token-mean", torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"planned for a \(2, 3\) batch, got a mask of shape \(2, 4\)"):
+        plan(torch.zeros(2, 4), torch.ones(2, 4))
+    ppo = POLICY_LOSS_FN.get("ppo")(clip_range=0.2).aggregated_with(plan)
+    logps = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"planned for a \(2, 3\) batch"):
+        ppo(logprob=logps, old_logprob=logps, action_mask=torch.ones(2, 4), advantages=torch.ones(2))
+
+
+# ------------------------------------------------------------------------------ micro_batch: the spec's modes
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool, torch.float32])
+def test_micro_batch_plan_is_the_spec_aggregation(mode, mask_dtype):
+    generator = torch.Generator().manual_seed(0)
+    loss = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    mask = ragged_mask([6, 3, 0, 1], 6).to(mask_dtype)  # an empty row counts as a row in the seq-mean modes
+    loss[mask == 0] = torch.nan  # padding values never leak
+    got = micro_batch(mode, mask)(loss, mask)
+    want = agg_loss(torch.nan_to_num(loss), mask, mode)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ppo_with_the_plan_equals_ppo_with_the_mode(mode):
+    """The library loss given `WeightedSum` as its aggregation equals the same loss aggregating with the mode name:
+    value, gradient and metrics (the loss still sees its plain mask)."""
+    generator = torch.Generator().manual_seed(1)
+    old = -torch.rand(4, 7, generator=generator) * 3
+    mask = ragged_mask([7, 5, 2, 0], 7)
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    results = []
+    for aggregation in (mode, "plan"):
+        logps = (old + 0.5 * torch.randn(4, 7, generator=torch.Generator().manual_seed(2))).requires_grad_()
+        ppo = POLICY_LOSS_FN.get("ppo")(clip_range=0.2, loss_agg_mode=mode)
+        if aggregation == "plan":
+            ppo = ppo.aggregated_with(micro_batch(ppo.effective_loss_agg_mode, mask))
+        loss, metrics = ppo(logprob=logps, old_logprob=old, action_mask=mask, advantages=advantages)
+        loss.backward()
+        results.append((loss.detach(), logps.grad, metrics))
+    (spec_loss, spec_grad, spec_metrics), (plan_loss, plan_grad, plan_metrics) = results
+    assert spec_grad.abs().sum() > 0 and spec_metrics["pg_clipfrac"] > 0  # the clip is exercised
+    torch.testing.assert_close(plan_loss, spec_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(plan_grad, spec_grad, rtol=1e-6, atol=1e-7)
+    assert plan_metrics.keys() == spec_metrics.keys()
+    for key in spec_metrics:
+        assert plan_metrics[key] == pytest.approx(spec_metrics[key], rel=1e-6, abs=1e-6), key
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_padded_width():
+    mask = ragged_mask([2, 1], 5)
+    plan = micro_batch("seq-mean-token-sum-norm", mask)
+    assert plan.count.item() == 5.0
+    assert plan(torch.ones(2, 5), mask).item() == pytest.approx(3 / 5)
+
+
+# ----------------------------------------------------------------------------- segments: several samples per row
+def packed_and_per_sample(mode: str):
+    """Three samples (turns) of lengths 2, 3 and 1 packed in one row with untrained tokens between them, a second row
+    with one sample of length 4, and a padding row; and the same samples one per row (the spec's layout)."""
+    generator = torch.Generator().manual_seed(3)
+    segments = torch.tensor([
+        [0, 0, -1, -1, 1, 1, 1, -1, 2, -1],  # -1: observation tokens, trained by no sample
+        [0, 0, 0, 0, -1, -1, -1, -1, -1, -1],
+        [-1] * 10,  # padding row (sample_count 0)
+    ])
+    mask = (segments >= 0).long()
+    loss = torch.randn(segments.shape, generator=generator)
+    inputs = {"segment_ids": segments, "sample_count": torch.tensor([3, 1, 0]), "step_width": torch.tensor([3, 4, 1])}
+    samples = [loss[0, 0:2], loss[0, 4:7], loss[0, 8:9], loss[1, 0:4]]
+    width = max(len(s) for s in samples)
+    per_sample = torch.zeros(len(samples), width)
+    per_sample_mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for i, values in enumerate(samples):
+        per_sample[i, : len(values)] = values
+        per_sample_mask[i, : len(values)] = 1
+    return (loss, mask, inputs), (per_sample, per_sample_mask)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_segments_equal_one_row_per_sample(mode):
+    (loss, mask, inputs), (per_sample, per_sample_mask) = packed_and_per_sample(mode)
+    got = micro_batch(mode, mask, **inputs)(loss, mask)
+    # seq-mean-token-sum-norm: one row per sample is padded to the widest sample (step_width), not to the packed row
+    want = agg_loss(per_sample, per_sample_mask, mode)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_segment_counts():
+    (loss, mask, inputs), _ = packed_and_per_sample("seq-mean-token-mean")
+    assert micro_batch("seq-mean-token-sum", mask, **inputs).count.item() == 4  # (row, segment) pairs with tokens
+    assert micro_batch("token-mean", mask, **inputs).count.item() == 10
+    assert micro_batch("seq-mean-token-sum-norm", mask, **inputs).count.item() == 4  # the widest sample
+    weights = micro_batch("seq-mean-token-mean", mask, **inputs).weights
+    assert weights[0, :2].tolist() == [0.5, 0.5] and weights[0, 4:7].tolist() == pytest.approx([1 / 3] * 3)
+    assert weights[0, 8].item() == 1.0 and weights[1, :4].tolist() == [0.25] * 4
+
+
+def test_a_segment_with_no_trained_token_is_not_a_sample():
+    """A turn of a filtered group keeps its segment id but leaves the mask: it does not count."""
+    segments = torch.tensor([[0, 0, -1, 1, 1]])
+    mask = torch.tensor([[1, 1, 0, 0, 0]])  # segment 1 untrained
+    plan = micro_batch("seq-mean-token-sum", mask, segment_ids=segments)
+    assert plan.count.item() == 1
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean"])
+def test_padding_rows_count_no_sample(mode):
+    """One row per sample with padding rows (`sample_count` 0, as StepGRPO pads a batch to split evenly): the
+    padding rows are not samples, so the value is the spec's over the real rows only."""
+    generator = torch.Generator().manual_seed(4)
+    loss = torch.randn(4, 5, generator=generator)
+    mask = ragged_mask([5, 2, 0, 0], 5)
+    got = micro_batch(mode, mask, sample_count=torch.tensor([1, 1, 0, 0]))(loss, mask)
+    torch.testing.assert_close(got, agg_loss(loss[:2], mask[:2], mode), rtol=1e-6, atol=1e-7)
+    # without sample_count, every row is a sample (the spec: empty rows count in B)
+    torch.testing.assert_close(micro_batch(mode, mask)(loss, mask), agg_loss(loss, mask, mode), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------- empty masks, clamps
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["rows", "segments", "padding_rows"])
+def test_an_empty_mask_gives_zero_with_a_zero_gradient(mode, layout):
+    mask = torch.zeros(3, 4, dtype=torch.long)
+    inputs = {"rows": {}, "segments": {"segment_ids": torch.full((3, 4), -1)},
+              "padding_rows": {"sample_count": torch.zeros(3, dtype=torch.long)}}[layout]
+    values = torch.tensor([[torch.nan, torch.inf, -torch.inf, 1.0]] * 3, requires_grad=True)
+    plan = micro_batch(mode, mask, **inputs)
+    assert plan.count.item() >= 1  # clamped: never a division by zero
+    loss = plan(values, mask)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(values.grad, torch.zeros(3, 4))
+
+
+def test_micro_batch_counts_are_clamped_at_one():
+    empty = torch.zeros(2, 3)
+    assert micro_batch("token-mean", empty).count.item() == 1.0
+    assert micro_batch("seq-mean-token-sum", empty, sample_count=torch.tensor([0, 0])).count.item() == 1.0
+    assert micro_batch("seq-mean-token-sum", empty, segment_ids=torch.full((2, 3), -1)).count.item() == 1.0
+    # a row without tokens keeps a finite weight (1 / clamp(0, 1)); its mask zeroes it anyway
+    assert torch.isfinite(micro_batch("seq-mean-token-mean", empty).weights).all()
+
+
+# -------------------------------------------------------------------------------------------------------- global
+def global_counts_of(micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the trainer gathers: each generation batch's (tokens, samples), summed over processes."""
+    counts = [LossNormalizer.global_counts(mb["mask"], mb.get("sample_count")) for mb in micro_batches]
+    return torch.stack(counts).sum(0)
+
+
+def test_global_counts_are_tokens_and_samples():
+    mask = ragged_mask([3, 0, 2], 4)
+    assert LossNormalizer.global_counts(mask, None).tolist() == [5.0, 3.0]
+    assert LossNormalizer.global_counts(mask, torch.tensor([2, 0, 1])).tolist() == [5.0, 3.0]
+    assert LossNormalizer.global_counts(mask, torch.tensor([1, 0, 0])).tolist() == [5.0, 1.0]
+
+
+def test_global_count_is_the_average_of_one_micro_step():
+    normalizer = LossNormalizer("global", num_processes=2, steps_per_generation=3)
+    mask = ragged_mask([4, 1], 4)
+    inputs = {"global_loss_tokens": torch.tensor(60.0), "global_loss_rows": torch.tensor(12.0)}
+    assert normalizer.plan(inputs, mask, "token-mean").count.item() == pytest.approx(10.0)  # 60 / (2 · 3)
+    assert normalizer.plan(inputs, mask, "seq-mean-token-sum").count.item() == pytest.approx(2.0)
+    assert normalizer.plan(inputs, mask, "seq-mean-token-mean").count.item() == pytest.approx(2.0)
+    # seq-mean-token-sum-norm is defined per micro-batch: the padded width, whatever the normalisation
+    assert normalizer.plan(inputs, mask, "seq-mean-token-sum-norm").count.item() == 4.0
+
+
+def test_global_count_is_clamped_above_zero():
+    normalizer = LossNormalizer("global", num_processes=1, steps_per_generation=1)
+    mask = torch.zeros(2, 3)
+    plan = normalizer.plan({"global_loss_tokens": torch.tensor(0.0)}, mask, "token-mean")
+    assert plan.count.item() == pytest.approx(1e-8)
+    assert plan(torch.full((2, 3), torch.inf), mask).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_step(mode):
+    """2 processes x 2 micro-steps with different token counts: gradient accumulation averages the micro-steps and
+    DDP averages the processes, so the optimizer sees the mean of the 4 planned losses. With global normalisation
+    that mean is the spec's aggregation over the whole step's rows; per micro-batch it is not (token-mean)."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [[6, 6], [1, 2], [5, 0], [3, 6]]  # process 0: micro-batches 0, 1; process 1: 2, 3
+    micro_batches = [{"loss": torch.randn(2, 6, generator=generator), "mask": ragged_mask(rows, 6)} for rows in lengths]
+    tokens, samples = global_counts_of(micro_batches)
+    normalizer = LossNormalizer("global", num_processes=2, steps_per_generation=2)
+    planned = [normalizer.plan({"global_loss_tokens": tokens, "global_loss_rows": samples}, mb["mask"], mode)
+               for mb in micro_batches]
+    step_loss = sum(plan(mb["loss"], mb["mask"]) for plan, mb in zip(planned, micro_batches)) / 4
+    whole = agg_loss(torch.cat([mb["loss"] for mb in micro_batches]), torch.cat([mb["mask"] for mb in micro_batches]),
+                     mode)
+    torch.testing.assert_close(step_loss, whole, rtol=1e-6, atol=1e-7)
+    if mode == "token-mean":
+        per_micro_batch = sum(micro_batch(mode, mb["mask"])(mb["loss"], mb["mask"]) for mb in micro_batches) / 4
+        assert not torch.allclose(per_micro_batch, whole, rtol=1e-3)

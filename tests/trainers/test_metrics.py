@@ -1,0 +1,107 @@
+"""`trinity_trl/trainers/metrics.py`: appending metrics to TRL's per-mode lists, pooling our keys across processes
+(guard counts summed), and our advantages in TRL's completions table. The same on a real trainer:
+test_trinity.py (completions table) and tests/trainers/test_distributed.py (two processes)."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import pytest
+import torch
+
+from trinity_trl.trainers.metrics import append_metrics, pool_metrics, replace_logged_advantages
+
+
+def test_append_metrics_turns_tensors_into_floats_and_appends():
+    store = defaultdict(list)
+    append_metrics(store, {"actor/pg_loss": torch.tensor(0.25), "actor/clipfrac": 0.5, "count": 3})
+    append_metrics(store, {"actor/pg_loss": torch.tensor([1.5])})  # one-element tensors too
+    assert dict(store) == {"actor/pg_loss": [0.25, 1.5], "actor/clipfrac": [0.5], "count": [3.0]}
+    assert all(type(v) is float for values in store.values() for v in values)
+
+
+def test_append_metrics_detaches():
+    store = defaultdict(list)
+    x = torch.tensor(2.0, requires_grad=True)
+    append_metrics(store, {"actor/loss": x * 3})
+    assert store["actor/loss"] == [6.0]
+
+
+def fake_gather_object(per_rank: list[dict]):
+    """accelerate's `gather_object` for `len(per_rank)` processes, seen from the process holding `per_rank[0]`:
+    each process contributes a one-element list, the result concatenates them in rank order."""
+    calls = []
+
+    def gather(obj):
+        assert isinstance(obj, list) and len(obj) == 1
+        calls.append(obj[0])
+        return [obj[0], *per_rank[1:]]
+
+    gather.calls = calls
+    return gather
+
+
+def test_pool_metrics_pools_our_keys_across_processes():
+    store = defaultdict(list, {
+        "actor/pg_loss": [1.0, 2.0],  # ours: pooled
+        "chord/expert_tokens": [5.0],  # ours, this rank only
+        "kl/mean": [0.1],
+        "num_tokens": [40.0],  # TRL's: TRL gathers it, left alone
+        "reward": [0.5],
+    })
+    other_rank = {"actor/pg_loss": [3.0], "chord/on_policy_tokens": [7.0]}
+    gather = fake_gather_object([None, other_rank])
+    pool_metrics(store, gather)
+    assert len(gather.calls) == 1  # one collective
+    assert gather.calls[0] == {"actor/pg_loss": [1.0, 2.0], "chord/expert_tokens": [5.0], "kl/mean": [0.1]}
+    assert store["actor/pg_loss"] == [1.0, 2.0, 3.0]  # rank 0's values, then rank 1's
+    assert store["chord/expert_tokens"] == [5.0]
+    assert store["chord/on_policy_tokens"] == [7.0]  # a key only another rank logged arrives too
+    assert store["num_tokens"] == [40.0] and store["reward"] == [0.5]
+
+
+def test_pool_metrics_sums_guard_counts():
+    store = defaultdict(list, {"guards/empty_mask": [1.0, 0.0, 1.0], "guards/nonfinite_logps": [2.0],
+                               "actor/pg_loss": [0.5, 1.5]})
+    pool_metrics(store, None)  # one process: no collective
+    assert store["guards/empty_mask"] == [2.0]
+    assert store["guards/nonfinite_logps"] == [2.0]
+    assert store["actor/pg_loss"] == [0.5, 1.5]  # averaged later by TRL, not summed
+
+
+def test_pool_metrics_sums_guard_counts_over_processes():
+    store = defaultdict(list, {"guards/nonfinite_advantages": [8.0, 0.0]})
+    pool_metrics(store, fake_gather_object([None, {"guards/nonfinite_advantages": [3.0]}]))
+    assert store["guards/nonfinite_advantages"] == [11.0]  # TRL's mean of one value is the sum of every event
+
+
+def test_replace_logged_advantages_with_one_value_per_row():
+    logged = deque([9.0, 9.5, 0.1, 0.2, 0.3], maxlen=100)  # an earlier batch's values, then TRL's for this one
+    replace_logged_advantages(logged, lambda t: t, torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 2))
+    assert list(logged) == [9.0, 9.5, 1.0, -1.0, 0.5]
+
+
+def test_replace_logged_advantages_with_token_advantages_logs_each_rows_masked_mean():
+    advantages = torch.tensor([[1.0, 3.0, 100.0], [2.0, 100.0, 100.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    logged = deque([0.0, 0.0, 0.0])
+    replace_logged_advantages(logged, lambda t: t, advantages, mask)
+    assert list(logged) == pytest.approx([2.0, 2.0, 0.0])  # an empty row logs 0, not NaN
+
+
+def test_replace_logged_advantages_uses_every_processs_rows():
+    # this process holds 2 rows; TRL's table lists the 4 rows of both processes
+    logged = deque([0.0, 0.0, 0.0, 0.0])
+
+    def gather(local):
+        assert local.dtype == torch.float32
+        return torch.cat([local, torch.tensor([7.0, 8.0])])
+
+    replace_logged_advantages(logged, gather, torch.tensor([1, 2], dtype=torch.float64), torch.ones(2, 1))
+    assert list(logged) == [1.0, 2.0, 7.0, 8.0]
+
+
+def test_replace_logged_advantages_when_the_table_holds_fewer_values():
+    logged = deque([0.3], maxlen=2)  # TRL keeps at most maxlen values
+    replace_logged_advantages(logged, lambda t: t, torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, 1))
+    assert list(logged) == [2.0, 3.0]

@@ -1,0 +1,143 @@
+"""`trinity_trl/trainers/model_card.py` (the algorithm section of a model card) and the card our trainers write
+(`AlgorithmCardMixin` in `common.py`): on `save_model`, on a Hub push, with extra sections.
+
+The SFT and DPO trainers' cards: tests/trainers/test_sft_dpo.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from datasets import Dataset
+from helpers import length_reward, lora_config, tiny_conversational_dataset, tiny_grpo_kwargs
+
+from trinity_trl.algorithms import ALGORITHM_TYPE
+from trinity_trl.trainers import ChordConfig, ChordTrainer, StepGRPOConfig, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers.model_card import algorithm_card_section, paper_for
+
+CHORD_PAPER = ("On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement Learning "
+               "via Dynamic Weighting")
+CHORD_PAPER_LINE = f"Paper: [{CHORD_PAPER}](https://huggingface.co/papers/2508.11408) (arXiv:2508.11408)."
+
+
+def table_rows(section: str) -> dict[str, tuple[str, str]]:
+    """`{component: (name, arguments)}` of the section's table, backticks stripped."""
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("component", "---"):
+            rows[cells[0]] = (cells[1].strip("`"), cells[2].strip("`"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- the section
+def test_section_names_trainer_preset_paper_and_every_component():
+    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", mu_peak=0.4)).resolved_algorithm()
+    section = algorithm_card_section(algorithm, "ChordTrainer")
+    lines = section.splitlines()
+    assert "## Algorithm: CHORD" in lines
+    description = ALGORITHM_TYPE.get("mix_chord").description
+    assert f"Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: {description}." in lines
+    assert CHORD_PAPER_LINE in lines
+    rows = table_rows(section)
+    components = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
+    assert {"policy_loss_fn", "loss_agg_mode"} <= set(rows) <= {*components, "loss_agg_mode"}
+    for component in set(rows) & set(components):  # each listed component as resolved
+        name, arguments = rows[component]
+        assert name == getattr(algorithm, component), component
+        assert json.loads(arguments) == json.loads(json.dumps(getattr(algorithm, f"{component}_args"), default=str))
+    assert json.loads(rows["policy_loss_fn"][1])["mu_peak"] == 0.4
+    assert rows["loss_agg_mode"] == (algorithm.loss_agg_mode, "")
+
+
+def test_a_preset_without_an_arxiv_paper_gives_its_reference():
+    section = algorithm_card_section(StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm(),
+                                     "StepGRPOTrainer")
+    assert "## Algorithm: Step-wise GRPO" in section.splitlines()
+    assert "Reference: rLLM (github.com/rllm-org/rllm)." in section.splitlines()
+    assert "Paper:" not in section
+
+
+@pytest.mark.parametrize("preset", ALGORITHM_TYPE.names())
+def test_paper_for_every_preset(preset):
+    name, paper = paper_for(preset)
+    reference = ALGORITHM_TYPE.get(preset).paper
+    assert name
+    if reference.startswith("arXiv:"):
+        assert paper["id"] == reference.removeprefix("arXiv:")
+        assert paper["title"]  # the paper's title, or "<name> (arXiv:<id>)" where none is recorded
+    else:
+        assert paper == {}
+
+
+def test_paper_titles_that_are_known():
+    assert paper_for("mix_chord") == ("CHORD", {"id": "2508.11408", "title": CHORD_PAPER})
+    assert paper_for("cispo")[1]["title"].startswith("MiniMax-M1")
+    assert paper_for("asymre") == ("AsymRE", {"id": "2506.20520", "title": "AsymRE (arXiv:2506.20520)"})
+
+
+# ------------------------------------------------------------------------------------- the card a trainer writes
+def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
+    expert = Dataset.from_list([{"messages": [{"role": "user", "content": "What is 1+1?"},
+                                              {"role": "assistant", "content": "2"}]}])
+    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
+                           peft_config=lora_config(),
+                           args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1,
+                                                               mu_peak=0.4, mu_decay_steps=10)),
+                           train_dataset=tiny_conversational_dataset())
+    trainer.train()
+    target = tmp_path / "saved"
+    trainer.save_model(str(target))
+    files = set(os.listdir(target))
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= files
+    card = (target / "README.md").read_text()
+    lines = card.splitlines()
+    assert "## Algorithm: CHORD" in lines
+    assert any(line.startswith("Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: ")
+               for line in lines)
+    assert CHORD_PAPER_LINE in lines
+    assert '"mu_peak": 0.4' in card and "| policy_loss_fn | `mix_chord` |" in card
+    # the local base model is named, not linked as "[None](https://huggingface.co/None)"
+    assert "huggingface.co/None" not in card
+    assert f"`{os.path.basename(tiny_model_dir)}` (a local model)" in card
+
+
+def test_push_to_hub_uploads_adapter_and_card(tmp_path, tiny_model_dir, monkeypatch):
+    import transformers.trainer as hf_trainer
+
+    uploaded = {}
+
+    class FakeApi:
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            uploaded["repo_id"] = repo_id
+            uploaded["files"] = set(os.listdir(folder_path))
+            uploaded["card"] = open(os.path.join(folder_path, "README.md"), encoding="utf-8").read()
+
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, peft_config=lora_config(),
+                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo",
+                                                                   max_steps=1)),
+                             train_dataset=tiny_conversational_dataset())
+    trainer.train()
+    trainer.hub_model_id = "someone/tiny-cispo"
+    trainer.push_to_hub()
+    assert uploaded["repo_id"] == "someone/tiny-cispo"
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= uploaded["files"]
+    assert "## Algorithm: CISPO" in uploaded["card"]
+    assert "Trained with `trinity_trl`'s `TrinityTrainer` using the `cispo` preset: " in uploaded["card"]
+    assert "MiniMax-M1" in uploaded["card"] and "clip_range_high" in uploaded["card"]
+
+
+def test_added_sections_follow_the_algorithm_section(tmp_path, tiny_model_dir):
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
+                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="grpo")),
+                             train_dataset=tiny_conversational_dataset())
+    trainer.add_model_card_section("\n## Evaluation\n\naccuracy 0.5\n")
+    trainer.add_model_card_section("\n## Notes\n\nsecond\n")
+    trainer.save_model(str(tmp_path / "saved"))
+    card = (tmp_path / "saved" / "README.md").read_text()
+    positions = [card.index(s) for s in ("## Algorithm: GRPO", "## Evaluation", "accuracy 0.5", "## Notes")]
+    assert positions == sorted(positions)
+    assert card.count("## Evaluation") == 1
+    assert not os.path.exists(tmp_path / "out" / "README.md")  # written next to the saved weights, not into output_dir

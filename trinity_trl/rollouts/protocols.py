@@ -1,0 +1,147 @@
+"""Which environment protocol an environment follows, decided from what its class defines.
+
+Two protocols are trained step-wise by :class:`~trinity_trl.trainers.StepGRPOTrainer`:
+
+* **reset/step** (this package's :class:`~trinity_trl.rollouts.Environment`): ``reset(**row)`` returns the
+  first observation, ``step(action: str)`` returns a :class:`~trinity_trl.rollouts.StepResult` with the next
+  observation, the reward and ``done``. The model's turns are plain text.
+* **tools** (TRL's ``environment_factory`` contract, as ``GRPOTrainer`` documents it): ``reset(**row)``
+  returns a string appended to the last user message, or ``None``; every other public method is a tool the
+  model calls through the chat template's tool-call format; an optional ``get_reward()`` scores the
+  finished run. A turn that calls a tool is a step, the tool results are its observation, a turn without
+  a tool call is the final answer.
+
+An environment follows reset/step when it subclasses :class:`~trinity_trl.rollouts.Environment` or when its
+public methods are exactly ``reset`` and ``step``; any other class with a ``reset`` follows the tool
+protocol (a method named ``step`` next to other public methods is then a tool). Methods are read from the
+class, like TRL does (``inspect.getmembers(cls, inspect.isfunction)``), so properties are never evaluated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .environment import Environment
+
+STEP_PROTOCOL = "reset/step"
+TOOL_PROTOCOL = "tools"
+PROTOCOLS = (STEP_PROTOCOL, TOOL_PROTOCOL)
+#: methods of a tool environment that are not tools (TRL's rule)
+NOT_TOOLS = ("reset", "get_reward")
+
+
+def public_methods(cls: type) -> list[str]:
+    """Names of the public functions defined on ``cls`` (and its bases), as TRL lists tools."""
+    return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction) if not name.startswith("_")]
+
+
+def tool_names(cls: type) -> list[str]:
+    """The tools a TRL-style environment class exposes: its public methods but ``reset`` and ``get_reward``."""
+    return [name for name in public_methods(cls) if name not in NOT_TOOLS]
+
+
+def class_protocol(cls: type) -> str:
+    """The protocol ``cls`` follows (see the module docstring); ``TypeError`` naming what is missing."""
+    methods = public_methods(cls)
+    name = cls.__qualname__
+    if "reset" not in methods:
+        hint = (" (it defines step(): add reset(**row) returning the first observation)" if "step" in methods
+                else f" (its public methods: {', '.join(methods) or 'none'})")
+        raise TypeError(f"environment {name} defines no reset(**row): a reset/step environment needs reset() and "
+                        f"step(action), a TRL tool environment needs reset() and its tools as public methods{hint}")
+    if issubclass(cls, Environment) or set(methods) == {"reset", "step"}:
+        step = inspect.getattr_static(cls, "step", None)
+        if step is None or step is Environment.step:
+            raise TypeError(f"environment {name} subclasses trinity_trl.rollouts.Environment but does not define "
+                            "step(action) -> StepResult")
+        return STEP_PROTOCOL
+    return TOOL_PROTOCOL
+
+
+def environment_class(factory: Callable[[], Any], name: str | None = None) -> tuple[type, Any]:
+    """The class of the environments ``factory`` builds, and the instance built to find it (``None`` when the
+    factory is itself a class and nothing had to be built). ``TypeError`` when ``factory`` is not a factory."""
+    label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+    if isinstance(factory, type):
+        return factory, None
+    if not callable(factory):
+        raise TypeError(f"{label} must be a callable returning a fresh environment (a class or a function), got "
+                        f"{type(factory).__name__} instance {factory!r:.80}")
+    try:
+        instance = factory()
+    except Exception as err:
+        raise TypeError(f"{label}() failed while the trainer probed it: {type(err).__name__}: {err}") from err
+    if instance is None or isinstance(instance, type):
+        what = "None" if instance is None else f"the class {instance.__qualname__} (not an instance)"
+        raise TypeError(f"{label}() must return an environment instance, got {what}")
+    return type(instance), instance
+
+
+def resolve_protocol(environment_factory: Callable | dict[str, Callable] | None, tools: Iterable | None = None,
+                     columns: Iterable[str] | None = None) -> tuple[str, dict[str | None, type]]:
+    """Check ``environment_factory`` (a factory or a dict of factories, TRL's contract) and ``tools``, and
+    return ``(protocol, {environment name: class})``; one-line ``TypeError``/``ValueError`` otherwise.
+
+    ``columns``: the training dataset's columns, when known; every ``reset`` must accept them as keyword
+    arguments (the reset/step protocol receives every column but ``prompt``; TRL's tool protocol every
+    column, ``environment`` excepted when a dict routes the rows).
+    """
+    tools = list(tools or [])
+    bad = [t for t in tools if not callable(t)]
+    if bad:
+        raise TypeError(f"tools must be callables (functions with type hints and a docstring), got {bad[0]!r:.80}")
+    if environment_factory is None:
+        if tools:
+            return TOOL_PROTOCOL, {}
+        raise ValueError("StepGRPOTrainer needs environment_factory (a callable returning a fresh environment, or a "
+                         "dict of them routed by the dataset's 'environment' column) or tools")
+    routed = isinstance(environment_factory, dict)
+    if routed and not environment_factory:
+        raise ValueError("environment_factory is an empty dict: map each 'environment' value to a factory")
+    factories = dict(environment_factory) if routed else {None: environment_factory}
+    classes, protocols = {}, {}
+    for name, factory in factories.items():
+        cls, instance = environment_class(factory, name)
+        close = getattr(instance, "close", None)
+        if callable(close):  # the probe's resources (a server session) are not kept
+            close()
+        classes[name], protocols[name] = cls, class_protocol(cls)
+    kinds = set(protocols.values())
+    if len(kinds) > 1:
+        listing = ", ".join(f"{n!r}: {classes[n].__qualname__} ({p})" for n, p in protocols.items())
+        raise ValueError(f"all environments of one trainer follow one protocol, got {listing}")
+    protocol = kinds.pop()
+    if protocol == STEP_PROTOCOL and tools:
+        raise ValueError(f"tools= needs TRL's tool protocol, but {next(iter(classes.values())).__qualname__} is a "
+                         "reset/step environment (its step() reads text): drop tools=, or make the tools public "
+                         "methods of a tool environment")
+    if columns is not None:
+        skip = {"prompt", "environment"} if protocol == STEP_PROTOCOL else ({"environment"} if routed else set())
+        for cls in classes.values():
+            check_reset_accepts(cls, [c for c in columns if c not in skip])
+    return protocol, classes
+
+
+def check_reset_accepts(cls: type, columns: list[str]) -> None:
+    """``TypeError`` naming the columns ``cls.reset`` cannot take as keyword arguments."""
+    reset = inspect.getattr_static(cls, "reset")
+    reset = getattr(reset, "__func__", reset)
+    try:
+        parameters = inspect.signature(reset).parameters.values()
+    except (TypeError, ValueError):  # builtins and C extensions: nothing to check
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        names = None
+    else:
+        names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [c for c in columns if names is not None and c not in names]
+    if missing:
+        raise TypeError(f"{cls.__qualname__}.reset() is called with every dataset column as a keyword argument but "
+                        f"does not accept {missing}: add them (or **row) to its signature")
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name != "self" and p.name not in columns]
+    if required:
+        raise TypeError(f"{cls.__qualname__}.reset() requires {required}, which the dataset has no columns for "
+                        f"(columns: {list(columns)})")
