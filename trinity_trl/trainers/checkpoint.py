@@ -86,9 +86,9 @@ def load_plain(path: str, map_location: Any = "cpu", what: str = "checkpoint fil
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 (any unpickling refusal, whatever torch calls it)
         raise ValueError(
-            f"refusing to load the {what} {path}: it holds something other than tensors, numbers, strings, lists "
-            f"and dicts, and unpickling it could run code (checkpoints are shared; a checkpoint must never run code "
-            f"when it is loaded). Torch said: {err}"
+            f"refusing to load the {what} {path}: it holds something other than tensors, lists and numbers (or "
+            f"strings and dicts), and unpickling it could run code (checkpoints are shared; a checkpoint must never "
+            f"run code when it is loaded). Torch said: {err}"
         ) from None
 
 
