@@ -43,9 +43,12 @@ def run_script(command: list[str], label: str, timeout: int = 900, expect_rc: in
     return proc
 
 
-def accelerate_launch(config: str, script: str, *args: str, processes: int = 2) -> list[str]:
+def accelerate_launch(config: str, script: str | Path, *args: str, processes: int = 2,
+                      mixed_precision: str | None = "no") -> list[str]:
     """``accelerate launch`` with a shipped config of recipes/accelerate/, on CPU: 2 processes, no mixed precision
-    (each script sets ``use_cpu=True``, which gives gloo)."""
+    unless asked (``None``: the config's own, bf16), each script sets ``use_cpu=True``, which gives gloo. ``script``:
+    a name in tests/engines/scripts/, or a path."""
     accelerate = str(Path(sys.executable).parent / "accelerate")
+    precision = ["--mixed_precision", mixed_precision] if mixed_precision else []
     return [accelerate, "launch", "--config_file", str(ACCELERATE_CONFIGS / f"{config}.yaml"),
-            "--num_processes", str(processes), "--mixed_precision", "no", str(SCRIPTS / script), *args]
+            "--num_processes", str(processes), *precision, str(SCRIPTS / script), *args]

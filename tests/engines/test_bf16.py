@@ -143,7 +143,8 @@ def build(name: str, tmp_path, model_dir: str, precision: str):
     if name == "dpo":
         dataset = Dataset.from_dict({"prompt": [f"What is {a}+{b}?" for a, b in rows],
                                      "chosen": [f" The answer is {a + b}." for a, b in rows],
-                                     "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}" for a, b in rows]})
+                                     "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}"
+                                                  for a, b in rows]})
         return TrinityDPOTrainer(model=model_dir, args=TrinityDPOConfig(**common), train_dataset=dataset)
     raise ValueError(name)
 
@@ -152,7 +153,7 @@ def train_recording_dtypes(trainer, monkeypatch) -> tuple[list[float], dict[str,
     """Train; return the logged losses, the dtypes of the loss inputs and the dtype of a decoder projection's
     output (what the forward computed in)."""
     seen: dict[str, torch.dtype] = {}
-    if getattr(trainer, "components", None) is not None:  # the TrinityTrainer family: the inputs of the loss of a micro-batch
+    if getattr(trainer, "components", None) is not None:  # TrinityTrainer and subclasses: a micro-batch's loss inputs
         original = trinity_module.micro_batch_loss
 
         def recording(policy_loss, components, normalizer, agg, inputs, loss_inputs, entropies, mask):

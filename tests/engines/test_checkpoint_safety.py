@@ -149,8 +149,8 @@ def test_a_generation_buffer_carrying_a_pickled_object_is_refused(tmp_path):
     folder = tmp_path / "checkpoint-1"
     folder.mkdir()
     evidence = plant(folder / BUFFER_FILE.format(rank=0), tmp_path)
-    with pytest.raises(ValueError, match=rf"refusing to load the buffered generation batch .*{BUFFER_FILE.format(rank=0)}"
-                                         r".*could run code"):
+    file = BUFFER_FILE.format(rank=0)
+    with pytest.raises(ValueError, match=rf"refusing to load the buffered generation batch .*{file}.*could run code"):
         load_generation_buffer(str(folder), 0, "cpu")
     assert not evidence.exists()
 

@@ -3,19 +3,15 @@
 The policy is TRL's: transformers prepares it (DDP, a DeepSpeed engine, FSDP) with its optimizer. The critic is a
 second trained model with its own optimizer and learning rate, so it gets a wrapping of its own in the same engine:
 
-==================  ==========================================  ================================  ==================================
-engine              critic wrapping and optimizer               backward                          resume state in a checkpoint
-==================  ==========================================  ================================  ==================================
-1 process / DDP     ``accelerator.prepare_model`` (DDP), a      summed with the policy loss (one  ``critic_optimizer.pt``: trainable
-                    torch optimizer                             backward; the parameters are      parameters and optimizer state,
-                                                                disjoint)                         full, keyed by parameter name
-FSDP (2)            ``accelerator.prepare_model``               summed, as above                  the same file, gathered with
-                    (``fully_shard``), a torch optimizer over                                     ``torch.distributed.checkpoint``'s
-                    the sharded parameters                                                        state-dict functions
-DeepSpeed ZeRO      its own ``DeepSpeedEngine`` (the policy's   its own ``engine.backward`` per   ``critic_optimizer_rank{r}.pt``:
-1/2/3               DeepSpeed config without its optimizer and  micro-batch, ``engine.step`` per  each process's ZeRO partition (fp32
-                    scheduler blocks; our torch optimizer)      optimizer step                    master weights and moments)
-==================  ==========================================  ================================  ==================================
+* one process or DDP: ``accelerator.prepare_model`` (DDP) and a torch optimizer; the value loss is summed with the
+  policy loss (one backward: the parameters are disjoint); a checkpoint holds ``critic_optimizer.pt``, the
+  trainable parameters and the optimizer state, full, keyed by parameter name;
+* FSDP (2): Accelerate's ``fsdp2_prepare_model`` (``fully_shard``) and a torch optimizer over the shards; the same
+  single backward; the same file, gathered with ``torch.distributed.checkpoint``'s state-dict functions;
+* DeepSpeed ZeRO-1/2/3: a ``DeepSpeedEngine`` of its own (the policy's DeepSpeed config without its optimizer and
+  scheduler blocks, our torch optimizer); its own ``engine.backward`` per micro-batch and ``engine.step`` per
+  optimizer step; a checkpoint holds ``critic_optimizer_rank{r}.pt``, each process's ZeRO partition (fp32 master
+  weights and moments).
 
 Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`~.checkpoint.load_plain`). A ZeRO
 optimizer's ``state_dict()`` also holds a few objects derived from the config and the model's layout, not learned

@@ -78,7 +78,8 @@ class PPOConfig(TrinityConfig):
     `max_grad_norm`, separately from the policy, and has no dropout. Under DeepSpeed and FSDP the
     critic is wrapped like the policy (its own DeepSpeed engine with the policy's ZeRO config, or
     FSDP). Not supported (rejected): `fp16` (one loss scaler cannot serve two optimizers; use
-    `bf16`) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the reward, before
+    `bf16`), `critic_warmup_steps > 0` under DeepSpeed (its engine steps the policy's optimizer at
+    every boundary, gradient or not) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the reward, before
     GAE) is honoured; the preset's default is `none` with a k2 KL loss.
     """
 
@@ -172,6 +173,13 @@ class PPOTrainer(TrinityTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
             raise ValueError("PPOTrainer supports text models only: the critic reads token ids, not images")
+        if self.is_deepspeed_enabled and args.critic_warmup_steps > 0:
+            raise ValueError(
+                "PPOTrainer: critic_warmup_steps > 0 is not supported under DeepSpeed: the policy's DeepSpeed engine "
+                "steps its optimizer at every accumulation boundary (Accelerate's DeepSpeedEngineWrapper.backward "
+                "calls engine.step()), so a warm-up step would still advance the policy's Adam state and apply weight "
+                "decay; set critic_warmup_steps=0, or warm the critic up with DDP or FSDP (whose optimizer skips "
+                "parameters without gradients)")
         # the critic in the run's engine, with its own optimizer (critic_engine.py)
         self._critic = build_critic(critic, self.accelerator, self._build_critic_optimizer)
         self.critic = self._critic.module  # what a training forward calls (DDP, FSDP or DeepSpeed engine)
@@ -322,12 +330,7 @@ class PPOTrainer(TrinityTrainer):
         mode = "train" if self.model.training else "eval"
         value_loss = self._value_loss(inputs, mode)
         if mode == "train" and self.state.global_step < self.args.critic_warmup_steps:
-            # critic warm-up: no policy forward, so the policy gets no gradient at all; a critic with its own
-            # backward (DeepSpeed) returned its loss detached, and the policy's engine still needs a loss to run
-            # its backward on: a leaf of its own, so no policy parameter gets a gradient
-            if not value_loss.requires_grad:
-                value_loss = value_loss + torch.zeros((), device=value_loss.device, requires_grad=True)
-            return value_loss
+            return value_loss  # critic warm-up: no policy forward, so the policy gets no gradient at all
         return super()._compute_loss(model, inputs) + value_loss
 
     def _value_loss(self, inputs: dict, mode: str) -> torch.Tensor:
