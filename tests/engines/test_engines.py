@@ -290,12 +290,12 @@ def test_the_chord_recipe_under_zero3_with_held_out_accuracy(tmp_path, tiny_mode
 
     from engine_helpers import REPO_ROOT
 
-    command = accelerate_launch("zero3", REPO_ROOT / "recipes" / "chord.py", "--config", "chord_cpu",
-                                "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path), "--max_steps", "2", "--num_train_rows", "8",
-                                "--num_eval_rows", "4", "--eval_max_new_tokens", "8", "--eval_batch_size", "4",
-                                "--max_completion_length", "8", "--per_device_train_batch_size", "4",
-                                "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8", "--expert_batch_size",
-                                "2", "--num_expert_rows", "8", "--mu_decay_steps", "2", "--eval_accuracy", "true")
+    options = ["--config", "chord_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
+               "--max_steps", "2", "--num_train_rows", "8", "--num_eval_rows", "4", "--eval_max_new_tokens", "8",
+               "--eval_batch_size", "4", "--max_completion_length", "8", "--per_device_train_batch_size", "4",
+               "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8", "--expert_batch_size", "2",
+               "--num_expert_rows", "8", "--mu_decay_steps", "2", "--eval_accuracy", "true"]
+    command = accelerate_launch("zero3", REPO_ROOT / "recipes" / "chord.py", *options)
     proc = run_script(command, "chord recipe under zero3")
     assert "held-out accuracy before training" in proc.stdout and "held-out accuracy after training" in proc.stdout
     log = json.loads((tmp_path / "training_log.json").read_text())
