@@ -30,7 +30,7 @@ What must hold, and the tolerances:
 * the resumed run logs steps 3-4 as the uninterrupted run did and ends with the same weights, policy and critic,
   within 1e-6 (observed: identical).
 
-Marked `distributed` (and slow): `make test-distributed` runs them (about 10 minutes on the 2-core CPU machine; the
+Marked `distributed` (and slow): `make test-distributed` runs them (about 8 minutes on the 2-core CPU machine; the
 first DeepSpeed launch on a fresh machine also JIT-builds DeepSpeed's `shm_comm` op, about 2 minutes).
 """
 
