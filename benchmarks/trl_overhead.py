@@ -505,6 +505,9 @@ def main(argv=None) -> int:
                         help="torch.set_num_threads in each run (1: with 2 threads on 2 shared cores, every small op "
                              "waits for a descheduled thread and steps slow down up to 100x)")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--prefix-packing", choices=("off", "on"), default="off",
+                        help="our trainers' prefix-shared packed forward (off: TRL's padded layout on both sides, "
+                             "which isolates our code's overhead; benchmarks/prefix_packing.py measures packing)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -543,6 +546,9 @@ def main(argv=None) -> int:
         index = 0
         for group in args.pairs:
             specs = [dict(common, **s, group=group) for s in run_specs(group, args)]
+            for spec in specs:  # our trainers pack prefix-shared rows by default; this benchmark isolates our
+                if spec["side"] == "ours":  # overhead in TRL's own padded layout unless asked (prefix_packing.py)
+                    spec["config"] = {**spec["config"], "prefix_packing": args.prefix_packing == "on"}
             runs = {s["side"]: [] for s in specs}
             for rep in range(args.repeats):
                 shift = rep % len(specs)

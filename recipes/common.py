@@ -335,9 +335,18 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
     return accuracy
 
 
-def evaluation_card_section(dataset_name: str, problems: int, before: float, after: float, steps: int) -> str:
-    return (f"\n## Evaluation\n\nGreedy exact-answer accuracy on {problems} held-out problems of `{dataset_name}`: "
-            f"**{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n")
+def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
+    """Train, with greedy held-out accuracy before and after when ``args.eval_accuracy`` (then also a model-card
+    section); returns the run's summary for ``training_log.json``."""
+    before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
+    steps = trainer.state.global_step
+    if before is not None:
+        trainer.add_model_card_section(
+            f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
+            f"`{args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n")
+    return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 
 
 # ------------------------------------------------------------------------------------------ outputs

@@ -10,8 +10,8 @@ Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `S
 from __future__ import annotations
 
 from trinity_trl.recipes.common import (
-    RecipeArguments, check_output_dir, concise_progress, evaluation_card_section, held_out_accuracy, load_task, parse,
-    peft_config, reward_functions, save_outputs,
+    RecipeArguments, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions, save_outputs,
+    train_and_evaluate,
 )
 from trinity_trl.trainers import SAPOConfig, SAPOTrainer
 
@@ -32,15 +32,9 @@ def main(argv: list[str] | None = None) -> SAPOTrainer:
     )
     concise_progress(trainer)
     # 4. train, measuring greedy held-out accuracy before and after
-    before = held_out_accuracy(trainer, task.test, args, "before") if args.eval_accuracy else None
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = held_out_accuracy(trainer, task.test, args, "after") if args.eval_accuracy else None
-    if before is not None:
-        trainer.add_model_card_section(evaluation_card_section(
-            args.dataset_name, len(task.test), before, after, trainer.state.global_step))
+    summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint)
     # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
-    save_outputs(trainer, args, {"global_step": trainer.state.global_step, "accuracy_before": before,
-                                 "accuracy_after": after})
+    save_outputs(trainer, args, summary)
     return trainer
 
 

@@ -97,3 +97,17 @@ def test_learning_quick_tiny(tmp_path):
     png = tmp_path / "learning.png"
     if png.exists():  # matplotlib is optional
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefix_packing_quick(tmp_path):
+    _run("prefix_packing.py", "--quick", "--out", str(tmp_path))
+    report = _load(tmp_path / "prefix_packing.json")
+    _check_machine(report)
+    (point,) = report["results"]
+    comparison = point["comparison"]
+    for key in ("train_time_ratio", "step_time_ratio", "memory_ratio"):
+        assert comparison[key] > 0, key
+    assert comparison["ours"]["forwarded_token_ratio"] < 1.0  # the packed forward ran
+    assert comparison["equivalence"]["equivalent"], comparison["equivalence"]
+    assert report["not_measured"] == [] and "headline_met" in report["summary"]
+    assert "| tiny | 32 | 8 | 4 |" in (tmp_path / "prefix_packing.md").read_text()

@@ -99,6 +99,15 @@ class TrinityConfig(GRPOConfig):
             same, across micro-batches and processes (like TRL's `dapo`), so N processes give exactly the
             gradients of one. For the `seq-mean-*` modes the same holds per sample (row, or turn in
             StepGRPO); `seq-mean-token-sum-norm` is always per micro-batch.
+        prefix_packing (`bool`, *optional*, defaults to `True`):
+            Forward the rows of each micro-batch (and of the behaviour, reference, teacher and critic
+            passes) as one packed row in which each shared prefix (a group's prompt, earlier turns, a
+            common system prompt) is encoded once and no padding is forwarded. Log-probs, loss and
+            gradients equal those of TRL's padded rows up to float rounding. Models or inputs the
+            packed forward does not support (see the README) run padded, with one log line saying why.
+        prefix_packing_max_token_ratio (`float`, *optional*, defaults to `0.9`):
+            Pack a forward only when the packed row holds at most this fraction of the tokens of the
+            padded rows; with less to save, the padded forward is as fast.
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
             keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
@@ -140,6 +149,16 @@ class TrinityConfig(GRPOConfig):
                           "or 'global' (token-mean terms divided by the global token count of the optimizer step)."},
     )
 
+    prefix_packing: bool = field(
+        default=True,
+        metadata={"help": "Forward each distinct token of a micro-batch once (shared prompts, no padding); same "
+                          "log-probs and gradients as padded rows. Unsupported models run padded."},
+    )
+    prefix_packing_max_token_ratio: float = field(
+        default=0.9,
+        metadata={"help": "Pack a forward only if the packed row has at most this fraction of the padded tokens."},
+    )
+
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
@@ -148,6 +167,8 @@ class TrinityConfig(GRPOConfig):
             setattr(self, f"{name}_args", parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")))
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
+        if not 0.0 < self.prefix_packing_max_token_ratio <= 1.0:
+            raise ValueError(f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}")
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets

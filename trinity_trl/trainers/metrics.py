@@ -16,7 +16,7 @@ from ..algorithms.inputs import metrics_to_floats
 # keys our trainers log (TRL's own keys are gathered by TRL)
 OWN_METRIC_PREFIXES = ("actor/", "critic/", "chord/", "group_advantages/", "multi_step/", "raft/", "kl/",
                        "advantages/", "filtered_count", "unscorable_count", "experience_count",
-                       "skipped_group_ratio", "guards/", "refill/", "remax/")
+                       "skipped_group_ratio", "guards/", "refill/", "remax/", "packing/")
 COUNT_PREFIX = "guards/"
 
 

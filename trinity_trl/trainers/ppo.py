@@ -285,6 +285,9 @@ class PPOTrainer(TrinityTrainer):
         input_ids = torch.cat([batch["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
         width = completion_ids.size(1)
+        packed = self.prefix_packing.critic_values(critic, input_ids, attention_mask, width, batch_size)
+        if packed is not None:  # the prefix-shared packed row (packing.py), as the policy's forwards
+            return masked_fill_invalid(packed.float(), completion_mask)
         batch_size = batch_size or input_ids.size(0)
         chunks = []
         for start in range(0, input_ids.size(0), batch_size):

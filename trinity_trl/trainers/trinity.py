@@ -30,6 +30,7 @@ from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
+from .packing import PrefixPacking
 from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
 
@@ -75,6 +76,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         self.teacher_model = None if teacher_model is None else prepare_teacher(
             teacher_model, self.accelerator, self.model.dtype, self.temperature)
         self.generation = TRLGeneration(self)
+        self.prefix_packing = PrefixPacking(args.prefix_packing, args.prefix_packing_max_token_ratio,
+                                            self.accelerator.unwrap_model, self.accelerator.autocast)
         self.loss_normalizer = LossNormalizer(args.loss_normalization, self.accelerator.num_processes,
                                               args.steps_per_generation)
         self.advantage_estimator = AdvantageEstimator(
@@ -208,6 +211,21 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         """TRL's completions table (``log_completions``) recorded TRL's advantages; show ours instead."""
         if self.log_completions:  # a config value: every rank takes part in the gather alike
             replace_logged_advantages(self._logs["advantages"], self.accelerator.gather, advantages, mask)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
+        old/reference passes. It runs the prefix-shared packed layout (:mod:`.packing`) where that applies,
+        else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
+        packed = self.prefix_packing.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                         compute_entropy, compute_aux_loss, multimodal)
+        mode = "train" if self.model.training else "eval"
+        if packed is None:
+            append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": 1.0})
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, compute_entropy, compute_aux_loss, **multimodal)
+        append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": packed.forwarded / packed.padded})
+        return packed.logps, packed.entropies, None
 
     @torch.no_grad()
     def _forward_logps(self, model, rows: dict) -> torch.Tensor:
