@@ -21,10 +21,11 @@ What must hold, and the tolerances:
 * the engine is the one asked for (DeepSpeed stage 2/3, FSDP version 2), and under ZeRO-3 / FSDP every parameter of
   the policy, the reference model, the teacher and the critic is a shard;
 * against DDP, steps 1 and 2: the same sampled completions (generation gathers the ZeRO-3 / FSDP shards; the
-  weights are identical before step 1), the same logged losses within 1e-6 (observed: at most 4e-9; the reductions
-  run in another order), and after step 2 the same trained weights within 1e-4 (observed: up to 5e-5 under ZeRO-3 on
+  weights are identical before step 1), the same step-1 losses within 1e-6 (observed: at most 4e-9; the reductions
+  run in another order), the same step-2 losses within 1e-4 relative (observed: 2e-5 at most, StepGRPO under ZeRO-3
+  with prefix packing), and after step 2 the same trained weights within 1e-4 (observed: up to 5e-5 under ZeRO-3 on
   LoRA weights, 1e-5 on full weights: Adam divides by the root of tiny second moments at lr 1e-2, which magnifies
-  1e-9 gradient differences);
+  1e-9 gradient differences, so step 2 starts from slightly different weights);
 * the recipes' held-out accuracy (TRL's `unwrap_model_for_generation`, before and after training) scores the same
   greedy completions as DDP before training;
 * the resumed run logs steps 3-4 as the uninterrupted run did and ends with the same weights, policy and critic,
@@ -52,7 +53,8 @@ CASES = ("trinity_full", "chord_lora", "distill", "cispo", "sapo", "step_grpo", 
          "dpo")
 REFUSED_UNDER_DEEPSPEED = "PPOTrainer: critic_warmup_steps > 0 is not supported under DeepSpeed"
 STEPS, SAVE_STEPS = 4, 2
-LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-5
+LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-5  # step 1: the weights read from disk
+STEP2_RTOL = 1e-4  # step 2: after one update, whose weights may differ by 1e-4 (WEIGHTS_ATOL)
 WEIGHTS_ATOL = 1e-4
 RESUME_ATOL = 1e-6
 EXPECTED = {  # what Accelerate must have set up: (distributed type, ZeRO stage, FSDP version)
@@ -185,7 +187,8 @@ def test_same_losses_and_weights_as_ddp(runs, engine, case):
         assert other[rank]["eval_completions"]["before"] == ddp[rank]["eval_completions"]["before"]
     assert other[0]["accuracy"]["before"] == ddp[0]["accuracy"]["before"]
     assert isinstance(other[0]["accuracy"]["after"], float)
-    _assert_logs_close(_by_step(ddp[0]), _by_step(other[0]), (1, 2), f"{engine} vs ddp, {case}", LOSS_ATOL, LOSS_RTOL)
+    _assert_logs_close(_by_step(ddp[0]), _by_step(other[0]), (1,), f"{engine} vs ddp, {case}", LOSS_ATOL, LOSS_RTOL)
+    _assert_logs_close(_by_step(ddp[0]), _by_step(other[0]), (2,), f"{engine} vs ddp, {case}", LOSS_ATOL, STEP2_RTOL)
     assert ddp[0]["logs"][1]["loss"] != ddp[0]["logs"][0]["loss"]  # step 2 trained on updated weights
     _assert_weights_close(ddp[0]["weights_step_2"], other[0]["weights_step_2"], WEIGHTS_ATOL, f"{engine} {case}")
     if case.startswith("ppo"):
@@ -262,7 +265,7 @@ def test_two_machines_on_loopback_train_as_one(runs, tmp_path, tiny_model_dir, e
         assert two_machines[0]["engine"]["world"] == 2
         assert two_machines[0]["engine"]["distributed_type"] == EXPECTED[engine][0]
         _assert_logs_close(_by_step(one_machine[0]), _by_step(two_machines[0]), (1, 2), f"{engine} 2 machines {case}",
-                           LOSS_ATOL, LOSS_RTOL)
+                           LOSS_ATOL, STEP2_RTOL)
         _assert_weights_close(one_machine[0]["weights_step_2"], two_machines[0]["weights_step_2"], WEIGHTS_ATOL, case)
         _assert_weights_close(one_machine[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
                               two_machines[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
