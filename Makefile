@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,18 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The whole suite except the multi-process engine tests (`distributed`), which have their own target.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not distributed"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x
+
+# DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
+# of recipes/accelerate/ (tests/engines/test_engines.py): about 8 minutes on a 2-core machine, plus about 2 minutes
+# the first time, when DeepSpeed JIT-builds its shm_comm op (cached in ~/.cache/torch_extensions).
+test-distributed: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed
 
 # The main job: CHORD + LoRA on the bundled SmolLM2-135M-Instruct and arithmetic task, on a CPU (see README).
 demo: $(STAMP)

@@ -19,6 +19,7 @@ from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
 from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
+from .checkpoint import CompleteCheckpoints
 from .model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
 from .trl_seams import temporarily
 
@@ -49,6 +50,12 @@ def apply_cpu_defaults(config: Any) -> None:
     """
     global _CPU_DEFAULTS_ANNOUNCED
     on_cpu = config.use_cpu or not accelerator_available()
+    if config.fp16 and on_cpu:
+        # accelerate 1.15 enables fp16 autocast and its gradient scaler only on GPU-like devices (Accelerator
+        # sets native_amp for fp16 when the device is not "cpu"): on a CPU fp16=True would train in float32
+        raise ValueError(f"{type(config).__name__}: fp16=True does nothing on a CPU (Accelerate runs fp16 only on "
+                         "GPUs and would silently train in float32 here); use bf16=True, or leave both unset for "
+                         "float32")
     changed = []
     if config.bf16 is None and not config.fp16 and on_cpu:
         config.bf16 = False
@@ -144,15 +151,18 @@ def _dataset_name(dataset: Any) -> str | None:
 
 
 def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
-    """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation."""
+    """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation in the run's engine
+    (sharded like TRL's reference model under DeepSpeed ZeRO-3 and FSDP)."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
+
+    from .engines import prepare_frozen_model
 
     if isinstance(teacher_model, str):
         teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=dtype)
     teacher_model.eval().requires_grad_(False)
     add_fused_lm_head(teacher_model, temperature=temperature, outputs=("log_probs", "entropy"))
-    return accelerator.prepare_model(teacher_model, evaluation_mode=True)
+    return prepare_frozen_model(teacher_model, accelerator)
 
 
 def default_output_dir(model: Any, suffix: str) -> str:
@@ -161,10 +171,11 @@ def default_output_dir(model: Any, suffix: str) -> str:
     return f"{str(name).rstrip('/').split('/')[-1]}-{suffix}"
 
 
-class AlgorithmCardMixin:
+class AlgorithmCardMixin(CompleteCheckpoints):
     """Appends the algorithm section (name, paper, resolved components) and any sections added with
     :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
-    not only on checkpoints and Hub pushes."""
+    not only on checkpoints and Hub pushes. Checkpoints are marked complete and resuming skips
+    incomplete ones (:class:`~.checkpoint.CompleteCheckpoints`)."""
 
     algorithm: AlgorithmConfig
     #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
@@ -174,12 +185,14 @@ class AlgorithmCardMixin:
         from transformers import TrainingArguments
 
         from .checks import check_hub_reachable
+        from .engines import check_engine
 
         self._card_sections: list[str] = []
         self._card_dataset: str | None = None
         config = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
         check_hub_reachable(config)  # before transformers creates the Hub repository
         super().__init__(*args, **kwargs)
+        check_engine(self)  # FSDP asked for but not set up by Accelerate (engines.py)
 
     def add_model_card_section(self, markdown: str) -> None:
         """Add a Markdown section (e.g. an evaluation) to every model card written from now on."""

@@ -5,9 +5,11 @@ values and the token-level rewards (the scalar reward on the last valid token, m
 KL penalty, spec §10.3) give GAE advantages and returns (spec §12.9), computed on the batch
 gathered from every process. Each micro-batch then trains both models from the same rows: the
 policy with the PPO-clip loss (plus KL and entropy terms, as every ``TrinityTrainer``) and the
-critic with the clipped value loss (spec §11.3). The two losses are summed into one backward pass;
-their parameters are disjoint, so each optimizer sees only its own model's gradient. The critic
-has its own optimizer, stepped right after the policy's.
+critic with the clipped value loss (spec §11.3). The critic has its own optimizer, stepped right
+after the policy's, and its own wrapping in the run's engine (DDP, FSDP, or a DeepSpeed engine of its
+own: :mod:`.critic_engine`). Without DeepSpeed the two losses are summed into one backward pass (their
+parameters are disjoint, so each optimizer sees only its own model's gradient); under DeepSpeed the
+critic's engine runs its own backward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import inspect
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +34,12 @@ from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
 from . import checks
 from .advantages import Advantages, AdvantageSources
 from .config import TrinityConfig
+from .critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
 
 CRITIC_DIR = "critic"
-CRITIC_OPTIMIZER_FILE = "critic_optimizer.pt"
+__all__ = ["CRITIC_DIR", "CRITIC_OPTIMIZER_FILE", "PPOConfig", "PPOTrainer"]
 # value heads of transformers' token-classification models (PEFT trains them in full for TOKEN_CLS)
 _VALUE_HEADS = ("score", "classifier")
 
@@ -71,10 +75,12 @@ class PPOConfig(TrinityConfig):
 
     The value loss aggregates with `loss_agg_mode` and is normalised like the policy loss
     (`loss_normalization`, gradient accumulation). The critic clips its gradient norm at
-    `max_grad_norm`, separately from the policy, and has no dropout. Not supported (rejected):
-    `fp16` (one loss scaler cannot serve two optimizers; use `bf16`), DeepSpeed and FSDP (the critic
-    is prepared with accelerate's DDP), and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn`
-    (KL in the reward, before GAE) is honoured; the preset's default is `none` with a k2 KL loss.
+    `max_grad_norm`, separately from the policy, and has no dropout. Under DeepSpeed and FSDP the
+    critic is wrapped like the policy (its own DeepSpeed engine with the policy's ZeRO config, or
+    FSDP). Not supported (rejected): `fp16` (one loss scaler cannot serve two optimizers; use
+    `bf16`), `critic_warmup_steps > 0` under DeepSpeed (its engine steps the policy's optimizer at
+    every boundary, gradient or not) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the reward, before
+    GAE) is honoured; the preset's default is `none` with a k2 KL loss.
     """
 
     algorithm: str = field(default="ppo", metadata={"help": "Algorithm preset (PPOConfig trains 'ppo' only)."})
@@ -109,9 +115,6 @@ class PPOConfig(TrinityConfig):
         if self.fp16:
             raise ValueError("PPOConfig: fp16 is not supported (its loss scaler serves one optimizer, and the critic has "
                              "its own); use bf16=True or fp32")
-        if self.deepspeed or self.fsdp:
-            raise ValueError("PPOConfig: DeepSpeed and FSDP are not supported; the critic is prepared with accelerate's "
-                             "DDP (use plain multi-process data parallelism)")
 
     def _user_overrides(self) -> dict[str, Any]:
         advantage = self.advantage_fn or "ppo"
@@ -170,10 +173,17 @@ class PPOTrainer(TrinityTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
             raise ValueError("PPOTrainer supports text models only: the critic reads token ids, not images")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("PPOTrainer does not support DeepSpeed or FSDP: the critic is prepared with accelerate's DDP")
-        self.critic = self.accelerator.prepare_model(critic)
-        self.critic_optimizer = self._build_critic_optimizer(critic)
+        if self.is_deepspeed_enabled and args.critic_warmup_steps > 0:
+            raise ValueError(
+                "PPOTrainer: critic_warmup_steps > 0 is not supported under DeepSpeed: the policy's DeepSpeed engine "
+                "steps its optimizer at every accumulation boundary (Accelerate's DeepSpeedEngineWrapper.backward "
+                "calls engine.step()), so a warm-up step would still advance the policy's Adam state and apply weight "
+                "decay; set critic_warmup_steps=0, or warm the critic up with DDP or FSDP (whose optimizer skips "
+                "parameters without gradients)")
+        # the critic in the run's engine, with its own optimizer (critic_engine.py)
+        self._critic = build_critic(critic, self.accelerator, self._build_critic_optimizer)
+        self.critic = self._critic.module  # what a training forward calls (DDP, FSDP or DeepSpeed engine)
+        self.critic_optimizer = self._critic.optimizer
         self._saving_checkpoint = False
         self.add_callback(_CriticOptimizerStep(self))
 
@@ -294,10 +304,11 @@ class PPOTrainer(TrinityTrainer):
         sources = super()._advantage_sources(output, inputs)
 
         def old_values() -> torch.Tensor:
-            # once per generation batch, no gradient, outside DDP (no collective per chunk)
+            # once per generation batch, no gradient (outside DDP: no collective per chunk; FSDP and DeepSpeed
+            # gather their shards, every process alike)
             with torch.no_grad():
                 output["old_values"] = self._critic_values(
-                    self.accelerator.unwrap_model(self.critic), output, batch_size=self.args.per_device_train_batch_size)
+                    self._critic.scoring_module(), output, batch_size=self.args.per_device_train_batch_size)
             return output["old_values"]
 
         sources.values = old_values
@@ -347,77 +358,71 @@ class PPOTrainer(TrinityTrainer):
         if guards["guards/nonfinite_value_loss"]:
             loss = checks.zero_loss(self.critic)
         append_metrics(self._metrics[mode], {**{f"critic/{k}": v for k, v in metrics.items()}, **guards})
+        if mode == "train" and self._critic.separate_backward:
+            self._critic.backward(loss)  # the critic's own engine (DeepSpeed); the policy's backward skips it
+            loss = loss.detach()
         return loss
 
     def _critic_optimizer_step(self) -> None:
         """Clip the critic's gradient, set its learning rate from the policy's schedule, step, zero."""
-        params = [p for group in self.critic_optimizer.param_groups for p in group["params"]]
-        metrics: dict[str, Any] = {}
-        if self.args.max_grad_norm > 0:
-            metrics["critic/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         scale = 1.0
         if self.lr_scheduler is not None and self.args.learning_rate > 0:
             scale = self._get_learning_rate() / self.args.learning_rate  # the policy's rate for this step
         lr = self.args.value_learning_rate * scale
-        for group in self.critic_optimizer.param_groups:
-            group["lr"] = lr
-        self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        metrics = self._critic.step(lr, self.args.max_grad_norm)
         metrics["critic/lr"] = lr
         append_metrics(self._metrics["train"], metrics)
 
     # --------------------------------------------------------------------------- save, resume
+    def critic_state_dict(self) -> dict[str, torch.Tensor]:
+        """The critic's full weights (gathered under ZeRO-3 and FSDP) on the main process, ``{}`` on the others;
+        every process must call it."""
+        return self._critic.full_state_dict()
+
     def _save_critic(self, directory: str) -> None:
+        """The critic in ``save_pretrained`` form (the full model, or its adapter with the value head) in
+        ``directory``, written whole or not at all; every process must call it (the weights are gathered)."""
         from safetensors.torch import save_file
         from transformers.utils import SAFE_WEIGHTS_NAME
 
-        critic = self.accelerator.unwrap_model(self.critic)
+        state = self._critic.full_state_dict()
+        if not self.args.should_save:
+            return
+        critic = self._critic.model
+        temporary = f"{directory.rstrip(os.sep)}.tmp-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
         if hasattr(critic, "save_pretrained"):
-            critic.save_pretrained(directory)
+            critic.save_pretrained(temporary, state_dict=state)
         else:
-            os.makedirs(directory, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in critic.state_dict().items()}, os.path.join(directory, SAFE_WEIGHTS_NAME))
+            os.makedirs(temporary, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(temporary, SAFE_WEIGHTS_NAME))
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(temporary, directory)
 
     def _save_checkpoint(self, model, trial):
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        # the critic goes in before TRL's checkpoint is complete, so a Hub push of the checkpoint includes it
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            self._save_critic(os.path.join(folder, CRITIC_DIR))
-            if not self.args.save_only_model:
-                torch.save(self.critic_optimizer.state_dict(), os.path.join(folder, CRITIC_OPTIMIZER_FILE))
-        self._saving_checkpoint = True
+        self._saving_checkpoint = True  # save_model inside: the critic is written once, below
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._saving_checkpoint = False
 
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        super()._save_checkpoint_extras(folder)
+        # the critic goes in before the checkpoint is marked complete (and before a Hub push of it)
+        self._save_critic(os.path.join(folder, CRITIC_DIR))
+        if not self.args.save_only_model:
+            self._critic.save(folder)  # weights and optimizer state, for resuming
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
-        if self.args.save_value_model and self.args.should_save and not self._saving_checkpoint:
+        if self.args.save_value_model and not self._saving_checkpoint:
             self._save_critic(os.path.join(output_dir or self.args.output_dir, CRITIC_DIR))
-
-    def _load_critic(self, checkpoint: str) -> None:
-        directory = os.path.join(checkpoint, CRITIC_DIR)
-        if not os.path.isdir(directory):
-            raise ValueError(f"checkpoint {checkpoint} has no {CRITIC_DIR}/ folder: it was not written by PPOTrainer")
-        # the Trainer's own loader: full weights (single or sharded files) or a PEFT adapter
-        super()._load_from_checkpoint(directory, model=self.accelerator.unwrap_model(self.critic))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._load_critic(resume_from_checkpoint)
 
     def _load_best_model(self):
         super()._load_best_model()
-        self._load_critic(self.state.best_model_checkpoint)
+        self._critic.load(self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, CRITIC_OPTIMIZER_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint {checkpoint} has no {CRITIC_OPTIMIZER_FILE}: it was not written by PPOTrainer")
-        self.critic_optimizer.load_state_dict(torch.load(path, map_location=self.accelerator.device, weights_only=True))
+        if checkpoint is not None:
+            self._critic.load(checkpoint)  # weights and optimizer state, in every engine

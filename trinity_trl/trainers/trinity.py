@@ -15,7 +15,6 @@ here unchanged. Everything else (generation, vLLM, reward functions, PEFT, loggi
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar
 
 import torch
@@ -284,11 +283,9 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         return loss
 
     # ------------------------------------------------------------------------------ state, logs
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        # called by checkpoint.CompleteCheckpoints before the checkpoint is marked complete
+        super()._save_checkpoint_extras(folder)
         if self.args.should_save:
             save_trainer_state(folder, self._trainer_state())
         if self._buffered_inputs is not None and self._step % (self.args.steps_per_generation * self.num_iterations):
