@@ -75,7 +75,6 @@ def test_config_defaults_and_gae_arguments(tmp_path):
         ({"critic_warmup_steps": -1}, "critic_warmup_steps"),
         ({"value_learning_rate": -1e-5}, "value_learning_rate"),
         ({"fp16": True}, "fp16"),
-        ({"fsdp": True}, "FSDP"),
     ],
 )
 def test_config_rejects(tmp_path, kwargs, match):
