@@ -268,3 +268,34 @@ class CompleteCheckpoints:
         if resume_from_checkpoint is not None and self.is_world_process_zero():
             logger.info("Resuming from %s", resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class TrainerStateCheckpoints:
+    """Trainer mixin (GRPO-based trainers): checkpoints carry :meth:`_trainer_state` and, when the checkpoint falls
+    inside a generation batch, each process's remaining batch; resuming restores both."""
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """JSON-able state a checkpoint carries beyond TRL's (subclasses extend it)."""
+        return {}
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_trainer_state` returned."""
+
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        super()._save_checkpoint_extras(folder)
+        if self.args.should_save:
+            save_trainer_state(folder, self._trainer_state())
+        # TRL's micro-step counter inside a generation batch: the rest of the batch is still to be trained on
+        if self._buffered_inputs is not None and self._step % (self.args.steps_per_generation * self.num_iterations):
+            save_generation_buffer(folder, self.accelerator.process_index, self._buffered_inputs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if not checkpoint:
+            return
+        state = load_trainer_state(checkpoint)
+        if state is not None:
+            self._load_trainer_state(state)
+        buffer = load_generation_buffer(checkpoint, self.accelerator.process_index, self.accelerator.device)
+        if buffer is not None:
+            self._buffered_inputs = buffer

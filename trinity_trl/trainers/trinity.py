@@ -6,7 +6,8 @@ It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else:
   advantages (:mod:`.advantages`) and let a subclass add or expand rows (:meth:`_training_batch`);
 * ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own
   log-prob helper, normalised by :class:`~.loss.LossNormalizer`;
-* checkpoints (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
+* the log-prob and baseline passes a component asks for (:mod:`.scoring`), checkpoint extras
+  (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
 
 What a component needs (reference, behaviour or teacher log-probs, expert rows, linearity in the
 advantage, ...) is asked from the component itself, so a loss registered outside the package works
@@ -19,11 +20,10 @@ from typing import Any, ClassVar
 
 import torch
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
-from .checkpoint import load_generation_buffer, load_trainer_state, save_generation_buffer, save_trainer_state
+from .checkpoint import TrainerStateCheckpoints
 from ..data.model import resolve_model
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig
@@ -31,10 +31,11 @@ from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
 from .packing import PrefixPacking
+from .scoring import ScoringPasses
 from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
 
-class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
+class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
 
     Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
@@ -127,30 +128,6 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             reward_baselines=lambda: self._greedy_reward_baselines(inputs),
         )
 
-    def _greedy_reward_baselines(self, inputs: list[dict]) -> torch.Tensor:
-        """ReMax's baselines ``(N,)``: one greedy completion of each group's prompt, generated through TRL's
-        generation path and scored by the reward functions like the rollouts (not trained on)."""
-        mode = "train" if self.model.training else "eval"
-        group = self._group_size(mode)
-        leaders = inputs[::group]  # each process holds whole groups (checks.check_components)
-        prompts = [row["prompt"] for row in leaders]
-        completion_ids = self.generation.generate_greedy(self.generation.tokenize_conversations(prompts))
-        texts = [self.generation.decode(ids) for ids in completion_ids]
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(leaders[0]) else texts
-        rewards = weighted_rewards(self._calculate_rewards(leaders, prompts, completions, completion_ids),
-                                   self.reward_weights)
-        append_metrics(self._metrics[mode], {"remax/greedy_completions": float(len(rewards)),
-                                            "remax/greedy_reward": float(rewards.nanmean())})
-        return torch.nan_to_num(rewards).repeat_interleave(group)
-
-    def _teacher_logps(self, output: dict, inputs: list[dict]) -> torch.Tensor:
-        if all(row.get("teacher_logprobs") is not None for row in inputs):
-            return checks.rollout_teacher_logps([row["teacher_logprobs"] for row in inputs], output["completion_mask"])
-        if self.teacher_model is None:
-            raise ValueError("the advantage function needs teacher log-probs: pass teacher_model=, or return "
-                             "'teacher_logprobs' (one list per completion) from rollout_func")
-        return self._forward_logps(self.teacher_model, output)
-
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
         """Hook for more outputs of a batch advantage function (PPOTrainer: ``returns``)."""
 
@@ -170,8 +147,8 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         return self.components.policy_loss
 
     def _trainer_state(self) -> dict[str, Any]:
-        """State a checkpoint carries beyond TRL's; subclasses add theirs (``micro_step``: TRL's
-        counter, which decides when the next generation happens)."""
+        """State a checkpoint carries beyond TRL's (:mod:`.checkpoint`); subclasses add theirs (``micro_step``:
+        TRL's counter, which decides when the next generation happens)."""
         return {"kl_penalty": self.components.kl_penalty.state_dict(), "kl_loss": self.components.kl_loss.state_dict(),
                 "generation_count": self._generation_count, "micro_step": self._step}
 
@@ -227,33 +204,6 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": packed.forwarded / packed.padded})
         return packed.logps, packed.entropies, None
 
-    @torch.no_grad()
-    def _forward_logps(self, model, rows: dict) -> torch.Tensor:
-        """No-grad per-token log-probs of ``rows``' completions under ``model``."""
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            model, torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1),
-            torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1), rows["completion_ids"].size(1),
-            batch_size=self.args.per_device_train_batch_size, **{k: rows[k] for k in FORWARD_KEYS if k in rows})
-        return logps
-
-    def _behaviour_logps(self, output: dict) -> torch.Tensor:
-        """TRL's ``old_per_token_logps`` when it computed them, else one forward of the current policy."""
-        if output.get("old_per_token_logps") is None:
-            output["old_per_token_logps"] = self._forward_logps(self.model, output)
-        return output["old_per_token_logps"]
-
-    @torch.no_grad()
-    def _reference_logps(self, rows: dict) -> torch.Tensor:
-        """Reference log-probs of rows TRL did not score (expert or step rows), as TRL obtains them:
-        the reference model, or the policy with its adapter disabled under PEFT."""
-        from trl.trainer.utils import use_adapter
-
-        if self.ref_model is not None:
-            return self._forward_logps(self.ref_model, rows)
-        model = self.accelerator.unwrap_model(self.model)
-        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            return self._forward_logps(self.model, rows)
-
     # ------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -283,25 +233,6 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         return loss
 
     # ------------------------------------------------------------------------------ state, logs
-    def _save_checkpoint_extras(self, folder: str) -> None:
-        # called by checkpoint.CompleteCheckpoints before the checkpoint is marked complete
-        super()._save_checkpoint_extras(folder)
-        if self.args.should_save:
-            save_trainer_state(folder, self._trainer_state())
-        if self._buffered_inputs is not None and self._step % (self.args.steps_per_generation * self.num_iterations):
-            save_generation_buffer(folder, self.accelerator.process_index, self._buffered_inputs)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if not checkpoint:
-            return
-        state = load_trainer_state(checkpoint)
-        if state is not None:
-            self._load_trainer_state(state)
-        buffer = load_generation_buffer(checkpoint, self.accelerator.process_index, self.accelerator.device)
-        if buffer is not None:
-            self._buffered_inputs = buffer
-
     def evaluate(self, *args, **kwargs):
         reopen_trackio_run(self)  # evaluate() after train() with report_to="trackio" (trl_seams)
         return super().evaluate(*args, **kwargs)
