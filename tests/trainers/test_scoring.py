@@ -1,0 +1,70 @@
+"""The extra passes of `trinity_trl/trainers/scoring.py` (`ScoringPasses`): log-probs of any rows under the policy,
+the reference and the teacher, and behaviour log-probs computed once. ReMax's greedy baselines are tested in
+`test_remax.py`, teacher log-probs arriving with a rollout in `test_distill_rollout.py`, the packed forwards of
+these passes in `test_packing.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate_batch, length_reward, policy_logps, tiny_conversational_dataset, tiny_grpo_kwargs
+
+from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+
+def make(tmp_path, model, **config):
+    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **config))
+    return TrinityTrainer(model=model, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
+                          args=args)
+
+
+def rows_of(batch: dict) -> dict:
+    return {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+
+
+def test_forward_logps_are_the_policy_logps_without_a_graph(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir)
+    batch = generate_batch(trainer, tiny_conversational_dataset())
+    logps = trainer._forward_logps(trainer.model, rows_of(batch))
+    assert not logps.requires_grad
+    assert logps.shape == batch["completion_ids"].shape
+    mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(logps[mask], policy_logps(trainer, batch)[mask], rtol=0, atol=1e-5)
+
+
+def test_behaviour_logps_are_computed_once_and_kept_in_the_batch(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir)
+    batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
+    first = trainer._behaviour_logps(batch)
+    assert batch["old_per_token_logps"] is first
+    with torch.no_grad():  # the policy changes: the batch keeps the log-probs it was sampled with
+        for p in trainer.model.parameters():
+            p.add_(0.05)
+    assert trainer._behaviour_logps(batch) is first
+    given = {**batch, "old_per_token_logps": torch.full_like(first, -1.5)}  # TRL's own are used as they are
+    assert torch.equal(trainer._behaviour_logps(given), torch.full_like(first, -1.5))
+
+
+def test_reference_logps_come_from_the_reference_model_not_the_trained_policy(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.1})
+    assert trainer.ref_model is not None
+    batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
+    before = trainer._reference_logps(batch)
+    torch.testing.assert_close(before, trainer._forward_logps(trainer.model, batch), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.mul_(1.1)
+    torch.testing.assert_close(trainer._reference_logps(batch), before, rtol=0, atol=0)
+    mask = batch["completion_mask"].bool()
+    assert (trainer._forward_logps(trainer.model, batch) - before)[mask].abs().max() > 1e-3
+
+
+def test_teacher_logps_without_teacher_or_rollout_values_say_what_to_pass(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir)
+    batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
+    with pytest.raises(ValueError, match="teacher_model=.*teacher_logprobs"):
+        trainer._teacher_logps(batch, [{} for _ in range(batch["completion_ids"].size(0))])
+    rows = [{"teacher_logprobs": [-0.5] * batch["completion_ids"].size(1)} for _ in range(batch["completion_ids"].size(0))]
+    teacher = trainer._teacher_logps(batch, rows)
+    mask = batch["completion_mask"].bool()
+    assert torch.all(teacher[mask] == -0.5)
