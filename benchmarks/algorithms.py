@@ -46,12 +46,29 @@ TARGET_PERCENT = 2.0
 
 # SmolLM2-135M-Instruct (LlamaForCausalLM), used when the bundled checkpoint is not installed
 SMOLLM2_135M = {
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
-    "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "hidden_act": "silu",
 }
-TINY_LLAMA = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+TINY_LLAMA = {
+    **SMOLLM2_135M,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -111,8 +128,16 @@ def experiences(num: int, groups: int, response_len: int, seed: int):
     out = []
     for i in range(num):
         task, k = divmod(i, per_group)
-        out.append(Experience(eid=EID(batch=0, task=task, run=k // 2, step=k % 2), tokens=tokens, prompt_length=16,
-                              reward=rewards[i], logprobs=logprobs[i], teacher_logprobs=logprobs[i] - 0.1))
+        out.append(
+            Experience(
+                eid=EID(batch=0, task=task, run=k // 2, step=k % 2),
+                tokens=tokens,
+                prompt_length=16,
+                reward=rewards[i],
+                logprobs=logprobs[i],
+                teacher_logprobs=logprobs[i] - 0.1,
+            )
+        )
     return out
 
 
@@ -157,9 +182,11 @@ def bench_policy_losses(base: dict, reps: int, warmup: int) -> tuple[dict, dict]
                 loss.backward()
 
             forward_backward()  # fails here (and is skipped) if the inputs do not fit
-            results[name] = {"forward": time_call(forward, reps, warmup),
-                             "forward_backward": time_call(forward_backward, reps, warmup),
-                             "args": cls.default_args()}
+            results[name] = {
+                "forward": time_call(forward, reps, warmup),
+                "forward_backward": time_call(forward_backward, reps, warmup),
+                "args": cls.default_args(),
+            }
         except Exception as err:  # noqa: BLE001 (reported, not hidden)
             skipped[name] = f"{type(err).__name__}: {err}"
         print(f"policy loss {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
@@ -177,20 +204,32 @@ def bench_kl(base: dict, reps: int, warmup: int) -> tuple[dict, dict]:
 
             def forward_backward(fn=fn):
                 inputs = loss_inputs(base)
-                loss, _ = fn.calculate_kl_loss(inputs["logprob"], inputs["ref_logprob"], inputs["action_mask"],
-                                               "token-mean", old_logprob=inputs["old_logprob"])
+                loss, _ = fn.calculate_kl_loss(
+                    inputs["logprob"],
+                    inputs["ref_logprob"],
+                    inputs["action_mask"],
+                    "token-mean",
+                    old_logprob=inputs["old_logprob"],
+                )
                 if loss.requires_grad:
                     loss.backward()
 
             def forward(fn=fn):
                 with torch.no_grad():
-                    fn.calculate_kl_loss(base["logprob"], base["ref_logprob"], base["action_mask"], "token-mean",
-                                         old_logprob=base["old_logprob"])
+                    fn.calculate_kl_loss(
+                        base["logprob"],
+                        base["ref_logprob"],
+                        base["action_mask"],
+                        "token-mean",
+                        old_logprob=base["old_logprob"],
+                    )
 
             forward_backward()
-            results[name] = {"forward": time_call(forward, reps, warmup),
-                             "forward_backward": time_call(forward_backward, reps, warmup),
-                             "args": cls.default_args()}
+            results[name] = {
+                "forward": time_call(forward, reps, warmup),
+                "forward_backward": time_call(forward_backward, reps, warmup),
+                "args": cls.default_args(),
+            }
         except Exception as err:  # noqa: BLE001
             skipped[name] = f"{type(err).__name__}: {err}"
         print(f"KL {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
@@ -208,20 +247,30 @@ def bench_entropy(base: dict, reps: int, warmup: int) -> tuple[dict, dict]:
 
             def forward_backward(fn=fn):
                 inputs = loss_inputs(base)
-                loss, _ = fn(entropy=inputs["entropy"], action_mask=inputs["action_mask"],
-                             expert_mask=inputs["expert_mask"], loss_agg_mode="token-mean")
+                loss, _ = fn(
+                    entropy=inputs["entropy"],
+                    action_mask=inputs["action_mask"],
+                    expert_mask=inputs["expert_mask"],
+                    loss_agg_mode="token-mean",
+                )
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
 
             def forward(fn=fn):
                 with torch.no_grad():
-                    fn(entropy=base["entropy"], action_mask=base["action_mask"], expert_mask=base["expert_mask"],
-                       loss_agg_mode="token-mean")
+                    fn(
+                        entropy=base["entropy"],
+                        action_mask=base["action_mask"],
+                        expert_mask=base["expert_mask"],
+                        loss_agg_mode="token-mean",
+                    )
 
             forward_backward()
-            results[name] = {"forward": time_call(forward, reps, warmup),
-                             "forward_backward": time_call(forward_backward, reps, warmup),
-                             "args": {**cls.default_args(), "entropy_coef": 0.001}}
+            results[name] = {
+                "forward": time_call(forward, reps, warmup),
+                "forward_backward": time_call(forward_backward, reps, warmup),
+                "args": {**cls.default_args(), "entropy_coef": 0.001},
+            }
         except Exception as err:  # noqa: BLE001
             skipped[name] = f"{type(err).__name__}: {err}"
         print(f"entropy {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
@@ -235,8 +284,10 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
     group_size = args.experiences // args.groups
     batches = {
         "tokens": (token_shape, batch_inputs(*token_shape, group_size=args.token_group_size, seed=args.seed)),
-        "experiences": ((args.experiences, args.experience_len),
-                        batch_inputs(args.experiences, args.experience_len, group_size=group_size, seed=args.seed)),
+        "experiences": (
+            (args.experiences, args.experience_len),
+            batch_inputs(args.experiences, args.experience_len, group_size=group_size, seed=args.seed),
+        ),
     }
     for name in ADVANTAGE_FN.names():
         cls = ADVANTAGE_FN.get(name)
@@ -244,15 +295,21 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
             fn = cls(**cls.default_args())
             if cls.compute_in_trainer():
                 for label, (shape, batch) in batches.items():
+
                     def call(fn=fn, batch=batch):
                         with torch.no_grad():
                             fn(dict(batch))
 
                     call()
                     results[f"{name} [{label}]"] = {
-                        "kind": "batch", "name": name, "shape": list(shape), "tokens": shape[0] * shape[1],
+                        "kind": "batch",
+                        "name": name,
+                        "shape": list(shape),
+                        "tokens": shape[0] * shape[1],
                         "group_size": args.token_group_size if label == "tokens" else group_size,
-                        "time": time_call(call, args.reps, args.warmup), "args": cls.default_args()}
+                        "time": time_call(call, args.reps, args.warmup),
+                        "args": cls.default_args(),
+                    }
             else:
                 samples = []
                 for rep in range(args.warmup + args.reps):
@@ -263,10 +320,14 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
                     if rep >= args.warmup:
                         samples.append(time.perf_counter() - start)
                 results[name] = {
-                    "kind": "group", "name": name, "shape": [args.experiences, args.experience_len],
-                    "tokens": args.experiences * args.experience_len, "group_size": group_size,
+                    "kind": "group",
+                    "name": name,
+                    "shape": [args.experiences, args.experience_len],
+                    "tokens": args.experiences * args.experience_len,
+                    "group_size": group_size,
                     "time": {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)},
-                    "args": cls.default_args()}
+                    "args": cls.default_args(),
+                }
         except Exception as err:  # noqa: BLE001
             skipped[name] = f"{type(err).__name__}: {err}"
         for key in [k for k in results if results[k]["name"] == name]:
@@ -279,8 +340,10 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
 def _short(result, error) -> str:
     if result is None:
         return f"skipped ({error})"
-    return (f"forward {result['forward']['median_s'] * 1e3:.2f} ms, "
-            f"forward+backward {result['forward_backward']['median_s'] * 1e3:.2f} ms")
+    return (
+        f"forward {result['forward']['median_s'] * 1e3:.2f} ms, "
+        f"forward+backward {result['forward_backward']['median_s'] * 1e3:.2f} ms"
+    )
 
 
 # ---------------------------------------------------------------------------------- model
@@ -318,11 +381,19 @@ def bench_model(args) -> dict:
     print(f"model: {description}, {args.model_batch} x {args.model_len} tokens ...", flush=True)
     timing = time_call(forward_backward, args.model_reps, args.model_warmup)
     tokens = args.model_batch * args.model_len
-    print(f"model forward+backward: {timing['median_s']:.2f} s ({timing['median_s'] / tokens * 1e3:.3f} ms/token)",
-          flush=True)
-    return {"description": description, "parameters": sum(p.numel() for p in model.parameters()),
-            "batch": args.model_batch, "length": args.model_len, "tokens": tokens,
-            "forward_backward": timing, "seconds_per_token": timing["median_s"] / tokens}
+    print(
+        f"model forward+backward: {timing['median_s']:.2f} s ({timing['median_s'] / tokens * 1e3:.3f} ms/token)",
+        flush=True,
+    )
+    return {
+        "description": description,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "batch": args.model_batch,
+        "length": args.model_len,
+        "tokens": tokens,
+        "forward_backward": timing,
+        "seconds_per_token": timing["median_s"] / tokens,
+    }
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -337,24 +408,32 @@ def markdown(report: dict) -> str:
     lines = [
         "# Cost of the algorithm components against the model's forward + backward",
         "",
-        (f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}"
-        f"Command: `{report['command']}`"),
+        (
+            f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}"
+            f"Command: `{report['command']}`"
+        ),
         "",
         bc.machine_line(m),
-        (f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
-        f"(on {m['os_cpu_count']} cores)."),
+        (
+            f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
+            f"(on {m['os_cpu_count']} cores)."
+        ),
         "",
-        (f"Reference: {model['description']} ({model['parameters'] / 1e6:.1f}M parameters, fp32), forward + "
-        f"backward with a next-token cross-entropy, measured on {model['batch']} x {model['length']} tokens: "
-        f"{model['forward_backward']['median_s']:.2f} s (median of {c['model_reps']}), "
-        f"i.e. {model['seconds_per_token'] * 1e3:.3f} ms per token, **scaled linearly** to each component's "
-        f"tokens (for {c['batch']} x {c['length']} = {tokens} tokens: {model_on_batch:.0f} s). Attention grows "
-        "faster than linearly with length, so at 4096 tokens the real model costs more than this and the "
-        f"percentages below are upper bounds. Target: every loss below {TARGET_PERCENT:g} % of the model."),
+        (
+            f"Reference: {model['description']} ({model['parameters'] / 1e6:.1f}M parameters, fp32), forward + "
+            f"backward with a next-token cross-entropy, measured on {model['batch']} x {model['length']} tokens: "
+            f"{model['forward_backward']['median_s']:.2f} s (median of {c['model_reps']}), "
+            f"i.e. {model['seconds_per_token'] * 1e3:.3f} ms per token, **scaled linearly** to each component's "
+            f"tokens (for {c['batch']} x {c['length']} = {tokens} tokens: {model_on_batch:.0f} s). Attention grows "
+            "faster than linearly with length, so at 4096 tokens the real model costs more than this and the "
+            f"percentages below are upper bounds. Target: every loss below {TARGET_PERCENT:g} % of the model."
+        ),
         "",
-        (f"Losses, KL and entropy terms on {c['batch']} x {c['length']} tokens (ragged masks, a quarter of the rows "
-        f"expert), default arguments; `forward` = the call under no_grad, `fwd+bwd` = the call + "
-        f"`loss.backward()` (median of {c['reps']} after {c['warmup']} warm-up):"),
+        (
+            f"Losses, KL and entropy terms on {c['batch']} x {c['length']} tokens (ragged masks, a quarter of the rows "
+            f"expert), default arguments; `forward` = the call under no_grad, `fwd+bwd` = the call + "
+            f"`loss.backward()` (median of {c['reps']} after {c['warmup']} warm-up):"
+        ),
         "",
         "| component | key | forward (ms) | fwd+bwd (ms) | % of model fwd+bwd | < 2 % |",
         "|---|---|---|---|---|---|",
@@ -363,34 +442,52 @@ def markdown(report: dict) -> str:
         for name, r in report["results"][family].items():
             fb = r["forward_backward"]["median_s"]
             share = percent(fb, tokens, model)
-            lines.append(f"| {label} | `{name}` | {r['forward']['median_s'] * 1e3:.2f} | {fb * 1e3:.2f} "
-                         f"| {share:.4f} | {'yes' if share < TARGET_PERCENT else '**no**'} |")
+            lines.append(
+                f"| {label} | `{name}` | {r['forward']['median_s'] * 1e3:.2f} | {fb * 1e3:.2f} "
+                f"| {share:.4f} | {'yes' if share < TARGET_PERCENT else '**no**'} |"
+            )
     lines += [
         "",
-        (f"Advantage functions (no grad; once per generation batch): group operators on {c['experiences']} "
-        f"experiences in {c['groups']} groups ({c['experience_len']}-token responses); batch functions on the "
-        f"{c['batch']} x {c['length']} token batch (groups of {c['token_group_size']} rows) and on the experiences' "
-        f"shape ({c['experiences']} x {c['experience_len']}, {c['groups']} groups):"),
+        (
+            f"Advantage functions (no grad; once per generation batch): group operators on {c['experiences']} "
+            f"experiences in {c['groups']} groups ({c['experience_len']}-token responses); batch functions on the "
+            f"{c['batch']} x {c['length']} token batch (groups of {c['token_group_size']} rows) "
+            f"and on the experiences' "
+            f"shape ({c['experiences']} x {c['experience_len']}, {c['groups']} groups):"
+        ),
         "",
         "| key | kind | shape | time (ms) | % of model fwd+bwd on those tokens |",
         "|---|---|---|---|---|",
     ]
     for key, r in report["results"]["advantage"].items():
         t = r["time"]["median_s"]
-        lines.append(f"| `{key}` | {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {t * 1e3:.2f} "
-                     f"| {percent(t, r['tokens'], model):.4f} |")
+        lines.append(
+            f"| `{key}` | {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {t * 1e3:.2f} "
+            f"| {percent(t, r['tokens'], model):.4f} |"
+        )
     skipped = report["skipped"]
-    lines += ["", "Skipped (inputs this script cannot build with default arguments): "
-              + ("; ".join(f"`{k}` ({v})" for fam in skipped.values() for k, v in fam.items()) or "none") + ".", ""]
+    lines += [
+        "",
+        "Skipped (inputs this script cannot build with default arguments): "
+        + ("; ".join(f"`{k}` ({v})" for fam in skipped.values() for k, v in fam.items()) or "none")
+        + ".",
+        "",
+    ]
     worst = report["summary"]
-    lines += [(f"Largest loss share: `{worst['worst_loss']}` at {worst['worst_loss_percent']:.4f} % of the model "
-              f"(target < {TARGET_PERCENT:g} %: {'met' if worst['target_met'] else 'NOT met'})."), ""]
+    lines += [
+        (
+            f"Largest loss share: `{worst['worst_loss']}` at {worst['worst_loss_percent']:.4f} % of the model "
+            f"(target < {TARGET_PERCENT:g} %: {'met' if worst['target_met'] else 'NOT met'})."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=64, help="rows of the loss / KL / token-advantage batch")
     parser.add_argument("--length", type=int, default=4096, help="tokens per row of that batch")
     parser.add_argument("--token-group-size", type=int, default=8, help="group size of the token batch (uid)")
@@ -404,11 +501,18 @@ def main(argv=None) -> int:
     parser.add_argument("--model-len", type=int, default=1024)
     parser.add_argument("--model-reps", type=int, default=3)
     parser.add_argument("--model-warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads (1: steadier on shared cores; the same for every measurement)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (1: steadier on shared cores; the same for every measurement)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="small setting: 8 x 512 tokens, 1000 experiences in 100 groups, model on 1 x 128, 2 reps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small setting: 8 x 512 tokens, 1000 experiences in 100 groups, model on 1 x 128, 2 reps",
+    )
     parser.add_argument("--out", default="benchmarks/results", help="directory for algorithms.json / .md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -429,8 +533,9 @@ def main(argv=None) -> int:
     model = bench_model(args)
 
     tokens = args.batch * args.length
-    shares = {name: percent(r["forward_backward"]["median_s"], tokens, model)
-              for name, r in results["policy_loss"].items()}
+    shares = {
+        name: percent(r["forward_backward"]["median_s"], tokens, model) for name, r in results["policy_loss"].items()
+    }
     worst = max(shares, key=shares.get)
     report = {
         "benchmark": "algorithms",
@@ -442,13 +547,23 @@ def main(argv=None) -> int:
         "model": model,
         "results": results,
         "skipped": skipped,
-        "percent_of_model": {family: {name: percent(r["forward_backward"]["median_s"], tokens, model)
-                                      for name, r in results[family].items()}
-                             for family in ("policy_loss", "kl", "entropy")}
-                            | {"advantage": {k: percent(r["time"]["median_s"], r["tokens"], model)
-                                             for k, r in results["advantage"].items()}},
-        "summary": {"worst_loss": worst, "worst_loss_percent": shares[worst],
-                    "target_percent": TARGET_PERCENT, "target_met": shares[worst] < TARGET_PERCENT},
+        "percent_of_model": {
+            family: {
+                name: percent(r["forward_backward"]["median_s"], tokens, model) for name, r in results[family].items()
+            }
+            for family in ("policy_loss", "kl", "entropy")
+        }
+        | {
+            "advantage": {
+                k: percent(r["time"]["median_s"], r["tokens"], model) for k, r in results["advantage"].items()
+            }
+        },
+        "summary": {
+            "worst_loss": worst,
+            "worst_loss_percent": shares[worst],
+            "target_percent": TARGET_PERCENT,
+            "target_met": shares[worst] < TARGET_PERCENT,
+        },
         "total_wall_s": None,
     }
     report["total_wall_s"] = time.perf_counter() - started

@@ -86,9 +86,11 @@ def machine_description(device: str = "cpu") -> dict:
 def machine_line(m: dict) -> str:
     """One Markdown sentence describing the machine of a report."""
     gpu = f" ({m['gpu']})" if m.get("gpu") else ""
-    return (f"Machine: {m['platform']}; CPU: {m['cpu']} ({m['os_cpu_count']} visible cores); device "
-            f"`{m['device']}`{gpu}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
-            f"trl {m['trl']}; torch threads {m['torch_threads']}; niceness {m['niceness']}.")
+    return (
+        f"Machine: {m['platform']}; CPU: {m['cpu']} ({m['os_cpu_count']} visible cores); device "
+        f"`{m['device']}`{gpu}; Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"trl {m['trl']}; torch threads {m['torch_threads']}; niceness {m['niceness']}."
+    )
 
 
 def interpreter() -> str:
@@ -140,8 +142,16 @@ def max_rss_mib() -> float:
 
 
 # ------------------------------------------------------------------------------------ tiny model
-def save_random_qwen2(path: str | os.PathLike, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                      intermediate: int = 688, max_positions: int = 1024, seed: int = 0) -> str:
+def save_random_qwen2(
+    path: str | os.PathLike,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 688,
+    max_positions: int = 1024,
+    seed: int = 0,
+) -> str:
     """A random Qwen2 with the tests' tiny BPE tokenizer (vocab ~490, ChatML), saved with it to ``path``."""
     import torch
     from helpers import build_tiny_tokenizer
@@ -149,9 +159,16 @@ def save_random_qwen2(path: str | os.PathLike, hidden: int = 256, layers: int = 
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
     with torch.random.fork_rng(devices=[]):

@@ -48,8 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
-TARGETS = {"headline": (1024, 128, 8), "headline_train_time_ratio_max": 0.5, "headline_memory_ratio_max": 0.6,
-           "short_prompt": 64, "short_prompt_train_time_ratio_max": 1.03}
+TARGETS = {
+    "headline": (1024, 128, 8),
+    "headline_train_time_ratio_max": 0.5,
+    "headline_memory_ratio_max": 0.6,
+    "short_prompt": 64,
+    "short_prompt_train_time_ratio_max": 1.03,
+}
 
 
 # --------------------------------------------------------------------------------------- data
@@ -59,7 +64,11 @@ def prompt_texts(tokenizer, length: int, count: int, seed: int) -> list[str]:
     words = []
     for token in sorted(tokenizer.get_vocab()):
         text = tokenizer.convert_tokens_to_string([token])
-        if text.startswith(" ") and text[1:].isalpha() and len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1:
+        if (
+            text.startswith(" ")
+            and text[1:].isalpha()
+            and len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
+        ):
             words.append(text)
     rng = random.Random(seed)
     prompts = ["".join(rng.choice(words) for _ in range(length)) for _ in range(count)]
@@ -95,26 +104,57 @@ def worker(spec_path: str) -> int:
             torch.cuda.synchronize()
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, spec["prompt_len"], spec["steps"] + 2, spec["seed"])})
-    common = dict(output_dir=spec["output_dir"], use_cpu=not cuda, bf16=spec["bf16"], activation_checkpointing=False,
-                  per_device_train_batch_size=spec["generations"], num_generations=spec["generations"],
-                  max_completion_length=spec["completion_len"], max_steps=spec["steps"],
-                  learning_rate=spec["learning_rate"], temperature=1.0, report_to="none", save_strategy="no",
-                  logging_steps=1, seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True,
-                  shuffle_dataset=False, max_grad_norm=1e9)
+    dataset = Dataset.from_dict(
+        {"prompt": prompt_texts(tokenizer, spec["prompt_len"], spec["steps"] + 2, spec["seed"])}
+    )
+    common = dict(
+        output_dir=spec["output_dir"],
+        use_cpu=not cuda,
+        bf16=spec["bf16"],
+        activation_checkpointing=False,
+        per_device_train_batch_size=spec["generations"],
+        num_generations=spec["generations"],
+        max_completion_length=spec["completion_len"],
+        max_steps=spec["steps"],
+        learning_rate=spec["learning_rate"],
+        temperature=1.0,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        max_grad_norm=1e9,
+    )
     if spec["side"] == "ours":
         from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
-        config = TrinityConfig(algorithm="grpo", kl_loss_fn="none", loss_agg_mode="seq-mean-token-mean",
-                               prefix_packing=spec["packing"], **common)
-        trainer = TrinityTrainer(model=spec["model"], reward_funcs=char_reward, args=config, train_dataset=dataset,
-                                 processing_class=tokenizer)
+        config = TrinityConfig(
+            algorithm="grpo",
+            kl_loss_fn="none",
+            loss_agg_mode="seq-mean-token-mean",
+            prefix_packing=spec["packing"],
+            **common,
+        )
+        trainer = TrinityTrainer(
+            model=spec["model"],
+            reward_funcs=char_reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
         config = GRPOConfig(loss_type="grpo", beta=0.0, **common)
-        trainer = GRPOTrainer(model=spec["model"], reward_funcs=char_reward, args=config, train_dataset=dataset,
-                              processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=spec["model"],
+            reward_funcs=char_reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
 
     steps: list[dict] = []
 
@@ -143,9 +183,13 @@ def worker(spec_path: str) -> int:
     batches: list[dict] = []
 
     def counting_compute_loss(model, inputs):
-        batches.append({"rows": int(inputs["prompt_ids"].shape[0]),
-                        "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
-                        "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())})
+        batches.append(
+            {
+                "rows": int(inputs["prompt_ids"].shape[0]),
+                "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
+                "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
+            }
+        )
         return compute_loss(model, inputs)
 
     trainer._compute_loss = counting_compute_loss
@@ -169,13 +213,15 @@ def worker(spec_path: str) -> int:
         "train_wall_s": wall,
         "cpu_util": (time.process_time() - cpu_start) / wall if wall > 0 else None,
         "process_peak_rss_mib": bc.max_rss_mib(),
-        "train_peak_rss_above_start_mib": ((bc.read_status_kb("VmHWM") - rss_before) / 1024
-                                           if hwm_reset and rss_before is not None else None),
+        "train_peak_rss_above_start_mib": (
+            (bc.read_status_kb("VmHWM") - rss_before) / 1024 if hwm_reset and rss_before is not None else None
+        ),
         "micro_batch": batches[0] if batches else None,
         "losses": [e["loss"] for e in logs if "loss" in e],
         "grad_norms": [e["grad_norm"] for e in logs if "grad_norm" in e],
-        "forwarded_token_ratio": [e["packing/forwarded_token_ratio"] for e in logs
-                                  if "packing/forwarded_token_ratio" in e],
+        "forwarded_token_ratio": [
+            e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e
+        ],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "loadavg_end": bc.loadavg(),
     }
@@ -191,8 +237,13 @@ def run_worker(spec: dict, tmp: Path, index: int, timeout: float) -> dict:
     spec = dict(spec, output_dir=str(tmp / f"out{index}"), result=str(tmp / f"result{index}.json"))
     path = tmp / f"spec{index}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(path)], check=False,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"run {spec['point']}/{spec['side']} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(Path(spec["result"]).read_text())
@@ -200,15 +251,23 @@ def run_worker(spec: dict, tmp: Path, index: int, timeout: float) -> dict:
 
 def run_summary(result: dict, warmup: int) -> dict:
     steps, gens = result["step_s"][warmup:], result["generation_s"][warmup:]
-    return {"step_s": bc.median(steps), "generation_s": bc.median(gens),
-            "train_s": bc.median([s - g for s, g in zip(steps, gens)])}
+    return {
+        "step_s": bc.median(steps),
+        "generation_s": bc.median(gens),
+        "train_s": bc.median([s - g for s, g in zip(steps, gens)]),
+    }
 
 
 def side_summary(results: list[dict], warmup: int) -> dict:
     per_run = [run_summary(r, warmup) for r in results]
     out = {key: bc.median([p[key] for p in per_run]) for key in ("step_s", "generation_s", "train_s")}
-    for key in ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib",
-                "cuda_peak_allocated_mib", "cpu_util"):
+    for key in (
+        "process_peak_rss_mib",
+        "train_peak_rss_above_start_mib",
+        "cuda_peak_above_start_mib",
+        "cuda_peak_allocated_mib",
+        "cpu_util",
+    ):
         out[key] = bc.median([r.get(key) for r in results])
     out["micro_batch"] = results[0]["micro_batch"]
     ratios = [x for r in results for x in r["forwarded_token_ratio"]]
@@ -225,25 +284,37 @@ def compare(ours: list[dict], trl: list[dict], warmup: int, memory_key: str) -> 
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
     paired = [bc.ratio(run_summary(x, warmup)["train_s"], run_summary(y, warmup)["train_s"]) for x, y in zip(ours, trl)]
     return {
-        "ours": so, "trl": st,
+        "ours": so,
+        "trl": st,
         "train_time_ratio": bc.ratio(so["train_s"], st["train_s"]),
         "train_time_ratio_paired": bc.median(paired),
         "step_time_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "memory_ratio": bc.ratio(so[memory_key], st[memory_key]),
         "process_peak_memory_ratio": bc.ratio(so["process_peak_rss_mib"], st["process_peak_rss_mib"]),
-        "equivalence": {"equivalent": bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL,
-                        "loss_max_abs_diff": max(loss) if loss else None,
-                        "grad_norm_max_rel_diff": max(grad) if grad else None},
+        "equivalence": {
+            "equivalent": bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL,
+            "loss_max_abs_diff": max(loss) if loss else None,
+            "grad_norm_max_rel_diff": max(grad) if grad else None,
+        },
     }
 
 
 def resolve_model(name: str, args, tmp: Path) -> tuple[str, str]:
     if name == "tiny":
-        path = bc.save_random_qwen2(tmp / "model", hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                    kv_heads=args.kv_heads, intermediate=args.intermediate,
-                                    max_positions=4096, seed=args.seed)
-        return path, (f"random Qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} "
-                      f"KV, intermediate {args.intermediate}, vocab 489) with the tests' tiny BPE tokenizer")
+        path = bc.save_random_qwen2(
+            tmp / "model",
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            max_positions=4096,
+            seed=args.seed,
+        )
+        return path, (
+            f"random Qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} "
+            f"KV, intermediate {args.intermediate}, vocab 489) with the tests' tiny BPE tokenizer"
+        )
     if name == "bundled":
         from trinity_trl.data import bundled_model_dir
 
@@ -263,26 +334,33 @@ def markdown(report: dict) -> str:
         bc.machine_line(m),
         f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end.",
         "",
-        (f"Model: {report['model_description']} ({report['parameters'] / 1e6:.1f}M parameters), "
-         f"{'bf16' if c['bf16'] else 'fp32'}, full fine-tuning, lr {c['learning_rate']}. One optimizer step = 1 prompt "
-         f"x G completions in one micro-batch. Each run: {c['steps']} steps, the first {c['warmup']} untimed "
-         f"(prompts of {c['long_prompt']}+ tokens: {c['long_steps']} step(s), {c['long_warmup']} untimed); "
-         f"{c['repeats']} run(s) per side per point, {c['focus_repeats']} at the target points (prompt "
-         f"{TARGETS['short_prompt']}, and {'/'.join(map(str, TARGETS['headline']))}); sides interleaved. Ours: "
-         "`TrinityTrainer(algorithm='grpo', kl_loss_fn='none', loss_agg_mode='seq-mean-token-mean')` with "
-         "`prefix_packing=True` (the default); TRL: `GRPOConfig(loss_type='grpo', beta=0)`."),
+        (
+            f"Model: {report['model_description']} ({report['parameters'] / 1e6:.1f}M parameters), "
+            f"{'bf16' if c['bf16'] else 'fp32'}, full fine-tuning, lr {c['learning_rate']}. "
+            f"One optimizer step = 1 prompt "
+            f"x G completions in one micro-batch. Each run: {c['steps']} steps, the first {c['warmup']} untimed "
+            f"(prompts of {c['long_prompt']}+ tokens: {c['long_steps']} step(s), {c['long_warmup']} untimed); "
+            f"{c['repeats']} run(s) per side per point, {c['focus_repeats']} at the target points (prompt "
+            f"{TARGETS['short_prompt']}, and {'/'.join(map(str, TARGETS['headline']))}); sides interleaved. Ours: "
+            "`TrinityTrainer(algorithm='grpo', kl_loss_fn='none', loss_agg_mode='seq-mean-token-mean')` with "
+            "`prefix_packing=True` (the default); TRL: `GRPOConfig(loss_type='grpo', beta=0)`."
+        ),
         "",
-        ("`train` = step minus TRL's generation (scoring, log-prob forward, loss, backward, optimizer); `step` = the "
-         f"whole optimizer step; memory = {mem}. Ratios ours / TRL (< 1: ours faster / smaller). `tokens fwd` = "
-         "tokens the packed forward processes / tokens of TRL's padded micro-batch."),
+        (
+            "`train` = step minus TRL's generation (scoring, log-prob forward, loss, backward, optimizer); "
+            "`step` = the "
+            f"whole optimizer step; memory = {mem}. Ratios ours / TRL (< 1: ours faster / smaller). `tokens fwd` = "
+            "tokens the packed forward processes / tokens of TRL's padded micro-batch."
+        ),
         "",
         "| model | P | C | G | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | step ratio "
         "| ours mem (MiB) | TRL mem (MiB) | **memory ratio** | process peak ratio | equal loss/grad-norm |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mk = report["memory_key"]
-    for point in sorted(report["results"], key=lambda r: (r["model"] != "tiny", r["prompt_len"], r["completion_len"],
-                                                          r["generations"])):
+    for point in sorted(
+        report["results"], key=lambda r: (r["model"] != "tiny", r["prompt_len"], r["completion_len"], r["generations"])
+    ):
         r = point["comparison"]
         o, t, e = r["ours"], r["trl"], r["equivalence"]
         lines.append(
@@ -291,46 +369,69 @@ def markdown(report: dict) -> str:
             f"| **{bc.fmt(r['train_time_ratio'])}** | {bc.fmt(r['step_time_ratio'])} | {bc.fmt(o[mk], '.0f')} "
             f"| {bc.fmt(t[mk], '.0f')} | **{bc.fmt(r['memory_ratio'])}** | {bc.fmt(r['process_peak_memory_ratio'])} "
             f"| {'yes' if e['equivalent'] else 'NO'} ({bc.fmt(e['loss_max_abs_diff'], '.0e')} / "
-            f"{bc.fmt(e['grad_norm_max_rel_diff'], '.0e')}) |")
+            f"{bc.fmt(e['grad_norm_max_rel_diff'], '.0e')}) |"
+        )
     s = report["summary"]
-    lines += ["", "Targets (CPU, training part of the step):", "",
-              f"- prompt 1024, completion 128, G 8: train ratio {bc.fmt(s['headline_train_time_ratio'])} (target <= "
-              f"{TARGETS['headline_train_time_ratio_max']}), memory ratio {bc.fmt(s['headline_memory_ratio'])} "
-              f"(target <= {TARGETS['headline_memory_ratio_max']}): "
-              f"{'met' if s['headline_met'] else 'NOT met' if s['headline_met'] is not None else 'not measured'}",
-              f"- prompt 64: worst train ratio {bc.fmt(s['short_prompt_worst_train_time_ratio'])} (target <= "
-              f"{TARGETS['short_prompt_train_time_ratio_max']}): "
-              f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
-              ""]
+    lines += [
+        "",
+        "Targets (CPU, training part of the step):",
+        "",
+        f"- prompt 1024, completion 128, G 8: train ratio {bc.fmt(s['headline_train_time_ratio'])} (target <= "
+        f"{TARGETS['headline_train_time_ratio_max']}), memory ratio {bc.fmt(s['headline_memory_ratio'])} "
+        f"(target <= {TARGETS['headline_memory_ratio_max']}): "
+        f"{'met' if s['headline_met'] else 'NOT met' if s['headline_met'] is not None else 'not measured'}",
+        f"- prompt 64: worst train ratio {bc.fmt(s['short_prompt_worst_train_time_ratio'])} (target <= "
+        f"{TARGETS['short_prompt_train_time_ratio_max']}): "
+        f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
+        "",
+    ]
     if report["not_measured"]:
-        lines += [f"Not measured (run cut short): {', '.join('/'.join(map(str, p)) for p in report['not_measured'])}.", ""]
+        lines += [
+            f"Not measured (run cut short): {', '.join('/'.join(map(str, p)) for p in report['not_measured'])}.",
+            "",
+        ]
     lines += [f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--completion-lens", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--generations", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--bundled-point", type=int, nargs=3, metavar=("P", "C", "G"), default=[256, 32, 8],
-                        help="one point on the bundled SmolLM2-135M-Instruct ('none' with --no-bundled)")
+    parser.add_argument(
+        "--bundled-point",
+        type=int,
+        nargs=3,
+        metavar=("P", "C", "G"),
+        default=[256, 32, 8],
+        help="one point on the bundled SmolLM2-135M-Instruct ('none' with --no-bundled)",
+    )
     parser.add_argument("--no-bundled", action="store_true", help="skip the bundled-model point")
     parser.add_argument("--only-bundled", action="store_true", help="run the bundled-model point only")
-    parser.add_argument("--resume", metavar="JSON",
-                        help="a prefix_packing.json from an earlier (cut short) run: keep its points, run the others")
+    parser.add_argument(
+        "--resume",
+        metavar="JSON",
+        help="a prefix_packing.json from an earlier (cut short) run: keep its points, run the others",
+    )
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed")
-    parser.add_argument("--long-prompt", type=int, default=1024,
-                        help="points with at least this prompt length run --long-steps / --long-warmup instead")
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=1024,
+        help="points with at least this prompt length run --long-steps / --long-warmup instead",
+    )
     parser.add_argument("--long-steps", type=int, default=1, help="optimizer steps per run at long-prompt points")
     parser.add_argument("--long-warmup", type=int, default=0, help="untimed first steps at long-prompt points")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side per point")
-    parser.add_argument("--focus-repeats", type=int, default=2,
-                        help="runs per side at the target points (prompt 64, and 1024/128/8)")
+    parser.add_argument(
+        "--focus-repeats", type=int, default=2, help="runs per side at the target points (prompt 64, and 1024/128/8)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
@@ -341,8 +442,11 @@ def main(argv=None) -> int:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke setting: one small point, 2 steps, a 2-layer hidden-64 model, no bundled model")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke setting: one small point, 2 steps, a 2-layer hidden-64 model, no bundled model",
+    )
     parser.add_argument("--out", default="benchmarks/results", help="directory for prefix_packing.json / .md")
     args = parser.parse_args(argv)
     if args.worker:
@@ -390,10 +494,20 @@ def main(argv=None) -> int:
             repeats = args.focus_repeats if focus and model == "tiny" else args.repeats
             long = p >= args.long_prompt
             steps, warmup = (args.long_steps, args.long_warmup) if long else (args.steps, args.warmup)
-            base = {"model": paths[model], "device": args.device, "threads": args.threads, "bf16": args.bf16,
-                    "steps": steps, "prompt_len": p, "completion_len": c, "generations": g,
-                    "learning_rate": args.learning_rate, "seed": args.seed, "point": f"{model}/{p}/{c}/{g}",
-                    "packing": True}
+            base = {
+                "model": paths[model],
+                "device": args.device,
+                "threads": args.threads,
+                "bf16": args.bf16,
+                "steps": steps,
+                "prompt_len": p,
+                "completion_len": c,
+                "generations": g,
+                "learning_rate": args.learning_rate,
+                "seed": args.seed,
+                "point": f"{model}/{p}/{c}/{g}",
+                "packing": True,
+            }
             runs = {"ours": [], "trl": []}
             for rep in range(repeats):
                 order = ("ours", "trl") if (n + rep) % 2 == 0 else ("trl", "ours")
@@ -403,15 +517,28 @@ def main(argv=None) -> int:
                     runs[side].append(result)
                     parameters[model] = result["parameters"]
                     s = run_summary(result, warmup)
-                    print(f"[{model} P={p} C={c} G={g} rep {rep + 1}/{repeats}] {side}: step {bc.fmt(s['step_s'])} s, "
-                          f"train {bc.fmt(s['train_s'])} s, train peak "
-                          f"{bc.fmt(result.get('train_peak_rss_above_start_mib'), '.0f')} MiB, "
-                          f"load {bc.loadavg()}", flush=True)
+                    print(
+                        f"[{model} P={p} C={c} G={g} rep {rep + 1}/{repeats}] {side}: step {bc.fmt(s['step_s'])} s, "
+                        f"train {bc.fmt(s['train_s'])} s, train peak "
+                        f"{bc.fmt(result.get('train_peak_rss_above_start_mib'), '.0f')} MiB, "
+                        f"load {bc.loadavg()}",
+                        flush=True,
+                    )
             memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
-            results.append({"model": model, "prompt_len": p, "completion_len": c, "generations": g, "repeats": repeats,
-                            "steps": steps, "warmup": warmup,
-                            "comparison": compare(runs["ours"], runs["trl"], warmup, memory_key), "runs": runs})
-            write(args, argv, results, points[n + 1:], parameters, descriptions, started, load_start)
+            results.append(
+                {
+                    "model": model,
+                    "prompt_len": p,
+                    "completion_len": c,
+                    "generations": g,
+                    "repeats": repeats,
+                    "steps": steps,
+                    "warmup": warmup,
+                    "comparison": compare(runs["ours"], runs["trl"], warmup, memory_key),
+                    "runs": runs,
+                }
+            )
+            write(args, argv, results, points[n + 1 :], parameters, descriptions, started, load_start)
     if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
         write(args, argv, results, [], parameters, descriptions, started, load_start)
     return 0
@@ -420,16 +547,28 @@ def main(argv=None) -> int:
 def write(args, argv, results, missing, parameters, descriptions, started, load_start) -> None:
     """Write the report of the points measured so far (``missing``: the points not run yet)."""
     memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
-    headline = next((r for r in results if r["model"] == "tiny"
-                     and (r["prompt_len"], r["completion_len"], r["generations"]) == TARGETS["headline"]), None)
-    short = [r["comparison"]["train_time_ratio"] for r in results
-             if r["model"] == "tiny" and r["prompt_len"] == TARGETS["short_prompt"]]
+    headline = next(
+        (
+            r
+            for r in results
+            if r["model"] == "tiny" and (r["prompt_len"], r["completion_len"], r["generations"]) == TARGETS["headline"]
+        ),
+        None,
+    )
+    short = [
+        r["comparison"]["train_time_ratio"]
+        for r in results
+        if r["model"] == "tiny" and r["prompt_len"] == TARGETS["short_prompt"]
+    ]
     summary = {
         "headline_train_time_ratio": headline and headline["comparison"]["train_time_ratio"],
         "headline_memory_ratio": headline and headline["comparison"]["memory_ratio"],
-        "headline_met": None if headline is None else bool(
+        "headline_met": None
+        if headline is None
+        else bool(
             headline["comparison"]["train_time_ratio"] <= TARGETS["headline_train_time_ratio_max"]
-            and headline["comparison"]["memory_ratio"] <= TARGETS["headline_memory_ratio_max"]),
+            and headline["comparison"]["memory_ratio"] <= TARGETS["headline_memory_ratio_max"]
+        ),
         "short_prompt_worst_train_time_ratio": max(short) if short else None,
         "short_prompt_met": None if not short else max(short) <= TARGETS["short_prompt_train_time_ratio_max"],
         "all_equivalent": all(r["comparison"]["equivalence"]["equivalent"] for r in results),

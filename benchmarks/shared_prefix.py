@@ -41,7 +41,6 @@ import warnings
 from pathlib import Path
 
 import bench_common as bc  # sets the offline environment and sys.path before torch/trl imports
-
 import torch  # noqa: E402 (after the environment variables and sys.path)
 
 LAYOUTS = ("per_step", "shared")
@@ -96,16 +95,24 @@ def make_trainer(model_dir: Path, out_dir: Path, args):
         seed=args.seed,
         dataloader_num_workers=0,
     )
-    trainer = StepGRPOTrainer(model=str(model_dir), args=config, train_dataset=number_guess_dataset(8),
-                              environment_factory=NumberGuessEnv)
+    trainer = StepGRPOTrainer(
+        model=str(model_dir), args=config, train_dataset=number_guess_dataset(8), environment_factory=NumberGuessEnv
+    )
     if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by the training loop otherwise
         trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     return trainer
 
 
-def make_runs(num_runs: int, num_steps: int, prompt_len: int, completion_len: int, observation_len: int,
-              tokenizer, rng: random.Random):
+def make_runs(
+    num_runs: int,
+    num_steps: int,
+    prompt_len: int,
+    completion_len: int,
+    observation_len: int,
+    tokenizer,
+    rng: random.Random,
+):
     """Prefix-preserving runs (history kept as tokens): step s+1's prompt = step s's prompt +
     completion (ending in EOS) + an observation. Advantages: one value per run, on every step
     (step-wise GRPO broadcasts the run's score), offset from zero so the loss is not ~0."""
@@ -134,8 +141,10 @@ def make_runs(num_runs: int, num_steps: int, prompt_len: int, completion_len: in
 
 def build_batch(trainer, runs, advantages, shared: bool, device: torch.device) -> dict:
     trainer.args.shared_prefix = shared
-    stub = {"prompt_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
-            "num_items_in_batch": torch.tensor(0, device=device)}
+    stub = {
+        "prompt_ids": torch.zeros(1, 1, dtype=torch.long, device=device),
+        "num_items_in_batch": torch.tensor(0, device=device),
+    }
     return trainer._step_batch(stub, runs, advantages)
 
 
@@ -144,8 +153,11 @@ def forward_rows(batch: dict) -> dict:
 
 
 def token_counts(batch: dict) -> dict:
-    rows, prompt_w, completion_w = (batch["prompt_ids"].shape[0], batch["prompt_ids"].shape[1],
-                                    batch["completion_ids"].shape[1])
+    rows, prompt_w, completion_w = (
+        batch["prompt_ids"].shape[0],
+        batch["prompt_ids"].shape[1],
+        batch["completion_ids"].shape[1],
+    )
     return {
         "rows": rows,
         "width": prompt_w + completion_w,
@@ -187,8 +199,14 @@ def summary(samples: list[tuple[float, float]]) -> dict:
     the thread count when the cores are ours, lower when other processes compete for them)."""
     wall = [w for w, _ in samples]
     util = [c / w if w > 0 else float("nan") for w, c in samples]
-    return {"median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "samples_s": wall,
-            "cpu_util_median": statistics.median(util), "cpu_util_samples": util}
+    return {
+        "median_s": statistics.median(wall),
+        "min_s": min(wall),
+        "max_s": max(wall),
+        "samples_s": wall,
+        "cpu_util_median": statistics.median(util),
+        "cpu_util_samples": util,
+    }
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -220,8 +238,9 @@ def check_equivalence(trainer, runs, batches, device, cpu_mem: bool, with_logps:
     a, b = losses["per_step"], losses["shared"]
     assert math.isclose(a, b, rel_tol=1e-4), f"losses differ: per-step {a!r} vs shared {b!r}"
     assert grads["per_step"].keys() == grads["shared"].keys()
-    diff = math.sqrt(sum(float((grads["per_step"][n] - grads["shared"][n]).double().pow(2).sum())
-                         for n in grads["shared"]))
+    diff = math.sqrt(
+        sum(float((grads["per_step"][n] - grads["shared"][n]).double().pow(2).sum()) for n in grads["shared"])
+    )
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads["per_step"].values()))
     grad_rel = diff / max(norm, 1e-30)
     assert grad_rel < 1e-3, f"gradients differ: relative norm of the difference {grad_rel:.3e}"
@@ -233,21 +252,29 @@ def check_equivalence(trainer, runs, batches, device, cpu_mem: bool, with_logps:
         for step in run.steps:
             n = len(step.completion_ids)
             start = len(step.prompt_ids) - first
-            worst = max(worst, float((step_lp[row, :n] - run_lp[r, start:start + n]).abs().max()))
+            worst = max(worst, float((step_lp[row, :n] - run_lp[r, start : start + n]).abs().max()))
             row += 1
     assert worst < 1e-4, f"per-token log-probs differ by {worst:.3e}"
-    checks = {"loss_per_step": a, "loss_shared": b, "loss_rel_diff": abs(a - b) / max(abs(a), 1e-30),
-              "grad_rel_norm_diff": grad_rel, "logps_max_abs_diff": worst}
+    checks = {
+        "loss_per_step": a,
+        "loss_shared": b,
+        "loss_rel_diff": abs(a - b) / max(abs(a), 1e-30),
+        "grad_rel_norm_diff": grad_rel,
+        "logps_max_abs_diff": worst,
+    }
     return checks, memory
 
 
 # ---------------------------------------------------------------------------------------- main
 def bench_steps(trainer, tokenizer, num_steps: int, args, device, cpu_mem: bool) -> dict:
     rng = random.Random(args.seed * 1000 + num_steps)
-    runs, advantages = make_runs(args.runs, num_steps, args.prompt_len, args.completion_len, args.observation_len,
-                                 tokenizer, rng)
-    batches = {"per_step": build_batch(trainer, runs, advantages, False, device),
-               "shared": build_batch(trainer, runs, advantages, True, device)}
+    runs, advantages = make_runs(
+        args.runs, num_steps, args.prompt_len, args.completion_len, args.observation_len, tokenizer, rng
+    )
+    batches = {
+        "per_step": build_batch(trainer, runs, advantages, False, device),
+        "shared": build_batch(trainer, runs, advantages, True, device),
+    }
     counts = {name: token_counts(batches[name]) for name in LAYOUTS}
     assert counts["per_step"]["rows"] == args.runs * num_steps and counts["shared"]["rows"] == args.runs
     assert counts["per_step"]["samples"] == counts["shared"]["samples"] == args.runs * num_steps
@@ -272,15 +299,23 @@ def bench_steps(trainer, tokenizer, num_steps: int, args, device, cpu_mem: bool)
                 for kind, elapsed in last[name].items():
                     times[name][kind].append(elapsed)
         label = f"warm-up {rep + 1}/{args.warmup}" if rep < args.warmup else f"rep {rep - args.warmup + 1}/{args.reps}"
-        print(f"[steps={num_steps}] {label}: " + ", ".join(
-            f"{name} {kind} {wall:.3f}s (cpu {cpu / wall:.2f})"
-            for name in LAYOUTS for kind, (wall, cpu) in last[name].items()),
-            flush=True)
+        print(
+            f"[steps={num_steps}] {label}: "
+            + ", ".join(
+                f"{name} {kind} {wall:.3f}s (cpu {cpu / wall:.2f})"
+                for name in LAYOUTS
+                for kind, (wall, cpu) in last[name].items()
+            ),
+            flush=True,
+        )
 
     layouts = {}
     for name in LAYOUTS:
-        layouts[name] = {**counts[name], "train": summary(times[name]["train"]),
-                         "peak_mem_train_mib": memory[name]["train_mib"]}
+        layouts[name] = {
+            **counts[name],
+            "train": summary(times[name]["train"]),
+            "peak_mem_train_mib": memory[name]["train_mib"],
+        }
         if not args.no_logps:
             layouts[name]["logps"] = summary(times[name]["logps"])
             layouts[name]["peak_mem_logps_mib"] = memory[name]["logps_mib"]
@@ -298,8 +333,13 @@ def bench_steps(trainer, tokenizer, num_steps: int, args, device, cpu_mem: bool)
     if not args.no_logps:
         ratios["logps_median"] = ratio(ps["logps"]["median_s"], sh["logps"]["median_s"])
         ratios["peak_mem_logps"] = ratio(ps["peak_mem_logps_mib"], sh["peak_mem_logps_mib"])
-    return {"steps_per_run": num_steps, "runs": args.runs, "layouts": layouts, "ratio_per_step_over_shared": ratios,
-            "checks": checks}
+    return {
+        "steps_per_run": num_steps,
+        "runs": args.runs,
+        "layouts": layouts,
+        "ratio_per_step_over_shared": ratios,
+        "checks": checks,
+    }
 
 
 def markdown(report: dict) -> str:
@@ -310,7 +350,8 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
         f"Machine: {m['platform']}; CPU: {m['cpu']} ({m['os_cpu_count']} visible cores); device `{m['device']}`"
-        + (f" ({m['gpu']})" if "gpu" in m else "") + f"; Python {m['python']}, torch {m['torch']}, "
+        + (f" ({m['gpu']})" if "gpu" in m else "")
+        + f"; Python {m['python']}, torch {m['torch']}, "
         f"transformers {m['transformers']}, trl {m['trl']}; torch threads: {m['torch_threads']}; load average "
         f"(1/5/15 min) {m['load_average_start']} at start, {m['load_average_end']} at end.",
         "",
@@ -337,39 +378,53 @@ def markdown(report: dict) -> str:
                 f"| {lay['padded_tokens']} "
                 f"| {lay['real_tokens']} | {lay['trained_tokens']} | {bc.fmt(lay['train']['median_s'])} "
                 f"| {bc.fmt(lay.get('logps', {}).get('median_s'))} | {bc.fmt(lay['peak_mem_train_mib'], '.0f')} "
-                f"| {bc.fmt(lay.get('peak_mem_logps_mib'), '.0f')} |")
+                f"| {bc.fmt(lay.get('peak_mem_logps_mib'), '.0f')} |"
+            )
         r = res["ratio_per_step_over_shared"]
         lines.append(
             f"| {res['steps_per_run']} | **per-step / shared** | | | {bc.fmt(r['padded_tokens'], '.2f', 'x')} "
             f"| {bc.fmt(r['real_tokens'], '.2f', 'x')} | | **{bc.fmt(r['train_median'], '.2f', 'x')}** "
             f"| **{bc.fmt(r.get('logps_median'), '.2f', 'x')}** | {bc.fmt(r['peak_mem_train'], '.2f', 'x')} "
-            f"| {bc.fmt(r.get('peak_mem_logps'), '.2f', 'x')} |")
-    lines += ["", "Equivalence checks (untimed, asserted): same loss to 1e-4 relative, gradients to 1e-3 relative "
-              "norm, per-token log-probs of every step's completion to 1e-4.", "",
-              "| steps/run | loss per-step | loss shared | loss rel. diff | grad rel. norm diff | logps max abs diff |",
-              "|---|---|---|---|---|---|"]
+            f"| {bc.fmt(r.get('peak_mem_logps'), '.2f', 'x')} |"
+        )
+    lines += [
+        "",
+        "Equivalence checks (untimed, asserted): same loss to 1e-4 relative, gradients to 1e-3 relative "
+        "norm, per-token log-probs of every step's completion to 1e-4.",
+        "",
+        "| steps/run | loss per-step | loss shared | loss rel. diff | grad rel. norm diff | logps max abs diff |",
+        "|---|---|---|---|---|---|",
+    ]
     for res in report["results"]:
         k = res["checks"]
-        lines.append(f"| {res['steps_per_run']} | {k['loss_per_step']:.6f} | {k['loss_shared']:.6f} "
-                     f"| {k['loss_rel_diff']:.1e} | {k['grad_rel_norm_diff']:.1e} | {k['logps_max_abs_diff']:.1e} |")
+        lines.append(
+            f"| {res['steps_per_run']} | {k['loss_per_step']:.6f} | {k['loss_shared']:.6f} "
+            f"| {k['loss_rel_diff']:.1e} | {k['grad_rel_norm_diff']:.1e} | {k['logps_max_abs_diff']:.1e} |"
+        )
     lines += ["", f"Memory: {report['memory_note']}", ""]
-    lines += ["Timing spread: min / max wall seconds of the timed reps, and median CPU utilisation (process CPU "
-              "seconds / wall seconds; near the thread count when the cores were ours, lower when other processes "
-              "competed for them):", ""]
+    lines += [
+        "Timing spread: min / max wall seconds of the timed reps, and median CPU utilisation (process CPU "
+        "seconds / wall seconds; near the thread count when the cores were ours, lower when other processes "
+        "competed for them):",
+        "",
+    ]
     for res in report["results"]:
         for name in LAYOUTS:
             lay = res["layouts"][name]
-            parts = [f"{kind} {lay[kind]['min_s']:.3f} / {lay[kind]['max_s']:.3f} s, "
-                     f"cpu {lay[kind]['cpu_util_median']:.2f}"
-                     for kind in ("train", "logps") if kind in lay]
+            parts = [
+                f"{kind} {lay[kind]['min_s']:.3f} / {lay[kind]['max_s']:.3f} s, cpu {lay[kind]['cpu_util_median']:.2f}"
+                for kind in ("train", "logps")
+                if kind in lay
+            ]
             lines.append(f"- {res['steps_per_run']} steps, {name.replace('_', '-')}: " + "; ".join(parts))
     lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, nargs="+", default=[4, 8], help="steps per run (one setting each)")
     parser.add_argument("--runs", type=int, default=8, help="runs per setting (also per_device_train_batch_size)")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -406,39 +461,68 @@ def main(argv=None) -> int:
     longest = args.prompt_len + max(args.steps) * (args.completion_len + args.observation_len)
     with tempfile.TemporaryDirectory(prefix="shared_prefix_bench_") as tmp:
         model_dir = Path(tmp) / "model"
-        bc.save_random_qwen2(model_dir, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
-                   max_positions=max(512, longest), seed=args.seed)
+        bc.save_random_qwen2(
+            model_dir,
+            args.hidden,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.intermediate,
+            max_positions=max(512, longest),
+            seed=args.seed,
+        )
         trainer = make_trainer(model_dir, Path(tmp) / "out", args)
         tokenizer = trainer._tokenizer
         model_device = next(trainer.model.parameters()).device
         assert model_device.type == device.type, f"model on {model_device}, wanted {device}"
         algo = trainer.algorithm
         config = {
-            "runs": args.runs, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-            "observation_len": args.observation_len, "reps": args.reps, "warmup": args.warmup,
-            "hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate, "vocab": len(tokenizer),
+            "runs": args.runs,
+            "prompt_len": args.prompt_len,
+            "completion_len": args.completion_len,
+            "observation_len": args.observation_len,
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "intermediate": args.intermediate,
+            "vocab": len(tokenizer),
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
-            "algorithm": trainer.args.algorithm, "policy_loss_fn": algo.policy_loss_fn,
-            "loss_agg_mode": algo.loss_agg_mode, "kl_loss_fn": trainer.kl_loss.name,
-            "entropy_loss_fn": trainer.entropy_loss.name, "per_device_train_batch_size": args.runs,
-            "attn_implementation": trainer.model.config._attn_implementation, "dtype": "float32", "seed": args.seed,
+            "algorithm": trainer.args.algorithm,
+            "policy_loss_fn": algo.policy_loss_fn,
+            "loss_agg_mode": algo.loss_agg_mode,
+            "kl_loss_fn": trainer.kl_loss.name,
+            "entropy_loss_fn": trainer.entropy_loss.name,
+            "per_device_train_batch_size": args.runs,
+            "attn_implementation": trainer.model.config._attn_implementation,
+            "dtype": "float32",
+            "seed": args.seed,
         }
         results = [bench_steps(trainer, tokenizer, n, args, device, cpu_mem) for n in args.steps]
 
     if device.type == "cuda":
-        memory_note = ("CUDA peak allocated bytes (torch.cuda.max_memory_allocated) above the bytes allocated "
-                       "before the call (model, optimizer-free, batch tensors already resident).")
+        memory_note = (
+            "CUDA peak allocated bytes (torch.cuda.max_memory_allocated) above the bytes allocated "
+            "before the call (model, optimizer-free, batch tensors already resident)."
+        )
     elif cpu_mem:
-        memory_note = ("CPU peak resident set size during one untimed call, above the RSS before it (VmHWM reset "
-                       "through /proc/self/clear_refs after gc + malloc_trim). Approximate: allocator caching and "
-                       "other process activity blur it; compare the layouts, not absolute values.")
+        memory_note = (
+            "CPU peak resident set size during one untimed call, above the RSS before it (VmHWM reset "
+            "through /proc/self/clear_refs after gc + malloc_trim). Approximate: allocator caching and "
+            "other process activity blur it; compare the layouts, not absolute values."
+        )
     else:
         memory_note = "not measured (CPU, and /proc/self/clear_refs is not writable here)."
     report = {
         "benchmark": "shared_prefix",
         "command": " ".join([bc.interpreter(), *sys.argv]),
-        "machine": {**bc.machine_description(str(device)), "load_average_start": load_start, "load_average_end": bc.loadavg()},
+        "machine": {
+            **bc.machine_description(str(device)),
+            "load_average_start": load_start,
+            "load_average_end": bc.loadavg(),
+        },
         "config": config,
         "memory_note": memory_note,
         "results": results,

@@ -71,50 +71,112 @@ def run_specs(group: str, args) -> list[dict]:
     """The runs of one comparison: ``[{name, side, trainer, config, ...}, ...]`` (first = ours)."""
     rows, gens = args.rollouts, args.num_generations
     if group == "cispo":
-        return [_spec("ours", "CISPOTrainer", "CISPOConfig", {"kl_loss_fn": "none"}, rows, gens),
-                _spec("trl", "GRPOTrainer", "GRPOConfig", {"loss_type": "cispo", "epsilon_high": 1.28, "beta": 0.0},
-                      rows, gens)]
+        return [
+            _spec("ours", "CISPOTrainer", "CISPOConfig", {"kl_loss_fn": "none"}, rows, gens),
+            _spec(
+                "trl",
+                "GRPOTrainer",
+                "GRPOConfig",
+                {"loss_type": "cispo", "epsilon_high": 1.28, "beta": 0.0},
+                rows,
+                gens,
+            ),
+        ]
     if group == "sapo":
-        return [_spec("ours", "SAPOTrainer", "SAPOConfig", {}, rows, gens),
-                _spec("trl", "GRPOTrainer", "GRPOConfig", {"loss_type": "sapo", "beta": 0.0}, rows, gens)]
+        return [
+            _spec("ours", "SAPOTrainer", "SAPOConfig", {}, rows, gens),
+            _spec("trl", "GRPOTrainer", "GRPOConfig", {"loss_type": "sapo", "beta": 0.0}, rows, gens),
+        ]
     if group == "gspo":
         # the preset's aggregation is the global default token-mean (it overrides the gspo loss's own
         # seq-mean-token-mean); TRL's sequence-level GSPO is the seq-mean-token-mean one
-        return [_spec("ours", "TrinityTrainer", "TrinityConfig",
-                      {"algorithm": "gspo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"}, rows, gens),
-                _spec("trl", "GRPOTrainer", "GRPOConfig",
-                      {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4,
-                       "epsilon_high": 4e-4, "beta": 0.0}, rows, gens)]
+        return [
+            _spec(
+                "ours",
+                "TrinityTrainer",
+                "TrinityConfig",
+                {"algorithm": "gspo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"},
+                rows,
+                gens,
+            ),
+            _spec(
+                "trl",
+                "GRPOTrainer",
+                "GRPOConfig",
+                {
+                    "loss_type": "grpo",
+                    "importance_sampling_level": "sequence",
+                    "epsilon": 3e-4,
+                    "epsilon_high": 4e-4,
+                    "beta": 0.0,
+                },
+                rows,
+                gens,
+            ),
+        ]
     if group == "grpo":
-        return [_spec("ours", "TrinityTrainer", "TrinityConfig",
-                      {"algorithm": "grpo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"}, rows, gens),
-                _spec("trl", "GRPOTrainer", "GRPOConfig", {"loss_type": "grpo", "beta": 0.0}, rows, gens)]
+        return [
+            _spec(
+                "ours",
+                "TrinityTrainer",
+                "TrinityConfig",
+                {"algorithm": "grpo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"},
+                rows,
+                gens,
+            ),
+            _spec("trl", "GRPOTrainer", "GRPOConfig", {"loss_type": "grpo", "beta": 0.0}, rows, gens),
+        ]
     if group == "chord":
         chord_rollouts, chord_gens = args.chord_rollouts, args.chord_generations
         expert = chord_rollouts // 3
         same_rows = chord_rollouts + expert
-        chord = _spec("ours", "ChordTrainer", "ChordConfig",
-                      {"algorithm": "mix_chord", "kl_loss_fn": "none", "expert_batch_size": expert},
-                      chord_rollouts, chord_gens)
+        chord = _spec(
+            "ours",
+            "ChordTrainer",
+            "ChordConfig",
+            {"algorithm": "mix_chord", "kl_loss_fn": "none", "expert_batch_size": expert},
+            chord_rollouts,
+            chord_gens,
+        )
         chord["expert_rows"] = expert
-        trl_rollouts = _spec("trl_same_rollouts", "GRPOTrainer", "GRPOConfig", {"loss_type": "grpo", "beta": 0.0},
-                             chord_rollouts, chord_gens)
-        trl_rows = _spec("trl_same_rows", "GRPOTrainer", "GRPOConfig", {"loss_type": "grpo", "beta": 0.0},
-                         same_rows, args.num_generations if same_rows % args.num_generations == 0 else chord_gens)
+        trl_rollouts = _spec(
+            "trl_same_rollouts",
+            "GRPOTrainer",
+            "GRPOConfig",
+            {"loss_type": "grpo", "beta": 0.0},
+            chord_rollouts,
+            chord_gens,
+        )
+        trl_rows = _spec(
+            "trl_same_rows",
+            "GRPOTrainer",
+            "GRPOConfig",
+            {"loss_type": "grpo", "beta": 0.0},
+            same_rows,
+            args.num_generations if same_rows % args.num_generations == 0 else chord_gens,
+        )
         return [chord, trl_rollouts, trl_rows]
     raise ValueError(group)
 
 
 def _spec(side: str, trainer: str, config_class: str, config: dict, rows: int, gens: int) -> dict:
-    return {"side": side, "trainer": trainer, "config_class": config_class, "config": config,
-            "rollouts": rows, "num_generations": gens}
+    return {
+        "side": side,
+        "trainer": trainer,
+        "config_class": config_class,
+        "config": config,
+        "rollouts": rows,
+        "num_generations": gens,
+    }
 
 
 # --------------------------------------------------------------------------------------- worker
 def char_reward(completions, **kwargs) -> list[float]:
     """Reward = completion length in characters / 10: a non-zero group spread from any model."""
+
     def text(c):
         return c if isinstance(c, str) else "".join(m.get("content") or "" for m in c)
+
     return [len(text(c)) / 10.0 for c in completions]
 
 
@@ -144,18 +206,35 @@ def worker(spec_path: str) -> int:
     trainer_class = getattr(module, spec["trainer"])
     steps = spec["steps"]
     config = config_class(
-        output_dir=spec["output_dir"], use_cpu=not cuda, bf16=spec["bf16"], activation_checkpointing=False,
-        per_device_train_batch_size=spec["rollouts"], num_generations=spec["num_generations"],
-        max_completion_length=spec["completion_len"], max_steps=steps, learning_rate=spec["learning_rate"],
-        temperature=1.0, report_to="none", save_strategy="no", logging_steps=1, seed=spec["seed"],
-        dataloader_num_workers=0, disable_tqdm=True, **spec["config"],
+        output_dir=spec["output_dir"],
+        use_cpu=not cuda,
+        bf16=spec["bf16"],
+        activation_checkpointing=False,
+        per_device_train_batch_size=spec["rollouts"],
+        num_generations=spec["num_generations"],
+        max_completion_length=spec["completion_len"],
+        max_steps=steps,
+        learning_rate=spec["learning_rate"],
+        temperature=1.0,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=spec["seed"],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **spec["config"],
     )
     prompts_needed = steps * spec["rollouts"] // spec["num_generations"] + 8
     kwargs = {}
     if spec["trainer"] == "ChordTrainer":
         kwargs["expert_dataset"] = arithmetic_expert_dataset(max(64, steps * spec["expert_rows"] + 8), seed=1)
-    trainer = trainer_class(model=spec["model"], reward_funcs=char_reward, args=config,
-                            train_dataset=arithmetic_dataset("train", prompts_needed, seed=0), **kwargs)
+    trainer = trainer_class(
+        model=spec["model"],
+        reward_funcs=char_reward,
+        args=config,
+        train_dataset=arithmetic_dataset("train", prompts_needed, seed=0),
+        **kwargs,
+    )
 
     marks: list[float] = []
     parts: list[dict] = []  # per step: seconds inside each wrapped method
@@ -180,6 +259,7 @@ def worker(spec_path: str) -> int:
             sync()
             parts[-1][key] += time.perf_counter() - start
             return out
+
         return wrapper
 
     # TRL's generation (sampling + decoding), identical on both sides
@@ -187,15 +267,21 @@ def worker(spec_path: str) -> int:
     # generation + rewards + advantages (+ CHORD's expert rows): the seam after generation
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "generate_and_score")
     # TRL's log-prob forward inside the loss (the same helper on both sides)
-    trainer._get_per_token_logps_and_entropies = timed(trainer._get_per_token_logps_and_entropies, "loss_logps",
-                                                       when=lambda: in_loss[0])
+    trainer._get_per_token_logps_and_entropies = timed(
+        trainer._get_per_token_logps_and_entropies, "loss_logps", when=lambda: in_loss[0]
+    )
     compute_loss = trainer._compute_loss
 
     def counting_compute_loss(model, inputs):  # tokens of each trained micro-batch
         width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
-        rows.append({"rows": int(inputs["prompt_ids"].shape[0]), "padded_tokens": int(inputs["prompt_ids"].shape[0] * width),
-                     "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
-                     "loss_tokens": int(inputs["completion_mask"].sum())})
+        rows.append(
+            {
+                "rows": int(inputs["prompt_ids"].shape[0]),
+                "padded_tokens": int(inputs["prompt_ids"].shape[0] * width),
+                "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
+                "loss_tokens": int(inputs["completion_mask"].sum()),
+            }
+        )
         in_loss[0] = True
         try:
             return compute_loss(model, inputs)
@@ -226,8 +312,9 @@ def worker(spec_path: str) -> int:
         "train_wall_s": wall,
         "cpu_util": cpu / wall if wall > 0 else None,
         "process_peak_rss_mib": bc.max_rss_mib(),
-        "train_peak_rss_above_start_mib": ((bc.read_status_kb("VmHWM") - rss_before) / 1024
-                                           if hwm_reset and rss_before is not None else None),
+        "train_peak_rss_above_start_mib": (
+            (bc.read_status_kb("VmHWM") - rss_before) / 1024 if hwm_reset and rss_before is not None else None
+        ),
         "micro_batches": rows[:1] + rows[-1:],
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "grad_norms": [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
@@ -247,8 +334,13 @@ def run_worker(spec: dict, tmp: Path, index: int, timeout: float) -> dict:
     spec = dict(spec, output_dir=str(tmp / f"out{index}"), result=str(tmp / f"result{index}.json"))
     path = tmp / f"spec{index}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(path)], check=False,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"run {spec['group']}/{spec['side']} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(Path(spec["result"]).read_text())
@@ -268,8 +360,12 @@ def run_summary(result: dict, warmup: int) -> dict:
     steps = result["step_s"][warmup:]
     parts = result["parts_s"][warmup:n]
     gens = [p["generate"] for p in parts]
-    out = {"step_s": bc.median(steps), "generation_s": bc.median(gens),
-           "train_s": bc.median([s - g for s, g in zip(steps, gens)]), "timed_steps": len(steps)}
+    out = {
+        "step_s": bc.median(steps),
+        "generation_s": bc.median(gens),
+        "train_s": bc.median([s - g for s, g in zip(steps, gens)]),
+        "timed_steps": len(steps),
+    }
     breakdown = {
         "generation": gens,
         "scoring": [p["generate_and_score"] - p["generate"] for p in parts],
@@ -287,8 +383,14 @@ def side_summary(results: list[dict], warmup: int) -> dict:
     out = {key: bc.median([p[key] for p in per_run]) for key in ("step_s", "generation_s", "train_s", "own_code_s")}
     out["breakdown_s"] = {k: bc.median([p["breakdown_s"][k] for p in per_run]) for k in BREAKDOWN}
     out["per_run"] = per_run
-    for key in ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_allocated_mib",
-                "cuda_peak_above_start_mib", "cpu_util", "train_wall_s"):
+    for key in (
+        "process_peak_rss_mib",
+        "train_peak_rss_above_start_mib",
+        "cuda_peak_allocated_mib",
+        "cuda_peak_above_start_mib",
+        "cpu_util",
+        "train_wall_s",
+    ):
         out[key] = bc.median([r.get(key) for r in results])
     out["micro_batch"] = results[0]["micro_batches"][0] if results[0]["micro_batches"] else None
     out["parameters"] = results[0]["parameters"]
@@ -309,16 +411,23 @@ def equivalence(a: list[dict], b: list[dict]) -> dict:
         loss += [abs(u - v) for u, v in zip(x["losses"], y["losses"])]
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
     equivalent = bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL
-    return {"equivalent": equivalent, "loss_max_abs_diff": max(loss) if loss else None, "grad_norm_max_rel_diff": max(grad) if grad else None,
-            "losses_ours_first_run": a[0]["losses"], "losses_trl_first_run": b[0]["losses"],
-            "grad_norms_ours_first_run": a[0]["grad_norms"], "grad_norms_trl_first_run": b[0]["grad_norms"]}
+    return {
+        "equivalent": equivalent,
+        "loss_max_abs_diff": max(loss) if loss else None,
+        "grad_norm_max_rel_diff": max(grad) if grad else None,
+        "losses_ours_first_run": a[0]["losses"],
+        "losses_trl_first_run": b[0]["losses"],
+        "grad_norms_ours_first_run": a[0]["grad_norms"],
+        "grad_norms_trl_first_run": b[0]["grad_norms"],
+    }
 
 
 def compare_pair(results: dict, warmup: int, memory_key: str) -> dict:
     ours, trl = results["ours"], results["trl"]
     so, st = side_summary(ours, warmup), side_summary(trl, warmup)
     return {
-        "ours": so, "trl": st,
+        "ours": so,
+        "trl": st,
         "ratio": {
             "step": bc.ratio(so["step_s"], st["step_s"]),
             "train": bc.ratio(so["train_s"], st["train_s"]),
@@ -328,22 +437,28 @@ def compare_pair(results: dict, warmup: int, memory_key: str) -> dict:
             "train_peak_rss": bc.ratio(so["train_peak_rss_above_start_mib"], st["train_peak_rss_above_start_mib"]),
             "memory": bc.ratio(so[memory_key], st[memory_key]),
             # the time ours spends in its own code (scoring + loss maths) beyond TRL's, per TRL step
-            "own_code_extra_over_step": (None if so["own_code_s"] is None or st["own_code_s"] is None
-                                         else (so["own_code_s"] - st["own_code_s"]) / st["step_s"]),
+            "own_code_extra_over_step": (
+                None
+                if so["own_code_s"] is None or st["own_code_s"] is None
+                else (so["own_code_s"] - st["own_code_s"]) / st["step_s"]
+            ),
         },
         "equivalence": equivalence(ours, trl),
     }
 
 
 def compare_chord(results: dict, warmup: int, memory_key: str) -> dict:
-    chord, same_rollouts, same_rows = (side_summary(results[k], warmup)
-                                       for k in ("ours", "trl_same_rollouts", "trl_same_rows"))
+    chord, same_rollouts, same_rows = (
+        side_summary(results[k], warmup) for k in ("ours", "trl_same_rollouts", "trl_same_rows")
+    )
     extra_train = None
     if same_rows["train_s"] is not None and same_rollouts["train_s"] is not None:
         extra_train = same_rows["train_s"] - same_rollouts["train_s"]
     chord_extra = None if chord["train_s"] is None else chord["train_s"] - same_rollouts["train_s"]
     return {
-        "ours": chord, "trl_same_rollouts": same_rollouts, "trl_same_rows": same_rows,
+        "ours": chord,
+        "trl_same_rollouts": same_rollouts,
+        "trl_same_rows": same_rows,
         "ratio": {
             # the CHORD step against TRL on as many rows (the target: about 1)
             "train_vs_same_rows": bc.ratio(chord["train_s"], same_rows["train_s"]),
@@ -356,18 +471,28 @@ def compare_chord(results: dict, warmup: int, memory_key: str) -> dict:
             "added_train_over_extra_rows_cost": bc.ratio(chord_extra, extra_train),
             "memory_vs_same_rows": bc.ratio(chord[memory_key], same_rows[memory_key]),
             "process_peak_rss_vs_same_rows": bc.ratio(chord["process_peak_rss_mib"], same_rows["process_peak_rss_mib"]),
-            "train_peak_rss_vs_same_rows": bc.ratio(chord["train_peak_rss_above_start_mib"],
-                                                    same_rows["train_peak_rss_above_start_mib"]),
+            "train_peak_rss_vs_same_rows": bc.ratio(
+                chord["train_peak_rss_above_start_mib"], same_rows["train_peak_rss_above_start_mib"]
+            ),
         },
     }
 
 
 def resolve_model(args, tmp: Path) -> tuple[str, str]:
     if args.model == "tiny":
-        path = bc.save_random_qwen2(tmp / "model", hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                    kv_heads=args.kv_heads, intermediate=args.intermediate, seed=args.seed)
-        return path, (f"random Qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
-                      f"{args.kv_heads} KV, intermediate {args.intermediate}) with the tests' tiny BPE tokenizer")
+        path = bc.save_random_qwen2(
+            tmp / "model",
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            seed=args.seed,
+        )
+        return path, (
+            f"random Qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / "
+            f"{args.kv_heads} KV, intermediate {args.intermediate}) with the tests' tiny BPE tokenizer"
+        )
     if args.model == "bundled":
         from trinity_trl.data import bundled_model_dir
 
@@ -381,26 +506,37 @@ def markdown(report: dict) -> str:
     lines = [
         "# trinity_trl trainers vs TRL's `GRPOTrainer`: step time and peak memory",
         "",
-        (f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}"
-        f"Command: `{report['command']}`"),
+        (
+            f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}"
+            f"Command: `{report['command']}`"
+        ),
         "",
         bc.machine_line(m),
-        (f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
-        f"(on {m['os_cpu_count']} cores; above the core count other processes competed for the CPU)."),
+        (
+            f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
+            f"(on {m['os_cpu_count']} cores; above the core count other processes competed for the CPU)."
+        ),
         "",
-        (f"Model: {c['model_description']}, {report['parameters'] / 1e6:.2f}M parameters, "
-        f"{'bf16' if c['bf16'] else 'fp32'}, full fine-tuning. Each run: {c['steps']} optimizer steps "
-        f"(first {c['warmup']} untimed), {c['repeats']} runs per side, each a fresh subprocess, interleaved. "
-        f"Pairs: {c['rollouts']} rollouts per step ({c['rollouts'] // c['num_generations']} prompts x "
-        f"{c['num_generations']}), completions of at most {c['completion_len']} tokens, lr {c['learning_rate']}."),
+        (
+            f"Model: {c['model_description']}, {report['parameters'] / 1e6:.2f}M parameters, "
+            f"{'bf16' if c['bf16'] else 'fp32'}, full fine-tuning. Each run: {c['steps']} optimizer steps "
+            f"(first {c['warmup']} untimed), {c['repeats']} runs per side, each a fresh subprocess, interleaved. "
+            f"Pairs: {c['rollouts']} rollouts per step ({c['rollouts'] // c['num_generations']} prompts x "
+            f"{c['num_generations']}), completions of at most {c['completion_len']} tokens, lr {c['learning_rate']}."
+        ),
         "",
-        ("`step` = one whole optimizer step (generation, scoring, loss, backward, optimizer, logging); `train` = "
-        "step minus TRL's generation (where the trainers differ). Medians over runs of each run's median step; "
-        "`paired` = median over repetitions of the per-repetition ratio. Ratio = ours / TRL (< 1: ours faster)."),
+        (
+            "`step` = one whole optimizer step (generation, scoring, loss, backward, optimizer, logging); `train` = "
+            "step minus TRL's generation (where the trainers differ). Medians over runs of each run's median step; "
+            "`paired` = median over repetitions of the per-repetition ratio. Ratio = ours / TRL (< 1: ours faster)."
+        ),
         "",
-        (f"| pair | ours step (s) | TRL step (s) | step ratio | step ratio paired | ours train (s) | TRL train (s) "
-        f"| train ratio | train ratio paired | ours {mem_label} | TRL {mem_label} | memory ratio | train-peak ratio "
-        f"| loss max abs. diff / grad-norm max rel. diff |"),
+        (
+            f"| pair | ours step (s) | TRL step (s) | step ratio | step ratio paired | ours train (s) | TRL train (s) "
+            f"| train ratio | train ratio paired | ours {mem_label} | TRL {mem_label} "
+            f"| memory ratio | train-peak ratio "
+            f"| loss max abs. diff / grad-norm max rel. diff |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mem_key = report["memory_key"]
@@ -415,48 +551,71 @@ def markdown(report: dict) -> str:
             f"| **{bc.fmt(q['train'])}** | {bc.fmt(q['train_paired'])} | {bc.fmt(o[mem_key], '.0f')} "
             f"| {bc.fmt(t[mem_key], '.0f')} | **{bc.fmt(q['memory'])}** | {bc.fmt(q['train_peak_rss'])} "
             f"| {bc.fmt(e['loss_max_abs_diff'], '.1e')} / {bc.fmt(e['grad_norm_max_rel_diff'], '.1e')}"
-            f"{'' if e['equivalent'] else ' **(not equivalent)**'} |")
+            f"{'' if e['equivalent'] else ' **(not equivalent)**'} |"
+        )
     if "chord" in report["results"]:
         r = report["results"]["chord"]
         q = r["ratio"]
         lines += [
             "",
-            (f"CHORD (`mix_chord`, {c['chord_rollouts']} rollouts + {c['chord_rollouts'] // 3} expert rows = a quarter "
-            f"expert) beside TRL GRPO on the same {c['chord_rollouts']} rollouts and TRL GRPO on "
-            f"{c['chord_rollouts'] + c['chord_rollouts'] // 3} rollouts (as many trained rows as CHORD):"),
+            (
+                f"CHORD (`mix_chord`, {c['chord_rollouts']} rollouts + {c['chord_rollouts'] // 3} expert rows "
+                f"= a quarter "
+                f"expert) beside TRL GRPO on the same {c['chord_rollouts']} rollouts and TRL GRPO on "
+                f"{c['chord_rollouts'] + c['chord_rollouts'] // 3} rollouts (as many trained rows as CHORD):"
+            ),
             "",
-            (f"| run | rows trained | padded tokens / micro-batch | loss tokens | step (s) | generation (s) | train (s) "
-            f"| {mem_label} | train peak RSS above start (MiB) |"),
+            (
+                f"| run | rows trained | padded tokens / micro-batch | loss tokens | step (s) | generation (s) "
+                f"| train (s) "
+                f"| {mem_label} | train peak RSS above start (MiB) |"
+            ),
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for key, label in (("ours", "CHORD (ours)"), ("trl_same_rollouts", "TRL GRPO, same rollouts"),
-                           ("trl_same_rows", "TRL GRPO, same rows")):
+        for key, label in (
+            ("ours", "CHORD (ours)"),
+            ("trl_same_rollouts", "TRL GRPO, same rollouts"),
+            ("trl_same_rows", "TRL GRPO, same rows"),
+        ):
             s = r[key]
             mb = s["micro_batch"] or {}
-            lines.append(f"| {label} | {mb.get('rows', 'n/a')} | {mb.get('padded_tokens', 'n/a')} "
-                         f"| {mb.get('loss_tokens', 'n/a')} | {bc.fmt(s['step_s'])} | {bc.fmt(s['generation_s'])} "
-                         f"| {bc.fmt(s['train_s'])} | {bc.fmt(s[mem_key], '.0f')} "
-                         f"| {bc.fmt(s['train_peak_rss_above_start_mib'], '.0f')} |")
+            lines.append(
+                f"| {label} | {mb.get('rows', 'n/a')} | {mb.get('padded_tokens', 'n/a')} "
+                f"| {mb.get('loss_tokens', 'n/a')} | {bc.fmt(s['step_s'])} | {bc.fmt(s['generation_s'])} "
+                f"| {bc.fmt(s['train_s'])} | {bc.fmt(s[mem_key], '.0f')} "
+                f"| {bc.fmt(s['train_peak_rss_above_start_mib'], '.0f')} |"
+            )
         lines += [
             "",
-            (f"- CHORD train / TRL same rows: **{bc.fmt(q['train_vs_same_rows'])}** "
-            f"(paired {bc.fmt(q['train_vs_same_rows_paired'])}); whole step: {bc.fmt(q['step_vs_same_rows'])} "
-            "(CHORD generates fewer rollouts)."),
-            (f"- CHORD train / TRL same rollouts: {bc.fmt(q['train_vs_same_rollouts'])}; whole step: "
-            f"{bc.fmt(q['step_vs_same_rollouts'])}."),
-            (f"- Time CHORD adds to the same rollouts, over what TRL's extra rows cost: "
-            f"**{bc.fmt(q['added_train_over_extra_rows_cost'])}** (1 = CHORD's expert rows cost exactly as much as "
-            "as many extra rollouts in TRL's training step)."),
-            (f"- Memory CHORD / TRL same rows: {bc.fmt(q['memory_vs_same_rows'])} ({mem_label}); train-peak ratio "
-            f"{bc.fmt(q['train_peak_rss_vs_same_rows'])}."),
+            (
+                f"- CHORD train / TRL same rows: **{bc.fmt(q['train_vs_same_rows'])}** "
+                f"(paired {bc.fmt(q['train_vs_same_rows_paired'])}); whole step: {bc.fmt(q['step_vs_same_rows'])} "
+                "(CHORD generates fewer rollouts)."
+            ),
+            (
+                f"- CHORD train / TRL same rollouts: {bc.fmt(q['train_vs_same_rollouts'])}; whole step: "
+                f"{bc.fmt(q['step_vs_same_rollouts'])}."
+            ),
+            (
+                f"- Time CHORD adds to the same rollouts, over what TRL's extra rows cost: "
+                f"**{bc.fmt(q['added_train_over_extra_rows_cost'])}** (1 = CHORD's expert rows cost exactly as much as "
+                "as many extra rollouts in TRL's training step)."
+            ),
+            (
+                f"- Memory CHORD / TRL same rows: {bc.fmt(q['memory_vs_same_rows'])} ({mem_label}); train-peak ratio "
+                f"{bc.fmt(q['train_peak_rss_vs_same_rows'])}."
+            ),
         ]
     lines += [
         "",
-        ("Where a step's time goes (median ms per step): `generation` = TRL's `_generate`; `scoring` = the rest of "
-        "`_generate_and_score_completions` (rewards, advantages; CHORD: expert rows); `logps` = TRL's log-prob "
-        "forward inside the loss; `loss maths` = the rest of `_compute_loss`; `rest` = backward, optimizer, logging. "
-        "Only `scoring`, `loss maths` and logging run different code in the two trainers; `own extra` = ours' "
-        "(scoring + loss maths) minus TRL's, as a share of TRL's step (noise-free, unlike the step ratio):"),
+        (
+            "Where a step's time goes (median ms per step): `generation` = TRL's `_generate`; `scoring` = the rest of "
+            "`_generate_and_score_completions` (rewards, advantages; CHORD: expert rows); `logps` = TRL's log-prob "
+            "forward inside the loss; `loss maths` = the rest of `_compute_loss`; "
+            "`rest` = backward, optimizer, logging. "
+            "Only `scoring`, `loss maths` and logging run different code in the two trainers; `own extra` = ours' "
+            "(scoring + loss maths) minus TRL's, as a share of TRL's step (noise-free, unlike the step ratio):"
+        ),
         "",
         "| comparison | run | generation | scoring | logps | loss maths | rest | own extra |",
         "|---|---|---|---|---|---|---|---|",
@@ -467,30 +626,44 @@ def markdown(report: dict) -> str:
                 continue
             b = s["breakdown_s"]
             extra = r["ratio"].get("own_code_extra_over_step") if key == "ours" else None
-            lines.append(f"| {name} | {key} | " + " | ".join(bc.fmt(None if b[k] is None else b[k] * 1e3, '.1f')
-                                                           for k in BREAKDOWN)
-                         + f" | {'' if extra is None else bc.fmt(100 * extra, '+.2f', ' %')} |")
-    lines += ["", ("Token counts of the first trained micro-batch and CPU utilisation (process CPU s / wall s, median "
-              "over runs; near the thread count when the cores were ours):"), ""]
+            lines.append(
+                f"| {name} | {key} | "
+                + " | ".join(bc.fmt(None if b[k] is None else b[k] * 1e3, ".1f") for k in BREAKDOWN)
+                + f" | {'' if extra is None else bc.fmt(100 * extra, '+.2f', ' %')} |"
+            )
+    lines += [
+        "",
+        (
+            "Token counts of the first trained micro-batch and CPU utilisation (process CPU s / wall s, median "
+            "over runs; near the thread count when the cores were ours):"
+        ),
+        "",
+    ]
     for name, r in report["results"].items():
         for key, s in r.items():
             if key in ("ratio", "equivalence"):
                 continue
             mb = s["micro_batch"] or {}
-            lines.append(f"- {name} / {key}: {mb.get('rows')} rows, {mb.get('padded_tokens')} padded tokens, "
-                         f"{mb.get('loss_tokens')} loss tokens; generation {bc.fmt(s['generation_s'])} s of the step; "
-                         f"cpu {bc.fmt(s['cpu_util'], '.2f')}")
+            lines.append(
+                f"- {name} / {key}: {mb.get('rows')} rows, {mb.get('padded_tokens')} padded tokens, "
+                f"{mb.get('loss_tokens')} loss tokens; generation {bc.fmt(s['generation_s'])} s of the step; "
+                f"cpu {bc.fmt(s['cpu_util'], '.2f')}"
+            )
     lines += ["", f"Memory: {report['memory_note']}", ""]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", default="tiny",
-                        help="'tiny' (random Qwen2 built here), 'bundled' (SmolLM2-135M-Instruct) or a model id/path")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (random Qwen2 built here), 'bundled' (SmolLM2-135M-Instruct) or a model id/path",
+    )
     parser.add_argument("--pairs", nargs="+", choices=GROUPS, default=list(GROUPS), help="comparisons to run")
     parser.add_argument("--repeats", type=int, default=7, help="runs per side (interleaved)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
@@ -501,13 +674,21 @@ def main(argv=None) -> int:
     parser.add_argument("--chord-generations", type=int, default=3)
     parser.add_argument("--completion-len", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads in each run (1: with 2 threads on 2 shared cores, every small op "
-                             "waits for a descheduled thread and steps slow down up to 100x)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads in each run (1: with 2 threads on 2 shared cores, every small op "
+        "waits for a descheduled thread and steps slow down up to 100x)",
+    )
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--prefix-packing", choices=("off", "on"), default="off",
-                        help="our trainers' prefix-shared packed forward (off: TRL's padded layout on both sides, "
-                             "which isolates our code's overhead; benchmarks/prefix_packing.py measures packing)")
+    parser.add_argument(
+        "--prefix-packing",
+        choices=("off", "on"),
+        default="off",
+        help="our trainers' prefix-shared packed forward (off: TRL's padded layout on both sides, "
+        "which isolates our code's overhead; benchmarks/prefix_packing.py measures packing)",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -515,8 +696,9 @@ def main(argv=None) -> int:
     parser.add_argument("--intermediate", type=int, default=688)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke setting: 1 repeat, 3 steps (1 warm-up), a 2-layer hidden-64 model")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke setting: 1 repeat, 3 steps (1 warm-up), a 2-layer hidden-64 model"
+    )
     parser.add_argument("--out", default="benchmarks/results", help="directory for trl_overhead.json / .md")
     args = parser.parse_args(argv)
     if args.worker:
@@ -540,9 +722,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="trl_overhead_") as tmp_name:
         tmp = Path(tmp_name)
         model_path, model_description = resolve_model(args, tmp)
-        common = {"model": model_path, "device": args.device, "threads": args.threads, "bf16": args.bf16,
-                  "steps": args.steps, "completion_len": args.completion_len, "learning_rate": args.learning_rate,
-                  "seed": args.seed}
+        common = {
+            "model": model_path,
+            "device": args.device,
+            "threads": args.threads,
+            "bf16": args.bf16,
+            "steps": args.steps,
+            "completion_len": args.completion_len,
+            "learning_rate": args.learning_rate,
+            "seed": args.seed,
+        }
         index = 0
         for group in args.pairs:
             specs = [dict(common, **s, group=group) for s in run_specs(group, args)]
@@ -558,33 +747,45 @@ def main(argv=None) -> int:
                     result = run_worker(spec, tmp, index, args.timeout)
                     runs[spec["side"]].append(result)
                     s = run_summary(result, args.warmup)
-                    print(f"[{group} rep {rep + 1}/{args.repeats}] {spec['side']}: step {bc.fmt(s['step_s'])} s, "
-                          f"generation {bc.fmt(s['generation_s'])} s, train {bc.fmt(s['train_s'])} s, peak RSS "
-                          f"{result['process_peak_rss_mib']:.0f} MiB, cpu {bc.fmt(result['cpu_util'], '.2f')}, "
-                          f"load {bc.loadavg()}", flush=True)
+                    print(
+                        f"[{group} rep {rep + 1}/{args.repeats}] {spec['side']}: step {bc.fmt(s['step_s'])} s, "
+                        f"generation {bc.fmt(s['generation_s'])} s, train {bc.fmt(s['train_s'])} s, peak RSS "
+                        f"{result['process_peak_rss_mib']:.0f} MiB, cpu {bc.fmt(result['cpu_util'], '.2f')}, "
+                        f"load {bc.loadavg()}",
+                        flush=True,
+                    )
             raw[group] = runs
     memory_key = "cuda_peak_allocated_mib" if args.device == "cuda" else "process_peak_rss_mib"
     for group, runs in raw.items():
-        results[group] = (compare_chord(runs, args.warmup, memory_key) if group == "chord"
-                          else compare_pair(runs, args.warmup, memory_key))
+        results[group] = (
+            compare_chord(runs, args.warmup, memory_key)
+            if group == "chord"
+            else compare_pair(runs, args.warmup, memory_key)
+        )
     first = next(iter(raw.values()))
     parameters = next(iter(first.values()))[0]["parameters"]
     if args.device == "cuda":
-        memory_note = ("torch.cuda.max_memory_allocated during train() (weights, optimizer state, activations); "
-                       "`train-peak` = the same above the memory allocated before train().")
+        memory_note = (
+            "torch.cuda.max_memory_allocated during train() (weights, optimizer state, activations); "
+            "`train-peak` = the same above the memory allocated before train()."
+        )
     else:
-        memory_note = ("process peak RSS = getrusage(RUSAGE_SELF).ru_maxrss of the run's subprocess (libraries, "
-                       "model, optimizer, data, training); `train-peak` = peak RSS during train() above the RSS just "
-                       "before it (VmHWM reset through /proc/self/clear_refs after gc + malloc_trim): the part "
-                       "training adds, small and noisier for a small model (allocator caching).")
+        memory_note = (
+            "process peak RSS = getrusage(RUSAGE_SELF).ru_maxrss of the run's subprocess (libraries, "
+            "model, optimizer, data, training); `train-peak` = peak RSS during train() above the RSS just "
+            "before it (VmHWM reset through /proc/self/clear_refs after gc + malloc_trim): the part "
+            "training adds, small and noisier for a small model (allocator caching)."
+        )
     report = {
         "benchmark": "trl_overhead",
         "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
         "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
         "load_average_start": load_start,
         "load_average_end": bc.loadavg(),
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-                   "model_description": model_description},
+        "config": {
+            **{k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+            "model_description": model_description,
+        },
         "parameters": parameters,
         "memory_key": memory_key,
         "memory_note": memory_note,

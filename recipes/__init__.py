@@ -58,5 +58,9 @@ def config_summary(name: str) -> dict[str, str]:
                 header[key] = value.strip()
     values = yaml.safe_load(text) or {}
     task = values.get("environment") or values.get("dataset_name", "arithmetic")
-    return {"recipe": header.get("recipe", "?"), "model": str(values.get("model_name_or_path", "bundled")),
-            "task": str(task), "purpose": header.get("purpose", "")}
+    return {
+        "recipe": header.get("recipe", "?"),
+        "model": str(values.get("model_name_or_path", "bundled")),
+        "task": str(task),
+        "purpose": header.get("purpose", ""),
+    }

@@ -11,7 +11,14 @@ plus the CHORD fields). Demonstrations are the task's worked solutions (bundled 
 from __future__ import annotations
 
 from trinity_trl.recipes.common import (
-    RecipeArguments, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions, save_outputs,
+    RecipeArguments,
+    check_output_dir,
+    concise_progress,
+    load_task,
+    parse,
+    peft_config,
+    reward_functions,
+    save_outputs,
     train_and_evaluate,
 )
 from trinity_trl.trainers import ChordConfig, ChordTrainer

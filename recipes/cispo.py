@@ -4,13 +4,21 @@
     trinity-trl cispo --config cispo_gpu                  # Qwen2.5-1.5B-Instruct, GSM8K, LoRA, vLLM colocate
     python recipes/cispo.py --config recipes/configs/cispo_cpu.yaml
 
-Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `CISPOConfig` (TRL's GRPOConfig plus the CISPO clip fields).
+Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `CISPOConfig` (TRL's GRPOConfig plus
+the CISPO clip fields).
 """
 
 from __future__ import annotations
 
 from trinity_trl.recipes.common import (
-    RecipeArguments, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions, save_outputs,
+    RecipeArguments,
+    check_output_dir,
+    concise_progress,
+    load_task,
+    parse,
+    peft_config,
+    reward_functions,
+    save_outputs,
     train_and_evaluate,
 )
 from trinity_trl.trainers import CISPOConfig, CISPOTrainer

@@ -11,11 +11,14 @@ logger = logging.getLogger(__name__)
 PANELS: list[tuple[str, list[tuple[str, Sequence[str]]]]] = [
     ("reward", [("mean reward", ("reward",))]),
     ("μ (SFT weight)", [("mu", ("actor/mu",))]),
-    ("losses", [
-        ("SFT loss", ("actor/expert/sft_phi_loss", "actor/expert/sft_loss")),
-        ("RL loss", ("actor/usual/pg_loss", "actor/pg_loss")),
-        ("total loss", ("loss",)),
-    ]),
+    (
+        "losses",
+        [
+            ("SFT loss", ("actor/expert/sft_phi_loss", "actor/expert/sft_loss")),
+            ("RL loss", ("actor/usual/pg_loss", "actor/pg_loss")),
+            ("total loss", ("loss",)),
+        ],
+    ),
     ("value loss", [("value loss", ("critic/vf_loss", "value_loss"))]),
 ]
 
@@ -28,15 +31,19 @@ def curves(log_history: list[dict]) -> dict[str, dict[str, tuple[list[int], list
             key = next((k for k in keys if any(k in entry for entry in log_history)), None)
             if key is None:
                 continue
-            points = [(entry["step"], float(entry[key])) for entry in log_history
-                      if key in entry and "step" in entry and "train_runtime" not in entry]
+            points = [
+                (entry["step"], float(entry[key]))
+                for entry in log_history
+                if key in entry and "step" in entry and "train_runtime" not in entry
+            ]
             if points:
                 found.setdefault(title, {})[label] = ([s for s, _ in points], [v for _, v in points])
     return found
 
 
 def plot_training(log_history: list[dict], path: str) -> str | None:
-    """Write the curves to ``path`` (PNG); returns the path, or None when matplotlib is missing or nothing was logged."""
+    """Write the curves to ``path`` (PNG); returns the path, or None when matplotlib is missing or nothing was
+    logged."""
     data = curves(log_history)
     if not data:
         logger.warning("no training metrics to plot")

@@ -12,7 +12,14 @@ adapter with the same settings (its scalar value head is trained in full).
 from __future__ import annotations
 
 from trinity_trl.recipes.common import (
-    RecipeArguments, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions, save_outputs,
+    RecipeArguments,
+    check_output_dir,
+    concise_progress,
+    load_task,
+    parse,
+    peft_config,
+    reward_functions,
+    save_outputs,
     train_and_evaluate,
 )
 from trinity_trl.trainers import PPOConfig, PPOTrainer

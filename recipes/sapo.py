@@ -4,13 +4,21 @@
     trinity-trl sapo --config sapo_gpu                  # Qwen2.5-1.5B-Instruct, GSM8K, LoRA, vLLM colocate
     python recipes/sapo.py --config recipes/configs/sapo_cpu.yaml
 
-Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `SAPOConfig` (TRL's GRPOConfig plus `sapo_form`).
+Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `SAPOConfig` (TRL's GRPOConfig plus
+`sapo_form`).
 """
 
 from __future__ import annotations
 
 from trinity_trl.recipes.common import (
-    RecipeArguments, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions, save_outputs,
+    RecipeArguments,
+    check_output_dir,
+    concise_progress,
+    load_task,
+    parse,
+    peft_config,
+    reward_functions,
+    save_outputs,
     train_and_evaluate,
 )
 from trinity_trl.trainers import SAPOConfig, SAPOTrainer

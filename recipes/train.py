@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
 from trinity_trl.recipes.common import (
-    RecipeArguments, UsageError, check_output_dir, concise_progress, load_task, parse, peft_config, reward_functions,
-    save_outputs, train_and_evaluate,
+    RecipeArguments,
+    UsageError,
+    check_output_dir,
+    concise_progress,
+    load_task,
+    parse,
+    peft_config,
+    reward_functions,
+    save_outputs,
+    train_and_evaluate,
 )
 
 
@@ -39,8 +47,11 @@ def algorithm_from(argv: list[str]) -> str:
     algorithm, config = None, None
     for i, token in enumerate(argv):
         for flag in ("--algorithm", "--config"):
-            value = argv[i + 1] if token == flag and i + 1 < len(argv) else (
-                token.split("=", 1)[1] if token.startswith(flag + "=") else None)
+            value = (
+                argv[i + 1]
+                if token == flag and i + 1 < len(argv)
+                else (token.split("=", 1)[1] if token.startswith(flag + "=") else None)
+            )
             if value is not None and flag == "--algorithm":
                 algorithm = value
             elif value is not None:
@@ -120,8 +131,10 @@ def _preference_pairs(args: TrainArguments, task, seed: int):
         return arithmetic_preference_dataset(args.num_expert_rows or 256, seed=seed + 2)
     missing = {"prompt", "chosen", "rejected"} - set(task.train.column_names)
     if missing:
-        raise UsageError(f"the dpo preset needs 'prompt', 'chosen' and 'rejected' columns; {args.dataset_name} lacks "
-                         f"{sorted(missing)}")
+        raise UsageError(
+            f"the dpo preset needs 'prompt', 'chosen' and 'rejected' columns; {args.dataset_name} lacks "
+            f"{sorted(missing)}"
+        )
     return task.train
 
 

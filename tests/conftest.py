@@ -56,9 +56,7 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(
-    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: str
-) -> str:
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: str) -> str:
     """Directory holding the tiny random Qwen2 and its tokenizer; pass it as `model=` (and to `from_pretrained`)."""
     from helpers import save_tiny_model
     from transformers import AutoTokenizer
@@ -119,15 +117,28 @@ def fake_hub(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
     hub = FakeHub().start()
     home = tmp_path / "hf_home"
-    for name, value in {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_dummy", "HF_HOME": str(home),
-                        "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}.items():
+    for name, value in {
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": "hf_dummy",
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_OFFLINE": "0",
+        "TRANSFORMERS_OFFLINE": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     template = hub.url + "/{repo_id}/resolve/{revision}/{filename}"
-    for name, value in {"ENDPOINT": hub.url, "HUGGINGFACE_CO_URL_TEMPLATE": template,
-                        "HF_HUB_OFFLINE": False, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-                        "HUGGINGFACE_HUB_CACHE": str(home / "hub"), "HF_ASSETS_CACHE": str(home / "assets"),
-                        "HF_XET_CACHE": str(home / "xet"), "HF_TOKEN_PATH": str(home / "token"),
-                        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens")}.items():
+    for name, value in {
+        "ENDPOINT": hub.url,
+        "HUGGINGFACE_CO_URL_TEMPLATE": template,
+        "HF_HUB_OFFLINE": False,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HUGGINGFACE_HUB_CACHE": str(home / "hub"),
+        "HF_ASSETS_CACHE": str(home / "assets"),
+        "HF_XET_CACHE": str(home / "xet"),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+    }.items():
         monkeypatch.setattr(constants, name, value)
     import transformers.utils.hub as transformers_hub
 

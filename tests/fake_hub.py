@@ -184,8 +184,11 @@ class FakeHub:
                     files = {p: c for p, c in files.items() if not p.startswith(prefix)}
                 else:  # lfsFile / copy operations need the LFS path, which preupload never offers
                     raise HubError(400, None, f"the fake hub does not support commit operation {key!r}")
-            commit = Commit(sha=_new_sha(repo.repo_id, parent.sha, header.get("summary", "")),
-                            title=header.get("summary") or "Upload files", files=files)
+            commit = Commit(
+                sha=_new_sha(repo.repo_id, parent.sha, header.get("summary", "")),
+                title=header.get("summary") or "Upload files",
+                files=files,
+            )
             repo.commits.append(commit)
             return commit
 
@@ -237,8 +240,14 @@ class _Handler(BaseHTTPRequestHandler):
                 chunks.append(chunk)
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _send(self, body: bytes, status: int = 200, headers: dict[str, str] | None = None, head: bool = False,
-              content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        body: bytes,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        head: bool = False,
+        content_type: str = "application/json",
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -248,8 +257,14 @@ class _Handler(BaseHTTPRequestHandler):
         if not head:
             self.wfile.write(body)
 
-    def _send_json(self, payload, status: int = 200, error_code: str | None = None, head: bool = False,
-                   headers: dict[str, str] | None = None) -> None:
+    def _send_json(
+        self,
+        payload,
+        status: int = 200,
+        error_code: str | None = None,
+        head: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         headers = dict(headers or {})
         if error_code:
             headers["X-Error-Code"] = error_code
@@ -263,9 +278,15 @@ class _Handler(BaseHTTPRequestHandler):
         method = self.command
         if parts[0] == "api":
             if parts[1:] == ["whoami-v2"] and method == "GET":
-                return self._send_json({"type": "user", "name": hub.user, "fullname": hub.user, "orgs": [],
-                                        "auth": {"type": "access_token",
-                                                 "accessToken": {"displayName": "fake", "role": "write"}}})
+                return self._send_json(
+                    {
+                        "type": "user",
+                        "name": hub.user,
+                        "fullname": hub.user,
+                        "orgs": [],
+                        "auth": {"type": "access_token", "accessToken": {"displayName": "fake", "role": "write"}},
+                    }
+                )
             if parts[1:] == ["repos", "create"] and method == "POST":
                 return self._create_repo()
             if parts[1:] == ["validate-yaml"] and method == "POST":
@@ -302,23 +323,43 @@ class _Handler(BaseHTTPRequestHandler):
             if method not in ("GET", "HEAD"):
                 raise HubError(405, None, f"{method} not allowed on repo info")
             commit = hub.revision(repo, "/".join(rest[1:]) if rest else "main")
-            return self._send_json({
-                "id": repo_id, "sha": commit.sha, "private": repo.private, "disabled": False, "gated": False,
-                "siblings": [{"rfilename": p} for p in sorted(commit.files)], "tags": [],
-                "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),
-            }, head=head, headers={"X-Repo-Commit": commit.sha})
+            return self._send_json(
+                {
+                    "id": repo_id,
+                    "sha": commit.sha,
+                    "private": repo.private,
+                    "disabled": False,
+                    "gated": False,
+                    "siblings": [{"rfilename": p} for p in sorted(commit.files)],
+                    "tags": [],
+                    "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime()),
+                },
+                head=head,
+                headers={"X-Repo-Commit": commit.sha},
+            )
         action, revision = rest[0], "/".join(rest[1:2]) or "main"
         if action == "preupload" and method == "POST":
             payload = json.loads(self.body)
             hub.revision(repo, revision)
-            return self._send_json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                              for f in payload["files"]], "commitOid": repo.head.sha})
+            return self._send_json(
+                {
+                    "files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in payload["files"]
+                    ],
+                    "commitOid": repo.head.sha,
+                }
+            )
         if action == "commit" and method == "POST":
             lines = [json.loads(line) for line in self.body.splitlines() if line.strip()]
             commit = hub.commit(repo, revision, lines)
             prefix = "" if repo_type == "model" else f"{repo_type}s/"
-            return self._send_json({"success": True, "commitOid": commit.sha,
-                                    "commitUrl": f"{hub.url}/{prefix}{repo_id}/commit/{commit.sha}"})
+            return self._send_json(
+                {
+                    "success": True,
+                    "commitOid": commit.sha,
+                    "commitUrl": f"{hub.url}/{prefix}{repo_id}/commit/{commit.sha}",
+                }
+            )
         if action == "tree" and method == "GET":
             return self._tree(repo, revision, "/".join(rest[2:]).strip("/"))
         raise HubError(404, None, f"the fake hub has no route for {method} {action} on {repo_id}")
@@ -333,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
         for path in sorted(files):
             if not path.startswith(prefix):
                 continue
-            relative = path[len(prefix):]
+            relative = path[len(prefix) :]
             parents = relative.split("/")[:-1]
             for depth in range(1, len(parents) + 1 if recursive else min(1, len(parents)) + 1):
                 folders.add(prefix + "/".join(parents[:depth]))
@@ -353,9 +394,9 @@ class _Handler(BaseHTTPRequestHandler):
         status, body = 200, content
         ranged = self.headers.get("Range", "")
         if ranged.startswith("bytes=") and not head:  # resumed downloads: "bytes=START-" or "bytes=START-END"
-            start, _, end = ranged[len("bytes="):].partition("-")
+            start, _, end = ranged[len("bytes=") :].partition("-")
             first, last = int(start or 0), int(end) if end else len(content) - 1
-            body, status = content[first:last + 1], 206
+            body, status = content[first : last + 1], 206
             headers["Content-Range"] = f"bytes {first}-{first + len(body) - 1}/{len(content)}"
         # a HEAD answer's Content-Length is the full size, which `huggingface_hub` checks the download against
         self._send(body, status=status, headers=headers, head=head, content_type="application/octet-stream")

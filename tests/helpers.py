@@ -61,12 +61,7 @@ def tiny_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
         elif kind == 2:
             lines.append(f"{a} * {b} = {a * b}. Let's think step by step.")
         else:
-            lines.append(
-                " ".join(
-                    rng.choice(_WORDS) for _ in range(rng.randint(4, 12))
-                ).capitalize()
-                + "."
-            )
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ".")
     return lines
 
 
@@ -94,9 +89,7 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE):
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(
-                Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False
-            ),
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -154,9 +147,7 @@ def build_tiny_model(tokenizer, arch: str = "qwen2", seed: int = 0):
     return model
 
 
-def save_tiny_model(
-    path: str | os.PathLike, tokenizer=None, arch: str = "qwen2", seed: int = 0
-) -> str:
+def save_tiny_model(path: str | os.PathLike, tokenizer=None, arch: str = "qwen2", seed: int = 0) -> str:
     """Build the tiny model (and tokenizer if not given) and `save_pretrained` both into `path`; return `str(path)`.
 
     Pass the returned path as `model=` to trainers: TRL reloads the reference model from `config._name_or_path`,
@@ -184,9 +175,7 @@ def tiny_conversational_dataset(n: int = 32):
     rows = arithmetic_rows(n)
     return Dataset.from_dict(
         {
-            "prompt": [
-                [{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows
-            ],
+            "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows],
             "answer": [str(a + b) for a, b in rows],
         }
     )
@@ -245,10 +234,7 @@ def length_reward(completions: list, **kwargs: Any) -> list[float]:
 
 def answer_reward(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """1.0 where the completion contains the row's `answer` string, else 0.0."""
-    return [
-        float(str(a) in completion_text(c))
-        for c, a in zip(completions, answer, strict=True)
-    ]
+    return [float(str(a) in completion_text(c)) for c, a in zip(completions, answer, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------- trainer tests
@@ -349,9 +335,14 @@ def recording(cls: type) -> type:
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            self.recorded.reward_calls.append(RewardCall(list(prompts), list(completions),
-                                                         [list(ids) for ids in completion_ids_list],
-                                                         rewards.detach().clone()))
+            self.recorded.reward_calls.append(
+                RewardCall(
+                    list(prompts),
+                    list(completions),
+                    [list(ids) for ids in completion_ids_list],
+                    rewards.detach().clone(),
+                )
+            )
             return rewards
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -366,8 +357,9 @@ def recording(cls: type) -> type:
             loss = call(model, inputs, *args, **kwargs)
             forwards = self.recorded.logps_calls[first:]
             value = loss[0] if isinstance(loss, tuple) else loss  # compute_loss(return_outputs=True)
-            self.recorded.loss_calls.append(LossCall(cloned, forwards[0] if forwards else None,
-                                                     value.detach().clone(), self.state.global_step))
+            self.recorded.loss_calls.append(
+                LossCall(cloned, forwards[0] if forwards else None, value.detach().clone(), self.state.global_step)
+            )
             return loss
 
         def _compute_loss(self, model, inputs):
@@ -402,13 +394,18 @@ def policy_logps(trainer, batch: dict):
 
     with torch.no_grad():
         logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
-            torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_ids"].size(1))
+            trainer,
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+            batch["completion_ids"].size(1),
+        )
     return logps
 
 
-def harden_batch(trainer, batch: dict, *, ragged=True, old_noise=0.3, ref_noise=0.2, empty_row=False,
-                 lengths=None) -> dict:
+def harden_batch(
+    trainer, batch: dict, *, ragged=True, old_noise=0.3, ref_noise=0.2, empty_row=False, lengths=None
+) -> dict:
     """A copy of a 4-row `batch` made harder: ragged completion masks (the random model never emits EOS, so every
     row is full otherwise; `lengths` per row, default `[width, width - 2, 3, 1]`, 0 for the last with
     `empty_row`), an off-policy `old_per_token_logps` (ratios far from 1, so clips and gates are exercised) and a
@@ -444,8 +441,11 @@ def loss_and_grads(trainer, inputs: dict, ga: int = 1):
     model.zero_grad(set_to_none=True)
     loss = trainer._compute_loss(model, dict(inputs))
     loss.backward()
-    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for name, p in model.named_parameters() if p.requires_grad}
+    grads = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
 

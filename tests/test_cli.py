@@ -39,15 +39,20 @@ def test_configs_table_names_recipe_model_task_and_purpose(capsys):
     assert all(len(row) > 4 for row in rows.values())  # every config has a purpose
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["chrod"], r"unknown recipe 'chrod' \(did you mean chord\?\)"),
-    (["chord", "--config", "chord_cpx"], r"did you mean chord_cpu\?"),
-    (["cispo", "--config", "cispo_cpu", "--max_step", "2"], r"--max_step \(did you mean --max_steps\?\)"),
-    (["chord", "--config", "chord_cpu", "--mu_peek", "0.5"], r"--mu_peek \(did you mean --mu_peak\?\)"),
-    (["cispo", "--config", "cispo_cpu", "--per_device_train_batch_size", "3", "--num_generations", "4"],
-     r"generation_batch_size \(3\) must be divisible by num_generations \(4\)"),
-    (["ppo", "--config", "ppo_cpu", "--max_steps", "2", "--critic_warmup_steps", "2"], r"policy would never train"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["chrod"], r"unknown recipe 'chrod' \(did you mean chord\?\)"),
+        (["chord", "--config", "chord_cpx"], r"did you mean chord_cpu\?"),
+        (["cispo", "--config", "cispo_cpu", "--max_step", "2"], r"--max_step \(did you mean --max_steps\?\)"),
+        (["chord", "--config", "chord_cpu", "--mu_peek", "0.5"], r"--mu_peek \(did you mean --mu_peak\?\)"),
+        (
+            ["cispo", "--config", "cispo_cpu", "--per_device_train_batch_size", "3", "--num_generations", "4"],
+            r"generation_batch_size \(3\) must be divisible by num_generations \(4\)",
+        ),
+        (["ppo", "--config", "ppo_cpu", "--max_steps", "2", "--critic_warmup_steps", "2"], r"policy would never train"),
+    ],
+)
 def test_usage_errors_print_one_line_and_exit_2(capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--output_dir", str(tmp_path / "out")])
@@ -87,11 +92,40 @@ def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_m
     script = Path(sys.executable).parent / "trinity-trl"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage: trinity-trl <recipe>" in result.stdout
-    result = subprocess.run([str(script), "sapo", "--config", "sapo_cpu", "--model_name_or_path", tiny_model_dir,
-                             "--output_dir", str(tmp_path), "--max_steps", "1", "--num_train_rows", "8",
-                             "--max_completion_length", "8", "--per_device_train_batch_size", "4", "--num_generations",
-                             "4", "--lora_r", "4", "--lora_alpha", "8", "--eval_accuracy", "false", "--logging_steps", "1"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            str(script),
+            "sapo",
+            "--config",
+            "sapo_cpu",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "1",
+            "--num_train_rows",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--eval_accuracy",
+            "false",
+            "--logging_steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # one short progress line per step instead of a dict of every metric
     assert "step 1/1 | reward" in result.stdout + result.stderr

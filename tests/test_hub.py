@@ -32,10 +32,17 @@ def _one_torch_thread():
 
 
 def expert_dataset() -> Dataset:
-    return Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]}
-        for a, b in [(1, 2), (3, 4), (5, 6)]
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": str(a + b)},
+                ]
+            }
+            for a, b in [(1, 2), (3, 4), (5, 6)]
+        ]
+    )
 
 
 def assert_same_tensors(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
@@ -53,11 +60,19 @@ def assert_tokenizer_round_trip(repo_id: str, trained_tokenizer) -> None:
 
 
 def test_chord_lora_push_uploads_adapter_tokenizer_and_card_and_pulls_back(tmp_path, tiny_model_dir, fake_hub):
-    args = ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), expert_batch_size=2, push_to_hub=True,
-                                          hub_model_id="tester/chord-tiny"))
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                           train_dataset=tiny_conversational_dataset(), expert_dataset=expert_dataset(),
-                           peft_config=LORA)
+    args = ChordConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path / "out"), expert_batch_size=2, push_to_hub=True, hub_model_id="tester/chord-tiny"
+        )
+    )
+    trainer = ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=tiny_conversational_dataset(),
+        expert_dataset=expert_dataset(),
+        peft_config=LORA,
+    )
     trainer.train()
     trainer.push_to_hub()
 
@@ -83,10 +98,14 @@ def test_chord_lora_push_uploads_adapter_tokenizer_and_card_and_pulls_back(tmp_p
 
 
 def test_full_model_push_pulls_back_the_trained_weights(tmp_path, tiny_model_dir, fake_hub):
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo", push_to_hub=True,
-                                            hub_model_id="tester/cispo-full"))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=tiny_conversational_dataset())
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path / "out"), algorithm="cispo", push_to_hub=True, hub_model_id="tester/cispo-full"
+        )
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
+    )
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
     trainer.push_to_hub()

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = [(README.read_text()[: m.start()].count("\n") + 1, m.group(1))
-          for m in re.finditer(r"```python\n(.*?)```", README.read_text(), re.S)]
+BLOCKS = [
+    (README.read_text()[: m.start()].count("\n") + 1, m.group(1))
+    for m in re.finditer(r"```python\n(.*?)```", README.read_text(), re.S)
+]
 
 # what changes between a GPU machine with the Hub and this CPU test run
 SUBSTITUTIONS = [
@@ -83,11 +85,23 @@ def block_results(tmp_path_factory, readme_model_dir):
         path.write_text(adapted(code, tiny_model_dir))
         scripts.append((line, str(path)))
     hub = FakeHub().start()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_dummy", "HF_HUB_OFFLINE": "0",
-           "HF_HOME": str(root / "hf_home")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": "hf_dummy",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HOME": str(root / "hf_home"),
+    }
     try:
-        result = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(scripts)], cwd=root, capture_output=True,
-                                text=True, timeout=1800, env=env)
+        result = subprocess.run(
+            [sys.executable, "-c", RUNNER, json.dumps(scripts)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=env,
+        )
         lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]
         assert lines, result.stderr[-3000:]
         yield {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULTS ")).items()}, hub
@@ -99,7 +113,9 @@ def test_the_readme_has_its_quick_starts():
     codes = [code for _, code in BLOCKS]
     assert len(codes) >= 10
     assert 'model="bundled"' in codes[0]  # the first quick start runs offline
-    assert not any(re.search(r"[(\\[,=] *\\.\\.\\.", code) for code in codes), "a block with a `...` argument cannot run"
+    assert not any(re.search(r"[(\\[,=] *\\.\\.\\.", code) for code in codes), (
+        "a block with a `...` argument cannot run"
+    )
 
 
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])

@@ -30,15 +30,11 @@ def _save(tokenizer, path: Path) -> Path:
 def no_pad_dir(tiny_tokenizer, tmp_path: Path) -> Path:
     tiny_tokenizer.pad_token = None
     path = _save(tiny_tokenizer, tmp_path / "no_pad")
-    assert (
-        AutoTokenizer.from_pretrained(path).pad_token_id is None
-    )  # the fixture really lacks a pad token
+    assert AutoTokenizer.from_pretrained(path).pad_token_id is None  # the fixture really lacks a pad token
     return path
 
 
-def _gemma2_dir(
-    tokenizer, tmp_path: Path, with_end_of_turn: bool, name: str = "tiny-Gemma-2-it"
-) -> Path:
+def _gemma2_dir(tokenizer, tmp_path: Path, with_end_of_turn: bool, name: str = "tiny-Gemma-2-it") -> Path:
     if with_end_of_turn:
         tokenizer.add_tokens([AddedToken(END_OF_TURN, special=True)])
     return _save(tokenizer, tmp_path / name)
@@ -50,9 +46,7 @@ def test_missing_pad_token_becomes_eos_with_warning(no_pad_dir: Path):
     assert tok.pad_token == tok.eos_token == "<|im_end|>"
     assert tok.pad_token_id == tok.eos_token_id is not None
     assert "<|im_end|>" in _messages(record.list, "no pad token")[0]
-    assert (
-        tok(["a", "a b c"], padding=True).input_ids[0][0] == tok.eos_token_id
-    )  # left padding uses it
+    assert tok(["a", "a b c"], padding=True).input_ids[0][0] == tok.eos_token_id  # left padding uses it
 
 
 def test_missing_pad_token_left_alone_when_not_correcting(no_pad_dir: Path):
@@ -68,18 +62,12 @@ def test_existing_pad_token_unchanged_and_silent(tiny_tokenizer_dir: str):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         tok = hf_tokenizer(tiny_tokenizer_dir)
-    assert (
-        (tok.pad_token, tok.pad_token_id)
-        == (expected.pad_token, expected.pad_token_id)
-        == ("<|endoftext|>", 0)
-    )
+    assert (tok.pad_token, tok.pad_token_id) == (expected.pad_token, expected.pad_token_id) == ("<|endoftext|>", 0)
     assert (tok.eos_token, tok.eos_token_id) == (
         expected.eos_token,
         expected.eos_token_id,
     )
-    assert not [w for w in record if issubclass(w.category, UserWarning)], [
-        str(w.message) for w in record
-    ]
+    assert not [w for w in record if issubclass(w.category, UserWarning)], [str(w.message) for w in record]
 
 
 def test_no_pad_and_no_eos_is_an_error(tiny_tokenizer, tmp_path: Path):
@@ -93,9 +81,7 @@ def test_no_pad_and_no_eos_is_an_error(tiny_tokenizer, tmp_path: Path):
 
 def test_gemma2_eos_switched_to_end_of_turn(tiny_tokenizer, tmp_path: Path):
     path = _gemma2_dir(tiny_tokenizer, tmp_path, with_end_of_turn=True)
-    end_of_turn_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(
-        END_OF_TURN
-    )
+    end_of_turn_id = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(END_OF_TURN)
     with pytest.warns(UserWarning, match="Gemma-2") as record:
         tok = hf_tokenizer(str(path))
     assert tok.eos_token == END_OF_TURN
@@ -113,37 +99,22 @@ def test_gemma2_eos_kept_when_not_correcting(tiny_tokenizer, tmp_path: Path):
     assert not _messages(record, "Gemma-2")
 
 
-def test_gemma2_name_match_is_case_insensitive_and_not_fooled_by_gemma(
-    tiny_tokenizer, tmp_path: Path
-):
-    path = _gemma2_dir(
-        tiny_tokenizer, tmp_path, with_end_of_turn=True, name="GEMMA-2-2B-IT"
-    )
+def test_gemma2_name_match_is_case_insensitive_and_not_fooled_by_gemma(tiny_tokenizer, tmp_path: Path):
+    path = _gemma2_dir(tiny_tokenizer, tmp_path, with_end_of_turn=True, name="GEMMA-2-2B-IT")
     with pytest.warns(UserWarning, match="Gemma-2"):
         assert hf_tokenizer(path).eos_token == END_OF_TURN
-    other = shutil.copytree(
-        path, tmp_path / "gemma-3-1b-it"
-    )  # same vocabulary, not a Gemma-2 name
+    other = shutil.copytree(path, tmp_path / "gemma-3-1b-it")  # same vocabulary, not a Gemma-2 name
     assert hf_tokenizer(other).eos_token == "<|im_end|>"
 
 
-@pytest.mark.parametrize(
-    "with_model_config", [False, True], ids=["no-unk", "unk-token"]
-)
-def test_gemma2_without_end_of_turn_is_an_error(
-    tiny_tokenizer, tmp_path: Path, with_model_config: bool
-):
+@pytest.mark.parametrize("with_model_config", [False, True], ids=["no-unk", "unk-token"])
+def test_gemma2_without_end_of_turn_is_an_error(tiny_tokenizer, tmp_path: Path, with_model_config: bool):
     path = _gemma2_dir(tiny_tokenizer, tmp_path, with_end_of_turn=False)
     if with_model_config:
         # Next to a Qwen2 config, transformers loads `Qwen2Tokenizer`, which has an unk token: unknown tokens then
         # map to the unk id instead of None, and must still be detected.
-        (path / "config.json").write_text(
-            json.dumps({"model_type": "qwen2", "vocab_size": len(tiny_tokenizer)})
-        )
-        assert (
-            AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(END_OF_TURN)
-            is not None
-        )
+        (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": len(tiny_tokenizer)}))
+        assert AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(END_OF_TURN) is not None
     with pytest.raises(ValueError, match="no '<end_of_turn>' token"):
         hf_tokenizer(path)
     assert hf_tokenizer(path, correct_gemma2=False).eos_token == "<|im_end|>"

@@ -27,10 +27,13 @@ def _usage() -> str:
 
     lines = ["usage: trinity-trl <recipe> [--config FILE|NAME] [--option value ...] [--debug]", "", "recipes:"]
     lines += [f"  {name:<10} {text}" for name, (_, text) in RECIPES.items()]
-    lines += [f"  {'demo':<10} CHORD + LoRA on the bundled SmolLM2-135M and arithmetic task ({DEMO_CONFIG}, "
-              f"into {DEMO_OUTPUT_DIR})",
-              f"  {'configs':<10} the bundled example configs", "",
-              "`trinity-trl <recipe> --help` shows that recipe's options (--help-all: every option)."]
+    lines += [
+        f"  {'demo':<10} CHORD + LoRA on the bundled SmolLM2-135M and arithmetic task ({DEMO_CONFIG}, "
+        f"into {DEMO_OUTPUT_DIR})",
+        f"  {'configs':<10} the bundled example configs",
+        "",
+        "`trinity-trl <recipe> --help` shows that recipe's options (--help-all: every option).",
+    ]
     return "\n".join(lines)
 
 
@@ -76,8 +79,10 @@ def run(argv: list[str] | None = None):
         print(_configs_table())
         return None
     if command == "demo":
-        command, rest = "chord", ["--config", DEMO_CONFIG, "--output_dir", DEMO_OUTPUT_DIR, "--overwrite_output_dir",
-                                  "true", *rest]
+        command, rest = (
+            "chord",
+            ["--config", DEMO_CONFIG, "--output_dir", DEMO_OUTPUT_DIR, "--overwrite_output_dir", "true", *rest],
+        )
     if command not in RECIPES:
         close = difflib.get_close_matches(command, [*RECIPES, "demo", "configs"], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

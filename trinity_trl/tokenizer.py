@@ -37,7 +37,9 @@ def hf_tokenizer(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    return correct_tokenizer(tokenizer, name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2)
+    return correct_tokenizer(
+        tokenizer, name_or_path, correct_pad_token=correct_pad_token, correct_gemma2=correct_gemma2
+    )
 
 
 def correct_tokenizer(tokenizer, name_or_path, correct_pad_token: bool = True, correct_gemma2: bool = True):
@@ -53,7 +55,8 @@ def correct_tokenizer(tokenizer, name_or_path, correct_pad_token: bool = True, c
         )
         if unknown:
             raise ValueError(
-                f"{str(name_or_path)!r} looks like a Gemma-2 tokenizer (its name contains 'gemma-2'), but its vocabulary "
+                f"{str(name_or_path)!r} looks like a Gemma-2 tokenizer (its name contains 'gemma-2'), "
+                f"but its vocabulary "
                 f"has no {GEMMA2_END_OF_TURN!r} token to use as eos. Pass correct_gemma2=False to load it unchanged."
             )
         if tokenizer.eos_token != GEMMA2_END_OF_TURN:

@@ -72,10 +72,16 @@ def make_group_experiences(tasks=(0, 1, 2, 3)) -> list[Experience]:
     for task in tasks:
         for run, reward in enumerate(GROUP_REWARDS[task]):
             mask = torch.tensor([1, 1, 1, 1] if run % 2 == 0 else [1, 1, 1, 0], dtype=torch.bool)
-            exps.append(Experience(
-                eid=EID(batch=0, task=task, run=run), tokens=torch.arange(6), prompt_length=2, reward=reward,
-                logprobs=torch.full((4,), -0.1 * (run + 1)), action_mask=mask,
-            ))
+            exps.append(
+                Experience(
+                    eid=EID(batch=0, task=task, run=run),
+                    tokens=torch.arange(6),
+                    prompt_length=2,
+                    reward=reward,
+                    logprobs=torch.full((4,), -0.1 * (run + 1)),
+                    action_mask=mask,
+                )
+            )
     return exps
 
 
@@ -87,11 +93,15 @@ def make_step_experiences(non_last_reward: float = 9.0) -> list[Experience]:
     for task, task_runs in runs.items():
         for run, (steps, last_reward) in enumerate(task_runs):
             for step in range(steps):
-                exps.append(Experience(
-                    eid=EID(batch=0, task=task, run=run, step=step), tokens=torch.arange(5), prompt_length=2,
-                    reward=last_reward if step == steps - 1 else non_last_reward,
-                    action_mask=torch.tensor([1, 1, 0], dtype=torch.bool),
-                ))
+                exps.append(
+                    Experience(
+                        eid=EID(batch=0, task=task, run=run, step=step),
+                        tokens=torch.arange(5),
+                        prompt_length=2,
+                        reward=last_reward if step == steps - 1 else non_last_reward,
+                        action_mask=torch.tensor([1, 1, 0], dtype=torch.bool),
+                    )
+                )
     return exps
 
 

@@ -7,14 +7,57 @@ import torch
 
 from trinity_trl.algorithms import POLICY_LOSS_FN
 
-POLICY_KEYS = ["ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "sft", "sft_is", "sft_phi", "dpo",
-               "importance_sampling", "mix", "mix_chord"]
+POLICY_KEYS = [
+    "ppo",
+    "gspo",
+    "cispo",
+    "sapo",
+    "topr",
+    "sppo",
+    "rec",
+    "opmd",
+    "sft",
+    "sft_is",
+    "sft_phi",
+    "dpo",
+    "importance_sampling",
+    "mix",
+    "mix_chord",
+]
 KL_KEYS = ["none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3"]
 ENTROPY_KEYS = ["default", "mix", "none"]
 GROUP_ADV_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
-BATCH_ADV_KEYS = ["ppo", "reinforceplusplus", "rloo", "remax", "grpo_verl", "opmd_verl", "asymre_verl", "on_policy_distill"]
-PRESETS = ["sft", "ppo", "grpo", "reinforceplusplus", "rloo", "opmd", "asymre", "dpo", "topr", "cispo", "gspo", "sapo",
-           "mix", "mix_chord", "raft", "sppo", "rec", "multi_step_grpo", "on_policy_distill"]
+BATCH_ADV_KEYS = [
+    "ppo",
+    "reinforceplusplus",
+    "rloo",
+    "remax",
+    "grpo_verl",
+    "opmd_verl",
+    "asymre_verl",
+    "on_policy_distill",
+]
+PRESETS = [
+    "sft",
+    "ppo",
+    "grpo",
+    "reinforceplusplus",
+    "rloo",
+    "opmd",
+    "asymre",
+    "dpo",
+    "topr",
+    "cispo",
+    "gspo",
+    "sapo",
+    "mix",
+    "mix_chord",
+    "raft",
+    "sppo",
+    "rec",
+    "multi_step_grpo",
+    "on_policy_distill",
+]
 
 
 PPO_KL = -0.21663446724414825

@@ -67,7 +67,9 @@ PINNED_DEFAULT_ARGS = {
     },
 }  # fmt: skip
 
-PINNED = [(registry, name, expected) for registry, table in PINNED_DEFAULT_ARGS.items() for name, expected in table.items()]
+PINNED = [
+    (registry, name, expected) for registry, table in PINNED_DEFAULT_ARGS.items() for name, expected in table.items()
+]
 
 
 def test_every_registered_component_is_pinned():
@@ -125,8 +127,13 @@ def test_default_args_follow_the_signature_and_preset_defaults():
 
     # backend, None defaults and keyword-only parameters are left out; preset_defaults win
     assert Loss.default_args() == {"clip": 0.2, "scale": 1.5}
-    assert constructor_defaults(Loss) == {"clip": None, "unset": None, "required_coef": None, "scale": 1.5,
-                                          "extension": True}
+    assert constructor_defaults(Loss) == {
+        "clip": None,
+        "unset": None,
+        "required_coef": None,
+        "scale": 1.5,
+        "extension": True,
+    }
 
     class Advantage(GroupAdvantageFn):
         def __init__(self, threshold=None, eps=1e-6, required=1):
@@ -147,6 +154,7 @@ def test_required_arguments_appear_only_through_preset_defaults():
 
 def test_preset_defaults_must_name_a_constructor_parameter():
     with pytest.raises(TypeError, match=r"preset_defaults names \['clip_rang'\]"):
+
         class Typo(PolicyLossFn):  # noqa: F841
             preset_defaults = {"clip_rang": 0.2}
 

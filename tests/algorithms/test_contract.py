@@ -107,13 +107,26 @@ def test_nan_and_inf_in_masked_positions_cannot_leak(name, poison):
 def test_verl_and_trl_names_give_the_same_result(name):
     batch = _batch(torch.float32)
     loss, metrics = _build(name)(**batch)
-    verl = {"log_prob": batch["logprob"], "old_log_probs": batch["old_logprob"], "ref_log_prob": batch["ref_logprob"],
-            "response_mask": batch["action_mask"], "advantages": batch["advantages"],
-            "expert_mask": batch["expert_mask"], "step": batch["step"], "unrelated_key": "ignored"}
-    trl = {"per_token_logps": batch["logprob"], "old_per_token_logps": batch["old_logprob"],
-           "ref_per_token_logps": batch["ref_logprob"], "completion_mask": batch["action_mask"],
-           "advantages": batch["advantages"], "expert_mask": batch["expert_mask"], "step": batch["step"],
-           "prompt_ids": torch.zeros(3)}
+    verl = {
+        "log_prob": batch["logprob"],
+        "old_log_probs": batch["old_logprob"],
+        "ref_log_prob": batch["ref_logprob"],
+        "response_mask": batch["action_mask"],
+        "advantages": batch["advantages"],
+        "expert_mask": batch["expert_mask"],
+        "step": batch["step"],
+        "unrelated_key": "ignored",
+    }
+    trl = {
+        "per_token_logps": batch["logprob"],
+        "old_per_token_logps": batch["old_logprob"],
+        "ref_per_token_logps": batch["ref_logprob"],
+        "completion_mask": batch["action_mask"],
+        "advantages": batch["advantages"],
+        "expert_mask": batch["expert_mask"],
+        "step": batch["step"],
+        "prompt_ids": torch.zeros(3),
+    }
     for inputs in (verl, trl):
         other_loss, other_metrics = _build(name)(**inputs)
         assert torch.equal(loss, other_loss)
@@ -137,8 +150,11 @@ def test_missing_input_is_named():
 def test_select_keys_cover_the_needed_inputs(name):
     fn = _build(name)
     batch = _batch(torch.float32)
-    trl_names = {"old_logprob": "old_per_token_logps", "ref_logprob": "ref_per_token_logps",
-                 "action_mask": "completion_mask"}
+    trl_names = {
+        "old_logprob": "old_per_token_logps",
+        "ref_logprob": "ref_per_token_logps",
+        "action_mask": "completion_mask",
+    }
     inputs = {trl_names.get(k, k): v for k, v in batch.items()}
     needed = {"per_token_logps": inputs["logprob"], **{k: inputs[k] for k in fn.select_keys}}
     loss, _ = fn(**needed)  # works with exactly the advertised keys
@@ -150,8 +166,16 @@ def test_select_keys_cover_the_needed_inputs(name):
 # differences of the value cannot match; their per-loss test files check the gradient against the
 # spec's formula instead.
 TRUE_GRADIENT = {
-    "ppo": {}, "sppo": {}, "rec": {}, "opmd": {}, "sft": {}, "dpo": {}, "importance_sampling": {}, "mix": {},
-    "mix_chord": {"enable_phi_function": False}, "sapo": {"form": "paper"},
+    "ppo": {},
+    "sppo": {},
+    "rec": {},
+    "opmd": {},
+    "sft": {},
+    "dpo": {},
+    "importance_sampling": {},
+    "mix": {},
+    "mix_chord": {"enable_phi_function": False},
+    "sapo": {"form": "paper"},
 }
 
 

@@ -21,7 +21,11 @@ def test_entropy_default_reference(kl_data):
 def test_entropy_mix_reference(kl_data):
     fn = ENTROPY_LOSS_FN.get("mix")(entropy_coef=0.01)
     # the whole batch dict, with alias names and unrelated keys, as a trainer would pass it
-    batch = {"entropies": kl_data["entropy"], "completion_mask": kl_data["response_mask"], "logprob": kl_data["logprob"]}
+    batch = {
+        "entropies": kl_data["entropy"],
+        "completion_mask": kl_data["response_mask"],
+        "logprob": kl_data["logprob"],
+    }
     loss, metrics = fn(**batch, expert_mask=torch.tensor([False, True, False, True]), loss_agg_mode="token-mean")
     assert metrics["entropy_loss"] == pytest.approx(0.6252748966217041, abs=1e-6)
     assert loss.item() == pytest.approx(0.006252748966217041, abs=1e-8)
@@ -38,7 +42,9 @@ def test_entropy_args_and_errors(kl_data):
     with pytest.raises(ValueError, match="expert_mask"):
         ENTROPY_LOSS_FN.get("mix")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"], [True])
     with pytest.raises(ValueError):
-        ENTROPY_LOSS_FN.get("default")(entropy_coef=0.01)(kl_data["entropy"], kl_data["response_mask"], loss_agg_mode="x")
+        ENTROPY_LOSS_FN.get("default")(entropy_coef=0.01)(
+            kl_data["entropy"], kl_data["response_mask"], loss_agg_mode="x"
+        )
     loss, metrics = ENTROPY_LOSS_FN.get("none")(entropy_coef=0.5)(kl_data["entropy"], kl_data["response_mask"])
     assert loss.item() == 0.0 and loss.dim() == 0 and metrics == {}
 
@@ -66,8 +72,9 @@ def test_entropy_nan_safe_and_empty(kl_data, key, mode):
         assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
 
 
-@pytest.mark.parametrize("key, enabled, needs_expert_mask", [("default", True, False), ("mix", True, True),
-                                                             ("none", False, False)])
+@pytest.mark.parametrize(
+    "key, enabled, needs_expert_mask", [("default", True, False), ("mix", True, True), ("none", False, False)]
+)
 def test_declared_flags(key, enabled, needs_expert_mask):
     cls = ENTROPY_LOSS_FN.get(key)
     fn = cls(**cls.default_args())

@@ -11,8 +11,11 @@ from trinity_trl.algorithms import compute_policy_loss, kl_penalty
 def test_verl_compute_policy_loss_matches_registry_ppo(policy_data):
     d = policy_data
     loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-        old_log_prob=d["old_logprob"], log_prob=d["logprob"], advantages=d["advantages"],
-        response_mask=d["action_mask"], cliprange=0.2,
+        old_log_prob=d["old_logprob"],
+        log_prob=d["logprob"],
+        advantages=d["advantages"],
+        response_mask=d["action_mask"],
+        cliprange=0.2,
     )
     assert loss.item() == pytest.approx(0.26889559626579285, abs=1e-6)
     assert clipfrac.item() == pytest.approx(0.3541666567325592, abs=1e-6)

@@ -29,11 +29,14 @@ def test_equal_masks_of_different_dtypes_resolve():
     assert inputs["action_mask"].dtype == torch.bool  # response_mask comes first in alias order
 
 
-@pytest.mark.parametrize("other", [
-    torch.tensor([[0.1, 0.2], [0.3, 0.5]]),  # one entry differs
-    torch.tensor([[0.1, math.nan], [0.3, 0.4]]),  # NaN against a number
-    torch.tensor([0.1, 0.2, 0.3, 0.4]),  # same entries, another shape
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        torch.tensor([[0.1, 0.2], [0.3, 0.5]]),  # one entry differs
+        torch.tensor([[0.1, math.nan], [0.3, 0.4]]),  # NaN against a number
+        torch.tensor([0.1, 0.2, 0.3, 0.4]),  # same entries, another shape
+    ],
+)
 def test_different_values_are_an_error(other):
     x = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
     with pytest.raises(ValueError, match="Ambiguous input 'old_logprob': old_logprob and old_per_token_logps"):
@@ -49,8 +52,12 @@ def test_a_loss_called_with_a_verl_batch_that_also_has_trinity_names(policy_data
     """The case of spec §0.1: a verl batch that also holds the Trinity names, as copies."""
     d = policy_data
     one_name = build("ppo")(**d)
-    both = build("ppo")(**d, old_log_probs=d["old_logprob"].clone(), response_mask=d["action_mask"].clone(),
-                        log_prob=d["logprob"].clone())
+    both = build("ppo")(
+        **d,
+        old_log_probs=d["old_logprob"].clone(),
+        response_mask=d["action_mask"].clone(),
+        log_prob=d["logprob"].clone(),
+    )
     assert torch.equal(one_name[0], both[0]) and one_name[1] == both[1]
     with pytest.raises(ValueError, match="Ambiguous input 'old_logprob'"):
         build("ppo")(**d, old_log_probs=d["old_logprob"] + 1)

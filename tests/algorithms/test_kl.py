@@ -10,7 +10,6 @@ import torch
 from trinity_trl.algorithms import KL_FN
 from trinity_trl.algorithms.kl import kl_penalty
 
-
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -114,7 +113,12 @@ def test_kl_constructor_validation():
     cls = KL_FN.get("k2")
     assert cls.default_args() == {"adaptive": False, "kl_coef": 0.001}
     assert cls().kl_coef == 0.001 and not cls().adaptive
-    for bad in (dict(kl_coef=-0.1), dict(adaptive=True), dict(adaptive=True, target_kl=0.1), dict(adaptive=True, horizon=10)):
+    for bad in (
+        dict(kl_coef=-0.1),
+        dict(adaptive=True),
+        dict(adaptive=True, target_kl=0.1),
+        dict(adaptive=True, horizon=10),
+    ):
         with pytest.raises(ValueError):
             cls(**bad)
 

@@ -12,8 +12,12 @@ from trinity_trl.algorithms import agg_loss
 def test_agg_loss_modes_by_hand(mode):
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    expected = {"token-mean": 7.0 / 3, "seq-mean-token-sum": (3.0 + 4.0) / 2, "seq-mean-token-mean": (1.5 + 4.0) / 2,
-                "seq-mean-token-sum-norm": 7.0 / 3}[mode]
+    expected = {
+        "token-mean": 7.0 / 3,
+        "seq-mean-token-sum": (3.0 + 4.0) / 2,
+        "seq-mean-token-mean": (1.5 + 4.0) / 2,
+        "seq-mean-token-sum-norm": 7.0 / 3,
+    }[mode]
     assert agg_loss(x, m, mode).item() == pytest.approx(expected, rel=1e-6)
 
 

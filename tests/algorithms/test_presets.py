@@ -11,7 +11,20 @@ TABLE = {
     "sft": (False, False, False, True, "sft", None, "default", "sft", "ppo", "none", "none", "none"),
     "ppo": (True, True, True, True, "experience", 1, "default", "ppo", "ppo", "none", "k2", "default"),
     "grpo": (False, True, False, True, "experience", 2, "default", "ppo", "grpo", "none", "k2", "default"),
-    "reinforceplusplus": (False, True, True, True, "experience", 2, "default", "ppo", "reinforceplusplus", "none", "k2", "default"),
+    "reinforceplusplus": (
+        False,
+        True,
+        True,
+        True,
+        "experience",
+        2,
+        "default",
+        "ppo",
+        "reinforceplusplus",
+        "none",
+        "k2",
+        "default",
+    ),
     "rloo": (False, True, True, True, "experience", 2, "default", "ppo", "rloo", "none", "k2", "default"),
     "opmd": (False, True, False, True, "experience", 2, "default", "opmd", "opmd", "none", "k2", "default"),
     "asymre": (False, False, False, True, "experience", 2, "default", "opmd", "asymre", "none", "none", "none"),
@@ -25,8 +38,34 @@ TABLE = {
     "raft": (False, False, False, True, "experience", None, "default", "sft", "ppo", "none", "none", "none"),
     "sppo": (False, False, False, True, "experience", 2, "default", "sppo", "opmd", "none", "none", "none"),
     "rec": (False, True, False, True, "experience", 2, "default", "rec", "rec", "none", "k2", "default"),
-    "multi_step_grpo": (False, True, False, True, "experience", 8, "default", "ppo", "step_wise_grpo", "none", "k2", "default"),
-    "on_policy_distill": (False, False, True, True, "experience", 8, "default", "ppo", "on_policy_distill", "none", "none", "none"),
+    "multi_step_grpo": (
+        False,
+        True,
+        False,
+        True,
+        "experience",
+        8,
+        "default",
+        "ppo",
+        "step_wise_grpo",
+        "none",
+        "k2",
+        "default",
+    ),
+    "on_policy_distill": (
+        False,
+        False,
+        True,
+        True,
+        "experience",
+        8,
+        "default",
+        "ppo",
+        "on_policy_distill",
+        "none",
+        "none",
+        "none",
+    ),
 }
 
 
@@ -35,13 +74,23 @@ def test_preset_flags_and_resolved_components(key):
     crit, ref, adv_tr, bal, schema, rep, strategy, policy, adv, klp, kll, ent = TABLE[key]
     preset = ALGORITHM_TYPE.get(key)
     assert (preset.use_critic, preset.use_reference, preset.compute_advantage_in_trainer, preset.can_balance_batch) == (
-        crit, ref, adv_tr, bal)
+        crit,
+        ref,
+        adv_tr,
+        bal,
+    )
     assert preset.schema == schema
     assert preset.use_rollout == (key in ("mix", "mix_chord"))
     assert preset.default_config().get("repeat_times") == rep
     cfg = resolve_algorithm_config(key)
-    assert (cfg.sample_strategy, cfg.policy_loss_fn, cfg.advantage_fn, cfg.kl_penalty_fn, cfg.kl_loss_fn,
-            cfg.entropy_loss_fn) == (strategy, policy, adv, klp, kll, ent)
+    assert (
+        cfg.sample_strategy,
+        cfg.policy_loss_fn,
+        cfg.advantage_fn,
+        cfg.kl_penalty_fn,
+        cfg.kl_loss_fn,
+        cfg.entropy_loss_fn,
+    ) == (strategy, policy, adv, klp, kll, ent)
     assert cfg.loss_agg_mode == "token-mean"
     assert preset.paper or key == "sft"
 
@@ -77,15 +126,20 @@ def test_merge_args_option_lays_user_args_over_defaults():
 def test_merged_clip_range_replaces_default_specific_bounds():
     fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss_fn_args={"clip_range": 0.2}).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.2)
-    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.001}).build_policy_loss()
+    fn = resolve_algorithm_config(
+        "gspo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.001}
+    ).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.0003, 0.001)
 
 
 def test_global_loss_agg_mode_overrides_policy_args():
     cfg = resolve_algorithm_config("gspo")  # spec caveat: GSPO's own seq-mean-token-mean is overwritten
     assert cfg.policy_loss_fn_args["loss_agg_mode"] == "token-mean"
-    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum",
-                                   policy_loss_fn_args={"clip_range": 0.2, "loss_agg_mode": "token-mean"})
+    cfg = resolve_algorithm_config(
+        "grpo",
+        loss_agg_mode="seq-mean-token-sum",
+        policy_loss_fn_args={"clip_range": 0.2, "loss_agg_mode": "token-mean"},
+    )
     assert cfg.policy_loss_fn_args["loss_agg_mode"] == "seq-mean-token-sum"
     assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
 
@@ -94,8 +148,9 @@ def test_force_loss_agg_mode_reaches_a_replace_mode_args_dict():
     # reference: a replace-mode dict without the key keeps the loss's constructor default
     cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", policy_loss_fn_args={"clip_range": 0.2})
     assert "loss_agg_mode" not in cfg.policy_loss_fn_args
-    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", force_loss_agg_mode=True,
-                                   policy_loss_fn_args={"clip_range": 0.2})
+    cfg = resolve_algorithm_config(
+        "grpo", loss_agg_mode="seq-mean-token-sum", force_loss_agg_mode=True, policy_loss_fn_args={"clip_range": 0.2}
+    )
     assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
     cfg = resolve_algorithm_config("dpo", force_loss_agg_mode=True, loss_agg_mode="seq-mean-token-sum")
     assert "loss_agg_mode" not in cfg.policy_loss_fn_args  # dpo has no aggregation mode
@@ -147,8 +202,14 @@ def test_unknown_algorithm():
 @pytest.mark.parametrize("key", list(TABLE))
 def test_preset_flags_are_constants(key):
     preset = ALGORITHM_TYPE.get(key)
-    for name in ("use_critic", "use_reference", "compute_advantage_in_trainer", "can_balance_batch", "schema",
-                 "default_config"):
+    for name in (
+        "use_critic",
+        "use_reference",
+        "compute_advantage_in_trainer",
+        "can_balance_batch",
+        "schema",
+        "default_config",
+    ):
         before = getattr(preset, name)
         with pytest.raises(AttributeError, match="constant"):
             setattr(preset, name, True)

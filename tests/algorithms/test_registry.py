@@ -12,8 +12,13 @@ from .support import BATCH_ADV_KEYS, ENTROPY_KEYS, GROUP_ADV_KEYS, KL_KEYS, POLI
 
 @pytest.mark.parametrize(
     "registry, expected",
-    [(POLICY_LOSS_FN, POLICY_KEYS), (KL_FN, KL_KEYS), (ENTROPY_LOSS_FN, ENTROPY_KEYS),
-     (ADVANTAGE_FN, GROUP_ADV_KEYS + BATCH_ADV_KEYS), (ALGORITHM_TYPE, PRESETS)],
+    [
+        (POLICY_LOSS_FN, POLICY_KEYS),
+        (KL_FN, KL_KEYS),
+        (ENTROPY_LOSS_FN, ENTROPY_KEYS),
+        (ADVANTAGE_FN, GROUP_ADV_KEYS + BATCH_ADV_KEYS),
+        (ALGORITHM_TYPE, PRESETS),
+    ],
 )
 def test_registry_lists_exactly_the_spec_keys(registry, expected):
     assert sorted(registry.names()) == sorted(expected)

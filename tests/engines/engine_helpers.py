@@ -13,42 +13,80 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ACCELERATE_CONFIGS = REPO_ROOT / "recipes" / "accelerate"
 # variables a launcher (torchrun, accelerate) sets; a launch must not inherit the test process's
-_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-             "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION")
+_DIST_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_MIXED_PRECISION",
+)
 
 
 def script_env(**extra: str) -> dict[str, str]:
     """The environment of a launched script: offline, one OpenMP thread, this checkout first on the path."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRL_EXPERIMENTAL_SILENCE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra)
     return env
 
 
-def run_script(command: list[str], label: str, timeout: int = 900, expect_rc: int | None = 0,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    command: list[str], label: str, timeout: int = 900, expect_rc: int | None = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``command`` from the repository root; fail the test with the output's tail when its exit code is not
     ``expect_rc`` (``None``: any) or it times out."""
     try:
-        proc = subprocess.run(command, cwd=REPO_ROOT, env=env or script_env(), capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            command,
+            cwd=REPO_ROOT,
+            env=env or script_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{label} timed out after {timeout}s: {command}\n--- stdout ---\n{(err.stdout or '')[-4000:]}"
-                    f"\n--- stderr ---\n{(err.stderr or '')[-8000:]}")
+        pytest.fail(
+            f"{label} timed out after {timeout}s: {command}\n--- stdout ---\n{(err.stdout or '')[-4000:]}"
+            f"\n--- stderr ---\n{(err.stderr or '')[-8000:]}"
+        )
     if expect_rc is not None and proc.returncode != expect_rc:
-        pytest.fail(f"{label} exited with {proc.returncode}, expected {expect_rc}: {command}\n--- stdout ---\n"
-                    f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-10000:]}")
+        pytest.fail(
+            f"{label} exited with {proc.returncode}, expected {expect_rc}: {command}\n--- stdout ---\n"
+            f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-10000:]}"
+        )
     return proc
 
 
-def accelerate_launch(config: str, script: str | Path, *args: str, processes: int = 2,
-                      mixed_precision: str | None = "no") -> list[str]:
+def accelerate_launch(
+    config: str, script: str | Path, *args: str, processes: int = 2, mixed_precision: str | None = "no"
+) -> list[str]:
     """``accelerate launch`` with a shipped config of recipes/accelerate/, on CPU: 2 processes, no mixed precision
     unless asked (``None``: the config's own, bf16), each script sets ``use_cpu=True``, which gives gloo. ``script``:
     a name in tests/engines/scripts/, or a path."""
     accelerate = str(Path(sys.executable).parent / "accelerate")
     precision = ["--mixed_precision", mixed_precision] if mixed_precision else []
-    return [accelerate, "launch", "--config_file", str(ACCELERATE_CONFIGS / f"{config}.yaml"),
-            "--num_processes", str(processes), *precision, str(SCRIPTS / script), *args]
+    return [
+        accelerate,
+        "launch",
+        "--config_file",
+        str(ACCELERATE_CONFIGS / f"{config}.yaml"),
+        "--num_processes",
+        str(processes),
+        *precision,
+        str(SCRIPTS / script),
+        *args,
+    ]

@@ -63,21 +63,37 @@ def fixed_rollouts(prompts, trainer):
         prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         answer = f"The answer is {a + b + k}." + " so" * k
         completion_ids.append(tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
-            "logprobs": [[0.0] * len(ids) for ids in completion_ids]}
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "logprobs": [[0.0] * len(ids) for ids in completion_ids],
+    }
 
 
 def rl_kwargs(tmp_path, precision: str, **extra):
-    kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / precision), max_completion_length=16, disable_tqdm=True,
-                              entropy_loss_fn_args={"entropy_coef": 0.01}, **extra)
+    kwargs = tiny_grpo_kwargs(
+        output_dir=str(tmp_path / precision),
+        max_completion_length=16,
+        disable_tqdm=True,
+        entropy_loss_fn_args={"entropy_coef": 0.01},
+        **extra,
+    )
     kwargs["bf16"], kwargs["fp16"] = precision == "bf16", precision == "fp16"
     return kwargs
 
 
 def expert_rows():
-    return Dataset.from_list([{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                                            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
-                              for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]])
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                ]
+            }
+            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+        ]
+    )
 
 
 class CountingEnv:
@@ -101,11 +117,15 @@ class CountingEnv:
 
 
 def build(name: str, tmp_path, model_dir: str, precision: str):
-    data = {"reward_funcs": length_reward, "train_dataset": tiny_conversational_dataset(4),
-            "rollout_func": fixed_rollouts}
+    data = {
+        "reward_funcs": length_reward,
+        "train_dataset": tiny_conversational_dataset(4),
+        "rollout_func": fixed_rollouts,
+    }
     if name == "trinity":
-        args = TrinityConfig(algorithm="grpo", kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.1},
-                             **rl_kwargs(tmp_path, precision))
+        args = TrinityConfig(
+            algorithm="grpo", kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.1}, **rl_kwargs(tmp_path, precision)
+        )
         return TrinityTrainer(model=model_dir, args=args, **data)
     if name == "chord":
         args = ChordConfig(expert_batch_size=2, **rl_kwargs(tmp_path, precision))
@@ -119,8 +139,12 @@ def build(name: str, tmp_path, model_dir: str, precision: str):
     if name == "step_grpo":
         CountingEnv.counter.clear()
         args = StepGRPOConfig(max_env_steps=2, **rl_kwargs(tmp_path, precision))
-        trainer = StepGRPOTrainer(model=model_dir, args=args, train_dataset=Dataset.from_dict({"task_id": [0, 1]}),
-                                  environment_factory=CountingEnv)
+        trainer = StepGRPOTrainer(
+            model=model_dir,
+            args=args,
+            train_dataset=Dataset.from_dict({"task_id": [0, 1]}),
+            environment_factory=CountingEnv,
+        )
         tokenizer = trainer.processing_class
 
         def generate(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
@@ -129,22 +153,41 @@ def build(name: str, tmp_path, model_dir: str, precision: str):
 
         trainer._generate_single_turn = generate
         return trainer
-    common = {"output_dir": str(tmp_path / precision), "use_cpu": True, "bf16": precision == "bf16",
-              "activation_checkpointing": False, "per_device_train_batch_size": 4, "max_steps": 2, "max_length": 64,
-              "learning_rate": 1e-3, "report_to": "none", "save_strategy": "no", "logging_steps": 1, "seed": 0,
-              "disable_tqdm": True}
+    common = {
+        "output_dir": str(tmp_path / precision),
+        "use_cpu": True,
+        "bf16": precision == "bf16",
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "max_steps": 2,
+        "max_length": 64,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
     rows = [(a, b) for a in range(1, 5) for b in range(1, 3)]
     if name == "sft":
-        dataset = Dataset.from_dict({
-            "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows],
-            "completion": [[{"role": "assistant", "content": "The answer is" + " so" * (a % 3) + f" {a + b}."}]
-                           for a, b in rows]})
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows],
+                "completion": [
+                    [{"role": "assistant", "content": "The answer is" + " so" * (a % 3) + f" {a + b}."}]
+                    for a, b in rows
+                ],
+            }
+        )
         return TrinitySFTTrainer(model=model_dir, args=TrinitySFTConfig(**common), train_dataset=dataset)
     if name == "dpo":
-        dataset = Dataset.from_dict({"prompt": [f"What is {a}+{b}?" for a, b in rows],
-                                     "chosen": [f" The answer is {a + b}." for a, b in rows],
-                                     "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}"
-                                                  for a, b in rows]})
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [f"What is {a}+{b}?" for a, b in rows],
+                "chosen": [f" The answer is {a + b}." for a, b in rows],
+                "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}" for a, b in rows],
+            }
+        )
         return TrinityDPOTrainer(model=model_dir, args=TrinityDPOConfig(**common), train_dataset=dataset)
     raise ValueError(name)
 
@@ -197,8 +240,9 @@ TRAINERS = ("trinity", "chord", "cispo", "sapo", "step_grpo", "ppo", "sft", "dpo
 
 @pytest.mark.parametrize("name", TRAINERS)
 def test_bf16_trains_with_float32_loss_maths_and_the_float32_loss(name, tmp_path, tiny_model_dir, monkeypatch):
-    fp32_losses, fp32_dtypes, fp32_forward = train_recording_dtypes(build(name, tmp_path, tiny_model_dir, "fp32"),
-                                                                    monkeypatch)
+    fp32_losses, fp32_dtypes, fp32_forward = train_recording_dtypes(
+        build(name, tmp_path, tiny_model_dir, "fp32"), monkeypatch
+    )
     trainer = build(name, tmp_path, tiny_model_dir, "bf16")
     assert trainer.accelerator.mixed_precision == "bf16"
     bf16_losses, bf16_dtypes, bf16_forward = train_recording_dtypes(trainer, monkeypatch)
@@ -210,8 +254,19 @@ def test_bf16_trains_with_float32_loss_maths_and_the_float32_loss(name, tmp_path
     assert bf16_losses[0] == pytest.approx(fp32_losses[0], rel=LOSS_RTOL, abs=LOSS_ATOL)
 
 
-@pytest.mark.parametrize("config_class", (TrinityConfig, ChordConfig, CISPOConfig, SAPOConfig, StepGRPOConfig,
-                                          PPOConfig, TrinitySFTConfig, TrinityDPOConfig))
+@pytest.mark.parametrize(
+    "config_class",
+    (
+        TrinityConfig,
+        ChordConfig,
+        CISPOConfig,
+        SAPOConfig,
+        StepGRPOConfig,
+        PPOConfig,
+        TrinitySFTConfig,
+        TrinityDPOConfig,
+    ),
+)
 def test_fp16_on_a_cpu_is_rejected_with_the_reason(tmp_path, config_class):
     with pytest.raises(ValueError, match=r"fp16=True does nothing on a CPU \(Accelerate runs fp16 only on GPUs"):
         config_class(output_dir=str(tmp_path), use_cpu=True, fp16=True, report_to="none")

@@ -73,8 +73,11 @@ def test_resume_true_picks_the_last_complete_checkpoint_and_says_which_it_skips(
 def test_an_explicit_incomplete_checkpoint_is_refused(tmp_path):
     fake_checkpoint(tmp_path, 2)
     partial = fake_checkpoint(tmp_path, 4, complete=False)
-    with pytest.raises(ValueError, match=rf"cannot resume from {partial}: it has no {COMPLETE_FILE}.*the last "
-                                         rf"complete checkpoint next to it is {tmp_path / 'checkpoint-2'}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot resume from {partial}: it has no {COMPLETE_FILE}.*the last "
+        rf"complete checkpoint next to it is {tmp_path / 'checkpoint-2'}",
+    ):
         resume_checkpoint(str(partial), str(tmp_path))
     assert resume_checkpoint(str(tmp_path / "checkpoint-2"), "unused") == str(tmp_path / "checkpoint-2")
 
@@ -109,10 +112,19 @@ def test_an_interrupted_atomic_write_leaves_nothing(tmp_path):
 
 def test_trainer_checkpoints_are_marked_complete_and_resume_skips_a_partial_one(tmp_path, tiny_model_dir, caplog):
     def trainer(out):
-        args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=1,
-                                                save_total_limit=2, disable_tqdm=True))
-        return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                              train_dataset=tiny_conversational_dataset(8))
+        args = TrinityConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(out),
+                max_steps=3,
+                save_strategy="steps",
+                save_steps=1,
+                save_total_limit=2,
+                disable_tqdm=True,
+            )
+        )
+        return TrinityTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(8)
+        )
 
     trainer(tmp_path).train()
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
@@ -157,28 +169,37 @@ def test_a_generation_buffer_carrying_a_pickled_object_is_refused(tmp_path):
 
 def test_resuming_from_a_checkpoint_whose_critic_state_carries_a_pickled_object_is_refused(tmp_path, tiny_model_dir):
     def trainer(out):
-        args = PPOConfig(**tiny_grpo_kwargs(output_dir=str(out), max_steps=1, save_strategy="steps", save_steps=1,
-                                            disable_tqdm=True))
-        return PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                          train_dataset=tiny_conversational_dataset(8))
+        args = PPOConfig(
+            **tiny_grpo_kwargs(output_dir=str(out), max_steps=1, save_strategy="steps", save_steps=1, disable_tqdm=True)
+        )
+        return PPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(8)
+        )
 
     trainer(tmp_path / "run").train()
     checkpoint = tmp_path / "run" / "checkpoint-1"
     evidence = plant(checkpoint / CRITIC_OPTIMIZER_FILE, tmp_path)
     mark_complete(str(checkpoint), 1)  # a consistent, "complete" checkpoint as someone could publish it
-    with pytest.raises(ValueError, match=rf"refusing to load the critic state {checkpoint / CRITIC_OPTIMIZER_FILE}: "
-                                         r"it holds something other than tensors.*could run code"):
+    with pytest.raises(
+        ValueError,
+        match=rf"refusing to load the critic state {checkpoint / CRITIC_OPTIMIZER_FILE}: "
+        r"it holds something other than tensors.*could run code",
+    ):
         trainer(tmp_path / "resumed").train(resume_from_checkpoint=str(checkpoint))
     assert not evidence.exists()
 
 
 def test_transformers_refuses_a_pickled_object_in_its_own_files_too(tmp_path, tiny_model_dir):
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "run"), max_steps=1, save_strategy="steps",
-                                            save_steps=1, disable_tqdm=True))
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path / "run"), max_steps=1, save_strategy="steps", save_steps=1, disable_tqdm=True
+        )
+    )
 
     def trainer():
-        return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                              train_dataset=tiny_conversational_dataset(8))
+        return TrinityTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(8)
+        )
 
     trainer().train()
     checkpoint = tmp_path / "run" / "checkpoint-1"
@@ -194,10 +215,36 @@ def test_the_recipe_resume_option_skips_a_partial_checkpoint(tmp_path, tiny_mode
     checkpoint of the output folder."""
     from trinity_trl.cli import run as cli
 
-    tiny = ["--config", "cispo_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-            "--num_train_rows", "8", "--num_eval_rows", "4", "--max_completion_length", "8",
-            "--per_device_train_batch_size", "4", "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8",
-            "--save_strategy", "steps", "--save_steps", "1", "--plot", "false", "--disable_tqdm", "true"]
+    tiny = [
+        "--config",
+        "cispo_cpu",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--output_dir",
+        str(tmp_path),
+        "--num_train_rows",
+        "8",
+        "--num_eval_rows",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "1",
+        "--plot",
+        "false",
+        "--disable_tqdm",
+        "true",
+    ]
     cli(["cispo", *tiny, "--max_steps", "2"])
     (tmp_path / "checkpoint-2" / COMPLETE_FILE).unlink()
     caplog.set_level(logging.INFO, logger="trinity_trl")

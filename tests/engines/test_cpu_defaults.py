@@ -28,8 +28,16 @@ from trinity_trl.trainers import (
     TrinityTrainer,
 )
 
-CONFIGS = (TrinityConfig, ChordConfig, CISPOConfig, SAPOConfig, StepGRPOConfig, PPOConfig, TrinitySFTConfig,
-           TrinityDPOConfig)
+CONFIGS = (
+    TrinityConfig,
+    ChordConfig,
+    CISPOConfig,
+    SAPOConfig,
+    StepGRPOConfig,
+    PPOConfig,
+    TrinitySFTConfig,
+    TrinityDPOConfig,
+)
 ANNOUNCEMENT = "No GPU or other accelerator: training in float32"
 
 pytestmark = pytest.mark.skipif(common.accelerator_available(), reason="these tests are about a machine without GPU")
@@ -48,8 +56,10 @@ def test_a_config_built_on_a_cpu_without_use_cpu_or_bf16_is_float32(tmp_path, co
     assert config.bf16 is False and not config.fp16
     assert config.activation_checkpointing is False
     assert not config.use_cpu
-    assert announcements() == [f"{ANNOUNCEMENT} (bf16=True to override) and no activation checkpointing "
-                               "(activation_checkpointing=True to override)."]
+    assert announcements() == [
+        f"{ANNOUNCEMENT} (bf16=True to override) and no activation checkpointing "
+        "(activation_checkpointing=True to override)."
+    ]
 
 
 def test_said_once_per_process(tmp_path, announcements):
@@ -59,8 +69,9 @@ def test_said_once_per_process(tmp_path, announcements):
 
 
 def test_explicit_choices_stay(tmp_path, announcements):
-    config = TrinityConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True,
-                           activation_checkpointing=True)
+    config = TrinityConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, activation_checkpointing=True
+    )
     assert config.bf16 is True and config.activation_checkpointing is True
     assert announcements() == []
     # bf16 without use_cpu on a machine without GPU: transformers' own refusal, which names the fix
@@ -70,19 +81,34 @@ def test_explicit_choices_stay(tmp_path, announcements):
 
 def test_with_an_accelerator_trl_defaults_stay(monkeypatch):
     monkeypatch.setattr(common, "accelerator_available", lambda: True)
-    config = SimpleNamespace(use_cpu=False, bf16=None, fp16=False, activation_checkpointing=None,
-                             gradient_checkpointing=True, activation_checkpointing_kwargs=None,
-                             gradient_checkpointing_kwargs=None)
+    config = SimpleNamespace(
+        use_cpu=False,
+        bf16=None,
+        fp16=False,
+        activation_checkpointing=None,
+        gradient_checkpointing=True,
+        activation_checkpointing_kwargs=None,
+        gradient_checkpointing_kwargs=None,
+    )
     common.apply_cpu_defaults(config)
     assert config.bf16 is None  # TRL's __post_init__ turns it on
     assert config.activation_checkpointing is True
 
 
 def test_the_trainer_built_from_such_a_config_trains_in_float32(tmp_path, tiny_model_dir):
-    args = TrinityConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=4, num_generations=4,
-                         max_completion_length=4, max_steps=1, save_strategy="no", disable_tqdm=True)
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=tiny_conversational_dataset(4))
+    args = TrinityConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(4)
+    )
     assert trainer.accelerator.mixed_precision == "no"
     assert trainer.model.dtype == torch.float32
     assert not trainer.model.is_gradient_checkpointing

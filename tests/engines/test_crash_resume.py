@@ -32,8 +32,16 @@ ATOL = 1e-6
 
 
 def crash_run(model_dir: str, out: Path, case: str, *options: str, expect_rc: int = 0):
-    command = [sys.executable, str(SCRIPTS / "crash_run.py"), model_dir, str(out), case, "--steps", str(STEPS),
-               *options]
+    command = [
+        sys.executable,
+        str(SCRIPTS / "crash_run.py"),
+        model_dir,
+        str(out),
+        case,
+        "--steps",
+        str(STEPS),
+        *options,
+    ]
     return run_script(command, f"{case} {' '.join(options)}", timeout=600, expect_rc=expect_rc)
 
 
@@ -55,8 +63,9 @@ def assert_same_end(straight: dict, resumed: dict, first_resumed_step: int) -> N
             continue
         assert straight[part].keys() == resumed[part].keys()
         for name, value in straight[part].items():
-            torch.testing.assert_close(resumed[part][name], value, atol=ATOL, rtol=0,
-                                       msg=lambda m, n=name, p=part: f"{p} {n}: {m}")
+            torch.testing.assert_close(
+                resumed[part][name], value, atol=ATOL, rtol=0, msg=lambda m, n=name, p=part: f"{p} {n}: {m}"
+            )
     # the resumed run's log history: the checkpoint's steps (its trainer_state.json), then the steps it trained
     expected = {log["step"]: log["loss"] for log in straight["logs"]}
     got = {log["step"]: log["loss"] for log in resumed["logs"]}

@@ -49,8 +49,19 @@ from engine_helpers import accelerate_launch, run_script
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ENGINES = ("zero2", "zero3", "fsdp")
-CASES = ("trinity_full", "chord_lora", "distill", "cispo", "sapo", "step_grpo", "ppo", "ppo_lora", "ppo_warmup", "sft",
-         "dpo")
+CASES = (
+    "trinity_full",
+    "chord_lora",
+    "distill",
+    "cispo",
+    "sapo",
+    "step_grpo",
+    "ppo",
+    "ppo_lora",
+    "ppo_warmup",
+    "sft",
+    "dpo",
+)
 REFUSED_UNDER_DEEPSPEED = "PPOTrainer: critic_warmup_steps > 0 is not supported under DeepSpeed"
 STEPS, SAVE_STEPS = 4, 2
 LOSS_ATOL, LOSS_RTOL = 1e-6, 1e-5  # step 1: the weights read from disk
@@ -82,9 +93,20 @@ class Runs:
             out.mkdir(parents=True, exist_ok=True)
             if kind == "resumed":
                 self._prepare_resume(engine, out)
-            command = accelerate_launch(engine, "engine_run.py", self.model_dir, str(out), *CASES, "--steps",
-                                        str(STEPS), "--save_steps", str(SAVE_STEPS), "--teacher", self.teacher_dir,
-                                        *extra)
+            command = accelerate_launch(
+                engine,
+                "engine_run.py",
+                self.model_dir,
+                str(out),
+                *CASES,
+                "--steps",
+                str(STEPS),
+                "--save_steps",
+                str(SAVE_STEPS),
+                "--teacher",
+                self.teacher_dir,
+                *extra,
+            )
             proc = run_script(command, f"{engine} ({kind})")
             (out / "launch.stderr").write_text(proc.stderr)
             self._done[key] = out
@@ -115,8 +137,18 @@ class Runs:
         key = (engine, "bf16")
         if key not in self._done:
             out = self.root / f"{engine}_bf16"
-            command = accelerate_launch(engine, "engine_run.py", self.model_dir, str(out), "trinity_full", "ppo",
-                                        "--steps", str(SAVE_STEPS), "--bf16", mixed_precision=None)
+            command = accelerate_launch(
+                engine,
+                "engine_run.py",
+                self.model_dir,
+                str(out),
+                "trinity_full",
+                "ppo",
+                "--steps",
+                str(SAVE_STEPS),
+                "--bf16",
+                mixed_precision=None,
+            )
             run_script(command, f"{engine} (bf16)")
             self._done[key] = out
         return self._done[key]
@@ -148,8 +180,9 @@ def _assert_logs_close(expected: dict, got: dict, steps, what: str, atol: float,
         for key in LOGGED:
             if key in expected[step] or key in got[step]:
                 assert key in expected[step] and key in got[step], (what, step, key)
-                assert got[step][key] == pytest.approx(expected[step][key], abs=atol, rel=rtol), \
+                assert got[step][key] == pytest.approx(expected[step][key], abs=atol, rel=rtol), (
                     f"{what}, step {step}, {key}: {expected[step][key]} expected, got {got[step][key]}"
+                )
 
 
 def _assert_weights_close(expected: dict, got: dict, atol: float, what: str) -> None:
@@ -182,8 +215,9 @@ def test_same_losses_and_weights_as_ddp(runs, engine, case):
     ddp, other = Runs.load(runs.straight("ddp"), case), Runs.load(runs.straight(engine), case)
     for rank in (0, 1):
         # the same first generation batch: sampling from the (gathered) weights read from disk (SFT/DPO: fixed rows)
-        assert (other[rank]["completions"] or [None])[0] == (ddp[rank]["completions"] or [None])[0], \
+        assert (other[rank]["completions"] or [None])[0] == (ddp[rank]["completions"] or [None])[0], (
             f"rank {rank}: completions differ"
+        )
         assert other[rank]["eval_completions"]["before"] == ddp[rank]["eval_completions"]["before"]
     assert other[0]["accuracy"]["before"] == ddp[0]["accuracy"]["before"]
     assert isinstance(other[0]["accuracy"]["after"], float)
@@ -192,8 +226,9 @@ def test_same_losses_and_weights_as_ddp(runs, engine, case):
     assert ddp[0]["logs"][1]["loss"] != ddp[0]["logs"][0]["loss"]  # step 2 trained on updated weights
     _assert_weights_close(ddp[0]["weights_step_2"], other[0]["weights_step_2"], WEIGHTS_ATOL, f"{engine} {case}")
     if case.startswith("ppo"):
-        _assert_weights_close(ddp[0]["critic_step_2"], other[0]["critic_step_2"], WEIGHTS_ATOL,
-                              f"{engine} {case} critic")
+        _assert_weights_close(
+            ddp[0]["critic_step_2"], other[0]["critic_step_2"], WEIGHTS_ATOL, f"{engine} {case} critic"
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -205,8 +240,10 @@ def test_resume_skips_the_incomplete_checkpoint_and_reproduces_the_run(runs, eng
         pytest.skip("refused under DeepSpeed (test_the_launch_sets_up_the_engine_asked_for checks the message)")
     straight, resumed = Runs.load(runs.straight(engine), case), Runs.load(runs.resumed(engine), case)
     partial = runs.resumed(engine) / case / f"checkpoint-{STEPS}"
-    assert f"Skipping checkpoint {partial} for resuming: it has no {COMPLETE_FILE}" in \
-        (runs.resumed(engine) / "launch.stderr").read_text()
+    assert (
+        f"Skipping checkpoint {partial} for resuming: it has no {COMPLETE_FILE}"
+        in (runs.resumed(engine) / "launch.stderr").read_text()
+    )
     expected, got = _by_step(straight[0]), _by_step(resumed[0])
     # the log history: checkpoint-2's steps (its trainer_state.json), then steps 3 and 4 trained after resuming
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -219,19 +256,23 @@ def test_resume_skips_the_incomplete_checkpoint_and_reproduces_the_run(runs, eng
             assert resumed[rank]["completions"][0] == straight[rank]["completions"][-1]
     _assert_weights_close(straight[0]["weights"], resumed[0]["weights"], RESUME_ATOL, f"{engine} resumed {case}")
     if case.startswith("ppo"):
-        _assert_weights_close(straight[0]["critic"], resumed[0]["critic"], RESUME_ATOL,
-                              f"{engine} resumed {case} critic")
+        _assert_weights_close(
+            straight[0]["critic"], resumed[0]["critic"], RESUME_ATOL, f"{engine} resumed {case} critic"
+        )
 
 
 def test_fsdp_on_cpu_processes_without_fsdp_is_refused(tmp_path, tiny_model_dir):
     """Left to itself, Accelerate 1.15 runs `fsdp.yaml` on CPU processes as MULTI_CPU (DDP) and ignores the FSDP
     plugin, while transformers would save checkpoints as if sharded: the trainer refuses the run and says why."""
-    command = accelerate_launch("fsdp", "engine_run.py", tiny_model_dir, str(tmp_path), "trinity_full", "--steps", "1",
-                                "--no_cpu_fsdp")
+    command = accelerate_launch(
+        "fsdp", "engine_run.py", tiny_model_dir, str(tmp_path), "trinity_full", "--steps", "1", "--no_cpu_fsdp"
+    )
     proc = run_script(command, "fsdp.yaml without the CPU switch", expect_rc=None)
     assert proc.returncode != 0
-    assert ("FSDP was requested (accelerate config or fsdp=...), but Accelerate set up MULTI_CPU instead: Accelerate "
-            "1.15 never uses FSDP for CPU processes") in proc.stderr
+    assert (
+        "FSDP was requested (accelerate config or fsdp=...), but Accelerate set up MULTI_CPU instead: Accelerate "
+        "1.15 never uses FSDP for CPU processes"
+    ) in proc.stderr
 
 
 @pytest.mark.parametrize("engine", ("zero3", "fsdp"))
@@ -250,13 +291,25 @@ def test_two_machines_on_loopback_train_as_one(runs, tmp_path, tiny_model_dir, e
     nodes = []
     for rank in (0, 1):
         # the one-machine run's schedule (learning rate decays over 4 steps); its weights after step 2 are compared
-        command = accelerate_launch(engine, "engine_run.py", tiny_model_dir, str(tmp_path), "trinity_full", "ppo",
-                                    "--steps", str(STEPS))
+        command = accelerate_launch(
+            engine, "engine_run.py", tiny_model_dir, str(tmp_path), "trinity_full", "ppo", "--steps", str(STEPS)
+        )
         at = command.index("--num_processes")
-        command[at:at] = ["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-                          "--main_process_port", str(port)]
-        nodes.append(subprocess.Popen(command, cwd=REPO_ROOT, env=script_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        command[at:at] = [
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+        ]
+        nodes.append(
+            subprocess.Popen(
+                command, cwd=REPO_ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outputs = [node.communicate(timeout=900) for node in nodes]
     for rank, (node, (_, err)) in enumerate(zip(nodes, outputs)):
         assert node.returncode == 0, f"machine {rank}:\n{err[-6000:]}"
@@ -264,12 +317,21 @@ def test_two_machines_on_loopback_train_as_one(runs, tmp_path, tiny_model_dir, e
         two_machines, one_machine = Runs.load(tmp_path, case), Runs.load(runs.straight(engine), case)
         assert two_machines[0]["engine"]["world"] == 2
         assert two_machines[0]["engine"]["distributed_type"] == EXPECTED[engine][0]
-        _assert_logs_close(_by_step(one_machine[0]), _by_step(two_machines[0]), (1, 2), f"{engine} 2 machines {case}",
-                           LOSS_ATOL, STEP2_RTOL)
+        _assert_logs_close(
+            _by_step(one_machine[0]),
+            _by_step(two_machines[0]),
+            (1, 2),
+            f"{engine} 2 machines {case}",
+            LOSS_ATOL,
+            STEP2_RTOL,
+        )
         _assert_weights_close(one_machine[0]["weights_step_2"], two_machines[0]["weights_step_2"], WEIGHTS_ATOL, case)
-        _assert_weights_close(one_machine[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
-                              two_machines[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
-                              WEIGHTS_ATOL, f"{case} critic")
+        _assert_weights_close(
+            one_machine[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
+            two_machines[0]["critic_step_2"] if case == "ppo" else {"-": torch.zeros(1)},
+            WEIGHTS_ATOL,
+            f"{case} critic",
+        )
 
 
 @pytest.mark.parametrize("engine", ("ddp", *ENGINES))
@@ -300,11 +362,42 @@ def test_the_chord_recipe_under_zero3_with_held_out_accuracy(tmp_path, tiny_mode
 
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (it comes with the test extra: pip install -e '.[test]')")
-    options = ["--config", "chord_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-               "--max_steps", "2", "--num_train_rows", "8", "--num_eval_rows", "4", "--eval_max_new_tokens", "8",
-               "--eval_batch_size", "4", "--max_completion_length", "8", "--per_device_train_batch_size", "4",
-               "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8", "--expert_batch_size", "2",
-               "--num_expert_rows", "8", "--mu_decay_steps", "2", "--eval_accuracy", "true"]
+    options = [
+        "--config",
+        "chord_cpu",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--output_dir",
+        str(tmp_path),
+        "--max_steps",
+        "2",
+        "--num_train_rows",
+        "8",
+        "--num_eval_rows",
+        "4",
+        "--eval_max_new_tokens",
+        "8",
+        "--eval_batch_size",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--expert_batch_size",
+        "2",
+        "--num_expert_rows",
+        "8",
+        "--mu_decay_steps",
+        "2",
+        "--eval_accuracy",
+        "true",
+    ]
     command = accelerate_launch("zero3", REPO_ROOT / "recipes" / "chord.py", *options)
     proc = run_script(command, "chord recipe under zero3")
     assert "held-out accuracy before training" in proc.stdout and "held-out accuracy after training" in proc.stdout

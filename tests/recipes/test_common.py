@@ -12,7 +12,13 @@ import pytest
 
 from trinity_trl.recipes import bundled_configs, config_path, config_summary
 from trinity_trl.recipes.common import (
-    RecipeArguments, UsageError, check_output_dir, load_task, parse, reward_functions, to_task_format,
+    RecipeArguments,
+    UsageError,
+    check_output_dir,
+    load_task,
+    parse,
+    reward_functions,
+    to_task_format,
 )
 from trinity_trl.trainers import ChordConfig, CISPOConfig
 
@@ -22,10 +28,25 @@ REPO = Path(__file__).resolve().parent.parent.parent
 def test_bundled_configs_resolve_and_every_key_is_an_option():
     from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
     from trinity_trl.recipes.train import TrainArguments
-    from trinity_trl.trainers import PPOConfig, SAPOConfig, StepGRPOConfig, TrinityConfig, TrinityDPOConfig, TrinitySFTConfig
+    from trinity_trl.trainers import (
+        PPOConfig,
+        SAPOConfig,
+        StepGRPOConfig,
+        TrinityConfig,
+        TrinityDPOConfig,
+        TrinitySFTConfig,
+    )
 
-    classes = {"chord": ChordConfig, "cispo": CISPOConfig, "sapo": SAPOConfig, "train": TrinityConfig,
-               "sft": TrinitySFTConfig, "dpo": TrinityDPOConfig, "step": StepGRPOConfig, "ppo": PPOConfig}
+    classes = {
+        "chord": ChordConfig,
+        "cispo": CISPOConfig,
+        "sapo": SAPOConfig,
+        "train": TrinityConfig,
+        "sft": TrinitySFTConfig,
+        "dpo": TrinityDPOConfig,
+        "step": StepGRPOConfig,
+        "ppo": PPOConfig,
+    }
     import yaml
 
     for name in bundled_configs():
@@ -42,7 +63,9 @@ def test_bundled_configs_resolve_and_every_key_is_an_option():
 
 
 def test_config_names_get_a_suggestion():
-    with pytest.raises(UsageError, match=r"'chord_cpx' is neither a file nor a bundled config \(did you mean chord_cpu\?\)"):
+    with pytest.raises(
+        UsageError, match=r"'chord_cpx' is neither a file nor a bundled config \(did you mean chord_cpu\?\)"
+    ):
         config_path("chord_cpx")
 
 
@@ -66,11 +89,15 @@ def test_options_are_never_abbreviated(tmp_path):
 
 
 def test_config_may_be_named_or_a_path_and_options_override_it(tmp_path):
-    args, config = parse((RecipeArguments, ChordConfig), ["--config", "chord_cpu", "--output_dir", str(tmp_path),
-                                                         "--mu_peak", "0.5"], "chord")
+    args, config = parse(
+        (RecipeArguments, ChordConfig),
+        ["--config", "chord_cpu", "--output_dir", str(tmp_path), "--mu_peak", "0.5"],
+        "chord",
+    )
     assert config.mu_peak == 0.5 and config.mu_valley == 0.05 and args.model_name_or_path == "bundled"
-    _, again = parse((RecipeArguments, ChordConfig), [f"--config={config_path('chord_cpu')}",
-                                                     "--output_dir", str(tmp_path)], "chord")
+    _, again = parse(
+        (RecipeArguments, ChordConfig), [f"--config={config_path('chord_cpu')}", "--output_dir", str(tmp_path)], "chord"
+    )
     assert again.mu_peak == 0.9
 
 
@@ -96,19 +123,26 @@ def test_output_dir_holding_files_needs_overwrite(tmp_path):
     args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path)], "cispo")
     with pytest.raises(UsageError, match="already holds 1 files .*--overwrite_output_dir"):
         check_output_dir(args, config)
-    args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--overwrite_output_dir",
-                                                         "true"], "cispo")
+    args, config = parse(
+        (RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"], "cispo"
+    )
     check_output_dir(args, config)
     args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path / "new")], "cispo")
     check_output_dir(args, config)
 
 
 def test_save_steps_without_a_save_strategy_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="save_steps=1(\.0)? writes no checkpoint with save_strategy='no'"):
-        parse((RecipeArguments, CISPOConfig), ["--config", "cispo_cpu", "--output_dir", str(tmp_path),
-                                               "--save_steps", "1"], "cispo")
-    _, config = parse((RecipeArguments, CISPOConfig), ["--config", "cispo_cpu", "--output_dir", str(tmp_path),
-                                                       "--save_steps", "1", "--save_strategy", "steps"], "cispo")
+    with pytest.raises(ValueError, match=r"save_steps=1(\.0)? writes no checkpoint with save_strategy='no'"):
+        parse(
+            (RecipeArguments, CISPOConfig),
+            ["--config", "cispo_cpu", "--output_dir", str(tmp_path), "--save_steps", "1"],
+            "cispo",
+        )
+    _, config = parse(
+        (RecipeArguments, CISPOConfig),
+        ["--config", "cispo_cpu", "--output_dir", str(tmp_path), "--save_steps", "1", "--save_strategy", "steps"],
+        "cispo",
+    )
     assert config.save_steps == 1
 
 
@@ -125,18 +159,22 @@ def test_reward_functions_by_name_or_import_path():
 def test_math_verify_reward_accepts_equivalent_forms():
     pytest.importorskip("math_verify", reason="math-verify is in the recipes extra")
     (math_verify,) = reward_functions(["math_verify"])
-    scores = math_verify(["So x = 1/2, the answer is $\\frac{1}{2}$", "The answer is 0.5.", "The answer is 3.", "no"],
-                         ["0.5", "1/2", "4", "4"])
+    scores = math_verify(
+        ["So x = 1/2, the answer is $\\frac{1}{2}$", "The answer is 0.5.", "The answer is 3.", "no"],
+        ["0.5", "1/2", "4", "4"],
+    )
     assert scores == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_gsm8k_layout_becomes_prompt_answer_solution():
     from datasets import Dataset
 
-    gsm8k = Dataset.from_list([
-        {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3*4=<<3*4=12>>12 apples.\n#### 12"},
-        {"question": "A pen costs 1,200 cents.", "answer": "It is 1,200.\n#### 1,200"},
-    ])
+    gsm8k = Dataset.from_list(
+        [
+            {"question": "Tom has 3 bags of 4 apples. How many apples?", "answer": "3*4=<<3*4=12>>12 apples.\n#### 12"},
+            {"question": "A pen costs 1,200 cents.", "answer": "It is 1,200.\n#### 1,200"},
+        ]
+    )
     rows = to_task_format(gsm8k)
     assert rows[0]["answer"] == "12" and rows[1]["answer"] == "1200"
     assert rows[0]["solution"] == "3*4=12 apples. The answer is 12."
@@ -151,9 +189,12 @@ def test_local_dataset_splits_demonstrations_from_rl_prompts(tmp_path):
     for split, count in (("train", 10), ("test", 3)):
         with open(data / f"{split}.jsonl", "w") as f:
             for i in range(count):
-                f.write(json.dumps({"question": f"{split} question {i}?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"}) + "\n")
-    (args,) = parse((RecipeArguments,), ["--dataset_name", str(data), "--num_expert_rows", "4", "--num_train_rows", "0"],
-                    "chord")
+                f.write(
+                    json.dumps({"question": f"{split} question {i}?", "answer": f"{i}+1={i + 1}\n#### {i + 1}"}) + "\n"
+                )
+    (args,) = parse(
+        (RecipeArguments,), ["--dataset_name", str(data), "--num_expert_rows", "4", "--num_train_rows", "0"], "chord"
+    )
     task = load_task(args, with_expert=True)
     train_questions = {p[0]["content"] for p in task.train["prompt"]}
     expert_questions = {p[0]["content"] for p in task.expert["prompt"]}
@@ -171,8 +212,9 @@ def test_recipe_arguments_reject_bad_values():
 
 def test_repository_recipe_scripts_run_as_scripts():
     """`python recipes/chord.py ...` is the same recipe as `trinity-trl chord ...` (one file, no wrapper)."""
-    result = subprocess.run([sys.executable, str(REPO / "recipes" / "chord.py"), "--help"], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "chord.py"), "--help"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout
     assert (REPO / "recipes" / "configs" / "chord_cpu.yaml").is_file()

@@ -23,5 +23,16 @@ def test_preset_runner_picks_the_algorithm_from_argv_or_yaml(tmp_path):
 
 def test_on_policy_distill_teacher_only_with_that_preset(tmp_path, tiny_model_dir):
     with pytest.raises(UsageError, match="only used by the on_policy_distill"):
-        cli(["train", "--algorithm", "grpo", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-             "--teacher_model_name_or_path", tiny_model_dir])
+        cli(
+            [
+                "train",
+                "--algorithm",
+                "grpo",
+                "--model_name_or_path",
+                tiny_model_dir,
+                "--output_dir",
+                str(tmp_path),
+                "--teacher_model_name_or_path",
+                tiny_model_dir,
+            ]
+        )

@@ -30,8 +30,12 @@ def _config(tmp_path, cls=TrinityConfig, **overrides):
 
 
 def _trainer(tmp_path, model_dir, reward_funcs=length_reward, dataset=None, **overrides):
-    return TrinityTrainer(model=model_dir, reward_funcs=reward_funcs, args=_config(tmp_path, **overrides),
-                          train_dataset=dataset if dataset is not None else tiny_conversational_dataset(8))
+    return TrinityTrainer(
+        model=model_dir,
+        reward_funcs=reward_funcs,
+        args=_config(tmp_path, **overrides),
+        train_dataset=dataset if dataset is not None else tiny_conversational_dataset(8),
+    )
 
 
 def _generate(trainer, dataset=None, row=0):
@@ -70,9 +74,13 @@ def test_dataset_without_prompt_column_fails_at_construction(tmp_path, tiny_mode
     with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column \(columns: \['answer', 'question'\]\)"):
         _trainer(tmp_path, tiny_model_dir, dataset=Dataset.from_dict({"question": ["a"] * 4, "answer": ["b"] * 4}))
     with pytest.raises(ValueError, match=r"eval_dataset\['small'\] has no 'prompt' column"):
-        TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=_config(tmp_path),
-                       train_dataset=tiny_conversational_dataset(8),
-                       eval_dataset={"small": Dataset.from_dict({"text": ["a"] * 4})})
+        TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            args=_config(tmp_path),
+            train_dataset=tiny_conversational_dataset(8),
+            eval_dataset={"small": Dataset.from_dict({"text": ["a"] * 4})},
+        )
 
 
 @pytest.mark.parametrize("empty", ["", []], ids=["empty_string", "empty_message_list"])
@@ -94,13 +102,19 @@ def test_empty_prompt_in_an_iterable_dataset_fails_at_its_batch(tmp_path, tiny_m
 def test_expert_dataset_smaller_than_a_batch_cycles_through_every_row(tmp_path, tiny_model_dir):
     """Two demonstrations, four expert rows per batch: each demonstration appears twice per batch (the expert stream
     is one seeded shuffle per pass), training runs, and the stream position counts every row drawn."""
-    expert = Dataset.from_list([
-        {"messages": [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "It is 3."}]},
-        {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]},
-    ])
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
-                           args=_config(tmp_path, ChordConfig, expert_batch_size=4, max_steps=2),
-                           train_dataset=tiny_conversational_dataset(8))
+    expert = Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "It is 3."}]},
+            {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]},
+        ]
+    )
+    trainer = ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        expert_dataset=expert,
+        args=_config(tmp_path, ChordConfig, expert_batch_size=4, max_steps=2),
+        train_dataset=tiny_conversational_dataset(8),
+    )
     batch = _generate(trainer)
     expert_rows = batch["completion_ids"][batch["expert_mask"]]
     assert expert_rows.shape[0] == 4
@@ -122,8 +136,11 @@ def test_raising_reward_function_names_the_function_and_the_row(tmp_path, tiny_m
 
     target: list = [None]
     trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=[length_reward, flaky_reward])
-    with pytest.raises(RewardFunctionError, match=r"reward function 'flaky_reward' raised KeyError: .*missing field "
-                                                  r"'score'.* on row 2 of this process's batch of 4 completions") as info:
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function 'flaky_reward' raised KeyError: .*missing field "
+        r"'score'.* on row 2 of this process's batch of 4 completions",
+    ) as info:
         _generate(trainer)
     assert isinstance(info.value.__cause__, KeyError)
 
@@ -135,8 +152,11 @@ def test_reward_function_failing_only_on_the_whole_batch_is_named(tmp_path, tiny
         return [1.0]
 
     trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=batch_only)
-    with pytest.raises(RewardFunctionError, match=r"'batch_only' raised RuntimeError: judge service unavailable on "
-                                                  r"this process's batch of 4 completions \(no single row"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"'batch_only' raised RuntimeError: judge service unavailable on "
+        r"this process's batch of 4 completions \(no single row",
+    ):
         _generate(trainer)
 
 
@@ -156,9 +176,17 @@ def test_async_reward_function_failure_is_named(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     ("result", "error", "match"),
     [
-        (None, TypeError, r"'bad_reward' returned None \(NoneType\); it must return a list with one reward per completion"),
+        (
+            None,
+            TypeError,
+            r"'bad_reward' returned None \(NoneType\); it must return a list with one reward per completion",
+        ),
         (0.5, TypeError, r"'bad_reward' returned 0.5 \(float\); it must return a list"),
-        (["1.0", 1.0, 1.0, 1.0], TypeError, r"'bad_reward' returned '1.0' \(str\) for row 0; a reward must be a number"),
+        (
+            ["1.0", 1.0, 1.0, 1.0],
+            TypeError,
+            r"'bad_reward' returned '1.0' \(str\) for row 0; a reward must be a number",
+        ),
         ([1.0, [2.0], 1.0, 1.0], TypeError, r"returned \[2.0\] \(list\) for row 1"),
         ([1.0, 2.0], ValueError, r"'bad_reward' returned 2 rewards, but 4 were expected"),
     ],
@@ -178,6 +206,7 @@ def test_malformed_reward_results_are_named(tmp_path, tiny_model_dir, result, er
 def test_unscorable_rewards_get_zero_advantage_no_loss_and_are_counted(tmp_path, tiny_model_dir, value, algorithm):
     """A row whose reward is None/NaN/±inf is excluded from its group's statistics, gets advantage 0 and an empty loss
     mask, and is counted in `unscorable_count`; the other rows are normalised among themselves."""
+
     def reward(completions, **kwargs):
         return [value if i == 1 else float(i) for i in range(len(completions))]
 
@@ -194,6 +223,7 @@ def test_unscorable_rewards_get_zero_advantage_no_loss_and_are_counted(tmp_path,
 
 def test_nan_from_one_of_two_reward_functions_keeps_the_other_score(tmp_path, tiny_model_dir):
     """As in TRL, the weighted sum skips a function that did not score a row (NaN/None); the row stays trained."""
+
     def sometimes(completions, **kwargs):
         return [float("nan")] + [0.0] * (len(completions) - 1)
 
@@ -204,8 +234,9 @@ def test_nan_from_one_of_two_reward_functions_keeps_the_other_score(tmp_path, ti
 
 
 def test_all_rewards_equal_give_zero_advantages_and_a_finite_step(tmp_path, tiny_model_dir):
-    trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=lambda completions, **kw: [1.0] * len(completions),
-                       max_steps=1)
+    trainer = _trainer(
+        tmp_path, tiny_model_dir, reward_funcs=lambda completions, **kw: [1.0] * len(completions), max_steps=1
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["frac_reward_zero_std"] == 1.0 and log["actor/pg_loss"] == 0.0
@@ -216,6 +247,7 @@ def test_group_with_one_scored_member_follows_the_singleton_rule(tmp_path, tiny_
     """Spec §12.2/§12.3: a group of one uses mean 0 and std 1, so the lone scored row's advantage is its reward (the
     others are unscorable: advantage 0, no loss); with `std_threshold` the singleton group is skipped instead and
     counted in `filtered_count`."""
+
     def lone(completions, **kwargs):
         return [None, None, 0.75, None]
 
@@ -235,21 +267,32 @@ def test_prompt_longer_than_the_context_fails_at_the_first_batch(tmp_path, tiny_
     long_prompt = [{"role": "user", "content": " ".join(["apples"] * 600)}]
     dataset = Dataset.from_dict({"prompt": [long_prompt] * 4})
     trainer = _trainer(tmp_path, tiny_model_dir, dataset=dataset)
-    with pytest.raises(ValueError, match=r"row 0 of this process's generation batch .*: its prompt has \d{3} tokens, "
-                                         r"and \d{3} \+ 8 completion tokens exceed the model's 512 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 0 of this process's generation batch .*: its prompt has \d{3} tokens, "
+        r"and \d{3} \+ 8 completion tokens exceed the model's 512 positions",
+    ):
         _generate(trainer, dataset)
 
 
 def test_completion_length_beyond_the_context_fails_at_construction(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the model's 512"):
+    with pytest.raises(
+        ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the model's 512"
+    ):
         _trainer(tmp_path, tiny_model_dir, max_completion_length=512)
 
 
 def test_expert_prompt_longer_than_the_context_names_the_expert_row(tmp_path, tiny_model_dir):
-    long = {"messages": [{"role": "user", "content": " ".join(["apples"] * 600)}, {"role": "assistant", "content": "ok"}]}
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=Dataset.from_list([long]),
-                           args=_config(tmp_path, ChordConfig, expert_batch_size=1),
-                           train_dataset=tiny_conversational_dataset(8))
+    long = {
+        "messages": [{"role": "user", "content": " ".join(["apples"] * 600)}, {"role": "assistant", "content": "ok"}]
+    }
+    trainer = ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        expert_dataset=Dataset.from_list([long]),
+        args=_config(tmp_path, ChordConfig, expert_batch_size=1),
+        train_dataset=tiny_conversational_dataset(8),
+    )
     with pytest.raises(ValueError, match=r"expert_dataset row 0: its prompt has \d{3} tokens"):
         _generate(trainer)
 
@@ -257,11 +300,22 @@ def test_expert_prompt_longer_than_the_context_names_the_expert_row(tmp_path, ti
 def test_rollout_func_with_an_empty_completion_fails_naming_the_row(tmp_path, tiny_model_dir):
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
-        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in prompts]
-        return {"prompt_ids": ids, "completion_ids": [[5, tokenizer.eos_token_id], []] + [[7]] * (len(ids) - 2),
-                "logprobs": None}
+        ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
+        return {
+            "prompt_ids": ids,
+            "completion_ids": [[5, tokenizer.eos_token_id], []] + [[7]] * (len(ids) - 2),
+            "logprobs": None,
+        }
 
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=_config(tmp_path),
-                             train_dataset=tiny_conversational_dataset(8), rollout_func=rollout)
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=_config(tmp_path),
+        train_dataset=tiny_conversational_dataset(8),
+        rollout_func=rollout,
+    )
     with pytest.raises(ValueError, match=r"rollout_func returned an empty completion for row\(s\) \[1\]"):
         _generate(trainer)

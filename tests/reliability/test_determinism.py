@@ -22,26 +22,56 @@ WALL_CLOCK_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "tr
 
 
 def _chord(output_dir, model_dir, seed):
-    expert = Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]}
-        for a, b in [(1, 2), (3, 4), (5, 6)]
-    ])
-    args = ChordConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=3, seed=seed, expert_batch_size=2,
-                                          mu_warmup_steps=1, mu_decay_steps=2, mu_peak=0.5))
-    return ChordTrainer(model=model_dir, reward_funcs=length_reward, args=args, expert_dataset=expert,
-                        train_dataset=tiny_conversational_dataset())
+    expert = Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"It is {a + b}."},
+                ]
+            }
+            for a, b in [(1, 2), (3, 4), (5, 6)]
+        ]
+    )
+    args = ChordConfig(
+        **tiny_grpo_kwargs(
+            output_dir=output_dir,
+            max_steps=3,
+            seed=seed,
+            expert_batch_size=2,
+            mu_warmup_steps=1,
+            mu_decay_steps=2,
+            mu_peak=0.5,
+        )
+    )
+    return ChordTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        expert_dataset=expert,
+        train_dataset=tiny_conversational_dataset(),
+    )
 
 
 def _cispo(output_dir, model_dir, seed):
-    args = CISPOConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=3, seed=seed, gradient_accumulation_steps=2,
-                                          per_device_train_batch_size=2))
-    return CISPOTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset())
+    args = CISPOConfig(
+        **tiny_grpo_kwargs(
+            output_dir=output_dir, max_steps=3, seed=seed, gradient_accumulation_steps=2, per_device_train_batch_size=2
+        )
+    )
+    return CISPOTrainer(
+        model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
+    )
 
 
 def _step_grpo(output_dir, model_dir, seed):
     args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=3, seed=seed, max_env_steps=3))
-    return StepGRPOTrainer(model=model_dir, args=args, train_dataset=number_guess_dataset(16),
-                           environment_factory=lambda: NumberGuessEnv(partial_credit=True))
+    return StepGRPOTrainer(
+        model=model_dir,
+        args=args,
+        train_dataset=number_guess_dataset(16),
+        environment_factory=lambda: NumberGuessEnv(partial_credit=True),
+    )
 
 
 def _logs(trainer) -> list[dict]:

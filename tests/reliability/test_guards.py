@@ -38,8 +38,15 @@ class GradRecorder(TrainerCallback):
         self.grads = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone()
-                                     for p in model.parameters() if p.requires_grad]))
+        self.grads.append(
+            torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).clone()
+                    for p in model.parameters()
+                    if p.requires_grad
+                ]
+            )
+        )
 
 
 def _injecting(cls):
@@ -63,8 +70,13 @@ def _sapo(tmp_path, model_dir, cls=SAPOTrainer, **overrides):
     # num_iterations=2: TRL computes behaviour log-probs, and each batch is trained on twice
     args = SAPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), num_iterations=2, **overrides))
     grads = GradRecorder()
-    trainer = cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(),
-                  callbacks=[grads])
+    trainer = cls(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=tiny_conversational_dataset(),
+        callbacks=[grads],
+    )
     return trainer, grads
 
 
@@ -122,16 +134,31 @@ def test_nonfinite_loss_is_replaced_by_zero_and_counted(tmp_path, tiny_model_dir
 
 @pytest.mark.parametrize("algorithm", ["grpo", "reinforceplusplus"])
 @pytest.mark.parametrize("normalization", ["micro_batch", "global"])
-def test_all_completions_masked_give_zero_loss_and_count_empty_masks(tmp_path, tiny_model_dir, algorithm, normalization):
+def test_all_completions_masked_give_zero_loss_and_count_empty_masks(
+    tmp_path, tiny_model_dir, algorithm, normalization
+):
     """mask_truncated_completions with a model that never emits EOS: every completion is masked, so every micro-batch
     has an empty loss mask; the loss is exactly 0 with a zero gradient (REINFORCE++'s whitening, which needs two
     tokens, is skipped instead of failing)."""
     grads = GradRecorder()
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm=algorithm, max_steps=1,
-                                            loss_normalization=normalization, mask_truncated_completions=True,
-                                            gradient_accumulation_steps=2, per_device_train_batch_size=2))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=tiny_conversational_dataset(), callbacks=[grads])
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path / "out"),
+            algorithm=algorithm,
+            max_steps=1,
+            loss_normalization=normalization,
+            mask_truncated_completions=True,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=2,
+        )
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=tiny_conversational_dataset(),
+        callbacks=[grads],
+    )
     trainer.train()
     log = _train_logs(trainer)[0]
     assert log["completions/clipped_ratio"] == 1.0
@@ -141,9 +168,13 @@ def test_all_completions_masked_give_zero_loss_and_count_empty_masks(tmp_path, t
 
 def test_guard_metrics_are_logged_as_zero_counts_in_a_normal_run(tmp_path, tiny_model_dir):
     expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
-                           args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), expert_batch_size=2)),
-                           train_dataset=tiny_conversational_dataset())
+    trainer = ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        expert_dataset=expert,
+        args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), expert_batch_size=2)),
+        train_dataset=tiny_conversational_dataset(),
+    )
     trainer.train()
     for log in _train_logs(trainer):
         assert {k: log[k] for k in GUARD_METRICS} == dict.fromkeys(GUARD_METRICS, 0.0)

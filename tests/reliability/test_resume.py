@@ -18,7 +18,6 @@ from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
-from trinity_trl.trainers.checkpoint import BUFFER_FILE, TRAINER_STATE_FILE
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
@@ -27,40 +26,78 @@ from trinity_trl.trainers import (
     TrinityConfig,
     TrinityTrainer,
 )
+from trinity_trl.trainers.checkpoint import BUFFER_FILE, TRAINER_STATE_FILE
 
 STEPS, STOP = 4, 2
 WALL_CLOCK_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
 def _chord(output_dir, model_dir, **extra):
-    expert = Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]}
-        for a, b in [(1, 2), (3, 4), (5, 6)]
-    ])
+    expert = Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"It is {a + b}."},
+                ]
+            }
+            for a, b in [(1, 2), (3, 4), (5, 6)]
+        ]
+    )
     # μ warms up over 2 steps and decays over 2: μ = 0.3, 0.6, 0.35, 0.1 at steps 1..4
-    args = ChordConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=STEPS, expert_batch_size=2, mu_warmup_steps=2,
-                                          mu_decay_steps=2, mu_peak=0.6, mu_valley=0.1, **extra))
-    return ChordTrainer(model=model_dir, reward_funcs=length_reward, args=args, expert_dataset=expert,
-                        train_dataset=tiny_conversational_dataset())
+    args = ChordConfig(
+        **tiny_grpo_kwargs(
+            output_dir=output_dir,
+            max_steps=STEPS,
+            expert_batch_size=2,
+            mu_warmup_steps=2,
+            mu_decay_steps=2,
+            mu_peak=0.6,
+            mu_valley=0.1,
+            **extra,
+        )
+    )
+    return ChordTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        expert_dataset=expert,
+        train_dataset=tiny_conversational_dataset(),
+    )
 
 
 def _adaptive_kl(output_dir, model_dir, **extra):
-    args = TrinityConfig(**tiny_grpo_kwargs(
-        output_dir=output_dir, max_steps=STEPS, algorithm="reinforceplusplus", kl_penalty_fn="k2",
-        kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10}, **extra))
-    return TrinityTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset())
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=output_dir,
+            max_steps=STEPS,
+            algorithm="reinforceplusplus",
+            kl_penalty_fn="k2",
+            kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
+            **extra,
+        )
+    )
+    return TrinityTrainer(
+        model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
+    )
 
 
 def _step_grpo(output_dir, model_dir, **extra):
     args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=STEPS, max_env_steps=3, **extra))
-    return StepGRPOTrainer(model=model_dir, args=args, train_dataset=number_guess_dataset(16),
-                           environment_factory=lambda: NumberGuessEnv(partial_credit=True))
+    return StepGRPOTrainer(
+        model=model_dir,
+        args=args,
+        train_dataset=number_guess_dataset(16),
+        environment_factory=lambda: NumberGuessEnv(partial_credit=True),
+    )
 
 
 def _mid_generation(output_dir, model_dir, **extra):
     # each generation batch is trained on for 2 optimizer steps: a checkpoint at step 1 is taken mid-batch
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=output_dir, max_steps=STEPS, num_iterations=2, **extra))
-    return TrinityTrainer(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset())
+    return TrinityTrainer(
+        model=model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
+    )
 
 
 def _step_logs(trainer) -> dict[int, dict]:
@@ -130,12 +167,26 @@ def test_resume_in_the_middle_of_a_generation_batch(tmp_path, tiny_model_dir):
 def test_resume_restores_the_adaptive_kl_coefficient_and_writes_the_trainer_state(tmp_path, tiny_model_dir):
     """The resumed run ends with the same adaptive β as the uninterrupted one, read from the checkpoint's
     trinity_trainer_state.json."""
+
     def run(**extra):
         args = {"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10}
-        return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                              args=TrinityConfig(**tiny_grpo_kwargs(
-                                  output_dir=str(tmp_path / "out"), algorithm="reinforceplusplus", kl_penalty_fn="k2",
-                                  kl_penalty_fn_args=args, max_steps=3, save_strategy="steps", save_steps=1, **extra)))
+        return TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(
+                **tiny_grpo_kwargs(
+                    output_dir=str(tmp_path / "out"),
+                    algorithm="reinforceplusplus",
+                    kl_penalty_fn="k2",
+                    kl_penalty_fn_args=args,
+                    max_steps=3,
+                    save_strategy="steps",
+                    save_steps=1,
+                    **extra,
+                )
+            ),
+        )
 
     straight = run()
     straight.train()

@@ -49,11 +49,17 @@ class OnlyReset:  # TRL accepts it: a single-turn environment with no tools
         return 1.0
 
 
-@pytest.mark.parametrize("factory, protocol", [
-    (CalculatorEnv, STEP_PROTOCOL), (lambda: NumberGuessEnv(partial_credit=True), STEP_PROTOCOL),
-    (DuckStep, STEP_PROTOCOL), (CalculatorToolEnv, TOOL_PROTOCOL), (ToolWithAStepTool, TOOL_PROTOCOL),
-    (OnlyReset, TOOL_PROTOCOL),
-])
+@pytest.mark.parametrize(
+    "factory, protocol",
+    [
+        (CalculatorEnv, STEP_PROTOCOL),
+        (lambda: NumberGuessEnv(partial_credit=True), STEP_PROTOCOL),
+        (DuckStep, STEP_PROTOCOL),
+        (CalculatorToolEnv, TOOL_PROTOCOL),
+        (ToolWithAStepTool, TOOL_PROTOCOL),
+        (OnlyReset, TOOL_PROTOCOL),
+    ],
+)
 def test_the_protocol_is_read_from_the_class(factory, protocol):
     assert resolve_protocol(factory)[0] == protocol
 
@@ -113,23 +119,61 @@ class Closes:
         Closes.closed += 1
 
 
-@pytest.mark.parametrize("factory, tools, columns, error, match", [
-    (NoReset, None, None, TypeError, r"NoReset defines no reset\(\*\*row\).*it defines step\(\): add reset"),
-    (Nothing, None, None, TypeError, r"Nothing defines no reset.*its public methods: act"),
-    (HalfEnvironment, None, None, TypeError, r"HalfEnvironment subclasses .*Environment but does not define step"),
-    (CalculatorEnv(), None, None, TypeError, r"environment_factory must be a callable .*got CalculatorEnv instance"),
-    (lambda: CalculatorEnv, None, None, TypeError, r"must return an environment instance, got the class CalculatorEnv"),
-    (lambda: 1 / 0, None, None, TypeError, r"environment_factory\(\) failed while the trainer probed it: ZeroDivisionError"),
-    ({"a": CalculatorEnv, "b": CalculatorToolEnv}, None, None, ValueError, r"one protocol, got 'a': CalculatorEnv"),
-    ({"a": CalculatorEnv, "b": NoReset}, None, None, TypeError, r"NoReset defines no reset"),
-    ({}, None, None, ValueError, r"empty dict"),
-    (None, None, None, ValueError, r"needs environment_factory .* or tools"),
-    (CalculatorEnv, [len], None, ValueError, r"tools= needs TRL's tool protocol, but CalculatorEnv is a reset/step"),
-    (CalculatorToolEnv, ["calc"], None, TypeError, r"tools must be callables"),
-    (NarrowReset, None, ["prompt", "question", "answer"], TypeError,
-     r"NarrowReset.reset\(\) .* does not accept \['prompt', 'answer'\]"),
-    (NeedsSeed, None, ["prompt", "target"], TypeError, r"NeedsSeed.reset\(\) requires \['seed'\], which the dataset"),
-])
+@pytest.mark.parametrize(
+    "factory, tools, columns, error, match",
+    [
+        (NoReset, None, None, TypeError, r"NoReset defines no reset\(\*\*row\).*it defines step\(\): add reset"),
+        (Nothing, None, None, TypeError, r"Nothing defines no reset.*its public methods: act"),
+        (HalfEnvironment, None, None, TypeError, r"HalfEnvironment subclasses .*Environment but does not define step"),
+        (
+            CalculatorEnv(),
+            None,
+            None,
+            TypeError,
+            r"environment_factory must be a callable .*got CalculatorEnv instance",
+        ),
+        (
+            lambda: CalculatorEnv,
+            None,
+            None,
+            TypeError,
+            r"must return an environment instance, got the class CalculatorEnv",
+        ),
+        (
+            lambda: 1 / 0,
+            None,
+            None,
+            TypeError,
+            r"environment_factory\(\) failed while the trainer probed it: ZeroDivisionError",
+        ),
+        ({"a": CalculatorEnv, "b": CalculatorToolEnv}, None, None, ValueError, r"one protocol, got 'a': CalculatorEnv"),
+        ({"a": CalculatorEnv, "b": NoReset}, None, None, TypeError, r"NoReset defines no reset"),
+        ({}, None, None, ValueError, r"empty dict"),
+        (None, None, None, ValueError, r"needs environment_factory .* or tools"),
+        (
+            CalculatorEnv,
+            [len],
+            None,
+            ValueError,
+            r"tools= needs TRL's tool protocol, but CalculatorEnv is a reset/step",
+        ),
+        (CalculatorToolEnv, ["calc"], None, TypeError, r"tools must be callables"),
+        (
+            NarrowReset,
+            None,
+            ["prompt", "question", "answer"],
+            TypeError,
+            r"NarrowReset.reset\(\) .* does not accept \['prompt', 'answer'\]",
+        ),
+        (
+            NeedsSeed,
+            None,
+            ["prompt", "target"],
+            TypeError,
+            r"NeedsSeed.reset\(\) requires \['seed'\], which the dataset",
+        ),
+    ],
+)
 def test_every_wrong_environment_fails_at_construction_in_one_line(factory, tools, columns, error, match):
     with pytest.raises(error, match=match) as info:
         resolve_protocol(factory, tools, columns)

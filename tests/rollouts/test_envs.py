@@ -92,8 +92,14 @@ def test_safe_eval_refuses_anything_but_integer_arithmetic(expression):
 def test_calculator_dataset_answers_its_questions():
     rows = calculator_dataset(16, seed=1)
     for question, answer in zip(rows["question"], rows["answer"]):
-        c, a, b = map(int, re.fullmatch(r"A shop has (\d+) boxes with (\d+) apples each and sells (\d+) apples\. "
-                                        r"How many apples are left\?", question).groups())
+        c, a, b = map(
+            int,
+            re.fullmatch(
+                r"A shop has (\d+) boxes with (\d+) apples each and sells (\d+) apples\. "
+                r"How many apples are left\?",
+                question,
+            ).groups(),
+        )
         assert answer == a * c - b
     assert rows["question"] == calculator_dataset(16, seed=1)["question"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from trinity_trl.rollouts.environment import EnvironmentFailure
 from trinity_trl.rollouts import Environment, MultiStepRollout, StepResult
+from trinity_trl.rollouts.environment import EnvironmentFailure
 
 USER, ASSISTANT, EOS, NEWLINE = 1000, 1001, 1002, 1003
 
@@ -79,8 +79,9 @@ def echo(call, prompt):
 
 def test_one_run_per_row_and_one_step_per_turn():
     generator = ScriptedGenerator(echo)
-    runs = MultiStepRollout(generator, CountdownEnv, max_steps=5)([{"prompt": "Hi", "turns": 3, "final": 0.7},
-                                                                   {"prompt": "Hi", "turns": 1, "final": 0.2}])
+    runs = MultiStepRollout(generator, CountdownEnv, max_steps=5)(
+        [{"prompt": "Hi", "turns": 3, "final": 0.7}, {"prompt": "Hi", "turns": 1, "final": 0.2}]
+    )
     assert [len(run.steps) for run in runs] == [3, 1]
     assert [run.reward for run in runs] == [0.7, 0.2]  # the last step's reward
     assert [step.reward for step in runs[0].steps] == [0.1, 0.2, 0.7]
@@ -95,7 +96,8 @@ def test_token_history_extends_the_previous_prompt_and_equals_the_rendered_conve
     (run,) = MultiStepRollout(generator, CountdownEnv, max_steps=5)([{"prompt": "Hi", "turns": 3}])
     for previous, step in zip(run.steps, run.steps[1:]):
         assert step.prompt_ids[: len(previous.prompt_ids) + len(previous.completion_ids)] == (
-            previous.prompt_ids + previous.completion_ids)
+            previous.prompt_ids + previous.completion_ids
+        )
     # the history is never re-tokenized, and (turns end with EOS, decoding is lossless) equals the rendering
     messages = [{"role": "user", "content": "Hi\n\nPlay 3 turns."}]
     for step in run.steps:
@@ -133,8 +135,11 @@ def test_a_template_that_does_not_append_is_refused_in_token_mode():
 def test_messages_mode_re_renders_and_flags_rewritten_history():
     def strip_thoughts(messages, add_generation_prompt):
         """A template that drops `think:` turns of the assistant except the last message (reasoning stripping)."""
-        kept = [m for i, m in enumerate(messages)
-                if not (m["role"] == "assistant" and m["content"].startswith("think:") and i < len(messages) - 1)]
+        kept = [
+            m
+            for i, m in enumerate(messages)
+            if not (m["role"] == "assistant" and m["content"].startswith("think:") and i < len(messages) - 1)
+        ]
         return chat_template(kept, add_generation_prompt)
 
     replies = {0: "think:a", 1: "plain"}
@@ -145,8 +150,9 @@ def test_messages_mode_re_renders_and_flags_rewritten_history():
     messages = run.messages
     assert [step.prompt_ids for step in run.steps] == [strip_thoughts(messages[:k], True) for k in (1, 3, 5)]
 
-    (kept,) = MultiStepRollout(ScriptedGenerator(echo, template=strip_thoughts), CountdownEnv, max_steps=3,
-                               history="messages")([{"prompt": "Hi", "turns": 3}])
+    (kept,) = MultiStepRollout(
+        ScriptedGenerator(echo, template=strip_thoughts), CountdownEnv, max_steps=3, history="messages"
+    )([{"prompt": "Hi", "turns": 3}])
     assert kept.prefix_preserving  # nothing rewritten
 
 
@@ -169,7 +175,8 @@ def test_logprobs_are_kept_per_step_when_the_generator_reports_them():
     (run,) = MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=2)([{"prompt": "Hi", "turns": 2}])
     assert [step.logprobs for step in run.steps] == [[-0.5] * 3, [-0.5] * 3]  # "t0" + EOS
     (run,) = MultiStepRollout(ScriptedGenerator(echo, logprobs=False), CountdownEnv, max_steps=2)(
-        [{"prompt": "Hi", "turns": 2}])
+        [{"prompt": "Hi", "turns": 2}]
+    )
     assert [step.logprobs for step in run.steps] == [None, None]
 
 
@@ -184,14 +191,20 @@ def test_reset_gets_the_row_without_its_prompt():
     assert envs[0].row == {"level": 3}
 
 
-@pytest.mark.parametrize(("prompt", "observation", "expected"), [
-    ("Hi", "Obs.", [{"role": "user", "content": "Hi\n\nObs."}]),
-    ("Hi", None, [{"role": "user", "content": "Hi"}]),
-    ("", "Obs.", [{"role": "user", "content": "Obs."}]),
-    ([{"role": "user", "content": ""}], "Obs.", [{"role": "user", "content": "Obs."}]),  # StepGRPO's placeholder
-    ([{"role": "system", "content": "Be brief."}], "Obs.",
-     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Obs."}]),
-])
+@pytest.mark.parametrize(
+    ("prompt", "observation", "expected"),
+    [
+        ("Hi", "Obs.", [{"role": "user", "content": "Hi\n\nObs."}]),
+        ("Hi", None, [{"role": "user", "content": "Hi"}]),
+        ("", "Obs.", [{"role": "user", "content": "Obs."}]),
+        ([{"role": "user", "content": ""}], "Obs.", [{"role": "user", "content": "Obs."}]),  # StepGRPO's placeholder
+        (
+            [{"role": "system", "content": "Be brief."}],
+            "Obs.",
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Obs."}],
+        ),
+    ],
+)
 def test_the_first_prompt_is_the_rows_prompt_and_the_first_observation(prompt, observation, expected):
     class Start(Environment):
         def reset(self, **row):
@@ -231,7 +244,9 @@ def test_step_must_return_a_step_result():
         def step(self, action):
             return ("obs", 1.0, True)
 
-    with pytest.raises(EnvironmentFailure, match=r"run 0 \(\), turn 0: Sloppy.step\(\) must return a StepResult, got tuple"):
+    with pytest.raises(
+        EnvironmentFailure, match=r"run 0 \(\), turn 0: Sloppy.step\(\) must return a StepResult, got tuple"
+    ):
         MultiStepRollout(ScriptedGenerator(echo), Sloppy, max_steps=2)([{"prompt": "a"}])
 
 
@@ -243,7 +258,9 @@ def test_an_unfinished_episode_needs_an_observation():
         def step(self, action):
             return StepResult(None, done=False)
 
-    with pytest.raises(EnvironmentFailure, match=r"turn 0: Mute.step\(\) returned no observation for an episode that is not done"):
+    with pytest.raises(
+        EnvironmentFailure, match=r"turn 0: Mute.step\(\) returned no observation for an episode that is not done"
+    ):
         MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=2)([{"prompt": "a"}])
     # on the last allowed turn no observation is needed: the run ends anyway
     (run,) = MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=1)([{"prompt": "a"}])

@@ -82,8 +82,9 @@ def number_action(text: str) -> dict:
 
 
 def make_env(url):
-    return lambda: OpenEnvEnvironment(GenericEnvClient(base_url=url).sync(), action=number_action,
-                                      instructions="Answer with one number.")
+    return lambda: OpenEnvEnvironment(
+        GenericEnvClient(base_url=url).sync(), action=number_action, instructions="Answer with one number."
+    )
 
 
 def test_observation_text():
@@ -94,7 +95,10 @@ def test_observation_text():
 def test_the_adapter_is_a_reset_step_environment_that_plays_the_server(server_url):
     assert resolve_protocol(make_env(server_url), None, ["prompt", "target"])[0] == "reset/step"
     env = make_env(server_url)()
-    assert env.reset(target=7, unrelated="dropped by the server") == "Answer with one number.\n\nGuess a number from 1 to 9."
+    assert (
+        env.reset(target=7, unrelated="dropped by the server")
+        == "Answer with one number.\n\nGuess a number from 1 to 9."
+    )
     first = env.step("I guess 3")
     assert (first.observation, first.reward, first.done) == ("higher", None, False)
     last = env.step("7")
@@ -132,7 +136,8 @@ class ScriptedGuesser:
 
 def test_multi_step_runs_against_the_server(server_url):
     runs = MultiStepRollout(ScriptedGuesser(), make_env(server_url), max_steps=4)(
-        [{"target": 1}, {"target": 3}, {"target": 9}])
+        [{"target": 1}, {"target": 3}, {"target": 9}]
+    )
     assert [(len(r.steps), r.reward, r.cut) for r in runs[:2]] == [(1, 1.0, False), (3, 1.0, False)]
     assert runs[2].cut and runs[2].reward != runs[2].reward  # stopped at 4 turns; None reward -> NaN (unscorable)
 
@@ -144,9 +149,11 @@ def test_step_grpo_trains_on_an_openenv_server(tmp_path, tiny_model_dir, server_
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     trainer = StepGRPOTrainer(
-        model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1,
-                                                                     max_env_steps=2)),
-        train_dataset=Dataset.from_dict({"target": [3, 6, 1, 8]}), environment_factory=make_env(server_url))
+        model=tiny_model_dir,
+        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, max_env_steps=2)),
+        train_dataset=Dataset.from_dict({"target": [3, 6, 1, 8]}),
+        environment_factory=make_env(server_url),
+    )
     trainer.train()
     logs = {k: v for entry in trainer.state.log_history for k, v in entry.items()}
     assert trainer.environment_protocol == "reset/step" and 1.0 <= logs["multi_step/steps_per_run"] <= 2.0

@@ -52,7 +52,9 @@ def play(rows, factory=Scripted, max_steps=5):
 
 
 def test_a_step_that_raises_names_the_run_its_row_and_the_turn():
-    with pytest.raises(EnvironmentFailure, match=r"run 1 \(fail_at=1\), turn 1: Scripted.step\(\) failed: KeyError: 'boom'"):
+    with pytest.raises(
+        EnvironmentFailure, match=r"run 1 \(fail_at=1\), turn 1: Scripted.step\(\) failed: KeyError: 'boom'"
+    ):
         play([{"fail_at": -1}, {"fail_at": 1}])
 
 
@@ -69,7 +71,9 @@ def test_a_reset_that_raises_and_a_step_without_an_observation():
         def step(self, action):
             return "fine"
 
-    with pytest.raises(EnvironmentFailure, match=r"run 0 \(task=3\): BadReset.reset\(\) failed: ValueError: no such task"):
+    with pytest.raises(
+        EnvironmentFailure, match=r"run 0 \(task=3\): BadReset.reset\(\) failed: ValueError: no such task"
+    ):
         play([{"task": 3}], BadReset)
     with pytest.raises(EnvironmentFailure, match=r"run 0 \(\), turn 0: Silent.step\(\) returned no observation"):
         play([{}], Silent)

@@ -26,7 +26,10 @@ def test_each_block_of_model_tokens_is_a_step_whose_prompt_extends_the_previous_
     ]
     assert run.reward == 0.5 and run.prefix_preserving and run.done
     for before, after in zip(run.steps, run.steps[1:]):
-        assert after.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)] == before.prompt_ids + before.completion_ids
+        assert (
+            after.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)]
+            == before.prompt_ids + before.completion_ids
+        )
 
 
 def test_a_single_turn_and_unknown_log_probs():

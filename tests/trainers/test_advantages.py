@@ -77,9 +77,16 @@ def test_best_of_group_judges_the_spread_of_scored_rewards_only():
 # ------------------------------------------------------------------------------------------------ group_advantages
 def library_group_advantages(rewards: list[float], group_size: int, **args) -> dict[int, float]:
     """The library's GRPO on experiences built here (tokens and all), keyed by row; unscored rows left out."""
-    experiences = [Experience(eid=EID(task=row // group_size, run=row % group_size),
-                              tokens=torch.zeros(2, dtype=torch.long), prompt_length=1, reward=value)
-                   for row, value in enumerate(rewards) if math.isfinite(value)]
+    experiences = [
+        Experience(
+            eid=EID(task=row // group_size, run=row % group_size),
+            tokens=torch.zeros(2, dtype=torch.long),
+            prompt_length=1,
+            reward=value,
+        )
+        for row, value in enumerate(rewards)
+        if math.isfinite(value)
+    ]
     out, _ = ADVANTAGE_FN.get("grpo")(**args)(experiences)
     return {exp.eid.task * group_size + exp.eid.run: float(exp.advantages[0]) for exp in out}
 
@@ -181,7 +188,8 @@ def test_estimator_batch_path_subtracts_the_kl_penalty_before_the_advantages():
     ref = old - torch.tensor([[0.2, 0.1, 0.4], [0.3, 0.0, 5.0], [0.5, 7.0, 7.0], [0.0, 0.2, 0.1]])
     beta = 0.5
     result = estimator(ADVANTAGE_FN.get("rloo")(), kl_penalty="k1", kl_coef=beta)(
-        rewards, mask, slice(0, 4), 4, 0, True, sources(old, ref))
+        rewards, mask, slice(0, 4), 4, 0, True, sources(old, ref)
+    )
     kl = (old - ref) * mask  # k1 on the trained tokens only
     scores = rewards - beta * kl.sum(1)  # the reward sits on each row's last token; the KL on every token
     expected = rloo_by_hand(scores, 4).unsqueeze(1) * mask
@@ -195,8 +203,9 @@ def test_estimator_batch_path_subtracts_the_kl_penalty_before_the_advantages():
 
 def test_estimator_batch_path_asks_only_for_the_sources_it_needs():
     mask, rewards = torch.ones(4, 2), torch.tensor([1.0, 2.0, 3.0, 4.0])
-    result = estimator(ADVANTAGE_FN.get("rloo")())(rewards, mask, slice(0, 4), 4, 0, True,
-                                                   sources())  # every source raises if called
+    result = estimator(ADVANTAGE_FN.get("rloo")())(
+        rewards, mask, slice(0, 4), 4, 0, True, sources()
+    )  # every source raises if called
     torch.testing.assert_close(result.advantages, rloo_by_hand(rewards, 4).unsqueeze(1) * mask)
 
 
@@ -205,8 +214,7 @@ def test_only_training_moves_the_adaptive_kl_coefficient(training):
     mask = torch.ones(4, 2)
     old = torch.full((4, 2), -1.0)
     ref = old - 0.5  # KL 0.5 per token, far above the target: the controller raises β
-    fn = estimator(ADVANTAGE_FN.get("rloo")(), kl_penalty="k1", kl_coef=0.1, adaptive=True, target_kl=0.01,
-                   horizon=10)
+    fn = estimator(ADVANTAGE_FN.get("rloo")(), kl_penalty="k1", kl_coef=0.1, adaptive=True, target_kl=0.01, horizon=10)
     result = fn(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, training, sources(old, ref))
     assert result.metrics["critic/kl_coef"] == 0.1  # this batch is penalised with the current β either way
     moved = 0.1 * (1 + 0.2 * 4 / 10)  # error clipped at +0.2, 4 rows, horizon 10
@@ -228,8 +236,9 @@ def test_unscored_rows_leave_the_loss_and_the_baseline():
 def test_rows_with_an_empty_mask_keep_their_reward_in_the_baseline():
     mask = torch.ones(4, 3, dtype=torch.long)
     mask[2] = 0  # a truncated completion masked by mask_truncated_completions
-    result = estimator(ADVANTAGE_FN.get("rloo")())(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, True,
-                                                   sources())
+    result = estimator(ADVANTAGE_FN.get("rloo")())(
+        torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, True, sources()
+    )
     assert result.advantages[0, 0].item() == pytest.approx(1.0 - 3.0)  # baseline over 2, 3 and 4
     assert torch.all(result.advantages[2] == 0)
     assert result.loss_rows.tolist() == [True] * 4  # its mask alone keeps it out of the loss
@@ -254,7 +263,7 @@ def test_whitening_with_two_tokens_runs():
     rewards = torch.tensor([1.0, 3.0, 0.0, 0.0])
     result = estimator(ADVANTAGE_FN.get("reinforceplusplus")())(rewards, mask, slice(0, 4), 4, 0, True, sources())
     # returns 1 and 3 on the two trained tokens, whitened: -1/sqrt(2), +1/sqrt(2)
-    assert result.advantages[:2, 0].tolist() == pytest.approx([-2 ** -0.5, 2 ** -0.5], abs=1e-5)
+    assert result.advantages[:2, 0].tolist() == pytest.approx([-(2**-0.5), 2**-0.5], abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- on a trainer's batches
@@ -273,17 +282,22 @@ def _args(path, **overrides):
 
 
 def make(tmp_path, model_dir, cls=None, reward_funcs=length_reward, **config):
-    return (cls or recording(TrinityTrainer))(model=model_dir, reward_funcs=reward_funcs,
-                                              args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"),
-                                                                                    **config)),
-                                              train_dataset=tiny_conversational_dataset())
+    return (cls or recording(TrinityTrainer))(
+        model=model_dir,
+        reward_funcs=reward_funcs,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), **config)),
+        train_dataset=tiny_conversational_dataset(),
+    )
 
 
 def test_grpo_advantages_are_the_library_grpo_of_the_weighted_rewards(tmp_path, tiny_model_dir, tiny_dataset):
     trainer = recording(TrinityTrainer)(
-        model=tiny_model_dir, reward_funcs=[length_reward, position_reward], train_dataset=tiny_dataset,
-        args=_args(tmp_path, algorithm="grpo", reward_weights=[1.0, 0.5], gradient_accumulation_steps=2,
-                   steps_per_generation=2),
+        model=tiny_model_dir,
+        reward_funcs=[length_reward, position_reward],
+        train_dataset=tiny_dataset,
+        args=_args(
+            tmp_path, algorithm="grpo", reward_weights=[1.0, 0.5], gradient_accumulation_steps=2, steps_per_generation=2
+        ),
     )
     batch = generate_batch(trainer, tiny_dataset, prompts=(0, 1))  # 2 groups of G
     per_func = trainer.recorded.reward_calls[-1].rewards
@@ -291,8 +305,9 @@ def test_grpo_advantages_are_the_library_grpo_of_the_weighted_rewards(tmp_path, 
     rewards = per_func[:, 0] + 0.5 * per_func[:, 1]
 
     expected = library_group_advantages(rewards.tolist(), G, **trainer.algorithm.advantage_fn_args)
-    torch.testing.assert_close(batch["advantages"], torch.tensor([expected[row] for row in range(2 * G)]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        batch["advantages"], torch.tensor([expected[row] for row in range(2 * G)]), rtol=1e-6, atol=1e-6
+    )
     grouped = rewards.view(-1, G)
     by_hand = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
     torch.testing.assert_close(batch["advantages"], by_hand.flatten(), rtol=1e-5, atol=1e-6)
@@ -302,8 +317,12 @@ def test_unscorable_rows_get_no_advantage_and_no_loss(tmp_path, tiny_model_dir, 
     def partial_reward(completions, **kwargs):
         return [None if i == 1 else float(i) for i in range(len(completions))]
 
-    trainer = recording(TrinityTrainer)(model=tiny_model_dir, reward_funcs=partial_reward, train_dataset=tiny_dataset,
-                                        args=_args(tmp_path, algorithm="grpo"))
+    trainer = recording(TrinityTrainer)(
+        model=tiny_model_dir,
+        reward_funcs=partial_reward,
+        train_dataset=tiny_dataset,
+        args=_args(tmp_path, algorithm="grpo"),
+    )
     batch = generate_batch(trainer, tiny_dataset)
     assert math.isnan(trainer.recorded.reward_calls[-1].rewards[1, 0].item())
     assert batch["advantages"][1].item() == 0.0
@@ -315,7 +334,9 @@ def test_unscorable_rows_get_no_advantage_and_no_loss(tmp_path, tiny_model_dir, 
 
 def test_rloo_advantages_are_the_library_rloo_of_the_token_level_batch(tmp_path, tiny_model_dir, tiny_dataset):
     trainer = recording(TrinityTrainer)(
-        model=tiny_model_dir, reward_funcs=[length_reward, position_reward], train_dataset=tiny_dataset,
+        model=tiny_model_dir,
+        reward_funcs=[length_reward, position_reward],
+        train_dataset=tiny_dataset,
         args=_args(tmp_path, algorithm="rloo", gradient_accumulation_steps=2, steps_per_generation=2),
     )
     batch = generate_batch(trainer, tiny_dataset, prompts=(0, 1))
@@ -337,9 +358,12 @@ def test_rloo_advantages_are_the_library_rloo_of_the_token_level_batch(tmp_path,
 def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_path, tiny_model_dir):
     teacher_dir = save_tiny_model(tmp_path / "teacher", seed=7)
     trainer = recording(TrinityTrainer)(
-        model=tiny_model_dir, reward_funcs=length_reward, teacher_model=teacher_dir,
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        teacher_model=teacher_dir,
         args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="on_policy_distill")),
-        train_dataset=tiny_conversational_dataset())
+        train_dataset=tiny_conversational_dataset(),
+    )
     trainer.train()
     batch = trainer.recorded.batches[0]
     mask = batch["completion_mask"].bool()
@@ -372,12 +396,21 @@ def test_kl_reward_penalty_with_adaptive_coefficient(tmp_path, tiny_model_dir):
 
 
 def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                             args=TrinityConfig(**tiny_grpo_kwargs(
-                                 output_dir=str(tmp_path / "out"), algorithm="reinforceplusplus", kl_penalty_fn="k2",
-                                 kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1.0, "horizon": 10},
-                                 per_device_eval_batch_size=4)),
-                             train_dataset=tiny_conversational_dataset(), eval_dataset=tiny_conversational_dataset(8))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / "out"),
+                algorithm="reinforceplusplus",
+                kl_penalty_fn="k2",
+                kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1.0, "horizon": 10},
+                per_device_eval_batch_size=4,
+            )
+        ),
+        train_dataset=tiny_conversational_dataset(),
+        eval_dataset=tiny_conversational_dataset(8),
+    )
     trainer.evaluate()
     assert trainer.components.kl_penalty.kl_coef == 0.1
 
@@ -387,8 +420,9 @@ def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_mo
     mask = torch.ones(4, 3, dtype=torch.long)
     mask[2] = 0  # truncated completion masked by mask_truncated_completions
     rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    advantages = trainer.advantage_estimator(rewards, mask, slice(0, 4), 4, 0, True,
-                                             trainer._advantage_sources({"completion_mask": mask}, [])).advantages
+    advantages = trainer.advantage_estimator(
+        rewards, mask, slice(0, 4), 4, 0, True, trainer._advantage_sources({"completion_mask": mask}, [])
+    ).advantages
     # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
     assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
     assert torch.all(advantages[2] == 0)

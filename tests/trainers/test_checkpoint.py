@@ -39,8 +39,14 @@ class CodeOnLoad:
 
 
 def test_trainer_state_round_trip(tmp_path):
-    state = {"kl_penalty": {"kl_coef": 0.0375}, "kl_loss": {"kl_coef": 0.001}, "generation_count": 7,
-             "micro_step": 12, "expert_cursor": 6, "nested": {"list": [1, 2.5, None, "x"]}}
+    state = {
+        "kl_penalty": {"kl_coef": 0.0375},
+        "kl_loss": {"kl_coef": 0.001},
+        "generation_count": 7,
+        "micro_step": 12,
+        "expert_cursor": 6,
+        "nested": {"list": [1, 2.5, None, "x"]},
+    }
     folder = tmp_path / "checkpoint-3"
     save_trainer_state(str(folder), state)  # creates the folder
     path = folder / TRAINER_STATE_FILE
@@ -60,9 +66,13 @@ def test_trainer_state_must_be_json(tmp_path):
 
 def test_generation_buffer_round_trip(tmp_path):
     buffer = [
-        {"prompt_ids": torch.tensor([[1, 2, 3]]), "completion_mask": torch.tensor([[1, 1, 0]]),
-         "advantages": torch.tensor([0.5, -0.5]), "num_items_in_batch": torch.tensor(2),
-         "sampling_per_token_logps": None},
+        {
+            "prompt_ids": torch.tensor([[1, 2, 3]]),
+            "completion_mask": torch.tensor([[1, 1, 0]]),
+            "advantages": torch.tensor([0.5, -0.5]),
+            "num_items_in_batch": torch.tensor(2),
+            "sampling_per_token_logps": None,
+        },
         {"prompt_ids": torch.tensor([[4, 5, 6]]), "names": ["a", "b"], "count": 3, "ratio": 0.25},
     ]
     save_generation_buffer(str(tmp_path / "ckpt"), 1, buffer)

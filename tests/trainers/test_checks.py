@@ -65,23 +65,41 @@ class FakeAdvantage:
 
 @dataclass
 class FakeComponents:
-    policy_loss: Any = field(default_factory=lambda: SimpleNamespace(needs_expert_rows=False, linear_in_advantage=True,
-                                                                     reads_advantages=True))
+    policy_loss: Any = field(
+        default_factory=lambda: SimpleNamespace(
+            needs_expert_rows=False, linear_in_advantage=True, reads_advantages=True
+        )
+    )
     kl_penalty: Any = field(default_factory=lambda: SimpleNamespace(enabled=False))
     entropy_loss: Any = field(default_factory=lambda: SimpleNamespace(needs_expert_mask=False))
     advantage_fn: Any = field(default_factory=FakeAdvantage)
 
 
 def fake_args(**overrides) -> SimpleNamespace:
-    return SimpleNamespace(**{"use_vllm": False, "vllm_importance_sampling_correction": True, "sync_ref_model": False,
-                              "per_device_train_batch_size": 8, "steps_per_generation": 1, "num_generations": 4,
-                              **overrides})
+    return SimpleNamespace(
+        **{
+            "use_vllm": False,
+            "vllm_importance_sampling_correction": True,
+            "sync_ref_model": False,
+            "per_device_train_batch_size": 8,
+            "steps_per_generation": 1,
+            "num_generations": 4,
+            **overrides,
+        }
+    )
 
 
-def check(trainer_cls=PlainTrainer, algorithm=None, components=None, args=None, teacher=None,
-          rollout_func=None) -> None:
-    check_components(trainer_cls, algorithm or FakeAlgorithm(), components or FakeComponents(), args or fake_args(),
-                     teacher, rollout_func)
+def check(
+    trainer_cls=PlainTrainer, algorithm=None, components=None, args=None, teacher=None, rollout_func=None
+) -> None:
+    check_components(
+        trainer_cls,
+        algorithm or FakeAlgorithm(),
+        components or FakeComponents(),
+        args or fake_args(),
+        teacher,
+        rollout_func,
+    )
 
 
 def test_a_complete_setup_passes():
@@ -101,8 +119,9 @@ def test_offline_data_points_to_its_trainer(schema, trainer):
 
 
 def test_expert_rows_need_a_trainer_that_adds_them():
-    components = FakeComponents(policy_loss=SimpleNamespace(needs_expert_rows=True, linear_in_advantage=True,
-                                                            reads_advantages=True))
+    components = FakeComponents(
+        policy_loss=SimpleNamespace(needs_expert_rows=True, linear_in_advantage=True, reads_advantages=True)
+    )
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' needs expert rows; use ChordTrainer"):
         check(components=components)
     check(ExpertTrainer, components=components)
@@ -110,42 +129,58 @@ def test_expert_rows_need_a_trainer_that_adds_them():
 
 def test_a_kl_penalty_needs_trainer_side_advantages():
     components = FakeComponents(kl_penalty=SimpleNamespace(enabled=True))
-    with pytest.raises(ValueError, match=r"kl_penalty_fn='k1' subtracts a KL from token rewards before trainer-side "
-                                         r"advantages, but algorithm 'custom' computes advantages on experience "
-                                         r"groups"):
+    with pytest.raises(
+        ValueError,
+        match=r"kl_penalty_fn='k1' subtracts a KL from token rewards before trainer-side "
+        r"advantages, but algorithm 'custom' computes advantages on experience "
+        r"groups",
+    ):
         check(algorithm=FakeAlgorithm(kl_penalty_fn="k1"), components=components)
     check(algorithm=FakeAlgorithm(kl_penalty_fn="k1", compute_advantage_in_trainer=True), components=components)
 
 
 def test_an_entropy_of_expert_rows_needs_expert_rows():
     components = FakeComponents(entropy_loss=SimpleNamespace(needs_expert_mask=True))
-    with pytest.raises(ValueError, match=r"entropy_loss_fn 'mix' needs expert rows; use ChordTrainer, or "
-                                         r"entropy_loss_fn='default'"):
+    with pytest.raises(
+        ValueError,
+        match=r"entropy_loss_fn 'mix' needs expert rows; use ChordTrainer, or "
+        r"entropy_loss_fn='default'",
+    ):
         check(algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
     check(ExpertTrainer, algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
 
 
 def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():
-    components = FakeComponents(policy_loss=SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False,
-                                                            reads_advantages=True))
-    with pytest.raises(ValueError, match=r"policy loss 'my_loss' with these arguments is not linear in the advantage.*"
-                                         r"set vllm_importance_sampling_correction=False"):
+    components = FakeComponents(
+        policy_loss=SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False, reads_advantages=True)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"policy loss 'my_loss' with these arguments is not linear in the advantage.*"
+        r"set vllm_importance_sampling_correction=False",
+    ):
         check(components=components, args=fake_args(use_vllm=True))
     check(components=components, args=fake_args(use_vllm=True, vllm_importance_sampling_correction=False))
     check(components=components, args=fake_args(use_vllm=False))  # no vLLM: no importance weight
 
 
 def test_sync_ref_model_needs_a_reference():
-    with pytest.raises(ValueError, match=r"sync_ref_model=True updates the reference model, but this algorithm uses "
-                                         r"none \(no KL loss or penalty\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sync_ref_model=True updates the reference model, but this algorithm uses "
+        r"none \(no KL loss or penalty\)",
+    ):
         check(algorithm=FakeAlgorithm(needs_reference=False), args=fake_args(sync_ref_model=True))
     check(algorithm=FakeAlgorithm(needs_reference=True), args=fake_args(sync_ref_model=True))
 
 
 def test_a_teacher_advantage_needs_a_teacher():
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True))
-    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' needs a teacher_model \(a model or a path\), "
-                                         r"or a rollout_func that returns 'teacher_logprobs'"):
+    with pytest.raises(
+        ValueError,
+        match=r"advantage_fn 'my_advantage' needs a teacher_model \(a model or a path\), "
+        r"or a rollout_func that returns 'teacher_logprobs'",
+    ):
         check(components=components)
     check(components=components, teacher="path/to/teacher")
     check(components=components, rollout_func=lambda prompts, trainer: {})  # teacher log-probs come with the rollout
@@ -172,10 +207,16 @@ def test_group_operators_needing_behaviour_logps_or_refilling_groups_are_accepte
     check(components=FakeComponents(advantage_fn=FakeAdvantage(refills_filtered_groups=True)))
 
 
-@pytest.mark.parametrize("advantage", [
-    FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True), FakeAdvantage(needs_reward_baselines=True),
-    FakeAdvantage(needs_values=True), FakeAdvantage(needs_logprobs=True), FakeAdvantage(refills_filtered_groups=True),
-])
+@pytest.mark.parametrize(
+    "advantage",
+    [
+        FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True),
+        FakeAdvantage(needs_reward_baselines=True),
+        FakeAdvantage(needs_values=True),
+        FakeAdvantage(needs_logprobs=True),
+        FakeAdvantage(refills_filtered_groups=True),
+    ],
+)
 def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
     """A loss that reads no advantages (RAFT's SFT loss) never runs the advantage function."""
     policy = SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False, reads_advantages=False)
@@ -186,8 +227,11 @@ def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
 def test_completion_room():
     check_completion_room(511, 512)
     check_completion_room(10_000, None)  # a model without max_position_embeddings
-    with pytest.raises(ValueError, match=r"max_completion_length \(512\) leaves no room for a prompt in the "
-                                         r"model's 512 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_completion_length \(512\) leaves no room for a prompt in the "
+        r"model's 512 positions",
+    ):
         check_completion_room(512, 512)
 
 
@@ -274,8 +318,12 @@ def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
     from trinity_trl.trainers import CISPOTrainer
 
     with pytest.raises(TypeError, match="CISPOConfig"):
-        CISPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                     args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+        CISPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+        )
 
 
 def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
@@ -283,15 +331,20 @@ def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss_fn="mix")
     # ChordTrainer adds expert rows, so the same entropy is accepted there
     expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})
-    ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert, train_dataset=tiny_dataset,
-                 args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss_fn="mix",
-                                                     expert_batch_size=2)))
+    ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        expert_dataset=expert,
+        train_dataset=tiny_dataset,
+        args=ChordConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss_fn="mix", expert_batch_size=2)
+        ),
+    )
 
 
 def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="sync_ref_model=True updates the reference model"):
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="asymre", sync_ref_model=True)
-    trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True,
-                       ref_model_sync_steps=1, max_steps=2)
+    trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True, ref_model_sync_steps=1, max_steps=2)
     trainer.train()  # grpo has a k2 KL loss, so TRL keeps and syncs a reference model
     assert trainer.ref_model is not None

@@ -14,18 +14,24 @@ ANSWERS = {(1, 2): "The answer is 3.", (3, 4): "It is 7.", (5, 6): "11", (7, 8):
 
 
 def expert_messages() -> Dataset:
-    return Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": text}]}
-        for (a, b), text in ANSWERS.items()
-    ])
+    return Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": text}]}
+            for (a, b), text in ANSWERS.items()
+        ]
+    )
 
 
 def expert_prompt_completion(conversational: bool) -> Dataset:
     rows = []
     for (a, b), text in ANSWERS.items():
         if conversational:
-            rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
-                         "completion": [{"role": "assistant", "content": text}]})
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+                    "completion": [{"role": "assistant", "content": text}],
+                }
+            )
         else:
             rows.append({"prompt": f"What is {a}+{b}?", "completion": text})
     return Dataset.from_list(rows)
@@ -68,8 +74,11 @@ def test_expert_rows_join_the_batch_tokenized_like_rollouts(tmp_path, tiny_model
 
 @pytest.mark.parametrize("dataset", ["messages", "prompt_completion_text", "prompt_completion_chat"])
 def test_expert_dataset_formats(tmp_path, tiny_model_dir, dataset):
-    expert = {"messages": expert_messages(), "prompt_completion_text": expert_prompt_completion(False),
-              "prompt_completion_chat": expert_prompt_completion(True)}[dataset]
+    expert = {
+        "messages": expert_messages(),
+        "prompt_completion_text": expert_prompt_completion(False),
+        "prompt_completion_chat": expert_prompt_completion(True),
+    }[dataset]
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert=expert, expert_batch_size=2)
     trainer.train()
     batch = trainer.recorded.batches[0]
@@ -83,18 +92,41 @@ def test_expert_dataset_formats(tmp_path, tiny_model_dir, dataset):
 
 
 def test_loss_equals_library_mix_chord_on_the_same_tensors(tmp_path, tiny_model_dir):
-    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=3, mu_warmup_steps=1, mu_decay_steps=2, mu_peak=0.5,
-                           mu_valley=0.02, kl_loss_fn="none", entropy_loss_fn="none", expert_batch_size=2)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        max_steps=3,
+        mu_warmup_steps=1,
+        mu_decay_steps=2,
+        mu_peak=0.5,
+        mu_valley=0.02,
+        kl_loss_fn="none",
+        entropy_loss_fn="none",
+        expert_batch_size=2,
+    )
     trainer.train()
     cls = POLICY_LOSS_FN.get("mix_chord")
-    reference = cls(**{**cls.default_args(), "mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.5, "mu_valley": 0.02,
-                       "ppo_mini_batch_size": 1, "train_batch_size_usual": 4, "train_batch_size_expert": 2})
+    reference = cls(
+        **{
+            **cls.default_args(),
+            "mu_warmup_steps": 1,
+            "mu_decay_steps": 2,
+            "mu_peak": 0.5,
+            "mu_valley": 0.02,
+            "ppo_mini_batch_size": 1,
+            "train_batch_size_usual": 4,
+            "train_batch_size_expert": 2,
+        }
+    )
     assert len(trainer.recorded.loss_calls) == 3
     for call in trainer.recorded.loss_calls:
         inputs, logps, step = call.inputs, call.logps.detach(), call.global_step + 1
         expected, metrics = reference(
-            logprob=logps, old_logprob=logps, action_mask=inputs["completion_mask"],
-            advantages=inputs["advantages"], expert_mask=inputs["expert_mask"],
+            logprob=logps,
+            old_logprob=logps,
+            action_mask=inputs["completion_mask"],
+            advantages=inputs["advantages"],
+            expert_mask=inputs["expert_mask"],
             step=torch.full((6,), step),
         )
         assert call.loss.item() == pytest.approx(expected.item(), abs=1e-6)
@@ -107,8 +139,14 @@ def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, expert_batch_size=2)
     trainer.train()
     log = trainer.state.log_history[0]
-    for key in ("actor/mu", "actor/expert/sft_phi_loss", "actor/usual/pg_loss", "chord/expert_tokens",
-                "chord/on_policy_tokens", "chord/expert_rows"):
+    for key in (
+        "actor/mu",
+        "actor/expert/sft_phi_loss",
+        "actor/usual/pg_loss",
+        "chord/expert_tokens",
+        "chord/on_policy_tokens",
+        "chord/expert_rows",
+    ):
         assert key in log, key
     batch = trainer.recorded.batches[0]
     assert log["chord/expert_tokens"] == batch["completion_mask"][batch["expert_mask"]].sum().item()
@@ -148,16 +186,20 @@ def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, 
 
 
 def test_mix_uses_a_constant_mu(tmp_path, tiny_model_dir):
-    trainer = make_trainer(tmp_path, tiny_model_dir, algorithm="mix", policy_loss_fn_args={"mu": 0.3}, max_steps=1,
-                           expert_batch_size=2)
+    trainer = make_trainer(
+        tmp_path, tiny_model_dir, algorithm="mix", policy_loss_fn_args={"mu": 0.3}, max_steps=1, expert_batch_size=2
+    )
     assert trainer.components.policy_loss.mu == 0.3
     trainer.train()
     assert "actor/expert/sft_loss" in trainer.state.log_history[0]
 
 
 def test_expert_row_count_defaults_from_the_ratio():
-    config = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", per_device_train_batch_size=12, num_generations=4,
-                                            gradient_accumulation_steps=2))
+    config = ChordConfig(
+        **tiny_grpo_kwargs(
+            output_dir="unused", per_device_train_batch_size=12, num_generations=4, gradient_accumulation_steps=2
+        )
+    )
     assert config.local_expert_rows() % config.steps_per_generation == 0
     assert config.local_expert_rows() == 8  # 0.25/0.75 · 24 rollouts = 8
 
@@ -180,22 +222,31 @@ def test_bad_chord_configs(config, match):
 
 def test_bad_expert_datasets(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="needs an expert_dataset"):
-        ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                     args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
-                     train_dataset=tiny_conversational_dataset())
+        ChordTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+            train_dataset=tiny_conversational_dataset(),
+        )
     with pytest.raises(ValueError, match="'messages' column"):
         make_trainer(tmp_path, tiny_model_dir, expert=Dataset.from_list([{"text": "hello"}]))
     with pytest.raises(ValueError, match="empty"):
         make_trainer(tmp_path, tiny_model_dir, expert=Dataset.from_list([{"messages": []}]).select([]))
-    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=1,
-                           expert=Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]))
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        max_steps=1,
+        expert_batch_size=1,
+        expert=Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]),
+    )
     with pytest.raises(ValueError, match="row 0: the last message must be the assistant"):
         trainer.train()
 
 
 def test_resume_restores_the_expert_stream_position(tmp_path, tiny_model_dir):
-    straight = make_trainer(tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2, save_strategy="steps",
-                            save_steps=1)
+    straight = make_trainer(
+        tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2, save_strategy="steps", save_steps=1
+    )
     straight.train()
     resumed = make_trainer(tmp_path, tiny_model_dir, max_steps=3, expert_batch_size=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
@@ -209,21 +260,35 @@ def test_eval_loss_does_not_depend_on_the_eval_batch_size(tmp_path, tiny_model_d
     loss_fn = trainer._policy_loss_for("eval")
     torch.manual_seed(0)
     logps, adv = -torch.rand(8, 5), torch.randn(8, 5)
-    inputs = dict(logprob=logps, old_logprob=logps, action_mask=torch.ones(8, 5), advantages=adv,
-                  expert_mask=torch.zeros(8, dtype=torch.bool), step=torch.ones(8))
+    inputs = dict(
+        logprob=logps,
+        old_logprob=logps,
+        action_mask=torch.ones(8, 5),
+        advantages=adv,
+        expert_mask=torch.zeros(8, dtype=torch.bool),
+        step=torch.ones(8),
+    )
     full = loss_fn(**inputs)[0]
     half = loss_fn(**{k: v[:4] for k, v in inputs.items()})[0]
     reference = POLICY_LOSS_FN.get("ppo")(clip_range=0.2)
-    assert full.item() == pytest.approx(0.9 * reference(logprob=logps, old_logprob=logps, action_mask=torch.ones(8, 5),
-                                                        advantages=adv)[0].item(), abs=1e-6)
+    assert full.item() == pytest.approx(
+        0.9 * reference(logprob=logps, old_logprob=logps, action_mask=torch.ones(8, 5), advantages=adv)[0].item(),
+        abs=1e-6,
+    )
     # each sample weighs 1/per_device_eval_batch_size: a half-full eval batch contributes half
-    half_reference = reference(logprob=logps[:4], old_logprob=logps[:4], action_mask=torch.ones(4, 5),
-                               advantages=adv[:4])[0].item()
+    half_reference = reference(
+        logprob=logps[:4], old_logprob=logps[:4], action_mask=torch.ones(4, 5), advantages=adv[:4]
+    )[0].item()
     assert half.item() == pytest.approx(0.9 * 0.5 * half_reference, abs=1e-6)
 
 
 def test_chord_rejects_environment_factory(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="environment_factory"):
-        ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert_messages(),
-                     args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
-                     train_dataset=tiny_conversational_dataset(), environment_factory=object)
+        ChordTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            expert_dataset=expert_messages(),
+            args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+            train_dataset=tiny_conversational_dataset(),
+            environment_factory=object,
+        )

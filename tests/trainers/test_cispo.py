@@ -68,10 +68,12 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
 
 
 def test_cispo_trainer_trains_the_cispo_loss(tmp_path, tiny_model_dir):
-    trainer = CISPOTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                           train_dataset=tiny_conversational_dataset(),
-                           args=CISPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1,
-                                                               clip_range_high=0.5)))
+    trainer = CISPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=CISPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, clip_range_high=0.5)),
+    )
     assert isinstance(trainer, TrinityTrainer) and trainer._name == "CISPO"
     assert trainer.components.policy_loss.clip_range_high == 0.5
     trainer.train()

@@ -23,8 +23,11 @@ from trinity_trl.trainers.common import (
 
 # ------------------------------------------------------------------------------------------------- Components
 def test_components_are_built_from_the_resolved_algorithm():
-    algorithm = TrinityConfig(**tiny_grpo_kwargs(output_dir="unused", algorithm="reinforceplusplus", kl_penalty_fn="k1",
-                                                 kl_penalty_fn_args={"kl_coef": 0.3})).resolved_algorithm()
+    algorithm = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir="unused", algorithm="reinforceplusplus", kl_penalty_fn="k1", kl_penalty_fn_args={"kl_coef": 0.3}
+        )
+    ).resolved_algorithm()
     components = Components.build(algorithm)
     assert isinstance(components.policy_loss, POLICY_LOSS_FN.get(algorithm.policy_loss_fn))
     assert isinstance(components.kl_penalty, KL_FN.get("k1")) and components.kl_penalty.kl_coef == 0.3
@@ -47,10 +50,13 @@ def test_trainer_overrides_reach_the_policy_loss():
 def test_an_override_the_user_also_set_is_an_error():
     user_args = {"usual_sample_weight": 1.0, "expert_sample_weight": 1.0}
     algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss_fn_args=user_args)).resolved_algorithm()
-    with pytest.raises(ValueError, match=r"policy_loss_fn_args sets \['expert_sample_weight', 'usual_sample_weight'\], "
-                                         r"which the trainer derives from its own batch geometry \(would be "
-                                         r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
-                                         r"remove them"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy_loss_fn_args sets \['expert_sample_weight', 'usual_sample_weight'\], "
+        r"which the trainer derives from its own batch geometry \(would be "
+        r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
+        r"remove them",
+    ):
         Components.build(algorithm, {"usual_sample_weight": 0.25, "expert_sample_weight": 0.5})
 
 
@@ -66,9 +72,12 @@ def test_model_name_loads_trl_processor_with_hf_tokenizer_corrections(tmp_path, 
         return original(tokenizer, name, **kwargs)
 
     monkeypatch.setattr(tokenizer_module, "correct_tokenizer", spy)
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                             train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)),
+    )
     assert calls == [tiny_model_dir]
     assert trainer.processing_class.pad_token is not None
     assert trainer.processing_class.padding_side == "left" and trainer.processing_class.truncation_side == "left"
@@ -78,16 +87,21 @@ def test_a_given_processor_is_used_as_it_is(tmp_path, tiny_model_dir, tiny_token
     import trinity_trl.tokenizer as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "correct_tokenizer", lambda *a, **k: pytest.fail("processor was reloaded"))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                             train_dataset=tiny_conversational_dataset(), processing_class=tiny_tokenizer,
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        processing_class=tiny_tokenizer,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"))),
+    )
     assert trainer.processing_class is tiny_tokenizer
 
 
 # ------------------------------------------------------------------------------------------ default_output_dir
 def test_default_output_dir():
     assert default_output_dir("HuggingFaceTB/SmolLM2-135M-Instruct/", "ChordConfig") == (
-        "SmolLM2-135M-Instruct-ChordConfig")
+        "SmolLM2-135M-Instruct-ChordConfig"
+    )
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path="/models/tiny"))
     assert default_output_dir(model, "TrinityConfig") == "tiny-TrinityConfig"
     assert default_output_dir(SimpleNamespace(config=SimpleNamespace(_name_or_path="")), "X") == "model-X"
@@ -137,12 +151,19 @@ def test_capture_fused_outputs_records_each_outermost_fused_call_once():
 @pytest.mark.parametrize("flag", ["cp_enabled", "sp_enabled"])
 def test_sequence_sharding_is_rejected(flag):
     trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(**{flag: True})))
-    with pytest.raises(ValueError, match=rf"TrinitySFTTrainer does not support context or sequence parallelism "
-                                         rf"\({flag}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"TrinitySFTTrainer does not support context or sequence parallelism "
+        rf"\({flag}\)",
+    ):
         reject_sequence_sharding(trainer, "TrinitySFTTrainer")
 
 
 def test_no_parallelism_config_is_accepted():
     reject_sequence_sharding(SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=None)), "X")
-    reject_sequence_sharding(SimpleNamespace(accelerator=SimpleNamespace(
-        parallelism_config=SimpleNamespace(cp_enabled=False, sp_enabled=False))), "X")
+    reject_sequence_sharding(
+        SimpleNamespace(
+            accelerator=SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=False, sp_enabled=False))
+        ),
+        "X",
+    )

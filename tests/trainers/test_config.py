@@ -5,7 +5,8 @@
   field fails `test_every_grpo_field_is_classified` by name.
 * Algorithm resolution at config construction: presets, component names, arguments, JSON strings, merge/replace.
 
-CISPOConfig and SAPOConfig: test_cispo.py, test_sapo.py. What a trainer rejects at construction: test_checks.py; the reference model: test_trinity.py.
+CISPOConfig and SAPOConfig: test_cispo.py, test_sapo.py. What a trainer rejects at construction: test_checks.py; the
+reference model: test_trinity.py.
 """
 
 from __future__ import annotations
@@ -247,8 +248,11 @@ def test_replaced_field_with_non_default_value_is_rejected(tmp_path, name):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
 def test_trl_epsilon_fields_are_the_relative_clip_bounds(tmp_path, algorithm):
-    """TRL's epsilon / epsilon_high mean exactly clip_range / clip_range_high of ppo and gspo: accepted and passed on."""
-    loss = _config(tmp_path, algorithm=algorithm, epsilon=0.3, epsilon_high=0.4).resolved_algorithm().build_policy_loss()
+    """TRL's epsilon / epsilon_high mean exactly clip_range / clip_range_high of ppo and gspo: accepted and passed
+    on."""
+    loss = (
+        _config(tmp_path, algorithm=algorithm, epsilon=0.3, epsilon_high=0.4).resolved_algorithm().build_policy_loss()
+    )
     assert (loss.clip_range_low, loss.clip_range_high) == (0.3, 0.4)
     loss = _config(tmp_path, algorithm=algorithm, epsilon=0.25).resolved_algorithm().build_policy_loss()
     assert (loss.clip_range_low, loss.clip_range_high) == (0.25, 0.25)

@@ -57,10 +57,14 @@ def registered():
 
 
 def test_a_user_loss_trains_in_trinity_trainer(tmp_path, tiny_model_dir, registered):
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), policy_loss_fn="clipped_reinforce",
-                                            policy_loss_fn_args={"clip": 0.5}))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                             args=args)
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path), policy_loss_fn="clipped_reinforce", policy_loss_fn_args={"clip": 0.5}
+        )
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
     assert isinstance(trainer.components.policy_loss, ClippedReinforce) and trainer.components.policy_loss.clip == 0.5
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
@@ -69,15 +73,26 @@ def test_a_user_loss_trains_in_trinity_trainer(tmp_path, tiny_model_dir, registe
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
-def test_a_loss_that_is_not_linear_in_the_advantage_refuses_vllm_importance_weights(tmp_path, tiny_model_dir,
-                                                                                     registered):
+def test_a_loss_that_is_not_linear_in_the_advantage_refuses_vllm_importance_weights(
+    tmp_path, tiny_model_dir, registered
+):
     """TRL's vLLM importance-sampling weight is applied through the advantages, which is exact only for a loss linear
     in them; the trainer asks the loss and refuses at construction (before vLLM is touched)."""
+
     def build(loss):
-        return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                              args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), policy_loss_fn=loss,
-                                                                    use_vllm=True,
-                                                                    vllm_importance_sampling_correction=True)))
+        return TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(
+                **tiny_grpo_kwargs(
+                    output_dir=str(tmp_path),
+                    policy_loss_fn=loss,
+                    use_vllm=True,
+                    vllm_importance_sampling_correction=True,
+                )
+            ),
+        )
 
     with pytest.raises(ValueError, match="'clipped_reinforce' with these arguments is not linear in the advantage"):
         build("clipped_reinforce")
@@ -115,10 +130,16 @@ def test_step_grpo_packs_runs_only_for_token_level_losses(tmp_path, tiny_model_d
             return batch
 
     CountingEnv.counter = 0
-    trainer = Recording(model=tiny_model_dir, environment_factory=CountingEnv,
-                        train_dataset=Dataset.from_dict({"task": list(range(8))}),
-                        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, max_env_steps=3,
-                                                               policy_loss_fn=loss, shared_prefix=True)))
+    trainer = Recording(
+        model=tiny_model_dir,
+        environment_factory=CountingEnv,
+        train_dataset=Dataset.from_dict({"task": list(range(8))}),
+        args=StepGRPOConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path), max_steps=1, max_env_steps=3, policy_loss_fn=loss, shared_prefix=True
+            )
+        ),
+    )
     trainer.train()
     runs, steps, rows = batches[0]
     assert steps > runs  # some runs have several turns, so the two layouts differ

@@ -22,10 +22,14 @@ def scripted_rollout(prompts, trainer):
 
 
 def make(tmp_path, tiny_model_dir, rollout_func, **kwargs):
-    return TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                          rollout_func=rollout_func,
-                          args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")),
-                          **kwargs)
+    return TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        rollout_func=rollout_func,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")),
+        **kwargs,
+    )
 
 
 def test_teacher_logprobs_from_the_rollout_give_the_distillation_advantages(tmp_path, tiny_model_dir):
@@ -41,8 +45,12 @@ def test_teacher_logprobs_from_the_rollout_give_the_distillation_advantages(tmp_
 
 def test_without_a_teacher_model_or_rollout_logprobs_the_error_says_what_to_give(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="needs a teacher_model .* or a rollout_func that returns 'teacher_logprobs'"):
-        TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                       args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")))
+        TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")),
+        )
 
     def without_teacher(prompts, trainer):
         out = scripted_rollout(prompts, trainer)

@@ -21,8 +21,8 @@ What must be equal, and why:
   DDP-averaged gradient. That holds when the aggregation is a mean over equally sized halves:
   - `token-mean` (grpo case): both halves must hold the same number of loss tokens, so every completion has the
     same length there;
-  - `seq-mean-token-mean` (reinforceplusplus, sapo, chord): the mean over rows of per-row token means; each process holds
-    the same number of rows (4 rollouts, and for CHORD 2 expert rows), so completion lengths may differ;
+  - `seq-mean-token-mean` (reinforceplusplus, sapo, chord): the mean over rows of per-row token means; each process
+    holds the same number of rows (4 rollouts, and for CHORD 2 expert rows), so completion lengths may differ;
   - `loss_normalization="global"` (cispo_global, step_grpo): each process divides its token sum by the global token
     count / world, so halves with different token counts match exactly (cispo_micro shows they do not otherwise).
 
@@ -104,7 +104,10 @@ def _assert_same_rows(rows_1: list[dict], rows_2: list[dict], expected: int, wha
         assert a["completion_ids"] == b["completion_ids"], f"{what} row {i}: completion differs"
         assert len(a["advantages"]) == len(b["advantages"]), f"{what} row {i}: advantage length differs"
         torch.testing.assert_close(
-            torch.tensor(b["advantages"]), torch.tensor(a["advantages"]), rtol=0, atol=1e-6,
+            torch.tensor(b["advantages"]),
+            torch.tensor(a["advantages"]),
+            rtol=0,
+            atol=1e-6,
             msg=lambda m, i=i: f"{what} row {i}: advantages differ\n{m}",
         )
 

@@ -52,12 +52,19 @@ def ref_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_ref"), tokenizer=tokenizer, seed=1)
 
 
-def dpo_trainer(model_dir, tmp_path, ref_model=None, trainer_cls=TrinityDPOTrainer, peft_config=None, callbacks=None,
-                **config):
+def dpo_trainer(
+    model_dir, tmp_path, ref_model=None, trainer_cls=TrinityDPOTrainer, peft_config=None, callbacks=None, **config
+):
     args = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path, **config))
-    return trainer_cls(model=model_dir, ref_model=ref_model, args=args, train_dataset=preference_dataset(),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=peft_config,
-                       callbacks=callbacks)
+    return trainer_cls(
+        model=model_dir,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=preference_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
 
 
 def plain_dpo_inputs(policy, reference, inputs):
@@ -72,8 +79,13 @@ def plain_dpo_inputs(policy, reference, inputs):
 
 def test_dpo_pair_losses_equal_library_dpo_on_summed_logprobs(tiny_model_dir, ref_model_dir, tmp_path):
     beta, smoothing = 0.5, 0.1
-    trainer = dpo_trainer(tiny_model_dir, tmp_path, ref_model=AutoModelForCausalLM.from_pretrained(ref_model_dir),
-                          beta=beta, label_smoothing=smoothing)
+    trainer = dpo_trainer(
+        tiny_model_dir,
+        tmp_path,
+        ref_model=AutoModelForCausalLM.from_pretrained(ref_model_dir),
+        beta=beta,
+        label_smoothing=smoothing,
+    )
     inputs = first_batch(trainer)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     reference = AutoModelForCausalLM.from_pretrained(ref_model_dir)
@@ -86,8 +98,9 @@ def test_dpo_pair_losses_equal_library_dpo_on_summed_logprobs(tiny_model_dir, re
     assert losses.shape == (n_pairs,) == (4,)
     for i in range(n_pairs):
         rows = [i, n_pairs + i]  # TRL's layout: chosen rows, then rejected rows
-        expected, _ = library(logprob=sums[rows].unsqueeze(1), ref_logprob=ref_sums[rows].unsqueeze(1),
-                              action_mask=torch.ones(2, 1))
+        expected, _ = library(
+            logprob=sums[rows].unsqueeze(1), ref_logprob=ref_sums[rows].unsqueeze(1), action_mask=torch.ones(2, 1)
+        )
         h = (sums[i] - ref_sums[i]) - (sums[n_pairs + i] - ref_sums[n_pairs + i])
         formula = -(1 - smoothing) * F.logsigmoid(beta * h) - smoothing * F.logsigmoid(-beta * h)
         assert abs(losses[i].item() - expected.item()) < 1e-6
@@ -101,8 +114,14 @@ def test_dpo_pair_losses_equal_library_dpo_on_summed_logprobs(tiny_model_dir, re
 
 def test_dpo_loss_equals_trl_sigmoid_plus_kl_and_entropy(tiny_model_dir, ref_model_dir, tmp_path):
     kl_coef, entropy_coef = 0.5, 0.01
-    trainer = dpo_trainer(tiny_model_dir, tmp_path, ref_model=AutoModelForCausalLM.from_pretrained(ref_model_dir),
-                          beta=0.3, kl_loss_fn_args={"kl_coef": kl_coef}, entropy_loss_fn_args={"entropy_coef": entropy_coef})
+    trainer = dpo_trainer(
+        tiny_model_dir,
+        tmp_path,
+        ref_model=AutoModelForCausalLM.from_pretrained(ref_model_dir),
+        beta=0.3,
+        kl_loss_fn_args={"kl_coef": kl_coef},
+        entropy_loss_fn_args={"entropy_coef": entropy_coef},
+    )
     inputs = first_batch(trainer)
     with torch.no_grad():
         trl_sigmoid = DPOTrainer.compute_loss(trainer, trainer.model, dict(inputs)).item()  # TRL's own loss
@@ -147,10 +166,17 @@ def test_dpo_trains_two_steps(tiny_model_dir, tmp_path, use_lora):
 
 def test_dpo_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
     """GA = 2: the logged loss is the mean of the two micro-batch losses (each divided once by Trainer)."""
-    args = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                            max_steps=1, learning_rate=0.0))
-    trainer = recording(TrinityDPOTrainer)(model=tiny_model_dir, args=args, train_dataset=preference_dataset(),
-                                           processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    args = TrinityDPOConfig(
+        **tiny_sft_dpo_kwargs(
+            tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=0.0
+        )
+    )
+    trainer = recording(TrinityDPOTrainer)(
+        model=tiny_model_dir,
+        args=args,
+        train_dataset=preference_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
     trainer.train()
     assert len(trainer.recorded.loss_calls) == 2
     micro = [call.loss.item() for call in trainer.recorded.loss_calls]
@@ -180,7 +206,9 @@ def test_dpo_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
 def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):
     from_fields = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), beta=0.2, label_smoothing=0.1)
     assert from_fields.resolved_algorithm().policy_loss_fn_args == {"beta": 0.2, "label_smoothing": 0.1}
-    from_args = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn_args='{"beta": 0.3, "label_smoothing": 0.2}')
+    from_args = TrinityDPOConfig(
+        **tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn_args='{"beta": 0.3, "label_smoothing": 0.2}'
+    )
     assert (from_args.beta, from_args.label_smoothing) == (0.3, 0.2)  # TRL's metrics use the same beta
     resolved = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path)).resolved_algorithm()
     assert resolved.kl_loss_fn == "k2" and resolved.kl_loss_fn_args["kl_coef"] == 0.001
@@ -219,10 +247,24 @@ def _trl_fields(config_cls) -> set[str]:
 
 # TRL options this trainer leaves to TRL (data preparation, model loading, reference handling, ...)
 HONOURED_DPO = {
-    "activation_offloading", "dataset_num_proc", "disable_dropout", "max_length", "model_init_kwargs",
-    "pad_to_multiple_of", "pad_token", "padding_free", "precompute_ref_batch_size", "precompute_ref_log_probs",
-    "ref_model_mixup_alpha", "ref_model_sync_steps", "router_aux_loss_coef", "sync_ref_model", "truncation_mode",
-    "trust_remote_code", "beta", "label_smoothing",  # beta / label_smoothing become the dpo loss's arguments
+    "activation_offloading",
+    "dataset_num_proc",
+    "disable_dropout",
+    "max_length",
+    "model_init_kwargs",
+    "pad_to_multiple_of",
+    "pad_token",
+    "padding_free",
+    "precompute_ref_batch_size",
+    "precompute_ref_log_probs",
+    "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+    "router_aux_loss_coef",
+    "sync_ref_model",
+    "truncation_mode",
+    "trust_remote_code",
+    "beta",
+    "label_smoothing",  # beta / label_smoothing become the dpo loss's arguments
 }
 
 

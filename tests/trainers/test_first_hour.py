@@ -13,8 +13,17 @@ from peft import LoraConfig
 
 from trinity_trl.data import model as bundled
 from trinity_trl.trainers import (
-    ChordConfig, ChordTrainer, PPOConfig, PPOTrainer, TrinityConfig, TrinityDPOConfig, TrinityDPOTrainer,
-    TrinitySFTConfig, TrinitySFTTrainer, TrinityTrainer, common,
+    ChordConfig,
+    ChordTrainer,
+    PPOConfig,
+    PPOTrainer,
+    TrinityConfig,
+    TrinityDPOConfig,
+    TrinityDPOTrainer,
+    TrinitySFTConfig,
+    TrinitySFTTrainer,
+    TrinityTrainer,
+    common,
 )
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -22,8 +31,9 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_t
 
 # ------------------------------------------------------------------------------------------- CPU defaults
 @pytest.mark.parametrize("config_class", [TrinityConfig, TrinitySFTConfig, TrinityDPOConfig, PPOConfig])
-def test_without_an_accelerator_configs_train_in_float32_without_checkpointing(tmp_path, config_class, caplog,
-                                                                                 monkeypatch):
+def test_without_an_accelerator_configs_train_in_float32_without_checkpointing(
+    tmp_path, config_class, caplog, monkeypatch
+):
     """TRL's defaults (bf16, gradient checkpointing) are emulated on a CPU; without `use_cpu` or an explicit
     precision a config built here must neither fail ("doesn't support bf16/gpu") nor pick them, and says so once."""
     monkeypatch.setattr(common, "_CPU_DEFAULTS_ANNOUNCED", False)
@@ -60,29 +70,48 @@ def bundled_is_tiny(monkeypatch, tiny_model_dir):
 
 
 def test_bundled_works_in_the_rl_trainers_and_as_teacher(tmp_path, bundled_is_tiny):
-    trainer = TrinityTrainer(model="bundled", reward_funcs=length_reward, teacher_model="bundled",
-                             train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")))
+    trainer = TrinityTrainer(
+        model="bundled",
+        reward_funcs=length_reward,
+        teacher_model="bundled",
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="on_policy_distill")),
+    )
     assert trainer.model.config._name_or_path == bundled_is_tiny
     assert trainer.teacher_model is not None
 
 
 def test_bundled_works_for_chord_and_as_the_ppo_value_model(tmp_path, bundled_is_tiny):
     expert = Dataset.from_dict({"prompt": ["What is 1+1?"] * 4, "completion": [" 2"] * 4})
-    ChordTrainer(model="bundled", reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                 expert_dataset=expert, args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"))))
-    ppo = PPOTrainer(model="bundled", value_model="bundled", reward_funcs=length_reward,
-                     train_dataset=tiny_conversational_dataset(),
-                     args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "p"))))
+    ChordTrainer(
+        model="bundled",
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        expert_dataset=expert,
+        args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"))),
+    )
+    ppo = PPOTrainer(
+        model="bundled",
+        value_model="bundled",
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "p"))),
+    )
     assert ppo.accelerator.unwrap_model(ppo.critic).config._name_or_path == bundled_is_tiny
 
 
 def test_bundled_works_in_the_sft_and_dpo_trainers(tmp_path, bundled_is_tiny):
     common_args = {"use_cpu": True, "report_to": "none", "max_steps": 1}
-    TrinitySFTTrainer(model="bundled", args=TrinitySFTConfig(output_dir=str(tmp_path / "s"), **common_args),
-                      train_dataset=Dataset.from_dict({"prompt": ["What is 1+1?"], "completion": [" 2"]}))
-    TrinityDPOTrainer(model="bundled", args=TrinityDPOConfig(output_dir=str(tmp_path / "d"), **common_args),
-                      train_dataset=Dataset.from_dict({"prompt": ["1+1?"], "chosen": [" 2"], "rejected": [" 3"]}))
+    TrinitySFTTrainer(
+        model="bundled",
+        args=TrinitySFTConfig(output_dir=str(tmp_path / "s"), **common_args),
+        train_dataset=Dataset.from_dict({"prompt": ["What is 1+1?"], "completion": [" 2"]}),
+    )
+    TrinityDPOTrainer(
+        model="bundled",
+        args=TrinityDPOConfig(output_dir=str(tmp_path / "d"), **common_args),
+        train_dataset=Dataset.from_dict({"prompt": ["1+1?"], "chosen": [" 2"], "rejected": [" 3"]}),
+    )
 
 
 # ------------------------------------------------------------------------------------------ model cards
@@ -98,9 +127,13 @@ def test_card_names_the_bundled_model_by_its_hub_id_and_loads_the_adapter_with_p
     bundled_dir = tmp_path / "cache" / "SmolLM2-135M-Instruct"
     shutil.copytree(tiny_model_dir, bundled_dir)
     (bundled_dir / bundled._MARKER).write_text("{}")  # what bundled_model_dir() writes after a conversion
-    trainer = TrinityTrainer(model=str(bundled_dir), reward_funcs=length_reward, peft_config=LORA,
-                             train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)))
+    trainer = TrinityTrainer(
+        model=str(bundled_dir),
+        reward_funcs=length_reward,
+        peft_config=LORA,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1)),
+    )
     trainer.train()
     card = card_of(trainer, tmp_path / "out")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
@@ -118,14 +151,25 @@ def test_card_names_the_bundled_model_by_its_hub_id_and_loads_the_adapter_with_p
 
 
 def test_card_lists_the_training_set_up(tmp_path, tiny_model_dir):
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, peft_config=LORA,
-                             train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), learning_rate=3e-4)))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        peft_config=LORA,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), learning_rate=3e-4)),
+    )
     trainer.set_model_card_dataset("my/dataset")
     card = card_of(trainer, tmp_path / "saved")
-    for row in ("| dataset | `my/dataset` |", "| learning rate | 0.0003 (linear) |", "| max steps | 2 |",
-                "| batch per device | 4 |", "| generations per prompt | 4 |", "| max completion length | 8 |",
-                "| LoRA | r 4, alpha 8, modules q_proj, v_proj |", "| precision | float32 |"):
+    for row in (
+        "| dataset | `my/dataset` |",
+        "| learning rate | 0.0003 (linear) |",
+        "| max steps | 2 |",
+        "| batch per device | 4 |",
+        "| generations per prompt | 4 |",
+        "| max completion length | 8 |",
+        "| LoRA | r 4, alpha 8, modules q_proj, v_proj |",
+        "| precision | float32 |",
+    ):
         assert row in card, row
     assert 'from_pretrained("' + str(tmp_path / "saved") + '")' in card  # not pushed: the folder it was saved to
 
@@ -134,9 +178,13 @@ def test_card_describes_chord_mu_or_phi_as_configured(tmp_path, tiny_model_dir):
     expert = Dataset.from_dict({"prompt": ["What is 1+1?"] * 4, "completion": [" 2"] * 4})
 
     def card(**config):
-        trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
-                               train_dataset=tiny_conversational_dataset(),
-                               args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **config)))
+        trainer = ChordTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            expert_dataset=expert,
+            train_dataset=tiny_conversational_dataset(),
+            args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **config)),
+        )
         return card_of(trainer, tmp_path / "card")
 
     mu = card(enable_phi_function=False, mu_peak=0.9, mu_valley=0.05, mu_decay_steps=20)
@@ -146,9 +194,11 @@ def test_card_describes_chord_mu_or_phi_as_configured(tmp_path, tiny_model_dir):
 
 
 def test_a_dpo_card_lists_only_the_components_dpo_uses(tmp_path, tiny_model_dir):
-    trainer = TrinityDPOTrainer(model=tiny_model_dir, train_dataset=Dataset.from_dict(
-        {"prompt": ["1+1?"], "chosen": [" 2"], "rejected": [" 3"]}),
-        args=TrinityDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1))
+    trainer = TrinityDPOTrainer(
+        model=tiny_model_dir,
+        train_dataset=Dataset.from_dict({"prompt": ["1+1?"], "chosen": [" 2"], "rejected": [" 3"]}),
+        args=TrinityDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1),
+    )
     card = card_of(trainer, tmp_path / "card")
     assert "| policy_loss_fn | `dpo` |" in card and "| kl_loss_fn | `k2` |" in card
     assert "advantage_fn" not in card and "kl_penalty_fn" not in card

@@ -18,9 +18,12 @@ def length_reward(completions, **kwargs):
 
 
 def make(tmp_path, tiny_model_dir, reward, **config):
-    return TrinityTrainer(model=tiny_model_dir, reward_funcs=reward, train_dataset=tiny_conversational_dataset(),
-                          args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), per_device_train_batch_size=8,
-                                                                **config)))
+    return TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), per_device_train_batch_size=8, **config)),
+    )
 
 
 def generate(trainer, rewards_out: list | None = None):
@@ -36,11 +39,17 @@ def test_rank_penalty_uses_the_behaviour_logprobs_of_every_sample(tmp_path, tiny
     batch = generate(trainer)
     mask = batch["completion_mask"].bool()
     logps = trainer._forward_logps(trainer.model, batch)
-    rewards = torch.tensor([len(trainer.processing_class.decode(ids[m], skip_special_tokens=True)) / 10
-                            for ids, m in zip(batch["completion_ids"], mask)])
+    rewards = torch.tensor(
+        [
+            len(trainer.processing_class.decode(ids[m], skip_special_tokens=True)) / 10
+            for ids, m in zip(batch["completion_ids"], mask)
+        ]
+    )
     fn = ADVANTAGE_FN.get("grpo")(**{**ADVANTAGE_FN.get("grpo").default_args(), **args})
-    exps = [Experience(eid=EID(task=i // G, run=i % G), reward=float(r), logprobs=logps[i][mask[i]])
-            for i, r in enumerate(rewards)]
+    exps = [
+        Experience(eid=EID(task=i // G, run=i % G), reward=float(r), logprobs=logps[i][mask[i]])
+        for i, r in enumerate(rewards)
+    ]
     expected = torch.zeros(2 * G)
     for exp in fn(exps)[0]:
         expected[exp.eid.task * G + exp.eid.run] = exp.advantages
@@ -57,8 +66,12 @@ def test_duplicate_experiences_refill_filtered_groups_with_copies_of_kept_rows(t
     def first_group_flat(completions, **kwargs):  # group 0: all equal (filtered by std_threshold 0); group 1 varies
         return [1.0] * G + [float(i) for i in range(G)]
 
-    trainer = make(tmp_path, tiny_model_dir, first_group_flat,
-                   advantage_fn_args={"std_threshold": 0.0, "duplicate_experiences": True})
+    trainer = make(
+        tmp_path,
+        tiny_model_dir,
+        first_group_flat,
+        advantage_fn_args={"std_threshold": 0.0, "duplicate_experiences": True},
+    )
     batch = generate(trainer)
     assert batch["completion_ids"].shape[0] == 2 * G  # the batch keeps its size
     mask = batch["completion_mask"]

@@ -97,11 +97,13 @@ def packed_and_per_sample(mode: str):
     """Three samples (turns) of lengths 2, 3 and 1 packed in one row with untrained tokens between them, a second row
     with one sample of length 4, and a padding row; and the same samples one per row (the spec's layout)."""
     generator = torch.Generator().manual_seed(3)
-    segments = torch.tensor([
-        [0, 0, -1, -1, 1, 1, 1, -1, 2, -1],  # -1: observation tokens, trained by no sample
-        [0, 0, 0, 0, -1, -1, -1, -1, -1, -1],
-        [-1] * 10,  # padding row (sample_count 0)
-    ])
+    segments = torch.tensor(
+        [
+            [0, 0, -1, -1, 1, 1, 1, -1, 2, -1],  # -1: observation tokens, trained by no sample
+            [0, 0, 0, 0, -1, -1, -1, -1, -1, -1],
+            [-1] * 10,  # padding row (sample_count 0)
+        ]
+    )
     mask = (segments >= 0).long()
     loss = torch.randn(segments.shape, generator=generator)
     inputs = {"segment_ids": segments, "sample_count": torch.tensor([3, 1, 0]), "step_width": torch.tensor([3, 4, 1])}
@@ -160,8 +162,11 @@ def test_padding_rows_count_no_sample(mode):
 @pytest.mark.parametrize("layout", ["rows", "segments", "padding_rows"])
 def test_an_empty_mask_gives_zero_with_a_zero_gradient(mode, layout):
     mask = torch.zeros(3, 4, dtype=torch.long)
-    inputs = {"rows": {}, "segments": {"segment_ids": torch.full((3, 4), -1)},
-              "padding_rows": {"sample_count": torch.zeros(3, dtype=torch.long)}}[layout]
+    inputs = {
+        "rows": {},
+        "segments": {"segment_ids": torch.full((3, 4), -1)},
+        "padding_rows": {"sample_count": torch.zeros(3, dtype=torch.long)},
+    }[layout]
     values = torch.tensor([[torch.nan, torch.inf, -torch.inf, 1.0]] * 3, requires_grad=True)
     plan = micro_batch(mode, mask, **inputs)
     assert plan.count.item() >= 1  # clamped: never a division by zero
@@ -223,11 +228,14 @@ def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_st
     micro_batches = [{"loss": torch.randn(2, 6, generator=generator), "mask": ragged_mask(rows, 6)} for rows in lengths]
     tokens, samples = global_counts_of(micro_batches)
     normalizer = LossNormalizer("global", num_processes=2, steps_per_generation=2)
-    planned = [normalizer.plan({"global_loss_tokens": tokens, "global_loss_rows": samples}, mb["mask"], mode)
-               for mb in micro_batches]
+    planned = [
+        normalizer.plan({"global_loss_tokens": tokens, "global_loss_rows": samples}, mb["mask"], mode)
+        for mb in micro_batches
+    ]
     step_loss = sum(plan(mb["loss"], mb["mask"]) for plan, mb in zip(planned, micro_batches)) / 4
-    whole = agg_loss(torch.cat([mb["loss"] for mb in micro_batches]), torch.cat([mb["mask"] for mb in micro_batches]),
-                     mode)
+    whole = agg_loss(
+        torch.cat([mb["loss"] for mb in micro_batches]), torch.cat([mb["mask"] for mb in micro_batches]), mode
+    )
     torch.testing.assert_close(step_loss, whole, rtol=1e-6, atol=1e-7)
     if mode == "token-mean":
         per_micro_batch = sum(micro_batch(mode, mb["mask"])(mb["loss"], mb["mask"]) for mb in micro_batches) / 4

@@ -42,13 +42,16 @@ def fake_gather_object(per_rank: list[dict]):
 
 
 def test_pool_metrics_pools_our_keys_across_processes():
-    store = defaultdict(list, {
-        "actor/pg_loss": [1.0, 2.0],  # ours: pooled
-        "chord/expert_tokens": [5.0],  # ours, this rank only
-        "kl/mean": [0.1],
-        "num_tokens": [40.0],  # TRL's: TRL gathers it, left alone
-        "reward": [0.5],
-    })
+    store = defaultdict(
+        list,
+        {
+            "actor/pg_loss": [1.0, 2.0],  # ours: pooled
+            "chord/expert_tokens": [5.0],  # ours, this rank only
+            "kl/mean": [0.1],
+            "num_tokens": [40.0],  # TRL's: TRL gathers it, left alone
+            "reward": [0.5],
+        },
+    )
     other_rank = {"actor/pg_loss": [3.0], "chord/on_policy_tokens": [7.0]}
     gather = fake_gather_object([None, other_rank])
     pool_metrics(store, gather)
@@ -61,8 +64,9 @@ def test_pool_metrics_pools_our_keys_across_processes():
 
 
 def test_pool_metrics_sums_guard_counts():
-    store = defaultdict(list, {"guards/empty_mask": [1.0, 0.0, 1.0], "guards/nonfinite_logps": [2.0],
-                               "actor/pg_loss": [0.5, 1.5]})
+    store = defaultdict(
+        list, {"guards/empty_mask": [1.0, 0.0, 1.0], "guards/nonfinite_logps": [2.0], "actor/pg_loss": [0.5, 1.5]}
+    )
     pool_metrics(store, None)  # one process: no collective
     assert store["guards/empty_mask"] == [2.0]
     assert store["guards/nonfinite_logps"] == [2.0]

@@ -16,8 +16,10 @@ from trinity_trl.algorithms import ALGORITHM_TYPE
 from trinity_trl.trainers import ChordConfig, ChordTrainer, StepGRPOConfig, TrinityConfig, TrinityTrainer
 from trinity_trl.trainers.model_card import algorithm_card_section, paper_for
 
-CHORD_PAPER = ("On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement Learning "
-               "via Dynamic Weighting")
+CHORD_PAPER = (
+    "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement Learning "
+    "via Dynamic Weighting"
+)
 CHORD_PAPER_LINE = f"Paper: [{CHORD_PAPER}](https://huggingface.co/papers/2508.11408) (arXiv:2508.11408)."
 
 
@@ -52,8 +54,9 @@ def test_section_names_trainer_preset_paper_and_every_component():
 
 
 def test_a_preset_without_an_arxiv_paper_gives_its_reference():
-    section = algorithm_card_section(StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm(),
-                                     "StepGRPOTrainer")
+    section = algorithm_card_section(
+        StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm(), "StepGRPOTrainer"
+    )
     assert "## Algorithm: Step-wise GRPO" in section.splitlines()
     assert "Reference: rLLM (github.com/rllm-org/rllm)." in section.splitlines()
     assert "Paper:" not in section
@@ -79,13 +82,19 @@ def test_paper_titles_that_are_known():
 
 # ------------------------------------------------------------------------------------- the card a trainer writes
 def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
-    expert = Dataset.from_list([{"messages": [{"role": "user", "content": "What is 1+1?"},
-                                              {"role": "assistant", "content": "2"}]}])
-    trainer = ChordTrainer(model=tiny_model_dir, reward_funcs=length_reward, expert_dataset=expert,
-                           peft_config=lora_config(),
-                           args=ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1,
-                                                               mu_peak=0.4, mu_decay_steps=10)),
-                           train_dataset=tiny_conversational_dataset())
+    expert = Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}]}]
+    )
+    trainer = ChordTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        expert_dataset=expert,
+        peft_config=lora_config(),
+        args=ChordConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1, mu_peak=0.4, mu_decay_steps=10)
+        ),
+        train_dataset=tiny_conversational_dataset(),
+    )
     trainer.train()
     target = tmp_path / "saved"
     trainer.save_model(str(target))
@@ -94,8 +103,9 @@ def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
     card = (target / "README.md").read_text()
     lines = card.splitlines()
     assert "## Algorithm: CHORD" in lines
-    assert any(line.startswith("Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: ")
-               for line in lines)
+    assert any(
+        line.startswith("Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: ") for line in lines
+    )
     assert CHORD_PAPER_LINE in lines
     assert '"mu_peak": 0.4' in card and "| policy_loss_fn | `mix_chord` |" in card
     # the local base model is named, not linked as "[None](https://huggingface.co/None)"
@@ -115,10 +125,13 @@ def test_push_to_hub_uploads_adapter_and_card(tmp_path, tiny_model_dir, monkeypa
             uploaded["card"] = open(os.path.join(folder_path, "README.md"), encoding="utf-8").read()
 
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, peft_config=lora_config(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo",
-                                                                   max_steps=1)),
-                             train_dataset=tiny_conversational_dataset())
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        peft_config=lora_config(),
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo", max_steps=1)),
+        train_dataset=tiny_conversational_dataset(),
+    )
     trainer.train()
     trainer.hub_model_id = "someone/tiny-cispo"
     trainer.push_to_hub()
@@ -130,9 +143,12 @@ def test_push_to_hub_uploads_adapter_and_card(tmp_path, tiny_model_dir, monkeypa
 
 
 def test_added_sections_follow_the_algorithm_section(tmp_path, tiny_model_dir):
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="grpo")),
-                             train_dataset=tiny_conversational_dataset())
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="grpo")),
+        train_dataset=tiny_conversational_dataset(),
+    )
     trainer.add_model_card_section("\n## Evaluation\n\naccuracy 0.5\n")
     trainer.add_model_card_section("\n## Notes\n\nsecond\n")
     trainer.save_model(str(tmp_path / "saved"))

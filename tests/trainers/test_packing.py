@@ -59,10 +59,10 @@ def padded_batch(rows: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple
     ids = torch.full((len(rows), width_p + width_c), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, c) in enumerate(rows):
-        ids[i, width_p - len(p):width_p] = torch.tensor(p, dtype=torch.long)
-        mask[i, width_p - len(p):width_p] = 1
-        ids[i, width_p:width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, width_p:width_p + len(c)] = 1
+        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
+        mask[i, width_p - len(p) : width_p] = 1
+        ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, width_p : width_p + len(c)] = 1
     return ids, mask, width_c
 
 
@@ -72,14 +72,17 @@ def dense_tree_mask(packed) -> torch.Tensor:
     mask = torch.zeros(n, n, dtype=torch.bool)
     for seg in packed.segments:
         for s, e in seg.ancestors:
-            mask[seg.start:seg.end, s:e] = True
-        mask[seg.start:seg.end, seg.start:seg.end] = torch.ones(seg.end - seg.start, seg.end - seg.start).tril().bool()
+            mask[seg.start : seg.end, s:e] = True
+        mask[seg.start : seg.end, seg.start : seg.end] = (
+            torch.ones(seg.end - seg.start, seg.end - seg.start).tril().bool()
+        )
     return mask
 
 
 def grouped_rows(generator: torch.Generator, vocab: int = 400) -> list[tuple[list[int], list[int]]]:
     """Two groups of three rows; both prompts start with the same 5-token 'system prompt'; ragged completions, one
     completion empty, two identical rows."""
+
     def rand(n):
         return torch.randint(3, vocab, (n,), generator=generator).tolist()
 
@@ -110,8 +113,12 @@ def loss_and_grads(trainer, batch: dict, packing: bool) -> tuple[torch.Tensor, d
     loss.backward()
     if packing:  # the training forward was packed, not silently padded
         assert len(logged) > calls and max(logged[calls:]) < 0.9, logged[calls:]
-    grads = {f"{k}.{n}": p.grad.detach().clone() for k, m in modules.items() for n, p in m.named_parameters()
-             if p.requires_grad and p.grad is not None}
+    grads = {
+        f"{k}.{n}": p.grad.detach().clone()
+        for k, m in modules.items()
+        for n, p in m.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
     for m in modules.values():
         m.zero_grad(set_to_none=True)
     trainer.prefix_packing.enabled = True
@@ -140,11 +147,15 @@ def ragged(batch: dict, pad_id: int) -> dict:
 
 def conversational_dataset(n: int = 8) -> Dataset:
     """Prompts that share a system message (cross-group sharing) and differ in the question."""
-    return Dataset.from_dict({
-        "prompt": [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a}+{a + 1}?"}]
-                   for a in range(n)],
-        "answer": [str(2 * a + 1) for a in range(n)],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {a}+{a + 1}?"}]
+                for a in range(n)
+            ],
+            "answer": [str(2 * a + 1) for a in range(n)],
+        }
+    )
 
 
 def generation_batch(trainer, prompts: int = 2) -> dict:
@@ -161,8 +172,9 @@ def generation_batch(trainer, prompts: int = 2) -> dict:
 def llama_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> str:
     from transformers import AutoTokenizer
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), AutoTokenizer.from_pretrained(tiny_tokenizer_dir),
-                           arch="llama")
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama"), AutoTokenizer.from_pretrained(tiny_tokenizer_dir), arch="llama"
+    )
 
 
 @pytest.fixture(params=["qwen2", "llama"])
@@ -176,7 +188,8 @@ def test_prefix_tree_forwards_each_distinct_token_once():
     ids, mask, keep = padded_batch(rows)
     (packed,) = pack_rows(ids, mask, keep)
     distinct = {tuple(p + c[:i]) for p, c in rows for i in range(len(c) + 1)} | {
-        tuple(p[:i]) for p, _ in rows for i in range(1, len(p) + 1)}
+        tuple(p[:i]) for p, _ in rows for i in range(1, len(p) + 1)
+    }
     assert packed.num_tokens == len(distinct)  # every distinct (prefix, token) once: shared system prompt too
     assert packed.segments[0].ancestors == () and packed.segments[0].end - packed.segments[0].start == 5
     # each row reads its tokens back at the positions of its unpadded sequence
@@ -187,7 +200,7 @@ def test_prefix_tree_forwards_each_distinct_token_once():
         predictors = packed.scored_index[chosen]
         assert (packed.position_ids[predictors] == torch.arange(len(p) - 1, len(p) + len(c) - 1)).all()
         seq = p + c
-        assert packed.input_ids[predictors].tolist() == seq[len(p) - 1:len(seq) - 1]
+        assert packed.input_ids[predictors].tolist() == seq[len(p) - 1 : len(seq) - 1]
     # token budget: rows are packed in order, a new packed row starts when the next would exceed it
     chunks = pack_rows(ids, mask, keep, max_tokens=20)
     assert [r for c in chunks for r in c.rows] == list(range(len(rows)))
@@ -215,10 +228,12 @@ def test_tree_attention_equals_sdpa_with_the_dense_tree_mask(gqa):
     q = torch.randn(1, heads, n, dim, generator=generator, requires_grad=True)
     k = torch.randn(1, kv_heads, n, dim, generator=generator, requires_grad=True)
     v = torch.randn(1, kv_heads, n, dim, generator=generator, requires_grad=True)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packed.attention_mask(),
-                                                           scale=0.3, enable_gqa=gqa)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(packed), scale=0.3,
-                                                                enable_gqa=gqa)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=packed.attention_mask(), scale=0.3, enable_gqa=gqa
+    )
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_tree_mask(packed), scale=0.3, enable_gqa=gqa
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
@@ -236,11 +251,16 @@ def test_flash_varlen_path_gathers_each_segments_path(monkeypatch):
         assert causal and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
         outs = []
         for i in range(len(cu_q) - 1):
-            qi, ki, vi = (t[a:b].transpose(0, 1) for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
-                                                                  (v, cu_k[i], cu_k[i + 1])))
+            qi, ki, vi = (
+                t[a:b].transpose(0, 1)
+                for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1]))
+            )
             mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
-            outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
-                                                                         scale=softmax_scale).transpose(0, 1))
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=softmax_scale
+                ).transpose(0, 1)
+            )
         return torch.cat(outs)
 
     monkeypatch.setattr(packing, "attention_backend", lambda device, dtype: "flash_attn_varlen")
@@ -303,11 +323,20 @@ AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, normalization):
     """Every aggregation mode and normalisation, with the KL loss and the entropy bonus on, on a ragged batch with
     behaviour (old) log-probs: loss and every gradient equal; so are the no-grad behaviour and reference forwards."""
-    args = TrinityConfig(**tiny_grpo_kwargs(
-        output_dir=str(tmp_path), loss_agg_mode=agg, loss_normalization=normalization, kl_loss_fn="k2",
-        kl_loss_fn_args={"kl_coef": 0.5}, entropy_loss_fn_args={"entropy_coef": 0.05}, temperature=0.8))
-    trainer = TrinityTrainer(model=model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=conversational_dataset())
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path),
+            loss_agg_mode=agg,
+            loss_normalization=normalization,
+            kl_loss_fn="k2",
+            kl_loss_fn_args={"kl_coef": 0.5},
+            entropy_loss_fn_args={"entropy_coef": 0.05},
+            temperature=0.8,
+        )
+    )
+    trainer = TrinityTrainer(
+        model=model_dir, reward_funcs=length_reward, args=args, train_dataset=conversational_dataset()
+    )
     batch = ragged(generation_batch(trainer), trainer._tokenizer.pad_token_id)
     rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     trainer.prefix_packing.enabled = False
@@ -315,16 +344,26 @@ def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, norma
     trainer.prefix_packing.enabled = True
     torch.testing.assert_close(trainer._forward_logps(trainer.model, rows), behaviour, rtol=0, atol=LOGP_ATOL)
     torch.testing.assert_close(trainer._reference_logps(rows), reference, rtol=0, atol=LOGP_ATOL)
-    batch["old_per_token_logps"] = behaviour + 0.2 * torch.randn(behaviour.shape, generator=torch.Generator().manual_seed(0))
+    batch["old_per_token_logps"] = behaviour + 0.2 * torch.randn(
+        behaviour.shape, generator=torch.Generator().manual_seed(0)
+    )
     batch["ref_per_token_logps"] = reference
     assert_same_loss_and_grads(trainer, batch)
 
 
 def test_lora_adapter_and_disabled_adapter_reference_equal_padded(tmp_path, model_dir):
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), kl_loss_fn="low_var_kl",
-                                            kl_loss_fn_args={"kl_coef": 0.5}, learning_rate=0.05))
-    trainer = TrinityTrainer(model=model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=conversational_dataset(), peft_config=copy.deepcopy(LORA))
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(tmp_path), kl_loss_fn="low_var_kl", kl_loss_fn_args={"kl_coef": 0.5}, learning_rate=0.05
+        )
+    )
+    trainer = TrinityTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational_dataset(),
+        peft_config=copy.deepcopy(LORA),
+    )
     with torch.no_grad():  # a non-zero adapter, so the disabled-adapter reference differs from the policy
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:
@@ -349,18 +388,36 @@ def test_training_with_accumulation_and_iterations_equals_padded(tmp_path, tiny_
     arch, peft = arch_peft
     results = {}
     for packing in (True, False):
-        args = TrinityConfig(**tiny_grpo_kwargs(
-            output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-            num_iterations=2, kl_loss_fn="k3", kl_loss_fn_args={"kl_coef": 0.1}, optim="sgd", learning_rate=0.1,
-            entropy_loss_fn_args={"entropy_coef": 0.01}, prefix_packing=packing, activation_checkpointing=peft))
-        trainer = TrinityTrainer(model=tiny_model_dir if arch == "qwen2" else llama_model_dir,
-                                 reward_funcs=length_reward, args=args, train_dataset=conversational_dataset(),
-                                 peft_config=copy.deepcopy(LORA) if peft else None)
+        args = TrinityConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / str(packing)),
+                per_device_train_batch_size=4,
+                gradient_accumulation_steps=2,
+                num_iterations=2,
+                kl_loss_fn="k3",
+                kl_loss_fn_args={"kl_coef": 0.1},
+                optim="sgd",
+                learning_rate=0.1,
+                entropy_loss_fn_args={"entropy_coef": 0.01},
+                prefix_packing=packing,
+                activation_checkpointing=peft,
+            )
+        )
+        trainer = TrinityTrainer(
+            model=tiny_model_dir if arch == "qwen2" else llama_model_dir,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=conversational_dataset(),
+            peft_config=copy.deepcopy(LORA) if peft else None,
+        )
         trainer.train()
         logs = trainer.state.log_history
-        results[packing] = ([e["loss"] for e in logs if "loss" in e], [e["grad_norm"] for e in logs if "grad_norm" in e],
-                            {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad},
-                            [e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e])
+        results[packing] = (
+            [e["loss"] for e in logs if "loss" in e],
+            [e["grad_norm"] for e in logs if "grad_norm" in e],
+            {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad},
+            [e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e],
+        )
     (loss_a, norm_a, weights_a, ratio_a), (loss_b, norm_b, weights_b, ratio_b) = results[True], results[False]
     assert len(loss_a) == 2
     torch.testing.assert_close(torch.tensor(loss_a), torch.tensor(loss_b), rtol=RTOL, atol=ATOL)
@@ -371,22 +428,46 @@ def test_training_with_accumulation_and_iterations_equals_padded(tmp_path, tiny_
 
 
 def _expert_dataset() -> Dataset:
-    return Dataset.from_dict({"messages": [[{"role": "system", "content": SYSTEM},
-                                            {"role": "user", "content": f"What is {a}+1?"},
-                                            {"role": "assistant", "content": f"It is {a + 1}."}] for a in range(8)]})
+    return Dataset.from_dict(
+        {
+            "messages": [
+                [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is {a}+1?"},
+                    {"role": "assistant", "content": f"It is {a + 1}."},
+                ]
+                for a in range(8)
+            ]
+        }
+    )
 
 
 TRAINERS = {
-    "chord": lambda d, o: ChordTrainer(model=d, reward_funcs=length_reward, train_dataset=conversational_dataset(),
-                                       expert_dataset=_expert_dataset(),
-                                       args=ChordConfig(**tiny_grpo_kwargs(output_dir=o, expert_batch_size=2,
-                                                                           mu_peak=0.5, mu_valley=0.5))),
-    "cispo": lambda d, o: CISPOTrainer(model=d, reward_funcs=length_reward, train_dataset=conversational_dataset(),
-                                       args=CISPOConfig(**tiny_grpo_kwargs(output_dir=o))),
-    "sapo": lambda d, o: SAPOTrainer(model=d, reward_funcs=length_reward, train_dataset=conversational_dataset(),
-                                     args=SAPOConfig(**tiny_grpo_kwargs(output_dir=o))),
-    "ppo": lambda d, o: PPOTrainer(model=d, reward_funcs=length_reward, train_dataset=conversational_dataset(),
-                                   args=PPOConfig(**tiny_grpo_kwargs(output_dir=o))),
+    "chord": lambda d, o: ChordTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        expert_dataset=_expert_dataset(),
+        args=ChordConfig(**tiny_grpo_kwargs(output_dir=o, expert_batch_size=2, mu_peak=0.5, mu_valley=0.5)),
+    ),
+    "cispo": lambda d, o: CISPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=CISPOConfig(**tiny_grpo_kwargs(output_dir=o)),
+    ),
+    "sapo": lambda d, o: SAPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=SAPOConfig(**tiny_grpo_kwargs(output_dir=o)),
+    ),
+    "ppo": lambda d, o: PPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=o)),
+    ),
 }
 
 
@@ -413,10 +494,14 @@ def test_step_grpo_runs_equal_padded(tmp_path, tiny_model_dir):
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     for shared in (True, False):
-        args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / str(shared)), max_env_steps=3,
-                                                 shared_prefix=shared, kl_loss_fn="k2"))
-        trainer = StepGRPOTrainer(model=tiny_model_dir, args=args, train_dataset=calculator_dataset(8),
-                                  environment_factory=CalculatorEnv)
+        args = StepGRPOConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / str(shared)), max_env_steps=3, shared_prefix=shared, kl_loss_fn="k2"
+            )
+        )
+        trainer = StepGRPOTrainer(
+            model=tiny_model_dir, args=args, train_dataset=calculator_dataset(8), environment_factory=CalculatorEnv
+        )
         trainer.model.train()
         rows = [dict(trainer.train_dataset[0]) for _ in range(trainer.num_generations)]
         torch.manual_seed(0)
@@ -430,16 +515,20 @@ def test_unsupported_models_and_inputs_fall_back_with_one_log_line(tmp_path, tin
 
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
     assert "attn_implementation='sdpa'" in unsupported_reason(eager)
-    sliding = AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_sliding_window=True, sliding_window=4,
-                                                   max_window_layers=0)
+    sliding = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, use_sliding_window=True, sliding_window=4, max_window_layers=0
+    )
     assert "sliding-window" in unsupported_reason(sliding)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     assert "not verified" in unsupported_reason(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2)))
 
-    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), model_init_kwargs={"attn_implementation": "eager"}))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=conversational_dataset())
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), model_init_kwargs={"attn_implementation": "eager"})
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=conversational_dataset()
+    )
     with caplog.at_level(logging.WARNING, logger="trinity_trl"):
         batch = generation_batch(trainer)
         trainer.current_gradient_accumulation_steps = 1
@@ -452,7 +541,10 @@ def test_unsupported_models_and_inputs_fall_back_with_one_log_line(tmp_path, tin
     packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext)
     ids, mask, keep = padded_batch([([5, 6], [7])])
     with caplog.at_level(logging.WARNING, logger="trinity_trl"):
-        assert packing.logps_and_entropies(eager, ids, mask, keep, None, False, False, {"pixel_values": torch.ones(1)}) is None
+        assert (
+            packing.logps_and_entropies(eager, ids, mask, keep, None, False, False, {"pixel_values": torch.ones(1)})
+            is None
+        )
         assert packing.logps_and_entropies(eager, ids, mask, keep, None, False, True, {}) is None
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "multimodal inputs (pixel_values)" in messages and "MoE auxiliary loss" in messages
@@ -462,8 +554,9 @@ def test_config_switches_packing_off_and_threshold(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="prefix_packing_max_token_ratio"):
         TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), prefix_packing_max_token_ratio=0.0))
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), prefix_packing=False))
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args,
-                             train_dataset=conversational_dataset())
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=conversational_dataset()
+    )
     assert not trainer.prefix_packing.enabled
     # a batch with nothing to share (one row) packs only if the threshold allows its saving (the padding)
     ids, mask, keep = padded_batch([([5, 6, 7], [8, 9]), ([5, 6, 7, 10], [8])])
@@ -477,13 +570,26 @@ def test_config_switches_packing_off_and_threshold(tmp_path, tiny_model_dir):
 def test_two_processes_packed_equals_padded(tmp_path, tiny_model_dir):
     """Under DDP (2 CPU processes, gloo), each rank's loss and the all-reduced gradients of the packed layout equal
     the padded layout's, for the policy (full fine-tuning and LoRA) and PPO's critic."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                               "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    }
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(DIST_SCRIPT),
-           tiny_model_dir, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False,
-                          cwd=Path(__file__).resolve().parents[2])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(DIST_SCRIPT),
+        tiny_model_dir,
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=300, check=False, cwd=Path(__file__).resolve().parents[2]
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     for rank in (0, 1):
         for case in ("trinity", "lora", "ppo"):

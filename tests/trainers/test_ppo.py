@@ -33,9 +33,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is depr
 def make(tmp_path, model_dir, cls=None, peft=False, callbacks=None, **config):
     config = {"value_learning_rate": 1e-3, **config}
     return (cls or recording(PPOTrainer))(
-        model=model_dir, reward_funcs=length_reward, peft_config=LORA if peft else None, callbacks=callbacks,
+        model=model_dir,
+        reward_funcs=length_reward,
+        peft_config=LORA if peft else None,
+        callbacks=callbacks,
         args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), **config)),
-        train_dataset=tiny_conversational_dataset())
+        train_dataset=tiny_conversational_dataset(),
+    )
 
 
 def unwrapped_critic(trainer):
@@ -84,12 +88,20 @@ def test_config_rejects(tmp_path, kwargs, match):
 
 def test_trainer_needs_a_ppo_config_and_one_critic(tmp_path, tiny_model_dir):
     with pytest.raises(TypeError, match="PPOConfig"):
-        PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                   args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+        PPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+        )
     with pytest.raises(ValueError, match="value_model"):
-        PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                   value_model=tiny_model_dir,
-                   args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), value_model_name_or_path=tiny_model_dir)))
+        PPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            value_model=tiny_model_dir,
+            args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), value_model_name_or_path=tiny_model_dir)),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,8 +120,10 @@ def test_values_are_scored_on_response_tokens_only(tmp_path, tiny_model_dir):
     }
     with torch.no_grad():
         values = trainer._critic_values(critic, batch)
-        full = critic(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-                      attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)).logits[..., 0]
+        full = critic(
+            input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        ).logits[..., 0]
     assert values.shape == (2, 3) and values.dtype == torch.float32
     # V[b, t] is the critic's output at the position before completion token t (prompt width 4)
     torch.testing.assert_close(values[0], full[0, 3:6])
@@ -128,8 +142,9 @@ def test_values_are_scored_on_response_tokens_only(tmp_path, tiny_model_dir):
 
 
 def test_gae_in_the_trainer_equals_the_library_with_kl_in_reward(tmp_path, tiny_model_dir):
-    trainer = make(tmp_path, tiny_model_dir, gamma=0.9, lam=0.8, kl_penalty_fn="k1",
-                   kl_penalty_fn_args={"kl_coef": 0.5})
+    trainer = make(
+        tmp_path, tiny_model_dir, gamma=0.9, lam=0.8, kl_penalty_fn="k1", kl_penalty_fn_args={"kl_coef": 0.5}
+    )
     trainer.train()
     assert len(trainer.recorded.batches) == 2
     kl_coefs = [h["critic/kl_coef"] for h in trainer.state.log_history if "critic/kl_coef" in h]
@@ -141,7 +156,8 @@ def test_gae_in_the_trainer_equals_the_library_with_kl_in_reward(tmp_path, tiny_
         rewards = trainer.recorded.reward_calls[step].rewards[:, 0]  # one reward function, weight 1
         rewards = scalar_rewards_to_token_level(rewards, mask) - kl_coefs[step] * kl
         expected, _ = ADVANTAGE_FN.get("ppo")(gamma=0.9, lam=0.8)(
-            {"token_level_rewards": rewards, "values": batch["old_values"], "response_mask": mask})
+            {"token_level_rewards": rewards, "values": batch["old_values"], "response_mask": mask}
+        )
         torch.testing.assert_close(batch["advantages"], expected["advantages"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(batch["returns"], expected["returns"], atol=1e-5, rtol=1e-5)
         # the old values are the critic's (non-zero on the response, zero elsewhere)
@@ -167,8 +183,13 @@ def test_value_loss_decreases_on_a_fixed_batch(tmp_path, tiny_model_dir):
     for _ in range(12):
         with torch.no_grad():  # PPO epochs: the clip is around each round's old values
             old_values = trainer._critic_values(unwrapped_critic(trainer), batch)
-        loss, _ = clipped_value_loss(trainer._critic_values(trainer.critic, batch), old_values, returns,
-                                           batch["completion_mask"], cliprange_value=0.2)
+        loss, _ = clipped_value_loss(
+            trainer._critic_values(trainer.critic, batch),
+            old_values,
+            returns,
+            batch["completion_mask"],
+            cliprange_value=0.2,
+        )
         loss.backward()
         trainer._critic_optimizer_step()
         losses.append(loss.item())
@@ -204,7 +225,10 @@ def test_two_steps_train_the_policy_and_the_critic(tmp_path, tiny_model_dir, pef
     policy_before, critic_before = snapshot(trainer.model), snapshot(critic)
     trainer.train()
     assert trainer.state.global_step == 2
-    policy_moved, critic_moved = changed(policy_before, snapshot(trainer.model)), changed(critic_before, snapshot(critic))
+    policy_moved, critic_moved = (
+        changed(policy_before, snapshot(trainer.model)),
+        changed(critic_before, snapshot(critic)),
+    )
     assert policy_moved and critic_moved
     assert any("score" in k for k in critic_moved)  # the value head is trained
     if peft:
@@ -215,8 +239,17 @@ def test_two_steps_train_the_policy_and_the_critic(tmp_path, tiny_model_dir, pef
     assert int(next(iter(trainer.critic_optimizer.state.values()))["step"]) == 2
     logs = [h for h in trainer.state.log_history if "critic/vf_loss" in h]
     assert len(logs) == 2
-    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean",
-                "critic/returns/mean", "critic/vf_explained_var", "critic/grad_norm", "critic/lr", "actor/pg_loss"):
+    for key in (
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "critic/vf_explained_var",
+        "critic/grad_norm",
+        "critic/lr",
+        "actor/pg_loss",
+    ):
         assert all(math.isfinite(h[key]) for h in logs), key
 
 
@@ -234,11 +267,20 @@ def test_gradient_accumulation_equals_one_large_micro_batch(tmp_path, tiny_model
     """Same 4 rollouts: 2 micro-batches of 2 (gradient_accumulation_steps=2) or 1 of 4. With global token
     normalisation the accumulated critic gradient is the same, and the critic steps once per optimizer step."""
     grads = {}
-    for name, config in {"ga2": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
-                         "ga1": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}}.items():
+    for name, config in {
+        "ga2": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        "ga1": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+    }.items():
         recorder = CriticGrads()
-        trainer = make(tmp_path / name, tiny_model_dir, callbacks=[recorder], max_steps=1,
-                       loss_normalization="global", max_grad_norm=0.0, **config)
+        trainer = make(
+            tmp_path / name,
+            tiny_model_dir,
+            callbacks=[recorder],
+            max_steps=1,
+            loss_normalization="global",
+            max_grad_norm=0.0,
+            **config,
+        )
         recorder.trainer = trainer
         trainer.train()
         assert int(next(iter(trainer.critic_optimizer.state.values()))["step"]) == 1
@@ -271,9 +313,13 @@ def test_critic_warmup_leaves_the_policy_unchanged(tmp_path, tiny_model_dir):
 
 
 def test_evaluation_scores_the_critic_without_training_it(tmp_path, tiny_model_dir):
-    trainer = PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                         eval_dataset=tiny_conversational_dataset(8),
-                         args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), per_device_eval_batch_size=4)))
+    trainer = PPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        eval_dataset=tiny_conversational_dataset(8),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), per_device_eval_batch_size=4)),
+    )
     before = snapshot(unwrapped_critic(trainer))
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_critic/vf_loss"]) and metrics["eval_critic/vf_loss"] > 0
@@ -308,8 +354,9 @@ def test_resume_restores_the_critic_and_its_optimizer(tmp_path, tiny_model_dir):
 
 def test_resume_restores_a_lora_critic(tmp_path, tiny_model_dir):
     def run():
-        return make(tmp_path, tiny_model_dir, cls=PPOTrainer, peft=True, max_steps=2, save_strategy="steps",
-                    save_steps=1)
+        return make(
+            tmp_path, tiny_model_dir, cls=PPOTrainer, peft=True, max_steps=2, save_strategy="steps", save_steps=1
+        )
 
     straight = run()
     straight.train()
@@ -335,30 +382,46 @@ def test_critic_from_a_reward_model_path_a_module_or_an_in_memory_policy(tmp_pat
     assert torch.all(unwrapped_critic(by_path).score.weight == 0.25)  # the reward model's head is reused
 
     module = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    by_module = PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, value_model=module,
-                           args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "b"))),
-                           train_dataset=tiny_conversational_dataset())
+    by_module = PPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        value_model=module,
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "b"))),
+        train_dataset=tiny_conversational_dataset(),
+    )
     assert unwrapped_critic(by_module) is module
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     policy_base = snapshot(policy.model)
-    from_policy = PPOTrainer(model=policy, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                             args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"), kl_loss_fn="none")))
+    from_policy = PPOTrainer(
+        model=policy,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"), kl_loss_fn="none")),
+    )
     critic_base = snapshot(unwrapped_critic(from_policy).model)
     assert critic_base.keys() == policy_base.keys()
     assert all(torch.equal(critic_base[k], policy_base[k]) for k in policy_base)
     with pytest.raises(ValueError, match="PeftModel"):
         from peft import get_peft_model
 
-        PPOTrainer(model=get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA),
-                   reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                   args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "d"))))
+        PPOTrainer(
+            model=get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LORA),
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "d"))),
+        )
 
 
 def test_value_peft_config_false_trains_a_full_critic_next_to_a_lora_policy(tmp_path, tiny_model_dir):
-    trainer = PPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, peft_config=LORA, value_peft_config=False,
-                         args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
-                         train_dataset=tiny_conversational_dataset())
+    trainer = PPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        peft_config=LORA,
+        value_peft_config=False,
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+        train_dataset=tiny_conversational_dataset(),
+    )
     assert isinstance(trainer.model, PeftModel) and not isinstance(unwrapped_critic(trainer), PeftModel)
     assert all(p.requires_grad for p in unwrapped_critic(trainer).parameters())
 
@@ -374,7 +437,8 @@ def test_save_model_writes_the_critic_on_request(tmp_path, tiny_model_dir, save_
     assert (target / CRITIC_DIR).is_dir() == save_value_model
     if save_value_model:
         reloaded = PeftModel.from_pretrained(
-            AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1), str(target / CRITIC_DIR))
+            AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1), str(target / CRITIC_DIR)
+        )
         ids = torch.tensor([[11, 12, 13, 14]])
         with torch.no_grad():
             expected = unwrapped_critic(trainer)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -412,11 +476,30 @@ def test_one_vs_two_processes(tmp_path, tiny_model_dir):
     sys.path.insert(0, str(DIST_SCRIPT.parent))
     from ppo_equivalence import run
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(DIST_SCRIPT), tiny_model_dir, str(tmp_path)], env=env, cwd=Path(__file__).parents[2],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(DIST_SCRIPT),
+            tiny_model_dir,
+            str(tmp_path),
+        ],
+        env=env,
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     one = run(tiny_model_dir, str(tmp_path), world=1, rank=0)  # in this process, while the 2 ranks start up
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-8000:]
@@ -429,8 +512,13 @@ def test_one_vs_two_processes(tmp_path, tiny_model_dir):
     for i, (a, b) in enumerate(zip(one["rows"], rows_two)):
         assert a["completion_ids"] == b["completion_ids"], i
         for key in ("old_values", "advantages", "returns"):
-            torch.testing.assert_close(torch.tensor(b[key]), torch.tensor(a[key]), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, i=i, key=key: f"row {i} {key}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(b[key]),
+                torch.tensor(a[key]),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, i=i, key=key: f"row {i} {key}: {m}",
+            )
     assert torch.equal(ranks[0]["critic_grad"], ranks[1]["critic_grad"])
     assert one["critic_grad"].norm() > 1e-3
     torch.testing.assert_close(ranks[0]["critic_grad"], one["critic_grad"], atol=1e-6, rtol=1e-4)
@@ -458,9 +546,33 @@ def test_ppo_cpu_config_keys_are_options():
 def test_recipe_trains_and_saves_policy_and_critic_adapters(tmp_path, tiny_model_dir):
     from trinity_trl.cli import run as cli
 
-    trainer = cli(["ppo", "--config", "ppo_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path),
-                   "--max_steps", "3", "--num_train_rows", "8", "--eval_accuracy", "false", "--max_completion_length",
-                   "8", "--per_device_train_batch_size", "4", "--lora_r", "4", "--lora_alpha", "8", "--plot", "false"])
+    trainer = cli(
+        [
+            "ppo",
+            "--config",
+            "ppo_cpu",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "3",
+            "--num_train_rows",
+            "8",
+            "--eval_accuracy",
+            "false",
+            "--max_completion_length",
+            "8",
+            "--per_device_train_batch_size",
+            "4",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--plot",
+            "false",
+        ]
+    )
     assert isinstance(trainer, PPOTrainer) and trainer.state.global_step == 3
     assert trainer.args.critic_warmup_steps == 2 and isinstance(unwrapped_critic(trainer), PeftModel)
     assert {"adapter_model.safetensors", "README.md", "training_log.json", CRITIC_DIR} <= set(os.listdir(tmp_path))

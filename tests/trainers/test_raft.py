@@ -25,9 +25,14 @@ def loss_and_grads(trainer, batch):
 
 
 def test_raft_keeps_the_best_of_each_group_and_the_others_carry_no_gradient(tmp_path, tiny_model_dir):
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=ranked_reward, train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="raft",
-                                                                   per_device_train_batch_size=8)))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=ranked_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="raft", per_device_train_batch_size=8)
+        ),
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; _compute_loss divides by it
     torch.manual_seed(0)

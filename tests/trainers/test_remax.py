@@ -19,10 +19,20 @@ def char_reward(completions, **kwargs):
 
 
 def test_remax_baseline_is_the_reward_of_a_greedy_completion(tmp_path, tiny_model_dir):
-    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=char_reward, train_dataset=tiny_conversational_dataset(),
-                             args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus",
-                                                                   advantage_fn="remax", kl_loss_fn="none",
-                                                                   per_device_train_batch_size=8)))
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=char_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=TrinityConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path),
+                algorithm="reinforceplusplus",
+                advantage_fn="remax",
+                kl_loss_fn="none",
+                per_device_train_batch_size=8,
+            )
+        ),
+    )
     trainer.model.train()
     rows = [dict(tiny_conversational_dataset()[i]) for i in (0, 1) for _ in range(G)]
     torch.manual_seed(0)
@@ -31,16 +41,26 @@ def test_remax_baseline_is_the_reward_of_a_greedy_completion(tmp_path, tiny_mode
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     baselines = []
     for i in (0, 1):
-        ids = tokenizer.apply_chat_template(rows[i * G]["prompt"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
+        ids = tokenizer.apply_chat_template(
+            rows[i * G]["prompt"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
-            out = trainer.model.generate(**ids, do_sample=False, max_new_tokens=trainer.max_completion_length,
-                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = trainer.model.generate(
+                **ids,
+                do_sample=False,
+                max_new_tokens=trainer.max_completion_length,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         baselines += [float(len(text))] * G
     # ReMax: per-token returns of the sampled reward minus the greedy baseline on every trained token
-    rewards = torch.tensor([float(len(tokenizer.decode(ids[m.bool()], skip_special_tokens=True)))
-                            for ids, m in zip(batch["completion_ids"], batch["completion_mask"])])
+    rewards = torch.tensor(
+        [
+            float(len(tokenizer.decode(ids[m.bool()], skip_special_tokens=True)))
+            for ids, m in zip(batch["completion_ids"], batch["completion_mask"])
+        ]
+    )
     mask = batch["completion_mask"]
     returns = scalar_rewards_to_token_level(rewards, mask).flip(-1).cumsum(-1).flip(-1)
     expected = returns - torch.tensor(baselines).unsqueeze(1) * mask
@@ -58,8 +78,9 @@ def test_remax_needs_whole_groups_per_process(tmp_path):
     from trinity_trl.trainers.checks import check_components
     from trinity_trl.trainers.common import Components
 
-    config = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus",
-                                              advantage_fn="remax"))
+    config = TrinityConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus", advantage_fn="remax")
+    )
     algorithm = config.resolved_algorithm()
     components = Components.build(algorithm)
     two_processes = SimpleNamespace(**{**vars(config), "per_device_train_batch_size": 2, "steps_per_generation": 1})

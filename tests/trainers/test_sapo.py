@@ -46,10 +46,12 @@ def test_sapo_config_replace_mode_keeps_its_aggregation(tmp_path):
 
 
 def test_sapo_trainer_trains_the_sapo_loss(tmp_path, tiny_model_dir):
-    trainer = SAPOTrainer(model=tiny_model_dir, reward_funcs=length_reward,
-                          train_dataset=tiny_conversational_dataset(),
-                          args=SAPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1,
-                                                             sapo_temperature_neg=1.5)))
+    trainer = SAPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_conversational_dataset(),
+        args=SAPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, sapo_temperature_neg=1.5)),
+    )
     assert isinstance(trainer, TrinityTrainer) and trainer._name == "SAPO"
     assert trainer.components.policy_loss.tau_neg == 1.5
     assert trainer.ref_model is None  # no KL loss in the SAPO paper: no reference model

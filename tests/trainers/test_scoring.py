@@ -14,8 +14,9 @@ from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
 def make(tmp_path, model, **config):
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **config))
-    return TrinityTrainer(model=model, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                          args=args)
+    return TrinityTrainer(
+        model=model, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
 
 
 def rows_of(batch: dict) -> dict:
@@ -64,7 +65,9 @@ def test_teacher_logps_without_teacher_or_rollout_values_say_what_to_pass(tmp_pa
     batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
     with pytest.raises(ValueError, match="teacher_model=.*teacher_logprobs"):
         trainer._teacher_logps(batch, [{} for _ in range(batch["completion_ids"].size(0))])
-    rows = [{"teacher_logprobs": [-0.5] * batch["completion_ids"].size(1)} for _ in range(batch["completion_ids"].size(0))]
+    rows = [
+        {"teacher_logprobs": [-0.5] * batch["completion_ids"].size(1)} for _ in range(batch["completion_ids"].size(0))
+    ]
     teacher = trainer._teacher_logps(batch, rows)
     mask = batch["completion_mask"].bool()
     assert torch.all(teacher[mask] == -0.5)

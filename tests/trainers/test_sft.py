@@ -39,8 +39,9 @@ def prompt_completion_dataset():
         {
             "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in ROWS],
             # different lengths, so micro-batches have different token counts
-            "completion": [[{"role": "assistant", "content": "The answer is " + " so" * (a % 3) + f" {a + b}."}]
-                           for a, b in ROWS],
+            "completion": [
+                [{"role": "assistant", "content": "The answer is " + " so" * (a % 3) + f" {a + b}."}] for a, b in ROWS
+            ],
         }
     )
 
@@ -70,10 +71,18 @@ def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, t
     """`sft` is TRL's NLL and `sft_is` TRL's DFT: same value and same gradients on the same batch."""
     dataset = prompt_completion_dataset()
     kwargs = tiny_sft_dpo_kwargs(tmp_path)
-    ours = TrinitySFTTrainer(model=tiny_model_dir, args=TrinitySFTConfig(**kwargs, policy_loss_fn=ours_loss),
-                             train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
-    theirs = SFTTrainer(model=tiny_model_dir, args=SFTConfig(**kwargs, loss_type=trl_loss), train_dataset=dataset,
-                        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    ours = TrinitySFTTrainer(
+        model=tiny_model_dir,
+        args=TrinitySFTConfig(**kwargs, policy_loss_fn=ours_loss),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    theirs = SFTTrainer(
+        model=tiny_model_dir,
+        args=SFTConfig(**kwargs, loss_type=trl_loss),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
     inputs = first_batch(ours)
     assert (inputs["labels"] == -100).any() and (inputs["labels"] != -100).any()  # completion-only labels
     num_items = (inputs["labels"][:, 1:] != -100).sum()
@@ -87,7 +96,9 @@ def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, t
     assert_grads_close(parameter_grads(ours.model), parameter_grads(theirs.model))
     # our token-mean does not depend on num_items_in_batch (Trinity aggregates per micro-batch)
     with torch.no_grad():
-        assert abs(ours.compute_loss(ours.model, dict(inputs), num_items_in_batch=None).item() - loss_ours.item()) < 1e-6
+        assert (
+            abs(ours.compute_loss(ours.model, dict(inputs), num_items_in_batch=None).item() - loss_ours.item()) < 1e-6
+        )
 
 
 @pytest.mark.parametrize(
@@ -100,10 +111,15 @@ def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, t
     ],
 )
 def test_sft_losses_equal_library_on_the_same_logprobs(tiny_model_dir, tmp_path, loss_fn, loss_args, agg):
-    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn=loss_fn, policy_loss_fn_args=loss_args,
-                            loss_agg_mode=agg)
-    trainer = TrinitySFTTrainer(model=tiny_model_dir, args=args, train_dataset=prompt_completion_dataset(),
-                                processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    args = TrinitySFTConfig(
+        **tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn=loss_fn, policy_loss_fn_args=loss_args, loss_agg_mode=agg
+    )
+    trainer = TrinitySFTTrainer(
+        model=tiny_model_dir,
+        args=args,
+        train_dataset=prompt_completion_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
     inputs = first_batch(trainer)
     loss = trainer.compute_loss(trainer.model, dict(inputs))
     loss.backward()
@@ -123,11 +139,18 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
     """GA = 2: the accumulated gradient is the mean of the two micro-batches' token-means, and the logged loss is
     their mean; neither is divided twice (÷4) nor not at all (×2)."""
     grab = GradientGrab()
-    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                            max_steps=1, max_grad_norm=0.0))
-    trainer = recording(TrinitySFTTrainer)(model=tiny_model_dir, args=args, train_dataset=prompt_completion_dataset(),
-                                           processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-                                           callbacks=[grab])
+    args = TrinitySFTConfig(
+        **tiny_sft_dpo_kwargs(
+            tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, max_grad_norm=0.0
+        )
+    )
+    trainer = recording(TrinitySFTTrainer)(
+        model=tiny_model_dir,
+        args=args,
+        train_dataset=prompt_completion_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        callbacks=[grab],
+    )
     trainer.train()
     calls = trainer.recorded.loss_calls
     assert len(calls) == 2
@@ -146,7 +169,7 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
     for call, micro in zip(calls, micro_losses):  # compute_loss itself returns the undivided loss
         assert call.loss.item() == pytest.approx(micro.item(), abs=1e-5)
     if token_counts[0] != token_counts[1]:  # Trinity's token-mean differs from TRL's window-wide token mean here
-        window_mean = sum(-l * n for l, n in zip(micro_losses, token_counts)) / -sum(token_counts)
+        window_mean = sum(-loss * n for loss, n in zip(micro_losses, token_counts)) / -sum(token_counts)
         assert abs(window_mean.item() - expected.item()) > 1e-6
 
 
@@ -156,8 +179,13 @@ def test_sft_trains_two_steps(tiny_model_dir, tmp_path, dataset_format, use_lora
     dataset = messages_dataset() if dataset_format == "messages" else prompt_completion_dataset()
     peft_config = lora_config() if use_lora else None
     args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn="sft_phi")
-    trainer = TrinitySFTTrainer(model=tiny_model_dir, args=args, train_dataset=dataset,
-                                processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), peft_config=peft_config)
+    trainer = TrinitySFTTrainer(
+        model=tiny_model_dir,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=peft_config,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -174,8 +202,12 @@ def test_sft_trains_two_steps(tiny_model_dir, tmp_path, dataset_format, use_lora
 
 def test_sft_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_path):
     args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path, max_steps=1), policy_loss_fn="sft_phi")
-    trainer = TrinitySFTTrainer(model=tiny_model_dir, args=args, train_dataset=messages_dataset(),
-                                processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer = TrinitySFTTrainer(
+        model=tiny_model_dir,
+        args=args,
+        train_dataset=messages_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
     trainer.train()
     metrics = trainer.evaluate(eval_dataset=messages_dataset().select(range(4)))
     assert metrics["eval_loss"] == pytest.approx(metrics["eval_actor/sft_phi_loss"], rel=1e-5)
@@ -208,15 +240,22 @@ def test_sft_config_rejects_conflicting_options(tmp_path, overrides, match):
 def test_sft_trainer_rejects_compute_loss_func_and_foreign_config(tiny_model_dir, tmp_path):
     dataset = prompt_completion_dataset()
     with pytest.raises(ValueError, match="compute_loss_func"):
-        TrinitySFTTrainer(model=tiny_model_dir, args=TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path)), train_dataset=dataset,
-                          compute_loss_func=lambda *a, **k: 0.0)
+        TrinitySFTTrainer(
+            model=tiny_model_dir,
+            args=TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path)),
+            train_dataset=dataset,
+            compute_loss_func=lambda *a, **k: 0.0,
+        )
     with pytest.raises(TypeError, match="TrinitySFTConfig"):
         TrinitySFTTrainer(model=tiny_model_dir, args=SFTConfig(**tiny_sft_dpo_kwargs(tmp_path)), train_dataset=dataset)
 
 
 def test_sft_args_merge_over_default_args(tmp_path):
-    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn="sft_phi",
-                            policy_loss_fn_args='{"cutoff_prob": 0.9, "loss_agg_mode": "seq-mean-token-sum"}')
+    args = TrinitySFTConfig(
+        **tiny_sft_dpo_kwargs(tmp_path),
+        policy_loss_fn="sft_phi",
+        policy_loss_fn_args='{"cutoff_prob": 0.9, "loss_agg_mode": "seq-mean-token-sum"}',
+    )
     resolved = args.resolved_algorithm()
     # the global loss_agg_mode wins over the loss's own key (spec §13.2 step 4)
     assert resolved.policy_loss_fn_args == {"cutoff_prob": 0.9, "loss_agg_mode": "token-mean"}
@@ -230,10 +269,26 @@ def _trl_fields(config_cls) -> set[str]:
 
 # TRL options this trainer leaves to TRL (data preparation, model loading, ...)
 HONOURED_SFT = {
-    "activation_offloading", "assistant_only_loss", "chat_template_path", "completion_only_loss", "dataset_kwargs",
-    "dataset_num_proc", "dataset_text_field", "eos_token", "eval_packing", "max_length", "model_init_kwargs", "packing",
-    "packing_strategy", "pad_to_multiple_of", "pad_token", "padding_free", "router_aux_loss_coef", "shuffle_dataset",
-    "truncation_mode", "trust_remote_code",
+    "activation_offloading",
+    "assistant_only_loss",
+    "chat_template_path",
+    "completion_only_loss",
+    "dataset_kwargs",
+    "dataset_num_proc",
+    "dataset_text_field",
+    "eos_token",
+    "eval_packing",
+    "max_length",
+    "model_init_kwargs",
+    "packing",
+    "packing_strategy",
+    "pad_to_multiple_of",
+    "pad_token",
+    "padding_free",
+    "router_aux_loss_coef",
+    "shuffle_dataset",
+    "truncation_mode",
+    "trust_remote_code",
 }
 
 

@@ -30,8 +30,9 @@ class ScriptedEnv(Environment):
 
 
 def scripted_tasks(lengths_and_rewards):
-    return Dataset.from_dict({"length": [l for l, _ in lengths_and_rewards],
-                              "reward": [r for _, r in lengths_and_rewards]})
+    return Dataset.from_dict(
+        {"length": [length for length, _ in lengths_and_rewards], "reward": [r for _, r in lengths_and_rewards]}
+    )
 
 
 class Recording(recording(StepGRPOTrainer)):
@@ -54,8 +55,13 @@ def loss_inputs(trainer) -> list[dict]:
 def make(tmp_path, model_dir, tasks, env=ScriptedEnv, cls=Recording, peft=False, **config):
     kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1, shuffle_dataset=False)
     kwargs.update(config)
-    return cls(model=model_dir, args=StepGRPOConfig(**kwargs), train_dataset=tasks, environment_factory=env,
-               peft_config=lora_config() if peft else None)
+    return cls(
+        model=model_dir,
+        args=StepGRPOConfig(**kwargs),
+        train_dataset=tasks,
+        environment_factory=env,
+        peft_config=lora_config() if peft else None,
+    )
 
 
 def test_every_step_is_one_row_with_its_runs_advantage(tmp_path, tiny_model_dir):
@@ -88,8 +94,17 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
                 return StepResult("Done.", reward=self.reward, done=True)
             return StepResult("Again.", reward=9.0)
 
-    trainer = make(tmp_path, tiny_model_dir, tasks.select([0, 2]), env=CountingEnv, num_generations=2,
-                   per_device_train_batch_size=2, gradient_accumulation_steps=2, max_env_steps=5, shared_prefix=False)
+    trainer = make(
+        tmp_path,
+        tiny_model_dir,
+        tasks.select([0, 2]),
+        env=CountingEnv,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_env_steps=5,
+        shared_prefix=False,
+    )
     trainer.train()
     batch = trainer.recorded.batches[0]
     run_log = [(len(run.steps), run.reward) for run in runs_of(trainer, 0)]
@@ -98,20 +113,29 @@ def test_runs_of_different_lengths_and_padding_rows(tmp_path, tiny_model_dir):
     assert batch["sample_count"].shape[0] == 8  # padded to a multiple of steps_per_generation (2)
     # expected advantages from the library on the same runs (non-last rewards 9.0 ignored)
     fn = ADVANTAGE_FN.get("step_wise_grpo")(**ADVANTAGE_FN.get("step_wise_grpo").default_args())
-    exps = [Experience(eid=EID(batch=0, task=i // 2, run=i % 2, step=s), tokens=torch.zeros(1, dtype=torch.long),
-                       prompt_length=0, reward=r)
-            for i, (n, r) in enumerate(run_log) for s in range(n)]
+    exps = [
+        Experience(
+            eid=EID(batch=0, task=i // 2, run=i % 2, step=s),
+            tokens=torch.zeros(1, dtype=torch.long),
+            prompt_length=0,
+            reward=r,
+        )
+        for i, (n, r) in enumerate(run_log)
+        for s in range(n)
+    ]
     expected = [float(e.advantages[0]) for e in fn(exps)[0]]
     assert batch["advantages"][batch["sample_count"].bool(), 0].tolist() == pytest.approx(expected, abs=1e-6)
     # every step row is trained exactly once across the micro-batches, padding rows never
     seen = torch.cat([rows["sample_count"] for rows in loss_inputs(trainer)])
     assert int(seen.sum()) == 7 and seen.numel() == 8
-    trained_advantages = torch.cat([rows["advantages"][rows["sample_count"].bool(), 0]
-                                    for rows in loss_inputs(trainer)])
+    trained_advantages = torch.cat(
+        [rows["advantages"][rows["sample_count"].bool(), 0] for rows in loss_inputs(trainer)]
+    )
     assert sorted(trained_advantages.tolist()) == pytest.approx(sorted(expected), abs=1e-6)
     # padding rows attend to one pad token but train none (loss mask = completion_mask * tool_mask)
-    padding = torch.cat([(rows["completion_mask"] * rows["tool_mask"])[~rows["sample_count"].bool()]
-                         for rows in loss_inputs(trainer)])
+    padding = torch.cat(
+        [(rows["completion_mask"] * rows["tool_mask"])[~rows["sample_count"].bool()] for rows in loss_inputs(trainer)]
+    )
     assert padding.sum() == 0
 
 
@@ -126,7 +150,7 @@ def test_step_prompts_extend_the_previous_turn(tmp_path, tiny_model_dir):
         if previous.completion_ids[-1] != eos:
             history = history + [eos]
         assert step.prompt_ids[: len(history)] == history
-        assert "Turn" in trainer.processing_class.decode(step.prompt_ids[len(history):])
+        assert "Turn" in trainer.processing_class.decode(step.prompt_ids[len(history) :])
     assert all(r.prefix_preserving for r in runs_of(trainer))
 
 
@@ -138,13 +162,18 @@ def test_max_env_steps_bounds_runs(tmp_path, tiny_model_dir):
 
 
 def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):
-    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=NumberGuessEnv, peft=True, max_steps=2,
-                   max_env_steps=2)
+    trainer = make(
+        tmp_path, tiny_model_dir, number_guess_dataset(8), env=NumberGuessEnv, peft=True, max_steps=2, max_env_steps=2
+    )
     trainer.train()
     assert "multi_step/steps_per_run" in trainer.state.log_history[0]
-    extra = StepGRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=number_guess_dataset(8),
-                            environment_factory=NumberGuessEnv,
-                            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "x"), max_steps=1)))
+    extra = StepGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=number_guess_dataset(8),
+        environment_factory=NumberGuessEnv,
+        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "x"), max_steps=1)),
+    )
     assert [f.__name__ for f in extra.reward_funcs] == ["environment_reward", "length_reward"]
 
 
@@ -164,8 +193,11 @@ def test_bad_configs(config, match):
 
 def test_needs_an_environment_factory(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="environment_factory"):
-        StepGRPOTrainer(model=tiny_model_dir, train_dataset=number_guess_dataset(4),
-                        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            train_dataset=number_guess_dataset(4),
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+        )
 
 
 class VaryingEnv(Environment):
@@ -196,9 +228,20 @@ def _loss_and_grads(trainer, batch):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg):
     VaryingEnv.counter = 0
-    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, num_generations=4,
-                   per_device_train_batch_size=8, max_env_steps=3, loss_agg_mode=agg, kl_loss_fn="k3",
-                   kl_loss_fn_args={"kl_coef": 0.5}, entropy_loss_fn_args={"entropy_coef": 0.05}, learning_rate=0.0)
+    trainer = make(
+        tmp_path,
+        tiny_model_dir,
+        number_guess_dataset(8),
+        env=VaryingEnv,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_env_steps=3,
+        loss_agg_mode=agg,
+        kl_loss_fn="k3",
+        kl_loss_fn_args={"kl_coef": 0.5},
+        entropy_loss_fn_args={"entropy_coef": 0.05},
+        learning_rate=0.0,
+    )
     trainer.train()
     runs = runs_of(trainer)
     assert {len(r.steps) for r in runs} == {1, 2, 3}
@@ -221,8 +264,9 @@ def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg
 
 def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model_dir):
     VaryingEnv.counter = 0
-    trainer = make(tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3,
-                   policy_loss_fn="gspo")
+    trainer = make(
+        tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3, policy_loss_fn="gspo"
+    )
     trainer.train()
     batch = trainer.recorded.batches[0]
     assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in runs_of(trainer))  # one row per step

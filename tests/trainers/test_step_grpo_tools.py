@@ -41,7 +41,7 @@ def tool_model_dir(tmp_path_factory):
 
 
 def tool_call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def force_turns(trainer, script, record=None, free=False):
@@ -63,11 +63,22 @@ def force_turns(trainer, script, record=None, free=False):
             target = target[: trainer.max_completion_length]
             with torch.no_grad():
                 out = model.generate(
-                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=True,
-                    temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=len(target), eos_token_id=eos,
-                    pad_token_id=tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True,
-                    prefix_allowed_tokens_fn=lambda batch, sofar: [target[len(sofar) - len(ids)]])
-            new = out.sequences[0, len(ids):].tolist()
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=len(target),
+                    eos_token_id=eos,
+                    pad_token_id=tokenizer.pad_token_id,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    prefix_allowed_tokens_fn=lambda batch, sofar, target=target, ids=ids: [
+                        target[len(sofar) - len(ids)]
+                    ],
+                )
+            new = out.sequences[0, len(ids) :].tolist()
             logps = [torch.log_softmax(logits[0].float(), -1)[token].item() for logits, token in zip(out.logits, new)]
             completions.append(new)
             logprobs.append(logps)
@@ -123,19 +134,37 @@ class Recording(StepGRPOTrainer):
         return logps, entropies, aux
 
 
-def make(tmp_path, model_dir, tasks, env=CalculatorToolEnv, script=calculator_script, record=None, cls=Recording,
-         reward_funcs=None, tools=None, **config):
-    kwargs = tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1, shuffle_dataset=False,
-                              max_completion_length=512, temperature=1.0)
+def make(
+    tmp_path,
+    model_dir,
+    tasks,
+    env=CalculatorToolEnv,
+    script=calculator_script,
+    record=None,
+    cls=Recording,
+    reward_funcs=None,
+    tools=None,
+    **config,
+):
+    kwargs = tiny_grpo_kwargs(
+        output_dir=str(tmp_path / "out"), max_steps=1, shuffle_dataset=False, max_completion_length=512, temperature=1.0
+    )
     kwargs.update(config)
-    trainer = cls(model=model_dir, reward_funcs=reward_funcs, args=StepGRPOConfig(**kwargs), train_dataset=tasks,
-                  environment_factory=env, tools=tools)
+    trainer = cls(
+        model=model_dir,
+        reward_funcs=reward_funcs,
+        args=StepGRPOConfig(**kwargs),
+        train_dataset=tasks,
+        environment_factory=env,
+        tools=tools,
+    )
     return force_turns(trainer, script, record)
 
 
 def test_tool_environment_turns_are_steps_with_the_runs_advantage(tmp_path, tool_model_dir):
-    trainer = make(tmp_path, tool_model_dir, calculator_tasks(4), num_generations=2, per_device_train_batch_size=4,
-                   max_env_steps=5)
+    trainer = make(
+        tmp_path, tool_model_dir, calculator_tasks(4), num_generations=2, per_device_train_batch_size=4, max_env_steps=5
+    )
     assert trainer.environment_protocol == "tools"
     assert sorted(t.__name__ for t in trainer.tools) == ["answer", "calc"]
     trainer.train()
@@ -164,11 +193,23 @@ def test_trained_log_probs_are_the_sampled_ones_turn_by_turn(tmp_path, tool_mode
 
     def three_turns(text):
         task, turn = task_of(text), turn_of(text)
-        return [tool_call("calc", expression=f"{task}*3"), tool_call("calc", expression=f"{task}*3-1"),
-                f"Task {task}: {task * 3 - 1}."][turn]
+        return [
+            tool_call("calc", expression=f"{task}*3"),
+            tool_call("calc", expression=f"{task}*3-1"),
+            f"Task {task}: {task * 3 - 1}.",
+        ][turn]
 
-    trainer = make(tmp_path, tool_model_dir, calculator_tasks(4), script=three_turns, record=record, num_generations=2,
-                   per_device_train_batch_size=4, shared_prefix=shared_prefix, learning_rate=0.0)
+    trainer = make(
+        tmp_path,
+        tool_model_dir,
+        calculator_tasks(4),
+        script=three_turns,
+        record=record,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        shared_prefix=shared_prefix,
+        learning_rate=0.0,
+    )
     trainer.train()
     assert len(record) == 12  # 4 runs x 3 turns, each turn sampled once
     rows = []
@@ -178,11 +219,14 @@ def test_trained_log_probs_are_the_sampled_ones_turn_by_turn(tmp_path, tool_mode
             left = next(i for i, t in enumerate(ids) if t != trainer.processing_class.pad_token_id)
             rows.append((ids[left:], row_logps, prompt_width - left))
     for context, sampled, sampled_logps in record:
-        found = [(seq, lp, start) for seq, lp, start in rows
-                 if seq[: len(context) + len(sampled)] == context + sampled and len(context) >= start]
+        found = [
+            (seq, lp, start)
+            for seq, lp, start in rows
+            if seq[: len(context) + len(sampled)] == context + sampled and len(context) >= start
+        ]
         assert found, "a sampled turn is missing from the training rows (or its context changed)"
-        for seq, lp, start in found:
-            trained = lp[len(context) - start: len(context) - start + len(sampled)]
+        for _seq, lp, start in found:
+            trained = lp[len(context) - start : len(context) - start + len(sampled)]
             torch.testing.assert_close(trained, torch.tensor(sampled_logps), atol=2e-5, rtol=0)
     assert logs_of(trainer)["multi_step/steps_per_run"] == 3.0
 
@@ -208,12 +252,14 @@ class EchoToolEnv:
 
 
 def test_a_dict_of_tool_environments_routed_by_the_environment_column(tmp_path, tool_model_dir):
-    tasks = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"Solve task {i}: what is {i}*3-1?"}] for i in range(4)],
-        "environment": ["calculator", "echo", "calculator", "echo"],
-        "answer": [i * 3 - 1 for i in range(4)],
-        "target": ["a", "b", "c", "d"],
-    })
+    tasks = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"Solve task {i}: what is {i}*3-1?"}] for i in range(4)],
+            "environment": ["calculator", "echo", "calculator", "echo"],
+            "answer": [i * 3 - 1 for i in range(4)],
+            "target": ["a", "b", "c", "d"],
+        }
+    )
     seen = {}
 
     def script(text):
@@ -224,8 +270,15 @@ def test_a_dict_of_tool_environments_routed_by_the_environment_column(tmp_path, 
             return tool_call("echo", text="abcd"[task]) if turn == 0 else f"Task {task} echoed."
         return calculator_script(text)
 
-    trainer = make(tmp_path, tool_model_dir, tasks, env={"calculator": CalculatorToolEnv, "echo": EchoToolEnv},
-                   script=script, num_generations=2, shuffle_dataset=False)
+    trainer = make(
+        tmp_path,
+        tool_model_dir,
+        tasks,
+        env={"calculator": CalculatorToolEnv, "echo": EchoToolEnv},
+        script=script,
+        num_generations=2,
+        shuffle_dataset=False,
+    )
     trainer.train()
     # each row saw only its own environment's tools in its prompt (TRL renders them per environment)
     assert seen == {0: (False, True), 1: (True, False)}
@@ -286,8 +339,15 @@ def test_standalone_tools_without_an_environment(tmp_path, tool_model_dir):
     def answer_in_last_turn(completions, answer, **kwargs):
         return [float(str(a) in c[-1]["content"]) for c, a in zip(completions, answer)]
 
-    trainer = make(tmp_path, tool_model_dir, calculator_tasks(2), env=None, tools=[multiply], script=script,
-                   reward_funcs=answer_in_last_turn)
+    trainer = make(
+        tmp_path,
+        tool_model_dir,
+        calculator_tasks(2),
+        env=None,
+        tools=[multiply],
+        script=script,
+        reward_funcs=answer_in_last_turn,
+    )
     trainer.train()
     logs = logs_of(trainer)
     assert trainer.environment_protocol == "tools" and logs["multi_step/steps_per_run"] == 2.0
@@ -325,8 +385,16 @@ def test_tool_errors_malformed_calls_endless_runs_and_unscorable_rewards(tmp_pat
             return f"Task {task} turn {turn}. " + tool_call("calc", expression="1+1")
         return f"Task {task}. " + tool_call("calc", expression="1+1") if turn == 0 else f"Task {task} done."
 
-    trainer = make(tmp_path, tool_model_dir, calculator_tasks(4), env=Flaky, script=script, num_generations=2,
-                   per_device_train_batch_size=8, max_env_steps=3)
+    trainer = make(
+        tmp_path,
+        tool_model_dir,
+        calculator_tasks(4),
+        env=Flaky,
+        script=script,
+        num_generations=2,
+        per_device_train_batch_size=8,
+        max_env_steps=3,
+    )
     trainer.train()  # nothing raises, nothing hangs
     logs, batch = logs_of(trainer), trainer.batches[0]
     assert logs["multi_step/malformed_tool_calls"] == 2.0  # task 0's two runs: one turn each, taken as the answer
@@ -344,29 +412,44 @@ class NoStep(Environment):
         return "hi"
 
 
-@pytest.mark.parametrize("env, match", [
-    (NoStep, r"NoStep subclasses trinity_trl.rollouts.Environment but does not define step"),
-    (object, r"object defines no reset"),
-    (CalculatorToolEnv(), r"must be a callable returning a fresh environment"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        (NoStep, r"NoStep subclasses trinity_trl.rollouts.Environment but does not define step"),
+        (object, r"object defines no reset"),
+        (CalculatorToolEnv(), r"must be a callable returning a fresh environment"),
+    ],
+)
 def test_a_wrong_environment_fails_at_construction(tmp_path, tiny_model_dir, env, match):
     with pytest.raises(TypeError, match=match):
-        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
-                        train_dataset=calculator_tool_dataset(4), environment_factory=env)
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+            train_dataset=calculator_tool_dataset(4),
+            environment_factory=env,
+        )
 
 
 def test_tool_options_that_cannot_work_fail_at_construction(tmp_path, tiny_model_dir, tool_model_dir):
     config = tiny_grpo_kwargs(output_dir=str(tmp_path))
     with pytest.raises(ValueError, match="history='messages' is for reset/step environments"):
-        StepGRPOTrainer(model=tool_model_dir, args=StepGRPOConfig(**config, history="messages"),
-                        train_dataset=calculator_tool_dataset(4), environment_factory=CalculatorToolEnv)
+        StepGRPOTrainer(
+            model=tool_model_dir,
+            args=StepGRPOConfig(**config, history="messages"),
+            train_dataset=calculator_tool_dataset(4),
+            environment_factory=CalculatorToolEnv,
+        )
     with pytest.raises(ValueError, match="set max_env_steps=3 and leave max_tool_calling_iterations unset"):
         StepGRPOConfig(**config, max_tool_calling_iterations=2)
     assert StepGRPOConfig(**config, max_env_steps=4).max_tool_calling_iterations == 3
     # a chat template that cannot render tool calls (the tiny ChatML one, like SmolLM2's): TRL's own error
     with pytest.raises(ValueError, match="does not support tool calling"):
-        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**config), train_dataset=calculator_tool_dataset(4),
-                        environment_factory=CalculatorToolEnv)
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**config),
+            train_dataset=calculator_tool_dataset(4),
+            environment_factory=CalculatorToolEnv,
+        )
 
 
 class Countdown(Environment):
@@ -383,22 +466,49 @@ class Countdown(Environment):
 
 
 def test_train_dataset_none_with_a_reset_step_environment(tmp_path, tiny_model_dir):
-    trainer = StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(
-        output_dir=str(tmp_path), max_steps=1)), train_dataset=None, environment_factory=Countdown)
+    trainer = StepGRPOTrainer(
+        model=tiny_model_dir,
+        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1)),
+        train_dataset=None,
+        environment_factory=Countdown,
+    )
     trainer.train()
     assert trainer.environment_protocol == "reset/step"
     assert logs_of(trainer)["multi_step/steps_per_run"] == 2.0
     with pytest.raises(ValueError, match="needs max_steps > 0"):
-        StepGRPOTrainer(model=tiny_model_dir, args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path),
-                        max_steps=-1)), environment_factory=Countdown)
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=-1)),
+            environment_factory=Countdown,
+        )
 
 
 def test_the_tool_recipe_config_trains(tmp_path, tool_model_dir):
     from trinity_trl.cli import run as cli
 
-    trainer = cli(["step_grpo", "--config", "step_grpo_tools_cpu", "--model_name_or_path", tool_model_dir,
-                   "--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--num_tasks", "8",
-                   "--max_completion_length", "16", "--max_env_steps", "2", "--lora_r", "4", "--lora_alpha", "8"])
+    trainer = cli(
+        [
+            "step_grpo",
+            "--config",
+            "step_grpo_tools_cpu",
+            "--model_name_or_path",
+            tool_model_dir,
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_steps",
+            "2",
+            "--num_tasks",
+            "8",
+            "--max_completion_length",
+            "16",
+            "--max_env_steps",
+            "2",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+        ]
+    )
     assert trainer.state.global_step == 2 and trainer.environment_protocol == "tools"
     assert sorted(t.__name__ for t in trainer.tools) == ["answer", "calc"]
     assert (tmp_path / "run" / "training_log.json").is_file()
@@ -424,15 +534,28 @@ def test_bundled_smollm2_calculator_tool_task(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see tests/test_bundled_model.py::one_torch_thread
     try:
-        args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=2,
-                                                 per_device_train_batch_size=4, max_completion_length=96,
-                                                 max_env_steps=3, temperature=1.0, learning_rate=1e-4))
+        args = StepGRPOConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / "out"),
+                max_steps=2,
+                num_generations=2,
+                per_device_train_batch_size=4,
+                max_completion_length=96,
+                max_env_steps=3,
+                temperature=1.0,
+                learning_rate=1e-4,
+            )
+        )
         tokenizer = load_processor(bundled_model_dir(), args)
         tokenizer.chat_template = qwen2_5_chat_template
-        trainer = Recording(model=bundled_model_dir(), processing_class=tokenizer, args=args,
-                            train_dataset=calculator_tool_dataset(8, seed=1), environment_factory=CalculatorToolEnv,
-                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                   task_type="CAUSAL_LM"))
+        trainer = Recording(
+            model=bundled_model_dir(),
+            processing_class=tokenizer,
+            args=args,
+            train_dataset=calculator_tool_dataset(8, seed=1),
+            environment_factory=CalculatorToolEnv,
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        )
 
         def first_turn_calls_calc(text):
             if turn_of(text) > 0:
@@ -454,8 +577,13 @@ def test_bundled_smollm2_calculator_tool_task(tmp_path):
         assert entry["rewards/CalculatorToolEnv/mean"] >= 0.2  # get_reward saw the right value computed by calc
     rows = [trainer.processing_class.decode(ids) for batch in trainer.batches for ids in batch["completion_ids"]]
     assert all(re.search(r"<tool_response>\n-?\d+\n</tool_response>", row) for row in rows if row.strip())
-    print(f"\n2 steps in {elapsed:.0f} s; per step: " + "; ".join(
-        f"steps/run {e['multi_step/steps_per_run']}, tool calls/run {e['tools/call_frequency']}, reward "
-        f"{e['rewards/CalculatorToolEnv/mean']:.2f}, cut {e['multi_step/cut_runs']}, malformed "
-        f"{e['multi_step/malformed_tool_calls']}" for e in logs))
+    print(
+        f"\n2 steps in {elapsed:.0f} s; per step: "
+        + "; ".join(
+            f"steps/run {e['multi_step/steps_per_run']}, tool calls/run {e['tools/call_frequency']}, reward "
+            f"{e['rewards/CalculatorToolEnv/mean']:.2f}, cut {e['multi_step/cut_runs']}, malformed "
+            f"{e['multi_step/malformed_tool_calls']}"
+            for e in logs
+        )
+    )
     print("a run's second turn (the model's own):", repr(rows[0].split("</tool_response>")[-1][:200]))

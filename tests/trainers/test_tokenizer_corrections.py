@@ -9,7 +9,12 @@ from helpers import build_tiny_model, build_tiny_tokenizer, length_reward, tiny_
 from tokenizers import AddedToken
 
 from trinity_trl.trainers import (
-    TrinityConfig, TrinityDPOConfig, TrinityDPOTrainer, TrinitySFTConfig, TrinitySFTTrainer, TrinityTrainer,
+    TrinityConfig,
+    TrinityDPOConfig,
+    TrinityDPOTrainer,
+    TrinitySFTConfig,
+    TrinitySFTTrainer,
+    TrinityTrainer,
 )
 
 
@@ -30,8 +35,12 @@ def common(tmp_path):
 
 def test_rl_trainer_corrects_the_gemma2_eos(tmp_path, gemma2_dir):
     with pytest.warns(UserWarning, match="end_of_turn"):
-        trainer = TrinityTrainer(model=gemma2_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                                 args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))))
+        trainer = TrinityTrainer(
+            model=gemma2_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path))),
+        )
     assert trainer.processing_class.eos_token == "<end_of_turn>"
 
 

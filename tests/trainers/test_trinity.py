@@ -293,8 +293,15 @@ def test_importance_sampling_ratio_scales_advantages(tmp_path, tiny_model_dir, t
 
 
 def test_completions_table_shows_our_advantages(tmp_path, tiny_model_dir, tiny_dataset):
-    trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, cls=recording(TrinityTrainer), algorithm="rloo",
-                       log_completions=True, max_steps=1)
+    trainer = _trainer(
+        tmp_path,
+        tiny_model_dir,
+        tiny_dataset,
+        cls=recording(TrinityTrainer),
+        algorithm="rloo",
+        log_completions=True,
+        max_steps=1,
+    )
     trainer.train()
     batch = trainer.recorded.batches[0]
     mask = batch["completion_mask"]

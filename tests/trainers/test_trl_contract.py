@@ -74,9 +74,7 @@ def ref_run(tmp_path_factory, tiny_model_dir, tiny_dataset) -> GRPOTrainer:
 
 
 def test_trl_version_is_1_16():
-    assert trl.__version__.startswith("1.16."), (
-        f"trinity_trl pins TRL 1.16.*, found {trl.__version__}"
-    )
+    assert trl.__version__.startswith("1.16."), f"trinity_trl pins TRL 1.16.*, found {trl.__version__}"
 
 
 def test_grpo_loss_is_scaled_for_gradient_accumulation():
@@ -84,9 +82,7 @@ def test_grpo_loss_is_scaled_for_gradient_accumulation():
     # by gradient_accumulation_steps again; our `_compute_loss` replacement must keep this scaling.
     assert "loss_is_scaled_for_ga" in vars(GRPOTrainer)
     assert GRPOTrainer.loss_is_scaled_for_ga is True
-    assert "loss_is_scaled_for_ga" in vars(
-        transformers.Trainer
-    )  # and transformers still reads the attribute
+    assert "loss_is_scaled_for_ga" in vars(transformers.Trainer)  # and transformers still reads the attribute
 
 
 def _params(function) -> list[str]:
@@ -126,9 +122,7 @@ def test_per_token_logps_signature():
         "compute_aux_loss",
     ]
     defaults = {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if name in ("batch_size", "compute_entropy")
+        name: p.default for name, p in signature.parameters.items() if name in ("batch_size", "compute_entropy")
     }
     assert defaults == {"batch_size": None, "compute_entropy": False}
     # Every other parameter is an optional keyword (VLM inputs), so our calls with the first ones stay valid.
@@ -143,11 +137,7 @@ def test_add_fused_lm_head_exists():
     from trl.trainer.utils import add_fused_lm_head
 
     params = inspect.signature(add_fused_lm_head).parameters
-    assert (
-        next(iter(params)) == "model"
-        and "temperature" in params
-        and "outputs" in params
-    )
+    assert next(iter(params)) == "model" and "temperature" in params and "outputs" in params
 
 
 def test_split_tensor_dict_drops_rows_beyond_a_multiple_of_the_chunk_count():
@@ -168,13 +158,9 @@ def test_split_tensor_dict_drops_rows_beyond_a_multiple_of_the_chunk_count():
     ]  # rows 8 and 9 are gone, silently
     assert chunks[3]["names"] == ["r6", "r7"]
     assert chunks[1]["pair"].tolist() == [[4, 5], [6, 7]]
-    assert all(
-        c["count"] is batch["count"] for c in chunks
-    )  # 0-dim tensors pass through unchanged
+    assert all(c["count"] is batch["count"] for c in chunks)  # 0-dim tensors pass through unchanged
     assert all(c["absent"] is None for c in chunks)
-    with pytest.raises(
-        AttributeError
-    ):  # a Python scalar value is not supported (`.ndim`)
+    with pytest.raises(AttributeError):  # a Python scalar value is not supported (`.ndim`)
         split_tensor_dict({"x": torch.arange(4), "scalar": 1.5}, 2)
 
 
@@ -205,21 +191,14 @@ def test_generate_output_keys_and_shapes(basic_run):
     generated = basic_run.recorded.batches
     assert len(generated) == 2  # GA=1, spg=1: a fresh generation every optimizer step
     for output in generated:
-        assert (
-            set(output) == REQUIRED_KEYS
-        )  # beta=0, GA % spg == 0, no vLLM/tools: nothing else
+        assert set(output) == REQUIRED_KEYS  # beta=0, GA % spg == 0, no vLLM/tools: nothing else
         batch = output["prompt_ids"].shape[0]
         assert batch == 4
-        assert (
-            output["prompt_ids"].dtype == output["completion_ids"].dtype == torch.long
-        )
+        assert output["prompt_ids"].dtype == output["completion_ids"].dtype == torch.long
         assert output["prompt_mask"].shape == output["prompt_ids"].shape
         assert output["completion_mask"].shape == output["completion_ids"].shape
         assert output["completion_ids"].shape[1] <= 8  # max_completion_length
-        assert (
-            output["advantages"].shape == (batch,)
-            and output["advantages"].dtype == torch.float32
-        )
+        assert output["advantages"].shape == (batch,) and output["advantages"].dtype == torch.float32
         assert output["num_items_in_batch"].ndim == 0
         # prompts are left-padded, completions right-padded
         assert bool(output["prompt_mask"][:, -1].all())
@@ -231,63 +210,40 @@ def test_generate_output_keys_and_shapes(basic_run):
 
 def test_rewards_are_one_row_per_completion_in_order(basic_run):
     tokenizer = basic_run.processing_class
-    for call, output in zip(
-        basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True
-    ):
+    for call, output in zip(basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True):
         rewards = call.rewards
         assert rewards.shape == (
             4,
             2,
         )  # (B_global, n_reward_funcs); one process, so B_global == B
-        assert rewards[:, 0].tolist() == pytest.approx(
-            length_reward(call.completions)
-        )
+        assert rewards[:, 0].tolist() == pytest.approx(length_reward(call.completions))
         assert rewards[:, 1].tolist() == [0.0, 1.0, 2.0, 3.0]
         # completion i of the reward call is row i of the output tensors
         for i, ids in enumerate(call.completion_ids):
             row = output["completion_ids"][i][output["completion_mask"][i].bool()]
             assert row.tolist() == ids
-            assert completion_text(call.completions[i]) == tokenizer.decode(
-                ids, skip_special_tokens=True
-            )
+            assert completion_text(call.completions[i]) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_default_advantages_are_group_zscores_of_the_summed_rewards(basic_run):
-    for call, output in zip(
-        basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True
-    ):
+    for call, output in zip(basic_run.recorded.reward_calls, basic_run.recorded.batches, strict=True):
         total = call.rewards.sum(dim=1).view(-1, 4)  # reward_weights default to 1
-        assert bool(
-            (total.std(dim=1) > 0).all()
-        )  # position_reward alone guarantees a non-zero group std
-        expected = (total - total.mean(dim=1, keepdim=True)) / (
-            total.std(dim=1, keepdim=True) + 1e-4
-        )
+        assert bool((total.std(dim=1) > 0).all())  # position_reward alone guarantees a non-zero group std
+        expected = (total - total.mean(dim=1, keepdim=True)) / (total.std(dim=1, keepdim=True) + 1e-4)
         torch.testing.assert_close(output["advantages"], expected.flatten())
 
 
 def test_groups_of_num_generations_share_a_prompt(ref_run):
     (rows,) = ref_run.recorded.rows
     (call,) = ref_run.recorded.reward_calls
-    assert (
-        len(rows) == len(call.prompts) == 16
-    )  # per_device_bs * steps_per_generation
+    assert len(rows) == len(call.prompts) == 16  # per_device_bs * steps_per_generation
     prompts = [row["prompt"][0]["content"] for row in rows]
     groups = [prompts[g * 4 : (g + 1) * 4] for g in range(4)]
-    assert all(
-        len(set(group)) == 1 for group in groups
-    )  # RepeatSampler: each prompt 4 times in a row
+    assert all(len(set(group)) == 1 for group in groups)  # RepeatSampler: each prompt 4 times in a row
     assert len({group[0] for group in groups}) == 4  # and 4 different prompts
-    assert [
-        p[0]["content"] for p in call.prompts
-    ] == prompts  # reward call sees the rows in sampler order
+    assert [p[0]["content"] for p in call.prompts] == prompts  # reward call sees the rows in sampler order
     for row in rows:  # dataset columns travel with their row
-        a, b = (
-            row["prompt"][0]["content"]
-            .removeprefix("What is ")
-            .removesuffix("?")
-            .split("+")
-        )
+        a, b = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split("+")
         assert row["answer"] == str(int(a) + int(b))
 
 
@@ -299,9 +255,7 @@ def test_per_token_logps_returns_logps_entropies_aux(basic_run):
         logps, entropies, aux = call.result
         batch = call.arguments["input_ids"].shape[0]
         assert logps.shape == (batch, call.arguments["logits_to_keep"])
-        assert (
-            call.arguments["compute_entropy"] is True
-        )  # _compute_loss always asks for entropies
+        assert call.arguments["compute_entropy"] is True  # _compute_loss always asks for entropies
         assert entropies is not None and entropies.shape == logps.shape
         assert aux is None  # dense model: no MoE auxiliary loss
         assert bool((logps <= 0).all())
@@ -312,18 +266,14 @@ def test_loss_inputs_are_the_generation_output_for_one_micro_batch(basic_run):
     assert len(loss_inputs) == 2
     for inputs, output in zip(loss_inputs, basic_run.recorded.batches, strict=True):
         assert set(inputs) == set(output)
-        assert (
-            inputs["num_items_in_batch"].item() == output["num_items_in_batch"].item()
-        )
+        assert inputs["num_items_in_batch"].item() == output["num_items_in_batch"].item()
 
 
 def test_beta_adds_ref_logps_from_the_saved_model(ref_run):
     (output,) = ref_run.recorded.batches
     assert "ref_per_token_logps" in output
     assert output["ref_per_token_logps"].shape == output["completion_ids"].shape
-    assert (
-        ref_run.ref_model is not None
-    )  # reloaded from config._name_or_path (the saved directory)
+    assert ref_run.ref_model is not None  # reloaded from config._name_or_path (the saved directory)
     assert any(
         call.arguments["model"] is ref_run.ref_model and _arity(call.result) == 3
         for call in ref_run.recorded.logps_calls
@@ -341,9 +291,7 @@ def test_beta_adds_ref_logps_from_the_saved_model(ref_run):
 def test_loss_micro_batches_are_shuffled_slices_of_the_generation(ref_run):
     (output,) = ref_run.recorded.batches
     loss_inputs = [call.inputs for call in ref_run.recorded.loss_calls]
-    assert (
-        len(loss_inputs) == 2
-    )  # GA=2 micro-batches of the 4 buffered ones were consumed
+    assert len(loss_inputs) == 2  # GA=2 micro-batches of the 4 buffered ones were consumed
     assert set(loss_inputs[0]) == set(output)
 
     def row_keys(batch):
@@ -363,10 +311,7 @@ def test_loss_micro_batches_are_shuffled_slices_of_the_generation(ref_run):
         assert inputs["completion_ids"].shape[0] == 4  # per_device_train_batch_size
         assert inputs["old_per_token_logps"].shape == inputs["completion_ids"].shape
         # the count is for the whole generation batch, not for the micro-batch
-        assert (
-            inputs["num_items_in_batch"].item()
-            == output["completion_mask"].sum().item()
-        )
+        assert inputs["num_items_in_batch"].item() == output["completion_mask"].sum().item()
         seen.update(row_keys(inputs))
     assert not seen - generated  # every micro-batch row is a generation row, none twice
 
@@ -385,9 +330,7 @@ def test_old_logps_present_iff_ga_not_a_multiple_of_spg_times_iterations(
     num_iterations,
 ):
     # notes/TRL_1_16.md §1.4 step 8 (no vLLM): otherwise `_compute_loss` uses `per_token_logps.detach()` as "old".
-    expected = (
-        gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0
-    )
+    expected = gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0
     key = (gradient_accumulation_steps, steps_per_generation, num_iterations)
     reuse = {
         (1, 1, 1): "basic_run",

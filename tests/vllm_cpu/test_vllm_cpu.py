@@ -24,10 +24,19 @@ def vllm_model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("vllm_model")
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -37,10 +46,18 @@ def vllm_model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["chord", "cispo", "step"])
 def test_trainer_generates_with_vllm_and_syncs_its_weights(which, vllm_model_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(SCRIPT), which, vllm_model_dir, str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=900, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), which, vllm_model_dir, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     syncs = report["syncs"]

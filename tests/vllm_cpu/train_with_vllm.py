@@ -26,8 +26,9 @@ def prompt_logprob_gap(trainer) -> float:
     from vllm.inputs import TokensPrompt
 
     ids = trainer.processing_class(PROBE)["input_ids"]
-    out = trainer.vllm_generation.llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    out = trainer.vllm_generation.llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     served = [next(iter(d.values())).logprob for d in out[0].prompt_logprobs[1:]]
     model = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
@@ -41,24 +42,57 @@ def main(which: str, model_dir: str, output_dir: str) -> None:
     from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
     from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
-    from trinity_trl.trainers import ChordConfig, ChordTrainer, CISPOConfig, CISPOTrainer, StepGRPOConfig, StepGRPOTrainer
+    from trinity_trl.trainers import (
+        ChordConfig,
+        ChordTrainer,
+        CISPOConfig,
+        CISPOTrainer,
+        StepGRPOConfig,
+        StepGRPOTrainer,
+    )
 
-    kwargs = tiny_grpo_kwargs(output_dir=output_dir, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
-                              vllm_gpu_memory_utilization=0.3, learning_rate=5e-2)
+    kwargs = tiny_grpo_kwargs(
+        output_dir=output_dir,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=256,
+        vllm_gpu_memory_utilization=0.3,
+        learning_rate=5e-2,
+    )
     if which == "chord":
-        expert = Dataset.from_list([{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                                                  {"role": "assistant", "content": f"The answer is {a + b}."}]}
-                                    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]])
-        trainer = ChordTrainer(model=model_dir, reward_funcs=length_reward, expert_dataset=expert,
-                               args=ChordConfig(**kwargs), train_dataset=tiny_conversational_dataset())
+        expert = Dataset.from_list(
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {a}+{b}?"},
+                        {"role": "assistant", "content": f"The answer is {a + b}."},
+                    ]
+                }
+                for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+            ]
+        )
+        trainer = ChordTrainer(
+            model=model_dir,
+            reward_funcs=length_reward,
+            expert_dataset=expert,
+            args=ChordConfig(**kwargs),
+            train_dataset=tiny_conversational_dataset(),
+        )
     elif which == "cispo":  # with vLLM's importance-sampling correction
-        trainer = CISPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(),
-                               args=CISPOConfig(**kwargs, vllm_importance_sampling_correction=True))
+        trainer = CISPOTrainer(
+            model=model_dir,
+            reward_funcs=length_reward,
+            train_dataset=tiny_conversational_dataset(),
+            args=CISPOConfig(**kwargs, vllm_importance_sampling_correction=True),
+        )
     else:
-        trainer = StepGRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=number_guess_dataset(16),
-                                  environment_factory=lambda: NumberGuessEnv(partial_credit=True),
-                                  args=StepGRPOConfig(**kwargs, max_env_steps=3,
-                                                      vllm_importance_sampling_correction=False))
+        trainer = StepGRPOTrainer(
+            model=model_dir,
+            reward_funcs=length_reward,
+            train_dataset=number_guess_dataset(16),
+            environment_factory=lambda: NumberGuessEnv(partial_credit=True),
+            args=StepGRPOConfig(**kwargs, max_env_steps=3, vllm_importance_sampling_correction=False),
+        )
     sync, syncs = trainer.vllm_generation.sync_weights, []
 
     def checked_sync():

@@ -22,11 +22,11 @@ This package imports only torch and the standard library.
 from .advantage import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, StepWiseGRPOAdvantageFn
 from .entropy import ENTROPY_LOSS_FN, EntropyLossFn
 from .experience import EID, Experience, ExperienceOperator, gather_metrics, group_by
+from .functional import compute_policy_loss, kl_penalty
 from .kl import KL_FN, KLFn
 from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
-from .policy_loss import POLICY_LOSS_FN, PolicyLossFn, MIXCHORDPolicyLossFn, mu_schedule_function, phi_function
+from .policy_loss import POLICY_LOSS_FN, MIXCHORDPolicyLossFn, PolicyLossFn, mu_schedule_function, phi_function
 from .presets import ALGORITHM_TYPE, GLOBAL_DEFAULTS, AlgorithmConfig, AlgorithmType, resolve_algorithm_config
-from .functional import compute_policy_loss, kl_penalty
 from .value_loss import clipped_value_loss
 
 __all__ = [

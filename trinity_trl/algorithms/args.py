@@ -30,9 +30,7 @@ def constructor_defaults(cls: type) -> dict[str, Any]:
     return {
         name: p.default
         for name, p in inspect.signature(cls.__init__).parameters.items()
-        if name not in _NOT_PRESET
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.default is not p.empty
+        if name not in _NOT_PRESET and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
     }
 
 

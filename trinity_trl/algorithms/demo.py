@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, EID, Experience
+from . import ADVANTAGE_FN, ALGORITHM_TYPE, EID, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, Experience
 from .advantage import scalar_rewards_to_token_level
 
 
@@ -39,8 +39,10 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 def main() -> None:
     batch = sample_batch()
-    print(f"Sample micro-batch: {batch['logprob'].shape[0]} rows x {batch['logprob'].shape[1]} tokens, "
-          f"{int(batch['action_mask'].sum())} trained tokens\n")
+    print(
+        f"Sample micro-batch: {batch['logprob'].shape[0]} rows x {batch['logprob'].shape[1]} tokens, "
+        f"{int(batch['action_mask'].sum())} trained tokens\n"
+    )
 
     print("Policy losses (default_args):")
     for name in POLICY_LOSS_FN.names():
@@ -68,9 +70,15 @@ def main() -> None:
         if cls.compute_in_trainer():
             continue
         exps = [
-            Experience(eid=EID(batch=0, task=t, run=r), tokens=torch.arange(6), prompt_length=2, reward=reward,
-                       logprobs=torch.full((4,), -0.1 * (r + 1)))
-            for t, row in enumerate(rewards) for r, reward in enumerate(row)
+            Experience(
+                eid=EID(batch=0, task=t, run=r),
+                tokens=torch.arange(6),
+                prompt_length=2,
+                reward=reward,
+                logprobs=torch.full((4,), -0.1 * (r + 1)),
+            )
+            for t, row in enumerate(rewards)
+            for r, reward in enumerate(row)
         ]
         out, metrics = cls(**cls.default_args())(exps)
         scores = [[round(float(e.advantages[0]), 3) for e in out if e.eid.task == t] for t in range(len(rewards))]
@@ -98,7 +106,9 @@ def main() -> None:
     print(f"\n{len(ALGORITHM_TYPE)} algorithm presets:")
     for name in ALGORITHM_TYPE.names():
         cfg = ALGORITHM_TYPE.get(name).default_config()
-        print(f"  {name:20s} policy_loss={cfg.get('policy_loss_fn', 'ppo'):18s} advantage={cfg.get('advantage_fn', '-')}")
+        print(
+            f"  {name:20s} policy_loss={cfg.get('policy_loss_fn', 'ppo'):18s} advantage={cfg.get('advantage_fn', '-')}"
+        )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ class EntropyLossFn(ComponentArgs):
         h = self.aggregate(entropy, mask, inputs.get("expert_mask"), loss_agg_mode)
         return self.entropy_coef * h, {"entropy_loss": float(h.detach())}
 
-    def aggregate(self, entropy: torch.Tensor, mask: torch.Tensor, expert_mask: Any, loss_agg_mode: str) -> torch.Tensor:
+    def aggregate(
+        self, entropy: torch.Tensor, mask: torch.Tensor, expert_mask: Any, loss_agg_mode: str
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -84,7 +86,9 @@ class MixEntropyLossFn(EntropyLossFn):
     def aggregate(self, entropy, mask, expert_mask, loss_agg_mode):
         expert = torch.as_tensor(expert_mask, device=entropy.device).to(torch.bool)
         if expert.shape != entropy.shape[:1]:
-            raise ValueError(f"entropy mix: expert_mask must have shape ({entropy.shape[0]},), got {tuple(expert.shape)}")
+            raise ValueError(
+                f"entropy mix: expert_mask must have shape ({entropy.shape[0]},), got {tuple(expert.shape)}"
+            )
         usual = ~expert
         if not bool(usual.any()):
             check_loss_agg_mode(loss_agg_mode)

@@ -78,7 +78,9 @@ class Experience:
             self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
         response_length = len(self.tokens) - int(self.prompt_length)
         if response_length < 0:
-            raise ValueError(f"prompt_length {self.prompt_length} exceeds the {len(self.tokens)} tokens of {self.eid.uid}")
+            raise ValueError(
+                f"prompt_length {self.prompt_length} exceeds the {len(self.tokens)} tokens of {self.eid.uid}"
+            )
         if self.action_mask is None:
             self.action_mask = torch.ones(response_length, dtype=torch.bool)
         elif len(self.action_mask) != response_length:

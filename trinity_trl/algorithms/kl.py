@@ -8,7 +8,8 @@ registry serves both uses: ``kl_loss_fn`` (a term added to the actor loss) and `
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,7 +33,11 @@ class KLFn(ComponentArgs, abc.ABC):
     enabled: ClassVar[bool] = True
 
     def __init__(
-        self, adaptive: bool = False, kl_coef: float = 0.001, target_kl: float | None = None, horizon: float | None = None
+        self,
+        adaptive: bool = False,
+        kl_coef: float = 0.001,
+        target_kl: float | None = None,
+        horizon: float | None = None,
     ):
         if not kl_coef >= 0:
             raise ValueError(f"{self._owner}: kl_coef must be >= 0, got {kl_coef}")
@@ -70,14 +75,21 @@ class KLFn(ComponentArgs, abc.ABC):
         reaches neither the value nor the gradient.
         """
         if response_mask.shape != logprob.shape:
-            raise ValueError(f"response_mask shape {tuple(response_mask.shape)} != logprob shape {tuple(logprob.shape)}")
-        logprob, ref_logprob = masked_fill_invalid(logprob, response_mask), masked_fill_invalid(ref_logprob, response_mask)
+            raise ValueError(
+                f"response_mask shape {tuple(response_mask.shape)} != logprob shape {tuple(logprob.shape)}"
+            )
+        logprob, ref_logprob = (
+            masked_fill_invalid(logprob, response_mask),
+            masked_fill_invalid(ref_logprob, response_mask),
+        )
         if old_logprob is not None:
             old_logprob = masked_fill_invalid(old_logprob, response_mask)
         kl_agg = agg_loss(self.calculate_kl(logprob, ref_logprob, old_logprob), response_mask, loss_agg_mode)
         return self.kl_coef * kl_agg, {"kl_loss": float(kl_agg.detach()), "kl_coef": self.kl_coef}
 
-    def apply_kl_penalty_to_reward(self, batch: MutableMapping[str, Any]) -> tuple[MutableMapping[str, Any], dict[str, float]]:
+    def apply_kl_penalty_to_reward(
+        self, batch: MutableMapping[str, Any]
+    ) -> tuple[MutableMapping[str, Any], dict[str, float]]:
         """Write ``token_level_rewards = token_level_scores − β·kl(ℓo, ℓr)·m`` into ``batch``.
 
         Reads ``token_level_scores``, ``response_mask`` (or an alias), ``old_log_probs`` and
@@ -89,8 +101,13 @@ class KLFn(ComponentArgs, abc.ABC):
         scores, mask = inputs["token_level_scores"], inputs["action_mask"]
         if "ref_logprob" in inputs:
             if "old_logprob" not in inputs:
-                raise ValueError("apply_kl_penalty_to_reward: ref log-probs given without old log-probs (old_log_probs)")
-            old, ref = masked_fill_invalid(inputs["old_logprob"], mask), masked_fill_invalid(inputs["ref_logprob"], mask)
+                raise ValueError(
+                    "apply_kl_penalty_to_reward: ref log-probs given without old log-probs (old_log_probs)"
+                )
+            old, ref = (
+                masked_fill_invalid(inputs["old_logprob"], mask),
+                masked_fill_invalid(inputs["ref_logprob"], mask),
+            )
             # the sampled (behaviour) log-probs stand in for the policy: no gradient is wanted here
             kl = self.calculate_kl(old, ref) * mask.to(old.dtype)
             beta = self.kl_coef

@@ -107,7 +107,9 @@ def _preset(
         config: dict[str, Any] = {"sample_strategy": sample_strategy, **settings}
         if repeat_times is not None:
             config = {"repeat_times": repeat_times, **config}
-        cls.default_config = classmethod(lambda c, _cfg=config: {k: (dict(v) if isinstance(v, dict) else v) for k, v in _cfg.items()})  # type: ignore[method-assign]
+        cls.default_config = classmethod(
+            lambda c, _cfg=config: {k: (dict(v) if isinstance(v, dict) else v) for k, v in _cfg.items()}
+        )  # type: ignore[method-assign]
         cls.description = description
         cls.paper = paper
         ALGORITHM_TYPE.register(key)(cls)
@@ -121,53 +123,102 @@ _RL = {"kl_penalty_fn": "none", "kl_loss_fn": "k2", "entropy_loss_fn": "default"
 _NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "none"}
 
 
-@_preset("sft", description="Supervised fine-tuning on demonstrations", repeat_times=None,
-         policy_loss_fn="sft", kl_loss_fn="none", entropy_loss_fn="none")
+@_preset(
+    "sft",
+    description="Supervised fine-tuning on demonstrations",
+    repeat_times=None,
+    policy_loss_fn="sft",
+    kl_loss_fn="none",
+    entropy_loss_fn="none",
+)
 class SFTAlgorithm(AlgorithmType):
     use_reference = False
     schema = "sft"
     uses_advantage = False
 
 
-@_preset("ppo", description="PPO with a value model and GAE", paper="arXiv:1707.06347",
-         repeat_times=1, policy_loss_fn="ppo", advantage_fn="ppo", **_RL)
+@_preset(
+    "ppo",
+    description="PPO with a value model and GAE",
+    paper="arXiv:1707.06347",
+    repeat_times=1,
+    policy_loss_fn="ppo",
+    advantage_fn="ppo",
+    **_RL,
+)
 class PPOAlgorithm(AlgorithmType):
     use_critic = True
     compute_advantage_in_trainer = True
 
 
-@_preset("grpo", description="GRPO: PPO-clip with group-normalised rewards", paper="arXiv:2402.03300",
-         policy_loss_fn="ppo", advantage_fn="grpo", **_RL)
+@_preset(
+    "grpo",
+    description="GRPO: PPO-clip with group-normalised rewards",
+    paper="arXiv:2402.03300",
+    policy_loss_fn="ppo",
+    advantage_fn="grpo",
+    **_RL,
+)
 class GRPOAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("reinforceplusplus", description="REINFORCE++: discounted returns, batch-whitened",
-         paper="arXiv:2501.03262", policy_loss_fn="ppo", advantage_fn="reinforceplusplus", **_RL)
+@_preset(
+    "reinforceplusplus",
+    description="REINFORCE++: discounted returns, batch-whitened",
+    paper="arXiv:2501.03262",
+    policy_loss_fn="ppo",
+    advantage_fn="reinforceplusplus",
+    **_RL,
+)
 class ReinforcePlusPlusAlgorithm(AlgorithmType):
     compute_advantage_in_trainer = True
 
 
-@_preset("rloo", description="RLOO: leave-one-out baseline", paper="arXiv:2402.14740",
-         policy_loss_fn="ppo", advantage_fn="rloo", **_RL)
+@_preset(
+    "rloo",
+    description="RLOO: leave-one-out baseline",
+    paper="arXiv:2402.14740",
+    policy_loss_fn="ppo",
+    advantage_fn="rloo",
+    **_RL,
+)
 class RLOOAlgorithm(AlgorithmType):
     compute_advantage_in_trainer = True
 
 
-@_preset("opmd", description="Online policy mirror descent", paper="arXiv:2505.17826",
-         policy_loss_fn="opmd", advantage_fn="opmd", **_RL)
+@_preset(
+    "opmd",
+    description="Online policy mirror descent",
+    paper="arXiv:2505.17826",
+    policy_loss_fn="opmd",
+    advantage_fn="opmd",
+    **_RL,
+)
 class OPMDAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("asymre", description="Asymmetric REINFORCE (shifted group baseline)", paper="arXiv:2506.20520",
-         policy_loss_fn="opmd", advantage_fn="asymre", **_NO_KL)
+@_preset(
+    "asymre",
+    description="Asymmetric REINFORCE (shifted group baseline)",
+    paper="arXiv:2506.20520",
+    policy_loss_fn="opmd",
+    advantage_fn="asymre",
+    **_NO_KL,
+)
 class AsymREAlgorithm(AlgorithmType):
     use_reference = False
 
 
-@_preset("dpo", description="Direct preference optimisation", paper="arXiv:2305.18290",
-         policy_loss_fn="dpo", kl_loss_fn="k2", entropy_loss_fn="default")
+@_preset(
+    "dpo",
+    description="Direct preference optimisation",
+    paper="arXiv:2305.18290",
+    policy_loss_fn="dpo",
+    kl_loss_fn="k2",
+    entropy_loss_fn="default",
+)
 class DPOAlgorithm(AlgorithmType):
     can_balance_batch = False  # chosen/rejected rows must stay adjacent
     schema = "dpo"
@@ -180,72 +231,143 @@ class DPOAlgorithm(AlgorithmType):
             config["kl_loss_fn"] = "k2"
 
 
-@_preset("topr", description="Tapered off-policy REINFORCE", paper="arXiv:2503.14286",
-         policy_loss_fn="topr", advantage_fn="reinforce", **_RL)
+@_preset(
+    "topr",
+    description="Tapered off-policy REINFORCE",
+    paper="arXiv:2503.14286",
+    policy_loss_fn="topr",
+    advantage_fn="reinforce",
+    **_RL,
+)
 class TOPRAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("cispo", description="CISPO: clipped IS-weight policy optimisation (MiniMax-M1)",
-         paper="arXiv:2506.13585", policy_loss_fn="cispo", advantage_fn="grpo", **_RL)
+@_preset(
+    "cispo",
+    description="CISPO: clipped IS-weight policy optimisation (MiniMax-M1)",
+    paper="arXiv:2506.13585",
+    policy_loss_fn="cispo",
+    advantage_fn="grpo",
+    **_RL,
+)
 class CISPOAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("gspo", description="GSPO: sequence-level importance ratio", paper="arXiv:2507.18071",
-         policy_loss_fn="gspo", advantage_fn="grpo", **_RL)
+@_preset(
+    "gspo",
+    description="GSPO: sequence-level importance ratio",
+    paper="arXiv:2507.18071",
+    policy_loss_fn="gspo",
+    advantage_fn="grpo",
+    **_RL,
+)
 class GSPOAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("sapo", description="SAPO: soft adaptive gate instead of a hard clip", paper="arXiv:2511.20347",
-         policy_loss_fn="sapo", advantage_fn="grpo", **_RL)
+@_preset(
+    "sapo",
+    description="SAPO: soft adaptive gate instead of a hard clip",
+    paper="arXiv:2511.20347",
+    policy_loss_fn="sapo",
+    advantage_fn="grpo",
+    **_RL,
+)
 class SAPOAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("mix", description="MIX: on-policy RL plus expert SFT with a fixed weight", paper="arXiv:2508.11408",
-         repeat_times=8, sample_strategy="mix", policy_loss_fn="mix", advantage_fn="grpo", entropy_loss_fn="mix")
+@_preset(
+    "mix",
+    description="MIX: on-policy RL plus expert SFT with a fixed weight",
+    paper="arXiv:2508.11408",
+    repeat_times=8,
+    sample_strategy="mix",
+    policy_loss_fn="mix",
+    advantage_fn="grpo",
+    entropy_loss_fn="mix",
+)
 class MIXAlgorithm(AlgorithmType):
     use_rollout = True
 
 
-@_preset("mix_chord", description="CHORD: on-policy RL plus φ-weighted expert SFT with a scheduled weight μ",
-         paper="arXiv:2508.11408", repeat_times=8, sample_strategy="mix", policy_loss_fn="mix_chord",
-         advantage_fn="grpo", entropy_loss_fn="mix")
+@_preset(
+    "mix_chord",
+    description="CHORD: on-policy RL plus φ-weighted expert SFT with a scheduled weight μ",
+    paper="arXiv:2508.11408",
+    repeat_times=8,
+    sample_strategy="mix",
+    policy_loss_fn="mix_chord",
+    advantage_fn="grpo",
+    entropy_loss_fn="mix",
+)
 class MIXCHORDAlgorithm(AlgorithmType):
     use_rollout = True
 
 
-@_preset("raft", description="RAFT: SFT on the best (rewarded) samples", paper="arXiv:2304.06767",
-         repeat_times=None, policy_loss_fn="sft", kl_loss_fn="none", entropy_loss_fn="none")
+@_preset(
+    "raft",
+    description="RAFT: SFT on the best (rewarded) samples",
+    paper="arXiv:2304.06767",
+    repeat_times=None,
+    policy_loss_fn="sft",
+    kl_loss_fn="none",
+    entropy_loss_fn="none",
+)
 class RAFTAlgorithm(AlgorithmType):
     use_reference = False
     uses_advantage = False
 
 
-@_preset("sppo", description="sPPO: log-ratio policy gradient inside a trust region", paper="arXiv:2108.05828",
-         policy_loss_fn="sppo", advantage_fn="opmd", **_NO_KL)
+@_preset(
+    "sppo",
+    description="sPPO: log-ratio policy gradient inside a trust region",
+    paper="arXiv:2108.05828",
+    policy_loss_fn="sppo",
+    advantage_fn="opmd",
+    **_NO_KL,
+)
 class sPPOAlgorithm(AlgorithmType):  # noqa: N801 (Trinity's name)
     use_reference = False
 
 
-@_preset("rec", description="REC: group-relative REINFORCE with optional clipping", paper="arXiv:2509.24203",
-         policy_loss_fn="rec", advantage_fn="rec", **_RL)
+@_preset(
+    "rec",
+    description="REC: group-relative REINFORCE with optional clipping",
+    paper="arXiv:2509.24203",
+    policy_loss_fn="rec",
+    advantage_fn="rec",
+    **_RL,
+)
 class RECAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("multi_step_grpo", description="Step-wise GRPO for multi-step agents (run reward broadcast to every step)",
-         paper="rLLM (github.com/rllm-org/rllm)", repeat_times=8, policy_loss_fn="ppo",
-         advantage_fn="step_wise_grpo", **_RL)
+@_preset(
+    "multi_step_grpo",
+    description="Step-wise GRPO for multi-step agents (run reward broadcast to every step)",
+    paper="rLLM (github.com/rllm-org/rllm)",
+    repeat_times=8,
+    policy_loss_fn="ppo",
+    advantage_fn="step_wise_grpo",
+    **_RL,
+)
 class MultiStepGRPOAlgorithm(AlgorithmType):
     pass
 
 
-@_preset("on_policy_distill", description="On-policy distillation: per-token teacher log-ratio as advantage",
-         paper="arXiv:2306.13649", repeat_times=8, policy_loss_fn="ppo", advantage_fn="on_policy_distill",
-         advantage_fn_args={"kl_coef": 1.0}, **_NO_KL)
+@_preset(
+    "on_policy_distill",
+    description="On-policy distillation: per-token teacher log-ratio as advantage",
+    paper="arXiv:2306.13649",
+    repeat_times=8,
+    policy_loss_fn="ppo",
+    advantage_fn="on_policy_distill",
+    advantage_fn_args={"kl_coef": 1.0},
+    **_NO_KL,
+)
 class OnPolicyDistillAlgorithm(AlgorithmType):
     use_reference = False
     compute_advantage_in_trainer = True
@@ -293,8 +415,11 @@ class AlgorithmConfig:
     @property
     def needs_reference(self) -> bool:
         """Whether reference log-probs are needed: a KL term or penalty, or a loss that reads them (DPO)."""
-        return (KL_FN.get(self.kl_loss_fn).enabled or KL_FN.get(self.kl_penalty_fn).enabled
-                or "ref_logprob" in POLICY_LOSS_FN.get(self.policy_loss_fn).inputs)
+        return (
+            KL_FN.get(self.kl_loss_fn).enabled
+            or KL_FN.get(self.kl_penalty_fn).enabled
+            or "ref_logprob" in POLICY_LOSS_FN.get(self.policy_loss_fn).inputs
+        )
 
     def build_policy_loss(self, **kwargs: Any):
         return build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})

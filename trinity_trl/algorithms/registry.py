@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -23,7 +24,7 @@ class Registry(Generic[T]):
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._entries[name] = obj
-            setattr(obj, "name", name)
+            obj.name = name
             return obj
 
         return decorator

@@ -207,7 +207,10 @@ def bundled_model_dir(cache_dir: str | os.PathLike | None = None) -> str:
 
         logger.warning(
             "Converting the bundled model %s from %s to a float32 HF checkpoint in %s (once; about 30 s on 2 CPU "
-            "cores)...", BUNDLED_MODEL_NAME, gguf_path, target,
+            "cores)...",
+            BUNDLED_MODEL_NAME,
+            gguf_path,
+            target,
         )
         start = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root)

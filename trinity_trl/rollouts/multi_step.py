@@ -92,8 +92,13 @@ class MultiStepRollout:
     environment that defines ``close()`` is closed when its run ends.
     """
 
-    def __init__(self, generator: Generator, environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]],
-                 max_steps: int, history: str = "tokens"):
+    def __init__(
+        self,
+        generator: Generator,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]],
+        max_steps: int,
+        history: str = "tokens",
+    ):
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if history not in HISTORY_MODES:
@@ -109,15 +114,18 @@ class MultiStepRollout:
         if isinstance(factory, dict):
             name = kwargs.pop("environment", None)
             if name not in factory:
-                raise EnvironmentFailure(f"run {index} ({_describe(row)}): environment={name!r} is not among the "
-                                       f"environments passed to environment_factory: {list(factory)}")
+                raise EnvironmentFailure(
+                    f"run {index} ({_describe(row)}): environment={name!r} is not among the "
+                    f"environments passed to environment_factory: {list(factory)}"
+                )
             factory = factory[name]
         env = factory()
         try:
             observation = env.reset(**kwargs)
         except Exception as err:
-            raise EnvironmentFailure(f"run {index} ({_describe(row)}): {type(env).__name__}.reset() failed: "
-                                   f"{type(err).__name__}: {err}") from err
+            raise EnvironmentFailure(
+                f"run {index} ({_describe(row)}): {type(env).__name__}.reset() failed: {type(err).__name__}: {err}"
+            ) from err
         return env, Run(messages=_initial_messages(row, observation))
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
@@ -140,8 +148,9 @@ class MultiStepRollout:
                     where = f"run {i} ({_describe(rows[i])}), turn {turn}"
                     result = self._step(environments[i], text, where)
                     reward = math.nan if result.reward is None else float(result.reward)
-                    run.steps.append(Step(prompts[i], completion, logprobs[j] if logprobs is not None else None,
-                                          reward, text))
+                    run.steps.append(
+                        Step(prompts[i], completion, logprobs[j] if logprobs is not None else None, reward, text)
+                    )
                     run.reward = reward
                     if result.done:
                         run.done = True
@@ -150,8 +159,10 @@ class MultiStepRollout:
                         run.done, run.cut = True, True
                         self._close(environments[i])
                     elif result.observation is None:  # the run goes on, so the model needs something to read
-                        raise EnvironmentFailure(f"{where}: {type(environments[i]).__name__}.step() returned no "
-                                                 "observation for an episode that is not done")
+                        raise EnvironmentFailure(
+                            f"{where}: {type(environments[i]).__name__}.step() returned no "
+                            "observation for an episode that is not done"
+                        )
                     else:
                         prompts[i] = self._next_prompt(run, prompts[i], completion, text, result.observation)
         finally:
@@ -165,10 +176,13 @@ class MultiStepRollout:
         try:
             result = env.step(text)
         except Exception as err:
-            raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() failed: {type(err).__name__}: {err}") from err
+            raise EnvironmentFailure(
+                f"{where}: {type(env).__name__}.step() failed: {type(err).__name__}: {err}"
+            ) from err
         if not isinstance(result, StepResult):
-            raise EnvironmentFailure(f"{where}: {type(env).__name__}.step() must return a StepResult, got "
-                                   f"{type(result).__name__}")
+            raise EnvironmentFailure(
+                f"{where}: {type(env).__name__}.step() must return a StepResult, got {type(result).__name__}"
+            )
         return result
 
     @staticmethod
@@ -177,11 +191,16 @@ class MultiStepRollout:
         if callable(close):
             close()
 
-    def _next_prompt(self, run: Run, prompt: list[int], completion: list[int], text: str, observation: str) -> list[int]:
+    def _next_prompt(
+        self, run: Run, prompt: list[int], completion: list[int], text: str, observation: str
+    ) -> list[int]:
         run.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": observation}]
         generator = self.generator
-        history = prompt + completion + ([] if completion and completion[-1] in generator.eos_token_ids
-                                         else [generator.eos_token_id])
+        history = (
+            prompt
+            + completion
+            + ([] if completion and completion[-1] in generator.eos_token_ids else [generator.eos_token_id])
+        )
         if self.history == "tokens":
             return history + self._observation_ids(observation)
         rendered = generator.tokenize_conversations([run.messages])[0]
@@ -202,5 +221,7 @@ class MultiStepRollout:
         if eos_positions:  # templates render "<eos>\n" after a turn; the generated turn ends at <eos>
             prefix = prefix[: eos_positions[-1] + 1]
         if full[: len(prefix)] != prefix:
-            raise ValueError("the chat template does not extend a conversation by appending tokens; use history='messages'")
-        return full[len(prefix):]
+            raise ValueError(
+                "the chat template does not extend a conversation by appending tokens; use history='messages'"
+            )
+        return full[len(prefix) :]

@@ -76,13 +76,21 @@ class OpenEnvEnvironment(Environment):
     counted, never silently rewarded 0.
     """
 
-    def __init__(self, env: Any, action: Callable[[str], Any], observation: Callable[[Any], str] = observation_text,
-                 reset_columns: Sequence[str] | None = None, instructions: str | None = None):
+    def __init__(
+        self,
+        env: Any,
+        action: Callable[[str], Any],
+        observation: Callable[[Any], str] = observation_text,
+        reset_columns: Sequence[str] | None = None,
+        instructions: str | None = None,
+    ):
         for method in ("reset", "step"):
             if not callable(getattr(env, method, None)):
-                raise TypeError(f"OpenEnvEnvironment needs an OpenEnv client or environment with reset() and step(), "
-                                f"got {type(env).__name__} without {method}()"
-                                + (" (an async EnvClient: pass client.sync())" if method == "reset" else ""))
+                raise TypeError(
+                    f"OpenEnvEnvironment needs an OpenEnv client or environment with reset() and step(), "
+                    f"got {type(env).__name__} without {method}()"
+                    + (" (an async EnvClient: pass client.sync())" if method == "reset" else "")
+                )
         self.env, self.action, self.observation = env, action, observation
         self.reset_columns = None if reset_columns is None else list(reset_columns)
         self.instructions = instructions

@@ -47,15 +47,22 @@ def class_protocol(cls: type) -> str:
     methods = public_methods(cls)
     name = cls.__qualname__
     if "reset" not in methods:
-        hint = (" (it defines step(): add reset(**row) returning the first observation)" if "step" in methods
-                else f" (its public methods: {', '.join(methods) or 'none'})")
-        raise TypeError(f"environment {name} defines no reset(**row): a reset/step environment needs reset() and "
-                        f"step(action), a TRL tool environment needs reset() and its tools as public methods{hint}")
+        hint = (
+            " (it defines step(): add reset(**row) returning the first observation)"
+            if "step" in methods
+            else f" (its public methods: {', '.join(methods) or 'none'})"
+        )
+        raise TypeError(
+            f"environment {name} defines no reset(**row): a reset/step environment needs reset() and "
+            f"step(action), a TRL tool environment needs reset() and its tools as public methods{hint}"
+        )
     if issubclass(cls, Environment) or set(methods) == {"reset", "step"}:
         step = inspect.getattr_static(cls, "step", None)
         if step is None or step is Environment.step:
-            raise TypeError(f"environment {name} subclasses trinity_trl.rollouts.Environment but does not define "
-                            "step(action) -> StepResult")
+            raise TypeError(
+                f"environment {name} subclasses trinity_trl.rollouts.Environment but does not define "
+                "step(action) -> StepResult"
+            )
         return STEP_PROTOCOL
     return TOOL_PROTOCOL
 
@@ -67,8 +74,10 @@ def environment_class(factory: Callable[[], Any], name: str | None = None) -> tu
     if isinstance(factory, type):
         return factory, None
     if not callable(factory):
-        raise TypeError(f"{label} must be a callable returning a fresh environment (a class or a function), got "
-                        f"{type(factory).__name__} instance {factory!r:.80}")
+        raise TypeError(
+            f"{label} must be a callable returning a fresh environment (a class or a function), got "
+            f"{type(factory).__name__} instance {factory!r:.80}"
+        )
     try:
         instance = factory()
     except Exception as err:
@@ -79,8 +88,11 @@ def environment_class(factory: Callable[[], Any], name: str | None = None) -> tu
     return type(instance), instance
 
 
-def resolve_protocol(environment_factory: Callable | dict[str, Callable] | None, tools: Iterable | None = None,
-                     columns: Iterable[str] | None = None) -> tuple[str, dict[str | None, type]]:
+def resolve_protocol(
+    environment_factory: Callable | dict[str, Callable] | None,
+    tools: Iterable | None = None,
+    columns: Iterable[str] | None = None,
+) -> tuple[str, dict[str | None, type]]:
     """Check ``environment_factory`` (a factory or a dict of factories, TRL's contract) and ``tools``, and
     return ``(protocol, {environment name: class})``; one-line ``TypeError``/``ValueError`` otherwise.
 
@@ -95,8 +107,10 @@ def resolve_protocol(environment_factory: Callable | dict[str, Callable] | None,
     if environment_factory is None:
         if tools:
             return TOOL_PROTOCOL, {}
-        raise ValueError("StepGRPOTrainer needs environment_factory (a callable returning a fresh environment, or a "
-                         "dict of them routed by the dataset's 'environment' column) or tools")
+        raise ValueError(
+            "StepGRPOTrainer needs environment_factory (a callable returning a fresh environment, or a "
+            "dict of them routed by the dataset's 'environment' column) or tools"
+        )
     routed = isinstance(environment_factory, dict)
     if routed and not environment_factory:
         raise ValueError("environment_factory is an empty dict: map each 'environment' value to a factory")
@@ -114,9 +128,11 @@ def resolve_protocol(environment_factory: Callable | dict[str, Callable] | None,
         raise ValueError(f"all environments of one trainer follow one protocol, got {listing}")
     protocol = kinds.pop()
     if protocol == STEP_PROTOCOL and tools:
-        raise ValueError(f"tools= needs TRL's tool protocol, but {next(iter(classes.values())).__qualname__} is a "
-                         "reset/step environment (its step() reads text): drop tools=, or make the tools public "
-                         "methods of a tool environment")
+        raise ValueError(
+            f"tools= needs TRL's tool protocol, but {next(iter(classes.values())).__qualname__} is a "
+            "reset/step environment (its step() reads text): drop tools=, or make the tools public "
+            "methods of a tool environment"
+        )
     if columns is not None:
         skip = {"prompt", "environment"} if protocol == STEP_PROTOCOL else ({"environment"} if routed else set())
         for cls in classes.values():
@@ -138,10 +154,20 @@ def check_reset_accepts(cls: type, columns: list[str]) -> None:
         names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     missing = [c for c in columns if names is not None and c not in names]
     if missing:
-        raise TypeError(f"{cls.__qualname__}.reset() is called with every dataset column as a keyword argument but "
-                        f"does not accept {missing}: add them (or **row) to its signature")
-    required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and p.name != "self" and p.name not in columns]
+        raise TypeError(
+            f"{cls.__qualname__}.reset() is called with every dataset column as a keyword argument but "
+            f"does not accept {missing}: add them (or **row) to its signature"
+        )
+    required = [
+        p.name
+        for p in parameters
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name != "self"
+        and p.name not in columns
+    ]
     if required:
-        raise TypeError(f"{cls.__qualname__}.reset() requires {required}, which the dataset has no columns for "
-                        f"(columns: {list(columns)})")
+        raise TypeError(
+            f"{cls.__qualname__}.reset() requires {required}, which the dataset has no columns for "
+            f"(columns: {list(columns)})"
+        )

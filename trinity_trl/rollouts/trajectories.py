@@ -28,8 +28,13 @@ def turn_spans(model_token_mask: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def run_from_trajectory(prompt_ids: Sequence[int], completion_ids: Sequence[int], model_token_mask: Sequence[int],
-                        logprobs: Sequence[float] | None = None, reward: float = 0.0) -> Run:
+def run_from_trajectory(
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    model_token_mask: Sequence[int],
+    logprobs: Sequence[float] | None = None,
+    reward: float = 0.0,
+) -> Run:
     """One :class:`Run` whose steps are the assistant turns of a tool-calling trajectory.
 
     Args:
@@ -40,12 +45,21 @@ def run_from_trajectory(prompt_ids: Sequence[int], completion_ids: Sequence[int]
         reward: the run's reward (every step carries it; step-wise advantages only read the run's).
     """
     if len(model_token_mask) != len(completion_ids):
-        raise ValueError(f"model_token_mask has {len(model_token_mask)} entries for {len(completion_ids)} completion tokens")
+        raise ValueError(
+            f"model_token_mask has {len(model_token_mask)} entries for {len(completion_ids)} completion tokens"
+        )
     if logprobs is not None and len(logprobs) != len(completion_ids):
         raise ValueError(f"logprobs has {len(logprobs)} entries for {len(completion_ids)} completion tokens")
     prompt, completion = list(prompt_ids), list(completion_ids)
     spans = turn_spans(model_token_mask) or [(0, len(completion))]  # no model token: one (empty) turn
-    steps = [Step(prompt + completion[:start], completion[start:end],
-                  None if logprobs is None else [float(x) for x in logprobs[start:end]], reward, "")
-             for start, end in spans]
+    steps = [
+        Step(
+            prompt + completion[:start],
+            completion[start:end],
+            None if logprobs is None else [float(x) for x in logprobs[start:end]],
+            reward,
+            "",
+        )
+        for start, end in spans
+    ]
     return Run(steps=steps, reward=reward, done=True, prefix_preserving=True)

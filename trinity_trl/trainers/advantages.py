@@ -79,9 +79,14 @@ def best_of_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((grouped == best) & (best > worst) & torch.isfinite(grouped)).view(-1)
 
 
-def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_size: int, batch_index: int,
-                     logprobs: list[torch.Tensor] | None = None,
-                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+def group_advantages(
+    advantage_fn: AdvantageFn,
+    rewards: torch.Tensor,
+    group_size: int,
+    batch_index: int,
+    logprobs: list[torch.Tensor] | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Run a group operator over every completion: ``(advantages (N,), kept (N,) bool, source (N,), metrics)``.
 
     Completion ``i`` is run ``i % group_size`` of task ``i // group_size``; unscored ones are left out of
@@ -91,9 +96,15 @@ def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_siz
     the k-th copied group takes the place of the k-th filtered group. The copies are drawn with a
     generator seeded from ``seed`` and ``batch_index``, so every process draws the same.
     """
-    experiences = [Experience(eid=EID(batch=batch_index, task=row // group_size, run=row % group_size), reward=value,
-                              logprobs=None if logprobs is None else logprobs[row])
-                   for row, value in enumerate(rewards.tolist()) if math.isfinite(value)]
+    experiences = [
+        Experience(
+            eid=EID(batch=batch_index, task=row // group_size, run=row % group_size),
+            reward=value,
+            logprobs=None if logprobs is None else logprobs[row],
+        )
+        for row, value in enumerate(rewards.tolist())
+        if math.isfinite(value)
+    ]
     state = random.getstate()
     random.seed(seed * 1_000_003 + batch_index)  # the operator draws its copies from Python's random module
     try:
@@ -129,8 +140,14 @@ def group_advantages(advantage_fn: AdvantageFn, rewards: torch.Tensor, group_siz
     return advantages, kept, source, metrics
 
 
-def refill_rows(output: dict[str, Any], source: torch.Tensor, local: slice, gather: Callable,
-                pad_across_processes: Callable, pad_values: dict[str, float]) -> dict[str, Any]:
+def refill_rows(
+    output: dict[str, Any],
+    source: torch.Tensor,
+    local: slice,
+    gather: Callable,
+    pad_across_processes: Callable,
+    pad_values: dict[str, float],
+) -> dict[str, Any]:
     """``output`` with each of this process's rows replaced by its ``source`` row (``(N,)``, over every
     process's rows; any process may hold the source). Every per-row tensor is gathered (prompts padded on the
     left, the rest on the right, with ``pad_values[key]`` or 0), so all processes must call this together."""
@@ -141,8 +158,9 @@ def refill_rows(output: dict[str, Any], source: torch.Tensor, local: slice, gath
         if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != rows:
             continue
         if value.dim() > 1:
-            value = pad_across_processes(value, dim=1, pad_index=pad_values.get(key, 0),
-                                         pad_first=key.startswith("prompt_"))
+            value = pad_across_processes(
+                value, dim=1, pad_index=pad_values.get(key, 0), pad_first=key.startswith("prompt_")
+            )
         refilled[key] = gather(value)[index]
     return refilled
 
@@ -159,9 +177,15 @@ class AdvantageEstimator:
         seed: the run's seed (the draws of operators that refill filtered groups derive from it).
     """
 
-    def __init__(self, advantage_fn: AdvantageFn | None, policy_loss: PolicyLossFn, kl_penalty: KLFn,
-                 gather: Callable[[torch.Tensor], torch.Tensor], pad_across_processes: Callable[..., torch.Tensor],
-                 seed: int = 0):
+    def __init__(
+        self,
+        advantage_fn: AdvantageFn | None,
+        policy_loss: PolicyLossFn,
+        kl_penalty: KLFn,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        pad_across_processes: Callable[..., torch.Tensor],
+        seed: int = 0,
+    ):
         self.advantage_fn = advantage_fn
         self.seed = seed
         self.policy_loss = policy_loss
@@ -169,8 +193,16 @@ class AdvantageEstimator:
         self.gather = gather
         self.pad_across_processes = pad_across_processes
 
-    def __call__(self, rewards: torch.Tensor, loss_mask: torch.Tensor, local: slice, group_size: int,
-                 batch_index: int, training: bool, sources: AdvantageSources) -> Advantages:
+    def __call__(
+        self,
+        rewards: torch.Tensor,
+        loss_mask: torch.Tensor,
+        local: slice,
+        group_size: int,
+        batch_index: int,
+        training: bool,
+        sources: AdvantageSources,
+    ) -> Advantages:
         """``rewards``: ``(N,)`` every process's weighted rewards (NaN: unscored), process-major;
         ``loss_mask``: this process's ``(B, T)`` trained tokens; ``local``: its rows in ``rewards``."""
         unscored = ~torch.isfinite(rewards)
@@ -183,10 +215,15 @@ class AdvantageEstimator:
         if not self.advantage_fn.compute_in_trainer():
             logprobs = self._gathered_logprobs(sources, loss_mask) if self.advantage_fn.needs_logprobs else None
             advantages, kept, source, group_metrics = group_advantages(
-                self.advantage_fn, rewards, group_size, batch_index, logprobs, self.seed)
+                self.advantage_fn, rewards, group_size, batch_index, logprobs, self.seed
+            )
             refilled = source if bool((source != torch.arange(len(source))).any()) else None
-            return Advantages(advantages[local].to(device), kept[local].to(device), source_rows=refilled,
-                              metrics={**metrics, **group_metrics})
+            return Advantages(
+                advantages[local].to(device),
+                kept[local].to(device),
+                source_rows=refilled,
+                metrics={**metrics, **group_metrics},
+            )
         return self._batch_advantages(rewards, loss_mask, local, group_size, training, sources, metrics)
 
     def _gathered_logprobs(self, sources: AdvantageSources, loss_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -215,8 +252,9 @@ class AdvantageEstimator:
             batch["teacher_logprobs"] = sources.teacher_logps()
         if fn.needs_values:
             batch["values"] = sources.values()
-        global_batch = {key: self.gather(self.pad_across_processes(value, dim=1, pad_index=0))
-                        for key, value in batch.items()}
+        global_batch = {
+            key: self.gather(self.pad_across_processes(value, dim=1, pad_index=0)) for key, value in batch.items()
+        }
         if fn.needs_reward_baselines:
             global_batch["reward_baselines"] = sources.reward_baselines().to(global_batch["response_mask"].device)
         controller_state = self.kl_penalty.state_dict()
@@ -239,6 +277,9 @@ class AdvantageEstimator:
             metrics.update(adv_metrics)
         width = loss_mask.shape[1]
         return Advantages(
-            global_batch["advantages"][local, :width].to(loss_mask.device), scorable,
-            returns=global_batch["returns"][local, :width].to(loss_mask.device), batch=global_batch, metrics=metrics,
+            global_batch["advantages"][local, :width].to(loss_mask.device),
+            scorable,
+            returns=global_batch["returns"][local, :width].to(loss_mask.device),
+            batch=global_batch,
+            metrics=metrics,
         )

@@ -156,8 +156,10 @@ def incompleteness(folder: str) -> str | None:
     """``None`` when ``folder`` is a complete checkpoint, else why it is not."""
     path = os.path.join(folder, COMPLETE_FILE)
     if not os.path.isfile(path):
-        return (f"it has no {COMPLETE_FILE}: the run stopped before the checkpoint was completely written (or the "
-                "checkpoint was not written by a trinity_trl trainer)")
+        return (
+            f"it has no {COMPLETE_FILE}: the run stopped before the checkpoint was completely written (or the "
+            "checkpoint was not written by a trinity_trl trainer)"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -218,8 +220,10 @@ def resume_checkpoint(value: Any, output_dir: str, log: Callable[[str], None] = 
     found = last_complete_checkpoint(where, log)
     if found is None:
         present = [os.path.basename(p) for _, p in checkpoint_folders(where)]
-        raise ValueError(f"no complete checkpoint to resume from in {where}"
-                         + (f" ({', '.join(present)} are incomplete)" if present else " (no checkpoint-N folder)"))
+        raise ValueError(
+            f"no complete checkpoint to resume from in {where}"
+            + (f" ({', '.join(present)} are incomplete)" if present else " (no checkpoint-N folder)")
+        )
     return found
 
 
@@ -259,8 +263,12 @@ class CompleteCheckpoints:
         if self.args.push_to_hub:
             self._push_from_checkpoint(folder)
         if self.args.should_save:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         log = logger.warning if self.is_world_process_zero() else (lambda _: None)

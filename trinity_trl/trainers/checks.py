@@ -74,7 +74,8 @@ def check_prompt_dataset(dataset: Any, name: str) -> None:
     empty = [i for i, n in enumerate(lengths.to_pylist()) if not n]
     if empty:
         raise ValueError(
-            f"{name} has {len(empty)} row(s) with an empty prompt (rows {empty[:10]}{' ...' if len(empty) > 10 else ''}); "
+            f"{name} has {len(empty)} row(s) with an empty prompt "
+            f"(rows {empty[:10]}{' ...' if len(empty) > 10 else ''}); "
             "remove them, e.g. dataset.filter(lambda row: len(row['prompt']) > 0)"
         )
 
@@ -127,8 +128,10 @@ def _raise_context(name: str, err: Exception, row: int | None, kwargs: dict[str,
     if row is None:
         where = f"on this process's batch of {n} completions (no single row raises alone)"
     else:
-        where = (f"on row {row} of this process's batch of {n} completions (prompt: "
-                 f"{short(kwargs['prompts'][row])}, completion: {short(kwargs['completions'][row])})")
+        where = (
+            f"on row {row} of this process's batch of {n} completions (prompt: "
+            f"{short(kwargs['prompts'][row])}, completion: {short(kwargs['completions'][row])})"
+        )
     return RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err} {where}")
 
 
@@ -161,6 +164,7 @@ def checked_reward_func(func: Any, name: str) -> Any:
     from trl.trainer.utils import is_async_callable
 
     if is_async_callable(func):
+
         @functools.wraps(func)
         async def checked_async(**kwargs):
             try:
@@ -282,8 +286,9 @@ def is_finite(x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------- components
-def check_components(trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any,
-                     rollout_func: Any = None) -> None:
+def check_components(
+    trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any, rollout_func: Any = None
+) -> None:
     """Reject, at construction, an algorithm whose components need something ``trainer_cls`` does not
     provide, asking the components' declared properties (never their registry names)."""
     policy, advantage = components.policy_loss, components.advantage_fn
@@ -306,8 +311,10 @@ def check_components(trainer_cls: type, algorithm: Any, components: Any, args: A
             "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
         )
     if components.entropy_loss.needs_expert_mask and not trainer_cls.supports_expert_rows:
-        raise ValueError(f"entropy_loss_fn {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or "
-                         "entropy_loss_fn='default'")
+        raise ValueError(
+            f"entropy_loss_fn {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or "
+            "entropy_loss_fn='default'"
+        )
     if args.use_vllm and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
         raise ValueError(
             f"policy loss {algorithm.policy_loss_fn!r} with these arguments is not linear in the advantage, so TRL's "
@@ -323,23 +330,31 @@ def check_components(trainer_cls: type, algorithm: Any, components: Any, args: A
         return
     name = algorithm.advantage_fn
     if advantage.needs_teacher_logprobs and teacher_model is None and rollout_func is None:
-        raise ValueError(f"advantage_fn {name!r} needs a teacher_model (a model or a path), or a rollout_func that "
-                         "returns 'teacher_logprobs'")
-    if advantage.needs_reward_baselines and (args.per_device_train_batch_size * args.steps_per_generation
-                                             % args.num_generations):
-        raise ValueError(f"advantage_fn {name!r} scores one greedy completion per prompt group, so each process's "
-                         f"generation batch (per_device_train_batch_size * steps_per_generation = "
-                         f"{args.per_device_train_batch_size * args.steps_per_generation}) must hold whole groups of "
-                         f"num_generations={args.num_generations}")
+        raise ValueError(
+            f"advantage_fn {name!r} needs a teacher_model (a model or a path), or a rollout_func that "
+            "returns 'teacher_logprobs'"
+        )
+    if advantage.needs_reward_baselines and (
+        args.per_device_train_batch_size * args.steps_per_generation % args.num_generations
+    ):
+        raise ValueError(
+            f"advantage_fn {name!r} scores one greedy completion per prompt group, so each process's "
+            f"generation batch (per_device_train_batch_size * steps_per_generation = "
+            f"{args.per_device_train_batch_size * args.steps_per_generation}) must hold whole groups of "
+            f"num_generations={args.num_generations}"
+        )
     if advantage.needs_values and not trainer_cls.has_critic:
-        raise ValueError(f"advantage_fn {name!r} (GAE) needs critic values; it is only available with a value model "
-                         "(PPOTrainer)")
+        raise ValueError(
+            f"advantage_fn {name!r} (GAE) needs critic values; it is only available with a value model (PPOTrainer)"
+        )
 
 
 def check_completion_room(max_completion_length: int, max_positions: int | None) -> None:
     if max_positions is not None and max_completion_length >= max_positions:
-        raise ValueError(f"max_completion_length ({max_completion_length}) leaves no room for a prompt in the "
-                         f"model's {max_positions} positions (max_position_embeddings)")
+        raise ValueError(
+            f"max_completion_length ({max_completion_length}) leaves no room for a prompt in the "
+            f"model's {max_positions} positions (max_position_embeddings)"
+        )
 
 
 def check_hub_reachable(args: Any) -> None:
@@ -351,14 +366,18 @@ def check_hub_reachable(args: Any) -> None:
     from huggingface_hub.utils import get_session
 
     if constants.HF_HUB_OFFLINE:
-        raise ValueError("push_to_hub=True, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): set "
-                         "push_to_hub=False, or unset HF_HUB_OFFLINE")
+        raise ValueError(
+            "push_to_hub=True, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): set "
+            "push_to_hub=False, or unset HF_HUB_OFFLINE"
+        )
     url = f"{constants.ENDPOINT}/api/whoami-v2"
     try:
         get_session().get(url, timeout=10)  # any HTTP answer (even 401) means the Hub is there
     except Exception as err:  # noqa: BLE001 (connection refused, DNS, timeout, proxy: all mean unreachable)
-        raise ValueError(f"push_to_hub=True, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable "
-                         f"({type(err).__name__}): set push_to_hub=False, or check the network / HF_ENDPOINT") from None
+        raise ValueError(
+            f"push_to_hub=True, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable "
+            f"({type(err).__name__}): set push_to_hub=False, or check the network / HF_ENDPOINT"
+        ) from None
 
 
 def rollout_teacher_logps(per_row: list[Any], completion_mask: torch.Tensor) -> torch.Tensor:
@@ -370,7 +389,9 @@ def rollout_teacher_logps(per_row: list[Any], completion_mask: torch.Tensor) -> 
         values = torch.as_tensor(values, dtype=torch.float32)
         n = int((completion_mask[i] != 0).nonzero().max()) + 1 if (completion_mask[i] != 0).any() else 0
         if values.dim() != 1 or values.numel() < n or values.numel() > lengths:
-            raise ValueError(f"rollout_func returned {values.numel()} teacher_logprobs for row {i}, whose completion "
-                             f"has {n} tokens; give one value per completion token")
+            raise ValueError(
+                f"rollout_func returned {values.numel()} teacher_logprobs for row {i}, whose completion "
+                f"has {n} tokens; give one value per completion token"
+            )
         out[i, : values.numel()] = values.to(out.device)
     return out

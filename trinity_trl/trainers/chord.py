@@ -59,24 +59,33 @@ class ChordConfig(TrinityConfig):
     """
 
     algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
-    expert_batch_size: int | None = field(default=None, metadata={"help": "Expert rows per process per generation batch."})
-    expert_data_ratio: float = field(default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."})
-    mu_warmup_steps: int = field(default=_MU_DEFAULTS["mu_warmup_steps"],
-                                 metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."})
-    mu_decay_steps: int = field(default=_MU_DEFAULTS["mu_decay_steps"],
-                                metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."})
+    expert_batch_size: int | None = field(
+        default=None, metadata={"help": "Expert rows per process per generation batch."}
+    )
+    expert_data_ratio: float = field(
+        default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."}
+    )
+    mu_warmup_steps: int = field(
+        default=_MU_DEFAULTS["mu_warmup_steps"], metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."}
+    )
+    mu_decay_steps: int = field(
+        default=_MU_DEFAULTS["mu_decay_steps"], metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."}
+    )
     mu_peak: float = field(default=_MU_DEFAULTS["mu_peak"], metadata={"help": "Peak mu."})
     mu_valley: float = field(default=_MU_DEFAULTS["mu_valley"], metadata={"help": "Final mu."})
-    enable_phi_function: bool = field(default=_MU_DEFAULTS["enable_phi_function"],
-                                      metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."})
+    enable_phi_function: bool = field(
+        default=_MU_DEFAULTS["enable_phi_function"], metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."}
+    )
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
     rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the RL part."})
 
     def __post_init__(self):
         preset_loss = ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
         if "expert_mask" not in POLICY_LOSS_FN.get(preset_loss).inputs:
-            raise ValueError(f"ChordConfig trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
-                             f"got algorithm={self.algorithm!r}")
+            raise ValueError(
+                f"ChordConfig trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
+                f"got algorithm={self.algorithm!r}"
+            )
         super().__post_init__()
         if self.loss_normalization != "micro_batch":
             raise ValueError(
@@ -113,7 +122,9 @@ class ChordConfig(TrinityConfig):
         else:
             changed = [k for k, v in schedule.items() if v != _MU_DEFAULTS[k]]
             if changed:
-                raise ValueError(f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss_fn_args['mu']")
+                raise ValueError(
+                    f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss_fn_args['mu']"
+                )
         return {"policy_loss_fn_args": args}
 
 
@@ -168,8 +179,10 @@ class ChordTrainer(TrinityTrainer):
         # samples per process per optimizer step); the trainer divides by GA, so each sample counts 1/B_u
         steps = args.gradient_accumulation_steps / args.steps_per_generation  # generation batches per step
         rollouts = args.per_device_train_batch_size * args.steps_per_generation
-        return {"usual_sample_weight": args.gradient_accumulation_steps / (rollouts * steps),
-                "expert_sample_weight": args.gradient_accumulation_steps / (args.local_expert_rows() * steps)}
+        return {
+            "usual_sample_weight": args.gradient_accumulation_steps / (rollouts * steps),
+            "expert_sample_weight": args.gradient_accumulation_steps / (args.local_expert_rows() * steps),
+        }
 
     # ---------------------------------------------------------------------------- expert rows
     def _next_expert_indices(self) -> list[int]:
@@ -206,8 +219,9 @@ class ChordTrainer(TrinityTrainer):
             return self.components.policy_loss
         if self._eval_policy_loss is None:
             rows = self.args.per_device_eval_batch_size
-            self._eval_policy_loss = self.algorithm.build_policy_loss(usual_sample_weight=1.0 / rows,
-                                                                      expert_sample_weight=1.0 / rows)
+            self._eval_policy_loss = self.algorithm.build_policy_loss(
+                usual_sample_weight=1.0 / rows, expert_sample_weight=1.0 / rows
+            )
         return self._eval_policy_loss
 
     def _tokenize_expert(self, index: int) -> tuple[Any, list[int]]:
@@ -223,7 +237,9 @@ class ChordTrainer(TrinityTrainer):
                 prompt, answer = row["prompt"], row["completion"]
                 if isinstance(answer, list):
                     if len(answer) != 1 or answer[0].get("role") != "assistant":
-                        raise ValueError(f"expert_dataset row {index}: a conversational completion must be one assistant message")
+                        raise ValueError(
+                            f"expert_dataset row {index}: a conversational completion must be one assistant message"
+                        )
                     answer = answer[0]["content"]
             if not isinstance(answer, str) or not answer:
                 raise ValueError(f"expert_dataset row {index}: empty completion")
@@ -239,12 +255,18 @@ class ChordTrainer(TrinityTrainer):
         prompt_ids, images, multimodal = self._tokenize_prompts(list(prompts))
         if images is not None or multimodal:
             raise ValueError("expert_dataset prompts with images are not supported")
-        checks.check_context([len(p) for p in prompt_ids], [len(c) for c in completions], self._max_positions,
-                             lambda i: f"expert_dataset row {indices[i]}")
+        checks.check_context(
+            [len(p) for p in prompt_ids],
+            [len(c) for c in completions],
+            self._max_positions,
+            lambda i: f"expert_dataset row {indices[i]}",
+        )
         pad_id = self._tokenizer.pad_token_id
 
         def padded(rows, value, side):  # masks come from lengths: the pad token may equal eos
-            return pad([torch.as_tensor(r, dtype=torch.long) for r in rows], padding_value=value, padding_side=side).to(device)
+            return pad([torch.as_tensor(r, dtype=torch.long) for r in rows], padding_value=value, padding_side=side).to(
+                device
+            )
 
         return {
             "prompt_ids": padded(prompt_ids, pad_id, "left"),
@@ -265,7 +287,9 @@ class ChordTrainer(TrinityTrainer):
         merged: dict[str, Any] = {
             "prompt_ids": _stack(output["prompt_ids"], expert["prompt_ids"], self._tokenizer.pad_token_id, left=True),
             "prompt_mask": _stack(output["prompt_mask"], expert["prompt_mask"], 0, left=True),
-            "completion_ids": _stack(output["completion_ids"], expert["completion_ids"], self._tokenizer.pad_token_id, left=False),
+            "completion_ids": _stack(
+                output["completion_ids"], expert["completion_ids"], self._tokenizer.pad_token_id, left=False
+            ),
             "completion_mask": _stack(output["completion_mask"], expert["completion_mask"], 0, left=False),
             "expert_mask": torch.arange(n_rollouts + n_expert, device=device) >= n_rollouts,
             "num_items_in_batch": output["num_items_in_batch"],
@@ -280,8 +304,12 @@ class ChordTrainer(TrinityTrainer):
 
         merged["advantages"] = extend("advantages", 0.0)
         # demonstrations' behaviour log-probs are 0 (spec §9.4); the PPO part never sees these rows
-        for key, fill in (("old_per_token_logps", 0.0), ("sampling_per_token_logps", float("nan")),
-                          ("tool_mask", 1), ("importance_sampling_ratio", 1.0)):
+        for key, fill in (
+            ("old_per_token_logps", 0.0),
+            ("sampling_per_token_logps", float("nan")),
+            ("tool_mask", 1),
+            ("importance_sampling_ratio", 1.0),
+        ):
             if key in output:
                 merged[key] = extend(key, fill)
         if "ref_per_token_logps" in output:
@@ -291,11 +319,14 @@ class ChordTrainer(TrinityTrainer):
         unknown = set(output) - set(merged)
         if unknown:
             raise ValueError(f"ChordTrainer cannot append expert rows to batches with {sorted(unknown)}")
-        append_metrics(self._metrics["train"], {
-            "chord/expert_rows": float(n_expert),
-            "chord/expert_tokens": expert["completion_mask"].sum(),
-            "chord/on_policy_tokens": output["completion_mask"].sum(),
-        })
+        append_metrics(
+            self._metrics["train"],
+            {
+                "chord/expert_rows": float(n_expert),
+                "chord/expert_tokens": expert["completion_mask"].sum(),
+                "chord/on_policy_tokens": output["completion_mask"].sum(),
+            },
+        )
         return merged
 
     # ----------------------------------------------------------------------------------- loss
@@ -307,7 +338,6 @@ class ChordTrainer(TrinityTrainer):
         # Trinity stamps samples with the step being trained, counted from 1 (spec §9.3)
         loss_inputs["step"] = self.state.global_step + 1
         return loss_inputs
-
 
 
 def _widen(x: torch.Tensor, width: int, value: float, left: bool = False) -> torch.Tensor:

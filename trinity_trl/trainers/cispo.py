@@ -53,13 +53,15 @@ class CISPOConfig(TrinityConfig):
     def _user_overrides(self) -> dict[str, Any]:
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
             raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
-        return {"policy_loss_fn_args": {
-            "clip_range_low": self.clip_range_low,
-            "clip_range_high": self.clip_range_high,
-            "enable_mask_clip": self.enable_mask_clip,
-            "mask_clip_range_low": self.mask_clip_range_low,
-            "mask_clip_range_high": self.mask_clip_range_high,
-        }}
+        return {
+            "policy_loss_fn_args": {
+                "clip_range_low": self.clip_range_low,
+                "clip_range_high": self.clip_range_high,
+                "enable_mask_clip": self.enable_mask_clip,
+                "mask_clip_range_low": self.mask_clip_range_low,
+                "mask_clip_range_high": self.mask_clip_range_high,
+            }
+        }
 
 
 class CISPOTrainer(TrinityTrainer):

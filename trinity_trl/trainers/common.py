@@ -23,7 +23,6 @@ from .checkpoint import CompleteCheckpoints
 from .model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
 from .trl_seams import temporarily
 
-
 _CPU_DEFAULTS_ANNOUNCED = False
 
 
@@ -53,9 +52,11 @@ def apply_cpu_defaults(config: Any) -> None:
     if config.fp16 and on_cpu:
         # accelerate 1.15 enables fp16 autocast and its gradient scaler only on GPU-like devices (Accelerator
         # sets native_amp for fp16 when the device is not "cpu"): on a CPU fp16=True would train in float32
-        raise ValueError(f"{type(config).__name__}: fp16=True does nothing on a CPU (Accelerate runs fp16 only on "
-                         "GPUs and would silently train in float32 here); use bf16=True, or leave both unset for "
-                         "float32")
+        raise ValueError(
+            f"{type(config).__name__}: fp16=True does nothing on a CPU (Accelerate runs fp16 only on "
+            "GPUs and would silently train in float32 here); use bf16=True, or leave both unset for "
+            "float32"
+        )
     changed = []
     if config.bf16 is None and not config.fp16 and on_cpu:
         config.bf16 = False
@@ -80,11 +81,15 @@ def check_saving_options(config: Any) -> None:
     owner = type(config).__name__
     default_steps = next(f.default for f in dataclasses.fields(type(config)) if f.name == "save_steps")
     if config.save_steps != default_steps:
-        raise ValueError(f"{owner}: save_steps={config.save_steps} writes no checkpoint with save_strategy='no'; "
-                         "set save_strategy='steps' as well")
+        raise ValueError(
+            f"{owner}: save_steps={config.save_steps} writes no checkpoint with save_strategy='no'; "
+            "set save_strategy='steps' as well"
+        )
     if config.resume_from_checkpoint:
-        raise ValueError(f"{owner}: resume_from_checkpoint is set but save_strategy='no' would write no further "
-                         "checkpoint; set save_strategy='steps' (or 'epoch'), or pass the checkpoint to train()")
+        raise ValueError(
+            f"{owner}: resume_from_checkpoint is set but save_strategy='no' would write no further "
+            "checkpoint; set save_strategy='steps' (or 'epoch'), or pass the checkpoint to train()"
+        )
 
 
 def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
@@ -97,7 +102,6 @@ def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {type(value).__name__}")
     return value
-
 
 
 @dataclass
@@ -117,8 +121,10 @@ class Components:
         overrides = policy_loss_overrides or {}
         clash = sorted(set(overrides) & set(algorithm.policy_loss_fn_args))
         if clash:
-            raise ValueError(f"policy_loss_fn_args sets {clash}, which the trainer derives from its own batch geometry "
-                             f"(would be {({k: overrides[k] for k in clash})}); remove them")
+            raise ValueError(
+                f"policy_loss_fn_args sets {clash}, which the trainer derives from its own batch geometry "
+                f"(would be { ({k: overrides[k] for k in clash}) }); remove them"
+            )
         return cls(
             policy_loss=algorithm.build_policy_loss(**overrides),
             kl_loss=algorithm.build_kl_loss(),
@@ -138,7 +144,10 @@ def load_processor(model: str, args, rl: bool = True):
 
     sides = {"truncation_side": "left", "padding_side": "left"} if rl else {}
     processor = AutoProcessor.from_pretrained(
-        model, revision=(args.model_init_kwargs or {}).get("revision"), trust_remote_code=args.trust_remote_code, **sides
+        model,
+        revision=(args.model_init_kwargs or {}).get("revision"),
+        trust_remote_code=args.trust_remote_code,
+        **sides,
     )
     correct_tokenizer(getattr(processor, "tokenizer", processor), model)
     return processor
@@ -216,8 +225,9 @@ class AlgorithmCardMixin(CompleteCheckpoints):
         from accelerate.utils import is_peft_model
 
         tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name,
-                                  tags=tags + [self.algorithm.algorithm])
+        super().create_model_card(
+            model_name=model_name, dataset_name=dataset_name, tags=tags + [self.algorithm.algorithm]
+        )
         if not self.is_world_process_zero():
             return
         path = os.path.join(self.args.output_dir, "README.md")
@@ -231,12 +241,16 @@ class AlgorithmCardMixin(CompleteCheckpoints):
         adapter = is_peft_model(model)
         load_from = getattr(self, "hub_model_id", None) or self.args.output_dir
         with open(path, encoding="utf-8") as f:
-            text = rewrite_card(f.read(), base_model=base, base_model_license=license_, load_from=load_from,
-                                is_adapter=adapter)
+            text = rewrite_card(
+                f.read(), base_model=base, base_model_license=license_, load_from=load_from, is_adapter=adapter
+            )
         text += algorithm_card_section(self.algorithm, type(self).__name__, self.components)
-        text += training_card_section(self.args, model.peft_config.get("default") if adapter else None,
-                                      dataset_name or self._card_dataset or _dataset_name(self.train_dataset),
-                                      self._model_card_environment())
+        text += training_card_section(
+            self.args,
+            model.peft_config.get("default") if adapter else None,
+            dataset_name or self._card_dataset or _dataset_name(self.train_dataset),
+            self._model_card_environment(),
+        )
         text += "".join(self._card_sections)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -263,8 +277,6 @@ class PresetTrainerMixin(AlgorithmCardMixin):
         values = self.accelerator.gather(values.unsqueeze(0)).mean(dim=0).tolist()
         for key, value in zip(keys, values):
             self._metrics[mode][key].append(value)
-
-
 
 
 @contextlib.contextmanager

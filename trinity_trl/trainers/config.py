@@ -18,9 +18,9 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
     "beta": "TRL's k3 KL; use kl_loss_fn='k3' (or any KL) with kl_loss_fn_args={'kl_coef': ...}",
     "loss_type": "TRL's loss; choose policy_loss_fn (or an algorithm preset) and loss_agg_mode",
     "epsilon": "TRL's relative clip bound, accepted for losses with the same bounds (ppo, gspo, mix, mix_chord) as "
-               "clip_range; for this loss use policy_loss_fn_args (see its arguments)",
+    "clip_range; for this loss use policy_loss_fn_args (see its arguments)",
     "epsilon_high": "TRL's upper clip, accepted for losses with relative bounds (ppo, gspo, mix, mix_chord) as "
-                    "clip_range_high; TRL's CISPO cap is absolute: use clip_range_high = epsilon_high - 1",
+    "clip_range_high; TRL's CISPO cap is absolute: use clip_range_high = epsilon_high - 1",
     "delta": "TRL's two-sided clip; use policy_loss_fn_args={'clip_ratio_c': ...} (dual clip, ppo)",
     "importance_sampling_level": "sequence-level ratios; use policy_loss_fn='gspo' (algorithm='gspo')",
     "scale_rewards": "reward normalisation; use advantage_fn_args={'std_cal_level': 'batch'} for grpo",
@@ -30,16 +30,18 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
     "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
     "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
     "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses; entropy terms are "
-                            "entropy_loss_fn",
+    "entropy_loss_fn",
     "entropy_coef": "use entropy_loss_fn_args={'entropy_coef': ...}",
     "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss_fn_args={'entropy_coef': ...}",
     "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
     "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
     "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
     "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "off_policy_mask_threshold": "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)",
+    "off_policy_mask_threshold": (
+        "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)"
+    ),
     "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss_fn='corrected_k3' is the "
-                              "ratio-corrected k3",
+    "ratio-corrected k3",
     "sapo_temperature_pos": "only used with policy_loss_fn='sapo' (becomes tau_pos)",
     "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
 }
@@ -125,34 +127,50 @@ class TrinityConfig(GRPOConfig):
 
     algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
     policy_loss_fn: str | None = field(default=None, metadata={"help": "Policy loss key; None keeps the preset's."})
-    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Policy loss arguments (dict or JSON)."})
-    advantage_fn: str | None = field(default=None, metadata={"help": "Advantage function key; None keeps the preset's."})
+    policy_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "Policy loss arguments (dict or JSON)."}
+    )
+    advantage_fn: str | None = field(
+        default=None, metadata={"help": "Advantage function key; None keeps the preset's."}
+    )
     advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Advantage function arguments."})
     kl_loss_fn: str | None = field(default=None, metadata={"help": "KL estimator used as a loss term."})
-    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001}."})
+    kl_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001}."}
+    )
     kl_penalty_fn: str | None = field(default=None, metadata={"help": "KL estimator subtracted from token rewards."})
-    kl_penalty_fn_args: dict | str | None = field(default=None, metadata={"help": "KL penalty arguments (adaptive controller)."})
+    kl_penalty_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "KL penalty arguments (adaptive controller)."}
+    )
     entropy_loss_fn: str | None = field(default=None, metadata={"help": "Entropy term: default, mix or none."})
-    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."})
+    entropy_loss_fn_args: dict | str | None = field(
+        default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."}
+    )
     loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
     epsilon: float | None = field(
         default=None,
-        metadata={"help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
-                          "policy_loss_fn_args['clip_range'] (None: the loss's own default)."},
+        metadata={
+            "help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
+            "policy_loss_fn_args['clip_range'] (None: the loss's own default)."
+        },
     )
     component_args_mode: str = field(
         default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
     )
     loss_normalization: str = field(
         default="micro_batch",
-        metadata={"help": "'micro_batch' (Trinity: token-mean per micro-batch, then / gradient_accumulation_steps) "
-                          "or 'global' (token-mean terms divided by the global token count of the optimizer step)."},
+        metadata={
+            "help": "'micro_batch' (Trinity: token-mean per micro-batch, then / gradient_accumulation_steps) "
+            "or 'global' (token-mean terms divided by the global token count of the optimizer step)."
+        },
     )
 
     prefix_packing: bool = field(
         default=True,
-        metadata={"help": "Forward each distinct token of a micro-batch once (shared prompts, no padding); same "
-                          "log-probs and gradients as padded rows. Unsupported models run padded."},
+        metadata={
+            "help": "Forward each distinct token of a micro-batch once (shared prompts, no padding); same "
+            "log-probs and gradients as padded rows. Unsupported models run padded."
+        },
     )
     prefix_packing_max_token_ratio: float = field(
         default=0.9,
@@ -164,11 +182,19 @@ class TrinityConfig(GRPOConfig):
         super().__post_init__()
         check_saving_options(self)
         for name in COMPONENT_FIELDS:
-            setattr(self, f"{name}_args", parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")))
+            setattr(
+                self,
+                f"{name}_args",
+                parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")),
+            )
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}")
+            raise ValueError(
+                f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
+            )
         if not 0.0 < self.prefix_packing_max_token_ratio <= 1.0:
-            raise ValueError(f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}")
+            raise ValueError(
+                f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}"
+            )
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
@@ -194,8 +220,11 @@ class TrinityConfig(GRPOConfig):
     def _trl_field_arguments(self) -> dict[str, tuple[str, Any]]:
         """The TRL fields the user set that mean an argument of the policy loss: ``{argument: (field, value)}``."""
         own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
-        return {ours: (trl, getattr(self, trl)) for trl, ours in own.items()
-                if getattr(self, trl) != _field_default(type(self), trl)}
+        return {
+            ours: (trl, getattr(self, trl))
+            for trl, ours in own.items()
+            if getattr(self, trl) != _field_default(type(self), trl)
+        }
 
     def _policy_loss_name(self) -> str:
         return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
@@ -222,8 +251,10 @@ class TrinityConfig(GRPOConfig):
             args = dict(settings.get("policy_loss_fn_args") or {})
             for ours, (trl, value) in trl_arguments.items():
                 if ours in args and args[ours] != value:
-                    raise ValueError(f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss_fn_args"
-                                     f"[{ours!r}]={args[ours]}; set it in one place")
+                    raise ValueError(
+                        f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss_fn_args"
+                        f"[{ours!r}]={args[ours]}; set it in one place"
+                    )
                 args[ours] = value
             settings["policy_loss_fn_args"] = args
         return resolve_algorithm_config(

@@ -135,23 +135,32 @@ class TorchCritic(Critic):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         weights, optimizer = get_state_dict(
-            self.module, self.optimizer, options=self._options(cpu_offload=True, ignore_frozen_params=True))
+            self.module, self.optimizer, options=self._options(cpu_offload=True, ignore_frozen_params=True)
+        )
         if self.accelerator.is_main_process:
-            save_plain({"format": 1, "trainable": weights, "optimizer": optimizer},
-                       os.path.join(folder, CRITIC_OPTIMIZER_FILE))
+            save_plain(
+                {"format": 1, "trainable": weights, "optimizer": optimizer}, os.path.join(folder, CRITIC_OPTIMIZER_FILE)
+            )
 
     def load(self, folder: str) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = os.path.join(folder, CRITIC_OPTIMIZER_FILE)
         if not os.path.isfile(path):
-            raise ValueError(f"checkpoint {folder} has no {CRITIC_OPTIMIZER_FILE}: it was not written by PPOTrainer "
-                             "(or with save_only_model=True, which leaves the critic's optimizer out)")
+            raise ValueError(
+                f"checkpoint {folder} has no {CRITIC_OPTIMIZER_FILE}: it was not written by PPOTrainer "
+                "(or with save_only_model=True, which leaves the critic's optimizer out)"
+            )
         state = load_plain(path, what="critic state")
         if not (isinstance(state, dict) and {"trainable", "optimizer"} <= set(state)):
             raise ValueError(f"{path} is not a critic state written by this version of PPOTrainer")
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["trainable"],
-                       optim_state_dict=state["optimizer"], options=self._options(strict=False))
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["trainable"],
+            optim_state_dict=state["optimizer"],
+            options=self._options(strict=False),
+        )
         for group in self.optimizer.param_groups:  # set_state_dict hands tuples (Adam's betas) back as lists
             for key, default in self.optimizer.defaults.items():
                 if isinstance(default, tuple) and isinstance(group.get(key), list):
@@ -170,7 +179,8 @@ class DeepSpeedCritic(Critic):
         config = _critic_deepspeed_config(accelerator)
         self.stage = config["zero_optimization"]["stage"]
         self.module, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=build_optimizer(model), config=config)
+            model=model, optimizer=build_optimizer(model), config=config
+        )
         self.model = self.module.module
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -199,27 +209,35 @@ class DeepSpeedCritic(Critic):
             elif key in _DERIVED_ZERO_KEYS:
                 continue  # taken from the live engine when loading (module docstring)
             else:
-                raise TypeError(f"the critic's ZeRO optimizer state has {key!r} of type {type(value).__name__}, "
-                                "which a safe checkpoint cannot hold")
-        save_plain({"format": 1, "zero_stage": self.stage, "world_size": self.accelerator.num_processes,
-                    "optimizer": learned}, self._file(folder, self.accelerator.process_index))
+                raise TypeError(
+                    f"the critic's ZeRO optimizer state has {key!r} of type {type(value).__name__}, "
+                    "which a safe checkpoint cannot hold"
+                )
+        save_plain(
+            {"format": 1, "zero_stage": self.stage, "world_size": self.accelerator.num_processes, "optimizer": learned},
+            self._file(folder, self.accelerator.process_index),
+        )
 
     def load(self, folder: str) -> None:
         world = self.accelerator.num_processes
         files = [self._file(folder, rank) for rank in range(world)]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
-            raise ValueError(f"checkpoint {folder} lacks {', '.join(os.path.basename(f) for f in missing)}: it was "
-                             f"not written by PPOTrainer under DeepSpeed with {world} processes (or with "
-                             "save_only_model=True)")
+            raise ValueError(
+                f"checkpoint {folder} lacks {', '.join(os.path.basename(f) for f in missing)}: it was "
+                f"not written by PPOTrainer under DeepSpeed with {world} processes (or with "
+                "save_only_model=True)"
+            )
         live = self.module.optimizer.state_dict()
         derived = {key: live[key] for key in _DERIVED_ZERO_KEYS if key in live}
         states = []
         for path in files:
             saved = load_plain(path, what="critic ZeRO optimizer state")
             if saved.get("zero_stage") != self.stage or saved.get("world_size") != world:
-                raise ValueError(f"{path} was written with ZeRO stage {saved.get('zero_stage')} on "
-                                 f"{saved.get('world_size')} processes; this run has stage {self.stage} on {world}")
+                raise ValueError(
+                    f"{path} was written with ZeRO stage {saved.get('zero_stage')} on "
+                    f"{saved.get('world_size')} processes; this run has stage {self.stage} on {world}"
+                )
             states.append({**saved["optimizer"], **derived})
         # the fp32 master weights are restored from the saved partitions (no precision loss)
         self.module.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)

@@ -33,16 +33,28 @@ from trl import DPOConfig, DPOTrainer
 
 from ..algorithms import KL_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
-from .model_card import paper_for
 from ..data.model import resolve_model
-from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, load_processor, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from .common import (
+    PresetTrainerMixin,
+    apply_cpu_defaults,
+    capture_fused_outputs,
+    check_saving_options,
+    default_output_dir,
+    load_processor,
+    parse_args_field,
+    reject_sequence_sharding,
+)
+from .model_card import paper_for
 
 ENTROPY_LOSSES = ("default", "none")
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
 REPLACED_DPO_FIELDS: dict[str, tuple[Any, str]] = {
-    "loss_type": (["sigmoid"], "the dpo preset is the sigmoid loss (with label_smoothing); other TRL DPO losses are not Trinity's"),
+    "loss_type": (
+        ["sigmoid"],
+        "the dpo preset is the sigmoid loss (with label_smoothing); other TRL DPO losses are not Trinity's",
+    ),
     "loss_weights": (None, "only one loss (sigmoid) is used"),
     "ld_alpha": (None, "LD-DPO length weighting changes the summed log-probs the dpo loss is defined on"),
     "f_divergence_type": ("reverse_kl", "the dpo loss is defined on log-ratios (reverse KL)"),
@@ -243,8 +255,9 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         precomputed = self.precompute_ref_logps
         # TRL runs its forwards (policy, then reference) and logs its metrics unchanged; its loss is discarded
         with capture_fused_outputs([model, self.model, self.ref_model]) as calls:
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                          num_items_in_batch=num_items_in_batch)
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         expected = 1 if precomputed else 2
         if len(calls) != expected:
             raise RuntimeError(

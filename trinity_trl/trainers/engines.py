@@ -57,8 +57,11 @@ def check_engine(trainer: Any) -> None:
     from accelerate.utils import DistributedType
 
     state = trainer.accelerator.state
-    requested = (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp)
-                 or getattr(state, "fsdp_plugin", None) is not None)
+    requested = (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        or bool(trainer.args.fsdp)
+        or getattr(state, "fsdp_plugin", None) is not None
+    )
     if requested and state.distributed_type != DistributedType.FSDP:
         raise ValueError(
             f"FSDP was requested (accelerate config or fsdp=...), but Accelerate set up {state.distributed_type.value} "

@@ -17,8 +17,16 @@ SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p")
 
 # multimodal keys TRL's forward pass accepts; passed through unchanged
 FORWARD_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
 )
 
 
@@ -35,10 +43,16 @@ class TRLGeneration:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         trainer = self._trainer
-        return list(trainer.processing_class.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-            chat_template=trainer.chat_template, **trainer.chat_template_kwargs,
-        ))
+        return list(
+            trainer.processing_class.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                chat_template=trainer.chat_template,
+                **trainer.chat_template_kwargs,
+            )
+        )
 
     def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
         completions, logprobs = self._trainer._generate_single_turn(prompt_ids, None, {}, 1)

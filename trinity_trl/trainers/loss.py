@@ -51,8 +51,10 @@ class WeightedSum:
 
     def __call__(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         if loss_mask.shape != self.weights.shape:
-            raise ValueError(f"this aggregation was planned for a {tuple(self.weights.shape)} batch, got a mask of "
-                             f"shape {tuple(loss_mask.shape)}")
+            raise ValueError(
+                f"this aggregation was planned for a {tuple(self.weights.shape)} batch, got a mask of "
+                f"shape {tuple(loss_mask.shape)}"
+            )
         return masked_sum(loss_mat, loss_mask * self.weights.to(loss_mat.dtype)) / self.count.to(loss_mat.dtype)
 
 
@@ -117,14 +119,23 @@ class LossNormalizer:
             key = torch.arange(valid.shape[0], device=valid.device).unsqueeze(1) * valid.shape[1] + segments
             counts = torch.bincount(key[valid], minlength=valid.numel())
             return (counts > 0).sum(), counts[key].to(torch.float32)
-        per_row = inputs["sample_count"] if "sample_count" in inputs else torch.ones(valid.shape[0], device=valid.device)
+        per_row = (
+            inputs["sample_count"] if "sample_count" in inputs else torch.ones(valid.shape[0], device=valid.device)
+        )
         tokens = valid.sum(1, keepdim=True).to(torch.float32).expand_as(valid)
         return per_row.sum(), tokens
 
 
-def micro_batch_loss(policy_loss, components, normalizer: LossNormalizer, loss_agg_mode: str, inputs: dict[str, Any],
-                     loss_inputs: dict[str, Any], entropies: torch.Tensor | None,
-                     mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+def micro_batch_loss(
+    policy_loss,
+    components,
+    normalizer: LossNormalizer,
+    loss_agg_mode: str,
+    inputs: dict[str, Any],
+    loss_inputs: dict[str, Any],
+    entropies: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """``policy loss − entropy term + KL loss`` of one micro-batch (before gradient accumulation), and the
     ``actor/*`` metrics of each term.
 
@@ -146,13 +157,19 @@ def micro_batch_loss(policy_loss, components, normalizer: LossNormalizer, loss_a
         entropies = torch.where(mask != 0, entropies, torch.zeros((), dtype=entropies.dtype, device=entropies.device))
         if entropy_loss.entropy_coef == 0.0:
             entropies = entropies.detach()  # logged only: no backward through the entropy
-        term, term_metrics = entropy_loss(entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"),
-                                          loss_agg_mode=aggregation)
+        term, term_metrics = entropy_loss(
+            entropy=entropies, action_mask=mask, expert_mask=loss_inputs.get("expert_mask"), loss_agg_mode=aggregation
+        )
         loss = loss - term
         metrics.update({f"actor/{k}": v for k, v in term_metrics.items()})
     if kl_loss.enabled:
-        term, term_metrics = kl_loss.calculate_kl_loss(loss_inputs["logprob"], loss_inputs["ref_logprob"], mask,
-                                                       aggregation, old_logprob=loss_inputs["old_logprob"])
+        term, term_metrics = kl_loss.calculate_kl_loss(
+            loss_inputs["logprob"],
+            loss_inputs["ref_logprob"],
+            mask,
+            aggregation,
+            old_logprob=loss_inputs["old_logprob"],
+        )
         loss = loss + term
         metrics.update({f"actor/{k}": v for k, v in term_metrics.items()})
     return loss, metrics

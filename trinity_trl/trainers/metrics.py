@@ -14,9 +14,24 @@ from typing import Any
 from ..algorithms.inputs import metrics_to_floats
 
 # keys our trainers log (TRL's own keys are gathered by TRL)
-OWN_METRIC_PREFIXES = ("actor/", "critic/", "chord/", "group_advantages/", "multi_step/", "raft/", "kl/",
-                       "advantages/", "filtered_count", "unscorable_count", "experience_count",
-                       "skipped_group_ratio", "guards/", "refill/", "remax/", "packing/")
+OWN_METRIC_PREFIXES = (
+    "actor/",
+    "critic/",
+    "chord/",
+    "group_advantages/",
+    "multi_step/",
+    "raft/",
+    "kl/",
+    "advantages/",
+    "filtered_count",
+    "unscorable_count",
+    "experience_count",
+    "skipped_group_ratio",
+    "guards/",
+    "refill/",
+    "remax/",
+    "packing/",
+)
 COUNT_PREFIX = "guards/"
 
 

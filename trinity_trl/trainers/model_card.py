@@ -12,25 +12,42 @@ from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, AlgorithmConfig
 _DISPLAY = {
     "grpo": ("GRPO", "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"),
     "ppo": ("PPO", "Proximal Policy Optimization Algorithms"),
-    "reinforceplusplus": ("REINFORCE++", "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models"),
-    "rloo": ("RLOO", "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs"),
-    "opmd": ("OPMD", "Trinity-RFT: A General-Purpose and Unified Framework for Reinforcement Fine-Tuning of Large Language Models"),
+    "reinforceplusplus": (
+        "REINFORCE++",
+        "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+    ),
+    "rloo": (
+        "RLOO",
+        "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs",
+    ),
+    "opmd": (
+        "OPMD",
+        "Trinity-RFT: A General-Purpose and Unified Framework for Reinforcement Fine-Tuning of Large Language Models",
+    ),
     "asymre": ("AsymRE", None),
     "dpo": ("DPO", "Direct Preference Optimization: Your Language Model is Secretly a Reward Model"),
     "topr": ("TOPR", None),
     "cispo": ("CISPO", "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"),
     "gspo": ("GSPO", "Group Sequence Policy Optimization"),
     "sapo": ("SAPO", "Soft Adaptive Policy Optimization"),
-    "mix": ("MIX", "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement "
-                   "Learning via Dynamic Weighting"),
-    "mix_chord": ("CHORD", "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and "
-                           "Reinforcement Learning via Dynamic Weighting"),
+    "mix": (
+        "MIX",
+        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement "
+        "Learning via Dynamic Weighting",
+    ),
+    "mix_chord": (
+        "CHORD",
+        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and "
+        "Reinforcement Learning via Dynamic Weighting",
+    ),
     "raft": ("RAFT", "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"),
     "sppo": ("sPPO", None),
     "rec": ("REC", None),
     "multi_step_grpo": ("Step-wise GRPO", None),
-    "on_policy_distill": ("On-policy distillation", "On-Policy Distillation of Language Models: Learning from "
-                                                    "Self-Generated Mistakes"),
+    "on_policy_distill": (
+        "On-policy distillation",
+        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+    ),
     "sft": ("SFT", None),
 }
 
@@ -55,7 +72,8 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
         "",
         f"## Algorithm: {name}",
         "",
-        f"Trained with `trinity_trl`'s `{trainer_name}` using the `{algorithm.algorithm}` preset: {preset.description}.",
+        f"Trained with `trinity_trl`'s `{trainer_name}` "
+        f"using the `{algorithm.algorithm}` preset: {preset.description}.",
     ]
     variant = chord_variant(algorithm)
     if variant:
@@ -67,7 +85,9 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
     lines += ["", "| component | name | arguments |", "|---|---|---|"]
     for component in used_components(algorithm, components):
         args = getattr(algorithm, f"{component}_args")
-        lines.append(f"| {component} | `{getattr(algorithm, component)}` | `{json.dumps(args, sort_keys=True, default=str)}` |")
+        lines.append(
+            f"| {component} | `{getattr(algorithm, component)}` | `{json.dumps(args, sort_keys=True, default=str)}` |"
+        )
     lines.append(f"| loss_agg_mode | `{algorithm.loss_agg_mode}` | |")
     return "\n".join(lines) + "\n"
 
@@ -94,20 +114,25 @@ def chord_variant(algorithm: AlgorithmConfig) -> str | None:
     args = algorithm.policy_loss_fn_args
     if "mu_peak" not in args:
         return None
-    variant = "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))" if args.get("enable_phi_function", True) \
+    variant = (
+        "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))"
+        if args.get("enable_phi_function", True)
         else "CHORD-μ (plain SFT term)"
+    )
     peak, valley = args.get("mu_peak"), args.get("mu_valley")
     warmup, decay = args.get("mu_warmup_steps", 0), args.get("mu_decay_steps", 0)
     if decay or warmup:
-        schedule = (f"μ rises linearly from 0 to {peak} over {warmup} steps, then " if warmup else f"μ starts at {peak} "
-                    f"and ") + f"decays (cosine) to {valley} over {decay} steps"
+        schedule = (
+            f"μ rises linearly from 0 to {peak} over {warmup} steps, then " if warmup else f"μ starts at {peak} and "
+        ) + f"decays (cosine) to {valley} over {decay} steps"
     else:
         schedule = f"constant μ = {valley}"
     return f"Variant: {variant}; {schedule}."
 
 
-def training_card_section(args: Any, peft_config: Any = None, dataset: str | None = None,
-                          environment: str | None = None) -> str:
+def training_card_section(
+    args: Any, peft_config: Any = None, dataset: str | None = None, environment: str | None = None
+) -> str:
     """A Markdown table of the training set-up: data, steps, rates, batch and generation sizes, LoRA."""
     rows = []
     if dataset:
@@ -115,19 +140,29 @@ def training_card_section(args: Any, peft_config: Any = None, dataset: str | Non
     if environment:
         rows.append(("environment", f"`{environment}`"))
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-    rows += [("learning rate", f"{args.learning_rate:g} ({scheduler})"),
-             ("max steps", str(args.max_steps) if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"),
-             ("batch per device", str(args.per_device_train_batch_size)),
-             ("gradient accumulation", str(args.gradient_accumulation_steps))]
-    for label, name in (("generations per prompt", "num_generations"), ("max completion length", "max_completion_length"),
-                        ("temperature", "temperature")):
+    rows += [
+        ("learning rate", f"{args.learning_rate:g} ({scheduler})"),
+        ("max steps", str(args.max_steps) if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"),
+        ("batch per device", str(args.per_device_train_batch_size)),
+        ("gradient accumulation", str(args.gradient_accumulation_steps)),
+    ]
+    for label, name in (
+        ("generations per prompt", "num_generations"),
+        ("max completion length", "max_completion_length"),
+        ("temperature", "temperature"),
+    ):
         if getattr(args, name, None) is not None:
             rows.append((label, str(getattr(args, name))))
     if peft_config is not None:
         targets = getattr(peft_config, "target_modules", None)
         targets = targets if isinstance(targets, str) or targets is None else ", ".join(sorted(targets))
-        rows.append(("LoRA", f"r {getattr(peft_config, 'r', '?')}, alpha {getattr(peft_config, 'lora_alpha', '?')}, "
-                             f"modules {targets}"))
+        rows.append(
+            (
+                "LoRA",
+                f"r {getattr(peft_config, 'r', '?')}, alpha {getattr(peft_config, 'lora_alpha', '?')}, "
+                f"modules {targets}",
+            )
+        )
     else:
         rows.append(("parameters", "full fine-tuning"))
     rows.append(("precision", "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"))
@@ -136,8 +171,9 @@ def training_card_section(args: Any, peft_config: Any = None, dataset: str | Non
     return "\n".join(lines) + "\n"
 
 
-def rewrite_card(text: str, *, base_model: str | None, base_model_license: str | None, load_from: str,
-                 is_adapter: bool) -> str:
+def rewrite_card(
+    text: str, *, base_model: str | None, base_model_license: str | None, load_from: str, is_adapter: bool
+) -> str:
     """TRL's generated card with its metadata, base-model line and quick start corrected.
 
     * metadata: ``base_model`` (a Hub id), ``library_name`` (``peft`` for an adapter), ``license`` of the
@@ -146,7 +182,11 @@ def rewrite_card(text: str, *, base_model: str | None, base_model_license: str |
     * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter.
     """
     head, sep, rest = text.partition("\n---\n")
-    meta = [line for line in head.splitlines() if line and line != "---" and not line.startswith(("licence:", "library_name:"))]
+    meta = [
+        line
+        for line in head.splitlines()
+        if line and line != "---" and not line.startswith(("licence:", "library_name:"))
+    ]
     meta.insert(0, f"library_name: {'peft' if is_adapter else 'transformers'}")
     if base_model and "/" in base_model:
         meta.insert(0, f"base_model: {base_model}")
@@ -160,7 +200,9 @@ def rewrite_card(text: str, *, base_model: str | None, base_model_license: str |
         if base_model and "/" in base_model:
             named = f"[{base_model}](https://huggingface.co/{base_model})"
         else:
-            named = f"`{os.path.basename(os.path.normpath(base_model))}` (a local model)" if base_model else "a local model"
+            named = (
+                f"`{os.path.basename(os.path.normpath(base_model))}` (a local model)" if base_model else "a local model"
+            )
         body = body[:first] + f"This model is a fine-tuned version of {named}." + body[end:]
     start = body.find("## Quick start")
     if start >= 0:
@@ -170,11 +212,13 @@ def rewrite_card(text: str, *, base_model: str | None, base_model_license: str |
 
 
 def quick_start(load_from: str, is_adapter: bool) -> str:
-    loader = ("from peft import AutoPeftModelForCausalLM\n"
-              f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model plus this adapter'
-              if is_adapter else
-              "from transformers import AutoModelForCausalLM\n"
-              f'model = AutoModelForCausalLM.from_pretrained("{load_from}")')
+    loader = (
+        "from peft import AutoPeftModelForCausalLM\n"
+        f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model plus this adapter'
+        if is_adapter
+        else "from transformers import AutoModelForCausalLM\n"
+        f'model = AutoModelForCausalLM.from_pretrained("{load_from}")'
+    )
     return f"""## Quick start
 
 ```python

@@ -203,15 +203,16 @@ def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np.nda
     return first, count
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-              max_tokens: int | None = None) -> list[PackedRows]:
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, max_tokens: int | None = None
+) -> list[PackedRows]:
     """Fold the rows of ``input_ids`` (``(B, L)``, attended where ``attention_mask`` is 1; the last
     ``logits_to_keep`` columns are scored) into packed rows of at most ``max_tokens`` distinct tokens
     each (``None``: one packed row). Rows are taken in order, so a group's consecutive rows share a
     packed row; a row longer than ``max_tokens`` gets a packed row of its own."""
     first, count = row_spans(attention_mask, logits_to_keep)
     ids = input_ids.detach().cpu().numpy()
-    rows = [ids[r, first[r]:first[r] + count[r]] for r in range(ids.shape[0])]
+    rows = [ids[r, first[r] : first[r] + count[r]] for r in range(ids.shape[0])]
     chunks, current, tree = [], [], _PrefixTree()
     for r, row in enumerate(rows):
         if current and max_tokens is not None and tree.size + len(row) - tree.matched(row) > max_tokens:
@@ -224,8 +225,14 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     return [_layout(tree, ends, rows, first, offset, input_ids.device) for tree, ends in chunks]
 
 
-def _layout(tree: _PrefixTree, ends: list[tuple[int, _Node]], rows: list[np.ndarray], first: np.ndarray, offset: int,
-            device: torch.device) -> PackedRows:
+def _layout(
+    tree: _PrefixTree,
+    ends: list[tuple[int, _Node]],
+    rows: list[np.ndarray],
+    first: np.ndarray,
+    offset: int,
+    device: torch.device,
+) -> PackedRows:
     nodes = tree.nodes()
     tokens = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, dtype=np.int64)
     positions = np.concatenate([np.arange(n.depth, n.depth + len(n.tokens)) for n in nodes]) if nodes else tokens
@@ -256,8 +263,12 @@ def _layout(tree: _PrefixTree, ends: list[tuple[int, _Node]], rows: list[np.ndar
     return PackedRows(
         input_ids=torch.as_tensor(tokens, dtype=torch.long, device=device),
         position_ids=torch.as_tensor(positions, dtype=torch.long, device=device),
-        segments=segments, scored_index=tensor(index), scored_labels=tensor(labels), scored_rows=tensor(out_rows),
-        scored_cols=tensor(out_cols), rows=[r for r, _ in ends],
+        segments=segments,
+        scored_index=tensor(index),
+        scored_labels=tensor(labels),
+        scored_rows=tensor(out_rows),
+        scored_cols=tensor(out_cols),
+        rows=[r for r, _ in ends],
     )
 
 
@@ -317,13 +328,17 @@ class _SegmentPlan:
             length, context = seg.end - seg.start, seg.context
             ranges = [*seg.ancestors, (seg.start, seg.end)]
             contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            keys: slice | torch.Tensor = (slice(ranges[0][0], seg.end) if contiguous else
-                                          torch.cat([torch.arange(s, e) for s, e in ranges]).to(device))
+            keys: slice | torch.Tensor = (
+                slice(ranges[0][0], seg.end)
+                if contiguous
+                else torch.cat([torch.arange(s, e) for s, e in ranges]).to(device)
+            )
             mask = None
             if context:
                 if (length, context) not in masks:
-                    masks[(length, context)] = torch.ones(length, context + length, dtype=torch.bool,
-                                                          device=device).tril(context)
+                    masks[(length, context)] = torch.ones(
+                        length, context + length, dtype=torch.bool, device=device
+                    ).tril(context)
                 mask = masks[(length, context)]
             self.items.append((slice(seg.start, seg.end), keys, mask))
             gather.append(torch.cat([torch.arange(s, e) for s, e in ranges]))
@@ -353,9 +368,16 @@ def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     return "sdpa_segments"
 
 
-def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: TreeAttentionMask,
-                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False) -> torch.Tensor:
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: TreeAttentionMask,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` over a packed row: ``query`` ``(1, H, N, D)``, ``key``/``value``
     ``(1, H_kv, N, D)``; each segment attends to its ancestors and causally to itself. Returns
     ``(1, H, N, D)``."""
@@ -367,16 +389,35 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1).index_select(0, plan.flash_keys)
         v = value[0].transpose(0, 1).index_select(0, plan.flash_keys)
-        out = flash(q.contiguous(), k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=dropout_p,
-                    softmax_scale=scale, causal=True)
+        out = flash(
+            q.contiguous(),
+            k,
+            v,
+            plan.cu_q,
+            plan.cu_k,
+            plan.max_q,
+            plan.max_k,
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+            causal=True,
+        )
         return out.transpose(0, 1).unsqueeze(0)
     outputs = []
     for queries, keys, mask in plan.items:
         k = key[:, :, keys] if isinstance(keys, slice) else key.index_select(2, keys)
         v = value[:, :, keys] if isinstance(keys, slice) else value.index_select(2, keys)
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, queries], k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale,
-            enable_gqa=enable_gqa))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, queries],
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        )
     return torch.cat(outputs, dim=2)
 
 
@@ -393,12 +434,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in VERIFIED_MODEL_TYPES:
-        return (f"model type {model_type!r} is not verified for prefix packing (verified: "
-                f"{', '.join(VERIFIED_MODEL_TYPES)})")
+        return (
+            f"model type {model_type!r} is not verified for prefix packing (verified: "
+            f"{', '.join(VERIFIED_MODEL_TYPES)})"
+        )
     implementation = config._attn_implementation
     if implementation != "sdpa":
-        return (f"the model's attention is {implementation!r}; the packed forward runs through 'sdpa' (load the model "
-                "with attn_implementation='sdpa')")
+        return (
+            f"the model's attention is {implementation!r}; the packed forward runs through 'sdpa' (load the model "
+            "with attn_implementation='sdpa')"
+        )
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(config, "sliding_window", None) is not None:
         return "the model has sliding-window attention layers"
@@ -407,8 +452,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def packed_logps(model: torch.nn.Module, backbone: torch.nn.Module, packed: PackedRows, compute_entropy: bool,
-                 autocast: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_logps(
+    model: torch.nn.Module,
+    backbone: torch.nn.Module,
+    packed: PackedRows,
+    compute_entropy: bool,
+    autocast: Callable[[], Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(K,)`` log-probs (and entropies) of ``packed``'s scored tokens through TRL's fused LM head.
 
     ``model`` is called as TRL's helper calls it (``fused_lm_head=True``), with the packed row, its
@@ -427,8 +477,13 @@ def packed_logps(model: torch.nn.Module, backbone: torch.nn.Module, packed: Pack
     handle = backbone.register_forward_hook(keep_scored)
     try:
         with autocast():
-            out = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
-                        attention_mask=packed.attention_mask(), shift_labels=labels[None], fused_lm_head=True)
+            out = model(
+                input_ids=packed.input_ids[None],
+                position_ids=packed.position_ids[None],
+                attention_mask=packed.attention_mask(),
+                shift_labels=labels[None],
+                fused_lm_head=True,
+            )
     finally:
         handle.remove()
     count = packed.scored_index.numel()
@@ -440,8 +495,11 @@ def packed_critic_values(critic: torch.nn.Module, packed: PackedRows, autocast: 
     """``(K,)`` values of a token-classification critic at ``packed``'s scored positions (the state
     each completion token was chosen in)."""
     with autocast():
-        logits = critic(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None],
-                        attention_mask=packed.attention_mask()).logits
+        logits = critic(
+            input_ids=packed.input_ids[None],
+            position_ids=packed.position_ids[None],
+            attention_mask=packed.attention_mask(),
+        ).logits
     if logits.dim() != 3 or logits.shape[-1] != 1:
         raise ValueError(f"the critic must return logits of shape (B, L, 1), got {tuple(logits.shape)}")
     return logits[0, packed.scored_index, 0]
@@ -514,9 +572,17 @@ class PrefixPacking:
             return None  # too little shared or padded to be worth it: the padded forward is as fast
         return chunks
 
-    def logps_and_entropies(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                            batch_size: int | None, compute_entropy: bool, compute_aux_loss: bool,
-                            multimodal: dict[str, Any]) -> PackedOutput | None:
+    def logps_and_entropies(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        multimodal: dict[str, Any],
+    ) -> PackedOutput | None:
         """The arguments of TRL's ``_get_per_token_logps_and_entropies``; ``None`` where the padded
         forward must run instead (the reason logged once)."""
         extra = None
@@ -542,11 +608,16 @@ class PrefixPacking:
             values = torch.cat(values)
             return values.new_zeros(shape).index_put((rows, cols), values)
 
-        return PackedOutput(scatter(logps), scatter(entropies) if compute_entropy else None,
-                            sum(c.num_tokens for c in chunks), input_ids.numel())
+        return PackedOutput(
+            scatter(logps),
+            scatter(entropies) if compute_entropy else None,
+            sum(c.num_tokens for c in chunks),
+            input_ids.numel(),
+        )
 
-    def critic_values(self, critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                      batch_size: int | None) -> torch.Tensor | None:
+    def critic_values(
+        self, critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None
+    ) -> torch.Tensor | None:
         """``(B, logits_to_keep)`` critic values of the completion tokens (0 elsewhere), or ``None``
         where the padded forward must run instead."""
         chunks = self._pack(critic, input_ids, attention_mask, logits_to_keep, batch_size)

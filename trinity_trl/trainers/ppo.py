@@ -27,12 +27,12 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ..algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
-from ..data.model import resolve_model
-from .common import default_output_dir
 from ..algorithms.masked import masked_fill_invalid, masked_mean
 from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
+from ..data.model import resolve_model
 from . import checks
 from .advantages import Advantages, AdvantageSources
+from .common import default_output_dir
 from .config import TrinityConfig
 from .critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from .metrics import append_metrics
@@ -79,13 +79,14 @@ class PPOConfig(TrinityConfig):
     critic is wrapped like the policy (its own DeepSpeed engine with the policy's ZeRO config, or
     FSDP). Not supported (rejected): `fp16` (one loss scaler cannot serve two optimizers; use
     `bf16`), `critic_warmup_steps > 0` under DeepSpeed (its engine steps the policy's optimizer at
-    every boundary, gradient or not) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the reward, before
-    GAE) is honoured; the preset's default is `none` with a k2 KL loss.
+    every boundary, gradient or not) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the
+    reward, before GAE) is honoured; the preset's default is `none` with a k2 KL loss.
     """
 
     algorithm: str = field(default="ppo", metadata={"help": "Algorithm preset (PPOConfig trains 'ppo' only)."})
     value_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Critic model id or path (token classification, 1 label); None: the policy's base."}
+        default=None,
+        metadata={"help": "Critic model id or path (token classification, 1 label); None: the policy's base."},
     )
     value_learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate of the critic."})
     cliprange_value: float = field(default=0.5, metadata={"help": "Clip range c of the clipped value loss."})
@@ -98,8 +99,10 @@ class PPOConfig(TrinityConfig):
 
     def __post_init__(self):
         if not ALGORITHM_TYPE.get(self.algorithm).use_critic:
-            raise ValueError(f"PPOConfig trains the 'ppo' preset (a value model and GAE) or another preset with a "
-                             f"critic, got algorithm={self.algorithm!r}")
+            raise ValueError(
+                f"PPOConfig trains the 'ppo' preset (a value model and GAE) or another preset with a "
+                f"critic, got algorithm={self.algorithm!r}"
+            )
         super().__post_init__()
         try:
             check_cliprange_value(self.cliprange_value)
@@ -108,19 +111,25 @@ class PPOConfig(TrinityConfig):
         if not (isinstance(self.critic_warmup_steps, int) and self.critic_warmup_steps >= 0):
             raise ValueError(f"PPOConfig: critic_warmup_steps must be an int >= 0, got {self.critic_warmup_steps!r}")
         if 0 < self.max_steps <= self.critic_warmup_steps:
-            raise ValueError(f"PPOConfig: critic_warmup_steps={self.critic_warmup_steps} covers all max_steps="
-                             f"{self.max_steps}, so the policy would never train; lower critic_warmup_steps")
+            raise ValueError(
+                f"PPOConfig: critic_warmup_steps={self.critic_warmup_steps} covers all max_steps="
+                f"{self.max_steps}, so the policy would never train; lower critic_warmup_steps"
+            )
         if not self.value_learning_rate >= 0:
             raise ValueError(f"PPOConfig: value_learning_rate must be >= 0, got {self.value_learning_rate!r}")
         if self.fp16:
-            raise ValueError("PPOConfig: fp16 is not supported (its loss scaler serves one optimizer, and the critic has "
-                             "its own); use bf16=True or fp32")
+            raise ValueError(
+                "PPOConfig: fp16 is not supported (its loss scaler serves one optimizer, and the critic has "
+                "its own); use bf16=True or fp32"
+            )
 
     def _user_overrides(self) -> dict[str, Any]:
         advantage = self.advantage_fn or "ppo"
         if not ADVANTAGE_FN.get(advantage).needs_values:
-            raise ValueError(f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo' (or another function "
-                             f"of critic values), got {advantage!r}")
+            raise ValueError(
+                f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo' (or another function "
+                f"of critic values), got {advantage!r}"
+            )
         return {"advantage_fn_args": {"gamma": self.gamma, "lam": self.lam}}
 
 
@@ -159,17 +168,28 @@ class PPOTrainer(TrinityTrainer):
     config_class = PPOConfig
     has_critic = True
 
-    def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, *pos, value_model=None,
-                 value_peft_config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: PPOConfig | None = None,
+        *pos,
+        value_model=None,
+        value_peft_config=None,
+        **kwargs,
+    ):
         model, value_model = resolve_model(model), resolve_model(value_model)
         if args is None:
             args = PPOConfig(output_dir=default_output_dir(model, "PPOConfig"))
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
         trl_kwargs = {k: v for k, v in kwargs.items() if k != "teacher_model"}
-        bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *pos, **trl_kwargs).arguments
-        critic = self._build_critic(model, args, value_model, value_peft_config, bound.get("peft_config"),
-                                    bound.get("quantization_config"))
+        bound = (
+            inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *pos, **trl_kwargs).arguments
+        )
+        critic = self._build_critic(
+            model, args, value_model, value_peft_config, bound.get("peft_config"), bound.get("quantization_config")
+        )
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
             raise ValueError("PPOTrainer supports text models only: the critic reads token ids, not images")
@@ -179,7 +199,8 @@ class PPOTrainer(TrinityTrainer):
                 "steps its optimizer at every accumulation boundary (Accelerate's DeepSpeedEngineWrapper.backward "
                 "calls engine.step()), so a warm-up step would still advance the policy's Adam state and apply weight "
                 "decay; set critic_warmup_steps=0, or warm the critic up with DDP or FSDP (whose optimizer skips "
-                "parameters without gradients)")
+                "parameters without gradients)"
+            )
         # the critic in the run's engine, with its own optimizer (critic_engine.py)
         self._critic = build_critic(critic, self.accelerator, self._build_critic_optimizer)
         self.critic = self._critic.module  # what a training forward calls (DDP, FSDP or DeepSpeed engine)
@@ -189,8 +210,9 @@ class PPOTrainer(TrinityTrainer):
 
     # ----------------------------------------------------------------------------------- critic
     @staticmethod
-    def _build_critic(model, args: PPOConfig, value_model, value_peft_config, peft_config,
-                      quantization_config=None) -> torch.nn.Module:
+    def _build_critic(
+        model, args: PPOConfig, value_model, value_peft_config, peft_config, quantization_config=None
+    ) -> torch.nn.Module:
         """The critic before accelerate prepares it: loaded like TRL loads the policy (``model_init_kwargs``,
         ``quantization_config``), with a scalar head, optional PEFT adapter, no dropout."""
         from accelerate.utils import is_peft_model
@@ -217,10 +239,15 @@ class PPOTrainer(TrinityTrainer):
             init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
             if quantization_config is not None:
                 init_kwargs["quantization_config"] = quantization_config
-            config = AutoConfig.from_pretrained(path, num_labels=1, revision=init_kwargs.get("revision"),
-                                                trust_remote_code=init_kwargs["trust_remote_code"])
-            critic = create_model_from_path(path, architecture=AutoModelForTokenClassification, config=config,
-                                            **init_kwargs)
+            config = AutoConfig.from_pretrained(
+                path,
+                num_labels=1,
+                revision=init_kwargs.get("revision"),
+                trust_remote_code=init_kwargs["trust_remote_code"],
+            )
+            critic = create_model_from_path(
+                path, architecture=AutoModelForTokenClassification, config=config, **init_kwargs
+            )
         elif isinstance(source, torch.nn.Module):
             critic = source
         else:
@@ -232,16 +259,31 @@ class PPOTrainer(TrinityTrainer):
             from peft import PeftConfig, TaskType, get_peft_model
 
             if not isinstance(value_peft_config, PeftConfig):
-                raise TypeError(f"value_peft_config must be a peft.PeftConfig, False or None, got {type(value_peft_config).__name__}")
+                raise TypeError(
+                    f"value_peft_config must be a peft.PeftConfig, False or None, "
+                    f"got {type(value_peft_config).__name__}"
+                )
             if is_peft_model(critic):
-                raise ValueError("value_model is already a PeftModel; pass value_peft_config=False or an unwrapped model")
+                raise ValueError(
+                    "value_model is already a PeftModel; pass value_peft_config=False or an unwrapped model"
+                )
             value_peft_config = copy.deepcopy(value_peft_config)
             value_peft_config.task_type = TaskType.TOKEN_CLS  # the scalar head is trained in full (modules_to_save)
             # keep the head out of adapter targets such as "all-linear": PEFT cannot both adapt and fully train it
-            targets, excluded = getattr(value_peft_config, "target_modules", None), getattr(value_peft_config, "exclude_modules", "")
-            heads = [name for name in _VALUE_HEADS if isinstance(getattr(critic, name, None), torch.nn.Module) and (
-                targets == "all-linear" or (isinstance(targets, str) and re.fullmatch(targets, name))
-                or (isinstance(targets, (list, set, tuple)) and name in targets))]
+            targets, excluded = (
+                getattr(value_peft_config, "target_modules", None),
+                getattr(value_peft_config, "exclude_modules", ""),
+            )
+            heads = [
+                name
+                for name in _VALUE_HEADS
+                if isinstance(getattr(critic, name, None), torch.nn.Module)
+                and (
+                    targets == "all-linear"
+                    or (isinstance(targets, str) and re.fullmatch(targets, name))
+                    or (isinstance(targets, (list, set, tuple)) and name in targets)
+                )
+            ]
             if heads and not isinstance(excluded, str):
                 value_peft_config.exclude_modules = sorted(set(excluded or ()) | set(heads))
             critic = get_peft_model(critic, value_peft_config)
@@ -266,8 +308,10 @@ class PPOTrainer(TrinityTrainer):
 
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, critic)
         if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & set(optimizer_kwargs):
-            raise ValueError(f"optim={self.args.optim!r} builds its own parameter groups; the critic needs a plain "
-                             "optimizer such as 'adamw_torch'")
+            raise ValueError(
+                f"optim={self.args.optim!r} builds its own parameter groups; the critic needs a plain "
+                "optimizer such as 'adamw_torch'"
+            )
         decay = set(self.get_decay_parameter_names(critic))
         named = [(n, p) for n, p in critic.named_parameters() if p.requires_grad]
         groups = [
@@ -308,7 +352,8 @@ class PPOTrainer(TrinityTrainer):
             # gather their shards, every process alike)
             with torch.no_grad():
                 output["old_values"] = self._critic_values(
-                    self._critic.scoring_module(), output, batch_size=self.args.per_device_train_batch_size)
+                    self._critic.scoring_module(), output, batch_size=self.args.per_device_train_batch_size
+                )
             return output["old_values"]
 
         sources.values = old_values
@@ -322,11 +367,14 @@ class PPOTrainer(TrinityTrainer):
         def variance(x):
             return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
 
-        append_metrics(self._metrics["train" if self.model.training else "eval"], {
-            "critic/values/mean": masked_mean(values, mask),
-            "critic/returns/mean": masked_mean(returns, mask),
-            "critic/vf_explained_var": 1.0 - variance(returns - values) / (variance(returns) + 1e-8),
-        })
+        append_metrics(
+            self._metrics["train" if self.model.training else "eval"],
+            {
+                "critic/values/mean": masked_mean(values, mask),
+                "critic/returns/mean": masked_mean(returns, mask),
+                "critic/vf_explained_var": 1.0 - variance(returns - values) / (variance(returns) + 1e-8),
+            },
+        )
 
     # ------------------------------------------------------------------------------------ loss
     def _compute_loss(self, model, inputs):
@@ -339,7 +387,9 @@ class PPOTrainer(TrinityTrainer):
     def _value_loss(self, inputs: dict, mode: str) -> torch.Tensor:
         """The clipped value loss of a micro-batch, scaled like the policy loss (aggregation mode,
         loss normalisation, gradient accumulation)."""
-        loss_mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        loss_mask = (
+            inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        )
         self.critic.train(mode == "train")
         values = self._critic_values(self.critic, inputs)
         # numerical guards, as for the policy loss (checks.py): tokens whose value, old value or return is
@@ -350,7 +400,9 @@ class PPOTrainer(TrinityTrainer):
         aggregation = self.loss_normalizer.plan(inputs, loss_mask, self.algorithm.loss_agg_mode)
         loss, metrics = clipped_value_loss(
             *(checks.masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
-            loss_mask, self.args.cliprange_value, aggregation
+            loss_mask,
+            self.args.cliprange_value,
+            aggregation,
         )
         if mode == "train":
             loss = loss / self.current_gradient_accumulation_steps

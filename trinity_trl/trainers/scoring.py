@@ -26,9 +26,13 @@ class ScoringPasses:
     def _forward_logps(self, model, rows: dict) -> torch.Tensor:
         """No-grad per-token log-probs ``(N, T)`` of ``rows``' completions under ``model``."""
         logps, _, _ = self._get_per_token_logps_and_entropies(
-            model, torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1),
-            torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1), rows["completion_ids"].size(1),
-            batch_size=self.args.per_device_train_batch_size, **{k: rows[k] for k in FORWARD_KEYS if k in rows})
+            model,
+            torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1),
+            torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1),
+            rows["completion_ids"].size(1),
+            batch_size=self.args.per_device_train_batch_size,
+            **{k: rows[k] for k in FORWARD_KEYS if k in rows},
+        )
         return logps
 
     def _behaviour_logps(self, output: dict) -> torch.Tensor:
@@ -55,8 +59,10 @@ class ScoringPasses:
         if all(row.get("teacher_logprobs") is not None for row in inputs):
             return checks.rollout_teacher_logps([row["teacher_logprobs"] for row in inputs], output["completion_mask"])
         if self.teacher_model is None:
-            raise ValueError("the advantage function needs teacher log-probs: pass teacher_model=, or return "
-                             "'teacher_logprobs' (one list per completion) from rollout_func")
+            raise ValueError(
+                "the advantage function needs teacher log-probs: pass teacher_model=, or return "
+                "'teacher_logprobs' (one list per completion) from rollout_func"
+            )
         return self._forward_logps(self.teacher_model, output)
 
     def _greedy_reward_baselines(self, inputs: list[dict]) -> torch.Tensor:
@@ -69,8 +75,11 @@ class ScoringPasses:
         completion_ids = self.generation.generate_greedy(self.generation.tokenize_conversations(prompts))
         texts = [self.generation.decode(ids) for ids in completion_ids]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(leaders[0]) else texts
-        rewards = weighted_rewards(self._calculate_rewards(leaders, prompts, completions, completion_ids),
-                                   self.reward_weights)
-        append_metrics(self._metrics[mode], {"remax/greedy_completions": float(len(rewards)),
-                                            "remax/greedy_reward": float(rewards.nanmean())})
+        rewards = weighted_rewards(
+            self._calculate_rewards(leaders, prompts, completions, completion_ids), self.reward_weights
+        )
+        append_metrics(
+            self._metrics[mode],
+            {"remax/greedy_completions": float(len(rewards)), "remax/greedy_reward": float(rewards.nanmean())},
+        )
         return torch.nan_to_num(rewards).repeat_interleave(group)

@@ -28,7 +28,16 @@ from trl import SFTConfig, SFTTrainer
 from ..algorithms import AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
-from .common import PresetTrainerMixin, apply_cpu_defaults, check_saving_options, default_output_dir, load_processor, capture_fused_outputs, parse_args_field, reject_sequence_sharding
+from .common import (
+    PresetTrainerMixin,
+    apply_cpu_defaults,
+    capture_fused_outputs,
+    check_saving_options,
+    default_output_dir,
+    load_processor,
+    parse_args_field,
+    reject_sequence_sharding,
+)
 from .model_card import paper_for
 
 SFT_LOSSES = ("sft", "sft_is", "sft_phi")
@@ -74,7 +83,8 @@ class TrinitySFTConfig(SFTConfig):
     """
 
     policy_loss_fn: str = field(
-        default="sft", metadata={"help": "SFT loss: 'sft' (NLL), 'sft_is' (importance-weighted) or 'sft_phi' (φ-weighted)."}
+        default="sft",
+        metadata={"help": "SFT loss: 'sft' (NLL), 'sft_is' (importance-weighted) or 'sft_phi' (φ-weighted)."},
     )
     policy_loss_fn_args: dict | str | None = field(
         default=None, metadata={"help": "Loss arguments (dict or JSON), merged over the loss's default_args()."}
@@ -155,7 +165,9 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
             kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
         super().__init__(model, args, *pos, **kwargs)
         if self.compute_loss_func is not None:  # passed positionally
-            raise ValueError(f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func")
+            raise ValueError(
+                f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func"
+            )
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)
@@ -164,8 +176,9 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
         mode = "train" if self.model.training else "eval"
         # TRL runs its forward (and logs its metrics) unchanged; its loss is discarded
         with capture_fused_outputs([model, self.model]) as calls:
-            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                          num_items_in_batch=num_items_in_batch)
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if len(calls) != 1:
             raise RuntimeError(
                 f"{type(self).__name__} expected SFTTrainer.compute_loss to run exactly one fused-LM-head forward, "

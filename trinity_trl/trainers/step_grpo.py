@@ -85,8 +85,10 @@ class StepGRPOConfig(TrinityConfig):
     advantage_epsilon: float = field(default=1e-6, metadata={"help": "Added to the std."})
     shared_prefix: bool = field(
         default=True,
-        metadata={"help": "Train a run whose every prompt extends the previous turn in ONE row (one forward over the "
-                          "whole run) instead of one row per step; same loss and gradients."},
+        metadata={
+            "help": "Train a run whose every prompt extends the previous turn in ONE row (one forward over the "
+            "whole run) instead of one row per step; same loss and gradients."
+        },
     )
 
     def __post_init__(self):
@@ -102,21 +104,28 @@ class StepGRPOConfig(TrinityConfig):
         elif self.max_tool_calling_iterations != self.max_env_steps - 1:
             raise ValueError(
                 f"StepGRPOConfig counts turns with max_env_steps (= max_tool_calling_iterations + 1); got "
-                f"max_tool_calling_iterations={self.max_tool_calling_iterations} with max_env_steps={self.max_env_steps}: "
-                f"set max_env_steps={self.max_tool_calling_iterations + 1} and leave max_tool_calling_iterations unset")
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} "
+                f"with max_env_steps={self.max_env_steps}: "
+                f"set max_env_steps={self.max_tool_calling_iterations + 1} and leave max_tool_calling_iterations unset"
+            )
         super().__post_init__()
 
     def _user_overrides(self) -> dict[str, Any]:
         advantage = self.advantage_fn or "step_wise_grpo"
         if not ADVANTAGE_FN.get(advantage).step_wise:
-            raise ValueError(f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
-                             f"runs and gives each step its run's score), got advantage_fn={advantage!r}")
-        return {"advantage_fn": advantage, "advantage_fn_args": {
-            "enable_step_norm": self.enable_step_norm,
-            "std_cal_level": self.std_cal_level,
-            "std_threshold": self.std_threshold,
-            "epsilon": self.advantage_epsilon,
-        }}
+            raise ValueError(
+                f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
+                f"runs and gives each step its run's score), got advantage_fn={advantage!r}"
+            )
+        return {
+            "advantage_fn": advantage,
+            "advantage_fn_args": {
+                "enable_step_norm": self.enable_step_norm,
+                "std_cal_level": self.std_cal_level,
+                "std_threshold": self.std_threshold,
+                "epsilon": self.advantage_epsilon,
+            },
+        }
 
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
@@ -147,8 +156,16 @@ class StepGRPOTrainer(TrinityTrainer):
     config_class = StepGRPOConfig
     requires_prompt = False  # a task's prompt may come from reset()
 
-    def __init__(self, model, reward_funcs=None, args: StepGRPOConfig | None = None, *pos, environment_factory=None,
-                 tools=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: StepGRPOConfig | None = None,
+        *pos,
+        environment_factory=None,
+        tools=None,
+        **kwargs,
+    ):
         if args is not None and not isinstance(args, StepGRPOConfig):
             raise TypeError(f"StepGRPOTrainer needs a StepGRPOConfig, got {type(args).__name__}")
         if kwargs.get("rollout_func") is not None:
@@ -158,21 +175,29 @@ class StepGRPOTrainer(TrinityTrainer):
         protocol, classes = resolve_protocol(environment_factory, tools, columns)
         self.environment_protocol = protocol
         self._environment_names = sorted({cls.__qualname__ for cls in classes.values()})
-        extra = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        extra = (
+            []
+            if reward_funcs is None
+            else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        )
         if protocol == TOOL_PROTOCOL:
             if args is not None and args.history != "tokens":
-                raise ValueError("history='messages' is for reset/step environments; TRL's tool loop always extends "
-                                 "the token history (set history='tokens')")
+                raise ValueError(
+                    "history='messages' is for reset/step environments; TRL's tool loop always extends "
+                    "the token history (set history='tokens')"
+                )
             # TRL sets up the environments (pool, tools, get_reward, response parsing, chat template)
-            super().__init__(model, extra or None, args, *pos, environment_factory=environment_factory, tools=tools,
-                             **kwargs)
+            super().__init__(
+                model, extra or None, args, *pos, environment_factory=environment_factory, tools=tools, **kwargs
+            )
             self.rollout = None
         else:
             if train_dataset is None:
                 pos, kwargs = self._placeholder_tasks(args, pos, kwargs, environment_factory)
             super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
-            self.rollout = MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps,
-                                            self.args.history)
+            self.rollout = MultiStepRollout(
+                self.generation, environment_factory, self.args.max_env_steps, self.args.history
+            )
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
                 "StepGRPOTrainer does not support vllm_importance_sampling_correction yet (TRL computes the ratio for "
@@ -189,13 +214,17 @@ class StepGRPOTrainer(TrinityTrainer):
         from datasets import Dataset
 
         if isinstance(environment_factory, dict):
-            raise ValueError("a dict environment_factory routes rows by their 'environment' column: it needs a "
-                             "train_dataset with that column")
+            raise ValueError(
+                "a dict environment_factory routes rows by their 'environment' column: it needs a "
+                "train_dataset with that column"
+            )
         if args is None or args.max_steps <= 0:
-            raise ValueError("train_dataset=None (the environment owns the data) needs max_steps > 0 to set the "
-                             "training length")
-        rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size
-                                                                                   // args.num_generations)})
+            raise ValueError(
+                "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
+            )
+        rows = Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
+        )
         if pos:
             return (rows, *pos[1:]), kwargs
         return pos, {**kwargs, "train_dataset": rows}
@@ -235,15 +264,16 @@ class StepGRPOTrainer(TrinityTrainer):
 
     # --------------------------------------------------------------------------- advantages
     def _tool_runs(self, output: dict) -> list[Run]:
-        """This process's runs of TRL's tool loop, one step per assistant turn (:mod:`~trinity_trl.rollouts.trajectories`):
-        the padded prompt / completion / tool-mask rows of TRL's output, back to the token lists it generated."""
+        """This process's runs of TRL's tool loop, one step per assistant turn
+        (:mod:`~trinity_trl.rollouts.trajectories`): the padded prompt / completion / tool-mask rows of TRL's output,
+        back to the token lists it generated."""
         prompt_lengths = output["prompt_mask"].sum(1).tolist()
         completion_lengths = output["completion_mask"].sum(1).tolist()  # unmasked: see _generate_and_score_completions
         tool_mask = output.get("tool_mask")
         sampled = output.get("sampling_per_token_logps")
         runs = []
         for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-            prompt = output["prompt_ids"][i, output["prompt_ids"].size(1) - p:].tolist()
+            prompt = output["prompt_ids"][i, output["prompt_ids"].size(1) - p :].tolist()
             completion = output["completion_ids"][i, :c].tolist()
             mask = [1] * c if tool_mask is None else tool_mask[i, :c].tolist()
             logps = None if sampled is None else sampled[i, :c].tolist()
@@ -265,7 +295,9 @@ class StepGRPOTrainer(TrinityTrainer):
         endings = []
         for run in runs:
             last = run.steps[-1]
-            if parse_response(self._tokenizer, last.completion_ids, prefix=last.prompt_ids, tools=self.tools).get("tool_calls"):
+            if parse_response(self._tokenizer, last.completion_ids, prefix=last.prompt_ids, tools=self.tools).get(
+                "tool_calls"
+            ):
                 endings.append("tool_call")
             elif opener is not None and re.search(opener, self._tokenizer.decode(last.completion_ids)):
                 endings.append("malformed")
@@ -288,7 +320,9 @@ class StepGRPOTrainer(TrinityTrainer):
         steps = self.accelerator.gather(torch.tensor([len(run.steps) for run in runs], device=device)).cpu().tolist()
         first = self._local_rows(len(runs)).start
         experiences = [
-            Experience(eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s), reward=value)
+            Experience(
+                eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s), reward=value
+            )
             for i, (value, count) in enumerate(zip(rewards.tolist(), steps))
             if math.isfinite(value)
             for s in range(count)
@@ -296,18 +330,26 @@ class StepGRPOTrainer(TrinityTrainer):
         scored, metrics = self.components.advantage_fn(experiences)
         score = {(e.eid.task, e.eid.run, e.eid.step): float(e.advantages) for e in scored}
         # per run and step: the step's advantage, or None if its group was filtered / unscored
-        advantages = [[score.get(((first + j) // group_size, (first + j) % group_size, s)) for s in range(len(run.steps))]
-                      for j, run in enumerate(runs)]
-        metrics.update({
-            "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
-            "multi_step/run_reward": float(rewards.nanmean()) if torch.isfinite(rewards).any() else 0.0,
-            "multi_step/prefix_preserving": sum(r.prefix_preserving for r in runs) / max(1, len(runs)),
-            # runs the turn limit stopped before the environment (or a final answer) ended them
-            "multi_step/cut_runs": float(self.accelerator.gather(torch.tensor(sum(r.cut for r in runs), device=device)).sum()),
-            # tool runs whose last turn was a tool call TRL could not parse (taken as the final answer)
-            "multi_step/malformed_tool_calls": float(self.accelerator.gather(torch.tensor(malformed, device=device)).sum()),
-            "unscorable_count": float((~torch.isfinite(rewards)).sum()),
-        })
+        advantages = [
+            [score.get(((first + j) // group_size, (first + j) % group_size, s)) for s in range(len(run.steps))]
+            for j, run in enumerate(runs)
+        ]
+        metrics.update(
+            {
+                "multi_step/steps_per_run": sum(steps) / max(1, len(steps)),
+                "multi_step/run_reward": float(rewards.nanmean()) if torch.isfinite(rewards).any() else 0.0,
+                "multi_step/prefix_preserving": sum(r.prefix_preserving for r in runs) / max(1, len(runs)),
+                # runs the turn limit stopped before the environment (or a final answer) ended them
+                "multi_step/cut_runs": float(
+                    self.accelerator.gather(torch.tensor(sum(r.cut for r in runs), device=device)).sum()
+                ),
+                # tool runs whose last turn was a tool call TRL could not parse (taken as the final answer)
+                "multi_step/malformed_tool_calls": float(
+                    self.accelerator.gather(torch.tensor(malformed, device=device)).sum()
+                ),
+                "unscorable_count": float((~torch.isfinite(rewards)).sum()),
+            }
+        )
         # TRL's completions table lists one row per run (its final turn): show that turn's advantage
         final = [scores[-1] if scores[-1] is not None else 0.0 for scores in advantages]
         self._show_advantages_in_completions_table(torch.tensor(final, device=device), output["completion_mask"])
@@ -327,13 +369,22 @@ class StepGRPOTrainer(TrinityTrainer):
         shared = self.args.shared_prefix and not self.components.policy_loss.sequence_level
         prompts, completions, segments, token_adv, samples, widths, sampling = [], [], [], [], [], [], []
         for run, scores in zip(runs, advantages):
-            trained = [score is not None and (not self.args.mask_truncated_completions
-                                              or (bool(step.completion_ids) and step.completion_ids[-1] in eos))
-                       for step, score in zip(run.steps, scores)]
-            groups = [list(range(len(run.steps)))] if shared and run.prefix_preserving else [[s] for s in range(len(run.steps))]
+            trained = [
+                score is not None
+                and (
+                    not self.args.mask_truncated_completions
+                    or (bool(step.completion_ids) and step.completion_ids[-1] in eos)
+                )
+                for step, score in zip(run.steps, scores)
+            ]
+            groups = (
+                [list(range(len(run.steps)))]
+                if shared and run.prefix_preserving
+                else [[s] for s in range(len(run.steps))]
+            )
             for group in groups:
                 first, last = run.steps[group[0]], run.steps[group[-1]]
-                completion = last.prompt_ids[len(first.prompt_ids):] + last.completion_ids
+                completion = last.prompt_ids[len(first.prompt_ids) :] + last.completion_ids
                 segment, adv, logps = [-1] * len(completion), [0.0] * len(completion), [float("nan")] * len(completion)
                 for s in group:
                     step = run.steps[s]

@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 import torch
 from trl import GRPOTrainer
 
+from ..data.model import resolve_model
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from .checkpoint import TrainerStateCheckpoints
-from ..data.model import resolve_model
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
@@ -55,13 +55,18 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
 
     def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
         model, teacher_model = resolve_model(model), resolve_model(teacher_model)  # "bundled" works everywhere
-        args = self.config_class(output_dir=default_output_dir(model, self.config_class.__name__)) if args is None else args
+        args = (
+            self.config_class(output_dir=default_output_dir(model, self.config_class.__name__))
+            if args is None
+            else args
+        )
         if not isinstance(args, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
-        checks.check_components(type(self), self.algorithm, self.components, args, teacher_model,
-                                kwargs.get("rollout_func"))
+        checks.check_components(
+            type(self), self.algorithm, self.components, args, teacher_model, kwargs.get("rollout_func")
+        )
         if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
             kwargs["processing_class"] = load_processor(model, args)
         if self.requires_prompt and kwargs.get("environment_factory") is None:
@@ -70,20 +75,35 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         # TRL loads a reference model (or disables the adapter for it) iff beta != 0 (see trl_seams)
         with temporarily(args, beta=1.0 if self.algorithm.needs_reference else 0.0):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        self.reward_funcs = [f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
-                             for f, name in zip(self.reward_funcs, self.reward_func_names)]
+        self.reward_funcs = [
+            f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
+            for f, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
         if self.rollout_func is not None:
             self.rollout_func = checks.checked_rollout_func(self.rollout_func)
-        self.teacher_model = None if teacher_model is None else prepare_teacher(
-            teacher_model, self.accelerator, self.model.dtype, self.temperature)
+        self.teacher_model = (
+            None
+            if teacher_model is None
+            else prepare_teacher(teacher_model, self.accelerator, self.model.dtype, self.temperature)
+        )
         self.generation = TRLGeneration(self)
-        self.prefix_packing = PrefixPacking(args.prefix_packing, args.prefix_packing_max_token_ratio,
-                                            self.accelerator.unwrap_model, self.accelerator.autocast)
-        self.loss_normalizer = LossNormalizer(args.loss_normalization, self.accelerator.num_processes,
-                                              args.steps_per_generation)
+        self.prefix_packing = PrefixPacking(
+            args.prefix_packing,
+            args.prefix_packing_max_token_ratio,
+            self.accelerator.unwrap_model,
+            self.accelerator.autocast,
+        )
+        self.loss_normalizer = LossNormalizer(
+            args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
+        )
         self.advantage_estimator = AdvantageEstimator(
-            self.components.advantage_fn, self.components.policy_loss, self.components.kl_penalty,
-            self.accelerator.gather, self.accelerator.pad_across_processes, args.seed)
+            self.components.advantage_fn,
+            self.components.policy_loss,
+            self.components.kl_penalty,
+            self.accelerator.gather,
+            self.accelerator.pad_across_processes,
+            args.seed,
+        )
         self._generation_count = 0
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
@@ -103,15 +123,32 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         ``inputs``: the rows (with the extra fields a ``rollout_func`` returned); ``rewards``: ``(N,)``
         every process's weighted rewards, NaN where no reward function scored.
         """
-        loss_mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-        result = self.advantage_estimator(rewards, loss_mask, self._local_rows(len(inputs)), self._group_size(mode),
-                                          self._generation_count, mode == "train", self._advantage_sources(output, inputs))
+        loss_mask = (
+            output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        )
+        result = self.advantage_estimator(
+            rewards,
+            loss_mask,
+            self._local_rows(len(inputs)),
+            self._group_size(mode),
+            self._generation_count,
+            mode == "train",
+            self._advantage_sources(output, inputs),
+        )
         if result.source_rows is not None:  # filtered groups refilled with copies of kept ones (duplicate_experiences)
             pad = {"prompt_ids": self._tokenizer.pad_token_id, "completion_ids": self._tokenizer.pad_token_id}
-            output = refill_rows(output, result.source_rows, self._local_rows(len(inputs)), self.accelerator.gather,
-                                 self.accelerator.pad_across_processes, pad)
+            output = refill_rows(
+                output,
+                result.source_rows,
+                self._local_rows(len(inputs)),
+                self.accelerator.gather,
+                self.accelerator.pad_across_processes,
+                pad,
+            )
         output["advantages"] = result.advantages
-        output["completion_mask"] = output["completion_mask"] * result.loss_rows.unsqueeze(1).to(output["completion_mask"].dtype)
+        output["completion_mask"] = output["completion_mask"] * result.loss_rows.unsqueeze(1).to(
+            output["completion_mask"].dtype
+        )
         self._use_advantage_extras(output, result)
         append_metrics(self._metrics[mode], result.metrics)
         self._show_advantages_in_completions_table(output["advantages"], output["completion_mask"])
@@ -137,10 +174,17 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         if "importance_sampling_ratio" in inputs:
             # TRL weights each token's loss by the vLLM IS ratio; a loss linear in the advantage gets the
             # same weighting from scaled advantages (ratio >= 0 keeps signs and clip branches)
-            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * inputs["importance_sampling_ratio"]
+            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * inputs[
+                "importance_sampling_ratio"
+            ]
         old = inputs.get("old_per_token_logps")
-        return {"logprob": logps, "old_logprob": logps.detach() if old is None else old, "action_mask": mask,
-                "advantages": advantages, "ref_logprob": inputs.get("ref_per_token_logps")}
+        return {
+            "logprob": logps,
+            "old_logprob": logps.detach() if old is None else old,
+            "action_mask": mask,
+            "advantages": advantages,
+            "ref_logprob": inputs.get("ref_per_token_logps"),
+        }
 
     def _policy_loss_for(self, mode: str):
         """The policy loss of a training or evaluation micro-batch (ChordTrainer weighs eval rows apart)."""
@@ -149,8 +193,12 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _trainer_state(self) -> dict[str, Any]:
         """State a checkpoint carries beyond TRL's (:mod:`.checkpoint`); subclasses add theirs (``micro_step``:
         TRL's counter, which decides when the next generation happens)."""
-        return {"kl_penalty": self.components.kl_penalty.state_dict(), "kl_loss": self.components.kl_loss.state_dict(),
-                "generation_count": self._generation_count, "micro_step": self._step}
+        return {
+            "kl_penalty": self.components.kl_penalty.state_dict(),
+            "kl_loss": self.components.kl_loss.state_dict(),
+            "generation_count": self._generation_count,
+            "micro_step": self._step,
+        }
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self.components.kl_penalty.load_state_dict(state["kl_penalty"])
@@ -164,17 +212,25 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             checks.check_batch_prompts(inputs)
         with captured_return(self, "_calculate_rewards") as rewards_per_func:  # gathered rewards (trl_seams)
             output = super()._generate_and_score_completions(inputs)
-        checks.check_context(output["prompt_mask"].sum(1).tolist(), self.max_completion_length, self._max_positions,
-                             lambda i: f"row {i} of this process's generation batch ({checks.short(inputs[i])})")
+        checks.check_context(
+            output["prompt_mask"].sum(1).tolist(),
+            self.max_completion_length,
+            self._max_positions,
+            lambda i: f"row {i} of this process's generation batch ({checks.short(inputs[i])})",
+        )
         mode = "train" if self.model.training else "eval"
         self._generation_count += 1
         rewards = weighted_rewards(rewards_per_func.value, self.reward_weights)
         output = self._training_batch(output, inputs, rewards, mode)
         if self.args.loss_normalization == "global":
-            mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+            mask = (
+                output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+            )
             counts = LossNormalizer.global_counts(mask, output.get("sample_count"))
             # one unconditional collective per generation batch: every rank reaches it
-            output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(0)
+            output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(
+                0
+            )
         return output
 
     def _group_size(self, mode: str) -> int:
@@ -189,18 +245,36 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         if self.log_completions:  # a config value: every rank takes part in the gather alike
             replace_logged_advantages(self._logs["advantages"], self.accelerator.gather, advantages, mask)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
         old/reference passes. It runs the prefix-shared packed layout (:mod:`.packing`) where that applies,
         else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
-        packed = self.prefix_packing.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                                         compute_entropy, compute_aux_loss, multimodal)
+        packed = self.prefix_packing.logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal
+        )
         mode = "train" if self.model.training else "eval"
         if packed is None:
             append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": 1.0})
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              batch_size, compute_entropy, compute_aux_loss, **multimodal)
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
         append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": packed.forwarded / packed.padded})
         return packed.logps, packed.entropies, None
 
@@ -210,20 +284,34 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         components = self.components
         mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), inputs["completion_ids"].size(1),
-            compute_entropy=components.entropy_loss.enabled, compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in FORWARD_KEYS})
+            model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            inputs["completion_ids"].size(1),
+            compute_entropy=components.entropy_loss.enabled,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in FORWARD_KEYS},
+        )
         # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
         # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
         mask, guard_metrics = checks.guard_loss_mask(mask, logps, inputs, entropies)
         loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(inputs, logps, mask).items()}
-        loss, metrics = micro_batch_loss(self._policy_loss_for(mode), self.components, self.loss_normalizer,
-                                         self.algorithm.loss_agg_mode, inputs, loss_inputs, entropies, mask)
+        loss, metrics = micro_batch_loss(
+            self._policy_loss_for(mode),
+            self.components,
+            self.loss_normalizer,
+            self.algorithm.loss_agg_mode,
+            inputs,
+            loss_inputs,
+            entropies,
+            mask,
+        )
         if mode == "train":  # GRPOTrainer sets loss_is_scaled_for_ga: transformers does not divide
             loss = loss / self.current_gradient_accumulation_steps
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+            loss = loss + self.router_aux_loss_coef * aux_loss / (
+                self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            )
             metrics["aux_loss"] = aux_loss.detach()
         guard_metrics["guards/nonfinite_loss"] = float(not checks.is_finite(loss))
         if guard_metrics["guards/nonfinite_loss"]:  # e.g. an unclamped ratio overflowed: skip this micro-batch

@@ -116,8 +116,12 @@ def use_cpu_colocate_weight_sync(trainer: Any) -> bool:
         with set_current_vllm_config(worker.vllm_config):
             for module in worker.model_runner.model.modules():
                 weight = getattr(module, "weight", None)
-                if hasattr(module, "cpu_linear") and hasattr(module, "quant_method") and weight is not None \
-                        and weight.numel() > 0:
+                if (
+                    hasattr(module, "cpu_linear")
+                    and hasattr(module, "quant_method")
+                    and weight is not None
+                    and weight.numel() > 0
+                ):
                     module.quant_method.process_weights_after_loading(module)
         generation.llm.reset_prefix_cache()
 

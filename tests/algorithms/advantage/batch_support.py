@@ -37,8 +37,11 @@ def naive_discounted_sum(x: torch.Tensor, discount: float) -> torch.Tensor:
 def distill_batch(old_key="old_log_probs") -> dict:
     g = torch.Generator().manual_seed(3)
     mask = torch.tensor(MASK_ROWS, dtype=torch.bool)
-    return {"teacher_logprobs": -torch.rand(6, 5, generator=g), old_key: -torch.rand(6, 5, generator=g),
-            "response_mask": mask}
+    return {
+        "teacher_logprobs": -torch.rand(6, 5, generator=g),
+        old_key: -torch.rand(6, 5, generator=g),
+        "response_mask": mask,
+    }
 
 
 def nan_padded(batch: dict, key: str) -> dict:

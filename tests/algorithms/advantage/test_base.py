@@ -7,8 +7,14 @@ import pytest
 
 from trinity_trl.algorithms.advantage import ADVANTAGE_FN
 
-CLASS_FLAGS = ("needs_old_logprobs", "needs_teacher_logprobs", "needs_values", "needs_reward_baselines", "whitens",
-               "step_wise")
+CLASS_FLAGS = (
+    "needs_old_logprobs",
+    "needs_teacher_logprobs",
+    "needs_values",
+    "needs_reward_baselines",
+    "whitens",
+    "step_wise",
+)
 DECLARED = {
     # key: the CLASS_FLAGS that are true (all others false)
     "grpo": set(), "opmd": set(), "asymre": set(), "reinforce": set(), "rec": set(),

@@ -14,7 +14,6 @@ from trinity_trl.algorithms.advantage import ADVANTAGE_FN
 from ..conftest import UID, make_batch
 from .batch_support import assert_rows, distill_batch, run_fn
 
-
 ROW_VALUES = {
     "rloo": [0.75, -0.75, 0.0, 0.8, -0.8, 0.7],
     "grpo_verl": [0.999998, -0.999998, 0.0, 0.7071055, -0.7071055, 0.6999993],
@@ -33,11 +32,14 @@ def test_grouped_reference_values(key):
 
 
 @pytest.mark.parametrize("key", list(ROW_VALUES))
-@pytest.mark.parametrize("uid", [
-    [10, 10, 10, 20, 20, 30],
-    torch.tensor([3, 3, 3, 1, 1, 2]),
-    ["x/0", "x/0", "x/0", "x/1", "x/1", "x/2"],
-])
+@pytest.mark.parametrize(
+    "uid",
+    [
+        [10, 10, 10, 20, 20, 30],
+        torch.tensor([3, 3, 3, 1, 1, 2]),
+        ["x/0", "x/0", "x/0", "x/1", "x/1", "x/2"],
+    ],
+)
 def test_uid_kinds(key, uid):
     batch, _ = run_fn(key, make_batch(uid=uid))
     assert_rows(batch["advantages"], ROW_VALUES[key])
@@ -111,15 +113,18 @@ def test_whitening_needs_two_valid_tokens(key, valid):
         ADVANTAGE_FN.get(key)()(batch)
 
 
-@pytest.mark.parametrize("key, drop, match", [
-    ("rloo", "uid", "uid"),
-    ("grpo_verl", "token_level_rewards", "token_level_rewards"),
-    ("opmd_verl", "response_mask", "action_mask"),
-    ("ppo", "values", "values"),
-    ("remax", "reward_baselines", "reward_baselines"),
-    ("on_policy_distill", "teacher_logprobs", "teacher_logprobs"),
-    ("on_policy_distill", "old_log_probs", "old_logprob"),
-])
+@pytest.mark.parametrize(
+    "key, drop, match",
+    [
+        ("rloo", "uid", "uid"),
+        ("grpo_verl", "token_level_rewards", "token_level_rewards"),
+        ("opmd_verl", "response_mask", "action_mask"),
+        ("ppo", "values", "values"),
+        ("remax", "reward_baselines", "reward_baselines"),
+        ("on_policy_distill", "teacher_logprobs", "teacher_logprobs"),
+        ("on_policy_distill", "old_log_probs", "old_logprob"),
+    ],
+)
 def test_missing_key(key, drop, match):
     batch = {**make_batch(), **distill_batch(), "values": torch.zeros(6, 5), "reward_baselines": torch.zeros(6)}
     del batch[drop]
@@ -129,8 +134,11 @@ def test_missing_key(key, drop, match):
 
 def test_aliases_token_level_scores_and_completion_mask():
     batch = make_batch()
-    aliased = {"token_level_scores": batch["token_level_rewards"], "completion_mask": batch["response_mask"],
-               "uid": UID}
+    aliased = {
+        "token_level_scores": batch["token_level_rewards"],
+        "completion_mask": batch["response_mask"],
+        "uid": UID,
+    }
     out, _ = run_fn("grpo_verl", aliased)
     assert_rows(out["advantages"], ROW_VALUES["grpo_verl"])
 
@@ -148,27 +156,37 @@ def test_uid_length_mismatch():
         run_fn("rloo", make_batch(uid=UID[:5]))
 
 
-@pytest.mark.parametrize("key, kwargs, match", [
-    ("reinforceplusplus", {"gamma": 1.5}, "gamma"),
-    ("reinforceplusplus", {"gamma": -0.1}, "gamma"),
-    ("reinforceplusplus", {"gamma": float("nan")}, "gamma"),
-    ("ppo", {"lam": 1.01}, "lam"),
-    ("ppo", {"gamma": "1"}, "gamma"),
-    ("grpo_verl", {"epsilon": 0.0}, "epsilon"),
-    ("opmd_verl", {"opmd_baseline": "logsumexp"}, "'mean', 'logavgexp'"),
-    ("opmd_verl", {"tau": -1.0}, "tau"),
-    ("asymre_verl", {"baseline_shift": float("nan")}, "baseline_shift"),
-    ("on_policy_distill", {"kl_coef": float("inf")}, "kl_coef"),
-])
+@pytest.mark.parametrize(
+    "key, kwargs, match",
+    [
+        ("reinforceplusplus", {"gamma": 1.5}, "gamma"),
+        ("reinforceplusplus", {"gamma": -0.1}, "gamma"),
+        ("reinforceplusplus", {"gamma": float("nan")}, "gamma"),
+        ("ppo", {"lam": 1.01}, "lam"),
+        ("ppo", {"gamma": "1"}, "gamma"),
+        ("grpo_verl", {"epsilon": 0.0}, "epsilon"),
+        ("opmd_verl", {"opmd_baseline": "logsumexp"}, "'mean', 'logavgexp'"),
+        ("opmd_verl", {"tau": -1.0}, "tau"),
+        ("asymre_verl", {"baseline_shift": float("nan")}, "baseline_shift"),
+        ("on_policy_distill", {"kl_coef": float("inf")}, "kl_coef"),
+    ],
+)
 def test_bad_args(key, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ADVANTAGE_FN.get(key)(**kwargs)
 
 
 def test_default_args_match_spec():
-    expected = {"ppo": {"gamma": 1.0, "lam": 1.0}, "reinforceplusplus": {"gamma": 1.0}, "rloo": {}, "remax": {},
-                "grpo_verl": {"epsilon": 1e-6}, "opmd_verl": {"opmd_baseline": "mean", "tau": 1.0},
-                "asymre_verl": {"baseline_shift": -0.1}, "on_policy_distill": {"kl_coef": 1.0}}
+    expected = {
+        "ppo": {"gamma": 1.0, "lam": 1.0},
+        "reinforceplusplus": {"gamma": 1.0},
+        "rloo": {},
+        "remax": {},
+        "grpo_verl": {"epsilon": 1e-6},
+        "opmd_verl": {"opmd_baseline": "mean", "tau": 1.0},
+        "asymre_verl": {"baseline_shift": -0.1},
+        "on_policy_distill": {"kl_coef": 1.0},
+    }
     for key, args in expected.items():
         assert ADVANTAGE_FN.get(key).default_args() == args
         assert ADVANTAGE_FN.get(key).compute_in_trainer() is True

@@ -46,7 +46,8 @@ def test_gae_matches_loop_reference(gamma, lam):
     values = torch.randn(7, 13, generator=g)
     mask = torch.rand(7, 13, generator=g) > 0.3
     batch, _ = ADVANTAGE_FN.get("ppo")(gamma=gamma, lam=lam)(
-        {"token_level_rewards": rewards, "values": values, "response_mask": mask})
+        {"token_level_rewards": rewards, "values": values, "response_mask": mask}
+    )
     adv = naive_gae(rewards, values, gamma, lam)
     assert torch.allclose(batch["returns"].double(), adv + values.double(), atol=1e-5)
     m = mask.double()

@@ -10,7 +10,6 @@ from trinity_trl.algorithms.advantage import ADVANTAGE_FN
 from ..conftest import make_group_experiences
 from .group_support import run_fn
 
-
 GROUP_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
 
 
@@ -40,22 +39,25 @@ def test_missing_reward_is_an_error(key):
         ADVANTAGE_FN.get(key)()(exps)
 
 
-@pytest.mark.parametrize("key, kwargs, match", [
-    ("grpo", {"std_cal_level": "none"}, "'group', 'batch'"),
-    ("grpo", {"std_cal_level": "task"}, "std_cal_level"),
-    ("grpo", {"epsilon": 0.0}, "epsilon"),
-    ("grpo", {"epsilon": -1e-6}, "epsilon"),
-    ("grpo", {"rank_penalty": 1.0}, "rank_penalty"),
-    ("grpo", {"rank_penalty": -0.1}, "rank_penalty"),
-    ("step_wise_grpo", {"std_cal_level": "task"}, "'group', 'batch', 'none'"),
-    ("step_wise_grpo", {"epsilon": 0}, "epsilon"),
-    ("opmd", {"opmd_baseline": "max"}, "'mean', 'logavgexp'"),
-    ("opmd", {"tau": 0.0}, "tau"),
-    ("opmd", {"tau": float("nan")}, "tau"),
-    ("asymre", {"baseline_shift": float("inf")}, "baseline_shift"),
-    ("rec", {"drop": "all"}, "None, 'balance'"),
-    ("rec", {"epsilon": 0.0}, "epsilon"),
-])
+@pytest.mark.parametrize(
+    "key, kwargs, match",
+    [
+        ("grpo", {"std_cal_level": "none"}, "'group', 'batch'"),
+        ("grpo", {"std_cal_level": "task"}, "std_cal_level"),
+        ("grpo", {"epsilon": 0.0}, "epsilon"),
+        ("grpo", {"epsilon": -1e-6}, "epsilon"),
+        ("grpo", {"rank_penalty": 1.0}, "rank_penalty"),
+        ("grpo", {"rank_penalty": -0.1}, "rank_penalty"),
+        ("step_wise_grpo", {"std_cal_level": "task"}, "'group', 'batch', 'none'"),
+        ("step_wise_grpo", {"epsilon": 0}, "epsilon"),
+        ("opmd", {"opmd_baseline": "max"}, "'mean', 'logavgexp'"),
+        ("opmd", {"tau": 0.0}, "tau"),
+        ("opmd", {"tau": float("nan")}, "tau"),
+        ("asymre", {"baseline_shift": float("inf")}, "baseline_shift"),
+        ("rec", {"drop": "all"}, "None, 'balance'"),
+        ("rec", {"epsilon": 0.0}, "epsilon"),
+    ],
+)
 def test_bad_args(key, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ADVANTAGE_FN.get(key)(**kwargs)
@@ -64,8 +66,13 @@ def test_bad_args(key, kwargs, match):
 @pytest.mark.parametrize("key", GROUP_KEYS)
 def test_default_args_match_spec(key):
     expected = {
-        "grpo": {"epsilon": 1e-6, "std_threshold": None, "duplicate_experiences": False, "rank_penalty": None,
-                 "std_cal_level": "group"},
+        "grpo": {
+            "epsilon": 1e-6,
+            "std_threshold": None,
+            "duplicate_experiences": False,
+            "rank_penalty": None,
+            "std_cal_level": "group",
+        },
         "step_wise_grpo": {"epsilon": 1e-6, "enable_step_norm": False, "std_threshold": None, "std_cal_level": "group"},
         "opmd": {"opmd_baseline": "mean", "tau": 1.0},
         "asymre": {"baseline_shift": -0.1},

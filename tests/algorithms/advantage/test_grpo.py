@@ -21,9 +21,13 @@ def test_grpo_defaults_reference_values():
     assert_task(out, 2, [0.0] * 4)
     assert_task(out, 3, [0.69999933])
     expected = {
-        "group_advantages/reward_mean/mean": 0.30625, "group_advantages/reward_mean/max": 0.5,
-        "group_advantages/reward_mean/min": 0.0, "group_advantages/reward_std/mean": 0.48418697,
-        "group_advantages/reward_std/max": 1.0, "group_advantages/reward_std/min": 0.0, "filtered_count": 0,
+        "group_advantages/reward_mean/mean": 0.30625,
+        "group_advantages/reward_mean/max": 0.5,
+        "group_advantages/reward_mean/min": 0.0,
+        "group_advantages/reward_std/mean": 0.48418697,
+        "group_advantages/reward_std/max": 1.0,
+        "group_advantages/reward_std/min": 0.0,
+        "filtered_count": 0,
     }
     assert set(metrics) == set(expected)
     for key, value in expected.items():
@@ -84,7 +88,7 @@ def test_grpo_duplicate_experiences_refills_with_deep_copies():
     assert len(out) == 8 + 4 * 2
     originals = out[:8]
     for copy_block, pick in zip((out[8:12], out[12:16]), picks):
-        source = originals[4 * pick: 4 * pick + 4]
+        source = originals[4 * pick : 4 * pick + 4]
         for dup, orig in zip(copy_block, source):
             assert dup is not orig and dup.advantages is not orig.advantages
             assert dup.eid.uid == orig.eid.uid

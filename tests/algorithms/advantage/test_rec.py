@@ -35,18 +35,24 @@ def test_rec_singleton_uses_zero_mean_unit_std(std_normalize):
     out, metrics = run_fn("rec", exps=make_group_experiences(tasks=(3,)), std_normalize=std_normalize, drop="balance")
     assert_advantage(out[0], 0.7 / (1 + 1e-6) if std_normalize else 0.7)
     assert metrics == {
-        "group_advantages/drop_balance/mean": 0.0, "group_advantages/drop_balance/max": 0.0,
-        "group_advantages/drop_balance/min": 0.0, "group_advantages/reward_mean/mean": 0.0,
-        "group_advantages/reward_mean/max": 0.0, "group_advantages/reward_mean/min": 0.0,
-        "group_advantages/reward_std/mean": 1.0, "group_advantages/reward_std/max": 1.0,
+        "group_advantages/drop_balance/mean": 0.0,
+        "group_advantages/drop_balance/max": 0.0,
+        "group_advantages/drop_balance/min": 0.0,
+        "group_advantages/reward_mean/mean": 0.0,
+        "group_advantages/reward_mean/max": 0.0,
+        "group_advantages/reward_mean/min": 0.0,
+        "group_advantages/reward_std/mean": 1.0,
+        "group_advantages/reward_std/max": 1.0,
         "group_advantages/reward_std/min": 1.0,
     }
 
 
 def test_rec_drop_balance_drops_exactly_n_minus_p_negatives():
     rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # mean 1/6: P = 1, N = 5 -> drop 4
-    exps = [Experience(eid=EID(task=0, run=i), tokens=torch.arange(4), prompt_length=1, reward=r)
-            for i, r in enumerate(rewards)]
+    exps = [
+        Experience(eid=EID(task=0, run=i), tokens=torch.arange(4), prompt_length=1, reward=r)
+        for i, r in enumerate(rewards)
+    ]
     random.seed(7)
     out, metrics = ADVANTAGE_FN.get("rec")(drop="balance")(exps)
     random.seed(7)

@@ -24,8 +24,13 @@ def test_step_wise_grpo_defaults():
     assert_steps(out, 0, [0.999998, -0.999998, 0.0])
     assert_steps(out, 1, [0.0, 0.0])
     assert_steps(out, 2, [0.8999991])
-    expected = {"group_advantages/reward_mean/mean": 0.2333333, "group_advantages/reward_std/mean": 0.5,
-                "experience_count": 11, "filtered_count": 0, "skipped_group_ratio": 0.0}
+    expected = {
+        "group_advantages/reward_mean/mean": 0.2333333,
+        "group_advantages/reward_std/mean": 0.5,
+        "experience_count": 11,
+        "filtered_count": 0,
+        "skipped_group_ratio": 0.0,
+    }
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
 
@@ -44,8 +49,17 @@ def test_step_wise_grpo_output_order():
     shuffled = [exps[i] for i in (10, 6, 0, 7, 1, 8, 2, 9, 3, 4, 5)]
     out, _ = ADVANTAGE_FN.get("step_wise_grpo")()(shuffled)
     assert [(e.eid.task, e.eid.run, e.eid.step) for e in out] == [
-        (2, 0, 0), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
-        (0, 0, 0), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (0, 2, 2),
+        (2, 0, 0),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+        (0, 0, 0),
+        (0, 1, 0),
+        (0, 1, 1),
+        (0, 2, 0),
+        (0, 2, 1),
+        (0, 2, 2),
     ]
 
 

@@ -16,7 +16,6 @@ from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn
 
 from ..support import MY_KEYS, POLICY_KEYS, SCHEDULE, build, small_data
 
-
 INPUTS = {
     "opmd": ("action_mask", "advantages"),
     "sft": ("action_mask",),
@@ -153,8 +152,15 @@ def test_seed_style_positional_backend():
 
 # ---------------------------------------------------------------- what a loss declares to a trainer
 
-PROPERTIES = ("reads_advantages", "needs_old_logprob", "needs_ref_logprob", "needs_expert_rows", "needs_step",
-              "linear_in_advantage", "sequence_level")
+PROPERTIES = (
+    "reads_advantages",
+    "needs_old_logprob",
+    "needs_ref_logprob",
+    "needs_expert_rows",
+    "needs_step",
+    "linear_in_advantage",
+    "sequence_level",
+)
 _RL = (True, True, False, False, False, True, False)  # a clipped / weighted policy gradient on rollouts
 _SFT = (False, False, False, False, False, False, False)
 DECLARED = {
@@ -239,8 +245,9 @@ def test_a_loss_defined_outside_the_package_declares_and_resolves(my_loss, polic
     assert fn.select_keys == ["completion_mask", "advantages", "ref_per_token_logps"]
     assert my_loss.default_args() == {"beta": 0.5, "loss_agg_mode": "token-mean"}
 
-    cfg = resolve_algorithm_config("grpo", policy_loss_fn="my_loss", kl_loss_fn="none",
-                                   loss_agg_mode="seq-mean-token-mean")
+    cfg = resolve_algorithm_config(
+        "grpo", policy_loss_fn="my_loss", kl_loss_fn="none", loss_agg_mode="seq-mean-token-mean"
+    )
     assert cfg.policy_loss_fn == "my_loss"
     assert cfg.policy_loss_fn_args == {"beta": 0.5, "loss_agg_mode": "seq-mean-token-mean"}
     assert cfg.needs_reference  # the loss reads reference log-probs, although no KL term does

@@ -111,12 +111,21 @@ def test_chord_reference_values_with_an_int_step(policy_data, overrides, step, l
 def test_chord_dynamic_reference_value_with_explicit_weights(policy_data):
     w_usual, w_expert = BatchGeometry(**DYN).sample_weights(rows=5)
     fn = build("mix_chord", usual_sample_weight=w_usual, expert_sample_weight=w_expert)
-    check(fn(**policy_data, step=0), 0.3146718442440033,
-          {"usual/pg_loss": 0.17303027212619781, "expert/sft_phi_loss": 1.5894461274147034, "loss": 0.3146718442440033})
+    check(
+        fn(**policy_data, step=0),
+        0.3146718442440033,
+        {"usual/pg_loss": 0.17303027212619781, "expert/sft_phi_loss": 1.5894461274147034, "loss": 0.3146718442440033},
+    )
 
 
 def test_mu_schedule_defaults_are_read_from_the_signature():
-    expected = {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1, "enable_phi_function": True}
+    expected = {
+        "mu_warmup_steps": 0,
+        "mu_decay_steps": 0,
+        "mu_peak": 0.1,
+        "mu_valley": 0.1,
+        "enable_phi_function": True,
+    }
     assert CHORDPolicyLossFn.mu_schedule_defaults() == expected
     defaults = constructor_defaults(POLICY_LOSS_FN.get("mix_chord"))
     assert {k: defaults[k] for k in expected} == expected

@@ -7,7 +7,6 @@ import torch
 
 from ..support import PPO_KL, _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("cispo", {}, -0.015564538538455963, {"unmasked_frac": 1.0, "ppo_kl": PPO_KL}),

@@ -7,7 +7,6 @@ import torch
 
 from ..support import _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     # §14.1 has 5 rows: the reference sums the unpaired 5th (chosen) row too

@@ -8,7 +8,6 @@ import torch
 
 from ..support import _assert_off_edges, _grad, build, small_data
 
-
 # Losses whose gradient is the true derivative of their value (no stop-gradient inside).
 # sft_is / sft_phi weight ℓ by a detached function of ℓ itself, which no finite difference can
 # hold fixed: their gradients are checked analytically below.

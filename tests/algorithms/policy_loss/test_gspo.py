@@ -9,7 +9,6 @@ import torch
 
 from ..support import PPO_KL, _assert_off_edges, _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("gspo", {}, 0.27235108613967896,

@@ -6,7 +6,6 @@ import pytest
 
 from ..support import AVG_RATIO, PPO_KL, assert_reference_values, build
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("importance_sampling", {}, 0.1029665470123291, {"ratio/mean": AVG_RATIO, "approx_kl": PPO_KL}),

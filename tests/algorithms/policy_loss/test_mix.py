@@ -14,7 +14,6 @@ from trinity_trl.algorithms.policy_loss import BatchGeometry
 
 from ..support import DYN, as_double, build, check
 
-
 MIX_CASES = [
     (
         {},
@@ -107,7 +106,13 @@ def test_expert_mask_must_have_one_entry_per_row(policy_data):
         dict(train_batch_size_usual=2, ngpus_trainer=4),
         dict(train_batch_size_expert=0),
         dict(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4),
-        dict(use_dynamic_bsz=True, ppo_mini_batch_size=2, ngpus_trainer=4, train_batch_size_usual=4, train_batch_size_expert=4),
+        dict(
+            use_dynamic_bsz=True,
+            ppo_mini_batch_size=2,
+            ngpus_trainer=4,
+            train_batch_size_usual=4,
+            train_batch_size_expert=4,
+        ),
     ],
 )
 def test_mix_rejects_bad_args(overrides):
@@ -157,16 +162,35 @@ def test_constructors_take_the_spec_arguments_explicitly(key):
     cls = POLICY_LOSS_FN.get(key)
     parameters = inspect.signature(cls).parameters
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters.values())
-    spec_args = {"clip_range": 0.2, "clip_range_low": 0.2, "clip_range_high": 0.28, "use_dynamic_bsz": True,
-                 "ppo_mini_batch_size": 320, "ppo_micro_batch_size_per_gpu": 4, "ngpus_trainer": 4,
-                 "train_batch_size_usual": 256, "train_batch_size_expert": 64, "loss_agg_mode": "token-mean",
-                 "sft_loss_agg_mode": "seq-mean-token-mean", "grpo_loss_agg_mode": "seq-mean-token-sum"}
-    spec_args.update({"mu": 0.2} if key == "mix" else {"mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.5,
-                                                          "mu_valley": 0.1, "enable_phi_function": False})
+    spec_args = {
+        "clip_range": 0.2,
+        "clip_range_low": 0.2,
+        "clip_range_high": 0.28,
+        "use_dynamic_bsz": True,
+        "ppo_mini_batch_size": 320,
+        "ppo_micro_batch_size_per_gpu": 4,
+        "ngpus_trainer": 4,
+        "train_batch_size_usual": 256,
+        "train_batch_size_expert": 64,
+        "loss_agg_mode": "token-mean",
+        "sft_loss_agg_mode": "seq-mean-token-mean",
+        "grpo_loss_agg_mode": "seq-mean-token-sum",
+    }
+    spec_args.update(
+        {"mu": 0.2}
+        if key == "mix"
+        else {"mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.5, "mu_valley": 0.1, "enable_phi_function": False}
+    )
     assert set(spec_args) | {"backend", "usual_sample_weight", "expert_sample_weight"} == set(parameters)
     fn = cls(**spec_args)
     assert fn.geometry == BatchGeometry(True, 320, 4, 4, 256, 64)
     assert (fn.grpo_loss_fn.clip_range_low, fn.grpo_loss_fn.clip_range_high) == (0.2, 0.28)
-    assert (fn.grpo_loss_fn.loss_agg_mode, fn.sft_loss_fn.loss_agg_mode) == ("seq-mean-token-sum", "seq-mean-token-mean")
+    assert (fn.grpo_loss_fn.loss_agg_mode, fn.sft_loss_fn.loss_agg_mode) == (
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+    )
     # only the explicit weights are keyword-only: the spec's arguments keep Trinity's positions after backend
-    assert [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY] == ["usual_sample_weight", "expert_sample_weight"]
+    assert [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY] == [
+        "usual_sample_weight",
+        "expert_sample_weight",
+    ]

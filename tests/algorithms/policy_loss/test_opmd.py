@@ -6,7 +6,6 @@ import pytest
 
 from ..support import assert_reference_values, build
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("opmd", {}, -0.009589947760105133, {}),

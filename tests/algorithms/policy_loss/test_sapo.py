@@ -7,7 +7,6 @@ import torch
 
 from ..support import AVG_RATIO, PPO_KL, _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("sapo", {}, -0.05128994956612587,

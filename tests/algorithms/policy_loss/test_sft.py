@@ -9,7 +9,6 @@ from trinity_trl.algorithms import phi_function
 
 from ..support import _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("sft", {}, -0.07560186833143234, {}),

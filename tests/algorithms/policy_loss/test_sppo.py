@@ -7,7 +7,6 @@ import torch
 
 from ..support import _grad, assert_reference_values, build, small_data
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("sppo", {}, 0.01046084240078926, {"pg_clipfrac": 0.5625}),

@@ -6,7 +6,6 @@ import pytest
 
 from ..support import AVG_RATIO, assert_reference_values, build
 
-
 REFERENCE = [
     # (key, overrides, loss, metrics)
     ("topr", {}, -0.005364187061786652, {"avg_alpha": 0.9055275917053223, "avg_ratio": AVG_RATIO}),

@@ -51,18 +51,31 @@ def build(case: str, model_dir: str, out: str, steps: int):
 
     from trinity_trl.trainers import ChordConfig, ChordTrainer, PPOConfig, PPOTrainer
 
-    common = tiny_grpo_kwargs(output_dir=out, max_steps=steps, save_strategy="steps", save_steps=1, learning_rate=1e-2,
-                              disable_tqdm=True)
+    common = tiny_grpo_kwargs(
+        output_dir=out, max_steps=steps, save_strategy="steps", save_steps=1, learning_rate=1e-2, disable_tqdm=True
+    )
     data = {"reward_funcs": length_reward, "train_dataset": tiny_conversational_dataset(16)}
     if case == "ppo":
-        args = PPOConfig(value_learning_rate=1e-2, save_total_limit=1, kl_penalty_fn="k2",
-                         kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
-                         **common)
+        args = PPOConfig(
+            value_learning_rate=1e-2,
+            save_total_limit=1,
+            kl_penalty_fn="k2",
+            kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
+            **common,
+        )
         return PPOTrainer(model=model_dir, args=args, **data)
     if case == "chord":
-        expert = Dataset.from_list([
-            {"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                          {"role": "assistant", "content": f"It is {a + b}."}]} for a, b in [(1, 2), (3, 4), (5, 6)]])
+        expert = Dataset.from_list(
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"What is {a}+{b}?"},
+                        {"role": "assistant", "content": f"It is {a + b}."},
+                    ]
+                }
+                for a, b in [(1, 2), (3, 4), (5, 6)]
+            ]
+        )
         args = ChordConfig(expert_batch_size=2, num_iterations=2, **common)
         return ChordTrainer(model=model_dir, args=args, expert_dataset=expert, **data)
     raise ValueError(case)
@@ -119,8 +132,10 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=True if options.resume else None)
     if options.result:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        result = {"policy": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
-                  "logs": [h for h in trainer.state.log_history if "loss" in h]}
+        result = {
+            "policy": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            "logs": [h for h in trainer.state.log_history if "loss" in h],
+        }
         if hasattr(trainer, "critic_state_dict"):
             result["critic"] = {k: v.detach().clone() for k, v in trainer.critic_state_dict().items()}
         torch.save(result, options.result)

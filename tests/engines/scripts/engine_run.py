@@ -58,41 +58,83 @@ from cpu_fsdp import enable_fsdp_on_cpu  # noqa: E402
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-CASES = ("trinity_full", "chord_lora", "distill", "cispo", "sapo", "step_grpo", "ppo", "ppo_lora", "ppo_warmup", "sft",
-         "dpo")
+CASES = (
+    "trinity_full",
+    "chord_lora",
+    "distill",
+    "cispo",
+    "sapo",
+    "step_grpo",
+    "ppo",
+    "ppo_lora",
+    "ppo_warmup",
+    "sft",
+    "dpo",
+)
 
 
 def lora():
     from peft import LoraConfig
 
-    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+    )
 
 
 def expert_dataset():
     from datasets import Dataset
 
-    return Dataset.from_list([
-        {"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                      {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
-        for a, b in [(5, 1), (6, 2), (7, 3), (8, 4), (9, 5), (3, 3), (2, 7), (4, 4)]
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a}+{b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                ]
+            }
+            for a, b in [(5, 1), (6, 2), (7, 3), (8, 4), (9, 5), (3, 3), (2, 7), (4, 4)]
+        ]
+    )
 
 
-def build(case: str, model_dir: str, out: str, steps: int, save_steps: int | None, teacher_dir: str | None = None,
-          bf16: bool = False):
+def build(
+    case: str,
+    model_dir: str,
+    out: str,
+    steps: int,
+    save_steps: int | None,
+    teacher_dir: str | None = None,
+    bf16: bool = False,
+):
     from trinity_trl.trainers import (
-        ChordConfig, ChordTrainer, CISPOConfig, CISPOTrainer, PPOConfig, PPOTrainer, SAPOConfig, SAPOTrainer,
-        StepGRPOConfig, StepGRPOTrainer, TrinityConfig, TrinityTrainer,
+        ChordConfig,
+        ChordTrainer,
+        CISPOConfig,
+        CISPOTrainer,
+        PPOConfig,
+        PPOTrainer,
+        SAPOConfig,
+        SAPOTrainer,
+        StepGRPOConfig,
+        StepGRPOTrainer,
+        TrinityConfig,
+        TrinityTrainer,
     )
 
     if case in ("sft", "dpo"):
         return build_sft_dpo(case, model_dir, out, steps, save_steps, bf16)
 
     common = tiny_grpo_kwargs(
-        output_dir=out, max_steps=steps, num_iterations=2, max_completion_length=8, learning_rate=1e-2,
-        per_device_train_batch_size=4, num_generations=4, shuffle_dataset=False,
-        save_strategy="steps" if save_steps else "no", **({"save_steps": save_steps} if save_steps else {}),
+        output_dir=out,
+        max_steps=steps,
+        num_iterations=2,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        shuffle_dataset=False,
+        save_strategy="steps" if save_steps else "no",
+        **({"save_steps": save_steps} if save_steps else {}),
     )
     common["bf16"] = bf16
     data = {"reward_funcs": length_reward, "train_dataset": tiny_conversational_dataset(16)}
@@ -105,8 +147,10 @@ def build(case: str, model_dir: str, out: str, steps: int, save_steps: int | Non
     if case == "distill":
         args = TrinityConfig(algorithm="on_policy_distill", **common)
         if teacher_dir is None:
-            raise ValueError("the distill case needs --teacher (a model other than the student: the same weights give "
-                             "zero advantages)")
+            raise ValueError(
+                "the distill case needs --teacher (a model other than the student: the same weights give "
+                "zero advantages)"
+            )
         return TrinityTrainer(model=model_dir, args=args, teacher_model=teacher_dir, **data)
     if case == "cispo":
         return CISPOTrainer(model=model_dir, args=CISPOConfig(**common), **data)
@@ -116,8 +160,12 @@ def build(case: str, model_dir: str, out: str, steps: int, save_steps: int | Non
         from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
 
         args = StepGRPOConfig(max_env_steps=2, **common)
-        return StepGRPOTrainer(model=model_dir, args=args, train_dataset=number_guess_dataset(16),
-                               environment_factory=lambda: NumberGuessEnv(partial_credit=True))
+        return StepGRPOTrainer(
+            model=model_dir,
+            args=args,
+            train_dataset=number_guess_dataset(16),
+            environment_factory=lambda: NumberGuessEnv(partial_credit=True),
+        )
     if case in ("ppo", "ppo_lora", "ppo_warmup"):
         warmup = {"critic_warmup_steps": 1} if case == "ppo_warmup" else {}
         args = PPOConfig(value_learning_rate=1e-2, **warmup, **common)
@@ -132,21 +180,42 @@ def build_sft_dpo(case: str, model_dir: str, out: str, steps: int, save_steps: i
 
     from trinity_trl.trainers import TrinityDPOConfig, TrinityDPOTrainer, TrinitySFTConfig, TrinitySFTTrainer
 
-    common = {"output_dir": out, "use_cpu": True, "bf16": bf16, "activation_checkpointing": False,
-              "max_steps": steps, "max_length": 64, "learning_rate": 1e-3, "report_to": "none", "logging_steps": 1,
-              "seed": 0, "disable_tqdm": True, "ddp_find_unused_parameters": False,
-              "save_strategy": "steps" if save_steps else "no", **({"save_steps": save_steps} if save_steps else {})}
+    common = {
+        "output_dir": out,
+        "use_cpu": True,
+        "bf16": bf16,
+        "activation_checkpointing": False,
+        "max_steps": steps,
+        "max_length": 64,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "logging_steps": 1,
+        "seed": 0,
+        "disable_tqdm": True,
+        "ddp_find_unused_parameters": False,
+        "save_strategy": "steps" if save_steps else "no",
+        **({"save_steps": save_steps} if save_steps else {}),
+    }
     rows = [(a, b) for a in range(1, 9) for b in range(1, 5)]
     if case == "sft":
-        dataset = Dataset.from_dict({
-            "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows],
-            "completion": [[{"role": "assistant", "content": "The answer is" + " so" * (a % 3) + f" {a + b}."}]
-                           for a, b in rows]})
+        dataset = Dataset.from_dict(
+            {
+                "prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a, b in rows],
+                "completion": [
+                    [{"role": "assistant", "content": "The answer is" + " so" * (a % 3) + f" {a + b}."}]
+                    for a, b in rows
+                ],
+            }
+        )
         args = TrinitySFTConfig(policy_loss_fn="sft_phi", per_device_train_batch_size=4, **common)
         return TrinitySFTTrainer(model=model_dir, args=args, train_dataset=dataset)
-    dataset = Dataset.from_dict({"prompt": [f"What is {a}+{b}?" for a, b in rows],
-                                 "chosen": [f" The answer is {a + b}." for a, b in rows],
-                                 "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}" for a, b in rows]})
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [f"What is {a}+{b}?" for a, b in rows],
+            "chosen": [f" The answer is {a + b}." for a, b in rows],
+            "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}" for a, b in rows],
+        }
+    )
     args = TrinityDPOConfig(per_device_train_batch_size=2, kl_loss_fn_args={"kl_coef": 0.1}, **common)
     return TrinityDPOTrainer(model=model_dir, args=args, train_dataset=dataset)
 
@@ -235,24 +304,36 @@ def engine_of(trainer) -> dict:
     state = trainer.accelerator.state
     plugin = getattr(state, "deepspeed_plugin", None)
     fsdp = getattr(state, "fsdp_plugin", None)
-    return {"distributed_type": str(state.distributed_type.value), "world": state.num_processes,
-            "mixed_precision": trainer.accelerator.mixed_precision,
-            "bf16": bool(plugin.deepspeed_config.get("bf16", {}).get("enabled")) if plugin is not None else None,
-            "zero_stage": plugin.zero_stage if plugin is not None else None,
-            "fsdp_version": fsdp.fsdp_version if fsdp is not None else None,
-            "model_class": type(trainer.model_wrapped).__name__,
-            "sharded": {"policy": sharded(trainer.model_wrapped),
-                        "reference": sharded(getattr(trainer, "ref_model", None)),
-                        "teacher": sharded(getattr(trainer, "teacher_model", None)),
-                        "critic": sharded(getattr(trainer, "critic", None))}}
+    return {
+        "distributed_type": str(state.distributed_type.value),
+        "world": state.num_processes,
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        "bf16": bool(plugin.deepspeed_config.get("bf16", {}).get("enabled")) if plugin is not None else None,
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "fsdp_version": fsdp.fsdp_version if fsdp is not None else None,
+        "model_class": type(trainer.model_wrapped).__name__,
+        "sharded": {
+            "policy": sharded(trainer.model_wrapped),
+            "reference": sharded(getattr(trainer, "ref_model", None)),
+            "teacher": sharded(getattr(trainer, "teacher_model", None)),
+            "critic": sharded(getattr(trainer, "critic", None)),
+        },
+    }
 
 
 def run(case: str, options: argparse.Namespace) -> None:
     out_dir, resume = options.out_dir, options.resume
     torch.manual_seed(0)
     try:
-        trainer = build(case, options.model_dir, os.path.join(out_dir, case), options.steps, options.save_steps,
-                        options.teacher, options.bf16)
+        trainer = build(
+            case,
+            options.model_dir,
+            os.path.join(out_dir, case),
+            options.steps,
+            options.save_steps,
+            options.teacher,
+            options.bf16,
+        )
     except ValueError as err:  # a refused combination: every rank refuses alike
         if "not supported under DeepSpeed" not in str(err):
             raise
@@ -292,8 +373,11 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--teacher", default=None, help="teacher model of the distill case")
     parser.add_argument("--bf16", action="store_true", help="bf16=True (launch with --mixed_precision bf16)")
-    parser.add_argument("--no_cpu_fsdp", action="store_true",
-                        help="leave Accelerate's choice for FSDP on CPU processes (MULTI_CPU), which trainers refuse")
+    parser.add_argument(
+        "--no_cpu_fsdp",
+        action="store_true",
+        help="leave Accelerate's choice for FSDP on CPU processes (MULTI_CPU), which trainers refuse",
+    )
     options = parser.parse_args()
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not options.no_cpu_fsdp:
         enable_fsdp_on_cpu()

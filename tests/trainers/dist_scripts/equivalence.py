@@ -17,8 +17,8 @@ For each case it writes `<out>/<case>_world<W>_rank<R>.pt` holding, per rank:
 backward of the step, flattened and concatenated in `named_parameters()` order: after DDP's all-reduce, before the
 optimizer step; clipping is disabled) and `grad_norm`.
 
-Usage: equivalence.py MODEL_DIR OUT_DIR CASE [CASE ...]   (CASE in grpo, reinforceplusplus, cispo_global, cispo_micro, sapo,
-chord, step_grpo)
+Usage: equivalence.py MODEL_DIR OUT_DIR CASE [CASE ...]
+(CASE in grpo, reinforceplusplus, cispo_global, cispo_micro, sapo, chord, step_grpo)
 """
 
 from __future__ import annotations
@@ -197,8 +197,10 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
         extra["expert_dataset"] = Dataset.from_dict(
             {
                 "messages": [
-                    [{"role": "user", "content": f"What is {a}+{b}?"},
-                     {"role": "assistant", "content": f"{a} plus {b} equals {a + b}" + " so" * a}]
+                    [
+                        {"role": "user", "content": f"What is {a}+{b}?"},
+                        {"role": "assistant", "content": f"{a} plus {b} equals {a + b}" + " so" * a},
+                    ]
                     for a, b in [(5, 1), (6, 2), (7, 3), (8, 4), (9, 5), (3, 3)]
                 ]
             }
@@ -260,13 +262,27 @@ def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
 
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
-    args = StepGRPOConfig(**tiny_grpo_kwargs(
-        output_dir=os.path.join(out_dir, f"run_step_grpo_world{world}"), per_device_train_batch_size=GLOBAL_ROLLOUTS // world,
-        num_generations=NUM_GENERATIONS, max_steps=1, max_grad_norm=0.0, shuffle_dataset=False, max_env_steps=3,
-        loss_normalization="global", entropy_loss_fn_args={"entropy_coef": 0.01}))
+    args = StepGRPOConfig(
+        **tiny_grpo_kwargs(
+            output_dir=os.path.join(out_dir, f"run_step_grpo_world{world}"),
+            per_device_train_batch_size=GLOBAL_ROLLOUTS // world,
+            num_generations=NUM_GENERATIONS,
+            max_steps=1,
+            max_grad_norm=0.0,
+            shuffle_dataset=False,
+            max_env_steps=3,
+            loss_normalization="global",
+            entropy_loss_fn_args={"entropy_coef": 0.01},
+        )
+    )
     grads = GradRecorder()
-    trainer = recording(StepGRPOTrainer)(model=model_dir, args=args, train_dataset=Dataset.from_dict({"task_id": [0, 1]}),
-                                         environment_factory=CountingEnv, callbacks=[grads])
+    trainer = recording(StepGRPOTrainer)(
+        model=model_dir,
+        args=args,
+        train_dataset=Dataset.from_dict({"task_id": [0, 1]}),
+        environment_factory=CountingEnv,
+        callbacks=[grads],
+    )
     tokenizer = trainer.processing_class
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, **kwargs):
@@ -276,9 +292,16 @@ def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
     trainer._generate_single_turn = generate
     trainer.train()
     runs = [row["run"] for row in trainer.recorded.rows[-1]]  # the rollout's runs, one per row
-    torch.save({**recorded_rows(trainer), "grad": grads.grad, "world": trainer.accelerator.num_processes,
-                "rank": trainer.accelerator.process_index, "steps": [len(r.steps) for r in runs]},
-               os.path.join(out_dir, f"step_grpo_world{world}_rank{rank}.pt"))
+    torch.save(
+        {
+            **recorded_rows(trainer),
+            "grad": grads.grad,
+            "world": trainer.accelerator.num_processes,
+            "rank": trainer.accelerator.process_index,
+            "steps": [len(r.steps) for r in runs],
+        },
+        os.path.join(out_dir, f"step_grpo_world{world}_rank{rank}.pt"),
+    )
 
 
 def main() -> None:

@@ -29,15 +29,28 @@ from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig, TrinityTr
 
 def main(model_dir: str, out_dir: str) -> None:
     for case in ("trinity", "lora", "ppo"):
-        kwargs = tiny_grpo_kwargs(output_dir=os.path.join(out_dir, case), per_device_train_batch_size=8,
-                                  kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.5},
-                                  entropy_loss_fn_args={"entropy_coef": 0.05})
+        kwargs = tiny_grpo_kwargs(
+            output_dir=os.path.join(out_dir, case),
+            per_device_train_batch_size=8,
+            kl_loss_fn="k2",
+            kl_loss_fn_args={"kl_coef": 0.5},
+            entropy_loss_fn_args={"entropy_coef": 0.05},
+        )
         if case == "ppo":
-            trainer = PPOTrainer(model=model_dir, reward_funcs=length_reward, args=PPOConfig(**kwargs),
-                                 train_dataset=conversational_dataset())
+            trainer = PPOTrainer(
+                model=model_dir,
+                reward_funcs=length_reward,
+                args=PPOConfig(**kwargs),
+                train_dataset=conversational_dataset(),
+            )
         else:
-            trainer = TrinityTrainer(model=model_dir, reward_funcs=length_reward, args=TrinityConfig(**kwargs),
-                                     train_dataset=conversational_dataset(), peft_config=copy.deepcopy(LORA) if case == "lora" else None)
+            trainer = TrinityTrainer(
+                model=model_dir,
+                reward_funcs=length_reward,
+                args=TrinityConfig(**kwargs),
+                train_dataset=conversational_dataset(),
+                peft_config=copy.deepcopy(LORA) if case == "lora" else None,
+            )
         # the Trainer wraps the model in DDP when training starts (trainer.model stays unwrapped); do it now
         trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
         rank = trainer.accelerator.process_index

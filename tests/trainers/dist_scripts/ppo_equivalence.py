@@ -42,10 +42,13 @@ class CriticGradRecorder(GradRecorder):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         super().on_pre_optimizer_step(args, state, control, model=model, **kwargs)
         critic = self.trainer.accelerator.unwrap_model(self.trainer.critic)
-        self.critic_grad = torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).clone()
-            for p in critic.parameters() if p.requires_grad
-        ])
+        self.critic_grad = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).clone()
+                for p in critic.parameters()
+                if p.requires_grad
+            ]
+        )
 
 
 def recorded_rows(trainer) -> list[dict]:
@@ -54,35 +57,44 @@ def recorded_rows(trainer) -> list[dict]:
     for output in trainer.recorded.batches:
         for i in range(output["prompt_ids"].shape[0]):
             valid = output["completion_mask"][i].bool()
-            rows.append({
-                "prompt_ids": output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist(),
-                "completion_ids": output["completion_ids"][i][valid].tolist(),
-                "advantages": output["advantages"][i][valid].tolist(),
-                "returns": output["returns"][i][valid].tolist(),
-                "old_values": output["old_values"][i][valid].tolist(),
-            })
+            rows.append(
+                {
+                    "prompt_ids": output["prompt_ids"][i][output["prompt_mask"][i].bool()].tolist(),
+                    "completion_ids": output["completion_ids"][i][valid].tolist(),
+                    "advantages": output["advantages"][i][valid].tolist(),
+                    "returns": output["returns"][i][valid].tolist(),
+                    "old_values": output["old_values"][i][valid].tolist(),
+                }
+            )
     return rows
 
 
 def run(model_dir: str, out_dir: str, world: int, rank: int) -> dict:
-    args = PPOConfig(**tiny_grpo_kwargs(
-        output_dir=os.path.join(out_dir, f"run_ppo_world{world}"),
-        per_device_train_batch_size=GLOBAL_ROLLOUTS // world,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=32,
-        max_steps=1,
-        max_grad_norm=0.0,  # no clipping: compare the raw (DDP-averaged) gradients
-        shuffle_dataset=False,
-        value_learning_rate=1e-3,
-        gamma=0.95,
-        lam=0.9,
-        # token-mean over processes with different token counts: global normalisation makes 2 processes equal 1
-        loss_normalization="global",
-    ))
+    args = PPOConfig(
+        **tiny_grpo_kwargs(
+            output_dir=os.path.join(out_dir, f"run_ppo_world{world}"),
+            per_device_train_batch_size=GLOBAL_ROLLOUTS // world,
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=32,
+            max_steps=1,
+            max_grad_norm=0.0,  # no clipping: compare the raw (DDP-averaged) gradients
+            shuffle_dataset=False,
+            value_learning_rate=1e-3,
+            gamma=0.95,
+            lam=0.9,
+            # token-mean over processes with different token counts: global normalisation makes 2 processes equal 1
+            loss_normalization="global",
+        )
+    )
     recorder = CriticGradRecorder()
-    trainer = recording(PPOTrainer)(model=model_dir, reward_funcs=[digit_reward], args=args,
-                                    train_dataset=tiny_conversational_dataset(4), rollout_func=make_rollout_func(True),
-                                    callbacks=[recorder])
+    trainer = recording(PPOTrainer)(
+        model=model_dir,
+        reward_funcs=[digit_reward],
+        args=args,
+        train_dataset=tiny_conversational_dataset(4),
+        rollout_func=make_rollout_func(True),
+        callbacks=[recorder],
+    )
     recorder.trainer = trainer
     trainer.train()
     critic = trainer.accelerator.unwrap_model(trainer.critic)

@@ -17,7 +17,11 @@ from .grpo import experience_rewards, group_mean, row_groups, row_scores, write_
 
 
 def _check_shift(baseline_shift: Any) -> float:
-    if isinstance(baseline_shift, bool) or not isinstance(baseline_shift, (int, float)) or not math.isfinite(baseline_shift):
+    if (
+        isinstance(baseline_shift, bool)
+        or not isinstance(baseline_shift, (int, float))
+        or not math.isfinite(baseline_shift)
+    ):
         raise ValueError(f"baseline_shift must be a finite number, got {baseline_shift!r}")
     return float(baseline_shift)
 
@@ -42,7 +46,9 @@ class AsymREGroupAdvantage(GroupAdvantageFn):
             baseline = torch.tensor(0.0) if len(group) == 1 else rewards.mean() + self.baseline_shift
             for exp, score in zip(group, (rewards - baseline).tolist()):
                 exp.set_advantage(score)
-            metric_list.append({"group_baseline": baseline.item(), "reward_mean": baseline.item() - self.baseline_shift})
+            metric_list.append(
+                {"group_baseline": baseline.item(), "reward_mean": baseline.item() - self.baseline_shift}
+            )
             output.extend(group)
         return output, gather_metrics(metric_list, "group_advantages")
 

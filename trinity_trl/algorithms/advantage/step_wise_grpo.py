@@ -63,7 +63,9 @@ class StepWiseGRPOAdvantage(GroupAdvantageFn):
         """
         if batch_std is not None:
             if precomputed_std is not None:
-                raise ValueError("calculate_last_step_advantage: pass precomputed_std or its old name batch_std, not both")
+                raise ValueError(
+                    "calculate_last_step_advantage: pass precomputed_std or its old name batch_std, not both"
+                )
             precomputed_std = batch_std
         rewards = experience_rewards(list(exps.values()))
         if len(exps) == 1:

@@ -99,7 +99,9 @@ class PolicyLossFn(ComponentArgs):
         aggregation callable, see :func:`~trinity_trl.algorithms.masked.agg_loss`). Trainers use it to
         normalise a micro-batch by a count of their choosing (e.g. every token of the optimizer step)."""
         if self.effective_loss_agg_mode is None or self.weighs_samples_itself:
-            raise ValueError(f"policy loss {getattr(self, 'name', type(self).__name__)!r} has no aggregation to replace")
+            raise ValueError(
+                f"policy loss {getattr(self, 'name', type(self).__name__)!r} has no aggregation to replace"
+            )
         copy_ = copy.copy(self)
         copy_.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
         return copy_

@@ -139,14 +139,14 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         if len(values) != batch_size:
             raise ValueError(f"mix_chord: step must have one entry per row ({batch_size}), got {len(values)}")
         if len(set(values)) != 1:
-            raise ValueError(f"mix_chord: all entries of step must be equal (one training step), got {sorted(set(values))}")
+            raise ValueError(
+                f"mix_chord: all entries of step must be equal (one training step), got {sorted(set(values))}"
+            )
         return max(values)
 
     def compute(self, logprob, old_logprob, action_mask, advantages, expert_mask, step, **_):
         global_step = self.global_step_of(step, logprob.shape[0])
-        mu = mu_schedule_function(
-            global_step, self.mu_warmup_steps, self.mu_decay_steps, self.mu_peak, self.mu_valley
-        )
+        mu = mu_schedule_function(global_step, self.mu_warmup_steps, self.mu_decay_steps, self.mu_peak, self.mu_valley)
         loss, metrics = self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, mu)
         metrics["mu"] = mu
         return loss, metrics

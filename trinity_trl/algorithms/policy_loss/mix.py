@@ -62,8 +62,13 @@ class BatchGeometry:
 
     def __post_init__(self) -> None:
         owner = "batch geometry"
-        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ngpus_trainer",
-                     "train_batch_size_usual", "train_batch_size_expert"):
+        for name in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ngpus_trainer",
+            "train_batch_size_usual",
+            "train_batch_size_expert",
+        ):
             _positive_int(owner, name, getattr(self, name))
         # a zero here would silently zero a loss or divide by zero at call time
         derived = {
@@ -107,8 +112,10 @@ class BatchGeometry:
         step, whatever the make-up of the micro-batch (spec §9.1).
         """
         if self.use_dynamic_bsz:
-            return (self.experience_per_gpu / (rows * self.usual_per_gpu),
-                    self.experience_per_gpu / (rows * self.expert_per_gpu))
+            return (
+                self.experience_per_gpu / (rows * self.usual_per_gpu),
+                self.experience_per_gpu / (rows * self.expert_per_gpu),
+            )
         return self.gradient_accumulation / self.usual_per_gpu, self.gradient_accumulation / self.expert_per_gpu
 
 
@@ -240,7 +247,10 @@ class ExpertMixLossFn(PolicyLossFn):
         """``expert_mask`` as a ``(B,)`` bool tensor on ``logprob``'s device."""
         mask = torch.as_tensor(expert_mask, device=logprob.device).to(torch.bool)
         if mask.shape != logprob.shape[:1]:
-            raise ValueError(f"{getattr(self, 'name', type(self).__name__)}: expert_mask must have shape ({logprob.shape[0]},), got {tuple(mask.shape)}")
+            raise ValueError(
+                f"{getattr(self, 'name', type(self).__name__)}: expert_mask must have shape ({logprob.shape[0]},), "
+                f"got {tuple(mask.shape)}"
+            )
         return mask
 
     def mixed_loss(self, logprob, old_logprob, action_mask, advantages, expert_mask, mu: float):

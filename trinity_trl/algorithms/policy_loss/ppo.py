@@ -60,7 +60,9 @@ class PPOPolicyLossFn(PolicyLossFn):
         truncate_is_range_high: float = 2.0,
     ):
         super().__init__(backend)
-        self.clip_range_low, self.clip_range_high = resolve_clip_range(clip_range, clip_range_low, clip_range_high, "ppo")
+        self.clip_range_low, self.clip_range_high = resolve_clip_range(
+            clip_range, clip_range_low, clip_range_high, "ppo"
+        )
         if not clip_ratio_c > 1.0:
             raise ValueError(f"ppo: clip_ratio_c must be > 1.0, got {clip_ratio_c}")
         self.clip_ratio_c = float(clip_ratio_c)

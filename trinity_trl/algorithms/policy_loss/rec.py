@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from ..masked import agg_loss, check_loss_agg_mode, masked_mean

@@ -23,9 +23,7 @@ class TOPRPolicyLossFn(PolicyLossFn):
     Metrics: ``topr_loss``, ``avg_alpha = MMEAN(α)``, ``avg_ratio = MMEAN(r)``.
     """
 
-    def __init__(
-        self, backend: str = "trl", advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean"
-    ):
+    def __init__(self, backend: str = "trl", advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         self.advantage_threshold = float(advantage_threshold)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)

@@ -3,5 +3,11 @@
 from .calculator import CalculatorEnv, CalculatorToolEnv, calculator_dataset, calculator_tool_dataset
 from .number_guess import NumberGuessEnv, number_guess_dataset
 
-__all__ = ["CalculatorEnv", "CalculatorToolEnv", "NumberGuessEnv", "calculator_dataset", "calculator_tool_dataset",
-           "number_guess_dataset"]
+__all__ = [
+    "CalculatorEnv",
+    "CalculatorToolEnv",
+    "NumberGuessEnv",
+    "calculator_dataset",
+    "calculator_tool_dataset",
+    "number_guess_dataset",
+]

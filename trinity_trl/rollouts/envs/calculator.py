@@ -50,8 +50,10 @@ class CalculatorEnv(Environment):
 
     def reset(self, question: str, answer: int, **row) -> str:
         self.answer = int(answer)
-        return (f"{question}\nYou have a calculator: write calc(EXPRESSION), for example calc(12*7), and I "
-                "will reply with the result. When you know the result, write answer(NUMBER).")
+        return (
+            f"{question}\nYou have a calculator: write calc(EXPRESSION), for example calc(12*7), and I "
+            "will reply with the result. When you know the result, write answer(NUMBER)."
+        )
 
     def step(self, action: str) -> StepResult:
         final = _ANSWER.search(action)
@@ -141,6 +143,8 @@ def calculator_tool_dataset(n: int = 64, seed: int = 0):
     from datasets import Dataset
 
     questions, answers = _word_problems(n, seed)
-    prompts = [[{"role": "system", "content": CALCULATOR_TOOL_SYSTEM_PROMPT}, {"role": "user", "content": q}]
-               for q in questions]
+    prompts = [
+        [{"role": "system", "content": CALCULATOR_TOOL_SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        for q in questions
+    ]
     return Dataset.from_dict({"prompt": prompts, "question": questions, "answer": answers})

@@ -26,8 +26,10 @@ class NumberGuessEnv(Environment):
             raise ValueError(f"target {target} is outside [{low}, {high}]")
         self.target, self.low, self.high = int(target), int(low), int(high)
         self.best_distance = high - low
-        return (f"I am thinking of a whole number between {low} and {high}. Guess it. "
-                "Answer with one number; I will say higher or lower.")
+        return (
+            f"I am thinking of a whole number between {low} and {high}. Guess it. "
+            "Answer with one number; I will say higher or lower."
+        )
 
     def step(self, action: str) -> StepResult:
         found = _NUMBER.findall(action)
@@ -51,8 +53,10 @@ def number_guess_dataset(n: int = 64, low: int = 1, high: int = 100, seed: int =
     from datasets import Dataset
 
     rng = random.Random(seed)
-    return Dataset.from_dict({
-        "target": [rng.randint(low, high) for _ in range(n)],
-        "low": [low] * n,
-        "high": [high] * n,
-    })
+    return Dataset.from_dict(
+        {
+            "target": [rng.randint(low, high) for _ in range(n)],
+            "low": [low] * n,
+            "high": [high] * n,
+        }
+    )
