@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install lint test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The whole suite except the multi-process engine tests (`distributed`), which have their own target.
-test: $(STAMP)
+# ruff (configured in pyproject.toml): lint rules and formatting; `ruff format .` and `ruff check --fix .` fix most.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target.
+test: lint
 	$(PY) -m pytest -q -m "not distributed"
 
 test-fast: $(STAMP)
