@@ -8,6 +8,7 @@ import pytest
 
 from trinity_trl.data.arithmetic import (
     TEMPLATES,
+    answer_is_complete,
     arithmetic_dataset,
     arithmetic_expert_dataset,
     arithmetic_preference_dataset,
@@ -114,3 +115,133 @@ def test_evaluate_accuracy_scores_greedy_generations(tiny_model_dir):
     assert model.training and tokenizer.padding_side == AutoTokenizer.from_pretrained(tiny_model_dir).padding_side
     with pytest.raises(ValueError, match="at least one row"):
         evaluate_accuracy(model, tokenizer, data.select([]), progress=False)
+
+
+@pytest.mark.parametrize("text, complete", [
+    ("so 3 + 4 = 7. The answer is 7.\n", True),
+    ("The answer is 7 apples", True),
+    ("The answer is: $\\boxed{42}$", True),
+    ("The answer is 12.", False),          # the next token could still be a digit of 12.5
+    ("The answer is 1", False),            # ... or of 14
+    ("The answer is 1,2", False),
+    ("so 3 + 4 = 7.", False),
+])
+def test_answer_is_complete(text, complete):
+    assert answer_is_complete(text) is complete
+
+
+def _generate_completions(model, tokenizer, data, batch_size, max_new_tokens):
+    """The previous evaluation path: ``model.generate`` greedy on left-padded batches in dataset order."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    completions = []
+    for start in range(0, len(data), batch_size):
+        rows = data[start:start + batch_size]
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in rows["prompt"]]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return completions
+
+
+def test_evaluate_accuracy_gives_the_completions_of_greedy_generate(tiny_model_dir):
+    from collections import Counter
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():  # larger weights: greedy completions that depend on the prompt (not one repeated token)
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.mul_(10.0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = arithmetic_dataset("test", 10, seed=4)
+    # the random model never says EOS: make a token it says in some rows (not all) a second EOS, so rows
+    # finish at different steps and leave the batch
+    free = [tokenizer(c, add_special_tokens=False)["input_ids"]
+            for c in _generate_completions(model, tokenizer, data, batch_size=10, max_new_tokens=24)]
+    counts = Counter(t for ids in free for t in set(ids[1:]))
+    stop_token = next(t for t, n in counts.most_common() if n < len(free))
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
+    expected = _generate_completions(model, tokenizer, data, batch_size=4, max_new_tokens=24)
+    assert len({len(c) for c in expected}) > 2
+    for batch_size in (3, 10):  # other batches and orders (sorted by prompt length) give the same completions
+        _, completions = evaluate_accuracy(model, tokenizer, data, batch_size=batch_size, max_new_tokens=24,
+                                           progress=False, return_completions=True, stop_at_answer=False)
+        assert completions == expected
+
+
+class _ScriptedModel:
+    """A stand-in causal LM that greedily 'generates' a fixed token script per row.
+
+    Which rows are still in the batch is read back from the KV cache (the evaluation drops finished rows from
+    it), and the step from the cache length; each call returns logits whose argmax is the row's next token.
+    """
+
+    def __init__(self, scripts: list[list[int]], vocab_size: int, eos: int):
+        from transformers import GenerationConfig, Qwen2Config
+
+        self.scripts, self.vocab_size = scripts, vocab_size
+        self.config = Qwen2Config(num_hidden_layers=1, hidden_size=8, num_attention_heads=1, num_key_value_heads=1,
+                                  vocab_size=vocab_size)
+        self.generation_config = GenerationConfig(eos_token_id=eos)
+        self.training, self.rows_per_call = False, []
+
+    def parameters(self):
+        import torch
+
+        yield torch.zeros(1)
+
+    def eval(self):
+        self.training = False
+
+    def train(self, mode=True):
+        self.training = mode
+
+    def __call__(self, input_ids, past_key_values=None, **kwargs):
+        from types import SimpleNamespace
+
+        import torch
+
+        if past_key_values.get_seq_length() == 0:  # prefill: remember each row's index in the cache
+            rows = torch.arange(input_ids.shape[0], dtype=torch.float).view(-1, 1, 1, 1)
+        else:
+            rows = past_key_values.layers[0].keys[:, :, -1:, :]
+        step = past_key_values.get_seq_length()
+        past_key_values.update(rows, rows, 0)
+        self.rows_per_call.append(rows.shape[0])
+        tokens = [self.scripts[int(r)][step] for r in rows.flatten().tolist()]
+        logits = torch.zeros(len(tokens), 1, self.vocab_size)
+        logits[torch.arange(len(tokens)), 0, torch.tensor(tokens)] = 1.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_evaluate_accuracy_stops_a_row_at_its_stated_answer(tiny_tokenizer):
+    from datasets import Dataset
+
+    eos = tiny_tokenizer.eos_token_id
+    texts = ["The answer is 7. The answer is 9.", "3 + 4 = 7, then 9", "The answer is 7."]
+    scripts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    scripts[2] = scripts[2] + [eos]
+    width = max(len(s) for s in scripts) + 8
+    scripts = [s + [tiny_tokenizer.convert_tokens_to_ids("x")] * (width - len(s)) for s in scripts]
+    # one prompt per row, all of the same length (so the sort keeps the dataset order)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"problem {i}"}], "answer": "7"}
+                              for i in range(3)])
+    model = _ScriptedModel(scripts, len(tiny_tokenizer), eos)
+    accuracy, completions = evaluate_accuracy(model, tiny_tokenizer, data, max_new_tokens=width - 2,
+                                              progress=False, return_completions=True)
+    assert completions[0].startswith("The answer is 7.") and "9" not in completions[0]  # stopped at the first answer
+    assert completions[1].startswith(texts[1]) and len(completions[1]) > len(texts[1])  # no answer: ran on
+    assert completions[2] == "The answer is 7."  # stopped at EOS
+    assert accuracy == 2 / 3
+    assert model.rows_per_call[0] == 3 and model.rows_per_call[-1] == 1  # finished rows left the batch
+    model.rows_per_call.clear()
+    _, completions = evaluate_accuracy(model, tiny_tokenizer, data, max_new_tokens=width - 2, progress=False,
+                                       return_completions=True, stop_at_answer=False)
+    assert completions[0].startswith(texts[0])  # without the stop, generate's completion (scored on the last answer)
+    assert arithmetic_reward(completions, ["7"] * 3) == [0.0, 0.0, 1.0]
