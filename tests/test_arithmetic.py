@@ -7,7 +7,9 @@ import re
 import pytest
 
 from trinity_trl.data.arithmetic import (
+    INSTRUCTION,
     TEMPLATES,
+    accuracy_by_kind,
     answer_is_complete,
     arithmetic_dataset,
     arithmetic_expert_dataset,
@@ -16,6 +18,7 @@ from trinity_trl.data.arithmetic import (
     evaluate_accuracy,
     extract_answer,
     make_problems,
+    prompt_messages,
     split_of,
 )
 
@@ -245,3 +248,44 @@ def test_evaluate_accuracy_stops_a_row_at_its_stated_answer(tiny_tokenizer):
                                        return_completions=True, stop_at_answer=False)
     assert completions[0].startswith(texts[0])  # without the stop, generate's completion (scored on the last answer)
     assert arithmetic_reward(completions, ["7"] * 3) == [0.0, 0.0, 1.0]
+
+
+def test_prompt_styles():
+    assert prompt_messages("P") == [{"role": "user", "content": f"P\n{INSTRUCTION}"}]
+    assert prompt_messages("P", "system") == [{"role": "system", "content": INSTRUCTION},
+                                               {"role": "user", "content": "P"}]
+    rows = make_problems("test", 4, prompt_style="system")
+    assert [r["prompt"] for r in rows] == [prompt_messages(r["problem"], "system") for r in rows]
+    assert [r["problem"] for r in rows] == [r["problem"] for r in make_problems("test", 4)]  # same problems
+    expert = arithmetic_expert_dataset(2, prompt_style="system")
+    assert expert[0]["prompt"][0]["role"] == "system"
+    with pytest.raises(ValueError, match="prompt style must be one of"):
+        prompt_messages("P", "assistant")
+    with pytest.raises(ValueError, match="prompt_style must be one of"):
+        make_problems("test", 1, prompt_style="none")
+
+
+def test_template_coverage_split():
+    """Demonstrations of some templates only (the others left to RL), prompts and held-out rows of all."""
+    covered = ("add", "sub", "mul")
+    expert = make_problems("train", 60, seed=1, kinds=covered)
+    assert {r["kind"] for r in expert} == set(covered)
+    assert [r["solution"] for r in expert] == [
+        c[0]["content"] for c in arithmetic_expert_dataset(60, seed=1, kinds=covered)["completion"]]
+    test = arithmetic_dataset("test", 50, seed=0)
+    kinds = test["kind"]
+    assert {k: kinds.count(k) for k in TEMPLATES} == dict.fromkeys(TEMPLATES, 10)  # templates take turns
+    # a held-out problem is never a demonstration, whatever the templates
+    assert not {r["problem"] for r in expert} & set(test["problem"])
+
+
+def test_accuracy_by_kind():
+    data = arithmetic_dataset("test", 10, seed=0)
+    completions = [f"The answer is {a}." if k in ("add", "div") or i == 2 else "no idea"
+                   for i, (a, k) in enumerate(zip(data["answer"], data["kind"]))]
+    result = accuracy_by_kind(completions, data)
+    assert result["all"] == pytest.approx(5 / 10)
+    assert result["add"] == result["div"] == 1.0
+    assert result[data["kind"][2]] == 0.5 and set(result) == {"all", *TEMPLATES}
+    with pytest.raises(ValueError, match="2 completions for 10 rows"):
+        accuracy_by_kind(["a", "b"], data)

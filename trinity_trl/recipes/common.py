@@ -36,7 +36,12 @@ class RecipeArguments:
         metadata={"help": "'arithmetic' (bundled word problems), or a Hub id / local path for datasets.load_dataset "
                           "with 'prompt' + 'answer' columns or GSM8K's 'question' + 'answer' ('... #### 42')."},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. 'main')."})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={"help": "Dataset configuration name (e.g. 'main'). For the bundled 'arithmetic' task, the prompt "
+                          "style: 'user' (default: problem and answer format in the user turn) or 'system' (answer "
+                          "format as the system message, replacing the chat template's default one: fewer tokens)."},
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the accuracy evaluation."})
     num_train_rows: int = field(default=512, metadata={"help": "Training prompts (0 = the whole split)."})
@@ -162,11 +167,20 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
     """
     if args.dataset_name == BUNDLED_TASK:
-        from ..data.arithmetic import arithmetic_dataset, arithmetic_expert_dataset
+        from ..data.arithmetic import (
+            PROMPT_STYLES,
+            arithmetic_dataset,
+            arithmetic_expert_dataset,
+        )
 
-        return Task(train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed),
-                    test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed),
-                    expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1) if with_expert else None)
+        style = args.dataset_config or "user"
+        if style not in PROMPT_STYLES:
+            raise ValueError(f"dataset_config of the bundled {BUNDLED_TASK!r} task is its prompt style, one of "
+                             f"{PROMPT_STYLES}; got {style!r}")
+        return Task(train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed, prompt_style=style),
+                    test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
+                    expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
+                    if with_expert else None)
     from datasets import load_dataset
 
     loaded = load_dataset(args.dataset_name, args.dataset_config)
