@@ -263,6 +263,19 @@ def test_recipe_arguments_reject_bad_values():
         RecipeArguments(num_eval_rows=-1)
     with pytest.raises(ValueError, match="at least one reward"):
         RecipeArguments(reward_funcs=[])
+    with pytest.raises(ValueError, match="torch_threads must be >= 0, got -1"):
+        RecipeArguments(torch_threads=-1)
+
+
+def test_bundled_task_prompt_style_from_dataset_config():
+    (args,) = parse((RecipeArguments,), ["--dataset_config", "system", "--num_train_rows", "4", "--num_eval_rows", "2",
+                                         "--num_expert_rows", "2"])
+    task = load_task(args, with_expert=True)
+    for rows in (task.train, task.test, task.expert):
+        assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"]
+    assert [m["role"] for m in load_task(RecipeArguments(num_train_rows=4)).train[0]["prompt"]] == ["user"]
+    with pytest.raises(ValueError, match="prompt style, one of .* got 'main'"):
+        load_task(RecipeArguments(dataset_config="main"))
 
 
 def test_repository_recipe_scripts_run_the_cli():

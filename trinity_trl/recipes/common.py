@@ -272,13 +272,24 @@ def _accuracy(trainer, task: Task, args: RecipeArguments, label: str) -> float:
 
 
 def run(trainer, script_args: RecipeArguments, task: Task | None = None):
-    """Evaluate (optional), train, save model + card + log + plot, evaluate again, push (optional)."""
+    """Evaluate (optional), train, save model + card + log + plot, evaluate again, push (optional).
+
+    With ``torch_threads``, torch uses that many threads during the run (the previous count is restored after).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if getattr(script_args, "torch_threads", 0):
+        torch.set_num_threads(script_args.torch_threads)
+    try:
+        return _train_and_evaluate(trainer, script_args, task)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_evaluate(trainer, script_args: RecipeArguments, task: Task | None):
     training_args = trainer.args
     output_dir = training_args.output_dir
-    if getattr(script_args, "torch_threads", 0):
-        import torch
-
-        torch.set_num_threads(script_args.torch_threads)
     evaluate = getattr(script_args, "eval_accuracy", False)
     if evaluate and (task is None or task.test is None):
         raise ValueError("eval_accuracy needs a held-out split")
