@@ -150,26 +150,38 @@ def _generate_completions(model, tokenizer, data, batch_size, max_new_tokens):
     return completions
 
 
-def test_evaluate_accuracy_gives_the_completions_of_greedy_generate(tiny_model_dir):
-    from collections import Counter
-
+def _scaled_tiny_model(model_dir: str):
+    """The tiny random model with 10x weights: greedy completions that depend on the prompt (not one repeated
+    token)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    with torch.no_grad():  # larger weights: greedy completions that depend on the prompt (not one repeated token)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
         for weight in model.parameters():
             if weight.dim() == 2:
                 weight.mul_(10.0)
+    return model
+
+
+def _second_eos(model, tokenizer, data) -> int:
+    """A token the random model says in some completions (not all): made a second EOS, rows finish at different
+    steps (the model itself never says EOS)."""
+    from collections import Counter
+
+    free = [tokenizer(c, add_special_tokens=False)["input_ids"]
+            for c in _generate_completions(model, tokenizer, data, batch_size=len(data), max_new_tokens=24)]
+    counts = Counter(t for ids in free for t in set(ids[1:]))
+    return next(t for t, n in counts.most_common() if n < len(free))
+
+
+def test_evaluate_accuracy_gives_the_completions_of_greedy_generate(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    model = _scaled_tiny_model(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = arithmetic_dataset("test", 10, seed=4)
-    # the random model never says EOS: make a token it says in some rows (not all) a second EOS, so rows
-    # finish at different steps and leave the batch
-    free = [tokenizer(c, add_special_tokens=False)["input_ids"]
-            for c in _generate_completions(model, tokenizer, data, batch_size=10, max_new_tokens=24)]
-    counts = Counter(t for ids in free for t in set(ids[1:]))
-    stop_token = next(t for t, n in counts.most_common() if n < len(free))
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop_token]
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, _second_eos(model, tokenizer, data)]
     expected = _generate_completions(model, tokenizer, data, batch_size=4, max_new_tokens=24)
     assert len({len(c) for c in expected}) > 2
     for batch_size in (3, 10):  # other batches and orders (sorted by prompt length) give the same completions
@@ -289,3 +301,53 @@ def test_accuracy_by_kind():
     assert result[data["kind"][2]] == 0.5 and set(result) == {"all", *TEMPLATES}
     with pytest.raises(ValueError, match="2 completions for 10 rows"):
         accuracy_by_kind(["a", "b"], data)
+
+
+def _synced_worker(rank: int, model_dir: str, store: str, eos: list[int], out: str) -> None:
+    """One of two gloo processes: evaluates its shard with synced forward passes (as under ZeRO-3 / FSDP)."""
+    import json
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from trinity_trl.data import arithmetic as module
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        module._needs_synced_forward = lambda model: True  # what ZeRO-3 or FSDP would decide
+        model = _scaled_tiny_model(model_dir)
+        model.generation_config.eos_token_id = eos
+        calls = [0]
+        model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        shard = arithmetic_dataset("test", 10, seed=4).select(range(7) if rank == 0 else range(7, 10))
+        _, completions = module.evaluate_accuracy(model, tokenizer, shard, batch_size=2, max_new_tokens=24,
+                                                  progress=False, return_completions=True, stop_at_answer=False)
+        counts = [None, None]
+        dist.all_gather_object(counts, calls[0])
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"completions": completions, "forward_calls": counts}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_evaluate_accuracy_synced_processes_run_the_same_forward_passes(tiny_model_dir, tmp_path):
+    """Under ZeRO-3 / FSDP every process must run as many forward passes as the others (parameters are gathered
+    inside forward): shards with more batches or longer completions than the other's must not hang it."""
+    import json
+
+    import torch.multiprocessing as mp
+    from transformers import AutoTokenizer
+
+    model = _scaled_tiny_model(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = arithmetic_dataset("test", 10, seed=4)
+    eos = [tokenizer.eos_token_id, _second_eos(model, tokenizer, data)]
+    model.generation_config.eos_token_id = eos
+    expected = _generate_completions(model, tokenizer, data, batch_size=10, max_new_tokens=24)
+    mp.spawn(_synced_worker, args=(tiny_model_dir, str(tmp_path / "store"), eos, str(tmp_path / "out")), nprocs=2,
+             join=True)
+    results = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2)]
+    assert results[0]["completions"] + results[1]["completions"] == expected
+    calls = results[0]["forward_calls"]
+    assert calls[0] == calls[1] and calls[0] > 4 * 2  # 4 batches (rank 1's last two empty), >= 2 passes each
