@@ -1,39 +1,49 @@
 #!/usr/bin/env python
-"""Benchmark: held-out accuracy against training steps for GRPO, CHORD, SFT-only, CISPO and SAPO.
+"""Benchmark: when does CHORD beat SFT alone and RL alone? Held-out accuracy against training steps.
 
-Each method trains a LoRA adapter on the bundled SmolLM2-135M-Instruct with the bundled arithmetic
-word problems (``trinity_trl.data``), with the same seed, learning rate, LoRA and number of
-optimizer steps, and the settings of the CPU recipes (``trinity_trl/recipes/configs/*_cpu.yaml``):
+The setting of the CHORD paper (arXiv 2508.11408) on the bundled arithmetic word problems: expert
+demonstrations exist for some problem templates only (``--covered``, default ``add sub mul``), while
+the RL prompts and the held-out problems come from all five templates (``div`` and ``two_step`` are
+"uncovered": only on-policy RL can learn them from reward). Every method trains a LoRA adapter on the
+bundled SmolLM2-135M-Instruct with the same budget of training rows per optimizer step (``--rows``),
+the same number of steps, the same learning rate and seed:
 
-* ``grpo``: ``TrinityTrainer`` (preset ``grpo``: PPO-clip, group-normalised rewards), no KL;
-* ``chord``: ``ChordTrainer`` (``mix_chord``, CHORD-mu: SFT weight mu decaying from 0.9 to 0.05 over
-  the run, no phi), ``--expert-rows`` demonstrations appended to the rollouts of every step;
-* ``sft``: ``TrinitySFTTrainer`` on the demonstrations only (``--rollouts`` rows per step, no
-  generation, no reward);
-* ``cispo``: ``CISPOTrainer`` (cap 1.28), no KL;
-* ``sapo``: ``SAPOTrainer`` (paper form).
+* ``grpo``: ``TrinityTrainer`` (preset ``grpo``), ``--rows`` rollouts per step, no KL;
+* ``sft``: ``TrinitySFTTrainer`` on the demonstrations, ``--rows`` per step;
+* ``sft_grpo``: SFT for the first ``--sft-steps`` steps (default half), then GRPO on the SFT adapter
+  (a new optimizer), the usual two-stage pipeline;
+* ``chord_mu``: ``ChordTrainer`` (``mix_chord``, CHORD-mu: plain SFT term, mu 0.9 -> 0.05 over the
+  run), ``--rows - --expert-rows`` rollouts plus ``--expert-rows`` demonstrations per step;
+* ``chord_phi``: the same rows, CHORD-phi (SFT tokens weighted by p(1-p), constant mu 0.1);
+* ``mix`` (not in the default list): the same rows, MIX (plain SFT term, constant mu 0.1).
 
-The RL methods sample ``--rollouts`` completions per step (``--rollouts / --num-generations``
-prompts) at temperature 0.8, rewarded by the exact final-answer check ``arithmetic_reward``.
-Every ``--eval-every`` steps a callback measures the greedy accuracy (``evaluate_accuracy``) on
-``--eval-rows`` held-out problems (the test split never shares a problem with training). Step 0 is
-the base model (a fresh LoRA adapter is the identity), measured once and shared by all methods.
+Rollouts: ``--num-generations`` per prompt, at most ``--completion-len`` tokens, temperature 0.8,
+reward = exact final answer. Prompts carry the answer format as the system message
+(``prompt_style="system"``: 58 prompt tokens instead of 75). Every ``--eval-every`` steps a callback
+measures greedy accuracy (``evaluate_accuracy``) on ``--eval-rows`` held-out problems (the templates
+take turns, so each has the same count), overall and split into covered / uncovered templates. Step 0
+(the base model: a fresh LoRA adapter is the identity) is measured once and shared by all methods.
 
-Quick setting (what fits on a 2-core CPU in about 15 minutes; a smoke run, too short to rank the
-methods)::
+Each finished run (method, seed) is appended to ``learning_runs.jsonl`` in ``--out``; a restarted
+benchmark with the same settings skips the runs already there, so an interrupted run continues where
+it stopped. ``learning.json``, ``learning.md`` and ``learning.png`` are rewritten after every run.
 
-    nice -n 5 .venv/bin/python benchmarks/learning.py --quick --out benchmarks/results
+Full setting (3 seeds x 5 methods x 30 steps of 8 rows, accuracy every 10 steps on 40 problems: about
+70 minutes of one core when the machine is shared with moderate load, 90 at a load average of 5-6, where
+contention for memory bandwidth inflates CPU time too; run it at low priority with one thread)::
 
-Full setting (3 seeds, 100 steps, accuracy every 10 steps on 100 problems; about 9 hours on 2 CPU
-cores with one thread, far less on a GPU with ``--device cuda``)::
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/learning.py --out benchmarks/results
 
-    nice -n 5 .venv/bin/python benchmarks/learning.py --out benchmarks/results
+Quick setting (1 seed, 6 steps, 20 problems; a smoke run, too short to rank anything)::
+
+    nice -n 5 .venv/bin/python benchmarks/learning.py --quick --out /tmp/learning
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import statistics
 import sys
@@ -45,130 +55,297 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 
-METHODS = ("grpo", "chord", "sft", "cispo", "sapo")
-LABELS = {"grpo": "GRPO", "chord": "CHORD", "sft": "SFT only", "cispo": "CISPO", "sapo": "SAPO"}
-FULL = {"seeds": [0, 1, 2], "steps": 100, "eval_every": 10, "eval_rows": 100}
-QUICK = {"seeds": [0], "steps": 8, "eval_every": 4, "eval_rows": 30}
+METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix")
+DEFAULT_METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi")
+LABELS = {
+    "grpo": "GRPO",
+    "sft": "SFT only",
+    "sft_grpo": "SFT then GRPO",
+    "chord_mu": "CHORD-mu",
+    "chord_phi": "CHORD-phi",
+    "mix": "MIX",
+}
+FULL = {"seeds": [0, 1, 2], "steps": 30, "eval_every": 10, "eval_rows": 40}
+QUICK = {"seeds": [0], "steps": 6, "eval_every": 3, "eval_rows": 20}
+GROUPS = ("all", "covered", "uncovered")
+RUNS_FILE = "learning_runs.jsonl"
+# options that change what a run measures: a results file made with other values is not resumed
+RUN_KEYS = (
+    "model",
+    "steps",
+    "eval_every",
+    "eval_rows",
+    "eval_max_new_tokens",
+    "rows",
+    "expert_rows",
+    "sft_steps",
+    "num_generations",
+    "completion_len",
+    "learning_rate",
+    "lora_r",
+    "train_rows",
+    "expert_pool",
+    "covered",
+    "prompt_style",
+    "bf16",
+    "device",
+)
 
 
+# ------------------------------------------------------------------------------------------ set-up
 def lora_config(args):
     from peft import LoraConfig
 
     return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def common_config(args, seed: int, output_dir: str) -> dict:
+def common_config(args, seed: int, output_dir: str, steps: int) -> dict:
     return {
-        "output_dir": output_dir, "use_cpu": args.device == "cpu", "bf16": args.bf16,
-        "activation_checkpointing": False, "max_steps": args.steps, "learning_rate": args.learning_rate,
-        "lr_scheduler_type": "constant", "report_to": "none", "save_strategy": "no", "logging_steps": 1,
-        "seed": seed, "dataloader_num_workers": 0, "disable_tqdm": True,
+        "output_dir": output_dir,
+        "use_cpu": args.device == "cpu",
+        "bf16": args.bf16,
+        "activation_checkpointing": False,
+        "max_steps": steps,
+        "learning_rate": args.learning_rate,
+        "lr_scheduler_type": "constant",
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": seed,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
     }
 
 
-def build_trainer(method: str, model: str, seed: int, args, data: dict, output_dir: str):
+def sft_trainer(model, seed: int, args, data: dict, output_dir: str, steps: int):
+    from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
+
+    config = TrinitySFTConfig(**common_config(args, seed, output_dir, steps), per_device_train_batch_size=args.rows)
+    return TrinitySFTTrainer(model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(args))
+
+
+def rl_trainer(method: str, model, seed: int, args, data: dict, output_dir: str, steps: int, tokenizer=None):
+    """GRPO (``model`` may be an SFT-trained PEFT model, then its adapter is trained on), CHORD-mu/phi or MIX."""
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import (
         ChordConfig,
         ChordTrainer,
-        CISPOConfig,
-        CISPOTrainer,
-        SAPOConfig,
-        SAPOTrainer,
         TrinityConfig,
-        TrinitySFTConfig,
-        TrinitySFTTrainer,
         TrinityTrainer,
     )
 
-    common = common_config(args, seed, output_dir)
-    if method == "sft":
-        config = TrinitySFTConfig(**common, per_device_train_batch_size=args.rollouts)
-        return TrinitySFTTrainer(model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(args))
-    rl = {**common, "per_device_train_batch_size": args.rollouts, "num_generations": args.num_generations,
-          "max_completion_length": args.completion_len, "temperature": 0.8}
+    with_expert = method != "grpo"
+    rollouts = args.rows - args.expert_rows if with_expert else args.rows
+    rl = {
+        **common_config(args, seed, output_dir, steps),
+        "per_device_train_batch_size": rollouts,
+        "num_generations": args.num_generations,
+        "max_completion_length": args.completion_len,
+        "temperature": 0.8,
+        "kl_loss_fn": "none",
+    }
+    extra: dict = {}
     if method == "grpo":
-        trainer_class, config = TrinityTrainer, TrinityConfig(**rl, algorithm="grpo", kl_loss_fn="none")
-    elif method == "cispo":
-        trainer_class, config = CISPOTrainer, CISPOConfig(**rl, kl_loss_fn="none")
-    elif method == "sapo":
-        trainer_class, config = SAPOTrainer, SAPOConfig(**rl, sapo_form="paper")
-    elif method == "chord":
-        trainer_class = ChordTrainer
-        config = ChordConfig(**rl, algorithm="mix_chord", enable_phi_function=False, mu_peak=0.9, mu_valley=0.05,
-                             mu_warmup_steps=0, mu_decay_steps=args.steps, expert_batch_size=args.expert_rows,
-                             kl_loss_fn="none")
+        trainer_class, config = TrinityTrainer, TrinityConfig(**rl, algorithm="grpo")
     else:
-        raise ValueError(method)
-    extra = {"expert_dataset": data["expert"]} if method == "chord" else {}
-    return trainer_class(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=data["train"],
-                         peft_config=lora_config(args), **extra)
+        trainer_class = ChordTrainer
+        extra["expert_dataset"] = data["expert"]
+        if method == "chord_mu":  # the paper's CHORD-mu: plain SFT term, mu decays over the run
+            config = ChordConfig(
+                **rl,
+                algorithm="mix_chord",
+                enable_phi_function=False,
+                mu_peak=0.9,
+                mu_valley=0.05,
+                mu_warmup_steps=0,
+                mu_decay_steps=steps,
+                expert_batch_size=args.expert_rows,
+            )
+        elif method == "chord_phi":  # the paper's CHORD-phi: p(1-p)-weighted SFT tokens, constant mu 0.1
+            config = ChordConfig(
+                **rl,
+                algorithm="mix_chord",
+                enable_phi_function=True,
+                mu_peak=0.1,
+                mu_valley=0.1,
+                expert_batch_size=args.expert_rows,
+            )
+        elif method == "mix":
+            config = ChordConfig(**rl, algorithm="mix", expert_batch_size=args.expert_rows)
+        else:
+            raise ValueError(method)
+    if not isinstance(model, str):  # continue training an existing adapter: no new one
+        extra["processing_class"] = tokenizer
+    return trainer_class(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=data["train"],
+        peft_config=lora_config(args) if isinstance(model, str) else None,
+        **extra,
+    )
 
 
-def accuracy(trainer, data: dict, args) -> float:
-    from trinity_trl.data import evaluate_accuracy
+# ------------------------------------------------------------------------------------- evaluation
+def evaluate(model, tokenizer, data: dict, args) -> dict:
+    """Held-out accuracy overall, on the covered and uncovered templates, and per template."""
+    from trinity_trl.data import accuracy_by_kind, evaluate_accuracy
 
-    return evaluate_accuracy(trainer.model, trainer.processing_class, data["test"], batch_size=args.eval_batch_size,
-                             max_new_tokens=args.eval_max_new_tokens, progress=False)
+    _, completions = evaluate_accuracy(
+        model,
+        tokenizer,
+        data["test"],
+        batch_size=args.eval_batch_size,
+        max_new_tokens=args.eval_max_new_tokens,
+        progress=False,
+        return_completions=True,
+    )
+    by_kind = accuracy_by_kind(completions, data["test"])
+    kinds = data["test"]["kind"]
+
+    def group(names) -> float:
+        rows = [k for k in kinds if k in names]
+        return sum(by_kind[k] * kinds.count(k) for k in set(rows)) / len(rows)
+
+    uncovered = [k for k in set(kinds) if k not in args.covered]
+    return {
+        "all": by_kind["all"],
+        "covered": group(args.covered),
+        "uncovered": group(uncovered) if uncovered else None,
+        "by_kind": {k: v for k, v in by_kind.items() if k != "all"},
+    }
 
 
-def train_with_evaluation(trainer, data: dict, args) -> dict:
-    """Train; every ``eval_every`` steps (and after the last) record the held-out accuracy."""
+def train_with_evaluation(trainer, data: dict, args, step_offset: int = 0, evaluate_last: bool = True) -> dict:
+    """Train; every ``eval_every`` (global) steps record the held-out accuracy; CPU/wall seconds of both."""
     from transformers import PrinterCallback, TrainerCallback
 
     trainer.remove_callback(PrinterCallback)  # the log dict of every step (kept in log_history)
     curve: list[dict] = []
-    eval_seconds, eval_cpu = [0.0], [0.0]
+    eval_wall, eval_cpu = [0.0], [0.0]
 
     class AccuracyCallback(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+            step = state.global_step + step_offset
+            if step % args.eval_every == 0 or (evaluate_last and state.global_step == targs.max_steps):
                 start, cpu = time.perf_counter(), time.process_time()
-                acc = accuracy(trainer, data, args)
-                eval_seconds[0] += time.perf_counter() - start
+                point = {"step": step, **evaluate(trainer.model, trainer.processing_class, data, args)}
+                eval_wall[0] += time.perf_counter() - start
                 eval_cpu[0] += time.process_time() - cpu
-                curve.append({"step": state.global_step, "accuracy": acc})
-                print(f"    step {state.global_step}: accuracy {acc:.3f}", flush=True)
+                curve.append(point)
+                print(
+                    f"    step {step}: accuracy {point['all']:.3f} (covered {point['covered']:.3f}, uncovered "
+                    f"{bc.fmt(point['uncovered'])})",
+                    flush=True,
+                )
 
     trainer.add_callback(AccuracyCallback())
     start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    steps = max(1, trainer.state.global_step)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     logs = [e for e in trainer.state.log_history if "loss" in e]
     reward_key = next((k for k in (logs[0] if logs else {}) if k.startswith("rewards/") and k.endswith("/mean")), None)
     return {
         "curve": curve,
-        "train_seconds": wall - eval_seconds[0],
-        "eval_seconds": eval_seconds[0],
-        "seconds_per_step": (wall - eval_seconds[0]) / steps,
-        # process CPU seconds: unlike wall time, not inflated when other processes take the cores (or
-        # when the process is paused)
-        "cpu_seconds_per_step": (cpu - eval_cpu[0]) / steps,
-        "train_reward": [e.get(reward_key) for e in logs] if reward_key else None,
+        "steps": trainer.state.global_step,
+        "train_wall_s": wall - eval_wall[0],
+        "train_cpu_s": cpu - eval_cpu[0],
+        "eval_wall_s": eval_wall[0],
+        "eval_cpu_s": eval_cpu[0],
+        "train_reward": [e.get(reward_key) for e in logs] if reward_key else [],
         "loss": [e.get("loss") for e in logs],
+        "mu": [e["actor/mu"] for e in logs if "actor/mu" in e],
     }
 
 
-def summarise(runs: dict, base: float, methods: list[str]) -> dict:
-    """Per method: mean (min, max) accuracy over seeds at each evaluated step, step 0 = the base model."""
+def run_method(method: str, model: str, seed: int, args, data: dict, tmp: Path) -> dict:
+    """One (method, seed) run: its curve, timings and per-step logs (both stages for ``sft_grpo``)."""
+    if method == "sft":
+        return train_with_evaluation(sft_trainer(model, seed, args, data, str(tmp / "sft"), args.steps), data, args)
+    if method != "sft_grpo":
+        return train_with_evaluation(
+            rl_trainer(method, model, seed, args, data, str(tmp / method), args.steps), data, args
+        )
+    sft_steps = args.sft_steps if args.sft_steps is not None else args.steps // 2
+    first = sft_trainer(model, seed, args, data, str(tmp / "sft_stage"), sft_steps)
+    stage1 = train_with_evaluation(first, data, args, evaluate_last=False)
+    second = rl_trainer(
+        "grpo",
+        first.model,
+        seed,
+        args,
+        data,
+        str(tmp / "grpo_stage"),
+        args.steps - sft_steps,
+        tokenizer=first.processing_class,
+    )
+    stage2 = train_with_evaluation(second, data, args, step_offset=sft_steps)
+    merged = {"curve": stage1["curve"] + stage2["curve"], "steps": sft_steps + stage2["steps"], "sft_steps": sft_steps}
+    for key in ("train_wall_s", "train_cpu_s", "eval_wall_s", "eval_cpu_s"):
+        merged[key] = stage1[key] + stage2[key]
+    for key in ("train_reward", "loss", "mu"):
+        merged[key] = stage1[key] + stage2[key]
+    return merged
+
+
+# ----------------------------------------------------------------------------------------- results
+def settings_key(args) -> str:
+    """A fingerprint of the options that change what a run measures (see ``RUN_KEYS``)."""
+    values = {k: getattr(args, k) for k in RUN_KEYS}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_runs(path: Path, key: str) -> list[dict]:
+    """Finished runs (and the base-model evaluation) recorded with the same settings."""
+    if not path.is_file():
+        return []
+    runs = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if record.get("settings") == key:
+                runs.append(record)
+    return runs
+
+
+def _stats(values: list[float]) -> dict:
+    return {
+        "mean": statistics.mean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def summarise(records: list[dict], methods: list[str]) -> dict:
+    """Per method and group: mean / std / min / max over seeds at each evaluated step (step 0 = base model)."""
+    base = next((r for r in records if r["method"] == "base"), None)
     out = {}
     for method in methods:
-        per_seed = [r["curve"] for r in runs[method]]
-        steps = sorted({p["step"] for curve in per_seed for p in curve})
-        table = {0: {"mean": base, "min": base, "max": base, "n": len(per_seed)}}
-        for step in steps:
-            values = [p["accuracy"] for curve in per_seed for p in curve if p["step"] == step]
-            table[step] = {"mean": statistics.mean(values), "min": min(values), "max": max(values), "n": len(values)}
-        rewards = [r["train_reward"] for r in runs[method] if r["train_reward"]]
+        runs = [r for r in records if r["method"] == method]
+        if not runs:
+            continue
+        steps = sorted({p["step"] for r in runs for p in r["curve"]})
+        table: dict = {}
+        for group in GROUPS:
+            rows = {}
+            if base is not None and base["point"].get(group) is not None:
+                rows[0] = _stats([base["point"][group]] * len(runs))
+            for step in steps:
+                values = [p[group] for r in runs for p in r["curve"] if p["step"] == step and p[group] is not None]
+                if values:
+                    rows[step] = _stats(values)
+            table[group] = rows
+        rewards = [v for r in runs for v in r["train_reward"] if v is not None]
         out[method] = {
+            "seeds": sorted(r["seed"] for r in runs),
             "accuracy": table,
-            "final_mean": table[max(table)]["mean"],
-            "seconds_per_step": statistics.mean(r["seconds_per_step"] for r in runs[method]),
-            "cpu_seconds_per_step": (statistics.mean(r["cpu_seconds_per_step"] for r in runs[method])
-                                     if all("cpu_seconds_per_step" in r for r in runs[method]) else None),
-            "mean_train_reward": statistics.mean(v for rs in rewards for v in rs if v is not None) if rewards else None,
+            "final": {g: table[g][max(table[g])] for g in GROUPS if table[g]},
+            "train_cpu_s_per_step": statistics.mean(r["train_cpu_s"] / r["steps"] for r in runs),
+            "train_wall_s_per_step": statistics.mean(r["train_wall_s"] / r["steps"] for r in runs),
+            "eval_cpu_s": statistics.mean(r["eval_cpu_s"] for r in runs),
+            "mean_train_reward": statistics.mean(rewards) if rewards else None,
         }
     return out
 
@@ -181,120 +358,252 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"grpo": ("o", "-"), "chord": ("s", "-"), "sft": ("^", "-"), "cispo": ("x", "--"), "sapo": ("D", ":")}
-    for method, s in report["summary"].items():
-        steps = sorted(int(k) for k in s["accuracy"])
-        rows = [s["accuracy"][str(k)] for k in steps]
-        marker, line = styles.get(method, ("o", "-"))
-        ax.plot(steps, [r["mean"] for r in rows], marker=marker, linestyle=line, label=LABELS.get(method, method))
-        if any(r["n"] > 1 for r in rows):
-            ax.fill_between(steps, [r["min"] for r in rows], [r["max"] for r in rows], alpha=0.15)
+    styles = {
+        "grpo": ("o", "-"),
+        "sft": ("^", "-"),
+        "sft_grpo": ("v", "--"),
+        "chord_mu": ("s", "-"),
+        "chord_phi": ("D", "-"),
+        "mix": ("x", ":"),
+    }
     c = report["config"]
-    title = (f"{'QUICK: ' if c['quick'] else ''}held-out accuracy, {report['model_description']}, LoRA r{c['lora_r']}, "
-             f"{len(c['seeds'])} seed(s)")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"greedy accuracy ({c['eval_rows']} held-out problems)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    titles = {
+        "all": f"all templates ({c['eval_rows']} problems)",
+        "covered": f"covered by demonstrations ({', '.join(c['covered'])})",
+        "uncovered": "uncovered (RL prompts only)",
+    }
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.3), sharey=True)
+    for ax, group in zip(axes, GROUPS):
+        for method, s in report["summary"].items():
+            rows = s["accuracy"].get(group, {})
+            if not rows:
+                continue
+            steps = sorted(int(k) for k in rows)
+            mean = [rows[str(k)]["mean"] for k in steps]
+            std = [rows[str(k)]["std"] for k in steps]
+            marker, line = styles.get(method, ("o", "-"))
+            ax.plot(steps, mean, marker=marker, linestyle=line, label=LABELS.get(method, method))
+            ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)], alpha=0.12)
+        ax.set_title(titles[group], fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("greedy held-out accuracy (mean ± std over seeds)")
+    axes[0].legend(fontsize=8)
+    seeds = sorted({seed for s in report["summary"].values() for seed in s["seeds"]})
+    fig.suptitle(
+        f"{'QUICK: ' if c['quick'] else ''}{report['model_description']}, LoRA r{c['lora_r']}, "
+        f"{c['rows']} rows/step, lr {c['learning_rate']}, seeds {seeds}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return ""
+    return f"{row['mean']:.3f} ± {row['std']:.3f}" if row["n"] > 1 else f"{row['mean']:.3f}"
+
+
 def markdown(report: dict) -> str:
     c, m = report["config"], report["machine"]
-    steps = sorted({int(k) for s in report["summary"].values() for k in s["accuracy"]})
-    seeds = len(c["seeds"])
+    summary = report["summary"]
+    steps = sorted({int(k) for s in summary.values() for k in s["accuracy"]["all"]})
+    uncovered = [k for k in ("add", "sub", "mul", "div", "two_step") if k not in c["covered"]]
     lines = [
-        "# Learning curves: held-out accuracy against training steps",
+        "# Learning benchmark: CHORD vs SFT only, GRPO only and SFT then GRPO",
         "",
-        ("**Quick setting**: a smoke run, far too short (and one seed) to rank the methods; the full setting is "
-         "`nice -n 5 .venv/bin/python benchmarks/learning.py` (see benchmarks/README.md). " if c["quick"] else "")
+        ("**Quick setting**: a smoke run, too short to rank anything. " if c["quick"] else "")
         + f"Command: `{report['command']}`",
         "",
         bc.machine_line(m),
         f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end.",
         "",
-        (f"Model: {report['model_description']} with a LoRA adapter (r {c['lora_r']}, alpha {2 * c['lora_r']}, all "
-        f"linear layers), lr {c['learning_rate']} constant, {c['steps']} optimizer steps, seeds {c['seeds']}. RL "
-        f"methods: {c['rollouts']} rollouts per step ({c['rollouts'] // c['num_generations']} prompts x "
-        f"{c['num_generations']}), at most {c['completion_len']} tokens, temperature 0.8, reward = exact final answer; "
-        f"CHORD adds {c['expert_rows']} demonstrations per step (mu 0.9 -> 0.05); SFT trains on {c['rollouts']} "
-        f"demonstrations per step. Accuracy: greedy, {c['eval_rows']} held-out problems, {c['eval_max_new_tokens']} "
-        "new tokens; step 0 = the base model."),
+        (
+            f"Task: bundled arithmetic word problems. Demonstrations (worked solutions) exist for the templates "
+            f"{', '.join(c['covered'])} only ({c['expert_pool']} of them); RL prompts ({c['train_rows']}) and held-out "
+            f"problems ({c['eval_rows']}, the templates in equal numbers) cover all five, so "
+            f"{' and '.join(uncovered)} can only be learned from reward. Prompts: answer format as the system message."
+        ),
         "",
-        f"Accuracy (mean over {seeds} seed{'s' if seeds > 1 else ''}"
-        + (", min-max in brackets" if seeds > 1 else "") + "):",
+        (
+            f"Model: {report['model_description']} + LoRA (r {c['lora_r']}, alpha {2 * c['lora_r']}, all linear "
+            f"layers), AdamW, lr {c['learning_rate']} constant, the same for every method (no method was tuned on its "
+            f"own; see the notes on how the shared value was chosen), {c['steps']} optimizer steps, {c['rows']} "
+            f"training rows per step for every method: GRPO "
+            f"{c['rows']} rollouts ({c['rows'] // c['num_generations']} prompts x {c['num_generations']}); SFT "
+            f"{c['rows']} demonstrations; SFT then GRPO: SFT for {report['sft_steps']} steps, then GRPO; CHORD/MIX "
+            f"{c['rows'] - c['expert_rows']} rollouts + {c['expert_rows']} demonstrations (CHORD-mu: plain SFT term, "
+            f"mu 0.9 -> 0.05 cosine over the run; CHORD-phi: p(1-p)-weighted SFT term, mu 0.1; MIX: plain SFT term, "
+            f"mu 0.1). Rollouts: temperature 0.8, at most {c['completion_len']} tokens, reward 1 for the exact final "
+            f"answer, no KL. Accuracy: greedy, {c['eval_max_new_tokens']} new tokens, every {c['eval_every']} steps; "
+            "step 0 = the base model."
+        ),
         "",
-        "| method | " + " | ".join(f"step {s}" for s in steps)
-        + " | s/step (train, wall) | CPU s/step (train) | mean train reward |",
-        "|---|" + "---|" * len(steps) + "---|---|---|",
     ]
-    for method, s in report["summary"].items():
-        cells = []
-        for step in steps:
-            r = s["accuracy"].get(str(step))
-            if r is None:
-                cells.append("")
-            elif r["n"] > 1:
-                cells.append(f"{r['mean']:.3f} [{r['min']:.2f}-{r['max']:.2f}]")
-            else:
-                cells.append(f"{r['mean']:.3f}")
-        lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells)
-                     + f" | {s['seconds_per_step']:.1f} | {bc.fmt(s.get('cpu_seconds_per_step'), '.1f')} "
-                     f"| {bc.fmt(s['mean_train_reward'])} |")
-    lines += ["", ("`s/step` excludes the accuracy evaluations. Methods with identical updates have identical "
-              "curves: on-policy (one update per generation batch), PPO-clip (GRPO) and CISPO both reduce to "
-              "`-A * grad log p` with the same token-mean, so GRPO and CISPO coincide here."),
-              "", (f"Plot: `learning.png`. Wall time: {report['total_wall_s'] / 60:.1f} min "
-              f"(base-model evaluation {report['base_eval_seconds']:.0f} s)."), ""]
+    for group, title in (
+        ("all", "all templates"),
+        ("covered", f"covered templates ({', '.join(c['covered'])})"),
+        ("uncovered", f"uncovered templates ({', '.join(uncovered)})"),
+    ):
+        lines += [
+            f"## Accuracy, {title} (mean ± std over seeds)",
+            "",
+            "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
+            "|---|---|" + "---|" * len(steps),
+        ]
+        for method, s in summary.items():
+            rows = s["accuracy"].get(group, {})
+            lines.append(
+                f"| {LABELS.get(method, method)} | {len(s['seeds'])} | "
+                + " | ".join(_cell(rows.get(str(k))) for k in steps)
+                + " |"
+            )
+        lines.append("")
+    lines += [
+        "## Cost",
+        "",
+        ("| method | CPU s / step (train) | wall s / step (train) | eval CPU s / run | mean train reward |"),
+        "|---|---|---|---|---|",
+    ]
+    for method, s in summary.items():
+        lines.append(
+            f"| {LABELS.get(method, method)} | {s['train_cpu_s_per_step']:.1f} | "
+            f"{s['train_wall_s_per_step']:.1f} | {s['eval_cpu_s']:.0f} | {bc.fmt(s['mean_train_reward'])} |"
+        )
+    lines += [
+        "",
+        (
+            f"Plot: `learning.png`. Runs: {report['num_runs']} in `{RUNS_FILE}` (settings "
+            f"`{report['settings']}`); CPU time of all runs {report['total_cpu_s'] / 60:.1f} min (one thread)."
+        ),
+        "",
+    ]
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {note}" for note in report["notes"]] + [""]
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"quick setting {QUICK} (explicit options below still override it)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+def write_report(args, records: list[dict], out: Path, description: str, load_start, command: str) -> dict:
+    report = {
+        "benchmark": "learning",
+        "command": command,
+        "machine": bc.machine_description(args.device),
+        "load_average_start": load_start,
+        "load_average_end": bc.loadavg(),
+        "model_description": description,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "note", "from_runs")},
+        "settings": settings_key(args),
+        "sft_steps": args.sft_steps if args.sft_steps is not None else args.steps // 2,
+        "summary": summarise(records, args.methods),
+        "num_runs": sum(r["method"] != "base" for r in records),
+        "total_cpu_s": sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records),
+        "records": records,
+        "notes": args.note,
+    }
+    report = json.loads(json.dumps(report))  # step keys become strings, as in the file
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning.json").write_text(json.dumps(report, indent=1) + "\n")
+    plotted = plot(report, out / "learning.png")
+    (out / "learning.md").write_text(markdown(report))
+    print(
+        f"wrote {out / 'learning.json'}, {out / 'learning.md'}" + (f", {out / 'learning.png'}" if plotted else ""),
+        flush=True,
+    )
+    return report
+
+
+# -------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"quick setting {QUICK} (explicit options below still override it)"
+    )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", help=f"default {FULL['seeds']} ({QUICK['seeds']} quick)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps (default {FULL['steps']}, {QUICK['steps']} quick)")
     parser.add_argument("--eval-every", type=int, help=f"default {FULL['eval_every']} ({QUICK['eval_every']} quick)")
     parser.add_argument("--eval-rows", type=int, help=f"default {FULL['eval_rows']} ({QUICK['eval_rows']} quick)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=40)
     parser.add_argument("--eval-batch-size", type=int, default=50)
-    parser.add_argument("--model", default="bundled",
-                        help="'bundled' (SmolLM2-135M-Instruct), 'tiny' (random 2-layer Qwen2, smoke tests) or a path/id")
-    parser.add_argument("--rollouts", type=int, default=8, help="rollouts per step (SFT: demonstrations per step)")
+    parser.add_argument(
+        "--model",
+        default="bundled",
+        help="'bundled' (SmolLM2-135M-Instruct), 'tiny' (random 2-layer Qwen2, smoke tests) or a path/id",
+    )
+    parser.add_argument("--rows", type=int, default=8, help="training rows per optimizer step, for every method")
+    parser.add_argument("--expert-rows", type=int, default=4, help="CHORD/MIX: demonstrations among the rows")
+    parser.add_argument("--sft-steps", type=int, default=None, help="SFT then GRPO: SFT steps (default: half)")
     parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--expert-rows", type=int, default=4, help="CHORD demonstrations per step")
     parser.add_argument("--completion-len", type=int, default=40)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=2e-4,
+        help="one learning rate for every method (1e-3, the CPU recipes' value, made GRPO collapse)",
+    )
     parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--train-rows", type=int, default=512)
-    parser.add_argument("--expert-pool", type=int, default=256, help="demonstrations available (CHORD, SFT)")
+    parser.add_argument("--train-rows", type=int, default=512, help="RL prompts (all templates)")
+    parser.add_argument("--expert-pool", type=int, default=256, help="demonstrations (covered templates)")
+    parser.add_argument(
+        "--covered",
+        nargs="+",
+        default=["add", "sub", "mul"],
+        help="templates with demonstrations (the others only appear as RL prompts and held out)",
+    )
+    parser.add_argument("--prompt-style", choices=("user", "system"), default="system")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads (1: on 2 shared cores, 2 threads made steps up to 25x slower)")
-    parser.add_argument("--out", default="benchmarks/results", help="directory for learning.json / .md / .png")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (1: on 2 shared cores, 2 threads made steps up to 25x slower)",
+    )
+    parser.add_argument("--out", default="benchmarks/results", help="directory for learning.* and the runs file")
     parser.add_argument("--note", action="append", default=[], help="a remark to record in the report (repeatable)")
-    parser.add_argument("--from-json", metavar="PATH",
-                        help="train nothing: re-render the .md and .png of an earlier learning.json (adding --note)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: rewrite learning.json/.md/.png from the runs file (adding --note)",
+    )
     args = parser.parse_args(argv)
-    if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
-        report["notes"] = report.get("notes", []) + args.note
-        return write_report(report, Path(args.out))
     preset = QUICK if args.quick else FULL
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    uses_expert = {"chord_mu", "chord_phi", "mix"} & set(args.methods)
+    if args.rows % args.num_generations or (uses_expert and (args.rows - args.expert_rows) % args.num_generations):
+        parser.error("--rows (and --rows minus --expert-rows for CHORD/MIX) must be multiples of --num-generations")
+    if not 0 < args.expert_rows < args.rows:
+        parser.error("--expert-rows must be in (0, --rows)")
+    from trinity_trl.data.arithmetic import TEMPLATES
+
+    unknown = sorted(set(args.covered) - set(TEMPLATES))
+    if unknown:
+        parser.error(f"unknown templates {unknown}; choose from {sorted(TEMPLATES)}")
+    args.covered = [k for k in TEMPLATES if k in args.covered]  # canonical order (part of the settings key)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    runs_path = out / RUNS_FILE
+    key = settings_key(args)
+    command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
+    description = {"bundled": "SmolLM2-135M-Instruct (bundled, fp32)", "tiny": "random tiny Qwen2 (smoke run)"}.get(
+        args.model, args.model
+    )
+    load_start = bc.loadavg()
+    records = load_runs(runs_path, key)
+    if args.report_only:
+        write_report(args, records, out, description, load_start, command)
+        return 0
 
     import torch
 
@@ -305,68 +614,68 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
-    started, load_start = time.perf_counter(), bc.loadavg()
+    done = {(r["method"], r["seed"]) for r in records if r["method"] != "base"}
+    todo = [(seed, method) for seed in args.seeds for method in args.methods if (method, seed) not in done]
+    print(f"settings {key}: {len(done)} runs recorded in {runs_path}, {len(todo)} to do", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def append(record: dict) -> None:
+        record = {"settings": key, **record}
+        with runs_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        records.append(json.loads(json.dumps(record)))
+
     with tempfile.TemporaryDirectory(prefix="learning_bench_") as tmp_name:
         tmp = Path(tmp_name)
         if args.model == "bundled":
             from trinity_trl.data import bundled_model_dir
 
-            model, description = str(bundled_model_dir()), "SmolLM2-135M-Instruct (bundled, fp32)"
+            model = str(bundled_model_dir())
         elif args.model == "tiny":
             model = bc.save_random_qwen2(tmp / "model", hidden=64, layers=2, intermediate=128)
-            description = "random tiny Qwen2 (smoke run)"
         else:
-            model, description = args.model, args.model
-        data = {"train": arithmetic_dataset("train", args.train_rows, seed=0),
-                "test": arithmetic_dataset("test", args.eval_rows, seed=0),
-                "expert": arithmetic_expert_dataset(args.expert_pool, seed=1)}
-        runs: dict = {method: [] for method in args.methods}
-        base = None
-        base_eval_seconds = 0.0
-        for seed in args.seeds:
-            for method in args.methods:
-                print(f"[seed {seed}] {method}: building ...", flush=True)
-                trainer = build_trainer(method, model, seed, args, data, str(tmp / f"{method}-{seed}"))
-                if base is None:  # the fresh adapter is the identity: the base model's accuracy, for everyone
-                    start = time.perf_counter()
-                    base = accuracy(trainer, data, args)
-                    base_eval_seconds = time.perf_counter() - start
-                    print(f"    step 0 (base model): accuracy {base:.3f} ({base_eval_seconds:.0f} s)", flush=True)
-                result = train_with_evaluation(trainer, data, args)
-                result["seed"] = seed
-                runs[method].append(result)
-                print(f"[seed {seed}] {method}: {result['seconds_per_step']:.1f} s/step, load {bc.loadavg()}",
-                      flush=True)
-                del trainer
-                gc.collect()
+            model = args.model
+        data = {
+            "train": arithmetic_dataset("train", args.train_rows, seed=0, prompt_style=args.prompt_style),
+            "test": arithmetic_dataset("test", args.eval_rows, seed=0, prompt_style=args.prompt_style),
+            "expert": arithmetic_expert_dataset(
+                args.expert_pool, seed=1, kinds=args.covered, prompt_style=args.prompt_style
+            ),
+        }
+        if not any(r["method"] == "base" for r in records) and todo:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    report = {
-        "benchmark": "learning",
-        "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
-        "machine": bc.machine_description(args.device),
-        "load_average_start": load_start,
-        "load_average_end": bc.loadavg(),
-        "model_description": description,
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "base_accuracy": base,
-        "base_eval_seconds": base_eval_seconds,
-        "summary": summarise(runs, base, args.methods),
-        "runs": runs,
-        "notes": args.note,
-        "total_wall_s": time.perf_counter() - started,
-    }
-    return write_report(json.loads(json.dumps(report)), Path(args.out))  # step keys become strings, as in the file
-
-
-def write_report(report: dict, out: Path) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learning.json").write_text(json.dumps(report, indent=1) + "\n")
-    plotted = plot(report, out / "learning.png")
-    text = markdown(report)
-    (out / "learning.md").write_text(text)
-    print(text)
-    print(f"wrote {out / 'learning.json'}, {out / 'learning.md'}" + (f", {out / 'learning.png'}" if plotted else "")
-          + f" ({report['total_wall_s'] / 60:.1f} min)")
+            start, cpu = time.perf_counter(), time.process_time()
+            base_model = AutoModelForCausalLM.from_pretrained(model)
+            point = evaluate(base_model, AutoTokenizer.from_pretrained(model), data, args)
+            append(
+                {
+                    "method": "base",
+                    "seed": None,
+                    "point": {"step": 0, **point},
+                    "eval_wall_s": time.perf_counter() - start,
+                    "eval_cpu_s": time.process_time() - cpu,
+                }
+            )
+            print(
+                f"step 0 (base model): accuracy {point['all']:.3f} (covered {point['covered']:.3f}, uncovered "
+                f"{bc.fmt(point['uncovered'])})",
+                flush=True,
+            )
+            del base_model
+        for seed, method in todo:
+            print(f"[seed {seed}] {method}: training ...", flush=True)
+            result = run_method(method, model, seed, args, data, tmp / f"{method}-{seed}")
+            append({"method": method, "seed": seed, **result, "load_average": bc.loadavg()})
+            print(
+                f"[seed {seed}] {method}: {result['train_cpu_s'] / result['steps']:.1f} CPU s/step, eval "
+                f"{result['eval_cpu_s']:.0f} CPU s, load {bc.loadavg()}",
+                flush=True,
+            )
+            write_report(args, records, out, description, load_start, command)
+            gc.collect()
+    write_report(args, records, out, description, load_start, command)
+    print(markdown(json.loads((out / "learning.json").read_text())))
     return 0
 
 

@@ -34,10 +34,19 @@ class RecipeArguments:
     )
     dataset_name: str = field(
         default=BUNDLED_TASK,
-        metadata={"help": "'arithmetic' (bundled word problems), or a Hub id / local path for datasets.load_dataset "
-                          "with 'prompt' + 'answer' columns or GSM8K's 'question' + 'answer' ('... #### 42')."},
+        metadata={
+            "help": "'arithmetic' (bundled word problems), or a Hub id / local path for datasets.load_dataset "
+            "with 'prompt' + 'answer' columns or GSM8K's 'question' + 'answer' ('... #### 42')."
+        },
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. 'main')."})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dataset configuration name (e.g. 'main'). For the bundled 'arithmetic' task, the prompt "
+            "style: 'user' (default: problem and answer format in the user turn) or 'system' (answer "
+            "format as the system message, replacing the chat template's default one: fewer tokens)."
+        },
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
     dataset_test_split: str = field(default="test", metadata={"help": "Held-out split for the accuracy evaluation."})
     num_train_rows: int = field(default=512, metadata={"help": "Training prompts (0 = the whole split)."})
@@ -47,8 +56,10 @@ class RecipeArguments:
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
-        metadata={"help": "Reward functions: 'accuracy' (exact final-answer check), 'math_verify' (symbolic check, "
-                          "needs the math-verify package) or 'package.module:function'."},
+        metadata={
+            "help": "Reward functions: 'accuracy' (exact final-answer check), 'math_verify' (symbolic check, "
+            "needs the math-verify package) or 'package.module:function'."
+        },
     )
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -66,6 +77,13 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
+    torch_threads: int = field(
+        default=0,
+        metadata={
+            "help": "torch.set_num_threads for the run (0 = torch's default, one per core). On a small CPU "
+            "shared with other work, 1 avoids threads waiting for each other (several times faster)."
+        },
+    )
 
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
@@ -73,6 +91,8 @@ class RecipeArguments:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_funcs:
             raise UsageError("reward_funcs must name at least one reward function")
+        if self.torch_threads < 0:
+            raise UsageError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
 
 def peft_config(args) -> Any:
@@ -84,13 +104,19 @@ def peft_config(args) -> Any:
     targets: Any = args.lora_target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
 
 
 # ------------------------------------------------------------------------------------------ parsing
-def parse(config_classes: tuple, argv: list[str] | None, recipe: str, description: str = "",
-          ignore: tuple[str, ...] = ()) -> tuple:
+def parse(
+    config_classes: tuple, argv: list[str] | None, recipe: str, description: str = "", ignore: tuple[str, ...] = ()
+) -> tuple:
     """Parse ``--config FILE`` (YAML) and command-line overrides into the dataclasses ``config_classes``.
 
     Unlike ``TrlParser`` alone: options are never abbreviated (``--max_step`` is not ``--max_steps``), a
@@ -120,8 +146,10 @@ def parse(config_classes: tuple, argv: list[str] | None, recipe: str, descriptio
         i += 2 if has_value else 1
     if unknown:
         known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
-        hints = [f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1))
-                 else f"--{k}" for k in unknown]
+        hints = [
+            f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else f"--{k}"
+            for k in unknown
+        ]
         raise UsageError(f"unknown options {', '.join(hints)}: not options of the {recipe} recipe (see --help)")
     return tuple(parsed)
 
@@ -133,22 +161,24 @@ def resolve_config_argument(argv: list[str], config_path: Callable[[str], str]) 
         if token == "--config" and i + 1 < len(out):
             out[i + 1] = config_path(out[i + 1])
         elif token.startswith("--config="):
-            out[i:i + 1] = ["--config", config_path(token.split("=", 1)[1])]
+            out[i : i + 1] = ["--config", config_path(token.split("=", 1)[1])]
     return out
 
 
 def recipe_help(config_classes: tuple, recipe: str, description: str = "") -> str:
     """``--config``, then the options this recipe adds (its script arguments and the trainer config's own
     fields), then a pointer to the inherited TRL / transformers options."""
-    from trl import GRPOConfig
     from transformers import TrainingArguments
+    from trl import GRPOConfig
 
     inherited = {f.name for base in (GRPOConfig, TrainingArguments) for f in fields(base)}
     lines = [f"usage: trinity-trl {recipe} [--config FILE|NAME] [--option value ...]", ""]
     if description:
         lines += [description.strip(), ""]
-    lines += ["  --config FILE|NAME    a YAML file, or a bundled config name (trinity-trl configs lists them);",
-              "                        command-line options override its values"]
+    lines += [
+        "  --config FILE|NAME    a YAML file, or a bundled config name (trinity-trl configs lists them);",
+        "                        command-line options override its values",
+    ]
     hidden = 0
     for cls in config_classes:
         own = [f for f in fields(cls) if f.name not in inherited]
@@ -156,13 +186,19 @@ def recipe_help(config_classes: tuple, recipe: str, description: str = "") -> st
         if own:
             lines += ["", f"{cls.__name__}:"]
         for f in own:
-            default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
-                                                                  else None)
+            default = (
+                f.default
+                if f.default is not MISSING
+                else (f.default_factory() if f.default_factory is not MISSING else None)
+            )
             text = f"{f.metadata.get('help', '')} (default: {default!r})"
             lines.append(f"  --{f.name}")
             lines += textwrap.wrap(text, width=100, initial_indent=" " * 8, subsequent_indent=" " * 8)
-    lines += ["", f"... and {hidden} options of TRL's GRPOConfig / transformers' TrainingArguments "
-                  "(--learning_rate, --max_steps, --output_dir, ...): trinity-trl " + recipe + " --help-all"]
+    lines += [
+        "",
+        f"... and {hidden} options of TRL's GRPOConfig / transformers' TrainingArguments "
+        "(--learning_rate, --max_steps, --output_dir, ...): trinity-trl " + recipe + " --help-all",
+    ]
     return "\n".join(lines)
 
 
@@ -173,9 +209,11 @@ def check_output_dir(args: RecipeArguments, training_args) -> None:
         return
     present = sorted(os.listdir(out))
     if present:
-        raise UsageError(f"output_dir {out!r} already holds {len(present)} files ({', '.join(present[:4])}"
-                         f"{', ...' if len(present) > 4 else ''}); choose another --output_dir or pass "
-                         "--overwrite_output_dir")
+        raise UsageError(
+            f"output_dir {out!r} already holds {len(present)} files ({', '.join(present[:4])}"
+            f"{', ...' if len(present) > 4 else ''}); choose another --output_dir or pass "
+            "--overwrite_output_dir"
+        )
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -201,9 +239,12 @@ def _gsm8k_row(row: dict) -> dict:
     while "<<" in steps and ">>" in steps:  # calculator annotations: "3*4=<<3*4=12>>12"
         start = steps.index("<<")
         end = steps.index(">>", start)
-        steps = steps[:start] + steps[end + 2:]
-    return {"prompt": prompt_messages(row["question"]), "answer": answer,
-            "solution": f"{steps} The answer is {answer}.".strip()}
+        steps = steps[:start] + steps[end + 2 :]
+    return {
+        "prompt": prompt_messages(row["question"]),
+        "answer": answer,
+        "solution": f"{steps} The answer is {answer}.".strip(),
+    }
 
 
 def to_task_format(dataset, name: str = "dataset"):
@@ -226,7 +267,9 @@ def expert_from(dataset):
 
     def convert(row):
         prompt = row["prompt"]
-        completion = [{"role": "assistant", "content": row["solution"]}] if isinstance(prompt, list) else row["solution"]
+        completion = (
+            [{"role": "assistant", "content": row["solution"]}] if isinstance(prompt, list) else row["solution"]
+        )
         return {"prompt": prompt, "completion": completion}
 
     return dataset.map(convert, remove_columns=dataset.column_names)
@@ -239,11 +282,21 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
     """
     if args.dataset_name == BUNDLED_TASK:
-        from trinity_trl.data.arithmetic import arithmetic_dataset, arithmetic_expert_dataset
+        from trinity_trl.data.arithmetic import PROMPT_STYLES, arithmetic_dataset, arithmetic_expert_dataset
 
-        return Task(train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed),
-                    test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed),
-                    expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1) if with_expert else None)
+        style = args.dataset_config or "user"
+        if style not in PROMPT_STYLES:
+            raise ValueError(
+                f"dataset_config of the bundled {BUNDLED_TASK!r} task is its prompt style, one of "
+                f"{PROMPT_STYLES}; got {style!r}"
+            )
+        return Task(
+            train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed, prompt_style=style),
+            test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
+            expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
+            if with_expert
+            else None,
+        )
     from datasets import load_dataset
 
     loaded = load_dataset(args.dataset_name, args.dataset_config)
@@ -252,15 +305,20 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     train = to_task_format(loaded[args.dataset_train_split], f"{args.dataset_name}[{args.dataset_train_split}]")
     test = None
     if args.dataset_test_split in loaded:
-        test = _take(to_task_format(loaded[args.dataset_test_split], f"{args.dataset_name}[{args.dataset_test_split}]"),
-                     args.num_eval_rows)
+        test = _take(
+            to_task_format(loaded[args.dataset_test_split], f"{args.dataset_name}[{args.dataset_test_split}]"),
+            args.num_eval_rows,
+        )
     elif args.eval_accuracy:
-        raise UsageError(f"eval_accuracy needs the split {args.dataset_test_split!r}; {args.dataset_name} has "
-                         f"{sorted(loaded)}")
+        raise UsageError(
+            f"eval_accuracy needs the split {args.dataset_test_split!r}; {args.dataset_name} has {sorted(loaded)}"
+        )
     expert = expert_from(train) if with_expert else None
     if with_expert and expert is None:
-        raise UsageError(f"{args.dataset_name} has no reference solutions ('solution' column, or GSM8K's worked "
-                         "answers) to use as demonstrations")
+        raise UsageError(
+            f"{args.dataset_name} has no reference solutions ('solution' column, or GSM8K's worked "
+            "answers) to use as demonstrations"
+        )
     if expert is not None:
         # demonstrations from the end of the split, RL prompts from its start (never the same rows)
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
@@ -323,10 +381,18 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
     accelerator = trainer.accelerator
     shard = test_set.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
     with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
-        local = evaluate_accuracy(model, trainer.processing_class, shard, batch_size=args.eval_batch_size,
-                                  max_new_tokens=args.eval_max_new_tokens,
-                                  progress=trainer.is_world_process_zero() and not trainer.args.disable_tqdm) \
-            if len(shard) else 0.0
+        local = (
+            evaluate_accuracy(
+                model,
+                trainer.processing_class,
+                shard,
+                batch_size=args.eval_batch_size,
+                max_new_tokens=args.eval_max_new_tokens,
+                progress=trainer.is_world_process_zero() and not trainer.args.disable_tqdm,
+            )
+            if len(shard)
+            else 0.0
+        )
     counts = torch.tensor([local * len(shard), float(len(shard))], dtype=torch.float64, device=accelerator.device)
     correct, total = accelerator.reduce(counts, reduction="sum").tolist()
     accuracy = correct / total
@@ -337,15 +403,25 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
 
 def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
     """Train, with greedy held-out accuracy before and after when ``args.eval_accuracy`` (then also a model-card
-    section); returns the run's summary for ``training_log.json``."""
-    before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
+    section); returns the run's summary for ``training_log.json``. With ``args.torch_threads``, torch uses that
+    many threads meanwhile (the previous count is restored after)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
+    finally:
+        torch.set_num_threads(threads)
     steps = trainer.state.global_step
     if before is not None:
         trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
-            f"`{args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n")
+            f"`{args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n"
+        )
     return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 
 
@@ -386,5 +462,8 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
     if trainer.is_world_process_zero():
         before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
         outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
-        print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and plot in "
-              f"{output_dir}", flush=True)
+        print(
+            f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and plot in "
+            f"{output_dir}",
+            flush=True,
+        )

@@ -18,8 +18,15 @@ BENCHMARKS = ROOT / "benchmarks"
 
 def _run(script: str, *args: str, timeout: int = 600) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
@@ -82,18 +89,45 @@ def test_trl_overhead_quick_all(tmp_path):
     assert {"train_vs_same_rows", "added_train_over_extra_rows_cost"} <= set(chord["ratio"])
 
 
-def test_learning_quick_tiny(tmp_path):
-    _run("learning.py", "--model", "tiny", "--quick", "--methods", "grpo", "chord", "sft", "--steps", "2",
-         "--eval-every", "1", "--eval-rows", "4", "--eval-max-new-tokens", "8", "--completion-len", "8",
-         "--out", str(tmp_path))
+def test_learning_quick_tiny_and_resume(tmp_path):
+    tiny = [
+        "--model",
+        "tiny",
+        "--quick",
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-rows",
+        "5",
+        "--eval-max-new-tokens",
+        "8",
+        "--completion-len",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
+    _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo")
+    runs = [json.loads(line) for line in (tmp_path / "learning_runs.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["seed"]) for r in runs] == [("base", None), ("grpo", 0), ("sft_grpo", 0)]
+    sft_grpo = runs[2]
+    assert sft_grpo["sft_steps"] == 1 and [p["step"] for p in sft_grpo["curve"]] == [1, 2]  # SFT, then GRPO
+    assert len(sft_grpo["train_reward"]) == 1 and sft_grpo["mu"] == []  # rewards of the GRPO stage only
+    # a second invocation with one more method runs only that one (the others are read back)
+    _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo", "chord_mu")
+    runs = [json.loads(line) for line in (tmp_path / "learning_runs.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in runs] == ["base", "grpo", "sft_grpo", "chord_mu"]
+    assert len(runs[3]["mu"]) == 2 and runs[3]["mu"][0] > runs[3]["mu"][1]  # CHORD-mu's decaying mu
     report = _load(tmp_path / "learning.json")
     _check_machine(report)
-    assert set(report["summary"]) == {"grpo", "chord", "sft"}
+    assert set(report["summary"]) == {"grpo", "sft_grpo", "chord_mu"}
     for method, summary in report["summary"].items():
-        assert set(summary["accuracy"]) == {"0", "1", "2"}, method
-        assert 0.0 <= summary["final_mean"] <= 1.0
-    assert report["config"]["quick"] is True
-    assert (tmp_path / "learning.md").is_file()
+        for group in ("all", "covered", "uncovered"):
+            assert set(summary["accuracy"][group]) == {"0", "1", "2"}, (method, group)
+            assert summary["accuracy"][group]["2"]["n"] == 1
+        assert 0.0 <= summary["final"]["all"]["mean"] <= 1.0
+    assert report["config"]["covered"] == ["add", "sub", "mul"]
+    assert "uncovered templates (div, two_step)" in (tmp_path / "learning.md").read_text()
     png = tmp_path / "learning.png"
     if png.exists():  # matplotlib is optional
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

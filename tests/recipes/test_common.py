@@ -208,6 +208,44 @@ def test_recipe_arguments_reject_bad_values():
         RecipeArguments(num_eval_rows=-1)
     with pytest.raises(ValueError, match="at least one reward"):
         RecipeArguments(reward_funcs=[])
+    with pytest.raises(ValueError, match="torch_threads must be >= 0, got -1"):
+        RecipeArguments(torch_threads=-1)
+
+
+def test_torch_threads_hold_during_the_run_and_are_restored_after():
+    import torch
+
+    from trinity_trl.recipes.common import train_and_evaluate
+
+    seen = []
+
+    class Trainer:  # what train_and_evaluate uses of a trainer, without accuracy evaluation
+        state = type("State", (), {"global_step": 3})()
+
+        def train(self, resume_from_checkpoint=None):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    summary = train_and_evaluate(Trainer(), RecipeArguments(torch_threads=wanted), test_set=None)
+    assert seen == [wanted] and torch.get_num_threads() == before
+    assert summary["global_step"] == 3
+    train_and_evaluate(Trainer(), RecipeArguments(), test_set=None)  # 0: torch's own count, untouched
+    assert seen[-1] == before
+
+
+def test_bundled_task_prompt_style_from_dataset_config():
+    (args,) = parse(
+        (RecipeArguments,),
+        ["--dataset_config", "system", "--num_train_rows", "4", "--num_eval_rows", "2", "--num_expert_rows", "2"],
+        "chord",
+    )
+    task = load_task(args, with_expert=True)
+    for rows in (task.train, task.test, task.expert):
+        assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"]
+    assert [m["role"] for m in load_task(RecipeArguments(num_train_rows=4)).train[0]["prompt"]] == ["user"]
+    with pytest.raises(ValueError, match="prompt style, one of .* got 'main'"):
+        load_task(RecipeArguments(dataset_config="main"))
 
 
 def test_repository_recipe_scripts_run_as_scripts():

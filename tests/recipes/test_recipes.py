@@ -15,29 +15,84 @@ import torch
 from safetensors.torch import load_file
 
 from trinity_trl.cli import run as cli
-from trinity_trl.recipes import RECIPES, bundled_configs, config_path
-from trinity_trl.recipes.common import RecipeArguments
 from trinity_trl.recipes.plot import curves
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 # what makes a bundled CPU config tiny enough for the tiny model and 2 steps
-RL_TINY = ["--max_steps", "2", "--num_train_rows", "8", "--num_eval_rows", "4", "--eval_max_new_tokens", "8",
-           "--eval_batch_size", "4", "--max_completion_length", "8", "--per_device_train_batch_size", "4",
-           "--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8"]
+RL_TINY = [
+    "--max_steps",
+    "2",
+    "--num_train_rows",
+    "8",
+    "--num_eval_rows",
+    "4",
+    "--eval_max_new_tokens",
+    "8",
+    "--eval_batch_size",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--per_device_train_batch_size",
+    "4",
+    "--num_generations",
+    "4",
+    "--lora_r",
+    "4",
+    "--lora_alpha",
+    "8",
+]
 RUNS = {
     "chord": ("chord_cpu", RL_TINY + ["--expert_batch_size", "2", "--num_expert_rows", "8", "--mu_decay_steps", "2"]),
     "cispo": ("cispo_cpu", RL_TINY),
     "sapo": ("sapo_cpu", RL_TINY),
     "train": ("train_cpu", RL_TINY + ["--algorithm", "reinforceplusplus"]),
-    "train-sft": ("sft_cpu", ["--max_steps", "2", "--num_expert_rows", "8", "--num_eval_rows", "4",
-                              "--eval_max_new_tokens", "8", "--eval_batch_size", "4", "--per_device_train_batch_size", "4",
-                              "--lora_r", "4", "--lora_alpha", "8"]),
-    "train-dpo": ("dpo_cpu", ["--max_steps", "2", "--num_expert_rows", "8", "--num_eval_rows", "4",
-                              "--eval_max_new_tokens", "8", "--eval_batch_size", "4", "--per_device_train_batch_size", "2",
-                              "--lora_r", "4", "--lora_alpha", "8"]),
-    "step_grpo": ("step_grpo_cpu", ["--max_steps", "2", "--num_tasks", "8", "--max_completion_length", "8",
-                                    "--max_env_steps", "2"]),
+    "train-sft": (
+        "sft_cpu",
+        [
+            "--max_steps",
+            "2",
+            "--num_expert_rows",
+            "8",
+            "--num_eval_rows",
+            "4",
+            "--eval_max_new_tokens",
+            "8",
+            "--eval_batch_size",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+        ],
+    ),
+    "train-dpo": (
+        "dpo_cpu",
+        [
+            "--max_steps",
+            "2",
+            "--num_expert_rows",
+            "8",
+            "--num_eval_rows",
+            "4",
+            "--eval_max_new_tokens",
+            "8",
+            "--eval_batch_size",
+            "4",
+            "--per_device_train_batch_size",
+            "2",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+        ],
+    ),
+    "step_grpo": (
+        "step_grpo_cpu",
+        ["--max_steps", "2", "--num_tasks", "8", "--max_completion_length", "8", "--max_env_steps", "2"],
+    ),
 }
 RUNS["ppo"] = ("ppo_cpu", RL_TINY + ["--critic_warmup_steps", "1"])
 
@@ -45,8 +100,19 @@ RUNS["ppo"] = ("ppo_cpu", RL_TINY + ["--critic_warmup_steps", "1"])
 def run_recipe(name: str, tiny_model_dir: str, output_dir: Path, *extra: str):
     config, tiny = RUNS[name]
     command = name.split("-")[0]
-    return cli([command, "--config", config, "--model_name_or_path", tiny_model_dir, "--output_dir", str(output_dir),
-                *tiny, *extra])
+    return cli(
+        [
+            command,
+            "--config",
+            config,
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(output_dir),
+            *tiny,
+            *extra,
+        ]
+    )
 
 
 def summary(output_dir: Path) -> dict:
@@ -58,8 +124,13 @@ def test_recipe_trains_two_steps_and_writes_its_outputs(name, tmp_path, tiny_mod
     trainer = run_recipe(name, tiny_model_dir, tmp_path)
     assert trainer.state.global_step == 2
     files = set(os.listdir(tmp_path))
-    assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "training_log.json",
-            "training_curves.png"} <= files, files
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "README.md",
+        "training_log.json",
+        "training_curves.png",
+    } <= files, files
     log = json.loads((tmp_path / "training_log.json").read_text())
     assert log["summary"]["global_step"] == 2
     assert [e["step"] for e in log["log_history"] if "loss" in e and "train_runtime" not in e] == [1, 2]
@@ -92,8 +163,13 @@ def test_recipe_pushes_adapter_tokenizer_and_card_to_the_hub(name, tmp_path, tin
     no_eval = [] if name == "step_grpo" else ["--eval_accuracy", "false"]
     run_recipe(name, tiny_model_dir, tmp_path, "--push_to_hub", "--hub_model_id", repo, *no_eval)
     pushed = fake_hub.files(repo)
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
-            "README.md"} <= set(pushed), sorted(pushed)
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= set(pushed), sorted(pushed)
     assert "## Algorithm:" in pushed["README.md"].decode()
     local = load_file(tmp_path / "adapter_model.safetensors")
     (tmp_path / "pushed.safetensors").write_bytes(pushed["adapter_model.safetensors"])
@@ -105,8 +181,16 @@ def test_pushed_recipe_adapter_loads_with_from_pretrained(tmp_path, tiny_model_d
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer = run_recipe("chord", tiny_model_dir, tmp_path, "--push_to_hub", "--hub_model_id", "tester/chord-load",
-                         "--eval_accuracy", "false")
+    trainer = run_recipe(
+        "chord",
+        tiny_model_dir,
+        tmp_path,
+        "--push_to_hub",
+        "--hub_model_id",
+        "tester/chord-load",
+        "--eval_accuracy",
+        "false",
+    )
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), "tester/chord-load")
     trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
     pulled = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
@@ -124,8 +208,19 @@ def test_recipe_logs_to_trackio_offline(tmp_path, tiny_model_dir, monkeypatch):
             for attr, sub in (("TRACKIO_DIR", ""), ("MEDIA_DIR", "media"), ("ARTIFACTS_DIR", "artifacts")):
                 if hasattr(module, attr):
                     monkeypatch.setattr(module, attr, trackio_dir / sub if sub else trackio_dir)
-    run_recipe("chord", tiny_model_dir, tmp_path / "out", "--eval_accuracy", "false", "--report_to", "trackio",
-               "--project", "recipe-tracking", "--trackio_static_space_id", "false")
+    run_recipe(
+        "chord",
+        tiny_model_dir,
+        tmp_path / "out",
+        "--eval_accuracy",
+        "false",
+        "--report_to",
+        "trackio",
+        "--project",
+        "recipe-tracking",
+        "--trackio_static_space_id",
+        "false",
+    )
     database = trackio_dir / "recipe-tracking.db"
     assert database.exists()
     rows = [json.loads(r[0]) for r in sqlite3.connect(database).execute("SELECT metrics FROM metrics")]
@@ -139,17 +234,40 @@ def test_accelerate_configs_load():
     for path in sorted((REPO / "recipes" / "accelerate").glob("*.yaml")):
         config = ClusterConfig.from_yaml_file(str(path))
         kinds[path.stem] = (config.distributed_type.value, (config.deepspeed_config or {}).get("zero_stage"))
-    assert kinds == {"ddp": ("MULTI_GPU", None), "fsdp": ("FSDP", None), "zero2": ("DEEPSPEED", 2),
-                     "zero3": ("DEEPSPEED", 3)}
+    assert kinds == {
+        "ddp": ("MULTI_GPU", None),
+        "fsdp": ("FSDP", None),
+        "zero2": ("DEEPSPEED", 2),
+        "zero3": ("DEEPSPEED", 3),
+    }
 
 
 def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_model_dir):
     """What the README's multi-GPU command does, on CPU: `accelerate launch` starts 2 processes of the recipe."""
     config, tiny = RUNS["chord"]
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "recipes" / "chord.py"), "--config", config, "--model_name_or_path", tiny_model_dir,
-               "--output_dir", str(tmp_path), *tiny, "--num_eval_rows", "6"]
+    command = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "recipes" / "chord.py"),
+        "--config",
+        config,
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--output_dir",
+        str(tmp_path),
+        *tiny,
+        "--num_eval_rows",
+        "6",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -5,6 +5,7 @@ Importing this package is cheap: transformers and torch are imported only when a
 """
 
 from .arithmetic import (
+    accuracy_by_kind,
     arithmetic_dataset,
     arithmetic_expert_dataset,
     arithmetic_preference_dataset,
@@ -25,19 +26,20 @@ from .model import (
 )
 
 __all__ = [
-    "arithmetic_dataset",
-    "arithmetic_expert_dataset",
-    "arithmetic_preference_dataset",
-    "arithmetic_reward",
-    "evaluate_accuracy",
-    "extract_answer",
     "BUNDLED",
     "BUNDLED_GGUF_FILE",
     "BUNDLED_MODEL_HUB_ID",
     "BUNDLED_MODEL_NAME",
     "BUNDLED_MODEL_PACKAGE",
+    "accuracy_by_kind",
+    "arithmetic_dataset",
+    "arithmetic_expert_dataset",
+    "arithmetic_preference_dataset",
+    "arithmetic_reward",
     "bundled_gguf_path",
     "bundled_model_dir",
     "default_cache_dir",
+    "evaluate_accuracy",
+    "extract_answer",
     "resolve_model",
 ]
