@@ -486,13 +486,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(args, records: list[dict], out: Path, description: str, load_start, command: str) -> dict:
+def write_report(
+    args, records: list[dict], out: Path, description: str, load_start, command: str, measured: dict | None = None
+) -> dict:
+    measured = measured or {}
     report = {
         "benchmark": "learning",
-        "command": command,
-        "machine": bc.machine_description(args.device),
-        "load_average_start": load_start,
-        "load_average_end": bc.loadavg(),
+        "command": measured.get("command", command),
+        "machine": measured.get("machine", bc.machine_description(args.device)),
+        "load_average_start": measured.get("load_average_start", load_start),
+        "load_average_end": measured.get("load_average_end", bc.loadavg()),
         "model_description": description,
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "note", "from_runs")},
         "settings": settings_key(args),
@@ -602,7 +605,10 @@ def main(argv=None) -> int:
     load_start = bc.loadavg()
     records = load_runs(runs_path, key)
     if args.report_only:
-        write_report(args, records, out, description, load_start, command)
+        # re-rendering trains nothing: keep the machine, load and command recorded by the process that trained
+        previous = out / "learning.json"
+        measured = json.loads(previous.read_text()) if previous.exists() else {}
+        write_report(args, records, out, description, load_start, command, measured)
         return 0
 
     import torch

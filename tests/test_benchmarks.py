@@ -131,6 +131,15 @@ def test_learning_quick_tiny_and_resume(tmp_path):
     png = tmp_path / "learning.png"
     if png.exists():  # matplotlib is optional
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # re-rendering trains nothing, adds the notes and keeps what the training process recorded
+    report["machine"]["cpu"] = "the machine that trained"
+    (tmp_path / "learning.json").write_text(json.dumps(report))
+    _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo", "chord_mu", "--report-only", "--note", "a reading")
+    assert len((tmp_path / "learning_runs.jsonl").read_text().splitlines()) == 4
+    rendered = _load(tmp_path / "learning.json")
+    assert rendered["machine"]["cpu"] == "the machine that trained"
+    assert rendered["command"] == report["command"] and rendered["summary"] == report["summary"]
+    assert "- a reading" in (tmp_path / "learning.md").read_text()
 
 
 def test_prefix_packing_quick(tmp_path):
