@@ -36,8 +36,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
-# of recipes/accelerate/ (tests/engines/test_engines.py): about 8 minutes on a 2-core machine, plus about 2 minutes
-# the first time, when DeepSpeed JIT-builds its shm_comm op (cached in ~/.cache/torch_extensions).
+# of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first
+# run's JIT build of DeepSpeed's shm_comm op (cached in ~/.cache/torch_extensions). .ci/run runs it after make test.
 test-distributed: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed
 

@@ -126,7 +126,6 @@ def build_trainer(overrides: list[str], output_dir: str):
         load_task,
         parse,
         peft_config,
-        resolve_model,
         reward_functions,
     )
     from trinity_trl.trainers import ChordConfig, ChordTrainer
@@ -135,10 +134,10 @@ def build_trainer(overrides: list[str], output_dir: str):
     for item in overrides:
         key, _, value = item.partition("=")
         argv += [f"--{key}", value]
-    script_args, training_args = parse((RecipeArguments, ChordConfig), argv)
+    script_args, training_args = parse((RecipeArguments, ChordConfig), argv, "chord")
     task = load_task(script_args, seed=training_args.seed, with_expert=True)
     trainer = ChordTrainer(
-        model=resolve_model(script_args.model_name_or_path),
+        model=script_args.model_name_or_path,  # the trainers resolve "bundled" themselves
         reward_funcs=reward_functions(script_args.reward_funcs),
         args=training_args,
         train_dataset=task.train,
@@ -254,8 +253,10 @@ def lora_overhead(trainer, task, script_args, reps: int = 3) -> dict:
     ]
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids = torch.cat([batch["input_ids"], torch.full((12, 40), 42)], dim=1)  # training shape: prompt + 40 tokens
+    rows = len(texts)  # 12, or the whole held-out set when smaller
+    ids = torch.cat([batch["input_ids"], torch.full((rows, 40), 42)], dim=1)  # training shape: prompt + 40 tokens
     mask = torch.ones_like(ids)
+    decode = ids[:, -1:].repeat(5, 1)[:50]
 
     def timed(model, **inputs):
         samples = []
@@ -270,8 +271,8 @@ def lora_overhead(trainer, task, script_args, reps: int = 3) -> dict:
     peft_model.eval()
     result = {}
     for label, inputs in (
-        ("train shape (12 x prompt+40)", {"input_ids": ids, "attention_mask": mask}),
-        ("decode shape (50 x 1 token)", {"input_ids": ids[:, -1:].repeat(5, 1)[:50]}),
+        (f"train shape ({rows} x prompt+40)", {"input_ids": ids, "attention_mask": mask}),
+        (f"decode shape ({len(decode)} x 1 token)", {"input_ids": decode}),
     ):
         with_lora, without = timed(peft_model, **inputs), timed(plain, **inputs)
         result[label] = {"lora_cpu_s": with_lora, "plain_cpu_s": without, "overhead": with_lora / without - 1}
@@ -280,7 +281,7 @@ def lora_overhead(trainer, task, script_args, reps: int = 3) -> dict:
 
 
 def resolve(script_args) -> str:
-    from trinity_trl.recipes.common import resolve_model
+    from trinity_trl.data.model import resolve_model
 
     return resolve_model(script_args.model_name_or_path)
 

@@ -154,3 +154,21 @@ def test_prefix_packing_quick(tmp_path):
     assert comparison["equivalence"]["equivalent"], comparison["equivalence"]
     assert report["not_measured"] == [] and "headline_met" in report["summary"]
     assert "| tiny | 32 | 8 | 4 |" in (tmp_path / "prefix_packing.md").read_text()
+
+
+def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
+    """The demo's own trainer, built from its config with overrides; each phase is timed and the shares add up."""
+    small = ["num_train_rows=8", "num_eval_rows=4", "eval_batch_size=4", "eval_max_new_tokens=4"]
+    small += ["max_completion_length=4", "num_expert_rows=8", "lora_r=4", "lora_alpha=8"]
+    sets = [arg for pair in zip(["--set"] * 9, [f"model_name_or_path={tiny_model_dir}", *small]) for arg in pair]
+    _run("demo_profile.py", *sets, "--warmup", "0", "--steps", "1", "--label", "t", "--out", str(tmp_path))
+    report = _load(tmp_path / "demo_profile-t.json")
+    _check_machine(report)
+    assert report["eval"]["rows"] == 4 and report["gradient_checkpointing"] is False  # the CPU default
+    for part in ("eval", "step"):
+        phases = {row["phase"]: row for row in report[part]["phases"]}
+        assert abs(sum(row["share"] for row in phases.values()) - 1.0) < 1e-6, part
+    assert {"backward", "optimizer step", "loss/log-prob helper/forward"} <= set(phases)
+    assert set(report["lora"]) == {"train shape (4 x prompt+40)", "decode shape (20 x 1 token)"}  # 4 held-out rows
+    assert all(v["lora_cpu_s"] > 0 and v["plain_cpu_s"] > 0 for v in report["lora"].values())
+    assert "## One training step" in (tmp_path / "demo_profile-t.md").read_text()
