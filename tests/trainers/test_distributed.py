@@ -41,7 +41,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "equivalence.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CASES = ("grpo", "reinforceplusplus", "cispo_global", "cispo_micro", "sapo", "chord", "step_grpo")
+CASES = ("grpo", "grpo_refill", "reinforceplusplus", "cispo_global", "cispo_micro", "sapo", "chord", "step_grpo")
 GLOBAL_ROLLOUTS = 8
 GLOBAL_EXPERT_ROWS = 4
 LAUNCH_TIMEOUT_S = 300
@@ -141,6 +141,18 @@ def test_grpo_one_vs_two_processes(runs: Path):
     advantages = _scalar_advantages(one["rollouts"])
     # each group's advantages are z-scores with distinct patterns: a slice from the wrong group would not match
     assert advantages[:4] != advantages[4:] and any(abs(a) > 0.5 for a in advantages)
+    _assert_same_step(one, ranks)
+
+
+def test_duplicate_experiences_refill_across_processes(runs: Path):
+    """GRPO's duplicate_experiences: the filtered group (rank 0's) is refilled with copies of the kept group, which
+    lives on rank 1; both ranks train the same rows, advantages, loss and gradient as one process."""
+    one, ranks = _load(runs, "grpo_refill")
+    # the 1-process batch: the first group's rows became copies of the second group's (nothing dropped)
+    assert one["rollouts"][:4] == one["rollouts"][4:]
+    assert any(abs(a) > 0.5 for a in _scalar_advantages(one["rollouts"]))
+    # on 2 processes rank 0's rows are the copies drawn from rank 1's group
+    assert ranks[0]["rollouts"] == ranks[1]["rollouts"]
     _assert_same_step(one, ranks)
 
 

@@ -18,7 +18,7 @@ backward of the step, flattened and concatenated in `named_parameters()` order: 
 optimizer step; clipping is disabled) and `grad_norm`.
 
 Usage: equivalence.py MODEL_DIR OUT_DIR CASE [CASE ...]
-(CASE in grpo, reinforceplusplus, cispo_global, cispo_micro, sapo, chord, step_grpo)
+(CASE in grpo, grpo_refill, reinforceplusplus, cispo_global, cispo_micro, sapo, chord, step_grpo)
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ def digit_reward(completions, **kwargs):
     return out
 
 
+def flat_first_group_reward(prompts, completions, **kwargs):
+    """0.5 for every completion of the prompt "What is 1+1?" (a group with zero spread), digit_reward elsewhere."""
+    digits = digit_reward(completions)
+    return [0.5 if "1+1" in prompt[-1]["content"] else d for prompt, d in zip(prompts, digits)]
+
+
 def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
     return ids[mask.bool()].tolist()
 
@@ -164,6 +170,14 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
         # halves hold the same number of loss tokens, hence equal-length completions here (ragged=False).
         args = TrinityConfig(algorithm="grpo", **common)
         cls, ragged = TrinityTrainer, False
+    elif case == "grpo_refill":
+        # DAPO-style dynamic sampling: prompt 1+1's group has equal rewards (flat_first_group_reward) and is filtered
+        # (std_threshold 0); duplicate_experiences refills its rows with copies of prompt 2+1's group. On 2
+        # processes the filtered group is rank 0's and the kept one rank 1's, so the copies cross processes.
+        args = TrinityConfig(
+            algorithm="grpo", advantage_fn_args={"std_threshold": 0.0, "duplicate_experiences": True}, **common
+        )
+        cls, ragged = TrinityTrainer, False
     elif case == "reinforceplusplus":
         # ragged completions, so the batch advantage function sees padded (B, T) tensors gathered from processes of
         # different widths. seq-mean-token-mean: the mean over rows of per-row token means; each process has the same
@@ -211,7 +225,7 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
     grads = GradRecorder()
     trainer = recording(cls)(
         model=model_dir,
-        reward_funcs=[digit_reward],
+        reward_funcs=[flat_first_group_reward if case == "grpo_refill" else digit_reward],
         args=args,
         train_dataset=dataset,
         rollout_func=make_rollout_func(ragged),
