@@ -191,6 +191,10 @@ def _assert_weights_close(expected: dict, got: dict, atol: float, what: str) -> 
         torch.testing.assert_close(got[name], value, atol=atol, rtol=0, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
+# every engine with every case it runs (the refused pairs are checked by test_the_launch_sets_up_the_engine_asked_for)
+COMPARED = [(engine, case) for engine in ENGINES for case in CASES if not refused(engine, case)]
+
+
 @pytest.mark.parametrize("engine", ("ddp", *ENGINES))
 def test_the_launch_sets_up_the_engine_asked_for(runs, engine):
     for case in CASES:
@@ -207,11 +211,8 @@ def test_the_launch_sets_up_the_engine_asked_for(runs, engine):
         assert {f"checkpoint-{SAVE_STEPS}", f"checkpoint-{STEPS}"} <= set(ranks[0]["checkpoints"])
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("engine", "case"), COMPARED)
 def test_same_losses_and_weights_as_ddp(runs, engine, case):
-    if refused(engine, case):
-        pytest.skip("refused under DeepSpeed (test_the_launch_sets_up_the_engine_asked_for checks the message)")
     ddp, other = Runs.load(runs.straight("ddp"), case), Runs.load(runs.straight(engine), case)
     for rank in (0, 1):
         # the same first generation batch: sampling from the (gathered) weights read from disk (SFT/DPO: fixed rows)
@@ -231,13 +232,10 @@ def test_same_losses_and_weights_as_ddp(runs, engine, case):
         )
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("engine", "case"), COMPARED)
 def test_resume_skips_the_incomplete_checkpoint_and_reproduces_the_run(runs, engine, case):
     from trinity_trl.trainers.checkpoint import COMPLETE_FILE
 
-    if refused(engine, case):
-        pytest.skip("refused under DeepSpeed (test_the_launch_sets_up_the_engine_asked_for checks the message)")
     straight, resumed = Runs.load(runs.straight(engine), case), Runs.load(runs.resumed(engine), case)
     partial = runs.resumed(engine) / case / f"checkpoint-{STEPS}"
     assert (
