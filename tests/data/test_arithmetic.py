@@ -367,8 +367,8 @@ def _synced_worker(rank: int, model_dir: str, store: str, eos: list[int], out: s
         )
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"completions": completions, "forward_calls": calls[0]}, f)
-        # no process tears the group down while the other may still have a collective in flight (once, in CI, a
-        # process aborted in gloo's teardown: "terminate called without an active exception")
+        # without the barrier a process can abort in gloo's teardown with SIGABRT (notes/TRL_1_16.md §7; seen once
+        # here: "terminate called without an active exception"), as in tests/trainers/dist_scripts/
         dist.barrier()
     finally:
         dist.destroy_process_group()
