@@ -77,6 +77,12 @@ EXPECTED = {  # what Accelerate must have set up: (distributed type, ZeRO stage,
 LOGGED = ("loss", "grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/grad_norm", "reward")
 
 
+def require_deepspeed() -> None:
+    """A missing deepspeed is a broken set-up, not a reason to skip: the ZeRO tests would pass without running."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("deepspeed is not installed (it comes with the test extra: pip install -e '.[test]')")
+
+
 class Runs:
     """Launches each engine's runs once per module, when a test first needs them."""
 
@@ -85,8 +91,8 @@ class Runs:
         self._done: dict[tuple[str, str], Path] = {}
 
     def _launch(self, engine: str, kind: str, *extra: str) -> Path:
-        if engine.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-            pytest.skip("deepspeed is not installed (it comes with the test extra: pip install -e '.[test]')")
+        if engine.startswith("zero"):
+            require_deepspeed()
         key = (engine, kind)
         if key not in self._done:
             out = self.root / f"{engine}_{kind}"
@@ -132,8 +138,8 @@ class Runs:
 
     def bf16(self, engine: str) -> Path:
         """The shipped config's own mixed precision (bf16), 2 steps of TrinityTrainer and PPOTrainer."""
-        if engine.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-            pytest.skip("deepspeed is not installed (it comes with the test extra: pip install -e '.[test]')")
+        if engine.startswith("zero"):
+            require_deepspeed()
         key = (engine, "bf16")
         if key not in self._done:
             out = self.root / f"{engine}_bf16"
@@ -358,8 +364,7 @@ def test_the_chord_recipe_under_zero3_with_held_out_accuracy(tmp_path, tiny_mode
 
     from engine_helpers import REPO_ROOT
 
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (it comes with the test extra: pip install -e '.[test]')")
+    require_deepspeed()
     options = [
         "--config",
         "chord_cpu",
