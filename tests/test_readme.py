@@ -1,9 +1,11 @@
-"""Every Python block of the README runs as written (issue 14 item 1), with only what a GPU machine and the Hub
-would change: the model becomes the tiny test model, steps, completions and dataset sizes shrink, and Hub pushes go
-to the local fake Hub. A block that breaks (an undefined name, a wrong argument, a renamed API) fails here.
+"""Every Python block of the README and of the docs pages (docs/**/*.md) runs as written (issue 14 item 1, issue 26
+item 6), with only what a GPU machine and the Hub would change: the model becomes the tiny test model, steps,
+completions and dataset sizes shrink, and Hub pushes go to the local fake Hub. A block that breaks (an undefined name,
+a wrong argument, a renamed API) fails here.
 
 All blocks run in one fresh interpreter (one `import trl` instead of one per block), each in its own namespace and
-working directory, in README order.
+working directory, README first, then the docs pages in path order. A block that appears on several pages (the
+README's quick starts are repeated on the trainers' pages) runs once and counts for each page.
 """
 
 from __future__ import annotations
@@ -17,11 +19,25 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = [
-    (README.read_text()[: m.start()].count("\n") + 1, m.group(1))
-    for m in re.finditer(r"```python\n(.*?)```", README.read_text(), re.S)
-]
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """``(line, code)`` of every ```python block of a Markdown file."""
+    text = path.read_text()
+    return [(text[: m.start()].count("\n") + 1, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+# ("README.md:12" or "docs/trainers/chord.md:30", code), in run order
+BLOCKS = [(f"{path.relative_to(ROOT)}:{line}", code) for path in PAGES for line, code in python_blocks(path)]
+README_BLOCKS = [code for name, code in BLOCKS if name.startswith("README.md:")]
+# one run per distinct block, named after its first place, in run order
+FIRST_PLACE: dict[str, str] = {}
+for _name, _code in BLOCKS:
+    FIRST_PLACE.setdefault(_code, _name)
+UNIQUE_BLOCKS = list(FIRST_PLACE.items())
 
 # what changes between a GPU machine with the Hub and this CPU test run
 SUBSTITUTIONS = [
@@ -36,15 +52,15 @@ SUBSTITUTIONS = [
 RUNNER = """
 import json, os, sys, traceback
 results = {}
-for line, path in json.loads(sys.argv[1]):
-    folder = os.path.join(os.path.dirname(path), f"block-{line}")
+for name, path in json.loads(sys.argv[1]):
+    folder = os.path.join(os.path.dirname(path), "run-" + os.path.basename(path)[:-3])
     os.makedirs(folder, exist_ok=True)
     os.chdir(folder)
     try:
-        exec(compile(open(path).read(), f"README.md:{line}", "exec"), {"__name__": "__main__"})
-        results[line] = None
+        exec(compile(open(path).read(), name, "exec"), {"__name__": "__main__"})
+        results[name] = None
     except BaseException:
-        results[line] = traceback.format_exc()[-3000:]
+        results[name] = traceback.format_exc()[-3000:]
 print("RESULTS " + json.dumps(results), flush=True)
 """
 
@@ -74,16 +90,16 @@ def readme_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def block_results(tmp_path_factory, readme_model_dir):
-    """Run every block once; ``{line: None or the traceback}`` and the fake Hub that received the pushes."""
+    """Run every distinct block once; ``{code: None or the traceback}`` and the fake Hub that received the pushes."""
     from fake_hub import FakeHub
 
     tiny_model_dir = readme_model_dir
     root = tmp_path_factory.mktemp("readme")
     scripts = []
-    for line, code in BLOCKS:
-        path = root / f"block_{line}.py"
+    for index, (code, name) in enumerate(UNIQUE_BLOCKS):
+        path = root / f"block_{index}.py"
         path.write_text(adapted(code, tiny_model_dir))
-        scripts.append((line, str(path)))
+        scripts.append((name, str(path)))
     hub = FakeHub().start()
     env = {
         **os.environ,
@@ -104,24 +120,36 @@ def block_results(tmp_path_factory, readme_model_dir):
         )
         lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]
         assert lines, result.stderr[-3000:]
-        yield {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULTS ")).items()}, hub
+        by_name = json.loads(lines[-1].removeprefix("RESULTS "))
+        yield {code: by_name[name] for code, name in UNIQUE_BLOCKS}, hub
     finally:
         hub.stop()
 
 
-def test_the_readme_has_its_quick_starts():
-    codes = [code for _, code in BLOCKS]
-    assert len(codes) >= 10
-    assert 'model="bundled"' in codes[0]  # the first quick start runs offline
-    assert not any(re.search(r"[(\\[,=] *\\.\\.\\.", code) for code in codes), (
-        "a block with a `...` argument cannot run"
-    )
+def test_the_readme_has_a_quick_start_per_trainer():
+    assert 'model="bundled"' in README_BLOCKS[0]  # the first quick start runs offline
+    for trainer in (
+        "ChordTrainer",
+        "CISPOTrainer",
+        "SAPOTrainer",
+        "StepGRPOTrainer",
+        "TrinityTrainer",
+        "PPOTrainer",
+        "TrinitySFTTrainer",
+        "TrinityDPOTrainer",
+    ):
+        assert any(f"{trainer}(" in code for code in README_BLOCKS), f"no README quick start builds {trainer}"
 
 
-@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_block_runs(line, code, block_results):
+def test_no_block_has_an_elided_argument():
+    for name, code in BLOCKS:
+        assert not re.search(r"[(\\[,=] *\\.\\.\\.", code), f"{name}: a block with a `...` argument cannot run"
+
+
+@pytest.mark.parametrize("name, code", BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_block_runs(name, code, block_results):
     results, hub = block_results
-    assert results[line] is None, results[line]
+    assert results[code] is None, results[code]
     if "hub_model_id" in code:
         repo = re.search(r'hub_model_id="you/([^"]+)"', code).group(1)
         assert "README.md" in hub.files(f"tester/{repo}")

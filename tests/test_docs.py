@@ -1,0 +1,94 @@
+"""The docs (docs/, built by `make docs` with `mkdocs build --strict`, which checks the links between pages): the
+README stays short and links only to pages that exist, and every docs section the code cites exists.
+
+Pages written on other branches of issue 26 that are not merged yet (the stand-ins of
+docs/_hooks/pages_from_other_branches.py) count as existing, without anchors.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+CITING = ["trinity_trl", "recipes", "tests", "benchmarks"]
+# a cited docs section: the docs folder, a page path, an optional #anchor (built so this file does not cite itself)
+CITATION = re.compile("docs" + r"/([\w./-]+\.md)(?:#([\w-]+))?")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*(?:\{\s*#([\w-]+)\s*\})?\s*$")
+
+
+def pending_pages() -> set[str]:
+    text = (DOCS / "_hooks" / "pages_from_other_branches.py").read_text()
+    return set(re.findall(r'"([\w-]+\.md)":', text))
+
+
+def slugify(text: str) -> str:
+    """The anchor Python-Markdown's toc extension gives a heading without an explicit ``{ #id }``."""
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    found, in_code = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        match = None if in_code else HEADING.match(line)
+        if match:
+            found.add(match.group(2) or slugify(match.group(1)))
+    return found
+
+
+def citations() -> list[tuple[str, str, str | None]]:
+    """``(where, page, anchor)`` for every docs section cited in the code, the tests and the benchmarks."""
+    cited = []
+    for folder in CITING:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in {".py", ".md", ".yaml", ".yml", ".txt"} or not path.is_file():
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                for match in CITATION.finditer(line):
+                    cited.append((f"{path.relative_to(ROOT)}:{number}", match.group(1), match.group(2)))
+    return cited
+
+
+def test_the_readme_is_at_most_300_lines():
+    assert len(README.read_text().splitlines()) <= 300
+
+
+def test_the_readme_links_to_pages_that_exist():
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([\w-]+))?\)", README.read_text())
+    assert links, "the README links to no docs page"
+    for target, anchor in links:
+        page = ROOT / target
+        if page.name in pending_pages() and not page.exists():
+            assert not anchor, f"README links to {target}#{anchor}, a page from another branch"
+            continue
+        assert page.is_file(), f"README links to {target}, which does not exist"
+        if anchor:
+            assert anchor in anchors(page), f"README links to {target}#{anchor}: no such heading"
+
+
+def test_the_helpers_read_headings_and_citations():
+    # the anchor rules the citations rely on, on a page whose headings are known
+    page_anchors = anchors(DOCS / "algorithms" / "policy-losses.md")
+    assert {"cispo", "ppo", "sequence-masking"} <= page_anchors
+    assert slugify("Any preset: `TrinityTrainer`") == "any-preset-trinitytrainer"
+    assert CITATION.findall("see " + "docs" + "/algorithms/kl.md#kl-loss.") == [("algorithms/kl.md", "kl-loss")]
+
+
+@pytest.mark.parametrize("where, page, anchor", citations())
+def test_every_cited_docs_section_exists(where, page, anchor):
+    path = DOCS / page
+    if page in pending_pages() and not path.exists():
+        assert anchor is None, f"{where} cites {page}#{anchor}: the page is not here yet, cite it without an anchor"
+        return
+    assert path.is_file(), f"{where} cites docs/{page}, which does not exist"
+    if anchor:
+        assert anchor in anchors(path), f"{where} cites docs/{page}#{anchor}: no such heading on that page"
