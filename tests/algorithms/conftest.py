@@ -1,4 +1,5 @@
-"""Input builders for the reference values of spec §14 (built exactly as the spec says), and fixtures."""
+"""Input builders for the reference values of docs/algorithms/reference-values.md (built exactly as it says), and
+fixtures."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from trinity_trl.algorithms.experience import EID, Experience
 
 
 def make_policy_data() -> dict[str, torch.Tensor]:
-    """Spec §14.1: seed 42, shape (5, 20), drawn in the order ℓ, ℓo, ℓr, m, A, e."""
+    """docs/algorithms/reference-values.md#policy-loss-values: seed 42, shape (5, 20), drawn in the order ℓ, ℓo, ℓr, m,
+    A, e."""
     torch.manual_seed(42)
     shape = (5, 20)
     logprob = 2 * torch.rand(shape) - 1
@@ -30,7 +32,8 @@ def make_policy_data() -> dict[str, torch.Tensor]:
 
 
 def make_kl_data() -> dict[str, torch.Tensor]:
-    """Spec §14.2: seed 42, shape (4, 10), drawn in the order ℓ, ℓr, ℓo, m, then H."""
+    """docs/algorithms/reference-values.md#kl-entropy-values: seed 42, shape (4, 10), drawn in the order ℓ, ℓr, ℓo, m,
+    then H."""
     torch.manual_seed(42)
     shape = (4, 10)
     logprob = 2 * torch.rand(shape) - 1
@@ -66,8 +69,8 @@ GROUP_REWARDS = {0: [1.0, 0.0, 0.0, 1.0], 1: [0.5, 0.2, 0.9, 0.1], 2: [0.3, 0.3,
 
 
 def make_group_experiences(tasks=(0, 1, 2, 3)) -> list[Experience]:
-    """Spec §14.3: batch 0, 6 tokens with prompt_length 2, mask [1,1,1,1] (even run) / [1,1,1,0]
-    (odd run), logprobs of run i constant −0.1·(i+1)."""
+    """docs/algorithms/reference-values.md#group-advantage-values: batch 0, 6 tokens with prompt_length 2, mask
+    [1,1,1,1] (even run) / [1,1,1,0] (odd run), logprobs of run i constant −0.1·(i+1)."""
     exps = []
     for task in tasks:
         for run, reward in enumerate(GROUP_REWARDS[task]):
@@ -86,8 +89,8 @@ def make_group_experiences(tasks=(0, 1, 2, 3)) -> list[Experience]:
 
 
 def make_step_experiences(non_last_reward: float = 9.0) -> list[Experience]:
-    """Spec §14.3 step-wise data: task 0 runs of 1/2/3 steps (last rewards 1.0, 0.0, 0.5), task 1
-    two runs of 2 steps (0.2 each), task 2 one run of 1 step (0.9); mask [1,1,0]."""
+    """docs/algorithms/reference-values.md#group-advantage-values step-wise data: task 0 runs of 1/2/3 steps (last
+    rewards 1.0, 0.0, 0.5), task 1 two runs of 2 steps (0.2 each), task 2 one run of 1 step (0.9); mask [1,1,0]."""
     runs = {0: [(1, 1.0), (2, 0.0), (3, 0.5)], 1: [(2, 0.2), (2, 0.2)], 2: [(1, 0.9)]}
     exps = []
     for task, task_runs in runs.items():
@@ -115,7 +118,8 @@ UID = ["a", "a", "a", "b", "b", "c"]
 
 
 def make_batch(uid=None) -> dict:
-    """Spec §14.4: B=6, T=5, each reward at the last valid token, uid [a, a, a, b, b, c]."""
+    """docs/algorithms/reference-values.md#batch-advantage-values: B=6, T=5, each reward at the last valid token, uid
+    [a, a, a, b, b, c]."""
     mask = torch.tensor(MASK_ROWS, dtype=torch.bool)
     rewards = scalar_rewards_to_token_level(torch.tensor(ROW_REWARDS), mask)
     return {"token_level_rewards": rewards, "response_mask": mask, "uid": list(UID) if uid is None else uid}

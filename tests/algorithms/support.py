@@ -1,4 +1,5 @@
-"""Helpers shared by the algorithm tests (not test data: the spec §14 builders are in conftest.py)."""
+"""Helpers shared by the algorithm tests (not test data: the builders of docs/algorithms/reference-values.md are in
+conftest.py)."""
 
 from __future__ import annotations
 
@@ -121,9 +122,11 @@ METRIC_NAMES = {
 
 
 def assert_reference_values(policy_data, key, overrides, loss, metrics):
-    """The loss and metrics of ``key`` (from its default_args() plus ``overrides``) on spec §14.1 data."""
+    """The loss and metrics of ``key`` (from its default_args() plus ``overrides``) on
+    docs/algorithms/reference-values.md#policy-loss-values data."""
     value, got = build(key, **overrides)(**policy_data)
-    assert value.dim() == 0 and value.requires_grad is False  # §14.1 data holds plain tensors
+    assert value.dim() == 0 and value.requires_grad is False  # docs/algorithms/reference-values.md#policy-loss-values
+    # data holds plain tensors
     assert value.item() == pytest.approx(loss, abs=1e-6)
     assert set(got) == METRIC_NAMES[key]
     assert all(type(v) is float for v in got.values())

@@ -1,5 +1,5 @@
-"""``default_args()`` of every registered component, pinned (spec §0.4, §1-§12), and the rule that
-derives it from the constructor signature (``args.py``).
+"""``default_args()`` of every registered component, pinned (docs/algorithms/index.md#default-arguments and each
+component's section), and the rule that derives it from the constructor signature (``args.py``).
 
 The dicts below were taken from the hand-written ``default_args()`` methods before they were derived
 from the constructor signatures; the derivation must reproduce them value for value, including
@@ -109,7 +109,7 @@ def test_constructor_defaults_equal_default_args_except_gspo(policy_data):
             continue
         cls = POLICY_LOSS_FN.get(key)
         assert cls()(**four_rows)[0].item() == build(key)(**four_rows)[0].item(), key
-    # GSPO's constructor has no clip range at all (spec §2)
+    # GSPO's constructor has no clip range at all (docs/algorithms/policy-losses.md#gspo)
     with pytest.raises(ValueError, match="clip range is unresolved"):
         POLICY_LOSS_FN.get("gspo")()
     assert POLICY_LOSS_FN.get("gspo")(clip_range=0.2).clip_range_low == 0.2

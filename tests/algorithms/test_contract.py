@@ -73,7 +73,8 @@ def test_policy_loss_all_zero_mask_is_zero_not_nan(name):
     loss, metrics = _build(name)(**batch)
     loss.backward()
     if name == "dpo":
-        # DPO's log-ratio sums are 0, so the loss is -logsigmoid(0) = ln 2 (spec §8.5), still finite
+        # DPO's log-ratio sums are 0, so the loss is -logsigmoid(0) = ln 2 (docs/algorithms/policy-losses.md#dpo), still
+        # finite
         assert loss.item() == pytest.approx(math.log(2.0))
     else:
         assert loss.item() == 0.0
@@ -98,7 +99,8 @@ def test_nan_and_inf_in_masked_positions_cannot_leak(name, poison):
     assert torch.equal(loss_clean.detach(), loss_dirty.detach())
     assert torch.equal(clean["logprob"].grad, dirty["logprob"].grad)
     for key, value in metrics_clean.items():
-        if key == "seq_mask/masked_tokens":  # counts padded positions by definition (spec §1.3)
+        if key == "seq_mask/masked_tokens":  # counts padded positions by definition
+            # (docs/algorithms/policy-losses.md#sequence-masking)
             continue
         assert metrics_dirty[key] == pytest.approx(value, nan_ok=False), key
 
@@ -164,7 +166,7 @@ def test_select_keys_cover_the_needed_inputs(name):
 # Losses whose gradient is the derivative of their value. The others (cispo, sapo, topr, gspo,
 # sft_is, sft_phi, mix_chord with φ) multiply log-probs by detached weights on purpose, so finite
 # differences of the value cannot match; their per-loss test files check the gradient against the
-# spec's formula instead.
+# documented formula instead.
 TRUE_GRADIENT = {
     "ppo": {},
     "sppo": {},

@@ -1,4 +1,5 @@
-"""Entropy loss terms (spec §11.1, reference values §14.2)."""
+"""Entropy loss terms (docs/algorithms/entropy.md#entropy, reference values
+docs/algorithms/reference-values.md#kl-entropy-values)."""
 
 from __future__ import annotations
 

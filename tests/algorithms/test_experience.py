@@ -1,4 +1,5 @@
-"""Experiences, their grouping helpers and the experience-operator base (``experience.py``, spec §12.1-§12.2)."""
+"""Experiences, their grouping helpers and the experience-operator base (``experience.py``,
+docs/algorithms/advantages.md#experiences)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Input names (``inputs.py``, spec §0.1, §0.5): one input under several names resolves when the values
-are equal; only different values are an error. The same rule reads advantage batches (``batch_get``)."""
+"""Input names (``inputs.py``, docs/algorithms/index.md#notation, docs/algorithms/index.md#call-convention): one input
+under several names resolves when the values are equal; only different values are an error. The same rule reads
+advantage batches (``batch_get``)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_same_value_on_plain_values():
 
 
 def test_a_loss_called_with_a_verl_batch_that_also_has_trinity_names(policy_data):
-    """The case of spec §0.1: a verl batch that also holds the Trinity names, as copies."""
+    """The case of docs/algorithms/index.md#notation: a verl batch that also holds the Trinity names, as copies."""
     d = policy_data
     one_name = build("ppo")(**d)
     both = build("ppo")(

@@ -1,4 +1,5 @@
-"""KL estimators as loss and as reward penalty, with the adaptive β (spec §10, reference values §14.2)."""
+"""KL estimators as loss and as reward penalty, with the adaptive β (docs/algorithms/kl.md, reference values
+docs/algorithms/reference-values.md#kl-entropy-values)."""
 
 from __future__ import annotations
 

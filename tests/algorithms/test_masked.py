@@ -1,4 +1,4 @@
-"""Masked primitives and loss aggregation (``masked.py``, spec §0.2-§0.3)."""
+"""Masked primitives and loss aggregation (``masked.py``, docs/algorithms/aggregation.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The 19 presets of spec §13.1 and configuration resolution of §13.2."""
+"""The 19 presets of docs/algorithms/presets.md#preset-table and configuration resolution of
+docs/algorithms/presets.md#resolution."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_args_default_to_component_default_args_and_preset_args():
 
 
 def test_user_args_replace_defaults_wholesale():
-    # reference behaviour (spec §13.2 step 3): clip_range is lost, so PPO cannot resolve its low bound
+    # reference behaviour (docs/algorithms/presets.md#resolution step 3): clip_range is lost, so PPO cannot resolve its
+    # low bound
     with pytest.raises(ValueError, match="clip"):
         resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range_high": 0.28})
     cfg = resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range": 0.1, "clip_range_high": 0.28})
@@ -133,7 +135,8 @@ def test_merged_clip_range_replaces_default_specific_bounds():
 
 
 def test_global_loss_agg_mode_overrides_policy_args():
-    cfg = resolve_algorithm_config("gspo")  # spec caveat: GSPO's own seq-mean-token-mean is overwritten
+    cfg = resolve_algorithm_config("gspo")  # docs/algorithms/presets.md#resolution: GSPO's own seq-mean-token-mean is
+    # overwritten
     assert cfg.policy_loss_fn_args["loss_agg_mode"] == "token-mean"
     cfg = resolve_algorithm_config(
         "grpo",

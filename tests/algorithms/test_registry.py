@@ -1,4 +1,5 @@
-"""Registries (``registry.py``): exactly the spec's keys, unknown names listed in the error, unregistering."""
+"""Registries (``registry.py``): exactly Trinity-RFT's keys (docs/algorithms/index.md), unknown names listed in the
+error, unregistering."""
 
 from __future__ import annotations
 

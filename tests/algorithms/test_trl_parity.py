@@ -1,4 +1,5 @@
-"""Parity with TRL 1.16's real ``GRPOTrainer._compute_loss`` for the losses TRL also has (spec §15.3-§15.4).
+"""Parity with TRL 1.16's real ``GRPOTrainer._compute_loss`` for the losses TRL also has
+(docs/algorithms/trl-differences.md).
 
 The TRL method is driven unchanged: a trainer object is made without ``__init__`` and given only
 the attributes ``_compute_loss`` reads (set from a real ``GRPOConfig`` the way ``GRPOTrainer.__init__``
@@ -98,7 +99,8 @@ def _value(x: torch.Tensor) -> float:
 
 
 def _data(data: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """§14.1 data in ``dtype``, with a fresh ``logprob`` leaf that requires grad."""
+    """docs/algorithms/reference-values.md#policy-loss-values data in ``dtype``, with a fresh ``logprob`` leaf that
+    requires grad."""
     out = {k: data[k].to(dtype) for k in ("logprob", "old_logprob", "advantages")}
     out["action_mask"] = data["action_mask"]
     out["logprob"].requires_grad_(True)
@@ -138,7 +140,8 @@ def test_sapo_paper_form_matches_trl_sapo(tmp_path, policy_data, tau_pos, tau_ne
 
 
 def test_sapo_paper_form_trl_value_on_reference_data(tmp_path, policy_data):
-    """Spec §15.4: TRL-style SAPO on §14.1 data (float32) is 0.22332315146923065."""
+    """docs/algorithms/trl-differences.md#sapo: TRL-style SAPO on docs/algorithms/reference-values.md#policy-loss-values
+    data (float32) is 0.22332315146923065."""
     data = _data(policy_data, torch.float32)
     trainer = make_trl_trainer(tmp_path, data["logprob"], torch.zeros_like(data["logprob"].detach()), loss_type="sapo")
     ours, _ = POLICY_LOSS_FN.get("sapo")(loss_agg_mode="seq-mean-token-mean", form="paper")(**data)
@@ -147,7 +150,8 @@ def test_sapo_paper_form_trl_value_on_reference_data(tmp_path, policy_data):
 
 
 def test_sapo_trinity_form_differs_from_trl(tmp_path, policy_data):
-    """Guard against the comparison passing vacuously: Trinity's form is a different loss (§15.4)."""
+    """Guard against the comparison passing vacuously: Trinity's form is a different loss
+    (docs/algorithms/trl-differences.md#sapo)."""
     data = _data(policy_data, torch.float64)
     trainer = make_trl_trainer(tmp_path, data["logprob"], torch.zeros_like(data["logprob"].detach()), loss_type="sapo")
     ours, _ = POLICY_LOSS_FN.get("sapo")(loss_agg_mode="seq-mean-token-mean", form="trinity")(**data)
@@ -166,7 +170,8 @@ def test_cispo_matches_trl_cispo_with_absolute_cap(tmp_path, policy_data, clip_r
     [(1.28, -0.015564538538455963), (0.2, -0.0038359786849468946), (5.0, -0.050453174859285355)],
 )
 def test_cispo_trl_values_on_reference_data(tmp_path, policy_data, epsilon_high, expected):
-    """Spec §15.3 on §14.1 data (float32), one micro-batch; 0.2 is TRL's silent default cap."""
+    """docs/algorithms/trl-differences.md#cispo on docs/algorithms/reference-values.md#policy-loss-values data
+    (float32), one micro-batch; 0.2 is TRL's silent default cap."""
     data = _data(policy_data, torch.float32)
     entropies = torch.zeros_like(data["logprob"].detach())
     trainer = make_trl_trainer(tmp_path, data["logprob"], entropies, loss_type="cispo", epsilon_high=epsilon_high)

@@ -1,6 +1,7 @@
-"""Clipped value loss of the PPO critic (spec §11.3).
+"""Clipped value loss of the PPO critic (docs/algorithms/entropy.md#critic-loss).
 
-The spec gives the formula but no reference numbers; the values below are worked out by hand:
+docs/algorithms/entropy.md#critic-loss gives the formula but no reference numbers; the values below are worked out by
+hand:
 
     V     = [[1.0, 2.0, 0.0], [0.5, -1.0, 3.0]]     V_old = [[0.0, 2.5, 0.0], [0.5, 0.0, 0.0]]
     R     = [[2.0, 2.0, 1.0], [0.0, -2.0, 9.0]]     m     = [[1, 1, 1], [1, 1, 0]],   c = 0.2

@@ -357,9 +357,9 @@ def test_the_shipped_configs_bf16_trains(runs, engine):
 
 
 def test_the_chord_recipe_under_zero3_with_held_out_accuracy(tmp_path, tiny_model_dir):
-    """What the README's DeepSpeed command does, on 2 CPU processes: the CHORD recipe under the shipped `zero3.yaml`
-    (its bundled `chord_cpu` config sets `use_cpu`), with the held-out accuracy measured before and after training
-    through TRL's `unwrap_model_for_generation` (ZeRO-3 parameters gathered), and the adapter saved."""
+    """What the DeepSpeed command of docs/distributed.md#accelerate does, on 2 CPU processes: the CHORD recipe under the
+    shipped `zero3.yaml` (its bundled `chord_cpu` config sets `use_cpu`), with the held-out accuracy measured before and
+    after training through TRL's `unwrap_model_for_generation` (ZeRO-3 parameters gathered), and the adapter saved."""
     import json
 
     from engine_helpers import REPO_ROOT

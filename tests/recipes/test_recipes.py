@@ -243,7 +243,8 @@ def test_accelerate_configs_load():
 
 
 def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_model_dir):
-    """What the README's multi-GPU command does, on CPU: `accelerate launch` starts 2 processes of the recipe."""
+    """What the multi-GPU command of docs/distributed.md#accelerate does, on CPU: `accelerate launch` starts 2 processes
+    of the recipe."""
     config, tiny = RUNS["chord"]
     command = [
         str(Path(sys.executable).parent / "accelerate"),

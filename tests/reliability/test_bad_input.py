@@ -1,5 +1,5 @@
 """Bad input: each case fails early with a message naming the row, column or value, or is handled in a documented
-way that loses nothing (README, "Guarantees and bad input").
+way that loses nothing (docs/guarantees.md#bad-input).
 
 Generation batches are made by calling the trainer's `_generate_and_score_completions` seam on `num_generations`
 copies of a dataset row (what the sampler hands it), which is what `train()` does at its first step.
@@ -244,9 +244,9 @@ def test_all_rewards_equal_give_zero_advantages_and_a_finite_step(tmp_path, tiny
 
 
 def test_group_with_one_scored_member_follows_the_singleton_rule(tmp_path, tiny_model_dir):
-    """Spec §12.2/§12.3: a group of one uses mean 0 and std 1, so the lone scored row's advantage is its reward (the
-    others are unscorable: advantage 0, no loss); with `std_threshold` the singleton group is skipped instead and
-    counted in `filtered_count`."""
+    """docs/algorithms/advantages.md#grpo: a group of one uses mean 0 and std 1, so the lone scored row's advantage is
+    its reward (the others are unscorable: advantage 0, no loss); with `std_threshold` the singleton group is skipped
+    instead and counted in `filtered_count`."""
 
     def lone(completions, **kwargs):
         return [None, None, 0.75, None]

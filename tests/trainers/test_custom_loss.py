@@ -1,6 +1,6 @@
 """A loss is one file plus its test (issue 12 item 2): policy losses defined here, outside the package, registered
 with `POLICY_LOSS_FN.register`, are trained by the trainers with no other change, and each is treated as its
-declared properties say (README, "Add your own loss")."""
+declared properties say (docs/algorithms/custom-components.md)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ the optimizer step. It is launched twice on the same saved tiny model:
 
 * world 1: `python equivalence.py ...`, `per_device_train_batch_size=8`;
 * world 2: `python -m torch.distributed.run --standalone --nproc_per_node 2 equivalence.py ...`,
-  `per_device_train_batch_size=4` (CPU + gloo through `use_cpu=True`, notes/TRL_1_16.md §7).
+  `per_device_train_batch_size=4` (CPU + gloo through `use_cpu=True`, docs/distributed.md#tested).
 
 Both see the same global generation batch of 8 rollouts (2 prompts x 4 generations) in the same order:
 `generation_batch_size` is 8 in both, `RepeatSampler` yields the same rows, and accelerate hands rank 0 the first

@@ -2,7 +2,7 @@
 
 Losses are checked against an independent computation: log-probs from a plain forward of the same weights
 (`logits → log_softmax → gather` at the shifted labels, tests/helpers.py `plain_token_logps`), fed to the library
-loss; the DPO loss also against TRL's sigmoid loss and the spec's per-pair formula.
+loss; the DPO loss also against TRL's sigmoid loss and the per-pair formula of docs/algorithms/policy-losses.md#dpo.
 """
 
 from __future__ import annotations

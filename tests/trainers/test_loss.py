@@ -1,8 +1,9 @@
 """`trinity_trl/trainers/loss.py`: every aggregation mode as a weighted token sum over a count.
 
-The expected values come from the spec's aggregation (`trinity_trl.algorithms.agg_loss`, itself tested against the
-spec's formulas in tests/algorithms/test_masked.py) on an independent layout of the same data: one row per sample
-instead of segments packed in a row, the concatenated optimizer step instead of its micro-batches.
+The expected values come from the documented aggregation (docs/algorithms/aggregation.md)
+(`trinity_trl.algorithms.agg_loss`, itself tested against the formulas in tests/algorithms/test_masked.py) on an
+independent layout of the same data: one row per sample instead of segments packed in a row, the concatenated optimizer
+step instead of its micro-batches.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_a_plan_applied_to_another_shape_is_a_clear_error():
         ppo(logprob=logps, old_logprob=logps, action_mask=torch.ones(2, 4), advantages=torch.ones(2))
 
 
-# ------------------------------------------------------------------------------ micro_batch: the spec's modes
+# ------------------------------------------------------------------------------ micro_batch: the documented modes
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool, torch.float32])
 def test_micro_batch_plan_is_the_spec_aggregation(mode, mask_dtype):
@@ -95,7 +96,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_padded_width():
 # ----------------------------------------------------------------------------- segments: several samples per row
 def packed_and_per_sample(mode: str):
     """Three samples (turns) of lengths 2, 3 and 1 packed in one row with untrained tokens between them, a second row
-    with one sample of length 4, and a padding row; and the same samples one per row (the spec's layout)."""
+    with one sample of length 4, and a padding row; and the same samples one per row (Trinity-RFT's layout)."""
     generator = torch.Generator().manual_seed(3)
     segments = torch.tensor(
         [
@@ -147,13 +148,13 @@ def test_a_segment_with_no_trained_token_is_not_a_sample():
 @pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean"])
 def test_padding_rows_count_no_sample(mode):
     """One row per sample with padding rows (`sample_count` 0, as StepGRPO pads a batch to split evenly): the
-    padding rows are not samples, so the value is the spec's over the real rows only."""
+    padding rows are not samples, so the value is the documented one over the real rows only."""
     generator = torch.Generator().manual_seed(4)
     loss = torch.randn(4, 5, generator=generator)
     mask = ragged_mask([5, 2, 0, 0], 5)
     got = micro_batch(mode, mask, sample_count=torch.tensor([1, 1, 0, 0]))(loss, mask)
     torch.testing.assert_close(got, agg_loss(loss[:2], mask[:2], mode), rtol=1e-6, atol=1e-7)
-    # without sample_count, every row is a sample (the spec: empty rows count in B)
+    # without sample_count, every row is a sample (docs/algorithms/aggregation.md#loss-agg-mode: empty rows count in B)
     torch.testing.assert_close(micro_batch(mode, mask)(loss, mask), agg_loss(loss, mask, mode), rtol=1e-6, atol=1e-7)
 
 
@@ -222,7 +223,7 @@ def test_global_count_is_clamped_above_zero():
 def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_step(mode):
     """2 processes x 2 micro-steps with different token counts: gradient accumulation averages the micro-steps and
     DDP averages the processes, so the optimizer sees the mean of the 4 planned losses. With global normalisation
-    that mean is the spec's aggregation over the whole step's rows; per micro-batch it is not (token-mean)."""
+    that mean is the documented aggregation over the whole step's rows; per micro-batch it is not (token-mean)."""
     generator = torch.Generator().manual_seed(5)
     lengths = [[6, 6], [1, 2], [5, 0], [3, 6]]  # process 0: micro-batches 0, 1; process 1: 2, 3
     micro_batches = [{"loss": torch.randn(2, 6, generator=generator), "mask": ragged_mask(rows, 6)} for rows in lengths]

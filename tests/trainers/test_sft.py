@@ -257,7 +257,7 @@ def test_sft_args_merge_over_default_args(tmp_path):
         policy_loss_fn_args='{"cutoff_prob": 0.9, "loss_agg_mode": "seq-mean-token-sum"}',
     )
     resolved = args.resolved_algorithm()
-    # the global loss_agg_mode wins over the loss's own key (spec §13.2 step 4)
+    # the global loss_agg_mode wins over the loss's own key (docs/algorithms/presets.md#resolution step 4)
     assert resolved.policy_loss_fn_args == {"cutoff_prob": 0.9, "loss_agg_mode": "token-mean"}
     assert resolved.algorithm == "sft" and resolved.kl_loss_fn == "none" and resolved.entropy_loss_fn == "none"
 

@@ -1,4 +1,4 @@
-"""Pure-PyTorch implementations of Trinity-RFT's algorithm components (see spec ALGORITHMS.md).
+"""Pure-PyTorch implementations of Trinity-RFT's algorithm components (docs/algorithms/index.md).
 
 Registries (name -> class, ``.get(name)``, ``.names()``):
 

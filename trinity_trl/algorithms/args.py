@@ -1,8 +1,8 @@
-"""Constructor arguments, the one source of every component's defaults (spec §0.4).
+"""Constructor arguments, the one source of every component's defaults (docs/algorithms/index.md#default-arguments).
 
 A component declares its arguments once, as a typed constructor signature. What a preset uses when
 the user gives no arguments, ``default_args()``, is derived from that signature by one rule
-(:meth:`ComponentArgs.default_args`), so a default is never written twice. Where the spec's preset
+(:meth:`ComponentArgs.default_args`), so a default is never written twice. Where Trinity-RFT's preset
 value differs from the constructor's default (PPO's ``clip_range`` is ``None`` in the constructor and
 0.2 in a preset, REC's primes, GSPO's clip bounds, the entropy coefficient), the class declares
 that value in ``preset_defaults``, next to the signature.
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-# a constructor argument that selects naming only (spec §0.4), never a preset setting
+# a constructor argument that selects naming only (docs/algorithms/index.md#default-arguments), never a preset setting
 _NOT_PRESET = ("self", "backend")
 
 
@@ -59,7 +59,7 @@ class ComponentArgs:
     (MIX/CHORD's sample weights), which a preset does not set.
     """
 
-    # spec preset values that differ from the constructor's defaults
+    # Trinity-RFT's preset values that differ from the constructor's defaults
     preset_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     # leave ``None``-default parameters out of default_args() (unless in preset_defaults)
     omit_none_defaults: ClassVar[bool] = True
@@ -76,8 +76,8 @@ class ComponentArgs:
 
     @classmethod
     def default_args(cls) -> dict[str, Any]:
-        """The arguments a preset uses when the user gives none (spec §0.4): a fresh dict, derived
-        from the constructor signature and :attr:`preset_defaults` (see the class docstring)."""
+        """The arguments a preset uses when the user gives none (docs/algorithms/index.md#default-arguments): a fresh
+        dict, derived from the constructor signature and :attr:`preset_defaults` (see the class docstring)."""
         args: dict[str, Any] = {}
         for p in _preset_parameters(cls):
             if p.name in cls.preset_defaults:

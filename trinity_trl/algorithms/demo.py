@@ -1,7 +1,7 @@
 """A short, real demonstration of the algorithm library: ``python -m trinity_trl.algorithms.demo``.
 
-Builds one sample micro-batch (the spec's §14.1 data), runs every registered policy loss, KL
-estimator and entropy term on it, runs every advantage function on a small set of grouped
+Builds one sample micro-batch (the policy-loss data of docs/algorithms/reference-values.md), runs every registered
+policy loss, KL estimator and entropy term on it, runs every advantage function on a small set of grouped
 rollouts, and prints the losses, metrics and advantages.
 """
 

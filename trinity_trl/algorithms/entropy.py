@@ -1,4 +1,4 @@
-"""Entropy loss terms (spec §11.1).
+"""Entropy loss terms (docs/algorithms/entropy.md#entropy).
 
 The trainer subtracts the returned term from the policy loss, so a positive ``entropy_coef``
 rewards exploration. ``H`` is the entropy (nats) of the full next-token distribution at each
@@ -30,7 +30,7 @@ class EntropyLossFn(ComponentArgs):
     needs_expert_mask: ClassVar[bool] = False
     # False for the no-op ``none``: a trainer then does not compute entropies for it
     enabled: ClassVar[bool] = True
-    # required in the constructor, 0.0 (no entropy term) in a preset (spec §11.1)
+    # required in the constructor, 0.0 (no entropy term) in a preset (docs/algorithms/entropy.md#entropy)
     preset_defaults = {"entropy_coef": 0.0}
 
     def __init__(self, entropy_coef: float):

@@ -1,4 +1,4 @@
-"""Experiences (one trained sample each) and their grouping helpers (spec §12.1-§12.2)."""
+"""Experiences (one trained sample each) and their grouping helpers (docs/algorithms/advantages.md#experiences)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dual-clip PPO loss (spec §1.1) with verl's signature.
+    """Dual-clip PPO loss (docs/algorithms/policy-losses.md#ppo) with verl's signature.
 
     All tensors are ``(B, T)``. Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``:
     the loss carries gradient, the three metrics are detached 0-d tensors.

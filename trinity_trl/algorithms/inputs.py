@@ -1,4 +1,5 @@
-"""Input-name mapping shared by every component (spec §0.1, §0.5).
+"""Input-name mapping shared by every component (docs/algorithms/index.md#notation,
+docs/algorithms/index.md#call-convention).
 
 Components use Trinity's internal names. Callers may use the internal names, verl's names or
 TRL's names; :func:`resolve_inputs` maps them. Unknown keys are ignored so a trainer can pass its

@@ -1,4 +1,4 @@
-"""KL estimators as loss and as reward penalty, with the adaptive coefficient (spec §10).
+"""KL estimators as loss and as reward penalty, with the adaptive coefficient (docs/algorithms/kl.md).
 
 Every estimator is per token, on ``(B, T)`` log-probs of the sampled tokens, in nats. One
 registry serves both uses: ``kl_loss_fn`` (a term added to the actor loss) and ``kl_penalty_fn``
@@ -224,7 +224,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 
     Accepts the ``KL_FN`` keys plus verl's ``"kl"`` (= ``k1``) and ``"mse"`` (= ``k2``).
     Unlike verl, where ``"k3"`` means the clamped ``low_var_kl``, ``"k3"`` here is the unclamped
-    k3 of the spec; pass ``"low_var_kl"`` for verl's behaviour. ``"full"`` (a KL over the whole
+    k3 of docs/algorithms/kl.md#estimators; pass ``"low_var_kl"`` for verl's behaviour. ``"full"`` (a KL over the whole
     vocabulary) needs logits, not sampled-token log-probs, and is rejected.
     """
     name = _VERL_NAMES.get(kl_penalty, kl_penalty)

@@ -1,4 +1,4 @@
-"""Masked primitives and loss aggregation (spec §0.2-§0.3).
+"""Masked primitives and loss aggregation (docs/algorithms/aggregation.md).
 
 All per-token tensors are ``(B, T)`` over response tokens. A mask may be bool (1 = train on the
 token) or float (a weight, multiplied once). Values at positions whose mask is zero are replaced
@@ -75,7 +75,8 @@ def agg_loss(
     loss_agg_mode: str | Aggregation = "token-mean",
     normalizer: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a ``(B, T)`` per-token loss into a scalar (spec §0.3, verl-compatible signature).
+    """Aggregate a ``(B, T)`` per-token loss into a scalar (docs/algorithms/aggregation.md#loss-agg-mode,
+    verl-compatible signature).
 
     ``loss_agg_mode`` may also be an :data:`Aggregation`, a callable ``(loss_mat, loss_mask) ->
     scalar``: trainers pass one to normalise over more than the micro-batch (see

@@ -1,4 +1,4 @@
-"""The 19 algorithm presets and configuration resolution (spec §13).
+"""The 19 algorithm presets and configuration resolution (docs/algorithms/presets.md).
 
 A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
 ``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
@@ -18,7 +18,7 @@ from .masked import check_loss_agg_mode
 from .policy_loss import POLICY_LOSS_FN
 from .registry import Registry
 
-# spec §13.2 step 1: used for every field neither the user nor the preset sets
+# docs/algorithms/presets.md#resolution step 1: used for every field neither the user nor the preset sets
 GLOBAL_DEFAULTS: dict[str, Any] = {
     "sample_strategy": "warmup",
     "policy_loss_fn": "ppo",
@@ -78,7 +78,7 @@ class AlgorithmType(metaclass=ConstantMeta):
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
-        """The settings this preset makes (spec §13.1; footnoted components come from
+        """The settings this preset makes (docs/algorithms/presets.md#preset-table; footnoted components come from
         :data:`GLOBAL_DEFAULTS` instead)."""
         return {}
 
@@ -101,7 +101,7 @@ def _preset(
     sample_strategy: str = "default",
     **settings: Any,
 ):
-    """Declare a preset from its table row (spec §13.1)."""
+    """Declare a preset from its table row (docs/algorithms/presets.md#preset-table)."""
 
     def decorator(cls: type[AlgorithmType]) -> type[AlgorithmType]:
         config: dict[str, Any] = {"sample_strategy": sample_strategy, **settings}
@@ -459,7 +459,7 @@ def resolve_algorithm_config(
     sample_strategy: str | None = None,
     repeat_times: int | None = None,
 ) -> AlgorithmConfig:
-    """Resolve a preset plus user overrides into concrete components (spec §13.2).
+    """Resolve a preset plus user overrides into concrete components (docs/algorithms/presets.md#resolution).
 
     1. Fields left ``None`` take the preset's value, else :data:`GLOBAL_DEFAULTS`.
     2. A component without a user args dict uses its ``default_args()`` (or the preset's args

@@ -9,7 +9,7 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """A mapping from a spec key (e.g. ``"ppo"``) to a component class.
+    """A mapping from a Trinity-RFT key (e.g. ``"ppo"``) to a component class.
 
     ``get`` of an unknown name raises ``ValueError`` listing every known name, so a typo in a
     config fails with the list of what is allowed.

@@ -1,10 +1,11 @@
-"""Clipped value (critic) loss of the ``ppo`` preset (spec §11.3, verl's ``compute_value_loss``).
+"""Clipped value (critic) loss of the ``ppo`` preset (docs/algorithms/entropy.md#critic-loss, verl's
+``compute_value_loss``).
 
 ``vf_loss = ½ · AGG(max((V − R)², (clamp(V, V_old − c, V_old + c) − R)²), m, mode)``
 
 with ``V`` the critic's current values, ``V_old`` the values the critic gave when the batch was
-generated, ``R`` the GAE returns (spec §12.9) and ``c = cliprange_value``. The clip keeps one
-update from moving a value more than ``c`` away from its old estimate, the same trust region
+generated, ``R`` the GAE returns (docs/algorithms/advantages.md#batch-functions) and ``c = cliprange_value``. The clip
+keeps one update from moving a value more than ``c`` away from its old estimate, the same trust region
 PPO's ratio clip gives the policy. All tensors are ``(B, T)`` over response tokens.
 """
 
@@ -40,7 +41,7 @@ def clipped_value_loss(
         returns: ``(B, T)`` value targets ``R`` (data, no gradient).
         response_mask: ``(B, T)`` bool or float; 1 = train on this token.
         cliprange_value: ``c > 0``; ``math.inf`` disables the clip.
-        loss_agg_mode: aggregation of the per-token loss (spec §0.3).
+        loss_agg_mode: aggregation of the per-token loss (docs/algorithms/aggregation.md#loss-agg-mode).
 
     Returns:
         ``(loss, metrics)``: a 0-d tensor and detached 0-d tensors ``vf_loss`` (the loss),

@@ -1,7 +1,7 @@
 """Input checks and numerical guards shared by the trainers.
 
 Bad input fails at the earliest point with a message that names the row, column or value, or is
-handled in a documented way that drops nothing silently (README, "Guarantees and bad input"):
+handled in a documented way that drops nothing silently (docs/guarantees.md#bad-input):
 
 * datasets: a missing ``prompt`` column or empty prompts (``""``, ``[]``, ``None``) are rejected at
   construction (map-style datasets, by row index) or at the first batch (iterable datasets);

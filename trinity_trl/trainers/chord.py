@@ -3,7 +3,7 @@
 Each generation batch gets ``expert_batch_size`` demonstration rows per process, appended after
 TRL has generated and scored the rollouts. Expert rows go through the same forward pass as the
 rollouts; the ``mix_chord`` loss weighs the PPO loss of rollouts and the (φ-weighted) SFT loss of
-demonstrations with ``μ``, scheduled over training steps (spec §9).
+demonstrations with ``μ``, scheduled over training steps (docs/algorithms/chord.md).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class ChordConfig(TrinityConfig):
         if self.loss_normalization != "micro_batch":
             raise ValueError(
                 "ChordConfig: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert samples "
-                "with their own per-sample normalisation (spec §9.1)"
+                "with their own per-sample normalisation (docs/algorithms/chord.md#normalisation)"
             )
         if not 0.0 < self.expert_data_ratio < 1.0:
             raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
@@ -150,7 +150,7 @@ class ChordTrainer(TrinityTrainer):
         Other arguments: as [`TrinityTrainer`].
 
     Logged: `actor/mu`, the SFT loss (`actor/expert/sft_phi_loss` or `actor/expert/sft_loss`), the
-    RL loss (`actor/usual/pg_loss`), both scaled as in the spec (§9.1), and per generation batch
+    RL loss (`actor/usual/pg_loss`), both scaled as in docs/algorithms/chord.md#normalisation, and per generation batch
     `chord/expert_rows`, `chord/expert_tokens`, `chord/on_policy_tokens`.
     """
 
@@ -175,8 +175,9 @@ class ChordTrainer(TrinityTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
     def _policy_loss_overrides(self, args: ChordConfig) -> dict[str, Any]:
-        # spec §9.1 in TRL: every usual (expert) sample of an optimizer step weighs w = GA / (usual (expert)
-        # samples per process per optimizer step); the trainer divides by GA, so each sample counts 1/B_u
+        # docs/algorithms/chord.md#normalisation in TRL: every usual (expert) sample of an optimizer step weighs w = GA
+        # / (usual (expert) samples per process per optimizer step); the trainer divides by GA, so each sample counts
+        # 1/B_u
         steps = args.gradient_accumulation_steps / args.steps_per_generation  # generation batches per step
         rollouts = args.per_device_train_batch_size * args.steps_per_generation
         return {
@@ -214,7 +215,7 @@ class ChordTrainer(TrinityTrainer):
 
     def _policy_loss_for(self, mode: str):
         # evaluation batches hold rollouts only, in eval micro-batches: weigh each of their samples
-        # equally instead of with the training step's geometry (spec §9.1 weights)
+        # equally instead of with the training step's geometry (docs/algorithms/chord.md#normalisation weights)
         if mode == "train":
             return self.components.policy_loss
         if self._eval_policy_loss is None:
@@ -303,7 +304,8 @@ class ChordTrainer(TrinityTrainer):
             return stacked if value.dim() == 1 or value.shape[1] == 1 else _widen(stacked, width, fill)
 
         merged["advantages"] = extend("advantages", 0.0)
-        # demonstrations' behaviour log-probs are 0 (spec §9.4); the PPO part never sees these rows
+        # demonstrations' behaviour log-probs are 0 (docs/algorithms/chord.md#expert-rows); the PPO part never sees
+        # these rows
         for key, fill in (
             ("old_per_token_logps", 0.0),
             ("sampling_per_token_logps", float("nan")),
@@ -333,9 +335,10 @@ class ChordTrainer(TrinityTrainer):
     def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
         loss_inputs = super()._loss_inputs(inputs, logps, mask)
         loss_inputs["expert_mask"] = inputs["expert_mask"]
-        # demonstrations' behaviour log-probs are 0 (spec §9.4) whether or not TRL computed old log-probs
+        # demonstrations' behaviour log-probs are 0 (docs/algorithms/chord.md#expert-rows) whether or not TRL computed
+        # old log-probs
         loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(inputs["expert_mask"].unsqueeze(1), 0.0)
-        # Trinity stamps samples with the step being trained, counted from 1 (spec §9.3)
+        # Trinity stamps samples with the step being trained, counted from 1 (docs/algorithms/chord.md#chord)
         loss_inputs["step"] = self.state.global_step + 1
         return loss_inputs
 

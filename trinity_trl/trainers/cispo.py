@@ -14,7 +14,7 @@ from .trinity import TrinityTrainer
 @dataclass
 class CISPOConfig(TrinityConfig):
     r"""
-    Configuration of [`CISPOTrainer`] (Trinity-RFT's CISPO, spec §3).
+    Configuration of [`CISPOTrainer`] (Trinity-RFT's CISPO, docs/algorithms/policy-losses.md#cispo).
 
     The per-token loss is `−A · sg(w) · M · log π`, with the weight
     `w = clamp(r, 1 − clip_range_low, 1 + clip_range_high)` and `r` the importance ratio.

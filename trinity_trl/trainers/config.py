@@ -46,7 +46,7 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
     "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
 }
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
-# are passed to it; see the README's table "TRL's names".
+# are passed to it; see docs/configuration.md#trls-names.
 
 COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
 ARGS_MODES = ("merge", "replace")
@@ -106,7 +106,7 @@ class TrinityConfig(GRPOConfig):
             passes) as one packed row in which each shared prefix (a group's prompt, earlier turns, a
             common system prompt) is encoded once and no padding is forwarded. Log-probs, loss and
             gradients equal those of TRL's padded rows up to float rounding. Models or inputs the
-            packed forward does not support (see the README) run padded, with one log line saying why.
+            packed forward does not support (see docs/prefix-packing.md) run padded, with one log line saying why.
         prefix_packing_max_token_ratio (`float`, *optional*, defaults to `0.9`):
             Pack a forward only when the packed row holds at most this fraction of the tokens of the
             padded rows; with less to save, the padded forward is as fast.
@@ -230,7 +230,7 @@ class TrinityConfig(GRPOConfig):
         return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
 
     def resolved_algorithm(self) -> AlgorithmConfig:
-        """The algorithm with every component and argument resolved (spec §13.2)."""
+        """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution)."""
         settings: dict[str, Any] = {name: getattr(self, name) for name in COMPONENT_FIELDS}
         settings.update({f"{name}_args": getattr(self, f"{name}_args") for name in COMPONENT_FIELDS})
         settings["loss_agg_mode"] = self.loss_agg_mode

@@ -1,7 +1,8 @@
 """``TrinityDPOTrainer``: TRL's ``DPOTrainer`` running Trinity-RFT's ``dpo`` preset.
 
-Preset ``dpo`` (spec §8.5, §13.1) = the DPO sigmoid loss with label smoothing per preference pair,
-plus a KL loss (Trinity forces ``k2``, ``kl_coef = 0.001``) and the default entropy term
+Preset ``dpo`` (docs/algorithms/policy-losses.md#dpo, docs/algorithms/presets.md#preset-table) = the DPO sigmoid loss
+with label smoothing per preference pair, plus a KL loss (Trinity forces ``k2``, ``kl_coef = 0.001``) and the default
+entropy term
 (``entropy_coef = 0``), all aggregated with ``loss_agg_mode`` over the chosen and rejected
 completion tokens.
 
@@ -97,7 +98,7 @@ class TrinityDPOConfig(DPOConfig):
             e.g. `{"entropy_coef": 0.001}`; the default coefficient is 0.
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
-            of a micro-batch (spec §0.3). The DPO term itself is a mean over pairs.
+            of a micro-batch (docs/algorithms/aggregation.md#loss-agg-mode). The DPO term itself is a mean over pairs.
 
     TRL options that choose or reshape TRL's own DPO loss (`loss_type` other than `["sigmoid"]`,
     `loss_weights`, `ld_alpha`, `f_divergence_type`, `f_alpha_divergence_coef`, `use_weighting`,
@@ -169,7 +170,8 @@ class TrinityDPOConfig(DPOConfig):
         self.policy_loss_fn_args = args
 
     def resolved_algorithm(self) -> AlgorithmConfig:
-        """The `dpo` preset with this config's components and arguments (spec §13.2; args merged)."""
+        """The `dpo` preset with this config's components and arguments (docs/algorithms/presets.md#resolution; args
+        merged)."""
         return resolve_algorithm_config(
             "dpo",
             merge_args=True,

@@ -1,6 +1,6 @@
 """How a micro-batch's token losses become the optimizer step's loss: one weighted sum and its count.
 
-Every aggregation mode of the spec (§0.3) is a weighted token sum divided by a count:
+Every aggregation mode (docs/algorithms/aggregation.md#loss-agg-mode) is a weighted token sum divided by a count:
 
 ==========================  ===============================  =========================================
 mode                        per-token weight ``w``           count ``D`` (``micro_batch`` / ``global``)
@@ -17,7 +17,7 @@ one turn; rows that only pad the batch are no sample. ``global`` counts the whol
 of every process (one gather per generation batch, ``global_loss_tokens`` / ``global_loss_rows``)
 and divides by ``processes · steps_per_generation`` to get the count of one micro-step, so after
 DDP's mean every token (sample) of the optimizer step weighs the same on any number of processes.
-``seq-mean-token-sum-norm`` is always per micro-batch, as in the spec.
+``seq-mean-token-sum-norm`` is always per micro-batch (docs/algorithms/aggregation.md#loss-agg-mode).
 
 The loss terms receive :class:`WeightedSum` as their aggregation, so each term *is* ``Σ m·w·ℓ / D``:
 nothing is divided by one count and multiplied back by another. Gradient accumulation is applied by
@@ -43,7 +43,7 @@ class WeightedSum:
     ``m`` is the mask the loss passes (its trained tokens), ``w`` the per-token weights of the
     aggregation mode, ``ℓ'`` the loss with 0 where ``m`` is 0 (NaN/inf in padding never leaks). The
     loss itself keeps seeing its plain mask, so its statistics (clip fractions, sequence ratios) are
-    those of the spec.
+    those of docs/algorithms/aggregation.md.
     """
 
     weights: torch.Tensor  # (B, T)
@@ -141,7 +141,8 @@ def micro_batch_loss(
 
     Every term is aggregated by the normalizer's plan for its mode (the policy loss's own mode, the global
     ``loss_agg_mode`` for the KL and entropy terms), except with a loss that weighs its samples itself
-    (MIX/CHORD, spec §9.1), whose terms then aggregate over the micro-batch with the plain mode.
+    (MIX/CHORD, docs/algorithms/chord.md#normalisation), whose terms then aggregate over the micro-batch with the plain
+    mode.
     ``loss_inputs``: the policy loss's keyword inputs (``logprob``, ``old_logprob``, ``ref_logprob``, ...),
     already zero at untrained positions; ``entropies``: ``(B, T)`` or ``None``; ``mask``: ``(B, T)``.
     """

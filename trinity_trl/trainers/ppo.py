@@ -2,12 +2,12 @@
 
 Each generation batch, the critic scores every response token once (no gradient): these old
 values and the token-level rewards (the scalar reward on the last valid token, minus an optional
-KL penalty, spec §10.3) give GAE advantages and returns (spec §12.9), computed on the batch
-gathered from every process. Each micro-batch then trains both models from the same rows: the
-policy with the PPO-clip loss (plus KL and entropy terms, as every ``TrinityTrainer``) and the
-critic with the clipped value loss (spec §11.3). The critic has its own optimizer, stepped right
-after the policy's, and its own wrapping in the run's engine (DDP, FSDP, or a DeepSpeed engine of its
-own: :mod:`.critic_engine`). Without DeepSpeed the two losses are summed into one backward pass (their
+KL penalty, docs/algorithms/kl.md#kl-penalty) give GAE advantages and returns
+(docs/algorithms/advantages.md#batch-functions), computed on the batch gathered from every process. Each micro-batch
+then trains both models from the same rows: the policy with the PPO-clip loss (plus KL and entropy terms, as every
+``TrinityTrainer``) and the critic with the clipped value loss (docs/algorithms/entropy.md#critic-loss). The critic has
+its own optimizer, stepped right after the policy's, and its own wrapping in the run's engine (DDP, FSDP, or a DeepSpeed
+engine of its own: :mod:`.critic_engine`). Without DeepSpeed the two losses are summed into one backward pass (their
 parameters are disjoint, so each optimizer sees only its own model's gradient); under DeepSpeed the
 critic's engine runs its own backward.
 """

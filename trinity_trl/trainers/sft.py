@@ -9,7 +9,8 @@ run its ``compute_loss`` unchanged (so its metrics ``entropy``, ``mean_token_acc
 the library loss (``sft``, ``sft_is`` or ``sft_phi``) computed on them instead of TRL's NLL. No
 second forward, no copied TRL code.
 
-Gradient accumulation follows Trinity (spec §11.2, §15.1): the loss is aggregated per micro-batch
+Gradient accumulation follows Trinity (docs/algorithms/entropy.md#actor-loss,
+docs/algorithms/trl-differences.md#aggregation): the loss is aggregated per micro-batch
 (``token-mean`` = mean over that micro-batch's trained tokens) and divided by the number of
 accumulation steps (``loss_is_scaled_for_ga = False``: ``Trainer.training_step`` divides it).
 TRL's own NLL instead divides the micro-batch sum by ``num_items_in_batch`` (the token count of the
@@ -71,8 +72,8 @@ class TrinitySFTConfig(SFTConfig):
             `sft_phi`). A `loss_agg_mode` key here is overridden by `loss_agg_mode` below.
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             How a micro-batch's per-token losses become one number: `token-mean`, `seq-mean-token-sum`,
-            `seq-mean-token-mean` or `seq-mean-token-sum-norm` (spec §0.3). The result is divided by
-            the gradient-accumulation steps. With `packing` or `padding_free` a row holds several
+            `seq-mean-token-mean` or `seq-mean-token-sum-norm` (docs/algorithms/aggregation.md#loss-agg-mode). The
+            result is divided by the gradient-accumulation steps. With `packing` or `padding_free` a row holds several
             sequences, so only `token-mean` is allowed there.
 
     `loss_type` must stay `"nll"` (`"dft"` is `policy_loss_fn="sft_is"`) and `label_smoothing_factor`
@@ -121,7 +122,8 @@ class TrinitySFTConfig(SFTConfig):
         self.resolved_algorithm()  # bad loss arguments fail here, not at the first step
 
     def resolved_algorithm(self) -> AlgorithmConfig:
-        """The `sft` preset with this config's loss and arguments (spec §13.2; args merged)."""
+        """The `sft` preset with this config's loss and arguments (docs/algorithms/presets.md#resolution; args
+        merged)."""
         return resolve_algorithm_config(
             "sft",
             merge_args=True,

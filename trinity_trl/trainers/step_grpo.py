@@ -2,8 +2,8 @@
 
 For each task the trainer plays ``num_generations`` runs against an environment, then TRL scores the
 runs, the rewards of every process are gathered, and ``step_wise_grpo`` normalises each run's reward
-within its task group and gives the score to every step of the run (spec §12.4). Each step then
-becomes a sample of the training batch (a whole prefix-preserving run in one row, see ``shared_prefix``).
+within its task group and gives the score to every step of the run (docs/algorithms/advantages.md#step-wise-grpo). Each
+step then becomes a sample of the training batch (a whole prefix-preserving run in one row, see ``shared_prefix``).
 
 Two environment protocols, told apart by what the environment class defines
 (:mod:`trinity_trl.rollouts.protocols`):

@@ -1,4 +1,5 @@
-"""AsymRE group advantage (spec §12.6, reference values §14.3); ``asymre_verl``: test_batch_functions.py."""
+"""AsymRE group advantage (docs/algorithms/advantages.md#asymre, reference values
+docs/algorithms/reference-values.md#group-advantage-values); ``asymre_verl``: test_batch_functions.py."""
 
 from __future__ import annotations
 

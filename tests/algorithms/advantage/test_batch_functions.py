@@ -1,6 +1,7 @@
-"""Behaviour every batch (trainer-side) advantage function shares (spec §12.2, §12.9), and the
-reference values of the grouped ones (``rloo``, ``grpo_verl``, ``opmd_verl``, ``asymre_verl``; §14.4), which
-share the group statistics of ``advantage/grpo.py``."""
+"""Behaviour every batch (trainer-side) advantage function shares (docs/algorithms/advantages.md#two-kinds,
+docs/algorithms/advantages.md#batch-functions), and the reference values of the grouped ones (``rloo``, ``grpo_verl``,
+``opmd_verl``, ``asymre_verl``; docs/algorithms/reference-values.md#batch-advantage-values), which share the group
+statistics of ``advantage/grpo.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""PPO's GAE (spec §12.9, reference values §14.4)."""
+"""PPO's GAE (docs/algorithms/advantages.md#batch-functions, reference values
+docs/algorithms/reference-values.md#batch-advantage-values)."""
 
 from __future__ import annotations
 

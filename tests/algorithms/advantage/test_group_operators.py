@@ -1,4 +1,4 @@
-"""Behaviour every group (experience-operator) advantage function shares (spec §12.2)."""
+"""Behaviour every group (experience-operator) advantage function shares (docs/algorithms/advantages.md#two-kinds)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ GROUP_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
 def test_empty_input(key):
     out, metrics = ADVANTAGE_FN.get(key)()([])
     assert out == []
-    # grpo always reports filtered_count (spec §12.3 step 5)
+    # grpo always reports filtered_count (docs/algorithms/advantages.md#grpo step 5)
     assert metrics == ({"filtered_count": 0} if key == "grpo" else {})
 
 

@@ -1,4 +1,5 @@
-"""GRPO group advantage (spec §12.3, reference values §14.3)."""
+"""GRPO group advantage (docs/algorithms/advantages.md#grpo, reference values
+docs/algorithms/reference-values.md#group-advantage-values)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""On-policy distillation advantage (spec §12.9)."""
+"""On-policy distillation advantage (docs/algorithms/advantages.md#batch-functions)."""
 
 from __future__ import annotations
 

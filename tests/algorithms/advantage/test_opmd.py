@@ -1,4 +1,5 @@
-"""OPMD group advantage (spec §12.5, reference values §14.3); ``opmd_verl``: test_batch_functions.py."""
+"""OPMD group advantage (docs/algorithms/advantages.md#opmd, reference values
+docs/algorithms/reference-values.md#group-advantage-values); ``opmd_verl``: test_batch_functions.py."""
 
 from __future__ import annotations
 

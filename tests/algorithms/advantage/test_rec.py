@@ -1,4 +1,5 @@
-"""REC group advantage (spec §12.8, reference values §14.3)."""
+"""REC group advantage (docs/algorithms/advantages.md#rec, reference values
+docs/algorithms/reference-values.md#group-advantage-values)."""
 
 from __future__ import annotations
 

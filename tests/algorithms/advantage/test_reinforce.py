@@ -1,4 +1,4 @@
-"""Raw-reward REINFORCE group advantage (spec §12.7)."""
+"""Raw-reward REINFORCE group advantage (docs/algorithms/advantages.md#reinforce)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""REINFORCE++ (spec §12.9, reference values §14.4) and the discounted scan it shares with GAE."""
+"""REINFORCE++ (docs/algorithms/advantages.md#batch-functions, reference values
+docs/algorithms/reference-values.md#batch-advantage-values) and the discounted scan it shares with GAE."""
 
 from __future__ import annotations
 

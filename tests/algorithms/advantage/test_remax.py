@@ -1,4 +1,5 @@
-"""ReMax (spec §12.9, reference values §14.4)."""
+"""ReMax (docs/algorithms/advantages.md#batch-functions, reference values
+docs/algorithms/reference-values.md#batch-advantage-values)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Step-wise GRPO for multi-step runs (spec §12.4, reference values §14.3)."""
+"""Step-wise GRPO for multi-step runs (docs/algorithms/advantages.md#step-wise-grpo, reference values
+docs/algorithms/reference-values.md#group-advantage-values)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What every policy loss inherits from ``PolicyLossFn`` (spec §0.5): input names and ``select_keys``,
-sequence advantages, NaN/inf in padding, all-zero masks, the backend argument, and the properties a
+"""What every policy loss inherits from ``PolicyLossFn`` (docs/algorithms/index.md#call-convention): input names and
+``select_keys``, sequence advantages, NaN/inf in padding, all-zero masks, the backend argument, and the properties a
 loss declares to a trainer (also for a loss registered from outside the package)."""
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def test_seed_style_positional_backend():
     assert (fn.backend, fn.clip_range_low, fn.clip_range_high) == ("verl", 0.2, 0.2)
     assert fn.select_keys == ["old_log_probs", "response_mask", "advantages"]
     assert PPOPolicyLossFn(backend="verl", clip_range=0.2).select_keys == fn.select_keys
-    # Trinity's positional order after backend (spec §1): clip_range, clip_range_low, clip_range_high, clip_ratio_c
+    # Trinity's positional order after backend (docs/algorithms/policy-losses.md#ppo): clip_range, clip_range_low,
+    # clip_range_high, clip_ratio_c
     fn = PPOPolicyLossFn("trl", 0.2, 0.1, 0.3, 2.0)
     assert (fn.clip_range_low, fn.clip_range_high, fn.clip_ratio_c) == (0.1, 0.3, 2.0)
 

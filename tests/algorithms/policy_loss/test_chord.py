@@ -1,4 +1,5 @@
-"""CHORD (``mix_chord``, spec §9.3): the μ schedule, §14.1 numbers, the step input, gradients, bad args."""
+"""CHORD (``mix_chord``, docs/algorithms/chord.md#chord): the μ schedule,
+docs/algorithms/reference-values.md#policy-loss-values numbers, the step input, gradients, bad args."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""CISPO policy loss (spec §3): §14.1 numbers, gradient, bad args."""
+"""CISPO policy loss (docs/algorithms/policy-losses.md#cispo): docs/algorithms/reference-values.md#policy-loss-values
+numbers, gradient, bad args."""
 
 from __future__ import annotations
 

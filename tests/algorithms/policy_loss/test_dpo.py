@@ -1,4 +1,5 @@
-"""DPO loss on interleaved pairs (spec §8.5): §14.1 numbers, gradient, pairing, bad args."""
+"""DPO loss on interleaved pairs (docs/algorithms/policy-losses.md#dpo):
+docs/algorithms/reference-values.md#policy-loss-values numbers, gradient, pairing, bad args."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from ..support import _grad, assert_reference_values, build, small_data
 
 REFERENCE = [
     # (key, overrides, loss, metrics)
-    # §14.1 has 5 rows: the reference sums the unpaired 5th (chosen) row too
+    # docs/algorithms/reference-values.md#policy-loss-values has 5 rows: the reference sums the unpaired 5th (chosen)
+    # row too
     ("dpo", {"allow_odd_rows": True}, 0.5406752228736877,
      {"chosen_reward": 0.7082431316375732, "rejected_reward": 0.3757950782775879, "accuracy_mean": 1.0}),
     ("dpo", {"allow_odd_rows": True, "beta": 0.2, "label_smoothing": 0.1}, 0.48146069049835205,

@@ -1,4 +1,5 @@
-"""GSPO policy loss (spec §2): §14.1 numbers, the per-token gradient of the sequence ratio, bad args."""
+"""GSPO policy loss (docs/algorithms/policy-losses.md#gspo): docs/algorithms/reference-values.md#policy-loss-values
+numbers, the per-token gradient of the sequence ratio, bad args."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_gspo_warns_only_for_other_modes(caplog):
 
 @pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
 def test_gspo_gradcheck_with_sequence_advantages(loss_agg_mode):
-    """With one advantage per row, the token-form gradient ``s·∇ℓ`` is the true derivative (§15.5)."""
+    """With one advantage per row, the token-form gradient ``s·∇ℓ`` is the true derivative
+    (docs/algorithms/trl-differences.md#gspo)."""
     data = small_data()
     data["advantages"] = torch.tensor([0.7, -0.4, 0.9, -0.8], dtype=torch.float64)
     fn = build("gspo", clip_range_low=0.05, clip_range_high=0.05, loss_agg_mode=loss_agg_mode)

@@ -1,4 +1,5 @@
-"""Plain importance-sampling loss (spec §8.6): §14.1 numbers and bad args."""
+"""Plain importance-sampling loss (docs/algorithms/policy-losses.md#importance-sampling):
+docs/algorithms/reference-values.md#policy-loss-values numbers and bad args."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""MIX loss and the machinery it shares with CHORD (spec §9.1-§9.2): §14.1 numbers, derived
-batch-geometry values, empty subsets, gradients, bad args."""
+"""MIX loss and the machinery it shares with CHORD (docs/algorithms/chord.md):
+docs/algorithms/reference-values.md#policy-loss-values numbers, derived batch-geometry values, empty subsets, gradients,
+bad args."""
 
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def test_mix_rejects_bad_args(overrides):
 
 
 def test_batch_geometry_sample_weights_formula():
-    """Spec §9.1 with the §14.1 geometry: 80 experiences per GPU, GA 80, Bu = 256/4, Be = 64/4."""
+    """docs/algorithms/chord.md#normalisation with the docs/algorithms/reference-values.md#policy-loss-values geometry:
+    80 experiences per GPU, GA 80, Bu = 256/4, Be = 64/4."""
     dynamic = BatchGeometry(**DYN)
     assert (dynamic.experience_per_gpu, dynamic.gradient_accumulation) == (80, 80)
     assert (dynamic.usual_per_gpu, dynamic.expert_per_gpu) == (64, 16)
@@ -137,7 +139,8 @@ def test_batch_geometry_sample_weights_formula():
 
 @pytest.mark.parametrize("overrides, loss, metrics", MIX_CASES)
 def test_mix_reference_values_with_explicit_weights(policy_data, overrides, loss, metrics):
-    """The per-sample weights the geometry gives for this 5-row micro-batch reproduce every §14.1 number."""
+    """The per-sample weights the geometry gives for this 5-row micro-batch reproduce every
+    docs/algorithms/reference-values.md#policy-loss-values number."""
     w_usual, w_expert = BatchGeometry(**overrides).sample_weights(rows=5)
     fn = build("mix", usual_sample_weight=w_usual, expert_sample_weight=w_expert)
     assert fn.geometry is None and fn.sample_weights(rows=123) == (w_usual, w_expert)
@@ -189,7 +192,7 @@ def test_constructors_take_the_spec_arguments_explicitly(key):
         "seq-mean-token-sum",
         "seq-mean-token-mean",
     )
-    # only the explicit weights are keyword-only: the spec's arguments keep Trinity's positions after backend
+    # only the explicit weights are keyword-only: Trinity-RFT's arguments keep their positions after backend
     assert [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY] == [
         "usual_sample_weight",
         "expert_sample_weight",

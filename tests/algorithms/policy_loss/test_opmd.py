@@ -1,4 +1,5 @@
-"""OPMD policy loss (spec §8.1): §14.1 numbers and bad args."""
+"""OPMD policy loss (docs/algorithms/policy-losses.md#opmd): docs/algorithms/reference-values.md#policy-loss-values
+numbers and bad args."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""PPO-clip policy loss (spec §1): every §14.1 row (asymmetric clip, sequence masking, fallback,
-aggregation modes, importance-ratio truncation and the old variant without dual clip), validation."""
+"""PPO-clip policy loss (docs/algorithms/policy-losses.md#ppo): every
+docs/algorithms/reference-values.md#policy-loss-values row (asymmetric clip, sequence masking, fallback, aggregation
+modes, importance-ratio truncation and the old variant without dual clip), validation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from ..support import PPO_KL, build
 
 BASE_METRICS = {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pg_loss"}
-NO_DUAL_CLIP = {"clip_ratio_c": 1e9}  # the old variant (spec §16): with |δ| <= 2 here the ±20 clamp never binds
+NO_DUAL_CLIP = {"clip_ratio_c": 1e9}  # the old variant (docs/algorithms/references.md#versions): with |δ| <= 2 here the
+# ±20 clamp never binds
 
 REFERENCE = [
     # (overrides, loss, metrics), all on top of default_args() (clip_range 0.2)
@@ -72,8 +74,8 @@ def test_asymmetric_clip_acts_on_the_upper_bound_only(policy_data):
 
 
 def test_sequence_masking_drops_negative_tokens_of_far_off_policy_rows(policy_data):
-    """Spec §1.3: rows whose mean clamped log-ratio ℓo − ℓ exceeds δ lose their A < 0 tokens, and
-    the aggregation still divides by the original token count."""
+    """docs/algorithms/policy-losses.md#sequence-masking: rows whose mean clamped log-ratio ℓo − ℓ exceeds δ lose their
+    A < 0 tokens, and the aggregation still divides by the original token count."""
     d = policy_data
     mask = d["action_mask"]
     seq_kl = ((d["old_logprob"] - d["logprob"]) * mask).sum(-1) / mask.sum(-1)
@@ -110,7 +112,7 @@ def test_fallback_is_reinforce_with_ratio_one(policy_data):
 
 
 TRUNCATION_BAD_ARGS = [
-    # spec §1.4 validation
+    # docs/algorithms/policy-losses.md#is-truncation validation
     ({"truncate_adv_pos_is": True, "truncate_is_range_low": -0.1}, "truncate_is_range_low < 1 - clip_range_low"),
     ({"truncate_adv_pos_is": True, "truncate_is_range_low": 0.8}, r"= 0.8, got 0.8"),  # not < 1 − 0.2
     ({"truncate_adv_pos_is": True, "clip_range_low": 0.6, "truncate_is_range_low": 0.5}, "truncate_is_range_low"),

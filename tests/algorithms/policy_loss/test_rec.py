@@ -1,4 +1,5 @@
-"""REC policy loss (spec §7): §14.1 numbers, gradients, bad args."""
+"""REC policy loss (docs/algorithms/policy-losses.md#rec): docs/algorithms/reference-values.md#policy-loss-values
+numbers, gradients, bad args."""
 
 from __future__ import annotations
 

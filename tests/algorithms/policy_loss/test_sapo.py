@@ -1,4 +1,6 @@
-"""SAPO policy loss, Trinity and paper forms (spec §4, §15.4): §14.1 numbers, gradients, bad args."""
+"""SAPO policy loss, Trinity and paper forms (docs/algorithms/policy-losses.md#sapo,
+docs/algorithms/trl-differences.md#sapo): docs/algorithms/reference-values.md#policy-loss-values numbers, gradients, bad
+args."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ REFERENCE = [
      {"avg_soft_gate": 2.3191137313842773, "avg_ratio": AVG_RATIO, "pos_adv_frac": 0.3958333432674408,
       "ppo_kl": PPO_KL}),
     ("sapo", {"tau_neg": 2.0}, -0.0716615691781044, {"avg_soft_gate": 1.7199063301086426}),
-    # §15.4: the paper / TRL form on the same data
+    # docs/algorithms/trl-differences.md#sapo: the paper / TRL form on the same data
     ("sapo", {"form": "paper", "loss_agg_mode": "seq-mean-token-mean"}, 0.22332315146923065,
      {"avg_soft_gate": 2.3191137313842773, "avg_ratio": AVG_RATIO, "pos_adv_frac": 0.3958333432674408}),
     ("sapo", {"form": "paper"}, 0.24060268700122833, {}),
@@ -39,7 +41,8 @@ def test_sapo_trinity_gradient_is_gate_times_reinforce():
 
 
 def test_sapo_on_policy_gradient_is_two_over_tau_times_the_paper_form():
-    """§15.4: at r = 1 Trinity's gradient is (2/τ)·(−A·∇ℓ) and the paper's is −A·∇ℓ."""
+    """docs/algorithms/trl-differences.md#sapo: at r = 1 Trinity's gradient is (2/τ)·(−A·∇ℓ) and the paper's is
+    −A·∇ℓ."""
     data = small_data()
     data["old_logprob"] = data["logprob"].clone()
     mask, adv = data["action_mask"], data["advantages"]

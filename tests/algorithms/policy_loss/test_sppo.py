@@ -1,4 +1,5 @@
-"""sPPO policy loss (spec §6): §14.1 numbers, gradient, the inclusive trust region, bad args."""
+"""sPPO policy loss (docs/algorithms/policy-losses.md#sppo): docs/algorithms/reference-values.md#policy-loss-values
+numbers, gradient, the inclusive trust region, bad args."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TOPR policy loss (spec §5): §14.1 numbers and bad args (gradient: test_gradients.py)."""
+"""TOPR policy loss (docs/algorithms/policy-losses.md#topr): docs/algorithms/reference-values.md#policy-loss-values
+numbers and bad args (gradient: test_gradients.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Advantage functions (spec §12); importing this package registers every key in ``ADVANTAGE_FN``."""
+"""Advantage functions (docs/algorithms/advantages.md); importing this package registers every key in
+``ADVANTAGE_FN``."""
 
 from . import (  # noqa: F401
     asymre,

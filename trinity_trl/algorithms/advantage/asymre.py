@@ -1,4 +1,5 @@
-"""AsymRE advantages: the group operator ``asymre`` (spec §12.6) and the batch ``asymre_verl`` (§12.9).
+"""AsymRE advantages: the group operator ``asymre`` (docs/algorithms/advantages.md#asymre) and the batch ``asymre_verl``
+(docs/algorithms/advantages.md#batch-functions).
 
 ``score = reward − b`` with ``b = mean(R) + baseline_shift`` (``b = 0`` for a singleton). A
 negative shift lowers the baseline, so more samples are reinforced than penalised.

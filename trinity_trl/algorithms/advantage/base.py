@@ -1,4 +1,4 @@
-"""Base classes of the two kinds of advantage functions (spec §12.2)."""
+"""Base classes of the two kinds of advantage functions (docs/algorithms/advantages.md#two-kinds)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class AdvantageFn(ComponentArgs):
     provide (the ``needs_*`` flags), so trainers never compare registry names.
 
     ``default_args()`` is derived from the constructor signature and, unlike the losses', lists
-    ``None``-default arguments too (spec §12: the constructor is the default args).
+    ``None``-default arguments too (docs/algorithms/advantages.md: the constructor is the default args).
     """
 
     omit_none_defaults = False
@@ -114,7 +114,7 @@ def group_index(uid: Any) -> tuple[torch.Tensor, int]:
 
 
 def scalar_rewards_to_token_level(rewards: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Place each row's scalar reward at its last position whose mask is 1 (spec §12.1).
+    """Place each row's scalar reward at its last position whose mask is 1 (docs/algorithms/advantages.md#experiences).
 
     ``rewards``: ``(B,)``; ``attention_mask``: ``(B, T)`` over the response. Rows with an empty
     mask get no reward (all zeros).

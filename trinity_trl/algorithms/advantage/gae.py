@@ -1,4 +1,4 @@
-"""PPO's GAE — key ``ppo`` (spec §12.9, batch function; needs a critic's ``values``).
+"""PPO's GAE — key ``ppo`` (docs/algorithms/advantages.md#batch-functions, batch function; needs a critic's ``values``).
 
 ``δ_t = r_t + γ·V_{t+1} − V_t`` (``V_T = 0``), ``Â_t = δ_t + γλ·Â_{t+1}``, ``returns = Â + V``,
 ``advantages = WHITEN(Â, M)`` — not re-multiplied by ``M``, as in the reference.

@@ -1,4 +1,5 @@
-"""GRPO advantages: the group operator ``grpo`` (spec §12.3) and the batch function ``grpo_verl`` (§12.9).
+"""GRPO advantages: the group operator ``grpo`` (docs/algorithms/advantages.md#grpo) and the batch function
+``grpo_verl`` (docs/algorithms/advantages.md#batch-functions).
 
 This module also holds the helpers that the other advantage families share:
 
@@ -8,8 +9,8 @@ This module also holds the helpers that the other advantage families share:
   index ops (``index_add``/``bincount``), so 10 000 rows cost a few tensor ops, not a Python loop.
 
 Row scores are ``Σ_t token_level_rewards[b, t]`` over the **full** width, as in the reference.
-Rewards are placed at the last attention-valid token (§12.1), which in multi-turn data may sit
-under a zero of ``response_mask`` (a tool token); summing only unmasked tokens would drop that
+Rewards are placed at the last attention-valid token (docs/algorithms/advantages.md#experiences), which in multi-turn
+data may sit under a zero of ``response_mask`` (a tool token); summing only unmasked tokens would drop that
 reward silently. The price: a NaN in a padded reward position makes its whole group NaN.
 """
 
@@ -106,7 +107,7 @@ def write_row_advantages(batch: dict[str, Any], row_advantages: torch.Tensor, ma
 
 @ADVANTAGE_FN.register("grpo")
 class GRPOGroupAdvantage(GroupAdvantageFn):
-    """Group-normalised reward ``(R_i − μ_G) / (σ + ε)`` per task (spec §12.3).
+    """Group-normalised reward ``(R_i − μ_G) / (σ + ε)`` per task (docs/algorithms/advantages.md#grpo).
 
     Args:
         epsilon: added to the std (> 0).

@@ -1,4 +1,4 @@
-"""On-policy distillation — key ``on_policy_distill`` (spec §12.9, batch function).
+"""On-policy distillation — key ``on_policy_distill`` (docs/algorithms/advantages.md#batch-functions, batch function).
 
 The per-token advantage is the teacher's log-ratio over the behaviour policy,
 ``kl_coef·(ℓτ − ℓo)·M``: minus the per-token reverse KL sample, so tokens the teacher likes

@@ -1,4 +1,5 @@
-"""OPMD advantages: the group operator ``opmd`` (spec §12.5) and the batch ``opmd_verl`` (§12.9).
+"""OPMD advantages: the group operator ``opmd`` (docs/algorithms/advantages.md#opmd) and the batch ``opmd_verl``
+(docs/algorithms/advantages.md#batch-functions).
 
 ``score = reward − b`` with the group baseline ``b``:
 

@@ -1,4 +1,4 @@
-"""REC advantage — key ``rec`` (spec §12.8).
+"""REC advantage — key ``rec`` (docs/algorithms/advantages.md#rec).
 
 ``R_i − μ`` (optionally divided by the population std) over the kept members of a group. With
 ``drop="balance"``, when negatives (``R < mean``) outnumber positives, random negatives are dropped

@@ -1,4 +1,4 @@
-"""Raw-reward REINFORCE — key ``reinforce`` (spec §12.7; the TOPR preset's advantage).
+"""Raw-reward REINFORCE — key ``reinforce`` (docs/algorithms/advantages.md#reinforce; the TOPR preset's advantage).
 
 ``score = reward``: no baseline, so TOPR can tell positive from negative samples by sign.
 """

@@ -1,5 +1,5 @@
-"""REINFORCE++ — key ``reinforceplusplus`` (spec §12.9, batch function), and the discounted
-right-to-left scan that GAE shares.
+"""REINFORCE++ — key ``reinforceplusplus`` (docs/algorithms/advantages.md#batch-functions, batch function), and the
+discounted right-to-left scan that GAE shares.
 
 ``G[:, t] = r[:, t] + γ·G[:, t+1]`` over the **full** width with no reset at padding (Trinity keeps
 this older verl form; newer verl resets at masked positions). Consequence, kept on purpose: a

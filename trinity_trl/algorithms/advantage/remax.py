@@ -1,4 +1,5 @@
-"""ReMax — key ``remax`` (spec §12.9, batch function; needs greedy-rollout ``reward_baselines``).
+"""ReMax — key ``remax`` (docs/algorithms/advantages.md#batch-functions, batch function; needs greedy-rollout
+``reward_baselines``).
 
 ``returns[b, t] = Σ_{t' ≥ t} r[b, t']·M[b, t']`` and ``advantages = returns − baseline[b]·M``.
 Rewards at masked positions are replaced by 0 before the sum (the reference multiplies by ``M``,

@@ -1,4 +1,4 @@
-"""RLOO (REINFORCE leave-one-out) — key ``rloo`` (spec §12.9, batch function).
+"""RLOO (REINFORCE leave-one-out) — key ``rloo`` (docs/algorithms/advantages.md#batch-functions, batch function).
 
 Each row's baseline is the mean score of the *other* rows of its group:
 ``A_b = S_b − mean_{j≠b} S_j = n/(n−1)·(S_b − mean_g S)``. A singleton group has no other row,

@@ -1,4 +1,4 @@
-"""Step-wise GRPO for multi-step (agentic) runs — key ``step_wise_grpo`` (spec §12.4).
+"""Step-wise GRPO for multi-step (agentic) runs — key ``step_wise_grpo`` (docs/algorithms/advantages.md#step-wise-grpo).
 
 Each turn of a run is its own Experience. Runs of a task are compared by the reward of their
 **last** step (the last experience of the run in input order); the resulting score is broadcast

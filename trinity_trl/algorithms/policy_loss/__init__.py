@@ -1,4 +1,5 @@
-"""Policy losses (spec §1-§9); importing this package registers every key in ``POLICY_LOSS_FN``."""
+"""Policy losses (docs/algorithms/policy-losses.md); importing this package registers every key in
+``POLICY_LOSS_FN``."""
 
 from . import chord, cispo, dpo, gspo, importance_sampling, mix, opmd, ppo, rec, sapo, sft, sppo, topr  # noqa: F401
 from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn

@@ -1,4 +1,4 @@
-"""Base class of every policy loss (spec §0.4-§0.5)."""
+"""Base class of every policy loss (docs/algorithms/index.md#default-arguments)."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ class PolicyLossFn(ComponentArgs):
     @property
     def weighs_samples_itself(self) -> bool:
         """Whether the loss normalises its samples itself across a whole optimizer step (MIX/CHORD,
-        spec §9.1). A trainer then divides it only by gradient accumulation, and must not pass an
-        aggregation of its own (:meth:`aggregated_with`)."""
+        docs/algorithms/chord.md#normalisation). A trainer then divides it only by gradient accumulation, and must not
+        pass an aggregation of its own (:meth:`aggregated_with`)."""
         return False
 
     def aggregated_with(self, loss_agg_mode: Any) -> PolicyLossFn:
@@ -144,7 +144,8 @@ class PolicyLossFn(ComponentArgs):
 
 
 class AggregatedLossFn(PolicyLossFn):
-    """A policy loss whose only option is how token losses are aggregated (spec §0.3)."""
+    """A policy loss whose only option is how token losses are aggregated
+    (docs/algorithms/aggregation.md#loss-agg-mode)."""
 
     def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
         super().__init__(backend)

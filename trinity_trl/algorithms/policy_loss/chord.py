@@ -1,4 +1,4 @@
-"""CHORD (``mix_chord``): on-policy PPO + φ-weighted SFT with a scheduled weight μ (spec §9.3)."""
+"""CHORD (``mix_chord``): on-policy PPO + φ-weighted SFT with a scheduled weight μ (docs/algorithms/chord.md#chord)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
     ``expert_mask``: ``(B,)`` bool; ``step``: the current global step, either a plain ``int`` or,
-    as in the spec, a ``(B,)`` tensor or sequence of ints that are all equal.
+    as in docs/algorithms/chord.md#chord, a ``(B,)`` tensor or sequence of ints that are all equal.
 
     Args:
         mu_warmup_steps, mu_decay_steps, mu_peak, mu_valley: μ's schedule (:func:`mu_schedule_function`);

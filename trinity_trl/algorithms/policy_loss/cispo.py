@@ -1,4 +1,4 @@
-"""CISPO: REINFORCE weighted by a clipped, detached importance ratio (spec §3)."""
+"""CISPO: REINFORCE weighted by a clipped, detached importance ratio (docs/algorithms/policy-losses.md#cispo)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DPO on interleaved chosen/rejected rows (spec §8.5)."""
+"""DPO on interleaved chosen/rejected rows (docs/algorithms/policy-losses.md#dpo)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class DPOLossFn(PolicyLossFn):
             ``0 <= label_smoothing < 0.5``; at 0.5 the loss no longer prefers either side.
         allow_odd_rows: accept an odd ``B`` (the last chosen row then has no rejected partner).
             Off by default because an unpaired row means the pairing is broken; the reference
-            implementation accepts it, and its test data (spec §14.1, ``B = 5``) needs it.
+            implementation accepts it, and its test data (docs/algorithms/reference-values.md#policy-loss-values, ``B =
+            5``) needs it.
 
     Metrics: ``chosen_reward = β·C``, ``rejected_reward = β·R``, ``accuracy_mean = [C > R]``,
     ``dpo_loss``.

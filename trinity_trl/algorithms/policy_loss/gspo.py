@@ -1,4 +1,5 @@
-"""GSPO, token form: one clipped sequence-level ratio with a per-token gradient (spec §2)."""
+"""GSPO, token form: one clipped sequence-level ratio with a per-token gradient
+(docs/algorithms/policy-losses.md#gspo)."""
 
 from __future__ import annotations
 

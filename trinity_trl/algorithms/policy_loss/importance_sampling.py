@@ -1,4 +1,5 @@
-"""Plain importance-sampled policy gradient, no clipping (spec §8.6; on-policy distillation)."""
+"""Plain importance-sampled policy gradient, no clipping (docs/algorithms/policy-losses.md#importance-sampling;
+on-policy distillation)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""MIX: PPO on on-policy rows plus SFT on expert rows, per-sample normalised (spec §9.1-§9.2).
+"""MIX: PPO on on-policy rows plus SFT on expert rows, per-sample normalised (docs/algorithms/chord.md).
 
 Both MIX and CHORD (``chord.py``) weigh each usual (on-policy) sample by ``w_u`` and each expert
 sample by ``w_e``. A trainer gives these per-sample weights directly (``usual_sample_weight``,
 ``expert_sample_weight``); Trinity's configuration gives its batch geometry instead
 (``ppo_mini_batch_size``, ``train_batch_size_usual``, ...), from which :class:`BatchGeometry` derives
-them with the formula of spec §9.1.
+them with the formula of docs/algorithms/chord.md#normalisation.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _positive_float(owner: str, name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class BatchGeometry:
-    """Trinity's batch geometry of a MIX/CHORD run (spec §9.1), and the per-sample weights it implies.
+    """Trinity's batch geometry of a MIX/CHORD run (docs/algorithms/chord.md#normalisation), and the per-sample weights
+    it implies.
 
     Args:
         use_dynamic_bsz: whether micro-batches have a variable number of rows (verl's dynamic batch
@@ -109,7 +110,7 @@ class BatchGeometry:
 
         With Trinity's trainer scaling (÷ gradient_accumulation, or × B / mini-batch size per GPU),
         each usual sample then weighs ``1/Bu`` and each expert sample ``1/Be`` in the optimizer
-        step, whatever the make-up of the micro-batch (spec §9.1).
+        step, whatever the make-up of the micro-batch (docs/algorithms/chord.md#normalisation).
         """
         if self.use_dynamic_bsz:
             return (
@@ -151,7 +152,7 @@ class ExpertMixLossFn(PolicyLossFn):
 
     @property
     def weighs_samples_itself(self) -> bool:
-        return True  # per-sample weights w_u, w_e over the optimizer step (spec §9.1)
+        return True  # per-sample weights w_u, w_e over the optimizer step (docs/algorithms/chord.md#normalisation)
 
     def __init__(
         self,
@@ -211,7 +212,7 @@ class ExpertMixLossFn(PolicyLossFn):
         )
         self.sft_loss_fn = self.build_sft_loss_fn(sft_loss_agg_mode or loss_agg_mode)
 
-    # Trinity's derived values (spec §9.1), None when explicit sample weights are used
+    # Trinity's derived values (docs/algorithms/chord.md#normalisation), None when explicit sample weights are used
     @property
     def use_dynamic_bsz(self) -> bool | None:
         return None if self.geometry is None else self.geometry.use_dynamic_bsz
@@ -291,7 +292,7 @@ class ExpertMixLossFn(PolicyLossFn):
 
 @POLICY_LOSS_FN.register("mix")
 class MIXPolicyLossFn(ExpertMixLossFn):
-    """MIX: ``(1−mu)·L_u + mu·L_e`` with a constant ``mu`` in ``[0, 1]`` (spec §9.2).
+    """MIX: ``(1−mu)·L_u + mu·L_e`` with a constant ``mu`` in ``[0, 1]`` (docs/algorithms/chord.md#mix).
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
     ``expert_mask``: ``(B,)`` bool, True for SFT demonstration rows. Every other argument: see

@@ -1,4 +1,4 @@
-"""OPMD policy loss: REINFORCE scaled by ``1/(1+τ)`` (spec §8.1)."""
+"""OPMD policy loss: REINFORCE scaled by ``1/(1+τ)`` (docs/algorithms/policy-losses.md#opmd)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PPO-clip policy loss with dual clip, sequence masking and IS truncation (spec §1)."""
+"""PPO-clip policy loss with dual clip, sequence masking and IS truncation (docs/algorithms/policy-losses.md#ppo)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class PPOPolicyLossFn(PolicyLossFn):
     (ratio 1 with the REINFORCE gradient).
 
     The constructor has no default clip range (an unresolved bound raises ``ValueError``); a
-    preset uses ``clip_range=0.2`` (spec §1).
+    preset uses ``clip_range=0.2`` (docs/algorithms/policy-losses.md#ppo).
     """
 
     preset_defaults = {"clip_range": 0.2}

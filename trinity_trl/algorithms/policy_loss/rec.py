@@ -1,4 +1,4 @@
-"""REC family: clipped / weighted / regularised REINFORCE on sampled tokens (spec §7)."""
+"""REC family: clipped / weighted / regularised REINFORCE on sampled tokens (docs/algorithms/policy-losses.md#rec)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class RECPolicyLossFn(PolicyLossFn):
     with ``seq-mean-token-mean``.
 
     A preset uses wider primes than the constructor: ``epsilon_low_prime=0.6, epsilon_high_prime=2``
-    (spec §7; the constructor's are 0.4 / 0.4).
+    (docs/algorithms/policy-losses.md#rec; the constructor's are 0.4 / 0.4).
     """
 
     preset_defaults = {"epsilon_low_prime": 0.6, "epsilon_high_prime": 2}

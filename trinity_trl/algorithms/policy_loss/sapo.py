@@ -1,4 +1,5 @@
-"""SAPO: a soft, temperature-controlled gate instead of a hard clip (spec §4, §15.4)."""
+"""SAPO: a soft, temperature-controlled gate instead of a hard clip (docs/algorithms/policy-losses.md#sapo,
+docs/algorithms/trl-differences.md#sapo)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class SAPOPolicyLossFn(PolicyLossFn):
 
     Two forms (``form``):
 
-    * ``"trinity"`` (default, spec §4, Trinity-RFT's reference): per-token loss ``−A · sg(f(r)) · ℓ``.
+    * ``"trinity"`` (default, docs/algorithms/policy-losses.md#sapo, Trinity-RFT's reference): per-token loss ``−A ·
+    sg(f(r)) · ℓ``.
       The gradient is ``−A·f(r)·∇ℓ``, which is *not* the derivative of ``−A·f(r)``: at ``r = 1`` it is
       ``−(2/τ)·A·∇ℓ``, i.e. ``2/τ`` times the on-policy policy gradient (twice for ``τ = 1``), and it
       does not vanish for large ``r``. The loss value is ``−A·f·ℓ``, not ``−A·f``.

@@ -1,4 +1,4 @@
-"""SFT losses: plain, importance-weighted and φ-weighted (spec §8.2-§8.4)."""
+"""SFT losses: plain, importance-weighted and φ-weighted (docs/algorithms/policy-losses.md#sft)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""sPPO: REINFORCE on the log-ratio, restricted to tokens whose ratio is in a trust region (spec §6)."""
+"""sPPO: REINFORCE on the log-ratio, restricted to tokens whose ratio is in a trust region
+(docs/algorithms/policy-losses.md#sppo)."""
 
 from __future__ import annotations
 

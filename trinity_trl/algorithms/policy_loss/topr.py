@@ -1,4 +1,4 @@
-"""TOPR: tapered off-policy REINFORCE (spec §5)."""
+"""TOPR: tapered off-policy REINFORCE (docs/algorithms/policy-losses.md#topr)."""
 
 from __future__ import annotations
 
