@@ -31,9 +31,10 @@ lint: $(STAMP)
 	$(MAKE) --no-print-directory docs
 
 # The docs site (mkdocs.yml, docs/) into site/ (git-ignored). --strict: a broken link, a missing page or anchor, a
-# page left out of the nav or an API reference that does not resolve is an error. `mkdocs serve` previews it.
+# page left out of the nav or an API reference that does not resolve is an error. Not --quiet: it hides warnings
+# from the strict count, so a broken link would pass. `mkdocs serve` previews it.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target.
 test: lint

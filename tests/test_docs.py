@@ -92,3 +92,22 @@ def test_every_cited_docs_section_exists(where, page, anchor):
     assert path.is_file(), f"{where} cites docs/{page}, which does not exist"
     if anchor:
         assert anchor in anchors(path), f"{where} cites docs/{page}#{anchor}: no such heading on that page"
+
+
+def test_the_docs_build_fails_on_a_broken_anchor(tmp_path):
+    """`make docs` runs the strict build as the Makefile writes it (a `--quiet` there once let warnings pass): on a
+    copy of the docs with one link to a missing heading, it must fail and name that link."""
+    import shutil
+    import subprocess
+    import sys
+
+    recipe = re.search(r"^docs:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    command = recipe.replace("$(VENV)/bin/", str(Path(sys.executable).parent) + "/")
+    shutil.copytree(DOCS, tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "trinity_trl").symlink_to(ROOT / "trinity_trl")  # the API pages read the package's source
+    with (tmp_path / "docs" / "index.md").open("a") as page:
+        page.write("\nSee [the KL loss](algorithms/kl.md#no-such-heading).\n")
+    result = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "no-such-heading" in result.stdout + result.stderr
