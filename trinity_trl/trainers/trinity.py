@@ -22,6 +22,7 @@ import torch
 from trl import GRPOTrainer
 
 from ..data.model import resolve_model
+from ..packing import PrefixPacking
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from .checkpoint import TrainerStateCheckpoints
@@ -30,7 +31,6 @@ from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .packing import PrefixPacking
 from .scoring import ScoringPasses
 from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
@@ -92,6 +92,8 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             args.prefix_packing_max_token_ratio,
             self.accelerator.unwrap_model,
             self.accelerator.autocast,
+            args.prefix_packing_kernel,
+            self.accelerator.device,
         )
         self.loss_normalizer = LossNormalizer(
             args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
@@ -257,7 +259,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         **multimodal,
     ):
         """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
-        old/reference passes. It runs the prefix-shared packed layout (:mod:`.packing`) where that applies,
+        old/reference passes. It runs the prefix-shared packed layout (:mod:`trinity_trl.packing`) where that applies,
         else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
         packed = self.prefix_packing.logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal

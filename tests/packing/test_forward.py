@@ -20,8 +20,10 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import build_tiny_model, build_tiny_tokenizer, length_reward, save_tiny_model, tiny_grpo_kwargs
+from packing_helpers import grouped_rows, padded_batch
 from peft import LoraConfig
 
+from trinity_trl.packing import PrefixPacking, unsupported_reason
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
@@ -34,14 +36,6 @@ from trinity_trl.trainers import (
     TrinityConfig,
     TrinityTrainer,
 )
-from trinity_trl.trainers.packing import (
-    NotPackable,
-    PrefixPacking,
-    TreeAttentionMask,
-    pack_rows,
-    tree_attention,
-    unsupported_reason,
-)
 
 LOGP_ATOL = 2e-5
 RTOL, ATOL = 1e-4, 1e-6
@@ -51,51 +45,6 @@ DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "packing_equiva
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def padded_batch(rows: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(input_ids, attention_mask, logits_to_keep)`` as TRL builds them: left-padded prompts, right-padded
-    completions."""
-    width_p = max(len(p) for p, _ in rows)
-    width_c = max(len(c) for _, c in rows)
-    ids = torch.full((len(rows), width_p + width_c), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
-        mask[i, width_p - len(p) : width_p] = 1
-        ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, width_p : width_p + len(c)] = 1
-    return ids, mask, width_c
-
-
-def dense_tree_mask(packed) -> torch.Tensor:
-    """The ``(N, N)`` boolean mask the segments describe, materialised (for reference only)."""
-    n = packed.num_tokens
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for seg in packed.segments:
-        for s, e in seg.ancestors:
-            mask[seg.start : seg.end, s:e] = True
-        mask[seg.start : seg.end, seg.start : seg.end] = (
-            torch.ones(seg.end - seg.start, seg.end - seg.start).tril().bool()
-        )
-    return mask
-
-
-def grouped_rows(generator: torch.Generator, vocab: int = 400) -> list[tuple[list[int], list[int]]]:
-    """Two groups of three rows; both prompts start with the same 5-token 'system prompt'; ragged completions, one
-    completion empty, two identical rows."""
-
-    def rand(n):
-        return torch.randint(3, vocab, (n,), generator=generator).tolist()
-
-    system = rand(5)
-    prompts = [system + rand(4), system + rand(7)]
-    rows = []
-    for prompt in prompts:
-        for length in (6, 3, 0):
-            rows.append((prompt, rand(length)))
-    rows.append(rows[0])  # an identical row: same tokens, its own outputs
-    return rows
-
-
 def loss_and_grads(trainer, batch: dict, packing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``_compute_loss`` + backward of ``batch`` in one layout: the loss and every parameter's gradient (policy
     and, for PPO, critic)."""
@@ -180,106 +129,6 @@ def llama_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> str:
 @pytest.fixture(params=["qwen2", "llama"])
 def model_dir(request, tiny_model_dir, llama_model_dir) -> str:
     return tiny_model_dir if request.param == "qwen2" else llama_model_dir
-
-
-# ----------------------------------------------------------------------------------------- the layout
-def test_prefix_tree_forwards_each_distinct_token_once():
-    rows = grouped_rows(torch.Generator().manual_seed(0))
-    ids, mask, keep = padded_batch(rows)
-    (packed,) = pack_rows(ids, mask, keep)
-    distinct = {tuple(p + c[:i]) for p, c in rows for i in range(len(c) + 1)} | {
-        tuple(p[:i]) for p, _ in rows for i in range(1, len(p) + 1)
-    }
-    assert packed.num_tokens == len(distinct)  # every distinct (prefix, token) once: shared system prompt too
-    assert packed.segments[0].ancestors == () and packed.segments[0].end - packed.segments[0].start == 5
-    # each row reads its tokens back at the positions of its unpadded sequence
-    for r, (p, c) in enumerate(rows):
-        chosen = packed.scored_rows == r
-        assert packed.scored_labels[chosen].tolist() == c
-        assert packed.scored_cols[chosen].tolist() == list(range(len(c)))
-        predictors = packed.scored_index[chosen]
-        assert (packed.position_ids[predictors] == torch.arange(len(p) - 1, len(p) + len(c) - 1)).all()
-        seq = p + c
-        assert packed.input_ids[predictors].tolist() == seq[len(p) - 1 : len(seq) - 1]
-    # token budget: rows are packed in order, a new packed row starts when the next would exceed it
-    chunks = pack_rows(ids, mask, keep, max_tokens=20)
-    assert [r for c in chunks for r in c.rows] == list(range(len(rows)))
-    assert all(c.num_tokens <= 20 or len(c.rows) == 1 for c in chunks) and len(chunks) > 1
-
-
-def test_rows_that_the_padded_forward_reads_differently_are_not_packed():
-    ids, mask, keep = padded_batch([([5, 6, 7], [8, 9]), ([5, 6], [8, 9, 10])])
-    holed = mask.clone()
-    holed[0, 1] = 0  # a hole inside the row
-    with pytest.raises(NotPackable, match="row 0"):
-        pack_rows(ids, holed, keep)
-    no_prompt = mask.clone()
-    no_prompt[1, :3] = 0  # row 1 has no token before its first completion token
-    with pytest.raises(NotPackable, match="row 1"):
-        pack_rows(ids, no_prompt, keep)
-
-
-@pytest.mark.parametrize("gqa", [False, True])
-def test_tree_attention_equals_sdpa_with_the_dense_tree_mask(gqa):
-    generator = torch.Generator().manual_seed(0)
-    ids, mask, keep = padded_batch(grouped_rows(generator))
-    (packed,) = pack_rows(ids, mask, keep)
-    n, heads, kv_heads, dim = packed.num_tokens, 4, 2 if gqa else 4, 8
-    q = torch.randn(1, heads, n, dim, generator=generator, requires_grad=True)
-    k = torch.randn(1, kv_heads, n, dim, generator=generator, requires_grad=True)
-    v = torch.randn(1, kv_heads, n, dim, generator=generator, requires_grad=True)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=packed.attention_mask(), scale=0.3, enable_gqa=gqa
-    )
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=dense_tree_mask(packed), scale=0.3, enable_gqa=gqa
-    )
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert tree_attention is not None  # the kernel SDPA dispatches to through the mask (no other use of it)
-
-
-def test_flash_varlen_path_gathers_each_segments_path(monkeypatch):
-    """The CUDA path's arguments (queries as packed, each segment's gathered path as its keys, cu_seqlens, causal
-    bottom-right) checked on CPU with a reference varlen attention standing in for FlashAttention's kernel."""
-    from trinity_trl.trainers import packing
-
-    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
-        assert causal and q.shape[0] == cu_q[-1] and k.shape[0] == cu_k[-1]
-        outs = []
-        for i in range(len(cu_q) - 1):
-            qi, ki, vi = (
-                t[a:b].transpose(0, 1)
-                for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1]))
-            )
-            mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
-            outs.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=softmax_scale
-                ).transpose(0, 1)
-            )
-        return torch.cat(outs)
-
-    monkeypatch.setattr(packing, "attention_backend", lambda device, dtype: "flash_attn_varlen")
-    monkeypatch.setattr(packing, "_flash_varlen", lambda: reference_varlen)
-    generator = torch.Generator().manual_seed(2)
-    ids, mask, keep = padded_batch(grouped_rows(generator))
-    (packed,) = pack_rows(ids, mask, keep)
-    q, k, v = (torch.randn(1, 4, packed.num_tokens, 8, generator=generator) for _ in range(3))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packed.attention_mask(), scale=0.3)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(packed), scale=0.3)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_tree_mask_is_only_an_sdpa_mask():
-    mask = TreeAttentionMask([], "cpu")
-    assert mask.shape == (1, 1, 0, 0) and mask.device.type == "cpu"  # transformers takes it as a prepared 4D mask
-    assert mask.to("cpu") is mask
-    with pytest.raises(TypeError, match="scaled_dot_product_attention"):
-        torch.add(torch.zeros(1, 1, 2, 2), mask)  # eager attention adds masks: refused, never silently wrong
 
 
 # --------------------------------------------------------------------------------- the model forward
