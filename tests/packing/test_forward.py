@@ -1,9 +1,10 @@
-"""Prefix-shared packed forward (`trainers/packing.py`): the layout, the tree attention, and exactness.
+"""Prefix-shared packed forward (`trinity_trl/packing/forward.py`): packed log-probs, loss, gradients equal padded.
 
 Exactness means: the packed layout gives the padded layout's per-token log-probs, entropies, loss and every
-parameter gradient, up to float32 rounding (different reduction orders). Tolerances: log-probs and entropies
-`atol=2e-5`; loss and gradients `rtol=1e-4, atol=1e-6` (what we see: about 1e-6 on log-probs and 5e-7 relative on
-gradients). Every trainer test computes the same batch twice on the same trainer, `prefix_packing` on and off.
+parameter gradient, up to float32 rounding (different reduction orders; tolerances derived below with
+tests/tolerance.py). Every trainer test computes the same batch twice on the same trainer, `prefix_packing` on and
+off. The tests marked `gpu` (`make test-gpu`) do the same on CUDA for every kernel, LoRA and full, Qwen2 and Llama,
+and train every trainer 2 steps with packing there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from datasets import Dataset
 from helpers import build_tiny_model, build_tiny_tokenizer, length_reward, save_tiny_model, tiny_grpo_kwargs
 from packing_helpers import grouped_rows, padded_batch
 from peft import LoraConfig
+from tolerance import assert_close
 
 from trinity_trl.packing import PrefixPacking, unsupported_reason
 from trinity_trl.trainers import (
@@ -37,8 +39,12 @@ from trinity_trl.trainers import (
     TrinityTrainer,
 )
 
-LOGP_ATOL = 2e-5
-RTOL, ATOL = 1e-4, 1e-6
+# Tolerances (tests/tolerance.py), derived for the tiny models of tests/helpers.py (2 layers, hidden 64,
+# intermediate 128, head dim 16, vocabulary 512) on rows of at most 128 tokens: a log-prob, entropy or critic value
+# chains, per layer, the MLP's and projection's sums and an attention row (keys x head dim), then the vocabulary's
+# logsumexp; a gradient, loss or trained weight also sums over the tokens of the micro-batch (at most 16 x 128).
+LOGP_TERMS = 2 * (128 + 64 + 128 * 16) + 512
+GRAD_TERMS = LOGP_TERMS * 16 * 128
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 SYSTEM = "You are a careful assistant. Answer with the number only."
 DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "packing_equivalence.py"
@@ -77,10 +83,10 @@ def loss_and_grads(trainer, batch: dict, packing: bool) -> tuple[torch.Tensor, d
 def assert_same_loss_and_grads(trainer, batch: dict) -> None:
     loss_packed, grads_packed = loss_and_grads(trainer, batch, packing=True)
     loss_padded, grads_padded = loss_and_grads(trainer, batch, packing=False)
-    torch.testing.assert_close(loss_packed, loss_padded, rtol=RTOL, atol=ATOL)
+    assert_close(loss_packed, loss_padded, terms=GRAD_TERMS)
     assert grads_packed.keys() == grads_padded.keys() and grads_packed
     for name in grads_padded:
-        torch.testing.assert_close(grads_packed[name], grads_padded[name], rtol=RTOL, atol=ATOL, msg=name)
+        assert_close(grads_packed[name], grads_padded[name], terms=GRAD_TERMS, msg=name)
 
 
 def ragged(batch: dict, pad_id: int) -> dict:
@@ -157,10 +163,10 @@ def test_packed_forward_equals_padded_forward(arch):
         return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     packed, padded = run(True), run(False)
-    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=LOGP_ATOL)
-    torch.testing.assert_close(packed[1], padded[1], rtol=0, atol=LOGP_ATOL)
+    assert_close(packed[0], padded[0], terms=LOGP_TERMS)
+    assert_close(packed[1], padded[1], terms=LOGP_TERMS)
     for name, grad in padded[2].items():
-        torch.testing.assert_close(packed[2][name], grad, rtol=RTOL, atol=ATOL, msg=name)
+        assert_close(packed[2][name], grad, terms=GRAD_TERMS, msg=name)
 
 
 # --------------------------------------------------------------------------------------- the trainers
@@ -191,8 +197,8 @@ def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, norma
     trainer.prefix_packing.enabled = False
     behaviour, reference = trainer._forward_logps(trainer.model, rows), trainer._reference_logps(rows)
     trainer.prefix_packing.enabled = True
-    torch.testing.assert_close(trainer._forward_logps(trainer.model, rows), behaviour, rtol=0, atol=LOGP_ATOL)
-    torch.testing.assert_close(trainer._reference_logps(rows), reference, rtol=0, atol=LOGP_ATOL)
+    assert_close(trainer._forward_logps(trainer.model, rows), behaviour, terms=LOGP_TERMS)
+    assert_close(trainer._reference_logps(rows), reference, terms=LOGP_TERMS)
     batch["old_per_token_logps"] = behaviour + 0.2 * torch.randn(
         behaviour.shape, generator=torch.Generator().manual_seed(0)
     )
@@ -223,7 +229,7 @@ def test_lora_adapter_and_disabled_adapter_reference_equal_padded(tmp_path, mode
     trainer.prefix_packing.enabled = False
     padded_ref = trainer._reference_logps(rows)
     trainer.prefix_packing.enabled = True
-    torch.testing.assert_close(packed_ref, padded_ref, rtol=0, atol=LOGP_ATOL)
+    assert_close(packed_ref, padded_ref, terms=LOGP_TERMS)
     assert (packed_ref - trainer._forward_logps(trainer.model, rows)).abs().max() > 1e-3  # adapter really disabled
     batch["ref_per_token_logps"] = padded_ref
     assert_same_loss_and_grads(trainer, batch)
@@ -269,10 +275,10 @@ def test_training_with_accumulation_and_iterations_equals_padded(tmp_path, tiny_
         )
     (loss_a, norm_a, weights_a, ratio_a), (loss_b, norm_b, weights_b, ratio_b) = results[True], results[False]
     assert len(loss_a) == 2
-    torch.testing.assert_close(torch.tensor(loss_a), torch.tensor(loss_b), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(torch.tensor(norm_a), torch.tensor(norm_b), rtol=RTOL, atol=ATOL)
+    assert_close(torch.tensor(loss_a), torch.tensor(loss_b), terms=GRAD_TERMS)
+    assert_close(torch.tensor(norm_a), torch.tensor(norm_b), terms=GRAD_TERMS)
     for name, w in weights_b.items():
-        torch.testing.assert_close(weights_a[name], w, rtol=RTOL, atol=ATOL, msg=name)
+        assert_close(weights_a[name], w, terms=GRAD_TERMS, msg=name)
     assert max(ratio_a) < 0.9 and min(ratio_b) == 1.0  # packed forwards happened (TRL's own ones included)
 
 
@@ -333,7 +339,7 @@ def test_every_rollout_trainer_equals_padded(tmp_path, tiny_model_dir, name):
             trainer.prefix_packing.enabled = False
             padded = trainer._critic_values(critic, rows)
             trainer.prefix_packing.enabled = True
-        torch.testing.assert_close(packed, padded, rtol=RTOL, atol=LOGP_ATOL)
+        assert_close(packed, padded, terms=LOGP_TERMS)
     assert_same_loss_and_grads(trainer, batch)
 
 
@@ -443,12 +449,144 @@ def test_two_processes_packed_equals_padded(tmp_path, tiny_model_dir):
     for rank in (0, 1):
         for case in ("trinity", "lora", "ppo"):
             result = torch.load(tmp_path / f"{case}_rank{rank}.pt")
-            torch.testing.assert_close(result["packed"]["loss"], result["padded"]["loss"], rtol=RTOL, atol=ATOL)
+            assert_close(result["packed"]["loss"], result["padded"]["loss"], terms=GRAD_TERMS)
             assert result["packed"]["grads"].keys() == result["padded"]["grads"].keys()
             for name, grad in result["padded"]["grads"].items():
-                torch.testing.assert_close(result["packed"]["grads"][name], grad, rtol=RTOL, atol=ATOL, msg=name)
+                assert_close(result["packed"]["grads"][name], grad, terms=GRAD_TERMS, msg=name)
             assert result["forwarded_token_ratio"] < 0.9
     # DDP averaged the gradients: both ranks hold the same ones
     a, b = (torch.load(tmp_path / f"trinity_rank{r}.pt")["packed"]["grads"] for r in (0, 1))
     for name in a:
-        torch.testing.assert_close(a[name], b[name])
+        assert_close(a[name], b[name])  # the same all-reduced values on both ranks
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA (run by `make test-gpu` on a GPU machine)")
+FUSED = ["sdpa_segments", "varlen", "flash_attn", "flex"]
+
+
+def _cuda_kernel(name: str, dtype: torch.dtype) -> None:
+    from trinity_trl.packing import KERNELS
+
+    kernel = KERNELS[name]
+    reason = kernel.unavailable(torch.device("cuda")) or kernel.unsupported_dtype(dtype)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("kernel", FUSED)
+def test_every_kernel_on_cuda_equals_the_padded_forward(kernel, arch, peft, dtype):
+    """Log-probs, entropies, the loss and every gradient of TRL's fused-head forward, packed through ``kernel`` vs
+    padded SDPA rows, on CUDA. fp32 kernels within the float32 tolerances above; bf16 (both sides in bf16) within
+    one bf16 rounding per summed term: ``tolerance(dtype=bf16, terms=LOGP_TERMS, ulps=1)``."""
+    from peft import get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    _cuda_kernel(kernel, dtype)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, arch=arch).to("cuda", dtype)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    if peft:
+        model = get_peft_model(model, copy.deepcopy(LORA))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+    rows = grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer), groups=3)
+    ids, mask, keep = (t.to("cuda") if isinstance(t, torch.Tensor) else t for t in padded_batch(rows))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, kernel, "cuda")
+
+    def run(packed: bool):
+        model.zero_grad()
+        if packed:
+            out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
+            assert out is not None and out.kernel == kernel
+            logps, entropy = out.logps, out.entropies
+        else:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            logps, entropy = out.log_probs[:, -keep:], out.entropy[:, -keep:]
+        keep_mask = mask[:, -keep:].bool()
+        loss = (logps.float() * keep_mask).sum() + 0.1 * (entropy.float() * keep_mask).sum()
+        loss.backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return (logps * keep_mask).float().detach(), (entropy * keep_mask).float().detach(), loss.detach(), grads
+
+    packed, padded = run(True), run(False)
+    bf16 = {"ulps": 1, "dtype": dtype} if dtype == torch.bfloat16 else {}
+    assert_close(packed[0], padded[0], terms=LOGP_TERMS, **bf16)
+    assert_close(packed[1], padded[1], terms=LOGP_TERMS, **bf16)
+    assert_close(packed[2], padded[2], terms=GRAD_TERMS, **bf16)
+    assert packed[3].keys() == padded[3].keys() and packed[3]
+    for name, grad in padded[3].items():
+        assert_close(packed[3][name], grad, terms=GRAD_TERMS, msg=name, **bf16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["chord", "cispo", "sapo", "ppo", "step_grpo"])
+def test_every_trainer_trains_two_steps_with_packing_on_cuda(tmp_path, tiny_model_dir, name):
+    """CHORD, CISPO, SAPO, PPO (policy and critic) and StepGRPO, bf16 on CUDA, packing forced onto the first fused
+    kernel available: 2 optimizer steps, finite losses, and the forwards were packed."""
+    from trinity_trl.packing import KERNELS
+
+    kernel = next(
+        (k for k in ("varlen", "flash_attn", "flex") if KERNELS[k].unavailable(torch.device("cuda")) is None), None
+    )
+    if kernel is None:
+        pytest.skip("no fused tree-attention kernel on this machine")
+    cuda = {"use_cpu": False, "bf16": True, "prefix_packing_kernel": kernel}
+    if name == "step_grpo":
+        from trinity_trl.rollouts import CalculatorEnv, calculator_dataset
+        from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+
+        trainer = StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_env_steps=2, **cuda)),
+            train_dataset=calculator_dataset(8),
+            environment_factory=CalculatorEnv,
+        )
+    else:
+        trainer = CUDA_TRAINERS[name](tiny_model_dir, str(tmp_path), cuda)
+    trainer.train()
+    logs = trainer.state.log_history
+    losses = [e["loss"] for e in logs if "loss" in e]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    ratios = [e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e]
+    assert ratios and min(ratios) < 1.0, ratios  # packed forwards ran
+
+
+CUDA_TRAINERS = {
+    "chord": lambda d, o, c: ChordTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        expert_dataset=_expert_dataset(),
+        args=ChordConfig(**tiny_grpo_kwargs(output_dir=o, expert_batch_size=2, mu_peak=0.5, mu_valley=0.5, **c)),
+    ),
+    "cispo": lambda d, o, c: CISPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=CISPOConfig(**tiny_grpo_kwargs(output_dir=o, **c)),
+    ),
+    "sapo": lambda d, o, c: SAPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=SAPOConfig(**tiny_grpo_kwargs(output_dir=o, **c)),
+    ),
+    "ppo": lambda d, o, c: PPOTrainer(
+        model=d,
+        reward_funcs=length_reward,
+        train_dataset=conversational_dataset(),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=o, **c)),
+    ),
+}
