@@ -28,6 +28,8 @@ def test_a_kernel_that_cannot_run_here_is_an_error_when_the_trainer_is_built(tmp
 
     with pytest.raises(ValueError, match="prefix_packing_kernel"):
         TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), prefix_packing_kernel="fast"))
+    with pytest.raises(ValueError, match="no effect with prefix_packing=False"):
+        TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), prefix_packing=False, prefix_packing_kernel="flex"))
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), prefix_packing_kernel="varlen"))
     with pytest.raises(ValueError, match="prefix_packing_kernel='varlen' cannot run here"):
         TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=_dataset())

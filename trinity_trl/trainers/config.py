@@ -214,6 +214,10 @@ class TrinityConfig(GRPOConfig):
             raise ValueError(
                 f"prefix_packing_kernel must be one of {PREFIX_PACKING_KERNELS}, got {self.prefix_packing_kernel!r}"
             )
+        if not self.prefix_packing and self.prefix_packing_kernel != "auto":
+            raise ValueError(
+                f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
+            )
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
