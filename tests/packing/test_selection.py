@@ -151,3 +151,17 @@ def test_stopwatch_on_cpu_reads_wall_time():
     watch.start()
     watch.stop()
     assert watch.seconds() >= 0.0
+
+
+def test_a_forward_the_chosen_kernel_cannot_run_falls_back_with_one_log_line(caplog):
+    """A forced kernel checked per forward (no training device given): each such forward runs padded, logged once."""
+    from helpers import build_tiny_model, build_tiny_tokenizer
+
+    model = build_tiny_model(build_tiny_tokenizer())
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "varlen")
+    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    with caplog.at_level(logging.WARNING, logger="trinity_trl"):
+        for _ in range(3):
+            assert packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {}) is None
+    lines = [r.getMessage() for r in caplog.records if "prefix packing off" in r.getMessage()]
+    assert len(lines) == 1 and "varlen" in lines[0] and "CUDA" in lines[0], lines

@@ -70,6 +70,8 @@ def test_padding_to_a_block_multiple_adds_a_root_segment_never_scored():
     last = padded.segments[-1]
     assert (last.start, last.end, last.ancestors) == (plain.num_tokens, padded.num_tokens, ())
     assert torch.equal(segments_mask(padded), dense_tree_mask_from_rows(padded, rows))
+    (long,) = pack_rows(ids, mask, keep, pad_multiple=16, min_tokens=96)
+    assert long.num_tokens == 96 and long.segments[-1].start == plain.num_tokens
 
 
 def test_rows_that_the_padded_forward_reads_differently_are_not_packed():

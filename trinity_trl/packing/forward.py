@@ -263,7 +263,10 @@ class PrefixPacking:
                     return None
         try:
             budget = batch_size * width if chunked else None
-            chunks = pack_rows(input_ids, attention_mask, logits_to_keep, budget, choice.kernel.pad_multiple)
+            kernel = choice.kernel
+            chunks = pack_rows(
+                input_ids, attention_mask, logits_to_keep, budget, kernel.pad_multiple, kernel.min_tokens
+            )
         except NotPackable as err:
             self._fall_back(str(err))
             return None

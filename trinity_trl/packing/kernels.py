@@ -21,8 +21,10 @@ The kernels:
 * ``flash_attn`` (CUDA, fp16/bf16, FlashAttention 2 installed): the same layout through
   ``flash_attn_varlen_func(causal=True)``, GQA native.
 * ``flex`` (CUDA, fp32/fp16/bf16): FlexAttention with a tree BlockMask built directly from the layout
-  (no ``create_block_mask``): ``mask_mod(q, k) = k <= q < subtree_end[k]``. Compiled once with
-  dynamic shapes; the packed row is padded to a multiple of the block size (128).
+  (no ``create_block_mask``): ``mask_mod(q, k) = k <= q < subtree_end[k]``. Compiled with dynamic
+  shapes: torch compiles the first length it sees, then one dynamic graph at the second, and no more
+  (checked with torch 2.13's recompile log; a new ``subtree_end`` per forward does not recompile). The
+  packed row is padded to a multiple of the block size (128), and to 2 blocks at least.
 
 The gathered-key layout of ``varlen``/``flash_attn`` is also what ``sdpa_segments`` runs on, so the CPU
 tests of the reference kernel test that layout too.
@@ -102,6 +104,8 @@ class TreeKernel:
     name: ClassVar[str]
     #: the packed row's length must be a multiple of this (padding tokens form a root segment of their own)
     pad_multiple: ClassVar[int] = 1
+    #: and at least this long
+    min_tokens: ClassVar[int] = 0
     #: dtypes the kernel runs in (None: any floating dtype)
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
@@ -354,6 +358,8 @@ class Flex(TreeKernel):
 
     name = "flex"
     pad_multiple = FLEX_BLOCK
+    # at least 2 blocks: torch.compile specialises sizes 0 and 1, so a 1-block row would compile a graph of its own
+    min_tokens = 2 * FLEX_BLOCK
 
     def unavailable(self, device: torch.device) -> str | None:
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:

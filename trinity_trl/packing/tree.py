@@ -179,6 +179,7 @@ def pack_rows(
     logits_to_keep: int,
     max_tokens: int | None = None,
     pad_multiple: int = 1,
+    min_tokens: int = 0,
 ) -> list[PackedRows]:
     """Fold the rows of ``input_ids`` (``(B, L)``, attended where ``attention_mask`` is 1; the last
     ``logits_to_keep`` columns are scored) into packed rows of at most ``max_tokens`` distinct tokens
@@ -186,7 +187,7 @@ def pack_rows(
     next groups of the micro-batch) share a packed row; a row longer than ``max_tokens`` gets a packed
     row of its own. ``pad_multiple``: the packed row is padded up to a multiple of it (FlexAttention's
     block size, so that its kernels see few distinct lengths) with tokens that form a root segment of
-    their own, attend only among themselves and are never scored."""
+    their own, attend only among themselves and are never scored; and to at least ``min_tokens``."""
     first, count = row_spans(attention_mask, logits_to_keep)
     ids = input_ids.detach().cpu().numpy()
     rows = [ids[r, first[r] : first[r] + count[r]] for r in range(ids.shape[0])]
@@ -199,7 +200,9 @@ def pack_rows(
     if current:
         chunks.append((tree, current))
     offset = ids.shape[1] - logits_to_keep  # first scored column
-    return [_layout(tree, ends, rows, first, offset, input_ids.device, pad_multiple) for tree, ends in chunks]
+    return [
+        _layout(tree, ends, rows, first, offset, input_ids.device, pad_multiple, min_tokens) for tree, ends in chunks
+    ]
 
 
 def _layout(
@@ -210,6 +213,7 @@ def _layout(
     offset: int,
     device: torch.device,
     pad_multiple: int = 1,
+    min_tokens: int = 0,
 ) -> PackedRows:
     nodes = tree.nodes()
     tokens = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, dtype=np.int64)
@@ -226,6 +230,8 @@ def _layout(
             up = up.parent
         segments.append(Segment(n.start, n.start + len(n.tokens), tuple(reversed(path)), subtree_end[id(n)]))
     padding = -len(tokens) % pad_multiple if len(tokens) else 0
+    if len(tokens) and len(tokens) + padding < min_tokens:
+        padding = min_tokens - len(tokens)
     if padding:
         n = len(tokens)
         segments.append(Segment(n, n + padding, (), n + padding))
