@@ -254,10 +254,10 @@ class PrefixPacking:
                 packed, timed = self.calibration.next_layout(key)
                 if timed:
                     stopwatch = Stopwatch(input_ids.device)
-                    self.calibration.record(key, packed, stopwatch)
                     if packed:
-                        stopwatch.start()
+                        stopwatch.start()  # the packing itself counts; recorded below once the row is packed
                     else:
+                        self.calibration.record(key, packed, stopwatch)
                         time_model(inner, stopwatch, grad)
                 if not packed:
                     return None
@@ -275,6 +275,7 @@ class PrefixPacking:
         if not chunks or forwarded > self.max_token_ratio * input_ids.numel():
             return None  # too little shared or padded to be worth it: the padded forward is as fast
         if stopwatch is not None:
+            self.calibration.record(key, True, stopwatch)
             time_model(inner, stopwatch, grad)  # stops at the end of the backward (or forward)
         return _Plan(chunks, choice.kernel, inner, stopwatch, key, grad)
 
