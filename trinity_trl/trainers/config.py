@@ -107,7 +107,7 @@ class TrinityConfig(GRPOConfig):
             passes) as one packed row in which each shared prefix (a group's prompt, earlier turns, a
             common system prompt) is encoded once and no padding is forwarded. Log-probs, loss and
             gradients equal those of TRL's padded rows up to float rounding. Models or inputs the
-            packed forward does not support (see the README) run padded, with one log line saying why.
+            packed forward does not support (docs/prefix-packing.md) run padded, with one log line saying why.
         prefix_packing_max_token_ratio (`float`, *optional*, defaults to `0.9`):
             Pack a forward only when the packed row holds at most this fraction of the tokens of the
             padded rows; with less to save, the padded forward is as fast.
