@@ -118,6 +118,12 @@ class TrinityConfig(GRPOConfig):
             `"auto"` uses `sdpa_segments` on CPU; on CUDA the best fused kernel available, kept only for the
             shapes where it times faster than the padded forward on the first micro-batches (one log line
             each), else the padded forward. A forced kernel that cannot run on the device is an error.
+        prefix_packing_whole_groups (`bool`, *optional*, defaults to `False`):
+            Shuffle each generation batch by groups rather than by rows (TRL), so that a micro-batch holds
+            whole groups and packing shares their prompts (`per_device_train_batch_size` a multiple of
+            `num_generations`). With `loss_normalization="global"` and whole generation batches per optimizer
+            step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
+            shuffle (one log line).
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
             keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
@@ -190,6 +196,10 @@ class TrinityConfig(GRPOConfig):
             "help": "Tree-attention kernel of packed forwards: auto, varlen, flash_attn, flex or sdpa_segments. "
             "auto: sdpa_segments on CPU; on CUDA a fused kernel only where it times faster than padded rows."
         },
+    )
+    prefix_packing_whole_groups: bool = field(
+        default=False,
+        metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
     )
 
     def __post_init__(self):

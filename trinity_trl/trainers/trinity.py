@@ -23,6 +23,7 @@ from trl import GRPOTrainer
 
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
+from ..packing.groups import whole_groups
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from .checkpoint import TrainerStateCheckpoints
@@ -246,6 +247,10 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         """TRL's completions table (``log_completions``) recorded TRL's advantages; show ours instead."""
         if self.log_completions:  # a config value: every rank takes part in the gather alike
             replace_logged_advantages(self._logs["advantages"], self.accelerator.gather, advantages, mask)
+
+    def _prepare_inputs(self, generation_batch):
+        with whole_groups(self):  # prefix_packing_whole_groups: TRL's shuffle by groups, not rows
+            return super()._prepare_inputs(generation_batch)
 
     def _get_per_token_logps_and_entropies(
         self,
