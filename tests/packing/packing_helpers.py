@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import torch
 
+# Tolerances (tests/tolerance.py), derived for the tiny models of tests/helpers.py (2 layers, hidden 64,
+# intermediate 128, head dim 16, vocabulary 512) on rows of at most 128 tokens: a log-prob, entropy or critic value
+# chains, per layer, the MLP's and projection's sums and an attention row (keys x head dim), then the vocabulary's
+# logsumexp; a gradient, loss or trained weight also sums over the tokens of the micro-batch (at most 16 x 128).
+LOGP_TERMS = 2 * (128 + 64 + 128 * 16) + 512
+GRAD_TERMS = LOGP_TERMS * 16 * 128
+
 
 def padded_batch(rows: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, attention_mask, logits_to_keep)`` as TRL builds them: left-padded prompts, right-padded

@@ -21,7 +21,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import build_tiny_model, build_tiny_tokenizer, length_reward, save_tiny_model, tiny_grpo_kwargs
-from packing_helpers import grouped_rows, padded_batch
+from packing_helpers import GRAD_TERMS, LOGP_TERMS, grouped_rows, padded_batch
 from peft import LoraConfig
 from tolerance import assert_close
 
@@ -39,12 +39,6 @@ from trinity_trl.trainers import (
     TrinityTrainer,
 )
 
-# Tolerances (tests/tolerance.py), derived for the tiny models of tests/helpers.py (2 layers, hidden 64,
-# intermediate 128, head dim 16, vocabulary 512) on rows of at most 128 tokens: a log-prob, entropy or critic value
-# chains, per layer, the MLP's and projection's sums and an attention row (keys x head dim), then the vocabulary's
-# logsumexp; a gradient, loss or trained weight also sums over the tokens of the micro-batch (at most 16 x 128).
-LOGP_TERMS = 2 * (128 + 64 + 128 * 16) + 512
-GRAD_TERMS = LOGP_TERMS * 16 * 128
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 SYSTEM = "You are a careful assistant. Answer with the number only."
 DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "packing_equivalence.py"
