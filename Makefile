@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-fast test-distributed demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-fast test-gpu test-distributed demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ test: lint
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x
+
+# The CUDA tests (marked `gpu`: every packing kernel against the padded forward, every trainer with packing on CUDA).
+# Elsewhere they are skipped with the reason. On the lent GPU machine, which has no network and no .venv:
+# `bash .gpu/run.sh make test-gpu` (see ../shared/gpu/README.md), which runs them with that machine's python3.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu -rs tests/packing
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
 # of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first

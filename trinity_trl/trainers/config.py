@@ -8,6 +8,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
+from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from .common import apply_cpu_defaults, check_saving_options, parse_args_field
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
@@ -106,10 +107,23 @@ class TrinityConfig(GRPOConfig):
             passes) as one packed row in which each shared prefix (a group's prompt, earlier turns, a
             common system prompt) is encoded once and no padding is forwarded. Log-probs, loss and
             gradients equal those of TRL's padded rows up to float rounding. Models or inputs the
-            packed forward does not support (see docs/prefix-packing.md) run padded, with one log line saying why.
+            packed forward does not support (docs/prefix-packing.md) run padded, with one log line saying why.
         prefix_packing_max_token_ratio (`float`, *optional*, defaults to `0.9`):
             Pack a forward only when the packed row holds at most this fraction of the tokens of the
             padded rows; with less to save, the padded forward is as fast.
+        prefix_packing_kernel (`str`, *optional*, defaults to `"auto"`):
+            The tree-attention kernel of packed forwards: `"auto"`, `"varlen"` (torch's `varlen_attn`, CUDA,
+            fp16/bf16, torch >= 2.10), `"flash_attn"` (FlashAttention 2 installed, CUDA, fp16/bf16), `"flex"`
+            (FlexAttention, CUDA) or `"sdpa_segments"` (one SDPA per prefix-tree node: the CPU kernel).
+            `"auto"` uses `sdpa_segments` on CPU; on CUDA the best fused kernel available, kept only for the
+            shapes where it times faster than the padded forward on the first micro-batches (one log line
+            each), else the padded forward. A forced kernel that cannot run on the device is an error.
+        prefix_packing_whole_groups (`bool`, *optional*, defaults to `False`):
+            Shuffle each generation batch by groups rather than by rows (TRL), so that a micro-batch holds
+            whole groups and packing shares their prompts (`per_device_train_batch_size` a multiple of
+            `num_generations`). With `loss_normalization="global"` and whole generation batches per optimizer
+            step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
+            shuffle (one log line).
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
             keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
@@ -176,6 +190,17 @@ class TrinityConfig(GRPOConfig):
         default=0.9,
         metadata={"help": "Pack a forward only if the packed row has at most this fraction of the padded tokens."},
     )
+    prefix_packing_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "Tree-attention kernel of packed forwards: auto, varlen, flash_attn, flex or sdpa_segments. "
+            "auto: sdpa_segments on CPU; on CUDA a fused kernel only where it times faster than padded rows."
+        },
+    )
+    prefix_packing_whole_groups: bool = field(
+        default=False,
+        metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
+    )
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
@@ -194,6 +219,14 @@ class TrinityConfig(GRPOConfig):
         if not 0.0 < self.prefix_packing_max_token_ratio <= 1.0:
             raise ValueError(
                 f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}"
+            )
+        if self.prefix_packing_kernel not in PREFIX_PACKING_KERNELS:
+            raise ValueError(
+                f"prefix_packing_kernel must be one of {PREFIX_PACKING_KERNELS}, got {self.prefix_packing_kernel!r}"
+            )
+        if not self.prefix_packing and self.prefix_packing_kernel != "auto":
+            raise ValueError(
+                f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
             )
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")

@@ -330,7 +330,7 @@ class PPOTrainer(TrinityTrainer):
         attention_mask = torch.cat([batch["prompt_mask"], completion_mask], dim=1)
         width = completion_ids.size(1)
         packed = self.prefix_packing.critic_values(critic, input_ids, attention_mask, width, batch_size)
-        if packed is not None:  # the prefix-shared packed row (packing.py), as the policy's forwards
+        if packed is not None:  # the prefix-shared packed row (trinity_trl.packing), as the policy's forwards
             return masked_fill_invalid(packed.float(), completion_mask)
         batch_size = batch_size or input_ids.size(0)
         chunks = []

@@ -22,6 +22,8 @@ import torch
 from trl import GRPOTrainer
 
 from ..data.model import resolve_model
+from ..packing import PrefixPacking
+from ..packing.groups import whole_groups
 from . import checks
 from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from .checkpoint import TrainerStateCheckpoints
@@ -30,7 +32,6 @@ from .config import TrinityConfig
 from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .packing import PrefixPacking
 from .scoring import ScoringPasses
 from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
 
@@ -92,6 +93,8 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             args.prefix_packing_max_token_ratio,
             self.accelerator.unwrap_model,
             self.accelerator.autocast,
+            args.prefix_packing_kernel,
+            self.accelerator.device,
         )
         self.loss_normalizer = LossNormalizer(
             args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
@@ -245,6 +248,10 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         if self.log_completions:  # a config value: every rank takes part in the gather alike
             replace_logged_advantages(self._logs["advantages"], self.accelerator.gather, advantages, mask)
 
+    def _prepare_inputs(self, generation_batch):
+        with whole_groups(self):  # prefix_packing_whole_groups: TRL's shuffle by groups, not rows
+            return super()._prepare_inputs(generation_batch)
+
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -257,7 +264,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         **multimodal,
     ):
         """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
-        old/reference passes. It runs the prefix-shared packed layout (:mod:`.packing`) where that applies,
+        old/reference passes. It runs the prefix-shared packed layout (:mod:`trinity_trl.packing`) where that applies,
         else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
         packed = self.prefix_packing.logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal

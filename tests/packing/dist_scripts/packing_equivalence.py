@@ -1,4 +1,4 @@
-"""Packed vs padded layout under DDP: run by `tests/trainers/test_packing.py` with
+"""Packed vs padded layout under DDP: run by `tests/packing/test_forward.py` with
 `python -m torch.distributed.run --standalone --nproc_per_node 2 packing_equivalence.py MODEL_DIR OUT_DIR`.
 
 Each rank generates its own batch (2 prompts x 4 completions), then computes the loss and backward of that batch
@@ -17,12 +17,12 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/trainers/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/packing/
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch
 from helpers import length_reward, tiny_grpo_kwargs
-from test_packing import LORA, conversational_dataset, generation_batch, loss_and_grads
+from test_forward import LORA, conversational_dataset, generation_batch, loss_and_grads
 
 from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig, TrinityTrainer
 

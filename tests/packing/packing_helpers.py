@@ -1,0 +1,66 @@
+"""Shared by the tests of `trinity_trl/packing/`: TRL-style padded batches, grouped rows, and the dense tree mask
+built from the rows alone (the ground truth every kernel's layout is checked against)."""
+
+from __future__ import annotations
+
+import torch
+
+# Tolerances (tests/tolerance.py), derived for the tiny models of tests/helpers.py (2 layers, hidden 64,
+# intermediate 128, head dim 16, vocabulary 512) on rows of at most 128 tokens: a log-prob, entropy or critic value
+# chains, per layer, the MLP's and projection's sums and an attention row (keys x head dim), then the vocabulary's
+# logsumexp; a gradient, loss or trained weight also sums over the tokens of the micro-batch (at most 16 x 128).
+LOGP_TERMS = 2 * (128 + 64 + 128 * 16) + 512
+GRAD_TERMS = LOGP_TERMS * 16 * 128
+
+
+def padded_batch(rows: list[tuple[list[int], list[int]]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(input_ids, attention_mask, logits_to_keep)`` as TRL builds them: left-padded prompts, right-padded
+    completions."""
+    width_p = max(len(p) for p, _ in rows)
+    width_c = max(len(c) for _, c in rows)
+    ids = torch.full((len(rows), width_p + width_c), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, width_p - len(p) : width_p] = torch.tensor(p, dtype=torch.long)
+        mask[i, width_p - len(p) : width_p] = 1
+        ids[i, width_p : width_p + len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, width_p : width_p + len(c)] = 1
+    return ids, mask, width_c
+
+
+def grouped_rows(generator: torch.Generator, vocab: int = 400, groups: int = 2) -> list[tuple[list[int], list[int]]]:
+    """``groups`` groups of three rows (K prompts in one micro-batch); every prompt starts with the same 5-token
+    'system prompt'; ragged completions, one completion empty, and a duplicate of the first row."""
+
+    def rand(n):
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    system = rand(5)
+    prompts = [system + rand(4 + 3 * g) for g in range(groups)]
+    rows = []
+    for prompt in prompts:
+        for length in (6, 3, 0):
+            rows.append((prompt, rand(length)))
+    rows.append(rows[0])  # an identical row: same tokens, its own outputs
+    return rows
+
+
+def dense_tree_mask_from_rows(packed, rows: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """``(N, N)`` boolean: query ``i`` sees key ``j`` iff some row holds packed token ``j`` before (or at) packed
+    token ``i`` in its own sequence. Built from each row's tokens found in the packed row, not from the layout's
+    segments, so it checks them: a row's next token is the nearest later packed token with its id and position (in a
+    depth-first radix-tree layout a sibling subtree in between starts with another token). Padding tokens (after the
+    real ones) see themselves causally."""
+    n = packed.num_tokens
+    real = n - packed.padding
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    ids, pos = packed.input_ids.tolist(), packed.position_ids.tolist()
+    for p, c in rows:
+        seq, path, start = p + c, [], 0
+        for t, token in enumerate(seq):  # walk the packed row: the next token of this row at position t
+            found = next(i for i in range(start, real) if ids[i] == token and pos[i] == t)
+            path.append(found)
+            start = found + 1
+            mask[found, path] = True
+    mask[real:, real:] = torch.ones(n - real, n - real, dtype=torch.bool).tril()
+    return mask

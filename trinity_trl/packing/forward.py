@@ -1,0 +1,337 @@
+"""The packed forward of a trainer: log-probs (and entropies) through TRL's fused LM head, critic values.
+
+Log-probs keep TRL's fused LM head (``add_fused_lm_head``): the model is called with
+``fused_lm_head=True`` and pre-shifted labels, and while it runs a forward hook on the backbone keeps
+only the hidden states of the tokens that predict a completion token (a shared prompt's last token
+once per row below it), so the chunked head scores only those and full-vocabulary logits are never
+materialised. The critic (PPO) is called on the same packed row and read at the same positions.
+
+Only verified causal decoders are packed (:data:`VERIFIED_MODEL_TYPES`, full attention, attention
+``sdpa`` or FlashAttention 2/3); anything else (other architectures, sliding-window layers, eager
+attention, attention dropout, multimodal inputs, MoE auxiliary losses, masks that are not one
+contiguous run per row) falls back to TRL's padded forward with one log line naming the reason
+(:class:`PrefixPacking`), and so does a forward that :mod:`.selection` sends to the padded layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import attention
+from .attention import TreeAttentionMask
+from .kernels import TreeKernel
+from .selection import (
+    Calibration,
+    Choice,
+    Stopwatch,
+    check_kernel_request,
+    choose,
+    compute_dtype,
+    shape_class,
+    time_model,
+)
+from .tree import NotPackable, PackedRows, pack_rows
+
+logger = logging.getLogger("trinity_trl")
+
+#: ``config.model_type`` of the causal decoders whose packed forward is tested equal to the padded one
+VERIFIED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def causal_lm(model: torch.nn.Module, unwrap: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """The transformers model inside ``model`` (DDP, PEFT), the one TRL patched with its fused head."""
+    inner = unwrap(model)
+    get_base = getattr(inner, "get_base_model", None)  # PEFT
+    return get_base() if callable(get_base) else inner
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` (a transformers model, unwrapped) cannot run the packed forward, or ``None``."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in VERIFIED_MODEL_TYPES:
+        return (
+            f"model type {model_type!r} is not verified for prefix packing (verified: "
+            f"{', '.join(VERIFIED_MODEL_TYPES)})"
+        )
+    implementation = config._attn_implementation
+    if implementation not in attention.DISPATCHED_IMPLEMENTATIONS:
+        return (
+            f"the model's attention is {implementation!r}; the packed forward runs where it is one of "
+            f"{', '.join(repr(i) for i in attention.DISPATCHED_IMPLEMENTATIONS)} (load the model with "
+            "attn_implementation='sdpa')"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(config, "sliding_window", None) is not None:
+        return "the model has sliding-window attention layers"
+    if getattr(config, "output_router_logits", False):
+        return "the model returns router logits (MoE auxiliary loss)"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"the model has attention dropout ({config.attention_dropout})"
+    return None
+
+
+def tree_mask(packed: PackedRows, kernel: TreeKernel) -> TreeAttentionMask:
+    """The attention mask of ``packed`` for ``kernel``: its plan, built once for the whole forward."""
+    device = packed.input_ids.device
+    return TreeAttentionMask(kernel, kernel.plan(packed, device), device)
+
+
+def packed_logps(
+    model: torch.nn.Module,
+    backbone: torch.nn.Module,
+    packed: PackedRows,
+    kernel: TreeKernel,
+    compute_entropy: bool,
+    autocast: Callable[[], Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(K,)`` log-probs (and entropies) of ``packed``'s scored tokens through TRL's fused LM head.
+
+    ``model`` is called as TRL's helper calls it (``fused_lm_head=True``), with the packed row, its
+    positions and its :class:`TreeAttentionMask`; the hook on ``backbone`` (the module whose
+    ``last_hidden_state`` the fused head reads) keeps the hidden states at ``scored_index`` only, and
+    the pre-shifted ``shift_labels`` name each one's next token.
+    """
+    index, labels = packed.scored_index, packed.scored_labels
+    if index.numel() == 0:  # nothing scored: one ignored position keeps the output connected to the graph
+        index, labels = index.new_zeros(1), labels.new_full((1,), -100)
+
+    def keep_scored(module, args, output):
+        output["last_hidden_state"] = output["last_hidden_state"][:, index]
+        return output
+
+    handle = backbone.register_forward_hook(keep_scored)
+    try:
+        with autocast():
+            out = model(
+                input_ids=packed.input_ids[None],
+                position_ids=packed.position_ids[None],
+                attention_mask=tree_mask(packed, kernel),
+                shift_labels=labels[None],
+                fused_lm_head=True,
+            )
+    finally:
+        handle.remove()
+    count = packed.scored_index.numel()
+    entropy = out.entropy[0, :count] if compute_entropy else None
+    return out.log_probs[0, :count], entropy
+
+
+def packed_critic_values(
+    critic: torch.nn.Module, packed: PackedRows, kernel: TreeKernel, autocast: Callable[[], Any]
+) -> torch.Tensor:
+    """``(K,)`` values of a token-classification critic at ``packed``'s scored positions (the state
+    each completion token was chosen in)."""
+    with autocast():
+        logits = critic(
+            input_ids=packed.input_ids[None],
+            position_ids=packed.position_ids[None],
+            attention_mask=tree_mask(packed, kernel),
+        ).logits
+    if logits.dim() != 3 or logits.shape[-1] != 1:
+        raise ValueError(f"the critic must return logits of shape (B, L, 1), got {tuple(logits.shape)}")
+    return logits[0, packed.scored_index, 0]
+
+
+@dataclass
+class PackedOutput:
+    """``(B, logits_to_keep)`` results of a packed forward (0 where not scored, as TRL's helper) and
+    its token counts: ``forwarded`` tokens (padding to the kernel's block included) against the
+    padded layout's ``padded``; ``kernel`` the kernel that ran."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor | None
+    forwarded: int
+    padded: int
+    kernel: str = ""
+
+
+@dataclass
+class _Plan:
+    """What :meth:`PrefixPacking._pack` decided for one forward."""
+
+    chunks: list[PackedRows]
+    kernel: TreeKernel
+    inner: torch.nn.Module
+    stopwatch: Stopwatch | None = None
+    key: tuple | None = None
+    grad: bool = False
+
+
+class PrefixPacking:
+    """Decides, per forward, between the packed layout (and its kernel) and TRL's padded one, and runs
+    the packed one.
+
+    Args:
+        enabled: ``prefix_packing`` of the config.
+        max_token_ratio: pack only when the packed rows hold at most this fraction of the padded
+            layout's tokens (``prefix_packing_max_token_ratio``).
+        unwrap: the accelerator's ``unwrap_model``.
+        autocast: the accelerator's ``autocast`` (what TRL's helper runs the model under).
+        kernel: ``prefix_packing_kernel`` (:mod:`.selection`).
+        device: the training device; a forced kernel that can never run there raises ``ValueError``
+            here (``None``: checked at each forward instead, where it falls back with one log line).
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        max_token_ratio: float,
+        unwrap: Callable,
+        autocast: Callable,
+        kernel: str = "auto",
+        device: torch.device | str | None = None,
+    ):
+        if enabled and device is not None:
+            check_kernel_request(kernel, device)
+        elif kernel not in ("auto", "varlen", "flash_attn", "flex", "sdpa_segments"):
+            check_kernel_request(kernel, "cpu")  # the unknown-name error
+        self.enabled = enabled
+        self.max_token_ratio = max_token_ratio
+        self.kernel = kernel
+        self._unwrap = unwrap
+        self._autocast = autocast
+        # per model as passed (DDP / PEFT wrapper): (the transformers model inside, why it runs padded);
+        # unwrapping costs milliseconds per call in accelerate
+        self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._choices: dict[tuple, Choice] = {}
+        self._logged: set[str] = set()
+        self.calibration = Calibration()
+        attention.install()
+
+    def _inspect(self, model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+        if model not in self._models:
+            inner = causal_lm(model, self._unwrap)
+            self._models[model] = (inner, unsupported_reason(inner))
+        return self._models[model]
+
+    def model_reason(self, model: torch.nn.Module) -> str | None:
+        """Why ``model`` runs padded (``None``: it can be packed); checked once per model."""
+        return self._inspect(model)[1]
+
+    def choice(self, model: torch.nn.Module, device: torch.device) -> Choice:
+        """The kernel choice for forwards of ``model`` on ``device`` (:func:`.selection.choose`)."""
+        inner = self._inspect(model)[0]
+        dtype = compute_dtype(inner, device, self._autocast)
+        key = (device, dtype)
+        if key not in self._choices:
+            self._choices[key] = choose(self.kernel, device, dtype)
+        return self._choices[key]
+
+    def _fall_back(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("prefix packing off for this forward, padded rows instead: %s", reason)
+
+    def _pack(self, model, input_ids, attention_mask, logits_to_keep, batch_size, extra_reason=None) -> _Plan | None:
+        if not self.enabled:
+            return None
+        reason = extra_reason or self.model_reason(model)
+        choice = None
+        if reason is None:
+            choice = self.choice(model, input_ids.device)
+            reason = choice.reason
+        if reason is not None:
+            self._fall_back(reason)
+            return None
+        inner = self._inspect(model)[0]
+        rows, width = input_ids.shape
+        grad = torch.is_grad_enabled()
+        chunked = batch_size is not None and batch_size < rows
+        stopwatch, key = None, None
+        if choice.calibrate:
+            if chunked:  # TRL forwards these in chunks of batch_size rows: follow the verdict for such chunks
+                if not self.calibration.verdict(shape_class(inner, grad, batch_size, width)):
+                    return None
+            else:
+                key = shape_class(inner, grad, rows, width)
+                packed, timed = self.calibration.next_layout(key)
+                if timed:
+                    stopwatch = Stopwatch(input_ids.device)
+                    if packed:
+                        stopwatch.start()  # the packing itself counts; recorded below once the row is packed
+                    else:
+                        self.calibration.record(key, packed, stopwatch)
+                        time_model(inner, stopwatch, grad)
+                if not packed:
+                    return None
+        try:
+            budget = batch_size * width if chunked else None
+            kernel = choice.kernel
+            chunks = pack_rows(
+                input_ids, attention_mask, logits_to_keep, budget, kernel.pad_multiple, kernel.min_tokens
+            )
+        except NotPackable as err:
+            self._fall_back(str(err))
+            return None
+        chunks = [c for c in chunks if c.num_tokens]  # rows without any token have nothing to score
+        forwarded = sum(c.num_tokens for c in chunks)
+        if not chunks or forwarded > self.max_token_ratio * input_ids.numel():
+            return None  # too little shared or padded to be worth it: the padded forward is as fast
+        if stopwatch is not None:
+            self.calibration.record(key, True, stopwatch)
+            time_model(inner, stopwatch, grad)  # stops at the end of the backward (or forward)
+        return _Plan(chunks, choice.kernel, inner, stopwatch, key, grad)
+
+    def logps_and_entropies(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        multimodal: dict[str, Any],
+    ) -> PackedOutput | None:
+        """The arguments of TRL's ``_get_per_token_logps_and_entropies``; ``None`` where the padded
+        forward must run instead (the reason logged once)."""
+        extra = None
+        present = sorted(k for k, v in multimodal.items() if v is not None)
+        if present:
+            extra = f"multimodal inputs ({', '.join(present)})"
+        elif compute_aux_loss:
+            extra = "the MoE auxiliary loss counts every padded row's tokens"
+        plan = self._pack(model, input_ids, attention_mask, logits_to_keep, batch_size, extra)
+        if plan is None:
+            return None
+        backbone = plan.inner.base_model
+        shape = (input_ids.shape[0], logits_to_keep)
+        index, logps, entropies = [], [], []
+        for packed in plan.chunks:
+            lp, ent = packed_logps(model, backbone, packed, plan.kernel, compute_entropy, self._autocast)
+            index.append((packed.scored_rows, packed.scored_cols))
+            logps.append(lp)
+            entropies.append(ent)
+        rows, cols = torch.cat([r for r, _ in index]), torch.cat([c for _, c in index])
+
+        def scatter(values):
+            values = torch.cat(values)
+            return values.new_zeros(shape).index_put((rows, cols), values)
+
+        return PackedOutput(
+            scatter(logps),
+            scatter(entropies) if compute_entropy else None,
+            sum(c.num_tokens for c in plan.chunks),
+            input_ids.numel(),
+            plan.kernel.name,
+        )
+
+    def critic_values(
+        self, critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int | None
+    ) -> torch.Tensor | None:
+        """``(B, logits_to_keep)`` critic values of the completion tokens (0 elsewhere), or ``None``
+        where the padded forward must run instead."""
+        plan = self._pack(critic, input_ids, attention_mask, logits_to_keep, batch_size)
+        if plan is None:
+            return None
+        values = torch.cat([packed_critic_values(critic, p, plan.kernel, self._autocast) for p in plan.chunks])
+        rows = torch.cat([c.scored_rows for c in plan.chunks])
+        cols = torch.cat([c.scored_cols for c in plan.chunks])
+        return values.new_zeros((input_ids.shape[0], logits_to_keep)).index_put((rows, cols), values)

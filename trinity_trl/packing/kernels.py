@@ -1,0 +1,386 @@
+"""Tree-attention kernels behind one small interface.
+
+A kernel computes ``scaled_dot_product_attention`` over a packed row (:mod:`.tree`): query
+``(1, H, N, D)``, key/value ``(1, H_kv, N, D)``; every token attends to its ancestor nodes and
+causally to its own node. Each kernel has two parts:
+
+* ``plan(packed, device)``: everything the kernel needs, built ONCE per packed forward on the device
+  (offsets, index of gathered keys, BlockMask) and reused by every layer and by the backward;
+* ``__call__(plan, query, key, value, scale)``: one layer; on CUDA a fixed number of kernel launches
+  whatever the tree, no Python loop over nodes and no host synchronisation.
+
+The kernels:
+
+* ``sdpa_segments`` (everywhere; the CPU kernel and the reference): one SDPA per tree node, the
+  node's queries against the gathered keys of its root-to-node path with a bottom-right causal mask.
+  Launch-bound on a GPU (a Python loop over nodes), so ``auto`` never picks it there.
+* ``varlen`` (CUDA, fp16/bf16, torch >= 2.10): ``torch.nn.attention.varlen.varlen_attn``; queries
+  are the packed row as it is, each node's keys its gathered path (``cu_seq_q`` / ``cu_seq_k`` per
+  node), ``window_size=(-1, 0)`` (bottom-right causal, FlashAttention's convention). Key/value heads
+  are expanded for GQA where the installed torch has no ``enable_gqa`` (before 2.12).
+* ``flash_attn`` (CUDA, fp16/bf16, FlashAttention 2 installed): the same layout through
+  ``flash_attn_varlen_func(causal=True)``, GQA native.
+* ``flex`` (CUDA, fp32/fp16/bf16): FlexAttention with a tree BlockMask built directly from the layout
+  (no ``create_block_mask``): ``mask_mod(q, k) = k <= q < subtree_end[k]``. Compiled with dynamic
+  shapes: torch compiles the first length it sees, then one dynamic graph at the second, and no more
+  (checked with torch 2.13's recompile log; a new ``subtree_end`` per forward does not recompile). The
+  packed row is padded to a multiple of the block size (128), and to 2 blocks at least.
+
+The gathered-key layout of ``varlen``/``flash_attn`` is also what ``sdpa_segments`` runs on, so the CPU
+tests of the reference kernel test that layout too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .tree import PackedRows, Segment
+
+#: FlexAttention's sparse block size; the flex kernel pads the packed row to a multiple of it
+FLEX_BLOCK = 128
+HALF = (torch.float16, torch.bfloat16)
+
+
+# ============================================================================ the gathered-key layout
+@dataclass
+class GatheredKeys:
+    """Per tree node (segment ``i``): queries ``[cu_q[i], cu_q[i+1])`` of the packed row attend to the
+    keys ``key_index[cu_k[i]:cu_k[i+1]]`` (the node's root-to-node path, its own tokens last),
+    bottom-right causal: query ``j`` of the node sees the first ``k_len - q_len + j + 1`` keys."""
+
+    key_index: np.ndarray  # (sum of path lengths,)
+    cu_q: np.ndarray  # (segments + 1,)
+    cu_k: np.ndarray  # (segments + 1,)
+
+    @property
+    def max_q(self) -> int:
+        return int(np.diff(self.cu_q).max(initial=0))
+
+    @property
+    def max_k(self) -> int:
+        return int(np.diff(self.cu_k).max(initial=0))
+
+
+def gathered_keys(segments: list[Segment]) -> GatheredKeys:
+    """The gathered-key layout of ``segments`` (depth-first order: queries are the packed row as is)."""
+    index, q_lens, k_lens = [], [], []
+    for seg in segments:
+        ranges = [*seg.ancestors, (seg.start, seg.end)]
+        index.append(np.concatenate([np.arange(s, e) for s, e in ranges]))
+        q_lens.append(seg.end - seg.start)
+        k_lens.append(sum(e - s for s, e in ranges))
+    return GatheredKeys(
+        key_index=np.concatenate(index) if index else np.zeros(0, dtype=np.int64),
+        cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
+        cu_k=np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
+    )
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA would run in here: the autocast dtype inside an autocast region (custom kernels are
+    not cast by autocast; under it the rotary embedding can leave queries/keys in float32)."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
+
+
+def _cast(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+
+
+# ============================================================================ the interface
+class TreeKernel:
+    """One tree-attention kernel (see the module docs)."""
+
+    name: ClassVar[str]
+    #: the packed row's length must be a multiple of this (padding tokens form a root segment of their own)
+    pad_multiple: ClassVar[int] = 1
+    #: and at least this long
+    min_tokens: ClassVar[int] = 0
+    #: dtypes the kernel runs in (None: any floating dtype)
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why the kernel cannot run on ``device`` with the installed software (``None``: it can)."""
+        raise NotImplementedError
+
+    def unsupported_dtype(self, dtype: torch.dtype) -> str | None:
+        if self.dtypes is not None and dtype not in self.dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"the {self.name} kernel runs in {names}, not {str(dtype).removeprefix('torch.')}"
+        return None
+
+    def plan(self, packed: PackedRows, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def __call__(
+        self, plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SdpaSegments(TreeKernel):
+    """One ``scaled_dot_product_attention`` per tree node (the reference; the CPU kernel)."""
+
+    name = "sdpa_segments"
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return None
+
+    def plan(self, packed: PackedRows, device: torch.device) -> list:
+        layout = gathered_keys(packed.segments)
+        items, masks = [], {}
+        for i in range(len(layout.cu_q) - 1):
+            q0, q1 = int(layout.cu_q[i]), int(layout.cu_q[i + 1])
+            keys_np = layout.key_index[layout.cu_k[i] : layout.cu_k[i + 1]]
+            length, total = q1 - q0, len(keys_np)
+            contiguous = bool(np.all(np.diff(keys_np) == 1))
+            keys: slice | torch.Tensor = (
+                slice(int(keys_np[0]), int(keys_np[-1]) + 1)
+                if contiguous
+                else torch.as_tensor(keys_np, dtype=torch.long, device=device)
+            )
+            mask = None  # a root node: plain causal
+            if total > length:
+                if (length, total) not in masks:  # bottom-right causal: query j sees keys [0, total - length + j]
+                    masks[(length, total)] = torch.ones(length, total, dtype=torch.bool, device=device).tril(
+                        total - length
+                    )
+                mask = masks[(length, total)]
+            items.append((slice(q0, q1), keys, mask))
+        return items
+
+    def __call__(self, plan, query, key, value, scale):
+        dtype = _compute_dtype(query)
+        query, key, value = _cast(dtype, query, key, value)
+        gqa = key.shape[1] != query.shape[1]
+        outputs = []
+        for queries, keys, mask in plan:
+            k = key[:, :, keys] if isinstance(keys, slice) else key.index_select(2, keys)
+            v = value[:, :, keys] if isinstance(keys, slice) else value.index_select(2, keys)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, queries], k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                )
+            )
+        return torch.cat(outputs, dim=2) if outputs else query.new_zeros(query.shape)
+
+
+@dataclass
+class _VarlenPlan:
+    key_index: torch.Tensor  # (K,) long
+    cu_q: torch.Tensor  # int32
+    cu_k: torch.Tensor  # int32
+    max_q: int
+    max_k: int
+
+
+def _varlen_plan(packed: PackedRows, device: torch.device) -> _VarlenPlan:
+    layout = gathered_keys(packed.segments)
+    return _VarlenPlan(
+        key_index=torch.as_tensor(layout.key_index, dtype=torch.long).to(device, non_blocking=True),
+        cu_q=torch.as_tensor(layout.cu_q, dtype=torch.int32).to(device, non_blocking=True),
+        cu_k=torch.as_tensor(layout.cu_k, dtype=torch.int32).to(device, non_blocking=True),
+        max_q=layout.max_q,
+        max_k=layout.max_k,
+    )
+
+
+def _gather(plan: _VarlenPlan, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(N, H, D)`` queries and ``(K, H_kv, D)`` gathered keys/values."""
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).index_select(0, plan.key_index)
+    v = value[0].transpose(0, 1).index_select(0, plan.key_index)
+    return q, k, v
+
+
+@cache
+def _varlen_api() -> tuple[Any, dict[str, Any], bool] | None:
+    """``(varlen_attn, causal keyword arguments, has enable_gqa)`` or ``None`` where torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}  # bottom-right causal; (-1, -1) would be full attention
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+class Varlen(TreeKernel):
+    """``torch.nn.attention.varlen.varlen_attn`` over the gathered keys (torch >= 2.10, CUDA)."""
+
+    name = "varlen"
+    dtypes = HALF
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if _varlen_api() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
+        if device.type != "cuda":
+            return f"varlen_attn has CUDA kernels only (device {device.type})"
+        return None
+
+    def plan(self, packed, device):
+        return _varlen_plan(packed, device)
+
+    def __call__(self, plan, query, key, value, scale):
+        varlen_attn, causal, has_gqa = _varlen_api()
+        query, key, value = _cast(_compute_dtype(query), query, key, value)
+        q, k, v = _gather(plan, query, key, value)
+        extra = dict(causal)
+        if k.shape[1] != q.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:  # torch < 2.12: one KV head per query head
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **extra)
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+@cache
+def _flash_attn_varlen():
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # installed but built for another torch/CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+class FlashAttn(TreeKernel):
+    """FlashAttention 2's ``flash_attn_varlen_func`` over the gathered keys (CUDA, installed separately)."""
+
+    name = "flash_attn"
+    dtypes = HALF
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if _flash_attn_varlen() is None:
+            return "the flash_attn package is not installed (pip install flash-attn)"
+        if device.type != "cuda":
+            return f"FlashAttention runs on CUDA only (device {device.type})"
+        return None
+
+    def plan(self, packed, device):
+        return _varlen_plan(packed, device)
+
+    def __call__(self, plan, query, key, value, scale):
+        query, key, value = _cast(_compute_dtype(query), query, key, value)
+        q, k, v = _gather(plan, query, key, value)
+        out = _flash_attn_varlen()(
+            q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True
+        )
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------- FlexAttention
+def tree_mask_mod(subtree_end: torch.Tensor):
+    """FlexAttention ``mask_mod`` of a packed row: key ``k`` is visible from query ``q`` iff
+    ``k <= q < subtree_end[k]`` (``k`` in ``q``'s own node at or before it, or in an ancestor node)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    return mask_mod
+
+
+def tree_block_mask(subtree_end: torch.Tensor, block: int = FLEX_BLOCK):
+    """The tree's ``BlockMask`` built directly from ``subtree_end`` (length a multiple of ``block``) with a
+    few tensor operations on its device: no ``create_block_mask`` (vmap over every block), no host sync.
+
+    For query block ``Q`` and key block ``K``: the diagonal is partial; ``K`` after ``Q`` is empty; ``K``
+    before ``Q`` is full if every key's subtree reaches past ``Q``'s end (``min subtree_end >= Q end``),
+    empty if none reaches into ``Q`` (``max subtree_end <= Q start``), partial otherwise."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = subtree_end.numel()
+    if n % block:
+        raise ValueError(f"the packed row ({n} tokens) must be padded to a multiple of {block}")
+    blocks = n // block
+    device = subtree_end.device
+    ends = subtree_end.view(blocks, block)
+    start = torch.arange(blocks, device=device) * block
+    q_start, q_end = start[:, None], start[:, None] + block
+    before = torch.arange(blocks, device=device)[None, :] < torch.arange(blocks, device=device)[:, None]
+    diagonal = torch.eye(blocks, dtype=torch.bool, device=device)
+    reaches = ends.amax(1)[None, :] > q_start
+    full = before & (ends.amin(1)[None, :] >= q_end)
+    partial = (diagonal | (before & reaches)) & ~full
+
+    def indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = chosen.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None], order[None, None]
+
+    kv_num, kv_index = indices(partial)
+    full_num, full_index = indices(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_index,
+        full_num,
+        full_index,
+        BLOCK_SIZE=block,
+        mask_mod=tree_mask_mod(subtree_end),
+        seq_lengths=(n, n),
+    )
+
+
+@cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # dynamic shapes: one compilation serves every packed length (a multiple of the block size)
+    return torch.compile(flex_attention, dynamic=True)
+
+
+@dataclass
+class _FlexPlan:
+    block_mask: Any
+    subtree_end: torch.Tensor
+
+
+class Flex(TreeKernel):
+    """FlexAttention with the tree BlockMask (CUDA; CPU FlexAttention has no backward)."""
+
+    name = "flex"
+    pad_multiple = FLEX_BLOCK
+    # at least 2 blocks: torch.compile specialises sizes 0 and 1, so a 1-block row would compile a graph of its own
+    min_tokens = 2 * FLEX_BLOCK
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            return f"torch {torch.__version__} has no FlexAttention (torch >= 2.5)"
+        if device.type != "cuda":
+            return f"FlexAttention has no backward on {device.type} (CUDA only here)"
+        return None
+
+    def plan(self, packed, device):
+        subtree_end = torch.as_tensor(packed.subtree_ends(), dtype=torch.int32).to(device, non_blocking=True)
+        return _FlexPlan(tree_block_mask(subtree_end, FLEX_BLOCK), subtree_end)
+
+    def __call__(self, plan, query, key, value, scale, compiled: bool = True):
+        query, key, value = _cast(_compute_dtype(query), query, key, value)
+        if compiled:
+            flex = _compiled_flex()
+        else:
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        return flex(
+            query, key, value, block_mask=plan.block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+        )
+
+
+KERNELS: dict[str, TreeKernel] = {k.name: k for k in (SdpaSegments(), Varlen(), FlashAttn(), Flex())}
