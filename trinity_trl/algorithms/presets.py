@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from .advantage import ADVANTAGE_FN
+from .component import check_arguments, rename_trl_arguments
 from .entropy import ENTROPY_LOSS_FN
 from .kl import KL_FN
 from .masked import check_loss_agg_mode
@@ -374,16 +375,10 @@ class OnPolicyDistillAlgorithm(AlgorithmType):
 
 
 def build_component(registry: Registry, name: str, args: dict[str, Any]):
-    """``registry.get(name)(**args)``; an argument the component does not take is a ``ValueError``
-    that lists the ones it does."""
+    """``registry.get(name)(**args)``; an argument the component does not take, or a value of another
+    type than its annotation, is a one-line ``ValueError`` that lists the arguments and their types."""
     cls = registry.get(name)
-    parameters = inspect.signature(cls).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        unknown = sorted(set(args) - set(parameters))
-        if unknown:
-            raise ValueError(
-                f"{registry.kind} {name!r} takes no argument(s) {unknown}; its arguments are: {', '.join(parameters)}"
-            )
+    check_arguments(registry.kind, name, cls, args)
     return cls(**args)
 
 
@@ -512,6 +507,8 @@ def resolve_algorithm_config(
         given = user_args[key]
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"{key}_args must be a dict, got {type(given).__name__}")
+        if given is not None:
+            given = rename_trl_arguments(registry.kind, name, cls, given)
         if given is None:
             preset_args = preset_cfg.get(f"{key}_args") if preset_cfg.get(key) == name else None
             args = dict(preset_args) if preset_args is not None else cls.default_args()

@@ -8,7 +8,8 @@ from typing import Any
 from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
-from .common import apply_cpu_defaults, check_saving_options, parse_args_field
+from ..algorithms.component import Component
+from .common import apply_cpu_defaults, check_saving_options, component_fields
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -48,7 +49,14 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see the README's table "TRL's names".
 
-COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
+# each component's field -> its deprecated flat field (``<flat>`` + ``<flat>_args``)
+COMPONENT_FIELDS = {
+    "policy_loss": "policy_loss_fn",
+    "advantage": "advantage_fn",
+    "kl_loss": "kl_loss_fn",
+    "kl_penalty": "kl_penalty_fn",
+    "entropy_loss": "entropy_loss_fn",
+}
 ARGS_MODES = ("merge", "replace")
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
@@ -126,26 +134,40 @@ class TrinityConfig(GRPOConfig):
     """
 
     algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Policy loss key; None keeps the preset's."})
-    policy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Policy loss arguments (dict or JSON)."}
+    policy_loss: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The policy loss and its arguments: a name ('cispo') or {name: cispo, clip_range_high: 5.0} "
+            "(YAML; JSON on the command line), or one argument: --policy_loss.clip_range_high 5.0. "
+            "Unset name or arguments: the preset's."
+        },
     )
-    advantage_fn: str | None = field(
-        default=None, metadata={"help": "Advantage function key; None keeps the preset's."}
+    advantage: dict | str | None = field(
+        default=None,
+        metadata={"help": "The advantage function and its arguments, e.g. {name: grpo, epsilon: 1e-6}."},
     )
-    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Advantage function arguments."})
-    kl_loss_fn: str | None = field(default=None, metadata={"help": "KL estimator used as a loss term."})
-    kl_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001}."}
+    kl_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator added to the loss and its arguments, e.g. {name: k3, kl_coef: 0.001}."},
     )
-    kl_penalty_fn: str | None = field(default=None, metadata={"help": "KL estimator subtracted from token rewards."})
-    kl_penalty_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "KL penalty arguments (adaptive controller)."}
+    kl_penalty: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator subtracted from token rewards, e.g. {name: k2, kl_coef: 0.01}."},
     )
-    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Entropy term: default, mix or none."})
-    entropy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."}
+    entropy_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The entropy term and its arguments, e.g. {name: default, entropy_coef: 0.001}."},
     )
+    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss={name: ...}."})
+    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
+    advantage_fn: str | None = field(default=None, metadata={"help": "Deprecated: advantage={name: ...}."})
+    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: advantage."})
+    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
+    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
+    kl_penalty_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty={name: ...}."})
+    kl_penalty_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty."})
+    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
+    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
     epsilon: float | None = field(
         default=None,
@@ -181,12 +203,7 @@ class TrinityConfig(GRPOConfig):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
         check_saving_options(self)
-        for name in COMPONENT_FIELDS:
-            setattr(
-                self,
-                f"{name}_args",
-                parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")),
-            )
+        component_fields(self, COMPONENT_FIELDS)
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
@@ -200,6 +217,14 @@ class TrinityConfig(GRPOConfig):
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
         self._check_replaced_fields()
         self.resolved_algorithm()  # validates names and arguments now, not at the first step
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
+        out = super().to_dict()
+        for name in COMPONENT_FIELDS:
+            if isinstance(out.get(name), Component):
+                out[name] = out[name].to_dict()
+        return out
 
     def _user_overrides(self) -> dict[str, Any]:
         """Hook for subclasses: component settings implied by their own options."""
@@ -227,12 +252,21 @@ class TrinityConfig(GRPOConfig):
         }
 
     def _policy_loss_name(self) -> str:
-        return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+        chosen = self.policy_loss.name if self.policy_loss is not None else None
+        return chosen or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+
+    def component_name(self, name: str) -> str | None:
+        """The name the user chose for component ``name`` (``"advantage"``, ...), ``None`` for the preset's."""
+        value = getattr(self, name)
+        return value.name if value is not None else None
 
     def resolved_algorithm(self) -> AlgorithmConfig:
         """The algorithm with every component and argument resolved (spec §13.2)."""
-        settings: dict[str, Any] = {name: getattr(self, name) for name in COMPONENT_FIELDS}
-        settings.update({f"{name}_args": getattr(self, f"{name}_args") for name in COMPONENT_FIELDS})
+        settings: dict[str, Any] = {}
+        for name, key in COMPONENT_FIELDS.items():
+            value: Component | None = getattr(self, name)
+            settings[key] = value.name if value is not None else None
+            settings[f"{key}_args"] = dict(value.args) if value is not None and value.args else None
         settings["loss_agg_mode"] = self.loss_agg_mode
         for key, value in self._user_overrides().items():
             if key.endswith("_args"):

@@ -34,6 +34,7 @@ from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
 from . import checks
+from .common import deprecated_field
 from .config import TrinityConfig
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
@@ -65,7 +66,9 @@ class StepGRPOConfig(TrinityConfig):
         std_threshold (`float` or `None`, *optional*):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get
             no gradient and are counted in `filtered_count`.
-        advantage_epsilon (`float`, *optional*, defaults to `1e-6`): Added to the std.
+        advantage (`dict`, *optional*): the step-wise advantage and its arguments, e.g.
+            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std; `advantage_epsilon`
+            is its deprecated spelling).
         shared_prefix (`bool`, *optional*, defaults to `True`):
             When each turn's prompt is exactly the previous prompt + completion + observation (always with
             `history="tokens"`), train the whole run as ONE row: one forward pass over the run, each
@@ -82,7 +85,7 @@ class StepGRPOConfig(TrinityConfig):
     enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
     std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
-    advantage_epsilon: float = field(default=1e-6, metadata={"help": "Added to the std."})
+    advantage_epsilon: float | None = field(default=None, metadata={"help": "Deprecated: advantage.epsilon."})
     shared_prefix: bool = field(
         default=True,
         metadata={
@@ -111,21 +114,21 @@ class StepGRPOConfig(TrinityConfig):
         super().__post_init__()
 
     def _user_overrides(self) -> dict[str, Any]:
-        advantage = self.advantage_fn or "step_wise_grpo"
+        advantage = self.component_name("advantage") or "step_wise_grpo"
         if not ADVANTAGE_FN.get(advantage).step_wise:
             raise ValueError(
                 f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
                 f"runs and gives each step its run's score), got advantage_fn={advantage!r}"
             )
-        return {
-            "advantage_fn": advantage,
-            "advantage_fn_args": {
-                "enable_step_norm": self.enable_step_norm,
-                "std_cal_level": self.std_cal_level,
-                "std_threshold": self.std_threshold,
-                "epsilon": self.advantage_epsilon,
-            },
+        args = {
+            "enable_step_norm": self.enable_step_norm,
+            "std_cal_level": self.std_cal_level,
+            "std_threshold": self.std_threshold,
         }
+        if self.advantage_epsilon is not None:
+            deprecated_field(self, "advantage_epsilon", "advantage.epsilon", self.advantage_epsilon)
+            args["epsilon"] = self.advantage_epsilon
+        return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
