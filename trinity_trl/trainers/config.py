@@ -10,6 +10,7 @@ from trl import GRPOConfig
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from .common import apply_cpu_defaults, check_saving_options, component_fields
+from .loss import LOSS_NORMALIZATIONS
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -58,7 +59,6 @@ COMPONENT_FIELDS = {
     "entropy_loss": "entropy_loss_fn",
 }
 ARGS_MODES = ("merge", "replace")
-LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
 
 def _field_default(config_class: type, name: str) -> Any:
