@@ -517,12 +517,15 @@ def concise_progress(trainer) -> None:
     (step, reward, loss terms, μ, seconds); every metric still goes to ``training_log.json`` and the trackers."""
     from transformers.trainer_callback import ProgressCallback
 
-    from trinity_trl.trainers.metrics import summary_line
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.trainers.metrics import summary_line, summary_metrics
+
+    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
 
     class ConciseProgress(ProgressCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
-                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs))
+                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs, metrics))
 
     if trainer.args.disable_tqdm:
         return

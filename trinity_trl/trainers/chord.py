@@ -8,7 +8,6 @@ demonstrations with ``μ``, scheduled over training steps (spec §9).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +120,7 @@ class ChordConfig(TrinityConfig):
             deprecated_field(self, "rl_loss_agg_mode", "policy_loss.grpo_loss_agg_mode", self.rl_loss_agg_mode)
             args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
         schedule = {name: getattr(self, name) for name in MU_SCHEDULE_ARGS}
-        if "mu_peak" in inspect.signature(_policy_loss_class(self)).parameters:  # a loss with CHORD's schedule
+        if _policy_loss_class(self).schedule_args == MU_SCHEDULE_ARGS:  # a loss with CHORD's schedule
             given = self.policy_loss.args if self.policy_loss is not None else {}
             # a field at its default leaves the key to policy_loss (policy_loss={"mu_peak": 0.9} is the same)
             args.update({k: v for k, v in schedule.items() if k not in given or v != _MU_DEFAULTS[k]})
