@@ -124,3 +124,23 @@ def test_skip_trl_reference_pass_zeroes_beta_and_keeps_the_reference():
     trainer = SimpleNamespace(beta=0.04, ref_model=reference)
     skip_trl_reference_pass(trainer)
     assert trainer.beta == 0.0 and trainer.ref_model is reference
+
+
+def test_bind_trl_arguments_names_every_argument_whatever_the_base_order():
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+
+    from trinity_trl.trainers.trl_seams import bind_trl_arguments
+
+    grpo = bind_trl_arguments(GRPOTrainer, "m", None, "args", "train", "eval", processing_class="tok")
+    assert grpo == {
+        "model": "m",
+        "reward_funcs": None,
+        "args": "args",
+        "train_dataset": "train",
+        "eval_dataset": "eval",
+        "processing_class": "tok",
+    }
+    assert bind_trl_arguments(SFTTrainer, "m", "args", None, "train", "eval", "tok")["processing_class"] == "tok"
+    assert bind_trl_arguments(DPOTrainer, "m", None, "args", None, "train", "eval", "tok")["processing_class"] == "tok"
+    with pytest.raises(TypeError):
+        bind_trl_arguments(GRPOTrainer, "m", not_an_argument=1)

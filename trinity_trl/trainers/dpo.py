@@ -46,6 +46,7 @@ from .common import (
     reject_sequence_sharding,
 )
 from .model_card import paper_for
+from .trl_seams import bind_trl_arguments
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
@@ -233,9 +234,10 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         if not isinstance(args, TrinityDPOConfig):
             raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
-        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
-            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        super().__init__(model, ref_model, args, *pos, **kwargs)
+        given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
+        if isinstance(model, str) and given.get("processing_class") is None:
+            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        super().__init__(**given)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self.kl_loss = self.algorithm.build_kl_loss()

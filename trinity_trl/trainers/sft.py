@@ -39,6 +39,7 @@ from .common import (
     reject_sequence_sharding,
 )
 from .model_card import paper_for
+from .trl_seams import bind_trl_arguments
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
 # A non-default value raises an error that says how to get the same effect (or why it cannot work).
@@ -174,13 +175,14 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
                 "(choose policy_loss_fn / policy_loss_fn_args instead)"
             )
         self.algorithm = args.resolved_algorithm()
-        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
-            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        super().__init__(model, args, *pos, **kwargs)
-        if self.compute_loss_func is not None:  # passed positionally
+        given = bind_trl_arguments(SFTTrainer, model, args, *pos, **kwargs)
+        if given.get("compute_loss_func") is not None:  # passed positionally
             raise ValueError(
                 f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func"
             )
+        if isinstance(model, str) and given.get("processing_class") is None:
+            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        super().__init__(**given)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
@@ -38,7 +39,7 @@ from .common import deprecated_field
 from .config import TrinityConfig
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
-from .trl_seams import skip_trl_reference_pass, temporarily
+from .trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 
 STD_CAL_LEVELS = ("group", "batch", "none")
 
@@ -167,13 +168,16 @@ class StepGRPOTrainer(TrinityTrainer):
         *pos,
         environment_factory=None,
         tools=None,
+        teacher_model=None,
         **kwargs,
     ):
         if args is not None and not isinstance(args, StepGRPOConfig):
             raise TypeError(f"StepGRPOTrainer needs a StepGRPOConfig, got {type(args).__name__}")
-        if kwargs.get("rollout_func") is not None:
+        given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
+        if given.get("rollout_func") is not None:
             raise ValueError("StepGRPOTrainer plays the environment itself; rollout_func cannot be combined with it")
-        train_dataset = kwargs.get("train_dataset", pos[0] if pos else None)
+        given["teacher_model"] = teacher_model
+        train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
         protocol, classes = resolve_protocol(environment_factory, tools, columns)
         self.environment_protocol = protocol
@@ -191,13 +195,13 @@ class StepGRPOTrainer(TrinityTrainer):
                 )
             # TRL sets up the environments (pool, tools, get_reward, response parsing, chat template)
             super().__init__(
-                model, extra or None, args, *pos, environment_factory=environment_factory, tools=tools, **kwargs
+                **(given | {"reward_funcs": extra or None, "environment_factory": environment_factory, "tools": tools})
             )
             self.rollout = None
         else:
             if train_dataset is None:
-                pos, kwargs = self._placeholder_tasks(args, pos, kwargs, environment_factory)
-            super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
+                given["train_dataset"] = self._placeholder_tasks(args, environment_factory)
+            super().__init__(**(given | {"reward_funcs": [environment_reward, *extra]}))
             self.rollout = MultiStepRollout(
                 self.generation, environment_factory, self.args.max_env_steps, self.args.history
             )
@@ -211,7 +215,7 @@ class StepGRPOTrainer(TrinityTrainer):
         skip_trl_reference_pass(self)
 
     @staticmethod
-    def _placeholder_tasks(args, pos, kwargs, environment_factory):
+    def _placeholder_tasks(args, environment_factory):
         """``train_dataset=None`` with a reset/step environment: rows of empty prompts that drive the loop
         while ``reset`` supplies each task, the same placeholder TRL builds for its own environments."""
         from datasets import Dataset
@@ -225,12 +229,9 @@ class StepGRPOTrainer(TrinityTrainer):
             raise ValueError(
                 "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
             )
-        rows = Dataset.from_dict(
+        return Dataset.from_dict(
             {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
         )
-        if pos:
-            return (rows, *pos[1:]), kwargs
-        return pos, {**kwargs, "train_dataset": rows}
 
     def _model_card_environment(self) -> str | None:
         return ", ".join(self._environment_names) or None
