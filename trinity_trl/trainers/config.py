@@ -17,35 +17,35 @@ from .loss import LOSS_NORMALIZATIONS
 # option is silently ignored. Every other GRPOConfig field is honoured by TRL/transformers as usual
 # (tests/trainers/test_config.py walks all fields to keep this list complete).
 REPLACED_GRPO_FIELDS: dict[str, str] = {
-    "beta": "TRL's k3 KL; use kl_loss_fn='k3' (or any KL) with kl_loss_fn_args={'kl_coef': ...}",
-    "loss_type": "TRL's loss; choose policy_loss_fn (or an algorithm preset) and loss_agg_mode",
+    "beta": "TRL's k3 KL; use kl_loss={'name': 'k3', 'kl_coef': ...} (or any KL)",
+    "loss_type": "TRL's loss; choose policy_loss (or an algorithm preset) and loss_agg_mode",
     "epsilon": "TRL's relative clip bound, accepted for losses with the same bounds (ppo, gspo, mix, mix_chord) as "
-    "clip_range; for this loss use policy_loss_fn_args (see its arguments)",
+    "clip_range; for this loss use policy_loss={...} (see its arguments)",
     "epsilon_high": "TRL's upper clip, accepted for losses with relative bounds (ppo, gspo, mix, mix_chord) as "
     "clip_range_high; TRL's CISPO cap is absolute: use clip_range_high = epsilon_high - 1",
-    "delta": "TRL's two-sided clip; use policy_loss_fn_args={'clip_ratio_c': ...} (dual clip, ppo)",
-    "importance_sampling_level": "sequence-level ratios; use policy_loss_fn='gspo' (algorithm='gspo')",
-    "scale_rewards": "reward normalisation; use advantage_fn_args={'std_cal_level': 'batch'} for grpo",
-    "multi_objective_aggregation": "reward normalisation is done by advantage_fn on the weighted reward sum",
-    "vespo_k_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_lambda_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "delta": "TRL's two-sided clip; use policy_loss={'clip_ratio_c': ...} (dual clip, ppo)",
+    "importance_sampling_level": "sequence-level ratios; use policy_loss='gspo' (algorithm='gspo')",
+    "scale_rewards": "reward normalisation; use advantage={'std_cal_level': 'batch'} for grpo",
+    "multi_objective_aggregation": "reward normalisation is done by the advantage on the weighted reward sum",
+    "vespo_k_pos": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_lambda_pos": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss",
     "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses; entropy terms are "
-    "entropy_loss_fn",
-    "entropy_coef": "use entropy_loss_fn_args={'entropy_coef': ...}",
-    "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_loss",
+    "entropy_coef": "use entropy_loss={'entropy_coef': ...}",
+    "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
     "off_policy_mask_threshold": (
-        "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)"
+        "use policy_loss={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)"
     ),
-    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss_fn='corrected_k3' is the "
+    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss='corrected_k3' is the "
     "ratio-corrected k3",
-    "sapo_temperature_pos": "only used with policy_loss_fn='sapo' (becomes tau_pos)",
-    "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
+    "sapo_temperature_pos": "only used with policy_loss='sapo' (becomes tau_pos)",
+    "sapo_temperature_neg": "only used with policy_loss='sapo' (becomes tau_neg)",
 }
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see the README's table "TRL's names".
@@ -82,22 +82,26 @@ class TrinityConfig(GRPOConfig):
             One of the 19 presets: `sft`, `ppo`, `grpo`, `reinforceplusplus`, `rloo`, `opmd`, `asymre`,
             `dpo`, `topr`, `cispo`, `gspo`, `sapo`, `mix`, `mix_chord`, `raft`, `sppo`, `rec`,
             `multi_step_grpo`, `on_policy_distill`.
-        policy_loss_fn (`str` or `None`, *optional*):
-            Policy loss key (e.g. `ppo`, `cispo`, `sapo`); `None` keeps the preset's.
-        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
-            Arguments of the policy loss.
-        advantage_fn (`str` or `None`, *optional*): Advantage function key; `None` keeps the preset's.
-        advantage_fn_args (`dict` or `str` or `None`, *optional*): Its arguments.
-        kl_loss_fn (`str` or `None`, *optional*):
-            KL estimator added to the loss (`none`, `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`).
-        kl_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"kl_coef": 0.001}`.
-        kl_penalty_fn (`str` or `None`, *optional*):
-            KL estimator subtracted from token rewards before trainer-side advantages (presets
-            `reinforceplusplus`, `rloo`, `on_policy_distill`).
-        kl_penalty_fn_args (`dict` or `str` or `None`, *optional*):
+        policy_loss (`str`, `dict`, [`~trinity_trl.algorithms.component.Component`] or `None`, *optional*):
+            The policy loss and its arguments, in one value: a name (`"cispo"`), a mapping
+            `{"name": "cispo", "clip_range_high": 5.0}` (YAML `policy_loss: {name: cispo, clip_range_high: 5.0}`,
+            a JSON object on the command line, or one argument at a time: `--policy_loss.clip_range_high 5.0`)
+            or `Component("cispo", clip_range_high=5.0)`. Without `name` the preset's loss is kept. The
+            arguments are checked against the loss's constructor (unknown names and wrong types are errors
+            listing the allowed arguments); TRL's names of them (`epsilon`, `epsilon_high`) are accepted.
+        advantage (`str`, `dict`, `Component` or `None`, *optional*): The advantage function, likewise
+            (e.g. `{"name": "grpo", "std_threshold": 0.0}`).
+        kl_loss (`str`, `dict`, `Component` or `None`, *optional*): The KL estimator added to the loss
+            (`none`, `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`), e.g. `{"name": "k3", "kl_coef": 0.001}`.
+        kl_penalty (`str`, `dict`, `Component` or `None`, *optional*): The KL estimator subtracted from token
+            rewards before trainer-side advantages (presets `reinforceplusplus`, `rloo`, `on_policy_distill`),
             e.g. `{"kl_coef": 0.01, "adaptive": True, "target_kl": 0.1, "horizon": 10000}`.
-        entropy_loss_fn (`str` or `None`, *optional*): `default`, `mix` or `none`.
-        entropy_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"entropy_coef": 0.001}`.
+        entropy_loss (`str`, `dict`, `Component` or `None`, *optional*): `default`, `mix` or `none`, e.g.
+            `{"entropy_coef": 0.001}`.
+        policy_loss_fn, policy_loss_fn_args, advantage_fn, advantage_fn_args, kl_loss_fn, kl_loss_fn_args,
+        kl_penalty_fn, kl_penalty_fn_args, entropy_loss_fn, entropy_loss_fn_args:
+            Deprecated spellings of the five values above (a name and an argument dict each); they still work
+            in this release, with a `FutureWarning`, and become the component value.
         loss_agg_mode (`str` or `None`, *optional*):
             `token-mean` (default), `seq-mean-token-sum`, `seq-mean-token-mean` or
             `seq-mean-token-sum-norm`. It also overrides the policy loss's own mode, and the KL and
