@@ -144,3 +144,14 @@ def test_bind_trl_arguments_names_every_argument_whatever_the_base_order():
     assert bind_trl_arguments(DPOTrainer, "m", None, "args", None, "train", "eval", "tok")["processing_class"] == "tok"
     with pytest.raises(TypeError):
         bind_trl_arguments(GRPOTrainer, "m", not_an_argument=1)
+
+
+def test_trained_mask_applies_the_tool_mask_when_present():
+    import torch
+
+    from trinity_trl.trainers.trl_seams import trained_mask
+
+    completion = torch.tensor([[1, 1, 1, 0]])
+    assert torch.equal(trained_mask({"completion_mask": completion}), completion)
+    tools = torch.tensor([[1, 0, 1, 1]])
+    assert torch.equal(trained_mask({"completion_mask": completion, "tool_mask": tools}), torch.tensor([[1, 0, 1, 0]]))

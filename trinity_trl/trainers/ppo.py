@@ -36,7 +36,7 @@ from .config import TrinityConfig
 from .critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
-from .trl_seams import bind_trl_arguments
+from .trl_seams import bind_trl_arguments, trained_mask
 
 CRITIC_DIR = "critic"
 __all__ = ["CRITIC_DIR", "CRITIC_OPTIMIZER_FILE", "PPOConfig", "PPOTrainer"]
@@ -385,9 +385,7 @@ class PPOTrainer(TrinityTrainer):
     def _value_loss(self, inputs: dict, mode: str) -> torch.Tensor:
         """The clipped value loss of a micro-batch, scaled like the policy loss (aggregation mode,
         loss normalisation, gradient accumulation)."""
-        loss_mask = (
-            inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-        )
+        loss_mask = trained_mask(inputs)
         self.critic.train(mode == "train")
         values = self._critic_values(self.critic, inputs)
         # numerical guards, as for the policy loss (checks.py): tokens whose value, old value or return is

@@ -37,6 +37,7 @@ from .trl_seams import (
     captured_return,
     reopen_trackio_run,
     temporarily,
+    trained_mask,
     use_cpu_colocate_weight_sync,
 )
 
@@ -130,9 +131,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         ``inputs``: the rows (with the extra fields a ``rollout_func`` returned); ``rewards``: ``(N,)``
         every process's weighted rewards, NaN where no reward function scored.
         """
-        loss_mask = (
-            output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-        )
+        loss_mask = trained_mask(output)
         result = self.advantage_estimator(
             rewards,
             loss_mask,
@@ -230,9 +229,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         rewards = weighted_rewards(rewards_per_func.value, self.reward_weights)
         output = self._training_batch(output, inputs, rewards, mode)
         if self.args.loss_normalization == "global":
-            mask = (
-                output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-            )
+            mask = trained_mask(output)
             counts = LossNormalizer.global_counts(mask, output.get("sample_count"))
             # one unconditional collective per generation batch: every rank reaches it
             output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(
@@ -289,7 +286,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         components = self.components
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        mask = trained_mask(inputs)
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),

@@ -149,3 +149,10 @@ def bind_trl_arguments(base: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
         else:
             continue
     return arguments
+
+
+def trained_mask(batch: dict[str, Any]) -> Any:
+    """The ``(B, T)`` mask of the completion tokens a loss trains on: TRL's ``completion_mask``, times its
+    ``tool_mask`` (0 on tool-result tokens) when TRL's tool loop produced one."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
