@@ -129,6 +129,10 @@ def parse(
     from trinity_trl.recipes import config_path
 
     argv = resolve_config_argument(list(sys.argv[1:] if argv is None else argv), config_path)
+    yaml_values = _yaml_values(argv)
+    argv = import_argument(argv, yaml_values)
+    argv = component_arguments(argv, config_classes, yaml_values)
+    ignore = (*ignore, "import")
     parser = TrlParser(config_classes, allow_abbrev=False, prog=f"trinity-trl {recipe}")
     if "--help-all" in argv:
         parser.print_help()
@@ -152,6 +156,88 @@ def parse(
         ]
         raise UsageError(f"unknown options {', '.join(hints)}: not options of the {recipe} recipe (see --help)")
     return tuple(parsed)
+
+
+def _yaml_values(argv: list[str]) -> dict[str, Any]:
+    """The mapping in the ``--config`` YAML of ``argv`` (``{}`` without one)."""
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return {}
+    import yaml
+
+    with open(argv[argv.index("--config") + 1], encoding="utf-8") as f:
+        values = yaml.safe_load(f)
+    return values if isinstance(values, dict) else {}
+
+
+def import_argument(argv: list[str], yaml_values: dict[str, Any]) -> list[str]:
+    """Import the modules of ``--import MODULE|FILE.py`` (repeatable) and of the YAML key ``import`` (a
+    name or a list), so the components they register can be named; returns ``argv`` without them."""
+    from trinity_trl.algorithms.registry import import_components
+
+    targets = yaml_values.get("import") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    rest, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--import" and i + 1 < len(argv):
+            targets.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--import="):
+            targets.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    for target in targets:
+        import_components(str(target))
+    return rest
+
+
+def _option_value(text: str) -> Any:
+    """A command-line value as JSON (``5.0``, ``1e-6``, ``true``, ``[1, 2]``), else YAML, else the string."""
+    import yaml
+
+    for load in (json.loads, yaml.safe_load):
+        try:
+            return load(text)
+        except Exception:  # noqa: BLE001 - not in this syntax: try the next
+            continue
+    return text
+
+
+def component_arguments(argv: list[str], config_classes: tuple, yaml_values: dict[str, Any]) -> list[str]:
+    """Fold ``--policy_loss.clip_range_high 5.0`` (``--<component>.<argument> value``, repeatable) into one
+    ``--policy_loss JSON`` over the component's value from the command line or the YAML file, for every
+    component field (``policy_loss``, ``advantage``, ``kl_loss``, ``kl_penalty``, ``entropy_loss``) of
+    ``config_classes``. TrlParser then reads it as it reads any option, and the config checks it."""
+    from trinity_trl.algorithms.component import Component
+
+    components = {
+        f.name
+        for cls in config_classes
+        for f in fields(cls)
+        if f.name in ("policy_loss", "advantage", "kl_loss", "kl_penalty", "entropy_loss")
+    }
+    dotted: dict[str, dict[str, Any]] = {}
+    given: dict[str, Any] = {}
+    rest, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        key, has_equals, inline = token.removeprefix("--").partition("=")
+        head, dot, argument = key.partition(".")
+        if token.startswith("--") and head in components:
+            value = inline if has_equals else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if has_equals else 2
+            if dot:
+                dotted.setdefault(head, {})[argument] = _option_value(value)
+            else:
+                given[head] = value
+            continue
+        rest.append(token)
+        i += 1
+    for head in sorted(set(given) | set(dotted)):
+        base = Component.parse(f"--{head}", head, given.get(head, yaml_values.get(head))) or Component()
+        rest += [f"--{head}", json.dumps(base.to_dict() | dotted.get(head, {}))]
+    return rest
 
 
 def resolve_config_argument(argv: list[str], config_path: Callable[[str], str]) -> list[str]:
@@ -431,12 +517,15 @@ def concise_progress(trainer) -> None:
     (step, reward, loss terms, μ, seconds); every metric still goes to ``training_log.json`` and the trackers."""
     from transformers.trainer_callback import ProgressCallback
 
-    from trinity_trl.trainers.metrics import summary_line
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.trainers.metrics import summary_line, summary_metrics
+
+    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
 
     class ConciseProgress(ProgressCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
-                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs))
+                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs, metrics))
 
     if trainer.args.disable_tqdm:
         return

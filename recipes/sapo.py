@@ -5,7 +5,7 @@
     python recipes/sapo.py --config recipes/configs/sapo_cpu.yaml
 
 Options: `RecipeArguments` (model, data, LoRA, evaluation) and every field of `SAPOConfig` (TRL's GRPOConfig plus
-`sapo_form`).
+`policy_loss: {form: paper|trinity}`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ TrinityTrainer. Options: those below and every field of the preset's config clas
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass, field
 
@@ -70,27 +71,13 @@ def algorithm_from(argv: list[str]) -> str:
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     # 1. the preset decides the recipe (and so the trainer and its config class)
-    algorithm = algorithm_from(argv)
-    if "expert_mask" in _policy_loss_inputs(algorithm):  # MIX / CHORD: rollouts plus demonstrations
-        from trinity_trl.recipes import chord
-
-        return chord.main(argv)
-    preset = ALGORITHM_TYPE.get(algorithm)
-    if preset.use_critic:
-        from trinity_trl.recipes import ppo
-
-        return ppo.main(argv)
-    if ADVANTAGE_FN.get(preset.default_config().get("advantage_fn", "ppo")).step_wise:  # runs in an environment
-        from trinity_trl.recipes import step_grpo
-
-        return step_grpo.main(argv)
+    preset = ALGORITHM_TYPE.get(algorithm_from(argv))
+    if preset.recipe != "train":  # MIX / CHORD (demonstrations), PPO (critic), multi_step_grpo (an environment)
+        return importlib.import_module(f"trinity_trl.recipes.{preset.recipe}").main(argv)
     from trinity_trl import trainers
 
-    config_class, trainer_class = {
-        "sft": (trainers.TrinitySFTConfig, trainers.TrinitySFTTrainer),
-        "dpo": (trainers.TrinityDPOConfig, trainers.TrinityDPOTrainer),
-        "experience": (trainers.TrinityConfig, trainers.TrinityTrainer),
-    }[preset.schema]
+    trainer_class = getattr(trainers, preset.trainer)
+    config_class = trainer_class.config_class
     # (--algorithm is a field of TrinityConfig; the SFT/DPO configs have no choice to make)
     args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))
     check_output_dir(args, training_args)
@@ -115,12 +102,6 @@ def main(argv: list[str] | None = None):
     # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
     save_outputs(trainer, args, summary)
     return trainer
-
-
-def _policy_loss_inputs(algorithm: str) -> tuple[str, ...]:
-    from trinity_trl.algorithms import POLICY_LOSS_FN
-
-    return POLICY_LOSS_FN.get(ALGORITHM_TYPE.get(algorithm).default_config().get("policy_loss_fn", "ppo")).inputs
 
 
 def _preference_pairs(args: TrainArguments, task, seed: int):

@@ -229,3 +229,27 @@ def test_assigning_a_grpo_flag_raises():
     with pytest.raises(AttributeError):
         ALGORITHM_TYPE.get("grpo").use_critic = True
     assert ALGORITHM_TYPE.get("grpo").use_critic is False
+
+
+def test_declared_recipe_and_trainer_agree_with_the_components():
+    """Each preset declares its recipe and trainer (recipes/train.py compares no names); they follow from the
+    components' properties: expert rows -> chord, a critic -> ppo, a step-wise advantage -> step_grpo."""
+    from trinity_trl.algorithms import ADVANTAGE_FN, POLICY_LOSS_FN
+
+    for name in ALGORITHM_TYPE.names():
+        preset = ALGORITHM_TYPE.get(name)
+        config = preset.default_config()
+        loss = POLICY_LOSS_FN.get(config.get("policy_loss_fn", "ppo"))
+        if "expert_mask" in loss.inputs:
+            expected = ("chord", "ChordTrainer")
+        elif preset.use_critic:
+            expected = ("ppo", "PPOTrainer")
+        elif ADVANTAGE_FN.get(config.get("advantage_fn", "ppo")).step_wise:
+            expected = ("step_grpo", "StepGRPOTrainer")
+        else:
+            expected = (
+                "train",
+                {"sft": "TrinitySFTTrainer", "dpo": "TrinityDPOTrainer"}.get(preset.schema, "TrinityTrainer"),
+            )
+        assert (preset.recipe, preset.trainer) == expected, name
+        assert preset.display_name, name

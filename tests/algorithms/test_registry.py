@@ -54,3 +54,31 @@ def test_register_and_unregister():
         registry.unregister("w")
     registry.register("w")(Widget)  # the name is free again
     assert registry.names() == ["w"]
+
+
+def test_entry_points_of_the_components_group_register_on_first_lookup(tmp_path, monkeypatch):
+    """A package declaring ``[project.entry-points."trinity_trl.components"]`` gets its components registered the
+    first time a registry is asked for a name it lacks."""
+    import importlib
+    import sys
+
+    from trinity_trl.algorithms import POLICY_LOSS_FN, registry
+
+    (tmp_path / "ep_losses.py").write_text(
+        "from trinity_trl.algorithms import POLICY_LOSS_FN\n"
+        "from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn\n"
+        "POLICY_LOSS_FN.register('entry_point_ppo')(type('EntryPointPPO', (PPOPolicyLossFn,), {}))\n"
+    )
+    dist = tmp_path / "ep_losses-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-losses\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[trinity_trl.components]\nlosses = ep_losses\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    try:
+        assert POLICY_LOSS_FN.get("entry_point_ppo").__name__ == "EntryPointPPO"
+    finally:
+        if "entry_point_ppo" in POLICY_LOSS_FN._entries:
+            POLICY_LOSS_FN.unregister("entry_point_ppo")
+        sys.modules.pop("ep_losses", None)

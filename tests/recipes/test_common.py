@@ -257,3 +257,55 @@ def test_repository_recipe_scripts_run_as_scripts():
     assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout
     assert (REPO / "recipes" / "configs" / "chord_cpu.yaml").is_file()
     assert not (REPO / "recipes" / "configs").is_symlink()
+
+
+def test_component_arguments_on_the_command_line_and_in_yaml(tmp_path):
+    from trinity_trl.trainers import TrinityConfig
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"policy_loss: {{name: cispo, clip_range_low: 0.5}}\noutput_dir: {tmp_path}\nuse_cpu: true\n")
+    _, config = parse(
+        (RecipeArguments, TrinityConfig),
+        ["--config", str(yaml_file), "--policy_loss.clip_range_high", "5.0", "--kl_loss.kl_coef=1e-3"],
+        "train",
+    )
+    resolved = config.resolved_algorithm()
+    assert resolved.policy_loss_fn == "cispo"
+    assert (resolved.policy_loss_fn_args["clip_range_low"], resolved.policy_loss_fn_args["clip_range_high"]) == (
+        0.5,
+        5.0,
+    )
+    assert resolved.kl_loss_fn_args["kl_coef"] == 1e-3
+    _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--use_cpu", "true"], "cispo")
+    assert config.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.28
+    with pytest.raises(ValueError, match=r"takes no argument\(s\) \['clip_range_hi'\]"):
+        parse(
+            (RecipeArguments, CISPOConfig),
+            ["--output_dir", str(tmp_path), "--use_cpu", "true", "--policy_loss.clip_range_hi", "5"],
+            "cispo",
+        )
+
+
+def test_import_registers_a_module_from_a_file(tmp_path):
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.trainers import TrinityConfig
+
+    plugin = tmp_path / "flat_losses.py"
+    plugin.write_text(
+        "from trinity_trl.algorithms import POLICY_LOSS_FN\n"
+        "from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn\n"
+        "@POLICY_LOSS_FN.register('flat_ppo')\n"
+        "class FlatPPO(PPOPolicyLossFn):\n"
+        "    pass\n"
+    )
+    try:
+        _, config = parse(
+            (RecipeArguments, TrinityConfig),
+            ["--import", str(plugin), "--policy_loss", "flat_ppo", "--output_dir", str(tmp_path), "--use_cpu", "true"],
+            "train",
+        )
+        assert config.resolved_algorithm().policy_loss_fn == "flat_ppo"
+    finally:
+        POLICY_LOSS_FN.unregister("flat_ppo")
+    with pytest.raises(ImportError, match="no module named 'not_a_module_here'"):
+        parse((RecipeArguments, TrinityConfig), ["--import", "not_a_module_here"], "train")

@@ -426,3 +426,25 @@ def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_mo
     # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
     assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
     assert torch.all(advantages[2] == 0)
+
+
+def test_group_advantages_draw_from_their_own_generator_not_the_global_one():
+    """The refill copies (GRPO's duplicate_experiences) come from a generator of (seed, batch): the same on every
+    process and call, and Python's global random state is neither read nor changed."""
+    import random
+
+    from trinity_trl.trainers.advantages import group_advantages
+
+    fn = ADVANTAGE_FN.get("grpo")(std_threshold=0.0, duplicate_experiences=True)
+    rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5, 2.0, 3.0, 0.0, 1.0, 0.2, 1.0, 1.0, 1.0, 1.0])
+    random.seed(123)
+    state = random.getstate()
+    first = group_advantages(fn, rewards, group_size=2, batch_index=3, seed=7)
+    assert random.getstate() == state
+    random.seed(999)  # another global state: the same draws
+    second = group_advantages(fn, rewards, group_size=2, batch_index=3, seed=7)
+    assert torch.equal(first[2], second[2]) and torch.equal(first[0], second[0])
+    kept_groups = [g for g in range(8) if rewards[2 * g] != rewards[2 * g + 1]]  # 4 kept, 4 filtered
+    expected = random.Random(7 * 1_000_003 + 3).choices(range(len(kept_groups)), k=8 - len(kept_groups))
+    copied = [int(first[2][i]) // 2 for i in range(len(rewards)) if int(first[2][i]) != i][::2]
+    assert copied == [kept_groups[i] for i in expected]

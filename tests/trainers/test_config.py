@@ -376,7 +376,7 @@ def test_args_given_as_json_strings_are_parsed(tmp_path):
         kl_penalty_fn_args="{}",
         entropy_loss_fn_args='{"entropy_coef": 0.002}',
     )
-    assert config.policy_loss_fn_args == {"clip_range": 0.3}
+    assert config.policy_loss.args == {"clip_range": 0.3}  # the deprecated field lands in the component
     resolved = config.resolved_algorithm()
     assert resolved.policy_loss_fn_args["clip_range"] == 0.3
     assert resolved.advantage_fn_args["epsilon"] == 1e-5
@@ -404,7 +404,7 @@ def test_trl_parser_passes_args_as_json(tmp_path):
             "k3",
         ]
     )
-    assert config.policy_loss_fn_args == {"clip_range": 0.3}
+    assert config.policy_loss.args == {"clip_range": 0.3}  # the deprecated field lands in the component
     resolved = config.resolved_algorithm()
     assert resolved.policy_loss_fn == "gspo" and resolved.kl_loss_fn == "k3"
     # merge mode: the user's symmetric clip_range replaces GSPO's default specific bounds
@@ -453,3 +453,33 @@ def test_global_loss_agg_mode_overrides_the_policy_loss_in_replace_mode(tmp_path
         policy_loss_fn_args={"clip_range": 0.2},
     ).resolved_algorithm()
     assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
+
+
+# ----------------------------------------------------------------------- one typed value per component
+def test_component_fields_take_a_name_a_mapping_or_a_component(tmp_path):
+    from trinity_trl.algorithms.component import Component
+
+    for value in ({"name": "cispo", "clip_range_high": 5.0}, Component("cispo", clip_range_high=5.0)):
+        resolved = _config(tmp_path, policy_loss=value).resolved_algorithm()
+        assert resolved.policy_loss_fn == "cispo" and resolved.policy_loss_fn_args["clip_range_high"] == 5.0
+    resolved = _config(tmp_path, algorithm="gspo", policy_loss={"epsilon_high": 0.3}).resolved_algorithm()
+    assert resolved.policy_loss_fn == "gspo" and resolved.policy_loss_fn_args["clip_range_high"] == 0.3
+    resolved = _config(tmp_path, kl_loss="k3", entropy_loss={"entropy_coef": 0.002}).resolved_algorithm()
+    assert resolved.kl_loss_fn == "k3" and resolved.entropy_loss_fn_args["entropy_coef"] == 0.002
+    assert _config(tmp_path, policy_loss="cispo").to_dict()["policy_loss"] == {"name": "cispo"}
+
+
+def test_component_field_errors_name_the_allowed_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"takes no argument\(s\) \['clip'\].*clip_range_high: float"):
+        _config(tmp_path, policy_loss={"name": "cispo", "clip": 5.0})
+    with pytest.raises(ValueError, match="kl_coef must be float, got str"):
+        _config(tmp_path, kl_loss={"kl_coef": "a lot"})
+
+
+def test_flat_component_fields_are_deprecated_but_work(tmp_path):
+    with pytest.warns(FutureWarning, match=r"policy_loss_fn / policy_loss_fn_args are deprecated.*policy_loss="):
+        config = _config(tmp_path, policy_loss_fn="cispo", policy_loss_fn_args={"clip_range_high": 5.0})
+    assert config.policy_loss.name == "cispo" and config.policy_loss_fn is None
+    assert config.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 5.0
+    with pytest.raises(ValueError, match="set policy_loss or the deprecated policy_loss_fn"):
+        _config(tmp_path, policy_loss="ppo", policy_loss_fn="cispo")

@@ -34,8 +34,11 @@ def test_sapo_config(tmp_path):
     assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
     with pytest.raises(ValueError, match="sapo_form"):
         _config(tmp_path, SAPOConfig, sapo_form="bad")
+    # one door: the loss's own argument, no clash with a trainer field
+    given = _config(tmp_path, SAPOConfig, policy_loss={"form": "trinity"}).resolved_algorithm()
+    assert given.policy_loss_fn_args["form"] == "trinity"
     with pytest.raises(ValueError, match="form"):
-        _config(tmp_path, SAPOConfig, policy_loss_fn_args={"form": "trinity"})  # clash with sapo_form="paper"
+        _config(tmp_path, SAPOConfig, sapo_form="paper", policy_loss={"form": "trinity"})  # both spellings
     with pytest.raises(ValueError, match="sapo"):
         _config(tmp_path, SAPOConfig, algorithm="grpo")
 

@@ -224,7 +224,7 @@ def test_sft_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
     [
         ({"loss_type": "dft"}, "loss_type='dft'.*sft_is"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
-        ({"policy_loss_fn": "ppo"}, "policy_loss_fn must be one of"),
+        ({"policy_loss": "ppo"}, "policy_loss must be a loss that reads only the trained tokens' log-probs"),
         ({"loss_agg_mode": "token-sum"}, "loss_agg_mode"),
         ({"policy_loss_fn_args": "{not json"}, "policy_loss_fn_args must be a dict or a JSON"),
         ({"policy_loss_fn": "sft_phi", "policy_loss_fn_args": {"cutoff_prob": 0.0}}, "cutoff_prob"),

@@ -124,3 +124,34 @@ def test_skip_trl_reference_pass_zeroes_beta_and_keeps_the_reference():
     trainer = SimpleNamespace(beta=0.04, ref_model=reference)
     skip_trl_reference_pass(trainer)
     assert trainer.beta == 0.0 and trainer.ref_model is reference
+
+
+def test_bind_trl_arguments_names_every_argument_whatever_the_base_order():
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+
+    from trinity_trl.trainers.trl_seams import bind_trl_arguments
+
+    grpo = bind_trl_arguments(GRPOTrainer, "m", None, "args", "train", "eval", processing_class="tok")
+    assert grpo == {
+        "model": "m",
+        "reward_funcs": None,
+        "args": "args",
+        "train_dataset": "train",
+        "eval_dataset": "eval",
+        "processing_class": "tok",
+    }
+    assert bind_trl_arguments(SFTTrainer, "m", "args", None, "train", "eval", "tok")["processing_class"] == "tok"
+    assert bind_trl_arguments(DPOTrainer, "m", None, "args", None, "train", "eval", "tok")["processing_class"] == "tok"
+    with pytest.raises(TypeError):
+        bind_trl_arguments(GRPOTrainer, "m", not_an_argument=1)
+
+
+def test_trained_mask_applies_the_tool_mask_when_present():
+    import torch
+
+    from trinity_trl.trainers.trl_seams import trained_mask
+
+    completion = torch.tensor([[1, 1, 1, 0]])
+    assert torch.equal(trained_mask({"completion_mask": completion}), completion)
+    tools = torch.tensor([[1, 0, 1, 1]])
+    assert torch.equal(trained_mask({"completion_mask": completion, "tool_mask": tools}), torch.tensor([[1, 0, 1, 0]]))

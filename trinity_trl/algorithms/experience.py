@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import abc
 import math
+import random
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -110,14 +111,22 @@ class ExperienceOperator(abc.ABC):
     ``exps_out, metrics = op.process(exps)``; calling the operator does the same. Subclasses
     implement :meth:`process`: it may change experiences in place, drop or add some, and reorder
     them, and returns the experiences to train on with a ``dict[str, float]`` of metrics.
+
+    An operator that draws random numbers declares ``draws_random = True`` and takes ``rng`` (a
+    ``random.Random``) in :meth:`process`; calling it with ``rng=None`` draws from Python's global
+    ``random`` module, as Trinity-RFT does. Trainers pass their own generator, so no global state is touched.
     """
+
+    draws_random: ClassVar[bool] = False
 
     @abc.abstractmethod
     def process(self, exps: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
         """``(experiences to train on, metrics)``."""
 
-    def __call__(self, exps: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
-        return self.process(exps)
+    def __call__(
+        self, exps: list[Experience], rng: random.Random | None = None
+    ) -> tuple[list[Experience], dict[str, float]]:
+        return self.process(exps, rng=rng) if self.draws_random else self.process(exps)
 
 
 def group_by(experiences: Iterable[Experience], level: str = "task") -> dict[str, list[Experience]]:

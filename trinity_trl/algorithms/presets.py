@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from .advantage import ADVANTAGE_FN
+from .component import check_arguments, rename_trl_arguments
 from .entropy import ENTROPY_LOSS_FN
 from .kl import KL_FN
 from .masked import check_loss_agg_mode
@@ -75,6 +76,12 @@ class AlgorithmType(metaclass=ConstantMeta):
     uses_advantage: ClassVar[bool] = True
     paper: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    # what a model card calls the preset, and the paper's title (only where the reference is unambiguous)
+    display_name: ClassVar[str] = ""
+    paper_title: ClassVar[str | None] = None
+    # which ``trinity-trl`` recipe runs the preset and which trainer class (of ``trinity_trl.trainers``) it uses
+    recipe: ClassVar[str] = "train"
+    trainer: ClassVar[str] = "TrinityTrainer"
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
@@ -96,7 +103,9 @@ def _preset(
     key: str,
     *,
     description: str,
+    display_name: str,
     paper: str = "",
+    paper_title: str | None = None,
     repeat_times: int | None = 2,
     sample_strategy: str = "default",
     **settings: Any,
@@ -112,6 +121,8 @@ def _preset(
         )  # type: ignore[method-assign]
         cls.description = description
         cls.paper = paper
+        cls.display_name = display_name
+        cls.paper_title = paper_title
         ALGORITHM_TYPE.register(key)(cls)
         cls.freeze()
         return cls
@@ -125,6 +136,7 @@ _NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "non
 
 @_preset(
     "sft",
+    display_name="SFT",
     description="Supervised fine-tuning on demonstrations",
     repeat_times=None,
     policy_loss_fn="sft",
@@ -132,6 +144,7 @@ _NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "non
     entropy_loss_fn="none",
 )
 class SFTAlgorithm(AlgorithmType):
+    trainer = "TrinitySFTTrainer"
     use_reference = False
     schema = "sft"
     uses_advantage = False
@@ -139,6 +152,8 @@ class SFTAlgorithm(AlgorithmType):
 
 @_preset(
     "ppo",
+    display_name="PPO",
+    paper_title="Proximal Policy Optimization Algorithms",
     description="PPO with a value model and GAE",
     paper="arXiv:1707.06347",
     repeat_times=1,
@@ -147,12 +162,16 @@ class SFTAlgorithm(AlgorithmType):
     **_RL,
 )
 class PPOAlgorithm(AlgorithmType):
+    recipe = "ppo"
+    trainer = "PPOTrainer"
     use_critic = True
     compute_advantage_in_trainer = True
 
 
 @_preset(
     "grpo",
+    display_name="GRPO",
+    paper_title="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
     description="GRPO: PPO-clip with group-normalised rewards",
     paper="arXiv:2402.03300",
     policy_loss_fn="ppo",
@@ -165,6 +184,8 @@ class GRPOAlgorithm(AlgorithmType):
 
 @_preset(
     "reinforceplusplus",
+    display_name="REINFORCE++",
+    paper_title="REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
     description="REINFORCE++: discounted returns, batch-whitened",
     paper="arXiv:2501.03262",
     policy_loss_fn="ppo",
@@ -177,6 +198,8 @@ class ReinforcePlusPlusAlgorithm(AlgorithmType):
 
 @_preset(
     "rloo",
+    display_name="RLOO",
+    paper_title=("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs"),
     description="RLOO: leave-one-out baseline",
     paper="arXiv:2402.14740",
     policy_loss_fn="ppo",
@@ -189,6 +212,10 @@ class RLOOAlgorithm(AlgorithmType):
 
 @_preset(
     "opmd",
+    display_name="OPMD",
+    paper_title=(
+        "Trinity-RFT: A General-Purpose and Unified Framework for Reinforcement Fine-Tuning of Large Language Models"
+    ),
     description="Online policy mirror descent",
     paper="arXiv:2505.17826",
     policy_loss_fn="opmd",
@@ -201,6 +228,7 @@ class OPMDAlgorithm(AlgorithmType):
 
 @_preset(
     "asymre",
+    display_name="AsymRE",
     description="Asymmetric REINFORCE (shifted group baseline)",
     paper="arXiv:2506.20520",
     policy_loss_fn="opmd",
@@ -213,6 +241,8 @@ class AsymREAlgorithm(AlgorithmType):
 
 @_preset(
     "dpo",
+    display_name="DPO",
+    paper_title="Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
     description="Direct preference optimisation",
     paper="arXiv:2305.18290",
     policy_loss_fn="dpo",
@@ -220,6 +250,7 @@ class AsymREAlgorithm(AlgorithmType):
     entropy_loss_fn="default",
 )
 class DPOAlgorithm(AlgorithmType):
+    trainer = "TrinityDPOTrainer"
     can_balance_batch = False  # chosen/rejected rows must stay adjacent
     schema = "dpo"
     uses_advantage = False
@@ -233,6 +264,7 @@ class DPOAlgorithm(AlgorithmType):
 
 @_preset(
     "topr",
+    display_name="TOPR",
     description="Tapered off-policy REINFORCE",
     paper="arXiv:2503.14286",
     policy_loss_fn="topr",
@@ -245,6 +277,8 @@ class TOPRAlgorithm(AlgorithmType):
 
 @_preset(
     "cispo",
+    display_name="CISPO",
+    paper_title="MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
     description="CISPO: clipped IS-weight policy optimisation (MiniMax-M1)",
     paper="arXiv:2506.13585",
     policy_loss_fn="cispo",
@@ -257,6 +291,8 @@ class CISPOAlgorithm(AlgorithmType):
 
 @_preset(
     "gspo",
+    display_name="GSPO",
+    paper_title="Group Sequence Policy Optimization",
     description="GSPO: sequence-level importance ratio",
     paper="arXiv:2507.18071",
     policy_loss_fn="gspo",
@@ -269,6 +305,8 @@ class GSPOAlgorithm(AlgorithmType):
 
 @_preset(
     "sapo",
+    display_name="SAPO",
+    paper_title="Soft Adaptive Policy Optimization",
     description="SAPO: soft adaptive gate instead of a hard clip",
     paper="arXiv:2511.20347",
     policy_loss_fn="sapo",
@@ -281,6 +319,11 @@ class SAPOAlgorithm(AlgorithmType):
 
 @_preset(
     "mix",
+    display_name="MIX",
+    paper_title=(
+        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised "
+        "Fine-Tuning and Reinforcement Learning via Dynamic Weighting"
+    ),
     description="MIX: on-policy RL plus expert SFT with a fixed weight",
     paper="arXiv:2508.11408",
     repeat_times=8,
@@ -290,11 +333,18 @@ class SAPOAlgorithm(AlgorithmType):
     entropy_loss_fn="mix",
 )
 class MIXAlgorithm(AlgorithmType):
+    recipe = "chord"
+    trainer = "ChordTrainer"
     use_rollout = True
 
 
 @_preset(
     "mix_chord",
+    display_name="CHORD",
+    paper_title=(
+        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised "
+        "Fine-Tuning and Reinforcement Learning via Dynamic Weighting"
+    ),
     description="CHORD: on-policy RL plus φ-weighted expert SFT with a scheduled weight μ",
     paper="arXiv:2508.11408",
     repeat_times=8,
@@ -304,11 +354,15 @@ class MIXAlgorithm(AlgorithmType):
     entropy_loss_fn="mix",
 )
 class MIXCHORDAlgorithm(AlgorithmType):
+    recipe = "chord"
+    trainer = "ChordTrainer"
     use_rollout = True
 
 
 @_preset(
     "raft",
+    display_name="RAFT",
+    paper_title="RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment",
     description="RAFT: SFT on the best (rewarded) samples",
     paper="arXiv:2304.06767",
     repeat_times=None,
@@ -323,6 +377,7 @@ class RAFTAlgorithm(AlgorithmType):
 
 @_preset(
     "sppo",
+    display_name="sPPO",
     description="sPPO: log-ratio policy gradient inside a trust region",
     paper="arXiv:2108.05828",
     policy_loss_fn="sppo",
@@ -335,6 +390,7 @@ class sPPOAlgorithm(AlgorithmType):  # noqa: N801 (Trinity's name)
 
 @_preset(
     "rec",
+    display_name="REC",
     description="REC: group-relative REINFORCE with optional clipping",
     paper="arXiv:2509.24203",
     policy_loss_fn="rec",
@@ -347,6 +403,7 @@ class RECAlgorithm(AlgorithmType):
 
 @_preset(
     "multi_step_grpo",
+    display_name="Step-wise GRPO",
     description="Step-wise GRPO for multi-step agents (run reward broadcast to every step)",
     paper="rLLM (github.com/rllm-org/rllm)",
     repeat_times=8,
@@ -355,11 +412,15 @@ class RECAlgorithm(AlgorithmType):
     **_RL,
 )
 class MultiStepGRPOAlgorithm(AlgorithmType):
+    recipe = "step_grpo"
+    trainer = "StepGRPOTrainer"
     pass
 
 
 @_preset(
     "on_policy_distill",
+    display_name="On-policy distillation",
+    paper_title="On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
     description="On-policy distillation: per-token teacher log-ratio as advantage",
     paper="arXiv:2306.13649",
     repeat_times=8,
@@ -374,16 +435,10 @@ class OnPolicyDistillAlgorithm(AlgorithmType):
 
 
 def build_component(registry: Registry, name: str, args: dict[str, Any]):
-    """``registry.get(name)(**args)``; an argument the component does not take is a ``ValueError``
-    that lists the ones it does."""
+    """``registry.get(name)(**args)``; an argument the component does not take, or a value of another
+    type than its annotation, is a one-line ``ValueError`` that lists the arguments and their types."""
     cls = registry.get(name)
-    parameters = inspect.signature(cls).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        unknown = sorted(set(args) - set(parameters))
-        if unknown:
-            raise ValueError(
-                f"{registry.kind} {name!r} takes no argument(s) {unknown}; its arguments are: {', '.join(parameters)}"
-            )
+    check_arguments(registry.kind, name, cls, args)
     return cls(**args)
 
 
@@ -512,6 +567,8 @@ def resolve_algorithm_config(
         given = user_args[key]
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"{key}_args must be a dict, got {type(given).__name__}")
+        if given is not None:
+            given = rename_trl_arguments(registry.kind, name, cls, given)
         if given is None:
             preset_args = preset_cfg.get(f"{key}_args") if preset_cfg.get(key) == name else None
             args = dict(preset_args) if preset_args is not None else cls.default_args()

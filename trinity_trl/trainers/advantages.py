@@ -105,12 +105,8 @@ def group_advantages(
         for row, value in enumerate(rewards.tolist())
         if math.isfinite(value)
     ]
-    state = random.getstate()
-    random.seed(seed * 1_000_003 + batch_index)  # the operator draws its copies from Python's random module
-    try:
-        scored, metrics = advantage_fn(experiences)
-    finally:
-        random.setstate(state)
+    # the same generator on every process (same seed and batch), and Python's global random state untouched
+    scored, metrics = advantage_fn(experiences, rng=random.Random(seed * 1_000_003 + batch_index))
     advantages = torch.zeros(len(rewards), dtype=torch.float32)
     kept = torch.zeros(len(rewards), dtype=torch.bool)
     source = torch.arange(len(rewards))

@@ -8,7 +8,6 @@ demonstrations with ``μ``, scheduled over training steps (docs/algorithms/chord
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from trl.trainer.utils import pad
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
 from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
 from . import checks
+from .common import deprecated_field
 from .config import TrinityConfig
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
@@ -51,7 +51,9 @@ class ChordConfig(TrinityConfig):
         enable_phi_function (`bool`, *optional*, defaults to `True`):
             Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ); `False` uses plain SFT (CHORD-μ).
         sft_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the SFT part (default: `loss_agg_mode`).
-        rl_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the RL (PPO) part (default: `loss_agg_mode`).
+        policy_loss (`dict`, *optional*): the loss's other arguments, e.g.
+            `{"grpo_loss_agg_mode": "seq-mean-token-mean"}` (aggregation of the RL (PPO) part, default:
+            `loss_agg_mode`; `rl_loss_agg_mode` is its deprecated spelling).
 
     The paper's variants: CHORD-μ `enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9,
     mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is constant: set it with
@@ -77,7 +79,7 @@ class ChordConfig(TrinityConfig):
         default=_MU_DEFAULTS["enable_phi_function"], metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."}
     )
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
-    rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the RL part."})
+    rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss.grpo_loss_agg_mode."})
 
     def __post_init__(self):
         preset_loss = ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
@@ -115,10 +117,13 @@ class ChordConfig(TrinityConfig):
         if self.sft_loss_agg_mode is not None:
             args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
         if self.rl_loss_agg_mode is not None:
+            deprecated_field(self, "rl_loss_agg_mode", "policy_loss.grpo_loss_agg_mode", self.rl_loss_agg_mode)
             args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
         schedule = {name: getattr(self, name) for name in MU_SCHEDULE_ARGS}
-        if "mu_peak" in inspect.signature(_policy_loss_class(self)).parameters:  # a loss with CHORD's schedule
-            args.update(schedule)
+        if _policy_loss_class(self).schedule_args == MU_SCHEDULE_ARGS:  # a loss with CHORD's schedule
+            given = self.policy_loss.args if self.policy_loss is not None else {}
+            # a field at its default leaves the key to policy_loss (policy_loss={"mu_peak": 0.9} is the same)
+            args.update({k: v for k, v in schedule.items() if k not in given or v != _MU_DEFAULTS[k]})
         else:
             changed = [k for k, v in schedule.items() if v != _MU_DEFAULTS[k]]
             if changed:

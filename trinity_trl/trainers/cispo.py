@@ -7,8 +7,18 @@ from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.policy_loss.cispo import CISPOPolicyLossFn
+from .common import deprecated_field
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
+
+# the cispo loss's arguments that CISPOConfig took as its own fields before `policy_loss`
+DEPRECATED_FIELDS = (
+    "clip_range_low",
+    "clip_range_high",
+    "enable_mask_clip",
+    "mask_clip_range_low",
+    "mask_clip_range_high",
+)
 
 
 @dataclass
@@ -28,40 +38,42 @@ class CISPOConfig(TrinityConfig):
     loss (with `clip_range_low = 1`, i.e. no lower clip).
     </Tip>
 
-    Parameters:
-        clip_range_low (`float`, *optional*, defaults to `1.0`):
-            Lower clip of the weight: `w >= 1 − clip_range_low` (1.0 = no lower clip).
-        clip_range_high (`float`, *optional*, defaults to `0.28`):
-            Upper clip of the weight: `w <= 1 + clip_range_high`.
-        enable_mask_clip (`bool`, *optional*, defaults to `False`):
-            Drop tokens whose ratio is above `1 + mask_clip_range_high` with a positive advantage,
-            or below `1 − mask_clip_range_low` with a negative one.
-        mask_clip_range_low (`float`, *optional*, defaults to `1.0`): See `enable_mask_clip`.
-        mask_clip_range_high (`float`, *optional*, defaults to `0.28`): See `enable_mask_clip`.
+    Its arguments are the `cispo` loss's, set in `policy_loss`: e.g.
+    `policy_loss={"clip_range_high": 5.0}` (YAML `policy_loss: {clip_range_high: 5.0}`, command line
+    `--policy_loss.clip_range_high 5.0`):
+
+    * `clip_range_low` (default `1.0`): lower clip of the weight, `w >= 1 − clip_range_low` (1.0 = none).
+    * `clip_range_high` (default `0.28`): upper clip of the weight, `w <= 1 + clip_range_high`.
+    * `enable_mask_clip` (default `False`): drop tokens whose ratio is above `1 + mask_clip_range_high`
+      with a positive advantage, or below `1 − mask_clip_range_low` with a negative one.
+    * `mask_clip_range_low` (default `1.0`), `mask_clip_range_high` (default `0.28`): see `enable_mask_clip`.
+
+    The flat fields `clip_range_low`, ... of earlier releases still work, with a deprecation warning.
 
     Defaults otherwise follow the `cispo` preset: GRPO advantages, k2 KL loss (coefficient 0.001),
     `token-mean` aggregation.
     """
 
     algorithm: str = field(default="cispo", metadata={"help": "Algorithm preset."})
-    clip_range_low: float = field(default=1.0, metadata={"help": "Weight lower clip: w >= 1 - clip_range_low."})
-    clip_range_high: float = field(default=0.28, metadata={"help": "Weight upper clip: w <= 1 + clip_range_high."})
-    enable_mask_clip: bool = field(default=False, metadata={"help": "Drop tokens outside the mask clip range."})
-    mask_clip_range_low: float = field(default=1.0, metadata={"help": "Mask clip: drop r < 1 - low when A < 0."})
-    mask_clip_range_high: float = field(default=0.28, metadata={"help": "Mask clip: drop r > 1 + high when A > 0."})
+    clip_range_low: float | None = field(default=None, metadata={"help": "Deprecated: policy_loss.clip_range_low."})
+    clip_range_high: float | None = field(default=None, metadata={"help": "Deprecated: policy_loss.clip_range_high."})
+    enable_mask_clip: bool | None = field(default=None, metadata={"help": "Deprecated: policy_loss.enable_mask_clip."})
+    mask_clip_range_low: float | None = field(
+        default=None, metadata={"help": "Deprecated: policy_loss.mask_clip_range_low."}
+    )
+    mask_clip_range_high: float | None = field(
+        default=None, metadata={"help": "Deprecated: policy_loss.mask_clip_range_high."}
+    )
 
     def _user_overrides(self) -> dict[str, Any]:
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
             raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
-        return {
-            "policy_loss_fn_args": {
-                "clip_range_low": self.clip_range_low,
-                "clip_range_high": self.clip_range_high,
-                "enable_mask_clip": self.enable_mask_clip,
-                "mask_clip_range_low": self.mask_clip_range_low,
-                "mask_clip_range_high": self.mask_clip_range_high,
-            }
-        }
+        args = {}
+        for name in DEPRECATED_FIELDS:
+            if getattr(self, name) is not None:
+                deprecated_field(self, name, f"policy_loss.{name}", getattr(self, name))
+                args[name] = getattr(self, name)
+        return {"policy_loss_fn_args": args} if args else {}
 
 
 class CISPOTrainer(TrinityTrainer):

@@ -8,50 +8,58 @@ from typing import Any
 from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
-from .common import apply_cpu_defaults, check_saving_options, parse_args_field
+from .common import apply_cpu_defaults, check_saving_options, component_fields
+from .loss import LOSS_NORMALIZATIONS
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
 # option is silently ignored. Every other GRPOConfig field is honoured by TRL/transformers as usual
 # (tests/trainers/test_config.py walks all fields to keep this list complete).
 REPLACED_GRPO_FIELDS: dict[str, str] = {
-    "beta": "TRL's k3 KL; use kl_loss_fn='k3' (or any KL) with kl_loss_fn_args={'kl_coef': ...}",
-    "loss_type": "TRL's loss; choose policy_loss_fn (or an algorithm preset) and loss_agg_mode",
+    "beta": "TRL's k3 KL; use kl_loss={'name': 'k3', 'kl_coef': ...} (or any KL)",
+    "loss_type": "TRL's loss; choose policy_loss (or an algorithm preset) and loss_agg_mode",
     "epsilon": "TRL's relative clip bound, accepted for losses with the same bounds (ppo, gspo, mix, mix_chord) as "
-    "clip_range; for this loss use policy_loss_fn_args (see its arguments)",
+    "clip_range; for this loss use policy_loss={...} (see its arguments)",
     "epsilon_high": "TRL's upper clip, accepted for losses with relative bounds (ppo, gspo, mix, mix_chord) as "
     "clip_range_high; TRL's CISPO cap is absolute: use clip_range_high = epsilon_high - 1",
-    "delta": "TRL's two-sided clip; use policy_loss_fn_args={'clip_ratio_c': ...} (dual clip, ppo)",
-    "importance_sampling_level": "sequence-level ratios; use policy_loss_fn='gspo' (algorithm='gspo')",
-    "scale_rewards": "reward normalisation; use advantage_fn_args={'std_cal_level': 'batch'} for grpo",
-    "multi_objective_aggregation": "reward normalisation is done by advantage_fn on the weighted reward sum",
-    "vespo_k_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_lambda_pos": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
-    "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss_fn",
+    "delta": "TRL's two-sided clip; use policy_loss={'clip_ratio_c': ...} (dual clip, ppo)",
+    "importance_sampling_level": "sequence-level ratios; use policy_loss='gspo' (algorithm='gspo')",
+    "scale_rewards": "reward normalisation; use advantage={'std_cal_level': 'batch'} for grpo",
+    "multi_objective_aggregation": "reward normalisation is done by the advantage on the weighted reward sum",
+    "vespo_k_pos": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_lambda_pos": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_k_neg": "VESPO is not a trinity_trl loss; choose another policy_loss",
+    "vespo_lambda_neg": "VESPO is not a trinity_trl loss; choose another policy_loss",
     "top_entropy_quantile": "TRL's entropy token mask is not applied by trinity_trl losses; entropy terms are "
-    "entropy_loss_fn",
-    "entropy_coef": "use entropy_loss_fn_args={'entropy_coef': ...}",
-    "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
-    "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss_fn_args={'entropy_coef': ...}",
+    "entropy_loss",
+    "entropy_coef": "use entropy_loss={'entropy_coef': ...}",
+    "use_adaptive_entropy": "adaptive entropy is TRL's; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_min": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_max": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_coef_delta": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
+    "entropy_target": "only used by TRL's adaptive entropy; use entropy_loss={'entropy_coef': ...}",
     "off_policy_mask_threshold": (
-        "use policy_loss_fn_args={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)"
+        "use policy_loss={'enable_sequence_masking': True, 'delta_sequence_masking': ...} (ppo)"
     ),
-    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss_fn='corrected_k3' is the "
+    "use_bias_correction_kl": "only applies to TRL's built-in KL (beta); kl_loss='corrected_k3' is the "
     "ratio-corrected k3",
-    "sapo_temperature_pos": "only used with policy_loss_fn='sapo' (becomes tau_pos)",
-    "sapo_temperature_neg": "only used with policy_loss_fn='sapo' (becomes tau_neg)",
+    "sapo_temperature_pos": "only used with policy_loss='sapo' (becomes tau_pos)",
+    "sapo_temperature_neg": "only used with policy_loss='sapo' (becomes tau_neg)",
 }
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see docs/configuration.md#trls-names.
 
-COMPONENT_FIELDS = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
+# each component's field -> its deprecated flat field (``<flat>`` + ``<flat>_args``)
+COMPONENT_FIELDS = {
+    "policy_loss": "policy_loss_fn",
+    "advantage": "advantage_fn",
+    "kl_loss": "kl_loss_fn",
+    "kl_penalty": "kl_penalty_fn",
+    "entropy_loss": "entropy_loss_fn",
+}
 ARGS_MODES = ("merge", "replace")
-LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
 
 def _field_default(config_class: type, name: str) -> Any:
@@ -75,22 +83,26 @@ class TrinityConfig(GRPOConfig):
             One of the 19 presets: `sft`, `ppo`, `grpo`, `reinforceplusplus`, `rloo`, `opmd`, `asymre`,
             `dpo`, `topr`, `cispo`, `gspo`, `sapo`, `mix`, `mix_chord`, `raft`, `sppo`, `rec`,
             `multi_step_grpo`, `on_policy_distill`.
-        policy_loss_fn (`str` or `None`, *optional*):
-            Policy loss key (e.g. `ppo`, `cispo`, `sapo`); `None` keeps the preset's.
-        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
-            Arguments of the policy loss.
-        advantage_fn (`str` or `None`, *optional*): Advantage function key; `None` keeps the preset's.
-        advantage_fn_args (`dict` or `str` or `None`, *optional*): Its arguments.
-        kl_loss_fn (`str` or `None`, *optional*):
-            KL estimator added to the loss (`none`, `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`).
-        kl_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"kl_coef": 0.001}`.
-        kl_penalty_fn (`str` or `None`, *optional*):
-            KL estimator subtracted from token rewards before trainer-side advantages (presets
-            `reinforceplusplus`, `rloo`, `on_policy_distill`).
-        kl_penalty_fn_args (`dict` or `str` or `None`, *optional*):
+        policy_loss (`str`, `dict`, [`~trinity_trl.algorithms.component.Component`] or `None`, *optional*):
+            The policy loss and its arguments, in one value: a name (`"cispo"`), a mapping
+            `{"name": "cispo", "clip_range_high": 5.0}` (YAML `policy_loss: {name: cispo, clip_range_high: 5.0}`,
+            a JSON object on the command line, or one argument at a time: `--policy_loss.clip_range_high 5.0`)
+            or `Component("cispo", clip_range_high=5.0)`. Without `name` the preset's loss is kept. The
+            arguments are checked against the loss's constructor (unknown names and wrong types are errors
+            listing the allowed arguments); TRL's names of them (`epsilon`, `epsilon_high`) are accepted.
+        advantage (`str`, `dict`, `Component` or `None`, *optional*): The advantage function, likewise
+            (e.g. `{"name": "grpo", "std_threshold": 0.0}`).
+        kl_loss (`str`, `dict`, `Component` or `None`, *optional*): The KL estimator added to the loss
+            (`none`, `k1`, `k2`, `k3`, `low_var_kl`, `abs`, `corrected_k3`), e.g. `{"name": "k3", "kl_coef": 0.001}`.
+        kl_penalty (`str`, `dict`, `Component` or `None`, *optional*): The KL estimator subtracted from token
+            rewards before trainer-side advantages (presets `reinforceplusplus`, `rloo`, `on_policy_distill`),
             e.g. `{"kl_coef": 0.01, "adaptive": True, "target_kl": 0.1, "horizon": 10000}`.
-        entropy_loss_fn (`str` or `None`, *optional*): `default`, `mix` or `none`.
-        entropy_loss_fn_args (`dict` or `str` or `None`, *optional*): e.g. `{"entropy_coef": 0.001}`.
+        entropy_loss (`str`, `dict`, `Component` or `None`, *optional*): `default`, `mix` or `none`, e.g.
+            `{"entropy_coef": 0.001}`.
+        policy_loss_fn, policy_loss_fn_args, advantage_fn, advantage_fn_args, kl_loss_fn, kl_loss_fn_args,
+        kl_penalty_fn, kl_penalty_fn_args, entropy_loss_fn, entropy_loss_fn_args:
+            Deprecated spellings of the five values above (a name and an argument dict each); they still work
+            in this release, with a `FutureWarning`, and become the component value.
         loss_agg_mode (`str` or `None`, *optional*):
             `token-mean` (default), `seq-mean-token-sum`, `seq-mean-token-mean` or
             `seq-mean-token-sum-norm`. It also overrides the policy loss's own mode, and the KL and
@@ -140,26 +152,40 @@ class TrinityConfig(GRPOConfig):
     """
 
     algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Policy loss key; None keeps the preset's."})
-    policy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Policy loss arguments (dict or JSON)."}
+    policy_loss: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The policy loss and its arguments: a name ('cispo') or {name: cispo, clip_range_high: 5.0} "
+            "(YAML; JSON on the command line), or one argument: --policy_loss.clip_range_high 5.0. "
+            "Unset name or arguments: the preset's."
+        },
     )
-    advantage_fn: str | None = field(
-        default=None, metadata={"help": "Advantage function key; None keeps the preset's."}
+    advantage: dict | str | None = field(
+        default=None,
+        metadata={"help": "The advantage function and its arguments, e.g. {name: grpo, epsilon: 1e-6}."},
     )
-    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Advantage function arguments."})
-    kl_loss_fn: str | None = field(default=None, metadata={"help": "KL estimator used as a loss term."})
-    kl_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001}."}
+    kl_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator added to the loss and its arguments, e.g. {name: k3, kl_coef: 0.001}."},
     )
-    kl_penalty_fn: str | None = field(default=None, metadata={"help": "KL estimator subtracted from token rewards."})
-    kl_penalty_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "KL penalty arguments (adaptive controller)."}
+    kl_penalty: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator subtracted from token rewards, e.g. {name: k2, kl_coef: 0.01}."},
     )
-    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Entropy term: default, mix or none."})
-    entropy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001}."}
+    entropy_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The entropy term and its arguments, e.g. {name: default, entropy_coef: 0.001}."},
     )
+    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss={name: ...}."})
+    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
+    advantage_fn: str | None = field(default=None, metadata={"help": "Deprecated: advantage={name: ...}."})
+    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: advantage."})
+    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
+    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
+    kl_penalty_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty={name: ...}."})
+    kl_penalty_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty."})
+    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
+    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
     epsilon: float | None = field(
         default=None,
@@ -206,12 +232,7 @@ class TrinityConfig(GRPOConfig):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
         check_saving_options(self)
-        for name in COMPONENT_FIELDS:
-            setattr(
-                self,
-                f"{name}_args",
-                parse_args_field(type(self).__name__, f"{name}_args", getattr(self, f"{name}_args")),
-            )
+        component_fields(self, COMPONENT_FIELDS)
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
@@ -233,6 +254,14 @@ class TrinityConfig(GRPOConfig):
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
         self._check_replaced_fields()
         self.resolved_algorithm()  # validates names and arguments now, not at the first step
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
+        out = super().to_dict()
+        for name in COMPONENT_FIELDS:
+            if isinstance(out.get(name), Component):
+                out[name] = out[name].to_dict()
+        return out
 
     def _user_overrides(self) -> dict[str, Any]:
         """Hook for subclasses: component settings implied by their own options."""
@@ -260,12 +289,21 @@ class TrinityConfig(GRPOConfig):
         }
 
     def _policy_loss_name(self) -> str:
-        return self.policy_loss_fn or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+        chosen = self.policy_loss.name if self.policy_loss is not None else None
+        return chosen or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+
+    def component_name(self, name: str) -> str | None:
+        """The name the user chose for component ``name`` (``"advantage"``, ...), ``None`` for the preset's."""
+        value = getattr(self, name)
+        return value.name if value is not None else None
 
     def resolved_algorithm(self) -> AlgorithmConfig:
         """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution)."""
-        settings: dict[str, Any] = {name: getattr(self, name) for name in COMPONENT_FIELDS}
-        settings.update({f"{name}_args": getattr(self, f"{name}_args") for name in COMPONENT_FIELDS})
+        settings: dict[str, Any] = {}
+        for name, key in COMPONENT_FIELDS.items():
+            value: Component | None = getattr(self, name)
+            settings[key] = value.name if value is not None else None
+            settings[f"{key}_args"] = dict(value.args) if value is not None and value.args else None
         settings["loss_agg_mode"] = self.loss_agg_mode
         for key, value in self._user_overrides().items():
             if key.endswith("_args"):

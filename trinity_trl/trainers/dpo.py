@@ -32,7 +32,8 @@ from typing import Any, ClassVar
 import torch
 from trl import DPOConfig, DPOTrainer
 
-from ..algorithms import KL_FN, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
 from .common import (
@@ -40,14 +41,13 @@ from .common import (
     apply_cpu_defaults,
     capture_fused_outputs,
     check_saving_options,
+    component_fields,
     default_output_dir,
     load_processor,
-    parse_args_field,
     reject_sequence_sharding,
 )
 from .model_card import paper_for
-
-ENTROPY_LOSSES = ("default", "none")
+from .trl_seams import bind_trl_arguments
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
@@ -80,22 +80,22 @@ class TrinityDPOConfig(DPOConfig):
     KL and entropy terms.
 
     Parameters:
-        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
+        policy_loss (`dict`, `str` (JSON) or `Component`, *optional*):
             Arguments of the `dpo` loss, laid over its `default_args()` (`beta=0.1`,
             `label_smoothing=0.0`). `beta` and `label_smoothing` may be given here or as the
             DPOConfig fields of the same name (which TRL's metrics also use); the two are kept equal.
             A key here wins over a field left at its default; a field set to another value that
             differs from the key is an error.
-        kl_loss_fn (`str`, *optional*, defaults to `"k2"`):
-            KL estimator added to the loss: `k1`, `k2`, `k3`, `low_var_kl`, `abs` or `corrected_k3`.
-            The preset always has one (Trinity turns `none` into `k2`), so `none` is refused; switch
-            the term off with `kl_loss_fn_args={"kl_coef": 0.0}`.
-        kl_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
-            e.g. `{"kl_coef": 0.001}` (the default), merged over the estimator's `default_args()`.
-        entropy_loss_fn (`str`, *optional*, defaults to `"default"`):
-            `default` (subtract `entropy_coef · AGG(H, m)`) or `none`.
-        entropy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
-            e.g. `{"entropy_coef": 0.001}`; the default coefficient is 0.
+        kl_loss (`str`, `dict` or `Component`, *optional*, defaults to `"k2"`):
+            KL estimator added to the loss (`k1`, `k2`, `k3`, `low_var_kl`, `abs` or `corrected_k3`) and
+            its arguments, e.g. `{"name": "k2", "kl_coef": 0.001}` (the default coefficient), merged over
+            the estimator's `default_args()`. The preset always has one (Trinity turns `none` into `k2`),
+            so `none` is refused; switch the term off with `kl_loss={"kl_coef": 0.0}`.
+        entropy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"default"`):
+            `default` (subtract `entropy_coef · AGG(H, m)`) or `none`, e.g. `{"entropy_coef": 0.001}`;
+            the default coefficient is 0.
+        (`policy_loss_fn_args`, `kl_loss_fn`, `kl_loss_fn_args`, `entropy_loss_fn`, `entropy_loss_fn_args`
+        are the deprecated spellings.)
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
             of a micro-batch (docs/algorithms/aggregation.md#loss-agg-mode). The DPO term itself is a mean over pairs.
@@ -107,19 +107,23 @@ class TrinityDPOConfig(DPOConfig):
     term needs `kl_coef = 0`. Every other option is honoured.
     """
 
-    policy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "dpo loss arguments (beta, label_smoothing), dict or JSON."}
+    policy_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "dpo loss arguments, e.g. {beta: 0.1, label_smoothing: 0.0}; --policy_loss.beta 0.2."},
     )
-    kl_loss_fn: str = field(
-        default="k2", metadata={"help": "KL estimator of the KL loss term: k1, k2, k3, low_var_kl, abs, corrected_k3."}
+    kl_loss: dict | str | None = field(
+        default="k2",
+        metadata={"help": "KL loss term: k1, k2, k3, low_var_kl, abs, corrected_k3, e.g. {name: k2, kl_coef: 0.001}."},
     )
-    kl_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "KL loss arguments, e.g. {'kl_coef': 0.001} (0 switches the term off)."}
+    entropy_loss: dict | str | None = field(
+        default="default", metadata={"help": "Entropy term: 'default' or 'none', e.g. {entropy_coef: 0.001}."}
     )
-    entropy_loss_fn: str = field(default="default", metadata={"help": "Entropy term: 'default' or 'none'."})
-    entropy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Entropy arguments, e.g. {'entropy_coef': 0.001} (default 0)."}
-    )
+    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
+    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
+    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
+    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
+    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
+    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
@@ -130,20 +134,33 @@ class TrinityDPOConfig(DPOConfig):
         super().__post_init__()
         check_saving_options(self)
         owner = type(self).__name__
-        for name in ("policy_loss_fn_args", "kl_loss_fn_args", "entropy_loss_fn_args"):
-            setattr(self, name, parse_args_field(owner, name, getattr(self, name)))
+        component_fields(
+            self, {"policy_loss": "policy_loss_fn", "kl_loss": "kl_loss_fn", "entropy_loss": "entropy_loss_fn"}
+        )
+        # a component value without a name keeps this config's (kl_loss={"kl_coef": 0.0} is still k2)
+        for name, default in (("policy_loss", "dpo"), ("kl_loss", "k2"), ("entropy_loss", "default")):
+            value = getattr(self, name)
+            if value is None or value.name is None:
+                setattr(self, name, Component(default, **(value.args if value is not None else {})))
+        inputs = POLICY_LOSS_FN.get(self.policy_loss.name).inputs  # a preference loss: reference, no advantages
+        if "ref_logprob" not in inputs or "advantages" in inputs:
+            raise ValueError(
+                f"{owner}: policy_loss must be a preference loss such as 'dpo', got {self.policy_loss.name!r}"
+            )
         check_loss_agg_mode(self.loss_agg_mode)
         for name, (default, why) in REPLACED_DPO_FIELDS.items():
             value = getattr(self, name)
             if value != default and not (name == "loss_weights" and value == [1.0]):
                 raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
-        if not KL_FN.get(self.kl_loss_fn).enabled:
+        if not KL_FN.get(self.kl_loss.name).enabled:
             raise ValueError(
                 f"{owner}: kl_loss_fn='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
-                "'none' by 'k2'); use kl_loss_fn_args={'kl_coef': 0.0} to switch the term off"
+                "'none' by 'k2'); use kl_loss={'kl_coef': 0.0} to switch the term off"
             )
-        if self.entropy_loss_fn not in ENTROPY_LOSSES:
-            raise ValueError(f"{owner}: entropy_loss_fn must be one of {ENTROPY_LOSSES}, got {self.entropy_loss_fn!r}")
+        if ENTROPY_LOSS_FN.get(self.entropy_loss.name).needs_expert_mask:
+            raise ValueError(
+                f"{owner}: entropy_loss_fn must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
+            )
         self._sync_dpo_fields(owner)
         algorithm = self.resolved_algorithm()  # bad names / arguments fail here
         if self.precompute_ref_log_probs and algorithm.kl_loss_fn_args.get("kl_coef", 0.0) != 0.0:
@@ -155,19 +172,19 @@ class TrinityDPOConfig(DPOConfig):
 
     def _sync_dpo_fields(self, owner: str) -> None:
         """Make DPOConfig's `beta` / `label_smoothing` and `policy_loss_fn_args` say the same thing."""
-        args = dict(self.policy_loss_fn_args or {})
+        args = dict(self.policy_loss.args)
         for name, default in _DPO_FIELD_DEFAULTS.items():
             from_field = getattr(self, name)
             if name in args:
                 if from_field != default and from_field != args[name]:
                     raise ValueError(
-                        f"{owner}: {name}={from_field} conflicts with policy_loss_fn_args[{name!r}]={args[name]}; "
+                        f"{owner}: {name}={from_field} conflicts with policy_loss[{name!r}]={args[name]}; "
                         "set it in one place"
                     )
                 setattr(self, name, args[name])  # TRL's metrics (rewards/*) use the same beta
             else:
                 args[name] = from_field
-        self.policy_loss_fn_args = args
+        self.policy_loss = Component(self.policy_loss.name, **args)
 
     def resolved_algorithm(self) -> AlgorithmConfig:
         """The `dpo` preset with this config's components and arguments (docs/algorithms/presets.md#resolution; args
@@ -175,14 +192,20 @@ class TrinityDPOConfig(DPOConfig):
         return resolve_algorithm_config(
             "dpo",
             merge_args=True,
-            policy_loss_fn="dpo",
-            policy_loss_fn_args=self.policy_loss_fn_args,
-            kl_loss_fn=self.kl_loss_fn,
-            kl_loss_fn_args=self.kl_loss_fn_args,
-            entropy_loss_fn=self.entropy_loss_fn,
-            entropy_loss_fn_args=self.entropy_loss_fn_args,
+            policy_loss_fn=self.policy_loss.name,
+            policy_loss_fn_args=dict(self.policy_loss.args),
+            kl_loss_fn=self.kl_loss.name,
+            kl_loss_fn_args=dict(self.kl_loss.args) or None,
+            entropy_loss_fn=self.entropy_loss.name,
+            entropy_loss_fn_args=dict(self.entropy_loss.args) or None,
             loss_agg_mode=self.loss_agg_mode,
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for name in ("policy_loss", "kl_loss", "entropy_loss"):
+            out[name] = getattr(self, name).to_dict()
+        return out
 
 
 def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -213,9 +236,10 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         if not isinstance(args, TrinityDPOConfig):
             raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
         self.algorithm = args.resolved_algorithm()
-        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
-            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        super().__init__(model, ref_model, args, *pos, **kwargs)
+        given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
+        if isinstance(model, str) and given.get("processing_class") is None:
+            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        super().__init__(**given)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self.kl_loss = self.algorithm.build_kl_loss()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..algorithms.masked import masked_sum
+from ..algorithms.masked import check_loss_agg_mode, masked_sum
 
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
@@ -101,7 +101,8 @@ class LossNormalizer:
             width = inputs["step_width"].max() if "step_width" in inputs else torch.tensor(mask.shape[1])
             count = width.to(torch.float32)
         else:
-            raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}")
+            check_loss_agg_mode(loss_agg_mode)  # an unknown mode: the error lists the modes
+            raise AssertionError(f"loss_agg_mode {loss_agg_mode!r} has no plan")
         return WeightedSum(weights, torch.as_tensor(count, dtype=torch.float32, device=mask.device))
 
     def _global(self, key: str, inputs: dict[str, Any], local: torch.Tensor) -> torch.Tensor:

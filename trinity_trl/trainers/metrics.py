@@ -66,22 +66,33 @@ def replace_logged_advantages(logged, gather: Callable, advantages, mask) -> Non
     logged.extend(values)
 
 
-# the metrics of the one-line progress summary, in order: (label, keys, first present wins)
-SUMMARY_METRICS = (
-    ("reward", ("reward",)),
-    ("loss", ("loss",)),
-    ("rl", ("actor/usual/pg_loss", "actor/pg_loss", "actor/cispo_loss", "actor/sapo_loss", "actor/topr_loss")),
-    ("sft", ("actor/expert/sft_loss", "actor/expert/sft_phi_loss", "actor/sft_loss")),
-    ("kl", ("actor/kl_loss",)),
-    ("value", ("critic/vf_loss",)),
-    ("mu", ("actor/mu",)),
-)
+# the labels of the one-line progress summary, in order
+SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu")
 
 
-def summary_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
-    """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``."""
+def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(label, keys)`` pairs of the progress summary (the first key logged wins): reward and loss, the
+    terms the policy loss class declares (:meth:`~trinity_trl.algorithms.PolicyLossFn.summary_metrics`), the
+    KL loss and the critic's value loss."""
+    keys: dict[str, tuple[str, ...]] = {
+        "reward": ("reward",),
+        "loss": ("loss",),
+        "kl": ("actor/kl_loss",),
+        "value": ("critic/vf_loss",),
+    }
+    if policy_loss is not None:
+        keys.update(
+            {label: tuple(f"actor/{n}" for n in names) for label, names in policy_loss.summary_metrics().items()}
+        )
+    ordered = [label for label in SUMMARY_LABELS if label in keys] + [k for k in keys if k not in SUMMARY_LABELS]
+    return tuple((label, keys[label]) for label in ordered)
+
+
+def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple | None = None) -> str:
+    """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``
+    (``metrics``: :func:`summary_metrics` of the trainer's policy loss)."""
     parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
-    for label, keys in SUMMARY_METRICS:
+    for label, keys in metrics if metrics is not None else summary_metrics():
         key = next((k for k in keys if k in logs), None)
         if key is not None:
             parts.append(f"{label} {float(logs[key]):.4g}")

@@ -6,56 +6,13 @@ import json
 import os
 from typing import Any
 
-from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, AlgorithmConfig
-
-# preset -> (display name, paper title); titles only where the reference is unambiguous
-_DISPLAY = {
-    "grpo": ("GRPO", "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"),
-    "ppo": ("PPO", "Proximal Policy Optimization Algorithms"),
-    "reinforceplusplus": (
-        "REINFORCE++",
-        "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
-    ),
-    "rloo": (
-        "RLOO",
-        "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs",
-    ),
-    "opmd": (
-        "OPMD",
-        "Trinity-RFT: A General-Purpose and Unified Framework for Reinforcement Fine-Tuning of Large Language Models",
-    ),
-    "asymre": ("AsymRE", None),
-    "dpo": ("DPO", "Direct Preference Optimization: Your Language Model is Secretly a Reward Model"),
-    "topr": ("TOPR", None),
-    "cispo": ("CISPO", "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"),
-    "gspo": ("GSPO", "Group Sequence Policy Optimization"),
-    "sapo": ("SAPO", "Soft Adaptive Policy Optimization"),
-    "mix": (
-        "MIX",
-        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement "
-        "Learning via Dynamic Weighting",
-    ),
-    "mix_chord": (
-        "CHORD",
-        "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and "
-        "Reinforcement Learning via Dynamic Weighting",
-    ),
-    "raft": ("RAFT", "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment"),
-    "sppo": ("sPPO", None),
-    "rec": ("REC", None),
-    "multi_step_grpo": ("Step-wise GRPO", None),
-    "on_policy_distill": (
-        "On-policy distillation",
-        "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
-    ),
-    "sft": ("SFT", None),
-}
+from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig
 
 
 def paper_for(algorithm: str) -> tuple[str, dict]:
     """``(display name, TRL _paper dict)`` for a preset."""
-    name, title = _DISPLAY.get(algorithm, (algorithm, None))
-    reference = ALGORITHM_TYPE.get(algorithm).paper
+    preset = ALGORITHM_TYPE.get(algorithm)
+    name, title, reference = preset.display_name or algorithm, preset.paper_title, preset.paper
     paper: dict = {}
     if reference.startswith("arXiv:"):
         paper = {"id": reference.removeprefix("arXiv:"), "title": title or f"{name} ({reference})"}
@@ -75,7 +32,7 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
         f"Trained with `trinity_trl`'s `{trainer_name}` "
         f"using the `{algorithm.algorithm}` preset: {preset.description}.",
     ]
-    variant = chord_variant(algorithm)
+    variant = POLICY_LOSS_FN.get(algorithm.policy_loss_fn).card_note(algorithm.policy_loss_fn_args)
     if variant:
         lines.append(variant)
     if paper:
@@ -107,27 +64,6 @@ def used_components(algorithm: AlgorithmConfig, components: Any) -> list[str]:
     if entropy.enabled:
         used.append("entropy_loss_fn")
     return used
-
-
-def chord_variant(algorithm: AlgorithmConfig) -> str | None:
-    """For CHORD: which variant the configuration is (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""
-    args = algorithm.policy_loss_fn_args
-    if "mu_peak" not in args:
-        return None
-    variant = (
-        "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))"
-        if args.get("enable_phi_function", True)
-        else "CHORD-μ (plain SFT term)"
-    )
-    peak, valley = args.get("mu_peak"), args.get("mu_valley")
-    warmup, decay = args.get("mu_warmup_steps", 0), args.get("mu_decay_steps", 0)
-    if decay or warmup:
-        schedule = (
-            f"μ rises linearly from 0 to {peak} over {warmup} steps, then " if warmup else f"μ starts at {peak} and "
-        ) + f"decays (cosine) to {valley} over {decay} steps"
-    else:
-        schedule = f"constant μ = {valley}"
-    return f"Variant: {variant}; {schedule}."
 
 
 def training_card_section(

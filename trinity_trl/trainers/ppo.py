@@ -15,7 +15,6 @@ critic's engine runs its own backward.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import re
 import shutil
@@ -37,6 +36,7 @@ from .config import TrinityConfig
 from .critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
+from .trl_seams import bind_trl_arguments, trained_mask
 
 CRITIC_DIR = "critic"
 __all__ = ["CRITIC_DIR", "CRITIC_OPTIMIZER_FILE", "PPOConfig", "PPOTrainer"]
@@ -124,7 +124,7 @@ class PPOConfig(TrinityConfig):
             )
 
     def _user_overrides(self) -> dict[str, Any]:
-        advantage = self.advantage_fn or "ppo"
+        advantage = self.component_name("advantage") or "ppo"
         if not ADVANTAGE_FN.get(advantage).needs_values:
             raise ValueError(
                 f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo' (or another function "
@@ -183,14 +183,12 @@ class PPOTrainer(TrinityTrainer):
             args = PPOConfig(output_dir=default_output_dir(model, "PPOConfig"))
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
-        trl_kwargs = {k: v for k, v in kwargs.items() if k != "teacher_model"}
-        bound = (
-            inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *pos, **trl_kwargs).arguments
-        )
+        teacher_model = kwargs.pop("teacher_model", None)
+        given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         critic = self._build_critic(
-            model, args, value_model, value_peft_config, bound.get("peft_config"), bound.get("quantization_config")
+            model, args, value_model, value_peft_config, given.get("peft_config"), given.get("quantization_config")
         )
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        super().__init__(**given, teacher_model=teacher_model)
         if self._is_vlm:
             raise ValueError("PPOTrainer supports text models only: the critic reads token ids, not images")
         if self.is_deepspeed_enabled and args.critic_warmup_steps > 0:
@@ -387,9 +385,7 @@ class PPOTrainer(TrinityTrainer):
     def _value_loss(self, inputs: dict, mode: str) -> torch.Tensor:
         """The clipped value loss of a micro-batch, scaled like the policy loss (aggregation mode,
         loss normalisation, gradient accumulation)."""
-        loss_mask = (
-            inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-        )
+        loss_mask = trained_mask(inputs)
         self.critic.train(mode == "train")
         values = self._critic_values(self.critic, inputs)
         # numerical guards, as for the policy loss (checks.py): tokens whose value, old value or return is

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.policy_loss.sapo import SAPOPolicyLossFn
+from .common import deprecated_field
 from .config import TrinityConfig
 from .trinity import TrinityTrainer
 
@@ -21,32 +22,38 @@ class SAPOConfig(TrinityConfig):
     With `f(r) = σ(τ·(r − 1))·4/τ` (`τ = sapo_temperature_pos` where the advantage is positive,
     else `sapo_temperature_neg`):
 
-    * `sapo_form="paper"` (default): the SAPO paper's objective, per-token loss `−A·f(r)`
+    * `policy_loss={"form": "paper"}` (default): the SAPO paper's objective, per-token loss `−A·f(r)`
       differentiated through the ratio `r` (gradient `−A·∇log π` on-policy), aggregated per sequence
       (`seq-mean-token-mean`) and without a KL term: the same loss and gradients as TRL's
       `GRPOConfig(loss_type="sapo")`.
-    * `sapo_form="trinity"`: Trinity-RFT's form, `−A·sg(f(r))·log π` (on-policy gradient `2/τ` times
+    * `policy_loss={"form": "trinity"}`: Trinity-RFT's form, `−A·sg(f(r))·log π` (on-policy gradient `2/τ` times
       larger, not vanishing for large ratios). Use `algorithm="sapo"` in [`TrinityConfig`] for the
       full Trinity preset (token-mean, k2 KL loss).
 
     Parameters:
-        sapo_form (`str`, *optional*, defaults to `"paper"`): `"paper"` or `"trinity"`.
+        policy_loss (`dict`, *optional*): the `sapo` loss's arguments, e.g. `{"form": "trinity", "tau_pos": 1.0}`;
+            `form` defaults to `"paper"` here. (`sapo_form` is its deprecated spelling.)
         sapo_temperature_pos (`float`, *optional*, defaults to `1.0`): Gate temperature for A > 0.
         sapo_temperature_neg (`float`, *optional*, defaults to `1.05`): Gate temperature for A ≤ 0;
             must be ≥ `sapo_temperature_pos`.
     """
 
     algorithm: str = field(default="sapo", metadata={"help": "Algorithm preset."})
-    sapo_form: str = field(default="paper", metadata={"help": "'paper' (TRL/SAPO paper) or 'trinity'."})
+    sapo_form: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss.form."})
     loss_agg_mode: str | None = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation mode."})
-    kl_loss_fn: str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
+    kl_loss: dict | str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
 
     def _user_overrides(self) -> dict[str, Any]:
-        if self.sapo_form not in SAPO_FORMS:
-            raise ValueError(f"sapo_form must be one of {SAPO_FORMS}, got {self.sapo_form!r}")
+        form = self.sapo_form
+        if form is not None:
+            deprecated_field(self, "sapo_form", "policy_loss.form", form)
+        elif self.policy_loss is None or "form" not in self.policy_loss.args:
+            form = "paper"  # this trainer's default: the SAPO paper's (and TRL's) objective
+        if form is not None and form not in SAPO_FORMS:
+            raise ValueError(f"sapo_form must be one of {SAPO_FORMS}, got {form!r}")
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
             raise ValueError(f"SAPOConfig needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
-        return {"policy_loss_fn_args": {"form": self.sapo_form}}
+        return {"policy_loss_fn_args": {"form": form}} if form is not None else {}
 
 
 class SAPOTrainer(TrinityTrainer):

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from trl import SFTConfig, SFTTrainer
 
-from ..algorithms import AlgorithmConfig, resolve_algorithm_config
+from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
 from .common import (
@@ -34,14 +34,13 @@ from .common import (
     apply_cpu_defaults,
     capture_fused_outputs,
     check_saving_options,
+    component_fields,
     default_output_dir,
     load_processor,
-    parse_args_field,
     reject_sequence_sharding,
 )
 from .model_card import paper_for
-
-SFT_LOSSES = ("sft", "sft_is", "sft_phi")
+from .trl_seams import bind_trl_arguments
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
 # A non-default value raises an error that says how to get the same effect (or why it cannot work).
@@ -63,13 +62,13 @@ class TrinitySFTConfig(SFTConfig):
     Configuration of [`TrinitySFTTrainer`]: every [`~trl.SFTConfig`] option, plus Trinity-RFT's SFT loss.
 
     Parameters:
-        policy_loss_fn (`str`, *optional*, defaults to `"sft"`):
-            The loss on the trained (completion / assistant) tokens: `sft` (negative log-likelihood
-            `−ℓ`), `sft_is` (`−ℓ·sg(p)`, importance-weighted; TRL calls it DFT) or `sft_phi`
-            (`−ℓ'·sg(p(1−p))`, CHORD's φ weighting, with an optional `cutoff_prob`).
-        policy_loss_fn_args (`dict` or `str` (JSON) or `None`, *optional*):
-            Arguments of the loss, laid over its `default_args()` (e.g. `{"cutoff_prob": 0.9}` for
-            `sft_phi`). A `loss_agg_mode` key here is overridden by `loss_agg_mode` below.
+        policy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"sft"`):
+            The loss on the trained (completion / assistant) tokens and its arguments, laid over its
+            `default_args()`: `sft` (negative log-likelihood `−ℓ`), `sft_is` (`−ℓ·sg(p)`,
+            importance-weighted; TRL calls it DFT), `sft_phi` (`−ℓ'·sg(p(1−p))`, CHORD's φ weighting,
+            e.g. `{"name": "sft_phi", "cutoff_prob": 0.9}`), or any registered loss that reads only the
+            log-probs of the trained tokens. A `loss_agg_mode` key is overridden by `loss_agg_mode` below.
+            (`policy_loss_fn` / `policy_loss_fn_args` are its deprecated spelling.)
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             How a micro-batch's per-token losses become one number: `token-mean`, `seq-mean-token-sum`,
             `seq-mean-token-mean` or `seq-mean-token-sum-norm` (docs/algorithms/aggregation.md#loss-agg-mode). The
@@ -83,13 +82,15 @@ class TrinitySFTConfig(SFTConfig):
     per-micro-batch aggregation does not use.
     """
 
-    policy_loss_fn: str = field(
-        default="sft",
-        metadata={"help": "SFT loss: 'sft' (NLL), 'sft_is' (importance-weighted) or 'sft_phi' (φ-weighted)."},
+    policy_loss: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "SFT loss and its arguments: 'sft' (NLL, default), 'sft_is' (importance-weighted), 'sft_phi' "
+            "(φ-weighted), e.g. {name: sft_phi, cutoff_prob: 0.9}; --policy_loss.cutoff_prob 0.9."
+        },
     )
-    policy_loss_fn_args: dict | str | None = field(
-        default=None, metadata={"help": "Loss arguments (dict or JSON), merged over the loss's default_args()."}
-    )
+    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss={name: ...}."})
+    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={
@@ -103,9 +104,13 @@ class TrinitySFTConfig(SFTConfig):
         super().__post_init__()
         check_saving_options(self)
         owner = type(self).__name__
-        self.policy_loss_fn_args = parse_args_field(owner, "policy_loss_fn_args", self.policy_loss_fn_args)
-        if self.policy_loss_fn not in SFT_LOSSES:
-            raise ValueError(f"{owner}: policy_loss_fn must be one of {SFT_LOSSES}, got {self.policy_loss_fn!r}")
+        component_fields(self, {"policy_loss": "policy_loss_fn"})
+        if not POLICY_LOSS_FN.get(self._policy_loss_name()).is_sft_type():
+            sft_type = [n for n in POLICY_LOSS_FN.names() if POLICY_LOSS_FN.get(n).is_sft_type()]
+            raise ValueError(
+                f"{owner}: policy_loss must be a loss that reads only the trained tokens' log-probs "
+                f"({', '.join(sft_type)}), got {self._policy_loss_name()!r}"
+            )
         check_loss_agg_mode(self.loss_agg_mode)
         for name, (default, why) in REPLACED_SFT_FIELDS.items():
             value = getattr(self, name)
@@ -127,10 +132,19 @@ class TrinitySFTConfig(SFTConfig):
         return resolve_algorithm_config(
             "sft",
             merge_args=True,
-            policy_loss_fn=self.policy_loss_fn,
-            policy_loss_fn_args=self.policy_loss_fn_args,
+            policy_loss_fn=self._policy_loss_name(),
+            policy_loss_fn_args=dict(self.policy_loss.args) if self.policy_loss is not None else None,
             loss_agg_mode=self.loss_agg_mode,
         )
+
+    def _policy_loss_name(self) -> str:
+        return (self.policy_loss.name if self.policy_loss is not None else None) or "sft"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.policy_loss is not None:
+            out["policy_loss"] = self.policy_loss.to_dict()
+        return out
 
 
 # ----------------------------------------------------------------------------------------- trainer
@@ -163,13 +177,14 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
                 "(choose policy_loss_fn / policy_loss_fn_args instead)"
             )
         self.algorithm = args.resolved_algorithm()
-        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 4:
-            kwargs["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        super().__init__(model, args, *pos, **kwargs)
-        if self.compute_loss_func is not None:  # passed positionally
+        given = bind_trl_arguments(SFTTrainer, model, args, *pos, **kwargs)
+        if given.get("compute_loss_func") is not None:  # passed positionally
             raise ValueError(
                 f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func"
             )
+        if isinstance(model, str) and given.get("processing_class") is None:
+            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        super().__init__(**given)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)
@@ -197,4 +212,4 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
         return loss
 
 
-__all__ = ["SFT_LOSSES", "TrinitySFTConfig", "TrinitySFTTrainer"]
+__all__ = ["TrinitySFTConfig", "TrinitySFTTrainer"]

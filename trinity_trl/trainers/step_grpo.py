@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
@@ -34,10 +35,11 @@ from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
 from . import checks
+from .common import deprecated_field
 from .config import TrinityConfig
 from .metrics import append_metrics
 from .trinity import TrinityTrainer
-from .trl_seams import skip_trl_reference_pass, temporarily
+from .trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 
 STD_CAL_LEVELS = ("group", "batch", "none")
 
@@ -65,7 +67,9 @@ class StepGRPOConfig(TrinityConfig):
         std_threshold (`float` or `None`, *optional*):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get
             no gradient and are counted in `filtered_count`.
-        advantage_epsilon (`float`, *optional*, defaults to `1e-6`): Added to the std.
+        advantage (`dict`, *optional*): the step-wise advantage and its arguments, e.g.
+            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std; `advantage_epsilon`
+            is its deprecated spelling).
         shared_prefix (`bool`, *optional*, defaults to `True`):
             When each turn's prompt is exactly the previous prompt + completion + observation (always with
             `history="tokens"`), train the whole run as ONE row: one forward pass over the run, each
@@ -82,7 +86,7 @@ class StepGRPOConfig(TrinityConfig):
     enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
     std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
-    advantage_epsilon: float = field(default=1e-6, metadata={"help": "Added to the std."})
+    advantage_epsilon: float | None = field(default=None, metadata={"help": "Deprecated: advantage.epsilon."})
     shared_prefix: bool = field(
         default=True,
         metadata={
@@ -111,21 +115,21 @@ class StepGRPOConfig(TrinityConfig):
         super().__post_init__()
 
     def _user_overrides(self) -> dict[str, Any]:
-        advantage = self.advantage_fn or "step_wise_grpo"
+        advantage = self.component_name("advantage") or "step_wise_grpo"
         if not ADVANTAGE_FN.get(advantage).step_wise:
             raise ValueError(
                 f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
                 f"runs and gives each step its run's score), got advantage_fn={advantage!r}"
             )
-        return {
-            "advantage_fn": advantage,
-            "advantage_fn_args": {
-                "enable_step_norm": self.enable_step_norm,
-                "std_cal_level": self.std_cal_level,
-                "std_threshold": self.std_threshold,
-                "epsilon": self.advantage_epsilon,
-            },
+        args = {
+            "enable_step_norm": self.enable_step_norm,
+            "std_cal_level": self.std_cal_level,
+            "std_threshold": self.std_threshold,
         }
+        if self.advantage_epsilon is not None:
+            deprecated_field(self, "advantage_epsilon", "advantage.epsilon", self.advantage_epsilon)
+            args["epsilon"] = self.advantage_epsilon
+        return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
@@ -164,13 +168,16 @@ class StepGRPOTrainer(TrinityTrainer):
         *pos,
         environment_factory=None,
         tools=None,
+        teacher_model=None,
         **kwargs,
     ):
         if args is not None and not isinstance(args, StepGRPOConfig):
             raise TypeError(f"StepGRPOTrainer needs a StepGRPOConfig, got {type(args).__name__}")
-        if kwargs.get("rollout_func") is not None:
+        given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
+        if given.get("rollout_func") is not None:
             raise ValueError("StepGRPOTrainer plays the environment itself; rollout_func cannot be combined with it")
-        train_dataset = kwargs.get("train_dataset", pos[0] if pos else None)
+        given["teacher_model"] = teacher_model
+        train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
         protocol, classes = resolve_protocol(environment_factory, tools, columns)
         self.environment_protocol = protocol
@@ -188,13 +195,13 @@ class StepGRPOTrainer(TrinityTrainer):
                 )
             # TRL sets up the environments (pool, tools, get_reward, response parsing, chat template)
             super().__init__(
-                model, extra or None, args, *pos, environment_factory=environment_factory, tools=tools, **kwargs
+                **(given | {"reward_funcs": extra or None, "environment_factory": environment_factory, "tools": tools})
             )
             self.rollout = None
         else:
             if train_dataset is None:
-                pos, kwargs = self._placeholder_tasks(args, pos, kwargs, environment_factory)
-            super().__init__(model, [environment_reward, *extra], args, *pos, **kwargs)
+                given["train_dataset"] = self._placeholder_tasks(args, environment_factory)
+            super().__init__(**(given | {"reward_funcs": [environment_reward, *extra]}))
             self.rollout = MultiStepRollout(
                 self.generation, environment_factory, self.args.max_env_steps, self.args.history
             )
@@ -208,7 +215,7 @@ class StepGRPOTrainer(TrinityTrainer):
         skip_trl_reference_pass(self)
 
     @staticmethod
-    def _placeholder_tasks(args, pos, kwargs, environment_factory):
+    def _placeholder_tasks(args, environment_factory):
         """``train_dataset=None`` with a reset/step environment: rows of empty prompts that drive the loop
         while ``reset`` supplies each task, the same placeholder TRL builds for its own environments."""
         from datasets import Dataset
@@ -222,12 +229,9 @@ class StepGRPOTrainer(TrinityTrainer):
             raise ValueError(
                 "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
             )
-        rows = Dataset.from_dict(
+        return Dataset.from_dict(
             {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
         )
-        if pos:
-            return (rows, *pos[1:]), kwargs
-        return pos, {**kwargs, "train_dataset": rows}
 
     def _model_card_environment(self) -> str | None:
         return ", ".join(self._environment_names) or None

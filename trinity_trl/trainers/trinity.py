@@ -33,7 +33,14 @@ from .generation import FORWARD_KEYS, TRLGeneration
 from .loss import LossNormalizer, micro_batch_loss
 from .metrics import append_metrics, pool_metrics, replace_logged_advantages
 from .scoring import ScoringPasses
-from .trl_seams import captured_return, reopen_trackio_run, temporarily, use_cpu_colocate_weight_sync
+from .trl_seams import (
+    bind_trl_arguments,
+    captured_return,
+    reopen_trackio_run,
+    temporarily,
+    trained_mask,
+    use_cpu_colocate_weight_sync,
+)
 
 
 class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):
@@ -63,19 +70,20 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         )
         if not isinstance(args, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
+        given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
         checks.check_components(
-            type(self), self.algorithm, self.components, args, teacher_model, kwargs.get("rollout_func")
+            type(self), self.algorithm, self.components, args, teacher_model, given.get("rollout_func")
         )
-        if isinstance(model, str) and kwargs.get("processing_class") is None and len(pos) < 3:
-            kwargs["processing_class"] = load_processor(model, args)
-        if self.requires_prompt and kwargs.get("environment_factory") is None:
-            checks.check_prompt_dataset(kwargs.get("train_dataset", pos[0] if pos else None), "train_dataset")
-            checks.check_prompt_dataset(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval_dataset")
+        if isinstance(model, str) and given.get("processing_class") is None:
+            given["processing_class"] = load_processor(model, args)
+        if self.requires_prompt and given.get("environment_factory") is None:
+            checks.check_prompt_dataset(given.get("train_dataset"), "train_dataset")
+            checks.check_prompt_dataset(given.get("eval_dataset"), "eval_dataset")
         # TRL loads a reference model (or disables the adapter for it) iff beta != 0 (see trl_seams)
         with temporarily(args, beta=1.0 if self.algorithm.needs_reference else 0.0):
-            super().__init__(model, reward_funcs, args, *pos, **kwargs)
+            super().__init__(**given)
         self.reward_funcs = [
             f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
             for f, name in zip(self.reward_funcs, self.reward_func_names)
@@ -126,9 +134,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         ``inputs``: the rows (with the extra fields a ``rollout_func`` returned); ``rewards``: ``(N,)``
         every process's weighted rewards, NaN where no reward function scored.
         """
-        loss_mask = (
-            output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-        )
+        loss_mask = trained_mask(output)
         result = self.advantage_estimator(
             rewards,
             loss_mask,
@@ -226,9 +232,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         rewards = weighted_rewards(rewards_per_func.value, self.reward_weights)
         output = self._training_batch(output, inputs, rewards, mode)
         if self.args.loss_normalization == "global":
-            mask = (
-                output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
-            )
+            mask = trained_mask(output)
             counts = LossNormalizer.global_counts(mask, output.get("sample_count"))
             # one unconditional collective per generation batch: every rank reaches it
             output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(
@@ -289,7 +293,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         components = self.components
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        mask = trained_mask(inputs)
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),

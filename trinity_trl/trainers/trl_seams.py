@@ -9,6 +9,7 @@ the contract tests (``tests/trainers/test_trl_contract.py``) fail loudly if TRL 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -127,3 +128,31 @@ def use_cpu_colocate_weight_sync(trainer: Any) -> bool:
 
     generation.sync_weights = sync_weights
     return True
+
+
+def bind_trl_arguments(base: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments given to TRL trainer ``base``'s constructor, positionally or by keyword, by name:
+    ``{"model": ..., "train_dataset": ..., "processing_class": ...}`` (arguments not given are absent).
+
+    Our trainers read and fill in what they need by name (``arguments.get("train_dataset")``) and pass the
+    dict on with ``super().__init__(**arguments)``: one rule for GRPOTrainer, SFTTrainer and DPOTrainer,
+    whatever their argument order. An argument ``base`` does not take is the usual ``TypeError``.
+    """
+    signature = inspect.signature(base.__init__)
+    arguments = dict(signature.bind(None, *args, **kwargs).arguments)
+    del arguments[next(iter(signature.parameters))]  # self
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+        elif parameter.kind is parameter.VAR_POSITIONAL and arguments.get(name):
+            raise TypeError(f"{base.__name__}() takes no extra positional arguments, got {arguments[name]!r}")
+        else:
+            continue
+    return arguments
+
+
+def trained_mask(batch: dict[str, Any]) -> Any:
+    """The ``(B, T)`` mask of the completion tokens a loss trains on: TRL's ``completion_mask``, times its
+    ``tool_mask`` (0 on tool-result tokens) when TRL's tool loop produced one."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask

@@ -113,8 +113,8 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
         epsilon: added to the std (> 0).
         std_threshold: skip (drop) a group whose reward std is ``≤`` this, and every singleton.
         duplicate_experiences: with ``std_threshold``, refill the batch with deep copies of groups
-            drawn uniformly with replacement (Python's ``random`` module; seed it for
-            reproducibility) from the remaining groups, one per skipped group.
+            drawn uniformly with replacement (from ``rng``, else Python's ``random`` module; seed it
+            for reproducibility) from the remaining groups, one per skipped group.
         rank_penalty: in ``[0, 1)``; scales rewards by ``1 − rank·penalty`` (rank by mean behaviour
             log-prob, 0 for the lowest) for μ and σ only.
         std_cal_level: ``"group"`` (σ of the group) or ``"batch"`` (σ of every reward in the call).
@@ -122,6 +122,8 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
     Each experience needs ``reward`` (and ``logprobs`` when ``rank_penalty`` is set). Writes
     ``advantages = returns = score·action_mask`` ``(T_resp,)`` float32 in place.
     """
+
+    draws_random = True  # the refill copies
 
     def __init__(
         self,
@@ -172,7 +174,9 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
         # the original reward: the rank penalty moves only μ and σ
         return (rewards - mean) / (denominator + self.epsilon), mean, std, skip
 
-    def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+    def process(
+        self, experiences: list[Experience], rng: random.Random | None = None
+    ) -> tuple[list[Experience], dict[str, float]]:
         groups = group_by(experiences, "task")
         batch_std = None
         if self.std_cal_level == "batch":
@@ -193,7 +197,7 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
         output = [exp for group in kept for exp in group]
         skipped_groups = len(groups) - len(kept)
         if self.duplicate_experiences and self.std_threshold is not None and kept and skipped_groups:
-            for i in random.choices(range(len(kept)), k=skipped_groups):
+            for i in (rng or random).choices(range(len(kept)), k=skipped_groups):
                 output.extend(copy.deepcopy(exp) for exp in kept[i])
         metrics = gather_metrics(metric_list, "group_advantages")
         metrics["filtered_count"] = float(filtered_count)

@@ -25,18 +25,22 @@ class RECGroupAdvantage(GroupAdvantageFn):
         epsilon: added to σ when ``std_normalize`` (> 0).
         std_normalize: divide by the population (÷|K|) std of the kept rewards.
         drop: ``None`` or ``"balance"``; the dropped negatives are drawn uniformly without
-            replacement with Python's ``random`` module (seed it for reproducibility).
+            replacement from ``rng``, else Python's ``random`` module (seed it for reproducibility).
 
     Dropped members stay in the output with advantage 0. Metrics per group: ``drop_balance``
     (``(N − P)/|G|`` when dropping, else 0), ``reward_mean = μ``, ``reward_std = σ``.
     """
+
+    draws_random = True  # the dropped negatives
 
     def __init__(self, epsilon: float = 1e-6, std_normalize: bool = False, drop: str | None = None):
         self.epsilon = check_positive("epsilon", epsilon)
         self.std_normalize = bool(std_normalize)
         self.drop = check_choice("drop", drop, REC_DROPS)
 
-    def group_scores(self, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def group_scores(
+        self, rewards: torch.Tensor, rng: random.Random | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores ``(|G|,)`` (0 for dropped members) and the group metrics."""
         kept = torch.ones(len(rewards), dtype=torch.bool)
         drop_balance = 0.0
@@ -46,7 +50,7 @@ class RECGroupAdvantage(GroupAdvantageFn):
             num_neg = len(rewards) - num_pos
             if self.drop == "balance" and num_neg > num_pos:
                 negatives = (~positive).nonzero().flatten().tolist()
-                kept[random.sample(negatives, num_neg - num_pos)] = False
+                kept[(rng or random).sample(negatives, num_neg - num_pos)] = False
                 drop_balance = (num_neg - num_pos) / len(rewards)
         kept_rewards = rewards[kept]
         if len(kept_rewards) <= 1:
@@ -59,11 +63,13 @@ class RECGroupAdvantage(GroupAdvantageFn):
         scores = torch.where(kept, scores, torch.zeros_like(scores))
         return scores, {"drop_balance": drop_balance, "reward_mean": mean.item(), "reward_std": std.item()}
 
-    def process(self, experiences: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
+    def process(
+        self, experiences: list[Experience], rng: random.Random | None = None
+    ) -> tuple[list[Experience], dict[str, float]]:
         output: list[Experience] = []
         metric_list: list[dict[str, float]] = []
         for group in group_by(experiences, "task").values():
-            scores, metrics = self.group_scores(experience_rewards(group))
+            scores, metrics = self.group_scores(experience_rewards(group), rng)
             for exp, score in zip(group, scores.tolist()):
                 exp.set_advantage(score)
             metric_list.append(metrics)

@@ -32,6 +32,8 @@ class PolicyLossFn(ComponentArgs):
     # TRL ``GRPOConfig`` fields that mean exactly one of this loss's arguments: {TRL field: argument}.
     # Trainer configs accept them and pass them on (a field whose meaning differs is not listed).
     trl_config_fields: ClassVar[dict[str, str]] = {}
+    # constructor arguments that a trainer config sets from its own schedule fields (CHORD's μ schedule)
+    schedule_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backend: str = "trl"):
         self.backend = check_backend(backend)
@@ -40,6 +42,24 @@ class PolicyLossFn(ComponentArgs):
     # Trainers ask these properties and never compare registry names, so a loss defined outside the
     # package (registered with ``POLICY_LOSS_FN.register``) is trained correctly without any change
     # to a trainer. Override them where the answer depends on the loss's arguments.
+
+    @classmethod
+    def is_sft_type(cls) -> bool:
+        """Whether the loss trains on demonstrations alone: it reads nothing but the log-probs of the
+        trained tokens and their mask (``inputs``), so ``TrinitySFTTrainer`` can run it."""
+        return set(cls.inputs) <= {"action_mask"}
+
+    @classmethod
+    def summary_metrics(cls) -> dict[str, tuple[str, ...]]:
+        """What the one-line progress summary shows of this loss: ``{label: metric keys}`` (its own metric
+        names, without ``actor/``; the first one logged is shown). By default the loss's ``pg_loss`` or
+        ``<name>_loss``, labelled ``sft`` for an SFT-type loss and ``rl`` otherwise."""
+        return {"sft" if cls.is_sft_type() else "rl": ("pg_loss", f"{cls.name}_loss")}
+
+    @classmethod
+    def card_note(cls, args: dict[str, Any]) -> str | None:
+        """One sentence for the model card about the configuration ``args`` (a variant, a schedule), or ``None``."""
+        return None
 
     @property
     def reads_advantages(self) -> bool:

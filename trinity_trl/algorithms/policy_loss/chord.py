@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -57,6 +57,9 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask", "step")
     preset_defaults = {"clip_range": 0.2}
 
+    # the arguments of μ's schedule, which ChordConfig sets from its own fields
+    schedule_args: ClassVar[tuple[str, ...]] = MU_SCHEDULE_ARGS
+
     def __init__(
         self,
         backend: str = "trl",
@@ -106,6 +109,28 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
             usual_sample_weight=usual_sample_weight,
             expert_sample_weight=expert_sample_weight,
         )
+
+    @classmethod
+    def card_note(cls, args: dict[str, Any]) -> str | None:
+        """The CHORD variant of ``args`` (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""
+        if "mu_peak" not in args:  # arguments replaced without the schedule: nothing to say
+            return None
+        variant = (
+            "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))"
+            if args.get("enable_phi_function", True)
+            else "CHORD-μ (plain SFT term)"
+        )
+        peak, valley = args.get("mu_peak"), args.get("mu_valley")
+        warmup, decay = args.get("mu_warmup_steps", 0), args.get("mu_decay_steps", 0)
+        if decay or warmup:
+            schedule = (
+                f"μ rises linearly from 0 to {peak} over {warmup} steps, then "
+                if warmup
+                else f"μ starts at {peak} and "
+            ) + f"decays (cosine) to {valley} over {decay} steps"
+        else:
+            schedule = f"constant μ = {valley}"
+        return f"Variant: {variant}; {schedule}."
 
     @classmethod
     def mu_schedule_defaults(cls) -> dict[str, Any]:

@@ -154,6 +154,11 @@ class ExpertMixLossFn(PolicyLossFn):
     def weighs_samples_itself(self) -> bool:
         return True  # per-sample weights w_u, w_e over the optimizer step (docs/algorithms/chord.md#normalisation)
 
+    @classmethod
+    def summary_metrics(cls) -> dict[str, tuple[str, ...]]:
+        """The RL part on usual rows, the SFT part on expert rows, and μ."""
+        return {"rl": ("usual/pg_loss",), "sft": ("expert/sft_loss", "expert/sft_phi_loss"), "mu": ("mu",)}
+
     def __init__(
         self,
         backend: str = "trl",

@@ -1,0 +1,150 @@
+"""A user's loss defined in a file outside the package (issue 26, items 2-3): registered by ``--import`` (or the
+YAML key ``import``), configured with one hyperparameter in YAML and on the command line, trained through the CLI
+and through the generic trainers, and shown on the model card, on the console line and in the pooled metrics,
+with no file of the package changed."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs, tiny_sft_dpo_kwargs
+
+from trinity_trl.algorithms import POLICY_LOSS_FN
+from trinity_trl.algorithms.component import Component
+from trinity_trl.algorithms.registry import import_components
+
+PLUGIN = textwrap.dedent(
+    '''
+    """Two losses of a user's project, each with one hyperparameter."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
+
+
+    @POLICY_LOSS_FN.register("scaled_reinforce")
+    class ScaledReinforce(PolicyLossFn):
+        """-scale * A * logprob."""
+
+        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+            super().__init__(backend)
+            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+            loss = agg_loss(-self.scale * advantages * logprob, action_mask, self.loss_agg_mode)
+            return loss, {"scaled_reinforce_loss": loss.detach()}
+
+
+    @POLICY_LOSS_FN.register("scaled_sft")
+    class ScaledSFT(PolicyLossFn):
+        """-scale * logprob on demonstrations (reads nothing but the trained tokens)."""
+
+        inputs = ("action_mask",)
+
+        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+            super().__init__(backend)
+            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+
+        def compute(self, logprob, action_mask, **_):
+            loss = agg_loss(-self.scale * logprob, action_mask, self.loss_agg_mode)
+            return loss, {"scaled_sft_loss": loss.detach()}
+    '''
+)
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    """The user's file, outside the package; its losses are unregistered afterwards."""
+    path = tmp_path / "user_losses.py"
+    path.write_text(PLUGIN)
+    yield path
+    for name in ("scaled_reinforce", "scaled_sft"):
+        if name in POLICY_LOSS_FN._entries:
+            POLICY_LOSS_FN.unregister(name)
+    sys.modules.pop("user_losses", None)
+
+
+def test_cli_trains_a_loss_from_a_file_with_yaml_and_a_command_line_override(tmp_path, tiny_model_dir, plugin, capsys):
+    from trinity_trl.cli import run
+
+    out = tmp_path / "out"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"import: {plugin}\n"
+        "algorithm: grpo\n"
+        "policy_loss: {name: scaled_reinforce, scale: 0.5}\n"
+        "kl_loss: none\n"
+        f"model_name_or_path: {tiny_model_dir}\n"
+        f"output_dir: {out}\n"
+        "max_steps: 1\nnum_train_rows: 8\nmax_completion_length: 8\nper_device_train_batch_size: 4\n"
+        "num_generations: 4\nlora_r: 4\nlora_alpha: 8\neval_accuracy: false\nlogging_steps: 1\nplot: false\n"
+        "report_to: none\nsave_strategy: 'no'\ndisable_tqdm: false\nuse_cpu: true\n"
+    )
+    trainer = run(["train", "--config", str(config), "--policy_loss.scale", "0.25"])
+    loss = trainer.components.policy_loss
+    assert type(loss).__name__ == "ScaledReinforce" and loss.scale == 0.25  # the command line wins over the YAML
+    assert any("actor/scaled_reinforce_loss" in entry for entry in trainer.state.log_history)
+    console = capsys.readouterr()
+    assert "step 1/1 | reward" in console.out + console.err and "| rl " in console.out + console.err
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "`scaled_reinforce`" in card and '"scale": 0.25' in card
+
+
+def test_generic_trainers_train_a_loss_from_a_file(tmp_path, tiny_model_dir, plugin):
+    from transformers import AutoTokenizer
+
+    from trinity_trl.trainers import TrinityConfig, TrinitySFTConfig, TrinitySFTTrainer, TrinityTrainer
+    from trinity_trl.trainers.metrics import pool_metrics, summary_line, summary_metrics
+
+    import_components(str(plugin))
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path / "rl"), max_steps=1),
+        policy_loss=Component("scaled_reinforce", scale=0.5),
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    logged = next(entry for entry in trainer.state.log_history if "actor/scaled_reinforce_loss" in entry)
+    line = summary_line(1, 1, logged, summary_metrics(POLICY_LOSS_FN.get("scaled_reinforce")))
+    assert f"rl {logged['actor/scaled_reinforce_loss']:.4g}" in line
+    trainer.save_model()
+    assert '"scale": 0.5' in (tmp_path / "rl" / "README.md").read_text(encoding="utf-8")
+
+    # its metric is pooled across processes like the package's own (two ranks' values)
+    store = {"actor/scaled_reinforce_loss": [1.0]}
+    pool_metrics(store, lambda objects: [objects[0], {"actor/scaled_reinforce_loss": [3.0]}])
+    assert store["actor/scaled_reinforce_loss"] == [1.0, 3.0]
+
+    # an SFT-type loss (it reads only the trained tokens) is accepted by TrinitySFTTrainer
+    from datasets import Dataset
+
+    demos = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i}+1?"}] for i in range(8)],
+            "completion": [[{"role": "assistant", "content": f"The answer is {i + 1}."}] for i in range(8)],
+        }
+    )
+    sft = TrinitySFTTrainer(
+        model=tiny_model_dir,
+        args=TrinitySFTConfig(
+            **tiny_sft_dpo_kwargs(tmp_path / "sft", max_steps=1), policy_loss={"name": "scaled_sft", "scale": 2.0}
+        ),
+        train_dataset=demos,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    assert sft.policy_loss.scale == 2.0
+    sft.train()
+    entry = next(e for e in sft.state.log_history if "actor/scaled_sft_loss" in e)
+    assert "sft " in summary_line(1, 1, entry, summary_metrics(POLICY_LOSS_FN.get("scaled_sft")))
+    with pytest.raises(ValueError, match="reads only the trained tokens"):
+        TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path / "bad"), policy_loss="scaled_reinforce")
+
+
+def test_import_errors_are_one_line(tmp_path):
+    with pytest.raises(ImportError, match="no such file"):
+        import_components(str(tmp_path / "missing.py"))
+    with pytest.raises(ImportError, match="no module named 'no_such_user_module'"):
+        import_components("no_such_user_module")
