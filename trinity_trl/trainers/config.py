@@ -99,8 +99,9 @@ class TrinityConfig(GRPOConfig):
             e.g. `{"kl_coef": 0.01, "adaptive": True, "target_kl": 0.1, "horizon": 10000}`.
         entropy_loss (`str`, `dict`, `Component` or `None`, *optional*): `default`, `mix` or `none`, e.g.
             `{"entropy_coef": 0.001}`.
-        policy_loss_fn, policy_loss_fn_args, advantage_fn, advantage_fn_args, kl_loss_fn, kl_loss_fn_args,
-        kl_penalty_fn, kl_penalty_fn_args, entropy_loss_fn, entropy_loss_fn_args:
+        policy_loss_fn (`str`, *optional*, deprecated): With `policy_loss_fn_args`, `advantage_fn`,
+            `advantage_fn_args`, `kl_loss_fn`, `kl_loss_fn_args`, `kl_penalty_fn`, `kl_penalty_fn_args`,
+            `entropy_loss_fn` and `entropy_loss_fn_args`:
             Deprecated spellings of the five values above (a name and an argument dict each); they still work
             in this release, with a `FutureWarning`, and become the component value.
         loss_agg_mode (`str` or `None`, *optional*):

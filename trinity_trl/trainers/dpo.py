@@ -94,8 +94,8 @@ class TrinityDPOConfig(DPOConfig):
         entropy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"default"`):
             `default` (subtract `entropy_coef · AGG(H, m)`) or `none`, e.g. `{"entropy_coef": 0.001}`;
             the default coefficient is 0.
-        (`policy_loss_fn_args`, `kl_loss_fn`, `kl_loss_fn_args`, `entropy_loss_fn`, `entropy_loss_fn_args`
-        are the deprecated spellings.)
+        policy_loss_fn_args (`dict`, *optional*, deprecated): With `kl_loss_fn`, `kl_loss_fn_args`,
+            `entropy_loss_fn` and `entropy_loss_fn_args`: the deprecated spellings of the values above.
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
             of a micro-batch (docs/algorithms/aggregation.md#loss-agg-mode). The DPO term itself is a mean over pairs.
