@@ -258,7 +258,7 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
         return None  # cannot score
 
     kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "unscorable"]
-    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=1.5)
+    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
     rewards = dict(zip(kinds, (run.reward for run in runs)))
     assert rewards["raises"] == 0.0 and rewards["hangs"] == 0.0 and rewards["no_number"] == 0.0
     assert rewards["malformed"] == 1.0 and rewards["too_long"] == 1.0 and rewards["turn_limit"] == 1.0

@@ -8,11 +8,11 @@ calls become a :class:`~.multi_step.Run`: one step per sampled answer, in the or
 *segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
 history was rewritten starts a new one).
 
-Faults never stop training: an agent that raises, runs past ``timeout`` seconds, or returns something that is not a
-reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored (``"drop"``: its steps get no
-gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under ``agent/``). A request the endpoint
-refuses (longer than the context, past the turn limit, after the run ended, a bad argument) is answered with an HTTP
-error the agent sees as an ``openai`` exception, and counted.
+Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
+something that is not a reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
+(``"drop"``: its steps get no gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under
+``agent/``). A request the endpoint refuses (longer than the context, past the turn limit, after the run ended, a bad
+argument) is answered with an HTTP error the agent sees as an ``openai`` exception, and counted.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 FAILURE_MODES = ("zero", "drop")
 #: the protocol name StepGRPOTrainer reports for agent=
 AGENT_PROTOCOL = "agent"
+#: seconds a cancelled agent has to end before its run is abandoned
+CANCEL_GRACE_S = 10.0
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
@@ -77,7 +79,8 @@ class AgentRollout:
         endpoint: the trainer's endpoint (started here on first use).
         agent: ``async def agent(client, row)`` returning a reward (a number, or ``None`` for "cannot score") or
             ``(reward, info)``.
-        timeout: seconds a run may take at most (from its start); it is then cancelled and its calls refused.
+        timeout: seconds of its own time a run may take (time spent waiting for the policy's answers excluded, so a
+            slow generation never times agents out); it is then cancelled and its calls refused.
         on_failure: ``"zero"`` (a failed run scores 0) or ``"drop"`` (it is unscored and gets no gradient).
         batch_window: seconds the endpoint waits, after a request arrives, for the other live runs' requests
             before it generates (it generates at once when every live run waits).
@@ -108,17 +111,18 @@ class AgentRollout:
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
 
-    async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
+    async def _one(self, record: RunRecord, row: dict[str, Any], slot: dict) -> tuple[str, Any, Any]:
         """``(outcome, reward, info)`` of one run; never raises (``outcome``: ok / error / timeout / bad_reward)."""
         import openai
 
-        client = openai.AsyncOpenAI(
-            base_url=self.endpoint.base_url, api_key=record.key, max_retries=0, timeout=self.timeout
-        )
+        slot["task"] = asyncio.current_task()
+        client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)
         try:
-            result = await asyncio.wait_for(self.agent(client, dict(row)), self.timeout)
-        except asyncio.TimeoutError:
-            return "timeout", None, None
+            result = await self.agent(client, dict(row))
+        except asyncio.CancelledError:
+            if record.timed_out:  # cancelled by the watchdog of __call__
+                return "timeout", None, None
+            raise
         except Exception as err:  # the agent's own failure: counted, the run scored by on_failure
             logger.warning("agent run failed: %s: %s", type(err).__name__, err)
             return "error", None, f"{type(err).__name__}: {err}"
@@ -133,21 +137,36 @@ class AgentRollout:
         except (TypeError, ValueError):
             return "bad_reward", None, f"the agent returned {result!r:.80}, not a reward"
 
+    def _watch(self, futures, records, slots, cancelled: dict[int, float]) -> None:
+        """Cancel the runs whose agents took more than ``timeout`` seconds of their own time (time spent waiting for
+        the policy does not count): their calls are refused from now on."""
+        now = time.monotonic()
+        for i, (future, record) in enumerate(zip(futures, records)):
+            if future.done() or i in cancelled or record.own_time(now) <= self.timeout:
+                continue
+            record.timed_out = True
+            self.endpoint.close_run(record)
+            task = slots[i].get("task")
+            if task is not None:
+                self.endpoint.loop.call_soon_threadsafe(task.cancel)
+            cancelled[i] = now
+
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         endpoint = self.endpoint.start()
         records = [endpoint.open_run() for _ in rows]
-        futures = [endpoint.submit(self._one(record, row)) for record, row in zip(records, rows)]
-        # the hard stop: every run is cancelled by its own timeout; an agent that swallows the cancellation is
-        # abandoned a little later, so the training step never waits forever
-        deadline = time.monotonic() + self.timeout + 10.0
+        slots: list[dict] = [{} for _ in rows]
+        futures = [endpoint.submit(self._one(r, row, slot)) for r, row, slot in zip(records, rows, slots)]
+        cancelled: dict[int, float] = {}  # run -> when the watchdog cancelled it
 
         def live() -> int:
             return sum(1 for f, r in zip(futures, records) if not f.done() and r.open)
 
+        def abandoned(i: int) -> bool:  # an agent that ignores its cancellation is let go after a grace period
+            return i in cancelled and time.monotonic() - cancelled[i] > CANCEL_GRACE_S
+
         try:
-            while not all(f.done() for f in futures):
-                if time.monotonic() > deadline:
-                    break
+            while not all(f.done() or abandoned(i) for i, f in enumerate(futures)):
+                self._watch(futures, records, slots, cancelled)
                 batch = endpoint.next_batch(live, self.batch_window)
                 if batch:
                     endpoint.answer(batch)
@@ -160,7 +179,7 @@ class AgentRollout:
                 endpoint.close_run(record)
         outcomes = []
         for future in futures:
-            if future.done():
+            if future.done() and not future.cancelled():
                 outcomes.append(future.result())
             else:
                 future.cancel()

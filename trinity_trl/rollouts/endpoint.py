@@ -90,6 +90,15 @@ class RunRecord:
     open: bool = True
     cut: bool = False  # stopped by the turn limit
     waiting: int = 0  # requests queued or being answered
+    started: float = field(default_factory=time.monotonic)
+    waited: float = 0.0  # seconds spent waiting for the policy's answers (not the agent's own time)
+    waiting_since: float | None = None
+    timed_out: bool = False
+
+    def own_time(self, now: float) -> float:
+        """Seconds the agent itself has taken so far: wall time since the start, less the time waiting for answers."""
+        waiting = 0.0 if self.waiting_since is None else now - self.waiting_since
+        return now - self.started - self.waited - waiting
 
 
 @dataclass
@@ -388,6 +397,8 @@ class PolicyEndpoint:
                     self.counters["rejected_requests"] += 1
                 return error(RequestError(400, f"the body is not JSON: {err}"))
             with self._lock:
+                if record.waiting == 0:
+                    record.waiting_since = time.monotonic()
                 record.waiting += 1
             self.queue.put(pending)
             try:
@@ -397,6 +408,9 @@ class PolicyEndpoint:
             finally:
                 with self._lock:
                     record.waiting -= 1
+                    if record.waiting == 0 and record.waiting_since is not None:
+                        record.waited += time.monotonic() - record.waiting_since
+                        record.waiting_since = None
             return result
 
         return app

@@ -76,8 +76,9 @@ class StepGRPOConfig(TrinityConfig):
             rewritten, and sequence-level losses (`gspo`, `rec` with GSPO clipping, `ppo` with sequence
             masking), fall back to one row per turn.
         agent_timeout (`float`, *optional*, defaults to `300.0`):
-            With `agent=`: seconds one agent run may take; it is then cancelled, its later calls refused, and it is
-            scored as `agent_on_failure` says.
+            With `agent=`: seconds of its own time one agent run may take (time waiting for the policy's answers
+            does not count); it is then cancelled, its later calls refused, and it is scored as `agent_on_failure`
+            says.
         agent_on_failure (`str`, *optional*, defaults to `"zero"`):
             With `agent=`: a run whose agent raised, timed out or returned no number scores 0 (`"zero"`) or is left
             unscored, its steps without gradient (`"drop"`).
