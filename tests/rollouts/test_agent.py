@@ -21,7 +21,7 @@ from tolerance import assert_close
 from trainers import test_step_grpo_tools as tool_tests
 from trainers.test_step_grpo_tools import Recording, force_turns, logs_of, task_of, tool_call
 
-from trinity_trl.trainers import StepGRPOConfig
+from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 tool_model_dir = tool_tests.tool_model_dir  # the tiny Qwen2 with TRL's Qwen2.5 chat template (tools)
 
@@ -197,3 +197,32 @@ def test_eight_concurrent_runs_with_faults_train_on(tmp_path, tool_model_dir):
     for batch in trainer.batches:
         # ok x3 and malformed: a row each; drops_history: two segments; runs without a call: no row
         assert (batch["sample_count"] > 0).sum().item() == 3 + 1 + 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"agent_timeout": 0}, "agent_timeout"),
+        ({"agent_on_failure": "skip"}, "agent_on_failure"),
+        ({"agent_batch_window": -1}, "agent_batch_window"),
+    ],
+)
+def test_bad_agent_options_fail_at_config_construction(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)), **kwargs)
+
+
+def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):
+    args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+
+    def not_async(client, row):
+        return 1.0
+
+    with pytest.raises(TypeError, match="async function"):
+        StepGRPOTrainer(model=tool_model_dir, args=args, train_dataset=tasks(2), agent=not_async)
+    with pytest.raises(ValueError, match="without environment_factory"):
+        StepGRPOTrainer(
+            model=tool_model_dir, args=args, train_dataset=tasks(2), agent=calculator_agent, environment_factory=object
+        )
+    with pytest.raises(ValueError, match="needs a train_dataset"):
+        StepGRPOTrainer(model=tool_model_dir, args=args, agent=calculator_agent)

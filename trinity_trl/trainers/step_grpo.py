@@ -169,6 +169,11 @@ class StepGRPOTrainer(TrinityTrainer):
             what it lacks. Each dataset row is a task (its columns are passed to `reset`); with
             `train_dataset=None` the environment owns the data and `max_steps` sets the length.
         tools: standalone tools (callables), as for TRL's `GRPOTrainer`; with a tool environment or alone.
+        agent: instead of an environment, `async def agent(client, row) -> reward` (or `(reward, info)`): a program
+            that calls the policy through `client`, an `openai.AsyncOpenAI` pointed at an OpenAI-compatible endpoint
+            the trainer serves on loopback; every model call is a step, trained on the token ids it sampled
+            (:mod:`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
+            `agent_batch_window`; `max_env_steps` bounds the calls of a run.
         reward_funcs: reward functions scoring each run (TRL passes them the whole conversation of a tool run,
             or the final turn of a reset/step run). A reset/step environment's last-step reward is always the
             first reward (`environment_reward`); a tool environment's `get_reward()` is added by TRL.
