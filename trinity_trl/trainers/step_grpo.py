@@ -259,6 +259,13 @@ class StepGRPOTrainer(TrinityTrainer):
         from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
 
         args = self.args
+        if self.accelerator.num_processes > 1:
+            # each process would answer its own agents' requests in batches of its own count, while distributed
+            # generation (vLLM server/colocate, ZeRO-3/FSDP generate) needs every process to generate in lockstep
+            raise NotImplementedError(
+                "agent= runs on one process for now (distributed generation needs every process to generate in "
+                f"lockstep); got {self.accelerator.num_processes} processes"
+            )
         context = getattr(self.model.config, "max_position_embeddings", None)
         endpoint = PolicyEndpoint(
             self.generation,
