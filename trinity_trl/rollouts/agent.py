@@ -76,7 +76,7 @@ class AgentRollout:
     """Plays an agent function over the policy endpoint (see the module docstring).
 
     Args:
-        endpoint: the trainer's endpoint (started here on first use).
+        endpoint: the trainer's endpoint (started for each rollout, on a fresh OS-chosen port, and stopped after it).
         agent: ``async def agent(client, row)`` returning a reward (a number, or ``None`` for "cannot score") or
             ``(reward, info)``.
         timeout: seconds of its own time a run may take (time spent waiting for the policy's answers excluded, so a
@@ -177,6 +177,9 @@ class AgentRollout:
         finally:
             for record in records:
                 endpoint.close_run(record)
+            # the server runs only during a rollout: between steps nothing listens, and nothing keeps the trainer
+            # alive through the server thread
+            endpoint.stop()
         outcomes = []
         for future in futures:
             if future.done() and not future.cancelled():

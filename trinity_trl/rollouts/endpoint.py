@@ -337,7 +337,9 @@ class PolicyEndpoint:
             return
         self._server.should_exit = True
         self._thread.join(10)
-        self._thread = None
+        self._thread, self._server = None, None
+        if self.loop is not None and not self.loop.is_running():
+            self.loop.close()
 
     def submit(self, coroutine) -> concurrent.futures.Future:
         """Run ``coroutine`` on the endpoint's event loop (the agents' runs live there, next to the server)."""
