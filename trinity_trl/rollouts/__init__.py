@@ -2,9 +2,12 @@
 
 Two environment protocols (:mod:`.protocols`): this package's reset/step :class:`Environment`, played by
 :class:`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
-:func:`run_from_trajectory`. OpenEnv environments: :mod:`.openenv` (the ``openenv`` extra).
+:func:`run_from_trajectory`. OpenEnv environments: :mod:`.openenv` (the ``openenv`` extra). Agents that call an
+OpenAI client: :class:`AgentRollout` over the trainer's :class:`PolicyEndpoint` (the ``agents`` extra).
 """
 
+from .agent import AgentRollout
+from .endpoint import ChatRenderer, PolicyEndpoint
 from .environment import Environment, EnvironmentFailure, StepResult
 from .envs import (
     CalculatorEnv,
@@ -20,6 +23,9 @@ from .protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
 from .trajectories import run_from_trajectory
 
 __all__ = [
+    "AgentRollout",
+    "ChatRenderer",
+    "PolicyEndpoint",
     "CalculatorEnv",
     "CalculatorToolEnv",
     "Environment",

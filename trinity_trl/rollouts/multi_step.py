@@ -44,7 +44,9 @@ class Step:
 class Run:
     """One episode. ``reward`` is the reward of the last step (NaN when it could not be scored);
     ``prefix_preserving`` says whether every step's prompt starts with the previous step's prompt +
-    completion; ``cut`` whether the run was stopped by the turn limit before its environment ended it."""
+    completion; ``cut`` whether the run was stopped by the turn limit before its environment ended it. ``segments``:
+    the step indices of each chain of steps that extend one another (an agent run over the policy endpoint whose
+    history was rewritten has several); ``None`` means one chain when ``prefix_preserving``, else one per step."""
 
     steps: list[Step] = field(default_factory=list)
     reward: float = 0.0
@@ -52,6 +54,7 @@ class Run:
     prefix_preserving: bool = True
     cut: bool = False
     messages: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[list[int]] | None = None
 
 
 def _describe(row: dict[str, Any], limit: int = 80) -> str:

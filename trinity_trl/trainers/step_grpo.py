@@ -31,6 +31,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..rollouts import MultiStepRollout
+from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent
 from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
@@ -78,6 +79,16 @@ class StepGRPOConfig(TrinityConfig):
             cost grows linearly, not quadratically, with the number of turns. Runs whose history was
             rewritten, and sequence-level losses (`gspo`, `rec` with GSPO clipping, `ppo` with sequence
             masking), fall back to one row per turn.
+        agent_timeout (`float`, *optional*, defaults to `300.0`):
+            With `agent=`: seconds of its own time one agent run may take (time waiting for the policy's answers
+            does not count); it is then cancelled, its later calls refused, and it is scored as `agent_on_failure`
+            says.
+        agent_on_failure (`str`, *optional*, defaults to `"zero"`):
+            With `agent=`: a run whose agent raised, timed out or returned no number scores 0 (`"zero"`) or is left
+            unscored, its steps without gradient (`"drop"`).
+        agent_batch_window (`float`, *optional*, defaults to `0.05`):
+            With `agent=`: seconds the endpoint waits after a request for the other running agents' requests before
+            it generates them in one batch (it generates at once when every running agent waits).
     """
 
     algorithm: str = field(default="multi_step_grpo", metadata={"help": "Algorithm preset."})
@@ -95,7 +106,19 @@ class StepGRPOConfig(TrinityConfig):
         },
     )
 
+    agent_timeout: float = field(default=300.0, metadata={"help": "Seconds one agent run may take (agent=)."})
+    agent_on_failure: str = field(default="zero", metadata={"help": "'zero' or 'drop': a failed agent run's score."})
+    agent_batch_window: float = field(
+        default=0.05, metadata={"help": "Seconds the endpoint collects agents' requests into one batch (agent=)."}
+    )
+
     def __post_init__(self):
+        if not self.agent_timeout > 0:
+            raise ValueError(f"agent_timeout must be > 0 seconds, got {self.agent_timeout}")
+        if self.agent_on_failure not in FAILURE_MODES:
+            raise ValueError(f"agent_on_failure must be one of {FAILURE_MODES}, got {self.agent_on_failure!r}")
+        if self.agent_batch_window < 0:
+            raise ValueError(f"agent_batch_window must be >= 0 seconds, got {self.agent_batch_window}")
         if self.max_env_steps < 1:
             raise ValueError(f"max_env_steps must be >= 1, got {self.max_env_steps}")
         if self.history not in HISTORY_MODES:
@@ -150,6 +173,11 @@ class StepGRPOTrainer(TrinityTrainer):
             what it lacks. Each dataset row is a task (its columns are passed to `reset`); with
             `train_dataset=None` the environment owns the data and `max_steps` sets the length.
         tools: standalone tools (callables), as for TRL's `GRPOTrainer`; with a tool environment or alone.
+        agent: instead of an environment, `async def agent(client, row) -> reward` (or `(reward, info)`): a program
+            that calls the policy through `client`, an `openai.AsyncOpenAI` pointed at an OpenAI-compatible endpoint
+            the trainer serves on loopback; every model call is a step, trained on the token ids it sampled
+            (:mod:`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
+            `agent_batch_window`; `max_env_steps` bounds the calls of a run.
         reward_funcs: reward functions scoring each run (TRL passes them the whole conversation of a tool run,
             or the final turn of a reset/step run). A reset/step environment's last-step reward is always the
             first reward (`environment_reward`); a tool environment's `get_reward()` is added by TRL.
@@ -169,6 +197,7 @@ class StepGRPOTrainer(TrinityTrainer):
         environment_factory=None,
         tools=None,
         teacher_model=None,
+        agent=None,
         **kwargs,
     ):
         if args is not None and not isinstance(args, StepGRPOConfig):
@@ -179,9 +208,24 @@ class StepGRPOTrainer(TrinityTrainer):
         given["teacher_model"] = teacher_model
         train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
-        protocol, classes = resolve_protocol(environment_factory, tools, columns)
+        if agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
+            if environment_factory is not None or tools:
+                raise ValueError(
+                    "agent= plays its own environment: pass agent= alone, without environment_factory/tools"
+                )
+            if train_dataset is None:
+                raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
+            check_agent(agent)
+            protocol, classes = AGENT_PROTOCOL, {None: type(agent)}
+        else:
+            protocol, classes = resolve_protocol(environment_factory, tools, columns)
         self.environment_protocol = protocol
-        self._environment_names = sorted({cls.__qualname__ for cls in classes.values()})
+        self._environment_names = sorted(
+            {
+                getattr(agent, "__qualname__", cls.__qualname__) if agent else cls.__qualname__
+                for cls in classes.values()
+            }
+        )
         extra = (
             []
             if reward_funcs is None
@@ -202,8 +246,10 @@ class StepGRPOTrainer(TrinityTrainer):
             if train_dataset is None:
                 given["train_dataset"] = self._placeholder_tasks(args, environment_factory)
             super().__init__(**(given | {"reward_funcs": [environment_reward, *extra]}))
-            self.rollout = MultiStepRollout(
-                self.generation, environment_factory, self.args.max_env_steps, self.args.history
+            self.rollout = (
+                self._agent_rollout(agent)
+                if agent is not None
+                else MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
             )
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
@@ -213,6 +259,38 @@ class StepGRPOTrainer(TrinityTrainer):
         # reference log-probs are computed here for every row (step or run); TRL's pass over the final
         # turns would be redone (the reference model itself stays loaded)
         skip_trl_reference_pass(self)
+
+    def _agent_rollout(self, agent):
+        """The policy endpoint and the rollout that plays ``agent`` over it (:mod:`trinity_trl.rollouts.agent`)."""
+        from ..rollouts.agent import AgentRollout
+        from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
+
+        args = self.args
+        if self.accelerator.num_processes > 1:
+            # each process would answer its own agents' requests in batches of its own count, while distributed
+            # generation (vLLM server/colocate, ZeRO-3/FSDP generate) needs every process to generate in lockstep
+            raise NotImplementedError(
+                "agent= runs on one process for now (distributed generation needs every process to generate in "
+                f"lockstep); got {self.accelerator.num_processes} processes"
+            )
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        endpoint = PolicyEndpoint(
+            self.generation,
+            ChatRenderer(self.processing_class, self.chat_template, self.chat_template_kwargs),
+            model_name=getattr(self.model.config, "_name_or_path", None) or "policy",
+            max_context=None if context is None else context - args.max_completion_length,
+            max_calls=args.max_env_steps,
+            sampling={"temperature": args.temperature, "top_p": args.top_p},
+            token_history=args.history == "tokens",
+        )
+        return AgentRollout(
+            endpoint,
+            agent,
+            timeout=args.agent_timeout,
+            on_failure=args.agent_on_failure,
+            batch_window=args.agent_batch_window,
+            empty_prompt=[self._tokenizer.pad_token_id],
+        )
 
     @staticmethod
     def _placeholder_tasks(args, environment_factory):
@@ -256,6 +334,8 @@ class StepGRPOTrainer(TrinityTrainer):
         """TRL's ``rollout_func`` for one batch: play every run and report each run's final turn (which
         TRL scores); the runs come back to :meth:`_training_batch` as the rows' ``run`` field."""
         runs = self.rollout(rows)
+        if getattr(self.rollout, "metrics", None):  # the agent rollout's fault counters (agent/...)
+            append_metrics(self._metrics["train" if self.model.training else "eval"], self.rollout.metrics)
         last = [run.steps[-1] for run in runs]
         logprobs = [s.logprobs for s in last]
         return {
@@ -381,11 +461,14 @@ class StepGRPOTrainer(TrinityTrainer):
                 )
                 for step, score in zip(run.steps, scores)
             ]
-            groups = (
-                [list(range(len(run.steps)))]
-                if shared and run.prefix_preserving
-                else [[s] for s in range(len(run.steps))]
-            )
+            if run.segments is not None:  # an agent run: its segments (none when it made no call)
+                groups = run.segments if shared else [[s] for segment in run.segments for s in segment]
+            else:
+                groups = (
+                    [list(range(len(run.steps)))]
+                    if shared and run.prefix_preserving
+                    else [[s] for s in range(len(run.steps))]
+                )
             for group in groups:
                 first, last = run.steps[group[0]], run.steps[group[-1]]
                 completion = last.prompt_ids[len(first.prompt_ids) :] + last.completion_ids
@@ -406,7 +489,7 @@ class StepGRPOTrainer(TrinityTrainer):
                 sampling.append(logps)
                 samples.append(sum(trained[s] for s in group))
                 widths.append(max(len(run.steps[s].completion_ids) for s in group))
-        padding = -len(prompts) % self.args.steps_per_generation
+        padding = -len(prompts) % self.args.steps_per_generation or (0 if prompts else self.args.steps_per_generation)
         pad_id = self._tokenizer.pad_token_id
         prompts += [[pad_id]] * padding
         completions += [[pad_id]] * padding

@@ -1,0 +1,306 @@
+"""The policy endpoint (trinity_trl/rollouts/endpoint.py) and the agent rollout over it (agent.py), with a scripted
+generator: the real FastAPI/uvicorn server on 127.0.0.1 (an OS-chosen port), called by ``openai.AsyncOpenAI``.
+
+The scripted generator answers each prompt with the turn ``script(prompt text)`` names, as token ids of the tiny
+tokenizer (+ EOS) with made-up log-probs, and records every batch it is given, so the tests see what was batched,
+what was recorded and which prompt ids the policy read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import openai
+import pytest
+from helpers import build_tiny_tokenizer
+
+from trinity_trl.rollouts.agent import AgentRollout, run_segments
+from trinity_trl.rollouts.endpoint import ChatRenderer, PolicyEndpoint
+
+
+class Scripted:
+    """``Generator`` whose turn for a prompt is ``script(decoded prompt)``; log-prob of token i is ``-(i + 1) / 10``."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = {tokenizer.eos_token_id}
+        self.batches: list[list[list[int]]] = []
+
+    def generate(self, prompt_ids):
+        self.batches.append([list(p) for p in prompt_ids])
+        completions = []
+        for ids in prompt_ids:
+            text = self.script(self.tokenizer.decode(ids))
+            completions.append(self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_token_id])
+        return completions, [[-(i + 1) / 10 for i in range(len(c))] for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = qwen2_5_chat_template  # renders tools; TRL knows its response template
+    return tok
+
+
+def tool_call(name, **arguments):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def default_script(text: str) -> str:
+    if "<tool_response>" in text:
+        return "The sum is " + text.split("<tool_response>\n")[-1].split("\n</tool_response>")[0] + "."
+    if "use the tool" in text:
+        return tool_call("add", a=2, b=3)
+    if "broken call" in text:
+        return '<tool_call>\n{"name": "add", "arguments": {oops}\n</tool_call>'
+    return "Hello there friend."
+
+
+@pytest.fixture
+def endpoint(tokenizer):
+    made = []
+
+    def build(script=default_script, **kwargs):
+        ep = PolicyEndpoint(Scripted(tokenizer, script), ChatRenderer(tokenizer), **kwargs).start()
+        made.append(ep)
+        return ep
+
+    yield build
+    for ep in made:
+        ep.stop()
+
+
+def play(endpoint, agent, rows, **kwargs):
+    rollout = AgentRollout(endpoint, agent, **kwargs)
+    return rollout, rollout(rows)
+
+
+def test_loopback_models_and_keys(endpoint):
+    ep = endpoint()
+    assert ep.base_url.startswith("http://127.0.0.1:")
+
+    async def agent(client, row):
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["policy"]
+        stranger = openai.AsyncOpenAI(base_url=ep.base_url, api_key="not-a-run", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        await stranger.close()
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        return float(reply.choices[0].message.content == "Hello there friend.")
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and len(runs[0].steps) == 1
+    assert rollout.metrics["agent/requests"] == 1.0 and rollout.metrics["agent/errors"] == 0.0
+
+
+def test_concurrent_runs_are_batched_and_recorded_exactly(endpoint, tokenizer):
+    ep = endpoint()
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": f"Task {row['task']}: use the tool."}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL], logprobs=True)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        call = message.tool_calls[0]
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+        assert [t.logprob for t in first.choices[0].logprobs.content][:2] == [-0.1, -0.2]
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "5"},
+        ]
+        second = await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL])
+        return float("5" in second.choices[0].message.content)
+
+    # a long window: the endpoint generates as soon as every live run waits, so the batches do not depend on timing
+    rollout, runs = play(ep, agent, [{"task": i} for i in range(8)], batch_window=30.0)
+    assert [run.reward for run in runs] == [1.0] * 8
+    # 8 runs, 2 calls each: answered in 2 batched generations of 8 prompts, not 16 calls
+    assert [len(b) for b in ep.generator.batches] == [8, 8]
+    for run in runs:
+        first, second = run.steps
+        assert run.segments == [[0, 1]] and run.prefix_preserving
+        # the second prompt is the first prompt + the sampled ids (never re-tokenized) + the tool turn's tokens
+        assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+            first.prompt_ids + first.completion_ids
+        )
+        assert first.logprobs == [-(i + 1) / 10 for i in range(len(first.completion_ids))]
+        # the first prompt is the chat template's rendering, tool schemas included
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": tokenizer.decode(first.prompt_ids).split("Task ")[1].join(["Task ", ""])}],
+            tools=[ADD_TOOL],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        assert first.prompt_ids[:20] == list(rendered)[:20] and '"name": "add"' in tokenizer.decode(first.prompt_ids)
+    assert rollout.metrics["agent/calls_per_run"] == 2.0 and rollout.metrics["agent/segments_per_run"] == 1.0
+
+
+def test_rewritten_history_starts_a_new_segment_and_n_choices_are_steps(endpoint):
+    turns = iter(["Alpha beta gamma.", "Delta epsilon zeta.", "Eta theta.", "Iota kappa."])
+    ep = endpoint(script=lambda text: next(turns))
+
+    async def agent(client, row):
+        first = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=2
+        )
+        assert [c.finish_reason for c in first.choices] == ["length", "length"]
+        kept = first.choices[1].message
+        # continues choice 1 exactly: extends it
+        await client.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": kept.content},
+                {"role": "user", "content": "more"},
+            ],
+        )
+        # summarised history: rendered anew, a new segment
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "summary: hi"}])
+        return 1.0
+
+    _, runs = play(ep, agent, [{}])
+    run = runs[0]
+    assert [len(s.completion_ids) for s in run.steps[:2]] == [2, 2]
+    assert run.segments == [[0], [1, 2], [3]] and not run.prefix_preserving
+    # a cut turn is closed with EOS before the next turn's tokens
+    assert run.steps[2].prompt_ids[: len(run.steps[1].prompt_ids) + 3] == (
+        run.steps[1].prompt_ids + run.steps[1].completion_ids + [ep.generator.eos_token_id]
+    )
+
+
+def test_stop_strings_and_refused_sampling_settings(endpoint):
+    ep = endpoint(sampling={"temperature": 1.0, "top_p": 1.0})
+
+    async def agent(client, row):
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stop=["there"], temperature=1.0
+        )
+        assert reply.choices[0].message.content == "Hello "
+        assert reply.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.2
+            )
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], tools=[ADD_TOOL], tool_choice="required"
+            )
+        return 1.0
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and rollout.metrics["agent/errors"] == 0.0
+    assert rollout.metrics["agent/rejected_requests"] == 2.0
+    # the recorded turn ends with the token that completed the stop string
+    assert "there" in ep.renderer.tokenizer.decode(runs[0].steps[0].completion_ids)
+
+
+def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
+    ep = endpoint(max_context=1000, max_calls=2)
+    late = {}
+
+    async def agent(client, row):
+        kind = row["kind"]
+        hi = [{"role": "user", "content": "hi"}]
+        if kind == "raises":
+            await client.chat.completions.create(model="m", messages=hi)
+            raise RuntimeError("agent bug")
+        if kind == "hangs":
+            await client.chat.completions.create(model="m", messages=hi)
+            await asyncio.sleep(3600)
+        if kind == "malformed":
+            reply = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "broken call"}], tools=[ADD_TOOL]
+            )
+            return float(reply.choices[0].message.tool_calls is None)
+        if kind == "too_long":
+            with pytest.raises(openai.BadRequestError, match="context"):
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 1500}])
+            return 1.0
+        if kind == "turn_limit":
+            for _ in range(2):
+                await client.chat.completions.create(model="m", messages=hi)
+            with pytest.raises(openai.ConflictError):
+                await client.chat.completions.create(model="m", messages=hi)
+            return 1.0
+        if kind == "late":
+            late["key"] = client.api_key
+            return 1.0
+        if kind == "late_caller":  # calls with the key of a run that has ended
+            await asyncio.sleep(0.3)
+            stale = openai.AsyncOpenAI(base_url=ep.base_url, api_key=late["key"], max_retries=0)
+            with pytest.raises(openai.ConflictError):
+                await stale.chat.completions.create(model="m", messages=hi)
+            await stale.close()
+            return 1.0
+        if kind == "no_number":
+            return "great"
+        return None  # cannot score
+
+    kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "unscorable"]
+    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
+    rewards = dict(zip(kinds, (run.reward for run in runs)))
+    assert rewards["raises"] == 0.0 and rewards["hangs"] == 0.0 and rewards["no_number"] == 0.0
+    assert rewards["malformed"] == 1.0 and rewards["too_long"] == 1.0 and rewards["turn_limit"] == 1.0
+    assert math.isnan(rewards["unscorable"])
+    m = rollout.metrics
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 1.0)
+    assert m["agent/malformed_tool_calls"] == 1.0 and m["agent/context_overflows"] == 1.0
+    assert m["agent/turn_limit_hits"] == 1.0 and runs[kinds.index("turn_limit")].cut
+    assert m["agent/late_calls"] == 1.0 and rewards["late_caller"] == 1.0
+    # runs without a call: a stand-in step in no segment (never trained)
+    assert runs[kinds.index("late")].segments == []
+
+    # a call of an earlier step's run, during the next step, is refused as late too
+    async def caller(client, row):
+        stale = openai.AsyncOpenAI(base_url=ep.base_url, api_key=late["key"], max_retries=0)
+        with pytest.raises(openai.ConflictError):
+            await stale.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        await stale.close()
+        return 1.0
+
+    rollout.agent = caller
+    runs = rollout([{}])
+    assert runs[0].reward == 1.0 and rollout.metrics["agent/late_calls"] == 1.0
+
+
+def test_failed_runs_are_dropped_when_asked(endpoint):
+    ep = endpoint()
+
+    async def agent(client, row):
+        raise ValueError("no")
+
+    rollout, runs = play(ep, agent, [{}, {}], on_failure="drop")
+    assert all(math.isnan(run.reward) for run in runs) and rollout.metrics["agent/errors"] == 2.0
+
+
+def test_run_segments_follow_parents():
+    from trinity_trl.rollouts.endpoint import Call, Choice, RunRecord
+
+    def call(parent, n=1):
+        return Call([], None, [], parent, [Choice([1], None, {"content": ""}, "stop") for _ in range(n)])
+
+    record = RunRecord("k", calls=[call(None, n=2), call((0, 1)), call((0, 0)), call((1, 0)), call(None)])
+    steps, segments = run_segments(record)
+    assert steps == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0), (4, 0)]
+    assert segments == [[0, 3], [1, 2, 4], [5]]

@@ -1,0 +1,232 @@
+"""Agents over an OpenAI-compatible endpoint: ``async def agent(client, row) -> reward`` played G times per task.
+
+:class:`AgentRollout` is the rollout of :class:`~trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
+For a batch of dataset rows it opens one run per row on the trainer's :class:`~.endpoint.PolicyEndpoint` (each its
+own API key), starts every agent on the endpoint's event loop with an ``openai.AsyncOpenAI`` client pointed at it,
+and, on the training thread, answers the agents' requests in batches until every run has ended. Each run's recorded
+calls become a :class:`~.multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
+*segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
+history was rewritten starts a new one).
+
+Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
+something that is not a reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
+(``"drop"``: its steps get no gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under
+``agent/``). A request the endpoint refuses (longer than the context, past the turn limit, after the run ended, a bad
+argument) is answered with an HTTP error the agent sees as an ``openai`` exception, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .endpoint import COUNTERS, PolicyEndpoint, RunRecord
+from .multi_step import Run, Step
+
+logger = logging.getLogger(__name__)
+
+FAILURE_MODES = ("zero", "drop")
+#: the protocol name StepGRPOTrainer reports for agent=
+AGENT_PROTOCOL = "agent"
+#: seconds a cancelled agent has to end before its run is abandoned
+CANCEL_GRACE_S = 10.0
+
+AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+def check_agent(agent: Any) -> None:
+    """``TypeError`` unless ``agent`` is an ``async def agent(client, row)``."""
+    call = type(agent).__dict__.get("__call__") if not inspect.isfunction(agent) else None
+    if not (inspect.iscoroutinefunction(agent) or (call is not None and inspect.iscoroutinefunction(call))):
+        raise TypeError(
+            f"agent must be an async function `async def agent(client, row) -> reward` (or (reward, info)), got "
+            f"{agent!r:.80}"
+        )
+
+
+def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """``(steps, segments)`` of a recorded run: ``steps[s] = (call, choice)`` in call order, and the step indices of
+    each segment, every step of a segment extending the previous one (see the module docstring)."""
+    steps, where = [], {}
+    for c, call in enumerate(record.calls):
+        for k in range(len(call.choices)):
+            where[(c, k)] = len(steps)
+            steps.append((c, k))
+    segments: list[list[int]] = []
+    tail_of: dict[int, int] = {}  # last step of a segment -> segment index
+    for s, (c, _k) in enumerate(steps):
+        parent = record.calls[c].parent
+        owner = tail_of.pop(where[parent], None) if parent is not None and parent in where else None
+        if owner is None:
+            segments.append([s])
+            owner = len(segments) - 1
+        else:
+            segments[owner].append(s)
+        tail_of[s] = owner
+    return steps, segments
+
+
+class AgentRollout:
+    """Plays an agent function over the policy endpoint (see the module docstring).
+
+    Args:
+        endpoint: the trainer's endpoint (started for each rollout, on a fresh OS-chosen port, and stopped after it).
+        agent: ``async def agent(client, row)`` returning a reward (a number, or ``None`` for "cannot score") or
+            ``(reward, info)``.
+        timeout: seconds of its own time a run may take (time spent waiting for the policy's answers excluded, so a
+            slow generation never times agents out); it is then cancelled and its calls refused.
+        on_failure: ``"zero"`` (a failed run scores 0) or ``"drop"`` (it is unscored and gets no gradient).
+        batch_window: seconds the endpoint waits, after a request arrives, for the other live runs' requests
+            before it generates (it generates at once when every live run waits).
+        empty_prompt: the prompt ids of the stand-in step of a run that made no call (its completion is one EOS; it
+            belongs to no segment, so it is never trained; it carries the run's reward into its group).
+    """
+
+    def __init__(
+        self,
+        endpoint: PolicyEndpoint,
+        agent: AgentFn,
+        timeout: float = 300.0,
+        on_failure: str = "zero",
+        batch_window: float = 0.05,
+        empty_prompt: list[int] | None = None,
+    ):
+        check_agent(agent)
+        if on_failure not in FAILURE_MODES:
+            raise ValueError(f"on_failure must be one of {FAILURE_MODES}, got {on_failure!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.endpoint, self.agent = endpoint, agent
+        self.timeout, self.on_failure, self.batch_window = float(timeout), on_failure, float(batch_window)
+        self.empty_prompt = list(empty_prompt or [endpoint.generator.eos_token_id])
+        self.eos_token_id = endpoint.generator.eos_token_id
+        self.metrics: dict[str, float] = {}
+        self._previous: list[RunRecord] = []
+        self._counted: Counter = Counter()
+        self.infos: list[Any] = []
+
+    async def _one(self, record: RunRecord, row: dict[str, Any], slot: dict) -> tuple[str, Any, Any]:
+        """``(outcome, reward, info)`` of one run; never raises (``outcome``: ok / error / timeout / bad_reward)."""
+        import openai
+
+        slot["task"] = asyncio.current_task()
+        client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)
+        try:
+            result = await self.agent(client, dict(row))
+        except asyncio.CancelledError:
+            if record.timed_out:  # cancelled by the watchdog of __call__
+                return "timeout", None, None
+            raise
+        except Exception as err:  # the agent's own failure: counted, the run scored by on_failure
+            logger.warning("agent run failed: %s: %s", type(err).__name__, err)
+            return "error", None, f"{type(err).__name__}: {err}"
+        finally:
+            self.endpoint.close_run(record)
+            await client.close()
+        reward, info = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+        if reward is None:
+            return "ok", math.nan, info
+        try:
+            return "ok", float(reward), info
+        except (TypeError, ValueError):
+            return "bad_reward", None, f"the agent returned {result!r:.80}, not a reward"
+
+    def _watch(self, futures, records, slots, cancelled: dict[int, float]) -> None:
+        """Cancel the runs whose agents took more than ``timeout`` seconds of their own time (time spent waiting for
+        the policy does not count): their calls are refused from now on."""
+        now = time.monotonic()
+        for i, (future, record) in enumerate(zip(futures, records)):
+            if future.done() or i in cancelled or record.own_time(now) <= self.timeout:
+                continue
+            record.timed_out = True
+            self.endpoint.close_run(record)
+            task = slots[i].get("task")
+            if task is not None:
+                self.endpoint.loop.call_soon_threadsafe(task.cancel)
+            cancelled[i] = now
+
+    def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
+        endpoint = self.endpoint.start()
+        records = [endpoint.open_run() for _ in rows]
+        slots: list[dict] = [{} for _ in rows]
+        futures = [endpoint.submit(self._one(r, row, slot)) for r, row, slot in zip(records, rows, slots)]
+        cancelled: dict[int, float] = {}  # run -> when the watchdog cancelled it
+
+        def live() -> int:
+            return sum(1 for f, r in zip(futures, records) if not f.done() and r.open)
+
+        def abandoned(i: int) -> bool:  # an agent that ignores its cancellation is let go after a grace period
+            return i in cancelled and time.monotonic() - cancelled[i] > CANCEL_GRACE_S
+
+        try:
+            while not all(f.done() or abandoned(i) for i, f in enumerate(futures)):
+                self._watch(futures, records, slots, cancelled)
+                batch = endpoint.next_batch(live, self.batch_window)
+                if batch:
+                    endpoint.answer(batch)
+            # requests that arrived after their run ended (refused) are still queued: answer them
+            leftover = endpoint.next_batch(lambda: 0, 0.0, poll=0.0)
+            if leftover:
+                endpoint.answer(leftover)
+        finally:
+            for record in records:
+                endpoint.close_run(record)
+            # the server runs only during a rollout: between steps nothing listens, and nothing keeps the trainer
+            # alive through the server thread
+            endpoint.stop()
+        outcomes = []
+        for future in futures:
+            if future.done() and not future.cancelled():
+                outcomes.append(future.result())
+            else:
+                future.cancel()
+                outcomes.append(("timeout", None, None))
+        counts = {"error": 0, "timeout": 0, "bad_reward": 0}
+        runs, self.infos = [], []
+        for record, (outcome, reward, info) in zip(records, outcomes):
+            if outcome != "ok":
+                counts[outcome] += 1
+                reward = 0.0 if self.on_failure == "zero" else math.nan
+            runs.append(self._run(record, reward))
+            self.infos.append(info)
+        # a run's key is kept (closed) through the next rollout, so a late call of its agent is refused as late
+        # (409) and counted rather than taken for a stranger's (401)
+        endpoint.forget(self._previous)
+        self._previous = records
+        counters = {name: endpoint.counters[name] - self._counted[name] for name in COUNTERS}
+        self._counted = Counter(endpoint.counters)
+        n = max(1, len(runs))
+        self.metrics = {
+            "agent/errors": float(counts["error"]),
+            "agent/timeouts": float(counts["timeout"]),
+            "agent/bad_rewards": float(counts["bad_reward"]),
+            **{f"agent/{name}": float(counters[name]) for name in COUNTERS},
+            "agent/calls_per_run": sum(len(r.calls) for r in records) / n,
+            "agent/runs_without_calls": float(sum(not r.calls for r in records)),
+            "agent/segments_per_run": sum(len(run.segments or []) for run in runs) / n,
+        }
+        return runs
+
+    def _run(self, record: RunRecord, reward: float) -> Run:
+        steps, segments = run_segments(record)
+        if not steps:  # no call: a stand-in step carries the run's reward into its group; no segment, never trained
+            stand_in = Step(self.empty_prompt, [self.eos_token_id], [0.0], reward, "")
+            return Run(steps=[stand_in], reward=reward, done=True, prefix_preserving=False, segments=[])
+        out = []
+        for c, k in steps:
+            call, choice = record.calls[c], record.calls[c].choices[k]
+            out.append(Step(call.prompt_ids, choice.completion_ids, choice.logprobs, reward, choice.message["content"]))
+        return Run(
+            steps=out,
+            reward=reward,
+            done=True,
+            prefix_preserving=len(segments) == 1,
+            cut=record.cut,
+            segments=segments,
+        )

@@ -1,0 +1,709 @@
+"""A policy-backed OpenAI-compatible endpoint inside the training process (the ``agents`` extra).
+
+Agents written against an OpenAI client (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers' harnesses, plain
+scripts) call ``POST /v1/chat/completions`` on ``http://127.0.0.1:<port>/v1``; the trainer's policy answers. The server
+is FastAPI on uvicorn, in a background thread with its own event loop, bound to loopback on a port the OS chooses.
+Each agent run gets its own API key: a request without the key of a live run is refused (401), a request of a run that
+is over (finished, timed out or cut) is refused too (409) and counted.
+
+Requests are not answered one by one: the handler queues the request and waits, while the training thread (the one
+that owns the model) takes the queued requests in batches (:meth:`PolicyEndpoint.next_batch`, driven by
+:class:`~trinity_trl.rollouts.agent.AgentRollout`) and answers a whole batch with one generation call. Every answer is
+recorded under its run, exactly as sampled (:class:`Call`): the prompt token ids as the chat template rendered them
+(tool schemas included), the completion token ids and their sampling log-probs. Training reads those ids; the text
+sent back to the agent is never tokenized again.
+
+**Token history.** When a request's messages are an earlier call's messages, then the assistant message that call
+returned, then new messages (tool results, a user turn), its prompt is that call's prompt + the sampled completion
+(+ EOS if the turn was cut) + the chat-template tokens of the new messages: the model reads its own turn as it was
+sampled, and the call *extends* the earlier one (they share a prefix and train in one packed row). Any other request
+(an agent that summarises or drops turns) is rendered anew and starts a new segment.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at run time
+import asyncio
+import concurrent.futures
+import json
+import math
+import queue
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .generation import Generator
+
+#: fault and request counters of one rollout (logged under ``agent/``)
+COUNTERS = (
+    "requests",
+    "late_calls",
+    "rejected_requests",
+    "context_overflows",
+    "malformed_tool_calls",
+    "turn_limit_hits",
+)
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: answered with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error", counter: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.counter = status, code, counter
+
+
+@dataclass
+class Choice:
+    """One sampled answer of a call: exactly what training reads (``completion_ids``, ``logprobs``) and the assistant
+    message sent back (``message``, the form the agent returns in its next request)."""
+
+    completion_ids: list[int]
+    logprobs: list[float] | None
+    message: dict[str, Any]
+    finish_reason: str
+
+
+@dataclass
+class Call:
+    """One request of a run. ``parent``: ``(call index, choice index)`` whose prompt + completion this call's prompt
+    extends, or ``None`` (rendered anew: a new segment)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    parent: tuple[int, int] | None
+    choices: list[Choice] = field(default_factory=list)
+
+
+@dataclass
+class RunRecord:
+    """The calls of one agent run, recorded by the endpoint; ``open`` is false once the run is over."""
+
+    key: str
+    calls: list[Call] = field(default_factory=list)
+    open: bool = True
+    cut: bool = False  # stopped by the turn limit
+    waiting: int = 0  # requests queued or being answered
+    started: float = field(default_factory=time.monotonic)
+    waited: float = 0.0  # seconds spent waiting for the policy's answers (not the agent's own time)
+    waiting_since: float | None = None
+    timed_out: bool = False
+
+    def own_time(self, now: float) -> float:
+        """Seconds the agent itself has taken so far: wall time since the start, less the time waiting for answers."""
+        waiting = 0.0 if self.waiting_since is None else now - self.waiting_since
+        return now - self.started - self.waited - waiting
+
+
+@dataclass
+class Pending:
+    """A parsed request waiting for the training thread."""
+
+    run: RunRecord
+    call: Call
+    n: int
+    max_tokens: int | None
+    stop: list[str]
+    want_logprobs: bool
+    parse_tools: bool
+    future: concurrent.futures.Future
+
+
+def _text(content: Any) -> str:
+    """OpenAI message content (a string, ``None`` or a list of parts) as text; other parts are refused."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(400, f"only text content parts are supported, got a {kind!r} part")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+    raise RequestError(400, f"message content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def _arguments(value: Any) -> Any:
+    """Tool-call arguments for the chat template: the JSON string of the OpenAI protocol, parsed (templates render a
+    mapping); text that is not JSON stays text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """The request's messages in the form the chat template renders and calls are compared in."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise RequestError(400, f"each message needs a role among system/user/assistant/tool, got {message!r:.120}")
+        role = "system" if message["role"] == "developer" else message["role"]
+        item: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
+        if role == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = call.get("function") or {}
+                if not function.get("name"):
+                    raise RequestError(400, f"an assistant tool call needs function.name, got {call!r:.120}")
+                calls.append(
+                    {
+                        "type": "function",
+                        "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))},
+                    }
+                )
+            item["tool_calls"] = calls
+        if role == "tool":
+            if message.get("tool_call_id") is not None:
+                item["tool_call_id"] = message["tool_call_id"]
+            if message.get("name") is not None:
+                item["name"] = message["name"]
+        out.append(item)
+    return out
+
+
+def _same_turn(returned: dict[str, Any], sent: dict[str, Any]) -> bool:
+    """Whether the assistant message an agent sent back is the one the endpoint returned (ids of tool calls aside)."""
+    if sent.get("role") != "assistant" or returned["content"].strip() != sent["content"].strip():
+        return False
+    mine = [(c["function"]["name"], c["function"]["arguments"]) for c in returned.get("tool_calls", [])]
+    theirs = [(c["function"]["name"], c["function"]["arguments"]) for c in sent.get("tool_calls", [])]
+    return mine == theirs
+
+
+class ChatRenderer:
+    """The chat template of the policy: ``render(messages, tools, add_generation_prompt) -> ids`` and tool-call
+    parsing of a sampled turn (TRL's ``parse_response``, with the response template TRL knows for the chat template).
+
+    Args:
+        tokenizer: the trainer's tokenizer (``processing_class``).
+        chat_template: a template replacing the tokenizer's (the trainer's ``chat_template``), or ``None``.
+        chat_template_kwargs: extra arguments of ``apply_chat_template`` (the trainer's).
+    """
+
+    def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None):
+        import copy
+
+        from trl.chat_template_utils import add_response_schema
+
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.parser = None
+        if getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None):
+            self.parser = tokenizer
+        else:
+            try:
+                self.parser = add_response_schema(copy.copy(tokenizer))
+            except (ValueError, KeyError):  # a chat template TRL has no response template for: no tool calls
+                self.parser = None
+        # the tool-call opener of the response template: a turn that has it but no parsable call is malformed
+        template = getattr(self.parser, "response_template", None) or {}
+        spec = template.get("fields", {}).get("tool_calls", {}) if isinstance(template, dict) else {}
+        self.opener = spec.get("open_pattern") or (re.escape(spec["open"]) if spec.get("open") else None)
+        if self.opener is None and self.parser is not None:
+            self.opener = re.escape("<tool_call>")
+
+    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                chat_template=self.chat_template,
+                **self.kwargs,
+            )
+        )
+
+    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None) -> tuple[dict, bool]:
+        """The assistant message of a sampled turn, and whether it holds a tool call the parser could not read (TRL
+        then takes the turn as text, and so does the endpoint)."""
+        from trl.chat_template_utils import parse_response
+
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        if not tools or self.parser is None:
+            return {"role": "assistant", "content": text}, False
+        parsed = parse_response(self.parser, completion_ids, prefix=prompt_ids, tools=tools)
+        calls = [
+            {
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})},
+            }
+            for c in parsed.get("tool_calls") or []
+        ]
+        message = {"role": "assistant", "content": parsed.get("content") or ""}
+        if calls:
+            message["tool_calls"] = calls
+            return message, False
+        malformed = self.opener is not None and re.search(self.opener, text) is not None
+        return {"role": "assistant", "content": text}, malformed
+
+
+class PolicyEndpoint:
+    """The OpenAI-compatible server of a trainer (see the module docstring). ``start()`` serves, ``stop()`` ends.
+
+    Args:
+        generator: the trainer's generation backend (one completion per prompt, batched).
+        renderer: the policy's chat template and tool-call parser.
+        model_name: the model id ``GET /v1/models`` lists (any ``model`` is accepted in requests).
+        max_context: prompt tokens at most (a longer request is refused with ``context_length_exceeded``).
+        max_calls: model calls per run at most (``max_env_steps``); a call past it is refused and the run is cut.
+        sampling: the trainer's sampling settings (``temperature``, ``top_p``): a request may repeat them or leave
+            them out; another value is refused, since the recorded log-probs would not be the sampled ones.
+        token_history: extend an earlier call's sampled tokens when a request continues it (see the module
+            docstring); ``False`` renders every request anew (the trainer's ``history="messages"``).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        renderer: ChatRenderer,
+        model_name: str = "policy",
+        max_context: int | None = None,
+        max_calls: int | None = None,
+        sampling: dict[str, float | None] | None = None,
+        token_history: bool = True,
+    ):
+        self.generator, self.renderer = generator, renderer
+        self.model_name, self.max_context, self.max_calls = model_name, max_context, max_calls
+        self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
+        self.token_history = token_history
+        self.runs: dict[str, RunRecord] = {}
+        self.queue: queue.Queue[Pending] = queue.Queue()
+        self.counters: Counter = Counter()
+        self._lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------------------ server life
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> "PolicyEndpoint":
+        import uvicorn
+
+        if self._thread is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))  # loopback only, a port the OS chooses
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(started.set)
+            self.loop.run_until_complete(self._server.serve(sockets=[sock]))
+
+        self._thread = threading.Thread(target=serve, name="trinity-policy-endpoint", daemon=True)
+        self._thread.start()
+        started.wait(30)
+        deadline = time.monotonic() + 30
+        while not self._server.started and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError("the policy endpoint did not start within 30 s")
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._thread, self._server = None, None
+        if self.loop is not None and not self.loop.is_running():
+            self.loop.close()
+
+    def submit(self, coroutine) -> concurrent.futures.Future:
+        """Run ``coroutine`` on the endpoint's event loop (the agents' runs live there, next to the server)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    # ------------------------------------------------------------------------------ runs
+    def open_run(self) -> RunRecord:
+        record = RunRecord(key="run-" + secrets.token_urlsafe(16))
+        with self._lock:
+            self.runs[record.key] = record
+        return record
+
+    def close_run(self, record: RunRecord) -> None:
+        """The run is over: its later requests are refused (409) and counted as late calls."""
+        with self._lock:
+            record.open = False
+
+    def forget(self, records: list[RunRecord]) -> None:
+        with self._lock:
+            for record in records:
+                self.runs.pop(record.key, None)
+
+    # ------------------------------------------------------------------------------ HTTP
+    def app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="trinity_trl policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def error(err: RequestError) -> JSONResponse:
+            body = {"error": {"message": str(err), "type": err.code, "code": err.code, "param": None}}
+            return JSONResponse(body, status_code=err.status)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            try:
+                self._authorize(request)
+            except RequestError as err:
+                return error(err)
+            from openai.types import Model
+
+            model = Model(id=self.model_name, created=0, object="model", owned_by="trinity_trl")
+            return {"object": "list", "data": [model.model_dump()]}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            try:
+                record = self._authorize(request)
+                body = await request.json()
+                pending = self._parse(record, body)
+            except RequestError as err:
+                with self._lock:
+                    self.counters[err.counter or "rejected_requests"] += 1
+                return error(err)
+            except ValueError as err:
+                with self._lock:
+                    self.counters["rejected_requests"] += 1
+                return error(RequestError(400, f"the body is not JSON: {err}"))
+            with self._lock:
+                if record.waiting == 0:
+                    record.waiting_since = time.monotonic()
+                record.waiting += 1
+            self.queue.put(pending)
+            try:
+                result = await asyncio.wrap_future(pending.future)
+            except RequestError as err:
+                return error(err)
+            finally:
+                with self._lock:
+                    record.waiting -= 1
+                    if record.waiting == 0 and record.waiting_since is not None:
+                        record.waited += time.monotonic() - record.waiting_since
+                        record.waiting_since = None
+            return result
+
+        return app
+
+    def _authorize(self, request) -> RunRecord:
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        with self._lock:
+            record = self.runs.get(key)
+        if record is None:
+            raise RequestError(401, "unknown API key: each agent run has its own key", "invalid_api_key")
+        if not record.open:
+            raise RequestError(409, "this run is over (finished, timed out or cut)", "run_closed", "late_calls")
+        return record
+
+    def _parse(self, record: RunRecord, body: Any) -> Pending:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        for name, value in self.sampling.items():
+            asked = body.get(name)
+            if asked is not None and not math.isclose(float(asked), float(value)):
+                raise RequestError(
+                    400,
+                    f"{name}={asked} differs from the trainer's {name}={value}: the policy samples with the "
+                    f"trainer's settings (leave {name} out)",
+                )
+        n = body.get("n") or 1
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(400, f"n must be a positive integer, got {n!r}")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise RequestError(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if body.get("top_logprobs"):
+            raise RequestError(400, "top_logprobs is not supported (only the sampled token's log-prob is recorded)")
+        tools = body.get("tools") or None
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, dict) or tool.get("type") != "function" or "function" not in tool:
+                    raise RequestError(
+                        400, f"each tool must be {{'type': 'function', 'function': {{...}}}}, got {tool!r:.120}"
+                    )
+        tool_choice = body.get("tool_choice", "auto")
+        if tool_choice not in ("auto", "none", None):
+            raise RequestError(
+                400,
+                f"tool_choice={tool_choice!r} is not supported: the policy's sampling is not constrained (a forced "
+                "choice would change the distribution the recorded log-probs come from); use 'auto' or 'none'",
+            )
+        messages = normalize_messages(body.get("messages"))
+        with self._lock:
+            if self.max_calls is not None and len(record.calls) >= self.max_calls:
+                record.open, record.cut = False, True
+                raise RequestError(
+                    409,
+                    f"this run made {self.max_calls} model calls, the trainer's max_env_steps: the run is cut",
+                    "turn_limit",
+                    "turn_limit_hits",
+                )
+        return Pending(
+            run=record,
+            call=Call(messages=messages, tools=tools, prompt_ids=[], parent=None),
+            n=n,
+            max_tokens=max_tokens,
+            stop=stop,
+            want_logprobs=bool(body.get("logprobs")),
+            parse_tools=bool(tools) and tool_choice != "none",
+            future=concurrent.futures.Future(),
+        )
+
+    # ------------------------------------------------------------------------------ the training thread's side
+    def waiting_runs(self) -> int:
+        with self._lock:
+            return sum(1 for r in self.runs.values() if r.open and r.waiting > 0)
+
+    def next_batch(self, live: Callable[[], int], window: float, poll: float = 0.01) -> list[Pending]:
+        """The queued requests, once every live run waits (``live()`` runs still going) or ``window`` seconds after
+        the first one arrived; empty when none arrived within ``poll`` seconds."""
+        try:
+            first = self.queue.get(timeout=poll)
+        except queue.Empty:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            try:
+                batch.append(self.queue.get(timeout=0.002))
+                continue
+            except queue.Empty:
+                pass
+            if len({id(p.run) for p in batch}) >= live():
+                break
+        while True:
+            try:
+                batch.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def answer(self, batch: list[Pending]) -> None:
+        """Answer ``batch`` with one generation call and record every choice under its run (training thread)."""
+        ready = []
+        for pending in batch:
+            if not pending.run.open:
+                self._fail(pending, RequestError(409, "this run is over (timed out or cut)", "run_closed"))
+                continue
+            try:
+                self._prompt(pending)
+            except RequestError as err:
+                with self._lock:
+                    self.counters[err.counter or "rejected_requests"] += 1
+                self._fail(pending, err)
+                continue
+            ready.append(pending)
+        if not ready:
+            return
+        prompts = [p.call.prompt_ids for p in ready for _ in range(p.n)]
+        try:
+            completions, logprobs = self.generator.generate(prompts)
+        except Exception as err:  # the agents get an error; the trainer's exception propagates
+            for pending in ready:
+                self._fail(
+                    pending, RequestError(500, f"generation failed: {type(err).__name__}: {err}", "server_error")
+                )
+            raise
+        index = 0
+        for pending in ready:
+            choices = []
+            for _ in range(pending.n):
+                ids = list(completions[index])
+                lps = None if logprobs is None else [float(x) for x in logprobs[index]]
+                choices.append(self._choice(pending, ids, lps))
+                index += 1
+            pending.call.choices = choices
+            try:
+                response = self._response(pending)
+            except RequestError as err:
+                with self._lock:
+                    self.counters["rejected_requests"] += 1
+                self._fail(pending, err)
+                continue
+            with self._lock:
+                if not pending.run.open:  # cut while generating: not recorded, refused
+                    self._fail(pending, RequestError(409, "this run is over (timed out or cut)", "run_closed"))
+                    continue
+                pending.run.calls.append(pending.call)
+                self.counters["requests"] += 1
+            if not pending.future.done():
+                pending.future.set_result(response)
+
+    @staticmethod
+    def _fail(pending: Pending, err: RequestError) -> None:
+        if not pending.future.done():
+            pending.future.set_exception(err)
+
+    def _prompt(self, pending: Pending) -> None:
+        call, record = pending.call, pending.run
+        call.prompt_ids, call.parent = None, None
+        if self.token_history:
+            call.prompt_ids, call.parent = self._extend(record, call)
+        if call.prompt_ids is None:
+            call.prompt_ids = self.renderer.render(call.messages, call.tools, True)
+        if self.max_context is not None and len(call.prompt_ids) >= self.max_context:
+            raise RequestError(
+                400,
+                f"the prompt has {len(call.prompt_ids)} tokens, the policy's context is {self.max_context}",
+                "context_length_exceeded",
+                "context_overflows",
+            )
+
+    def _extend(self, record: RunRecord, call: Call) -> tuple[list[int] | None, tuple[int, int] | None]:
+        """The prompt of ``call`` as an extension of an earlier call of its run (latest first), or ``(None, None)``."""
+        messages = call.messages
+        for c in range(len(record.calls) - 1, -1, -1):
+            earlier = record.calls[c]
+            size = len(earlier.messages)
+            if earlier.tools != call.tools or len(messages) <= size + 1 or messages[:size] != earlier.messages:
+                continue
+            for k, choice in enumerate(earlier.choices):
+                if not _same_turn(choice.message, messages[size]):
+                    continue
+                suffix = self._suffix(messages[: size + 1], messages, call.tools)
+                if suffix is None:
+                    return None, None
+                eos = self.generator.eos_token_ids
+                history = earlier.prompt_ids + choice.completion_ids
+                if not choice.completion_ids or choice.completion_ids[-1] not in eos:
+                    history = history + [self.generator.eos_token_id]
+                return history + suffix, (c, k)
+        return None, None
+
+    def _suffix(self, before: list[dict], full: list[dict], tools) -> list[int] | None:
+        """Chat-template tokens of ``full`` after ``before`` (which ends with an assistant turn), from that turn's EOS
+        on; ``None`` when the template does not extend a conversation by appending tokens."""
+        prefix = self.renderer.render(before, tools, False)
+        whole = self.renderer.render(full, tools, True)
+        eos = [i for i, t in enumerate(prefix) if t in self.generator.eos_token_ids]
+        if eos:
+            prefix = prefix[: eos[-1] + 1]
+        if whole[: len(prefix)] != prefix:
+            return None
+        return whole[len(prefix) :]
+
+    def _choice(self, pending: Pending, ids: list[int], logprobs: list[float] | None) -> Choice:
+        """Cut ``ids`` at ``max_tokens`` and after the token that completes a stop string (a sample cut short is still
+        a sample of the same policy), then parse the turn."""
+        decode = self.renderer.tokenizer.decode
+        finish = "stop" if ids and ids[-1] in self.generator.eos_token_ids else "length"
+        if pending.max_tokens is not None and len(ids) > pending.max_tokens:
+            ids, finish = ids[: pending.max_tokens], "length"
+        content_cut = None
+        if pending.stop:
+            for end in range(1, len(ids) + 1):
+                text = decode(ids[:end], skip_special_tokens=True)
+                hits = [text.find(s) for s in pending.stop if s and s in text]
+                if hits:
+                    ids, content_cut, finish = ids[:end], min(hits), "stop"
+                    break
+        if logprobs is not None:
+            logprobs = logprobs[: len(ids)]
+        message, malformed = (
+            self.renderer.parse(ids, pending.call.prompt_ids, pending.call.tools)
+            if pending.parse_tools
+            else ({"role": "assistant", "content": decode(ids, skip_special_tokens=True)}, False)
+        )
+        if content_cut is not None:
+            message = {"role": "assistant", "content": decode(ids, skip_special_tokens=True)[:content_cut]}
+        if malformed:
+            with self._lock:
+                self.counters["malformed_tool_calls"] += 1
+        if message.get("tool_calls"):
+            finish = "tool_calls"
+        return Choice(ids, logprobs, message, finish)
+
+    def _response(self, pending: Pending) -> dict[str, Any]:
+        from openai.types.chat import ChatCompletion
+
+        decode = self.renderer.tokenizer.decode
+        choices = []
+        for index, choice in enumerate(pending.call.choices):
+            message: dict[str, Any] = {"role": "assistant", "content": choice.message["content"]}
+            if choice.message.get("tool_calls"):
+                message["tool_calls"] = [
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": json.dumps(c["function"]["arguments"])
+                            if not isinstance(c["function"]["arguments"], str)
+                            else c["function"]["arguments"],
+                        },
+                    }
+                    for c in choice.message["tool_calls"]
+                ]
+            logprobs = None
+            if pending.want_logprobs:
+                if choice.logprobs is None:
+                    raise RequestError(
+                        400,
+                        "logprobs were asked for but the generation backend returns none (transformers generation; "
+                        "use_vllm returns them)",
+                    )
+                logprobs = {
+                    "content": [
+                        {
+                            "token": decode([t]),
+                            "logprob": lp,
+                            "bytes": list(decode([t]).encode()),
+                            "top_logprobs": [],
+                        }
+                        for t, lp in zip(choice.completion_ids, choice.logprobs)
+                    ]
+                }
+            choices.append(
+                {"index": index, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+            )
+        completion_tokens = sum(len(c.completion_ids) for c in pending.call.choices)
+        response = ChatCompletion.model_validate(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(pending.call.prompt_ids),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": len(pending.call.prompt_ids) + completion_tokens,
+                },
+            }
+        )
+        return response.model_dump(exclude_none=True)
