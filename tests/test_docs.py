@@ -1,8 +1,5 @@
 """The docs (docs/, built by `make docs` with `mkdocs build --strict`, which checks the links between pages): the
 README stays short and links only to pages that exist, and every docs section the code cites exists.
-
-Pages written on other branches of issue 26 that are not merged yet (the stand-ins of
-docs/_hooks/pages_from_other_branches.py) count as existing, without anchors.
 """
 
 from __future__ import annotations
@@ -20,11 +17,6 @@ CITING = ["trinity_trl", "recipes", "tests", "benchmarks"]
 # a cited docs section: the docs folder, a page path, an optional #anchor (built so this file does not cite itself)
 CITATION = re.compile("docs" + r"/([\w./-]+\.md)(?:#([\w-]+))?")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*(?:\{\s*#([\w-]+)\s*\})?\s*$")
-
-
-def pending_pages() -> set[str]:
-    text = (DOCS / "_hooks" / "pages_from_other_branches.py").read_text()
-    return set(re.findall(r'"([\w-]+\.md)":', text))
 
 
 def slugify(text: str) -> str:
@@ -67,9 +59,6 @@ def test_the_readme_links_to_pages_that_exist():
     assert links, "the README links to no docs page"
     for target, anchor in links:
         page = ROOT / target
-        if page.name in pending_pages() and not page.exists():
-            assert not anchor, f"README links to {target}#{anchor}, a page from another branch"
-            continue
         assert page.is_file(), f"README links to {target}, which does not exist"
         if anchor:
             assert anchor in anchors(page), f"README links to {target}#{anchor}: no such heading"
@@ -86,9 +75,6 @@ def test_the_helpers_read_headings_and_citations():
 @pytest.mark.parametrize("where, page, anchor", citations())
 def test_every_cited_docs_section_exists(where, page, anchor):
     path = DOCS / page
-    if page in pending_pages() and not path.exists():
-        assert anchor is None, f"{where} cites {page}#{anchor}: the page is not here yet, cite it without an anchor"
-        return
     assert path.is_file(), f"{where} cites docs/{page}, which does not exist"
     if anchor:
         assert anchor in anchors(path), f"{where} cites docs/{page}#{anchor}: no such heading on that page"
@@ -111,3 +97,63 @@ def test_the_docs_build_fails_on_a_broken_anchor(tmp_path):
     result = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, result.stdout + result.stderr
     assert "no-such-heading" in result.stdout + result.stderr
+
+
+def fenced_blocks(path: Path, language: str) -> list[tuple[int, str]]:
+    """``(start offset, dedented code)`` of every ```language block of a Markdown file (indented ones included)."""
+    import textwrap
+
+    text = path.read_text()
+    pattern = rf"^([ \t]*)```{language}\n(.*?)^\1```"
+    return [(m.start(), textwrap.dedent(m.group(2))) for m in re.finditer(pattern, text, re.M | re.S)]
+
+
+def deprecated_config_fields() -> set[str]:
+    """The config fields of earlier releases that still work with a FutureWarning (their help says "Deprecated")."""
+    import dataclasses
+
+    import trinity_trl.trainers as trainers
+
+    found = set()
+    for name in trainers.__all__:
+        cls = getattr(trainers, name)
+        if dataclasses.is_dataclass(cls):
+            fields = dataclasses.fields(cls)
+            found |= {f.name for f in fields if f.metadata.get("help", "").startswith("Deprecated")}
+    return found
+
+
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def test_no_yaml_or_command_line_example_uses_a_deprecated_field():
+    """The Python blocks are run with deprecation warnings as errors (tests/test_readme.py); the YAML and shell blocks
+    are read: none sets a field of an earlier release (`policy_loss_fn:`, `--sapo_form`, ...)."""
+    deprecated = deprecated_config_fields()
+    assert {"policy_loss_fn", "kl_loss_fn_args", "sapo_form", "advantage_epsilon", "clip_range_high"} <= deprecated
+    for page in PAGES:
+        for _, code in fenced_blocks(page, "yaml"):
+            keys = set(re.findall(r"^(\w+):", code, re.M))
+            assert not keys & deprecated, f"{page.relative_to(ROOT)}: a YAML example sets {sorted(keys & deprecated)}"
+        for _, code in fenced_blocks(page, "bash"):
+            options = set(re.findall(r"(?<![\w-])--(\w+)(?![\w.])", code))
+            assert not options & deprecated, f"{page.relative_to(ROOT)}: a command sets {sorted(options & deprecated)}"
+
+
+def test_a_config_file_shown_is_the_shipped_one():
+    """A YAML block introduced as `recipes/configs/NAME.yaml` holds only settings of that file, with its values."""
+    import yaml
+
+    shown = 0
+    for page in PAGES:
+        text = page.read_text()
+        for start, code in fenced_blocks(page, "yaml"):
+            named = re.findall(r"recipes/configs/(\w+)\.yaml", text[max(0, start - 300) : start])
+            if not named:
+                continue
+            shipped = yaml.safe_load((ROOT / "recipes" / "configs" / f"{named[-1]}.yaml").read_text())
+            example = yaml.safe_load(code)
+            differ = {k: v for k, v in example.items() if shipped.get(k, object()) != v}
+            assert not differ, f"{page.relative_to(ROOT)} shows {named[-1]}.yaml with {differ}, not as shipped"
+            shown += 1
+    assert shown, "no page shows a bundled config"

@@ -49,8 +49,13 @@ SUBSTITUTIONS = [
     (r'hub_model_id="you/', 'hub_model_id="tester/'),
 ]
 
+# trinity_trl's FutureWarning for a deprecated spelling ("CISPOConfig: clip_range_high is deprecated and will be
+# removed in the next release; write ...") fails the block, so the docs teach only the current spelling
+DEPRECATION = r"\w+: .* deprecated and will be removed in the next release"
+
 RUNNER = """
-import json, os, sys, traceback
+import json, os, sys, traceback, warnings
+warnings.filterwarnings("error", message=sys.argv[2], category=FutureWarning)
 results = {}
 for name, path in json.loads(sys.argv[1]):
     folder = os.path.join(os.path.dirname(path), "run-" + os.path.basename(path)[:-3])
@@ -63,6 +68,21 @@ for name, path in json.loads(sys.argv[1]):
         results[name] = traceback.format_exc()[-3000:]
 print("RESULTS " + json.dumps(results), flush=True)
 """
+
+
+def run_blocks(scripts: list[tuple[str, str]], cwd: Path, env: dict[str, str]) -> dict[str, str | None]:
+    """Run the ``(name, path)`` scripts in one fresh interpreter; ``{name: None or the traceback}``."""
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(scripts), DEPRECATION],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert lines, result.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULTS "))
 
 
 def adapted(code: str, model_dir: str) -> str:
@@ -110,17 +130,7 @@ def block_results(tmp_path_factory, readme_model_dir):
         "HF_HOME": str(root / "hf_home"),
     }
     try:
-        result = subprocess.run(
-            [sys.executable, "-c", RUNNER, json.dumps(scripts)],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            env=env,
-        )
-        lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]
-        assert lines, result.stderr[-3000:]
-        by_name = json.loads(lines[-1].removeprefix("RESULTS "))
+        by_name = run_blocks(scripts, root, env)
         yield {code: by_name[name] for code, name in UNIQUE_BLOCKS}, hub
     finally:
         hub.stop()
@@ -153,3 +163,23 @@ def test_block_runs(name, code, block_results):
     if "hub_model_id" in code:
         repo = re.search(r'hub_model_id="you/([^"]+)"', code).group(1)
         assert "README.md" in hub.files(f"tester/{repo}")
+
+
+def test_a_deprecated_spelling_fails_its_block(tmp_path):
+    """The runner turns trinity_trl's deprecation warnings into errors: a block with an old spelling fails, the same
+    block with the new spelling runs."""
+    blocks = {
+        "old_component": 'TrinityConfig(output_dir="o", policy_loss_fn="ppo", policy_loss_fn_args={"clip_range": 0.3})',
+        "old_cispo_field": 'CISPOConfig(output_dir="o", clip_range_high=0.3)',
+        "new": 'CISPOConfig(output_dir="o", policy_loss={"clip_range_high": 0.3})',
+    }
+    scripts = []
+    for name, call in blocks.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"from trinity_trl.trainers import CISPOConfig, TrinityConfig\n{call}\n")
+        scripts.append((name, str(path)))
+    results = run_blocks(scripts, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert results["new"] is None, results["new"]
+    for name in ("old_component", "old_cispo_field"):
+        assert results[name] is not None and "FutureWarning" in results[name], results[name]
+        assert "deprecated and will be removed" in results[name]

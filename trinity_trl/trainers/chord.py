@@ -57,7 +57,7 @@ class ChordConfig(TrinityConfig):
 
     The paper's variants: CHORD-μ `enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9,
     mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is constant: set it with
-    `policy_loss_fn_args={"mu": ...}` (the schedule fields must then keep their defaults).
+    `policy_loss={"mu": ...}` (the schedule fields must then keep their defaults).
     """
 
     algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})

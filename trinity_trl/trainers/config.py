@@ -138,9 +138,9 @@ class TrinityConfig(GRPOConfig):
             step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
             shuffle (one log line).
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
-            How a `*_args` dict combines with the component's `default_args()`: `"merge"` lays your
-            keys over the defaults (so `{"clip_range_high": 0.28}` keeps `clip_range=0.2`);
-            `"replace"` uses your dict alone, as Trinity-RFT does.
+            How a component value's arguments combine with the component's `default_args()`: `"merge"` lays
+            your keys over the defaults (so `policy_loss={"clip_range_high": 0.28}` keeps `clip_range=0.2`);
+            `"replace"` uses your arguments alone, as Trinity-RFT does.
 
     TRL options whose job a component takes over (`beta`, `loss_type`, `epsilon`, `epsilon_high`,
     `delta`, `importance_sampling_level`, `scale_rewards`, `multi_objective_aggregation`,

@@ -66,8 +66,8 @@ class PPOConfig(TrinityConfig):
         critic_warmup_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps at the start during which only the critic trains: the policy loss is not
             computed and the policy weights do not change.
-        gamma (`float`, *optional*, defaults to `1.0`): GAE discount γ (becomes `advantage_fn_args["gamma"]`).
-        lam (`float`, *optional*, defaults to `1.0`): GAE λ (becomes `advantage_fn_args["lam"]`).
+        gamma (`float`, *optional*, defaults to `1.0`): GAE discount γ (becomes the advantage's `gamma`).
+        lam (`float`, *optional*, defaults to `1.0`): GAE λ (becomes the advantage's `lam`).
         save_value_model (`bool`, *optional*, defaults to `False`):
             `save_model` and `push_to_hub` also write the critic to `<output_dir>/critic/` (the full
             model, or its LoRA adapter with the value head). Checkpoints always hold the critic and
@@ -79,7 +79,7 @@ class PPOConfig(TrinityConfig):
     critic is wrapped like the policy (its own DeepSpeed engine with the policy's ZeRO config, or
     FSDP). Not supported (rejected): `fp16` (one loss scaler cannot serve two optimizers; use
     `bf16`), `critic_warmup_steps > 0` under DeepSpeed (its engine steps the policy's optimizer at
-    every boundary, gradient or not) and an `advantage_fn` other than `ppo` (GAE). `kl_penalty_fn` (KL in the
+    every boundary, gradient or not) and an `advantage` other than `ppo` (GAE). `kl_penalty` (KL in the
     reward, before GAE) is honoured; the preset's default is `none` with a k2 KL loss.
     """
 

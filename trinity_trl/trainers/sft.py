@@ -75,7 +75,7 @@ class TrinitySFTConfig(SFTConfig):
             result is divided by the gradient-accumulation steps. With `packing` or `padding_free` a row holds several
             sequences, so only `token-mean` is allowed there.
 
-    `loss_type` must stay `"nll"` (`"dft"` is `policy_loss_fn="sft_is"`) and `label_smoothing_factor`
+    `loss_type` must stay `"nll"` (`"dft"` is `policy_loss="sft_is"`) and `label_smoothing_factor`
     must stay 0: both would replace the loss this trainer computes. Every other option is honoured;
     in particular `completion_only_loss` and `assistant_only_loss` choose the trained tokens as in
     TRL. `average_tokens_across_devices` only changes TRL's `num_items_in_batch`, which Trinity's
