@@ -131,7 +131,7 @@ def test_a_kl_penalty_needs_trainer_side_advantages():
     components = FakeComponents(kl_penalty=SimpleNamespace(enabled=True))
     with pytest.raises(
         ValueError,
-        match=r"kl_penalty_fn='k1' subtracts a KL from token rewards before trainer-side "
+        match=r"kl_penalty='k1' subtracts a KL from token rewards before trainer-side "
         r"advantages, but algorithm 'custom' computes advantages on experience "
         r"groups",
     ):
@@ -143,8 +143,8 @@ def test_an_entropy_of_expert_rows_needs_expert_rows():
     components = FakeComponents(entropy_loss=SimpleNamespace(needs_expert_mask=True))
     with pytest.raises(
         ValueError,
-        match=r"entropy_loss_fn 'mix' needs expert rows; use ChordTrainer, or "
-        r"entropy_loss_fn='default'",
+        match=r"entropy_loss 'mix' needs expert rows; use ChordTrainer, or "
+        r"entropy_loss='default'",
     ):
         check(algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
     check(ExpertTrainer, algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)

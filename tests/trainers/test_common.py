@@ -52,7 +52,7 @@ def test_an_override_the_user_also_set_is_an_error():
     algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss_fn_args=user_args)).resolved_algorithm()
     with pytest.raises(
         ValueError,
-        match=r"policy_loss_fn_args sets \['expert_sample_weight', 'usual_sample_weight'\], "
+        match=r"policy_loss sets \['expert_sample_weight', 'usual_sample_weight'\], "
         r"which the trainer derives from its own batch geometry \(would be "
         r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
         r"remove them",

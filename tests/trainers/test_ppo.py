@@ -72,7 +72,7 @@ def test_config_defaults_and_gae_arguments(tmp_path):
     ("kwargs", "match"),
     [
         ({"algorithm": "grpo"}, "'ppo' preset"),
-        ({"advantage_fn": "reinforceplusplus"}, "advantage_fn must be 'ppo'"),
+        ({"advantage_fn": "reinforceplusplus"}, "advantage must be 'ppo'"),
         ({"advantage_fn_args": {"gamma": 0.5}}, "gamma"),  # clashes with the gamma field (1.0)
         ({"gamma": 1.5}, "gamma"),
         ({"cliprange_value": 0.0}, "cliprange_value"),

@@ -32,7 +32,7 @@ def test_sapo_config(tmp_path):
     )
     args = custom.resolved_algorithm().policy_loss_fn_args
     assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
-    with pytest.raises(ValueError, match="sapo_form"):
+    with pytest.raises(ValueError, match="policy_loss.form must be one of"):
         _config(tmp_path, SAPOConfig, sapo_form="bad")
     # one door: the loss's own argument, no clash with a trainer field
     given = _config(tmp_path, SAPOConfig, policy_loss={"form": "trinity"}).resolved_algorithm()

@@ -306,14 +306,13 @@ def check_components(
         raise ValueError(f"policy loss {algorithm.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
     if components.kl_penalty.enabled and not algorithm.compute_advantage_in_trainer:
         raise ValueError(
-            f"kl_penalty_fn={algorithm.kl_penalty_fn!r} subtracts a KL from token rewards before trainer-side "
+            f"kl_penalty={algorithm.kl_penalty_fn!r} subtracts a KL from token rewards before trainer-side "
             f"advantages, but algorithm {algorithm.algorithm!r} computes advantages on experience groups "
-            "(use kl_loss_fn, or a preset such as 'reinforceplusplus' or 'rloo')"
+            "(use kl_loss, or a preset such as 'reinforceplusplus' or 'rloo')"
         )
     if components.entropy_loss.needs_expert_mask and not trainer_cls.supports_expert_rows:
         raise ValueError(
-            f"entropy_loss_fn {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or "
-            "entropy_loss_fn='default'"
+            f"entropy_loss {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or entropy_loss='default'"
         )
     if args.use_vllm and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
         raise ValueError(

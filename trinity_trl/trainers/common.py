@@ -165,7 +165,7 @@ class Components:
         clash = sorted(set(overrides) & set(algorithm.policy_loss_fn_args))
         if clash:
             raise ValueError(
-                f"policy_loss_fn_args sets {clash}, which the trainer derives from its own batch geometry "
+                f"policy_loss sets {clash}, which the trainer derives from its own batch geometry "
                 f"(would be { ({k: overrides[k] for k in clash}) }); remove them"
             )
         return cls(

@@ -159,7 +159,7 @@ class TrinityDPOConfig(DPOConfig):
             )
         if ENTROPY_LOSS_FN.get(self.entropy_loss.name).needs_expert_mask:
             raise ValueError(
-                f"{owner}: entropy_loss_fn must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
+                f"{owner}: entropy_loss must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
             )
         self._sync_dpo_fields(owner)
         algorithm = self.resolved_algorithm()  # bad names / arguments fail here

@@ -127,7 +127,7 @@ class PPOConfig(TrinityConfig):
         advantage = self.component_name("advantage") or "ppo"
         if not ADVANTAGE_FN.get(advantage).needs_values:
             raise ValueError(
-                f"PPOConfig trains a critic for GAE, so advantage_fn must be 'ppo' (or another function "
+                f"PPOConfig trains a critic for GAE, so advantage must be 'ppo' (or another function "
                 f"of critic values), got {advantage!r}"
             )
         return {"advantage_fn_args": {"gamma": self.gamma, "lam": self.lam}}

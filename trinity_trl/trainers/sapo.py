@@ -50,7 +50,7 @@ class SAPOConfig(TrinityConfig):
         elif self.policy_loss is None or "form" not in self.policy_loss.args:
             form = "paper"  # this trainer's default: the SAPO paper's (and TRL's) objective
         if form is not None and form not in SAPO_FORMS:
-            raise ValueError(f"sapo_form must be one of {SAPO_FORMS}, got {form!r}")
+            raise ValueError(f"policy_loss.form must be one of {SAPO_FORMS}, got {form!r}")
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
             raise ValueError(f"SAPOConfig needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
         return {"policy_loss_fn_args": {"form": form}} if form is not None else {}

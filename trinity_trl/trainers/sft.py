@@ -47,7 +47,7 @@ from .trl_seams import bind_trl_arguments
 REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
     "loss_type": (
         "nll",
-        "TRL's loss is replaced by policy_loss_fn; loss_type='dft' (−ℓ·sg(p)) is policy_loss_fn='sft_is'",
+        "TRL's loss is replaced by policy_loss; loss_type='dft' (−ℓ·sg(p)) is policy_loss='sft_is'",
     ),
     "label_smoothing_factor": (
         0.0,
