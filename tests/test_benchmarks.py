@@ -226,3 +226,39 @@ def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
     assert set(report["lora"]) == {"train shape (4 x prompt+40)", "decode shape (20 x 1 token)"}  # 4 held-out rows
     assert all(v["lora_cpu_s"] > 0 and v["plain_cpu_s"] > 0 for v in report["lora"].values())
     assert "## One training step" in (tmp_path / "demo_profile-t.md").read_text()
+
+
+# what benchmarks/README.md (and the main README's learning section) states of the study's full setting
+STUDY_STATES = {
+    "methods": ["grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix"],
+    "seeds": [0, 1, 2],
+    "steps": 100,
+    "eval_every": 25,
+    "eval_rows": 200,
+    "val_rows": 100,
+    "learning_rates": [3e-4, 1e-4, 1e-3],
+    "rows": 8,
+    "expert_rows": 4,
+    "num_generations": 4,
+    "completion_len": 40,
+    "temperature": 0.8,
+    "covered": ["add", "sub", "mul"],
+}
+
+
+def test_learning_full_setting_is_what_the_readme_states():
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import parse_args
+
+    args = parse_args([])
+    assert {key: getattr(args, key) for key in STUDY_STATES} == STUDY_STATES
+    text = (BENCHMARKS / "README.md").read_text()
+    section = text[text.index("## `learning.py`") :]
+    for stated in (
+        "100 optimizer steps of 8 training rows each, seeds 0, 1, 2",
+        "200 held-out problems",
+        "the learning rates 3e-4, 1e-4 and 1e-3",
+        "100 **validation** problems",
+        "6 x (3 + 2) = 30 runs",
+    ):
+        assert stated in section, stated
