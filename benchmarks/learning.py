@@ -5,36 +5,48 @@ The setting of the CHORD paper (arXiv 2508.11408) on the bundled arithmetic word
 demonstrations exist for some problem templates only (``--covered``, default ``add sub mul``), while
 the RL prompts and the held-out problems come from all five templates (``div`` and ``two_step`` are
 "uncovered": only on-policy RL can learn them from reward). Every method trains a LoRA adapter on the
-bundled SmolLM2-135M-Instruct with the same budget of training rows per optimizer step (``--rows``),
-the same number of steps, the same learning rate and seed:
+bundled SmolLM2-135M-Instruct with the same budget of training rows per optimizer step (``--rows``)
+and the same number of steps:
 
 * ``grpo``: ``TrinityTrainer`` (preset ``grpo``), ``--rows`` rollouts per step, no KL;
 * ``sft``: ``TrinitySFTTrainer`` on the demonstrations, ``--rows`` per step;
 * ``sft_grpo``: SFT for the first ``--sft-steps`` steps (default half), then GRPO on the SFT adapter
   (a new optimizer), the usual two-stage pipeline;
 * ``chord_mu``: ``ChordTrainer`` (``mix_chord``, CHORD-mu: plain SFT term, mu 0.9 -> 0.05 over the
-  run), ``--rows - --expert-rows`` rollouts plus ``--expert-rows`` demonstrations per step;
+  whole run, however long), ``--rows - --expert-rows`` rollouts plus ``--expert-rows`` demonstrations;
 * ``chord_phi``: the same rows, CHORD-phi (SFT tokens weighted by p(1-p), constant mu 0.1);
-* ``mix`` (not in the default list): the same rows, MIX (plain SFT term, constant mu 0.1).
+* ``mix``: the same rows, MIX (plain SFT term, constant mu 0.1).
+
+Tuning budget, the same for every method: the learning-rate grid ``--learning-rates`` (default 3e-4,
+1e-4, 1e-3, in that order), each value trained once on the tuning seed (the first of ``--seeds``);
+the value with the best final accuracy on ``--val-rows`` validation problems (training-split
+problems that are neither RL prompts nor demonstrations; never the held-out ones) is that method's
+rate, and the other seeds run at it. Every run's held-out curve is recorded, so the tuning seed's run
+at the chosen rate is also its first seed.
 
 Rollouts: ``--num-generations`` per prompt, at most ``--completion-len`` tokens, temperature 0.8,
-reward = exact final answer. Prompts carry the answer format as the system message
-(``prompt_style="system"``: 58 prompt tokens instead of 75). Every ``--eval-every`` steps a callback
-measures greedy accuracy (``evaluate_accuracy``) on ``--eval-rows`` held-out problems (the templates
-take turns, so each has the same count), overall and split into covered / uncovered templates. Step 0
-(the base model: a fresh LoRA adapter is the identity) is measured once and shared by all methods.
+reward = exact final answer. Prompts carry the answer format as the system message. Every
+``--eval-every`` steps a callback measures greedy accuracy (``evaluate_accuracy``) on ``--eval-rows``
+held-out problems (the templates take turns, so each has the same count), overall and on the covered
+and uncovered templates; the final evaluation keeps each problem's outcome, for a paired comparison
+of CHORD-mu with SFT then GRPO (per seed, and pooled over problems and seeds: an exact sign test on
+the problems one method solves and the other does not). Step 0 (the base model: a fresh LoRA adapter
+is the identity) is measured once and shared. Cost per method: CPU seconds per training step and the
+share of them spent generating rollouts.
 
-Each finished run (method, seed) is appended to ``learning_runs.jsonl`` in ``--out``; a restarted
-benchmark with the same settings skips the runs already there, so an interrupted run continues where
-it stopped. ``learning.json``, ``learning.md`` and ``learning.png`` are rewritten after every run.
+Each finished run (method, seed, learning rate) is appended to ``learning_runs.jsonl`` in ``--out``
+with a fingerprint of the settings; a restarted benchmark with the same settings skips the runs
+already there, so an interrupted run continues where it stopped (losing at most the run in flight).
+``learning.json``, ``learning.md`` and ``learning.png`` are rewritten after every run.
 
-Full setting (3 seeds x 5 methods x 30 steps of 8 rows, accuracy every 10 steps on 40 problems: about
-70 minutes of one core when the machine is shared with moderate load, 90 at a load average of 5-6, where
-contention for memory bandwidth inflates CPU time too; run it at low priority with one thread)::
+Full setting (3 seeds, 100 steps of 8 rows, 200 held-out problems every 25 steps, 100 validation
+problems, grid of 3 learning rates: 6 methods x (3 + 2) = 30 runs, an estimated 10-13 hours of one core;
+run it in the background at low priority with one thread)::
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/learning.py --out benchmarks/results
+    OMP_NUM_THREADS=1 nohup nice -n 19 .venv/bin/python benchmarks/learning.py --out benchmarks/results \\
+        > benchmarks/results/learning.log 2>&1 &
 
-Quick setting (1 seed, 6 steps, 20 problems; a smoke run, too short to rank anything)::
+Quick setting (1 seed, 6 steps, 20 problems, one learning rate; a smoke run, too short to rank anything)::
 
     nice -n 5 .venv/bin/python benchmarks/learning.py --quick --out /tmp/learning
 """
@@ -45,6 +57,7 @@ import argparse
 import gc
 import hashlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -56,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 
 METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix")
-DEFAULT_METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi")
+DEFAULT_METHODS = METHODS
 LABELS = {
     "grpo": "GRPO",
     "sft": "SFT only",
@@ -65,8 +78,18 @@ LABELS = {
     "chord_phi": "CHORD-phi",
     "mix": "MIX",
 }
-FULL = {"seeds": [0, 1, 2], "steps": 30, "eval_every": 10, "eval_rows": 40}
-QUICK = {"seeds": [0], "steps": 6, "eval_every": 3, "eval_rows": 20}
+FULL = {
+    "seeds": [0, 1, 2],
+    "steps": 100,
+    "eval_every": 25,
+    "eval_rows": 200,
+    "val_rows": 100,
+    "learning_rates": [3e-4, 1e-4, 1e-3],
+}
+QUICK = {"seeds": [0], "steps": 6, "eval_every": 3, "eval_rows": 20, "val_rows": 10, "learning_rates": [2e-4]}
+TEMPERATURE = 0.8
+# the pair of the paired comparison: CHORD-mu against the two-stage pipeline
+PAIR = ("chord_mu", "sft_grpo")
 GROUPS = ("all", "covered", "uncovered")
 RUNS_FILE = "learning_runs.jsonl"
 # options that change what a run measures: a results file made with other values is not resumed
@@ -81,7 +104,7 @@ RUN_KEYS = (
     "sft_steps",
     "num_generations",
     "completion_len",
-    "learning_rate",
+    "val_rows",
     "lora_r",
     "train_rows",
     "expert_pool",
@@ -89,6 +112,7 @@ RUN_KEYS = (
     "prompt_style",
     "bf16",
     "device",
+    "temperature",
 )
 
 
@@ -99,14 +123,14 @@ def lora_config(args):
     return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def common_config(args, seed: int, output_dir: str, steps: int) -> dict:
+def common_config(args, seed: int, output_dir: str, steps: int, lr: float) -> dict:
     return {
         "output_dir": output_dir,
         "use_cpu": args.device == "cpu",
         "bf16": args.bf16,
         "activation_checkpointing": False,
         "max_steps": steps,
-        "learning_rate": args.learning_rate,
+        "learning_rate": lr,
         "lr_scheduler_type": "constant",
         "report_to": "none",
         "save_strategy": "no",
@@ -117,14 +141,14 @@ def common_config(args, seed: int, output_dir: str, steps: int) -> dict:
     }
 
 
-def sft_trainer(model, seed: int, args, data: dict, output_dir: str, steps: int):
+def sft_trainer(model, seed: int, lr: float, args, data: dict, output_dir: str, steps: int):
     from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
 
-    config = TrinitySFTConfig(**common_config(args, seed, output_dir, steps), per_device_train_batch_size=args.rows)
+    config = TrinitySFTConfig(**common_config(args, seed, output_dir, steps, lr), per_device_train_batch_size=args.rows)
     return TrinitySFTTrainer(model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(args))
 
 
-def rl_trainer(method: str, model, seed: int, args, data: dict, output_dir: str, steps: int, tokenizer=None):
+def rl_trainer(method: str, model, seed: int, lr: float, args, data: dict, output_dir: str, steps: int, tokenizer=None):
     """GRPO (``model`` may be an SFT-trained PEFT model, then its adapter is trained on), CHORD-mu/phi or MIX."""
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import (
@@ -137,12 +161,12 @@ def rl_trainer(method: str, model, seed: int, args, data: dict, output_dir: str,
     with_expert = method != "grpo"
     rollouts = args.rows - args.expert_rows if with_expert else args.rows
     rl = {
-        **common_config(args, seed, output_dir, steps),
+        **common_config(args, seed, output_dir, steps, lr),
         "per_device_train_batch_size": rollouts,
         "num_generations": args.num_generations,
         "max_completion_length": args.completion_len,
-        "temperature": 0.8,
-        "kl_loss_fn": "none",
+        "temperature": args.temperature,
+        "kl_loss": "none",
     }
     extra: dict = {}
     if method == "grpo":
@@ -186,50 +210,98 @@ def rl_trainer(method: str, model, seed: int, args, data: dict, output_dir: str,
     )
 
 
+def validation_set(args, data: dict):
+    """``args.val_rows`` training-split problems that are neither RL prompts nor demonstrations, the templates
+    taking turns (for choosing the learning rate; the held-out split is never used for it)."""
+    from datasets import Dataset
+
+    from trinity_trl.data.arithmetic import TEMPLATES, make_problems
+
+    def text(prompt) -> str:
+        return prompt[-1]["content"]
+
+    used = {text(p) for p in data["train"]["prompt"]} | {text(p) for p in data["expert"]["prompt"]}
+    pool = make_problems("train", 4 * args.val_rows + 40, 2, prompt_style=args.prompt_style)
+    by_kind = {k: [r for r in pool if r["kind"] == k and text(r["prompt"]) not in used] for k in TEMPLATES}
+    rows = [by_kind[k][i] for i in range(4 * args.val_rows) for k in TEMPLATES if i < len(by_kind[k])]
+    if len(rows) < args.val_rows:
+        raise ValueError(f"only {len(rows)} validation problems apart from the training rows")
+    return Dataset.from_list(rows[: args.val_rows])
+
+
 # ------------------------------------------------------------------------------------- evaluation
-def evaluate(model, tokenizer, data: dict, args) -> dict:
-    """Held-out accuracy overall, on the covered and uncovered templates, and per template."""
-    from trinity_trl.data import accuracy_by_kind, evaluate_accuracy
+def evaluate(model, tokenizer, data: dict, args, split: str = "test", outcomes: bool = False) -> dict:
+    """Accuracy on ``data[split]`` overall, on the covered and uncovered templates, and per template (with
+    ``outcomes``, also each problem's 0/1 outcome, in dataset order)."""
+    from trinity_trl.data import accuracy_by_kind, arithmetic_reward, evaluate_accuracy
 
     _, completions = evaluate_accuracy(
         model,
         tokenizer,
-        data["test"],
+        data[split],
         batch_size=args.eval_batch_size,
         max_new_tokens=args.eval_max_new_tokens,
         progress=False,
         return_completions=True,
     )
-    by_kind = accuracy_by_kind(completions, data["test"])
-    kinds = data["test"]["kind"]
+    by_kind = accuracy_by_kind(completions, data[split])
+    kinds = data[split]["kind"]
 
     def group(names) -> float:
         rows = [k for k in kinds if k in names]
         return sum(by_kind[k] * kinds.count(k) for k in set(rows)) / len(rows)
 
     uncovered = [k for k in set(kinds) if k not in args.covered]
-    return {
+    point = {
         "all": by_kind["all"],
         "covered": group(args.covered),
         "uncovered": group(uncovered) if uncovered else None,
         "by_kind": {k: v for k, v in by_kind.items() if k != "all"},
     }
+    if outcomes:
+        point["outcomes"] = [int(r) for r in arithmetic_reward(completions, list(data[split]["answer"]))]
+    return point
 
 
-def train_with_evaluation(trainer, data: dict, args, step_offset: int = 0, evaluate_last: bool = True) -> dict:
-    """Train; every ``eval_every`` (global) steps record the held-out accuracy; CPU/wall seconds of both."""
+def timed_generation(trainer, seconds: list[float]) -> None:
+    """Add the CPU seconds of each of ``trainer``'s rollout generations (TRL's single-turn generation) to
+    ``seconds[0]`` (the trainer's own method, wrapped on this instance only)."""
+    generate = trainer._generate_single_turn
+
+    def timed(*a, **kw):
+        cpu = time.process_time()
+        try:
+            return generate(*a, **kw)
+        finally:
+            seconds[0] += time.process_time() - cpu
+
+    trainer._generate_single_turn = timed
+
+
+def train_with_evaluation(
+    trainer, data: dict, args, step_offset: int = 0, evaluate_last: bool = True, validate: bool = True
+) -> dict:
+    """Train; every ``eval_every`` (global) steps record the held-out accuracy (each problem's outcome at the
+    last step), then, with ``validate``, the validation accuracy; CPU/wall seconds of training (and of its
+    rollout generation) and of the evaluations."""
     from transformers import PrinterCallback, TrainerCallback
 
     trainer.remove_callback(PrinterCallback)  # the log dict of every step (kept in log_history)
     curve: list[dict] = []
-    eval_wall, eval_cpu = [0.0], [0.0]
+    eval_wall, eval_cpu, generation_cpu = [0.0], [0.0], [0.0]
+    if hasattr(trainer, "_generate_single_turn"):
+        timed_generation(trainer, generation_cpu)
 
     class AccuracyCallback(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
             step = state.global_step + step_offset
-            if step % args.eval_every == 0 or (evaluate_last and state.global_step == targs.max_steps):
+            last = evaluate_last and state.global_step == targs.max_steps
+            if step % args.eval_every == 0 or last:
                 start, cpu = time.perf_counter(), time.process_time()
-                point = {"step": step, **evaluate(trainer.model, trainer.processing_class, data, args)}
+                point = {
+                    "step": step,
+                    **evaluate(trainer.model, trainer.processing_class, data, args, outcomes=last),
+                }
                 eval_wall[0] += time.perf_counter() - start
                 eval_cpu[0] += time.process_time() - cpu
                 curve.append(point)
@@ -243,36 +315,47 @@ def train_with_evaluation(trainer, data: dict, args, step_offset: int = 0, evalu
     start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    logs = [e for e in trainer.state.log_history if "loss" in e]
+    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
     reward_key = next((k for k in (logs[0] if logs else {}) if k.startswith("rewards/") and k.endswith("/mean")), None)
-    return {
+    result = {
         "curve": curve,
         "steps": trainer.state.global_step,
         "train_wall_s": wall - eval_wall[0],
         "train_cpu_s": cpu - eval_cpu[0],
+        "generation_cpu_s": generation_cpu[0],
         "eval_wall_s": eval_wall[0],
         "eval_cpu_s": eval_cpu[0],
         "train_reward": [e.get(reward_key) for e in logs] if reward_key else [],
+        # share of rollout groups whose rewards all agree (no advantage, no RL gradient from them)
+        "frac_reward_zero_std": [e["frac_reward_zero_std"] for e in logs if "frac_reward_zero_std" in e],
         "loss": [e.get("loss") for e in logs],
         "mu": [e["actor/mu"] for e in logs if "actor/mu" in e],
     }
+    if validate:
+        cpu = time.process_time()
+        result["val"] = evaluate(trainer.model, trainer.processing_class, data, args, split="val")["all"]
+        result["eval_cpu_s"] += time.process_time() - cpu
+    return result
 
 
-def run_method(method: str, model: str, seed: int, args, data: dict, tmp: Path) -> dict:
-    """One (method, seed) run: its curve, timings and per-step logs (both stages for ``sft_grpo``)."""
+def run_method(method: str, model: str, seed: int, lr: float, args, data: dict, tmp: Path) -> dict:
+    """One (method, seed, learning rate) run: its curve, validation accuracy, timings and per-step logs (both
+    stages for ``sft_grpo``)."""
     if method == "sft":
-        return train_with_evaluation(sft_trainer(model, seed, args, data, str(tmp / "sft"), args.steps), data, args)
+        trainer = sft_trainer(model, seed, lr, args, data, str(tmp / "sft"), args.steps)
+        return train_with_evaluation(trainer, data, args)
     if method != "sft_grpo":
         return train_with_evaluation(
-            rl_trainer(method, model, seed, args, data, str(tmp / method), args.steps), data, args
+            rl_trainer(method, model, seed, lr, args, data, str(tmp / method), args.steps), data, args
         )
     sft_steps = args.sft_steps if args.sft_steps is not None else args.steps // 2
-    first = sft_trainer(model, seed, args, data, str(tmp / "sft_stage"), sft_steps)
-    stage1 = train_with_evaluation(first, data, args, evaluate_last=False)
+    first = sft_trainer(model, seed, lr, args, data, str(tmp / "sft_stage"), sft_steps)
+    stage1 = train_with_evaluation(first, data, args, evaluate_last=False, validate=False)
     second = rl_trainer(
         "grpo",
         first.model,
         seed,
+        lr,
         args,
         data,
         str(tmp / "grpo_stage"),
@@ -280,10 +363,15 @@ def run_method(method: str, model: str, seed: int, args, data: dict, tmp: Path) 
         tokenizer=first.processing_class,
     )
     stage2 = train_with_evaluation(second, data, args, step_offset=sft_steps)
-    merged = {"curve": stage1["curve"] + stage2["curve"], "steps": sft_steps + stage2["steps"], "sft_steps": sft_steps}
-    for key in ("train_wall_s", "train_cpu_s", "eval_wall_s", "eval_cpu_s"):
+    merged = {
+        "curve": stage1["curve"] + stage2["curve"],
+        "steps": sft_steps + stage2["steps"],
+        "sft_steps": sft_steps,
+        "val": stage2["val"],
+    }
+    for key in ("train_wall_s", "train_cpu_s", "generation_cpu_s", "eval_wall_s", "eval_cpu_s"):
         merged[key] = stage1[key] + stage2[key]
-    for key in ("train_reward", "loss", "mu"):
+    for key in ("train_reward", "frac_reward_zero_std", "loss", "mu"):
         merged[key] = stage1[key] + stage2[key]
     return merged
 
@@ -318,14 +406,71 @@ def _stats(values: list[float]) -> dict:
     }
 
 
-def summarise(records: list[dict], methods: list[str]) -> dict:
-    """Per method and group: mean / std / min / max over seeds at each evaluated step (step 0 = base model)."""
+def chosen_rates(records: list[dict], methods: list[str], grid: list[float], tune_seed: int) -> dict:
+    """Per method: the grid's validation accuracies on the tuning seed, the chosen rate (best validation accuracy;
+    a tie goes to the value listed first) and whether the whole grid has run (``complete``)."""
+    out = {}
+    for method in methods:
+        val = {}
+        for lr in grid:
+            run = next((r for r in records if (r["method"], r["seed"], r.get("lr")) == (method, tune_seed, lr)), None)
+            if run is not None:
+                val[lr] = run["val"]
+        if val:
+            best = max(val, key=lambda lr: (val[lr], -grid.index(lr)))
+            out[method] = {"val": val, "lr": best, "complete": len(val) == len(grid)}
+    return out
+
+
+def _final(run: dict) -> dict:
+    return max(run["curve"], key=lambda p: p["step"])
+
+
+def _sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact binomial p-value of ``wins`` against ``losses`` (ties left out) under p = 1/2."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def paired(records: list[dict], rates: dict, a: str, b: str) -> dict | None:
+    """CHORD-mu (``a``) against ``b`` at their chosen rates, on the seeds both have: per-seed differences of the
+    final accuracy (mean, std, paired t), and pooled over seeds and problems, the problems only one solves."""
+    if a not in rates or b not in rates:
+        return None
+    runs = {m: {r["seed"]: r for r in records if r["method"] == m and r.get("lr") == rates[m]["lr"]} for m in (a, b)}
+    seeds = sorted(set(runs[a]) & set(runs[b]))
+    if not seeds:
+        return None
+    out: dict = {"seeds": seeds, "methods": [a, b]}
+    for group in GROUPS:
+        diffs = [_final(runs[a][s])[group] - _final(runs[b][s])[group] for s in seeds]
+        if None in diffs:
+            continue
+        mean = statistics.mean(diffs)
+        std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        t = mean / (std / math.sqrt(len(diffs))) if std > 0 else None
+        out[group] = {"diffs": diffs, "mean": mean, "std": std, "t": t}
+    wins = losses = 0
+    for seed in seeds:
+        for x, y in zip(_final(runs[a][seed])["outcomes"], _final(runs[b][seed])["outcomes"]):
+            wins += x > y
+            losses += y > x
+    out["problems"] = {"only_a": wins, "only_b": losses, "sign_test_p": _sign_test(wins, losses)}
+    return out
+
+
+def summarise(records: list[dict], methods: list[str], rates: dict) -> dict:
+    """Per method, at its chosen rate: mean / std / min / max over seeds at each evaluated step (step 0 = base
+    model), cost, train reward and how often rollouts gave an RL signal."""
     base = next((r for r in records if r["method"] == "base"), None)
     out = {}
     for method in methods:
-        runs = [r for r in records if r["method"] == method]
-        if not runs:
+        if method not in rates:
             continue
+        runs = [r for r in records if r["method"] == method and r.get("lr") == rates[method]["lr"]]
         steps = sorted({p["step"] for r in runs for p in r["curve"]})
         table: dict = {}
         for group in GROUPS:
@@ -338,14 +483,19 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
                     rows[step] = _stats(values)
             table[group] = rows
         rewards = [v for r in runs for v in r["train_reward"] if v is not None]
+        zero_std = [v for r in runs for v in r.get("frac_reward_zero_std", [])]
+        train_cpu = sum(r["train_cpu_s"] for r in runs)
         out[method] = {
+            "lr": rates[method]["lr"],
             "seeds": sorted(r["seed"] for r in runs),
             "accuracy": table,
             "final": {g: table[g][max(table[g])] for g in GROUPS if table[g]},
-            "train_cpu_s_per_step": statistics.mean(r["train_cpu_s"] / r["steps"] for r in runs),
+            "train_cpu_s_per_step": train_cpu / sum(r["steps"] for r in runs),
+            "generation_share": sum(r.get("generation_cpu_s", 0.0) for r in runs) / train_cpu if train_cpu else None,
             "train_wall_s_per_step": statistics.mean(r["train_wall_s"] / r["steps"] for r in runs),
             "eval_cpu_s": statistics.mean(r["eval_cpu_s"] for r in runs),
             "mean_train_reward": statistics.mean(rewards) if rewards else None,
+            "rl_steps_with_signal": sum(v < 1.0 for v in zero_std) / len(zero_std) if zero_std else None,
         }
     return out
 
@@ -382,7 +532,8 @@ def plot(report: dict, path: Path) -> bool:
             mean = [rows[str(k)]["mean"] for k in steps]
             std = [rows[str(k)]["std"] for k in steps]
             marker, line = styles.get(method, ("o", "-"))
-            ax.plot(steps, mean, marker=marker, linestyle=line, label=LABELS.get(method, method))
+            label = f"{LABELS.get(method, method)} (lr {_lr(s['lr'])})"
+            ax.plot(steps, mean, marker=marker, linestyle=line, label=label)
             ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)], alpha=0.12)
         ax.set_title(titles[group], fontsize=9)
         ax.set_xlabel("optimizer step")
@@ -392,7 +543,7 @@ def plot(report: dict, path: Path) -> bool:
     seeds = sorted({seed for s in report["summary"].values() for seed in s["seeds"]})
     fig.suptitle(
         f"{'QUICK: ' if c['quick'] else ''}{report['model_description']}, LoRA r{c['lora_r']}, "
-        f"{c['rows']} rows/step, lr {c['learning_rate']}, seeds {seeds}",
+        f"{c['rows']} rows/step, {c['steps']} steps, lr per method from {c['learning_rates']}, seeds {seeds}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -407,11 +558,16 @@ def _cell(row: dict | None) -> str:
     return f"{row['mean']:.3f} ± {row['std']:.3f}" if row["n"] > 1 else f"{row['mean']:.3f}"
 
 
+def _lr(value: float) -> str:
+    return f"{value:g}"
+
+
 def markdown(report: dict) -> str:
     c, m = report["config"], report["machine"]
     summary = report["summary"]
     steps = sorted({int(k) for s in summary.values() for k in s["accuracy"]["all"]})
     uncovered = [k for k in ("add", "sub", "mul", "div", "two_step") if k not in c["covered"]]
+    grid = ", ".join(_lr(x) for x in c["learning_rates"])
     lines = [
         "# Learning benchmark: CHORD vs SFT only, GRPO only and SFT then GRPO",
         "",
@@ -420,29 +576,49 @@ def markdown(report: dict) -> str:
         "",
         bc.machine_line(m),
         f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end.",
+        f"Settings fingerprint `{report['settings']}` (the options that change what a run measures: "
+        + ", ".join(f"{k} {c.get(k)}" for k in RUN_KEYS if k not in ("model",))
+        + ").",
         "",
         (
             f"Task: bundled arithmetic word problems. Demonstrations (worked solutions) exist for the templates "
             f"{', '.join(c['covered'])} only ({c['expert_pool']} of them); RL prompts ({c['train_rows']}) and held-out "
             f"problems ({c['eval_rows']}, the templates in equal numbers) cover all five, so "
-            f"{' and '.join(uncovered)} can only be learned from reward. Prompts: answer format as the system message."
+            f"{' and '.join(uncovered)} can only be learned from reward. Validation: {c['val_rows']} other "
+            "training-split problems (neither RL prompts nor demonstrations). Prompts: answer format as the system "
+            "message."
         ),
         "",
         (
             f"Model: {report['model_description']} + LoRA (r {c['lora_r']}, alpha {2 * c['lora_r']}, all linear "
-            f"layers), AdamW, lr {c['learning_rate']} constant, the same for every method (no method was tuned on its "
-            f"own; see the notes on how the shared value was chosen), {c['steps']} optimizer steps, {c['rows']} "
-            f"training rows per step for every method: GRPO "
-            f"{c['rows']} rollouts ({c['rows'] // c['num_generations']} prompts x {c['num_generations']}); SFT "
-            f"{c['rows']} demonstrations; SFT then GRPO: SFT for {report['sft_steps']} steps, then GRPO; CHORD/MIX "
-            f"{c['rows'] - c['expert_rows']} rollouts + {c['expert_rows']} demonstrations (CHORD-mu: plain SFT term, "
-            f"mu 0.9 -> 0.05 cosine over the run; CHORD-phi: p(1-p)-weighted SFT term, mu 0.1; MIX: plain SFT term, "
-            f"mu 0.1). Rollouts: temperature 0.8, at most {c['completion_len']} tokens, reward 1 for the exact final "
-            f"answer, no KL. Accuracy: greedy, {c['eval_max_new_tokens']} new tokens, every {c['eval_every']} steps; "
-            "step 0 = the base model."
+            f"layers), AdamW, constant learning rate, {c['steps']} optimizer steps, {c['rows']} training rows per "
+            f"step for every method: GRPO {c['rows']} rollouts ({c['rows'] // c['num_generations']} prompts x "
+            f"{c['num_generations']}); SFT {c['rows']} demonstrations; SFT then GRPO: SFT for {report['sft_steps']} "
+            f"steps, then GRPO; CHORD/MIX {c['rows'] - c['expert_rows']} rollouts + {c['expert_rows']} "
+            f"demonstrations (CHORD-mu: plain SFT term, mu 0.9 -> 0.05 cosine over all {c['steps']} steps; "
+            f"CHORD-phi: p(1-p)-weighted SFT term, mu 0.1; MIX: plain SFT term, mu 0.1). Rollouts: temperature "
+            f"{c['temperature']}, at most {c['completion_len']} tokens, reward 1 for the exact final answer, no KL. "
+            f"Accuracy: greedy, {c['eval_max_new_tokens']} new tokens, every {c['eval_every']} steps; step 0 = the "
+            "base model."
         ),
         "",
+        (
+            f"Tuning budget, the same for every method: the learning rates {grid}, each trained once on seed "
+            f"{report['tune_seed']}; the rate with the best final validation accuracy is the method's (a tie goes to "
+            "the value listed first), and its other seeds run at that rate. The tables below are at each method's "
+            "chosen rate."
+        ),
+        "",
+        "## Tuning (validation accuracy after the last step, seed " + str(report["tune_seed"]) + ")",
+        "",
+        "| method | " + " | ".join(f"lr {_lr(x)}" for x in c["learning_rates"]) + " | chosen |",
+        "|---|" + "---|" * (len(c["learning_rates"]) + 1),
     ]
+    for method, rate in report["rates"].items():
+        cells = [bc.fmt(rate["val"].get(str(x), rate["val"].get(x))) for x in c["learning_rates"]]
+        chosen = _lr(rate["lr"]) + ("" if rate["complete"] else " (grid not finished)")
+        lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells) + f" | {chosen} |")
+    lines.append("")
     for group, title in (
         ("all", "all templates"),
         ("covered", f"covered templates ({', '.join(c['covered'])})"),
@@ -451,33 +627,62 @@ def markdown(report: dict) -> str:
         lines += [
             f"## Accuracy, {title} (mean ± std over seeds)",
             "",
-            "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
-            "|---|---|" + "---|" * len(steps),
+            "| method | lr | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
+            "|---|---|---|" + "---|" * len(steps),
         ]
         for method, s in summary.items():
             rows = s["accuracy"].get(group, {})
             lines.append(
-                f"| {LABELS.get(method, method)} | {len(s['seeds'])} | "
+                f"| {LABELS.get(method, method)} | {_lr(s['lr'])} | {len(s['seeds'])} | "
                 + " | ".join(_cell(rows.get(str(k))) for k in steps)
                 + " |"
             )
         lines.append("")
+    pair = report.get("paired")
+    if pair:
+        a, b = (LABELS[x] for x in pair["methods"])
+        lines += [
+            f"## Paired comparison: {a} minus {b} (final step, seeds {pair['seeds']})",
+            "",
+            "| group | per-seed differences | mean | std | paired t |",
+            "|---|---|---|---|---|",
+        ]
+        for group in GROUPS:
+            if group in pair:
+                d = pair[group]
+                lines.append(
+                    f"| {group} | {', '.join(f'{x:+.3f}' for x in d['diffs'])} | {d['mean']:+.3f} | {d['std']:.3f} | "
+                    f"{bc.fmt(d['t'], '.2f')} |"
+                )
+        p = pair["problems"]
+        lines += [
+            "",
+            f"Pooled over seeds and held-out problems: {p['only_a']} solved by {a} only, {p['only_b']} by {b} only; "
+            f"exact two-sided sign test p = {p['sign_test_p']:.3g}.",
+            "",
+        ]
     lines += [
-        "## Cost",
+        "## Cost and rollouts",
         "",
-        ("| method | CPU s / step (train) | wall s / step (train) | eval CPU s / run | mean train reward |"),
-        "|---|---|---|---|---|",
+        "| method | CPU s / step (train) | generation share | wall s / step (train) | eval CPU s / run | "
+        "mean train reward | RL steps with a reward spread |",
+        "|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
+        share = s.get("generation_share")
+        signal = s.get("rl_steps_with_signal")
         lines.append(
             f"| {LABELS.get(method, method)} | {s['train_cpu_s_per_step']:.1f} | "
-            f"{s['train_wall_s_per_step']:.1f} | {s['eval_cpu_s']:.0f} | {bc.fmt(s['mean_train_reward'])} |"
+            f"{'n/a' if not share else f'{100 * share:.0f} %'} | {s['train_wall_s_per_step']:.1f} | "
+            f"{s['eval_cpu_s']:.0f} | {bc.fmt(s['mean_train_reward'])} | "
+            f"{'n/a' if signal is None else f'{100 * signal:.0f} %'} |"
         )
     lines += [
         "",
         (
-            f"Plot: `learning.png`. Runs: {report['num_runs']} in `{RUNS_FILE}` (settings "
-            f"`{report['settings']}`); CPU time of all runs {report['total_cpu_s'] / 60:.1f} min (one thread)."
+            f"Plot: `learning.png`. Runs: {report['num_runs']} of {report['planned_runs']} planned in `{RUNS_FILE}` "
+            f"(settings `{report['settings']}`); CPU time of all runs {report['total_cpu_s'] / 60:.1f} min (one "
+            "thread)."
         ),
         "",
     ]
@@ -490,6 +695,7 @@ def write_report(
     args, records: list[dict], out: Path, description: str, load_start, command: str, measured: dict | None = None
 ) -> dict:
     measured = measured or {}
+    rates = chosen_rates(records, args.methods, args.learning_rates, args.seeds[0])
     report = {
         "benchmark": "learning",
         "command": measured.get("command", command),
@@ -500,13 +706,17 @@ def write_report(
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "note", "from_runs")},
         "settings": settings_key(args),
         "sft_steps": args.sft_steps if args.sft_steps is not None else args.steps // 2,
-        "summary": summarise(records, args.methods),
+        "tune_seed": args.seeds[0],
+        "rates": rates,
+        "summary": summarise(records, args.methods, rates),
+        "paired": paired(records, rates, *PAIR),
         "num_runs": sum(r["method"] != "base" for r in records),
+        "planned_runs": len(args.methods) * (len(args.learning_rates) + len(args.seeds) - 1),
         "total_cpu_s": sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records),
         "records": records,
         "notes": args.note,
     }
-    report = json.loads(json.dumps(report))  # step keys become strings, as in the file
+    report = json.loads(json.dumps(report))  # step and rate keys become strings, as in the file
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning.json").write_text(json.dumps(report, indent=1) + "\n")
     plotted = plot(report, out / "learning.png")
@@ -544,11 +754,14 @@ def parse_args(argv=None):
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--completion-len", type=int, default=40)
     parser.add_argument(
-        "--learning-rate",
+        "--learning-rates",
         type=float,
-        default=2e-4,
-        help="one learning rate for every method (1e-3, the CPU recipes' value, made GRPO collapse)",
+        nargs="+",
+        help=f"the tuning grid, the same for every method (default {FULL['learning_rates']}, "
+        f"{QUICK['learning_rates']} quick): each value runs on the first seed, the best on validation runs on the rest",
     )
+    parser.add_argument("--val-rows", type=int, help=f"validation problems (default {FULL['val_rows']})")
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="rollout sampling temperature")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--train-rows", type=int, default=512, help="RL prompts (all templates)")
     parser.add_argument("--expert-pool", type=int, default=256, help="demonstrations (covered templates)")
@@ -620,9 +833,17 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
-    done = {(r["method"], r["seed"]) for r in records if r["method"] != "base"}
-    todo = [(seed, method) for seed in args.seeds for method in args.methods if (method, seed) not in done]
-    print(f"settings {key}: {len(done)} runs recorded in {runs_path}, {len(todo)} to do", flush=True)
+    done = {(r["method"], r["seed"], r.get("lr")) for r in records if r["method"] != "base"}
+    tune_seed = args.seeds[0]
+    # first the grid on the tuning seed (every method at one rate, then the next rate), then the other seeds
+    tuning = [(m, tune_seed, lr) for lr in args.learning_rates for m in args.methods if (m, tune_seed, lr) not in done]
+    later = len(args.methods) * (len(args.seeds) - 1)
+    later -= sum(1 for m, seed, _ in done if seed != tune_seed and seed in args.seeds and m in args.methods)
+    print(
+        f"settings {key}: {len(done)} runs recorded in {runs_path}, {len(tuning)} tuning runs and about {later} "
+        "runs of the other seeds to do",
+        flush=True,
+    )
     out.mkdir(parents=True, exist_ok=True)
 
     def append(record: dict) -> None:
@@ -648,7 +869,8 @@ def main(argv=None) -> int:
                 args.expert_pool, seed=1, kinds=args.covered, prompt_style=args.prompt_style
             ),
         }
-        if not any(r["method"] == "base" for r in records) and todo:
+        data["val"] = validation_set(args, data)
+        if not any(r["method"] == "base" for r in records) and (tuning or later > 0):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             start, cpu = time.perf_counter(), time.process_time()
@@ -669,17 +891,27 @@ def main(argv=None) -> int:
                 flush=True,
             )
             del base_model
-        for seed, method in todo:
-            print(f"[seed {seed}] {method}: training ...", flush=True)
-            result = run_method(method, model, seed, args, data, tmp / f"{method}-{seed}")
-            append({"method": method, "seed": seed, **result, "load_average": bc.loadavg()})
+
+        def run(method: str, seed: int, lr: float) -> None:
+            print(f"[seed {seed}] {method} lr {_lr(lr)}: training ...", flush=True)
+            result = run_method(method, model, seed, lr, args, data, tmp / f"{method}-{seed}-{_lr(lr)}")
+            append({"method": method, "seed": seed, "lr": lr, **result, "load_average": bc.loadavg()})
             print(
-                f"[seed {seed}] {method}: {result['train_cpu_s'] / result['steps']:.1f} CPU s/step, eval "
-                f"{result['eval_cpu_s']:.0f} CPU s, load {bc.loadavg()}",
+                f"[seed {seed}] {method} lr {_lr(lr)}: validation {result['val']:.3f}, "
+                f"{result['train_cpu_s'] / result['steps']:.1f} CPU s/step, eval {result['eval_cpu_s']:.0f} CPU s, "
+                f"load {bc.loadavg()}",
                 flush=True,
             )
             write_report(args, records, out, description, load_start, command)
             gc.collect()
+
+        for method, seed, lr in tuning:
+            run(method, seed, lr)
+        rates = chosen_rates(records, args.methods, args.learning_rates, tune_seed)
+        for seed in args.seeds[1:]:
+            for method in args.methods:
+                if (method, seed, rates[method]["lr"]) not in done:
+                    run(method, seed, rates[method]["lr"])
     write_report(args, records, out, description, load_start, command)
     print(markdown(json.loads((out / "learning.json").read_text())))
     return 0

@@ -42,9 +42,35 @@ def main(argv: list[str] | None = None) -> ChordTrainer:
     concise_progress(trainer)
     # 4. train, measuring greedy held-out accuracy before and after
     summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint)
+    trainer.add_model_card_section(terms_card_section(trainer.state.log_history))
     # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
     save_outputs(trainer, args, summary)
     return trainer
+
+
+def terms_card_section(log_history: list[dict]) -> str:
+    """A model-card section on what each CHORD term did: the SFT term's weight and loss, the rollouts' reward
+    and how many steps had rollout groups with a reward spread (non-zero advantages, so a non-zero RL term)."""
+    steps = [e for e in log_history if "loss" in e and "actor/mu" in e]
+    if not steps:
+        return ""
+    sft = [e.get("actor/expert/sft_loss", e.get("actor/expert/sft_phi_loss")) for e in steps]
+    rewards = [e["reward"] for e in steps if "reward" in e]
+    signal = sum(1 for e in steps if e.get("frac_reward_zero_std", 1.0) < 1.0)
+    lines = ["", "## What each term did", ""]
+    if None not in sft:
+        lines.append(
+            f"- SFT term (expert demonstrations): weight mu {steps[0]['actor/mu']:.2f} -> {steps[-1]['actor/mu']:.2f}; "
+            f"loss {sft[0]:.3f} at step 1 -> {sft[-1]:.3f} at step {len(steps)}."
+        )
+    if rewards:
+        lines.append(
+            f"- RL term (on-policy rollouts): mean train reward {sum(rewards) / len(rewards):.3f} (first step "
+            f"{rewards[0]:.3f}, last {rewards[-1]:.3f}); {signal} of {len(steps)} steps had a rollout group with a "
+            "reward spread, i.e. non-zero advantages and a non-zero RL gradient (in the other steps every rollout "
+            "of a group earned the same reward and only the SFT term trained)."
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

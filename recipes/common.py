@@ -54,6 +54,13 @@ class RecipeArguments:
     num_expert_rows: int = field(
         default=256, metadata={"help": "Expert demonstrations (CHORD/MIX, SFT, DPO pairs); 0 = all available."}
     )
+    rollout_kinds: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Bundled 'arithmetic' task only: the templates the RL prompts are drawn from (default: all; "
+            "held-out problems and demonstrations always use all)."
+        },
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
         metadata={
@@ -368,7 +375,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
     ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
     """
     if args.dataset_name == BUNDLED_TASK:
-        from trinity_trl.data.arithmetic import PROMPT_STYLES, arithmetic_dataset, arithmetic_expert_dataset
+        from trinity_trl.data.arithmetic import PROMPT_STYLES, TEMPLATES, arithmetic_dataset, arithmetic_expert_dataset
 
         style = args.dataset_config or "user"
         if style not in PROMPT_STYLES:
@@ -377,12 +384,20 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
                 f"{PROMPT_STYLES}; got {style!r}"
             )
         return Task(
-            train=arithmetic_dataset("train", args.num_train_rows or 512, seed=seed, prompt_style=style),
+            train=arithmetic_dataset(
+                "train",
+                args.num_train_rows or 512,
+                seed=seed,
+                kinds=args.rollout_kinds or tuple(TEMPLATES),
+                prompt_style=style,
+            ),
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
             expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
             if with_expert
             else None,
         )
+    if args.rollout_kinds:
+        raise UsageError(f"rollout_kinds selects templates of the bundled {BUNDLED_TASK!r} task only")
     from datasets import load_dataset
 
     loaded = load_dataset(args.dataset_name, args.dataset_config)

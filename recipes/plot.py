@@ -1,4 +1,5 @@
-"""A PNG of the training curves (reward, μ, SFT and RL losses) from a trainer's ``log_history``."""
+"""A PNG of the training curves from a trainer's ``log_history``: reward (and the share of rollout groups with
+non-zero advantages), μ, the SFT and RL losses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ logger = logging.getLogger(__name__)
 
 # panel title -> metric keys, first present wins per line; panels without any logged key are left out
 PANELS: list[tuple[str, list[tuple[str, Sequence[str]]]]] = [
-    ("reward", [("mean reward", ("reward",))]),
+    (
+        "reward",
+        [("mean reward", ("reward",)), ("groups with non-zero advantages (fraction)", ("frac_reward_zero_std",))],
+    ),
     ("μ (SFT weight)", [("mu", ("actor/mu",))]),
     (
         "losses",
@@ -21,6 +25,8 @@ PANELS: list[tuple[str, list[tuple[str, Sequence[str]]]]] = [
     ),
     ("value loss", [("value loss", ("critic/vf_loss", "value_loss"))]),
 ]
+# keys plotted as a function of the logged value: TRL logs the fraction of groups whose rewards are all equal
+TRANSFORMS = {"frac_reward_zero_std": lambda value: 1.0 - value}
 
 
 def curves(log_history: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
@@ -31,8 +37,9 @@ def curves(log_history: list[dict]) -> dict[str, dict[str, tuple[list[int], list
             key = next((k for k in keys if any(k in entry for entry in log_history)), None)
             if key is None:
                 continue
+            transform = TRANSFORMS.get(key, float)
             points = [
-                (entry["step"], float(entry[key]))
+                (entry["step"], transform(float(entry[key])))
                 for entry in log_history
                 if key in entry and "step" in entry and "train_runtime" not in entry
             ]

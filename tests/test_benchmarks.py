@@ -89,7 +89,7 @@ def test_trl_overhead_quick_all(tmp_path):
     assert {"train_vs_same_rows", "added_train_over_extra_rows_cost"} <= set(chord["ratio"])
 
 
-def test_learning_quick_tiny_and_resume(tmp_path):
+def test_learning_quick_tiny_tunes_each_method_resumes_and_pairs(tmp_path):
     tiny = [
         "--model",
         "tiny",
@@ -100,34 +100,78 @@ def test_learning_quick_tiny_and_resume(tmp_path):
         "1",
         "--eval-rows",
         "5",
+        "--val-rows",
+        "5",
         "--eval-max-new-tokens",
         "8",
         "--completion-len",
         "8",
+        "--seeds",
+        "0",
+        "1",
+        "--learning-rates",
+        "1e-3",
+        "2e-4",
         "--out",
         str(tmp_path),
     ]
     _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo")
     runs = [json.loads(line) for line in (tmp_path / "learning_runs.jsonl").read_text().splitlines()]
-    assert [(r["method"], r["seed"]) for r in runs] == [("base", None), ("grpo", 0), ("sft_grpo", 0)]
+    # the grid on the tuning seed (every method at one rate, then the next), then seed 1 at each chosen rate
+    assert [(r["method"], r["seed"], r.get("lr")) for r in runs[:5]] == [
+        ("base", None, None),
+        ("grpo", 0, 1e-3),
+        ("sft_grpo", 0, 1e-3),
+        ("grpo", 0, 2e-4),
+        ("sft_grpo", 0, 2e-4),
+    ]
+    for method in ("grpo", "sft_grpo"):
+        tuned = {r["lr"]: r["val"] for r in runs if r["method"] == method and r["seed"] == 0}
+        best = max(tuned, key=lambda lr: (tuned[lr], lr == 1e-3))  # a tie goes to the rate listed first
+        assert [(r["seed"], r["lr"]) for r in runs if r["method"] == method and r["seed"] == 1] == [(1, best)]
     sft_grpo = runs[2]
     assert sft_grpo["sft_steps"] == 1 and [p["step"] for p in sft_grpo["curve"]] == [1, 2]  # SFT, then GRPO
     assert len(sft_grpo["train_reward"]) == 1 and sft_grpo["mu"] == []  # rewards of the GRPO stage only
-    # a second invocation with one more method runs only that one (the others are read back)
+    assert len(sft_grpo["curve"][-1]["outcomes"]) == 5 and "outcomes" not in sft_grpo["curve"][0]
+    assert runs[1]["generation_cpu_s"] > 0 and runs[1]["generation_cpu_s"] < runs[1]["train_cpu_s"]
+    assert len(runs[1]["frac_reward_zero_std"]) == 2 and 0.0 <= runs[1]["val"] <= 1.0
+    # a second invocation with one more method runs only that one's grid and seed (the others are read back)
     _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo", "chord_mu")
     runs = [json.loads(line) for line in (tmp_path / "learning_runs.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in runs] == ["base", "grpo", "sft_grpo", "chord_mu"]
-    assert len(runs[3]["mu"]) == 2 and runs[3]["mu"][0] > runs[3]["mu"][1]  # CHORD-mu's decaying mu
+    assert [r["method"] for r in runs[7:]] == ["chord_mu"] * 3 and len(runs) == 10
+    chord = runs[7]
+    assert len(chord["mu"]) == 2 and chord["mu"][0] > chord["mu"][1]  # CHORD-mu's mu decays over the run
     report = _load(tmp_path / "learning.json")
     _check_machine(report)
-    assert set(report["summary"]) == {"grpo", "sft_grpo", "chord_mu"}
+    assert report["num_runs"] == report["planned_runs"] == 9
+    assert set(report["summary"]) == set(report["rates"]) == {"grpo", "sft_grpo", "chord_mu"}
     for method, summary in report["summary"].items():
+        assert summary["lr"] == report["rates"][method]["lr"] and summary["seeds"] == [0, 1]
         for group in ("all", "covered", "uncovered"):
             assert set(summary["accuracy"][group]) == {"0", "1", "2"}, (method, group)
-            assert summary["accuracy"][group]["2"]["n"] == 1
+            assert summary["accuracy"][group]["2"]["n"] == 2
         assert 0.0 <= summary["final"]["all"]["mean"] <= 1.0
+        assert 0.0 < summary["generation_share"] < 1.0 and summary["train_cpu_s_per_step"] > 0
+    pair = report["paired"]
+    assert pair["methods"] == ["chord_mu", "sft_grpo"] and pair["seeds"] == [0, 1]
+    finals = {
+        m: [
+            max(r["curve"], key=lambda p: p["step"])
+            for r in runs
+            if r["method"] == m and r.get("lr") == report["rates"][m]["lr"]
+        ]
+        for m in ("chord_mu", "sft_grpo")
+    }
+    diffs = [a["all"] - b["all"] for a, b in zip(finals["chord_mu"], finals["sft_grpo"])]
+    assert pair["all"]["diffs"] == diffs  # the same subtraction of the same values
+    only_a = sum(
+        x > y for a, b in zip(finals["chord_mu"], finals["sft_grpo"]) for x, y in zip(a["outcomes"], b["outcomes"])
+    )
+    assert pair["problems"]["only_a"] == only_a and 0.0 <= pair["problems"]["sign_test_p"] <= 1.0
     assert report["config"]["covered"] == ["add", "sub", "mul"]
-    assert "uncovered templates (div, two_step)" in (tmp_path / "learning.md").read_text()
+    text = (tmp_path / "learning.md").read_text()
+    assert "uncovered templates (div, two_step)" in text and f"Settings fingerprint `{report['settings']}`" in text
+    assert "## Tuning" in text and "## Paired comparison: CHORD-mu minus SFT then GRPO" in text
     png = tmp_path / "learning.png"
     if png.exists():  # matplotlib is optional
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -135,11 +179,21 @@ def test_learning_quick_tiny_and_resume(tmp_path):
     report["machine"]["cpu"] = "the machine that trained"
     (tmp_path / "learning.json").write_text(json.dumps(report))
     _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo", "chord_mu", "--report-only", "--note", "a reading")
-    assert len((tmp_path / "learning_runs.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "learning_runs.jsonl").read_text().splitlines()) == 10
     rendered = _load(tmp_path / "learning.json")
     assert rendered["machine"]["cpu"] == "the machine that trained"
     assert rendered["command"] == report["command"] and rendered["summary"] == report["summary"]
     assert "- a reading" in (tmp_path / "learning.md").read_text()
+
+
+def test_sign_test_matches_the_binomial_distribution():
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import _sign_test
+
+    assert _sign_test(0, 0) == 1.0
+    assert _sign_test(5, 0) == 2 / 32  # one-sided 1/32, doubled
+    assert _sign_test(1, 4) == _sign_test(4, 1) == 2 * 6 / 32  # P(X <= 1) = 6/32
+    assert _sign_test(3, 3) == 1.0
 
 
 def test_prefix_packing_quick(tmp_path):
@@ -172,3 +226,39 @@ def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
     assert set(report["lora"]) == {"train shape (4 x prompt+40)", "decode shape (20 x 1 token)"}  # 4 held-out rows
     assert all(v["lora_cpu_s"] > 0 and v["plain_cpu_s"] > 0 for v in report["lora"].values())
     assert "## One training step" in (tmp_path / "demo_profile-t.md").read_text()
+
+
+# what benchmarks/README.md (and the main README's learning section) states of the study's full setting
+STUDY_STATES = {
+    "methods": ["grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix"],
+    "seeds": [0, 1, 2],
+    "steps": 100,
+    "eval_every": 25,
+    "eval_rows": 200,
+    "val_rows": 100,
+    "learning_rates": [3e-4, 1e-4, 1e-3],
+    "rows": 8,
+    "expert_rows": 4,
+    "num_generations": 4,
+    "completion_len": 40,
+    "temperature": 0.8,
+    "covered": ["add", "sub", "mul"],
+}
+
+
+def test_learning_full_setting_is_what_the_readme_states():
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import parse_args
+
+    args = parse_args([])
+    assert {key: getattr(args, key) for key in STUDY_STATES} == STUDY_STATES
+    text = (BENCHMARKS / "README.md").read_text()
+    section = text[text.index("## `learning.py`") :]
+    for stated in (
+        "100 optimizer steps of 8 training rows each, seeds 0, 1, 2",
+        "200 held-out problems",
+        "the learning rates 3e-4, 1e-4 and 1e-3",
+        "100 **validation** problems",
+        "6 x (3 + 2) = 30 runs",
+    ):
+        assert stated in section, stated
