@@ -284,22 +284,19 @@ def test_two_machines_on_loopback_train_as_one(runs, tmp_path, tiny_model_dir, e
     """Multi-node `accelerate launch` (`--num_machines 2 --machine_rank R --main_process_ip ...`), simulated by two
     launchers of one process each on this machine, joined over loopback: the same losses and weights as the
     one-machine, two-process run."""
-    import socket
     import subprocess
 
     from engine_helpers import REPO_ROOT, script_env
+    from launching import LAUNCH_ATTEMPTS, free_port, port_was_taken, scaled_timeout
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nodes = []
-    for rank in (0, 1):
+    def node_command(rank: int, port: int) -> list[str]:
         # the one-machine run's schedule (learning rate decays over 4 steps); its weights after step 2 are compared
         command = accelerate_launch(
             engine, "engine_run.py", tiny_model_dir, str(tmp_path), "trinity_full", "ppo", "--steps", str(STEPS)
         )
-        at = command.index("--num_processes")
-        command[at:at] = [
+        # both launchers must meet on one port: a free one found by the OS replaces the default port 0
+        at = command.index("--main_process_port")
+        command[at : at + 2] = [
             "--num_machines",
             "2",
             "--machine_rank",
@@ -309,12 +306,31 @@ def test_two_machines_on_loopback_train_as_one(runs, tmp_path, tiny_model_dir, e
             "--main_process_port",
             str(port),
         ]
-        nodes.append(
+        return command
+
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        port, timeout = free_port(), scaled_timeout(900)
+        nodes = [
             subprocess.Popen(
-                command, cwd=REPO_ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                node_command(rank, port),
+                cwd=REPO_ROOT,
+                env=script_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
-        )
-    outputs = [node.communicate(timeout=900) for node in nodes]
+            for rank in (0, 1)
+        ]
+        try:
+            outputs = [node.communicate(timeout=timeout) for node in nodes]
+        except subprocess.TimeoutExpired:
+            for node in nodes:
+                node.kill()
+            pytest.fail(f"the two launchers did not finish in {timeout}s")
+        failed = any(node.returncode != 0 for node in nodes)
+        # a retry only when the rendezvous port was taken by another process between free_port() and the bind
+        if not (failed and attempt < LAUNCH_ATTEMPTS and any(port_was_taken(out + err) for out, err in outputs)):
+            break
     for rank, (node, (_, err)) in enumerate(zip(nodes, outputs)):
         assert node.returncode == 0, f"machine {rank}:\n{err[-6000:]}"
     for case in ("trinity_full", "ppo"):

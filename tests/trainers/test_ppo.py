@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import length_reward, lora_config, recording, tiny_conversational_dataset, tiny_grpo_kwargs
+from launching import scaled_timeout
 from peft import PeftModel
 from transformers import (
     AutoModelForCausalLM,
@@ -501,7 +502,13 @@ def test_one_vs_two_processes(tmp_path, tiny_model_dir):
         text=True,
     )
     one = run(tiny_model_dir, str(tmp_path), world=1, rank=0)  # in this process, while the 2 ranks start up
-    output, _ = proc.communicate(timeout=300)
+    try:
+        # torchrun --standalone: the OS picks the rendezvous port (localhost:0), so no port can be taken at start-up
+        output, _ = proc.communicate(timeout=scaled_timeout(600))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"2-process torchrun timed out:\n{output[-8000:]}")
     assert proc.returncode == 0, output[-8000:]
     ranks = [torch.load(tmp_path / f"ppo_world2_rank{r}.pt", weights_only=False) for r in range(2)]
     assert [(r["world"], r["rank"]) for r in ranks] == [(2, 0), (2, 1)]
