@@ -204,6 +204,17 @@ TINY_MODEL_TERMS = 2048
 TINY_LOGP_SCALE = 6.25
 
 
+def trained_weights_atol(steps: int, lr: float, terms: int = TINY_MODEL_TERMS) -> float:
+    """Absolute tolerance on weights after ``steps`` Adam(W) steps at learning rate ``lr`` from the same start, when
+    the two runs' gradients differ by rounding only: Adam moves an element by at most about ``lr`` a step in a
+    direction ``m / sqrt(v)`` that inherits the gradients' relative error (tests/tolerance.py's ``rtol`` for
+    ``terms``), and each update rounds the weight (float32, |w| < 1): ``steps * (lr * rtol + eps)``."""
+    import torch
+    from tolerance import tolerance
+
+    return steps * (lr * tolerance(torch.float32, terms=terms)["rtol"] + torch.finfo(torch.float32).eps)
+
+
 def tiny_grpo_kwargs(**overrides: Any) -> dict[str, Any]:
     """CPU-friendly `GRPOConfig` keyword arguments for the tiny model; `overrides` replace or add entries.
 
