@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
+from tolerance import approx
 
 from trinity_trl.algorithms import POLICY_LOSS_FN
 
@@ -91,11 +91,24 @@ def as_double(data):
     return {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
 
 
+# Tolerance of the spec's reference values (§14.1). The spec prints float32 results with 17 significant digits, so
+# half a unit of the last printed digit (< 1e-16) is far below float32's rounding, which sets the tolerance: weighted
+# sums over the (5, 20) batch's 100 tokens (tests/tolerance.py), whose rounding errors are relative to the weighted
+# mean magnitude of the terms, since the advantages' signs cancel: |A| * exp(ℓ - ℓo) averages 0.8 over the 48 trained
+# tokens, so the scale is 1, or the value itself where it is larger (seq-mean-token-sum sums a row's terms).
+SPEC_TERMS = 5 * 20
+
+
+def spec_value(expected: float):
+    """``expected`` within the tolerance of a float32 value computed from the spec's §14.1 data."""
+    return approx(expected, terms=SPEC_TERMS, scale=max(1.0, abs(expected)))
+
+
 def check(result, loss, metrics):
     value, got = result
-    assert value.item() == pytest.approx(loss, abs=1e-6)
+    assert value.item() == spec_value(loss)
     for name, expected in metrics.items():
-        assert got[name] == pytest.approx(expected, abs=1e-6), name
+        assert got[name] == spec_value(expected), name
 
 
 LOSS_METRIC = {
@@ -124,12 +137,12 @@ def assert_reference_values(policy_data, key, overrides, loss, metrics):
     """The loss and metrics of ``key`` (from its default_args() plus ``overrides``) on spec §14.1 data."""
     value, got = build(key, **overrides)(**policy_data)
     assert value.dim() == 0 and value.requires_grad is False  # §14.1 data holds plain tensors
-    assert value.item() == pytest.approx(loss, abs=1e-6)
+    assert value.item() == spec_value(loss)
     assert set(got) == METRIC_NAMES[key]
     assert all(type(v) is float for v in got.values())
-    assert got[LOSS_METRIC[key]] == pytest.approx(loss, abs=1e-6)
+    assert got[LOSS_METRIC[key]] == spec_value(loss)
     for name, expected in metrics.items():
-        assert got[name] == pytest.approx(expected, abs=1e-6), name
+        assert got[name] == spec_value(expected), name
 
 
 def small_data(seed: int = 0, batch: int = 4, width: int = 6) -> dict[str, torch.Tensor]:
