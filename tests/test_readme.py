@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import scaled_timeout
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = [
@@ -99,7 +100,7 @@ def block_results(tmp_path_factory, readme_model_dir):
             cwd=root,
             capture_output=True,
             text=True,
-            timeout=1800,
+            timeout=scaled_timeout(1800),
             env=env,
         )
         lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]
