@@ -96,6 +96,9 @@ def as_double(data):
 # sums over the (5, 20) batch's 100 tokens (tests/tolerance.py), whose rounding errors are relative to the weighted
 # mean magnitude of the terms, since the advantages' signs cancel: |A| * exp(ℓ - ℓo) averages 0.8 over the 48 trained
 # tokens, so the scale is 1, or the value itself where it is larger (seq-mean-token-sum sums a row's terms).
+# The spec's masked mean divides by (count + 1e-8): a hand formula dividing by the count differs by 1e-8 relative at
+# most (counts >= 1), beyond rounding: `known_rtol` of tests/tolerance.py
+MEAN_EPSILON = 1e-8
 # The §14.2 data (KL and entropy): (4, 10), log-probs in [-1, 1], so the same scale of 1 for the per-token terms.
 SPEC_TERMS, KL_SPEC_TERMS = 5 * 20, 4 * 10
 
