@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerance import approx
 
 from trinity_trl.algorithms.advantage.reinforceplusplus import discounted_reverse_cumsum
 
 from ..conftest import make_batch
-from .batch_support import assert_rows, naive_discounted_sum, run_fn
+from .batch_support import BATCH_TERMS, assert_rows, naive_discounted_sum, run_fn
 
 
 def test_reinforceplusplus_gamma_one():
@@ -23,8 +24,8 @@ def test_reinforceplusplus_gamma_one():
 def test_reinforceplusplus_gamma_09_row0():
     batch, _ = run_fn("reinforceplusplus", gamma=0.9)
     expected = [0.7903844, 1.0431250, 1.3239480, 1.6359736, 0.0]
-    assert batch["advantages"][0].tolist() == pytest.approx(expected, abs=1e-6)
-    assert batch["returns"][0].tolist() == pytest.approx([0.729, 0.81, 0.9, 1.0, 0.0], abs=1e-6)
+    assert batch["advantages"][0].tolist() == approx(expected, terms=BATCH_TERMS, scale=2.0)
+    assert batch["returns"][0].tolist() == approx([0.729, 0.81, 0.9, 1.0, 0.0], terms=BATCH_TERMS, scale=2.0)
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 5, 8, 13, 64, 100])
