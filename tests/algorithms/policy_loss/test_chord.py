@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerance import assert_close
+from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, mu_schedule_function
 from trinity_trl.algorithms.args import constructor_defaults
@@ -20,8 +20,8 @@ def test_mu_schedule_boundaries():
     assert mu_schedule_function(0, 0, 0, 0.7, 0.1) == 0.1
     assert mu_schedule_function(5, 0, 0, 0.7, 0.1) == 0.1
     assert mu_schedule_function(0, 10, 20, 0.7, 0.1) == 0.0
-    assert mu_schedule_function(4, 10, 20, 0.7, 0.1) == pytest.approx(0.28, abs=1e-12)
-    assert mu_schedule_function(20, 10, 20, 0.7, 0.1) == pytest.approx(0.4, abs=1e-12)
+    assert mu_schedule_function(4, 10, 20, 0.7, 0.1) == approx(0.28, dtype=torch.float64)
+    assert mu_schedule_function(20, 10, 20, 0.7, 0.1) == approx(0.4, dtype=torch.float64)
     assert mu_schedule_function(10, 10, 0, 0.7, 0.1) == 0.1
 
 
@@ -56,7 +56,9 @@ def test_chord_reference_values(policy_data, overrides, step, loss, metrics):
 
 def test_chord_step_as_list_and_keys(policy_data):
     fn = build("mix_chord", **SCHEDULE)
-    assert fn(**policy_data, step=[300] * 5)[1]["mu"] == pytest.approx(0.42970562748477137, abs=1e-12)
+    assert fn(**policy_data, step=[300] * 5)[1]["mu"] == approx(
+        0.42970562748477137, dtype=torch.float64
+    )  # Python floats
     assert fn.select_keys == ["old_per_token_logps", "completion_mask", "advantages", "expert_mask", "step"]
     assert type(build("mix_chord").sft_loss_fn) is POLICY_LOSS_FN.get("sft_phi")
     assert type(build("mix_chord", enable_phi_function=False).sft_loss_fn) is POLICY_LOSS_FN.get("sft")
