@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from tolerance import assert_close
+from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import ENTROPY_LOSS_FN
 
-from .support import KL_SPEC_TERMS, MEAN_EPSILON, spec_value
+from .support import KL_SPEC_TERMS, spec_value
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -67,9 +67,10 @@ def test_entropy_nan_safe_and_empty(kl_data, key, mode):
 
     clean_loss, clean_grad = run(kl_data["entropy"], mask, expert)
     loss, grad = run(kl_data["entropy"].masked_fill(~mask, math.nan), mask, expert)
-    assert loss.item() == pytest.approx(clean_loss.item(), abs=1e-9)
+    # the padding is masked out before any sum: the same operations on the same values, a few ulps at most
+    assert loss.item() == approx(clean_loss.item())
     assert torch.isfinite(grad).all()
-    assert_close(grad, clean_grad, known_rtol=MEAN_EPSILON)
+    assert_close(grad, clean_grad)
     assert run(kl_data["entropy"], torch.zeros_like(mask), expert)[0].item() == 0.0
     if key == "mix":
         loss, grad = run(kl_data["entropy"].masked_fill(~mask, math.nan), mask, torch.ones(4, dtype=torch.bool))
