@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-fast test-gpu test-distributed demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-fast test-gpu test-distributed test-cpu-paths test-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,21 @@ test-gpu:
 # run's JIT build of DeepSpeed's shm_comm op (cached in ~/.cache/torch_extensions). .ci/run runs it after make test.
 test-distributed: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m distributed
+
+# The fast tests once per forced CPU kernel path (TRINITY_TEST_CPU_PATH, read by tests/conftest.py): oneDNN off, one
+# and two intra-op threads, the math SDPA backend. One after the other (each takes the machine's cores). The engine
+# tests are left out: their processes are launched with their own settings, which the switch does not reach.
+CPU_PATHS ?= mkldnn_off threads_1 threads_2 math_sdpa
+test-cpu-paths: $(STAMP)
+	@set -e; for path in $(CPU_PATHS); do \
+		echo "== TRINITY_TEST_CPU_PATH=$$path"; \
+		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -m "not slow and not distributed"; \
+	done
+
+# The whole suite, then the engine suite, each beside two busy processes pinned to CPUs 0 and 1 (tests/stress.sh);
+# prints each part's wall time and load average.
+test-stress: $(STAMP)
+	tests/stress.sh $(PY)
 
 # The main job: CHORD + LoRA on the bundled SmolLM2-135M-Instruct and arithmetic task, on a CPU (see README).
 demo: $(STAMP)

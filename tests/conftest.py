@@ -7,6 +7,7 @@ tests import them with `from helpers import tiny_grpo_kwargs, length_reward, ans
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 # Offline and quiet, before anything imports transformers or trl. `setdefault` lets a developer override them.
@@ -40,9 +41,56 @@ HARMLESS_WARNING_FILTERS = (
 )
 
 
+# ------------------------------------------------------------------------------------------------ CPU paths
+# `TRINITY_TEST_CPU_PATH` (comma-separated; `make test-cpu-paths` runs each) forces another CPU kernel path for the
+# whole session, so that a test passing on this machine's defaults also passes where torch picks other kernels
+# (another CPU, another thread count, another SDPA backend). Tolerances come from tests/tolerance.py, not from a path.
+CPU_PATH_ENV = "TRINITY_TEST_CPU_PATH"
+CPU_PATHS = {
+    "mkldnn_off": "torch.backends.mkldnn.enabled = False (oneDNN kernels off: plain ATen/BLAS ones)",
+    "threads_1": "torch.set_num_threads(1) everywhere (other blockings and reduction orders)",
+    "threads_2": "torch.set_num_threads(2) everywhere, the trainer folders included",
+    "math_sdpa": "the math SDPA backend only (flash/memory-efficient/cuDNN SDPA kernels off, CPU flash included)",
+}
+#: intra-op torch threads of the modules that train the tiny model (`one_torch_thread`); a `threads_N` path sets N
+TEST_THREADS = 1
+
+
+def _cpu_paths() -> list[str]:
+    paths = [p.strip() for p in os.environ.get(CPU_PATH_ENV, "").split(",") if p.strip()]
+    unknown = [p for p in paths if p not in CPU_PATHS and not re.fullmatch(r"threads_[1-9][0-9]*", p)]
+    if unknown:
+        raise pytest.UsageError(f"{CPU_PATH_ENV}: unknown CPU path(s) {unknown}; known: {sorted(CPU_PATHS)}")
+    return paths
+
+
+def _force_cpu_paths(paths: list[str]) -> None:
+    global TEST_THREADS
+    import torch
+
+    for path in paths:
+        if path == "mkldnn_off":
+            torch.backends.mkldnn.enabled = False
+        elif path.startswith("threads_"):
+            TEST_THREADS = int(path.removeprefix("threads_"))
+            torch.set_num_threads(TEST_THREADS)
+        elif path == "math_sdpa":
+            # the global switches behind torch.nn.attention.sdpa_kernel; CPU dispatch reads them too
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            torch.backends.cuda.enable_math_sdp(True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for line in HARMLESS_WARNING_FILTERS:
         config.addinivalue_line("filterwarnings", line)
+    _force_cpu_paths(_cpu_paths())
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    paths = _cpu_paths()
+    return f"CPU paths ({CPU_PATH_ENV}): " + (", ".join(paths) if paths else "torch's defaults")
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +233,7 @@ def one_torch_thread():
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)  # 1, or the N of a `threads_N` CPU path
     yield
     torch.set_num_threads(threads)
 

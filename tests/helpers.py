@@ -194,6 +194,27 @@ def tiny_plain_text_dataset(n: int = 32):
     )
 
 
+# tests/tolerance.py's `terms` for a value the tiny model computes on a tiny batch (a loss, a log-prob, a gradient
+# element): the longest chain of additions behind it is a sum over the batch's tokens (at most 8 rows x 64 positions)
+# plus, backwards through the model, the vocabulary softmax (512), and per layer the MLP (128), three hidden-size
+# projections (64) and an attention row (64 keys): 512 + 512 + 2 * (128 + 3 * 64 + 64) = 1792, rounded up.
+TINY_MODEL_TERMS = 2048
+# the magnitude of one token's log-prob under the random tiny model (nearly uniform over its 512 tokens): log(512);
+# a summed log-prob of n tokens is about n times this, the scale of a comparison of sums that cancel (DPO margins)
+TINY_LOGP_SCALE = 6.25
+
+
+def trained_weights_atol(steps: int, lr: float, terms: int = TINY_MODEL_TERMS) -> float:
+    """Absolute tolerance on weights after ``steps`` Adam(W) steps at learning rate ``lr`` from the same start, when
+    the two runs' gradients differ by rounding only: Adam moves an element by at most about ``lr`` a step in a
+    direction ``m / sqrt(v)`` that inherits the gradients' relative error (tests/tolerance.py's ``rtol`` for
+    ``terms``), and each update rounds the weight (float32, |w| < 1): ``steps * (lr * rtol + eps)``."""
+    import torch
+    from tolerance import tolerance
+
+    return steps * (lr * tolerance(torch.float32, terms=terms)["rtol"] + torch.finfo(torch.float32).eps)
+
+
 def tiny_grpo_kwargs(**overrides: Any) -> dict[str, Any]:
     """CPU-friendly `GRPOConfig` keyword arguments for the tiny model; `overrides` replace or add entries.
 
@@ -497,10 +518,11 @@ def parameter_grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_grads_close(a: dict, b: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """The same non-empty set of parameters, and each gradient close."""
-    import torch
+def assert_grads_close(a: dict, b: dict, terms: int | None = None) -> None:
+    """The same non-empty set of parameters, and each gradient close within tests/tolerance.py's bound for
+    ``terms`` (default :data:`TINY_MODEL_TERMS`), relative to that parameter's largest gradient."""
+    from tolerance import assert_close
 
     assert a.keys() == b.keys() and a
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(a[name], b[name], terms=terms or TINY_MODEL_TERMS, msg=lambda m, n=name: f"{n}: {m}")

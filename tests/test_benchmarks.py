@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import scaled_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -24,7 +25,7 @@ def _run(script: str, *args: str, timeout: int = 600) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled_timeout(timeout),  # generous when idle, scaled by the load (tests/launching.py)
         env=env,
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import scaled_timeout
 
 from trinity_trl.cli import DEMO_OUTPUT_DIR, main, run
 from trinity_trl.recipes import RECIPES, bundled_configs
@@ -90,7 +91,7 @@ def test_demo_writes_to_its_own_folder(monkeypatch):
 
 def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):
     script = Path(sys.executable).parent / "trinity-trl"
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=scaled_timeout(120))
     assert result.returncode == 0 and "usage: trinity-trl <recipe>" in result.stdout
     result = subprocess.run(
         [
@@ -123,7 +124,7 @@ def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_m
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled_timeout(300),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import scaled_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -77,7 +78,7 @@ def run_blocks(scripts: list[tuple[str, str]], cwd: Path, env: dict[str, str]) -
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=scaled_timeout(1800),
         env=env,
     )
     lines = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")]

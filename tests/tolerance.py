@@ -57,7 +57,13 @@ def _magnitude(like: Any) -> float:
 
 
 def tolerance(
-    like: Any, *, terms: int = 1, ulps: float = DEFAULT_ULPS, scale: float | None = None, dtype: torch.dtype = None
+    like: Any,
+    *,
+    terms: int = 1,
+    ulps: float = DEFAULT_ULPS,
+    scale: float | None = None,
+    dtype: torch.dtype = None,
+    known_rtol: float = 0.0,
 ) -> dict[str, float]:
     """``{"rtol": ..., "atol": ...}`` for comparing values like ``like`` (a tensor, a dtype or a float).
 
@@ -68,11 +74,17 @@ def tolerance(
         scale: the magnitude of the summed terms, when it differs from the largest compared value (for
             example a gradient that cancels to nearly zero): ``atol = rtol * scale``.
         dtype: the dtype the values were computed in, when ``like`` was upcast for comparison.
+        known_rtol: a relative difference that is not rounding but known and bounded, added to ``rtol`` (for
+            example the spec's ``+ 1e-8`` in a masked mean's denominator: at most ``1e-8`` relative for counts >= 1).
     """
     if terms < 1:
         raise ValueError(f"terms must be >= 1, got {terms}")
     eps = torch.finfo(dtype or _dtype_of(like)).eps
-    rtol = ulps * eps * math.sqrt(terms)
+    if known_rtol < 0:
+        raise ValueError(f"known_rtol must be >= 0, got {known_rtol}")
+    rtol = ulps * eps * math.sqrt(terms) + known_rtol
+    if isinstance(scale, torch.Tensor):
+        scale = scale.detach()
     magnitude = _magnitude(like) if scale is None else float(scale)
     return {"rtol": rtol, "atol": rtol * max(magnitude, torch.finfo(torch.float32).tiny)}
 
@@ -85,12 +97,13 @@ def assert_close(
     ulps: float = DEFAULT_ULPS,
     scale=None,
     dtype=None,
+    known_rtol: float = 0.0,
     msg: str | None = None,
     **kwargs,
 ) -> None:
     """``torch.testing.assert_close`` with :func:`tolerance` of ``expected``; extra ``kwargs`` (``equal_nan``,
     ``check_dtype``...) pass through."""
-    tol = tolerance(expected, terms=terms, ulps=ulps, scale=scale, dtype=dtype)
+    tol = tolerance(expected, terms=terms, ulps=ulps, scale=scale, dtype=dtype, known_rtol=known_rtol)
     if not isinstance(actual, torch.Tensor) and not isinstance(expected, torch.Tensor):
         actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     torch.testing.assert_close(actual, expected, **tol, msg=msg, **kwargs)
@@ -103,9 +116,10 @@ def approx(
     terms: int = 1,
     ulps: float = DEFAULT_ULPS,
     scale: float | None = None,
+    known_rtol: float = 0.0,
 ):
     """``pytest.approx(expected)`` with :func:`tolerance` of a value computed in ``dtype``."""
     import pytest
 
-    tol = tolerance(expected, terms=terms, ulps=ulps, scale=scale, dtype=dtype)
+    tol = tolerance(expected, terms=terms, ulps=ulps, scale=scale, dtype=dtype, known_rtol=known_rtol)
     return pytest.approx(expected, rel=tol["rtol"], abs=tol["atol"])

@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from tolerance import approx, assert_close
 
 from trinity_trl.algorithms.value_loss import clipped_value_loss
 
@@ -42,13 +43,14 @@ def tensors(values=V, old=V_OLD, returns=R, mask=MASK):
     ],
 )
 def test_hand_computed_loss(mode, expected):
+    # float32 sums over the (2, 3) batch's 6 values against exact hand values (tests/tolerance.py)
     v, old, ret, mask = tensors()
     loss, metrics = clipped_value_loss(v, old, ret, mask, cliprange_value=0.2, loss_agg_mode=mode)
-    assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert metrics["vf_loss"].item() == pytest.approx(expected, abs=1e-6)
+    assert loss.item() == approx(expected, terms=6)
+    assert metrics["vf_loss"].item() == approx(expected, terms=6)
     # clipped strictly above unclipped at (0,0), (0,1), (1,1): 3 of the 5 valid tokens; the tie at (0,2) does not count
-    assert metrics["vf_clipfrac"].item() == pytest.approx(0.6, abs=1e-6)
-    assert metrics["vpred_mean"].item() == pytest.approx((1.0 + 2.0 + 0.0 + 0.5 - 1.0) / 5, abs=1e-6)
+    assert metrics["vf_clipfrac"].item() == approx(0.6, terms=6)
+    assert metrics["vpred_mean"].item() == approx((1.0 + 2.0 + 0.0 + 0.5 - 1.0) / 5, terms=6)
 
 
 def test_gradient_is_zero_where_the_clipped_branch_wins():
@@ -58,13 +60,13 @@ def test_gradient_is_zero_where_the_clipped_branch_wins():
     # (0,0), (0,1), (1,1): the clipped value is a constant of V -> 0; (0,2), (1,0): V inside the clip range, both
     # branches equal, d/dV ½·(V − R)²/5 = (V − R)/5; (1,2): masked
     expected = torch.tensor([[0.0, 0.0, (0.0 - 1.0) / 5], [(0.5 - 0.0) / 5, 0.0, 0.0]])
-    torch.testing.assert_close(v.grad, expected, atol=1e-7, rtol=0)
+    assert_close(v.grad, expected)  # (V - R) / 5: a subtraction and a division
 
 
 def test_infinite_clip_range_is_the_plain_squared_error():
     v, old, ret, mask = tensors()
     loss, metrics = clipped_value_loss(v, old, ret, mask, cliprange_value=math.inf)
-    assert loss.item() == pytest.approx(0.5 * (1.0 + 0.0 + 1.0 + 0.25 + 1.0) / 5, abs=1e-6)
+    assert loss.item() == approx(0.5 * (1.0 + 0.0 + 1.0 + 0.25 + 1.0) / 5, terms=6)
     assert metrics["vf_clipfrac"].item() == 0.0
 
 
@@ -89,10 +91,10 @@ def test_nan_and_inf_in_padding_do_not_leak():
     )
     loss, metrics = clipped_value_loss(v, old, ret, mask, cliprange_value=0.2)
     loss.backward()
-    assert loss.item() == pytest.approx(clean.item(), abs=1e-7)
+    assert loss.item() == approx(clean.item(), terms=6)
     assert all(math.isfinite(float(m)) for m in metrics.values())
     assert torch.isfinite(v.grad).all() and v.grad[1, 2] == 0.0
-    torch.testing.assert_close(v.grad, clean_v.grad)
+    assert_close(v.grad, clean_v.grad)
 
 
 def test_empty_mask_gives_zero_loss_and_zero_gradient():
@@ -109,7 +111,7 @@ def test_float_mask_is_a_weight():
     weights = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     loss, _ = clipped_value_loss(v, old, ret, weights, cliprange_value=0.2)
     # one token of weight 2: MMEAN = 2·3.24 / 2
-    assert loss.item() == pytest.approx(0.5 * 3.24, abs=1e-6)
+    assert loss.item() == approx(0.5 * 3.24, terms=6)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), "0.2", None])

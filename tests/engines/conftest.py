@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """See tests/trainers/conftest.py: intra-op threads only slow the tiny model down on this shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):
+    """tests/conftest.py's `one_torch_thread`: intra-op threads only slow the tiny model down on this shared machine
+    (a `threads_N` CPU path of `TRINITY_TEST_CPU_PATH` sets N instead)."""
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

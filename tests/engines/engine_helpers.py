@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from launching import run_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -47,28 +47,9 @@ def run_script(
     command: list[str], label: str, timeout: int = 900, expect_rc: int | None = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``command`` from the repository root; fail the test with the output's tail when its exit code is not
-    ``expect_rc`` (``None``: any) or it times out."""
-    try:
-        proc = subprocess.run(
-            command,
-            cwd=REPO_ROOT,
-            env=env or script_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(
-            f"{label} timed out after {timeout}s: {command}\n--- stdout ---\n{(err.stdout or '')[-4000:]}"
-            f"\n--- stderr ---\n{(err.stderr or '')[-8000:]}"
-        )
-    if expect_rc is not None and proc.returncode != expect_rc:
-        pytest.fail(
-            f"{label} exited with {proc.returncode}, expected {expect_rc}: {command}\n--- stdout ---\n"
-            f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-10000:]}"
-        )
-    return proc
+    ``expect_rc`` (``None``: any) or it runs past ``timeout`` seconds scaled by the machine's load; a launch whose
+    port was taken at start-up is run again (tests/launching.py), nothing else is."""
+    return run_launch(command, label, timeout_s=timeout, env=env or script_env(), cwd=REPO_ROOT, expect_rc=expect_rc)
 
 
 def accelerate_launch(
@@ -84,6 +65,9 @@ def accelerate_launch(
         "launch",
         "--config_file",
         str(ACCELERATE_CONFIGS / f"{config}.yaml"),
+        # the OS picks the rendezvous port (accelerate binds port 0): never the fixed 29500 another suite may hold
+        "--main_process_port",
+        "0",
         "--num_processes",
         str(processes),
         *precision,

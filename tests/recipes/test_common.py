@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import scaled_timeout
 
 from trinity_trl.recipes import bundled_configs, config_path, config_summary
 from trinity_trl.recipes.common import (
@@ -251,7 +252,10 @@ def test_bundled_task_prompt_style_from_dataset_config():
 def test_repository_recipe_scripts_run_as_scripts():
     """`python recipes/chord.py ...` is the same recipe as `trinity-trl chord ...` (one file, no wrapper)."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "chord.py"), "--help"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "recipes" / "chord.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=scaled_timeout(300),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--mu_peak" in result.stdout and "--num_expert_rows" in result.stdout

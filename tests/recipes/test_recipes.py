@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launching import free_port, run_launch
 from safetensors.torch import load_file
 
 from trinity_trl.cli import run as cli
@@ -270,7 +270,15 @@ def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_mode
         "6",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    # a port found by the OS (accelerate's simple launcher would hand out the fixed 29500), a fresh one per attempt
+    at = command.index("--num_processes")
+    result = run_launch(
+        lambda: [*command[:at], "--main_process_port", str(free_port()), *command[at:]],
+        "accelerate launch of the chord recipe",
+        timeout_s=600,
+        env=env,
+        expect_rc=None,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     log = json.loads((tmp_path / "training_log.json").read_text())
     assert log["summary"]["global_step"] == 2

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import os
 
-import pytest
+import torch
 from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+from tolerance import approx
 
 from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
 from trinity_trl.trainers import (
@@ -114,7 +115,11 @@ def _assert_same_logs(straight: dict, resumed: dict, steps) -> None:
             if isinstance(x, float) and math.isnan(x):
                 assert isinstance(y, float) and math.isnan(y), (step, key, x, y)
             else:
-                assert y == pytest.approx(x, rel=1e-6, abs=1e-6), f"step {step}, {key}: uninterrupted {x}, resumed {y}"
+                # the resumed run replays the same kernels on weights, optimizer and RNG states restored bit for bit;
+                # what remains is the logged average of at most 8 micro-batch values (float32)
+                assert y == approx(x, terms=8, scale=max(1.0, abs(x))), (
+                    f"step {step}, {key}: uninterrupted {x}, resumed {y}"
+                )
 
 
 def _stop_and_resume(tmp_path, model_dir, build, stop=STOP):
@@ -132,7 +137,7 @@ def _stop_and_resume(tmp_path, model_dir, build, stop=STOP):
 def test_chord_resume_continues_the_mu_schedule_and_the_expert_stream(tmp_path, tiny_model_dir):
     straight, resumed, _ = _stop_and_resume(tmp_path, tiny_model_dir, _chord)
     mu = [h["actor/mu"] for h in straight.state.log_history if "actor/mu" in h]
-    assert mu == pytest.approx([0.3, 0.6, 0.35, 0.1])
+    assert mu == approx([0.3, 0.6, 0.35, 0.1])  # the schedule's few float32 operations
     assert resumed._expert_cursor == straight._expert_cursor == 2 * STEPS
 
 
@@ -140,7 +145,9 @@ def test_adaptive_kl_coefficient_resume(tmp_path, tiny_model_dir):
     straight, resumed, _ = _stop_and_resume(tmp_path, tiny_model_dir, _adaptive_kl)
     coefs = [h["critic/kl_coef"] for h in straight.state.log_history if "critic/kl_coef" in h]
     assert len(set(coefs)) == STEPS  # the coefficient moves every step, so a reset would show
-    assert resumed.components.kl_penalty.kl_coef == pytest.approx(straight.components.kl_penalty.kl_coef, rel=1e-9)
+    assert resumed.components.kl_penalty.kl_coef == approx(
+        straight.components.kl_penalty.kl_coef, dtype=torch.float64, terms=STEPS
+    )  # Python floats, one product per step
 
 
 def test_step_grpo_resume(tmp_path, tiny_model_dir):
@@ -192,5 +199,8 @@ def test_resume_restores_the_adaptive_kl_coefficient_and_writes_the_trainer_stat
     straight.train()
     resumed = run()
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
-    assert resumed.components.kl_penalty.kl_coef == pytest.approx(straight.components.kl_penalty.kl_coef, rel=1e-9)
+    # Python floats, one product per step
+    assert resumed.components.kl_penalty.kl_coef == approx(
+        straight.components.kl_penalty.kl_coef, dtype=torch.float64, terms=STEPS
+    )
     assert (tmp_path / "out" / "checkpoint-2" / TRAINER_STATE_FILE).is_file()

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 from helpers import (
+    TINY_LOGP_SCALE,
+    TINY_MODEL_TERMS,
     generate_batch,
     length_reward,
     recording,
@@ -20,6 +22,7 @@ from helpers import (
     tiny_conversational_dataset,
     tiny_grpo_kwargs,
 )
+from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import ADVANTAGE_FN, EID, KL_FN, POLICY_LOSS_FN, Experience
 from trinity_trl.algorithms.advantage import scalar_rewards_to_token_level
@@ -95,12 +98,13 @@ def test_group_advantages_equal_the_library_and_the_formula():
     rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 1.0, 1.0])
     advantages, kept, _, metrics = group_advantages(ADVANTAGE_FN.get("grpo")(), rewards, 4, batch_index=3)
     expected = library_group_advantages(rewards.tolist(), 4)
-    assert advantages.tolist() == pytest.approx([expected[row] for row in range(8)], abs=1e-6)
+    # z-scores: a mean and a std over a group of 4 rewards, in another order; |z| < 2 sets the scale
+    assert advantages.tolist() == approx([expected[row] for row in range(8)], terms=4, scale=2.0)
     grouped = rewards.view(2, 4)
     by_hand = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(advantages, by_hand.flatten(), rtol=1e-5, atol=1e-6)
+    assert_close(advantages, by_hand.flatten(), terms=4, scale=2.0)
     assert kept.all()
-    assert metrics["group_advantages/reward_mean/max"] == pytest.approx(3.0)
+    assert metrics["group_advantages/reward_mean/max"] == approx(3.0, terms=4)  # a mean of 4 rewards
     assert metrics["filtered_count"] == 0.0
 
 
@@ -111,7 +115,7 @@ def test_group_advantages_leave_unscored_rows_out_of_the_statistics():
     expected = (scored - scored.mean()) / (scored.std() + 1e-6)
     assert kept.tolist() == [True, False, True, True]
     assert advantages[1].item() == 0.0
-    torch.testing.assert_close(advantages[[0, 2, 3]], expected, rtol=1e-6, atol=1e-6)
+    assert_close(advantages[[0, 2, 3]], expected, terms=3, scale=2.0)  # z-scores over the 3 scored rows
 
 
 def test_group_advantages_mark_filtered_groups_as_not_kept():
@@ -169,7 +173,8 @@ def test_estimator_group_path_gives_each_process_its_slice():
     whole, kept, _, _ = group_advantages(fn, rewards, 4, 0)
     for local in (slice(0, 4), slice(4, 8)):
         result = estimator(fn)(rewards, torch.ones(4, 2), local, 4, 0, True, sources())
-        torch.testing.assert_close(result.advantages, whole[local])
+        # each process computes the whole batch's advantages from the gathered rewards: the same kernels and inputs
+        assert torch.equal(result.advantages, whole[local])
         assert result.loss_rows.tolist() == kept[local].tolist()
         assert result.returns is None and result.metrics["unscorable_count"] == 1.0
 
@@ -193,10 +198,11 @@ def test_estimator_batch_path_subtracts_the_kl_penalty_before_the_advantages():
     kl = (old - ref) * mask  # k1 on the trained tokens only
     scores = rewards - beta * kl.sum(1)  # the reward sits on each row's last token; the KL on every token
     expected = rloo_by_hand(scores, 4).unsqueeze(1) * mask
-    torch.testing.assert_close(result.advantages, expected, rtol=1e-5, atol=1e-6)
+    # leave-one-out over 4 scores, each a reward minus a KL summed over 3 tokens (log-probs up to 9 cancel)
+    assert_close(result.advantages, expected, terms=4 * 3, scale=rewards.abs().max() + beta * 9.0)
     assert result.loss_rows.tolist() == [True] * 4
     per_row_kl = (kl.sum(1) / mask.sum(1)).mean().item()
-    assert result.metrics["critic/kl"] == pytest.approx(per_row_kl, rel=1e-5)
+    assert result.metrics["critic/kl"] == approx(per_row_kl, terms=4 * 3, scale=9.0)
     assert result.metrics["critic/kl_coef"] == beta
     assert result.batch["token_level_rewards"].shape == (4, 3)
 
@@ -206,7 +212,7 @@ def test_estimator_batch_path_asks_only_for_the_sources_it_needs():
     result = estimator(ADVANTAGE_FN.get("rloo")())(
         rewards, mask, slice(0, 4), 4, 0, True, sources()
     )  # every source raises if called
-    torch.testing.assert_close(result.advantages, rloo_by_hand(rewards, 4).unsqueeze(1) * mask)
+    assert_close(result.advantages, rloo_by_hand(rewards, 4).unsqueeze(1) * mask, terms=4)  # leave-one-out of 4
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -218,7 +224,7 @@ def test_only_training_moves_the_adaptive_kl_coefficient(training):
     result = fn(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, training, sources(old, ref))
     assert result.metrics["critic/kl_coef"] == 0.1  # this batch is penalised with the current β either way
     moved = 0.1 * (1 + 0.2 * 4 / 10)  # error clipped at +0.2, 4 rows, horizon 10
-    assert fn.kl_penalty.kl_coef == pytest.approx(moved if training else 0.1)
+    assert fn.kl_penalty.kl_coef == approx(moved if training else 0.1, dtype=torch.float64, terms=4)
 
 
 def test_unscored_rows_leave_the_loss_and_the_baseline():
@@ -229,7 +235,7 @@ def test_unscored_rows_leave_the_loss_and_the_baseline():
     assert torch.all(result.advantages[1] == 0)
     # the three scored rows form the group of the leave-one-out baseline
     expected = rloo_by_hand(torch.tensor([1.0, 4.0, 7.0]), 3)
-    torch.testing.assert_close(result.advantages[[0, 2, 3]], expected.unsqueeze(1) * mask[[0, 2, 3]])
+    assert_close(result.advantages[[0, 2, 3]], expected.unsqueeze(1) * mask[[0, 2, 3]], terms=3)  # leave-one-out
     assert result.metrics["unscorable_count"] == 1.0
 
 
@@ -239,7 +245,7 @@ def test_rows_with_an_empty_mask_keep_their_reward_in_the_baseline():
     result = estimator(ADVANTAGE_FN.get("rloo")())(
         torch.tensor([1.0, 2.0, 3.0, 4.0]), mask, slice(0, 4), 4, 0, True, sources()
     )
-    assert result.advantages[0, 0].item() == pytest.approx(1.0 - 3.0)  # baseline over 2, 3 and 4
+    assert result.advantages[0, 0].item() == approx(1.0 - 3.0, terms=4)  # baseline over 2, 3 and 4
     assert torch.all(result.advantages[2] == 0)
     assert result.loss_rows.tolist() == [True] * 4  # its mask alone keeps it out of the loss
 
@@ -263,7 +269,8 @@ def test_whitening_with_two_tokens_runs():
     rewards = torch.tensor([1.0, 3.0, 0.0, 0.0])
     result = estimator(ADVANTAGE_FN.get("reinforceplusplus")())(rewards, mask, slice(0, 4), 4, 0, True, sources())
     # returns 1 and 3 on the two trained tokens, whitened: -1/sqrt(2), +1/sqrt(2)
-    assert result.advantages[:2, 0].tolist() == pytest.approx([-(2**-0.5), 2**-0.5], abs=1e-5)
+    # whitening's mean and variance over the 2 tokens; the spec's + 1e-8 under the square root of a variance of 1
+    assert result.advantages[:2, 0].tolist() == approx([-(2**-0.5), 2**-0.5], terms=2, known_rtol=1e-8)
 
 
 # ------------------------------------------------------------------------------------------- on a trainer's batches
@@ -305,12 +312,11 @@ def test_grpo_advantages_are_the_library_grpo_of_the_weighted_rewards(tmp_path, 
     rewards = per_func[:, 0] + 0.5 * per_func[:, 1]
 
     expected = library_group_advantages(rewards.tolist(), G, **trainer.algorithm.advantage_fn_args)
-    torch.testing.assert_close(
-        batch["advantages"], torch.tensor([expected[row] for row in range(2 * G)]), rtol=1e-6, atol=1e-6
-    )
+    # z-scores over a group of G weighted rewards, in another order; |z| < 2 sets the scale
+    assert_close(batch["advantages"], torch.tensor([expected[row] for row in range(2 * G)]), terms=G, scale=2.0)
     grouped = rewards.view(-1, G)
     by_hand = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(batch["advantages"], by_hand.flatten(), rtol=1e-5, atol=1e-6)
+    assert_close(batch["advantages"], by_hand.flatten(), terms=G, scale=2.0)
 
 
 def test_unscorable_rows_get_no_advantage_and_no_loss(tmp_path, tiny_model_dir, tiny_dataset):
@@ -329,7 +335,7 @@ def test_unscorable_rows_get_no_advantage_and_no_loss(tmp_path, tiny_model_dir, 
     assert batch["completion_mask"][1].sum().item() == 0
     scored = torch.tensor([0.0, 2.0, 3.0])  # group statistics over the three scored rows only
     expected = (scored - scored.mean()) / (scored.std() + 1e-6)
-    torch.testing.assert_close(batch["advantages"][[0, 2, 3]], expected, rtol=1e-6, atol=1e-6)
+    assert_close(batch["advantages"][[0, 2, 3]], expected, terms=3, scale=2.0)  # z-scores over 3 rows
 
 
 def test_rloo_advantages_are_the_library_rloo_of_the_token_level_batch(tmp_path, tiny_model_dir, tiny_dataset):
@@ -349,10 +355,11 @@ def test_rloo_advantages_are_the_library_rloo_of_the_token_level_batch(tmp_path,
     }
     library_batch, _ = ADVANTAGE_FN.get("rloo")()(library_batch)
     assert batch["advantages"].shape == mask.shape
-    torch.testing.assert_close(batch["advantages"], library_batch["advantages"], rtol=1e-6, atol=1e-6)
+    # leave-one-out over a group of G row rewards (each a sum of 2 reward functions)
+    assert_close(batch["advantages"], library_batch["advantages"], terms=2 * G, scale=rewards.abs().max())
     grouped = rewards.view(-1, G)
     by_hand = (grouped - grouped.mean(1, keepdim=True)) * G / (G - 1)
-    torch.testing.assert_close(batch["advantages"], by_hand.flatten().unsqueeze(1) * mask, rtol=1e-5, atol=1e-6)
+    assert_close(batch["advantages"], by_hand.flatten().unsqueeze(1) * mask, terms=2 * G, scale=rewards.abs().max())
 
 
 def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_path, tiny_model_dir):
@@ -369,7 +376,8 @@ def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_p
     mask = batch["completion_mask"].bool()
     teacher = trainer._forward_logps(trainer.teacher_model, batch)
     expected = (teacher - batch["old_per_token_logps"])[mask]
-    assert torch.allclose(batch["advantages"][mask], expected, atol=1e-5)
+    # the teacher's forward in the trainer and here (another call), minus the same old log-probs
+    assert_close(batch["advantages"][mask], expected, terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE)
     assert torch.all(batch["advantages"][~mask] == 0)
     assert "kl/mean" in trainer.state.log_history[0]
 
@@ -382,17 +390,25 @@ def test_kl_reward_penalty_with_adaptive_coefficient(tmp_path, tiny_model_dir):
     coefs = [h["critic/kl_coef"] for h in logs]
     kls = [h["critic/kl"] for h in logs]
     # step 1: policy == reference, KL 0 < target: β shrinks by 20%·n/horizon (n = 4 rows); later KL > target: it grows
+    # exact at step 1: the policy's and the reference's log-probs come from the same weights through the same kernels
     assert kls[0] == 0.0 and kls[1] > 1e-6 and kls[2] > 1e-6
     step = 0.2 * 4 / 10
-    assert coefs == pytest.approx([0.05, 0.05 * (1 - step), 0.05 * (1 - step) * (1 + step)])
-    assert trainer.components.kl_penalty.kl_coef == pytest.approx(coefs[-1] * (1 + step))
+    # the controller's products in Python floats (a few roundings each)
+    assert coefs == approx([0.05, 0.05 * (1 - step), 0.05 * (1 - step) * (1 + step)], dtype=torch.float64)
+    assert trainer.components.kl_penalty.kl_coef == approx(coefs[-1] * (1 + step), dtype=torch.float64)
     # the penalised token rewards reach the advantages: RLOO by hand on the recorded batch's scores minus β·k1
     batch = trainer.recorded.batches[-1]
     mask = batch["completion_mask"]
     kl = KL_FN.get("k1")().calculate_kl(batch["old_per_token_logps"], batch["ref_per_token_logps"]) * mask
     assert kl.abs().sum() > 1e-6
     scores = trainer.recorded.reward_calls[-1].rewards[:, 0] - coefs[-1] * kl.sum(1)
-    torch.testing.assert_close(batch["advantages"], rloo_by_hand(scores, G).unsqueeze(1) * mask, rtol=1e-4, atol=1e-6)
+    # leave-one-out of G scores, each a reward minus a KL summed over the row's tokens (log-probs cancel)
+    assert_close(
+        batch["advantages"],
+        rloo_by_hand(scores, G).unsqueeze(1) * mask,
+        terms=G * mask.shape[1],
+        scale=scores.abs().max() + coefs[-1] * mask.shape[1] * TINY_LOGP_SCALE,
+    )
 
 
 def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
@@ -424,7 +440,7 @@ def test_truncated_rows_keep_their_reward_in_the_rloo_baseline(tmp_path, tiny_mo
         rewards, mask, slice(0, 4), 4, 0, True, trainer._advantage_sources({"completion_mask": mask}, [])
     ).advantages
     # leave-one-out baseline of row 0 over the other three rewards (2, 3, 4), as TRL keeps them
-    assert advantages[0, 0].item() == pytest.approx(1.0 - 3.0)
+    assert advantages[0, 0].item() == approx(1.0 - 3.0, terms=4)
     assert torch.all(advantages[2] == 0)
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
+    TINY_LOGP_SCALE,
+    TINY_MODEL_TERMS,
     assert_grads_close,
     first_batch,
     lora_config,
@@ -24,6 +26,7 @@ from helpers import (
     save_tiny_model,
     tiny_sft_dpo_kwargs,
 )
+from tolerance import approx, assert_close, tolerance
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
@@ -103,13 +106,15 @@ def test_dpo_pair_losses_equal_library_dpo_on_summed_logprobs(tiny_model_dir, re
         )
         h = (sums[i] - ref_sums[i]) - (sums[n_pairs + i] - ref_sums[n_pairs + i])
         formula = -(1 - smoothing) * F.logsigmoid(beta * h) - smoothing * F.logsigmoid(-beta * h)
-        assert abs(losses[i].item() - expected.item()) < 1e-6
-        assert abs(losses[i].item() - formula.item()) < 1e-6
+        # the margin h subtracts sums of a row's log-probs (cancelling), and the loss's slope in h is at most beta
+        tol = {"terms": mask.shape[1], "scale": beta * sums.abs().max()}
+        assert_close(losses[i], expected.reshape(()), **tol)
+        assert_close(losses[i], formula, **tol)
     assert len({round(x, 4) for x in losses.tolist()}) > 1  # the pairs really differ
 
     # summed (precomputed) reference log-probs give the same pair losses
     summed, _ = trainer.pair_losses(logps, ref_sums.unsqueeze(1), mask)
-    torch.testing.assert_close(summed, losses, rtol=0, atol=1e-6)
+    assert_close(summed, losses, terms=mask.shape[1], scale=beta * sums.abs().max())
 
 
 def test_dpo_loss_equals_trl_sigmoid_plus_kl_and_entropy(tiny_model_dir, ref_model_dir, tmp_path):
@@ -136,8 +141,12 @@ def test_dpo_loss_equals_trl_sigmoid_plus_kl_and_entropy(tiny_model_dir, ref_mod
     expected = pair_losses.mean() + kl_coef * kl - entropy_coef * agg_loss(entropy, mask, "token-mean")
     expected.backward()
 
-    assert abs(pair_losses.mean().item() - trl_sigmoid) < 1e-5  # label_smoothing = 0: TRL's sigmoid loss
-    assert abs(loss.item() - expected.item()) < 1e-5
+    # TRL's forward and ours (another batch layout) of the same weights; the margins cancel sums of log-probs
+    scale = 0.3 * (logps * mask).sum(1).abs().max()  # beta times the largest summed log-prob
+    assert pair_losses.mean().item() == approx(trl_sigmoid, terms=TINY_MODEL_TERMS, scale=scale)  # TRL's sigmoid loss
+    assert loss.item() == approx(
+        expected.item(), terms=TINY_MODEL_TERMS, scale=scale + kl_coef * kl + entropy_coef * 6.25
+    )
     assert kl.item() > 1e-3  # the KL term is really exercised
     assert_grads_close(parameter_grads(trainer.model), parameter_grads(policy))
 
@@ -151,13 +160,17 @@ def test_dpo_trains_two_steps(tiny_model_dir, tmp_path, use_lora):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
-    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at step 0, KL = 0
-    assert logs[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9)
+    # policy = reference at step 0, KL = 0: the margins cancel sums of up to 64 log-probs, with TRL's beta 0.1
+    assert logs[0]["loss"] == approx(math.log(2), terms=TINY_MODEL_TERMS, scale=0.1 * 64 * TINY_LOGP_SCALE)
+    # k2 = 0.5 (δ logp)² with δ a log-prob's rounding error at most
+    logp_error = tolerance(torch.float32, terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE)["atol"]
+    assert 0.0 <= logs[0]["actor/kl_loss"] <= 0.5 * logp_error**2
     assert logs[1]["actor/kl_loss"] > 0  # the policy has moved away from the reference
     for log in logs:
         assert log["actor/kl_coef"] == 0.001  # the preset's k2 KL
         assert {"rewards/chosen", "rewards/margins", "logps/chosen", "entropy"} <= log.keys()  # TRL's metrics
-        assert log["rewards/chosen"] == pytest.approx(log["actor/chosen_reward"], abs=1e-5)  # same beta in both
+        # same beta in both, over the same summed log-probs (TRL's metric is averaged over the processes' rows)
+        assert log["rewards/chosen"] == approx(log["actor/chosen_reward"], terms=64, scale=0.1 * 64 * TINY_LOGP_SCALE)
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed
     if use_lora:
@@ -180,7 +193,7 @@ def test_dpo_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
     trainer.train()
     assert len(trainer.recorded.loss_calls) == 2
     micro = [call.loss.item() for call in trainer.recorded.loss_calls]
-    assert trainer.state.log_history[0]["loss"] == pytest.approx(sum(micro) / 2, abs=1e-6)
+    assert trainer.state.log_history[0]["loss"] == approx(sum(micro) / 2, terms=2)  # the mean of the 2 losses
 
 
 def test_dpo_precomputed_reference_without_kl(tiny_model_dir, tmp_path):
@@ -188,7 +201,7 @@ def test_dpo_precomputed_reference_without_kl(tiny_model_dir, tmp_path):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and "actor/kl_loss" not in logs[0]
-    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert logs[0]["loss"] == approx(math.log(2), terms=TINY_MODEL_TERMS, scale=0.1 * 64 * TINY_LOGP_SCALE)
 
 
 def test_dpo_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_path):

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate_batch, length_reward, policy_logps, tiny_conversational_dataset, tiny_grpo_kwargs
+from helpers import (
+    TINY_LOGP_SCALE,
+    TINY_MODEL_TERMS,
+    generate_batch,
+    length_reward,
+    policy_logps,
+    tiny_conversational_dataset,
+    tiny_grpo_kwargs,
+)
+from tolerance import assert_close
 
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
@@ -30,7 +39,8 @@ def test_forward_logps_are_the_policy_logps_without_a_graph(tmp_path, tiny_model
     assert not logps.requires_grad
     assert logps.shape == batch["completion_ids"].shape
     mask = batch["completion_mask"].bool()
-    torch.testing.assert_close(logps[mask], policy_logps(trainer, batch)[mask], rtol=0, atol=1e-5)
+    # the same weights through another call (batch layout): the tiny model's chain, at a log-prob's magnitude
+    assert_close(logps[mask], policy_logps(trainer, batch)[mask], terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE)
 
 
 def test_behaviour_logps_are_computed_once_and_kept_in_the_batch(tmp_path, tiny_model_dir):
@@ -43,7 +53,7 @@ def test_behaviour_logps_are_computed_once_and_kept_in_the_batch(tmp_path, tiny_
             p.add_(0.05)
     assert trainer._behaviour_logps(batch) is first
     given = {**batch, "old_per_token_logps": torch.full_like(first, -1.5)}  # TRL's own are used as they are
-    assert torch.equal(trainer._behaviour_logps(given), torch.full_like(first, -1.5))
+    assert torch.equal(trainer._behaviour_logps(given), torch.full_like(first, -1.5))  # passed through, a copy
 
 
 def test_reference_logps_come_from_the_reference_model_not_the_trained_policy(tmp_path, tiny_model_dir):
@@ -51,11 +61,13 @@ def test_reference_logps_come_from_the_reference_model_not_the_trained_policy(tm
     assert trainer.ref_model is not None
     batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
     before = trainer._reference_logps(batch)
-    torch.testing.assert_close(before, trainer._forward_logps(trainer.model, batch), rtol=0, atol=1e-5)
+    # a reference model holding the same weights: the tiny model's chain, at a log-prob's magnitude
+    assert_close(before, trainer._forward_logps(trainer.model, batch), terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE)
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.mul_(1.1)
-    torch.testing.assert_close(trainer._reference_logps(batch), before, rtol=0, atol=0)
+    # exact: the untouched reference model, the same kernels on the same batch
+    assert torch.equal(trainer._reference_logps(batch), before)
     mask = batch["completion_mask"].bool()
     assert (trainer._forward_logps(trainer.model, batch) - before)[mask].abs().max() > 1e-3
 

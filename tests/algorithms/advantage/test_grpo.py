@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+from tolerance import approx
 
 from trinity_trl.algorithms.advantage import ADVANTAGE_FN
 
 from ..conftest import make_group_experiences
-from .group_support import assert_advantage, assert_task, run_fn
+from .group_support import GROUP_TERMS, assert_advantage, assert_task, run_fn
 
 
 def test_grpo_defaults_reference_values():
@@ -32,7 +33,7 @@ def test_grpo_defaults_reference_values():
     }
     assert set(metrics) == set(expected)
     for key, value in expected.items():
-        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+        assert metrics[key] == approx(value, terms=GROUP_TERMS, scale=2.0), key
 
 
 def test_grpo_batch_std():
@@ -48,9 +49,9 @@ def test_grpo_std_threshold_filters_flat_and_singleton_groups():
     assert {exp.eid.task for exp in out} == {0, 1}
     assert metrics["filtered_count"] == 5
     # all 4 groups still reported: only the singleton has std 1, only task 2 has std 0
-    assert metrics["group_advantages/reward_std/max"] == pytest.approx(1.0, abs=1e-6)
-    assert metrics["group_advantages/reward_std/min"] == pytest.approx(0.0, abs=1e-6)
-    assert metrics["group_advantages/reward_mean/mean"] == pytest.approx(0.30625, abs=1e-6)
+    assert metrics["group_advantages/reward_std/max"] == approx(1.0, terms=GROUP_TERMS, scale=2.0)
+    assert metrics["group_advantages/reward_std/min"] == approx(0.0, terms=GROUP_TERMS, scale=2.0)
+    assert metrics["group_advantages/reward_mean/mean"] == approx(0.30625, terms=GROUP_TERMS, scale=2.0)
     assert_task(out, 0, [0.8660239, -0.8660239, -0.8660239, 0.8660239])
 
 

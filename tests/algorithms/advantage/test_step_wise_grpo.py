@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerance import approx
 
 from trinity_trl.algorithms.advantage import ADVANTAGE_FN
 from trinity_trl.algorithms.experience import Experience, group_by
 
 from ..conftest import make_step_experiences
-from .group_support import assert_advantage
+from .group_support import GROUP_TERMS, assert_advantage
 
 
 def assert_steps(out, task: int, per_run: list[float]) -> None:
@@ -33,7 +34,7 @@ def test_step_wise_grpo_defaults():
         "skipped_group_ratio": 0.0,
     }
     for key, value in expected.items():
-        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+        assert metrics[key] == approx(value, terms=GROUP_TERMS, scale=2.0), key
 
 
 def test_step_wise_grpo_ignores_non_last_step_rewards():
@@ -87,8 +88,10 @@ def test_step_wise_grpo_std_threshold():
     assert len(out) == 6 and {e.eid.task for e in out} == {0}
     assert metrics["experience_count"] == 6
     assert metrics["filtered_count"] == 5
-    assert metrics["skipped_group_ratio"] == pytest.approx(0.6666667, abs=1e-6)
-    assert metrics["group_advantages/reward_std/max"] == pytest.approx(1.0, abs=1e-6)  # skipped ones reported
+    assert metrics["skipped_group_ratio"] == approx(0.6666667, terms=GROUP_TERMS, scale=2.0)
+    assert metrics["group_advantages/reward_std/max"] == approx(
+        1.0, terms=GROUP_TERMS, scale=2.0
+    )  # skipped ones reported
 
 
 def test_step_wise_grpo_ignores_extra_kwargs():
@@ -125,7 +128,7 @@ def test_calculate_last_step_advantage_takes_the_precomputed_std(keyword):
     fn = ADVANTAGE_FN.get("step_wise_grpo")(std_cal_level="batch")
     _, last = last_steps_of_task_0()
     scores, metrics, skip = fn.calculate_last_step_advantage(exps=last, **{keyword: torch.tensor(0.5)})
-    assert list(scores.values()) == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0], abs=1e-6)
+    assert list(scores.values()) == approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0], terms=GROUP_TERMS, scale=2.0)
     assert metrics == pytest.approx({"reward_mean": 0.5, "reward_std": 0.5}) and skip is False
     positional, _, _ = fn.calculate_last_step_advantage(last, torch.tensor(0.5))
     assert positional == scores
