@@ -20,8 +20,8 @@ def assert_rows(advantages: torch.Tensor, per_row: list[float], masked_zero: boo
     mask = torch.tensor(MASK_ROWS, dtype=torch.bool)
     for b, value in enumerate(per_row):
         for v in advantages[b][mask[b]].tolist():
-            # statistics over the (6, 5) batch's 30 tokens (docs/algorithms/reference-values.md#batch-
-            # advantage-values) in float32; |A| < 2 sets the scale
+            # statistics over the (6, 5) batch's 30 tokens in float32; |A| < 2 sets the scale
+            # (docs/algorithms/reference-values.md#batch-advantage-values)
             assert v == approx(value, terms=BATCH_TERMS, scale=2.0), (b, v, value)
         if masked_zero:
             assert torch.all(advantages[b][~mask[b]] == 0)

@@ -22,8 +22,8 @@ def assert_advantage(exp: Experience, expected: float) -> None:
     mask = exp.action_mask.bool()
     assert exp.advantages.dtype == torch.float32
     for value in exp.advantages[mask].tolist():
-        # a group statistic of at most 4 runs x 4 tokens (docs/algorithms/reference-values.md#group-advantage-
-        # values) in float32; z-scores |A| < 2 set the scale
+        # a group statistic of at most 4 runs x 4 tokens in float32; z-scores |A| < 2 set the scale
+        # (docs/algorithms/reference-values.md#group-advantage-values)
         assert value == approx(expected, terms=GROUP_TERMS, scale=2.0)
     assert torch.all(exp.advantages[~mask] == 0)
     assert torch.equal(exp.returns, exp.advantages)
