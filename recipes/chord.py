@@ -18,6 +18,7 @@ from trinity_trl.recipes.common import (
     parse,
     peft_config,
     reward_functions,
+    run_as_script,
     save_outputs,
     train_and_evaluate,
 )
@@ -74,4 +75,4 @@ def terms_card_section(log_history: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

@@ -18,6 +18,7 @@ from trinity_trl.recipes.common import (
     parse,
     peft_config,
     reward_functions,
+    run_as_script,
     save_outputs,
     train_and_evaluate,
 )
@@ -47,4 +48,4 @@ def main(argv: list[str] | None = None) -> CISPOTrainer:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

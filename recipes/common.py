@@ -9,6 +9,7 @@ import difflib
 import importlib
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -102,6 +103,14 @@ class RecipeArguments:
             raise UsageError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
 
+def run_as_script(main: Callable) -> None:
+    """``python recipes/<recipe>.py ...``: ``main(sys.argv[1:])`` with the ``trinity-trl`` command's error handling
+    (a user error is one line and exit status 2; ``--debug`` shows its traceback)."""
+    from trinity_trl.cli import exit_on_user_error
+
+    exit_on_user_error(main, sys.argv[1:], f"python {sys.argv[0]}")
+
+
 def peft_config(args) -> Any:
     """The LoRA config of ``args`` (``None`` without ``use_peft``)."""
     if not args.use_peft:
@@ -136,18 +145,43 @@ def parse(
     from trinity_trl.recipes import config_path
 
     argv = resolve_config_argument(list(sys.argv[1:] if argv is None else argv), config_path)
-    yaml_values = _yaml_values(argv)
+    config_file = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    yaml_values = read_config(config_file) if config_file else {}
+    check_gpu_config(config_file, argv)
     argv = import_argument(argv, yaml_values)
     argv = component_arguments(argv, config_classes, yaml_values)
     ignore = (*ignore, "import")
     parser = TrlParser(config_classes, allow_abbrev=False, prog=f"trinity-trl {recipe}")
+
+    def error(message: str):  # argparse's errors (a wrong type, a missing value): one line, no usage dump
+        raise UsageError(_argparse_message(message, argv, config_file, yaml_values))
+
+    parser.error = error
     if "--help-all" in argv:
         parser.print_help()
         raise SystemExit(0)
     if "-h" in argv or "--help" in argv:
         print(recipe_help(config_classes, recipe, description))
         raise SystemExit(0)
-    *parsed, remaining = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    try:
+        *parsed, from_file, remaining = parser.parse_args_and_config(
+            args=argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as err:
+        if "use_cpu" in str(err) and not _has_gpu():  # transformers: bf16 asked for without a GPU
+            raise UsageError(_gpu_message(config_file, "bf16: true")) from err
+        raise
+    known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
+    unknown_keys = [key.removeprefix("--") for key in from_file[::2] if key.removeprefix("--") not in ignore]
+    if unknown_keys:
+        hints = [
+            f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else k
+            for k in unknown_keys
+        ]
+        raise UsageError(
+            f"unknown key{'s' if len(hints) > 1 else ''} {', '.join(hints)} in {config_file}: "
+            f"{'not options' if len(hints) > 1 else 'not an option'} of the {recipe} recipe (see --help)"
+        )
     unknown, i = [], 0
     while i < len(remaining):
         key = remaining[i].removeprefix("--").split("=", 1)[0]
@@ -156,7 +190,6 @@ def parse(
             unknown.append(key)
         i += 2 if has_value else 1
     if unknown:
-        known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
         hints = [
             f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else f"--{k}"
             for k in unknown
@@ -165,15 +198,77 @@ def parse(
     return tuple(parsed)
 
 
-def _yaml_values(argv: list[str]) -> dict[str, Any]:
-    """The mapping in the ``--config`` YAML of ``argv`` (``{}`` without one)."""
-    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
-        return {}
+def read_config(path: str) -> dict[str, Any]:
+    """The mapping in the YAML config ``path`` (``{}`` when it holds something else, which TrlParser refuses);
+    a syntax error is a :class:`UsageError` ``path:line: problem``."""
     import yaml
 
-    with open(argv[argv.index("--config") + 1], encoding="utf-8") as f:
-        values = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        # the line where the construct began (an unclosed bracket) when YAML names one, else the problem's line
+        problem, mark = getattr(err, "problem", None) or str(err), getattr(err, "problem_mark", None)
+        context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and start is not None and mark is not None and start.line != mark.line:
+            raise UsageError(
+                f"{path}:{start.line + 1}: invalid YAML: {context}, {problem} (at line {mark.line + 1})"
+            ) from err
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise UsageError(f"{where}: invalid YAML: {f'{context}, ' if context else ''}{problem}") from err
     return values if isinstance(values, dict) else {}
+
+
+_ARGPARSE_TYPE = re.compile(r"argument --([\w.]+)(?:/--\S+)?: invalid (\w+) value: '(.*)'$")
+_ARGPARSE_BOOL = re.compile(r"argument --([\w.]+)(?:/--\S+)?: Truthy value expected: got (.*) but expected one of")
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string"}
+
+
+def _argparse_message(message: str, argv: list[str], config_file: str | None, yaml_values: dict[str, Any]) -> str:
+    """argparse's error as our one line: a wrong type names the field, where it was given and the expected type."""
+    if found := _ARGPARSE_TYPE.match(message):
+        key, kind, value = found.groups()
+        expected = _TYPE_NAMES.get(kind, kind)
+    elif found := _ARGPARSE_BOOL.match(message):
+        (key, value), expected = found.groups(), "true or false"
+    else:
+        return message
+    on_command_line = any(a == f"--{key}" or a.startswith(f"--{key}=") for a in argv)
+    where = f" in {config_file}" if key in yaml_values and not on_command_line else ""
+    return f"{key}{where} must be {expected}, got {value!r}"
+
+
+def _has_gpu() -> bool:
+    import torch
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    return torch.cuda.is_available() or is_torch_bf16_gpu_available()
+
+
+def _gpu_message(config_file: str | None, reason: str) -> str:
+    """ "this config needs a GPU; use <its CPU twin>" (``x_gpu.yaml`` -> ``x_cpu``) where there is one."""
+    from trinity_trl.recipes import CONFIG_DIR
+
+    if config_file is None:
+        return "bf16 needs a GPU and this machine has none; on a CPU pass --bf16 false (or --use_cpu true)"
+    name = os.path.basename(config_file).removesuffix(".yaml")
+    twin = name.removesuffix("_gpu") + "_cpu" if name.endswith("_gpu") else None
+    if twin and os.path.exists(os.path.join(os.path.dirname(config_file), f"{twin}.yaml")):
+        shown = twin if os.path.dirname(os.path.abspath(config_file)) == CONFIG_DIR else f"{twin}.yaml"
+        advice = f"use {shown}, its CPU twin"
+    else:
+        advice = "on a CPU set bf16: false (or use_cpu: true)"
+    return f"this config ({name}) needs a GPU ({reason}) and this machine has none; {advice}"
+
+
+def check_gpu_config(config_file: str | None, argv: list[str]) -> None:
+    """A ``*_gpu`` config on a machine without a GPU is a :class:`UsageError` naming its ``*_cpu`` twin (before
+    anything slow), unless ``--use_cpu`` is given."""
+    if config_file is None or not os.path.basename(config_file).removesuffix(".yaml").endswith("_gpu"):
+        return
+    if any(a.startswith("--use_cpu") for a in argv) or _has_gpu():
+        return
+    raise UsageError(_gpu_message(config_file, "a *_gpu config"))
 
 
 def import_argument(argv: list[str], yaml_values: dict[str, Any]) -> list[str]:
@@ -303,7 +398,8 @@ def check_output_dir(args: RecipeArguments, training_args) -> None:
     present = sorted(os.listdir(out))
     if present:
         raise UsageError(
-            f"output_dir {out!r} already holds {len(present)} files ({', '.join(present[:4])}"
+            f"output_dir {out!r} already holds {len(present)} file{'s' if len(present) > 1 else ''} "
+            f"({', '.join(present[:4])}"
             f"{', ...' if len(present) > 4 else ''}); choose another --output_dir or pass "
             "--overwrite_output_dir"
         )
@@ -553,6 +649,7 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
     metric and ``summary``) and ``training_curves.png``; then the Hub push when ``push_to_hub`` is set."""
     output_dir = trainer.args.output_dir
     trainer.save_model(output_dir)
+    plotted = None
     if trainer.is_world_process_zero():
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, "training_log.json"), "w", encoding="utf-8") as f:
@@ -560,14 +657,11 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
         if args.plot:
             from trinity_trl.recipes.plot import plot_training
 
-            plot_training(trainer.state.log_history, os.path.join(output_dir, "training_curves.png"))
+            plotted = plot_training(trainer.state.log_history, os.path.join(output_dir, "training_curves.png"))
     if trainer.args.push_to_hub:
         trainer.push_to_hub()
     if trainer.is_world_process_zero():
         before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
         outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
-        print(
-            f"[trinity-trl] {trainer.state.global_step} steps; {outcome}model, card, training_log.json and plot in "
-            f"{output_dir}",
-            flush=True,
-        )
+        written = "model, card, training_log.json and plot" if plotted else "model, card and training_log.json"
+        print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}{written} in {output_dir}", flush=True)

@@ -19,6 +19,7 @@ from trinity_trl.recipes.common import (
     parse,
     peft_config,
     reward_functions,
+    run_as_script,
     save_outputs,
     train_and_evaluate,
 )
@@ -48,4 +49,4 @@ def main(argv: list[str] | None = None) -> PPOTrainer:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

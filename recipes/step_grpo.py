@@ -15,7 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trinity_trl.data.model import BUNDLED, resolve_model
-from trinity_trl.recipes.common import UsageError, check_output_dir, concise_progress, parse, peft_config, save_outputs
+from trinity_trl.recipes.common import (
+    UsageError,
+    check_output_dir,
+    concise_progress,
+    parse,
+    peft_config,
+    run_as_script,
+    save_outputs,
+)
 from trinity_trl.rollouts import (
     CalculatorEnv,
     CalculatorToolEnv,
@@ -109,4 +117,4 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

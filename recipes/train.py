@@ -15,6 +15,7 @@ TrinityTrainer. Options: those below and every field of the preset's config clas
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -28,7 +29,9 @@ from trinity_trl.recipes.common import (
     load_task,
     parse,
     peft_config,
+    read_config,
     reward_functions,
+    run_as_script,
     save_outputs,
     train_and_evaluate,
 )
@@ -58,13 +61,12 @@ def algorithm_from(argv: list[str]) -> str:
             elif value is not None:
                 config = value
     if algorithm is None and config is not None:
-        import yaml
-
-        with open(config_path(config), encoding="utf-8") as f:
-            algorithm = (yaml.safe_load(f) or {}).get("algorithm")
+        algorithm = read_config(config_path(config)).get("algorithm")
     algorithm = algorithm or "grpo"
     if algorithm not in ALGORITHM_TYPE.names():
-        raise UsageError(f"unknown algorithm {algorithm!r}; presets: {', '.join(sorted(ALGORITHM_TYPE.names()))}")
+        close = difflib.get_close_matches(str(algorithm), ALGORITHM_TYPE.names(), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"unknown algorithm {algorithm!r}{hint}; presets: {', '.join(sorted(ALGORITHM_TYPE.names()))}")
     return algorithm
 
 
@@ -120,4 +122,4 @@ def _preference_pairs(args: TrainArguments, task, seed: int):
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

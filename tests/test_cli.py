@@ -52,18 +52,77 @@ def test_configs_table_names_recipe_model_task_and_purpose(capsys):
             r"generation_batch_size \(3\) must be divisible by num_generations \(4\)",
         ),
         (["ppo", "--config", "ppo_cpu", "--max_steps", "2", "--critic_warmup_steps", "2"], r"policy would never train"),
+        (
+            ["cispo", "--config", "{tmp}/broken.yaml"],
+            r"broken\.yaml:2: invalid YAML: while parsing a flow sequence, expected ',' or ']', .* \(at line 3",
+        ),
+        (["cispo", "--config", "cispo_cpu", "--max_steps", "abc"], r"max_steps must be an integer, got 'abc'$"),
+        (["cispo", "--config", "{tmp}/two.yaml"], r"max_steps in \S+two\.yaml must be an integer, got 'two'$"),
+        (["cispo", "--config", "cispo_cpu", "--use_peft", "maybe"], r"use_peft must be true or false, got 'maybe'$"),
+        (
+            ["cispo", "--config", "{tmp}/key.yaml"],
+            r"unknown key learnin_rate \(did you mean learning_rate\?\) in \S+key",
+        ),
+        (["train", "--algorithm", "rlo"], r"unknown algorithm 'rlo' \(did you mean rloo\?\)"),
+        (["cispo", "--config", "{tmp}/missing.yaml"], r"'\S+missing\.yaml' is neither a file nor a bundled config"),
+        (["sapo", "--config", "sapo_gpu"], r"this config \(sapo_gpu\) needs a GPU .*; use sapo_cpu, its CPU twin$"),
+        (["cispo", "--config", "{tmp}/bf16.yaml"], r"needs a GPU \(bf16: true\) and this machine has none"),
     ],
 )
-def test_usage_errors_print_one_line_and_exit_2(capsys, tmp_path, argv, message):
+def test_usage_errors_print_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the GPU cases, on any machine
+    (tmp_path / "broken.yaml").write_text("max_steps: 2\nlora_target_modules: [q_proj\nlora_r: 8\n")
+    (tmp_path / "two.yaml").write_text('max_steps: "two"\n')
+    (tmp_path / "key.yaml").write_text("learnin_rate: 0.1\n")
+    (tmp_path / "bf16.yaml").write_text("bf16: true\nuse_cpu: false\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and err[0].startswith(f"trinity-trl {argv[0]}: error: "), err
-    assert "Traceback" not in "\n".join(err) and "--debug" in err[1]
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("No GPU")]
+    assert len(err) == 1 and err[0].startswith(f"trinity-trl {argv[0]}: error: "), err
+    assert "usage:" not in err[0] and err[0].endswith(" (--debug shows the traceback)")
     import re
 
-    assert re.search(message, err[0]), err[0]
+    assert re.search(message, err[0].removesuffix(" (--debug shows the traceback)")), err[0]
+
+
+def test_version_is_the_installed_package_version(capsys):
+    from importlib.metadata import version
+
+    main(["--version"])
+    assert capsys.readouterr().out.strip() == f"trinity-trl {version('trinity-trl')}"
+
+
+def test_a_bug_keeps_its_traceback():
+    """Only user errors become one line: anything else is a bug and propagates as it is."""
+    from trinity_trl.cli import exit_on_user_error
+
+    def broken(argv):
+        raise RuntimeError("internal")
+
+    with pytest.raises(RuntimeError, match="internal"):
+        exit_on_user_error(broken, [], "trinity-trl x")
+
+
+def test_script_form_prints_one_line_for_an_occupied_output_dir(tmp_path):
+    """`python recipes/chord.py ...` handles user errors as the `trinity-trl` command does."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_text("")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "chord.py"
+    argv = [sys.executable, str(recipe), "--config", "chord_cpu", "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = [line for line in result.stderr.strip().splitlines() if not line.startswith("No GPU")]
+    assert len(err) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (
+        err[0].startswith(f"python {recipe}: error: output_dir ")
+        and "already holds 1 file (model.safetensors)" in err[0]
+    )
 
 
 def test_debug_shows_the_traceback(tmp_path):

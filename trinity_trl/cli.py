@@ -7,7 +7,8 @@
     trinity-trl configs                                 # the bundled configs: recipe, model, task, purpose
 
 A mistake in the command line or a config (unknown recipe, config or option, an invalid combination)
-prints one line and exits with status 2; ``--debug`` shows the traceback instead.
+prints one line and exits with status 2; ``--debug`` shows the traceback instead. ``trinity-trl --version``
+prints the installed version.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
 def _usage() -> str:
     from .recipes import RECIPES
 
-    lines = ["usage: trinity-trl <recipe> [--config FILE|NAME] [--option value ...] [--debug]", "", "recipes:"]
+    lines = [
+        "usage: trinity-trl <recipe> [--config FILE|NAME] [--option value ...] [--debug]",
+        "       trinity-trl --version",
+        "",
+        "recipes:",
+    ]
     lines += [f"  {name:<10} {text}" for name, (_, text) in RECIPES.items()]
     lines += [
         f"  {'demo':<10} CHORD + LoRA on the bundled SmolLM2-135M and arithmetic task ({DEMO_CONFIG}, "
@@ -49,17 +55,35 @@ def _configs_table() -> str:
 def main(argv: list[str] | None = None) -> None:
     """The console script: runs the recipe; exits 0 on success, 2 on a usage error."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a != "--debug"), "<none>")
+    exit_on_user_error(run, argv, f"trinity-trl {command}")
+
+
+def exit_on_user_error(function, argv: list[str], prog: str):
+    """``function(argv)``; a user error (:data:`USER_ERRORS`) becomes one line ``<prog>: error: ...`` on stderr and
+    exit status 2, unless ``argv`` holds ``--debug`` (then it propagates with its traceback). Any other exception
+    is a bug and keeps its traceback. The ``trinity-trl`` command and the recipe scripts both go through here."""
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    command = argv[0] if argv else "<none>"
     try:
-        run(argv)
+        return function(argv)
     except USER_ERRORS as err:
         if debug:
             raise
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"trinity-trl {command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
+        text = " ".join(str(err).split()) or type(err).__name__
+        print(f"{prog}: error: {text} (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def version() -> str:
+    """The installed package's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("trinity-trl")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown (not installed)"
 
 
 def run(argv: list[str] | None = None):
@@ -73,6 +97,9 @@ def run(argv: list[str] | None = None):
         raise SystemExit(2)
     if argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return None
+    if argv[0] in ("-V", "--version"):
+        print(f"trinity-trl {version()}")
         return None
     command, rest = argv[0], argv[1:]
     if command == "configs":

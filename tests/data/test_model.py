@@ -140,6 +140,20 @@ def test_cache_hit_needs_neither_package_nor_conversion(fake_package, tmp_path, 
     assert len(calls) == 1
 
 
+def test_conversion_announces_itself_before_it_starts(fake_package, tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def convert(gguf_path, out_dir):  # what the user had on screen when the slow part began
+        seen.append(capsys.readouterr().err)
+        fake_converter([])(gguf_path, out_dir)
+
+    monkeypatch.setattr(bundled, "_convert", convert)
+    bundled_model_dir(tmp_path)
+    assert "converting the bundled model" in seen[0] and "once, about 30 s" in seen[0]
+    bundled_model_dir(tmp_path)  # cached: silent
+    assert "converting" not in capsys.readouterr().err
+
+
 def test_foreign_incomplete_directory_is_not_overwritten(fake_package, tmp_path, monkeypatch):
     (tmp_path / BUNDLED_MODEL_NAME).mkdir()
     (tmp_path / BUNDLED_MODEL_NAME / "config.json").write_text("{}")

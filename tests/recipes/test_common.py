@@ -18,7 +18,9 @@ from trinity_trl.recipes.common import (
     check_output_dir,
     load_task,
     parse,
+    read_config,
     reward_functions,
+    save_outputs,
     to_task_format,
 )
 from trinity_trl.trainers import ChordConfig, CISPOConfig
@@ -73,7 +75,9 @@ def test_config_names_get_a_suggestion():
 def test_unknown_yaml_keys_and_options_are_errors_with_suggestions(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("use_cpu: true\nbf16: false\nlerning_rate: 0.1\n")
-    with pytest.raises(UsageError, match=r"unknown options --lerning_rate \(did you mean --learning_rate\?\)"):
+    with pytest.raises(
+        UsageError, match=r"unknown key lerning_rate \(did you mean learning_rate\?\) in \S*bad\.yaml: not an option"
+    ):
         parse((RecipeArguments, CISPOConfig), ["--config", str(config), "--output_dir", str(tmp_path)], "cispo")
     with pytest.raises(UsageError, match=r"--mu_peek \(did you mean --mu_peak\?\)"):
         parse((RecipeArguments, ChordConfig), ["--output_dir", str(tmp_path), "--mu_peek", "0.5"], "chord")
@@ -122,7 +126,7 @@ def test_help_shows_config_and_the_recipes_own_options_first(capsys):
 def test_output_dir_holding_files_needs_overwrite(tmp_path):
     (tmp_path / "old.txt").write_text("x")
     args, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path)], "cispo")
-    with pytest.raises(UsageError, match="already holds 1 files .*--overwrite_output_dir"):
+    with pytest.raises(UsageError, match="already holds 1 file .*--overwrite_output_dir"):
         check_output_dir(args, config)
     args, config = parse(
         (RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--overwrite_output_dir", "true"], "cispo"
@@ -313,3 +317,60 @@ def test_import_registers_a_module_from_a_file(tmp_path):
         POLICY_LOSS_FN.unregister("flat_ppo")
     with pytest.raises(ImportError, match="no module named 'not_a_module_here'"):
         parse((RecipeArguments, TrinityConfig), ["--import", "not_a_module_here"], "train")
+
+
+def test_read_config_reports_yaml_syntax_as_file_and_line(tmp_path):
+    config = tmp_path / "my.yaml"
+    config.write_text("max_steps: 2\nlearning_rate: 1e-5\n  bad_indent: 1\n")
+    with pytest.raises(UsageError, match=r"my\.yaml:3: invalid YAML: mapping values are not allowed here$"):
+        read_config(str(config))
+    config.write_text("max_steps: 2\n")
+    assert read_config(str(config)) == {"max_steps": 2}
+
+
+def test_gpu_config_on_a_cpu_names_its_cpu_twin(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"this config \(chord_gpu\) needs a GPU .*; use chord_cpu, its CPU twin$"):
+        parse((RecipeArguments, ChordConfig), ["--config", "chord_gpu", "--output_dir", str(tmp_path)], "chord")
+    own = tmp_path / "mine_gpu.yaml"  # no twin beside it: how to run it on a CPU instead
+    own.write_text("max_steps: 2\n")
+    with pytest.raises(UsageError, match=r"\(mine_gpu\) needs a GPU .*; on a CPU set bf16: false"):
+        parse((RecipeArguments, ChordConfig), ["--config", str(own), "--output_dir", str(tmp_path)], "chord")
+    # asked for explicitly: the CPU runs it
+    _, config = parse(
+        (RecipeArguments, ChordConfig),
+        ["--config", str(own), "--use_cpu", "true", "--output_dir", str(tmp_path)],
+        "chord",
+    )
+    assert config.max_steps == 2
+
+
+class _FakeTrainer:
+    """What save_outputs uses of a trainer, with a log that has no step metrics (so nothing to plot)."""
+
+    def __init__(self, output_dir, log_history):
+        from types import SimpleNamespace
+
+        self.args = SimpleNamespace(output_dir=str(output_dir), push_to_hub=False)
+        self.state = SimpleNamespace(global_step=len(log_history), log_history=log_history)
+
+    def save_model(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def is_world_process_zero(self):
+        return True
+
+
+def test_closing_line_names_only_what_was_written(tmp_path, capsys):
+    summary = {"global_step": 0, "accuracy_before": None, "accuracy_after": None}
+    save_outputs(_FakeTrainer(tmp_path / "a", []), RecipeArguments(plot=True), summary)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not (tmp_path / "a" / "training_curves.png").exists()
+    assert last.endswith(f"model, card and training_log.json in {tmp_path / 'a'}") and "plot" not in last
+    pytest.importorskip("matplotlib")
+    log = [{"step": 1, "loss": 0.5, "reward": 0.1}, {"step": 2, "loss": 0.4, "reward": 0.3}]
+    save_outputs(_FakeTrainer(tmp_path / "b", log), RecipeArguments(plot=True), summary)
+    assert (tmp_path / "b" / "training_curves.png").is_file()
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"training_log.json and plot in {tmp_path / 'b'}")

@@ -11,6 +11,7 @@ import torch
 
 from . import ADVANTAGE_FN, ALGORITHM_TYPE, EID, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, Experience
 from .advantage import scalar_rewards_to_token_level
+from .policy_loss.mix import ExpertMixLossFn
 
 
 def sample_batch(seed: int = 42, rows: int = 6, width: int = 20) -> dict[str, torch.Tensor]:
@@ -33,6 +34,17 @@ def sample_batch(seed: int = 42, rows: int = 6, width: int = 20) -> dict[str, to
     }
 
 
+def _one_step_weights(cls, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """For MIX and CHORD: the per-sample weights that make this one micro-batch a whole optimizer step (each usual
+    sample weighs 1/usual rows, each expert sample 1/expert rows), so their ``usual/*`` and ``expert/*`` metrics are
+    means over the rows (a clip fraction in [0, 1]). With the default weights (w = 1) each metric would be scaled by
+    its row count: the scaling a trainer sums over the micro-batches of a step."""
+    if not issubclass(cls, ExpertMixLossFn):
+        return {}
+    experts = int(batch["expert_mask"].sum())
+    return {"usual_sample_weight": 1 / (len(batch["expert_mask"]) - experts), "expert_sample_weight": 1 / experts}
+
+
 def _fmt(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
 
@@ -47,7 +59,7 @@ def main() -> None:
     print("Policy losses (default_args):")
     for name in POLICY_LOSS_FN.names():
         cls = POLICY_LOSS_FN.get(name)
-        loss, metrics = cls(**cls.default_args())(**batch)
+        loss, metrics = cls(**cls.default_args(), **_one_step_weights(cls, batch))(**batch)
         print(f"  {name:20s} loss={loss.item():+.6f}  {_fmt(metrics)}")
 
     print("\nKL estimators (kl_coef=0.1, token-mean):")

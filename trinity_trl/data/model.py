@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -205,12 +206,12 @@ def bundled_model_dir(cache_dir: str | os.PathLike | None = None) -> str:
             for stale in root.glob(f"{_TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
 
-        logger.warning(
-            "Converting the bundled model %s from %s to a float32 HF checkpoint in %s (once; about 30 s on 2 CPU "
-            "cores)...",
-            BUNDLED_MODEL_NAME,
-            gguf_path,
-            target,
+        # printed, not logged: a line the user sees before ~30 s of silence, whatever the logging setup
+        print(
+            f"[trinity-trl] converting the bundled model {BUNDLED_MODEL_NAME} to a float32 HF checkpoint in {target} "
+            "once, about 30 s on 2 CPU cores ...",
+            file=sys.stderr,
+            flush=True,
         )
         start = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root)
