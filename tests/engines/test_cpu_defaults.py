@@ -57,7 +57,7 @@ def test_a_config_built_on_a_cpu_without_use_cpu_or_bf16_is_float32(tmp_path, co
     assert config.activation_checkpointing is False
     assert not config.use_cpu
     assert announcements() == [
-        f"{ANNOUNCEMENT} (bf16=True to override) and no activation checkpointing "
+        f"{ANNOUNCEMENT} (bf16=True to override), without activation checkpointing "
         "(activation_checkpointing=True to override)."
     ]
 

@@ -62,18 +62,18 @@ def apply_cpu_defaults(config: Any) -> None:
     changed = []
     if config.bf16 is None and not config.fp16 and on_cpu:
         config.bf16 = False
-        changed.append("float32 (bf16=True to override)")
+        changed.append("training in float32 (bf16=True to override)")
     if config.activation_checkpointing is None:
         config.activation_checkpointing = bool(config.gradient_checkpointing) and not on_cpu
         if on_cpu and config.gradient_checkpointing:
-            changed.append("no activation checkpointing (activation_checkpointing=True to override)")
+            changed.append("without activation checkpointing (activation_checkpointing=True to override)")
     if config.activation_checkpointing_kwargs is None and config.gradient_checkpointing_kwargs is not None:
         config.activation_checkpointing_kwargs = config.gradient_checkpointing_kwargs
     if changed and not _CPU_DEFAULTS_ANNOUNCED:
         _CPU_DEFAULTS_ANNOUNCED = True
         import logging
 
-        logging.getLogger("trinity_trl").warning("No GPU or other accelerator: training in %s.", " and ".join(changed))
+        logging.getLogger("trinity_trl").warning("No GPU or other accelerator: %s.", ", ".join(changed))
 
 
 def check_saving_options(config: Any) -> None:
