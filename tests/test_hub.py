@@ -82,7 +82,7 @@ def test_chord_lora_push_uploads_adapter_tokenizer_and_card_and_pulls_back(tmp_p
     card = files["README.md"].decode()
     assert "## Algorithm: CHORD" in card and "`mix_chord` preset" in card
     assert "On-Policy RL Meets Off-Policy Experts" in card
-    assert "| policy_loss_fn | `mix_chord` |" in card
+    assert "| policy_loss | `mix_chord` |" in card
     assert fake_hub.commits("tester/chord-tiny")[-1] == "End of training"
 
     trained = get_peft_model_state_dict(trainer.model)

@@ -395,3 +395,10 @@ def test_evaluate_accuracy_synced_processes_run_the_same_forward_passes(tiny_mod
     assert results[0]["completions"] + results[1]["completions"] == expected
     calls = [result["forward_calls"] for result in results]
     assert calls[0] == calls[1] and calls[0] > 4 * 2  # 4 batches (rank 1's last two empty), >= 2 passes each
+
+
+def test_the_task_dataset_names_itself_for_model_cards():
+    from trinity_trl.data import arithmetic_dataset
+
+    assert arithmetic_dataset("train", num_rows=2).info.dataset_name == "trinity_trl arithmetic (train)"
+    assert arithmetic_dataset("test", num_rows=2).info.dataset_name == "trinity_trl arithmetic (test)"

@@ -213,7 +213,7 @@ def test_dpo_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
     with open(os.path.join(tmp_path, "README.md"), encoding="utf-8") as file:
         card = file.read()
     assert "## Algorithm: DPO" in card and "2305.18290" in card
-    assert "| kl_loss_fn | `k2` |" in card and "TrinityDPOTrainer" in card
+    assert "| kl_loss | `k2` |" in card and "TrinityDPOTrainer" in card
 
 
 def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):

@@ -200,5 +200,5 @@ def test_a_dpo_card_lists_only_the_components_dpo_uses(tmp_path, tiny_model_dir)
         args=TrinityDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1),
     )
     card = card_of(trainer, tmp_path / "card")
-    assert "| policy_loss_fn | `dpo` |" in card and "| kl_loss_fn | `k2` |" in card
+    assert "| policy_loss | `dpo` |" in card and "| kl_loss | `k2` |" in card
     assert "advantage_fn" not in card and "kl_penalty_fn" not in card

@@ -43,13 +43,13 @@ def test_section_names_trainer_preset_paper_and_every_component():
     assert f"Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: {description}." in lines
     assert CHORD_PAPER_LINE in lines
     rows = table_rows(section)
-    components = ("policy_loss_fn", "advantage_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn")
-    assert {"policy_loss_fn", "loss_agg_mode"} <= set(rows) <= {*components, "loss_agg_mode"}
+    components = ("policy_loss", "advantage", "kl_loss", "kl_penalty", "entropy_loss")  # the config's names
+    assert {"policy_loss", "loss_agg_mode"} <= set(rows) <= {*components, "loss_agg_mode"}
     for component in set(rows) & set(components):  # each listed component as resolved
         name, arguments = rows[component]
-        assert name == getattr(algorithm, component), component
-        assert json.loads(arguments) == json.loads(json.dumps(getattr(algorithm, f"{component}_args"), default=str))
-    assert json.loads(rows["policy_loss_fn"][1])["mu_peak"] == 0.4
+        assert name == getattr(algorithm, f"{component}_fn"), component
+        assert json.loads(arguments) == json.loads(json.dumps(getattr(algorithm, f"{component}_fn_args"), default=str))
+    assert json.loads(rows["policy_loss"][1])["mu_peak"] == 0.4
     assert rows["loss_agg_mode"] == (algorithm.loss_agg_mode, "")
 
 
@@ -107,7 +107,11 @@ def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
         line.startswith("Trained with `trinity_trl`'s `ChordTrainer` using the `mix_chord` preset: ") for line in lines
     )
     assert CHORD_PAPER_LINE in lines
-    assert '"mu_peak": 0.4' in card and "| policy_loss_fn | `mix_chord` |" in card
+    assert '"mu_peak": 0.4' in card and "| policy_loss | `mix_chord` |" in card
+    # the preset's line names both variants; the variant line says which one trained (CHORD-φ by default)
+    assert "plain for CHORD-μ, φ-weighted for CHORD-φ" in card and "Variant: CHORD-φ" in card
+    # no run of blank lines where TRL's template leaves room for a tracker badge
+    assert "\n\n\n" not in card.split("## Citations")[0]
     # the local base model is named, not linked as "[None](https://huggingface.co/None)"
     assert "huggingface.co/None" not in card
     assert f"`{os.path.basename(tiny_model_dir)}` (a local model)" in card

@@ -345,7 +345,9 @@ class MIXAlgorithm(AlgorithmType):
         "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised "
         "Fine-Tuning and Reinforcement Learning via Dynamic Weighting"
     ),
-    description="CHORD: on-policy RL plus φ-weighted expert SFT with a scheduled weight μ",
+    description=(
+        "CHORD: on-policy RL plus expert SFT (plain for CHORD-μ, φ-weighted for CHORD-φ) with a scheduled weight μ"
+    ),
     paper="arXiv:2508.11408",
     repeat_times=8,
     sample_strategy="mix",

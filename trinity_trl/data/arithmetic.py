@@ -184,9 +184,11 @@ def arithmetic_dataset(
     prompt_style: str = "user",
 ):
     """A `datasets.Dataset` of problems: ``prompt`` (messages), ``answer``, ``solution``, ``problem``, ``kind``."""
-    from datasets import Dataset
+    from datasets import Dataset, DatasetInfo
 
-    return Dataset.from_list(make_problems(split, num_rows, seed, kinds, prompt_style))
+    # the name model cards show for it (trainers read `info.dataset_name`, as datasets sets it for Hub datasets)
+    info = DatasetInfo(dataset_name=f"trinity_trl arithmetic ({split})")
+    return Dataset.from_list(make_problems(split, num_rows, seed, kinds, prompt_style), info=info)
 
 
 def arithmetic_expert_dataset(

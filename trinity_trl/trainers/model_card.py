@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig
@@ -43,7 +44,8 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
     for component in used_components(algorithm, components):
         args = getattr(algorithm, f"{component}_args")
         lines.append(
-            f"| {component} | `{getattr(algorithm, component)}` | `{json.dumps(args, sort_keys=True, default=str)}` |"
+            f"| {component.removesuffix('_fn')} | `{getattr(algorithm, component)}` "
+            f"| `{json.dumps(args, sort_keys=True, default=str)}` |"
         )
     lines.append(f"| loss_agg_mode | `{algorithm.loss_agg_mode}` | |")
     return "\n".join(lines) + "\n"
@@ -144,6 +146,7 @@ def rewrite_card(
     if start >= 0:
         end = body.find("## ", start + 3)
         body = body[:start] + quick_start(load_from, is_adapter) + "\n" + (body[end:] if end >= 0 else "")
+    body = re.sub(r"\n(?:[ \t]*\n){2,}", "\n\n", body)  # the blank lines TRL leaves where a tracker badge would go
     return "---\n" + "\n".join(meta) + "\n---\n" + body
 
 
