@@ -299,7 +299,7 @@ def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_datase
 
 
 def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
-    with pytest.raises(ValueError, match="kl_penalty_fn"):
+    with pytest.raises(ValueError, match="kl_penalty="):
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
 
 
@@ -327,7 +327,7 @@ def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
 
 
 def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
-    with pytest.raises(ValueError, match="entropy_loss_fn 'mix'"):
+    with pytest.raises(ValueError, match="entropy_loss 'mix'"):
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss_fn="mix")
     # ChordTrainer adds expert rows, so the same entropy is accepted there
     expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})

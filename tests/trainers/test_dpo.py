@@ -240,7 +240,7 @@ def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
         ({"kl_loss_fn": "none"}, "kl_loss_fn='none'.*kl_coef"),
         ({"kl_loss_fn": "k9"}, "k9"),
-        ({"entropy_loss_fn": "mix"}, "entropy_loss_fn"),
+        ({"entropy_loss_fn": "mix"}, "entropy_loss must not read expert rows"),
         ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True.*per-token KL"),
         ({"beta": 0.2, "policy_loss_fn_args": {"beta": 0.3}}, "beta=0.2 conflicts"),
         ({"label_smoothing": 0.6}, "label_smoothing"),
