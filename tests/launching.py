@@ -1,8 +1,9 @@
 """Launching multi-process test scripts so that they survive a busy machine.
 
 * **Ports chosen by the OS.** ``torchrun --standalone`` rendezvous on ``localhost:0``; ``accelerate launch`` is given
-  ``--main_process_port 0`` (it binds port 0 and passes the port it got on) or, where a fixed port must be shared by
-  two launchers, :func:`free_port`. No test names a port number: two suites on one machine never collide on 29500.
+  a port the OS found free (:func:`free_port`), never ``--main_process_port 0``: every process would read
+  ``MASTER_PORT=0`` and DeepSpeed's ranks would never meet. No test names a port number: two suites on one
+  machine never collide on 29500.
 * **Timeouts scaled by the measured load.** :func:`scaled_timeout` multiplies a generous base (what the launch takes
   on an idle 2-core machine, times several) by the load average per core when it exceeds one, read when the launch
   starts: on a machine running two busy processes beside the suite, a launch gets the extra time it needs.

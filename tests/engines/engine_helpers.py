@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launching import run_launch
+from launching import free_port, run_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -49,7 +49,14 @@ def run_script(
     """Run ``command`` from the repository root; fail the test with the output's tail when its exit code is not
     ``expect_rc`` (``None``: any) or it runs past ``timeout`` seconds scaled by the machine's load; a launch whose
     port was taken at start-up is run again (tests/launching.py), nothing else is."""
-    return run_launch(command, label, timeout_s=timeout, env=env or script_env(), cwd=REPO_ROOT, expect_rc=expect_rc)
+
+    def fresh_port() -> list[str]:  # each attempt asks the OS for a port again
+        if "--main_process_port" not in command:
+            return command
+        at = command.index("--main_process_port") + 1
+        return [*command[:at], str(free_port()), *command[at + 1 :]]
+
+    return run_launch(fresh_port, label, timeout_s=timeout, env=env or script_env(), cwd=REPO_ROOT, expect_rc=expect_rc)
 
 
 def accelerate_launch(
@@ -65,9 +72,10 @@ def accelerate_launch(
         "launch",
         "--config_file",
         str(ACCELERATE_CONFIGS / f"{config}.yaml"),
-        # the OS picks the rendezvous port (accelerate binds port 0): never the fixed 29500 another suite may hold
+        # a port the OS found free (never the fixed 29500 another suite may hold). Not "0": every process would then
+        # read MASTER_PORT=0 and DeepSpeed's ranks never meet (ZeRO launches hung); run_launch retries a taken port
         "--main_process_port",
-        "0",
+        str(free_port()),
         "--num_processes",
         str(processes),
         *precision,
