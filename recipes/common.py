@@ -629,7 +629,7 @@ def concise_progress(trainer) -> None:
     from transformers.trainer_callback import ProgressCallback
 
     from trinity_trl.algorithms import POLICY_LOSS_FN
-    from trinity_trl.trainers.metrics import summary_line, summary_metrics
+    from trinity_trl.training.metrics import summary_line, summary_metrics
 
     metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
 

@@ -94,7 +94,7 @@ def test_generic_trainers_train_a_loss_from_a_file(tmp_path, tiny_model_dir, plu
     from transformers import AutoTokenizer
 
     from trinity_trl.trainers import TrinityConfig, TrinitySFTConfig, TrinitySFTTrainer, TrinityTrainer
-    from trinity_trl.trainers.metrics import pool_metrics, summary_line, summary_metrics
+    from trinity_trl.training.metrics import pool_metrics, summary_line, summary_metrics
 
     import_components(str(plugin))
     args = TrinityConfig(

@@ -1,4 +1,4 @@
-"""Checkpoints are complete or never resumed from, and loading one never runs code from it (`trainers/checkpoint.py`).
+"""Checkpoints are complete or never resumed from, and loading one never runs code from it (`checkpointing/`).
 
 * The completion marker: written last, after every file of every process; a folder without it (a run killed while
   writing), or whose files no longer match its manifest (truncated, missing), is skipped by
@@ -21,8 +21,7 @@ import pytest
 import torch
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
-from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.checkpoint import (
+from trinity_trl.checkpointing.checkpoints import (
     BUFFER_FILE,
     COMPLETE_FILE,
     incompleteness,
@@ -32,7 +31,8 @@ from trinity_trl.trainers.checkpoint import (
     resume_checkpoint,
     save_plain,
 )
-from trinity_trl.trainers.critic_engine import CRITIC_OPTIMIZER_FILE
+from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig, TrinityTrainer
+from trinity_trl.training.critic_engine import CRITIC_OPTIMIZER_FILE
 
 
 def fake_checkpoint(output_dir: Path, step: int, complete: bool = True) -> Path:

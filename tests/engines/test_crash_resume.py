@@ -26,8 +26,8 @@ from engine_helpers import SCRIPTS, run_script
 from helpers import TINY_MODEL_TERMS, trained_weights_atol
 from tolerance import tolerance
 
-from trinity_trl.trainers.checkpoint import BUFFER_FILE, COMPLETE_FILE, TRAINER_STATE_FILE, incompleteness
-from trinity_trl.trainers.critic_engine import CRITIC_OPTIMIZER_FILE
+from trinity_trl.checkpointing.checkpoints import BUFFER_FILE, COMPLETE_FILE, TRAINER_STATE_FILE, incompleteness
+from trinity_trl.training.critic_engine import CRITIC_OPTIMIZER_FILE
 
 pytestmark = pytest.mark.slow
 STEPS = 4

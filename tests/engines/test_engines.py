@@ -133,7 +133,7 @@ class Runs:
     def _prepare_resume(self, engine: str, out: Path) -> None:
         """Each case's output folder gets the uninterrupted run's checkpoint-2, and its checkpoint-4 without the
         completion marker (as a run killed while writing it leaves it): resuming must pick checkpoint-2."""
-        from trinity_trl.trainers.checkpoint import COMPLETE_FILE
+        from trinity_trl.checkpointing.checkpoints import COMPLETE_FILE
 
         straight = self.straight(engine)
         for case in CASES:
@@ -252,7 +252,7 @@ def test_same_losses_and_weights_as_ddp(runs, engine, case):
 
 @pytest.mark.parametrize(("engine", "case"), COMPARED)
 def test_resume_skips_the_incomplete_checkpoint_and_reproduces_the_run(runs, engine, case):
-    from trinity_trl.trainers.checkpoint import COMPLETE_FILE
+    from trinity_trl.checkpointing.checkpoints import COMPLETE_FILE
 
     straight, resumed = Runs.load(runs.straight(engine), case), Runs.load(runs.resumed(engine), case)
     partial = runs.resumed(engine) / case / f"checkpoint-{STEPS}"

@@ -21,7 +21,7 @@ from trinity_trl.trainers import (
     TrinityConfig,
     TrinityTrainer,
 )
-from trinity_trl.trainers.checks import RewardFunctionError
+from trinity_trl.training.checks import RewardFunctionError
 
 G = 4
 

@@ -6,7 +6,7 @@ the loss (so an inf in padding cannot become a 0·inf = NaN gradient), and repla
 an exact zero. Logged counts since the previous log line: `guards/nonfinite_logps`, `guards/nonfinite_advantages`
 (tokens), `guards/empty_mask`, `guards/nonfinite_loss` (micro-batches).
 
-The guard functions themselves (`guard_loss_mask`, `masked_finite`) on tensors: tests/trainers/test_checks.py.
+The guard functions themselves (`guard_loss_mask`, `masked_finite`) on tensors: tests/training/test_checks.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from trinity_trl.trainers import (
     SAPOTrainer,
     TrinityConfig,
     TrinityTrainer,
-    checks,
 )
-from trinity_trl.trainers.checks import GUARD_METRICS
+from trinity_trl.training import checks
+from trinity_trl.training.checks import GUARD_METRICS
 
 
 class GradRecorder(TrainerCallback):

@@ -18,6 +18,7 @@ from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 from tolerance import approx
 
+from trinity_trl.checkpointing.checkpoints import BUFFER_FILE, TRAINER_STATE_FILE
 from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
 from trinity_trl.trainers import (
     ChordConfig,
@@ -27,7 +28,6 @@ from trinity_trl.trainers import (
     TrinityConfig,
     TrinityTrainer,
 )
-from trinity_trl.trainers.checkpoint import BUFFER_FILE, TRAINER_STATE_FILE
 
 STEPS, STOP = 4, 2
 WALL_CLOCK_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}

@@ -80,7 +80,7 @@ def agg_loss(
 
     ``loss_agg_mode`` may also be an :data:`Aggregation`, a callable ``(loss_mat, loss_mask) ->
     scalar``: trainers pass one to normalise over more than the micro-batch (see
-    ``trinity_trl.trainers.loss``). Mode strings other than the four below are an error.
+    ``trinity_trl.training.loss``). Mode strings other than the four below are an error.
 
     * ``token-mean``: one mean over every unmasked token of the micro-batch.
     * ``seq-mean-token-sum``: per-row masked sum, then mean over all ``B`` rows.

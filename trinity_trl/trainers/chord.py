@@ -17,10 +17,10 @@ from trl.trainer.utils import pad
 
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
 from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
-from . import checks
+from ..training import checks
+from ..training.metrics import append_metrics
 from .common import deprecated_field
 from .config import TrinityConfig
-from .metrics import append_metrics
 from .trinity import TrinityTrainer
 
 # CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments

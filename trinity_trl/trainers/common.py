@@ -20,10 +20,10 @@ from ..algorithms.entropy import EntropyLossFn
 from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
+from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
-from .checkpoint import CompleteCheckpoints
-from .model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
-from .trl_seams import temporarily
+from ..training.model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
+from ..training.trl_seams import temporarily
 
 _CPU_DEFAULTS_ANNOUNCED = False
 
@@ -208,7 +208,7 @@ def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from .engines import prepare_frozen_model
+    from ..training.engines import prepare_frozen_model
 
     if isinstance(teacher_model, str):
         teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=dtype)
@@ -236,8 +236,8 @@ class AlgorithmCardMixin(CompleteCheckpoints):
     def __init__(self, *args, **kwargs):
         from transformers import TrainingArguments
 
-        from .checks import check_hub_reachable
-        from .engines import check_engine
+        from ..training.checks import check_hub_reachable
+        from ..training.engines import check_engine
 
         self._card_sections: list[str] = []
         self._card_dataset: str | None = None

@@ -10,8 +10,8 @@ from trl import GRPOConfig
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
+from ..training.loss import LOSS_NORMALIZATIONS
 from .common import apply_cpu_defaults, check_saving_options, component_fields
-from .loss import LOSS_NORMALIZATIONS
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no

@@ -36,6 +36,8 @@ from ..algorithms import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig
 from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
+from ..training.model_card import paper_for
+from ..training.trl_seams import bind_trl_arguments
 from .common import (
     PresetTrainerMixin,
     apply_cpu_defaults,
@@ -46,8 +48,6 @@ from .common import (
     load_processor,
     reject_sequence_sharding,
 )
-from .model_card import paper_for
-from .trl_seams import bind_trl_arguments
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.

@@ -29,14 +29,14 @@ from ..algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
 from ..algorithms.masked import masked_fill_invalid, masked_mean
 from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
 from ..data.model import resolve_model
-from . import checks
-from .advantages import Advantages, AdvantageSources
+from ..training import checks
+from ..training.advantages import Advantages, AdvantageSources
+from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
+from ..training.metrics import append_metrics
+from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
 from .config import TrinityConfig
-from .critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
-from .metrics import append_metrics
 from .trinity import TrinityTrainer
-from .trl_seams import bind_trl_arguments, trained_mask
 
 CRITIC_DIR = "critic"
 __all__ = ["CRITIC_DIR", "CRITIC_OPTIMIZER_FILE", "PPOConfig", "PPOTrainer"]

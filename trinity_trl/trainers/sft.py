@@ -29,6 +29,8 @@ from trl import SFTConfig, SFTTrainer
 from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
 from ..data.model import resolve_model
+from ..training.model_card import paper_for
+from ..training.trl_seams import bind_trl_arguments
 from .common import (
     PresetTrainerMixin,
     apply_cpu_defaults,
@@ -39,8 +41,6 @@ from .common import (
     load_processor,
     reject_sequence_sharding,
 )
-from .model_card import paper_for
-from .trl_seams import bind_trl_arguments
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
 # A non-default value raises an error that says how to get the same effect (or why it cannot work).

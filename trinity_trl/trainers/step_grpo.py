@@ -35,12 +35,12 @@ from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent
 from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
-from . import checks
+from ..training import checks
+from ..training.metrics import append_metrics
+from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .common import deprecated_field
 from .config import TrinityConfig
-from .metrics import append_metrics
 from .trinity import TrinityTrainer
-from .trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 
 STD_CAL_LEVELS = ("group", "batch", "none")
 

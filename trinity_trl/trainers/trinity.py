@@ -21,19 +21,17 @@ from typing import Any, ClassVar
 import torch
 from trl import GRPOTrainer
 
+from ..checkpointing.checkpoints import TrainerStateCheckpoints
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.groups import whole_groups
-from . import checks
-from .advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
-from .checkpoint import TrainerStateCheckpoints
-from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
-from .config import TrinityConfig
-from .generation import FORWARD_KEYS, TRLGeneration
-from .loss import LossNormalizer, micro_batch_loss
-from .metrics import append_metrics, pool_metrics, replace_logged_advantages
-from .scoring import ScoringPasses
-from .trl_seams import (
+from ..training import checks
+from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
+from ..training.generation import FORWARD_KEYS, TRLGeneration
+from ..training.loss import LossNormalizer, micro_batch_loss
+from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
+from ..training.scoring import ScoringPasses
+from ..training.trl_seams import (
     bind_trl_arguments,
     captured_return,
     reopen_trackio_run,
@@ -41,6 +39,8 @@ from .trl_seams import (
     trained_mask,
     use_cpu_colocate_weight_sync,
 )
+from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
+from .config import TrinityConfig
 
 
 class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):

@@ -3,7 +3,7 @@
 torch's FSDP2 (`fully_shard`) runs on CPU with gloo, but Accelerate 1.15 never selects it there: with `use_cpu=True`
 `PartialState` picks `DistributedType.MULTI_CPU`, and `AcceleratorState` turns a GPU distributed type into `FSDP`
 only (`accelerate/state.py`, the `MULTI_GPU, ...` branch). The FSDP plugin built from `ACCELERATE_USE_FSDP` is then
-ignored: the model is wrapped in DDP. trinity_trl's trainers refuse such a run (`trainers/engines.py`), so a user on
+ignored: the model is wrapped in DDP. trinity_trl's trainers refuse such a run (`training/engines.py`), so a user on
 a CPU never trains with DDP believing it is FSDP.
 
 `enable_fsdp_on_cpu()` makes Accelerate do what it does on GPUs: when an FSDP plugin is given and the processes are

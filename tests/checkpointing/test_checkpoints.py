@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/checkpoint.py`: the trainer-state JSON and the generation buffer, written and read back,
+"""`trinity_trl/checkpointing/checkpoints.py`: the trainer-state JSON and the generation buffer, written and read back,
 and a buffer file that would run code when unpickled is refused. Resuming whole runs:
 tests/reliability/test_resume.py."""
 
@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from trinity_trl.trainers.checkpoint import (
+from trinity_trl.checkpointing.checkpoints import (
     BUFFER_FILE,
     TRAINER_STATE_FILE,
     load_generation_buffer,

@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/model_card.py` (the algorithm section of a model card) and the card our trainers write
+"""`trinity_trl/training/model_card.py` (the algorithm section of a model card) and the card our trainers write
 (`AlgorithmCardMixin` in `common.py`): on `save_model`, on a Hub push, with extra sections.
 
 The SFT and DPO trainers' cards: tests/trainers/test_sft_dpo.py."""
@@ -14,7 +14,7 @@ from helpers import length_reward, lora_config, tiny_conversational_dataset, tin
 
 from trinity_trl.algorithms import ALGORITHM_TYPE
 from trinity_trl.trainers import ChordConfig, ChordTrainer, StepGRPOConfig, TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.model_card import algorithm_card_section, paper_for
+from trinity_trl.training.model_card import algorithm_card_section, paper_for
 
 CHORD_PAPER = (
     "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement Learning "

@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/advantages.py`: weighted rewards, RAFT's best-of-group, group operators on the gathered
+"""`trinity_trl/training/advantages.py`: weighted rewards, RAFT's best-of-group, group operators on the gathered
 rewards, and the estimator's batch path (KL penalty, unscored rows, whitening), on tensors; then the same on a
 trainer's real batches (the rewards TRL gathered, teacher log-probs, the adaptive KL coefficient).
 
@@ -27,7 +27,7 @@ from tolerance import approx, assert_close
 from trinity_trl.algorithms import ADVANTAGE_FN, EID, KL_FN, POLICY_LOSS_FN, Experience
 from trinity_trl.algorithms.advantage import scalar_rewards_to_token_level
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.advantages import (
+from trinity_trl.training.advantages import (
     AdvantageEstimator,
     AdvantageSources,
     best_of_group,
@@ -449,7 +449,7 @@ def test_group_advantages_draw_from_their_own_generator_not_the_global_one():
     process and call, and Python's global random state is neither read nor changed."""
     import random
 
-    from trinity_trl.trainers.advantages import group_advantages
+    from trinity_trl.training.advantages import group_advantages
 
     fn = ADVANTAGE_FN.get("grpo")(std_threshold=0.0, duplicate_experiences=True)
     rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5, 2.0, 3.0, 0.0, 1.0, 0.2, 1.0, 1.0, 1.0, 1.0])

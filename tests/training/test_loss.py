@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/loss.py`: every aggregation mode as a weighted token sum over a count.
+"""`trinity_trl/training/loss.py`: every aggregation mode as a weighted token sum over a count.
 
 The expected values come from the documented aggregation (docs/algorithms/aggregation.md)
 (`trinity_trl.algorithms.agg_loss`, itself tested against the formulas in tests/algorithms/test_masked.py) on an
@@ -13,7 +13,7 @@ import torch
 from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
-from trinity_trl.trainers.loss import LossNormalizer, WeightedSum
+from trinity_trl.training.loss import LossNormalizer, WeightedSum
 
 SPEC_EPSILON = 1e-8  # the spec's masked mean: sum / (count + 1e-8)
 

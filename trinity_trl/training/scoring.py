@@ -1,4 +1,4 @@
-"""The passes a component may need beyond TRL's scoring of a batch (a mixin of :class:`~.trinity.TrinityTrainer`).
+"""The passes a component may need beyond TRL's scoring of a batch (a trainer mixin).
 
 * log-probs of any rows under the policy (behaviour log-probs when TRL computed none), the reference model (or the
   policy with its adapter disabled under PEFT, as TRL does) and the teacher (on-policy distillation);

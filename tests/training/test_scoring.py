@@ -1,4 +1,4 @@
-"""The extra passes of `trinity_trl/trainers/scoring.py` (`ScoringPasses`): log-probs of any rows under the policy,
+"""The extra passes of `trinity_trl/training/scoring.py` (`ScoringPasses`): log-probs of any rows under the policy,
 the reference and the teacher, and behaviour log-probs computed once. ReMax's greedy baselines are tested in
 `test_remax.py`, teacher log-probs arriving with a rollout in `test_distill_rollout.py`, the packed forwards of
 these passes in `tests/packing/test_forward.py`."""

@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/checks.py`: `check_components` (every rejection, asked from component properties, on small
+"""`trinity_trl/training/checks.py`: `check_components` (every rejection, asked from component properties, on small
 fakes), the loss guards on tensors, and the construction errors as a trainer raises them.
 
 Bad datasets, reward functions, rollouts and context lengths on real trainers: tests/reliability/test_bad_input.py;
@@ -17,7 +17,7 @@ from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.checks import check_completion_room, check_components, guard_loss_mask, masked_finite
+from trinity_trl.training.checks import check_completion_room, check_components, guard_loss_mask, masked_finite
 
 
 # ------------------------------------------------------------------------------------ fakes of what is asked

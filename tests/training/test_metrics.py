@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/metrics.py`: appending metrics to TRL's per-mode lists, pooling our keys across processes
+"""`trinity_trl/training/metrics.py`: appending metrics to TRL's per-mode lists, pooling our keys across processes
 (guard counts summed), and our advantages in TRL's completions table. The same on a real trainer:
 test_trinity.py (completions table) and tests/trainers/test_distributed.py (two processes)."""
 
@@ -9,7 +9,7 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from trinity_trl.trainers.metrics import append_metrics, pool_metrics, replace_logged_advantages
+from trinity_trl.training.metrics import append_metrics, pool_metrics, replace_logged_advantages
 
 
 def test_append_metrics_turns_tensors_into_floats_and_appends():

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_plain, save_plain
+from ..checkpointing.checkpoints import load_plain, save_plain
 from .engines import engine_of, zero_stage
 
 CRITIC_OPTIMIZER_FILE = "critic_optimizer.pt"
