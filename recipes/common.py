@@ -36,8 +36,18 @@ class RecipeArguments:
     dataset_name: str = field(
         default=BUNDLED_TASK,
         metadata={
-            "help": "'arithmetic' (bundled word problems), or a Hub id / local path for datasets.load_dataset "
-            "with 'prompt' + 'answer' columns or GSM8K's 'question' + 'answer' ('... #### 42')."
+            "help": "'arithmetic' (bundled word problems); a Hub id; a folder of data files (train.jsonl, "
+            "test.jsonl; also .json, .csv, .parquet); or one such file (its rows are the train split). Rows: "
+            "'prompt' (text or chat messages) + 'answer', or GSM8K's 'question' + 'answer' ('... #### 42'). "
+            "In Python also a datasets.Dataset or DatasetDict."
+        },
+    )
+    expert_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Demonstrations for CHORD/MIX and SFT (a Hub id, folder or file like dataset_name, its train "
+            "split): 'prompt' + 'completion' or 'messages' rows. Default: the task's worked solutions "
+            "('solution' column) split off the training rows."
         },
     )
     dataset_config: str | None = field(
@@ -436,17 +446,22 @@ def _gsm8k_row(row: dict) -> dict:
     }
 
 
-def to_task_format(dataset, name: str = "dataset"):
-    """Rows with ``prompt`` (and ``answer``, ``solution`` when known) from the supported layouts."""
+PROMPT_LAYOUTS = "'prompt' (text or chat messages) + 'answer', or GSM8K's 'question' + 'answer'"
+
+
+def to_task_format(dataset, name: str = "dataset", needs_answer: bool = True):
+    """Rows with ``prompt`` (and ``answer``, ``solution`` when known) from the supported layouts, checked: not
+    empty, prompts as text or conversations, and an ``answer`` column when ``needs_answer``."""
+    from trinity_trl.data.loading import check_columns, check_prompts, check_split
+
+    check_split(dataset, name)
     columns = set(dataset.column_names)
     if "prompt" in columns:
-        return dataset
+        return check_prompts(dataset, name, required=("answer",) if needs_answer else ())
     if {"question", "answer"} <= columns:
         return dataset.map(_gsm8k_row, remove_columns=dataset.column_names)
-    raise UsageError(
-        f"{name} needs a 'prompt' column (text or messages, plus 'answer' for the accuracy reward) or GSM8K's "
-        f"'question' and 'answer' columns; it has {sorted(columns)}"
-    )
+    check_columns(dataset, ["prompt"], name, PROMPT_LAYOUTS)
+    return dataset
 
 
 def expert_from(dataset):
@@ -464,12 +479,22 @@ def expert_from(dataset):
     return dataset.map(convert, remove_columns=dataset.column_names)
 
 
-def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -> Task:
-    """The bundled arithmetic task, or a dataset from the Hub / disk in one of the supported layouts.
+def _split(loaded, split: str, name: str, purpose: str):
+    if split not in loaded:
+        raise UsageError(f"{name} has no split {split!r} ({purpose}); it has {sorted(loaded)}")
+    return loaded[split]
 
-    With ``with_expert``, demonstrations (prompt + worked solution) are split off the training split:
-    ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
+
+def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -> Task:
+    """The bundled arithmetic task, or a dataset the way the user has it (a Hub id, a local folder or data file, a
+    ``Dataset`` in Python; see :func:`trinity_trl.data.loading.load_splits`) in one of the supported layouts.
+
+    With ``with_expert``, demonstrations come from ``expert_dataset_name`` when given; otherwise (prompt + worked
+    solution) they are split off the training split: ``num_expert_rows`` from its end (0 = half of it), the RL
+    prompts from the rest.
     """
+    from trinity_trl.data.loading import load_splits, source_name
+
     if args.dataset_name == BUNDLED_TASK:
         from trinity_trl.data.arithmetic import PROMPT_STYLES, TEMPLATES, arithmetic_dataset, arithmetic_expert_dataset
 
@@ -479,6 +504,11 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
                 f"dataset_config of the bundled {BUNDLED_TASK!r} task is its prompt style, one of "
                 f"{PROMPT_STYLES}; got {style!r}"
             )
+        expert = None
+        if with_expert and args.expert_dataset_name is None:
+            expert = arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
+        elif with_expert:
+            expert = _expert_dataset(args)
         return Task(
             train=arithmetic_dataset(
                 "train",
@@ -488,40 +518,57 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
                 prompt_style=style,
             ),
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
-            expert=arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
-            if with_expert
-            else None,
+            expert=expert,
         )
     if args.rollout_kinds:
         raise UsageError(f"rollout_kinds selects templates of the bundled {BUNDLED_TASK!r} task only")
-    from datasets import load_dataset
-
-    loaded = load_dataset(args.dataset_name, args.dataset_config)
-    if args.dataset_train_split not in loaded:
-        raise UsageError(f"{args.dataset_name} has no split {args.dataset_train_split!r}; it has {sorted(loaded)}")
-    train = to_task_format(loaded[args.dataset_train_split], f"{args.dataset_name}[{args.dataset_train_split}]")
+    name = source_name(args.dataset_name)
+    loaded = load_splits(args.dataset_name, args.dataset_config)
+    needs_answer = args.eval_accuracy or any(reward in REWARDS for reward in args.reward_funcs)
+    train_split = _split(loaded, args.dataset_train_split, name, "dataset_train_split")
+    train = to_task_format(train_split, f"{name}[{args.dataset_train_split}]", needs_answer)
     test = None
     if args.dataset_test_split in loaded:
         test = _take(
-            to_task_format(loaded[args.dataset_test_split], f"{args.dataset_name}[{args.dataset_test_split}]"),
+            to_task_format(loaded[args.dataset_test_split], f"{name}[{args.dataset_test_split}]", needs_answer),
             args.num_eval_rows,
         )
     elif args.eval_accuracy:
-        raise UsageError(
-            f"eval_accuracy needs the split {args.dataset_test_split!r}; {args.dataset_name} has {sorted(loaded)}"
+        one_file = isinstance(args.dataset_name, str) and os.path.isfile(os.path.expanduser(args.dataset_name))
+        advice = (
+            f"{name} is one file (its rows are the train split): put train and test files in a folder, or pass "
+            "--eval_accuracy false"
+            if one_file
+            else f"{name} has {sorted(loaded)}: name the held-out one with --dataset_test_split, or pass "
+            "--eval_accuracy false"
         )
+        raise UsageError(f"eval_accuracy needs a held-out split {args.dataset_test_split!r}; {advice}")
+    if with_expert and args.expert_dataset_name is not None:
+        return Task(train=_take(train, args.num_train_rows), test=test, expert=_expert_dataset(args))
     expert = expert_from(train) if with_expert else None
     if with_expert and expert is None:
         raise UsageError(
-            f"{args.dataset_name} has no reference solutions ('solution' column, or GSM8K's worked "
-            "answers) to use as demonstrations"
+            f"{name} has no reference solutions ('solution' column, or GSM8K's worked answers) to use as "
+            "demonstrations; add a 'solution' column or give expert_dataset_name ('prompt' + 'completion' rows)"
         )
     if expert is not None:
+        if len(expert) < 2:
+            raise UsageError(f"{name}: {len(expert)} row cannot be split into RL prompts and demonstrations")
         # demonstrations from the end of the split, RL prompts from its start (never the same rows)
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
         expert = expert.select(range(len(expert) - count, len(expert)))
         train = train.select(range(len(train) - count))
     return Task(train=_take(train, args.num_train_rows), test=test, expert=expert)
+
+
+def _expert_dataset(args: RecipeArguments):
+    """The demonstrations of ``expert_dataset_name`` (its train split), checked, ``num_expert_rows`` of them."""
+    from trinity_trl.data.loading import check_demonstrations, load_splits, source_name
+
+    name = source_name(args.expert_dataset_name)
+    loaded = load_splits(args.expert_dataset_name)
+    split = _split(loaded, "train", name, "the demonstrations")
+    return _take(check_demonstrations(split, f"{name}[train]"), args.num_expert_rows)
 
 
 # ------------------------------------------------------------------------------------------ rewards
@@ -604,6 +651,8 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
     many threads meanwhile (the previous count is restored after)."""
     import torch
 
+    from trinity_trl.data.loading import source_name
+
     threads = torch.get_num_threads()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -617,7 +666,7 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
     if before is not None:
         trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
-            f"`{args.dataset_name}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n"
+            f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n"
         )
     return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 

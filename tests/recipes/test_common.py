@@ -184,7 +184,7 @@ def test_gsm8k_layout_becomes_prompt_answer_solution():
     assert rows[0]["answer"] == "12" and rows[1]["answer"] == "1200"
     assert rows[0]["solution"] == "3*4=12 apples. The answer is 12."
     assert rows[0]["prompt"][0]["role"] == "user" and "Tom has 3 bags" in rows[0]["prompt"][0]["content"]
-    with pytest.raises(ValueError, match="needs a 'prompt' column"):
+    with pytest.raises(ValueError, match="has no column .prompt.; its columns are"):
         to_task_format(Dataset.from_list([{"text": "x"}]))
 
 

@@ -351,7 +351,8 @@ def evaluate_accuracy(
     return_completions: bool = False,
     stop_at_answer: bool = True,
 ):
-    """Greedy accuracy of ``model`` on ``dataset`` (rows with ``prompt`` messages and ``answer``).
+    """Greedy accuracy of ``model`` on ``dataset`` (rows with ``prompt`` and ``answer``; a prompt is a
+    conversation, rendered with the chat template, or text, given as it is: TRL's two prompt formats).
 
     Generation is greedy with a KV cache, in batches of ``batch_size`` prompts of similar length; a row
     stops at EOS, after ``max_new_tokens``, or (``stop_at_answer``) as soon as it has stated a complete
@@ -365,6 +366,8 @@ def evaluate_accuracy(
     import torch
     from tqdm.auto import tqdm
 
+    from .loading import prompt_token_ids
+
     if len(dataset) == 0:
         raise ValueError("evaluate_accuracy needs at least one row")
     if batch_size < 1 or max_new_tokens < 1:
@@ -376,8 +379,7 @@ def evaluate_accuracy(
     if tokenizer.pad_token_id is None and not eos:
         raise ValueError("evaluate_accuracy needs a tokenizer with a pad or eos token (to pad batches)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in dataset["prompt"]]
-    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    prompts = prompt_token_ids(tokenizer, dataset["prompt"])  # text or conversations, tokenized as TRL does
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: little padding
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     synced = _needs_synced_forward(model)

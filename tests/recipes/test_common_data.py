@@ -1,0 +1,154 @@
+"""recipes/common.py's data (issue 27 item 1): a recipe's dataset_name may be a Hub id, a folder, one data file or
+(in Python) a Dataset; prompts as text or conversations; the held-out evaluation takes every format training takes;
+a missing path, a missing column or an empty split is one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trinity_trl.recipes.common import RecipeArguments, UsageError, load_task, parse
+
+TEXT_ROWS = [{"prompt": f"What is {i} plus 1? End with: The answer is N.", "answer": str(i + 1)} for i in range(8)]
+CHAT_ROWS = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in TEXT_ROWS]
+
+
+def jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def folder(tmp_path, rows, test_rows=None, name="data"):
+    data = tmp_path / name
+    data.mkdir()
+    jsonl(data / "train.jsonl", rows)
+    jsonl(data / "test.jsonl", rows[:3] if test_rows is None else test_rows)
+    return str(data)
+
+
+def args_for(source, *options: str) -> RecipeArguments:
+    (args,) = parse((RecipeArguments,), ["--dataset_name", source, *options], "cispo")
+    return args
+
+
+@pytest.mark.parametrize("rows", [TEXT_ROWS, CHAT_ROWS], ids=["text", "conversations"])
+def test_a_folder_of_text_or_conversation_prompts(tmp_path, rows):
+    task = load_task(args_for(folder(tmp_path, rows), "--eval_accuracy", "true"))
+    assert task.train["prompt"] == [r["prompt"] for r in rows] and len(task.test) == 3
+    assert task.expert is None
+
+
+def test_one_file_relative_or_absolute(tmp_path, monkeypatch):
+    path = jsonl(tmp_path / "x.jsonl", TEXT_ROWS)
+    monkeypatch.chdir(tmp_path)
+    for given in ("./x.jsonl", path):
+        task = load_task(args_for(given))
+        assert task.train["answer"] == [r["answer"] for r in TEXT_ROWS] and task.test is None
+    with pytest.raises(UsageError, match=r"eval_accuracy needs a held-out split 'test'; ./x.jsonl is one file"):
+        load_task(args_for("./x.jsonl", "--eval_accuracy", "true"))
+
+
+def test_in_memory_dataset_in_python():
+    from datasets import Dataset, DatasetDict
+
+    data = DatasetDict({"train": Dataset.from_list(CHAT_ROWS), "test": Dataset.from_list(TEXT_ROWS[:2])})
+    task = load_task(RecipeArguments(dataset_name=data, eval_accuracy=True))
+    assert len(task.train) == 8 and task.test["prompt"] == [r["prompt"] for r in TEXT_ROWS[:2]]
+    task = load_task(RecipeArguments(dataset_name=Dataset.from_list(TEXT_ROWS)))
+    assert len(task.train) == 8 and task.test is None
+
+
+def test_expert_dataset_from_its_own_file(tmp_path):
+    demos = [{"prompt": r["prompt"], "completion": f"The answer is {r['answer']}."} for r in TEXT_ROWS[:4]]
+    expert = jsonl(tmp_path / "demos.jsonl", demos)
+    task = load_task(
+        args_for(folder(tmp_path, TEXT_ROWS), "--expert_dataset_name", expert, "--num_expert_rows", "3"),
+        with_expert=True,
+    )
+    assert len(task.train) == 8 and task.expert["completion"] == [d["completion"] for d in demos[:3]]
+    bundled = load_task(RecipeArguments(num_train_rows=4, expert_dataset_name=expert), with_expert=True)
+    assert bundled.expert["prompt"] == [d["prompt"] for d in demos]  # the bundled task with the user's demos
+    with pytest.raises(ValueError, match="demos.jsonl\\[train\\] has no column 'completion'"):
+        bad = jsonl(tmp_path / "demos.jsonl", [{"prompt": "q"}])
+        load_task(args_for(folder(tmp_path, TEXT_ROWS, name="d2"), "--expert_dataset_name", bad), with_expert=True)
+
+
+def test_solution_column_of_text_prompts_gives_text_demonstrations(tmp_path):
+    rows = [{**r, "solution": f"The answer is {r['answer']}."} for r in TEXT_ROWS]
+    task = load_task(args_for(folder(tmp_path, rows), "--num_expert_rows", "2"), with_expert=True)
+    assert len(task.train) == 6 and task.expert["completion"] == [rows[6]["solution"], rows[7]["solution"]]
+
+
+def test_missing_answer_is_an_error_only_when_something_reads_it(tmp_path):
+    source = folder(tmp_path, [{"prompt": r["prompt"]} for r in TEXT_ROWS])
+    with pytest.raises(ValueError, match=r"data\[train\] has no column 'answer'; its columns are \['prompt'\]"):
+        load_task(args_for(source))  # the default 'accuracy' reward reads 'answer'
+    task = load_task(args_for(source, "--reward_funcs", "tests.helpers:length_reward"))
+    assert len(task.train) == 8
+
+
+def run_cli(argv, capsys) -> str:
+    from trinity_trl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars may come before it
+    errors = [line for line in err if "error:" in line]
+    assert len(errors) == 1 and err[-1] == errors[0], err
+    return errors[0]
+
+
+def test_cli_errors_are_one_line_naming_the_path_column_or_split(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    base = ["cispo", "--config", "cispo_cpu", "--output_dir", str(tmp_path / "out")]
+    err = run_cli([*base, "--dataset_name", "./x.jsonl"], capsys)
+    assert "./x.jsonl: no such file or folder" in err
+    jsonl(tmp_path / "q.jsonl", [{"question_text": "q", "answer": "1"}])
+    err = run_cli([*base, "--dataset_name", "q.jsonl", "--eval_accuracy", "false"], capsys)
+    assert "q.jsonl[train] has no column 'prompt'; its columns are ['question_text', 'answer']; expected" in err
+    data = tmp_path / "empty_test"
+    data.mkdir()
+    jsonl(data / "train.jsonl", TEXT_ROWS)
+    (data / "test.jsonl").write_text("")
+    err = run_cli([*base, "--dataset_name", "empty_test"], capsys)
+    assert err.startswith("trinity-trl cispo: error: empty_test/test.jsonl is empty (0 rows)"), err
+    jsonl(data / "test.jsonl", TEXT_ROWS[:2])
+    err = run_cli([*base, "--dataset_name", "empty_test", "--dataset_train_split", "training"], capsys)
+    assert "empty_test has no split 'training' (dataset_train_split); it has ['test', 'train']" in err
+
+
+def test_an_empty_split_from_memory_is_named():
+    from datasets import Dataset, DatasetDict
+
+    data = DatasetDict({"train": Dataset.from_list(TEXT_ROWS), "test": Dataset.from_dict({"prompt": [], "answer": []})})
+    with pytest.raises(ValueError, match=r"^the dataset\[test\] is empty \(0 rows\)$"):
+        load_task(RecipeArguments(dataset_name=data))
+
+
+def test_held_out_accuracy_on_text_prompts():
+    """The evaluation scores text prompts (given as they are) as it scores conversations (the issue's crash:
+    "Chat messages should be dicts ... but got 'W'")."""
+    from datasets import Dataset
+    from helpers import build_tiny_model, build_tiny_tokenizer
+
+    from trinity_trl.data.arithmetic import evaluate_accuracy
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer)
+    for rows in (TEXT_ROWS[:3], CHAT_ROWS[:3]):
+        accuracy, completions = evaluate_accuracy(
+            model, tokenizer, Dataset.from_list(rows), batch_size=2, max_new_tokens=4, return_completions=True
+        )
+        assert 0.0 <= accuracy <= 1.0 and len(completions) == 3
+    # a text prompt is given as it is: the completion is greedy generation from the prompt's own tokens
+    import torch
+
+    ids = tokenizer(TEXT_ROWS[0]["prompt"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
+    _, completions = evaluate_accuracy(
+        model, tokenizer, Dataset.from_list(TEXT_ROWS[:1]), max_new_tokens=4, return_completions=True
+    )
+    assert completions[0] == tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,195 @@
+"""Datasets the way users have them: a Hub id, a local folder of data files, one data file, or a ``Dataset`` already
+in memory, checked early so that a wrong path, a missing column or an empty split is one clear error instead of a
+failure deep inside training.
+
+    splits = load_splits("data/")                    # a folder with train.jsonl / test.jsonl (or .json, .csv, .parquet)
+    splits = load_splits("problems.csv")             # one file: its rows are the "train" split
+    splits = load_splits("openai/gsm8k", "main")     # a Hub dataset, as datasets.load_dataset reads it
+    train = check_prompts(splits["train"], "problems.csv[train]", required=("answer",))
+
+The reading is ``datasets.load_dataset`` with the builder that matches the file (``json``, ``csv``, ``parquet``) or
+``datasets.load_from_disk`` for a folder written by ``save_to_disk``. Prompts may be text (TRL's standard format: a
+``prompt`` string, given to the model as it is) or conversations (TRL's conversational format: a list of
+``{"role", "content"}`` messages, rendered with the chat template).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+# data file suffix -> the datasets builder that reads it
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def source_name(source: Any) -> str:
+    """How errors and the model card name a dataset source: the path or id as given, else ``"the dataset"``."""
+    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the dataset"
+
+
+def _looks_like_path(text: str) -> bool:
+    """A name that can only be meant as a local path (a Hub id is ``name`` or ``owner/name``, no suffix)."""
+    return (
+        text.startswith((".", "/", "~", "\\"))
+        or os.path.isabs(text)
+        or os.path.splitext(text)[1].lower() in DATA_FILE_BUILDERS
+        or text.count("/") > 1
+    )
+
+
+def load_splits(source: Any, config: str | None = None):
+    """The splits of ``source`` as a ``datasets.DatasetDict``.
+
+    Args:
+        source: a ``Dataset`` (becomes the ``"train"`` split) or ``DatasetDict`` (returned as it is); a path to one
+            ``.json``/``.jsonl``/``.csv``/``.parquet`` file (its rows are the ``"train"`` split), absolute or
+            relative, ``~`` expanded; a folder holding such files, whose names give the splits (``train.jsonl``,
+            ``test.jsonl``; see ``datasets``' split naming), or a folder written by ``save_to_disk``; otherwise a
+            Hub dataset id for ``datasets.load_dataset``.
+        config: the dataset's configuration name (Hub datasets with several, e.g. GSM8K's ``"main"``).
+
+    Raises:
+        FileNotFoundError: ``source`` is a path (it starts with ``.``, ``/`` or ``~``, or ends in a data file
+            suffix) that does not exist, or a folder without data files.
+        ValueError: a file with another suffix.
+        TypeError: ``source`` is neither a dataset nor a string or path.
+    """
+    from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_from_disk
+
+    if isinstance(source, DatasetDict):
+        return source
+    if isinstance(source, Dataset):
+        return DatasetDict({"train": source})
+    if isinstance(source, IterableDataset):
+        raise TypeError("an IterableDataset has no length to split or count; pass a Dataset (Dataset.from_list(...))")
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"a dataset source is a Hub id, a path or a datasets.Dataset/DatasetDict, got {type(source).__name__}"
+        )
+    text = os.fspath(source)
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isfile(path):
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in DATA_FILE_BUILDERS:
+            raise ValueError(
+                f"{text}: a data file must end in {', '.join(DATA_FILE_BUILDERS)} (json lines, csv or parquet), "
+                f"got {suffix or 'no suffix'!r}"
+            )
+        _check_not_blank({path: text})
+        return load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": path})
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, marker)) for marker in ("dataset_dict.json", "state.json")):
+            loaded = load_from_disk(path)
+            return DatasetDict({"train": loaded}) if isinstance(loaded, Dataset) else loaded
+        files = _data_files(path)
+        if not files:
+            raise FileNotFoundError(
+                f"{text}: the folder holds no data files ({', '.join(DATA_FILE_BUILDERS)}); expected e.g. "
+                "train.jsonl and test.jsonl"
+            )
+        _check_not_blank({file: os.path.join(text, os.path.relpath(file, path)) for file in files})
+        return load_dataset(path, config)
+    if _looks_like_path(text):
+        raise FileNotFoundError(f"{text}: no such file or folder (looked for {path})")
+    return load_dataset(text, config)
+
+
+def _check_not_blank(files: dict[str, str]) -> None:
+    """An empty data file would be an empty split (``datasets`` fails on it with "Instruction 'test' corresponds
+    to no data"): an error naming the file. ``files``: ``{absolute path: the name to show}``."""
+    for file, shown in files.items():
+        size = os.path.getsize(file)
+        if size == 0 or (size < 4096 and file.endswith((".json", ".jsonl", ".csv")) and not _read(file).strip()):
+            raise ValueError(f"{shown} is empty (0 rows)")
+
+
+def _read(file: str) -> str:
+    with open(file, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _data_files(folder: str) -> list[str]:
+    return [
+        os.path.join(root, name)
+        for root, _, names in os.walk(folder)
+        for name in names
+        if os.path.splitext(name)[1].lower() in DATA_FILE_BUILDERS and not name.startswith(".")
+    ]
+
+
+def is_conversation(value: Any) -> bool:
+    """Whether ``value`` is a conversation: a list of ``{"role": ..., "content": ...}`` messages."""
+    return isinstance(value, list) and len(value) > 0 and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def check_split(dataset, name: str) -> None:
+    """A split with no rows is an error naming it (TRL would fail later, or train on nothing)."""
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty (0 rows)")
+
+
+def check_columns(dataset, required: Iterable[str], name: str, expected: str) -> None:
+    """Each of ``required`` is a column of ``dataset``; otherwise an error naming the missing column, the columns
+    present and ``expected`` (what the rows should hold)."""
+    missing = [column for column in required if column not in dataset.column_names]
+    if missing:
+        listed = ", ".join(repr(c) for c in missing)
+        raise ValueError(f"{name} has no column {listed}; its columns are {dataset.column_names}; expected {expected}")
+
+
+def check_prompts(dataset, name: str, required: Iterable[str] = (), column: str = "prompt"):
+    """``dataset`` checked as RL prompts: not empty, a ``prompt`` column of text or conversations (one format for
+    the whole split), and the ``required`` columns (e.g. ``answer`` for an exact-answer reward). Returns it."""
+    expected = "a 'prompt' column (text, or a list of {'role', 'content'} messages)" + "".join(
+        f" and an {c!r} column" if c[0] in "aeiou" else f" and a {c!r} column" for c in required
+    )
+    check_split(dataset, name)
+    check_columns(dataset, [column, *required], name, expected)
+    first = dataset[0][column]
+    if isinstance(first, str):
+        kind = str
+    elif is_conversation(first):
+        kind = list
+    else:
+        raise ValueError(
+            f"{name}: column {column!r} must hold text or a list of {{'role', 'content'}} messages, got "
+            f"{type(first).__name__} {str(first)[:60]!r} in row 0"
+        )
+    if kind is str and not all(isinstance(p, str) for p in dataset[column]):
+        raise ValueError(f"{name}: column {column!r} mixes text and messages; use one format for the whole split")
+    return dataset
+
+
+def check_demonstrations(dataset, name: str):
+    """``dataset`` checked as SFT demonstrations in one of TRL's formats: ``prompt`` + ``completion`` (text, or
+    messages and an assistant message) or ``messages`` (a conversation ending with the assistant's answer).
+    Returns it."""
+    check_split(dataset, name)
+    columns = set(dataset.column_names)
+    if not ({"prompt", "completion"} <= columns or "messages" in columns):
+        missing = "'messages'" if "prompt" not in columns else "'completion'"
+        raise ValueError(
+            f"{name} has no column {missing}; its columns are {dataset.column_names}; expected demonstrations: "
+            "'prompt' + 'completion' (text, or messages + an assistant message) or 'messages' (a conversation "
+            "ending with the assistant's answer)"
+        )
+    return dataset
+
+
+def prompt_token_ids(tokenizer, prompts: list) -> list[list[int]]:
+    """The token ids the model is given for each prompt, as TRL's GRPOTrainer tokenizes them: a conversation
+    rendered with the chat template and its generation prompt, text as it is (with the tokenizer's special
+    tokens, e.g. a BOS token)."""
+    ids = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids.append(tokenizer(prompt)["input_ids"])
+        elif is_conversation(prompt):
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            raise ValueError(
+                f"a prompt is text or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}"
+            )
+    return ids
