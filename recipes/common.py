@@ -666,7 +666,8 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
     if before is not None:
         trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
-            f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after ({steps} steps).\n"
+            f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after "
+            f"({steps} steps).\n"
         )
     return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 
