@@ -18,6 +18,8 @@ import re
 import pytest
 import transformers
 import trl
+from datasets import Dataset
+from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
@@ -483,3 +485,91 @@ def test_flat_component_fields_are_deprecated_but_work(tmp_path):
     assert config.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 5.0
     with pytest.raises(ValueError, match="set policy_loss or the deprecated policy_loss_fn"):
         _config(tmp_path, policy_loss="ppo", policy_loss_fn="cispo")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. TRL's own config classes are accepted and converted (issue 27 item 6)
+
+
+def _trainers_with_plain_trl_config(tmp_path, model_dir):
+    """``(trainer, its config class, its preset)`` for every RL trainer built with a plain ``GRPOConfig``."""
+    from trinity_trl.rollouts import NumberGuessEnv, number_guess_dataset
+    from trinity_trl.trainers import (
+        ChordConfig,
+        ChordTrainer,
+        CISPOConfig,
+        CISPOTrainer,
+        SAPOConfig,
+        SAPOTrainer,
+        StepGRPOConfig,
+        StepGRPOTrainer,
+        TrinityTrainer,
+    )
+
+    def args(name):
+        return GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / name), max_steps=3, learning_rate=2e-4))
+
+    data = tiny_conversational_dataset()
+    expert = Dataset.from_list([{"prompt": "What is 1+1?", "completion": "The answer is 2."}])
+    common = {"model": model_dir, "reward_funcs": length_reward, "train_dataset": data}
+    yield CISPOTrainer(args=args("cispo"), **common), CISPOConfig, "cispo"
+    yield SAPOTrainer(args=args("sapo"), **common), SAPOConfig, "sapo"
+    yield TrinityTrainer(args=args("trinity"), **common), TrinityConfig, "grpo"
+    yield ChordTrainer(args=args("chord"), expert_dataset=expert, **common), ChordConfig, "mix_chord"
+    step = StepGRPOTrainer(
+        model=model_dir, args=args("step"), train_dataset=number_guess_dataset(4), environment_factory=NumberGuessEnv
+    )
+    yield step, StepGRPOConfig, "multi_step_grpo"
+
+
+def test_trainers_convert_a_plain_grpo_config_keeping_what_the_user_set(tmp_path, tiny_model_dir):
+    for trainer, config_class, preset in _trainers_with_plain_trl_config(tmp_path, tiny_model_dir):
+        name = type(trainer).__name__
+        assert type(trainer.args) is config_class and trainer.algorithm.algorithm == preset, name
+        assert (trainer.args.max_steps, trainer.args.learning_rate, trainer.args.num_generations) == (3, 2e-4, 4)
+        assert trainer.args.max_completion_length == 8 and trainer.args.save_strategy == "no", name
+        assert trainer.args.output_dir.startswith(str(tmp_path)), name
+
+
+def test_a_converted_grpo_config_trains(tmp_path, tiny_model_dir):
+    from trinity_trl.trainers import CISPOTrainer
+
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1))
+    trainer = CISPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.algorithm.policy_loss_fn == "cispo"
+
+
+@pytest.mark.parametrize(
+    "field, value, replacement",
+    [("beta", 0.04, "kl_loss="), ("loss_type", "grpo", "policy_loss"), ("epsilon_high", 5.0, "clip_range_high")],
+)
+def test_a_grpo_field_whose_meaning_differs_is_refused_naming_the_replacement(tmp_path, field, value, replacement):
+    from trinity_trl.trainers import CISPOConfig
+    from trinity_trl.trainers.config import from_trl_config
+
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **{field: value}))
+    with pytest.raises(ValueError, match=rf"^CISPOTrainer with TRL's GRPOConfig: CISPOConfig: {field}=.*{replacement}"):
+        from_trl_config(args, CISPOConfig, "CISPOTrainer")
+
+
+def test_other_configs_are_still_a_type_error(tmp_path):
+    from trl import DPOConfig, SFTConfig
+
+    from trinity_trl.trainers import ChordConfig, CISPOConfig, TrinityDPOConfig, TrinitySFTConfig
+    from trinity_trl.trainers.config import from_trl_config
+
+    chord = ChordConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match="CISPOTrainer needs a CISPOConfig or a plain TRL GRPOConfig, got ChordConfig"):
+        from_trl_config(chord, CISPOConfig, "CISPOTrainer")
+    with pytest.raises(TypeError, match="needs a TrinitySFTConfig \\(or TRL's SFTConfig\\), got DPOConfig"):
+        from_trl_config(DPOConfig(output_dir=str(tmp_path), use_cpu=True), TrinitySFTConfig, "TrinitySFTTrainer")
+    sft = from_trl_config(
+        SFTConfig(output_dir=str(tmp_path), use_cpu=True, max_length=64, max_steps=5), TrinitySFTConfig, "T"
+    )
+    assert type(sft) is TrinitySFTConfig and (sft.max_length, sft.max_steps) == (64, 5)
+    dpo = from_trl_config(DPOConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.3), TrinityDPOConfig, "T")
+    assert type(dpo) is TrinityDPOConfig and dpo.beta == 0.3
+    assert from_trl_config(None, CISPOConfig, "T") is None and from_trl_config(chord, ChordConfig, "T") is chord

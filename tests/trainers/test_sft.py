@@ -241,7 +241,7 @@ def test_sft_config_rejects_conflicting_options(tmp_path, overrides, match):
         TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), **overrides)
 
 
-def test_sft_trainer_rejects_compute_loss_func_and_foreign_config(tiny_model_dir, tmp_path):
+def test_sft_trainer_rejects_compute_loss_func_and_converts_trl_sft_config(tiny_model_dir, tmp_path):
     dataset = prompt_completion_dataset()
     with pytest.raises(ValueError, match="compute_loss_func"):
         TrinitySFTTrainer(
@@ -250,8 +250,10 @@ def test_sft_trainer_rejects_compute_loss_func_and_foreign_config(tiny_model_dir
             train_dataset=dataset,
             compute_loss_func=lambda *a, **k: 0.0,
         )
-    with pytest.raises(TypeError, match="TrinitySFTConfig"):
-        TrinitySFTTrainer(model=tiny_model_dir, args=SFTConfig(**tiny_sft_dpo_kwargs(tmp_path)), train_dataset=dataset)
+    plain = TrinitySFTTrainer(
+        model=tiny_model_dir, args=SFTConfig(**tiny_sft_dpo_kwargs(tmp_path)), train_dataset=dataset
+    )
+    assert type(plain.args) is TrinitySFTConfig and plain.args.max_length == 64  # TRL's SFTConfig, converted
 
 
 def test_sft_args_merge_over_default_args(tmp_path):

@@ -20,7 +20,7 @@ from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
 from ..training import checks
 from ..training.metrics import append_metrics
 from .common import deprecated_field
-from .config import TrinityConfig
+from .config import TrinityConfig, from_trl_config
 from .trinity import TrinityTrainer
 
 # CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments
@@ -163,8 +163,7 @@ class ChordTrainer(TrinityTrainer):
     supports_expert_rows = True
 
     def __init__(self, model, reward_funcs=None, args: ChordConfig | None = None, *pos, expert_dataset=None, **kwargs):
-        if args is not None and not isinstance(args, ChordConfig):
-            raise TypeError(f"ChordTrainer needs a ChordConfig, got {type(args).__name__}")
+        args = from_trl_config(args, ChordConfig, "ChordTrainer")  # a plain GRPOConfig is converted
         if expert_dataset is None:
             raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
         if kwargs.get("environment_factory") is not None:

@@ -332,3 +332,43 @@ class TrinityConfig(GRPOConfig):
         return resolve_algorithm_config(
             self.algorithm, merge_args=self.component_args_mode == "merge", force_loss_agg_mode=True, **settings
         )
+
+
+def _trl_base(config_class: type) -> type:
+    """The TRL config class that ``config_class`` extends (``GRPOConfig``, ``SFTConfig``, ``DPOConfig``)."""
+    return next(c for c in config_class.__mro__ if c.__module__.split(".")[0] == "trl")
+
+
+def from_trl_config(args: Any, config_class: type, trainer: str) -> Any:
+    """``args`` as a ``config_class``: returned as it is when it already is one; a plain TRL config of the class
+    ``config_class`` extends (``GRPOConfig`` for the RL trainers, ``SFTConfig`` / ``DPOConfig`` for the SFT / DPO
+    trainers) is converted, keeping every field the user set (each one that differs from that TRL class's
+    default). ``config_class`` then checks them as it checks its own: a TRL option whose job a trinity_trl
+    component does (``beta``, ``loss_type``, ...) is refused with its replacement named. Anything else is a
+    ``TypeError``."""
+    trl_base = _trl_base(config_class)
+    if isinstance(args, config_class) or not isinstance(args, trl_base):
+        if args is not None and not isinstance(args, config_class):
+            raise TypeError(
+                f"{trainer} needs a {config_class.__name__} (or TRL's {trl_base.__name__}), got {type(args).__name__}"
+            )
+        return args
+    if type(args).__module__.split(".")[0] != "trl":  # another trinity_trl config, or a user's subclass
+        raise TypeError(
+            f"{trainer} needs a {config_class.__name__} or a plain TRL {trl_base.__name__}, got {type(args).__name__}"
+        )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference instance's own deprecation or device notices
+        # (use_cpu: TrainingArguments refuses its own bf16 default on a machine without a GPU otherwise)
+        default = trl_base(output_dir=args.output_dir, use_cpu=True)
+    given = {
+        f.name: getattr(args, f.name)
+        for f in fields(trl_base)
+        if f.init and getattr(args, f.name) != (f.default if f.name == "use_cpu" else getattr(default, f.name))
+    }
+    try:
+        return config_class(output_dir=args.output_dir, **given)
+    except ValueError as err:
+        raise ValueError(f"{trainer} with TRL's {trl_base.__name__}: {err}") from err

@@ -48,6 +48,7 @@ from .common import (
     load_processor,
     reject_sequence_sharding,
 )
+from .config import from_trl_config
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
@@ -233,8 +234,7 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         model, ref_model = resolve_model(model), resolve_model(ref_model)  # "bundled" works here too
         if args is None:
             args = self.config_class(output_dir=default_output_dir(model, "TrinityDPO"))
-        if not isinstance(args, TrinityDPOConfig):
-            raise TypeError(f"{type(self).__name__} needs a TrinityDPOConfig (or subclass), got {type(args).__name__}")
+        args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain DPOConfig is converted
         self.algorithm = args.resolved_algorithm()
         given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
         if isinstance(model, str) and given.get("processing_class") is None:

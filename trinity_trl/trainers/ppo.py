@@ -35,7 +35,7 @@ from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
-from .config import TrinityConfig
+from .config import TrinityConfig, from_trl_config
 from .trinity import TrinityTrainer
 
 CRITIC_DIR = "critic"
@@ -181,8 +181,7 @@ class PPOTrainer(TrinityTrainer):
         model, value_model = resolve_model(model), resolve_model(value_model)
         if args is None:
             args = PPOConfig(output_dir=default_output_dir(model, "PPOConfig"))
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
+        args = from_trl_config(args, PPOConfig, "PPOTrainer")  # a plain GRPOConfig is converted
         teacher_model = kwargs.pop("teacher_model", None)
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         critic = self._build_critic(

@@ -41,6 +41,7 @@ from .common import (
     load_processor,
     reject_sequence_sharding,
 )
+from .config import from_trl_config
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
 # A non-default value raises an error that says how to get the same effect (or why it cannot work).
@@ -169,8 +170,7 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
         model = resolve_model(model)  # "bundled" works here too
         if args is None:
             args = self.config_class(output_dir=default_output_dir(model, "TrinitySFT"))
-        if not isinstance(args, TrinitySFTConfig):
-            raise TypeError(f"{type(self).__name__} needs a TrinitySFTConfig (or subclass), got {type(args).__name__}")
+        args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain SFTConfig is converted
         if compute_loss_func is not None:
             raise ValueError(
                 f"{type(self).__name__} computes its loss from policy_loss_fn; compute_loss_func would replace it "

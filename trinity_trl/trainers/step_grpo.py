@@ -39,7 +39,7 @@ from ..training import checks
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .common import deprecated_field
-from .config import TrinityConfig
+from .config import TrinityConfig, from_trl_config
 from .trinity import TrinityTrainer
 
 STD_CAL_LEVELS = ("group", "batch", "none")
@@ -200,8 +200,7 @@ class StepGRPOTrainer(TrinityTrainer):
         agent=None,
         **kwargs,
     ):
-        if args is not None and not isinstance(args, StepGRPOConfig):
-            raise TypeError(f"StepGRPOTrainer needs a StepGRPOConfig, got {type(args).__name__}")
+        args = from_trl_config(args, StepGRPOConfig, "StepGRPOTrainer")  # a plain GRPOConfig is converted
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         if given.get("rollout_func") is not None:
             raise ValueError("StepGRPOTrainer plays the environment itself; rollout_func cannot be combined with it")

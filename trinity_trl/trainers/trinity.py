@@ -40,7 +40,7 @@ from ..training.trl_seams import (
     use_cpu_colocate_weight_sync,
 )
 from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
-from .config import TrinityConfig
+from .config import TrinityConfig, from_trl_config
 
 
 class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):
@@ -68,8 +68,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             if args is None
             else args
         )
-        if not isinstance(args, self.config_class):
-            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
+        args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain GRPOConfig is converted
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
