@@ -32,6 +32,7 @@ from trinity_trl.rollouts import (
     calculator_tool_dataset,
     number_guess_dataset,
 )
+from trinity_trl.tokenizer import TOOL_CHAT_TEMPLATES, tool_chat_template
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 # environment name -> (factory of one environment per run, dataset of tasks)
@@ -41,7 +42,7 @@ ENVIRONMENTS = {
     "calculator_tools": (CalculatorToolEnv, calculator_tool_dataset),  # TRL's tool protocol
 }
 # chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot
-CHAT_TEMPLATES = ("qwen2_5",)
+CHAT_TEMPLATES = tuple(TOOL_CHAT_TEMPLATES)
 
 
 @dataclass
@@ -94,12 +95,9 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     model = resolve_model(args.model_name_or_path)
     processing_class = None
     if args.chat_template is not None:
-        import trl.chat_template_utils
-
         from trinity_trl.trainers.common import load_processor
 
-        processing_class = load_processor(model, training_args)
-        processing_class.chat_template = getattr(trl.chat_template_utils, f"{args.chat_template}_chat_template")
+        processing_class = tool_chat_template(load_processor(model, training_args), args.chat_template)
     trainer = StepGRPOTrainer(
         model=model,
         args=training_args,

@@ -156,3 +156,54 @@ def test_fake_hub_answers_unknown_repos_files_and_revisions_with_hub_errors(fake
     with pytest.raises(RuntimeError, match="outside the fake hub"):  # the guard: no request leaves for another host
         get_session().get("https://huggingface.co/api/whoami-v2")
     assert fake_hub.blocked == ["https://huggingface.co/api/whoami-v2"]
+
+
+def test_a_folder_saved_offline_is_pushed_later_and_pulls_back(tmp_path, tiny_model_dir, fake_hub):
+    """Train and save with no network (HF_HUB_OFFLINE=1), then push the saved folder as it is: with `hf upload` (the
+    README's line) and with `HfApi.upload_folder` from Python; both pull back the trained adapter and tokenizer."""
+    import os
+    import subprocess
+    import sys
+
+    from huggingface_hub import HfApi, constants
+
+    folder = tmp_path / "saved"
+    with pytest.MonkeyPatch.context() as offline:
+        offline.setenv("HF_HUB_OFFLINE", "1")
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        trainer = TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo")),
+            train_dataset=tiny_conversational_dataset(),
+            peft_config=LORA,
+        )
+        trainer.train()
+        trainer.save_model(str(folder))
+    requests_before_push = len(fake_hub.requests)
+    assert requests_before_push == 0  # nothing reached the Hub while offline
+    saved = set(os.listdir(folder))
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} | TOKENIZER_FILES <= saved
+
+    # later, online: the CLI (it creates the repo) ...
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "hf"), "upload", "tester/pushed-later", str(folder), "."],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # ... or Python
+    api = HfApi()
+    api.create_repo("tester/pushed-later-py")
+    api.upload_folder(repo_id="tester/pushed-later-py", folder_path=str(folder))
+
+    trained = get_peft_model_state_dict(trainer.model)
+    assert any(("lora_B" in name) and tensor.abs().sum() > 0 for name, tensor in trained.items())  # it trained
+    for repo in ("tester/pushed-later", "tester/pushed-later-py"):
+        assert saved <= set(fake_hub.files(repo))
+        assert "## Algorithm: CISPO" in fake_hub.files(repo)["README.md"].decode()
+        pulled = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), repo)
+        assert_same_tensors(trained, get_peft_model_state_dict(pulled))
+        assert_tokenizer_round_trip(repo, trainer.processing_class)
+    assert fake_hub.blocked == []

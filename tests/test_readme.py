@@ -48,6 +48,7 @@ SUBSTITUTIONS = [
     (r"\bnum_rows=\d+", "num_rows=16"),
     (r"\bcritic_warmup_steps=\d+", "critic_warmup_steps=0"),  # warm-up must leave steps to train the policy
     (r'hub_model_id="you/', 'hub_model_id="tester/'),
+    (r'tool_chat_template\("[^"]+"\)', "tool_chat_template(TINY_MODEL)"),  # the tokenizer of the block's model
 ]
 
 # trinity_trl's FutureWarning for a deprecated spelling ("CISPOConfig: clip_range_high is deprecated and will be

@@ -1,4 +1,4 @@
-"""`trinity_trl.hf_tokenizer`: pad-token and Gemma-2 eos corrections, kwargs forwarding."""
+"""`trinity_trl.hf_tokenizer`: pad-token and Gemma-2 eos corrections, kwargs forwarding; `tool_chat_template`."""
 
 from __future__ import annotations
 
@@ -131,3 +131,53 @@ def test_model_directory_loads(tiny_model_dir: str):
     tok = hf_tokenizer(tiny_model_dir)
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     assert tok.chat_template is not None
+
+
+# --------------------------------------------------------------------------- tool_chat_template (issue 27 item 6)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+CALL = [
+    {"role": "user", "content": "What is 3 times 4?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expression": "3*4"}}}],
+    },
+    {"role": "tool", "content": "12"},
+]
+
+
+def test_tool_chat_template_renders_tools_and_calls(tiny_tokenizer, tiny_model_dir: str):
+    from trl.chat_template_utils import supports_tool_calling
+
+    from trinity_trl import tool_chat_template
+
+    assert not supports_tool_calling(tiny_tokenizer)  # the tiny model's ChatML, like SmolLM2's, drops tool calls
+    same = tool_chat_template(tiny_tokenizer)
+    assert same is tiny_tokenizer and supports_tool_calling(same)
+    text = same.apply_chat_template(CALL, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"name": "calc"' in text and "<tool_call>" in text and "12" in text and text.startswith("<|im_start|>")
+    loaded = tool_chat_template(tiny_model_dir)  # a path: loaded as the RL trainers load it
+    assert supports_tool_calling(loaded) and loaded.padding_side == "left" and loaded.truncation_side == "left"
+
+
+def test_tool_chat_template_refuses_what_cannot_work(tiny_tokenizer):
+    from trinity_trl import tool_chat_template
+
+    with pytest.raises(ValueError, match="template must be one of \\['qwen2_5'\\], got 'llama9'"):
+        tool_chat_template(tiny_tokenizer, "llama9")
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    renamed = tiny_tokenizer.backend_tokenizer.to_str().replace("<|im_start|>", "<|start|>")
+    other = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(renamed))
+    with pytest.raises(ValueError, match="this tokenizer has no <\\|im_start\\|>"):
+        tool_chat_template(other)

@@ -84,3 +84,52 @@ def correct_tokenizer(tokenizer, name_or_path, correct_pad_token: bool = True, c
         tokenizer.pad_token = tokenizer.eos_token
 
     return tokenizer
+
+
+# tool-calling chat templates TRL stores (trl.chat_template_utils) -> the special tokens they write
+TOOL_CHAT_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "qwen2_5": ("<|im_start|>", "<|im_end|>"),  # ChatML with tool schemas and <tool_call> JSON (SmolLM2's tokens too)
+}
+
+
+def tool_chat_template(tokenizer: Any = "bundled", template: str = "qwen2_5", **kwargs: Any):
+    """A tokenizer whose chat template renders tool schemas and tool calls, for models whose own template cannot
+    (SmolLM2, the bundled model, among them): pass it as ``processing_class=`` to a trainer with tools or a TRL tool
+    environment.
+
+        trainer = StepGRPOTrainer(model="bundled", processing_class=tool_chat_template("bundled"), ...)
+
+    Args:
+        tokenizer: a loaded tokenizer (changed in place), or a model id or path (``"bundled"``: the bundled
+            SmolLM2-135M-Instruct) whose tokenizer is loaded as the RL trainers load it (left padding and truncation,
+            :func:`hf_tokenizer`'s corrections).
+        template: the chat template TRL stores under that name: ``"qwen2_5"`` (Qwen2.5's ChatML, which writes tool
+            schemas in the system turn and calls as ``<tool_call>`` JSON; TRL parses the calls with its Qwen parser).
+        **kwargs: passed to :func:`hf_tokenizer` when ``tokenizer`` is a name or path.
+
+    Returns:
+        The tokenizer with ``chat_template`` replaced.
+
+    Raises:
+        ValueError: an unknown ``template``, or a tokenizer without the special tokens the template writes (the model
+            would see them as plain text and never learn where turns end).
+    """
+    import trl.chat_template_utils
+
+    if template not in TOOL_CHAT_TEMPLATES:
+        raise ValueError(f"template must be one of {sorted(TOOL_CHAT_TEMPLATES)}, got {template!r}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from .data.model import resolve_model
+
+        name = resolve_model(os.fspath(tokenizer))
+        tokenizer = hf_tokenizer(name, **{"padding_side": "left", "truncation_side": "left", **kwargs})
+    inner = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+    vocabulary = inner.get_vocab()
+    missing = [token for token in TOOL_CHAT_TEMPLATES[template] if token not in vocabulary]
+    if missing:
+        raise ValueError(
+            f"the {template!r} chat template writes {', '.join(TOOL_CHAT_TEMPLATES[template])} as special tokens; "
+            f"this tokenizer has no {', '.join(missing)}"
+        )
+    tokenizer.chat_template = getattr(trl.chat_template_utils, f"{template}_chat_template")
+    return tokenizer
