@@ -1,5 +1,6 @@
 """Bundled data for examples and tests: the real bundled model (SmolLM2-135M-Instruct) loader and the
-arithmetic word-problem task (training/held-out splits, expert solutions, preference pairs, reward).
+arithmetic word-problem task (training/held-out splits, expert solutions, preference pairs, reward), and the loading
+of your own data (``load_splits``: a Hub id, a folder, one data file or a Dataset; ``check_prompts``).
 
 Importing this package is cheap: transformers and torch are imported only when a conversion runs.
 """
@@ -13,6 +14,7 @@ from .arithmetic import (
     evaluate_accuracy,
     extract_answer,
 )
+from .loading import check_demonstrations, check_prompts, load_splits
 from .model import (
     BUNDLED,
     BUNDLED_GGUF_FILE,
@@ -38,8 +40,11 @@ __all__ = [
     "arithmetic_reward",
     "bundled_gguf_path",
     "bundled_model_dir",
+    "check_demonstrations",
+    "check_prompts",
     "default_cache_dir",
     "evaluate_accuracy",
     "extract_answer",
+    "load_splits",
     "resolve_model",
 ]
