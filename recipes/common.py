@@ -485,13 +485,14 @@ def _split(loaded, split: str, name: str, purpose: str):
     return loaded[split]
 
 
-def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -> Task:
+def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, rewarded: bool = True) -> Task:
     """The bundled arithmetic task, or a dataset the way the user has it (a Hub id, a local folder or data file, a
     ``Dataset`` in Python; see :func:`trinity_trl.data.loading.load_splits`) in one of the supported layouts.
 
-    With ``with_expert``, demonstrations come from ``expert_dataset_name`` when given; otherwise (prompt + worked
-    solution) they are split off the training split: ``num_expert_rows`` from its end (0 = half of it), the RL
-    prompts from the rest.
+    ``rewarded``: the training rows go to the reward functions (so the built-in rewards need an ``answer``
+    column); the SFT and DPO presets train on demonstrations or pairs instead. With ``with_expert``, demonstrations
+    come from ``expert_dataset_name`` when given; otherwise (prompt + worked solution) they are split off the
+    training split: ``num_expert_rows`` from its end (0 = half of it), the RL prompts from the rest.
     """
     from trinity_trl.data.loading import load_splits, source_name
 
@@ -524,13 +525,13 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False) -
         raise UsageError(f"rollout_kinds selects templates of the bundled {BUNDLED_TASK!r} task only")
     name = source_name(args.dataset_name)
     loaded = load_splits(args.dataset_name, args.dataset_config)
-    needs_answer = args.eval_accuracy or any(reward in REWARDS for reward in args.reward_funcs)
+    rewarded_by_answer = rewarded and any(reward in REWARDS for reward in args.reward_funcs)
     train_split = _split(loaded, args.dataset_train_split, name, "dataset_train_split")
-    train = to_task_format(train_split, f"{name}[{args.dataset_train_split}]", needs_answer)
+    train = to_task_format(train_split, f"{name}[{args.dataset_train_split}]", rewarded_by_answer)
     test = None
     if args.dataset_test_split in loaded:
         test = _take(
-            to_task_format(loaded[args.dataset_test_split], f"{name}[{args.dataset_test_split}]", needs_answer),
+            to_task_format(loaded[args.dataset_test_split], f"{name}[{args.dataset_test_split}]", args.eval_accuracy),
             args.num_eval_rows,
         )
     elif args.eval_accuracy:

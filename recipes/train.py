@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None):
     args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))
     check_output_dir(args, training_args)
     # 2. data: RL prompts, held-out problems, and demonstrations or preference pairs for sft / dpo
-    task = load_task(args, seed=training_args.seed, with_expert=preset.schema == "sft")
+    task = load_task(
+        args, seed=training_args.seed, with_expert=preset.schema == "sft", rewarded=preset.schema not in ("sft", "dpo")
+    )
     kwargs = {}
     if preset.schema == "sft":
         kwargs["train_dataset"] = task.expert

@@ -152,3 +152,28 @@ def test_held_out_accuracy_on_text_prompts():
         model, tokenizer, Dataset.from_list(TEXT_ROWS[:1]), max_new_tokens=4, return_completions=True
     )
     assert completions[0] == tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_pairs_and_demonstrations_need_no_answer_column():
+    """The dpo/sft presets do not reward the training rows: no 'answer' needed there; the held-out split needs one
+    only for the evaluation."""
+    from datasets import Dataset, DatasetDict
+
+    pairs = Dataset.from_list(
+        [{"prompt": r["prompt"], "chosen": "The answer is 1.", "rejected": "No."} for r in TEXT_ROWS]
+    )
+    data = DatasetDict({"train": pairs, "test": Dataset.from_list(TEXT_ROWS[:2])})
+    task = load_task(RecipeArguments(dataset_name=data, eval_accuracy=True), rewarded=False)
+    assert task.train.column_names == ["prompt", "chosen", "rejected"] and len(task.test) == 2
+    with pytest.raises(ValueError, match=r"the dataset\[train\] has no column 'answer'"):
+        load_task(RecipeArguments(dataset_name=data))  # the RL presets reward them with the 'accuracy' reward
+    no_answers = DatasetDict({"train": pairs, "test": pairs.select(range(2))})
+    with pytest.raises(ValueError, match=r"the dataset\[test\] has no column 'answer'"):
+        load_task(RecipeArguments(dataset_name=no_answers, eval_accuracy=True), rewarded=False)
+    assert len(load_task(RecipeArguments(dataset_name=no_answers), rewarded=False).test) == 2
+
+
+def test_a_folder_whose_files_differ_in_columns_is_one_clear_error(tmp_path):
+    pairs = [{"prompt": r["prompt"], "chosen": "a", "rejected": "b"} for r in TEXT_ROWS]
+    with pytest.raises(ValueError, match=r"data: its files do not all have the same columns \(one has \["):
+        load_task(args_for(folder(tmp_path, pairs, test_rows=TEXT_ROWS[:2])), rewarded=False)

@@ -89,7 +89,20 @@ def load_splits(source: Any, config: str | None = None):
                 "train.jsonl and test.jsonl"
             )
         _check_not_blank({file: os.path.join(text, os.path.relpath(file, path)) for file in files})
-        return load_dataset(path, config)
+        from datasets.exceptions import DatasetGenerationError
+        from datasets.table import CastError
+
+        try:
+            return load_dataset(path, config)
+        except DatasetGenerationError as err:
+            if not isinstance(err.__cause__, CastError):
+                raise
+            cast = err.__cause__
+            raise ValueError(
+                f"{text}: its files do not all have the same columns (one has {sorted(cast.table_column_names)}, "
+                f"another {sorted(cast.requested_column_names)}); datasets reads a folder as one dataset: give every "
+                "split's file the same columns, or load the splits one file at a time"
+            ) from err
     if _looks_like_path(text):
         raise FileNotFoundError(f"{text}: no such file or folder (looked for {path})")
     return load_dataset(text, config)
