@@ -153,6 +153,12 @@ def test_the_readme_has_a_quick_start_per_trainer():
         assert any(f"{trainer}(" in code for code in README_BLOCKS), f"no README quick start builds {trainer}"
 
 
+def test_the_tool_environment_block_runs_on_the_bundled_model():
+    """The README's TRL tool-environment block names the bundled model and gives it a tool-rendering chat template
+    (issue 27 item 6); test_block_runs runs it."""
+    assert any('model="bundled"' in code and 'tool_chat_template("bundled")' in code for code in README_BLOCKS)
+
+
 def test_no_block_has_an_elided_argument():
     for name, code in BLOCKS:
         assert not re.search(r"[(\\[,=] *\\.\\.\\.", code), f"{name}: a block with a `...` argument cannot run"

@@ -177,3 +177,22 @@ def test_a_folder_whose_files_differ_in_columns_is_one_clear_error(tmp_path):
     pairs = [{"prompt": r["prompt"], "chosen": "a", "rejected": "b"} for r in TEXT_ROWS]
     with pytest.raises(ValueError, match=r"data: its files do not all have the same columns \(one has \["):
         load_task(args_for(folder(tmp_path, pairs, test_rows=TEXT_ROWS[:2])), rewarded=False)
+
+
+def test_recipe_trains_and_evaluates_on_a_folder_of_text_prompts(tmp_path, tiny_model_dir):
+    """The issue's run: a YAML recipe on a local folder with train.jsonl / test.jsonl (text 'prompt', 'answer'),
+    held-out evaluation on, to the end (it crashed in the evaluation: "Chat messages should be dicts ...")."""
+    from trinity_trl.cli import run
+
+    source = folder(tmp_path, TEXT_ROWS, test_rows=TEXT_ROWS[:4])
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        f"dataset_name: {source}\neval_accuracy: true\nmodel_name_or_path: {tiny_model_dir}\n"
+        f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\nnum_generations: 4\n"
+        "max_completion_length: 8\neval_max_new_tokens: 8\nuse_cpu: true\nbf16: false\nreport_to: none\n"
+        'save_strategy: "no"\nplot: false\nlora_r: 4\nlora_alpha: 8\n'
+    )
+    trainer = run(["cispo", "--config", str(config)])
+    log = json.loads((tmp_path / "out" / "training_log.json").read_text())
+    assert trainer.state.global_step == 1 and log["summary"]["accuracy_after"] is not None
+    assert f"held-out problems of `{source}`" in (tmp_path / "out" / "README.md").read_text()
