@@ -308,10 +308,11 @@ def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_datase
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="on_policy_distill")
 
 
-def test_plain_grpo_config_is_a_type_error(tmp_path, tiny_model_dir, tiny_dataset):
+def test_plain_grpo_config_is_converted(tmp_path, tiny_model_dir, tiny_dataset):
+    """TRL's own GRPOConfig is converted (issue 27 item 6; tests/trainers/test_config.py covers every trainer)."""
     args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
-    with pytest.raises(TypeError, match="TrinityConfig"):
-        TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    assert type(trainer.args) is TrinityConfig and trainer.args.max_steps == args.max_steps
 
 
 def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
