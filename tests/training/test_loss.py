@@ -13,6 +13,7 @@ import torch
 from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
+from trinity_trl.algorithms.masked import AGGREGATION_MODES, AggregationMode
 from trinity_trl.training.loss import LossNormalizer, WeightedSum
 
 SPEC_EPSILON = 1e-8  # the spec's masked mean: sum / (count + 1e-8)
@@ -99,6 +100,19 @@ def test_seq_mean_token_sum_norm_divides_by_the_padded_width():
     plan = micro_batch("seq-mean-token-sum-norm", mask)
     assert plan.count.item() == 5.0
     assert plan(torch.ones(2, 5), mask).item() == approx(3 / 5, terms=3)
+
+
+def test_a_mode_declared_once_is_used_by_agg_loss_and_by_the_plan(monkeypatch):
+    """A mode is one entry of AGGREGATION_MODES: both aggregations build it from that declaration alone."""
+    mode = AggregationMode("seq-mean-token-mean-norm", mean_within_sample=True, divide_by="width")
+    monkeypatch.setitem(AGGREGATION_MODES, mode.name, mode)
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 9.0]])
+    mask = ragged_mask([2, 1], 4)
+    expected = ((1.0 + 2.0) / 2 + 4.0) / 4  # each sample's mean, summed, over the padded width
+    assert agg_loss(loss, mask, mode.name).item() == approx(expected, terms=loss.numel())
+    assert micro_batch(mode.name, mask)(loss, mask).item() == approx(expected, terms=loss.numel())
+    packed = micro_batch(mode.name, mask, segment_ids=torch.tensor([[0, 1, -1, -1], [0, -1, -1, -1]]))
+    assert packed(loss, mask).item() == approx((1.0 + 2.0 + 4.0) / 4, terms=loss.numel())  # three 1-token samples
 
 
 # ----------------------------------------------------------------------------- segments: several samples per row

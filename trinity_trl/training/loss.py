@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..algorithms.masked import check_loss_agg_mode, masked_sum
+from ..algorithms.masked import aggregation_mode, masked_sum
 
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
@@ -87,22 +87,19 @@ class LossNormalizer:
         ``sample_count`` (``(B,)``, samples per row), ``step_width`` (``(B,)``, the widest sample of a
         row) and, for ``global``, ``global_loss_tokens`` / ``global_loss_rows``.
         """
+        mode = aggregation_mode(loss_agg_mode)  # an unknown mode: the error lists the modes
         valid = mask != 0
-        weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
         samples, tokens_per_sample = self._samples(inputs, valid)
-        if loss_agg_mode == "token-mean":
-            count = self._global("global_loss_tokens", inputs, mask.to(torch.float32).sum())
-        elif loss_agg_mode == "seq-mean-token-sum":
-            count = self._global("global_loss_rows", inputs, samples)
-        elif loss_agg_mode == "seq-mean-token-mean":
-            weights = weights / tokens_per_sample.clamp(min=1)
-            count = self._global("global_loss_rows", inputs, samples)
-        elif loss_agg_mode == "seq-mean-token-sum-norm":
-            width = inputs["step_width"].max() if "step_width" in inputs else torch.tensor(mask.shape[1])
-            count = width.to(torch.float32)
-        else:
-            check_loss_agg_mode(loss_agg_mode)  # an unknown mode: the error lists the modes
-            raise AssertionError(f"loss_agg_mode {loss_agg_mode!r} has no plan")
+        ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+        weights = mode.token_weights(ones, tokens_per_sample.clamp(min=1))
+        # the width is always this micro-batch's widest sample; tokens and samples follow the normalization
+        count = mode.divisor(
+            tokens=lambda: self._global("global_loss_tokens", inputs, mask.to(torch.float32).sum()),
+            samples=lambda: self._global("global_loss_rows", inputs, samples),
+            width=lambda: (inputs["step_width"].max() if "step_width" in inputs else torch.tensor(mask.shape[1])).to(
+                torch.float32
+            ),
+        )
         return WeightedSum(weights, torch.as_tensor(count, dtype=torch.float32, device=mask.device))
 
     def _global(self, key: str, inputs: dict[str, Any], local: torch.Tensor) -> torch.Tensor:
