@@ -28,7 +28,7 @@ from ..packing.groups import whole_groups
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.generation import FORWARD_KEYS, TRLGeneration
-from ..training.loss import LossNormalizer, micro_batch_loss
+from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
 from ..training.scoring import ScoringPasses
 from ..training.trl_seams import (
@@ -177,22 +177,21 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
         """Hook for more outputs of a batch advantage function (PPOTrainer: ``returns``)."""
 
-    def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
         """Keyword inputs of the policy loss; subclasses add theirs (ChordTrainer: ``expert_mask``, ``step``)."""
-        advantages = inputs["advantages"]
-        if "importance_sampling_ratio" in inputs:
+        advantages = batch.advantages
+        if batch.importance_sampling_ratio is not None:
             # TRL weights each token's loss by the vLLM IS ratio; a loss linear in the advantage gets the
             # same weighting from scaled advantages (ratio >= 0 keeps signs and clip branches)
-            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * inputs[
-                "importance_sampling_ratio"
-            ]
-        old = inputs.get("old_per_token_logps")
+            advantages = (
+                advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            ) * batch.importance_sampling_ratio
         return {
             "logprob": logps,
-            "old_logprob": logps.detach() if old is None else old,
+            "old_logprob": logps.detach() if batch.old_logps is None else batch.old_logps,
             "action_mask": mask,
             "advantages": advantages,
-            "ref_logprob": inputs.get("ref_per_token_logps"),
+            "ref_logprob": batch.ref_logps,
         }
 
     def _policy_loss_for(self, mode: str):
@@ -232,8 +231,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         rewards = weighted_rewards(rewards_per_func.value, self.reward_weights)
         output = self._training_batch(output, inputs, rewards, mode)
         if self.args.loss_normalization == "global":
-            mask = trained_mask(output)
-            counts = LossNormalizer.global_counts(mask, output.get("sample_count"))
+            counts = LossNormalizer.global_counts(LossBatch.from_trl(output))
             # one unconditional collective per generation batch: every rank reaches it
             output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(
                 0
@@ -293,7 +291,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         components = self.components
-        mask = trained_mask(inputs)
+        batch = LossBatch.from_trl(inputs)  # TRL's dict stops here: the loss reads typed fields
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
@@ -305,14 +303,14 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         )
         # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
         # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
-        mask, guard_metrics = checks.guard_loss_mask(mask, logps, inputs, entropies)
-        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(inputs, logps, mask).items()}
+        mask, guard_metrics = checks.guard_loss_mask(batch.mask, logps, batch, entropies)
+        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(batch, logps, mask).items()}
         loss, metrics = micro_batch_loss(
             self._policy_loss_for(mode),
             self.components,
             self.loss_normalizer,
             self.algorithm.loss_agg_mode,
-            inputs,
+            batch,
             loss_inputs,
             entropies,
             mask,
