@@ -324,7 +324,7 @@ class ChordTrainer(TrinityTrainer):
             merged["ref_per_token_logps"] = torch.cat(
                 [
                     _widen(output["ref_per_token_logps"], width, 0.0),
-                    _widen(self._reference_logps(expert), width, 0.0),
+                    _widen(self.scoring.reference_logps(expert), width, 0.0),
                 ]
             )
         unknown = set(output) - set(merged)

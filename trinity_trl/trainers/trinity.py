@@ -6,8 +6,8 @@ It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else:
   advantages (:mod:`.advantages`) and let a subclass add or expand rows (:meth:`_training_batch`);
 * ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own
   log-prob helper, normalised by :class:`~.loss.LossNormalizer`;
-* the log-prob and baseline passes a component asks for (:mod:`.scoring`), checkpoint extras
-  (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
+* the log-prob and baseline passes a component asks for (:class:`~.scoring.Scoring`, ``self.scoring``),
+  checkpoint extras (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
 
 What a component needs (reference, behaviour or teacher log-probs, expert rows, linearity in the
 advantage, ...) is asked from the component itself, so a loss registered outside the package works
@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from trl import GRPOTrainer
 
-from ..checkpointing.checkpoints import TrainerStateCheckpoints
+from ..checkpointing.checkpoints import TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.groups import whole_groups
@@ -30,7 +30,7 @@ from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSourc
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
-from ..training.scoring import ScoringPasses
+from ..training.scoring import Scoring
 from ..training.trl_seams import (
     bind_trl_arguments,
     captured_return,
@@ -43,7 +43,7 @@ from .common import AlgorithmCardMixin, Components, default_output_dir, load_pro
 from .config import TrinityConfig
 
 
-class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
 
     Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
@@ -96,6 +96,19 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             else prepare_teacher(teacher_model, self.accelerator, self.model.dtype, self.temperature)
         )
         self.generation = TRLGeneration(self)
+        # the forward and reward passes are looked up at call time: TRL's seams (trl_seams.captured_return) and
+        # subclasses wrap them on the instance
+        self.scoring = Scoring(
+            forward=lambda *a, **k: self._get_per_token_logps_and_entropies(*a, **k),
+            batch_size=args.per_device_train_batch_size,
+            policy=lambda: self.model,
+            reference=self.ref_model,
+            unwrap=self.accelerator.unwrap_model,
+            teacher=self.teacher_model,
+            generation=self.generation,
+            score=lambda *a: self._calculate_rewards(*a),
+            reward_weights=self.reward_weights,
+        )
         self.prefix_packing = PrefixPacking(
             args.prefix_packing,
             args.prefix_packing_max_token_ratio,
@@ -115,6 +128,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             self.accelerator.pad_across_processes,
             args.seed,
         )
+        self.state_files = TrainerStateFiles(self.accelerator.process_index, self.accelerator.device)
         self._generation_count = 0
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
@@ -167,11 +181,14 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         """Lazily computed per-token inputs of the advantage functions (PPOTrainer adds critic values).
         Teacher log-probs: those a ``rollout_func`` returned with the rollout (``teacher_logprobs``, as
         Trinity's workflows store them), else a forward of ``teacher_model``."""
+        mode = "train" if self.model.training else "eval"
         return AdvantageSources(
-            behaviour_logps=lambda: self._behaviour_logps(output),
+            behaviour_logps=lambda: self.scoring.behaviour_logps(output),
             reference_logps=lambda: output.get("ref_per_token_logps"),
-            teacher_logps=lambda: self._teacher_logps(output, inputs),
-            reward_baselines=lambda: self._greedy_reward_baselines(inputs),
+            teacher_logps=lambda: self.scoring.teacher_logps(output, inputs),
+            reward_baselines=lambda: self.scoring.greedy_reward_baselines(
+                inputs, self._group_size(mode), self._metrics[mode]
+            ),
         )
 
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
@@ -199,8 +216,8 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         return self.components.policy_loss
 
     def _trainer_state(self) -> dict[str, Any]:
-        """State a checkpoint carries beyond TRL's (:mod:`.checkpoint`); subclasses add theirs (``micro_step``:
-        TRL's counter, which decides when the next generation happens)."""
+        """State a checkpoint carries beyond TRL's (``trinity_trainer_state.json``); subclasses add theirs
+        (``micro_step``: TRL's counter, which decides when the next generation happens)."""
         return {
             "kl_penalty": self.components.kl_penalty.state_dict(),
             "kl_loss": self.components.kl_loss.state_dict(),
@@ -213,6 +230,31 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         self.components.kl_loss.load_state_dict(state["kl_loss"])
         self._generation_count = state["generation_count"]
         self._step = state.get("micro_step", self._step)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        """Our files in a checkpoint (:class:`~.checkpoints.TrainerStateFiles`), before it is marked complete."""
+        super()._save_checkpoint_extras(folder)
+        # TRL's micro-step counter inside a generation batch: the rest of the batch is still to be trained on
+        inside_batch = self._buffered_inputs is not None and self._step % (
+            self.args.steps_per_generation * self.num_iterations
+        )
+        self.state_files.save(
+            folder,
+            self._trainer_state() if self.args.should_save else None,
+            self._buffered_inputs if inside_batch else None,
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers calls this when resuming from ``checkpoint``: our state and unfinished batch come back too."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if not checkpoint:
+            return
+        state, unfinished_batch = self.state_files.load(checkpoint)
+        if state is not None:
+            self._load_trainer_state(state)
+        if unfinished_batch is not None:
+            self._buffered_inputs = unfinished_batch
 
     # ------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
