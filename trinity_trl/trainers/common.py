@@ -227,7 +227,7 @@ class AlgorithmCardMixin(CompleteCheckpoints):
     """Appends the algorithm section (name, paper, resolved components) and any sections added with
     :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
     not only on checkpoints and Hub pushes. Checkpoints are marked complete and resuming skips
-    incomplete ones (:class:`~.checkpoints.CompleteCheckpoints`).
+    incomplete ones (:class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`).
 
     A mixin because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come before a
     TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm`` (and

@@ -1,13 +1,17 @@
 """``TrinityTrainer``: TRL's ``GRPOTrainer`` with Trinity-RFT's losses, KL terms and advantages.
 
-It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else:
+It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else; the work is done by objects it composes
+(docs/contributing.md#trainer-seams):
 
 * ``_generate_and_score_completions``: after TRL has generated and scored a batch, replace its
-  advantages (:mod:`.advantages`) and let a subclass add or expand rows (:meth:`_training_batch`);
-* ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own
-  log-prob helper, normalised by :class:`~.loss.LossNormalizer`;
-* the log-prob and baseline passes a component asks for (:class:`~.scoring.Scoring`, ``self.scoring``),
-  checkpoint extras (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
+  advantages (``advantage_estimator``, :mod:`trinity_trl.training.advantages`) and let a subclass add or expand
+  rows (:meth:`_training_batch`);
+* ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own log-prob helper,
+  read from a :class:`~trinity_trl.training.loss.LossBatch` and normalised by ``loss_normalizer``
+  (:class:`~trinity_trl.training.loss.LossNormalizer`);
+* the log-prob and baseline passes a component asks for (``scoring``, :class:`~trinity_trl.training.scoring.Scoring`),
+  checkpoint extras (``state_files``, :class:`~trinity_trl.checkpointing.checkpoints.TrainerStateFiles`) and metric
+  pooling (:mod:`trinity_trl.training.metrics`).
 
 What a component needs (reference, behaviour or teacher log-probs, expert rows, linearity in the
 advantage, ...) is asked from the component itself, so a loss registered outside the package works
