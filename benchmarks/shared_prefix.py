@@ -16,7 +16,7 @@ interleaving the layouts:
 * ``train``: ``trainer._compute_loss(model, batch)`` + ``loss.backward()`` over the whole batch
   (one micro-batch; the preset's PPO-clip + k2 KL loss, reference log-probs precomputed by
   ``_step_batch``);
-* ``logps``: ``trainer._forward_logps(model, rows)``, the no-grad forward that computes behaviour /
+* ``logps``: ``trainer.scoring.logps(model, rows)``, the no-grad forward that computes behaviour /
   reference log-probs (chunked by ``per_device_train_batch_size``, as in training).
 
 It reports medians, per-step / shared ratios, tokens per layout and peak memory (CUDA: peak
@@ -186,10 +186,10 @@ def train_once(trainer, batch, device) -> tuple[float, float]:
 
 
 def logps_once(trainer, rows, device) -> tuple[float, float]:
-    """Wall seconds and process CPU seconds of one no-grad ``_forward_logps``."""
+    """Wall seconds and process CPU seconds of one no-grad ``trainer.scoring.logps``."""
     sync(device)
     start, cpu = time.perf_counter(), time.process_time()
-    trainer._forward_logps(trainer.model, rows)
+    trainer.scoring.logps(trainer.model, rows)
     sync(device)
     return time.perf_counter() - start, time.process_time() - cpu
 
@@ -224,7 +224,7 @@ def check_equivalence(trainer, runs, batches, device, cpu_mem: bool, with_logps:
             out["loss"] = float(loss.detach())
 
         def forward(name=name, out=out):
-            out["logps"] = trainer._forward_logps(trainer.model, forward_rows(batches[name]))
+            out["logps"] = trainer.scoring.logps(trainer.model, forward_rows(batches[name]))
 
         trainer.model.zero_grad(set_to_none=True)
         memory[name]["train_mib"] = peak_memory_mib(train, device, cpu_mem)
@@ -362,7 +362,7 @@ def markdown(report: dict) -> str:
         f"(`{c['policy_loss_fn']}` policy loss, `{c['loss_agg_mode']}`, KL `{c['kl_loss_fn']}`), whole batch as one "
         f"micro-batch. Timings: median of {c['reps']} reps after {c['warmup']} warm-ups, layouts interleaved.",
         "",
-        "`train` = `_compute_loss` + `backward()`; `logps` = no-grad `_forward_logps` (behaviour / reference "
+        "`train` = `_compute_loss` + `backward()`; `logps` = no-grad `scoring.logps` (behaviour / reference "
         "log-probs, chunks of `per_device_train_batch_size` rows). Tokens: `padded` = rows x padded width (what "
         "the model processes), `real` = non-padding tokens, `trained` = tokens carrying loss.",
         "",
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=688)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-logps", action="store_true", help="skip timing _forward_logps")
+    parser.add_argument("--no-logps", action="store_true", help="skip timing scoring.logps")
     parser.add_argument("--out", default="benchmarks/results", help="directory for shared_prefix.json / .md")
     args = parser.parse_args(argv)
     if args.runs < 2:

@@ -36,3 +36,23 @@ def test_agg_loss_empty_rows_and_unknown_mode():
     assert agg_loss(x, torch.zeros_like(m), "token-mean").item() == 0.0
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(x, m, "sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_agg_loss_is_bit_identical_to_the_documented_formulas(dtype):
+    """The modes are built from their declarations (AGGREGATION_MODES) but keep the exact operations of the formulas in
+    docs/algorithms/aggregation.md (MMEAN, MSUM_row then the mean over rows, ...): every result, to the bit."""
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 7, generator=generator) * 10).to(dtype)
+    m = torch.rand(5, 7, generator=generator) > 0.4
+    m[2] = False  # an empty row
+    w = m.to(dtype)
+    rows = (torch.where(m, x, torch.zeros((), dtype=dtype)) * w).sum(-1)
+    expected = {
+        "token-mean": (torch.where(m, x, torch.zeros((), dtype=dtype)) * w).sum() / (w.sum() + 1e-8),
+        "seq-mean-token-sum": rows.mean(),
+        "seq-mean-token-mean": (rows / (w.sum(-1) + 1e-8)).mean(),
+        "seq-mean-token-sum-norm": (torch.where(m, x, torch.zeros((), dtype=dtype)) * w).sum() / (7 + 1e-8),
+    }
+    for mode, value in expected.items():
+        assert torch.equal(agg_loss(x, m, mode), value), mode

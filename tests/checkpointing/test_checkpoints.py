@@ -14,6 +14,7 @@ import torch
 from trinity_trl.checkpointing.checkpoints import (
     BUFFER_FILE,
     TRAINER_STATE_FILE,
+    TrainerStateFiles,
     load_generation_buffer,
     load_trainer_state,
     save_generation_buffer,
@@ -87,6 +88,21 @@ def test_generation_buffer_round_trip(tmp_path):
                 assert got[key] == value, key
     # each rank has its own file
     assert load_generation_buffer(str(tmp_path / "ckpt"), 0, "cpu") is None
+
+
+def test_trainer_state_files_save_what_they_are_given_for_their_process(tmp_path):
+    folder = str(tmp_path / "checkpoint-3")
+    batch = [{"advantages": torch.tensor([0.5, -0.5])}]
+    TrainerStateFiles(rank=1, device="cpu").save(folder, {"generation_count": 2}, batch)
+    assert sorted(os.listdir(folder)) == [BUFFER_FILE.format(rank=1), TRAINER_STATE_FILE]
+    state, unfinished = TrainerStateFiles(rank=1, device="cpu").load(folder)
+    assert state == {"generation_count": 2}
+    assert torch.equal(unfinished[0]["advantages"], batch[0]["advantages"])
+    assert TrainerStateFiles(rank=0, device="cpu").load(folder) == (state, None)  # another process's batch is not ours
+    # a process that does not save the state, between generation batches: nothing is written
+    TrainerStateFiles(rank=0, device="cpu").save(str(tmp_path / "other"), None, None)
+    assert not os.path.exists(tmp_path / "other")
+    assert TrainerStateFiles(rank=0, device="cpu").load(str(tmp_path / "other")) == (None, None)
 
 
 def test_generation_buffer_of_a_checkpoint_without_one_is_none(tmp_path):

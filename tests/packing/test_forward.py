@@ -192,10 +192,10 @@ def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, norma
     batch = ragged(generation_batch(trainer), trainer._tokenizer.pad_token_id)
     rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     trainer.prefix_packing.enabled = False
-    behaviour, reference = trainer._forward_logps(trainer.model, rows), trainer._reference_logps(rows)
+    behaviour, reference = trainer.scoring.logps(trainer.model, rows), trainer.scoring.reference_logps(rows)
     trainer.prefix_packing.enabled = True
-    assert_close(trainer._forward_logps(trainer.model, rows), behaviour, terms=LOGP_TERMS)
-    assert_close(trainer._reference_logps(rows), reference, terms=LOGP_TERMS)
+    assert_close(trainer.scoring.logps(trainer.model, rows), behaviour, terms=LOGP_TERMS)
+    assert_close(trainer.scoring.reference_logps(rows), reference, terms=LOGP_TERMS)
     batch["old_per_token_logps"] = behaviour + 0.2 * torch.randn(
         behaviour.shape, generator=torch.Generator().manual_seed(0)
     )
@@ -222,12 +222,12 @@ def test_lora_adapter_and_disabled_adapter_reference_equal_padded(tmp_path, mode
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
     batch = ragged(generation_batch(trainer), trainer._tokenizer.pad_token_id)
     rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-    packed_ref = trainer._reference_logps(rows)
+    packed_ref = trainer.scoring.reference_logps(rows)
     trainer.prefix_packing.enabled = False
-    padded_ref = trainer._reference_logps(rows)
+    padded_ref = trainer.scoring.reference_logps(rows)
     trainer.prefix_packing.enabled = True
     assert_close(packed_ref, padded_ref, terms=LOGP_TERMS)
-    assert (packed_ref - trainer._forward_logps(trainer.model, rows)).abs().max() > 1e-3  # adapter really disabled
+    assert (packed_ref - trainer.scoring.logps(trainer.model, rows)).abs().max() > 1e-3  # adapter really disabled
     batch["ref_per_token_logps"] = padded_ref
     assert_same_loss_and_grads(trainer, batch)
 

@@ -188,14 +188,14 @@ def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, 
     rows = {k: batch[k][expert] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     model = trainer.accelerator.unwrap_model(trainer.model)
     with model.disable_adapter():
-        base = trainer._forward_logps(trainer.model, rows)
+        base = trainer.scoring.logps(trainer.model, rows)
     mask = rows["completion_mask"].bool()
     width = base.shape[1]
     # the base model's forward in the trainer and here (another batch layout): the tiny model's chain
     assert_close(
         batch["ref_per_token_logps"][expert][:, :width][mask], base[mask], terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE
     )
-    policy = trainer._forward_logps(trainer.model, rows)
+    policy = trainer.scoring.logps(trainer.model, rows)
     assert not torch.allclose(policy[mask], base[mask], atol=1e-5)
 
 

@@ -38,7 +38,7 @@ def test_teacher_logprobs_from_the_rollout_give_the_distillation_advantages(tmp_
     trainer.model.train()
     rows = [dict(tiny_conversational_dataset()[0]) for _ in range(G)]
     batch = trainer._generate_and_score_completions(rows)
-    behaviour = trainer._forward_logps(trainer.model, batch)
+    behaviour = trainer.scoring.logps(trainer.model, batch)
     teacher = torch.tensor([[-0.1 - i / 100, -0.2 - i / 100, -0.3 - i / 100] for i in range(G)])
     expected = (teacher - behaviour) * batch["completion_mask"]  # kl_coef 1.0: A = ℓτ − ℓo on completion tokens
     # the behaviour log-probs of the batch and of this second forward (the tiny model's chain), minus fixed values

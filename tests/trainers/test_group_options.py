@@ -39,7 +39,7 @@ def test_rank_penalty_uses_the_behaviour_logprobs_of_every_sample(tmp_path, tiny
     trainer = make(tmp_path, tiny_model_dir, length_reward, advantage_fn_args=args)
     batch = generate(trainer)
     mask = batch["completion_mask"].bool()
-    logps = trainer._forward_logps(trainer.model, batch)
+    logps = trainer.scoring.logps(trainer.model, batch)
     rewards = torch.tensor(
         [
             len(trainer.processing_class.decode(ids[m], skip_special_tokens=True)) / 10

@@ -31,6 +31,7 @@ from tolerance import approx, assert_close
 from transformers import TrainerCallback
 
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+from trinity_trl.training.loss import LossBatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -295,8 +296,12 @@ def test_num_iterations_reuses_the_generation_with_old_logps(tmp_path, tiny_mode
 def test_importance_sampling_ratio_scales_advantages(tmp_path, tiny_model_dir, tiny_dataset):
     trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset)
     logps = torch.zeros(2, 3)
-    inputs = {"advantages": torch.tensor([1.0, -2.0]), "importance_sampling_ratio": torch.tensor([[0.5], [2.0]])}
-    scaled = trainer._loss_inputs(inputs, logps, torch.ones(2, 3))["advantages"]
+    batch = LossBatch(
+        mask=torch.ones(2, 3),
+        advantages=torch.tensor([1.0, -2.0]),
+        importance_sampling_ratio=torch.tensor([[0.5], [2.0]]),
+    )
+    scaled = trainer._loss_inputs(batch, logps, batch.mask)["advantages"]
     assert scaled.tolist() == [[0.5], [-4.0]]
 
 

@@ -374,7 +374,7 @@ def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_p
     trainer.train()
     batch = trainer.recorded.batches[0]
     mask = batch["completion_mask"].bool()
-    teacher = trainer._forward_logps(trainer.teacher_model, batch)
+    teacher = trainer.scoring.logps(trainer.teacher_model, batch)
     expected = (teacher - batch["old_per_token_logps"])[mask]
     # the teacher's forward in the trainer and here (another call), minus the same old log-probs
     assert_close(batch["advantages"][mask], expected, terms=TINY_MODEL_TERMS, scale=TINY_LOGP_SCALE)

@@ -18,6 +18,7 @@ from trl import GRPOConfig
 
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
 from trinity_trl.training.checks import check_completion_room, check_components, guard_loss_mask, masked_finite
+from trinity_trl.training.loss import LossBatch
 
 
 # ------------------------------------------------------------------------------------ fakes of what is asked
@@ -245,11 +246,12 @@ def test_guard_loss_mask_drops_only_trained_nonfinite_tokens():
     ref = torch.full((3, 4), -1.0)
     ref[1, 0] = torch.inf
     advantages = torch.tensor([1.0, torch.nan, 2.0])  # row 1: one token left after the ref drop
-    inputs = {"old_per_token_logps": old, "ref_per_token_logps": ref, "advantages": advantages}
-    guarded, metrics = guard_loss_mask(mask, logps, inputs, entropies=None)
+    batch = LossBatch(mask=mask, advantages=advantages, old_logps=old, ref_logps=ref)
+    guarded, metrics = guard_loss_mask(mask, logps, batch, entropies=None)
     assert guarded.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert metrics == {"guards/nonfinite_logps": 2.0, "guards/nonfinite_advantages": 1.0, "guards/empty_mask": 0.0}
-    _, metrics = guard_loss_mask(torch.zeros(2, 3), torch.zeros(2, 3), {"advantages": torch.zeros(2)}, None)
+    empty = torch.zeros(2, 3)
+    _, metrics = guard_loss_mask(empty, torch.zeros(2, 3), LossBatch(mask=empty, advantages=torch.zeros(2)), None)
     assert metrics["guards/empty_mask"] == 1.0
 
 
@@ -257,7 +259,8 @@ def test_guard_loss_mask_checks_entropies_and_importance_weights():
     mask = torch.ones(2, 3, dtype=torch.long)
     entropies = torch.tensor([[0.5, torch.nan, 0.5], [0.5, 0.5, 0.5]])
     ratio = torch.tensor([[1.0, 1.0, 1.0], [torch.inf, 1.0, 1.0]])  # token-level vLLM importance weights
-    guarded, metrics = guard_loss_mask(mask, torch.zeros(2, 3), {"importance_sampling_ratio": ratio}, entropies)
+    batch = LossBatch(mask=mask, advantages=torch.zeros(2), importance_sampling_ratio=ratio)
+    guarded, metrics = guard_loss_mask(mask, torch.zeros(2, 3), batch, entropies)
     assert guarded.tolist() == [[1, 0, 1], [0, 1, 1]]
     assert metrics["guards/nonfinite_logps"] == 1.0 and metrics["guards/nonfinite_advantages"] == 1.0
 

@@ -13,7 +13,8 @@ import torch
 from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
-from trinity_trl.training.loss import LossNormalizer, WeightedSum
+from trinity_trl.algorithms.masked import AGGREGATION_MODES, AggregationMode
+from trinity_trl.training.loss import LossBatch, LossNormalizer, WeightedSum
 
 SPEC_EPSILON = 1e-8  # the spec's masked mean: sum / (count + 1e-8)
 
@@ -24,11 +25,45 @@ def ragged_mask(lengths: list[int], width: int) -> torch.Tensor:
     return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
 
 
-def micro_batch(mode: str, mask: torch.Tensor, **inputs) -> WeightedSum:
-    return LossNormalizer("micro_batch", num_processes=1, steps_per_generation=1).plan(inputs, mask, mode)
+def loss_batch(mask: torch.Tensor, **fields) -> LossBatch:
+    """A micro-batch of ``mask`` with the optional ``fields`` of :class:`LossBatch` (its layout, global counts)."""
+    return LossBatch(mask=mask, advantages=torch.zeros(mask.shape[0]), **fields)
+
+
+def micro_batch(mode: str, mask: torch.Tensor, **fields) -> WeightedSum:
+    return LossNormalizer("micro_batch", num_processes=1, steps_per_generation=1).plan(
+        loss_batch(mask, **fields), mask, mode
+    )
 
 
 # ------------------------------------------------------------------------------------------------ bad arguments
+def test_loss_batch_takes_its_fields_from_trls_dict():
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    trl_dict = {
+        "completion_mask": completion_mask,
+        "tool_mask": torch.tensor([[1, 0, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "old_per_token_logps": torch.zeros(2, 3),
+        "expert_mask": torch.tensor([False, True]),
+        "segment_ids": torch.tensor([[0, -1, -1], [0, 0, -1]]),
+        "global_loss_tokens": torch.tensor(7.0),
+    }
+    batch = LossBatch.from_trl(trl_dict)
+    assert batch.mask.tolist() == [[1, 0, 0], [1, 1, 0]]  # tool-result tokens are not trained
+    assert batch.old_logps is trl_dict["old_per_token_logps"] and batch.expert_rows is trl_dict["expert_mask"]
+    assert batch.segment_ids is trl_dict["segment_ids"] and batch.global_tokens is trl_dict["global_loss_tokens"]
+    assert batch.ref_logps is None and batch.sample_count is None and batch.global_samples is None
+    assert (
+        LossBatch.from_trl({"completion_mask": completion_mask, "advantages": torch.zeros(2)}).mask is completion_mask
+    )
+
+
+def test_global_normalization_without_global_counts_is_a_clear_error():
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="global counts"):
+        LossNormalizer("global", 1, 1).plan(loss_batch(mask), mask, "token-mean")
+
+
 def test_unknown_normalization_is_rejected():
     with pytest.raises(ValueError, match=r"loss_normalization must be one of \('micro_batch', 'global'\), got 'step'"):
         LossNormalizer("step", 1, 1)
@@ -99,6 +134,19 @@ def test_seq_mean_token_sum_norm_divides_by_the_padded_width():
     plan = micro_batch("seq-mean-token-sum-norm", mask)
     assert plan.count.item() == 5.0
     assert plan(torch.ones(2, 5), mask).item() == approx(3 / 5, terms=3)
+
+
+def test_a_mode_declared_once_is_used_by_agg_loss_and_by_the_plan(monkeypatch):
+    """A mode is one entry of AGGREGATION_MODES: both aggregations build it from that declaration alone."""
+    mode = AggregationMode("seq-mean-token-mean-norm", mean_within_sample=True, divide_by="width")
+    monkeypatch.setitem(AGGREGATION_MODES, mode.name, mode)
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 9.0]])
+    mask = ragged_mask([2, 1], 4)
+    expected = ((1.0 + 2.0) / 2 + 4.0) / 4  # each sample's mean, summed, over the padded width
+    assert agg_loss(loss, mask, mode.name).item() == approx(expected, terms=loss.numel())
+    assert micro_batch(mode.name, mask)(loss, mask).item() == approx(expected, terms=loss.numel())
+    packed = micro_batch(mode.name, mask, segment_ids=torch.tensor([[0, 1, -1, -1], [0, -1, -1, -1]]))
+    assert packed(loss, mask).item() == approx((1.0 + 2.0 + 4.0) / 4, terms=loss.numel())  # three 1-token samples
 
 
 # ----------------------------------------------------------------------------- segments: several samples per row
@@ -199,21 +247,21 @@ def test_micro_batch_counts_are_clamped_at_one():
 # -------------------------------------------------------------------------------------------------------- global
 def global_counts_of(micro_batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """What the trainer gathers: each generation batch's (tokens, samples), summed over processes."""
-    counts = [LossNormalizer.global_counts(mb["mask"], mb.get("sample_count")) for mb in micro_batches]
+    counts = [LossNormalizer.global_counts(loss_batch(mb["mask"])) for mb in micro_batches]
     return torch.stack(counts).sum(0)
 
 
 def test_global_counts_are_tokens_and_samples():
     mask = ragged_mask([3, 0, 2], 4)
-    assert LossNormalizer.global_counts(mask, None).tolist() == [5.0, 3.0]
-    assert LossNormalizer.global_counts(mask, torch.tensor([2, 0, 1])).tolist() == [5.0, 3.0]
-    assert LossNormalizer.global_counts(mask, torch.tensor([1, 0, 0])).tolist() == [5.0, 1.0]
+    assert LossNormalizer.global_counts(loss_batch(mask)).tolist() == [5.0, 3.0]
+    assert LossNormalizer.global_counts(loss_batch(mask, sample_count=torch.tensor([2, 0, 1]))).tolist() == [5.0, 3.0]
+    assert LossNormalizer.global_counts(loss_batch(mask, sample_count=torch.tensor([1, 0, 0]))).tolist() == [5.0, 1.0]
 
 
 def test_global_count_is_the_average_of_one_micro_step():
     normalizer = LossNormalizer("global", num_processes=2, steps_per_generation=3)
     mask = ragged_mask([4, 1], 4)
-    inputs = {"global_loss_tokens": torch.tensor(60.0), "global_loss_rows": torch.tensor(12.0)}
+    inputs = loss_batch(mask, global_tokens=torch.tensor(60.0), global_samples=torch.tensor(12.0))
     # a division or two of float32 counts
     assert normalizer.plan(inputs, mask, "token-mean").count.item() == approx(10.0)  # 60 / (2 · 3)
     assert normalizer.plan(inputs, mask, "seq-mean-token-sum").count.item() == approx(2.0)
@@ -225,7 +273,7 @@ def test_global_count_is_the_average_of_one_micro_step():
 def test_global_count_is_clamped_above_zero():
     normalizer = LossNormalizer("global", num_processes=1, steps_per_generation=1)
     mask = torch.zeros(2, 3)
-    plan = normalizer.plan({"global_loss_tokens": torch.tensor(0.0)}, mask, "token-mean")
+    plan = normalizer.plan(loss_batch(mask, global_tokens=torch.tensor(0.0)), mask, "token-mean")
     assert plan.count.item() == approx(1e-8)  # the float32 clamp value
     assert plan(torch.full((2, 3), torch.inf), mask).item() == 0.0
 
@@ -241,7 +289,7 @@ def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_st
     tokens, samples = global_counts_of(micro_batches)
     normalizer = LossNormalizer("global", num_processes=2, steps_per_generation=2)
     planned = [
-        normalizer.plan({"global_loss_tokens": tokens, "global_loss_rows": samples}, mb["mask"], mode)
+        normalizer.plan(loss_batch(mb["mask"], global_tokens=tokens, global_samples=samples), mb["mask"], mode)
         for mb in micro_batches
     ]
     step_loss = sum(plan(mb["loss"], mb["mask"]) for plan, mb in zip(planned, micro_batches)) / 4

@@ -8,13 +8,70 @@ by 0 before use, so NaN/inf in padding can never leak into a result.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 # an aggregation given as a function of (loss_mat (B, T), loss_mask (B, T)) -> 0-d tensor
 Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: what an aggregation divides its weighted token sum by (see :class:`AggregationMode`)
+Divisor = Literal["tokens", "samples", "width"]
+
+
+@dataclass(frozen=True)
+class AggregationMode:
+    """One ``loss_agg_mode``: a weighted token sum ``Σ ℓ·m·w`` divided by one count ``D``.
+
+    This is the only definition of a mode: :func:`agg_loss` (one micro-batch, a row is a sample) and the
+    trainers' loss plan (``trinity_trl.training.loss``: packed samples, counts over the whole optimizer
+    step) both build their weights and count from it, each supplying the counts of its own batch. A new
+    mode is a new entry of :data:`AGGREGATION_MODES`.
+
+    Attributes:
+        name: the ``loss_agg_mode`` string.
+        mean_within_sample: ``w = 1 / n_s`` (``n_s``: the trained tokens of the token's sample), else ``w = 1``.
+        divide_by: ``"tokens"`` (the trained tokens), ``"samples"`` (rows, or packed samples, empty ones
+            included in a micro-batch) or ``"width"`` (the padded width of the widest sample; never pooled
+            across micro-batches).
+    """
+
+    name: str
+    mean_within_sample: bool
+    divide_by: Divisor
+
+    def token_weights(self, mask: torch.Tensor, sample_tokens: torch.Tensor) -> torch.Tensor:
+        """``m·w``: ``mask`` (token weights, or per-sample sums), divided by ``sample_tokens`` (the trained
+        tokens of each one's sample, broadcastable, never 0) when the mode means within a sample."""
+        return mask / sample_tokens if self.mean_within_sample else mask
+
+    @property
+    def per_sample(self) -> bool:
+        """Whether the mode weighs or counts samples, so a sample's tokens can be summed first."""
+        return self.mean_within_sample or self.divide_by == "samples"
+
+    def divisor(
+        self,
+        tokens: Callable[[], torch.Tensor],
+        samples: Callable[[], torch.Tensor],
+        width: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """The count ``D``: the batch's ``tokens``, ``samples`` or ``width`` (each computed only when chosen)."""
+        return {"tokens": tokens, "samples": samples, "width": width}[self.divide_by]()
+
+
+AGGREGATION_MODES: dict[str, AggregationMode] = {
+    mode.name: mode
+    for mode in (
+        AggregationMode("token-mean", mean_within_sample=False, divide_by="tokens"),
+        AggregationMode("seq-mean-token-sum", mean_within_sample=False, divide_by="samples"),
+        AggregationMode("seq-mean-token-mean", mean_within_sample=True, divide_by="samples"),
+        AggregationMode("seq-mean-token-sum-norm", mean_within_sample=False, divide_by="width"),
+    )
+}
+
+LOSS_AGG_MODES = tuple(AGGREGATION_MODES)
 
 
 def _as_weight(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -61,12 +118,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_loss_agg_mode(loss_agg_mode: str | Aggregation) -> str | Aggregation:
-    """A mode name of :data:`LOSS_AGG_MODES`, or an :data:`Aggregation` callable (trainers)."""
+    """A mode name of :data:`AGGREGATION_MODES`, or an :data:`Aggregation` callable (trainers)."""
     if callable(loss_agg_mode):
         return loss_agg_mode
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
+    if loss_agg_mode not in AGGREGATION_MODES:
+        raise ValueError(f"Unknown loss_agg_mode {loss_agg_mode!r}; allowed: {', '.join(AGGREGATION_MODES)}")
     return loss_agg_mode
+
+
+def aggregation_mode(loss_agg_mode: str) -> AggregationMode:
+    """The :class:`AggregationMode` named ``loss_agg_mode``; an unknown name is an error listing the modes."""
+    check_loss_agg_mode(loss_agg_mode)
+    return AGGREGATION_MODES[loss_agg_mode]
 
 
 def agg_loss(
@@ -80,7 +143,8 @@ def agg_loss(
 
     ``loss_agg_mode`` may also be an :data:`Aggregation`, a callable ``(loss_mat, loss_mask) ->
     scalar``: trainers pass one to normalise over more than the micro-batch (see
-    ``trinity_trl.training.loss``). Mode strings other than the four below are an error.
+    ``trinity_trl.training.loss``). A mode string must name an entry of :data:`AGGREGATION_MODES`
+    (the four below); each row is one sample.
 
     * ``token-mean``: one mean over every unmasked token of the micro-batch.
     * ``seq-mean-token-sum``: per-row masked sum, then mean over all ``B`` rows.
@@ -90,14 +154,21 @@ def agg_loss(
 
     Rows with an empty mask still count in ``B`` for the seq-mean modes.
     """
-    check_loss_agg_mode(loss_agg_mode)
-    if callable(loss_agg_mode):
+    if callable(check_loss_agg_mode(loss_agg_mode)):
         return loss_agg_mode(loss_mat, loss_mask)
-    if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, loss_mask, dim=-1).mean()
-    if loss_agg_mode == "seq-mean-token-mean":
-        return masked_mean(loss_mat, loss_mask, dim=-1).mean()
-    denom = float(loss_mask.shape[-1]) if normalizer is None else float(normalizer)
-    return masked_sum(loss_mat, loss_mask) / (denom + 1e-8)
+    mode = aggregation_mode(loss_agg_mode)
+    weight = _as_weight(loss_mat, loss_mask)
+
+    # one row is one sample; 1e-8 is added to the counts that can be 0 (docs/algorithms/aggregation.md)
+    if mode.per_sample:  # each row's sum (or mean, w = 1/n_s), then the rows' total, accumulated as torch's mean does
+        rows = mode.token_weights(masked_sum(loss_mat, loss_mask, dim=-1), weight.sum(dim=-1) + 1e-8)
+        total = rows.to(torch.promote_types(rows.dtype, torch.float32)).sum()
+    else:
+        total = masked_sum(loss_mat, loss_mask)
+    width = float(loss_mask.shape[-1]) if normalizer is None else float(normalizer)
+    divisor = mode.divisor(
+        tokens=lambda: weight.sum() + 1e-8,
+        samples=lambda: torch.tensor(float(loss_mask.shape[0]), dtype=total.dtype, device=total.device),
+        width=lambda: torch.tensor(width + 1e-8, dtype=total.dtype, device=total.device),
+    )
+    return (total / divisor.to(total.dtype)).to(loss_mat.dtype)

@@ -234,7 +234,17 @@ class CompleteCheckpoints:
     A trainer writes its own files in :meth:`_save_checkpoint_extras` (called on every process, before the
     marker). transformers' Hub push of the checkpoint and its deletion of old checkpoints (``save_total_limit``) run
     after the marker: a pushed checkpoint is complete, and an old checkpoint is deleted only once a newer one is.
+
+    It overrides two methods of transformers' ``Trainer`` (``_save_checkpoint``, ``train``), which is why it is a
+    mixin and not an object the trainer composes; it must come before a ``transformers.Trainer`` in the bases, and
+    uses only what that ``Trainer`` defines: the attributes declared below and its methods ``_get_output_dir``,
+    ``_push_from_checkpoint`` and ``is_world_process_zero``.
     """
+
+    # what the host transformers.Trainer provides
+    args: Any  # TrainingArguments
+    state: Any  # TrainerState
+    accelerator: Any  # accelerate.Accelerator
 
     def _save_checkpoint_extras(self, folder: str) -> None:
         """Write this trainer's own checkpoint files into ``folder`` (every process calls it)."""
@@ -278,32 +288,30 @@ class CompleteCheckpoints:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
-class TrainerStateCheckpoints:
-    """Trainer mixin (GRPO-based trainers): checkpoints carry :meth:`_trainer_state` and, when the checkpoint falls
-    inside a generation batch, each process's remaining batch; resuming restores both."""
+class TrainerStateFiles:
+    """The files a GRPO-based trainer's checkpoint carries beyond TRL's (see the module docstring), for one process.
 
-    def _trainer_state(self) -> dict[str, Any]:
-        """JSON-able state a checkpoint carries beyond TRL's (subclasses extend it)."""
-        return {}
+    The trainer composes one and calls it from its two checkpoint seams (``_save_checkpoint_extras``,
+    ``_load_optimizer_and_scheduler``), passing what to save; this object knows where and how it is written.
 
-    def _load_trainer_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`_trainer_state` returned."""
+    Args:
+        rank: this process's index (each process writes and reads its own generation batch).
+        device: where a read generation batch is placed.
+    """
 
-    def _save_checkpoint_extras(self, folder: str) -> None:
-        super()._save_checkpoint_extras(folder)
-        if self.args.should_save:
-            save_trainer_state(folder, self._trainer_state())
-        # TRL's micro-step counter inside a generation batch: the rest of the batch is still to be trained on
-        if self._buffered_inputs is not None and self._step % (self.args.steps_per_generation * self.num_iterations):
-            save_generation_buffer(folder, self.accelerator.process_index, self._buffered_inputs)
+    def __init__(self, rank: int, device: torch.device | str):
+        self.rank = rank
+        self.device = device
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if not checkpoint:
-            return
-        state = load_trainer_state(checkpoint)
+    def save(self, folder: str, state: dict[str, Any] | None, unfinished_batch: list[dict[str, Any]] | None) -> None:
+        """Write ``state`` (JSON-able; ``None`` on processes that do not save) and, when the checkpoint falls inside a
+        generation batch, this process's ``unfinished_batch`` (``None`` otherwise)."""
         if state is not None:
-            self._load_trainer_state(state)
-        buffer = load_generation_buffer(checkpoint, self.accelerator.process_index, self.accelerator.device)
-        if buffer is not None:
-            self._buffered_inputs = buffer
+            save_trainer_state(folder, state)
+        if unfinished_batch is not None:
+            save_generation_buffer(folder, self.rank, unfinished_batch)
+
+    def load(self, folder: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None]:
+        """``(state, unfinished batch)`` of the checkpoint ``folder``; each ``None`` when the checkpoint has none
+        (e.g. written by plain TRL, or between generation batches)."""
+        return load_trainer_state(folder), load_generation_buffer(folder, self.rank, self.device)

@@ -18,6 +18,7 @@ from trl.trainer.utils import pad
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
 from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
 from ..training import checks
+from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
 from .common import deprecated_field
 from .config import TrinityConfig, from_trl_config
@@ -320,7 +321,10 @@ class ChordTrainer(TrinityTrainer):
                 merged[key] = extend(key, fill)
         if "ref_per_token_logps" in output:
             merged["ref_per_token_logps"] = torch.cat(
-                [_widen(output["ref_per_token_logps"], width, 0.0), _widen(self._reference_logps(expert), width, 0.0)]
+                [
+                    _widen(output["ref_per_token_logps"], width, 0.0),
+                    _widen(self.scoring.reference_logps(expert), width, 0.0),
+                ]
             )
         unknown = set(output) - set(merged)
         if unknown:
@@ -336,12 +340,12 @@ class ChordTrainer(TrinityTrainer):
         return merged
 
     # ----------------------------------------------------------------------------------- loss
-    def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-        loss_inputs = super()._loss_inputs(inputs, logps, mask)
-        loss_inputs["expert_mask"] = inputs["expert_mask"]
+    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        loss_inputs = super()._loss_inputs(batch, logps, mask)
+        loss_inputs["expert_mask"] = batch.expert_rows
         # demonstrations' behaviour log-probs are 0 (docs/algorithms/chord.md#expert-rows) whether or not TRL computed
         # old log-probs
-        loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(inputs["expert_mask"].unsqueeze(1), 0.0)
+        loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(batch.expert_rows.unsqueeze(1), 0.0)
         # Trinity stamps samples with the step being trained, counted from 1 (docs/algorithms/chord.md#chord)
         loss_inputs["step"] = self.state.global_step + 1
         return loss_inputs

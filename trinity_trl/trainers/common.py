@@ -227,11 +227,25 @@ class AlgorithmCardMixin(CompleteCheckpoints):
     """Appends the algorithm section (name, paper, resolved components) and any sections added with
     :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
     not only on checkpoints and Hub pushes. Checkpoints are marked complete and resuming skips
-    incomplete ones (:class:`~.checkpoint.CompleteCheckpoints`)."""
+    incomplete ones (:class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`).
 
+    A mixin because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come before a
+    TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm`` (and
+    ``components``, ``_name``) before the first card is written; the rest is TRL's / transformers'.
+    """
+
+    #: set by the trainer: the resolved algorithm the card describes
     algorithm: AlgorithmConfig
     #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
     components: Components | None = None
+    #: the algorithm's display name on the card (a class attribute of the trainer, or the preset's, see
+    #: :meth:`_set_card_identity`)
+    _name: str
+    # what the host TRL trainer provides
+    args: Any  # TrainingArguments
+    model: Any  # the policy, possibly wrapped
+    train_dataset: Any
+    accelerator: Any  # accelerate.Accelerator
 
     def __init__(self, *args, **kwargs):
         from transformers import TrainingArguments
@@ -309,6 +323,9 @@ class AlgorithmCardMixin(CompleteCheckpoints):
 class PresetTrainerMixin(AlgorithmCardMixin):
     """What the preset trainers built on TRL's SFT/DPO trainers share: the model card and metric
     logging into TRL's lists, averaged over processes."""
+
+    # what the host TRL trainer provides: its per-mode metric lists
+    _metrics: dict[str, dict[str, list[float]]]
 
     def _log_local_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Average each metric over processes (one gather) and append it to TRL's per-mode lists."""

@@ -32,6 +32,7 @@ from ..data.model import resolve_model
 from ..training import checks
 from ..training.advantages import Advantages, AdvantageSources
 from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
+from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
@@ -392,7 +393,7 @@ class PPOTrainer(TrinityTrainer):
         finite = torch.isfinite(values) & torch.isfinite(inputs["old_values"]) & torch.isfinite(inputs["returns"])
         dropped = float(((loss_mask != 0) & ~finite).sum())
         loss_mask = loss_mask * finite
-        aggregation = self.loss_normalizer.plan(inputs, loss_mask, self.algorithm.loss_agg_mode)
+        aggregation = self.loss_normalizer.plan(LossBatch.from_trl(inputs), loss_mask, self.algorithm.loss_agg_mode)
         loss, metrics = clipped_value_loss(
             *(checks.masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
             loss_mask,

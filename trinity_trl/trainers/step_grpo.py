@@ -518,9 +518,9 @@ class StepGRPOTrainer(TrinityTrainer):
             batch["sampling_per_token_logps"] = padded(sampling, float("nan"), "right", torch.float32)
         rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         if "old_per_token_logps" in output:  # TRL needs behaviour log-probs (off-policy steps): all rows
-            batch["old_per_token_logps"] = self._forward_logps(self.model, rows)
+            batch["old_per_token_logps"] = self.scoring.policy_logps(rows)
         if self.algorithm.needs_reference:
-            batch["ref_per_token_logps"] = self._reference_logps(rows)
+            batch["ref_per_token_logps"] = self.scoring.reference_logps(rows)
         unknown = set(output) - set(batch) - {"ref_per_token_logps", "importance_sampling_ratio"}
         if unknown:
             raise ValueError(f"StepGRPOTrainer cannot expand batches with {sorted(unknown)}")

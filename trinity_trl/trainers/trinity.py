@@ -1,13 +1,17 @@
 """``TrinityTrainer``: TRL's ``GRPOTrainer`` with Trinity-RFT's losses, KL terms and advantages.
 
-It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else:
+It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else; the work is done by objects it composes
+(docs/contributing.md#trainer-seams):
 
 * ``_generate_and_score_completions``: after TRL has generated and scored a batch, replace its
-  advantages (:mod:`.advantages`) and let a subclass add or expand rows (:meth:`_training_batch`);
-* ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own
-  log-prob helper, normalised by :class:`~.loss.LossNormalizer`;
-* the log-prob and baseline passes a component asks for (:mod:`.scoring`), checkpoint extras
-  (:mod:`.checkpoint`) and metric pooling (:mod:`.metrics`).
+  advantages (``advantage_estimator``, :mod:`trinity_trl.training.advantages`) and let a subclass add or expand
+  rows (:meth:`_training_batch`);
+* ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own log-prob helper,
+  read from a :class:`~trinity_trl.training.loss.LossBatch` and normalised by ``loss_normalizer``
+  (:class:`~trinity_trl.training.loss.LossNormalizer`);
+* the log-prob and baseline passes a component asks for (``scoring``, :class:`~trinity_trl.training.scoring.Scoring`),
+  checkpoint extras (``state_files``, :class:`~trinity_trl.checkpointing.checkpoints.TrainerStateFiles`) and metric
+  pooling (:mod:`trinity_trl.training.metrics`).
 
 What a component needs (reference, behaviour or teacher log-probs, expert rows, linearity in the
 advantage, ...) is asked from the component itself, so a loss registered outside the package works
@@ -21,16 +25,16 @@ from typing import Any, ClassVar
 import torch
 from trl import GRPOTrainer
 
-from ..checkpointing.checkpoints import TrainerStateCheckpoints
+from ..checkpointing.checkpoints import TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.groups import whole_groups
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.generation import FORWARD_KEYS, TRLGeneration
-from ..training.loss import LossNormalizer, micro_batch_loss
+from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
-from ..training.scoring import ScoringPasses
+from ..training.scoring import Scoring
 from ..training.trl_seams import (
     bind_trl_arguments,
     captured_return,
@@ -43,7 +47,7 @@ from .common import AlgorithmCardMixin, Components, default_output_dir, load_pro
 from .config import TrinityConfig, from_trl_config
 
 
-class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin, GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
 
     Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
@@ -95,6 +99,19 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             else prepare_teacher(teacher_model, self.accelerator, self.model.dtype, self.temperature)
         )
         self.generation = TRLGeneration(self)
+        # the forward and reward passes are looked up at call time: TRL's seams (trl_seams.captured_return) and
+        # subclasses wrap them on the instance
+        self.scoring = Scoring(
+            forward=lambda *a, **k: self._get_per_token_logps_and_entropies(*a, **k),
+            batch_size=args.per_device_train_batch_size,
+            policy=lambda: self.model,
+            reference=self.ref_model,
+            unwrap=self.accelerator.unwrap_model,
+            teacher=self.teacher_model,
+            generation=self.generation,
+            score=lambda *a: self._calculate_rewards(*a),
+            reward_weights=self.reward_weights,
+        )
         self.prefix_packing = PrefixPacking(
             args.prefix_packing,
             args.prefix_packing_max_token_ratio,
@@ -114,6 +131,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
             self.accelerator.pad_across_processes,
             args.seed,
         )
+        self.state_files = TrainerStateFiles(self.accelerator.process_index, self.accelerator.device)
         self._generation_count = 0
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
@@ -166,32 +184,34 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         """Lazily computed per-token inputs of the advantage functions (PPOTrainer adds critic values).
         Teacher log-probs: those a ``rollout_func`` returned with the rollout (``teacher_logprobs``, as
         Trinity's workflows store them), else a forward of ``teacher_model``."""
+        mode = "train" if self.model.training else "eval"
         return AdvantageSources(
-            behaviour_logps=lambda: self._behaviour_logps(output),
+            behaviour_logps=lambda: self.scoring.behaviour_logps(output),
             reference_logps=lambda: output.get("ref_per_token_logps"),
-            teacher_logps=lambda: self._teacher_logps(output, inputs),
-            reward_baselines=lambda: self._greedy_reward_baselines(inputs),
+            teacher_logps=lambda: self.scoring.teacher_logps(output, inputs),
+            reward_baselines=lambda: self.scoring.greedy_reward_baselines(
+                inputs, self._group_size(mode), self._metrics[mode]
+            ),
         )
 
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
         """Hook for more outputs of a batch advantage function (PPOTrainer: ``returns``)."""
 
-    def _loss_inputs(self, inputs: dict, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
         """Keyword inputs of the policy loss; subclasses add theirs (ChordTrainer: ``expert_mask``, ``step``)."""
-        advantages = inputs["advantages"]
-        if "importance_sampling_ratio" in inputs:
+        advantages = batch.advantages
+        if batch.importance_sampling_ratio is not None:
             # TRL weights each token's loss by the vLLM IS ratio; a loss linear in the advantage gets the
             # same weighting from scaled advantages (ratio >= 0 keeps signs and clip branches)
-            advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * inputs[
-                "importance_sampling_ratio"
-            ]
-        old = inputs.get("old_per_token_logps")
+            advantages = (
+                advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            ) * batch.importance_sampling_ratio
         return {
             "logprob": logps,
-            "old_logprob": logps.detach() if old is None else old,
+            "old_logprob": logps.detach() if batch.old_logps is None else batch.old_logps,
             "action_mask": mask,
             "advantages": advantages,
-            "ref_logprob": inputs.get("ref_per_token_logps"),
+            "ref_logprob": batch.ref_logps,
         }
 
     def _policy_loss_for(self, mode: str):
@@ -199,8 +219,8 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         return self.components.policy_loss
 
     def _trainer_state(self) -> dict[str, Any]:
-        """State a checkpoint carries beyond TRL's (:mod:`.checkpoint`); subclasses add theirs (``micro_step``:
-        TRL's counter, which decides when the next generation happens)."""
+        """State a checkpoint carries beyond TRL's (``trinity_trainer_state.json``); subclasses add theirs
+        (``micro_step``: TRL's counter, which decides when the next generation happens)."""
         return {
             "kl_penalty": self.components.kl_penalty.state_dict(),
             "kl_loss": self.components.kl_loss.state_dict(),
@@ -213,6 +233,31 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         self.components.kl_loss.load_state_dict(state["kl_loss"])
         self._generation_count = state["generation_count"]
         self._step = state.get("micro_step", self._step)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        """Our files in a checkpoint (:class:`~.checkpoints.TrainerStateFiles`), before it is marked complete."""
+        super()._save_checkpoint_extras(folder)
+        # TRL's micro-step counter inside a generation batch: the rest of the batch is still to be trained on
+        inside_batch = self._buffered_inputs is not None and self._step % (
+            self.args.steps_per_generation * self.num_iterations
+        )
+        self.state_files.save(
+            folder,
+            self._trainer_state() if self.args.should_save else None,
+            self._buffered_inputs if inside_batch else None,
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers calls this when resuming from ``checkpoint``: our state and unfinished batch come back too."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if not checkpoint:
+            return
+        state, unfinished_batch = self.state_files.load(checkpoint)
+        if state is not None:
+            self._load_trainer_state(state)
+        if unfinished_batch is not None:
+            self._buffered_inputs = unfinished_batch
 
     # ------------------------------------------------------------------------------- generation
     def _generate_and_score_completions(self, inputs):
@@ -231,8 +276,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         rewards = weighted_rewards(rewards_per_func.value, self.reward_weights)
         output = self._training_batch(output, inputs, rewards, mode)
         if self.args.loss_normalization == "global":
-            mask = trained_mask(output)
-            counts = LossNormalizer.global_counts(mask, output.get("sample_count"))
+            counts = LossNormalizer.global_counts(LossBatch.from_trl(output))
             # one unconditional collective per generation batch: every rank reaches it
             output["global_loss_tokens"], output["global_loss_rows"] = self.accelerator.gather(counts.unsqueeze(0)).sum(
                 0
@@ -292,7 +336,7 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         components = self.components
-        mask = trained_mask(inputs)
+        batch = LossBatch.from_trl(inputs)  # TRL's dict stops here: the loss reads typed fields
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
@@ -304,14 +348,14 @@ class TrinityTrainer(ScoringPasses, TrainerStateCheckpoints, AlgorithmCardMixin,
         )
         # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
         # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
-        mask, guard_metrics = checks.guard_loss_mask(mask, logps, inputs, entropies)
-        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(inputs, logps, mask).items()}
+        mask, guard_metrics = checks.guard_loss_mask(batch.mask, logps, batch, entropies)
+        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(batch, logps, mask).items()}
         loss, metrics = micro_batch_loss(
             self._policy_loss_for(mode),
             self.components,
             self.loss_normalizer,
             self.algorithm.loss_agg_mode,
-            inputs,
+            batch,
             loss_inputs,
             entropies,
             mask,

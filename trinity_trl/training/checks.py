@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .loss import LossBatch
 
 GUARD_METRICS = ("guards/nonfinite_logps", "guards/nonfinite_advantages", "guards/empty_mask", "guards/nonfinite_loss")
 
@@ -224,7 +227,7 @@ def checked_rollout_func(func: Any) -> Any:
 
 # ------------------------------------------------------------------------------------ loss guards
 def guard_loss_mask(
-    mask: torch.Tensor, logps: torch.Tensor, inputs: dict[str, Any], entropies: torch.Tensor | None
+    mask: torch.Tensor, logps: torch.Tensor, batch: LossBatch, entropies: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Drop trained tokens whose inputs are not finite; return ``(mask, guard metrics)``.
 
@@ -235,15 +238,13 @@ def guard_loss_mask(
     """
     valid = mask != 0
     bad_logps = ~torch.isfinite(logps.detach())
-    for key in ("old_per_token_logps", "ref_per_token_logps"):
-        value = inputs.get(key)
+    for value in (batch.old_logps, batch.ref_logps):
         if value is not None:
             bad_logps |= ~torch.isfinite(value)
     if entropies is not None:
         bad_logps |= ~torch.isfinite(entropies.detach())
     bad_adv = torch.zeros_like(valid)
-    for key in ("advantages", "importance_sampling_ratio"):
-        value = inputs.get(key)
+    for value in (batch.advantages, batch.importance_sampling_ratio):
         if value is not None:
             value = value.unsqueeze(1) if value.dim() == 1 else value
             bad_adv |= ~torch.isfinite(value).expand_as(valid)

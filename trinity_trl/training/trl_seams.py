@@ -28,7 +28,8 @@ def temporarily(obj: Any, **values: Any) -> Iterator[None]:
       ``args.output_dir``; ``save_model(other_dir)`` wants it next to the saved weights.
     * ``args.push_to_hub`` and ``args.save_total_limit`` while transformers' ``_save_checkpoint`` runs:
       it pushes the checkpoint and deletes old ones at its end, before our files and the completion
-      marker are written; :class:`~.checkpoint.CompleteCheckpoints` does both after the marker.
+      marker are written; :class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints` does both
+      after the marker.
     """
     saved = {name: getattr(obj, name) for name in values}
     for name, value in values.items():
