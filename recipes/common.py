@@ -85,13 +85,6 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
-    torch_threads: int = field(
-        default=0,
-        metadata={
-            "help": "torch.set_num_threads for the run (0 = torch's default, one per core). On a small CPU "
-            "shared with other work, 1 avoids threads waiting for each other (several times faster)."
-        },
-    )
 
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
@@ -99,8 +92,6 @@ class RecipeArguments:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_funcs:
             raise UsageError("reward_funcs must name at least one reward function")
-        if self.torch_threads < 0:
-            raise UsageError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
 
 def run_as_script(main: Callable) -> None:
@@ -600,19 +591,11 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
 
 def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
     """Train, with greedy held-out accuracy before and after when ``args.eval_accuracy`` (then also a model-card
-    section); returns the run's summary for ``training_log.json``. With ``args.torch_threads``, torch uses that
-    many threads meanwhile (the previous count is restored after)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    try:
-        before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-        after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
-    finally:
-        torch.set_num_threads(threads)
+    section); returns the run's summary for ``training_log.json``. Torch's thread count is the training config's
+    ``torch_threads`` (set when the config was built; one per process on a CPU by default)."""
+    before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
     steps = trainer.state.global_step
     if before is not None:
         trainer.add_model_card_section(

@@ -10,7 +10,7 @@ from trl import GRPOConfig
 from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
-from .common import apply_cpu_defaults, check_saving_options, component_fields
+from .common import apply_cpu_defaults, check_saving_options, component_fields, torch_threads_field
 from .loss import LOSS_NORMALIZATIONS
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
@@ -228,6 +228,8 @@ class TrinityConfig(GRPOConfig):
         default=False,
         metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
     )
+
+    torch_threads: int | None = torch_threads_field()
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
