@@ -186,7 +186,39 @@ def parse(
             for k in unknown
         ]
         raise UsageError(f"unknown options {', '.join(hints)}: not options of the {recipe} recipe (see --help)")
+    if "output_dir" not in yaml_values and _option_from_argv(argv, "output_dir") is None:
+        for config in parsed:
+            if hasattr(config, "output_dir"):
+                config.output_dir = default_output_dir(recipe, config_file, argv)
     return tuple(parsed)
+
+
+def _option_from_argv(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` / ``--name=value`` (or the dashed spelling) on the command line, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        for spelling in (f"--{name}", f"--{name.replace('_', '-')}"):
+            if arg == spelling and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(f"{spelling}="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+#: command-line options that change what a config runs, so they name its default output folder too
+OUTPUT_NAMING_OPTIONS = ("algorithm", "environment", "dataset_name")
+
+
+def default_output_dir(recipe: str, config_file: str | None, argv: list[str]) -> str:
+    """``outputs/<config or recipe>[-<value>...]``: the output folder when neither the config nor the command line
+    sets ``output_dir``, named after what ran (``--environment calculator`` on ``step_grpo_cpu`` writes to
+    ``outputs/step_grpo_cpu-calculator``, not beside the config's own task)."""
+    name = os.path.splitext(os.path.basename(config_file))[0] if config_file else recipe
+    for option in OUTPUT_NAMING_OPTIONS:
+        value = _option_from_argv(argv, option)
+        if value is not None:
+            name += "-" + os.path.basename(os.path.normpath(value)).replace(os.sep, "_")
+    return os.path.join("outputs", name)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -644,6 +676,10 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
     if trainer.args.push_to_hub:
         trainer.push_to_hub()
     if trainer.is_world_process_zero():
+        from trinity_trl.trainers.metrics import no_learning_signal
+
+        if remark := no_learning_signal(trainer.state.log_history):
+            print(f"[trinity-trl] {remark}", flush=True)
         before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
         outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
         written = "model, card, training_log.json and plot" if plotted else "model, card and training_log.json"

@@ -4,6 +4,7 @@ data and rewards, and the output-folder guard."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -374,3 +375,24 @@ def test_closing_line_names_only_what_was_written(tmp_path, capsys):
     save_outputs(_FakeTrainer(tmp_path / "b", log), RecipeArguments(plot=True), summary)
     assert (tmp_path / "b" / "training_curves.png").is_file()
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"training_log.json and plot in {tmp_path / 'b'}")
+
+
+def test_default_output_dir_is_named_after_what_ran(tmp_path):
+    """`--environment calculator` on the number-guessing config must not write beside that config's own runs."""
+    from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
+    from trinity_trl.trainers import StepGRPOConfig, TrinityConfig
+
+    classes = (StepGRPOScriptArguments, StepGRPOConfig)
+    _, config = parse(classes, ["--config", "step_grpo_cpu"], "step_grpo")
+    assert config.output_dir == os.path.join("outputs", "step_grpo_cpu")
+    _, config = parse(classes, ["--config", "step_grpo_cpu", "--environment", "calculator"], "step_grpo")
+    assert config.output_dir == os.path.join("outputs", "step_grpo_cpu-calculator")
+    _, config = parse((RecipeArguments, TrinityConfig), ["--algorithm=rloo"], "train")
+    assert config.output_dir == os.path.join("outputs", "train-rloo")
+    # an output_dir of the command line or of the YAML file wins
+    _, config = parse(classes, ["--config", "step_grpo_cpu", "--output-dir", str(tmp_path / "x")], "step_grpo")
+    assert config.output_dir == str(tmp_path / "x")
+    yaml_file = tmp_path / "mine.yaml"
+    yaml_file.write_text("environment: calculator\noutput_dir: runs/mine\n")
+    _, config = parse(classes, ["--config", str(yaml_file)], "step_grpo")
+    assert config.output_dir == "runs/mine"
