@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import bench_common
 
@@ -106,8 +107,8 @@ def run(config: str, label: str, overrides: list[str], note: str) -> dict:
     return record
 
 
-def write_markdown() -> None:
-    records = [json.loads(line) for line in JSONL.read_text().splitlines() if line.strip()]
+def write_markdown(jsonl=JSONL, markdown=MARKDOWN) -> None:
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     lines = [
         "# Does each bundled CPU config learn what it claims?",
         "",
@@ -144,7 +145,7 @@ def write_markdown() -> None:
         lines.append("| " + " | ".join(cells) + " |")
     if records:
         lines += ["", f"Machine: {records[-1]['cpu']}, {records[-1]['cores']} cores."]
-    MARKDOWN.write_text("\n".join(lines) + "\n")
+    markdown.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,13 +153,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", help="a bundled config name, e.g. cispo_cpu")
     parser.add_argument("--label", default=None, help="name of this run in the results (default: the config)")
     parser.add_argument("--note", default="", help="a remark for the results table")
-    parser.add_argument("overrides", nargs="*", help="after --: options passed to the recipe")
+    parser.add_argument("--results", default=str(RESULTS), help="folder of configs_learning.jsonl and .md")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser.epilog = "Options after -- go to the recipe."
     args = parser.parse_args(argv)
+    args.overrides = overrides
     record = run(args.config, args.label or args.config, args.overrides, args.note)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(JSONL, "a", encoding="utf-8") as f:
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    with open(results / JSONL.name, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-    write_markdown()
+    write_markdown(results / JSONL.name, results / MARKDOWN.name)
     print(json.dumps(record, indent=1))
 
 

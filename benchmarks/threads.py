@@ -32,9 +32,9 @@ from peft import LoraConfig
 from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset, arithmetic_reward
 from trinity_trl.trainers import ChordConfig, ChordTrainer
 
-steps, threads, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+steps, threads, out, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 trainer = ChordTrainer(
-    model="bundled",
+    model=model,
     reward_funcs=arithmetic_reward,
     train_dataset=arithmetic_dataset("train", num_rows=512),
     expert_dataset=arithmetic_expert_dataset(num_rows=256),
@@ -52,13 +52,13 @@ print("RESULT " + json.dumps({"threads_used": used, "train_s": time.perf_counter
 """
 
 
-def one_run(threads: int, steps: int, busy: bool, timeout: float) -> dict:
+def one_run(threads: int, steps: int, busy: bool, timeout: float, model: str = "bundled") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the config decides
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     record = {"threads": threads, "busy_neighbour": busy, "loadavg_before": bench_common.loadavg()}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", RUN, str(steps), str(threads), f"/tmp/threads_bench_{os.getpid()}"],
+            [sys.executable, "-c", RUN, str(steps), str(threads), f"/tmp/threads_bench_{os.getpid()}", model],
             capture_output=True,
             text=True,
             env=env,
@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--busy", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--output", default=str(RESULTS / "threads.json"))
+    parser.add_argument("--model", default="bundled", help="model of the quick start (a path: the tests' tiny one)")
     args = parser.parse_args(argv)
     result = {"machine": bench_common.machine_description(), "steps": args.steps, "runs": []}
     for round_ in range(1, args.repeats + 1):
         for busy in (False, True) if args.busy else (False,):
             for threads in args.threads:
-                record = one_run(threads, args.steps, busy, args.timeout) | {"round": round_}
+                record = one_run(threads, args.steps, busy, args.timeout, args.model) | {"round": round_}
                 print(json.dumps(record), flush=True)
                 result["runs"].append(record)
                 with open(args.output, "w", encoding="utf-8") as f:
