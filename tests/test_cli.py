@@ -13,7 +13,7 @@ import pytest
 from launching import scaled_timeout
 
 from trinity_trl.cli import DEMO_OUTPUT_DIR, main, run
-from trinity_trl.recipes import RECIPES, bundled_configs, config_summary
+from trinity_trl.recipes import RECIPES, bundled_configs, config_path, config_summary
 
 
 def test_bare_command_prints_the_recipes_and_exits_2(capsys):
@@ -181,12 +181,10 @@ def test_demo_writes_to_its_own_folder(monkeypatch):
     assert argv[argv.index("--config") + 1] == "chord_cpu"
     assert argv[argv.index("--output_dir") + 1] == DEMO_OUTPUT_DIR
     assert argv[-2:] == ["--max_steps", "1"]  # user overrides come last, so they win
-    import yaml
+    from trinity_trl.recipes.common import default_output_dir
 
-    from trinity_trl.recipes import config_path
-
-    with open(config_path("chord_cpu")) as f:
-        assert yaml.safe_load(f)["output_dir"] != DEMO_OUTPUT_DIR  # short chord_cpu runs never overwrite the demo
+    # short chord_cpu runs (no output_dir in the config: outputs/chord_cpu) never overwrite the demo
+    assert default_output_dir("chord", config_path("chord_cpu"), ["--max_steps", "2"]) != DEMO_OUTPUT_DIR
 
 
 def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):
