@@ -44,8 +44,11 @@ def config_path(name: str) -> str:
 
 
 def config_summary(name: str) -> dict[str, str]:
-    """``{recipe, model, task, purpose}`` of a bundled config: from its ``# recipe:`` and ``# purpose:``
-    header lines and its ``model_name_or_path`` / ``dataset_name`` (or ``environment``) keys."""
+    """``{recipe, model, task, steps, measured, purpose}`` of a bundled config: from its ``# recipe:``,
+    ``# purpose:`` and ``# measured:`` header lines (``measured``: what a run of the config as shipped did to its
+    held-out metric, recorded in ``benchmarks/results/configs_learning.md``, or ``smoke: <why>`` for a config that
+    only shows the mechanics run) and its ``model_name_or_path``, ``dataset_name`` (or ``environment``) and
+    ``max_steps`` keys."""
     import yaml
 
     with open(config_path(name), encoding="utf-8") as f:
@@ -54,7 +57,7 @@ def config_summary(name: str) -> dict[str, str]:
     for line in text.splitlines():
         if line.startswith("# ") and ":" in line:
             key, _, value = line[2:].partition(":")
-            if key in ("recipe", "purpose"):
+            if key in ("recipe", "purpose", "measured"):
                 header[key] = value.strip()
     values = yaml.safe_load(text) or {}
     task = values.get("environment") or values.get("dataset_name", "arithmetic")
@@ -62,5 +65,7 @@ def config_summary(name: str) -> dict[str, str]:
         "recipe": header.get("recipe", "?"),
         "model": str(values.get("model_name_or_path", "bundled")),
         "task": str(task),
+        "steps": str(values.get("max_steps", "?")),
+        "measured": header.get("measured", "-"),
         "purpose": header.get("purpose", ""),
     }

@@ -95,13 +95,6 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
-    torch_threads: int = field(
-        default=0,
-        metadata={
-            "help": "torch.set_num_threads for the run (0 = torch's default, one per core). On a small CPU "
-            "shared with other work, 1 avoids threads waiting for each other (several times faster)."
-        },
-    )
 
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
@@ -109,8 +102,6 @@ class RecipeArguments:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_funcs:
             raise UsageError("reward_funcs must name at least one reward function")
-        if self.torch_threads < 0:
-            raise UsageError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
 
 def run_as_script(main: Callable) -> None:
@@ -205,7 +196,39 @@ def parse(
             for k in unknown
         ]
         raise UsageError(f"unknown options {', '.join(hints)}: not options of the {recipe} recipe (see --help)")
+    if "output_dir" not in yaml_values and _option_from_argv(argv, "output_dir") is None:
+        for config in parsed:
+            if hasattr(config, "output_dir"):
+                config.output_dir = default_output_dir(recipe, config_file, argv)
     return tuple(parsed)
+
+
+def _option_from_argv(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` / ``--name=value`` (or the dashed spelling) on the command line, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        for spelling in (f"--{name}", f"--{name.replace('_', '-')}"):
+            if arg == spelling and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(f"{spelling}="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+#: command-line options that change what a config runs, so they name its default output folder too
+OUTPUT_NAMING_OPTIONS = ("algorithm", "environment", "dataset_name")
+
+
+def default_output_dir(recipe: str, config_file: str | None, argv: list[str]) -> str:
+    """``outputs/<config or recipe>[-<value>...]``: the output folder when neither the config nor the command line
+    sets ``output_dir``, named after what ran (``--environment calculator`` on ``step_grpo_cpu`` writes to
+    ``outputs/step_grpo_cpu-calculator``, not beside the config's own task)."""
+    name = os.path.splitext(os.path.basename(config_file))[0] if config_file else recipe
+    for option in OUTPUT_NAMING_OPTIONS:
+        value = _option_from_argv(argv, option)
+        if value is not None:
+            name += "-" + os.path.basename(os.path.normpath(value)).replace(os.sep, "_")
+    return os.path.join("outputs", name)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -648,21 +671,13 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
 
 def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
     """Train, with greedy held-out accuracy before and after when ``args.eval_accuracy`` (then also a model-card
-    section); returns the run's summary for ``training_log.json``. With ``args.torch_threads``, torch uses that
-    many threads meanwhile (the previous count is restored after)."""
-    import torch
-
+    section); returns the run's summary for ``training_log.json``. Torch's thread count is the training config's
+    ``torch_threads`` (set when the config was built; one per process on a CPU by default)."""
     from trinity_trl.data.loading import source_name
 
-    threads = torch.get_num_threads()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    try:
-        before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-        after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
-    finally:
-        torch.set_num_threads(threads)
+    before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
     steps = trainer.state.global_step
     if before is not None:
         trainer.add_model_card_section(
@@ -712,6 +727,10 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
     if trainer.args.push_to_hub:
         trainer.push_to_hub()
     if trainer.is_world_process_zero():
+        from trinity_trl.training.metrics import no_learning_signal
+
+        if remark := no_learning_signal(trainer.state.log_history):
+            print(f"[trinity-trl] {remark}", flush=True)
         before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
         outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
         written = "model, card, training_log.json and plot" if plotted else "model, card and training_log.json"

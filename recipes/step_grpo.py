@@ -38,7 +38,7 @@ from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 # environment name -> (factory of one environment per run, dataset of tasks)
 ENVIRONMENTS = {
     "number_guess": (lambda: NumberGuessEnv(partial_credit=True), number_guess_dataset),
-    "calculator": (CalculatorEnv, calculator_dataset),
+    "calculator": (lambda: CalculatorEnv(partial_credit=True), calculator_dataset),
     "calculator_tools": (CalculatorToolEnv, calculator_tool_dataset),  # TRL's tool protocol
 }
 # chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot

@@ -74,6 +74,7 @@ def _force_cpu_paths(paths: list[str]) -> None:
         elif path.startswith("threads_"):
             TEST_THREADS = int(path.removeprefix("threads_"))
             torch.set_num_threads(TEST_THREADS)
+            os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)  # else every config built sets trinity_trl's CPU default
         elif path == "math_sdpa":
             # the global switches behind torch.nn.attention.sdpa_kernel; CPU dispatch reads them too
             torch.backends.cuda.enable_flash_sdp(False)

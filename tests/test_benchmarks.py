@@ -263,3 +263,34 @@ def test_learning_full_setting_is_what_the_readme_states():
         "6 x (3 + 2) = 30 runs",
     ):
         assert stated in section, stated
+
+
+def test_configs_learning_records_a_config_run(tmp_path, tiny_model_dir):
+    overrides = ["--model_name_or_path", tiny_model_dir, "--max_steps", "1", "--num_eval_rows", "2"]
+    overrides += ["--per_device_train_batch_size", "4", "--max_completion_length", "4", "--eval_max_new_tokens", "4"]
+    _run("configs_learning.py", "cispo_cpu", "--label", "tiny", "--results", str(tmp_path), "--", *overrides)
+    (record,) = [json.loads(line) for line in (tmp_path / "configs_learning.jsonl").read_text().splitlines()]
+    assert record["label"] == "tiny" and record["returncode"] == 0 and record["steps"] == 1
+    assert record["metric"] == "held-out accuracy" and 0.0 <= record["before"] <= 1.0 and 0.0 <= record["after"] <= 1.0
+    assert len(record["loadavg_before"]) == 3 and record["wall_s"] > 0
+    assert (
+        "| cispo_cpu | `trinity-trl cispo --config cispo_cpu --model_name_or_path"
+        in (tmp_path / "configs_learning.md").read_text()
+    )
+
+
+def test_configs_learning_reward_quarters():
+    sys.path.insert(0, str(BENCHMARKS))
+    from configs_learning import reward_quarters
+
+    history = [{"reward": r, "reward_std": s} for r, s in [(0.0, 0.0), (0.2, 0.1), (0.4, 0.2), (0.6, 0.0)]]
+    assert reward_quarters([*history, {"train_runtime": 1.0}]) == (0.0, 0.6, 0.5)
+
+
+def test_threads_quick_on_the_tiny_model(tmp_path, tiny_model_dir):
+    output = tmp_path / "threads.json"
+    _run(
+        "threads.py", "--threads", "1", "--steps", "1", "--no-busy", "--model", tiny_model_dir, "--output", str(output)
+    )
+    (run,) = _load(output)["runs"]
+    assert run["threads"] == 1 and run["threads_used"] == 1 and len(run["step_times"]) == 1

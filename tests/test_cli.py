@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 from launching import scaled_timeout
 
 from trinity_trl.cli import DEMO_OUTPUT_DIR, main, run
-from trinity_trl.recipes import RECIPES, bundled_configs
+from trinity_trl.recipes import RECIPES, bundled_configs, config_path, config_summary
 
 
 def test_bare_command_prints_the_recipes_and_exits_2(capsys):
@@ -31,13 +33,52 @@ def test_help_lists_recipes_and_exits_0(capsys):
 def test_configs_table_names_recipe_model_task_and_purpose(capsys):
     main(["configs"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["config", "recipe", "model", "task", "purpose"]
+    assert lines[0].split()[:5] == ["config", "recipe", "model", "task", "steps"]
+    assert "measured (held-out metric before -> after)" in lines[0] and lines[0].endswith("purpose")
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert sorted(rows) == bundled_configs()
     assert rows["chord_cpu"][1:4] == ["chord", "bundled", "arithmetic"]
     assert rows["chord_gpu"][1:4] == ["chord", "Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k"]
     assert rows["step_grpo_cpu"][1] == "step_grpo" and rows["dpo_cpu"][1] == "train"
     assert all(len(row) > 4 for row in rows.values())  # every config has a purpose
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "configs_learning.jsonl"
+# "accuracy 0.080 -> 0.490 (8 steps, 6.1 min at load 3.1, 2 cores)"
+MEASURED = re.compile(r"^(accuracy|reward) (\d\.\d{3}) -> (\d\.\d{3}) \((\d+) steps, [\d.]+ min at load [\d.]+")
+
+
+def test_configs_table_shows_each_cpu_configs_measured_run_as_recorded(capsys):
+    """The table's steps are the config's max_steps, and each CPU config's measured before -> after is a run of that
+    config as shipped, recorded by benchmarks/configs_learning.py, at that many steps (or the config says why it
+    is only a smoke run): editing a config's steps or results without measuring again fails here."""
+    records = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+    main(["configs"])
+    table = capsys.readouterr().out
+    for name in bundled_configs():
+        summary = config_summary(name)
+        row = next(line for line in table.splitlines() if line.split()[0] == name)
+        assert summary["measured"] in row and summary["steps"] in row.split()
+        if not name.endswith("_cpu"):
+            continue
+        measured = summary["measured"]
+        if measured.startswith("smoke: "):
+            assert len(measured) > 20, f"{name}: a smoke config says why"
+            continue
+        if measured.startswith("not measured yet"):
+            continue
+        match = MEASURED.match(measured)
+        assert match, f"{name}: unreadable measured line {measured!r}"
+        steps = int(match[4])
+        assert steps == int(summary["steps"]), f"{name}: measured at {steps} steps, configured for {summary['steps']}"
+        assert any(
+            r["label"] == name
+            and not r.get("returncode")
+            and r["steps"] == steps
+            and f"{r['before']:.3f}" == match[2]
+            and f"{r['after']:.3f}" == match[3]
+            for r in records
+        ), f"{name}: {measured!r} is not a run recorded in {RESULTS.name}"
 
 
 @pytest.mark.parametrize(
@@ -140,12 +181,10 @@ def test_demo_writes_to_its_own_folder(monkeypatch):
     assert argv[argv.index("--config") + 1] == "chord_cpu"
     assert argv[argv.index("--output_dir") + 1] == DEMO_OUTPUT_DIR
     assert argv[-2:] == ["--max_steps", "1"]  # user overrides come last, so they win
-    import yaml
+    from trinity_trl.recipes.common import default_output_dir
 
-    from trinity_trl.recipes import config_path
-
-    with open(config_path("chord_cpu")) as f:
-        assert yaml.safe_load(f)["output_dir"] != DEMO_OUTPUT_DIR  # short chord_cpu runs never overwrite the demo
+    # short chord_cpu runs (no output_dir in the config: outputs/chord_cpu) never overwrite the demo
+    assert default_output_dir("chord", config_path("chord_cpu"), ["--max_steps", "2"]) != DEMO_OUTPUT_DIR
 
 
 def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_model_dir):

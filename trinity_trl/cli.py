@@ -4,7 +4,7 @@
     trinity-trl cispo --config my.yaml --max_steps 100  # your YAML plus overrides
     trinity-trl train --algorithm rloo
     trinity-trl demo                                    # CHORD + LoRA on the bundled model and task (CPU)
-    trinity-trl configs                                 # the bundled configs: recipe, model, task, purpose
+    trinity-trl configs                                 # the bundled configs: recipe, model, task, steps, measured
 
 A mistake in the command line or a config (unknown recipe, config or option, an invalid combination)
 prints one line and exits with status 2; ``--debug`` shows the traceback instead. ``trinity-trl --version``
@@ -46,10 +46,13 @@ def _usage() -> str:
 def _configs_table() -> str:
     from .recipes import bundled_configs, config_summary
 
-    rows = [("config", "recipe", "model", "task", "purpose")]
+    rows = [("config", "recipe", "model", "task", "steps", "measured (held-out metric before -> after)", "purpose")]
     rows += [(name, *config_summary(name).values()) for name in bundled_configs()]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join("  ".join(cell.ljust(widths[i]) if i < 4 else cell for i, cell in enumerate(row)) for row in rows)
+    last = len(rows[0]) - 1
+    widths = [max(len(row[i]) for row in rows) for i in range(last)]
+    return "\n".join(
+        "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(row)) for row in rows
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

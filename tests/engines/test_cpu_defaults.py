@@ -3,7 +3,9 @@
 TRL turns bf16 and activation checkpointing on by default, and transformers refuses bf16 on a machine without a GPU
 unless `use_cpu=True` ("Your setup doesn't support bf16/gpu"). Every trinity_trl config built on a CPU machine
 without `use_cpu`, `bf16`/`fp16` or `activation_checkpointing` must build, train in float32 without checkpointing,
-and say so once; explicit choices stay; with an accelerator TRL's defaults stay.
+and say so once; explicit choices stay; with an accelerator TRL's defaults stay. Torch gets one thread per process
+on a CPU (torch's default of one per core collapses on a shared small machine) unless `OMP_NUM_THREADS` or the
+config's `torch_threads` says otherwise.
 """
 
 from __future__ import annotations
@@ -39,15 +41,20 @@ CONFIGS = (
     TrinityDPOConfig,
 )
 ANNOUNCEMENT = "No GPU or other accelerator: training in float32"
+THREADS = "with one torch thread per process (torch_threads or OMP_NUM_THREADS to override)"
 
 pytestmark = pytest.mark.skipif(common.accelerator_available(), reason="these tests are about a machine without GPU")
 
 
 @pytest.fixture
 def announcements(monkeypatch, caplog):
+    """The CPU-defaults log lines of the test; OMP_NUM_THREADS unset and torch's thread count restored after."""
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(common, "_CPU_DEFAULTS_ANNOUNCED", False)
     caplog.set_level(logging.WARNING, logger="trinity_trl")
-    return lambda: [r.getMessage() for r in caplog.records if r.getMessage().startswith(ANNOUNCEMENT)]
+    yield lambda: [r.getMessage() for r in caplog.records if r.getMessage().startswith("No GPU or other accelerator")]
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("config_class", CONFIGS)
@@ -58,8 +65,9 @@ def test_a_config_built_on_a_cpu_without_use_cpu_or_bf16_is_float32(tmp_path, co
     assert not config.use_cpu
     assert announcements() == [
         f"{ANNOUNCEMENT} (bf16=True to override), without activation checkpointing "
-        "(activation_checkpointing=True to override)."
+        f"(activation_checkpointing=True to override), {THREADS}."
     ]
+    assert torch.get_num_threads() == 1
 
 
 def test_said_once_per_process(tmp_path, announcements):
@@ -70,17 +78,50 @@ def test_said_once_per_process(tmp_path, announcements):
 
 def test_explicit_choices_stay(tmp_path, announcements):
     config = TrinityConfig(
-        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=True, activation_checkpointing=True
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        bf16=True,
+        activation_checkpointing=True,
+        torch_threads=2,
     )
     assert config.bf16 is True and config.activation_checkpointing is True
+    assert config.torch_threads == 2 and torch.get_num_threads() == 2
     assert announcements() == []
     # bf16 without use_cpu on a machine without GPU: transformers' own refusal, which names the fix
     with pytest.raises(ValueError, match="doesn't support bf16/gpu.*use_cpu"):
         TrinityConfig(output_dir=str(tmp_path), report_to="none", bf16=True)
 
 
+def test_one_torch_thread_by_default_an_explicit_count_wins(tmp_path, announcements):
+    torch.set_num_threads(2)
+    config = CISPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert torch.get_num_threads() == 1 and config.torch_threads is None  # the config keeps what the user gave
+    torch.set_num_threads(2)
+    CISPOConfig(output_dir=str(tmp_path), report_to="none", torch_threads=0)  # 0: torch's own choice, untouched
+    assert torch.get_num_threads() == 2
+    TrinitySFTConfig(output_dir=str(tmp_path), report_to="none", torch_threads=3)
+    assert torch.get_num_threads() == 3
+    assert len(announcements()) == 1 and THREADS in announcements()[0]
+    with pytest.raises(ValueError, match="torch_threads must be a whole number >= 0, got -1"):
+        TrinityDPOConfig(output_dir=str(tmp_path), report_to="none", torch_threads=-1)
+
+
+def test_omp_num_threads_wins(tmp_path, announcements, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)  # what torch reads from OMP_NUM_THREADS=2 at start
+    TrinityConfig(output_dir=str(tmp_path), report_to="none")
+    assert torch.get_num_threads() == 2
+    assert announcements() == [
+        f"{ANNOUNCEMENT} (bf16=True to override), without activation checkpointing "
+        "(activation_checkpointing=True to override)."
+    ]
+
+
 def test_with_an_accelerator_trl_defaults_stay(monkeypatch):
     monkeypatch.setattr(common, "accelerator_available", lambda: True)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
     config = SimpleNamespace(
         use_cpu=False,
         bf16=None,
@@ -93,6 +134,7 @@ def test_with_an_accelerator_trl_defaults_stay(monkeypatch):
     common.apply_cpu_defaults(config)
     assert config.bf16 is None  # TRL's __post_init__ turns it on
     assert config.activation_checkpointing is True
+    assert torch.get_num_threads() == threads  # torch's own thread count with an accelerator
 
 
 def test_the_trainer_built_from_such_a_config_trains_in_float32(tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@ data and rewards, and the output-folder guard."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -213,30 +214,30 @@ def test_recipe_arguments_reject_bad_values():
         RecipeArguments(num_eval_rows=-1)
     with pytest.raises(ValueError, match="at least one reward"):
         RecipeArguments(reward_funcs=[])
-    with pytest.raises(ValueError, match="torch_threads must be >= 0, got -1"):
-        RecipeArguments(torch_threads=-1)
 
 
-def test_torch_threads_hold_during_the_run_and_are_restored_after():
+@pytest.fixture
+def restore_torch_threads():
     import torch
 
-    from trinity_trl.recipes.common import train_and_evaluate
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
-    seen = []
 
-    class Trainer:  # what train_and_evaluate uses of a trainer, without accuracy evaluation
-        state = type("State", (), {"global_step": 3})()
+def test_torch_threads_of_a_recipe_config_reach_torch(monkeypatch, tmp_path, restore_torch_threads):
+    """`torch_threads` in a recipe's YAML or command line is the training config's field (it sets torch's count
+    when the config is built), not a recipe argument that a Python user of the trainers would miss."""
+    import torch
 
-        def train(self, resume_from_checkpoint=None):
-            seen.append(torch.get_num_threads())
+    from trinity_trl.trainers import CISPOConfig
 
-    before = torch.get_num_threads()
-    wanted = 1 if before != 1 else 2
-    summary = train_and_evaluate(Trainer(), RecipeArguments(torch_threads=wanted), test_set=None)
-    assert seen == [wanted] and torch.get_num_threads() == before
-    assert summary["global_step"] == 3
-    train_and_evaluate(Trainer(), RecipeArguments(), test_set=None)  # 0: torch's own count, untouched
-    assert seen[-1] == before
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(1)
+    _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "2"], "cispo")
+    assert config.torch_threads == 2 and torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match="torch_threads must be a whole number >= 0, got -1"):
+        parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "-1"], "cispo")
 
 
 def test_bundled_task_prompt_style_from_dataset_config():
@@ -374,3 +375,24 @@ def test_closing_line_names_only_what_was_written(tmp_path, capsys):
     save_outputs(_FakeTrainer(tmp_path / "b", log), RecipeArguments(plot=True), summary)
     assert (tmp_path / "b" / "training_curves.png").is_file()
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"training_log.json and plot in {tmp_path / 'b'}")
+
+
+def test_default_output_dir_is_named_after_what_ran(tmp_path):
+    """`--environment calculator` on the number-guessing config must not write beside that config's own runs."""
+    from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
+    from trinity_trl.trainers import StepGRPOConfig, TrinityConfig
+
+    classes = (StepGRPOScriptArguments, StepGRPOConfig)
+    _, config = parse(classes, ["--config", "step_grpo_cpu"], "step_grpo")
+    assert config.output_dir == os.path.join("outputs", "step_grpo_cpu")
+    _, config = parse(classes, ["--config", "step_grpo_cpu", "--environment", "calculator"], "step_grpo")
+    assert config.output_dir == os.path.join("outputs", "step_grpo_cpu-calculator")
+    _, config = parse((RecipeArguments, TrinityConfig), ["--algorithm=rloo"], "train")
+    assert config.output_dir == os.path.join("outputs", "train-rloo")
+    # an output_dir of the command line or of the YAML file wins
+    _, config = parse(classes, ["--config", "step_grpo_cpu", "--output-dir", str(tmp_path / "x")], "step_grpo")
+    assert config.output_dir == str(tmp_path / "x")
+    yaml_file = tmp_path / "mine.yaml"
+    yaml_file.write_text("environment: calculator\noutput_dir: runs/mine\n")
+    _, config = parse(classes, ["--config", str(yaml_file)], "step_grpo")
+    assert config.output_dir == "runs/mine"

@@ -10,7 +10,7 @@ from trinity_trl.cli import run as cli
 from trinity_trl.data.arithmetic import TEMPLATES
 from trinity_trl.recipes import config_path
 from trinity_trl.recipes.chord import terms_card_section
-from trinity_trl.recipes.common import UsageError
+from trinity_trl.recipes.common import RecipeArguments, UsageError, load_task
 from trinity_trl.recipes.plot import curves
 
 from .test_recipes import RUNS, run_recipe
@@ -73,8 +73,8 @@ def test_demo_rollouts_draw_the_named_templates_and_show_both_terms(tmp_path, ti
 def test_rollout_kinds_all_templates_by_default_and_only_for_the_bundled_task(tmp_path, tiny_model_dir):
     trainer = run_recipe("chord", tiny_model_dir, tmp_path, "--eval_accuracy", "false", "--rollout_kinds", "add")
     assert set(trainer.train_dataset["kind"]) == {"add"}
-    default = run_recipe("cispo", tiny_model_dir, tmp_path / "cispo", "--eval_accuracy", "false")
-    assert set(default.train_dataset["kind"]) == set(TEMPLATES)  # cispo_cpu sets no rollout_kinds
+    default = load_task(RecipeArguments(num_train_rows=64, num_eval_rows=2))  # no rollout_kinds given
+    assert set(default.train["kind"]) == set(TEMPLATES)
     with pytest.raises(UsageError, match="rollout_kinds"):
         run_recipe(
             "chord",

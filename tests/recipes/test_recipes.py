@@ -289,3 +289,21 @@ def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_mode
     assert "held-out accuracy before training" in result.stdout and "(6 problems)" in result.stdout
     before = log["summary"]["accuracy_before"]
     assert before is not None and abs(before * 6 - round(before * 6)) < 1e-9
+
+
+def test_a_run_whose_reward_never_varied_ends_saying_so(tmp_path, tiny_model_dir, capsys):
+    """The tiny random model never answers an arithmetic problem: reward 0 for every rollout of every step."""
+    trainer = run_recipe("cispo", tiny_model_dir, tmp_path, "--eval_accuracy", "false")
+    assert all(e["frac_reward_zero_std"] == 1.0 for e in trainer.state.log_history if "frac_reward_zero_std" in e)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no learning signal" in line]
+    assert lines == [
+        "[trinity-trl] no learning signal: the reward never varied within a group of rollouts (every rollout got "
+        "reward 0 at every logged step), so the policy learned nothing from its rewards; use prompts the model "
+        "sometimes solves, more rollouts per prompt (num_generations), a higher temperature or a reward with "
+        "partial credit"
+    ]
+
+
+def test_a_run_with_varying_rewards_says_nothing_of_the_kind(tmp_path, tiny_model_dir, capsys):
+    run_recipe("cispo", tiny_model_dir, tmp_path, "--eval_accuracy", "false", "--reward_funcs", "helpers:length_reward")
+    assert "no learning signal" not in capsys.readouterr().out

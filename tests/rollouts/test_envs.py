@@ -89,6 +89,31 @@ def test_safe_eval_refuses_anything_but_integer_arithmetic(expression):
         safe_eval(expression)
 
 
+def test_calculator_partial_credit():
+    """partial_credit: 1 for the right answer, 0.5 for a wrong one after computing the right value, 0.1 for a wrong
+    one after only well-formed calls, 0 after a malformed turn; the first message shows a worked exchange."""
+    env = CalculatorEnv(partial_credit=True)
+    prompt = env.reset(question="A shop sells 3 apples of 10. How many are left?", answer=7)
+    assert prompt.endswith("Problem: A shop sells 3 apples of 10. How many are left?")
+    assert "You: calc(4*20-13)" in prompt and "You: answer(67)" in prompt
+    assert env.step("answer(7)") == StepResult("Correct.", reward=1.0, done=True)
+    env.reset(question="q", answer=7)
+    assert env.step("calc(10-3)").reward == 0.0  # a step's reward before the end
+    assert env.step("answer(8)") == StepResult("Wrong.", reward=0.5, done=True)
+    env.reset(question="q", answer=7)
+    env.step("calc(10-2)")
+    assert env.step("answer(8)").reward == 0.1
+    env.reset(question="q", answer=7)
+    assert env.step("answer(8)").reward == 0.1  # answering at once is well-formed too
+    env.reset(question="q", answer=7)
+    env.step("I think it is 7")
+    assert env.step("answer(8)").reward == 0.0
+    env.reset(question="q", answer=7)
+    env.step("calc(x)")
+    assert env.step("answer(8)").reward == 0.0
+    assert CalculatorEnv().reset(question="q", answer=1).startswith("q\n")  # without partial credit: as before
+
+
 def test_calculator_dataset_answers_its_questions():
     rows = calculator_dataset(16, seed=1)
     for question, answer in zip(rows["question"], rows["answer"]):

@@ -9,7 +9,7 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from trinity_trl.training.metrics import append_metrics, pool_metrics, replace_logged_advantages
+from trinity_trl.training.metrics import append_metrics, no_learning_signal, pool_metrics, replace_logged_advantages
 
 
 def test_append_metrics_turns_tensors_into_floats_and_appends():
@@ -109,3 +109,20 @@ def test_replace_logged_advantages_when_the_table_holds_fewer_values():
     logged = deque([0.3], maxlen=2)  # TRL keeps at most maxlen values
     replace_logged_advantages(logged, lambda t: t, torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, 1))
     assert list(logged) == [2.0, 3.0]
+
+
+def test_no_learning_signal_only_when_no_group_ever_varied():
+    flat = [
+        {"step": 1, "reward": 0.0, "frac_reward_zero_std": 1.0},
+        {"step": 2, "reward": 0.0, "frac_reward_zero_std": 1.0},
+        {"step": 2, "train_runtime": 3.0},
+    ]
+    remark = no_learning_signal(flat)
+    assert remark.startswith("no learning signal: the reward never varied within a group of rollouts")
+    assert "every rollout got reward 0 at every logged step" in remark
+    # constant within each group but different between groups: still no signal, said without a single value
+    mixed = [{"reward": 0.25, "frac_reward_zero_std": 1.0}, {"reward": 1.0, "frac_reward_zero_std": 1.0}]
+    assert "no group's rewards differed" in no_learning_signal(mixed)
+    # one step where some group varied: that step had a signal
+    assert no_learning_signal([*flat, {"reward": 0.5, "frac_reward_zero_std": 0.75}]) is None
+    assert no_learning_signal([{"loss": 1.0}]) is None  # SFT / DPO: no rewards, nothing to say

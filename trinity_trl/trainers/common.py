@@ -39,6 +39,17 @@ def accelerator_available() -> bool:
     return False
 
 
+TORCH_THREADS_HELP = (
+    "torch.set_num_threads when the config is built. Default: one thread per process on a CPU (unless "
+    "OMP_NUM_THREADS is set), torch's own choice with an accelerator; 0 = torch's own choice (one per core)."
+)
+
+
+def torch_threads_field() -> Any:
+    """The ``torch_threads`` field every trinity_trl config has (see :func:`apply_cpu_defaults`)."""
+    return dataclasses.field(default=None, metadata={"help": TORCH_THREADS_HELP})
+
+
 def apply_cpu_defaults(config: Any) -> None:
     """Defaults that suit where the run happens, before TRL's own ``__post_init__``.
 
@@ -48,6 +59,12 @@ def apply_cpu_defaults(config: Any) -> None:
     ``bf16``/``fp16`` nor ``activation_checkpointing``, a run without an accelerator (or with ``use_cpu``)
     trains in float32 without checkpointing, and says so once. With an accelerator TRL's defaults stay,
     under the current name ``activation_checkpointing`` (no deprecation warning for TRL's old name).
+
+    Threads: torch starts one thread per core, and on a small CPU that other work shares, every small op then
+    waits for a descheduled thread (a step of the bundled model several times slower, see
+    ``benchmarks/results/threads.md``). So without an accelerator torch gets one thread per process unless
+    ``OMP_NUM_THREADS`` is set or the config's ``torch_threads`` says otherwise (0: torch's own choice); an
+    explicit ``torch_threads`` applies with an accelerator too. The config's value stays as given.
     """
     global _CPU_DEFAULTS_ANNOUNCED
     on_cpu = config.use_cpu or not accelerator_available()
@@ -59,6 +76,9 @@ def apply_cpu_defaults(config: Any) -> None:
             "GPUs and would silently train in float32 here); use bf16=True, or leave both unset for "
             "float32"
         )
+    threads = getattr(config, "torch_threads", None)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+        raise ValueError(f"{type(config).__name__}: torch_threads must be a whole number >= 0, got {threads!r}")
     changed = []
     if config.bf16 is None and not config.fp16 and on_cpu:
         config.bf16 = False
@@ -69,6 +89,11 @@ def apply_cpu_defaults(config: Any) -> None:
             changed.append("without activation checkpointing (activation_checkpointing=True to override)")
     if config.activation_checkpointing_kwargs is None and config.gradient_checkpointing_kwargs is not None:
         config.activation_checkpointing_kwargs = config.gradient_checkpointing_kwargs
+    if threads is None and on_cpu and not os.environ.get("OMP_NUM_THREADS"):
+        threads = 1
+        changed.append("with one torch thread per process (torch_threads or OMP_NUM_THREADS to override)")
+    if threads:
+        torch.set_num_threads(threads)
     if changed and not _CPU_DEFAULTS_ANNOUNCED:
         _CPU_DEFAULTS_ANNOUNCED = True
         import logging

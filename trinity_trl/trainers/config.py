@@ -11,7 +11,7 @@ from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolv
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.loss import LOSS_NORMALIZATIONS
-from .common import apply_cpu_defaults, check_saving_options, component_fields
+from .common import apply_cpu_defaults, check_saving_options, component_fields, torch_threads_field
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -228,6 +228,8 @@ class TrinityConfig(GRPOConfig):
         default=False,
         metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
     )
+
+    torch_threads: int | None = torch_threads_field()
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator

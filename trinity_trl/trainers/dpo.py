@@ -47,6 +47,7 @@ from .common import (
     default_output_dir,
     load_processor,
     reject_sequence_sharding,
+    torch_threads_field,
 )
 from .config import from_trl_config
 
@@ -129,6 +130,8 @@ class TrinityDPOConfig(DPOConfig):
         default="token-mean",
         metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
     )
+
+    torch_threads: int | None = torch_threads_field()
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator

@@ -40,6 +40,7 @@ from .common import (
     default_output_dir,
     load_processor,
     reject_sequence_sharding,
+    torch_threads_field,
 )
 from .config import from_trl_config
 
@@ -99,6 +100,8 @@ class TrinitySFTConfig(SFTConfig):
             "seq-mean-token-sum-norm."
         },
     )
+
+    torch_threads: int | None = torch_threads_field()
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator

@@ -99,3 +99,24 @@ def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple
     if "step_time" in logs:
         parts.append(f"{float(logs['step_time']):.1f} s")
     return " | ".join(parts)
+
+
+def no_learning_signal(log_history: list[dict[str, Any]]) -> str | None:
+    """The closing remark of a run whose reward never varied within any group of rollouts, else None.
+
+    GRPO-style advantages are each rollout's reward against its group's: when every group's rollouts got the same
+    reward at every logged step (TRL's ``frac_reward_zero_std`` was 1 throughout), every advantage was zero and the
+    policy loss had no gradient from the rewards, whatever the loss curve shows (PPO's advantages come from its
+    critic, but a reward that never varied gives it nothing to learn either). ``log_history``:
+    ``trainer.state.log_history``.
+    """
+    fractions = [entry["frac_reward_zero_std"] for entry in log_history if "frac_reward_zero_std" in entry]
+    if not fractions or min(fractions) < 1.0:
+        return None
+    rewards = {round(float(entry["reward"]), 4) for entry in log_history if "reward" in entry}
+    same = f"every rollout got reward {rewards.pop():g}" if len(rewards) == 1 else "no group's rewards differed"
+    return (
+        f"no learning signal: the reward never varied within a group of rollouts ({same} at every logged step), "
+        "so the policy learned nothing from its rewards; use prompts the model sometimes solves, more rollouts per "
+        "prompt (num_generations), a higher temperature or a reward with partial credit"
+    )

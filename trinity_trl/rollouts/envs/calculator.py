@@ -46,26 +46,49 @@ class CalculatorEnv(Environment):
     (the environment replies with the value) or ``answer(N)`` (ends the episode).
 
     Reward: 1.0 for a correct ``answer(N)``, else 0.0. A turn with neither gets a reminder.
+    ``partial_credit=True`` gives a small model a denser signal: 0.5 for a wrong ``answer(N)`` after a ``calc`` that
+    computed the right value, 0.1 for a wrong answer after only well-formed calls (``calc`` of a valid
+    expression or ``answer(N)``), and the first message shows one worked exchange in the expected format (the
+    bundled SmolLM2-135M almost never writes ``calc(...)`` without one).
     """
+
+    EXAMPLE = (
+        "Example: A shop has 4 boxes with 20 apples each and sells 13 apples. How many apples are left?\n"
+        "You: calc(4*20-13)\nMe: calc(4*20-13) = 67\nYou: answer(67)\n\nProblem: "
+    )
+
+    def __init__(self, partial_credit: bool = False):
+        self.partial_credit = partial_credit
 
     def reset(self, question: str, answer: int, **row) -> str:
         self.answer = int(answer)
-        return (
-            f"{question}\nYou have a calculator: write calc(EXPRESSION), for example calc(12*7), and I "
+        self.computed, self.well_formed = False, True
+        instructions = (
+            "You have a calculator: write calc(EXPRESSION), for example calc(12*7), and I "
             "will reply with the result. When you know the result, write answer(NUMBER)."
         )
+        if self.partial_credit:
+            return f"{instructions}\n{self.EXAMPLE}{question}"
+        return f"{question}\n{instructions}"
 
     def step(self, action: str) -> StepResult:
         final = _ANSWER.search(action)
         if final:
             correct = int(final.group(1)) == self.answer
-            return StepResult("Correct." if correct else "Wrong.", reward=float(correct), done=True)
+            reward = float(correct)
+            if not correct and self.partial_credit:
+                reward = 0.5 if self.computed else 0.1 if self.well_formed else 0.0
+            return StepResult("Correct." if correct else "Wrong.", reward=reward, done=True)
         call = _CALL.search(action)
         if call:
             try:
-                return StepResult(f"calc({call.group(1)}) = {safe_eval(call.group(1))}")
+                value = safe_eval(call.group(1))
             except ValueError as err:
+                self.well_formed = False
                 return StepResult(f"Error: {err}. Use + - * and whole numbers.")
+            self.computed = self.computed or value == self.answer
+            return StepResult(f"calc({call.group(1)}) = {value}")
+        self.well_formed = False
         return StepResult("Write calc(EXPRESSION) to compute or answer(NUMBER) to finish.")
 
 
