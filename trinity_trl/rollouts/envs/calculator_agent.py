@@ -16,15 +16,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ...data.arithmetic import extract_answer
+from ...data.arithmetic import INSTRUCTION, extract_answer
 from .calculator import safe_eval
 
 _CALL = re.compile(r"calc\(([^()]*)\)")
 
-#: the instruction after each problem
+#: the instruction after each problem: the calculator, then the task's own instruction (a probe of the bundled model
+#: on 16 multiplication problems: 3 right with the task's instruction alone, 1 with only a calculator instruction)
 CALCULATOR_AGENT_INSTRUCTION = (
-    "You may use a calculator: write calc(EXPRESSION), for example calc(3*4), and you will get the value. "
-    "End with 'The answer is <number>.'"
+    f"You may write calc(EXPRESSION), for example calc(3*4), to use a calculator.\n{INSTRUCTION}"
 )
 #: model calls one run may make (calculator calls, the answer, one second try)
 MAX_CALLS = 4
