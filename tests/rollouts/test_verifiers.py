@@ -7,6 +7,8 @@ client, its tool execution and its rubric are the real ones, talking to the real
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from datasets import Dataset
 from helpers import tiny_grpo_kwargs
@@ -110,3 +112,10 @@ def test_group_rubrics_and_non_environments_are_refused():
         VerifiersAgent(env)
     with pytest.raises(ValueError, match="n=1"):
         VerifiersAgent(calculator_env(), sampling_args={"n": 2})
+
+
+def test_without_the_classic_api_the_error_says_what_to_install(monkeypatch):
+    # verifiers >= 0.4 (no verifiers.legacy), as if installed: the import fails with the extra to install
+    monkeypatch.setitem(sys.modules, "verifiers.legacy", None)
+    with pytest.raises(ImportError, match=r"verifiers>=0.3.1,<0.4.*trinity-trl\[verifiers\].*found verifiers"):
+        VerifiersAgent(object())
