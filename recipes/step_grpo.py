@@ -3,10 +3,12 @@
     trinity-trl step_grpo --config step_grpo_cpu                              # number guessing, on a CPU
     trinity-trl step_grpo --config step_grpo_cpu --environment calculator --max_steps 50
     trinity-trl step_grpo --config step_grpo_tools_cpu                        # TRL tool environment: calc/answer tools
+    trinity-trl step_grpo --config step_grpo_agent_cpu                        # an openai-client agent (agent=)
     python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
 
-Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, or a TRL
-tool environment's get_reward()) is normalised within the task's group of runs and given to all of its turns.
+Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, a TRL tool
+environment's get_reward(), or what an agent returns) is normalised within the task's group of runs and given to all
+of its turns.
 Options: the script arguments below and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trinity_trl.data import arithmetic_dataset
 from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import (
     UsageError,
@@ -32,6 +35,7 @@ from trinity_trl.rollouts import (
     calculator_tool_dataset,
     number_guess_dataset,
 )
+from trinity_trl.rollouts.envs.calculator_agent import calculator_agent
 from trinity_trl.tokenizer import TOOL_CHAT_TEMPLATES, tool_chat_template
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
@@ -40,6 +44,10 @@ ENVIRONMENTS = {
     "number_guess": (lambda: NumberGuessEnv(partial_credit=True), number_guess_dataset),
     "calculator": (lambda: CalculatorEnv(partial_credit=True), calculator_dataset),
     "calculator_tools": (CalculatorToolEnv, calculator_tool_dataset),  # TRL's tool protocol
+}
+# agent name -> (async def agent(client, row) played over the policy endpoint, dataset of tasks)
+AGENTS = {
+    "calculator_agent": (calculator_agent, lambda n, seed: arithmetic_dataset("train", n, seed=seed, kinds=["mul"])),
 }
 # chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot
 CHAT_TEMPLATES = tuple(TOOL_CHAT_TEMPLATES)
@@ -52,7 +60,10 @@ class StepGRPOScriptArguments:
     )
     environment: str = field(
         default="number_guess",
-        metadata={"help": "number_guess, calculator (text actions) or calculator_tools (TRL tools)."},
+        metadata={
+            "help": "number_guess, calculator (text actions), calculator_tools (TRL tools) or calculator_agent (an "
+            "agent written with the openai package, trained through the policy endpoint: the `agents` extra)."
+        },
     )
     chat_template: str | None = field(
         default=None,
@@ -76,8 +87,8 @@ class StepGRPOScriptArguments:
     )
 
     def __post_init__(self):
-        if self.environment not in ENVIRONMENTS:
-            raise UsageError(f"environment must be one of {sorted(ENVIRONMENTS)}, got {self.environment!r}")
+        if self.environment not in ENVIRONMENTS and self.environment not in AGENTS:
+            raise UsageError(f"environment must be one of {sorted([*ENVIRONMENTS, *AGENTS])}, got {self.environment!r}")
         if self.num_tasks < 1:
             raise UsageError(f"num_tasks must be >= 1, got {self.num_tasks}")
         if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
@@ -89,7 +100,10 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
-    environment_factory, make_dataset = ENVIRONMENTS[args.environment]
+    environment_factory, make_dataset = ENVIRONMENTS.get(args.environment) or AGENTS[args.environment]
+    agent = None
+    if args.environment in AGENTS:  # an agent plays the tasks: environment_factory is its function
+        agent, environment_factory = environment_factory, None
     tasks = make_dataset(args.num_tasks, seed=training_args.seed)
     # 3. model (with a tool-calling chat template if asked) and trainer
     model = resolve_model(args.model_name_or_path)
@@ -104,6 +118,7 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
         train_dataset=tasks,
         processing_class=processing_class,
         environment_factory=environment_factory,
+        agent=agent,
         peft_config=peft_config(args),
     )
     concise_progress(trainer)

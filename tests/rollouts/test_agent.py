@@ -226,3 +226,13 @@ def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):
         )
     with pytest.raises(ValueError, match="needs a train_dataset"):
         StepGRPOTrainer(model=tool_model_dir, args=args, agent=calculator_agent)
+
+
+def test_chord_trainer_refuses_agents_and_environments(tmp_path):
+    # issue 24 item 7: CHORD's expert rows have no environment
+    from trinity_trl.trainers import ChordTrainer
+
+    expert = Dataset.from_dict({"prompt": ["1+1?"], "completion": ["2"]})
+    for name, value in (("agent", calculator_agent), ("environment_factory", object)):
+        with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}: .*StepGRPOTrainer"):
+            ChordTrainer(model="unused", expert_dataset=expert, **{name: value})

@@ -167,8 +167,12 @@ class ChordTrainer(TrinityTrainer):
         args = from_trl_config(args, ChordConfig, "ChordTrainer")  # a plain GRPOConfig is converted
         if expert_dataset is None:
             raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
-        if kwargs.get("environment_factory") is not None:
-            raise ValueError("ChordTrainer does not support environment_factory: expert rows have no environment")
+        for name in ("environment_factory", "agent"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"ChordTrainer does not support {name}: expert rows have no environment (train agents with "
+                    "StepGRPOTrainer)"
+                )
         if len(expert_dataset) == 0:
             raise ValueError("expert_dataset is empty")
         self._expert_format = _expert_columns(expert_dataset)
