@@ -204,15 +204,13 @@ def parse(
 
 
 def _option_from_argv(argv: list[str], name: str) -> str | None:
-    """The value of ``--name value`` / ``--name=value`` (or the dashed spelling) on the command line, else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        for spelling in (f"--{name}", f"--{name.replace('_', '-')}"):
-            if arg == spelling and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith(f"{spelling}="):
-                value = arg.split("=", 1)[1]
-    return value
+    """The value of ``--name value`` / ``--name=value`` (or the dashed spelling) on the command line, else None
+    (the last one wins, as in the full parser)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", dest="value")
+    return parser.parse_known_args(argv)[0].value
 
 
 #: command-line options that change what a config runs, so they name its default output folder too
