@@ -161,6 +161,8 @@ def test_max_env_steps_bounds_runs(tmp_path, tiny_model_dir):
     trainer.train()
     assert [len(r.steps) for r in runs_of(trainer)] == [2, 2, 2, 2]
     assert all(r.reward == 9.0 for r in runs_of(trainer))  # cut off: the last step's reward counts
+    trainer.save_model(str(tmp_path / "saved"))  # the card names the environment the runs were played in
+    assert "| environment | `ScriptedEnv` |" in (tmp_path / "saved" / "README.md").read_text()
 
 
 def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):

@@ -1,5 +1,6 @@
-"""`trinity_trl/training/model_card.py` (the algorithm section of a model card) and the card our trainers write
-(`AlgorithmCardMixin` in `common.py`): on `save_model`, on a Hub push, with extra sections.
+"""`trinity_trl/training/model_card.py` (the algorithm section of a model card, the `ModelCard` a trainer composes)
+and the card our trainers write (`AlgorithmCardMixin` in `common.py`): on `save_model`, on a Hub push, with extra
+sections.
 
 The SFT and DPO trainers' cards: tests/trainers/test_sft_dpo.py."""
 
@@ -14,7 +15,7 @@ from helpers import length_reward, lora_config, tiny_conversational_dataset, tin
 
 from trinity_trl.algorithms import ALGORITHM_TYPE
 from trinity_trl.trainers import ChordConfig, ChordTrainer, StepGRPOConfig, TrinityConfig, TrinityTrainer
-from trinity_trl.training.model_card import algorithm_card_section, paper_for
+from trinity_trl.training.model_card import ModelCard, algorithm_card_section, paper_for
 
 CHORD_PAPER = (
     "On-Policy RL Meets Off-Policy Experts: Harmonizing Supervised Fine-Tuning and Reinforcement Learning "
@@ -34,6 +35,60 @@ def table_rows(section: str) -> dict[str, tuple[str, str]]:
 
 
 # --------------------------------------------------------------------------------------------- the section
+TRL_CARD = "---\nlicence: license\ntags:\n- trl\n---\n\n# Model Card\n\nThis model is a fine-tuned version of x.\n"
+
+
+def completed_card(tmp_path, card: ModelCard, dataset_name=None, train_dataset=None) -> str:
+    """`card` completing a TRL-like card for a plain (non-PEFT) model named `local-base`."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainingArguments
+
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(_name_or_path="local-base")
+    path = tmp_path / "README.md"
+    path.write_text(TRL_CARD)
+    card.complete(
+        str(path),
+        algorithm=StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm(),
+        components=None,
+        args=TrainingArguments(output_dir=str(tmp_path), learning_rate=3e-4, max_steps=7, report_to=[]),
+        model=model,
+        dataset_name=dataset_name,
+        train_dataset=train_dataset,
+        load_from="someone/result",
+    )
+    return path.read_text()
+
+
+def test_the_composed_card_appends_its_sections_in_order_with_what_was_set_on_it(tmp_path):
+    card = ModelCard("StepGRPOTrainer")
+    card.environment = "Calculator, Echo"
+    card.dataset = "mine/tasks"
+    card.add_section("\n## Evaluation\n\naccuracy 0.5\n")
+    text = completed_card(tmp_path, card, train_dataset=Dataset.from_dict({"prompt": ["a"]}))
+    assert "library_name: transformers" in text and "licence:" not in text  # TRL's header corrected
+    positions = [
+        text.index(s)
+        for s in ("## Algorithm: Step-wise GRPO", "## Training set-up", "| environment | `Calculator, Echo` |")
+    ]
+    assert positions == sorted(positions) and text.index("## Evaluation") > positions[-1]
+    assert "`StepGRPOTrainer`" in text and "| dataset | `mine/tasks` |" in text and "| max steps | 7 |" in text
+
+
+def test_the_card_names_the_data_given_to_trl_first_then_its_own_then_the_datasets(tmp_path):
+    named = Dataset.from_dict({"prompt": ["a"]})
+    named.info.dataset_name = "hub/own-name"
+    card = ModelCard("TrinityTrainer")
+    assert "| dataset | `hub/own-name` |" in completed_card(tmp_path, card, train_dataset=named)
+    card.dataset = "set/by-hand"
+    assert "| dataset | `set/by-hand` |" in completed_card(tmp_path, card, train_dataset=named)
+    assert "| dataset | `given/to-trl` |" in completed_card(tmp_path, card, "given/to-trl", named)
+    text = completed_card(tmp_path, ModelCard("TrinityTrainer"), train_dataset=Dataset.from_dict({"p": ["a"]}))
+    assert "| dataset |" not in text and "| environment |" not in text  # nothing to name: no row
+
+
 def test_section_names_trainer_preset_paper_and_every_component():
     algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", mu_peak=0.4)).resolved_algorithm()
     section = algorithm_card_section(algorithm, "ChordTrainer")

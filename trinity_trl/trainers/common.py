@@ -21,8 +21,7 @@ from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
 from ..checkpointing.checkpoints import CompleteCheckpoints
-from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
-from ..training.model_card import algorithm_card_section, paper_for, rewrite_card, training_card_section
+from ..training.model_card import ModelCard, paper_for
 from ..training.trl_seams import temporarily
 
 _CPU_DEFAULTS_ANNOUNCED = False
@@ -221,12 +220,6 @@ def load_processor(model: str, args, rl: bool = True):
     return processor
 
 
-def _dataset_name(dataset: Any) -> str | None:
-    """A dataset's own name (``datasets`` records it for Hub and builder datasets), else ``None``."""
-    info = getattr(dataset, "info", None)
-    return getattr(info, "dataset_name", None) or None
-
-
 def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
     """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation in the run's engine
     (sharded like TRL's reference model under DeepSpeed ZeRO-3 and FSDP)."""
@@ -249,22 +242,23 @@ def default_output_dir(model: Any, suffix: str) -> str:
 
 
 class AlgorithmCardMixin(CompleteCheckpoints):
-    """Appends the algorithm section (name, paper, resolved components) and any sections added with
-    :meth:`add_model_card_section` to TRL's model card, and writes the card on ``save_model`` too,
-    not only on checkpoints and Hub pushes. Checkpoints are marked complete and resuming skips
-    incomplete ones (:class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`).
+    """The trainer's seams for its model card: after TRL writes its card (checkpoints, Hub pushes), the composed
+    :class:`~trinity_trl.training.model_card.ModelCard` (``self.model_card``) completes it with the algorithm
+    section, the training set-up and any added sections; ``save_model`` writes the card too. Checkpoints are marked
+    complete and resuming skips incomplete ones
+    (:class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`).
 
-    A mixin because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come before a
-    TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm`` (and
-    ``components``, ``_name``) before the first card is written; the rest is TRL's / transformers'.
+    A mixin only because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come
+    before a TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm``
+    (and ``components``, ``_name``) before the first card is written; the rest is TRL's / transformers'.
     """
 
     #: set by the trainer: the resolved algorithm the card describes
     algorithm: AlgorithmConfig
     #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
     components: Components | None = None
-    #: the algorithm's display name on the card (a class attribute of the trainer, or the preset's, see
-    #: :meth:`_set_card_identity`)
+    #: the algorithm's display name on the card (TRL's class attribute; a trainer's own name such as CISPO, or the
+    #: preset's, see :meth:`_set_card_identity`)
     _name: str
     # what the host TRL trainer provides
     args: Any  # TrainingArguments
@@ -278,8 +272,7 @@ class AlgorithmCardMixin(CompleteCheckpoints):
         from ..training.checks import check_hub_reachable
         from ..training.engines import check_engine
 
-        self._card_sections: list[str] = []
-        self._card_dataset: str | None = None
+        self.model_card = ModelCard(type(self).__name__)
         config = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
         check_hub_reachable(config)  # before transformers creates the Hub repository
         super().__init__(*args, **kwargs)
@@ -287,7 +280,11 @@ class AlgorithmCardMixin(CompleteCheckpoints):
 
     def add_model_card_section(self, markdown: str) -> None:
         """Add a Markdown section (e.g. an evaluation) to every model card written from now on."""
-        self._card_sections.append(markdown)
+        self.model_card.add_section(markdown)
+
+    def set_model_card_dataset(self, name: str) -> None:
+        """Name the training data on the model card (default: the train dataset's own name, if it has one)."""
+        self.model_card.dataset = name
 
     def _set_card_identity(self) -> None:
         """The card's algorithm name and paper: the trainer's own name (CISPO, SAPO, ...) or the preset's."""
@@ -295,47 +292,23 @@ class AlgorithmCardMixin(CompleteCheckpoints):
         if "_name" not in vars(type(self)) or type(self)._name == "Trinity":
             self._name = preset_name
 
-    def set_model_card_dataset(self, name: str) -> None:
-        """Name the training data on the model card (default: the train dataset's own name, if it has one)."""
-        self._card_dataset = name
-
-    def _model_card_environment(self) -> str | None:
-        """The environment the model was trained in, for the card (StepGRPOTrainer)."""
-        return None
-
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        from accelerate.utils import is_peft_model
-
         tags = list(tags) if isinstance(tags, (list, tuple)) else ([tags] if tags else [])
         super().create_model_card(
             model_name=model_name, dataset_name=dataset_name, tags=tags + [self.algorithm.algorithm]
         )
         if not self.is_world_process_zero():
             return
-        path = os.path.join(self.args.output_dir, "README.md")
-        model = self.accelerator.unwrap_model(self.model)
-        base = getattr(model.config, "_name_or_path", None)
-        license_ = None
-        if is_bundled_model_dir(base):
-            base, license_ = BUNDLED_MODEL_HUB_ID, "apache-2.0"
-        elif base and os.path.isdir(base):
-            base = os.path.basename(os.path.normpath(base))  # a local folder: its name, never a cache path
-        adapter = is_peft_model(model)
-        load_from = getattr(self, "hub_model_id", None) or self.args.output_dir
-        with open(path, encoding="utf-8") as f:
-            text = rewrite_card(
-                f.read(), base_model=base, base_model_license=license_, load_from=load_from, is_adapter=adapter
-            )
-        text += algorithm_card_section(self.algorithm, type(self).__name__, self.components)
-        text += training_card_section(
-            self.args,
-            model.peft_config.get("default") if adapter else None,
-            dataset_name or self._card_dataset or _dataset_name(self.train_dataset),
-            self._model_card_environment(),
+        self.model_card.complete(
+            os.path.join(self.args.output_dir, "README.md"),
+            algorithm=self.algorithm,
+            components=self.components,
+            args=self.args,
+            model=self.accelerator.unwrap_model(self.model),
+            dataset_name=dataset_name,
+            train_dataset=self.train_dataset,
+            load_from=getattr(self, "hub_model_id", None) or self.args.output_dir,
         )
-        text += "".join(self._card_sections)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)

@@ -219,7 +219,7 @@ class StepGRPOTrainer(TrinityTrainer):
         else:
             protocol, classes = resolve_protocol(environment_factory, tools, columns)
         self.environment_protocol = protocol
-        self._environment_names = sorted(
+        environment_names = sorted(
             {
                 getattr(agent, "__qualname__", cls.__qualname__) if agent else cls.__qualname__
                 for cls in classes.values()
@@ -250,6 +250,7 @@ class StepGRPOTrainer(TrinityTrainer):
                 if agent is not None
                 else MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
             )
+        self.model_card.environment = ", ".join(environment_names) or None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
                 "StepGRPOTrainer does not support vllm_importance_sampling_correction yet (TRL computes the ratio for "
@@ -309,9 +310,6 @@ class StepGRPOTrainer(TrinityTrainer):
         return Dataset.from_dict(
             {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
         )
-
-    def _model_card_environment(self) -> str | None:
-        return ", ".join(self._environment_names) or None
 
     # ------------------------------------------------------------------------------ rollout
     def _generate_and_score_completions(self, inputs):

@@ -8,6 +8,84 @@ import re
 from typing import Any
 
 from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig
+from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
+
+
+class ModelCard:
+    """trinity_trl's part of one trainer's model card. The trainer composes one and, each time TRL has written its
+    card (``README.md``), calls :meth:`complete` with what the card needs to know at that moment.
+
+    :meth:`complete` corrects TRL's header (:func:`rewrite_card`: base model, license, how to load the result) and
+    appends the algorithm section, the training set-up and the sections added with :meth:`add_section`, in that
+    order. The card itself holds only what was added to it: the extra sections, the training data's name when it is
+    set by hand, and the environment a model was trained in (StepGRPO).
+
+    Args:
+        trainer_name: the trainer class named on the card (``ChordTrainer``, ``TrinityTrainer``, ...).
+    """
+
+    def __init__(self, trainer_name: str):
+        self.trainer_name = trainer_name
+        self.sections: list[str] = []
+        self.dataset: str | None = None
+        self.environment: str | None = None
+
+    def add_section(self, markdown: str) -> None:
+        """Append a Markdown section (an evaluation, notes) to every card completed from now on."""
+        self.sections.append(markdown)
+
+    def complete(
+        self,
+        path: str,
+        *,
+        algorithm: AlgorithmConfig,
+        components: Any,
+        args: Any,
+        model: Any,
+        dataset_name: str | None,
+        train_dataset: Any,
+        load_from: str,
+    ) -> None:
+        """Rewrite TRL's card at ``path`` and append trinity_trl's sections.
+
+        Args:
+            path: the ``README.md`` TRL wrote.
+            algorithm: the resolved algorithm; components: the built components (``None`` for trainers without
+                rollouts, see :func:`algorithm_card_section`).
+            args: the trainer's ``TrainingArguments``; model: the unwrapped policy (a PEFT model for an adapter).
+            dataset_name: the training data's name given to TRL's ``create_model_card``; without it, the name set on
+                this card, else ``train_dataset``'s own name (``datasets`` records it for Hub and builder datasets).
+            load_from: where the result is loaded from (the Hub id once pushed, else the output folder).
+        """
+        from accelerate.utils import is_peft_model
+
+        base = getattr(model.config, "_name_or_path", None)
+        license_ = None
+        if is_bundled_model_dir(base):
+            base, license_ = BUNDLED_MODEL_HUB_ID, "apache-2.0"
+        elif base and os.path.isdir(base):
+            base = os.path.basename(os.path.normpath(base))  # a local folder: its name, never a cache path
+        adapter = is_peft_model(model)
+        with open(path, encoding="utf-8") as f:
+            text = rewrite_card(
+                f.read(), base_model=base, base_model_license=license_, load_from=load_from, is_adapter=adapter
+            )
+        text += algorithm_card_section(algorithm, self.trainer_name, components)
+        text += training_card_section(
+            args,
+            model.peft_config.get("default") if adapter else None,
+            dataset_name or self.dataset or _dataset_name(train_dataset),
+            self.environment,
+        )
+        text += "".join(self.sections)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def _dataset_name(dataset: Any) -> str | None:
+    """A dataset's own name (``datasets`` records it for Hub and builder datasets), else ``None``."""
+    info = getattr(dataset, "info", None)
+    return getattr(info, "dataset_name", None) or None
 
 
 def paper_for(algorithm: str) -> tuple[str, dict]:
