@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-fast test-gpu test-distributed test-cpu-paths test-stress demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-fast test-gpu test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,12 +36,16 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# pytest-xdist workers: the tests run torch on one thread each (tests/conftest.py), so one worker per core, at most 4
+# (each worker holds its own models and builds its own session fixtures). `make test TEST_WORKERS=0` runs in-process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+
 # Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target.
 test: lint
-	$(PY) -m pytest -q -m "not distributed"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -x
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" -x
 
 # The CUDA tests (marked `gpu`: every packing kernel against the padded forward, every trainer with packing on CUDA).
 # Elsewhere they are skipped with the reason. On the lent GPU machine, which has no network and no .venv:
@@ -63,13 +67,18 @@ CPU_PATHS ?= mkldnn_off threads_1 threads_2 math_sdpa
 test-cpu-paths: $(STAMP)
 	@set -e; for path in $(CPU_PATHS); do \
 		echo "== TRINITY_TEST_CPU_PATH=$$path"; \
-		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -m "not slow and not distributed"; \
+		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed"; \
 	done
 
 # The whole suite, then the engine suite, each beside two busy processes pinned to CPUs 0 and 1 (tests/stress.sh);
 # prints each part's wall time and load average.
 test-stress: $(STAMP)
-	tests/stress.sh $(PY)
+	TEST_WORKERS=$(TEST_WORKERS) tests/stress.sh $(PY)
+
+# CI itself (.ci/run: install, lint, make test, make test-distributed) on a clean clone of HEAD, beside the same two
+# busy processes; prints its wall time and load average.
+ci-stress:
+	tests/stress.sh --ci
 
 # The main job: CHORD + LoRA on the bundled SmolLM2-135M-Instruct and arithmetic task, on a CPU (see README).
 demo: $(STAMP)
