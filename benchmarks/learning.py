@@ -43,8 +43,11 @@ Full setting (3 seeds, 100 steps of 8 rows, 200 held-out problems every 25 steps
 problems, grid of 3 learning rates: 6 methods x (3 + 2) = 30 runs, an estimated 10-13 hours of one core;
 run it in the background at low priority with one thread)::
 
-    OMP_NUM_THREADS=1 nohup nice -n 19 .venv/bin/python benchmarks/learning.py --out benchmarks/results \\
-        > benchmarks/results/learning.log 2>&1 &
+    OMP_NUM_THREADS=1 nohup nice -n 19 .venv/bin/python benchmarks/learning.py --out ~/learning-study \\
+        > ~/learning-study.log 2>&1 &
+
+(a folder outside the repository: the files are rewritten after every run, so a ``git checkout`` of
+``benchmarks/results/`` would lose finished runs; copy the four result files there when the study is done)
 
 Quick setting (1 seed, 6 steps, 20 problems, one learning rate; a smoke run, too short to rank anything)::
 
