@@ -51,12 +51,17 @@ def test_auto_keeps_sdpa_segments_on_cpu_and_never_picks_it_on_cuda(monkeypatch)
         )
     bf16 = choose("auto", CUDA, torch.bfloat16)
     assert bf16.kernel.name == "varlen" and bf16.calibrate  # fused, and measured before it is kept
-    assert choose("auto", CUDA, torch.float32).kernel.name == "flex"  # varlen has no fp32 kernel
+    # flex is never auto's candidate (nothing compiles unless forced): fp32 on CUDA runs padded
+    fp32_auto = choose("auto", CUDA, torch.float32)
+    assert fp32_auto.kernel is None and "never compiles flex" in fp32_auto.reason
     available["flash_attn"] = True
     assert choose("auto", CUDA, torch.float16).kernel.name == "flash_attn"
     available.update(flash_attn=False, varlen=False, flex=False)
     nothing = choose("auto", CUDA, torch.bfloat16)
     assert nothing.kernel is None and "padded rows" in nothing.reason  # TRL's forward, not sdpa_segments
+    available["flex"] = True
+    assert choose("auto", CUDA, torch.bfloat16).kernel is None  # flex alone: still padded under auto
+    assert choose("flex", CUDA, torch.float32).kernel.name == "flex"  # forced: honoured
     assert choose("auto", torch.device("mps"), torch.float32).kernel is None
     # a forced kernel: runs without calibration where it can, padded (with the reason) where this dtype cannot
     available["varlen"] = True
@@ -67,82 +72,251 @@ def test_auto_keeps_sdpa_segments_on_cpu_and_never_picks_it_on_cuda(monkeypatch)
     assert choose("sdpa_segments", CUDA, torch.bfloat16).kernel.name == "sdpa_segments"  # forced: honoured
 
 
-class FakeWatch:
-    def __init__(self, seconds):
-        self._seconds, self._end = seconds, seconds
+CPU = torch.device("cpu")
+
+
+class ScriptedWatch(Stopwatch):
+    """The injected timer: a stopwatch whose reading is scripted. ``script(watch)`` gives its seconds once its
+    intervals are closed; ``batch`` is the micro-batch (``CURRENT[0]``, set by the test) open when it last stopped."""
+
+    def __init__(self, device, layout, script, current=None):
+        super().__init__(device, layout)
+        self.script, self.current, self.batch = script, current, None
+
+    def stop(self):
+        super().stop()
+        if self.current is not None:
+            self.batch = self.current[0]
 
     def seconds(self):
-        return self._seconds
+        if self.closed < self.expected:
+            return None
+        return self.script(self) if callable(self.script) else self.script[self.layout]
 
 
-@pytest.mark.parametrize("packed_s, padded_s, kept", [(0.5, 1.0, True), (1.2, 1.0, False)])
-def test_calibration_keeps_the_faster_layout_and_logs_once(caplog, packed_s, padded_s, kept):
-    calibration = Calibration(trials=2)
+def scripted(script, current=None):
+    return lambda device, layout: ScriptedWatch(device, layout, script, current)
+
+
+def drive(calibration, key, micro_batches, timeable=True, passes=True):
+    """Run ``micro_batches`` forwards of class ``key`` as :meth:`PrefixPacking._calibrate` does (extras timed, then the
+    real pass); returns the layout each real pass ran and the extras each micro-batch added."""
+    ran = []
+    for _ in range(micro_batches):
+        trial = calibration.next_trial(key, timeable, passes) if calibration.calibrating(key) else None
+        if trial is None:
+            ran.append(("packed" if passes and calibration.verdict(key) else "padded", ()))
+            continue
+        for layout in trial.extras:
+            watch = calibration.timer(CPU, layout)
+            watch.start(), watch.stop()
+            calibration.record(key, layout, watch, extra=True)
+        if trial.time_real:
+            watch = calibration.timer(CPU, trial.real)
+            watch.start(), watch.stop()
+            calibration.record(key, trial.real, watch)
+        ran.append((trial.real, trial.extras))
+    return ran
+
+
+@pytest.mark.parametrize(
+    "packed_s, padded_s, kept, pairs",
+    [(0.5, 1.0, True, 1), (1.2, 1.0, False, 1), (0.99, 1.0, False, 2), (0.95, 1.0, True, 2)],
+    ids=["packed-faster", "padded-faster", "tie-keeps-padded", "close-but-faster"],
+)
+def test_auto_keeps_the_layout_timed_faster_on_the_same_micro_batches(caplog, packed_s, padded_s, kept, pairs):
+    """Warm-up of each layout on real passes, then pairs on the same micro-batch (extra packed + real padded, then the
+    roles swapped), a second pair only where the first is within 10%; a near tie (under the 2% margin) keeps TRL's
+    padded layout; one log line per class."""
+    calibration = Calibration(scripted({"packed": packed_s, "padded": padded_s}))
     key = ("model", True, 8, 1024)
-    layouts = []
     with caplog.at_level(logging.WARNING, logger="trinity_trl"):
-        for _ in range(10):
-            packed, timed = calibration.next_layout(key)
-            layouts.append((packed, timed))
-            if timed:
-                calibration.record(key, packed, FakeWatch(packed_s if packed else padded_s))
-    assert [p for p, t in layouts if t].count(True) == 3 and [p for p, t in layouts if t].count(False) == 3
-    assert all(p == kept and not t for p, t in layouts[6:])  # decided: no more trials
+        ran = drive(calibration, key, 10)
+    assert ran[0] == ("packed", ()) and ran[1] == ("padded", ())  # warm-ups: real passes, no extra run
+    assert ran[2] == ("padded", ("packed",))  # pair 1: the packed extra and the real padded pass, same micro-batch
+    if pairs == 2:
+        assert ran[3] == ("packed", ("padded",))  # pair 2: roles swapped
+    assert calibration.extra_runs[key] == ["packed", "padded"][:pairs]
+    decided = 3 + pairs  # the micro-batch after the last pair reads it
+    assert all(layout == ("packed" if kept else "padded") and not extras for layout, extras in ran[decided - 1 :])
+    assert calibration.verdict(key) is kept
     lines = [r.getMessage() for r in caplog.records if "prefix packing," in r.getMessage()]
     assert len(lines) == 1 and ("packed kept" if kept else "padded kept") in lines[0], lines
-    # the first (warm-up) run of each layout is not counted: a slow first packed call (compilation) does not decide
-    slow_first = Calibration(trials=1)
-    for seconds in (30.0, 1.0, 0.4, 1.0):
-        packed, _ = slow_first.next_layout(key)
-        slow_first.record(key, packed, FakeWatch(seconds if packed else 1.0))
-    assert slow_first.next_layout(key) == (True, False)
+
+
+def test_a_real_pass_with_a_gradient_all_reduce_is_never_timed():
+    """On DDP's synchronising micro-batch (timeable=False) both layouts run as extras; the real pass is not timed."""
+    calibration = Calibration(scripted({"packed": 0.5, "padded": 1.0}))
+    key = ("model", True, 8, 1024)
+    for _ in range(2):
+        calibration.next_trial(key, False, True)
+    trial = calibration.next_trial(key, False, True)
+    assert trial.time_real is False and sorted(trial.extras) == ["packed", "padded"]
 
 
 def test_calibration_waits_for_marks_not_yet_reached():
-    calibration = Calibration(trials=1)
+    """CUDA marks are read without synchronising: a pair whose marks the GPU has not reached yet is read later."""
+    reached = {"padded": False}
+
+    def script(watch):
+        return 1.0 if watch.layout == "padded" and reached["padded"] else (0.5 if watch.layout == "packed" else None)
+
+    calibration = Calibration(scripted(script))
     key = ("m", False, 2, 64)
-    pending = FakeWatch(None)
-    pending._end = object()  # the end mark is set, the GPU has not reached it
-    for watch in (FakeWatch(1.0), FakeWatch(1.0), FakeWatch(0.5), pending):
-        packed, _ = calibration.next_layout(key)
-        calibration.record(key, packed, watch)
-    assert calibration.next_layout(key) == (False, False) and calibration.verdict(key) is None
-    pending._seconds = 0.9
-    assert calibration.next_layout(key) == (True, False) and calibration.verdict(key) is True
+    drive(calibration, key, 3)
+    assert drive(calibration, key, 1) == [("padded", ())] and calibration.verdict(key) is None
+    reached["padded"] = True
+    drive(calibration, key, 1)
+    assert calibration.verdict(key) is True
 
 
-def test_calibration_times_the_real_forward_and_backward_on_the_model(monkeypatch, caplog):
-    """On CPU (wall-clock marks), with `auto` made to calibrate: the first micro-batches of a shape class alternate
-    packed and padded, each timed from the forward to the end of its backward (the mark placed on the input
-    embeddings), then the verdict holds for the class, logged once."""
+def _fused_tiny_model():
     from helpers import build_tiny_model, build_tiny_tokenizer
     from trl.trainer.utils import add_fused_lm_head
 
     model = build_tiny_model(build_tiny_tokenizer())
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",))
-    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext)
+    return model
+
+
+def _calibrating(monkeypatch, packing):
+    """`auto` made to calibrate on CPU (sdpa_segments stands for a CUDA kernel)."""
     monkeypatch.setattr(
         packing, "choice", lambda model, device: selection_module.Choice(KERNELS["sdpa_segments"], calibrate=True)
     )
-    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
-    labels = ids.masked_fill(mask == 0, -100)
+
+
+def _padded_logps(model, ids, mask, keep):
+    labels = ids.masked_fill(mask == 0, -100)  # as TRL's helper
+    labels[:, :-keep] = -100
+    return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+
+
+def test_auto_times_both_layouts_on_the_same_micro_batch_and_discards_the_extra_gradients(monkeypatch, caplog):
+    """On the tiny model, micro-batches of one shape class alternate narrow and wide (18 and 30 tokens: the class's
+    width varies). Padded is faster on every micro-batch, but packed on a narrow one is faster than padded on a wide
+    one: the old scheme (packed and padded on alternate micro-batches) kept packed. Timed on the same micro-batch,
+    padded is kept. Extra runs leave no gradient behind: a micro-batch whose real pass ran padded has exactly the
+    gradients of a plain padded pass (same kernels, same inputs: compared exactly)."""
+    model = _fused_tiny_model()
+    narrow = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    ids, mask, keep = narrow
+    wide = (torch.cat([ids, torch.zeros_like(ids[:, :12])], 1), torch.cat([mask, torch.zeros_like(mask[:, :12])], 1))
+    batches = [narrow if k % 2 == 0 else (*wide, keep + 12) for k in range(8)]
+    assert shape_class(model, True, *batches[0][0].shape) == shape_class(model, True, *batches[1][0].shape)
+    reference = []
+    for ids, mask, keep in batches:
+        model.zero_grad(set_to_none=True)
+        _padded_logps(model, ids, mask, keep).sum().backward()
+        reference.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    times = {"packed": [1.0, 2.0], "padded": [0.9, 1.8]}  # [narrow, wide]: padded faster on each
+    current = [None]
+    packing = PrefixPacking(
+        True, 1.0, lambda m: m, contextlib.nullcontext, timer=scripted(lambda w: times[w.layout][w.batch % 2], current)
+    )
+    _calibrating(monkeypatch, packing)
     ran = []
     with caplog.at_level(logging.WARNING, logger="trinity_trl"):
-        for _ in range(8):
+        for k, (ids, mask, keep) in enumerate(batches):
+            current[0] = k
+            model.zero_grad(set_to_none=True)
             out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
-            if out is None:  # the padded forward, as TRL's helper runs it
-                logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
-            else:
-                logps = out.logps
+            logps = _padded_logps(model, ids, mask, keep) if out is None else out.logps
             logps.sum().backward()
             ran.append(out is not None)
-    key = shape_class(model, True, ids.shape[0], ids.shape[1])
+            if out is None:
+                for name, p in model.named_parameters():
+                    assert torch.equal(p.grad, reference[k][name]), (k, name)
+    key = shape_class(model, True, *batches[0][0].shape)
     trials = packing.calibration.classes[key]
-    assert len(trials.packed) == len(trials.padded) == 3
-    assert all(w.seconds() is not None and w.seconds() > 0 for w in trials.packed + trials.padded)
-    assert trials.verdict is not None and ran[6:] == [trials.verdict] * 2
-    assert len([r for r in caplog.records if "prefix packing," in r.getMessage()]) == 1
+    assert packing.calibration.verdict(key) is False and ran[5:] == [False] * 3
+    assert len(trials.pairs) == 2 and packing.calibration.extra_runs[key] == ["packed", "padded"]
+    for pair in trials.pairs:  # each pair's two timings come from one micro-batch
+        assert pair["packed"].batch == pair["padded"].batch
+    assert [pair["packed"].batch for pair in trials.pairs] == [2, 3]
     assert not model._forward_hooks and not model._forward_pre_hooks  # the timing hooks removed themselves
+    lines = [r.getMessage() for r in caplog.records if "prefix packing," in r.getMessage()]
+    assert len(lines) == 1 and "padded kept" in lines[0], lines
+
+
+def test_a_class_that_never_packs_is_decided_padded_and_never_builds_its_tree_again(monkeypatch, caplog):
+    """Every micro-batch fails prefix_packing_max_token_ratio: the class is decided padded after its calibration
+    micro-batches, and no later forward of it builds a tree (the old code built it, then ran padded, forever)."""
+    from trinity_trl.packing import forward as forward_module
+
+    model = _fused_tiny_model()
+    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    packing = PrefixPacking(True, 0.05, lambda m: m, contextlib.nullcontext)
+    _calibrating(monkeypatch, packing)
+    built = []
+    original = forward_module.pack_rows
+    monkeypatch.setattr(forward_module, "pack_rows", lambda *a, **k: built.append(1) or original(*a, **k))
+    with caplog.at_level(logging.WARNING, logger="trinity_trl"):
+        for _ in range(12):
+            model.zero_grad(set_to_none=True)
+            out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+            assert out is None  # never packed: the ratio check is honoured
+            _padded_logps(model, ids, mask, keep).sum().backward()
+    key = shape_class(model, True, *ids.shape)
+    assert packing.calibration.verdict(key) is False
+    assert len(built) <= 5  # the calibration micro-batches only (2 warm-ups, at most 2 pairs, the reading one)
+    assert any("no micro-batch passed prefix_packing_max_token_ratio" in r.getMessage() for r in caplog.records)
+
+
+def _two_ranks(measurements_by_rank):
+    """Two calibrations (ranks) in threads whose ``gather`` meets at a barrier, as ``all_gather_object`` does; rank
+    ``r`` measures each ``(key, {layout: seconds})`` of ``measurements_by_rank[r]``, then both synchronise."""
+    import threading
+
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    def gather_for(rank):
+        def gather(payload):
+            slots[rank] = payload
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        return gather
+
+    now: dict = {}
+    calibrations = [Calibration(scripted(lambda w: now[w.layout]), gather_for(r)) for r in range(2)]
+    for rank, calibration in enumerate(calibrations):
+        for key, times in measurements_by_rank[rank]:
+            now.update(times)
+            drive(calibration, key, 5)
+            assert calibration.verdict(key) is None  # measured, undecided until the ranks meet
+            assert drive(calibration, key, 1) == [("padded", ())]  # pending: TRL's layout, no tree
+    threads = [threading.Thread(target=c.synchronize) for c in calibrations]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return calibrations
+
+
+def test_all_ranks_take_one_verdict_from_the_timings_summed_over_ranks():
+    """Rank 0 timed packed faster (0.8 vs 1.0), rank 1 padded faster (1.3 vs 1.0): alone they would disagree; summed
+    (2.1 vs 2.0) both keep padded. A class only rank 1 has measured (packed faster) gets the same verdict on rank 0,
+    which follows it without a trial when it first meets that class. A model is keyed by its order of first sight,
+    not its id (which differs between processes)."""
+    key = (1234, True, 8, 1024)
+    same_on_rank1 = (5678, True, 8, 1024)  # the same model on rank 1 (another id), same class
+    only_rank1 = (5678, False, 8, 512)
+    ranks = _two_ranks(
+        [
+            [(key, {"packed": 0.8, "padded": 1.0})],
+            [(same_on_rank1, {"packed": 1.3, "padded": 1.0}), (only_rank1, {"packed": 0.5, "padded": 1.0})],
+        ]
+    )
+    assert ranks[0].verdict(key) is False and ranks[1].verdict(same_on_rank1) is False
+    assert ranks[1].verdict(only_rank1) is True
+    assert drive(ranks[0], (1234, False, 8, 512), 1) == [("packed", ())]  # rank 0 follows rank 1's verdict
+    assert ranks[0].extra_runs.get((1234, False, 8, 512)) is None
+    alone = Calibration(scripted({"packed": 0.8, "padded": 1.0}))
+    drive(alone, key, 6)
+    assert alone.verdict(key) is True  # one process decides on its own timings
 
 
 def test_stopwatch_on_cpu_reads_wall_time():

@@ -15,6 +15,7 @@ contiguous run per row) falls back to TRL's padded forward with one log line nam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -29,7 +30,10 @@ from .kernels import TreeKernel
 from .selection import (
     Calibration,
     Choice,
+    CompileBudget,
+    Gather,
     Stopwatch,
+    Timer,
     check_kernel_request,
     choose,
     compute_dtype,
@@ -159,9 +163,30 @@ class _Plan:
     chunks: list[PackedRows]
     kernel: TreeKernel
     inner: torch.nn.Module
-    stopwatch: Stopwatch | None = None
-    key: tuple | None = None
-    grad: bool = False
+
+
+def _sharded(model: torch.nn.Module, inner: torch.nn.Module) -> str | None:
+    """The sharding engine over ``model`` (FSDP2, DeepSpeed), where the calibration's extra runs on the
+    unwrapped model would bypass its gathers and hooks; ``None`` for plain and DDP models."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()  # noqa: N806
+    if FSDPModule and any(isinstance(m, FSDPModule) for m in inner.modules()):
+        return "FSDP"
+    if type(model).__name__ == "DeepSpeedEngine" or any(hasattr(p, "ds_id") for p in inner.parameters()):
+        return "DeepSpeed"
+    return None
+
+
+def _real_pass_timeable(model: torch.nn.Module, grad: bool) -> bool:
+    """Whether the real forward(+backward) of ``model`` runs without a gradient all-reduce in it: always
+    without a backward, else unless ``model`` is DDP on its synchronising micro-batch."""
+    if not grad:
+        return True
+    from torch.nn.parallel import DistributedDataParallel
+
+    return not (isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync)
 
 
 class PrefixPacking:
@@ -177,6 +202,9 @@ class PrefixPacking:
         kernel: ``prefix_packing_kernel`` (:mod:`.selection`).
         device: the training device; a forced kernel that can never run there raises ``ValueError``
             here (``None``: checked at each forward instead, where it falls back with one log line).
+        gather: with several processes, ``all_gather_object`` over them: ``auto``'s verdicts are taken
+            from every rank's timings at :meth:`synchronize` (:class:`.selection.Calibration`).
+        timer: the stopwatch factory of the calibration (tests inject one).
     """
 
     def __init__(
@@ -187,6 +215,8 @@ class PrefixPacking:
         autocast: Callable,
         kernel: str = "auto",
         device: torch.device | str | None = None,
+        gather: Gather | None = None,
+        timer: Timer = Stopwatch,
     ):
         if enabled and device is not None:
             check_kernel_request(kernel, device)
@@ -202,7 +232,8 @@ class PrefixPacking:
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._choices: dict[tuple, Choice] = {}
         self._logged: set[str] = set()
-        self.calibration = Calibration()
+        self.calibration = Calibration(timer, gather)
+        self.compile_budget = CompileBudget()
         attention.install()
 
     def _inspect(self, model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
@@ -229,7 +260,14 @@ class PrefixPacking:
             self._logged.add(reason)
             logger.warning("prefix packing off for this forward, padded rows instead: %s", reason)
 
-    def _pack(self, model, input_ids, attention_mask, logits_to_keep, batch_size, extra_reason=None) -> _Plan | None:
+    def synchronize(self) -> None:
+        """Every process at the same points (each optimizer step): ``auto``'s verdicts from every rank's
+        timings (:meth:`.selection.Calibration.synchronize`)."""
+        self.calibration.synchronize()
+
+    def _pack(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, extra_reason=None, critic=False
+    ) -> _Plan | None:
         if not self.enabled:
             return None
         reason = extra_reason or self.model_reason(model)
@@ -244,26 +282,26 @@ class PrefixPacking:
         rows, width = input_ids.shape
         grad = torch.is_grad_enabled()
         chunked = batch_size is not None and batch_size < rows
-        stopwatch, key = None, None
         if choice.calibrate:
             if chunked:  # TRL forwards these in chunks of batch_size rows: follow the verdict for such chunks
                 if not self.calibration.verdict(shape_class(inner, grad, batch_size, width)):
                     return None
             else:
                 key = shape_class(inner, grad, rows, width)
-                packed, timed = self.calibration.next_layout(key)
-                if timed:
-                    stopwatch = Stopwatch(input_ids.device)
-                    if packed:
-                        stopwatch.start()  # the packing itself counts; recorded below once the row is packed
-                    else:
-                        self.calibration.record(key, packed, stopwatch)
-                        time_model(inner, stopwatch, grad)
-                if not packed:
-                    return None
+                if self.calibration.calibrating(key):
+                    return self._calibrate(
+                        model, inner, key, grad, choice.kernel, input_ids, attention_mask, logits_to_keep, critic
+                    )
+                if not self.calibration.verdict(key):
+                    return None  # decided padded (or waiting for the ranks' verdict): the tree is not built
+        chunks = self._chunks(choice.kernel, input_ids, attention_mask, logits_to_keep, batch_size if chunked else None)
+        if chunks is None or not self._passes(chunks, input_ids):
+            return None  # too little shared or padded to be worth it: the padded forward is as fast
+        return _Plan(chunks, choice.kernel, inner)
+
+    def _chunks(self, kernel, input_ids, attention_mask, logits_to_keep, batch_size) -> list[PackedRows] | None:
         try:
-            budget = batch_size * width if chunked else None
-            kernel = choice.kernel
+            budget = batch_size * input_ids.shape[1] if batch_size is not None else None
             chunks = pack_rows(
                 input_ids, attention_mask, logits_to_keep, budget, kernel.pad_multiple, kernel.min_tokens
             )
@@ -271,13 +309,93 @@ class PrefixPacking:
             self._fall_back(str(err))
             return None
         chunks = [c for c in chunks if c.num_tokens]  # rows without any token have nothing to score
-        forwarded = sum(c.num_tokens for c in chunks)
-        if not chunks or forwarded > self.max_token_ratio * input_ids.numel():
-            return None  # too little shared or padded to be worth it: the padded forward is as fast
-        if stopwatch is not None:
-            self.calibration.record(key, True, stopwatch)
-            time_model(inner, stopwatch, grad)  # stops at the end of the backward (or forward)
-        return _Plan(chunks, choice.kernel, inner, stopwatch, key, grad)
+        return chunks or None
+
+    def _passes(self, chunks: list[PackedRows], input_ids: torch.Tensor) -> bool:
+        """The ``prefix_packing_max_token_ratio`` check."""
+        return sum(c.num_tokens for c in chunks) <= self.max_token_ratio * input_ids.numel()
+
+    def _calibrate(self, model, inner, key, grad, kernel, input_ids, attention_mask, logits_to_keep, critic):
+        """A micro-batch of a shape class ``auto`` is still measuring (:class:`.selection.Calibration`):
+        run the trial's extra layouts on it (timed, gradients discarded), then return its real layout."""
+        engine = _sharded(model, inner)
+        if engine is not None:
+            self._fall_back(
+                f"'auto' times packed against padded on the unwrapped model, which {engine} does not allow; padded "
+                "rows (force a kernel with prefix_packing_kernel to pack)"
+            )
+            self.calibration.classes[key].verdict = False
+            return None
+        if grad and any(p.grad is not None for p in inner.parameters() if p.requires_grad):
+            return None  # a later micro-batch of an accumulation: an extra run would hold a 2nd set of gradients
+        device = input_ids.device
+        packed_watch = self.calibration.timer(device, "packed")
+        packed_watch.start()  # building the tree counts to the packed layout
+        chunks = self._chunks(kernel, input_ids, attention_mask, logits_to_keep, None)
+        packed_watch.stop()
+        if chunks is None:
+            self.calibration.unpackable(key)
+            return None
+        passes = self._passes(chunks, input_ids)
+        trial = self.calibration.next_trial(key, _real_pass_timeable(model, grad), passes)
+        if trial is None:
+            return _Plan(chunks, kernel, inner) if passes and self.calibration.verdict(key) else None
+        watches = {"packed": packed_watch}
+        for layout in trial.extras:
+            watch = watches.setdefault(layout, self.calibration.timer(device, layout))
+            self._extra_run(
+                inner, layout, chunks, kernel, input_ids, attention_mask, logits_to_keep, grad, critic, watch
+            )
+            self.calibration.record(key, layout, watch, extra=True)
+        if trial.time_real:
+            watch = watches.setdefault(trial.real, self.calibration.timer(device, trial.real))
+            time_model(inner, watch, grad)  # stops at the end of the backward (or forward); the hooks go away
+            self.calibration.record(key, trial.real, watch)
+        return _Plan(chunks, kernel, inner) if trial.real == "packed" else None
+
+    def _extra_run(self, inner, layout, chunks, kernel, input_ids, attention_mask, logits_to_keep, grad, critic, watch):
+        """One timed run of ``layout`` on this micro-batch beside the real pass: the unwrapped model (no DDP
+        hooks), its gradients returned by ``torch.autograd.grad`` and dropped (nothing accumulates)."""
+        timing = time_model(inner, watch, grad)
+        try:
+            with torch.enable_grad() if grad else torch.no_grad():
+                if layout == "packed":
+                    if critic:
+                        outputs = [packed_critic_values(inner, c, kernel, self._autocast) for c in chunks]
+                    else:
+                        outputs = [
+                            packed_logps(inner, inner.base_model, c, kernel, False, self._autocast)[0] for c in chunks
+                        ]
+                else:
+                    with self._autocast():
+                        if critic:
+                            outputs = [inner(input_ids=input_ids, attention_mask=attention_mask).logits]
+                        else:
+                            labels = input_ids.masked_fill(attention_mask == 0, -100)
+                            labels[:, :-logits_to_keep] = -100
+                            out = inner(
+                                input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                            )
+                            outputs = [out.log_probs]
+                if grad:
+                    loss = sum(o.float().sum() for o in outputs)
+                    params = [p for p in inner.parameters() if p.requires_grad]
+                    torch.autograd.grad(loss, params + timing.anchors, allow_unused=True)
+        finally:
+            timing.remove()
+
+    def _compiling(self, kernel: TreeKernel, model: torch.nn.Module, device: torch.device):
+        """Around a packed forward: a forced ``flex`` counts its graphs and keeps the recompile limit above them."""
+        if kernel.name != "flex":
+            return contextlib.nullcontext()
+        inner = self._inspect(model)[0]
+        config = inner.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dtype = compute_dtype(inner, device, self._autocast)
+        self.compile_budget.add((torch.is_grad_enabled(), dtype, head_dim, heads, kv_heads))
+        return self.compile_budget.limit()
 
     def logps_and_entropies(
         self,
@@ -305,7 +423,8 @@ class PrefixPacking:
         shape = (input_ids.shape[0], logits_to_keep)
         index, logps, entropies = [], [], []
         for packed in plan.chunks:
-            lp, ent = packed_logps(model, backbone, packed, plan.kernel, compute_entropy, self._autocast)
+            with self._compiling(plan.kernel, model, input_ids.device):
+                lp, ent = packed_logps(model, backbone, packed, plan.kernel, compute_entropy, self._autocast)
             index.append((packed.scored_rows, packed.scored_cols))
             logps.append(lp)
             entropies.append(ent)
@@ -328,10 +447,11 @@ class PrefixPacking:
     ) -> torch.Tensor | None:
         """``(B, logits_to_keep)`` critic values of the completion tokens (0 elsewhere), or ``None``
         where the padded forward must run instead."""
-        plan = self._pack(critic, input_ids, attention_mask, logits_to_keep, batch_size)
+        plan = self._pack(critic, input_ids, attention_mask, logits_to_keep, batch_size, critic=True)
         if plan is None:
             return None
-        values = torch.cat([packed_critic_values(critic, p, plan.kernel, self._autocast) for p in plan.chunks])
+        with self._compiling(plan.kernel, critic, input_ids.device):
+            values = torch.cat([packed_critic_values(critic, p, plan.kernel, self._autocast) for p in plan.chunks])
         rows = torch.cat([c.scored_rows for c in plan.chunks])
         cols = torch.cat([c.scored_cols for c in plan.chunks])
         return values.new_zeros((input_ids.shape[0], logits_to_keep)).index_put((rows, cols), values)

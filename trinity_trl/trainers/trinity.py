@@ -23,12 +23,14 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ..checkpointing.checkpoints import TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.groups import whole_groups
+from ..packing.selection import gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.generation import FORWARD_KEYS, TRLGeneration
@@ -119,7 +121,9 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             self.accelerator.autocast,
             args.prefix_packing_kernel,
             self.accelerator.device,
+            gather=gather_objects if self.accelerator.num_processes > 1 else None,
         )
+        self.add_callback(_PackingVerdicts(self.prefix_packing))
         self.loss_normalizer = LossNormalizer(
             args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
         )
@@ -385,3 +389,14 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
 
         pool_metrics(self._metrics[mode], gather_object if self.accelerator.num_processes > 1 else None)
         super().log(logs, start_time)
+
+
+class _PackingVerdicts(TrainerCallback):
+    """``prefix_packing_kernel='auto'`` with several processes: the verdicts of the shape classes measured so far,
+    from every rank's timings, at the end of each optimizer step (every process reaches it)."""
+
+    def __init__(self, packing: PrefixPacking):
+        self.packing = packing
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.packing.synchronize()
