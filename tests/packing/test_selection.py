@@ -13,7 +13,7 @@ from packing_helpers import grouped_rows, padded_batch
 
 from trinity_trl.packing import KERNELS, Calibration, PrefixPacking, check_kernel_request, choose
 from trinity_trl.packing import selection as selection_module
-from trinity_trl.packing.selection import Stopwatch, shape_class
+from trinity_trl.packing.selection import CompileBudget, Stopwatch, shape_class
 
 CUDA = torch.device("cuda")
 
@@ -109,10 +109,12 @@ def drive(calibration, key, micro_batches, timeable=True, passes=True):
             continue
         for layout in trial.extras:
             watch = calibration.timer(CPU, layout)
+            watch.grad = key[1]
             watch.start(), watch.stop()
             calibration.record(key, layout, watch, extra=True)
         if trial.time_real:
             watch = calibration.timer(CPU, trial.real)
+            watch.grad = key[1]
             watch.start(), watch.stop()
             calibration.record(key, trial.real, watch)
         ran.append((trial.real, trial.extras))
@@ -339,3 +341,201 @@ def test_a_forward_the_chosen_kernel_cannot_run_falls_back_with_one_log_line(cap
             assert packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {}) is None
     lines = [r.getMessage() for r in caplog.records if "prefix packing off" in r.getMessage()]
     assert len(lines) == 1 and "varlen" in lines[0] and "CUDA" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------- ranks, for real
+_RANK_WORKER = """
+import sys, torch, torch.distributed as dist
+from trinity_trl.packing.selection import Calibration, Stopwatch, gather_objects
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+times = [{"packed": 0.8, "padded": 1.0}, {"packed": 1.3, "padded": 1.0}][rank]
+
+class Scripted(Stopwatch):
+    def seconds(self):
+        return times[self.layout] if self.closed >= self.expected else None
+
+calibration = Calibration(lambda device, layout: Scripted(device, layout), gather_objects)
+key = (id(calibration), True, 8, 1024)
+for _ in range(5):
+    trial = calibration.next_trial(key, True, True) if calibration.calibrating(key) else None
+    for layout in (trial.extras + ((trial.real,) if trial.time_real else ())) if trial else ():
+        watch = calibration.timer(torch.device("cpu"), layout)
+        watch.start(), watch.stop()
+        calibration.record(key, layout, watch)
+before = calibration.verdict(key)
+calibration.synchronize()
+print("VERDICT", rank, before, calibration.verdict(key))
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_processes_take_one_verdict(tmp_path):
+    """The same disagreement as above between two real processes (gloo, ``all_gather_object``): both keep padded."""
+    import os
+    import subprocess
+    import sys
+
+    store = str(tmp_path / "store")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_WORKER, str(r), store], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("VERDICT"))
+    assert lines == ["VERDICT 0 None False", "VERDICT 1 None False"], outs
+
+
+# ---------------------------------------------------------------------------- compilation, dtype, DDP, FSDP2
+def test_a_forced_flex_keeps_the_recompile_limit_above_the_graphs_it_counts():
+    """The accounting: two graphs per signature (grad mode, dtype, head dim, heads, KV heads), each counted once; and
+    the limit: with an injected counter (a counting dynamo backend), 10 graphs of one function compile under the
+    budget's limit, where dynamo's default (8) stops at 8 and falls back to eager (for flex: the dense score matrix)."""
+    import torch._dynamo
+
+    model = _fused_tiny_model()
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "flex")
+    for grad in (False, True, True):
+        with torch.set_grad_enabled(grad), packing._compiling(KERNELS["flex"], model, CPU):
+            pass
+    assert packing.compile_budget.graphs == 4  # 2 signatures (no grad, grad) x 2 graphs
+    assert packing._compiling(KERNELS["sdpa_segments"], model, CPU).__class__ is contextlib.nullcontext
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32]
+    dtypes += [torch.int64, torch.uint8, torch.complex64]
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def run(budget):
+        torch._dynamo.reset()
+        graphs.clear()
+
+        def double(x):
+            return x * 2
+
+        compiled = torch.compile(double, backend=counting)
+        with budget.limit() if budget else contextlib.nullcontext():
+            for dtype in dtypes:
+                assert compiled(torch.ones(3, dtype=dtype)).dtype == dtype
+        torch._dynamo.reset()
+        return len(graphs)
+
+    budget = CompileBudget(graphs_per_signature=1)
+    for dtype in dtypes:
+        budget.add((dtype,))
+    assert budget.graphs == 10 and budget.current_limit() == 8
+    assert run(budget) == 10
+    assert budget.current_limit() == 8  # raised only inside
+    assert run(None) == 8  # what a forced flex hit before: the default limit
+
+
+def test_fsdp2_mixed_precision_sets_the_compute_dtype(tmp_path):
+    """A real ``fully_shard`` (1-process gloo group) with ``param_dtype=bfloat16`` over fp32 parameters: the compute
+    dtype is bf16 (the old code read the fp32 parameters, so auto's candidate on CUDA was flex)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trinity_trl.packing.selection import compute_dtype
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain = _fused_tiny_model()
+        assert compute_dtype(plain, CPU, contextlib.nullcontext) == torch.float32
+        sharded = _fused_tiny_model()
+        fully_shard(sharded, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert next(sharded.parameters()).dtype == torch.float32
+        assert compute_dtype(sharded, CPU, contextlib.nullcontext) == torch.bfloat16
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_synchronising_micro_batches_are_never_timed_and_fsdp_is_not_calibrated(tmp_path):
+    """A real DDP (1-process gloo group): its synchronising micro-batch is not timed, its ``no_sync`` ones are; FSDP2
+    is seen as sharded (auto's extra runs on the unwrapped model would bypass its gathers: padded rows)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trinity_trl.packing.forward import _real_pass_timeable, _sharded
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _fused_tiny_model()
+        ddp = DistributedDataParallel(model)
+        assert _real_pass_timeable(ddp, True) is False and _real_pass_timeable(ddp, False) is True
+        with ddp.no_sync():
+            assert _real_pass_timeable(ddp, True) is True
+        assert _sharded(ddp, model) is None
+        sharded = _fused_tiny_model()
+        fully_shard(sharded)
+        assert _sharded(sharded, sharded) == "FSDP"
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the overhead budget
+#: the benchmark's step (benchmarks/prefix_packing.py: one micro-batch of K prompts x G completions per optimizer step,
+#: gradient_accumulation_steps=1): per step one training forward+backward (a shape class with a backward) and one
+#: forward without one (the behaviour log-probs: a second class), then the optimizer
+STEPS = 100
+
+
+@pytest.mark.parametrize("packed_ratio", [0.45, 0.5, 0.96, 0.99, 1.0, 2.0])
+def test_the_whole_calibration_costs_at_most_3_percent_of_a_100_step_run(packed_ratio):
+    """Injected step times (a padded forward+backward 1.0, a forward without backward a third of it, the optimizer
+    0.1; packed ``packed_ratio`` times padded). The calibration's cost is what the run spends beyond the run that
+    knew the verdicts from the start: its extra runs (the number of trial forwards x their time) plus the real
+    passes it ran in the slower layout (warm-ups, a pending micro-batch). At most 3% of the run's training time,
+    for a clear win, a clear loss and near ties (two pairs)."""
+    fwd_bwd = {"padded": 1.0, "packed": packed_ratio}
+    forward_only = {k: v / 3 for k, v in fwd_bwd.items()}
+    optimizer = 0.1
+    calibration = Calibration(scripted(lambda w: (fwd_bwd if w.grad else forward_only)[w.layout]))
+    classes = {("model", True, 8, 2048): fwd_bwd, ("model", False, 8, 2048): forward_only}
+    spent = 0.0
+    real_layouts = {key: [] for key in classes}
+    for _ in range(STEPS):
+        for key, times in classes.items():
+            extras_before = len(calibration.extra_runs.get(key, []))
+            [(layout, extras)] = drive(calibration, key, 1)
+            assert len(calibration.extra_runs.get(key, [])) - extras_before == len(extras)
+            real_layouts[key].append(layout)
+            spent += times[layout] + sum(times[x] for x in extras)
+        spent += optimizer
+    best = "packed" if calibration.verdict(next(iter(classes))) else "padded"
+    ideal = STEPS * (sum(times[best] for times in classes.values()) + optimizer)
+    for key in classes:
+        verdict = "packed" if calibration.verdict(key) else "padded"
+        assert verdict == ("packed" if packed_ratio < 0.98 else "padded")
+        assert real_layouts[key][10:] == [verdict] * (STEPS - 10)  # decided within the first steps
+    overhead = spent - ideal
+    print(f"packed/padded {packed_ratio}: calibration {overhead:.3f} of {spent:.1f} ({overhead / spent:.2%})")
+    assert 0 < overhead <= 0.03 * spent, (overhead, spent)
+    extras = sum(len(v) for v in calibration.extra_runs.values())
+    assert extras <= 2 * len(classes)  # at most two extra runs per class
+
+
+def test_the_trainer_takes_the_verdicts_at_each_optimizer_step(tmp_path, tiny_model_dir, monkeypatch):
+    """TrinityTrainer registers the step-end synchronisation; with one process there is nothing to gather (verdicts are
+    taken as soon as a class is measured), and a forced kernel or CPU's auto never calls the gather."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+    from trinity_trl.trainers.trinity import _PackingVerdicts
+
+    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=_dataset())
+    [callback] = [c for c in trainer.callback_handler.callbacks if isinstance(c, _PackingVerdicts)]
+    assert callback.packing is trainer.prefix_packing and trainer.prefix_packing.calibration.gather is None
+    gathered = []
+    trainer.prefix_packing.calibration.gather = lambda payload: gathered.append(payload) or [payload]
+    callback.on_step_end(args, None, None)
+    assert gathered == []  # nothing calibrates here (auto on CPU: sdpa_segments)
+    trainer.prefix_packing._choices["cuda"] = selection_module.Choice(KERNELS["varlen"], calibrate=True)
+    callback.on_step_end(args, None, None)
+    assert gathered == [{}]

@@ -262,8 +262,10 @@ class PrefixPacking:
 
     def synchronize(self) -> None:
         """Every process at the same points (each optimizer step): ``auto``'s verdicts from every rank's
-        timings (:meth:`.selection.Calibration.synchronize`)."""
-        self.calibration.synchronize()
+        timings (:meth:`.selection.Calibration.synchronize`); nothing where no forward calibrates (a forced kernel,
+        ``auto`` on CPU: the same on every rank)."""
+        if any(choice.calibrate for choice in self._choices.values()):
+            self.calibration.synchronize()
 
     def _pack(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size, extra_reason=None, critic=False
