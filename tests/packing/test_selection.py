@@ -539,3 +539,21 @@ def test_the_trainer_takes_the_verdicts_at_each_optimizer_step(tmp_path, tiny_mo
     trainer.prefix_packing._choices["cuda"] = selection_module.Choice(KERNELS["varlen"], calibrate=True)
     callback.on_step_end(args, None, None)
     assert gathered == [{}]
+
+
+def test_an_extra_run_that_cannot_run_falls_back_to_padded_without_crashing(monkeypatch, caplog):
+    """Reentrant activation checkpointing refuses ``torch.autograd.grad``: the extra run fails, the class is decided
+    padded with one log line, and training goes on."""
+    model = _fused_tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext)
+    _calibrating(monkeypatch, packing)
+    with caplog.at_level(logging.WARNING, logger="trinity_trl"):
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+            (_padded_logps(model, ids, mask, keep) if out is None else out.logps).sum().backward()
+    assert packing.calibration.verdict(shape_class(model, True, *ids.shape)) is False
+    assert any("could not time the packed layout" in r.getMessage() for r in caplog.records)

@@ -345,9 +345,14 @@ class PrefixPacking:
         watches = {"packed": packed_watch}
         for layout in trial.extras:
             watch = watches.setdefault(layout, self.calibration.timer(device, layout))
-            self._extra_run(
-                inner, layout, chunks, kernel, input_ids, attention_mask, logits_to_keep, grad, critic, watch
-            )
+            try:
+                self._extra_run(
+                    inner, layout, chunks, kernel, input_ids, attention_mask, logits_to_keep, grad, critic, watch
+                )
+            except RuntimeError as err:  # e.g. out of memory, reentrant activation checkpointing (no autograd.grad)
+                self._fall_back(f"'auto' could not time the {layout} layout ({str(err).splitlines()[0]}); padded rows")
+                self.calibration.classes[key].verdict = False
+                return None
             self.calibration.record(key, layout, watch, extra=True)
         if trial.time_real:
             watch = watches.setdefault(trial.real, self.calibration.timer(device, trial.real))
