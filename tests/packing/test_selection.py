@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import pytest
 import torch
@@ -557,3 +558,45 @@ def test_an_extra_run_that_cannot_run_falls_back_to_padded_without_crashing(monk
             (_padded_logps(model, ids, mask, keep) if out is None else out.logps).sum().backward()
     assert packing.calibration.verdict(shape_class(model, True, *ids.shape)) is False
     assert any("could not time the packed layout" in r.getMessage() for r in caplog.records)
+
+
+def test_extra_runs_work_under_non_reentrant_activation_checkpointing(monkeypatch):
+    """TRL's default on a GPU (activation checkpointing, use_reentrant=False): the extra runs' ``autograd.grad``
+    works through the recomputation, the class is decided from both timings, and a padded real pass keeps exactly
+    the gradients of a plain padded pass (same kernels, same inputs)."""
+    model = _fused_tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    model.zero_grad(set_to_none=True)
+    _padded_logps(model, ids, mask, keep).sum().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    packing = PrefixPacking(
+        True, 1.0, lambda m: m, contextlib.nullcontext, timer=scripted({"packed": 0.5, "padded": 1.0})
+    )
+    _calibrating(monkeypatch, packing)
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+        (_padded_logps(model, ids, mask, keep) if out is None else out.logps).sum().backward()
+        if out is None:
+            assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters())
+    key = shape_class(model, True, *ids.shape)
+    assert packing.calibration.verdict(key) is True and packing.calibration.extra_runs[key] == ["packed"]
+
+
+def test_a_trainer_calibrating_on_cpu_trains_through_its_real_forwards(tmp_path, tiny_model_dir, monkeypatch):
+    """TrinityTrainer with auto made to calibrate on CPU (real wall-clock stopwatches): its training and no-grad
+    forwards go through the trials and extra runs, every step trains (finite loss), and classes get decided."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=6))
+    trainer = TrinityTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=_dataset())
+    _calibrating(monkeypatch, trainer.prefix_packing)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    classes = trainer.prefix_packing.calibration.classes
+    assert any(key[1] for key in classes)  # training forwards (with a backward) took part
+    assert sum(len(v) for v in trainer.prefix_packing.calibration.extra_runs.values()) > 0
+    assert any(c.verdict is not None for c in classes.values())
