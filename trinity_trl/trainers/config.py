@@ -128,9 +128,10 @@ class TrinityConfig(GRPOConfig):
             The tree-attention kernel of packed forwards: `"auto"`, `"varlen"` (torch's `varlen_attn`, CUDA,
             fp16/bf16, torch >= 2.10), `"flash_attn"` (FlashAttention 2 installed, CUDA, fp16/bf16), `"flex"`
             (FlexAttention, CUDA) or `"sdpa_segments"` (one SDPA per prefix-tree node: the CPU kernel).
-            `"auto"` uses `sdpa_segments` on CPU; on CUDA the best fused kernel available, kept only for the
-            shapes where it times faster than the padded forward on the first micro-batches (one log line
-            each), else the padded forward. A forced kernel that cannot run on the device is an error.
+            `"auto"` uses `sdpa_segments` on CPU; on CUDA `flash_attn` or `varlen` (never `flex`, which compiles),
+            kept only for the shapes where it times faster than the padded forward on the same first
+            micro-batches (one log line each), else the padded forward. A forced kernel that cannot run on the
+            device is an error.
         prefix_packing_whole_groups (`bool`, *optional*, defaults to `False`):
             Shuffle each generation batch by groups rather than by rows (TRL), so that a micro-batch holds
             whole groups and packing shares their prompts (`per_device_train_batch_size` a multiple of
@@ -221,7 +222,8 @@ class TrinityConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Tree-attention kernel of packed forwards: auto, varlen, flash_attn, flex or sdpa_segments. "
-            "auto: sdpa_segments on CPU; on CUDA a fused kernel only where it times faster than padded rows."
+            "auto: sdpa_segments on CPU; on CUDA flash_attn or varlen (never flex) only where it times faster than "
+            "padded rows."
         },
     )
     prefix_packing_whole_groups: bool = field(
