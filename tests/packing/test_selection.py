@@ -143,6 +143,9 @@ def test_auto_keeps_the_layout_timed_faster_on_the_same_micro_batches(caplog, pa
     decided = 3 + pairs  # the micro-batch after the last pair reads it
     assert all(layout == ("packed" if kept else "padded") and not extras for layout, extras in ran[decided - 1 :])
     assert calibration.verdict(key) is kept
+    [summary] = calibration.summary()
+    assert summary["verdict"] == ("packed" if kept else "padded") and summary["extra_runs"] == pairs
+    assert summary["packed_s"] == pytest.approx(packed_s) and summary["padded_s"] == pytest.approx(padded_s)
     lines = [r.getMessage() for r in caplog.records if "prefix packing," in r.getMessage()]
     assert len(lines) == 1 and ("packed kept" if kept else "padded kept") in lines[0], lines
 

@@ -332,6 +332,28 @@ class Calibration:
         c = self.classes.get(key)
         return None if c is None else c.verdict
 
+    def summary(self) -> list[dict]:
+        """Per shape class: its shape, this rank's packed and padded seconds (``None`` until measured), the
+        verdict (``"packed"``, ``"padded"`` or ``None``) and the extra runs it took (for reports)."""
+        rows = []
+        for key, c in self.classes.items():
+            grad, rows_, width = key[1:]
+            packed, padded, passed = c.result if c.result else (None, None, c.passed)
+            verdict = None if c.verdict is None else ("packed" if c.verdict else "padded")
+            rows.append(
+                {
+                    "grad": grad,
+                    "rows": rows_,
+                    "width": width,
+                    "packed_s": packed,
+                    "padded_s": padded,
+                    "passed_ratio_check": passed,
+                    "verdict": verdict,
+                    "extra_runs": len(self.extra_runs.get(key, [])),
+                }
+            )
+        return rows
+
     # ---------------------------------------------------------------- across ranks
     def synchronize(self) -> None:
         """Every rank, at the same points (each optimizer step): gather the measurements of all ranks
