@@ -120,3 +120,19 @@ def assert_bf16_logps_close(actual: torch.Tensor, expected: torch.Tensor, msg: s
     from tolerance import assert_close
 
     assert_close(actual.double(), expected.double(), terms=1, ulps=1, dtype=torch.bfloat16, msg=msg)
+
+
+def assert_bf16_grad_close(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """A gradient of the packed bf16 forward (or of a bf16 attention kernel) against float32/float64 from the same
+    bf16 weights or inputs.
+
+    Each gradient entry sums terms each rounded a few times to bf16 (probabilities, their gradients, the incoming
+    gradient, the output): independent roundings of at most one unit roundoff of their term. Their sum then errs by
+    about ``eps/2 * sqrt(sum of squared terms)``, which is the size of the gradient entry itself when the terms have
+    random signs, and at most the largest entry of the tensor: ``terms=1`` against ``scale = max |expected|``, with
+    ``ulps=8`` (the module default) for the several roundings per term. Measured on CPU in bf16: about one ulp for the
+    attention kernel, against 30-120 for a wrong mask, a dropped key or an off-by-one edge
+    (tests/packing/test_kernel_paths.py)."""
+    from tolerance import DEFAULT_ULPS, assert_close
+
+    assert_close(actual.double(), expected.double(), terms=1, ulps=DEFAULT_ULPS, dtype=torch.bfloat16, msg=msg)
