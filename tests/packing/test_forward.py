@@ -675,16 +675,44 @@ def test_kernels_on_cuda_with_activation_checkpointing_and_chunked_packing(kerne
 @pytest.mark.gpu
 @needs_cuda
 def test_auto_on_cuda_picks_a_fused_kernel_and_equals_the_padded_forward():
-    """``prefix_packing_kernel="auto"`` on CUDA in bf16: a fused kernel (never the per-node one), and a packed forward
-    it keeps equals the padded one. (Its timing decisions are tested on CPU with an injected timer.)"""
+    """``prefix_packing_kernel="auto"`` on CUDA in bf16: a fused kernel (never the per-node one); the forced kernel
+    equals the padded forward; and 4 training forwards under ``auto`` (its measurement running) each run packed through
+    that kernel and equal the padded forward, or run padded. (Its timing decisions are tested on CPU with an injected
+    timer.)"""
+    from trl.trainer.utils import add_fused_lm_head
+
     from trinity_trl.packing import choose
 
     choice = choose("auto", torch.device("cuda"), torch.bfloat16)
     if choice.kernel is None:
         pytest.skip(choice.reason)
     assert choice.kernel.name in ("varlen", "flash_attn", "flex")
-    forced = compare_with_padded(choice.kernel.name, torch.bfloat16, "cuda")
-    assert forced.kernel == choice.kernel.name
+    assert compare_with_padded(choice.kernel.name, torch.bfloat16, "cuda").kernel == choice.kernel.name
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer).to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    for m in (model, reference):
+        add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy"))
+    ids, mask, keep = padded_batch(long_grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer)))
+    ids, mask = ids.to("cuda"), mask.to("cuda")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    scored = mask[:, -keep:].bool()
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "auto", "cuda")
+    kernels = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
+        if out is None:  # padded this time (a measurement, or the verdict): TRL's forward runs
+            logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+        else:
+            kernels.append(out.kernel)
+            logps = out.logps
+        assert_bf16_logps_close(logps.float()[scored], want.float()[scored].detach(), msg="log-probs")
+        logps.float()[scored].sum().backward()
+    assert set(kernels) <= {choice.kernel.name}, kernels
 
 
 @pytest.mark.gpu
