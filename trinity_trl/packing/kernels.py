@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
-import itertools
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
@@ -44,6 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+from packaging.version import InvalidVersion, Version
 
 from .tree import PackedRows, Segment
 
@@ -287,15 +287,10 @@ def _flash_attn_version() -> tuple[int, ...] | None:
         text = importlib.metadata.version("flash_attn")
     except importlib.metadata.PackageNotFoundError:
         text = getattr(importlib.import_module("flash_attn"), "__version__", None)
-    if not text:
+    try:
+        return Version(text).release[:2] if text else None
+    except InvalidVersion:
         return None
-    parts = []
-    for part in text.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            return None
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 class FlashAttn(TreeKernel):
