@@ -64,3 +64,75 @@ def dense_tree_mask_from_rows(packed, rows: list[tuple[list[int], list[int]]]) -
             mask[found, path] = True
     mask[real:, real:] = torch.ones(n - real, n - real, dtype=torch.bool).tril()
     return mask
+
+
+def long_grouped_rows(
+    generator: torch.Generator, vocab: int = 400, prompts: tuple[int, ...] = (120, 40, 60)
+) -> list[tuple[list[int], list[int]]]:
+    """Rows whose packed tree spans several 128-token blocks (FlexAttention's block size): a 16-token 'system prompt'
+    shared by every row, then one group of four completions (70, 45, 0 and 90 tokens) per prompt length in
+    ``prompts``, and a duplicate of the first row. With the default prompts the packed row holds 608 tokens (5 blocks);
+    the first group's long prompt makes whole key blocks visible to later query blocks (full blocks) and the node
+    boundaries cut blocks (partial off-diagonal blocks). The longest row has 226 tokens."""
+
+    def rand(n):
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    system = rand(16)
+    rows = []
+    for length in prompts:
+        prompt = system + rand(length)
+        rows.extend((prompt, rand(c)) for c in (70, 45, 0, 90))
+    rows.append(rows[0])
+    return rows
+
+
+def logp_terms(max_keys: int) -> int:
+    """:data:`LOGP_TERMS` for rows of up to ``max_keys`` tokens (the attention row is ``max_keys x head dim``)."""
+    return 2 * (128 + 64 + max_keys * 16) + 512
+
+
+def assert_bf16_attention_close(actual: torch.Tensor, expected: torch.Tensor, value: torch.Tensor) -> None:
+    """A fused attention kernel's bf16 output against attention computed in float32/float64 from the same bf16 inputs.
+
+    FlashAttention-style kernels (torch's varlen_attn, flash_attn, FlexAttention, SDPA's flash and CPU kernels) take
+    the scores and softmax in float32, round the probabilities to bf16 before multiplying them with the values, then
+    round the output once: two roundings of at most one unit roundoff ``eps/2`` of the values' magnitude
+    (``sum_j p_j |v_j| <= max |v|`` since the probabilities sum to one), independent of the number of keys. Hence
+    ``terms=1``, ``ulps=2`` (one ulp each, twice the unit roundoff), ``scale = max |v|``. A wrong mask, a dropped key or
+    an off-by-one causal edge moves some outputs by a sizeable fraction of ``|v|`` (tests/packing/test_kernel_paths.py
+    shows each fails)."""
+    from tolerance import assert_close
+
+    assert_close(
+        actual.double(), expected.double(), terms=1, ulps=2, dtype=torch.bfloat16, scale=float(value.abs().max())
+    )
+
+
+def assert_bf16_logps_close(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """bf16 log-probs of the packed forward against the float32 padded forward of the same weights.
+
+    TRL's fused head computes the log-softmax in float32 from the bf16 model's hidden states; each log-prob then
+    carries the bf16 roundings of the layers before it, which (fp32 accumulation in every matmul) stay within one bf16
+    ulp of the log-prob's magnitude: ``terms=1``, ``ulps=1``, ``dtype=bf16`` (measured on CPU: 0.006 against a bound of
+    0.055 at ``|log p| ~ 7``). A kernel that attends to a wrong branch moves the tiny model's log-probs by about 0.19
+    (tests/packing/test_kernel_paths.py shows it fails)."""
+    from tolerance import assert_close
+
+    assert_close(actual.double(), expected.double(), terms=1, ulps=1, dtype=torch.bfloat16, msg=msg)
+
+
+def assert_bf16_grad_close(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """A gradient of the packed bf16 forward (or of a bf16 attention kernel) against float32/float64 from the same
+    bf16 weights or inputs.
+
+    Each gradient entry sums terms each rounded a few times to bf16 (probabilities, their gradients, the incoming
+    gradient, the output): independent roundings of at most one unit roundoff of their term. Their sum then errs by
+    about ``eps/2 * sqrt(sum of squared terms)``, which is the size of the gradient entry itself when the terms have
+    random signs, and at most the largest entry of the tensor: ``terms=1`` against ``scale = max |expected|``, with
+    ``ulps=8`` (the module default) for the several roundings per term. Measured on CPU in bf16: about one ulp for the
+    attention kernel, against 30-120 for a wrong mask, a dropped key or an off-by-one edge
+    (tests/packing/test_kernel_paths.py)."""
+    from tolerance import DEFAULT_ULPS, assert_close
+
+    assert_close(actual.double(), expected.double(), terms=1, ulps=DEFAULT_ULPS, dtype=torch.bfloat16, msg=msg)

@@ -21,11 +21,20 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import build_tiny_model, build_tiny_tokenizer, length_reward, save_tiny_model, tiny_grpo_kwargs
-from packing_helpers import GRAD_TERMS, LOGP_TERMS, grouped_rows, padded_batch
+from packing_helpers import (
+    GRAD_TERMS,
+    LOGP_TERMS,
+    assert_bf16_grad_close,
+    assert_bf16_logps_close,
+    grouped_rows,
+    logp_terms,
+    long_grouped_rows,
+    padded_batch,
+)
 from peft import LoraConfig
 from tolerance import assert_close
 
-from trinity_trl.packing import PrefixPacking, unsupported_reason
+from trinity_trl.packing import KERNELS, PackedOutput, PrefixPacking, causal_lm, unsupported_reason
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,
@@ -475,58 +484,235 @@ def _cuda_kernel(name: str, dtype: torch.dtype) -> None:
         pytest.skip(reason)
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("kernel", FUSED)
-def test_every_kernel_on_cuda_equals_the_padded_forward(kernel, arch, peft, dtype):
-    """Log-probs, entropies, the loss and every gradient of TRL's fused-head forward, packed through ``kernel`` vs
-    padded SDPA rows, on CUDA. fp32 kernels within the float32 tolerances above; bf16 (both sides in bf16) within
-    one bf16 rounding per summed term: ``tolerance(dtype=bf16, terms=LOGP_TERMS, ulps=1)``."""
+def compare_with_padded(
+    kernel: str,
+    dtype: torch.dtype,
+    device: str,
+    arch: str = "qwen2",
+    peft: bool = False,
+    checkpointing: bool = False,
+    batch_size: int | None = None,
+    monkeypatch=None,
+) -> PackedOutput:
+    """Log-probs, entropies, the loss and every gradient of TRL's fused-head forward, packed through ``kernel`` (forced,
+    or ``"auto"``) on ``device`` vs the padded forward, on rows whose packed tree spans 7 blocks of 128 tokens
+    (:func:`long_grouped_rows`: full and partial off-diagonal FlexAttention blocks).
+
+    float32: both sides float32, float32 tolerances. bf16: the packed side in bf16 against the padded forward in
+    float32 of the same (bf16-rounded) weights, with the bf16 bounds of :func:`assert_bf16_logps_close` (log-probs and
+    entropies) and :func:`assert_bf16_grad_close` (gradients): a wrong kernel fails them (shown on CPU by
+    ``test_the_model_comparison_fails_a_wrong_kernel``). ``checkpointing``: activation checkpointing on (TRL's
+    default; each layer recomputes its forward, tree mask included, in the backward). ``batch_size``: TRL's forward
+    chunk size, so the micro-batch is packed into several rows (asserted)."""
     from peft import get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
-    _cuda_kernel(kernel, dtype)
+    from trinity_trl.packing import forward as forward_module
+
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, arch=arch).to("cuda", dtype)
-    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    model = build_tiny_model(tokenizer, arch=arch)
     if peft:
         model = get_peft_model(model, copy.deepcopy(LORA))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
-                    p.normal_(0, 0.05)
-    rows = grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer), groups=3)
-    ids, mask, keep = (t.to("cuda") if isinstance(t, torch.Tensor) else t for t in padded_batch(rows))
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    model = model.to(device, dtype)
+    reference = copy.deepcopy(model).float()  # the same weights (bf16-rounded where dtype is bf16), in float32
+    for m in (model, reference):
+        add_fused_lm_head(causal_lm(m, lambda x: x), temperature=0.7, outputs=("log_probs", "entropy"))
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    rows = long_grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer))
+    ids, mask, keep = padded_batch(rows)
+    ids, mask = ids.to(device), mask.to(device)
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-keep] = -100
-    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, kernel, "cuda")
+    scored = mask[:, -keep:].bool()
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, kernel, device)
+    forwards = []
+    if monkeypatch is not None:  # count the packed rows
+        original = forward_module.packed_logps
+        monkeypatch.setattr(
+            forward_module, "packed_logps", lambda *a, **k: forwards.append(a[2].num_tokens) or original(*a, **k)
+        )
 
-    def run(packed: bool):
-        model.zero_grad()
+    def run(m, packed: bool):
+        m.zero_grad(set_to_none=True)
         if packed:
-            out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
-            assert out is not None and out.kernel == kernel
+            out = packing.logps_and_entropies(m, ids, mask, keep, batch_size, True, False, {})
+            assert out is not None, "the packed forward fell back to padded rows"
             logps, entropy = out.logps, out.entropies
         else:
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            out = m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
             logps, entropy = out.log_probs[:, -keep:], out.entropy[:, -keep:]
-        keep_mask = mask[:, -keep:].bool()
-        loss = (logps.float() * keep_mask).sum() + 0.1 * (entropy.float() * keep_mask).sum()
-        loss.backward()
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        return (logps * keep_mask).float().detach(), (entropy * keep_mask).float().detach(), loss.detach(), grads
+        logps, entropy = logps.float()[scored], entropy.float()[scored]
+        (logps.sum() + 0.1 * entropy.sum()).backward()
+        grads = {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
+        return out, logps.detach(), entropy.detach(), grads
 
-    packed, padded = run(True), run(False)
-    bf16 = {"ulps": 1, "dtype": dtype} if dtype == torch.bfloat16 else {}
-    assert_close(packed[0], padded[0], terms=LOGP_TERMS, **bf16)
-    assert_close(packed[1], padded[1], terms=LOGP_TERMS, **bf16)
-    assert_close(packed[2], padded[2], terms=GRAD_TERMS, **bf16)
-    assert packed[3].keys() == padded[3].keys() and packed[3]
-    for name, grad in padded[3].items():
-        assert_close(packed[3][name], grad, terms=GRAD_TERMS, msg=name, **bf16)
+    out, logps, entropy, grads = run(model, True)
+    _, want_logps, want_entropy, want_grads = run(reference, False)
+    # forwarded tokens: the distinct tokens of the rows, padded to the kernel's block where it pads (flex), and never
+    # more than the padded layout (the ratio threshold above is 1.0)
+    from trinity_trl.packing import KERNELS, pack_rows
+
+    kernel_used = KERNELS[out.kernel]
+    chunks = pack_rows(ids, mask, keep, batch_size * ids.shape[1] if batch_size else None)
+    block = kernel_used.pad_multiple
+    expected = sum(max(-(-c.num_tokens // block) * block, kernel_used.min_tokens) for c in chunks)
+    assert out.forwarded == expected <= out.padded == ids.numel(), (out.forwarded, expected, out.padded)
+    if batch_size is not None:
+        assert len(chunks) > 1 and len(forwards) == len(chunks), (len(chunks), forwards)
+    assert grads.keys() == want_grads.keys() and grads
+    terms = logp_terms(max(len(p) + len(c) for p, c in rows))
+    if dtype == torch.float32:
+        assert_close(logps, want_logps, terms=terms)
+        assert_close(entropy, want_entropy, terms=terms)
+        for name, grad in want_grads.items():
+            assert_close(grads[name], grad, terms=terms * ids.numel(), msg=name)
+    else:
+        assert_bf16_logps_close(logps, want_logps, msg="log-probs")
+        assert_bf16_logps_close(entropy, want_entropy, msg="entropies")
+        for name, grad in want_grads.items():
+            assert_bf16_grad_close(grads[name], grad, msg=name)
+    return out
+
+
+def test_the_model_comparison_passes_sdpa_segments_on_cpu():
+    """The CUDA tests' comparison, run on CPU with the CPU kernel: float32, bf16 with LoRA and activation
+    checkpointing, and chunked packing."""
+    assert compare_with_padded("sdpa_segments", torch.float32, "cpu").kernel == "sdpa_segments"
+    compare_with_padded("sdpa_segments", torch.bfloat16, "cpu", arch="llama", peft=True, checkpointing=True)
+
+
+def test_the_model_comparison_checks_chunked_packing_on_cpu(monkeypatch):
+    compare_with_padded("sdpa_segments", torch.bfloat16, "cpu", batch_size=2, monkeypatch=monkeypatch)
+
+
+class _PlainCausal(KERNELS["sdpa_segments"].__class__):
+    """A deliberately wrong kernel: causal over the whole packed row (earlier branches visible)."""
+
+    def __call__(self, plan, query, key, value, scale):
+        query, key, value = (t.to(query.dtype) for t in (query, key, value))
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=True
+        )
+
+
+class _DroppedAncestor(KERNELS["sdpa_segments"].__class__):
+    """A deliberately wrong kernel: every non-root node misses the first token of its path (the system prompt's)."""
+
+    def plan(self, packed, device):
+        import dataclasses
+
+        segments = [dataclasses.replace(s, ancestors=s.ancestors[1:]) if s.ancestors else s for s in packed.segments]
+        return super().plan(dataclasses.replace(packed, segments=segments), device)
+
+
+@pytest.mark.parametrize("wrong", ["plain causal", "dropped ancestor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_model_comparison_fails_a_wrong_kernel(monkeypatch, dtype, wrong):
+    """The same comparison with a deliberately wrong kernel standing in for the CPU kernel: it fails, in bf16 too."""
+    monkeypatch.setitem(KERNELS, "sdpa_segments", _PlainCausal() if wrong == "plain causal" else _DroppedAncestor())
+    with pytest.raises(AssertionError, match="not close|log-probs|entropies|weight|bias"):  # the values, not a setup
+        compare_with_padded("sdpa_segments", dtype, "cpu")
+
+
+def test_flex_block_padding_counts_against_the_token_ratio(monkeypatch):
+    """flex pads the packed row to whole 128-token blocks (2 at least), and the ratio check counts that padding: a
+    micro-batch whose 53 distinct tokens pad to 256 (more than its 210 padded tokens) runs padded, by design; one whose
+    851 distinct tokens pad to 896 (of 2938) is packed. (The CUDA test used to expect the first one packed.)"""
+    from trl.trainer.utils import add_fused_lm_head
+
+    monkeypatch.setattr(KERNELS["flex"], "unavailable", lambda device: None)  # its forward runs on CPU, compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from trinity_trl.packing import kernels as kernels_module
+
+    compiled = torch.compile(flex_attention, dynamic=True, backend="aot_eager")
+    monkeypatch.setattr(kernels_module, "_compiled_flex", lambda: compiled)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "flex", "cpu")
+    short = padded_batch(grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer), groups=3))
+    long = padded_batch(long_grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer)))
+    with torch.no_grad():
+        assert short[0].numel() == 210
+        assert packing.logps_and_entropies(model, *short, None, False, False, {}) is None
+        out = packing.logps_and_entropies(model, *long, None, False, False, {})
+    assert out is not None and out.kernel == "flex" and (out.forwarded, out.padded) == (896, 2938)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "arch", "peft"),
+    [(k, d, "qwen2", False) for k in FUSED for d in (torch.float32, torch.bfloat16)]
+    + [(k, torch.bfloat16, "llama", True) for k in FUSED],
+    ids=lambda v: str(v).removeprefix("torch."),
+)
+def test_every_kernel_on_cuda_equals_the_padded_forward(kernel, dtype, arch, peft):
+    """Every kernel on CUDA, float32 where it runs in float32 and bf16, Qwen2 full and Llama LoRA (see
+    :func:`compare_with_padded`)."""
+    _cuda_kernel(kernel, dtype)
+    assert compare_with_padded(kernel, dtype, "cuda", arch=arch, peft=peft).kernel == kernel
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["varlen", "flash_attn", "flex"])
+def test_kernels_on_cuda_with_activation_checkpointing_and_chunked_packing(kernel, monkeypatch):
+    """TRL's default activation checkpointing (the layers recompute their forward, tree mask and plan included, in
+    the backward) and chunked packing (TRL's forward batch size below the micro-batch: several packed rows), bf16."""
+    _cuda_kernel(kernel, torch.bfloat16)
+    compare_with_padded(kernel, torch.bfloat16, "cuda", checkpointing=True)
+    compare_with_padded(kernel, torch.bfloat16, "cuda", batch_size=2, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_auto_on_cuda_picks_a_fused_kernel_and_equals_the_padded_forward():
+    """``prefix_packing_kernel="auto"`` on CUDA in bf16: a fused kernel (never the per-node one); the forced kernel
+    equals the padded forward; and 4 training forwards under ``auto`` (its measurement running) each run packed through
+    that kernel and equal the padded forward, or run padded. (Its timing decisions are tested on CPU with an injected
+    timer.)"""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trinity_trl.packing import choose
+
+    choice = choose("auto", torch.device("cuda"), torch.bfloat16)
+    if choice.kernel is None:
+        pytest.skip(choice.reason)
+    assert choice.kernel.name in ("varlen", "flash_attn", "flex")
+    assert compare_with_padded(choice.kernel.name, torch.bfloat16, "cuda").kernel == choice.kernel.name
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer).to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    for m in (model, reference):
+        add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy"))
+    ids, mask, keep = padded_batch(long_grouped_rows(torch.Generator().manual_seed(1), vocab=len(tokenizer)))
+    ids, mask = ids.to("cuda"), mask.to("cuda")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    scored = mask[:, -keep:].bool()
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "auto", "cuda")
+    kernels = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
+        if out is None:  # padded this time (a measurement, or the verdict): TRL's forward runs
+            logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+        else:
+            kernels.append(out.kernel)
+            logps = out.logps
+        assert_bf16_logps_close(logps.float()[scored], want.float()[scored].detach(), msg="log-probs")
+        logps.float()[scored].sum().backward()
+    assert set(kernels) <= {choice.kernel.name}, kernels
 
 
 @pytest.mark.gpu
@@ -542,7 +728,8 @@ def test_every_trainer_trains_two_steps_with_packing_on_cuda(tmp_path, tiny_mode
     )
     if kernel is None:
         pytest.skip("no fused tree-attention kernel on this machine")
-    cuda = {"use_cpu": False, "bf16": True, "prefix_packing_kernel": kernel}
+    # bf16, with TRL's default activation checkpointing
+    cuda = {"use_cpu": False, "bf16": True, "prefix_packing_kernel": kernel, "activation_checkpointing": True}
     if name == "step_grpo":
         from trinity_trl.rollouts import CalculatorEnv, calculator_dataset
         from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from packing_helpers import dense_tree_mask_from_rows, grouped_rows, padded_batch
+from packing_helpers import (
+    assert_bf16_attention_close,
+    assert_bf16_grad_close,
+    dense_tree_mask_from_rows,
+    grouped_rows,
+    long_grouped_rows,
+    padded_batch,
+)
 from tolerance import assert_close
 
 from trinity_trl.packing import KERNELS, gathered_keys, pack_rows, tree_block_mask, tree_mask_mod
@@ -197,32 +204,103 @@ def test_a_deliberate_layout_bug_fails_the_same_comparison(bug):
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
+def long_case(pad_multiple: int = 1, min_tokens: int = 0):
+    """A packed row of 851 tokens (7 blocks of 128: full and partial off-diagonal FlexAttention blocks)."""
+    rows = long_grouped_rows(torch.Generator().manual_seed(0))
+    ids, mask, keep = padded_batch(rows)
+    (packed,) = pack_rows(ids, mask, keep, pad_multiple=pad_multiple, min_tokens=min_tokens)
+    return packed, dense_tree_mask_from_rows(packed, rows)
+
+
+def check_kernel_on(device, name: str, dtype: torch.dtype, kernel=None) -> None:
+    """``kernel`` (default ``KERNELS[name]``) on ``device`` in ``dtype``, output and gradients, against SDPA with the
+    dense tree mask in float32 (float64 on CPU) from the same inputs; 8 query heads over 2 key/value heads, head
+    dimension 64. float32: float32 tolerances over ``keys x head_dim`` terms. bf16: :func:`assert_bf16_attention_close`
+    and :func:`assert_bf16_grad_close` (bounds independent of the row's length, which a wrong kernel exceeds: shown on
+    CPU by ``test_the_kernel_check_fails_a_wrong_kernel``)."""
+    kernel = kernel or KERNELS[name]
+    packed, truth = long_case(kernel.pad_multiple, kernel.min_tokens)
+    packed.input_ids = packed.input_ids.to(device)
+    keys, dim = int(truth.sum(1).max()), 64
+    q, k, v = qkv(packed.num_tokens, 8, 2, dim, seed=5, device=device, dtype=dtype)
+    out = kernel(kernel.plan(packed, q.device), q, k, v, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    reference = torch.float64 if torch.device(device).type == "cpu" else torch.float32
+    qr, kr, vr = (t.detach().to(reference).requires_grad_(True) for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=truth.to(device), scale=dim**-0.5, enable_gqa=True)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (qr, kr, vr))
+    if dtype == torch.float32:
+        assert_close(out.double(), expected.double(), terms=keys * dim, dtype=dtype)
+        for got, want in zip(grads, expected_grads):
+            assert_close(got.double(), want.double(), terms=keys * dim * packed.num_tokens, dtype=dtype)
+    else:
+        assert_bf16_attention_close(out, expected, v)
+        for got, want, what in zip(grads, expected_grads, "qkv"):
+            assert_bf16_grad_close(got, want, msg=f"d{what}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_check_passes_the_cpu_kernel(dtype):
+    check_kernel_on("cpu", "sdpa_segments", dtype)
+
+
+class _OffByOne(kernels_module.SdpaSegments):
+    """A deliberately wrong kernel: each node's queries see one key too many (the causal edge off by one)."""
+
+    def plan(self, packed, device):
+        return [
+            (queries, keys, None if mask is None else torch.ones_like(mask).tril(mask.shape[1] - mask.shape[0] + 1))
+            for queries, keys, mask in super().plan(packed, device)
+        ]
+
+
+class _PlainCausal(kernels_module.SdpaSegments):
+    def __call__(self, plan, query, key, value, scale):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("wrong", [_OffByOne, _PlainCausal], ids=["off-by-one", "plain causal"])
+def test_the_kernel_check_fails_a_wrong_kernel(wrong, dtype):
+    with pytest.raises(AssertionError, match="not close|d[qkv]"):  # the values, not a setup
+        check_kernel_on("cpu", "sdpa_segments", dtype, kernel=wrong())
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["sdpa_segments", "varlen", "flash_attn", "flex"])
 def test_kernel_on_cuda_equals_sdpa_with_the_dense_tree_mask(name, dtype):
     kernel = KERNELS[name]
-    device = torch.device("cuda")
-    reason = kernel.unavailable(device) or kernel.unsupported_dtype(dtype)
+    reason = kernel.unavailable(torch.device("cuda")) or kernel.unsupported_dtype(dtype)
     if reason:
         pytest.skip(reason)
-    packed, truth = packed_case(7, groups=4, pad_multiple=kernel.pad_multiple)
-    packed.input_ids = packed.input_ids.to(device)
-    keys, dim = int(truth.sum(1).max()), 64
-    q, k, v = qkv(packed.num_tokens, 8, 2, dim, seed=5, device=device, dtype=dtype)
-    out = run_kernel(name, packed, q, k, v, dim**-0.5)
-    expected = dense_attention(q, k, v, truth, dim**-0.5)
-    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    if dtype == torch.float32:
-        assert_close(out, expected, terms=keys * dim)
-        for got, want in zip(grads, expected_grads):
-            assert_close(got, want, terms=keys * dim * packed.num_tokens)
-    else:
-        assert_close(out.float(), expected, terms=keys, ulps=1, dtype=dtype)
-        for got, want in zip(grads, expected_grads):
-            assert_close(got.float(), want.float(), terms=keys * packed.num_tokens, ulps=1, dtype=dtype)
+    check_kernel_on("cuda", name, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("enable_gqa", [True, False], ids=["enable_gqa", "expanded"])
+def test_varlen_on_cuda_with_and_without_enable_gqa(monkeypatch, enable_gqa):
+    """varlen_attn's two GQA paths on CUDA in bf16: ``enable_gqa`` (torch >= 2.12) and key/value heads expanded (the
+    torch 2.11 path, forced here on any torch)."""
+    kernel = KERNELS["varlen"]
+    reason = kernel.unavailable(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    attn, causal, has_gqa = kernels_module._varlen_api()
+    if enable_gqa and not has_gqa:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no enable_gqa")
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(args[1].shape[1])
+        return attn(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_module, "_varlen_api", lambda: (recorded, causal, enable_gqa))
+    check_kernel_on("cuda", "varlen", torch.bfloat16)
+    assert calls == [2 if enable_gqa else 8]  # key/value heads passed to varlen_attn
 
 
 def test_gathered_keys_of_an_empty_layout():

@@ -14,12 +14,13 @@ The kernels:
 * ``sdpa_segments`` (everywhere; the CPU kernel and the reference): one SDPA per tree node, the
   node's queries against the gathered keys of its root-to-node path with a bottom-right causal mask.
   Launch-bound on a GPU (a Python loop over nodes), so ``auto`` never picks it there.
-* ``varlen`` (CUDA, fp16/bf16, torch >= 2.10): ``torch.nn.attention.varlen.varlen_attn``; queries
+* ``varlen`` (CUDA compute capability >= 8.0, fp16/bf16, torch >= 2.10):
+  ``torch.nn.attention.varlen.varlen_attn`` (torch's FlashAttention kernels); queries
   are the packed row as it is, each node's keys its gathered path (``cu_seq_q`` / ``cu_seq_k`` per
   node), ``window_size=(-1, 0)`` (bottom-right causal, FlashAttention's convention). Key/value heads
   are expanded for GQA where the installed torch has no ``enable_gqa`` (before 2.12).
-* ``flash_attn`` (CUDA, fp16/bf16, FlashAttention 2 installed): the same layout through
-  ``flash_attn_varlen_func(causal=True)``, GQA native.
+* ``flash_attn`` (CUDA compute capability >= 8.0, fp16/bf16, FlashAttention >= 2.1 installed: bottom-right
+  causal masks came with 2.1): the same layout through ``flash_attn_varlen_func(causal=True)``, GQA native.
 * ``flex`` (CUDA, fp32/fp16/bf16): FlexAttention with a tree BlockMask built directly from the layout
   (no ``create_block_mask``): ``mask_mod(q, k) = k <= q < subtree_end[k]``. Compiled with dynamic
   shapes: torch compiles the first length it sees, then one dynamic graph at the second, and no more
@@ -32,6 +33,7 @@ tests of the reference kernel test that layout too.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import inspect
 from dataclasses import dataclass
@@ -41,12 +43,29 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+from packaging.version import InvalidVersion, Version
 
 from .tree import PackedRows, Segment
 
 #: FlexAttention's sparse block size; the flex kernel pads the packed row to a multiple of it
 FLEX_BLOCK = 128
 HALF = (torch.float16, torch.bfloat16)
+#: the compute capability FlashAttention 2 kernels need (Ampere), torch's own (``varlen``) and the package's
+FLASH_MIN_CAPABILITY = (8, 0)
+#: FlashAttention's causal mask is bottom-right aligned (what a node's gathered keys need) from this version on
+FLASH_ATTN_MIN_VERSION = (2, 1)
+
+
+def _capability_reason(name: str, device: torch.device) -> str | None:
+    """Why the FlashAttention kernels of ``name`` cannot run on the CUDA ``device`` (``None``: they can)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FLASH_MIN_CAPABILITY:
+        need = ".".join(map(str, FLASH_MIN_CAPABILITY))
+        return (
+            f"the {name} kernel runs FlashAttention 2 kernels, which need a GPU of compute capability {need} or "
+            f"newer (Ampere); {torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+    return None
 
 
 # ============================================================================ the gathered-key layout
@@ -231,7 +250,7 @@ class Varlen(TreeKernel):
             return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
         if device.type != "cuda":
             return f"varlen_attn has CUDA kernels only (device {device.type})"
-        return None
+        return _capability_reason(self.name, device)
 
     def plan(self, packed, device):
         return _varlen_plan(packed, device)
@@ -262,6 +281,18 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
+def _flash_attn_version() -> tuple[int, ...] | None:
+    """The installed FlashAttention's ``(major, minor)`` (``None``: no version could be read)."""
+    try:
+        text = importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
+        text = getattr(importlib.import_module("flash_attn"), "__version__", None)
+    try:
+        return Version(text).release[:2] if text else None
+    except InvalidVersion:
+        return None
+
+
 class FlashAttn(TreeKernel):
     """FlashAttention 2's ``flash_attn_varlen_func`` over the gathered keys (CUDA, installed separately)."""
 
@@ -271,9 +302,17 @@ class FlashAttn(TreeKernel):
     def unavailable(self, device: torch.device) -> str | None:
         if _flash_attn_varlen() is None:
             return "the flash_attn package is not installed (pip install flash-attn)"
+        version = _flash_attn_version()
+        if version is None or version < FLASH_ATTN_MIN_VERSION:
+            need = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
+            found = ".".join(map(str, version)) if version else "of unknown version"
+            return (
+                f"flash_attn {found} is installed; the tree needs its bottom-right causal mask, flash_attn >= {need} "
+                "(pip install -U flash-attn)"
+            )
         if device.type != "cuda":
             return f"FlashAttention runs on CUDA only (device {device.type})"
-        return None
+        return _capability_reason(self.name, device)
 
     def plan(self, packed, device):
         return _varlen_plan(packed, device)
