@@ -101,7 +101,14 @@ def environment() -> dict:
         "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
         "'trl': trl.__version__, 'cuda': c, 'gpu': torch.cuda.get_device_name() if c else None, "
         "'capability': list(torch.cuda.get_device_capability()) if c else None, "
-        "'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if c else None}))"
+        "'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if c else None, "
+        "'imports': imports}))"
+    )
+    # what the parts need beyond torch/transformers/trl (carried as wheels to the lent machine): found or why not
+    code = (
+        "import importlib\nimports = {}\nfor name in ('datasets', 'pyarrow', 'pytest', 'peft', 'accelerate'):\n"
+        "    try:\n        imports[name] = getattr(importlib.import_module(name), '__version__', 'found')\n"
+        "    except Exception as err:\n        imports[name] = f'MISSING: {err}'\n" + code
     )
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -405,6 +412,8 @@ def markdown(summary: dict) -> str:
         + (f" ({env['gpu_memory_gib']} GiB, capability {env.get('capability')})" if env.get("gpu") else "")
         + f"; torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}. "
         f"Command: `{summary['command']}`. Total {summary['total_wall_s']:.0f} s.",
+        "",
+        "Imports: " + ", ".join(f"{k} {v}" for k, v in (env.get("imports") or {}).items()),
         "",
         "| part | status | wall (s) | budget (s) |",
         "|---|---|---|---|",

@@ -24,23 +24,34 @@ Memory: on CPU, the peak resident set size during ``train()`` above the RSS just
 
 Both sides must log the same loss and gradient norm at every step (checked, reported).
 
-On CUDA (``--device cuda --bf16``): random models of the Qwen2.5-0.5B and Qwen2.5-1.5B shapes with the
-real vocabulary (151,936, so TRL's fused LM head does its real work; sampling is kept to the tiny
-tokenizer's ids with ``suppress_tokens``), ``K`` prompts x ``G`` completions per micro-batch
-(``--prompts-per-step``), both sides trained one after the other in the SAME worker process per
-point (order alternating between points); ours with ``prefix_packing_kernel=--kernel`` (``auto``:
-the kernel is kept only where it timed faster than padded rows on the first micro-batches, so
-``--warmup`` covers those 6 calibration micro-batches). The first step (compilation included) is
-reported apart, with the kernel each training forward used. Results go to
-``prefix_packing_cuda.{json,md}``.
+On CUDA (``--device cuda --bf16``): by default the five points of issue 34 (:data:`CUDA_POINTS`; the whole grid
+does not fit a lent GPU machine's 10-minute command), random models of the Qwen2.5-0.5B and Qwen2.5-1.5B shapes
+with the real vocabulary (151,936, so TRL's fused LM head does its real work) saved in bf16 (the real checkpoints'
+dtype), both sides trained one after the other in the SAME worker process per point (order alternating between
+points), with activation checkpointing on (TRL's default), the optimizer of TRL's default (``--optim sgd``: one
+without state on both sides), and completions of exactly ``C`` random tokens from a ``rollout_func``
+(``--rollout fixed``: sampling ``C`` tokens would take most of the time and is the same on both sides). Ours with
+``prefix_packing_kernel=--kernel`` (``auto``: the kernel is kept only where it timed faster than padded rows on the
+first micro-batches, so ``--warmup`` covers the calibration). Besides the step, each step's **training part** (the
+loss's forward and backward, between syncs) and, on CUDA, its peak memory above its start are recorded, with
+``auto``'s verdict per shape class. The first step (compilation included) is reported apart, with the kernel each
+training forward used.
+
+Equivalence: on every device, the first micro-batch is run again on the trained model, packed through a forced
+kernel and padded (:func:`check_equivalence`), and the relative L2 differences of its log-probs and gradient are
+held to tolerances derived for the dtype (:func:`equivalence_tolerances`); on CPU in float32 the two sides' logged
+losses and gradient norms must also agree at every step (in bf16 the trajectories part by rounding).
+
+Results go to ``--out``: ``$OUT`` where set (the lent GPU machine sends back what is written there), else
+``benchmarks/results``; ``prefix_packing_cuda.{json,md}`` on CUDA. ``make gpu-check`` (``benchmarks/gpu_check.py``)
+runs it with the GPU tests and the trainers.
 
 Run it niced from the repository root (the full CPU grid takes about 40 minutes on 2 cores)::
 
     nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results
-    python benchmarks/prefix_packing.py --device cuda --bf16 --out benchmarks/results
-    # one point (a lent GPU machine gives 10 minutes a command; --resume adds to an earlier report):
-    python benchmarks/prefix_packing.py --device cuda --bf16 --models qwen2.5-1.5b --prompt-lens 1024 \
-        --completion-lens 256 --prompts-per-step 1 --out benchmarks/results
+    python benchmarks/prefix_packing.py --device cuda --bf16
+    # one point (--resume adds to an earlier report):
+    python benchmarks/prefix_packing.py --device cuda --bf16 --points qwen2.5-1.5b:1024:256:8
 """
 
 from __future__ import annotations
@@ -482,10 +493,11 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
         ids[0, [1, 2]] = ids[0, [2, 1]]
         packed_batch["completion_ids"] = ids
     try:
-        packed = run(PrefixPacking(True, 1.0, unwrap, autocast, kernel, device), packed_batch)
+        settings = {"max_token_ratio": 1.0, "unwrap": unwrap, "autocast": autocast, "kernel": kernel, "device": device}
+        packed = run(PrefixPacking(enabled=True, **settings), packed_batch)
         packed_ran = list(ran)
         ran.clear()
-        padded = run(PrefixPacking(False, 1.0, unwrap, autocast, kernel, device), inputs)
+        padded = run(PrefixPacking(enabled=False, **settings), inputs)
     finally:
         trainer.prefix_packing = original
     rows, width = inputs["prompt_ids"].shape[0], inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
