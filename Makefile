@@ -58,11 +58,13 @@ test-gpu:
 # benchmark against TRL at the issue-34 points, every trainer for 2 steps with packing `auto`; each part with a time
 # budget, results (at most 8 files) under $$OUT or a temporary folder. On the lent GPU machine:
 # `bash .gpu/run.sh make gpu-check`; a part only: `make gpu-check PARTS=bench,trainers`; here, on CPU with tiny
-# shapes: `make gpu-check DRY_RUN=1`.
+# shapes: `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
 DRY_RUN ?=
 PARTS ?=
+GPU_CHECK_ARGS ?=
 gpu-check:
-	$(GPU_PY) benchmarks/gpu_check.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run) $(if $(PARTS),--parts $(PARTS))
+	$(GPU_PY) benchmarks/gpu_check.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run) \
+		$(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
 # of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first

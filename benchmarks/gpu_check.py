@@ -448,7 +448,7 @@ def markdown(summary: dict) -> str:
                 f"| {p['point']} | {fmt(p['train_part_ratio'])} | {fmt(p['step_ratio'])} "
                 f"| {fmt(p['train_part_memory_ratio'])} "
                 f"| {', '.join(f'{k} x{n}' for k, n in (p.get('kernels') or {}).items()) or '-'} "
-                f"| {'; '.join(f'{k}: {v}' for k, v in verdicts.items()) if verdicts else '-'} "
+                f"| {'; '.join(f'{k}: {v}' for k, v in verdicts.items()) if verdicts else auto_log(p)} "
                 f"| {'yes' if p['equivalent'] else 'NO'} ({fmt(p['logps_rel_l2'], '.1e')} / "
                 f"{fmt(p['grads_rel_l2'], '.1e')}, {fmt(p['logps_rtol'], '.1e')} / {fmt(p['grads_rtol'], '.1e')}) |"
             )
@@ -475,6 +475,12 @@ def markdown(summary: dict) -> str:
         if p.get("log_tail") and p["status"] != "passed":
             lines += ["", f"Last lines of {name}'s log:", "", "```", *p["log_tail"][-8:], "```"]
     return "\n".join(lines) + "\n"
+
+
+def auto_log(point: dict) -> str:
+    """``auto``'s log lines of a point, where its calibration could not be read (a report cell)."""
+    lines = [line.replace("|", "/") for line in point.get("auto_log") or []]
+    return "; ".join(lines)[:300] or "-"
 
 
 def write_summary(out: Path, summary: dict) -> None:
