@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-fast test-gpu test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-fast test-gpu gpu-check test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,18 @@ test-fast: $(STAMP)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 test-gpu:
 	$(GPU_PY) -m pytest -q -m gpu -rs tests/packing
+
+# The whole GPU verification in one command of at most 8 minutes (benchmarks/gpu_check.py): the CUDA tests, the
+# benchmark against TRL at the issue-34 points, every trainer for 2 steps with packing `auto`; each part with a time
+# budget, results (at most 8 files) under $$OUT or a temporary folder. On the lent GPU machine:
+# `bash .gpu/run.sh make gpu-check`; a part only: `make gpu-check PARTS=bench,trainers`; here, on CPU with tiny
+# shapes: `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
+DRY_RUN ?=
+PARTS ?=
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run) \
+		$(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
 # of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first

@@ -294,3 +294,115 @@ def test_threads_quick_on_the_tiny_model(tmp_path, tiny_model_dir):
     )
     (run,) = _load(output)["runs"]
     assert run["threads"] == 1 and run["threads_used"] == 1 and len(run["step_times"]) == 1
+
+
+def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
+    """`make gpu-check DRY_RUN=1`: every part on CPU into $OUT (no --out), at most 8 files, the summary first; the
+    benchmark's direct packed-vs-padded check ran and every trainer trained 2 steps with packing."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry-run"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled_timeout(600),
+        env=env,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"gpu_check.md", "gpu_check.json", "prefix_packing.json"} <= set(files), files
+    summary = _load(out / "gpu_check.json")
+    assert summary["dry_run"] and list(summary["parts"]) == ["tests", "bench", "trainers"]
+    assert all(part["status"] == "passed" and part["wall_s"] > 0 for part in summary["parts"].values())
+    tests = summary["parts"]["tests"]["counts"]
+    assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # the CUDA tests skip on CPU, with the reason
+    (point,) = summary["parts"]["bench"]["points"]
+    assert point["equivalent"] and point["train_part_ratio"] > 0 and point["grads_rtol"] > 0
+    trainers = summary["parts"]["trainers"]["trainers"]
+    assert [t["trainer"] for t in trainers] == ["trinity", "chord", "cispo", "sapo", "ppo", "step_grpo"]
+    for t in trainers:
+        assert t["ok"] and t["steps"] == 2 and min(t["forwarded_token_ratio"]) < 1.0, t
+    assert [t["target"] for t in summary["targets"]][0].startswith("training part, 1.5B")
+    assert "| bench | passed |" in (out / "gpu_check.md").read_text()
+    assert "Trainers, 2 steps with packing auto" in proc.stdout  # the one-screen summary
+
+
+def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
+    """A part that overruns its budget is stopped (its process group killed) and reported; the next part runs."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_check.py"),
+            "--dry-run",
+            "--parts",
+            "tests,trainers",
+            "--budget-tests",
+            "0.5",
+            "--trainers",
+            "trinity",
+            "--out",
+            str(out),
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled_timeout(300),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]  # a part did not pass
+    parts = _load(out / "gpu_check.json")["parts"]
+    assert parts["tests"]["status"] == "timeout" and parts["tests"]["wall_s"] < 30
+    assert parts["trainers"]["status"] == "passed" and parts["trainers"]["trainers"][0]["ok"]
+
+
+def test_prefix_packing_direct_check_fails_on_a_wrong_packed_forward(tiny_model_dir, tmp_path):
+    """The benchmark's packed-vs-padded check passes on the real packed forward and fails when the packed side
+    sees a different sequence (two completion tokens swapped): it can fail."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import prefix_packing
+    from helpers import first_batch, length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="grpo")),
+        train_dataset=tiny_conversational_dataset(8),
+    )
+    batch = first_batch(trainer)
+    good = prefix_packing.check_equivalence(trainer, batch, {})
+    assert good["equivalent"] and good["packed_forwards"] == ["sdpa_segments", "sdpa_segments"], good
+    bad = prefix_packing.check_equivalence(trainer, batch, {"break_packed": True})
+    assert not bad["equivalent"] and bad["grads_rel_l2"] > bad["grads_rtol"], bad
+
+
+def test_prefix_packing_bf16_tolerances_come_from_the_dtype():
+    """bf16 runs are judged with bf16 tolerances (one rounding per op on a value's path through the layers), not
+    the float32 ones the CPU run uses."""
+    import torch
+    from tolerance import tolerance
+    from transformers import Qwen2Config
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import prefix_packing
+
+    shape = prefix_packing.MODEL_SHAPES["qwen2.5-1.5b"]
+    config = Qwen2Config(
+        vocab_size=prefix_packing.REAL_VOCAB,
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        intermediate_size=shape["intermediate"],
+    )
+    bf16 = prefix_packing.equivalence_tolerances(torch.bfloat16, config, rows=8, width=2560)
+    fp32 = prefix_packing.equivalence_tolerances(torch.float32, config, rows=8, width=2560)
+    roundings = prefix_packing.BF16_ROUNDINGS_PER_LAYER * 28 + prefix_packing.BF16_HEAD_ROUNDINGS
+    assert bf16["logps_rtol"] == tolerance(torch.bfloat16, terms=roundings, ulps=1)["rtol"]
+    assert bf16["grads_rtol"] == tolerance(torch.bfloat16, terms=2 * roundings, ulps=1)["rtol"]
+    assert bf16["logps_rtol"] > 100 * fp32["logps_rtol"]  # bf16's eps is 2**16 times float32's
