@@ -197,6 +197,7 @@ def part_bench(args, out: Path) -> dict:
                 "logps_rtol": direct.get("logps_rtol"),
                 "grads_rel_l2": direct.get("grads_rel_l2"),
                 "grads_rtol": direct.get("grads_rtol"),
+                "equivalence_error": direct.get("error"),
             }
         )
     failed = (report or {}).get("failed_points", [])
@@ -454,6 +455,9 @@ def markdown(summary: dict) -> str:
                 f"| {'yes' if p['equivalent'] else 'NO'} ({fmt(p['logps_rel_l2'], '.1e')} / "
                 f"{fmt(p['grads_rel_l2'], '.1e')}, {fmt(p['logps_rtol'], '.1e')} / {fmt(p['grads_rtol'], '.1e')}) |"
             )
+        for p in bench["points"]:
+            if p.get("equivalence_error"):
+                lines.append(f"- {p['point']}: the equivalence check broke: {p['equivalence_error'][-300:]}")
         for f in bench.get("failed_points", []):
             lines.append(f"- FAILED {f['point']}: {f['error'][-300:]}")
         if bench.get("not_measured"):
