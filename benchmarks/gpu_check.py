@@ -46,6 +46,8 @@ PARTS = ("tests", "bench", "trainers")
 #: seconds per part on one H100 (measured there: see docs/prefix-packing.md); the sum, plus the ~10 s of run.sh's
 #: installs, stays under 8 minutes
 BUDGETS = {"tests": 180.0, "bench": 210.0, "trainers": 60.0}
+#: a dry run's budgets are this many times the GPU ones (they only stop a hung part there)
+DRY_RUN_SLACK = 5
 #: each benchmark point's worker (both sides and the check, in one process) is stopped after this
 BENCH_POINT_TIMEOUT = 100.0
 TRAINERS = ("trinity", "chord", "cispo", "sapo", "ppo", "step_grpo")
@@ -195,6 +197,7 @@ def part_bench(args, out: Path) -> dict:
                 "logps_rtol": direct.get("logps_rtol"),
                 "grads_rel_l2": direct.get("grads_rel_l2"),
                 "grads_rtol": direct.get("grads_rtol"),
+                "equivalence_error": direct.get("error"),
             }
         )
     failed = (report or {}).get("failed_points", [])
@@ -452,6 +455,9 @@ def markdown(summary: dict) -> str:
                 f"| {'yes' if p['equivalent'] else 'NO'} ({fmt(p['logps_rel_l2'], '.1e')} / "
                 f"{fmt(p['grads_rel_l2'], '.1e')}, {fmt(p['logps_rtol'], '.1e')} / {fmt(p['grads_rtol'], '.1e')}) |"
             )
+        for p in bench["points"]:
+            if p.get("equivalence_error"):
+                lines.append(f"- {p['point']}: the equivalence check broke: {p['equivalence_error'][-300:]}")
         for f in bench.get("failed_points", []):
             lines.append(f"- FAILED {f['point']}: {f['error'][-300:]}")
         if bench.get("not_measured"):
@@ -496,10 +502,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, the CUDA tests skip")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT, else a temp one)")
-    parser.add_argument("--budget-tests", type=float, default=BUDGETS["tests"])
-    parser.add_argument("--budget-bench", type=float, default=BUDGETS["bench"])
-    parser.add_argument("--budget-trainers", type=float, default=BUDGETS["trainers"])
-    parser.add_argument("--bench-point-timeout", type=float, default=BENCH_POINT_TIMEOUT)
+    for name in PARTS:
+        parser.add_argument(
+            f"--budget-{name}",
+            type=float,
+            help=f"seconds (default {BUDGETS[name]:.0f}; {DRY_RUN_SLACK}x that in a dry run, on a shared CPU)",
+        )
+    parser.add_argument("--bench-point-timeout", type=float, help=f"default {BENCH_POINT_TIMEOUT:.0f} s (5x dry)")
     parser.add_argument("--bench-points", nargs="+", metavar="MODEL:P:C:G", help="instead of the issue's points")
     parser.add_argument("--optim", help="both benchmark sides' optimizer (e.g. sgd: no state); default TRL's")
     parser.add_argument("--test-paths", nargs="+", default=["tests/packing"])
@@ -509,6 +518,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.trainers_worker:
         return trainers_worker(args.trainers_worker, args.work, args.trainers, args.dry_run)
+    for name in PARTS:  # a dry run's budgets only stop a hung part: a loaded CPU machine is slow
+        if getattr(args, f"budget_{name}") is None:
+            setattr(args, f"budget_{name}", BUDGETS[name] * (DRY_RUN_SLACK if args.dry_run else 1))
+    if args.bench_point_timeout is None:
+        args.bench_point_timeout = BENCH_POINT_TIMEOUT * (DRY_RUN_SLACK if args.dry_run else 1)
     requested = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(requested) - set(PARTS))
     if unknown or not requested:
