@@ -40,12 +40,13 @@ docs: $(STAMP)
 # (each worker holds its own models and builds its own session fixtures). `make test TEST_WORKERS=0` runs in-process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-# Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target.
+# Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target, and
+# the teardown stress test (`stress`), which only `make test-stress` runs.
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed and not stress"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" -x
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not stress" -x
 
 # The CUDA tests (marked `gpu`: every packing kernel against the padded forward, every trainer with packing on CUDA).
 # Elsewhere they are skipped with the reason. On the lent GPU machine, which has no network and no .venv:
@@ -79,13 +80,16 @@ CPU_PATHS ?= mkldnn_off threads_1 threads_2 math_sdpa
 test-cpu-paths: $(STAMP)
 	@set -e; for path in $(CPU_PATHS); do \
 		echo "== TRINITY_TEST_CPU_PATH=$$path"; \
-		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed"; \
+		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed and not stress"; \
 	done
 
-# The whole suite, then the engine suite, each beside two busy processes pinned to CPUs 0 and 1 (tests/stress.sh);
-# prints each part's wall time and load average.
+# The whole suite, the engine suite, then the teardown stress test (`stress`: the shortest DDP, ZeRO-3 and FSDP recipe
+# runs, STRESS_REPEATS launches each, none may abort at exit), each beside two busy processes pinned to CPUs 0 and 1
+# (tests/stress.sh); prints each part's wall time and load average. The stress test alone, short:
+# `TRINITY_STRESS_REPEATS=2 .venv/bin/python -m pytest -s -m stress` (it starts its own two busy processes).
+STRESS_REPEATS ?= 10
 test-stress: $(STAMP)
-	TEST_WORKERS=$(TEST_WORKERS) tests/stress.sh $(PY)
+	TEST_WORKERS=$(TEST_WORKERS) TRINITY_STRESS_REPEATS=$(STRESS_REPEATS) tests/stress.sh $(PY)
 
 # CI itself (.ci/run: install, lint, make test, make test-distributed) on a clean clone of HEAD, beside the same two
 # busy processes; prints its wall time and load average.

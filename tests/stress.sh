@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make test-stress`: the suite on a busy machine. Two busy processes (`while True: pass`), pinned to CPUs 0 and 1
-# with taskset, run beside the whole suite (`-m "not distributed"`, in `make test`'s pytest-xdist workers), then
-# beside the engine suite (`-m distributed`, OMP_NUM_THREADS=1 as `make test-distributed` runs it); each part's wall
-# time and the load average are printed.
+# with taskset, run beside the whole suite (`-m "not distributed and not stress"`, in `make test`'s pytest-xdist
+# workers), then beside the engine suite (`-m distributed`, OMP_NUM_THREADS=1 as `make test-distributed` runs it),
+# then beside the teardown stress test (`-m stress`, TRINITY_STRESS_REPEATS launches per engine, 10 unless set; told
+# not to start busy processes of its own); each part's wall time and the load average are printed.
 # The busy processes are killed on exit, however the script ends. Usage: tests/stress.sh [python] [pytest args...]
 # `tests/stress.sh --ci` (`make ci-stress`) instead runs CI itself (.ci/run, install included) on a clean clone of
 # HEAD in a temporary folder beside the same two busy processes.
@@ -54,6 +55,9 @@ if [ "$CI" -eq 1 ]; then
     rm -rf "$clone"
     exit "$status"
 fi
-part "whole suite (-m 'not distributed', $TEST_WORKERS workers)" "$PY" -m pytest -q -n "$TEST_WORKERS" -m "not distributed" "$@"
+part "whole suite (-m 'not distributed and not stress', $TEST_WORKERS workers)" \
+    "$PY" -m pytest -q -n "$TEST_WORKERS" -m "not distributed and not stress" "$@"
 part "engine suite (-m distributed)" env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m distributed "$@"
+part "teardown stress (-m stress, ${TRINITY_STRESS_REPEATS:-10} launches per engine)" \
+    env OMP_NUM_THREADS=1 TRINITY_STRESS_BUSY=0 "$PY" -m pytest -q -s -m stress "$@"
 exit "$status"

@@ -65,17 +65,22 @@ def main(argv: list[str] | None = None) -> None:
 def exit_on_user_error(function, argv: list[str], prog: str):
     """``function(argv)``; a user error (:data:`USER_ERRORS`) becomes one line ``<prog>: error: ...`` on stderr and
     exit status 2, unless ``argv`` holds ``--debug`` (then it propagates with its traceback). Any other exception
-    is a bug and keeps its traceback. The ``trinity-trl`` command and the recipe scripts both go through here."""
+    is a bug and keeps its traceback. The ``trinity-trl`` command and the recipe scripts both go through here, so
+    under a launcher every process then ends its process group (a barrier, then ``destroy_process_group``,
+    :func:`trinity_trl.distributed.ending_process_group`): on success, on a user error and on a bug alike."""
+    from .distributed import ending_process_group
+
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    try:
-        return function(argv)
-    except USER_ERRORS as err:
-        if debug:
-            raise
-        text = " ".join(str(err).split()) or type(err).__name__
-        print(f"{prog}: error: {text} (--debug shows the traceback)", file=sys.stderr)
-        raise SystemExit(2) from None
+    with ending_process_group():
+        try:
+            return function(argv)
+        except USER_ERRORS as err:
+            if debug:
+                raise
+            text = " ".join(str(err).split()) or type(err).__name__
+            print(f"{prog}: error: {text} (--debug shows the traceback)", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def version() -> str:
