@@ -236,3 +236,120 @@ def test_chord_trainer_refuses_agents_and_environments(tmp_path):
     for name, value in (("agent", calculator_agent), ("environment_factory", object)):
         with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}: .*StepGRPOTrainer"):
             ChordTrainer(model="unused", expert_dataset=expert, **{name: value})
+
+
+HI = [{"role": "user", "content": "hi"}]
+TOOL_TURN = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+# (name, body, the field the 4xx must name): every body is malformed in exactly one field. Sent during training,
+# through the openai client and through raw HTTP, each gets a 4xx naming its field and is counted; training goes on.
+MALFORMED = [
+    ("stop list of ints", {"model": "p", "messages": HI, "stop": [5]}, "stop"),
+    ("stop int", {"model": "p", "messages": HI, "stop": 5}, "stop"),
+    ("temperature list", {"model": "p", "messages": HI, "temperature": [1]}, "temperature"),
+    ("temperature text", {"model": "p", "messages": HI, "temperature": "hot"}, "temperature"),
+    ("temperature bool", {"model": "p", "messages": HI, "temperature": True}, "temperature"),
+    ("top_p text", {"model": "p", "messages": HI, "top_p": "1"}, "top_p"),
+    ("tools int", {"model": "p", "messages": HI, "tools": 5}, "tools"),
+    ("tool not a function", {"model": "p", "messages": HI, "tools": [{"type": "code"}]}, "tools.0"),
+    ("tool name int", {"model": "p", "messages": HI, "tools": [{"type": "function", "function": {"name": 5}}]}, "name"),
+    ("tool_calls text", {"model": "p", "messages": [*HI, {"role": "assistant", "tool_calls": "oops"}]}, "tool_calls"),
+    ("tool call no function", {"model": "p", "messages": [*HI, TOOL_TURN]}, "function"),
+    (
+        "text part number",
+        {"model": "p", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "text",
+    ),
+    ("image part", {"model": "p", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+    ("content int", {"model": "p", "messages": [{"role": "user", "content": 5}]}, "content"),
+    ("content missing", {"model": "p", "messages": [{"role": "user"}]}, "content"),
+    ("unknown role", {"model": "p", "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("message not an object", {"model": "p", "messages": ["hi"]}, "messages.0"),
+    ("messages text", {"model": "p", "messages": "hi"}, "messages"),
+    ("messages empty", {"model": "p", "messages": []}, "messages"),
+    ("messages missing", {"model": "p"}, "messages"),
+    ("model missing", {"messages": HI}, "model"),
+    ("model int", {"model": 5, "messages": HI}, "model"),
+    ("n zero", {"model": "p", "messages": HI, "n": 0}, "n"),
+    ("n text", {"model": "p", "messages": HI, "n": "2"}, "n"),
+    ("max_tokens zero", {"model": "p", "messages": HI, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens float", {"model": "p", "messages": HI, "max_tokens": 1.5}, "max_tokens"),
+    ("logprobs text", {"model": "p", "messages": HI, "logprobs": "yes"}, "logprobs"),
+    ("top_logprobs", {"model": "p", "messages": HI, "top_logprobs": 3}, "top_logprobs"),
+    ("tool_choice required", {"model": "p", "messages": HI, "tools": [CALC], "tool_choice": "required"}, "tool_choice"),
+    ("stream", {"model": "p", "messages": HI, "stream": True}, "stream"),
+    ("seed", {"model": "p", "messages": HI, "seed": 1}, "seed"),
+    ("logit_bias", {"model": "p", "messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("presence_penalty", {"model": "p", "messages": HI, "presence_penalty": 1.0}, "presence_penalty"),
+    ("unknown field", {"model": "p", "messages": HI, "temprature": 1.0}, "temprature"),
+    ("other temperature", {"model": "p", "messages": HI, "temperature": 0.5}, "temperature"),
+    (
+        "tool_call_id int",
+        {"model": "p", "messages": [{"role": "tool", "content": "1", "tool_call_id": 3}]},
+        "tool_call_id",
+    ),
+]
+# bodies only raw HTTP can send (the openai client always sends a JSON object)
+RAW_ONLY = [("not JSON", b'{"model": "p", "messages": [', None), ("a JSON list", b"[1, 2]", None)]
+
+
+async def send_with_openai(client, body):
+    """``body`` through ``client.chat.completions.create``: its keyword arguments, the rest in ``extra_body``."""
+    import inspect
+
+    known = set(inspect.signature(client.chat.completions.create).parameters)
+    kwargs = {k: v for k, v in body.items() if k in known and k not in ("model", "messages")}
+    extra = {k: v for k, v in body.items() if k not in known or k in ("model", "messages")}
+    try:
+        # model and messages go through extra_body so that the client sends them unchanged (even when missing)
+        await client.chat.completions.create(
+            model=openai.NOT_GIVEN, messages=openai.NOT_GIVEN, extra_body=extra, **kwargs
+        )
+    except openai.APIStatusError as err:
+        return err.status_code, err.body
+    return 200, None
+
+
+async def send_raw(client, body):
+    import httpx
+
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            f"{client.base_url}chat/completions",
+            content=content,
+            headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json"},
+        )
+    return response.status_code, response.json().get("error")
+
+
+def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_path, tool_model_dir):
+    # issue 36 item 1: before the fix, stop=[5] killed trainer.train() (endpoint _choice) and several bodies got 500
+    answers = []
+
+    async def agent(client, row):
+        if row["task"] == 0:  # one run per step sends the whole table, both ways, then plays normally
+            for name, body, field in MALFORMED:
+                answers.append(("openai", name, field, *await send_with_openai(client, body)))
+            for name, body, field in MALFORMED + RAW_ONLY:
+                answers.append(("raw", name, field, *await send_raw(client, body)))
+        return await calculator_agent(client, row)
+
+    trainer = make(
+        tmp_path, tool_model_dir, agent, tasks(2), num_generations=2, per_device_train_batch_size=4, max_steps=2
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    bad = len(MALFORMED) * 2 + len(RAW_ONLY)
+    assert len(MALFORMED) >= 30 and len(answers) == 2 * 2 * bad  # 2 steps x the 2 runs of task 0
+    for how, name, field, status, error in answers:
+        assert 400 <= status < 500, f"{how} {name}: HTTP {status}"
+        message = error["message"]
+        if field is not None:
+            assert field in message, f"{how} {name}: {message!r} does not name {field!r}"
+    assert [a for a in answers if a[1] == "temperature text"][0][4]["message"].startswith("temperature: wrong type str")
+    assert "not JSON" in [a for a in answers if a[1] == "not JSON"][0][4]["message"]
+    history = [e for e in trainer.state.log_history if "agent/rejected_requests" in e]
+    assert [e["agent/rejected_requests"] for e in history] == [2.0 * bad] * 2
+    # the well-formed calls of every run were answered and trained: every run solved its task
+    assert all(e["agent/requests"] == 12.0 and e["agent/errors"] == 0.0 for e in history)
+    assert logs_of(trainer)["multi_step/run_reward"] == 1.0

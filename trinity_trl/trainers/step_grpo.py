@@ -277,7 +277,6 @@ class StepGRPOTrainer(TrinityTrainer):
         endpoint = PolicyEndpoint(
             self.generation,
             ChatRenderer(self.processing_class, self.chat_template, self.chat_template_kwargs),
-            model_name=getattr(self.model.config, "_name_or_path", None) or "policy",
             max_context=None if context is None else context - args.max_completion_length,
             max_calls=args.max_env_steps,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
