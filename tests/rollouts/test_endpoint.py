@@ -304,3 +304,31 @@ def test_run_segments_follow_parents():
     steps, segments = run_segments(record)
     assert steps == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0), (4, 0)]
     assert segments == [[0, 3], [1, 2, 4], [5]]
+
+
+def test_a_blocking_agent_times_out_alone(endpoint):
+    # issue 36 item 2: one run blocks its thread (time.sleep) for 3x the timeout; before runs were isolated it froze
+    # the event loop every run shared, and its two neighbours were timed out too (scored 0 instead of 1)
+    import time
+
+    timeout = 1.0
+    ep = endpoint()
+    after_block = []
+
+    async def agent(client, row):
+        if row["kind"] == "blocks":
+            time.sleep(3 * timeout)
+            after_block.append(True)
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            return 1.0
+        for _ in range(2):
+            reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await asyncio.sleep(0.1 * timeout)
+        return float(reply.choices[0].message.content == "Hello there friend.")
+
+    kinds = ["blocks", "ok", "ok"]
+    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=timeout)
+    assert [run.reward for run in runs] == [0.0, 1.0, 1.0]  # the blocking run scores as a timeout (0); the rest 1
+    assert rollout.metrics["agent/timeouts"] == 1.0 and rollout.metrics["agent/errors"] == 0.0
+    assert [len(run.steps) for run in runs[1:]] == [2, 2] and runs[0].segments == []
+    assert after_block == [True]  # it woke up after its run was over: cancelled at its next await, never answered

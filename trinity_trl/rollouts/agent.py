@@ -18,12 +18,15 @@ argument) is answered with an HTTP error the agent sees as an ``openai`` excepti
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .endpoint import COUNTERS, PolicyEndpoint, RunRecord
@@ -48,6 +51,16 @@ def check_agent(agent: Any) -> None:
             f"agent must be an async function `async def agent(client, row) -> reward` (or (reward, info)), got "
             f"{agent!r:.80}"
         )
+
+
+@dataclass
+class _Worker:
+    """One agent run in its own thread: the thread, its event loop, the agent's task and the run's outcome."""
+
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task
+    outcome: concurrent.futures.Future
 
 
 def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[int]]]:
@@ -111,20 +124,17 @@ class AgentRollout:
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
 
-    async def _one(self, record: RunRecord, row: dict[str, Any], slot: dict) -> tuple[str, Any, Any]:
-        """``(outcome, reward, info)`` of one run; never raises (``outcome``: ok / error / timeout / bad_reward)."""
+    async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
+        """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises
+        ``CancelledError``, read as a timeout by :meth:`_start`)."""
         import openai
 
-        slot["task"] = asyncio.current_task()
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)
         try:
             result = await self.agent(client, dict(row))
         except asyncio.CancelledError:
-            if record.timed_out:  # cancelled by the watchdog of __call__
-                return "timeout", None, None
             raise
         except Exception as err:  # the agent's own failure: counted, the run scored by on_failure
-            logger.warning("agent run failed: %s: %s", type(err).__name__, err)
             return "error", None, f"{type(err).__name__}: {err}"
         finally:
             self.endpoint.close_run(record)
@@ -133,40 +143,72 @@ class AgentRollout:
         if reward is None:
             return "ok", math.nan, info
         try:
-            return "ok", float(reward), info
+            value = float(reward)
         except (TypeError, ValueError):
             return "bad_reward", None, f"the agent returned {result!r:.80}, not a reward"
+        if math.isinf(value):  # kept out of the group statistics and of the logged means
+            return "bad_reward", None, f"the agent returned a non-finite reward {value}"
+        return "ok", value, info
 
-    def _watch(self, futures, records, slots, cancelled: dict[int, float]) -> None:
+    def _start(self, record: RunRecord, row: dict[str, Any], index: int) -> _Worker:
+        """Start one run in its own thread with its own event loop: an agent that blocks (``time.sleep``, blocking
+        I/O, heavy computation) stalls only itself, and only its own time counts against ``timeout``."""
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(self._one(record, row))
+        outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+        def main():
+            asyncio.set_event_loop(loop)
+            try:
+                outcome.set_result(loop.run_until_complete(task))
+            except asyncio.CancelledError:  # cancelled by the watchdog (timeout)
+                outcome.set_result(("timeout", None, None))
+            except BaseException as err:  # e.g. SystemExit raised by an agent: its run fails, training goes on
+                outcome.set_result(("error", None, f"{type(err).__name__}: {err}"))
+            finally:
+                # tasks the agent spawned and left running end with its run
+                left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                for t in left:
+                    t.cancel()
+                if left:
+                    loop.run_until_complete(asyncio.wait(left, timeout=CANCEL_GRACE_S))
+                loop.close()
+
+        thread = threading.Thread(target=main, name=f"trinity-agent-run-{index}", daemon=True)
+        thread.start()
+        return _Worker(thread, loop, task, outcome)
+
+    def _watch(self, workers: list[_Worker], records: list[RunRecord], cancelled: dict[int, float]) -> None:
         """Cancel the runs whose agents took more than ``timeout`` seconds of their own time (time spent waiting for
         the policy does not count): their calls are refused from now on."""
         now = time.monotonic()
-        for i, (future, record) in enumerate(zip(futures, records)):
-            if future.done() or i in cancelled or record.own_time(now) <= self.timeout:
+        for i, (worker, record) in enumerate(zip(workers, records)):
+            if worker.outcome.done() or i in cancelled or record.own_time(now) <= self.timeout:
                 continue
             record.timed_out = True
             self.endpoint.close_run(record)
-            task = slots[i].get("task")
-            if task is not None:
-                self.endpoint.loop.call_soon_threadsafe(task.cancel)
+            try:
+                worker.loop.call_soon_threadsafe(worker.task.cancel)
+            except RuntimeError:  # its loop has just closed: the run is over anyway
+                pass
             cancelled[i] = now
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         endpoint = self.endpoint.start()
         records = [endpoint.open_run() for _ in rows]
-        slots: list[dict] = [{} for _ in rows]
-        futures = [endpoint.submit(self._one(r, row, slot)) for r, row, slot in zip(records, rows, slots)]
         cancelled: dict[int, float] = {}  # run -> when the watchdog cancelled it
+        workers: list[_Worker] = []
 
         def live() -> int:
-            return sum(1 for f, r in zip(futures, records) if not f.done() and r.open)
+            return sum(1 for w, r in zip(workers, records) if not w.outcome.done() and r.open)
 
         def abandoned(i: int) -> bool:  # an agent that ignores its cancellation is let go after a grace period
             return i in cancelled and time.monotonic() - cancelled[i] > CANCEL_GRACE_S
 
         try:
-            while not all(f.done() or abandoned(i) for i, f in enumerate(futures)):
-                self._watch(futures, records, slots, cancelled)
+            workers.extend(self._start(r, row, i) for i, (r, row) in enumerate(zip(records, rows)))
+            while not all(w.outcome.done() or abandoned(i) for i, w in enumerate(workers)):
+                self._watch(workers, records, cancelled)
                 batch = endpoint.next_batch(live, self.batch_window)
                 if batch:
                     endpoint.answer(batch)
@@ -180,13 +222,18 @@ class AgentRollout:
             # the server runs only during a rollout: between steps nothing listens, and nothing keeps the trainer
             # alive through the server thread
             endpoint.stop()
-        outcomes = []
-        for future in futures:
-            if future.done() and not future.cancelled():
-                outcomes.append(future.result())
-            else:
-                future.cancel()
-                outcomes.append(("timeout", None, None))
+            for worker in workers:  # ended runs: their threads are done (an abandoned one cannot be joined)
+                if worker.outcome.done():
+                    worker.thread.join(CANCEL_GRACE_S)
+        stuck = [i for i, w in enumerate(workers) if not w.outcome.done()]
+        if stuck:
+            logger.warning(
+                "%d agent run(s) ignored their cancellation for %.0f s and were abandoned (their threads keep running "
+                "until the agent returns; an agent must not block forever, see docs/environments.md#agent-rules)",
+                len(stuck),
+                CANCEL_GRACE_S,
+            )
+        outcomes = [w.outcome.result() if w.outcome.done() else ("timeout", None, None) for w in workers]
         counts = {"error": 0, "timeout": 0, "bad_reward": 0}
         runs, self.infos = [], []
         for record, (outcome, reward, info) in zip(records, outcomes):

@@ -300,6 +300,7 @@ class PolicyEndpoint:
         self.runs: dict[str, RunRecord] = {}
         self.queue: queue.Queue[Pending] = queue.Queue()
         self.counters: Counter = Counter()
+        self.examples: dict[str, str] = {}
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -349,9 +350,17 @@ class PolicyEndpoint:
         if self.loop is not None and not self.loop.is_running():
             self.loop.close()
 
-    def submit(self, coroutine) -> concurrent.futures.Future:
-        """Run ``coroutine`` on the endpoint's event loop (the agents' runs live there, next to the server)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    def _count(self, counter: str, err: Any) -> None:
+        """Count a fault and keep the first message of its kind (for the rollout's log line)."""
+        with self._lock:
+            self.counters[counter] += 1
+            self.examples.setdefault(counter, str(err))
+
+    def take_examples(self) -> dict[str, str]:
+        """The first message of each fault counted since the last call."""
+        with self._lock:
+            examples, self.examples = self.examples, {}
+        return examples
 
     # ------------------------------------------------------------------------------ runs
     def open_run(self) -> RunRecord:
@@ -398,8 +407,7 @@ class PolicyEndpoint:
                 record = self._authorize(request)
                 pending = self._parse(record, await request.body())
             except RequestError as err:
-                with self._lock:
-                    self.counters[err.counter or "rejected_requests"] += 1
+                self._count(err.counter or "rejected_requests", err)
                 return error(err)
             with self._lock:
                 if record.waiting == 0:
@@ -525,17 +533,15 @@ class PolicyEndpoint:
             try:
                 self._prompt(pending)
             except RequestError as err:
-                with self._lock:
-                    self.counters[err.counter or "rejected_requests"] += 1
+                self._count(err.counter or "rejected_requests", err)
                 self._fail(pending, err)
                 continue
             except Exception as err:  # the chat template refused the conversation (e.g. roles out of order)
-                with self._lock:
-                    self.counters["rejected_requests"] += 1
-                self._fail(
-                    pending,
-                    RequestError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}"),
+                refused = RequestError(
+                    400, f"the chat template cannot render these messages: {type(err).__name__}: {err}"
                 )
+                self._count("rejected_requests", refused)
+                self._fail(pending, refused)
                 continue
             ready.append(pending)
         if not ready:
@@ -561,15 +567,14 @@ class PolicyEndpoint:
                 ]
                 response = self._response(pending)
             except RequestError as err:
-                with self._lock:
-                    self.counters["rejected_requests"] += 1
+                self._count("rejected_requests", err)
                 self._fail(pending, err)
                 continue
             except Exception as err:  # a fault of the endpoint itself: this request fails, training goes on
                 logger.exception("the policy endpoint could not answer a request")
-                with self._lock:
-                    self.counters["rejected_requests"] += 1
-                self._fail(pending, RequestError(500, f"{type(err).__name__}: {err}", "server_error"))
+                failed = RequestError(500, f"{type(err).__name__}: {err}", "server_error")
+                self._count("rejected_requests", failed)
+                self._fail(pending, failed)
                 continue
             with self._lock:
                 if not pending.run.open:  # cut while generating: not recorded, refused
@@ -658,8 +663,7 @@ class PolicyEndpoint:
         if content_cut is not None:
             message = {"role": "assistant", "content": decode(ids, skip_special_tokens=True)[:content_cut]}
         if malformed:
-            with self._lock:
-                self.counters["malformed_tool_calls"] += 1
+            self._count("malformed_tool_calls", f"a turn with an unparsable tool call: {message['content']!r:.120}")
         if message.get("tool_calls"):
             finish = "tool_calls"
         return Choice(ids, logprobs, message, finish)
