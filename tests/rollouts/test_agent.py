@@ -226,6 +226,9 @@ def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):
         )
     with pytest.raises(ValueError, match="needs a train_dataset"):
         StepGRPOTrainer(model=tool_model_dir, args=args, agent=calculator_agent)
+    vllm = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), use_vllm=True))
+    with pytest.raises(NotImplementedError, match="use_vllm=False .*agent-limits"):
+        StepGRPOTrainer(model=tool_model_dir, args=vllm, train_dataset=tasks(2), agent=calculator_agent)
 
 
 def test_chord_trainer_refuses_agents_and_environments(tmp_path):
@@ -236,6 +239,9 @@ def test_chord_trainer_refuses_agents_and_environments(tmp_path):
     for name, value in (("agent", calculator_agent), ("environment_factory", object)):
         with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}: .*StepGRPOTrainer"):
             ChordTrainer(model="unused", expert_dataset=expert, **{name: value})
+        # without an expert_dataset too: the agent is what is wrong, not the missing dataset (issue 36 item 3)
+        with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}"):
+            ChordTrainer(model="unused", **{name: value})
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -353,3 +359,45 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
     # the well-formed calls of every run were answered and trained: every run solved its task
     assert all(e["agent/requests"] == 12.0 and e["agent/errors"] == 0.0 for e in history)
     assert logs_of(trainer)["multi_step/run_reward"] == 1.0
+
+
+def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_model_dir):
+    # issue 36 item 4: trainer.agent_runs, read in on_step_end, holds each run's calls exactly as sampled and trained;
+    # item 3: a run that returns inf is a bad reward (scored 0), kept out of the logged reward mean
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class ReadRuns(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(list(trainer.agent_runs))
+
+    async def agent(client, row):
+        reward = await calculator_agent(client, row)
+        return float("inf") if row["task"] == 1 else reward
+
+    record = []
+    trainer = make(
+        tmp_path, tool_model_dir, agent, tasks(2), record=record, num_generations=2, per_device_train_batch_size=4
+    )
+    trainer.add_callback(ReadRuns())
+    trainer.train()
+    assert len(seen) == 1 and len(seen[0]) == 4
+    runs = seen[0]
+    assert [(r.row["task"], r.outcome, r.reward) for r in runs] == [
+        (0, "ok", 1.0),
+        (0, "ok", 1.0),
+        (1, "bad_reward", 0.0),
+        (1, "bad_reward", 0.0),
+    ]
+    steps = [step for run in runs for step in run.steps]
+    assert len(steps) == 12 and all(len(run.calls) == 3 for run in runs)
+    # every sampled turn (the generator's own record: context, ids, log-probs) is a recorded step, and back
+    assert sorted((p, c, lp) for p, c, lp in steps) == sorted((p, c, lp) for p, c, lp in record)
+    # the recorded ids are the trained ids: each run's last call ends its packed row
+    rows = [r[r != trainer.processing_class.pad_token_id].tolist() for r in trainer.batches[0]["completion_ids"]]
+    for run in runs:
+        assert any(row[-len(run.steps[-1][1]) :] == run.steps[-1][1] for row in rows)
+    logs = logs_of(trainer)
+    assert logs["agent/bad_rewards"] == 2.0
+    assert logs["rewards/environment_reward/mean"] == 0.5  # (1 + 1 + 0 + 0) / 4, not inf

@@ -215,7 +215,7 @@ def test_stop_strings_and_refused_sampling_settings(endpoint):
     assert "there" in ep.renderer.tokenizer.decode(runs[0].steps[0].completion_ids)
 
 
-def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
+def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
     ep = endpoint(max_context=1000, max_calls=2)
     late = {}
 
@@ -255,16 +255,35 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
             return 1.0
         if kind == "no_number":
             return "great"
+        if kind == "infinite":
+            return float("inf")
         return None  # cannot score
 
-    kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "unscorable"]
-    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
+    kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "infinite"]
+    kinds.append("unscorable")
+    with caplog.at_level("WARNING", logger="trinity_trl.rollouts.agent"):
+        rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
+    # one log line per kind of fault, with its count (issue 36 item 3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "trinity_trl.rollouts.agent"]
+    expected = [
+        "1 of 10 agent runs raised (first: RuntimeError: agent bug)",
+        "1 of 10 agent runs took more than agent_timeout=4 s",
+        "2 of 10 agent runs returned no usable reward (first: the agent returned 'great', not a reward)",
+        "agent/late_calls: 1 this step",
+        "agent/context_overflows: 1 this step (first: the prompt has",
+        "agent/malformed_tool_calls: 1 this step",
+        "agent/turn_limit_hits: 1 this step",
+    ]
+    assert len(lines) == len(expected), lines
+    for text in expected:
+        assert sum(line.startswith(text) for line in lines) == 1, (text, lines)
     rewards = dict(zip(kinds, (run.reward for run in runs)))
     assert rewards["raises"] == 0.0 and rewards["hangs"] == 0.0 and rewards["no_number"] == 0.0
+    assert rewards["infinite"] == 0.0  # a non-finite reward is a bad reward, kept out of the group statistics
     assert rewards["malformed"] == 1.0 and rewards["too_long"] == 1.0 and rewards["turn_limit"] == 1.0
     assert math.isnan(rewards["unscorable"])
     m = rollout.metrics
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 1.0)
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 2.0)
     assert m["agent/malformed_tool_calls"] == 1.0 and m["agent/context_overflows"] == 1.0
     assert m["agent/turn_limit_hits"] == 1.0 and runs[kinds.index("turn_limit")].cut
     assert m["agent/late_calls"] == 1.0 and rewards["late_caller"] == 1.0

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import COUNTERS, PolicyEndpoint, RunRecord
+from .endpoint import COUNTERS, Call, PolicyEndpoint, RunRecord
 from .multi_step import Run, Step
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,31 @@ class _Worker:
     loop: asyncio.AbstractEventLoop
     task: asyncio.Task
     outcome: concurrent.futures.Future
+
+
+@dataclass
+class RecordedRun:
+    """One agent run as it was played and trained (:attr:`AgentRollout.recorded`).
+
+    Attributes:
+        row: the dataset row the agent was given.
+        reward: the run's reward as trained (after ``on_failure``; NaN: unscored).
+        outcome: ``"ok"``, ``"error"``, ``"timeout"`` or ``"bad_reward"``.
+        info: what the agent returned beside its reward (or the fault's message).
+        calls: the model calls the endpoint answered, in order (:class:`~.endpoint.Call`: ``prompt_ids``, and per
+            choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``); each choice is one step.
+    """
+
+    row: dict[str, Any]
+    reward: float
+    outcome: str
+    info: Any
+    calls: list[Call]
+
+    @property
+    def steps(self) -> list[tuple[list[int], list[int], list[float] | None]]:
+        """``(prompt_ids, completion_ids, logprobs)`` of each trained step, in call order."""
+        return [(call.prompt_ids, c.completion_ids, c.logprobs) for call in self.calls for c in call.choices]
 
 
 def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[int]]]:
@@ -123,6 +148,8 @@ class AgentRollout:
         self._previous: list[RunRecord] = []
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
+        #: the last rollout's runs, as played and trained (:class:`RecordedRun`)
+        self.recorded: list[RecordedRun] = []
 
     async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
         """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises
@@ -235,13 +262,16 @@ class AgentRollout:
             )
         outcomes = [w.outcome.result() if w.outcome.done() else ("timeout", None, None) for w in workers]
         counts = {"error": 0, "timeout": 0, "bad_reward": 0}
-        runs, self.infos = [], []
-        for record, (outcome, reward, info) in zip(records, outcomes):
+        first: dict[str, Any] = {}
+        runs, self.infos, self.recorded = [], [], []
+        for row, record, (outcome, reward, info) in zip(rows, records, outcomes):
             if outcome != "ok":
                 counts[outcome] += 1
+                first.setdefault(outcome, info)
                 reward = 0.0 if self.on_failure == "zero" else math.nan
             runs.append(self._run(record, reward))
             self.infos.append(info)
+            self.recorded.append(RecordedRun(dict(row), reward, outcome, info, list(record.calls)))
         # a run's key is kept (closed) through the next rollout, so a late call of its agent is refused as late
         # (409) and counted rather than taken for a stranger's (401)
         endpoint.forget(self._previous)
@@ -258,7 +288,23 @@ class AgentRollout:
             "agent/runs_without_calls": float(sum(not r.calls for r in records)),
             "agent/segments_per_run": sum(len(run.segments or []) for run in runs) / n,
         }
+        self._log_faults(counts, first, counters, endpoint.take_examples(), len(runs))
         return runs
+
+    def _log_faults(self, counts, first, counters, examples, n: int) -> None:
+        """One warning line per kind of fault of this rollout, with its count and the first instance."""
+        scored = "scored 0" if self.on_failure == "zero" else "left unscored"
+        lines = {
+            "error": f"agent runs raised (first: {first.get('error')}); {scored}",
+            "timeout": f"agent runs took more than agent_timeout={self.timeout:g} s of their own time; {scored}",
+            "bad_reward": f"agent runs returned no usable reward (first: {first.get('bad_reward')}); {scored}",
+        }
+        for kind, text in lines.items():
+            if counts[kind]:
+                logger.warning("%d of %d %s", counts[kind], n, text)
+        for name in COUNTERS:
+            if name != "requests" and counters[name]:
+                logger.warning("agent/%s: %d this step (first: %s)", name, counters[name], examples.get(name))
 
     def _run(self, record: RunRecord, reward: float) -> Run:
         steps, segments = run_segments(record)

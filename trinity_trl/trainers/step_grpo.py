@@ -157,8 +157,9 @@ class StepGRPOConfig(TrinityConfig):
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
     """The reward a reset/step environment returned with each run's last step (``None`` where it could not
-    score the run: TRL's convention, so the run is unscorable rather than rewarded 0)."""
-    return [None if reward is None or math.isnan(reward) else reward for reward in env_reward]
+    score the run, or returned a non-finite number: TRL's convention, so the run is unscorable rather than rewarded 0,
+    and kept out of the logged means)."""
+    return [None if reward is None or not math.isfinite(reward) else reward for reward in env_reward]
 
 
 class StepGRPOTrainer(TrinityTrainer):
@@ -215,6 +216,12 @@ class StepGRPOTrainer(TrinityTrainer):
             if train_dataset is None:
                 raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
             check_agent(agent)
+            if args is not None and args.use_vllm:
+                raise NotImplementedError(
+                    "agent= generates with transformers for now: the vLLM path has not been shown to record the "
+                    "sampled token ids and log-probs exactly for agents; set use_vllm=False "
+                    "(docs/environments.md#agent-limits)"
+                )
             protocol, classes = AGENT_PROTOCOL, {None: type(agent)}
         else:
             protocol, classes = resolve_protocol(environment_factory, tools, columns)
@@ -271,8 +278,9 @@ class StepGRPOTrainer(TrinityTrainer):
             # generation (vLLM server/colocate, ZeRO-3/FSDP generate) needs every process to generate in lockstep
             raise NotImplementedError(
                 "agent= runs on one process for now (distributed generation needs every process to generate in "
-                f"lockstep); got {self.accelerator.num_processes} processes"
+                f"lockstep); got {self.accelerator.num_processes} processes (docs/environments.md#agent-limits)"
             )
+
         context = getattr(self.model.config, "max_position_embeddings", None)
         endpoint = PolicyEndpoint(
             self.generation,
@@ -290,6 +298,15 @@ class StepGRPOTrainer(TrinityTrainer):
             batch_window=args.agent_batch_window,
             empty_prompt=[self._tokenizer.pad_token_id],
         )
+
+    @property
+    def agent_runs(self):
+        """With ``agent=``: the runs of the last generation, as played and trained
+        (:class:`~trinity_trl.rollouts.agent.RecordedRun`: the row, the reward, and each model call's prompt ids,
+        completion ids and sampling log-probs); read it from a callback's ``on_step_end``."""
+        if self.environment_protocol != AGENT_PROTOCOL:
+            raise AttributeError("agent_runs exists only for StepGRPOTrainer(agent=...)")
+        return self.rollout.recorded
 
     @staticmethod
     def _placeholder_tasks(args, environment_factory):
