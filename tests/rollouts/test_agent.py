@@ -401,3 +401,34 @@ def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_mo
     logs = logs_of(trainer)
     assert logs["agent/bad_rewards"] == 2.0
     assert logs["rewards/environment_reward/mean"] == 0.5  # (1 + 1 + 0 + 0) / 4, not inf
+
+
+def project_threads():
+    import threading
+
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith(("trinity-policy-endpoint", "trinity-agent-run"))
+    ]
+
+
+def test_the_endpoint_and_agent_threads_end_with_training_and_on_error(tmp_path, tool_model_dir):
+    # issue 33: every thread the project starts is stopped and joined, when training ends and when it fails
+    import asyncio
+
+    async def slow_agent(client, row):  # still waiting on a call when the policy fails
+        await asyncio.sleep(0.05 * row["task"])
+        return await calculator_agent(client, row)
+
+    trainer = make(tmp_path, tool_model_dir, slow_agent, tasks(2), num_generations=2, per_device_train_batch_size=4)
+    trainer.train()
+    assert trainer.state.global_step == 1 and project_threads() == []
+
+    def failing(text):
+        if text.count("<tool_response>") == 1:
+            raise RuntimeError("the policy failed")
+        return three_turns(text)
+
+    trainer = make(tmp_path, tool_model_dir, slow_agent, tasks(2), script=failing, num_generations=2)
+    with pytest.raises(RuntimeError, match="the policy failed"):
+        trainer.train()
+    assert project_threads() == []

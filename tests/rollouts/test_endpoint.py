@@ -351,3 +351,39 @@ def test_a_blocking_agent_times_out_alone(endpoint):
     assert rollout.metrics["agent/timeouts"] == 1.0 and rollout.metrics["agent/errors"] == 0.0
     assert [len(run.steps) for run in runs[1:]] == [2, 2] and runs[0].segments == []
     assert after_block == [True]  # it woke up after its run was over: cancelled at its next await, never answered
+
+
+# renders tools (a line of their JSON) but has no response template TRL knows: tool calls could not be parsed
+TOOLS_NO_PARSER = (
+    "{% if tools %}{{ 'Tools: ' + (tools | tojson) + '\\n' }}{% endif %}{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["plain", "no_parser"])
+def test_tools_the_chat_template_cannot_serve_are_refused(template):
+    # issue 35: a chat template that renders a prompt with and without tools identically silently dropped tools=;
+    # now the request is refused (400 naming tools) and counted, and a request without tools is answered
+    from helpers import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # its template ignores tools
+    if template == "no_parser":
+        tok.chat_template = TOOLS_NO_PARSER
+    ep = PolicyEndpoint(Scripted(tok, default_script), ChatRenderer(tok)).start()
+    try:
+        assert ep.renderer.renders_tools == (template == "no_parser")
+
+        async def agent(client, row):
+            hi = [{"role": "user", "content": "hi"}]
+            with pytest.raises(openai.BadRequestError, match="tools") as refused:
+                await client.chat.completions.create(model="m", messages=hi, tools=[ADD_TOOL])
+            assert refused.value.body["param"] == "tools"
+            reply = await client.chat.completions.create(model="m", messages=hi)
+            return float(reply.choices[0].message.content == "Hello there friend.")
+
+        rollout, runs = play(ep, agent, [{}])
+    finally:
+        ep.stop()
+    assert runs[0].reward == 1.0 and rollout.metrics["agent/rejected_requests"] == 1.0
+    assert len(runs[0].steps) == 1

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 #: the model id ``GET /v1/models`` lists (a request's ``model`` may be any string: the policy answers it)
 POLICY_MODEL_ID = "policy"
 
+#: seconds open connections get to finish when the server stops
+STOP_GRACE_S = 5.0
+
 #: fault and request counters of one rollout (logged under ``agent/``)
 COUNTERS = (
     "requests",
@@ -321,7 +324,13 @@ class PolicyEndpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))  # loopback only, a port the OS chooses
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            self.app(),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
         self._server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -342,10 +351,22 @@ class PolicyEndpoint:
         return self
 
     def stop(self) -> None:
+        """Stop serving and join the server thread: requests still queued are refused (409) so that their handlers
+        return, open connections get ``STOP_GRACE_S`` seconds to finish, then the server closes them."""
         if self._thread is None:
             return
+        while True:
+            try:
+                pending = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            late = RequestError(409, "the rollout is over", "run_closed", "late_calls")
+            self._count("late_calls", late)
+            self._fail(pending, late)
         self._server.should_exit = True
-        self._thread.join(10)
+        self._thread.join(STOP_GRACE_S + 30)
+        if self._thread.is_alive():  # not expected: uvicorn closes connections after its graceful timeout
+            logger.warning("the policy endpoint's server thread did not end within %.0f s", STOP_GRACE_S + 30)
         self._thread, self._server = None, None
         if self.loop is not None and not self.loop.is_running():
             self.loop.close()
