@@ -98,6 +98,10 @@ class AssistantMessage(_Strict):
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
+    # reasoning text of OpenAI-compatible servers (vLLM, DeepSeek; verifiers sends the field back): the endpoint
+    # returns none, so a turn it answered carries none; a non-empty one would not be rendered: refused
+    reasoning_content: Annotated[StrictStr, Field(max_length=0)] | None = None
+    reasoning: Annotated[StrictStr, Field(max_length=0)] | None = None
 
 
 class ToolMessage(_Strict):
