@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import openai
 import pytest
@@ -432,3 +433,40 @@ def test_the_endpoint_and_agent_threads_end_with_training_and_on_error(tmp_path,
     with pytest.raises(RuntimeError, match="the policy failed"):
         trainer.train()
     assert project_threads() == []
+
+
+def test_agents_train_under_ddp_each_process_serving_its_own_runs(tmp_path, tiny_model_dir):
+    # issue 36 item 5: 2 processes (torchrun, CPU + gloo); each serves its own runs on its own endpoint and generates
+    # with transformers when its agents ask; the trained ids are exactly the generated ones, on both ranks
+    import sys
+    from pathlib import Path
+
+    from launching import run_launch
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "tests" / "trainers" / "dist_scripts" / "agent_ddp.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    run_launch(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+        + [tiny_model_dir, str(tmp_path)],
+        "2-process agent training",
+        timeout_s=600,
+        env=env,
+        cwd=root,
+    )
+    ranks = [torch.load(tmp_path / f"agent_rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [(r["world"], r["rank"]) for r in ranks] == [(2, 0), (2, 1)]
+    # rank 0 played the first prompt's group of 4 runs, rank 1 the second's
+    assert [sorted(set(r["prompts"])) for r in ranks] == [["What is 1+1?"], ["What is 2+1?"]]
+    for r in ranks:
+        assert r["global_step"] == 1 and r["finite"]
+        assert len(r["steps"]) == 8  # 4 runs x 2 calls
+        # every recorded step is a generation of this rank's own generator, ids exactly as generated, and back
+        assert sorted(r["steps"]) == sorted(r["generated"])
+        # and is trained: its prompt + completion ids lie in a training row of this rank
+        for prompt, completion in r["steps"]:
+            sequence = prompt + completion
+            assert any(row[: len(sequence)] == sequence for row in r["rows"]), "a step is not trained as sampled"
+    # the agent/* metrics count both processes' runs
+    assert ranks[0]["logs"]["agent/requests"] == 16.0 and ranks[0]["logs"]["agent/calls_per_run"] == 2.0

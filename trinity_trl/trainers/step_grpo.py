@@ -36,6 +36,7 @@ from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
 from ..training import checks
+from ..training.engines import engine_of, zero_stage
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .common import deprecated_field
@@ -273,14 +274,16 @@ class StepGRPOTrainer(TrinityTrainer):
         from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
 
         args = self.args
-        if self.accelerator.num_processes > 1:
-            # each process would answer its own agents' requests in batches of its own count, while distributed
-            # generation (vLLM server/colocate, ZeRO-3/FSDP generate) needs every process to generate in lockstep
+        engine = engine_of(self.accelerator)
+        if engine == "fsdp" or (engine == "deepspeed" and zero_stage(self.accelerator) == 3):
+            # each process serves its own runs and generates when its agents ask, a number of times that differs
+            # between processes; ZeRO-3 and FSDP gather the sharded weights in every forward of generate, so all
+            # processes must generate in lockstep (DDP and ZeRO-1/2 keep whole weights: each generates alone)
             raise NotImplementedError(
-                "agent= runs on one process for now (distributed generation needs every process to generate in "
-                f"lockstep); got {self.accelerator.num_processes} processes (docs/environments.md#agent-limits)"
+                f"agent= cannot run under {'FSDP' if engine == 'fsdp' else 'DeepSpeed ZeRO-3'}: its generation needs "
+                "every process to generate in lockstep, while each process answers its own agents when they ask; use "
+                "DDP or ZeRO-1/2 (docs/environments.md#agent-limits)"
             )
-
         context = getattr(self.model.config, "max_position_embeddings", None)
         endpoint = PolicyEndpoint(
             self.generation,
@@ -348,7 +351,9 @@ class StepGRPOTrainer(TrinityTrainer):
         TRL scores); the runs come back to :meth:`_training_batch` as the rows' ``run`` field."""
         runs = self.rollout(rows)
         if getattr(self.rollout, "metrics", None):  # the agent rollout's fault counters (agent/...)
-            append_metrics(self._metrics["train" if self.model.training else "eval"], self.rollout.metrics)
+            append_metrics(
+                self._metrics["train" if self.model.training else "eval"], self._all_processes(self.rollout.metrics)
+            )
         last = [run.steps[-1] for run in runs]
         logprobs = [s.logprobs for s in last]
         return {
@@ -357,6 +362,19 @@ class StepGRPOTrainer(TrinityTrainer):
             "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
             "env_reward": [run.reward for run in runs],
             "run": runs,
+        }
+
+    def _all_processes(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The agent rollout's metrics over every process: counts summed, per-run means averaged (every process plays
+        the same number of runs)."""
+        if self.accelerator.num_processes == 1:
+            return metrics
+        names = sorted(metrics)
+        values = self.accelerator.gather(
+            torch.tensor([[metrics[n] for n in names]], dtype=torch.float64, device=self.accelerator.device)
+        )
+        return {
+            n: float(values[:, i].mean() if n.endswith("_per_run") else values[:, i].sum()) for i, n in enumerate(names)
         }
 
     # --------------------------------------------------------------------------- advantages
