@@ -435,22 +435,27 @@ def test_the_endpoint_and_agent_threads_end_with_training_and_on_error(tmp_path,
     assert project_threads() == []
 
 
-def test_agents_train_under_ddp_each_process_serving_its_own_runs(tmp_path, tiny_model_dir):
-    # issue 36 item 5: 2 processes (torchrun, CPU + gloo); each serves its own runs on its own endpoint and generates
-    # with transformers when its agents ask; the trained ids are exactly the generated ones, on both ranks
+@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+def test_agents_train_on_two_processes_each_serving_its_own_runs(tmp_path, tiny_model_dir, engine):
+    # issue 36 item 5: 2 processes on CPU (gloo): DDP through torchrun, DeepSpeed ZeRO-2 through accelerate launch
+    # with the shipped recipes/accelerate/zero2.yaml; each process serves its own runs on its own endpoint and
+    # generates with transformers when its agents ask; the trained ids are exactly the generated ones, on both ranks
     import sys
     from pathlib import Path
 
+    from engines.engine_helpers import accelerate_launch
     from launching import run_launch
 
     root = Path(__file__).resolve().parents[2]
     script = root / "tests" / "trainers" / "dist_scripts" / "agent_ddp.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     run_launch(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-        + [tiny_model_dir, str(tmp_path)],
-        "2-process agent training",
+        (lambda: torchrun + [tiny_model_dir, str(tmp_path)])
+        if engine == "ddp"
+        else (lambda: accelerate_launch("zero2", script, tiny_model_dir, str(tmp_path))),
+        f"2-process agent training ({engine})",
         timeout_s=600,
         env=env,
         cwd=root,
@@ -470,3 +475,15 @@ def test_agents_train_under_ddp_each_process_serving_its_own_runs(tmp_path, tiny
             assert any(row[: len(sequence)] == sequence for row in r["rows"]), "a step is not trained as sampled"
     # the agent/* metrics count both processes' runs
     assert ranks[0]["logs"]["agent/requests"] == 16.0 and ranks[0]["logs"]["agent/calls_per_run"] == 2.0
+
+
+@pytest.mark.parametrize("engine, stage", [("fsdp", None), ("deepspeed", 3)])
+def test_agents_are_refused_where_generation_needs_every_process(tmp_path, tool_model_dir, monkeypatch, engine, stage):
+    # FSDP and ZeRO-3 gather sharded weights in every forward of generate: all processes must generate in lockstep
+    from trinity_trl.trainers import step_grpo
+
+    monkeypatch.setattr(step_grpo, "engine_of", lambda accelerator: engine)
+    monkeypatch.setattr(step_grpo, "zero_stage", lambda accelerator: stage)
+    args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(NotImplementedError, match="lockstep.*use DDP or ZeRO-1/2"):
+        StepGRPOTrainer(model=tool_model_dir, args=args, train_dataset=tasks(2), agent=calculator_agent)
