@@ -2,17 +2,20 @@
 
 :class:`AgentRollout` is the rollout of :class:`~trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
 For a batch of dataset rows it opens one run per row on the trainer's :class:`~.endpoint.PolicyEndpoint` (each its
-own API key), starts every agent on the endpoint's event loop with an ``openai.AsyncOpenAI`` client pointed at it,
-and, on the training thread, answers the agents' requests in batches until every run has ended. Each run's recorded
+own API key), starts every agent in its own thread with its own event loop (so a run that blocks stalls only itself)
+with an ``openai.AsyncOpenAI`` client pointed at it, and, on the training thread, answers the agents' requests in
+batches until every run has ended. Each run's recorded
 calls become a :class:`~.multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
 *segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
 history was rewritten starts a new one).
 
 Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
-something that is not a reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
+something that is not a finite reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
 (``"drop"``: its steps get no gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under
-``agent/``). A request the endpoint refuses (longer than the context, past the turn limit, after the run ended, a bad
-argument) is answered with an HTTP error the agent sees as an ``openai`` exception, and counted.
+``agent/``, with one warning line per kind of fault per rollout). :attr:`AgentRollout.recorded` keeps the last
+rollout's runs as played and trained (docs/environments.md#agent-runs). A request the endpoint refuses (longer than
+the context, past the turn limit, after the run ended, malformed) is answered with an HTTP error the agent sees as an
+``openai`` exception, and counted.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Agents written against an OpenAI client (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers' harnesses, plain
 scripts) call ``POST /v1/chat/completions`` on ``http://127.0.0.1:<port>/v1``; the trainer's policy answers. The server
 is FastAPI on uvicorn, in a background thread with its own event loop, bound to loopback on a port the OS chooses.
+Request bodies are typed (:mod:`.chat_request`): a malformed one is refused with a 400 naming the field before
+anything reaches the training thread.
 Each agent run gets its own API key: a request without the key of a live run is refused (401), a request of a run that
 is over (finished, timed out or cut) is refused too (409) and counted.
 
