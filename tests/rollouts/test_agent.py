@@ -331,10 +331,11 @@ async def send_raw(client, body):
 
 def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_path, tool_model_dir):
     # issue 36 item 1: before the fix, stop=[5] killed trainer.train() (endpoint _choice) and several bodies got 500
-    answers = []
+    answers, models = [], []
 
     async def agent(client, row):
         if row["task"] == 0:  # one run per step sends the whole table, both ways, then plays normally
+            models.append([m.id for m in (await client.models.list()).data])
             for name, body, field in MALFORMED:
                 answers.append(("openai", name, field, *await send_with_openai(client, body)))
             for name, body, field in MALFORMED + RAW_ONLY:
@@ -360,6 +361,7 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
     # the well-formed calls of every run were answered and trained: every run solved its task
     assert all(e["agent/requests"] == 12.0 and e["agent/errors"] == 0.0 for e in history)
     assert logs_of(trainer)["multi_step/run_reward"] == 1.0
+    assert models == [["policy"]] * 4  # the documented id, not the model's path
 
 
 def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_model_dir):
