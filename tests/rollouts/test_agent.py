@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import openai
 import pytest
@@ -226,6 +227,9 @@ def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):
         )
     with pytest.raises(ValueError, match="needs a train_dataset"):
         StepGRPOTrainer(model=tool_model_dir, args=args, agent=calculator_agent)
+    vllm = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), use_vllm=True))
+    with pytest.raises(NotImplementedError, match="use_vllm=False .*agent-limits"):
+        StepGRPOTrainer(model=tool_model_dir, args=vllm, train_dataset=tasks(2), agent=calculator_agent)
 
 
 def test_chord_trainer_refuses_agents_and_environments(tmp_path):
@@ -236,3 +240,252 @@ def test_chord_trainer_refuses_agents_and_environments(tmp_path):
     for name, value in (("agent", calculator_agent), ("environment_factory", object)):
         with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}: .*StepGRPOTrainer"):
             ChordTrainer(model="unused", expert_dataset=expert, **{name: value})
+        # without an expert_dataset too: the agent is what is wrong, not the missing dataset (issue 36 item 3)
+        with pytest.raises(ValueError, match=f"ChordTrainer does not support {name}"):
+            ChordTrainer(model="unused", **{name: value})
+
+
+HI = [{"role": "user", "content": "hi"}]
+TOOL_TURN = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+# (name, body, the field the 4xx must name): every body is malformed in exactly one field. Sent during training,
+# through the openai client and through raw HTTP, each gets a 4xx naming its field and is counted; training goes on.
+MALFORMED = [
+    ("stop list of ints", {"model": "p", "messages": HI, "stop": [5]}, "stop"),
+    ("stop int", {"model": "p", "messages": HI, "stop": 5}, "stop"),
+    ("temperature list", {"model": "p", "messages": HI, "temperature": [1]}, "temperature"),
+    ("temperature text", {"model": "p", "messages": HI, "temperature": "hot"}, "temperature"),
+    ("temperature bool", {"model": "p", "messages": HI, "temperature": True}, "temperature"),
+    ("top_p text", {"model": "p", "messages": HI, "top_p": "1"}, "top_p"),
+    ("tools int", {"model": "p", "messages": HI, "tools": 5}, "tools"),
+    ("tool not a function", {"model": "p", "messages": HI, "tools": [{"type": "code"}]}, "tools.0"),
+    ("tool name int", {"model": "p", "messages": HI, "tools": [{"type": "function", "function": {"name": 5}}]}, "name"),
+    ("tool_calls text", {"model": "p", "messages": [*HI, {"role": "assistant", "tool_calls": "oops"}]}, "tool_calls"),
+    ("tool call no function", {"model": "p", "messages": [*HI, TOOL_TURN]}, "function"),
+    (
+        "text part number",
+        {"model": "p", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "text",
+    ),
+    ("image part", {"model": "p", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+    ("content int", {"model": "p", "messages": [{"role": "user", "content": 5}]}, "content"),
+    ("content missing", {"model": "p", "messages": [{"role": "user"}]}, "content"),
+    ("unknown role", {"model": "p", "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("message not an object", {"model": "p", "messages": ["hi"]}, "messages.0"),
+    ("messages text", {"model": "p", "messages": "hi"}, "messages"),
+    ("messages empty", {"model": "p", "messages": []}, "messages"),
+    ("messages missing", {"model": "p"}, "messages"),
+    ("model missing", {"messages": HI}, "model"),
+    ("model int", {"model": 5, "messages": HI}, "model"),
+    ("n zero", {"model": "p", "messages": HI, "n": 0}, "n"),
+    ("n text", {"model": "p", "messages": HI, "n": "2"}, "n"),
+    ("max_tokens zero", {"model": "p", "messages": HI, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens float", {"model": "p", "messages": HI, "max_tokens": 1.5}, "max_tokens"),
+    ("logprobs text", {"model": "p", "messages": HI, "logprobs": "yes"}, "logprobs"),
+    ("top_logprobs", {"model": "p", "messages": HI, "top_logprobs": 3}, "top_logprobs"),
+    ("tool_choice required", {"model": "p", "messages": HI, "tools": [CALC], "tool_choice": "required"}, "tool_choice"),
+    ("stream", {"model": "p", "messages": HI, "stream": True}, "stream"),
+    ("seed", {"model": "p", "messages": HI, "seed": 1}, "seed"),
+    ("logit_bias", {"model": "p", "messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("presence_penalty", {"model": "p", "messages": HI, "presence_penalty": 1.0}, "presence_penalty"),
+    ("unknown field", {"model": "p", "messages": HI, "temprature": 1.0}, "temprature"),
+    ("other temperature", {"model": "p", "messages": HI, "temperature": 0.5}, "temperature"),
+    (
+        "tool_call_id int",
+        {"model": "p", "messages": [{"role": "tool", "content": "1", "tool_call_id": 3}]},
+        "tool_call_id",
+    ),
+]
+# bodies only raw HTTP can send (the openai client always sends a JSON object)
+RAW_ONLY = [("not JSON", b'{"model": "p", "messages": [', None), ("a JSON list", b"[1, 2]", None)]
+
+
+async def send_with_openai(client, body):
+    """``body`` through ``client.chat.completions.create``: its keyword arguments, the rest in ``extra_body``."""
+    import inspect
+
+    known = set(inspect.signature(client.chat.completions.create).parameters)
+    kwargs = {k: v for k, v in body.items() if k in known and k not in ("model", "messages")}
+    extra = {k: v for k, v in body.items() if k not in known or k in ("model", "messages")}
+    try:
+        # model and messages go through extra_body so that the client sends them unchanged (even when missing)
+        await client.chat.completions.create(
+            model=openai.NOT_GIVEN, messages=openai.NOT_GIVEN, extra_body=extra, **kwargs
+        )
+    except openai.APIStatusError as err:
+        return err.status_code, err.body
+    return 200, None
+
+
+async def send_raw(client, body):
+    import httpx
+
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            f"{client.base_url}chat/completions",
+            content=content,
+            headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json"},
+        )
+    return response.status_code, response.json().get("error")
+
+
+def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_path, tool_model_dir):
+    # issue 36 item 1: before the fix, stop=[5] killed trainer.train() (endpoint _choice) and several bodies got 500
+    answers, models = [], []
+
+    async def agent(client, row):
+        if row["task"] == 0:  # one run per step sends the whole table, both ways, then plays normally
+            models.append([m.id for m in (await client.models.list()).data])
+            for name, body, field in MALFORMED:
+                answers.append(("openai", name, field, *await send_with_openai(client, body)))
+            for name, body, field in MALFORMED + RAW_ONLY:
+                answers.append(("raw", name, field, *await send_raw(client, body)))
+        return await calculator_agent(client, row)
+
+    trainer = make(
+        tmp_path, tool_model_dir, agent, tasks(2), num_generations=2, per_device_train_batch_size=4, max_steps=2
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    bad = len(MALFORMED) * 2 + len(RAW_ONLY)
+    assert len(MALFORMED) >= 30 and len(answers) == 2 * 2 * bad  # 2 steps x the 2 runs of task 0
+    for how, name, field, status, error in answers:
+        assert 400 <= status < 500, f"{how} {name}: HTTP {status}"
+        message = error["message"]
+        if field is not None:
+            assert field in message, f"{how} {name}: {message!r} does not name {field!r}"
+    assert [a for a in answers if a[1] == "temperature text"][0][4]["message"].startswith("temperature: wrong type str")
+    assert "not JSON" in [a for a in answers if a[1] == "not JSON"][0][4]["message"]
+    history = [e for e in trainer.state.log_history if "agent/rejected_requests" in e]
+    assert [e["agent/rejected_requests"] for e in history] == [2.0 * bad] * 2
+    # the well-formed calls of every run were answered and trained: every run solved its task
+    assert all(e["agent/requests"] == 12.0 and e["agent/errors"] == 0.0 for e in history)
+    assert logs_of(trainer)["multi_step/run_reward"] == 1.0
+    assert models == [["policy"]] * 4  # the documented id, not the model's path
+
+
+def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_model_dir):
+    # issue 36 item 4: trainer.agent_runs, read in on_step_end, holds each run's calls exactly as sampled and trained;
+    # item 3: a run that returns inf is a bad reward (scored 0), kept out of the logged reward mean
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class ReadRuns(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(list(trainer.agent_runs))
+
+    async def agent(client, row):
+        reward = await calculator_agent(client, row)
+        return float("inf") if row["task"] == 1 else reward
+
+    record = []
+    trainer = make(
+        tmp_path, tool_model_dir, agent, tasks(2), record=record, num_generations=2, per_device_train_batch_size=4
+    )
+    trainer.add_callback(ReadRuns())
+    trainer.train()
+    assert len(seen) == 1 and len(seen[0]) == 4
+    runs = seen[0]
+    assert [(r.row["task"], r.outcome, r.reward) for r in runs] == [
+        (0, "ok", 1.0),
+        (0, "ok", 1.0),
+        (1, "bad_reward", 0.0),
+        (1, "bad_reward", 0.0),
+    ]
+    steps = [step for run in runs for step in run.steps]
+    assert len(steps) == 12 and all(len(run.calls) == 3 for run in runs)
+    # every sampled turn (the generator's own record: context, ids, log-probs) is a recorded step, and back
+    assert sorted((p, c, lp) for p, c, lp in steps) == sorted((p, c, lp) for p, c, lp in record)
+    # the recorded ids are the trained ids: each run's last call ends its packed row
+    rows = [r[r != trainer.processing_class.pad_token_id].tolist() for r in trainer.batches[0]["completion_ids"]]
+    for run in runs:
+        assert any(row[-len(run.steps[-1][1]) :] == run.steps[-1][1] for row in rows)
+    logs = logs_of(trainer)
+    assert logs["agent/bad_rewards"] == 2.0
+    assert logs["rewards/environment_reward/mean"] == 0.5  # (1 + 1 + 0 + 0) / 4, not inf
+
+
+def project_threads():
+    import threading
+
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith(("trinity-policy-endpoint", "trinity-agent-run"))
+    ]
+
+
+def test_the_endpoint_and_agent_threads_end_with_training_and_on_error(tmp_path, tool_model_dir):
+    # issue 33: every thread the project starts is stopped and joined, when training ends and when it fails
+    import asyncio
+
+    async def slow_agent(client, row):  # still waiting on a call when the policy fails
+        await asyncio.sleep(0.05 * row["task"])
+        return await calculator_agent(client, row)
+
+    trainer = make(tmp_path, tool_model_dir, slow_agent, tasks(2), num_generations=2, per_device_train_batch_size=4)
+    trainer.train()
+    assert trainer.state.global_step == 1 and project_threads() == []
+
+    def failing(text):
+        if text.count("<tool_response>") == 1:
+            raise RuntimeError("the policy failed")
+        return three_turns(text)
+
+    trainer = make(tmp_path, tool_model_dir, slow_agent, tasks(2), script=failing, num_generations=2)
+    with pytest.raises(RuntimeError, match="the policy failed"):
+        trainer.train()
+    assert project_threads() == []
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+def test_agents_train_on_two_processes_each_serving_its_own_runs(tmp_path, tiny_model_dir, engine):
+    # issue 36 item 5: 2 processes on CPU (gloo): DDP through torchrun, DeepSpeed ZeRO-2 through accelerate launch
+    # with the shipped recipes/accelerate/zero2.yaml; each process serves its own runs on its own endpoint and
+    # generates with transformers when its agents ask; the trained ids are exactly the generated ones, on both ranks
+    import sys
+    from pathlib import Path
+
+    from engines.engine_helpers import accelerate_launch
+    from launching import run_launch
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "tests" / "trainers" / "dist_scripts" / "agent_ddp.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    run_launch(
+        (lambda: torchrun + [tiny_model_dir, str(tmp_path)])
+        if engine == "ddp"
+        else (lambda: accelerate_launch("zero2", script, tiny_model_dir, str(tmp_path))),
+        f"2-process agent training ({engine})",
+        timeout_s=600,
+        env=env,
+        cwd=root,
+    )
+    ranks = [torch.load(tmp_path / f"agent_rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [(r["world"], r["rank"]) for r in ranks] == [(2, 0), (2, 1)]
+    # rank 0 played the first prompt's group of 4 runs, rank 1 the second's
+    assert [sorted(set(r["prompts"])) for r in ranks] == [["What is 1+1?"], ["What is 2+1?"]]
+    for r in ranks:
+        assert r["global_step"] == 1 and r["finite"]
+        assert len(r["steps"]) == 8  # 4 runs x 2 calls
+        # every recorded step is a generation of this rank's own generator, ids exactly as generated, and back
+        assert sorted(r["steps"]) == sorted(r["generated"])
+        # and is trained: its prompt + completion ids lie in a training row of this rank
+        for prompt, completion in r["steps"]:
+            sequence = prompt + completion
+            assert any(row[: len(sequence)] == sequence for row in r["rows"]), "a step is not trained as sampled"
+    # the agent/* metrics count both processes' runs
+    assert ranks[0]["logs"]["agent/requests"] == 16.0 and ranks[0]["logs"]["agent/calls_per_run"] == 2.0
+
+
+@pytest.mark.parametrize("engine, stage", [("fsdp", None), ("deepspeed", 3)])
+def test_agents_are_refused_where_generation_needs_every_process(tmp_path, tool_model_dir, monkeypatch, engine, stage):
+    # FSDP and ZeRO-3 gather sharded weights in every forward of generate: all processes must generate in lockstep
+    from trinity_trl.trainers import step_grpo
+
+    monkeypatch.setattr(step_grpo, "engine_of", lambda accelerator: engine)
+    monkeypatch.setattr(step_grpo, "zero_stage", lambda accelerator: stage)
+    args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(NotImplementedError, match="lockstep.*use DDP or ZeRO-1/2"):
+        StepGRPOTrainer(model=tool_model_dir, args=args, train_dataset=tasks(2), agent=calculator_agent)

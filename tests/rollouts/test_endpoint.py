@@ -215,7 +215,7 @@ def test_stop_strings_and_refused_sampling_settings(endpoint):
     assert "there" in ep.renderer.tokenizer.decode(runs[0].steps[0].completion_ids)
 
 
-def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
+def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
     ep = endpoint(max_context=1000, max_calls=2)
     late = {}
 
@@ -255,16 +255,35 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint):
             return 1.0
         if kind == "no_number":
             return "great"
+        if kind == "infinite":
+            return float("inf")
         return None  # cannot score
 
-    kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "unscorable"]
-    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
+    kinds = ["raises", "hangs", "malformed", "too_long", "turn_limit", "late", "late_caller", "no_number", "infinite"]
+    kinds.append("unscorable")
+    with caplog.at_level("WARNING", logger="trinity_trl.rollouts.agent"):
+        rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=4.0)
+    # one log line per kind of fault, with its count (issue 36 item 3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "trinity_trl.rollouts.agent"]
+    expected = [
+        "1 of 10 agent runs raised (first: RuntimeError: agent bug)",
+        "1 of 10 agent runs took more than agent_timeout=4 s",
+        "2 of 10 agent runs returned no usable reward (first: the agent returned 'great', not a reward)",
+        "agent/late_calls: 1 this step",
+        "agent/context_overflows: 1 this step (first: the prompt has",
+        "agent/malformed_tool_calls: 1 this step",
+        "agent/turn_limit_hits: 1 this step",
+    ]
+    assert len(lines) == len(expected), lines
+    for text in expected:
+        assert sum(line.startswith(text) for line in lines) == 1, (text, lines)
     rewards = dict(zip(kinds, (run.reward for run in runs)))
     assert rewards["raises"] == 0.0 and rewards["hangs"] == 0.0 and rewards["no_number"] == 0.0
+    assert rewards["infinite"] == 0.0  # a non-finite reward is a bad reward, kept out of the group statistics
     assert rewards["malformed"] == 1.0 and rewards["too_long"] == 1.0 and rewards["turn_limit"] == 1.0
     assert math.isnan(rewards["unscorable"])
     m = rollout.metrics
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 1.0)
+    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 2.0)
     assert m["agent/malformed_tool_calls"] == 1.0 and m["agent/context_overflows"] == 1.0
     assert m["agent/turn_limit_hits"] == 1.0 and runs[kinds.index("turn_limit")].cut
     assert m["agent/late_calls"] == 1.0 and rewards["late_caller"] == 1.0
@@ -304,3 +323,67 @@ def test_run_segments_follow_parents():
     steps, segments = run_segments(record)
     assert steps == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0), (4, 0)]
     assert segments == [[0, 3], [1, 2, 4], [5]]
+
+
+def test_a_blocking_agent_times_out_alone(endpoint):
+    # issue 36 item 2: one run blocks its thread (time.sleep) for 3x the timeout; before runs were isolated it froze
+    # the event loop every run shared, and its two neighbours were timed out too (scored 0 instead of 1)
+    import time
+
+    timeout = 1.0
+    ep = endpoint()
+    after_block = []
+
+    async def agent(client, row):
+        if row["kind"] == "blocks":
+            time.sleep(3 * timeout)
+            after_block.append(True)
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            return 1.0
+        for _ in range(2):
+            reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await asyncio.sleep(0.1 * timeout)
+        return float(reply.choices[0].message.content == "Hello there friend.")
+
+    kinds = ["blocks", "ok", "ok"]
+    rollout, runs = play(ep, agent, [{"kind": k} for k in kinds], timeout=timeout)
+    assert [run.reward for run in runs] == [0.0, 1.0, 1.0]  # the blocking run scores as a timeout (0); the rest 1
+    assert rollout.metrics["agent/timeouts"] == 1.0 and rollout.metrics["agent/errors"] == 0.0
+    assert [len(run.steps) for run in runs[1:]] == [2, 2] and runs[0].segments == []
+    assert after_block == [True]  # it woke up after its run was over: cancelled at its next await, never answered
+
+
+# renders tools (a line of their JSON) but has no response template TRL knows: tool calls could not be parsed
+TOOLS_NO_PARSER = (
+    "{% if tools %}{{ 'Tools: ' + (tools | tojson) + '\\n' }}{% endif %}{% for message in messages %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["plain", "no_parser"])
+def test_tools_the_chat_template_cannot_serve_are_refused(template):
+    # issue 35: a chat template that renders a prompt with and without tools identically silently dropped tools=;
+    # now the request is refused (400 naming tools) and counted, and a request without tools is answered
+    from helpers import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()  # its template ignores tools
+    if template == "no_parser":
+        tok.chat_template = TOOLS_NO_PARSER
+    ep = PolicyEndpoint(Scripted(tok, default_script), ChatRenderer(tok)).start()
+    try:
+        assert ep.renderer.renders_tools == (template == "no_parser")
+
+        async def agent(client, row):
+            hi = [{"role": "user", "content": "hi"}]
+            with pytest.raises(openai.BadRequestError, match="tools") as refused:
+                await client.chat.completions.create(model="m", messages=hi, tools=[ADD_TOOL])
+            assert refused.value.body["param"] == "tools"
+            reply = await client.chat.completions.create(model="m", messages=hi)
+            return float(reply.choices[0].message.content == "Hello there friend.")
+
+        rollout, runs = play(ep, agent, [{}])
+    finally:
+        ep.stop()
+    assert runs[0].reward == 1.0 and rollout.metrics["agent/rejected_requests"] == 1.0
+    assert len(runs[0].steps) == 1

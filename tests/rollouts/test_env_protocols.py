@@ -149,7 +149,7 @@ class Closes:
         ({"a": CalculatorEnv, "b": CalculatorToolEnv}, None, None, ValueError, r"one protocol, got 'a': CalculatorEnv"),
         ({"a": CalculatorEnv, "b": NoReset}, None, None, TypeError, r"NoReset defines no reset"),
         ({}, None, None, ValueError, r"empty dict"),
-        (None, None, None, ValueError, r"needs environment_factory .* or tools"),
+        (None, None, None, ValueError, r"needs environment_factory .*, tools, or agent= "),
         (
             CalculatorEnv,
             [len],

@@ -119,3 +119,32 @@ def test_without_the_classic_api_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.legacy", None)
     with pytest.raises(ImportError, match=r"verifiers>=0.3.1,<0.4.*trinity-trl\[verifiers\].*found verifiers"):
         VerifiersAgent(object())
+
+
+def test_a_single_turn_env_trains_with_its_weighted_rubric(tmp_path, tool_model_dir):
+    data = Dataset.from_dict(
+        {"question": [f"task {i}: what is {i}*3-1?" for i in range(2)], "answer": [str(i * 3 - 1) for i in range(2)]}
+    )
+
+    def answered(completion, **kwargs) -> float:
+        """1 for any non-empty answer."""
+        return float(bool(completion[-1].content))
+
+    rubric = vf.Rubric(funcs=[correct_answer, answered], weights=[1.0, 0.5])
+    agent = VerifiersAgent(vf.SingleTurnEnv(dataset=data, rubric=rubric))
+    kwargs = tiny_grpo_kwargs(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        shuffle_dataset=False,
+        max_completion_length=64,
+        temperature=1.0,
+        num_generations=2,
+        per_device_train_batch_size=4,
+    )
+    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+    force_turns(trainer, lambda text: "Task 0: it is -1." if task_of(text) == 0 else "Task 1: it is 99.")
+    trainer.train()
+    # task 0: right (1) and answered (0.5 x 1); task 1: wrong, answered: the rubric's weighted sums are the rewards
+    assert [run.reward for run in trainer.agent_runs] == [1.5, 1.5, 0.5, 0.5]
+    assert all(len(run.steps) == 1 for run in trainer.agent_runs)
+    assert logs_of(trainer)["rewards/environment_reward/mean"] == pytest.approx(1.0)

@@ -2,31 +2,37 @@
 
 :class:`AgentRollout` is the rollout of :class:`~trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
 For a batch of dataset rows it opens one run per row on the trainer's :class:`~.endpoint.PolicyEndpoint` (each its
-own API key), starts every agent on the endpoint's event loop with an ``openai.AsyncOpenAI`` client pointed at it,
-and, on the training thread, answers the agents' requests in batches until every run has ended. Each run's recorded
+own API key), starts every agent in its own thread with its own event loop (so a run that blocks stalls only itself)
+with an ``openai.AsyncOpenAI`` client pointed at it, and, on the training thread, answers the agents' requests in
+batches until every run has ended. Each run's recorded
 calls become a :class:`~.multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
 *segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
 history was rewritten starts a new one).
 
 Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
-something that is not a reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
+something that is not a finite reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
 (``"drop"``: its steps get no gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under
-``agent/``). A request the endpoint refuses (longer than the context, past the turn limit, after the run ended, a bad
-argument) is answered with an HTTP error the agent sees as an ``openai`` exception, and counted.
+``agent/``, with one warning line per kind of fault per rollout). :attr:`AgentRollout.recorded` keeps the last
+rollout's runs as played and trained (docs/environments.md#agent-runs). A request the endpoint refuses (longer than
+the context, past the turn limit, after the run ended, malformed) is answered with an HTTP error the agent sees as an
+``openai`` exception, and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import COUNTERS, PolicyEndpoint, RunRecord
+from .endpoint import COUNTERS, Call, PolicyEndpoint, RunRecord
 from .multi_step import Run, Step
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,41 @@ def check_agent(agent: Any) -> None:
             f"agent must be an async function `async def agent(client, row) -> reward` (or (reward, info)), got "
             f"{agent!r:.80}"
         )
+
+
+@dataclass
+class _Worker:
+    """One agent run in its own thread: the thread, its event loop, the agent's task and the run's outcome."""
+
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task
+    outcome: concurrent.futures.Future
+
+
+@dataclass
+class RecordedRun:
+    """One agent run as it was played and trained (:attr:`AgentRollout.recorded`).
+
+    Attributes:
+        row: the dataset row the agent was given.
+        reward: the run's reward as trained (after ``on_failure``; NaN: unscored).
+        outcome: ``"ok"``, ``"error"``, ``"timeout"`` or ``"bad_reward"``.
+        info: what the agent returned beside its reward (or the fault's message).
+        calls: the model calls the endpoint answered, in order (:class:`~.endpoint.Call`: ``prompt_ids``, and per
+            choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``); each choice is one step.
+    """
+
+    row: dict[str, Any]
+    reward: float
+    outcome: str
+    info: Any
+    calls: list[Call]
+
+    @property
+    def steps(self) -> list[tuple[list[int], list[int], list[float] | None]]:
+        """``(prompt_ids, completion_ids, logprobs)`` of each trained step, in call order."""
+        return [(call.prompt_ids, c.completion_ids, c.logprobs) for call in self.calls for c in call.choices]
 
 
 def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[int]]]:
@@ -110,21 +151,20 @@ class AgentRollout:
         self._previous: list[RunRecord] = []
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
+        #: the last rollout's runs, as played and trained (:class:`RecordedRun`)
+        self.recorded: list[RecordedRun] = []
 
-    async def _one(self, record: RunRecord, row: dict[str, Any], slot: dict) -> tuple[str, Any, Any]:
-        """``(outcome, reward, info)`` of one run; never raises (``outcome``: ok / error / timeout / bad_reward)."""
+    async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
+        """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises
+        ``CancelledError``, read as a timeout by :meth:`_start`)."""
         import openai
 
-        slot["task"] = asyncio.current_task()
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)
         try:
             result = await self.agent(client, dict(row))
         except asyncio.CancelledError:
-            if record.timed_out:  # cancelled by the watchdog of __call__
-                return "timeout", None, None
             raise
         except Exception as err:  # the agent's own failure: counted, the run scored by on_failure
-            logger.warning("agent run failed: %s: %s", type(err).__name__, err)
             return "error", None, f"{type(err).__name__}: {err}"
         finally:
             self.endpoint.close_run(record)
@@ -133,40 +173,72 @@ class AgentRollout:
         if reward is None:
             return "ok", math.nan, info
         try:
-            return "ok", float(reward), info
+            value = float(reward)
         except (TypeError, ValueError):
             return "bad_reward", None, f"the agent returned {result!r:.80}, not a reward"
+        if math.isinf(value):  # kept out of the group statistics and of the logged means
+            return "bad_reward", None, f"the agent returned a non-finite reward {value}"
+        return "ok", value, info
 
-    def _watch(self, futures, records, slots, cancelled: dict[int, float]) -> None:
+    def _start(self, record: RunRecord, row: dict[str, Any], index: int) -> _Worker:
+        """Start one run in its own thread with its own event loop: an agent that blocks (``time.sleep``, blocking
+        I/O, heavy computation) stalls only itself, and only its own time counts against ``timeout``."""
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(self._one(record, row))
+        outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+        def main():
+            asyncio.set_event_loop(loop)
+            try:
+                outcome.set_result(loop.run_until_complete(task))
+            except asyncio.CancelledError:  # cancelled by the watchdog (timeout)
+                outcome.set_result(("timeout", None, None))
+            except BaseException as err:  # e.g. SystemExit raised by an agent: its run fails, training goes on
+                outcome.set_result(("error", None, f"{type(err).__name__}: {err}"))
+            finally:
+                # tasks the agent spawned and left running end with its run
+                left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                for t in left:
+                    t.cancel()
+                if left:
+                    loop.run_until_complete(asyncio.wait(left, timeout=CANCEL_GRACE_S))
+                loop.close()
+
+        thread = threading.Thread(target=main, name=f"trinity-agent-run-{index}", daemon=True)
+        thread.start()
+        return _Worker(thread, loop, task, outcome)
+
+    def _watch(self, workers: list[_Worker], records: list[RunRecord], cancelled: dict[int, float]) -> None:
         """Cancel the runs whose agents took more than ``timeout`` seconds of their own time (time spent waiting for
         the policy does not count): their calls are refused from now on."""
         now = time.monotonic()
-        for i, (future, record) in enumerate(zip(futures, records)):
-            if future.done() or i in cancelled or record.own_time(now) <= self.timeout:
+        for i, (worker, record) in enumerate(zip(workers, records)):
+            if worker.outcome.done() or i in cancelled or record.own_time(now) <= self.timeout:
                 continue
             record.timed_out = True
             self.endpoint.close_run(record)
-            task = slots[i].get("task")
-            if task is not None:
-                self.endpoint.loop.call_soon_threadsafe(task.cancel)
+            try:
+                worker.loop.call_soon_threadsafe(worker.task.cancel)
+            except RuntimeError:  # its loop has just closed: the run is over anyway
+                pass
             cancelled[i] = now
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         endpoint = self.endpoint.start()
         records = [endpoint.open_run() for _ in rows]
-        slots: list[dict] = [{} for _ in rows]
-        futures = [endpoint.submit(self._one(r, row, slot)) for r, row, slot in zip(records, rows, slots)]
         cancelled: dict[int, float] = {}  # run -> when the watchdog cancelled it
+        workers: list[_Worker] = []
 
         def live() -> int:
-            return sum(1 for f, r in zip(futures, records) if not f.done() and r.open)
+            return sum(1 for w, r in zip(workers, records) if not w.outcome.done() and r.open)
 
         def abandoned(i: int) -> bool:  # an agent that ignores its cancellation is let go after a grace period
             return i in cancelled and time.monotonic() - cancelled[i] > CANCEL_GRACE_S
 
         try:
-            while not all(f.done() or abandoned(i) for i, f in enumerate(futures)):
-                self._watch(futures, records, slots, cancelled)
+            workers.extend(self._start(r, row, i) for i, (r, row) in enumerate(zip(records, rows)))
+            while not all(w.outcome.done() or abandoned(i) for i, w in enumerate(workers)):
+                self._watch(workers, records, cancelled)
                 batch = endpoint.next_batch(live, self.batch_window)
                 if batch:
                     endpoint.answer(batch)
@@ -180,21 +252,29 @@ class AgentRollout:
             # the server runs only during a rollout: between steps nothing listens, and nothing keeps the trainer
             # alive through the server thread
             endpoint.stop()
-        outcomes = []
-        for future in futures:
-            if future.done() and not future.cancelled():
-                outcomes.append(future.result())
-            else:
-                future.cancel()
-                outcomes.append(("timeout", None, None))
+            for worker in workers:  # ended runs: their threads are done (an abandoned one cannot be joined)
+                if worker.outcome.done():
+                    worker.thread.join(CANCEL_GRACE_S)
+        stuck = [i for i, w in enumerate(workers) if not w.outcome.done()]
+        if stuck:
+            logger.warning(
+                "%d agent run(s) ignored their cancellation for %.0f s and were abandoned (their threads keep running "
+                "until the agent returns; an agent must not block forever, see docs/environments.md#agent-rules)",
+                len(stuck),
+                CANCEL_GRACE_S,
+            )
+        outcomes = [w.outcome.result() if w.outcome.done() else ("timeout", None, None) for w in workers]
         counts = {"error": 0, "timeout": 0, "bad_reward": 0}
-        runs, self.infos = [], []
-        for record, (outcome, reward, info) in zip(records, outcomes):
+        first: dict[str, Any] = {}
+        runs, self.infos, self.recorded = [], [], []
+        for row, record, (outcome, reward, info) in zip(rows, records, outcomes):
             if outcome != "ok":
                 counts[outcome] += 1
+                first.setdefault(outcome, info)
                 reward = 0.0 if self.on_failure == "zero" else math.nan
             runs.append(self._run(record, reward))
             self.infos.append(info)
+            self.recorded.append(RecordedRun(dict(row), reward, outcome, info, list(record.calls)))
         # a run's key is kept (closed) through the next rollout, so a late call of its agent is refused as late
         # (409) and counted rather than taken for a stranger's (401)
         endpoint.forget(self._previous)
@@ -211,7 +291,23 @@ class AgentRollout:
             "agent/runs_without_calls": float(sum(not r.calls for r in records)),
             "agent/segments_per_run": sum(len(run.segments or []) for run in runs) / n,
         }
+        self._log_faults(counts, first, counters, endpoint.take_examples(), len(runs))
         return runs
+
+    def _log_faults(self, counts, first, counters, examples, n: int) -> None:
+        """One warning line per kind of fault of this rollout, with its count and the first instance."""
+        scored = "scored 0" if self.on_failure == "zero" else "left unscored"
+        lines = {
+            "error": f"agent runs raised (first: {first.get('error')}); {scored}",
+            "timeout": f"agent runs took more than agent_timeout={self.timeout:g} s of their own time; {scored}",
+            "bad_reward": f"agent runs returned no usable reward (first: {first.get('bad_reward')}); {scored}",
+        }
+        for kind, text in lines.items():
+            if counts[kind]:
+                logger.warning("%d of %d %s", counts[kind], n, text)
+        for name in COUNTERS:
+            if name != "requests" and counters[name]:
+                logger.warning("agent/%s: %d this step (first: %s)", name, counters[name], examples.get(name))
 
     def _run(self, record: RunRecord, reward: float) -> Run:
         steps, segments = run_segments(record)

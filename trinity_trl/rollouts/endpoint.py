@@ -3,6 +3,8 @@
 Agents written against an OpenAI client (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers' harnesses, plain
 scripts) call ``POST /v1/chat/completions`` on ``http://127.0.0.1:<port>/v1``; the trainer's policy answers. The server
 is FastAPI on uvicorn, in a background thread with its own event loop, bound to loopback on a port the OS chooses.
+Request bodies are typed (:mod:`.chat_request`): a malformed one is refused with a 400 naming the field before
+anything reaches the training thread.
 Each agent run gets its own API key: a request without the key of a live run is refused (401), a request of a run that
 is over (finished, timed out or cut) is refused too (409) and counted.
 
@@ -23,7 +25,9 @@ sampled, and the call *extends* the earlier one (they share a prefix and train i
 # no `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at run time
 import asyncio
 import concurrent.futures
+import functools
 import json
+import logging
 import math
 import queue
 import re
@@ -37,7 +41,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .chat_request import BodyError, parse_request
 from .generation import Generator
+
+logger = logging.getLogger(__name__)
+
+#: the model id ``GET /v1/models`` lists (a request's ``model`` may be any string: the policy answers it)
+POLICY_MODEL_ID = "policy"
+
+#: seconds open connections get to finish when the server stops
+STOP_GRACE_S = 5.0
 
 #: fault and request counters of one rollout (logged under ``agent/``)
 COUNTERS = (
@@ -53,9 +66,16 @@ COUNTERS = (
 class RequestError(Exception):
     """A request the endpoint refuses: answered with ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error", counter: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str = "invalid_request_error",
+        counter: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.code, self.counter = status, code, counter
+        self.status, self.code, self.counter, self.param = status, code, counter, param
 
 
 @dataclass
@@ -115,21 +135,13 @@ class Pending:
     future: concurrent.futures.Future
 
 
-def _text(content: Any) -> str:
-    """OpenAI message content (a string, ``None`` or a list of parts) as text; other parts are refused."""
+def _text(content: str | list | None) -> str:
+    """A typed message content (a string, ``None`` or a list of text parts) as text."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(400, f"only text content parts are supported, got a {kind!r} part")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
-    raise RequestError(400, f"message content must be a string or a list of parts, got {type(content).__name__}")
+    return "".join(part.text for part in content)
 
 
 def _arguments(value: Any) -> Any:
@@ -143,40 +155,26 @@ def _arguments(value: Any) -> Any:
     return value
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """The request's messages in the form the chat template renders and calls are compared in."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "'messages' must be a non-empty list")
+def normalize_messages(messages: list) -> list[dict[str, Any]]:
+    """The typed request's messages (:class:`~.chat_request.ChatRequest`) in the form the chat template renders and
+    calls are compared in."""
     out = []
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-            "tool",
-        ):
-            raise RequestError(400, f"each message needs a role among system/user/assistant/tool, got {message!r:.120}")
-        role = "system" if message["role"] == "developer" else message["role"]
-        item: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
-        if role == "assistant" and message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                function = call.get("function") or {}
-                if not function.get("name"):
-                    raise RequestError(400, f"an assistant tool call needs function.name, got {call!r:.120}")
-                calls.append(
-                    {
-                        "type": "function",
-                        "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))},
-                    }
-                )
-            item["tool_calls"] = calls
+        role = "system" if message.role == "developer" else message.role
+        item: dict[str, Any] = {"role": role, "content": _text(message.content)}
+        if role == "assistant" and message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in message.tool_calls
+            ]
         if role == "tool":
-            if message.get("tool_call_id") is not None:
-                item["tool_call_id"] = message["tool_call_id"]
-            if message.get("name") is not None:
-                item["name"] = message["name"]
+            if message.tool_call_id is not None:
+                item["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                item["name"] = message.name
         out.append(item)
     return out
 
@@ -223,6 +221,20 @@ class ChatRenderer:
         if self.opener is None and self.parser is not None:
             self.opener = re.escape("<tool_call>")
 
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template puts tool schemas in the prompt (a probe rendered with and without a tool
+        differs); a template that does not would silently drop a request's ``tools``."""
+        probe = [{"role": "user", "content": "probe"}]
+        tool = {
+            "type": "function",
+            "function": {"name": "probe_tool", "description": "Probe.", "parameters": {"type": "object"}},
+        }
+        try:
+            return self.render(probe, [tool], True) != self.render(probe, None, True)
+        except Exception:  # a template that fails on tools does not render them
+            return False
+
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
         return list(
             self.tokenizer.apply_chat_template(
@@ -266,7 +278,8 @@ class PolicyEndpoint:
     Args:
         generator: the trainer's generation backend (one completion per prompt, batched).
         renderer: the policy's chat template and tool-call parser.
-        model_name: the model id ``GET /v1/models`` lists (any ``model`` is accepted in requests).
+        model_name: the model id ``GET /v1/models`` lists (:data:`POLICY_MODEL_ID`); a request's ``model`` may be
+            any string: whatever it names, the policy answers.
         max_context: prompt tokens at most (a longer request is refused with ``context_length_exceeded``).
         max_calls: model calls per run at most (``max_env_steps``); a call past it is refused and the run is cut.
         sampling: the trainer's sampling settings (``temperature``, ``top_p``): a request may repeat them or leave
@@ -279,7 +292,7 @@ class PolicyEndpoint:
         self,
         generator: Generator,
         renderer: ChatRenderer,
-        model_name: str = "policy",
+        model_name: str = POLICY_MODEL_ID,
         max_context: int | None = None,
         max_calls: int | None = None,
         sampling: dict[str, float | None] | None = None,
@@ -292,6 +305,7 @@ class PolicyEndpoint:
         self.runs: dict[str, RunRecord] = {}
         self.queue: queue.Queue[Pending] = queue.Queue()
         self.counters: Counter = Counter()
+        self.examples: dict[str, str] = {}
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -312,7 +326,13 @@ class PolicyEndpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))  # loopback only, a port the OS chooses
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            self.app(),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
         self._server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -333,17 +353,37 @@ class PolicyEndpoint:
         return self
 
     def stop(self) -> None:
+        """Stop serving and join the server thread: requests still queued are refused (409) so that their handlers
+        return, open connections get ``STOP_GRACE_S`` seconds to finish, then the server closes them."""
         if self._thread is None:
             return
+        while True:
+            try:
+                pending = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            late = RequestError(409, "the rollout is over", "run_closed", "late_calls")
+            self._count("late_calls", late)
+            self._fail(pending, late)
         self._server.should_exit = True
-        self._thread.join(10)
+        self._thread.join(STOP_GRACE_S + 30)
+        if self._thread.is_alive():  # not expected: uvicorn closes connections after its graceful timeout
+            logger.warning("the policy endpoint's server thread did not end within %.0f s", STOP_GRACE_S + 30)
         self._thread, self._server = None, None
         if self.loop is not None and not self.loop.is_running():
             self.loop.close()
 
-    def submit(self, coroutine) -> concurrent.futures.Future:
-        """Run ``coroutine`` on the endpoint's event loop (the agents' runs live there, next to the server)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    def _count(self, counter: str, err: Any) -> None:
+        """Count a fault and keep the first message of its kind (for the rollout's log line)."""
+        with self._lock:
+            self.counters[counter] += 1
+            self.examples.setdefault(counter, str(err))
+
+    def take_examples(self) -> dict[str, str]:
+        """The first message of each fault counted since the last call."""
+        with self._lock:
+            examples, self.examples = self.examples, {}
+        return examples
 
     # ------------------------------------------------------------------------------ runs
     def open_run(self) -> RunRecord:
@@ -370,7 +410,7 @@ class PolicyEndpoint:
         app = FastAPI(title="trinity_trl policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         def error(err: RequestError) -> JSONResponse:
-            body = {"error": {"message": str(err), "type": err.code, "code": err.code, "param": None}}
+            body = {"error": {"message": str(err), "type": err.code, "code": err.code, "param": err.param}}
             return JSONResponse(body, status_code=err.status)
 
         @app.get("/v1/models")
@@ -388,16 +428,10 @@ class PolicyEndpoint:
         async def chat_completions(request: Request):
             try:
                 record = self._authorize(request)
-                body = await request.json()
-                pending = self._parse(record, body)
+                pending = self._parse(record, await request.body())
             except RequestError as err:
-                with self._lock:
-                    self.counters[err.counter or "rejected_requests"] += 1
+                self._count(err.counter or "rejected_requests", err)
                 return error(err)
-            except ValueError as err:
-                with self._lock:
-                    self.counters["rejected_requests"] += 1
-                return error(RequestError(400, f"the body is not JSON: {err}"))
             with self._lock:
                 if record.waiting == 0:
                     record.waiting_since = time.monotonic()
@@ -428,42 +462,41 @@ class PolicyEndpoint:
             raise RequestError(409, "this run is over (finished, timed out or cut)", "run_closed", "late_calls")
         return record
 
-    def _parse(self, record: RunRecord, body: Any) -> Pending:
-        if not isinstance(body, dict):
-            raise RequestError(400, "the body must be a JSON object")
+    def _parse(self, record: RunRecord, raw: bytes) -> Pending:
+        """The typed request of ``raw`` (:mod:`.chat_request`), checked against the trainer's settings; every refusal
+        is a :class:`RequestError` naming the field, raised here, on the server's thread, before anything is
+        queued for the training thread."""
+        try:
+            body = parse_request(raw)
+        except BodyError as err:
+            raise RequestError(400, str(err), param=err.param) from None
         for name, value in self.sampling.items():
-            asked = body.get(name)
+            asked = getattr(body, name)
             if asked is not None and not math.isclose(float(asked), float(value)):
                 raise RequestError(
                     400,
                     f"{name}={asked} differs from the trainer's {name}={value}: the policy samples with the "
                     f"trainer's settings (leave {name} out)",
+                    param=name,
                 )
-        n = body.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise RequestError(400, f"n must be a positive integer, got {n!r}")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise RequestError(400, f"max_tokens must be a positive integer, got {max_tokens!r}")
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if body.get("top_logprobs"):
-            raise RequestError(400, "top_logprobs is not supported (only the sampled token's log-prob is recorded)")
-        tools = body.get("tools") or None
-        if tools is not None:
-            for tool in tools:
-                if not isinstance(tool, dict) or tool.get("type") != "function" or "function" not in tool:
-                    raise RequestError(
-                        400, f"each tool must be {{'type': 'function', 'function': {{...}}}}, got {tool!r:.120}"
-                    )
-        tool_choice = body.get("tool_choice", "auto")
-        if tool_choice not in ("auto", "none", None):
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        if tools and not self.renderer.renders_tools:
             raise RequestError(
                 400,
-                f"tool_choice={tool_choice!r} is not supported: the policy's sampling is not constrained (a forced "
-                "choice would change the distribution the recorded log-probs come from); use 'auto' or 'none'",
+                "tools were given but the policy's chat template does not render tool schemas (a prompt with and "
+                "without tools renders the same), so the model would never see them: give the trainer a chat "
+                "template that renders tools (chat_template, e.g. TRL's qwen2_5 template) or leave tools out",
+                param="tools",
             )
-        messages = normalize_messages(body.get("messages"))
+        if tools and body.tool_choice != "none" and self.renderer.parser is None:
+            raise RequestError(
+                400,
+                "tools were given but TRL knows no response template for the policy's chat template, so the "
+                "model's tool calls could not be parsed: give the trainer a chat template TRL can parse (e.g. "
+                "qwen2_5) or leave tools out",
+                param="tools",
+            )
+        messages = normalize_messages(body.messages)
         with self._lock:
             if self.max_calls is not None and len(record.calls) >= self.max_calls:
                 record.open, record.cut = False, True
@@ -476,11 +509,11 @@ class PolicyEndpoint:
         return Pending(
             run=record,
             call=Call(messages=messages, tools=tools, prompt_ids=[], parent=None),
-            n=n,
-            max_tokens=max_tokens,
-            stop=stop,
-            want_logprobs=bool(body.get("logprobs")),
-            parse_tools=bool(tools) and tool_choice != "none",
+            n=body.n or 1,
+            max_tokens=body.completion_limit,
+            stop=body.stops,
+            want_logprobs=bool(body.logprobs),
+            parse_tools=bool(tools) and body.tool_choice != "none",
             future=concurrent.futures.Future(),
         )
 
@@ -523,9 +556,15 @@ class PolicyEndpoint:
             try:
                 self._prompt(pending)
             except RequestError as err:
-                with self._lock:
-                    self.counters[err.counter or "rejected_requests"] += 1
+                self._count(err.counter or "rejected_requests", err)
                 self._fail(pending, err)
+                continue
+            except Exception as err:  # the chat template refused the conversation (e.g. roles out of order)
+                refused = RequestError(
+                    400, f"the chat template cannot render these messages: {type(err).__name__}: {err}"
+                )
+                self._count("rejected_requests", refused)
+                self._fail(pending, refused)
                 continue
             ready.append(pending)
         if not ready:
@@ -541,19 +580,24 @@ class PolicyEndpoint:
             raise
         index = 0
         for pending in ready:
-            choices = []
-            for _ in range(pending.n):
-                ids = list(completions[index])
-                lps = None if logprobs is None else [float(x) for x in logprobs[index]]
-                choices.append(self._choice(pending, ids, lps))
-                index += 1
-            pending.call.choices = choices
+            start, index = index, index + pending.n
             try:
+                pending.call.choices = [
+                    self._choice(
+                        pending, list(completions[i]), None if logprobs is None else [float(x) for x in logprobs[i]]
+                    )
+                    for i in range(start, index)
+                ]
                 response = self._response(pending)
             except RequestError as err:
-                with self._lock:
-                    self.counters["rejected_requests"] += 1
+                self._count("rejected_requests", err)
                 self._fail(pending, err)
+                continue
+            except Exception as err:  # a fault of the endpoint itself: this request fails, training goes on
+                logger.exception("the policy endpoint could not answer a request")
+                failed = RequestError(500, f"{type(err).__name__}: {err}", "server_error")
+                self._count("rejected_requests", failed)
+                self._fail(pending, failed)
                 continue
             with self._lock:
                 if not pending.run.open:  # cut while generating: not recorded, refused
@@ -642,8 +686,7 @@ class PolicyEndpoint:
         if content_cut is not None:
             message = {"role": "assistant", "content": decode(ids, skip_special_tokens=True)[:content_cut]}
         if malformed:
-            with self._lock:
-                self.counters["malformed_tool_calls"] += 1
+            self._count("malformed_tool_calls", f"a turn with an unparsable tool call: {message['content']!r:.120}")
         if message.get("tool_calls"):
             finish = "tool_calls"
         return Choice(ids, logprobs, message, finish)

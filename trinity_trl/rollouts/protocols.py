@@ -109,7 +109,8 @@ def resolve_protocol(
             return TOOL_PROTOCOL, {}
         raise ValueError(
             "StepGRPOTrainer needs environment_factory (a callable returning a fresh environment, or a "
-            "dict of them routed by the dataset's 'environment' column) or tools"
+            "dict of them routed by the dataset's 'environment' column), tools, or agent= (an `async def "
+            "agent(client, row)` calling the policy through an OpenAI client)"
         )
     routed = isinstance(environment_factory, dict)
     if routed and not environment_factory:

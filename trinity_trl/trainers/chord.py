@@ -165,14 +165,14 @@ class ChordTrainer(TrinityTrainer):
 
     def __init__(self, model, reward_funcs=None, args: ChordConfig | None = None, *pos, expert_dataset=None, **kwargs):
         args = from_trl_config(args, ChordConfig, "ChordTrainer")  # a plain GRPOConfig is converted
-        if expert_dataset is None:
-            raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
-        for name in ("environment_factory", "agent"):
+        for name in ("environment_factory", "agent"):  # checked first: the agent, not the missing dataset, is wrong
             if kwargs.get(name) is not None:
                 raise ValueError(
                     f"ChordTrainer does not support {name}: expert rows have no environment (train agents with "
                     "StepGRPOTrainer)"
                 )
+        if expert_dataset is None:
+            raise ValueError("ChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
         if len(expert_dataset) == 0:
             raise ValueError("expert_dataset is empty")
         self._expert_format = _expert_columns(expert_dataset)

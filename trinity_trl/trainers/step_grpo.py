@@ -36,6 +36,7 @@ from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
 from ..training import checks
+from ..training.engines import engine_of, zero_stage
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .common import deprecated_field
@@ -157,8 +158,9 @@ class StepGRPOConfig(TrinityConfig):
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
     """The reward a reset/step environment returned with each run's last step (``None`` where it could not
-    score the run: TRL's convention, so the run is unscorable rather than rewarded 0)."""
-    return [None if reward is None or math.isnan(reward) else reward for reward in env_reward]
+    score the run, or returned a non-finite number: TRL's convention, so the run is unscorable rather than rewarded 0,
+    and kept out of the logged means)."""
+    return [None if reward is None or not math.isfinite(reward) else reward for reward in env_reward]
 
 
 class StepGRPOTrainer(TrinityTrainer):
@@ -215,6 +217,12 @@ class StepGRPOTrainer(TrinityTrainer):
             if train_dataset is None:
                 raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
             check_agent(agent)
+            if args is not None and args.use_vllm:
+                raise NotImplementedError(
+                    "agent= generates with transformers for now: the vLLM path has not been shown to record the "
+                    "sampled token ids and log-probs exactly for agents; set use_vllm=False "
+                    "(docs/environments.md#agent-limits)"
+                )
             protocol, classes = AGENT_PROTOCOL, {None: type(agent)}
         else:
             protocol, classes = resolve_protocol(environment_factory, tools, columns)
@@ -266,18 +274,20 @@ class StepGRPOTrainer(TrinityTrainer):
         from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
 
         args = self.args
-        if self.accelerator.num_processes > 1:
-            # each process would answer its own agents' requests in batches of its own count, while distributed
-            # generation (vLLM server/colocate, ZeRO-3/FSDP generate) needs every process to generate in lockstep
+        engine = engine_of(self.accelerator)
+        if engine == "fsdp" or (engine == "deepspeed" and zero_stage(self.accelerator) == 3):
+            # each process serves its own runs and generates when its agents ask, a number of times that differs
+            # between processes; ZeRO-3 and FSDP gather the sharded weights in every forward of generate, so all
+            # processes must generate in lockstep (DDP and ZeRO-1/2 keep whole weights: each generates alone)
             raise NotImplementedError(
-                "agent= runs on one process for now (distributed generation needs every process to generate in "
-                f"lockstep); got {self.accelerator.num_processes} processes"
+                f"agent= cannot run under {'FSDP' if engine == 'fsdp' else 'DeepSpeed ZeRO-3'}: its generation needs "
+                "every process to generate in lockstep, while each process answers its own agents when they ask; use "
+                "DDP or ZeRO-1/2 (docs/environments.md#agent-limits)"
             )
         context = getattr(self.model.config, "max_position_embeddings", None)
         endpoint = PolicyEndpoint(
             self.generation,
             ChatRenderer(self.processing_class, self.chat_template, self.chat_template_kwargs),
-            model_name=getattr(self.model.config, "_name_or_path", None) or "policy",
             max_context=None if context is None else context - args.max_completion_length,
             max_calls=args.max_env_steps,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
@@ -291,6 +301,15 @@ class StepGRPOTrainer(TrinityTrainer):
             batch_window=args.agent_batch_window,
             empty_prompt=[self._tokenizer.pad_token_id],
         )
+
+    @property
+    def agent_runs(self):
+        """With ``agent=``: the runs of the last generation, as played and trained
+        (:class:`~trinity_trl.rollouts.agent.RecordedRun`: the row, the reward, and each model call's prompt ids,
+        completion ids and sampling log-probs); read it from a callback's ``on_step_end``."""
+        if self.environment_protocol != AGENT_PROTOCOL:
+            raise AttributeError("agent_runs exists only for StepGRPOTrainer(agent=...)")
+        return self.rollout.recorded
 
     @staticmethod
     def _placeholder_tasks(args, environment_factory):
@@ -332,7 +351,9 @@ class StepGRPOTrainer(TrinityTrainer):
         TRL scores); the runs come back to :meth:`_training_batch` as the rows' ``run`` field."""
         runs = self.rollout(rows)
         if getattr(self.rollout, "metrics", None):  # the agent rollout's fault counters (agent/...)
-            append_metrics(self._metrics["train" if self.model.training else "eval"], self.rollout.metrics)
+            append_metrics(
+                self._metrics["train" if self.model.training else "eval"], self._all_processes(self.rollout.metrics)
+            )
         last = [run.steps[-1] for run in runs]
         logprobs = [s.logprobs for s in last]
         return {
@@ -341,6 +362,19 @@ class StepGRPOTrainer(TrinityTrainer):
             "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
             "env_reward": [run.reward for run in runs],
             "run": runs,
+        }
+
+    def _all_processes(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The agent rollout's metrics over every process: counts summed, per-run means averaged (every process plays
+        the same number of runs)."""
+        if self.accelerator.num_processes == 1:
+            return metrics
+        names = sorted(metrics)
+        values = self.accelerator.gather(
+            torch.tensor([[metrics[n] for n in names]], dtype=torch.float64, device=self.accelerator.device)
+        )
+        return {
+            n: float(values[:, i].mean() if n.endswith("_per_run") else values[:, i].sum()) for i, n in enumerate(names)
         }
 
     # --------------------------------------------------------------------------- advantages
