@@ -69,7 +69,8 @@ class RecipeArguments:
         default_factory=list,
         metadata={
             "help": "Bundled 'arithmetic' task only: the templates the RL prompts are drawn from (default: all; "
-            "held-out problems and demonstrations always use all)."
+            "held-out problems and demonstrations always use all). With another dataset_name it is ignored, "
+            "with one line saying so (so a bundled config runs on your own data)."
         },
     )
     reward_funcs: list[str] = field(
@@ -542,8 +543,12 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
             expert=expert,
         )
-    if args.rollout_kinds:
-        raise UsageError(f"rollout_kinds selects templates of the bundled {BUNDLED_TASK!r} task only")
+    if args.rollout_kinds:  # a bundled config's key (chord_cpu's [mul, div]) on one's own data: not applicable
+        print(
+            f"[trinity-trl] rollout_kinds {args.rollout_kinds} ignored: it selects templates of the bundled "
+            f"{BUNDLED_TASK!r} task, and dataset_name is {args.dataset_name!r}",
+            flush=True,
+        )
     name = source_name(args.dataset_name)
     loaded = load_splits(args.dataset_name, args.dataset_config)
     rewarded_by_answer = rewarded and any(reward in REWARDS for reward in args.reward_funcs)
