@@ -73,6 +73,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             else args
         )
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain GRPOConfig is converted
+        checks.check_owned_arguments(type(self).__name__, kwargs)  # expert_dataset: ChordTrainer's, ...
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))

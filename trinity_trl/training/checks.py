@@ -287,6 +287,27 @@ def is_finite(x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------- components
+#: keyword arguments that one trainer takes and the others do not: the trainer that takes each, and what it is
+OWNED_ARGUMENTS = {
+    "expert_dataset": ("ChordTrainer", "ChordConfig", "demonstrations for CHORD/MIX"),
+    "value_model": ("PPOTrainer", "PPOConfig", "a critic"),
+    "value_peft_config": ("PPOTrainer", "PPOConfig", "the critic's LoRA"),
+    "agent": ("StepGRPOTrainer", "StepGRPOConfig", "a multi-step agent"),
+}
+
+
+def check_owned_arguments(trainer_name: str, kwargs: dict[str, Any]) -> None:
+    """A keyword argument that another trainer takes (``expert_dataset`` given to ``TrinityTrainer``) is one line
+    naming that trainer, as an algorithm that needs it is (:func:`check_components`), instead of TRL's bare
+    ``unexpected keyword argument``. ``kwargs``: what the trainer passes on to TRL (its own are taken out)."""
+    for name, (owner, config, what) in OWNED_ARGUMENTS.items():
+        if name in kwargs:
+            raise TypeError(
+                f"{trainer_name} does not take {name} ({what}); use {owner} with a {config}: "
+                f"{owner}(model, reward_funcs, args={config}(...), {name}=...)"
+            )
+
+
 def check_components(
     trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any, rollout_func: Any = None
 ) -> None:
