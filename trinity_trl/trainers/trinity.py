@@ -48,10 +48,11 @@ from .config import TrinityConfig, from_trl_config
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
-    """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
+    """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`][]).
 
-    Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
-    on-policy distillation. ``args`` must be a [`TrinityConfig`] (or a subclass).
+    Arguments are those of [`GRPOTrainer`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer), plus
+    ``teacher_model`` (a model or path) for on-policy distillation. ``args`` must be a
+    [`TrinityConfig`][] (or a subclass).
     """
 
     _tag_names = ["trl", "trinity_trl"]
