@@ -77,7 +77,8 @@ class RecipeArguments:
         default_factory=lambda: ["accuracy"],
         metadata={
             "help": "Reward functions: 'accuracy' (exact final-answer check), 'math_verify' (symbolic check, "
-            "needs the math-verify package) or 'package.module:function'."
+            "needs the math-verify package), 'package.module:function' or 'path/to/file.py:function' (a "
+            "module file in the working folder is found by its name too: 'my_rewards:function')."
         },
     )
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
@@ -623,8 +624,29 @@ def math_verify_reward(completions: list, answer: list, **kwargs) -> list[float]
 REWARDS: dict[str, Callable] = {"accuracy": arithmetic_reward, "math_verify": math_verify_reward}
 
 
+def _reward_module(module: str):
+    """``module`` imported: a module on the Python path, a ``.py`` file path, or ``<module>.py`` in the working
+    folder (which the ``trinity-trl`` command, a console script, does not put on the Python path)."""
+    from trinity_trl.algorithms.registry import import_components
+
+    if module.endswith(".py") or "/" in module or os.sep in module:
+        return import_components(module)
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name != module.split(".")[0]:
+            raise  # the module exists; something it imports does not
+        if "." not in module and os.path.isfile(f"{module}.py"):
+            return import_components(f"{module}.py")
+        raise ImportError(
+            f"no module named {module!r} on the Python path and no file {module}.py in {os.getcwd()}; give a "
+            f"file path ('path/to/{module.split('.')[-1]}.py:function') or --import path/to/file.py"
+        ) from None
+
+
 def reward_functions(names: list[str]) -> list[Callable]:
-    """Reward functions by name ('accuracy', 'math_verify') or import path ('package.module:function')."""
+    """Reward functions by name ('accuracy', 'math_verify') or import path: 'package.module:function', or
+    'file.py:function' (a file path, or a module file in the working folder)."""
     funcs = []
     for name in names:
         if name in REWARDS:
@@ -632,7 +654,7 @@ def reward_functions(names: list[str]) -> list[Callable]:
         elif ":" in name:
             module, _, attr = name.partition(":")
             try:
-                funcs.append(getattr(importlib.import_module(module), attr))
+                funcs.append(getattr(_reward_module(module), attr))
             except (ImportError, AttributeError) as err:
                 raise UsageError(f"cannot import reward function {name!r}: {err}") from err
         else:
