@@ -61,3 +61,22 @@ def test_an_argument_another_trainer_owns_names_that_trainer(trainer, argument, 
             train_dataset=data,
             **{argument: data},
         )
+
+
+def test_a_plain_grpo_config_with_use_cpu_trains_on_a_cpu_and_converts_silently(tmp_path, tiny_model_dir, recwarn):
+    """What the README tells a TRL user on a CPU: TRL's own GRPOConfig refuses its bf16 default without a GPU unless
+    `use_cpu=True`; given that, the conversion sets the rest a CPU needs (float32, no activation checkpointing) and
+    warns about nothing (TRL's GRPOConfig prints transformers' `gradient_checkpointing is deprecated` itself)."""
+    from helpers import tiny_conversational_dataset
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=1, max_completion_length=8, report_to="none")
+    recwarn.clear()
+    trainer = trinity_trl.CISPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
+    )
+    assert [str(w.message) for w in recwarn if "checkpointing" in str(w.message)] == []
+    assert isinstance(trainer.args, trinity_trl.CISPOConfig) and not trainer.args.bf16
+    assert not trainer.args.activation_checkpointing and trainer.args.use_cpu
+    trainer.train()
+    assert trainer.state.global_step == 1

@@ -310,6 +310,13 @@ class AlgorithmCardMixin(CompleteCheckpoints):
             load_from=getattr(self, "hub_model_id", None) or self.args.output_dir,
         )
 
+    def push_to_hub(self, *args, **kwargs):
+        from ..training.checks import require_hub
+
+        instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
+        require_hub("trainer.push_to_hub()", instead)  # one line, not a raw connection error from inside
+        return super().push_to_hub(*args, **kwargs)
+
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
         record_public_base_model(output_dir or self.args.output_dir)  # the bundled model's Hub id, not the cache

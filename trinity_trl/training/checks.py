@@ -381,23 +381,27 @@ def check_completion_room(max_completion_length: int, max_positions: int | None)
 def check_hub_reachable(args: Any) -> None:
     """With ``push_to_hub=True`` transformers creates the repository while the trainer is built; without a
     reachable Hub that fails deep inside with a raw connection error. Say what is wrong instead."""
-    if not getattr(args, "push_to_hub", False):
-        return
+    if getattr(args, "push_to_hub", False):
+        require_hub("push_to_hub=True", "set push_to_hub=False")
+
+
+def require_hub(what: str, instead: str) -> None:
+    """A one-line ``ValueError`` (``<what>, but the Hub is ...: <instead>``) when the Hugging Face Hub is switched
+    off (``HF_HUB_OFFLINE``) or does not answer; ``what``: the call that needs it, ``instead``: what to do."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
     if constants.HF_HUB_OFFLINE:
         raise ValueError(
-            "push_to_hub=True, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): set "
-            "push_to_hub=False, or unset HF_HUB_OFFLINE"
+            f"{what}, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): {instead}, or unset HF_HUB_OFFLINE"
         )
     url = f"{constants.ENDPOINT}/api/whoami-v2"
     try:
         get_session().get(url, timeout=10)  # any HTTP answer (even 401) means the Hub is there
     except Exception as err:  # noqa: BLE001 (connection refused, DNS, timeout, proxy: all mean unreachable)
         raise ValueError(
-            f"push_to_hub=True, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable "
-            f"({type(err).__name__}): set push_to_hub=False, or check the network / HF_ENDPOINT"
+            f"{what}, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable ({type(err).__name__}): "
+            f"{instead}, or check the network / HF_ENDPOINT"
         ) from None
 
 
