@@ -89,7 +89,11 @@ class RecipeArguments:
         default_factory=lambda: ["all-linear"], metadata={"help": "Modules LoRA adapts ('all-linear' or names)."}
     )
     eval_accuracy: bool = field(
-        default=False, metadata={"help": "Measure greedy held-out accuracy before and after training."}
+        default=False,
+        metadata={
+            "help": "Measure greedy held-out accuracy before and after training: the exact final-answer check "
+            "against the 'answer' column, whatever reward_funcs trains with (the log line says which)."
+        },
     )
     eval_batch_size: int = field(default=32, metadata={"help": "Batch size of the accuracy evaluation."})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Generated tokens per evaluation answer."})
@@ -690,8 +694,20 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
     correct, total = accelerator.reduce(counts, reduction="sum").tolist()
     accuracy = correct / total
     if trainer.is_world_process_zero():
-        print(f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({int(total)} problems)", flush=True)
+        print(
+            f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({int(total)} problems; "
+            f"{evaluation_check(args)})",
+            flush=True,
+        )
     return accuracy
+
+
+def evaluation_check(args: RecipeArguments) -> str:
+    """What the held-out evaluation scores, in words: always the greedy exact final-answer check against the
+    ``answer`` column, which is not the training reward when ``reward_funcs`` names others."""
+    check = "greedy, exact final-answer check against the 'answer' column"
+    others = [name for name in args.reward_funcs if name != "accuracy"]
+    return f"{check}, not the reward function{'s' if len(others) > 1 else ''} {', '.join(others)}" if others else check
 
 
 def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
@@ -708,7 +724,7 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
         trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
             f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after "
-            f"({steps} steps).\n"
+            f"({steps} steps; {evaluation_check(args).removeprefix('greedy, ')}).\n"
         )
     return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 

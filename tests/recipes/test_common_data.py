@@ -200,6 +200,26 @@ def test_recipe_trains_and_evaluates_on_a_folder_of_text_prompts(tmp_path, tiny_
     assert f"held-out problems of `{source}`" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_the_held_out_evaluation_says_which_check_it_uses(tmp_path, tiny_model_dir, capsys):
+    """The evaluation is the exact final-answer check whatever the training reward (issue 35): the log line and the
+    card say so, and name the user's reward functions it is not."""
+    from trinity_trl.cli import run
+
+    (tmp_path / "my_rewards_eval.py").write_text("def short(completions, **kw):\n    return [0.0] * len(completions)\n")
+    source = folder(tmp_path, TEXT_ROWS, test_rows=TEXT_ROWS[:4])
+    _, tiny = RUNS["cispo"]
+    run(
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", source, "--model_name_or_path", tiny_model_dir,
+         "--output_dir", str(tmp_path / "out"), *tiny, "--max_steps", "1", "--plot", "false", "--eval_accuracy",
+         "true", "--reward_funcs", f"{tmp_path / 'my_rewards_eval.py'}:short"]
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "held-out accuracy" in line]
+    check = f"exact final-answer check against the 'answer' column, not the reward function {tmp_path}/my_rewards_eval"
+    assert len(lines) == 2 and all(f"(4 problems; greedy, {check}.py:short)" in line for line in lines), lines
+    assert f" steps; {check}.py:short)." in (tmp_path / "out" / "README.md").read_text()
+
+
 def test_chord_on_ones_own_data_from_the_documented_command(tmp_path, tiny_model_dir, capsys):
     """docs/configuration.md#your-own-data: `trinity-trl chord --config chord_cpu --dataset_name data/
     --expert_dataset_name demos.jsonl` runs; chord_cpu's `rollout_kinds: [mul, div]` (bundled task only) is
