@@ -731,24 +731,12 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
 
 # ------------------------------------------------------------------------------------------ outputs
 def concise_progress(trainer) -> None:
-    """Replace transformers' printing of every logged metric dict by one short line per logging step
-    (step, reward, loss terms, μ, seconds); every metric still goes to ``training_log.json`` and the trackers."""
-    from transformers.trainer_callback import ProgressCallback
+    """One short line per logging step (step, reward, loss terms, μ, seconds) instead of transformers' printing of
+    every logged metric dict: :func:`trinity_trl.training.metrics.use_concise_progress` (the RL trainers already do
+    it; this covers the SFT and DPO presets too)."""
+    from trinity_trl.training.metrics import use_concise_progress
 
-    from trinity_trl.algorithms import POLICY_LOSS_FN
-    from trinity_trl.training.metrics import summary_line, summary_metrics
-
-    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
-
-    class ConciseProgress(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
-                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs, metrics))
-
-    if trainer.args.disable_tqdm:
-        return
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(ConciseProgress)
+    use_concise_progress(trainer)
 
 
 def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> None:

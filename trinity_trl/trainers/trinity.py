@@ -33,7 +33,7 @@ from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
-from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
+from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
 from ..training.scoring import Scoring
 from ..training.trl_seams import (
     bind_trl_arguments,
@@ -139,6 +139,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         checks.check_completion_room(self.max_completion_length, self._max_positions)
         self._set_card_identity()
         use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (trl_seams)
+        use_concise_progress(self)  # one line per logging step, not transformers' metric dict (training/metrics)
 
     # ----------------------------------------------------------------------------- subclass hooks
     def _policy_loss_overrides(self, args: TrinityConfig) -> dict[str, Any]:
