@@ -227,7 +227,10 @@ def test_push_to_hub_without_a_hub_is_one_line(tmp_path, tiny_model_dir, monkeyp
     assert "\n" not in str(err.value) and "upload the folder later" in str(err.value)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    import huggingface_hub.hf_api
+
+    for where in (constants, huggingface_hub.hf_api.api):  # the discard port: nothing answers
+        monkeypatch.setattr(where, "ENDPOINT" if where is constants else "endpoint", "http://127.0.0.1:9")
     with pytest.raises(
         ValueError, match=r"^trainer.push_to_hub\(\), but the Hugging Face Hub at http://127.0.0.1:9 is"
     ):

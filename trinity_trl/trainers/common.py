@@ -311,11 +311,16 @@ class AlgorithmCardMixin(CompleteCheckpoints):
         )
 
     def push_to_hub(self, *args, **kwargs):
-        from ..training.checks import require_hub
+        from ..training.checks import hub_unavailable
 
-        instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
-        require_hub("trainer.push_to_hub()", instead)  # one line, not a raw connection error from inside
-        return super().push_to_hub(*args, **kwargs)
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        except Exception as err:  # a raw connection error from inside huggingface_hub: one line instead
+            instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
+            message = hub_unavailable("trainer.push_to_hub()", instead, err)
+            if message is None:
+                raise
+            raise ValueError(message) from None
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
