@@ -69,14 +69,16 @@ class RecipeArguments:
         default_factory=list,
         metadata={
             "help": "Bundled 'arithmetic' task only: the templates the RL prompts are drawn from (default: all; "
-            "held-out problems and demonstrations always use all)."
+            "held-out problems and demonstrations always use all). With another dataset_name it is ignored, "
+            "with one line saying so (so a bundled config runs on your own data)."
         },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
         metadata={
             "help": "Reward functions: 'accuracy' (exact final-answer check), 'math_verify' (symbolic check, "
-            "needs the math-verify package) or 'package.module:function'."
+            "needs the math-verify package), 'package.module:function' or 'path/to/file.py:function' (a "
+            "module file in the working folder is found by its name too: 'my_rewards:function')."
         },
     )
     use_peft: bool = field(default=True, metadata={"help": "Train a LoRA adapter instead of the full model."})
@@ -87,7 +89,11 @@ class RecipeArguments:
         default_factory=lambda: ["all-linear"], metadata={"help": "Modules LoRA adapts ('all-linear' or names)."}
     )
     eval_accuracy: bool = field(
-        default=False, metadata={"help": "Measure greedy held-out accuracy before and after training."}
+        default=False,
+        metadata={
+            "help": "Measure greedy held-out accuracy before and after training: the exact final-answer check "
+            "against the 'answer' column, whatever reward_funcs trains with (the log line says which)."
+        },
     )
     eval_batch_size: int = field(default=32, metadata={"help": "Batch size of the accuracy evaluation."})
     eval_max_new_tokens: int = field(default=64, metadata={"help": "Generated tokens per evaluation answer."})
@@ -542,8 +548,12 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
             expert=expert,
         )
-    if args.rollout_kinds:
-        raise UsageError(f"rollout_kinds selects templates of the bundled {BUNDLED_TASK!r} task only")
+    if args.rollout_kinds:  # a bundled config's key (chord_cpu's [mul, div]) on one's own data: not applicable
+        print(
+            f"[trinity-trl] rollout_kinds {args.rollout_kinds} ignored: it selects templates of the bundled "
+            f"{BUNDLED_TASK!r} task, and dataset_name is {args.dataset_name!r}",
+            flush=True,
+        )
     name = source_name(args.dataset_name)
     loaded = load_splits(args.dataset_name, args.dataset_config)
     rewarded_by_answer = rewarded and any(reward in REWARDS for reward in args.reward_funcs)
@@ -618,8 +628,29 @@ def math_verify_reward(completions: list, answer: list, **kwargs) -> list[float]
 REWARDS: dict[str, Callable] = {"accuracy": arithmetic_reward, "math_verify": math_verify_reward}
 
 
+def _reward_module(module: str):
+    """``module`` imported: a module on the Python path, a ``.py`` file path, or ``<module>.py`` in the working
+    folder (which the ``trinity-trl`` command, a console script, does not put on the Python path)."""
+    from trinity_trl.algorithms.registry import import_components
+
+    if module.endswith(".py") or "/" in module or os.sep in module:
+        return import_components(module)
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name != module.split(".")[0]:
+            raise  # the module exists; something it imports does not
+        if "." not in module and os.path.isfile(f"{module}.py"):
+            return import_components(f"{module}.py")
+        raise ImportError(
+            f"no module named {module!r} on the Python path and no file {module}.py in {os.getcwd()}; give a "
+            f"file path ('path/to/{module.split('.')[-1]}.py:function') or --import path/to/file.py"
+        ) from None
+
+
 def reward_functions(names: list[str]) -> list[Callable]:
-    """Reward functions by name ('accuracy', 'math_verify') or import path ('package.module:function')."""
+    """Reward functions by name ('accuracy', 'math_verify') or import path: 'package.module:function', or
+    'file.py:function' (a file path, or a module file in the working folder)."""
     funcs = []
     for name in names:
         if name in REWARDS:
@@ -627,7 +658,7 @@ def reward_functions(names: list[str]) -> list[Callable]:
         elif ":" in name:
             module, _, attr = name.partition(":")
             try:
-                funcs.append(getattr(importlib.import_module(module), attr))
+                funcs.append(getattr(_reward_module(module), attr))
             except (ImportError, AttributeError) as err:
                 raise UsageError(f"cannot import reward function {name!r}: {err}") from err
         else:
@@ -663,8 +694,20 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
     correct, total = accelerator.reduce(counts, reduction="sum").tolist()
     accuracy = correct / total
     if trainer.is_world_process_zero():
-        print(f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({int(total)} problems)", flush=True)
+        print(
+            f"[trinity-trl] held-out accuracy {label} training: {accuracy:.3f} ({int(total)} problems; "
+            f"{evaluation_check(args)})",
+            flush=True,
+        )
     return accuracy
+
+
+def evaluation_check(args: RecipeArguments) -> str:
+    """What the held-out evaluation scores, in words: always the greedy exact final-answer check against the
+    ``answer`` column, which is not the training reward when ``reward_funcs`` names others."""
+    check = "greedy, exact final-answer check against the 'answer' column"
+    others = [name for name in args.reward_funcs if name != "accuracy"]
+    return f"{check}, not the reward function{'s' if len(others) > 1 else ''} {', '.join(others)}" if others else check
 
 
 def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
@@ -681,31 +724,19 @@ def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_che
         trainer.add_model_card_section(
             f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
             f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after "
-            f"({steps} steps).\n"
+            f"({steps} steps; {evaluation_check(args).removeprefix('greedy, ')}).\n"
         )
     return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
 
 
 # ------------------------------------------------------------------------------------------ outputs
 def concise_progress(trainer) -> None:
-    """Replace transformers' printing of every logged metric dict by one short line per logging step
-    (step, reward, loss terms, μ, seconds); every metric still goes to ``training_log.json`` and the trackers."""
-    from transformers.trainer_callback import ProgressCallback
+    """One short line per logging step (step, reward, loss terms, μ, seconds) instead of transformers' printing of
+    every logged metric dict: :func:`trinity_trl.training.metrics.use_concise_progress` (the RL trainers already do
+    it; this covers the SFT and DPO presets too)."""
+    from trinity_trl.training.metrics import use_concise_progress
 
-    from trinity_trl.algorithms import POLICY_LOSS_FN
-    from trinity_trl.training.metrics import summary_line, summary_metrics
-
-    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
-
-    class ConciseProgress(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
-                self.training_bar.write(summary_line(state.global_step, state.max_steps, logs, metrics))
-
-    if trainer.args.disable_tqdm:
-        return
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(ConciseProgress)
+    use_concise_progress(trainer)
 
 
 def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> None:

@@ -30,17 +30,39 @@ def test_help_lists_recipes_and_exits_0(capsys):
     assert usage.startswith("usage: trinity-trl <recipe>") and all(name in usage for name in RECIPES)
 
 
+def configs_blocks(table: str) -> dict[str, tuple[list[str], str]]:
+    """``{config: (row cells, the text wrapped beneath it, on one line)}`` of ``trinity-trl configs``."""
+    blocks: dict[str, tuple[list[str], str]] = {}
+    name = None
+    for line in table.splitlines()[2:]:
+        if not line.startswith(" "):
+            name = line.split()[0]
+            blocks[name] = (line.split(), "")
+        else:
+            blocks[name] = (blocks[name][0], " ".join(f"{blocks[name][1]} {line}".split()))
+    return blocks
+
+
 def test_configs_table_names_recipe_model_task_and_purpose(capsys):
     main(["configs"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:5] == ["config", "recipe", "model", "task", "steps"]
-    assert "measured (held-out metric before -> after)" in lines[0] and lines[0].endswith("purpose")
-    rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert sorted(rows) == bundled_configs()
-    assert rows["chord_cpu"][1:4] == ["chord", "bundled", "arithmetic"]
-    assert rows["chord_gpu"][1:4] == ["chord", "Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k"]
-    assert rows["step_grpo_cpu"][1] == "step_grpo" and rows["dpo_cpu"][1] == "train"
-    assert all(len(row) > 4 for row in rows.values())  # every config has a purpose
+    table = capsys.readouterr().out
+    lines = table.splitlines()
+    assert lines[0].split() == ["config", "recipe", "model", "task", "steps"]
+    assert "measured: the held-out metric before -> after" in lines[1]
+    blocks = configs_blocks(table)
+    assert sorted(blocks) == bundled_configs()
+    assert blocks["chord_cpu"][0][1:4] == ["chord", "bundled", "arithmetic"]
+    assert blocks["chord_gpu"][0][1:4] == ["chord", "Qwen/Qwen2.5-1.5B-Instruct", "openai/gsm8k"]
+    assert blocks["step_grpo_cpu"][0][1] == "step_grpo" and blocks["dpo_cpu"][0][1] == "train"
+    for name, (_, text) in blocks.items():  # every config has a measured line and a purpose
+        summary = config_summary(name)
+        assert text == f"measured: {summary['measured'] or '-'} purpose: {summary['purpose']}", name
+
+
+def test_configs_table_fits_100_columns(capsys):
+    """Issue 35: its lines were about 400 characters (measured result and purpose on the row)."""
+    main(["configs"])
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 100
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "configs_learning.jsonl"
@@ -57,8 +79,8 @@ def test_configs_table_shows_each_cpu_configs_measured_run_as_recorded(capsys):
     table = capsys.readouterr().out
     for name in bundled_configs():
         summary = config_summary(name)
-        row = next(line for line in table.splitlines() if line.split()[0] == name)
-        assert summary["measured"] in row and summary["steps"] in row.split()
+        row, text = configs_blocks(table)[name]
+        assert f"measured: {summary['measured']} purpose:" in text and row[4] == summary["steps"]
         if not name.endswith("_cpu"):
             continue
         measured = summary["measured"]

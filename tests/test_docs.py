@@ -4,6 +4,7 @@ README stays short and links only to pages that exist, and every docs section th
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -97,6 +98,75 @@ def test_the_docs_build_fails_on_a_broken_anchor(tmp_path):
     result = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, result.stdout + result.stderr
     assert "no-such-heading" in result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    """The docs site, built once for this module with the strict build ``make docs`` runs, into a temporary folder."""
+    import subprocess
+    import sys
+
+    site = tmp_path_factory.mktemp("site")
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    result = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "-d", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return site
+
+
+# markup that did not render: a Hugging Face doc-builder reference (`[`TrinityConfig`]`, `[`~trl.GRPOTrainer`]`), a
+# bare `[ClassName]` (not Python's True / False / None, written as defaults in brackets), a `<Tip>` block or a Sphinx
+# role (`:class:`Name``), all of which mkdocs shows as literal text
+LITERAL_MARKUP = re.compile(
+    r"\[<code>~?[\w.]+</code>\]|\[~[\w.]+\]|\[(?!(?:True|False|None)\])[A-Z]\w*(?:\.\w+)*\]"
+    r"|&lt;/?Tip\b|<Tip\b|:(?:class|func|meth|mod|attr|data|obj|exc):<code>"
+)
+
+
+def literal_markup(html: str) -> list[str]:
+    """The unrendered markup in a built page, outside code blocks and inline code (which show code as written)."""
+    html = re.sub(r"<(pre|script)\b.*?</\1>", "", html, flags=re.S)
+    html = re.sub(r"(?<!\[)<code>.*?</code>(?!\])", "<code></code>", html, flags=re.S)
+    return LITERAL_MARKUP.findall(html)
+
+
+def test_the_literal_markup_check_finds_what_does_not_render():
+    page = (
+        "<p>See [<code>TrinityConfig</code>] and [<code>~trl.GRPOTrainer</code>], [ChordTrainer], [~datasets.Dataset]"
+        ", :class:<code>Environment</code>.</p>&lt;Tip warning={true}&gt;"
+        "<pre><code>[TrinityConfig] stays: code</code></pre><p><code>x[Name]</code> [False] [mul, div] [a]</p>"
+    )
+    assert literal_markup(page) == [
+        "[<code>TrinityConfig</code>]",
+        "[<code>~trl.GRPOTrainer</code>]",
+        "[ChordTrainer]",
+        "[~datasets.Dataset]",
+        ":class:<code>",
+        "&lt;Tip",
+    ]
+
+
+def test_the_built_docs_hold_no_unrendered_references_or_tips(built_site):
+    """The API pages render docstrings: their cross-references must be links (mkdocstrings' `[`Name`][]`) and their
+    notes admonitions (`Warning:`), never Hugging Face doc-builder or Sphinx markup shown as text."""
+    found = {
+        str(page.relative_to(built_site)): hits
+        for page in sorted(built_site.rglob("*.html"))
+        if (hits := literal_markup(page.read_text(encoding="utf-8")))
+    }
+    assert not found, found
+    trainers = (built_site / "api" / "trainers" / "index.html").read_text(encoding="utf-8")
+    assert 'href="#trinity_trl.trainers.TrinityConfig"><code>TrinityConfig</code></a>' in trainers
+    assert (
+        'href="https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer"><code>GRPOTrainer</code></a>' in trainers
+    )
+    assert '<details class="warning" open>' in trainers  # CISPOConfig's warning on TRL's absolute cap
 
 
 def fenced_blocks(path: Path, language: str) -> list[tuple[int, str]]:

@@ -207,3 +207,31 @@ def test_a_folder_saved_offline_is_pushed_later_and_pulls_back(tmp_path, tiny_mo
         assert_same_tensors(trained, get_peft_model_state_dict(pulled))
         assert_tokenizer_round_trip(repo, trainer.processing_class)
     assert fake_hub.blocked == []
+
+
+def test_push_to_hub_without_a_hub_is_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    """`trainer.push_to_hub()` with the Hub switched off or unreachable says so in one line, as `push_to_hub=True`
+    in the config does (issue 35: it was a raw connection error from inside `create_repo`)."""
+    from huggingface_hub import constants
+
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), algorithm="cispo")),
+        train_dataset=tiny_conversational_dataset(),
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"^trainer.push_to_hub\(\), but the Hugging Face Hub is switched off") as err:
+        trainer.push_to_hub()
+    assert "\n" not in str(err.value) and "upload the folder later" in str(err.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    import huggingface_hub.hf_api
+
+    for where in (constants, huggingface_hub.hf_api.api):  # the discard port: nothing answers
+        monkeypatch.setattr(where, "ENDPOINT" if where is constants else "endpoint", "http://127.0.0.1:9")
+    with pytest.raises(
+        ValueError, match=r"^trainer.push_to_hub\(\), but the Hugging Face Hub at http://127.0.0.1:9 is"
+    ):
+        trainer.push_to_hub()

@@ -43,16 +43,38 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+#: the width `trinity-trl configs` fits in
+CONFIGS_WIDTH = 100
+
+
 def _configs_table() -> str:
+    """One row per bundled config (config, recipe, model, task, steps), then its measured result and purpose
+    wrapped beneath it, all within :data:`CONFIGS_WIDTH` columns."""
+    import textwrap
+
     from .recipes import bundled_configs, config_summary
 
-    rows = [("config", "recipe", "model", "task", "steps", "measured (held-out metric before -> after)", "purpose")]
-    rows += [(name, *config_summary(name).values()) for name in bundled_configs()]
-    last = len(rows[0]) - 1
-    widths = [max(len(row[i]) for row in rows) for i in range(last)]
-    return "\n".join(
-        "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(row)) for row in rows
-    )
+    summaries = {name: config_summary(name) for name in bundled_configs()}
+    rows = [("config", "recipe", "model", "task", "steps")]
+    rows += [(name, s["recipe"], s["model"], s["task"], s["steps"]) for name, s in summaries.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def row_line(row) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+
+    lines = [row_line(rows[0]), "    (measured: the held-out metric before -> after one run of the config as shipped)"]
+    for row in rows[1:]:
+        lines.append(row_line(row))
+        summary = summaries[row[0]]
+        for label in ("measured", "purpose"):
+            lines += textwrap.wrap(
+                summary[label] or "-",
+                width=CONFIGS_WIDTH,
+                initial_indent=f"    {label + ':':<10}",
+                subsequent_indent=" " * 14,
+                break_on_hyphens=False,
+            )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -102,10 +102,10 @@ def tool_chat_template(tokenizer: Any = "bundled", template: str = "qwen2_5", **
     Args:
         tokenizer: a loaded tokenizer (changed in place), or a model id or path (``"bundled"``: the bundled
             SmolLM2-135M-Instruct) whose tokenizer is loaded as the RL trainers load it (left padding and truncation,
-            :func:`hf_tokenizer`'s corrections).
+            [`hf_tokenizer`][]'s corrections).
         template: the chat template TRL stores under that name: ``"qwen2_5"`` (Qwen2.5's ChatML, which writes tool
             schemas in the system turn and calls as ``<tool_call>`` JSON; TRL parses the calls with its Qwen parser).
-        **kwargs: passed to :func:`hf_tokenizer` when ``tokenizer`` is a name or path.
+        **kwargs: passed to [`hf_tokenizer`][] when ``tokenizer`` is a name or path.
 
     Returns:
         The tokenizer with ``chat_template`` replaced.

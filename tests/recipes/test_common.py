@@ -162,6 +162,21 @@ def test_reward_functions_by_name_or_import_path():
         reward_functions(["trinity_trl.data:nope"])
 
 
+def test_reward_function_from_a_file_in_the_working_folder_or_a_path(tmp_path, monkeypatch):
+    """`--reward_funcs my_rewards:fn` with my_rewards.py beside the user (issue 35: the console script does not put
+    the working folder on the Python path, so it failed with "No module named 'my_rewards'")."""
+    (tmp_path / "my_rewards_35.py").write_text(
+        "def short(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    (by_name,) = reward_functions(["my_rewards_35:short"])
+    (by_path,) = reward_functions([f"{tmp_path / 'my_rewards_35.py'}:short"])
+    assert by_name is by_path and by_name(["a", "b"]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"no module named 'elsewhere_35' .* or --import path/to/file.py$"):
+        reward_functions(["elsewhere_35:short"])
+
+
 def test_math_verify_reward_accepts_equivalent_forms():
     pytest.importorskip("math_verify", reason="math-verify is in the recipes extra")
     (math_verify,) = reward_functions(["math_verify"])

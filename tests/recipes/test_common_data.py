@@ -10,6 +10,8 @@ import pytest
 
 from trinity_trl.recipes.common import RecipeArguments, UsageError, load_task, parse
 
+from .test_recipes import RUNS
+
 TEXT_ROWS = [{"prompt": f"What is {i} plus 1? End with: The answer is N.", "answer": str(i + 1)} for i in range(8)]
 CHAT_ROWS = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in TEXT_ROWS]
 
@@ -196,3 +198,47 @@ def test_recipe_trains_and_evaluates_on_a_folder_of_text_prompts(tmp_path, tiny_
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert trainer.state.global_step == 1 and log["summary"]["accuracy_after"] is not None
     assert f"held-out problems of `{source}`" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_the_held_out_evaluation_says_which_check_it_uses(tmp_path, tiny_model_dir, capsys):
+    """The evaluation is the exact final-answer check whatever the training reward (issue 35): the log line and the
+    card say so, and name the user's reward functions it is not."""
+    from trinity_trl.cli import run
+
+    (tmp_path / "my_rewards_eval.py").write_text("def short(completions, **kw):\n    return [0.0] * len(completions)\n")
+    source = folder(tmp_path, TEXT_ROWS, test_rows=TEXT_ROWS[:4])
+    _, tiny = RUNS["cispo"]
+    run(
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", source, "--model_name_or_path", tiny_model_dir,
+         "--output_dir", str(tmp_path / "out"), *tiny, "--max_steps", "1", "--plot", "false", "--eval_accuracy",
+         "true", "--reward_funcs", f"{tmp_path / 'my_rewards_eval.py'}:short"]
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "held-out accuracy" in line]
+    check = f"exact final-answer check against the 'answer' column, not the reward function {tmp_path}/my_rewards_eval"
+    assert len(lines) == 2 and all(f"(4 problems; greedy, {check}.py:short)" in line for line in lines), lines
+    assert f" steps; {check}.py:short)." in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_chord_on_ones_own_data_from_the_documented_command(tmp_path, tiny_model_dir, capsys):
+    """docs/configuration.md#your-own-data: `trinity-trl chord --config chord_cpu --dataset_name data/
+    --expert_dataset_name demos.jsonl` runs; chord_cpu's `rollout_kinds: [mul, div]` (bundled task only) is
+    ignored with one line instead of stopping the run (issue 35)."""
+    from trinity_trl.cli import run
+
+    demos = [{"prompt": r["prompt"], "completion": f"The answer is {r['answer']}."} for r in TEXT_ROWS]
+    expert = jsonl(tmp_path / "demos.jsonl", demos)
+    source = folder(tmp_path, TEXT_ROWS)
+    _, tiny = RUNS["chord"]
+    trainer = run(
+        ["chord", "--config", "chord_cpu", "--dataset_name", source, "--expert_dataset_name", expert,
+         "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "out"), *tiny,
+         "--eval_accuracy", "false", "--plot", "false"]
+    )  # fmt: skip
+    assert trainer.state.global_step == 2 and trainer.train_dataset["prompt"][0] == TEXT_ROWS[0]["prompt"]
+    printed = capsys.readouterr()
+    notes = [line for line in (printed.out + printed.err).splitlines() if "rollout_kinds" in line]
+    assert notes == [
+        f"[trinity-trl] rollout_kinds ['mul', 'div'] ignored: it selects templates of the bundled 'arithmetic' "
+        f"task, and dataset_name is {source!r}"
+    ]

@@ -286,7 +286,7 @@ def test_recipe_runs_on_two_processes_with_accelerate_launch(tmp_path, tiny_mode
     assert [e["chord/expert_rows"] for e in log["log_history"] if "chord/expert_rows" in e] == [2.0, 2.0]
     assert (tmp_path / "adapter_model.safetensors").exists()
     # each process scored its half of the held-out rows; the printed accuracy counts all 6
-    assert "held-out accuracy before training" in result.stdout and "(6 problems)" in result.stdout
+    assert "held-out accuracy before training" in result.stdout and "(6 problems; " in result.stdout
     before = log["summary"]["accuracy_before"]
     assert before is not None and abs(before * 6 - round(before * 6)) < 1e-9
 

@@ -3,7 +3,9 @@ cards that say what was trained and load what was saved."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -122,8 +124,6 @@ def card_of(trainer, folder) -> str:
 
 def test_card_names_the_bundled_model_by_its_hub_id_and_loads_the_adapter_with_peft(tmp_path, tiny_model_dir):
     (tmp_path / "cache").mkdir()
-    import shutil
-
     bundled_dir = tmp_path / "cache" / "SmolLM2-135M-Instruct"
     shutil.copytree(tiny_model_dir, bundled_dir)
     (bundled_dir / bundled._MARKER).write_text("{}")  # what bundled_model_dir() writes after a conversion
@@ -140,13 +140,22 @@ def test_card_names_the_bundled_model_by_its_hub_id_and_loads_the_adapter_with_p
     assert "[HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)" in card
     assert str(bundled_dir) not in card and "licence" not in card and "license: apache-2.0" in card
     assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained" in card
+    assert "dequantized" in card and "not equal" in card  # trained on the Q4_1 file's weights, and says so
+    # the adapter names the public model, not this machine's cache folder (issue 35): it loads anywhere
+    adapter_config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # another machine: the cache folder is gone and the public id resolves from a Hub cache (offline)
+    elsewhere = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    (elsewhere / "refs").mkdir(parents=True)
+    (elsewhere / "refs" / "main").write_text("0" * 40)
+    shutil.move(str(bundled_dir), elsewhere / "snapshots" / ("0" * 40))
+    assert not bundled_dir.exists()
     # the quick start's loader, run as written, gives the trained adapter
     load_from = card.split('AutoPeftModelForCausalLM.from_pretrained("')[1].split('")')[0]
     from peft import AutoPeftModelForCausalLM
 
-    loaded = AutoPeftModelForCausalLM.from_pretrained(load_from)
-    trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
-    pulled = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    loaded = AutoPeftModelForCausalLM.from_pretrained(load_from, cache_dir=str(tmp_path / "hub"))
+    trained, pulled = trainer.accelerator.unwrap_model(trainer.model).state_dict(), loaded.state_dict()
     assert trained.keys() == pulled.keys() and all(torch.equal(trained[k], pulled[k]) for k in trained)
 
 

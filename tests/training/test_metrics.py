@@ -126,3 +126,26 @@ def test_no_learning_signal_only_when_no_group_ever_varied():
     # one step where some group varied: that step had a signal
     assert no_learning_signal([*flat, {"reward": 0.5, "frac_reward_zero_std": 0.75}]) is None
     assert no_learning_signal([{"loss": 1.0}]) is None  # SFT / DPO: no rewards, nothing to say
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True], ids=["progress-bar", "printer"])
+def test_the_python_api_prints_one_line_per_logging_step(disable_tqdm, tmp_path, tiny_model_dir, capsys):
+    """Issue 35: a trainer built in Python printed transformers' metric dict (dozens of keys) on every logging step;
+    now one summary line, as the recipes print, under the progress bar or without it; the log keeps every metric."""
+    from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+
+    from trinity_trl import TrinityConfig, TrinityTrainer
+
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), disable_tqdm=disable_tqdm)),
+        train_dataset=tiny_conversational_dataset(),
+    )
+    trainer.train()
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2"] and "| reward " in lines[0]
+    assert "'guards/nonfinite_logps'" not in text and "{'loss'" not in text
+    assert any("guards/nonfinite_logps" in entry for entry in trainer.state.log_history)

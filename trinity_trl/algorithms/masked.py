@@ -27,7 +27,7 @@ class AggregationMode:
     This is the only definition of a mode: :func:`agg_loss` (one micro-batch, a row is a sample) and the
     trainers' loss plan (``trinity_trl.training.loss``: packed samples, counts over the whole optimizer
     step) both build their weights and count from it, each supplying the counts of its own batch. A new
-    mode is a new entry of :data:`AGGREGATION_MODES`.
+    mode is a new entry of `AGGREGATION_MODES`.
 
     Attributes:
         name: the ``loss_agg_mode`` string.
@@ -118,7 +118,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_loss_agg_mode(loss_agg_mode: str | Aggregation) -> str | Aggregation:
-    """A mode name of :data:`AGGREGATION_MODES`, or an :data:`Aggregation` callable (trainers)."""
+    """A mode name of `AGGREGATION_MODES`, or an `Aggregation` callable (trainers)."""
     if callable(loss_agg_mode):
         return loss_agg_mode
     if loss_agg_mode not in AGGREGATION_MODES:
@@ -141,9 +141,9 @@ def agg_loss(
     """Aggregate a ``(B, T)`` per-token loss into a scalar (docs/algorithms/aggregation.md#loss-agg-mode,
     verl-compatible signature).
 
-    ``loss_agg_mode`` may also be an :data:`Aggregation`, a callable ``(loss_mat, loss_mask) ->
+    ``loss_agg_mode`` may also be an `Aggregation`, a callable ``(loss_mat, loss_mask) ->
     scalar``: trainers pass one to normalise over more than the micro-batch (see
-    ``trinity_trl.training.loss``). A mode string must name an entry of :data:`AGGREGATION_MODES`
+    ``trinity_trl.training.loss``). A mode string must name an entry of `AGGREGATION_MODES`
     (the four below); each row is one sample.
 
     * ``token-mean``: one mean over every unmasked token of the micro-batch.

@@ -62,7 +62,7 @@ class ConstantMeta(type):
 
 
 class AlgorithmType(metaclass=ConstantMeta):
-    """A preset. Class attributes only (constants, see :class:`ConstantMeta`); ``ALGORITHM_TYPE.get(name)``
+    """A preset. Class attributes only (constants, see `ConstantMeta`); ``ALGORITHM_TYPE.get(name)``
     returns the class."""
 
     name: ClassVar[str]
@@ -86,7 +86,7 @@ class AlgorithmType(metaclass=ConstantMeta):
     @classmethod
     def default_config(cls) -> dict[str, Any]:
         """The settings this preset makes (docs/algorithms/presets.md#preset-table; footnoted components come from
-        :data:`GLOBAL_DEFAULTS` instead)."""
+        `GLOBAL_DEFAULTS` instead)."""
         return {}
 
     @classmethod
@@ -518,7 +518,7 @@ def resolve_algorithm_config(
 ) -> AlgorithmConfig:
     """Resolve a preset plus user overrides into concrete components (docs/algorithms/presets.md#resolution).
 
-    1. Fields left ``None`` take the preset's value, else :data:`GLOBAL_DEFAULTS`.
+    1. Fields left ``None`` take the preset's value, else `GLOBAL_DEFAULTS`.
     2. A component without a user args dict uses its ``default_args()`` (or the preset's args
        for that same component). A user args dict **replaces** ``default_args()`` (reference
        behaviour; missing keys fall back to constructor defaults) unless ``merge_args=True``, in

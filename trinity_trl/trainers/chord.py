@@ -35,7 +35,7 @@ def _policy_loss_class(config: TrinityConfig):
 @dataclass
 class ChordConfig(TrinityConfig):
     r"""
-    Configuration of [`ChordTrainer`]: CHORD (`algorithm="mix_chord"`, default) or MIX (`"mix"`).
+    Configuration of [`ChordTrainer`][]: CHORD (`algorithm="mix_chord"`, default) or MIX (`"mix"`).
 
     Parameters:
         expert_batch_size (`int` or `None`, *optional*):
@@ -147,13 +147,13 @@ def _expert_columns(dataset: Dataset) -> str:
 
 
 class ChordTrainer(TrinityTrainer):
-    """[`TrinityTrainer`] that mixes expert demonstrations into every generation batch (CHORD / MIX).
+    """[`TrinityTrainer`][] that mixes expert demonstrations into every generation batch (CHORD / MIX).
 
     Args:
-        expert_dataset ([`~datasets.Dataset`]): demonstrations, in the formats TRL's `SFTTrainer`
+        expert_dataset (`datasets.Dataset`): demonstrations, in the formats TRL's `SFTTrainer`
             accepts: conversational `messages` (the last message is the assistant's answer), or
             `prompt` (text or messages) + `completion` (text or an assistant message list).
-        Other arguments: as [`TrinityTrainer`].
+        Other arguments: as [`TrinityTrainer`][].
 
     Logged: `actor/mu`, the SFT loss (`actor/expert/sft_phi_loss` or `actor/expert/sft_loss`), the
     RL loss (`actor/usual/pg_loss`), both scaled as in docs/algorithms/chord.md#normalisation, and per generation batch

@@ -24,19 +24,18 @@ DEPRECATED_FIELDS = (
 @dataclass
 class CISPOConfig(TrinityConfig):
     r"""
-    Configuration of [`CISPOTrainer`] (Trinity-RFT's CISPO, docs/algorithms/policy-losses.md#cispo).
+    Configuration of [`CISPOTrainer`][] (Trinity-RFT's CISPO, docs/algorithms/policy-losses.md#cispo).
 
     The per-token loss is `−A · sg(w) · M · log π`, with the weight
     `w = clamp(r, 1 − clip_range_low, 1 + clip_range_high)` and `r` the importance ratio.
     Tokens are never dropped by the weight clip, only by the optional mask clip.
 
-    <Tip warning={true}>
-    TRL's `GRPOConfig(loss_type="cispo")` caps the ratio at the **absolute** value `epsilon_high`,
-    which defaults to `epsilon = 0.2` when unset, so even the on-policy ratio 1.0 becomes 0.2 and
-    updates shrink about five-fold. Here `clip_range_high` is **relative**: the cap is
-    `1 + clip_range_high` (1.28 by default). TRL's `epsilon_high = 1 + clip_range_high` gives the same
-    loss (with `clip_range_low = 1`, i.e. no lower clip).
-    </Tip>
+    Warning:
+        TRL's `GRPOConfig(loss_type="cispo")` caps the ratio at the **absolute** value `epsilon_high`,
+        which defaults to `epsilon = 0.2` when unset, so even the on-policy ratio 1.0 becomes 0.2 and
+        updates shrink about five-fold. Here `clip_range_high` is **relative**: the cap is
+        `1 + clip_range_high` (1.28 by default). TRL's `epsilon_high = 1 + clip_range_high` gives the same
+        loss (with `clip_range_low = 1`, i.e. no lower clip).
 
     Its arguments are the `cispo` loss's, set in `policy_loss`: e.g.
     `policy_loss={"clip_range_high": 5.0}` (YAML `policy_loss: {clip_range_high: 5.0}`, command line
@@ -77,7 +76,7 @@ class CISPOConfig(TrinityConfig):
 
 
 class CISPOTrainer(TrinityTrainer):
-    """[`TrinityTrainer`] with Trinity-RFT's CISPO loss (see [`CISPOConfig`])."""
+    """[`TrinityTrainer`][] with Trinity-RFT's CISPO loss (see [`CISPOConfig`][])."""
 
     _name = "CISPO"
     config_class = CISPOConfig

@@ -21,7 +21,7 @@ from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
 from ..checkpointing.checkpoints import CompleteCheckpoints
-from ..training.model_card import ModelCard, paper_for
+from ..training.model_card import ModelCard, paper_for, record_public_base_model
 from ..training.trl_seams import temporarily
 
 _CPU_DEFAULTS_ANNOUNCED = False
@@ -309,6 +309,22 @@ class AlgorithmCardMixin(CompleteCheckpoints):
             train_dataset=self.train_dataset,
             load_from=getattr(self, "hub_model_id", None) or self.args.output_dir,
         )
+
+    def push_to_hub(self, *args, **kwargs):
+        from ..training.checks import hub_unavailable
+
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        except Exception as err:  # a raw connection error from inside huggingface_hub: one line instead
+            instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
+            message = hub_unavailable("trainer.push_to_hub()", instead, err)
+            if message is None:
+                raise
+            raise ValueError(message) from None
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        record_public_base_model(output_dir or self.args.output_dir)  # the bundled model's Hub id, not the cache
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)

@@ -72,7 +72,8 @@ def _field_default(config_class: type, name: str) -> Any:
 @dataclass
 class TrinityConfig(GRPOConfig):
     r"""
-    Configuration of [`TrinityTrainer`]: every [`~trl.GRPOConfig`] option, plus the algorithm.
+    Configuration of [`TrinityTrainer`][]: every
+    [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
 
     The algorithm is a preset (`algorithm`) whose components can be replaced one by one. Resolution
     follows Trinity-RFT: an unset component takes the preset's choice, then the global default;
@@ -83,7 +84,7 @@ class TrinityConfig(GRPOConfig):
             One of the 19 presets: `sft`, `ppo`, `grpo`, `reinforceplusplus`, `rloo`, `opmd`, `asymre`,
             `dpo`, `topr`, `cispo`, `gspo`, `sapo`, `mix`, `mix_chord`, `raft`, `sppo`, `rec`,
             `multi_step_grpo`, `on_policy_distill`.
-        policy_loss (`str`, `dict`, [`~trinity_trl.algorithms.component.Component`] or `None`, *optional*):
+        policy_loss (`str`, `dict`, `Component` or `None`, *optional*):
             The policy loss and its arguments, in one value: a name (`"cispo"`), a mapping
             `{"name": "cispo", "clip_range_high": 5.0}` (YAML `policy_loss: {name: cispo, clip_range_high: 5.0}`,
             a JSON object on the command line, or one argument at a time: `--policy_loss.clip_range_high 5.0`)

@@ -78,8 +78,9 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 @dataclass
 class TrinityDPOConfig(DPOConfig):
     r"""
-    Configuration of [`TrinityDPOTrainer`]: every [`~trl.DPOConfig`] option, plus the `dpo` preset's
-    KL and entropy terms.
+    Configuration of [`TrinityDPOTrainer`][]: every
+    [`DPOConfig`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOConfig) option, plus the `dpo` preset's KL
+    and entropy terms.
 
     Parameters:
         policy_loss (`dict`, `str` (JSON) or `Component`, *optional*):
@@ -218,9 +219,10 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 
 
 class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
-    """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`]).
+    """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`][]).
 
-    Arguments are those of [`~trl.DPOTrainer`]; ``args`` must be a [`TrinityDPOConfig`].
+    Arguments are those of [`DPOTrainer`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOTrainer); ``args``
+    must be a [`TrinityDPOConfig`][].
 
     Logged metrics: TRL's (`loss`, `rewards/chosen|rejected|accuracies|margins`, `logps/*`,
     `logits/*`, `entropy`, `mean_token_accuracy`, `num_tokens`) plus, prefixed `actor/`, the

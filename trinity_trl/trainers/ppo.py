@@ -48,7 +48,7 @@ _VALUE_HEADS = ("score", "classifier")
 @dataclass
 class PPOConfig(TrinityConfig):
     r"""
-    Configuration of [`PPOTrainer`]: Trinity-RFT's `ppo` preset (PPO-clip policy loss, GAE
+    Configuration of [`PPOTrainer`][]: Trinity-RFT's `ppo` preset (PPO-clip policy loss, GAE
     advantages, k2 KL loss, entropy term) with a value model.
 
     Parameters:
@@ -146,7 +146,7 @@ class _CriticOptimizerStep(TrainerCallback):
 
 
 class PPOTrainer(TrinityTrainer):
-    """[`TrinityTrainer`] for PPO with a value model (see [`PPOConfig`]).
+    """[`TrinityTrainer`][] for PPO with a value model (see [`PPOConfig`][]).
 
     Args:
         value_model (`str`, `torch.nn.Module` or `None`): the critic. A model id or path is loaded as
@@ -157,7 +157,7 @@ class PPOTrainer(TrinityTrainer):
         value_peft_config (`peft.PeftConfig`, `False` or `None`): LoRA (or another PEFT method) for the
             critic, applied as a token-classification task so the value head is trained in full.
             `None`: the policy's `peft_config`, if any; `False`: train the whole critic.
-        Other arguments: as [`TrinityTrainer`].
+        Other arguments: as [`TrinityTrainer`][].
 
     Logged: `critic/vf_loss`, `critic/vf_clipfrac`, `critic/vpred_mean` (per micro-batch),
     `critic/values/mean`, `critic/returns/mean`, `critic/vf_explained_var` (per generation batch,

@@ -17,7 +17,7 @@ SAPO_FORMS = ("paper", "trinity")
 @dataclass
 class SAPOConfig(TrinityConfig):
     r"""
-    Configuration of [`SAPOTrainer`].
+    Configuration of [`SAPOTrainer`][].
 
     With `f(r) = σ(τ·(r − 1))·4/τ` (`τ = sapo_temperature_pos` where the advantage is positive,
     else `sapo_temperature_neg`):
@@ -27,7 +27,7 @@ class SAPOConfig(TrinityConfig):
       (`seq-mean-token-mean`) and without a KL term: the same loss and gradients as TRL's
       `GRPOConfig(loss_type="sapo")`.
     * `policy_loss={"form": "trinity"}`: Trinity-RFT's form, `−A·sg(f(r))·log π` (on-policy gradient `2/τ` times
-      larger, not vanishing for large ratios). Use `algorithm="sapo"` in [`TrinityConfig`] for the
+      larger, not vanishing for large ratios). Use `algorithm="sapo"` in [`TrinityConfig`][] for the
       full Trinity preset (token-mean, k2 KL loss).
 
     Parameters:
@@ -57,7 +57,7 @@ class SAPOConfig(TrinityConfig):
 
 
 class SAPOTrainer(TrinityTrainer):
-    """[`TrinityTrainer`] with the SAPO soft gate (see [`SAPOConfig`])."""
+    """[`TrinityTrainer`][] with the SAPO soft gate (see [`SAPOConfig`][])."""
 
     _name = "SAPO"
     config_class = SAPOConfig

@@ -61,7 +61,8 @@ REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
 @dataclass
 class TrinitySFTConfig(SFTConfig):
     r"""
-    Configuration of [`TrinitySFTTrainer`]: every [`~trl.SFTConfig`] option, plus Trinity-RFT's SFT loss.
+    Configuration of [`TrinitySFTTrainer`][]: every
+    [`SFTConfig`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig) option, plus Trinity-RFT's SFT loss.
 
     Parameters:
         policy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"sft"`):
@@ -153,10 +154,11 @@ class TrinitySFTConfig(SFTConfig):
 
 # ----------------------------------------------------------------------------------------- trainer
 class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
-    """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`]).
+    """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`][]).
 
-    Arguments are those of [`~trl.SFTTrainer`], except `compute_loss_func` (deprecated in TRL, and
-    it would replace the loss this trainer computes). ``args`` must be a [`TrinitySFTConfig`].
+    Arguments are those of [`SFTTrainer`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTTrainer), except
+    `compute_loss_func` (deprecated in TRL, and it would replace the loss this trainer computes).
+    ``args`` must be a [`TrinitySFTConfig`][].
 
     Logged metrics: TRL's (`loss`, `entropy`, `mean_token_accuracy`, `num_tokens`, `aux_loss` for
     MoE models) plus the loss's own, prefixed `actor/` (`actor/sft_loss`, `actor/sft_is_loss` or

@@ -49,7 +49,7 @@ STD_CAL_LEVELS = ("group", "batch", "none")
 @dataclass
 class StepGRPOConfig(TrinityConfig):
     r"""
-    Configuration of [`StepGRPOTrainer`] (preset `multi_step_grpo`: PPO-clip loss, `step_wise_grpo`
+    Configuration of [`StepGRPOTrainer`][] (preset `multi_step_grpo`: PPO-clip loss, `step_wise_grpo`
     advantages, k2 KL loss; any policy loss of the library can replace PPO).
 
     Parameters:
@@ -164,26 +164,26 @@ def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
 
 
 class StepGRPOTrainer(TrinityTrainer):
-    """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`]).
+    """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`][]).
 
     Args:
         environment_factory: builds one environment per run; or a dict of factories, each dataset row
             choosing one by its `environment` column (TRL's contract). The protocol is read from the class
-            (:mod:`trinity_trl.rollouts.protocols`): a TRL tool environment (`reset(**row) -> str | None`,
+            (`trinity_trl.rollouts.protocols`): a TRL tool environment (`reset(**row) -> str | None`,
             public methods as tools, optional `get_reward()`), or a reset/step
-            :class:`~trinity_trl.rollouts.Environment`. A class that fits neither is rejected here, naming
+            `trinity_trl.rollouts.Environment`. A class that fits neither is rejected here, naming
             what it lacks. Each dataset row is a task (its columns are passed to `reset`); with
             `train_dataset=None` the environment owns the data and `max_steps` sets the length.
         tools: standalone tools (callables), as for TRL's `GRPOTrainer`; with a tool environment or alone.
         agent: instead of an environment, `async def agent(client, row) -> reward` (or `(reward, info)`): a program
             that calls the policy through `client`, an `openai.AsyncOpenAI` pointed at an OpenAI-compatible endpoint
             the trainer serves on loopback; every model call is a step, trained on the token ids it sampled
-            (:mod:`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
+            (`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
             `agent_batch_window`; `max_env_steps` bounds the calls of a run.
         reward_funcs: reward functions scoring each run (TRL passes them the whole conversation of a tool run,
             or the final turn of a reset/step run). A reset/step environment's last-step reward is always the
             first reward (`environment_reward`); a tool environment's `get_reward()` is added by TRL.
-        Other arguments: as [`TrinityTrainer`] (no `rollout_func`: the environment loop is the rollout).
+        Other arguments: as [`TrinityTrainer`][] (no `rollout_func`: the environment loop is the rollout).
     """
 
     _name = "Step-wise GRPO"

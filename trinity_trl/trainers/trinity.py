@@ -35,7 +35,7 @@ from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
-from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages
+from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
 from ..training.scoring import Scoring
 from ..training.trl_seams import (
     bind_trl_arguments,
@@ -50,10 +50,11 @@ from .config import TrinityConfig, from_trl_config
 
 
 class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
-    """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`]).
+    """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`][]).
 
-    Arguments are those of [`~trl.GRPOTrainer`], plus ``teacher_model`` (a model or path) for
-    on-policy distillation. ``args`` must be a [`TrinityConfig`] (or a subclass).
+    Arguments are those of [`GRPOTrainer`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer), plus
+    ``teacher_model`` (a model or path) for on-policy distillation. ``args`` must be a
+    [`TrinityConfig`][] (or a subclass).
     """
 
     _tag_names = ["trl", "trinity_trl"]
@@ -75,6 +76,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             else args
         )
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain GRPOConfig is converted
+        checks.check_owned_arguments(type(self).__name__, kwargs)  # expert_dataset: ChordTrainer's, ...
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
         self.algorithm = args.resolved_algorithm()
         self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
@@ -141,6 +143,7 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
         checks.check_completion_room(self.max_completion_length, self._max_positions)
         self._set_card_identity()
         use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (trl_seams)
+        use_concise_progress(self)  # one line per logging step, not transformers' metric dict (training/metrics)
 
     # ----------------------------------------------------------------------------- subclass hooks
     def _policy_loss_overrides(self, args: TrinityConfig) -> dict[str, Any]:

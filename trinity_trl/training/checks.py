@@ -287,6 +287,27 @@ def is_finite(x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------- components
+#: keyword arguments that one trainer takes and the others do not: the trainer that takes each, and what it is
+OWNED_ARGUMENTS = {
+    "expert_dataset": ("ChordTrainer", "ChordConfig", "demonstrations for CHORD/MIX"),
+    "value_model": ("PPOTrainer", "PPOConfig", "a critic"),
+    "value_peft_config": ("PPOTrainer", "PPOConfig", "the critic's LoRA"),
+    "agent": ("StepGRPOTrainer", "StepGRPOConfig", "a multi-step agent"),
+}
+
+
+def check_owned_arguments(trainer_name: str, kwargs: dict[str, Any]) -> None:
+    """A keyword argument that another trainer takes (``expert_dataset`` given to ``TrinityTrainer``) is one line
+    naming that trainer, as an algorithm that needs it is (:func:`check_components`), instead of TRL's bare
+    ``unexpected keyword argument``. ``kwargs``: what the trainer passes on to TRL (its own are taken out)."""
+    for name, (owner, config, what) in OWNED_ARGUMENTS.items():
+        if name in kwargs:
+            raise TypeError(
+                f"{trainer_name} does not take {name} ({what}); use {owner} with a {config}: "
+                f"{owner}(model, reward_funcs, args={config}(...), {name}=...)"
+            )
+
+
 def check_components(
     trainer_cls: type, algorithm: Any, components: Any, args: Any, teacher_model: Any, rollout_func: Any = None
 ) -> None:
@@ -360,24 +381,55 @@ def check_completion_room(max_completion_length: int, max_positions: int | None)
 def check_hub_reachable(args: Any) -> None:
     """With ``push_to_hub=True`` transformers creates the repository while the trainer is built; without a
     reachable Hub that fails deep inside with a raw connection error. Say what is wrong instead."""
-    if not getattr(args, "push_to_hub", False):
-        return
+    if getattr(args, "push_to_hub", False):
+        require_hub("push_to_hub=True", "set push_to_hub=False")
+
+
+def require_hub(what: str, instead: str) -> None:
+    """A one-line ``ValueError`` (``<what>, but the Hub is ...: <instead>``) when the Hugging Face Hub is switched
+    off (``HF_HUB_OFFLINE``) or does not answer; ``what``: the call that needs it, ``instead``: what to do."""
+    message = hub_unavailable(what, instead)
+    if message:
+        raise ValueError(message)
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the Hub does not answer: Python's, and the HTTP clients' transport errors
+    (huggingface_hub's client is ``httpx2`` in this release, ``httpx`` or ``requests`` in others)."""
+    import importlib
+
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
+def hub_unavailable(what: str, instead: str, error: BaseException | None = None) -> str | None:
+    """The one-line message of :func:`require_hub` when the Hub is switched off or unreachable, else ``None``. Without
+    ``error`` the Hub is asked (any HTTP answer, even 401, means it is there); with ``error`` (what a Hub call raised)
+    only a connection error, or offline mode, means it is unavailable."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
     if constants.HF_HUB_OFFLINE:
-        raise ValueError(
-            "push_to_hub=True, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): set "
-            "push_to_hub=False, or unset HF_HUB_OFFLINE"
+        return (
+            f"{what}, but the Hugging Face Hub is switched off (HF_HUB_OFFLINE=1): {instead}, or unset HF_HUB_OFFLINE"
         )
-    url = f"{constants.ENDPOINT}/api/whoami-v2"
-    try:
-        get_session().get(url, timeout=10)  # any HTTP answer (even 401) means the Hub is there
-    except Exception as err:  # noqa: BLE001 (connection refused, DNS, timeout, proxy: all mean unreachable)
-        raise ValueError(
-            f"push_to_hub=True, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable "
-            f"({type(err).__name__}): set push_to_hub=False, or check the network / HF_ENDPOINT"
-        ) from None
+    if error is None:
+        try:
+            get_session().get(f"{constants.ENDPOINT}/api/whoami-v2", timeout=10)
+            return None
+        except Exception as err:  # noqa: BLE001 (connection refused, DNS, timeout, proxy: all mean unreachable)
+            error = err
+    elif not isinstance(error, _connection_errors()):
+        return None
+    return (
+        f"{what}, but the Hugging Face Hub at {constants.ENDPOINT} is unreachable ({type(error).__name__}): "
+        f"{instead}, or check the network / HF_ENDPOINT"
+    )
 
 
 def rollout_teacher_logps(per_row: list[Any], completion_mask: torch.Tensor) -> torch.Tensor:

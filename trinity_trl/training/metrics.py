@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
 from ..algorithms.inputs import metrics_to_floats
 
 # keys our trainers log (TRL's own keys are gathered by TRL)
@@ -99,6 +101,43 @@ def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple
     if "step_time" in logs:
         parts.append(f"{float(logs['step_time']):.1f} s")
     return " | ".join(parts)
+
+
+class ConciseProgress(ProgressCallback):
+    """transformers' progress bar, with one :func:`summary_line` per logging step instead of the metric dict."""
+
+    def __init__(self, metrics: tuple, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.metrics = metrics
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+            self.training_bar.write(summary_line(state.global_step, state.max_steps, logs, self.metrics))
+
+
+class ConcisePrinter(PrinterCallback):
+    """transformers' printer (``disable_tqdm=True``), with one :func:`summary_line` per logging step."""
+
+    def __init__(self, metrics: tuple):
+        self.metrics = metrics
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            print(summary_line(state.global_step, state.max_steps, logs, self.metrics), flush=True)
+
+
+def use_concise_progress(trainer: Any) -> None:
+    """Replace transformers' ``ProgressCallback`` (or ``PrinterCallback`` with ``disable_tqdm=True``), which prints
+    every logged metric dict (dozens of keys) on every logging step, by one :func:`summary_line` per logging step;
+    every metric still goes to ``trainer.state.log_history`` and the trackers. A progress display the user put in
+    its place stays, and a second call does nothing. ``trainer``: one of ours (it reads ``trainer.algorithm``)."""
+    from ..algorithms import POLICY_LOSS_FN
+
+    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
+    for default, concise in ((ProgressCallback, ConciseProgress), (PrinterCallback, ConcisePrinter)):
+        if any(type(cb) is default for cb in trainer.callback_handler.callbacks):
+            trainer.remove_callback(default)
+            trainer.add_callback(concise(metrics))
 
 
 def no_learning_signal(log_history: list[dict[str, Any]]) -> str | None:

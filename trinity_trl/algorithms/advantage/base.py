@@ -45,7 +45,7 @@ class GroupAdvantageFn(AdvantageFn, ExperienceOperator):
     """Experience operator: ``exps_out, metrics = fn(exps)`` (runs before batching).
 
     Writes ``exp.advantages = score · action_mask`` and ``exp.returns`` in place. Output order is
-    group order (see :func:`group_by`), not input order.
+    group order (see `group_by`), not input order.
     """
 
     @property

@@ -16,13 +16,13 @@ from ..registry import Registry
 class PolicyLossFn(ComponentArgs):
     """A policy loss: ``loss, metrics = fn(logprob=..., **inputs)``.
 
-    Subclasses set :attr:`inputs` (what they need besides ``logprob``) and implement
-    :meth:`compute`, which receives the inputs under their internal names, already cleaned:
+    Subclasses set `inputs` (what they need besides ``logprob``) and implement
+    `compute`, which receives the inputs under their internal names, already cleaned:
     per-token tensors hold 0 wherever ``action_mask`` is 0, so NaN/inf in padding can leak
     neither into the loss nor into its gradient. ``compute`` returns ``(loss, metrics)`` where
-    metric values may be tensors; :meth:`__call__` turns them into Python floats.
+    metric values may be tensors; `__call__` turns them into Python floats.
 
-    ``default_args()`` is derived from the constructor signature (see :class:`~..args.ComponentArgs`);
+    ``default_args()`` is derived from the constructor signature (see `trinity_trl.algorithms.args.ComponentArgs`);
     a subclass lists in ``preset_defaults`` only the preset values that differ from its constructor.
     """
 
@@ -111,12 +111,12 @@ class PolicyLossFn(ComponentArgs):
     def weighs_samples_itself(self) -> bool:
         """Whether the loss normalises its samples itself across a whole optimizer step (MIX/CHORD,
         docs/algorithms/chord.md#normalisation). A trainer then divides it only by gradient accumulation, and must not
-        pass an aggregation of its own (:meth:`aggregated_with`)."""
+        pass an aggregation of its own (`aggregated_with`)."""
         return False
 
     def aggregated_with(self, loss_agg_mode: Any) -> PolicyLossFn:
         """A shallow copy of this loss that aggregates with ``loss_agg_mode`` (a mode name or an
-        aggregation callable, see :func:`~trinity_trl.algorithms.masked.agg_loss`). Trainers use it to
+        aggregation callable, see [`agg_loss`][trinity_trl.algorithms.agg_loss]). Trainers use it to
         normalise a micro-batch by a count of their choosing (e.g. every token of the optimizer step)."""
         if self.effective_loss_agg_mode is None or self.weighs_samples_itself:
             raise ValueError(
