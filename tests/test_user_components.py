@@ -26,12 +26,12 @@ PLUGIN = textwrap.dedent(
     class ScaledReinforce(PolicyLossFn):
         """-scale * A * logprob."""
 
-        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
             super().__init__(backend)
-            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+            self.scale = scale
 
-        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
-            loss = agg_loss(-self.scale * advantages * logprob, action_mask, self.loss_agg_mode)
+        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
             return loss, {"scaled_reinforce_loss": loss.detach()}
 
 
@@ -41,12 +41,12 @@ PLUGIN = textwrap.dedent(
 
         inputs = ("action_mask",)
 
-        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
             super().__init__(backend)
-            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+            self.scale = scale
 
-        def compute(self, logprob, action_mask, **_):
-            loss = agg_loss(-self.scale * logprob, action_mask, self.loss_agg_mode)
+        def compute(self, logprob, action_mask, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * logprob, action_mask, loss_agg_mode)
             return loss, {"scaled_sft_loss": loss.detach()}
     '''
 )
@@ -148,3 +148,104 @@ def test_import_errors_are_one_line(tmp_path):
         import_components(str(tmp_path / "missing.py"))
     with pytest.raises(ImportError, match="no module named 'no_such_user_module'"):
         import_components("no_such_user_module")
+
+
+CONTRACT_PLUGIN = textwrap.dedent(
+    '''
+    """Three losses of a user's project against the aggregation contract (issue 37, item 1)."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
+
+
+    @POLICY_LOSS_FN.register("self_averaging")
+    class SelfAveraging(PolicyLossFn):
+        """Averages its own tokens and says nothing about aggregation."""
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+            loss = (-advantages * logprob * action_mask).sum() / action_mask.sum().clamp(min=1)
+            return loss, {"self_averaging_loss": loss.detach()}
+
+
+    @POLICY_LOSS_FN.register("renamed_mode")
+    class RenamedMode(PolicyLossFn):
+        """Keeps its mode under another attribute name than loss_agg_mode."""
+
+        def __init__(self, backend: str = "trl", agg: str = "token-mean"):
+            super().__init__(backend)
+            self.agg = agg
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+            loss = agg_loss(-advantages * logprob, action_mask, self.agg)
+            return loss, {"renamed_mode_loss": loss.detach()}
+
+
+    @POLICY_LOSS_FN.register("declared_self_averaging")
+    class DeclaredSelfAveraging(SelfAveraging):
+        """The same self-averaging loss, declaring it."""
+
+        weighs_samples_itself = True
+
+
+    @POLICY_LOSS_FN.register("takes_aggregation")
+    class TakesAggregation(PolicyLossFn):
+        """The contract: it receives its aggregation."""
+
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
+            super().__init__(backend)
+            self.scale = scale
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
+            return loss, {"takes_aggregation_loss": loss.detach()}
+    '''
+)
+
+
+@pytest.mark.parametrize("name", ["self_averaging", "renamed_mode"])
+def test_a_loss_that_does_not_take_its_aggregation_is_refused_at_construction(tmp_path, name):
+    """Issue 37 item 1: such a loss passed every check and failed at step 1 (``Unknown loss_agg_mode None`` or its
+    mode silently replaced); it is now refused when the config (so the trainer) is built, in one line naming what
+    to add."""
+    from trinity_trl.trainers import TrinityConfig
+
+    path = tmp_path / "contract_losses.py"
+    path.write_text(CONTRACT_PLUGIN)
+    try:
+        import_components(str(path))
+        with pytest.raises(ValueError, match="loss_agg_mode.*weighs_samples_itself = True") as error:
+            TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out")), policy_loss=name, kl_loss="none")
+        assert "\n" not in str(error.value) and name in str(error.value)
+    finally:
+        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+            if registered in POLICY_LOSS_FN._entries:
+                POLICY_LOSS_FN.unregister(registered)
+        sys.modules.pop("contract_losses", None)
+
+
+@pytest.mark.parametrize("name", ["takes_aggregation", "declared_self_averaging"])
+def test_a_loss_that_keeps_the_contract_trains(tmp_path, tiny_model_dir, name):
+    """A loss that receives its aggregation, or declares that it weighs its samples itself, trains; the trainer
+    passes the aggregation as an argument and never copies or changes the user's object."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    path = tmp_path / "contract_losses.py"
+    path.write_text(CONTRACT_PLUGIN)
+    try:
+        import_components(str(path))
+        args = TrinityConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1), policy_loss=name, kl_loss="none"
+        )
+        trainer = TrinityTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+        )
+        loss = trainer.components.policy_loss
+        state = dict(vars(loss))
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        assert any(f"actor/{name.replace('declared_', '')}_loss" in e for e in trainer.state.log_history)
+        assert trainer.components.policy_loss is loss and vars(loss) == state
+    finally:
+        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+            if registered in POLICY_LOSS_FN._entries:
+                POLICY_LOSS_FN.unregister(registered)
+        sys.modules.pop("contract_losses", None)

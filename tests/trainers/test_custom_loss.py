@@ -17,33 +17,29 @@ from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer, TrinityConfig,
 class ClippedReinforce(PolicyLossFn):
     """``-clamp(A, -c, c) · ℓ``: REINFORCE with clipped advantages. Clipping at ``c`` makes it non-linear in A."""
 
-    def __init__(self, backend: str = "trl", clip: float = 1.0, loss_agg_mode: str = "token-mean"):
+    def __init__(self, backend: str = "trl", clip: float = 1.0):
         super().__init__(backend)
-        self.clip, self.loss_agg_mode = float(clip), loss_agg_mode
+        self.clip = float(clip)
 
     @property
     def linear_in_advantage(self) -> bool:
         return False
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
-        loss = agg_loss(-advantages.clamp(-self.clip, self.clip) * logprob, action_mask, self.loss_agg_mode)
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+        loss = agg_loss(-advantages.clamp(-self.clip, self.clip) * logprob, action_mask, loss_agg_mode)
         return loss, {"clipped_reinforce_loss": loss.detach()}
 
 
 class SequenceRatioReinforce(PolicyLossFn):
     """``-A · exp(mean_row(ℓ − ℓo)) · ...``: a per-row (sequence-level) ratio, like GSPO."""
 
-    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
-        super().__init__(backend)
-        self.loss_agg_mode = loss_agg_mode
-
     @property
     def sequence_level(self) -> bool:
         return True
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         ratio = torch.exp(masked_mean(logprob - old_logprob, action_mask, dim=-1)).unsqueeze(-1)
-        loss = agg_loss(-advantages * ratio * logprob, action_mask, self.loss_agg_mode)
+        loss = agg_loss(-advantages * ratio * logprob, action_mask, loss_agg_mode)
         return loss, {"sequence_loss": loss.detach()}
 
 

@@ -17,6 +17,7 @@ from .entropy import ENTROPY_LOSS_FN
 from .kl import KL_FN
 from .masked import check_loss_agg_mode
 from .policy_loss import POLICY_LOSS_FN
+from .policy_loss.base import check_aggregation_contract
 from .registry import Registry
 
 # docs/algorithms/presets.md#resolution step 1: used for every field neither the user nor the preset sets
@@ -479,7 +480,9 @@ class AlgorithmConfig:
         )
 
     def build_policy_loss(self, **kwargs: Any):
-        return build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
+        loss = build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
+        check_aggregation_contract(loss)  # refused here, at construction, never at the first step
+        return loss
 
     def build_advantage_fn(self):
         return build_component(ADVANTAGE_FN, self.advantage_fn, self.advantage_fn_args)

@@ -303,6 +303,11 @@ def check_components(
             f"algorithm {algorithm.algorithm!r} trains on {algorithm.schema!r} data, not on rollouts; use "
             f"{'TrinitySFTTrainer' if algorithm.schema == 'sft' else 'TrinityDPOTrainer'} instead"
         )
+    if policy.pairwise:
+        raise ValueError(
+            f"policy loss {algorithm.policy_loss_fn!r} compares chosen/rejected pairs, not rollouts; use "
+            "TrinityDPOTrainer (algorithm='dpo')"
+        )
     if policy.needs_expert_rows and not trainer_cls.supports_expert_rows:
         raise ValueError(f"policy loss {algorithm.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
     if components.kl_penalty.enabled and not algorithm.compute_advantage_in_trainer:
