@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs, tiny_sft_dpo_kwargs
 
-from trinity_trl.algorithms import POLICY_LOSS_FN
+from trinity_trl.algorithms import ADVANTAGE_FN, POLICY_LOSS_FN
 from trinity_trl.algorithms.component import Component
 from trinity_trl.algorithms.registry import import_components
 
@@ -249,3 +249,87 @@ def test_a_loss_that_keeps_the_contract_trains(tmp_path, tiny_model_dir, name):
             if registered in POLICY_LOSS_FN._entries:
                 POLICY_LOSS_FN.unregister(registered)
         sys.modules.pop("contract_losses", None)
+
+
+ADVANTAGE_PLUGIN = textwrap.dedent(
+    '''
+    """A user's advantage estimator with one hyperparameter (issue 37, item 6)."""
+    import torch
+
+    from trinity_trl.algorithms import ADVANTAGE_FN, GroupAdvantageFn, gather_metrics, group_by
+
+
+    @ADVANTAGE_FN.register("median_baseline")
+    class MedianBaseline(GroupAdvantageFn):
+        """scale * (reward - the group's median reward)."""
+
+        def __init__(self, scale: float = 1.0):
+            self.scale = scale
+
+        def process(self, experiences):
+            kept, metrics = [], []
+            for group in group_by(experiences, "task").values():
+                rewards = torch.tensor([float(exp.reward) for exp in group])
+                baseline = rewards.median()
+                for exp, reward in zip(group, rewards):
+                    exp.set_advantage(self.scale * (reward - baseline))
+                metrics.append({"baseline": baseline.item(), "scale": self.scale})
+                kept.extend(group)
+            return kept, gather_metrics(metrics, "median_baseline")
+    '''
+)
+
+
+@pytest.fixture
+def advantage_plugin(tmp_path):
+    path = tmp_path / "user_advantages.py"
+    path.write_text(ADVANTAGE_PLUGIN)
+    yield path
+    if "median_baseline" in ADVANTAGE_FN._entries:
+        ADVANTAGE_FN.unregister("median_baseline")
+    sys.modules.pop("user_advantages", None)
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def test_an_advantage_estimator_from_a_file_through_python(tmp_path, tiny_model_dir, advantage_plugin):
+    """The docs' custom advantage (docs/algorithms/custom-components.md#advantage) from a file outside the package:
+    built with its hyperparameter, run on every group, its metrics logged."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    import_components(str(advantage_plugin))
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1),
+        advantage=Component("median_baseline", scale=0.5),
+        kl_loss="none",
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
+    assert type(trainer.components.advantage_fn).__name__ == "MedianBaseline"
+    trainer.train()
+    assert _logged(trainer, "median_baseline/scale/mean") == [0.5]
+
+
+def test_an_advantage_estimator_from_a_file_through_yaml_and_the_cli(tmp_path, tiny_model_dir, advantage_plugin):
+    """``import:`` (relative to the YAML file) and ``advantage: {name: ..., scale: ...}`` in YAML, the hyperparameter
+    overridden on the command line."""
+    from trinity_trl.cli import run
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "import: user_advantages.py\n"  # beside run.yaml
+        "algorithm: grpo\n"
+        "advantage: {name: median_baseline, scale: 0.5}\n"
+        "kl_loss: none\n"
+        f"model_name_or_path: {tiny_model_dir}\n"
+        f"output_dir: {tmp_path / 'out'}\n"
+        "max_steps: 1\nnum_train_rows: 8\nmax_completion_length: 8\nper_device_train_batch_size: 4\n"
+        "num_generations: 4\nlora_r: 4\nlora_alpha: 8\neval_accuracy: false\nlogging_steps: 1\nplot: false\n"
+        "report_to: none\nsave_strategy: 'no'\nuse_cpu: true\n"
+    )
+    trainer = run(["train", "--config", str(config), "--advantage.scale", "0.25"])
+    assert trainer.components.advantage_fn.scale == 0.25  # the command line wins over the YAML
+    assert _logged(trainer, "median_baseline/scale/mean") == [0.25]

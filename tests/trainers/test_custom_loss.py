@@ -54,9 +54,7 @@ def registered():
 
 def test_a_user_loss_trains_in_trinity_trainer(tmp_path, tiny_model_dir, registered):
     args = TrinityConfig(
-        **tiny_grpo_kwargs(
-            output_dir=str(tmp_path), policy_loss_fn="clipped_reinforce", policy_loss_fn_args={"clip": 0.5}
-        )
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), policy_loss={"name": "clipped_reinforce", "clip": 0.5})
     )
     trainer = TrinityTrainer(
         model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
@@ -83,7 +81,7 @@ def test_a_loss_that_is_not_linear_in_the_advantage_refuses_vllm_importance_weig
             args=TrinityConfig(
                 **tiny_grpo_kwargs(
                     output_dir=str(tmp_path),
-                    policy_loss_fn=loss,
+                    policy_loss=loss,
                     use_vllm=True,
                     vllm_importance_sampling_correction=True,
                 )
@@ -132,7 +130,7 @@ def test_step_grpo_packs_runs_only_for_token_level_losses(tmp_path, tiny_model_d
         train_dataset=Dataset.from_dict({"task": list(range(8))}),
         args=StepGRPOConfig(
             **tiny_grpo_kwargs(
-                output_dir=str(tmp_path), max_steps=1, max_env_steps=3, policy_loss_fn=loss, shared_prefix=True
+                output_dir=str(tmp_path), max_steps=1, max_env_steps=3, policy_loss=loss, shared_prefix=True
             )
         ),
     )

@@ -28,8 +28,8 @@ def test_remax_baseline_is_the_reward_of_a_greedy_completion(tmp_path, tiny_mode
             **tiny_grpo_kwargs(
                 output_dir=str(tmp_path),
                 algorithm="reinforceplusplus",
-                advantage_fn="remax",
-                kl_loss_fn="none",
+                advantage="remax",
+                kl_loss="none",
                 per_device_train_batch_size=8,
             )
         ),
@@ -81,7 +81,7 @@ def test_remax_needs_whole_groups_per_process(tmp_path):
     from trinity_trl.training.checks import check_components
 
     config = TrinityConfig(
-        **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus", advantage_fn="remax")
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus", advantage="remax")
     )
     algorithm = config.resolved_algorithm()
     components = Components.build(algorithm)

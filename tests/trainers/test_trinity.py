@@ -141,8 +141,8 @@ def test_preset_loss_is_the_composition_of_its_components(tmp_path, tiny_model_d
             tmp_path,
             TrinityConfig,
             algorithm=preset,
-            kl_loss_fn_args={"kl_coef": kl_coef},
-            entropy_loss_fn_args={"entropy_coef": entropy_coef},
+            kl_loss={"kl_coef": kl_coef},
+            entropy_loss={"entropy_coef": entropy_coef},
         ),
     )
     assert (trainer.ref_model is not None) == trainer.algorithm.needs_reference
@@ -337,7 +337,7 @@ def test_reference_model_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
         tiny_model_dir,
         tiny_dataset,
         algorithm="grpo",
-        kl_loss_fn="none",
+        kl_loss="none",
     )
     assert no_kl.args.beta == 0.0
     assert not no_kl.algorithm.needs_reference
@@ -366,7 +366,7 @@ def test_ref_logps_reach_the_loss_iff_kl_term(tmp_path, tiny_model_dir, tiny_dat
         tiny_dataset,
         cls=recording(TrinityTrainer),
         max_steps=1,
-        kl_loss_fn="none",
+        kl_loss="none",
     )
     no_kl.train()
     (inputs,) = (call.inputs for call in no_kl.recorded.loss_calls)
@@ -392,7 +392,7 @@ def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tin
             tiny_model_dir,
             tiny_dataset,
             sync_ref_model=True,
-            kl_loss_fn="none",
+            kl_loss="none",
         )
 
 

@@ -195,7 +195,7 @@ def test_a_teacher_advantage_needs_a_teacher():
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True))
     with pytest.raises(
         ValueError,
-        match=r"advantage_fn 'my_advantage' needs a teacher_model \(a model or a path\), "
+        match=r"advantage 'my_advantage' needs a teacher_model \(a model or a path\), "
         r"or a rollout_func that returns 'teacher_logprobs'",
     ):
         check(components=components)
@@ -206,14 +206,14 @@ def test_a_teacher_advantage_needs_a_teacher():
 def test_reward_baselines_need_whole_groups_on_each_process():
     """ReMax's greedy baseline is generated per group on the process that holds the group."""
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_reward_baselines=True, in_trainer=True))
-    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' scores one greedy completion per prompt group"):
+    with pytest.raises(ValueError, match=r"advantage 'my_advantage' scores one greedy completion per prompt group"):
         check(components=components, args=fake_args(per_device_train_batch_size=2))
     check(components=components, args=fake_args(per_device_train_batch_size=2, steps_per_generation=2))
 
 
 def test_critic_values_need_a_critic_trainer():
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_values=True, in_trainer=True))
-    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' \(GAE\) needs critic values.*PPOTrainer"):
+    with pytest.raises(ValueError, match=r"advantage 'my_advantage' \(GAE\) needs critic values.*PPOTrainer"):
         check(components=components)
     check(CriticTrainer, components=components)
 
@@ -319,7 +319,7 @@ def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_datase
 
 def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="kl_penalty="):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty="k1")
 
 
 def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_dataset):
@@ -348,7 +348,7 @@ def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
 
 def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="entropy_loss 'mix'"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss_fn="mix")
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss="mix")
     # ChordTrainer adds expert rows, so the same entropy is accepted there
     expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})
     ChordTrainer(
@@ -357,7 +357,7 @@ def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
         expert_dataset=expert,
         train_dataset=tiny_dataset,
         args=ChordConfig(
-            **tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss_fn="mix", expert_batch_size=2)
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss="mix", expert_batch_size=2)
         ),
     )
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +19,8 @@ from ..algorithms.inputs import metrics_to_floats
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
 from ..checkpointing.checkpoints import CompleteCheckpoints
+from ..overrides import temporarily
 from ..training.model_card import ModelCard, paper_for
-from ..training.trl_seams import temporarily
 
 _CPU_DEFAULTS_ANNOUNCED = False
 
@@ -118,57 +116,11 @@ def check_saving_options(config: Any) -> None:
         )
 
 
-def parse_args_field(owner: str, name: str, value: Any) -> dict | None:
-    """A ``*_args`` field given as a dict, a JSON object string (command line / YAML) or ``None``."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {value!r}") from err
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{owner}: {name} must be a dict or a JSON object string, got {type(value).__name__}")
-    return value
-
-
-def component_fields(config: Any, fields: dict[str, str]) -> None:
-    """Read the component fields of ``config`` (``{field: deprecated flat field}``, e.g.
-    ``{"policy_loss": "policy_loss_fn"}``) into :class:`Component` values, in place.
-
-    A flat ``<old>`` / ``<old>_args`` pair the user set still works for one release: it becomes the
-    component value, with one ``FutureWarning`` line giving the new spelling; setting both spellings is an
-    error. Afterwards the flat fields are ``None``, so the component value is the one place to read."""
+def component_fields(config: Any, fields: Iterable[str]) -> None:
+    """Read the component fields of ``config`` (``policy_loss``, ...) into :class:`Component` values, in place."""
     owner = type(config).__name__
-    for new, old in fields.items():
-        value = Component.parse(owner, new, getattr(config, new))
-        flat_name, flat_args = (
-            getattr(config, old),
-            parse_args_field(owner, f"{old}_args", getattr(config, f"{old}_args")),
-        )
-        if flat_name is not None or flat_args is not None:
-            default = next(f.default for f in dataclasses.fields(config) if f.name == new)
-            if value is not None and value != Component.parse(owner, new, default):
-                raise ValueError(f"{owner}: set {new} or the deprecated {old} / {old}_args, not both")
-            value = Component(flat_name, **(flat_args or {}))
-            warnings.warn(
-                f"{owner}: {old} / {old}_args are deprecated and will be removed in the next release; write "
-                f"{new}={value.to_dict()!r} (YAML `{new}: {{name: ..., argument: value}}`, command line "
-                f"`--{new}.argument value`)",
-                FutureWarning,
-                stacklevel=4,
-            )
-        setattr(config, new, value)
-        setattr(config, old, None)
-        setattr(config, f"{old}_args", None)
-
-
-def deprecated_field(config: Any, old: str, new: str, value: Any) -> None:
-    """One ``FutureWarning`` line for a flat field that is now spelt ``new`` (``policy_loss.form``)."""
-    warnings.warn(
-        f"{type(config).__name__}: {old} is deprecated and will be removed in the next release; write {new} "
-        f"(e.g. --{new} {value})",
-        FutureWarning,
-        stacklevel=4,
-    )
+    for name in fields:
+        setattr(config, name, Component.parse(owner, name, getattr(config, name)))
 
 
 @dataclass

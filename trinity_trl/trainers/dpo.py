@@ -50,6 +50,7 @@ from .common import (
     torch_threads_field,
 )
 from .config import from_trl_config
+from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
@@ -76,7 +77,7 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 
 
 @dataclass
-class TrinityDPOConfig(DPOConfig):
+class TrinityDPOConfig(RefusesRemovedSpellings, DPOConfig):
     r"""
     Configuration of [`TrinityDPOTrainer`]: every [`~trl.DPOConfig`] option, plus the `dpo` preset's
     KL and entropy terms.
@@ -96,8 +97,6 @@ class TrinityDPOConfig(DPOConfig):
         entropy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"default"`):
             `default` (subtract `entropy_coef · AGG(H, m)`) or `none`, e.g. `{"entropy_coef": 0.001}`;
             the default coefficient is 0.
-        policy_loss_fn_args (`dict`, *optional*, deprecated): With `kl_loss_fn`, `kl_loss_fn_args`,
-            `entropy_loss_fn` and `entropy_loss_fn_args`: the deprecated spellings of the values above.
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
             of a micro-batch (docs/algorithms/aggregation.md#loss-agg-mode). The DPO term itself is a mean over pairs.
@@ -108,6 +107,8 @@ class TrinityDPOConfig(DPOConfig):
     `precompute_ref_log_probs=True` TRL keeps only summed reference log-probs, so the per-token KL
     term needs `kl_coef = 0`. Every other option is honoured.
     """
+
+    removed_spellings = flat_component_spellings("policy_loss", "kl_loss", "entropy_loss")
 
     policy_loss: dict | str | None = field(
         default=None,
@@ -120,12 +121,6 @@ class TrinityDPOConfig(DPOConfig):
     entropy_loss: dict | str | None = field(
         default="default", metadata={"help": "Entropy term: 'default' or 'none', e.g. {entropy_coef: 0.001}."}
     )
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
-    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
-    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
-    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
-    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
-    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
@@ -138,9 +133,7 @@ class TrinityDPOConfig(DPOConfig):
         super().__post_init__()
         check_saving_options(self)
         owner = type(self).__name__
-        component_fields(
-            self, {"policy_loss": "policy_loss_fn", "kl_loss": "kl_loss_fn", "entropy_loss": "entropy_loss_fn"}
-        )
+        component_fields(self, ("policy_loss", "kl_loss", "entropy_loss"))
         # a component value without a name keeps this config's (kl_loss={"kl_coef": 0.0} is still k2)
         for name, default in (("policy_loss", "dpo"), ("kl_loss", "k2"), ("entropy_loss", "default")):
             value = getattr(self, name)
@@ -158,7 +151,7 @@ class TrinityDPOConfig(DPOConfig):
                 raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
         if not KL_FN.get(self.kl_loss.name).enabled:
             raise ValueError(
-                f"{owner}: kl_loss_fn='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
+                f"{owner}: kl_loss='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
                 "'none' by 'k2'); use kl_loss={'kl_coef': 0.0} to switch the term off"
             )
         if ENTROPY_LOSS_FN.get(self.entropy_loss.name).needs_expert_mask:
@@ -166,7 +159,7 @@ class TrinityDPOConfig(DPOConfig):
                 f"{owner}: entropy_loss must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
             )
         self._sync_dpo_fields(owner)
-        algorithm = self.resolved_algorithm()  # bad names / arguments fail here
+        algorithm = self.resolved_algorithm(construct=True)  # bad names / arguments fail here
         if self.precompute_ref_log_probs and algorithm.kl_loss_fn_args.get("kl_coef", 0.0) != 0.0:
             raise ValueError(
                 f"{owner}: precompute_ref_log_probs=True keeps only the summed reference log-prob of each completion, "
@@ -190,7 +183,7 @@ class TrinityDPOConfig(DPOConfig):
                 args[name] = from_field
         self.policy_loss = Component(self.policy_loss.name, **args)
 
-    def resolved_algorithm(self) -> AlgorithmConfig:
+    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
         """The `dpo` preset with this config's components and arguments (docs/algorithms/presets.md#resolution; args
         merged)."""
         return resolve_algorithm_config(
@@ -203,6 +196,7 @@ class TrinityDPOConfig(DPOConfig):
             entropy_loss_fn=self.entropy_loss.name,
             entropy_loss_fn_args=dict(self.entropy_loss.args) or None,
             loss_agg_mode=self.loss_agg_mode,
+            construct=construct,
         )
 
     def to_dict(self) -> dict[str, Any]:
