@@ -51,8 +51,9 @@ SUBSTITUTIONS = [
     (r'tool_chat_template\("[^"]+"\)', "tool_chat_template(TINY_MODEL)"),  # the tokenizer of the block's model
 ]
 
-# trinity_trl's FutureWarning for a deprecated spelling ("CISPOConfig: clip_range_high is deprecated and will be
-# removed in the next release; write ...") fails the block, so the docs teach only the current spelling
+# trinity_trl's FutureWarning for a deprecated spelling ("X: old is deprecated and will be removed in the next release;
+# write ...") fails the block, so the docs teach only the current spelling (0.2 has none: its removed spellings are
+# errors, see test_a_removed_spelling_fails_its_block)
 DEPRECATION = r"\w+: .* deprecated and will be removed in the next release"
 
 RUNNER = """

@@ -271,8 +271,8 @@ def test_fp16_on_a_cpu_is_rejected_with_the_reason(tmp_path, config_class):
 
 
 def test_ppo_rejects_fp16_on_any_device(tmp_path, monkeypatch):
-    import trinity_trl.trainers.common as common
+    import trinity_trl.trainers.machine as machine
 
-    monkeypatch.setattr(common, "accelerator_available", lambda: True)  # as on a GPU machine, where fp16 runs
+    monkeypatch.setattr(machine, "accelerator_available", lambda: True)  # as on a GPU machine, where fp16 runs
     with pytest.raises(ValueError, match="fp16 is not supported.*loss scaler serves one optimizer.*critic"):
         PPOConfig(output_dir=str(tmp_path), fp16=True, report_to="none")

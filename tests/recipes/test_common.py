@@ -246,15 +246,18 @@ def restore_torch_threads():
 
 def test_torch_threads_of_a_recipe_config_reach_torch(monkeypatch, tmp_path, restore_torch_threads):
     """`torch_threads` in a recipe's YAML or command line is the training config's field (it sets torch's count
-    when the config is built), not a recipe argument that a Python user of the trainers would miss."""
+    when the trainer starts), not a recipe argument that a Python user of the trainers would miss."""
     import torch
 
     from trinity_trl.trainers import CISPOConfig
+    from trinity_trl.trainers.machine import start_on_this_machine
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(1)
     _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "2"], "cispo")
-    assert config.torch_threads == 2 and torch.get_num_threads() == 2
+    assert config.torch_threads == 2 and torch.get_num_threads() == 1  # parsing changes nothing process-wide
+    start_on_this_machine(config)  # what every trainer does first
+    assert torch.get_num_threads() == 2
     with pytest.raises(ValueError, match="torch_threads must be a whole number >= 0, got -1"):
         parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "-1"], "cispo")
 

@@ -1,6 +1,6 @@
 """`trinity_trl/trainers/common.py`: components built once from a config, the processor a model name loads, the
 default output folder, `*_args` fields, fused-head capture and the sequence-sharding refusal. The model card written
-by `AlgorithmCardMixin`: test_model_card.py."""
+by `AlgorithmCardMixin` (`trainers/card.py`): test_model_card.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,8 @@ from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.algorithms import KL_FN, POLICY_LOSS_FN
 from trinity_trl.trainers import ChordConfig, TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.common import (
-    Components,
-    capture_fused_outputs,
-    default_output_dir,
-    reject_sequence_sharding,
-)
+from trinity_trl.trainers.common import capture_fused_outputs, default_output_dir, reject_sequence_sharding
+from trinity_trl.trainers.components import Components
 
 
 # ------------------------------------------------------------------------------------------------- Components

@@ -77,7 +77,7 @@ def test_remax_needs_whole_groups_per_process(tmp_path):
     one greedy completion per group on the process that holds it, so each process must hold whole groups."""
     from types import SimpleNamespace
 
-    from trinity_trl.trainers.common import Components
+    from trinity_trl.trainers.components import Components
     from trinity_trl.training.checks import check_components
 
     config = TrinityConfig(

@@ -386,7 +386,7 @@ def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tin
     assert trainer.ref_model is not None
     assert any(isinstance(cb, SyncRefModelCallback) for cb in trainer.callback_handler.callbacks)
     # without a KL term there is no reference to sync; the error speaks our terms, not TRL's beta
-    with pytest.raises(ValueError, match="kl_loss_fn"):
+    with pytest.raises(ValueError, match="set kl_loss or kl_penalty"):
         _trainer(
             tmp_path,
             tiny_model_dir,

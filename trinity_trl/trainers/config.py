@@ -11,7 +11,8 @@ from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolv
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.loss import LOSS_NORMALIZATIONS
-from .common import apply_cpu_defaults, check_saving_options, component_fields, torch_threads_field
+from .components import component_fields
+from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a

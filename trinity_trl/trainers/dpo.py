@@ -35,21 +35,15 @@ from trl import DPOConfig, DPOTrainer
 from ..algorithms import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
+from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .common import (
-    PresetTrainerMixin,
-    apply_cpu_defaults,
-    capture_fused_outputs,
-    check_saving_options,
-    component_fields,
-    default_output_dir,
-    load_processor,
-    reject_sequence_sharding,
-    torch_threads_field,
-)
+from .card import PresetTrainerMixin
+from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .components import component_fields
 from .config import from_trl_config
+from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
@@ -211,7 +205,7 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
 
 
-class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
+class TrinityDPOTrainer(PresetTrainerMixin, CompleteCheckpoints, DPOTrainer):
     """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`]).
 
     Arguments are those of [`~trl.DPOTrainer`]; ``args`` must be a [`TrinityDPOConfig`].
@@ -236,7 +230,9 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        start_run(args)
         super().__init__(**given)
+        check_run(self)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self.kl_loss = self.algorithm.build_kl_loss()

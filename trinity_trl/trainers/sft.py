@@ -28,21 +28,15 @@ from trl import SFTConfig, SFTTrainer
 
 from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
+from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .common import (
-    PresetTrainerMixin,
-    apply_cpu_defaults,
-    capture_fused_outputs,
-    check_saving_options,
-    component_fields,
-    default_output_dir,
-    load_processor,
-    reject_sequence_sharding,
-    torch_threads_field,
-)
+from .card import PresetTrainerMixin
+from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .components import component_fields
 from .config import from_trl_config
+from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
@@ -153,7 +147,7 @@ class TrinitySFTConfig(RefusesRemovedSpellings, SFTConfig):
 
 
 # ----------------------------------------------------------------------------------------- trainer
-class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
+class TrinitySFTTrainer(PresetTrainerMixin, CompleteCheckpoints, SFTTrainer):
     """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`]).
 
     Arguments are those of [`~trl.SFTTrainer`], except `compute_loss_func` (deprecated in TRL, and
@@ -186,7 +180,9 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
             raise ValueError(f"{type(self).__name__} computes its loss from policy_loss; do not pass compute_loss_func")
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        start_run(args)
         super().__init__(**given)
+        check_run(self)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)
