@@ -185,7 +185,8 @@ class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
         },
     )
     component_args_mode: str = field(
-        default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
+        default="merge",
+        metadata={"help": "'merge' a component's arguments over its default_args() or 'replace' them (Trinity)."},
     )
     loss_normalization: str = field(
         default="micro_batch",
