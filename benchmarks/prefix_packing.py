@@ -221,7 +221,7 @@ def train_side(spec: dict) -> dict:
 
         config = TrinityConfig(
             algorithm="grpo",
-            kl_loss_fn="none",
+            kl_loss="none",
             loss_agg_mode="seq-mean-token-mean",
             prefix_packing=spec["packing"],
             prefix_packing_kernel=spec.get("kernel", "auto"),
@@ -738,7 +738,7 @@ def markdown(report: dict) -> str:
             f"(prompts of {c['long_prompt']}+ tokens: {c['long_steps']} step(s), {c['long_warmup']} untimed); "
             f"{c['repeats']} run(s) per side per point, {c['focus_repeats']} at the target points (prompt "
             f"{TARGETS['short_prompt']}, and {'/'.join(map(str, TARGETS['headline']))}); sides interleaved. Ours: "
-            "`TrinityTrainer(algorithm='grpo', kl_loss_fn='none', loss_agg_mode='seq-mean-token-mean')` with "
+            "`TrinityTrainer(algorithm='grpo', kl_loss='none', loss_agg_mode='seq-mean-token-mean')` with "
             "`prefix_packing=True` (the default); TRL: `GRPOConfig(loss_type='grpo', beta=0)`."
         ),
         "",

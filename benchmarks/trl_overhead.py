@@ -9,11 +9,11 @@ same loss and gradient norm at every step):
 ========  ======================================================  ===================================================
 pair      ours                                                    TRL ``GRPOConfig``
 ========  ======================================================  ===================================================
-cispo     ``CISPOTrainer(CISPOConfig(kl_loss_fn="none"))``        ``loss_type="cispo", epsilon_high=1.28``
-sapo      ``SAPOTrainer(SAPOConfig())`` (``sapo_form="paper"``)   ``loss_type="sapo"``
-gspo      ``TrinityTrainer(algorithm="gspo", kl_loss_fn="none",   ``loss_type="grpo", importance_sampling_level=
+cispo     ``CISPOTrainer(CISPOConfig(kl_loss="none"))``           ``loss_type="cispo", epsilon_high=1.28``
+sapo      ``SAPOTrainer(SAPOConfig())`` (``form="paper"``)        ``loss_type="sapo"``
+gspo      ``TrinityTrainer(algorithm="gspo", kl_loss="none",      ``loss_type="grpo", importance_sampling_level=
           loss_agg_mode="seq-mean-token-mean")``                  "sequence", epsilon=3e-4, epsilon_high=4e-4``
-grpo      ``TrinityTrainer(algorithm="grpo", kl_loss_fn="none",   ``loss_type="grpo"`` (PPO-clip 0.2)
+grpo      ``TrinityTrainer(algorithm="grpo", kl_loss="none",      ``loss_type="grpo"`` (PPO-clip 0.2)
           loss_agg_mode="seq-mean-token-mean")``
 ========  ======================================================  ===================================================
 
@@ -72,7 +72,7 @@ def run_specs(group: str, args) -> list[dict]:
     rows, gens = args.rollouts, args.num_generations
     if group == "cispo":
         return [
-            _spec("ours", "CISPOTrainer", "CISPOConfig", {"kl_loss_fn": "none"}, rows, gens),
+            _spec("ours", "CISPOTrainer", "CISPOConfig", {"kl_loss": "none"}, rows, gens),
             _spec(
                 "trl",
                 "GRPOTrainer",
@@ -95,7 +95,7 @@ def run_specs(group: str, args) -> list[dict]:
                 "ours",
                 "TrinityTrainer",
                 "TrinityConfig",
-                {"algorithm": "gspo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"},
+                {"algorithm": "gspo", "kl_loss": "none", "loss_agg_mode": "seq-mean-token-mean"},
                 rows,
                 gens,
             ),
@@ -120,7 +120,7 @@ def run_specs(group: str, args) -> list[dict]:
                 "ours",
                 "TrinityTrainer",
                 "TrinityConfig",
-                {"algorithm": "grpo", "kl_loss_fn": "none", "loss_agg_mode": "seq-mean-token-mean"},
+                {"algorithm": "grpo", "kl_loss": "none", "loss_agg_mode": "seq-mean-token-mean"},
                 rows,
                 gens,
             ),
@@ -134,7 +134,7 @@ def run_specs(group: str, args) -> list[dict]:
             "ours",
             "ChordTrainer",
             "ChordConfig",
-            {"algorithm": "mix_chord", "kl_loss_fn": "none", "expert_batch_size": expert},
+            {"algorithm": "mix_chord", "kl_loss": "none", "expert_batch_size": expert},
             chord_rollouts,
             chord_gens,
         )

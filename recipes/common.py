@@ -155,7 +155,7 @@ def parse(
     config_file = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     yaml_values = read_config(config_file) if config_file else {}
     check_gpu_config(config_file, argv)
-    argv = import_argument(argv, yaml_values)
+    argv = import_argument(argv, yaml_values, config_file)
     argv = component_arguments(argv, config_classes, yaml_values)
     ignore = (*ignore, "import")
     parser = TrlParser(config_classes, allow_abbrev=False, prog=f"trinity-trl {recipe}")
@@ -180,6 +180,7 @@ def parse(
         raise
     known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
     unknown_keys = [key.removeprefix("--") for key in from_file[::2] if key.removeprefix("--") not in ignore]
+    refuse_removed_options(config_classes, unknown_keys)
     if unknown_keys:
         hints = [
             f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else k
@@ -196,6 +197,7 @@ def parse(
         if key not in ignore:
             unknown.append(key)
         i += 2 if has_value else 1
+    refuse_removed_options(config_classes, unknown)
     if unknown:
         hints = [
             f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else f"--{k}"
@@ -207,6 +209,17 @@ def parse(
             if hasattr(config, "output_dir"):
                 config.output_dir = default_output_dir(recipe, config_file, argv)
     return tuple(parsed)
+
+
+def refuse_removed_options(config_classes: tuple, keys: list[str]) -> None:
+    """A spelling that trinity_trl 0.2 removed (``policy_loss_fn``, ...) is a :class:`UsageError` naming its
+    replacement (``removed_spellings`` of the config classes, CHANGELOG.md)."""
+    from trinity_trl.trainers.spellings import removed_spelling_message
+
+    for cls in config_classes:
+        for key in keys:
+            if key in getattr(cls, "removed_spellings", {}):
+                raise UsageError(removed_spelling_message(cls.__name__, key, cls.removed_spellings[key]))
 
 
 def _option_from_argv(argv: list[str], name: str) -> str | None:
@@ -308,13 +321,22 @@ def check_gpu_config(config_file: str | None, argv: list[str]) -> None:
     raise UsageError(_gpu_message(config_file, "a *_gpu config"))
 
 
-def import_argument(argv: list[str], yaml_values: dict[str, Any]) -> list[str]:
+def import_argument(argv: list[str], yaml_values: dict[str, Any], config_file: str | None = None) -> list[str]:
     """Import the modules of ``--import MODULE|FILE.py`` (repeatable) and of the YAML key ``import`` (a
-    name or a list), so the components they register can be named; returns ``argv`` without them."""
+    name or a list), so the components they register can be named; returns ``argv`` without them.
+
+    A relative ``.py`` path in the YAML file is read from the YAML file's folder (so a config and its components
+    move together); on the command line, from the current folder."""
     from trinity_trl.algorithms.registry import import_components
 
     targets = yaml_values.get("import") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
+    if config_file is not None:
+        here = os.path.dirname(os.path.abspath(config_file))
+        targets = [
+            os.path.join(here, target) if str(target).endswith(".py") and not os.path.isabs(target) else target
+            for target in map(str, targets)
+        ]
     rest, i = [], 0
     while i < len(argv):
         if argv[i] == "--import" and i + 1 < len(argv):

@@ -178,28 +178,23 @@ def fenced_blocks(path: Path, language: str) -> list[tuple[int, str]]:
     return [(m.start(), textwrap.dedent(m.group(2))) for m in re.finditer(pattern, text, re.M | re.S)]
 
 
-def deprecated_config_fields() -> set[str]:
-    """The config fields of earlier releases that still work with a FutureWarning (their help says "Deprecated")."""
-    import dataclasses
-
+def removed_config_fields() -> set[str]:
+    """The config fields of 0.1 that 0.2 removed (each config's ``removed_spellings``, CHANGELOG.md)."""
     import trinity_trl.trainers as trainers
 
     found = set()
     for name in trainers.__all__:
-        cls = getattr(trainers, name)
-        if dataclasses.is_dataclass(cls):
-            fields = dataclasses.fields(cls)
-            found |= {f.name for f in fields if f.metadata.get("help", "").startswith("Deprecated")}
+        found |= set(getattr(getattr(trainers, name), "removed_spellings", {}))
     return found
 
 
 PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 
 
-def test_no_yaml_or_command_line_example_uses_a_deprecated_field():
-    """The Python blocks are run with deprecation warnings as errors (tests/test_readme.py); the YAML and shell blocks
-    are read: none sets a field of an earlier release (`policy_loss_fn:`, `--sapo_form`, ...)."""
-    deprecated = deprecated_config_fields()
+def test_no_yaml_or_command_line_example_uses_a_removed_field():
+    """The Python blocks are run (tests/test_readme.py), so a removed spelling fails them; the YAML and shell blocks
+    are read: none sets a field of 0.1 (`policy_loss_fn:`, `--sapo_form`, ...)."""
+    deprecated = removed_config_fields()
     assert {"policy_loss_fn", "kl_loss_fn_args", "sapo_form", "advantage_epsilon", "clip_range_high"} <= deprecated
     for page in PAGES:
         for _, code in fenced_blocks(page, "yaml"):

@@ -51,8 +51,9 @@ SUBSTITUTIONS = [
     (r'tool_chat_template\("[^"]+"\)', "tool_chat_template(TINY_MODEL)"),  # the tokenizer of the block's model
 ]
 
-# trinity_trl's FutureWarning for a deprecated spelling ("CISPOConfig: clip_range_high is deprecated and will be
-# removed in the next release; write ...") fails the block, so the docs teach only the current spelling
+# trinity_trl's FutureWarning for a deprecated spelling ("X: old is deprecated and will be removed in the next release;
+# write ...") fails the block, so the docs teach only the current spelling (0.2 has none: its removed spellings are
+# errors, see test_a_removed_spelling_fails_its_block)
 DEPRECATION = r"\w+: .* deprecated and will be removed in the next release"
 
 RUNNER = """
@@ -173,9 +174,8 @@ def test_block_runs(name, code, block_results):
         assert "README.md" in hub.files(f"tester/{repo}")
 
 
-def test_a_deprecated_spelling_fails_its_block(tmp_path):
-    """The runner turns trinity_trl's deprecation warnings into errors: a block with an old spelling fails, the same
-    block with the new spelling runs."""
+def test_a_removed_spelling_fails_its_block(tmp_path):
+    """A block with a spelling of 0.1 fails with the new spelling named; the same block with the new spelling runs."""
     blocks = {
         "old_component": 'TrinityConfig(output_dir="o", policy_loss_fn="ppo", policy_loss_fn_args={"clip_range": 0.3})',
         "old_cispo_field": 'CISPOConfig(output_dir="o", clip_range_high=0.3)',
@@ -189,5 +189,4 @@ def test_a_deprecated_spelling_fails_its_block(tmp_path):
     results = run_blocks(scripts, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert results["new"] is None, results["new"]
     for name in ("old_component", "old_cispo_field"):
-        assert results[name] is not None and "FutureWarning" in results[name], results[name]
-        assert "deprecated and will be removed" in results[name]
+        assert results[name] is not None and "was removed in trinity_trl 0.2; write policy_loss=" in results[name]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs, tiny_sft_dpo_kwargs
 
-from trinity_trl.algorithms import POLICY_LOSS_FN
+from trinity_trl.algorithms import ADVANTAGE_FN, POLICY_LOSS_FN
 from trinity_trl.algorithms.component import Component
 from trinity_trl.algorithms.registry import import_components
 
@@ -26,12 +26,12 @@ PLUGIN = textwrap.dedent(
     class ScaledReinforce(PolicyLossFn):
         """-scale * A * logprob."""
 
-        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
             super().__init__(backend)
-            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+            self.scale = scale
 
-        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
-            loss = agg_loss(-self.scale * advantages * logprob, action_mask, self.loss_agg_mode)
+        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
             return loss, {"scaled_reinforce_loss": loss.detach()}
 
 
@@ -41,12 +41,12 @@ PLUGIN = textwrap.dedent(
 
         inputs = ("action_mask",)
 
-        def __init__(self, backend: str = "trl", scale: float = 1.0, loss_agg_mode: str = "token-mean"):
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
             super().__init__(backend)
-            self.scale, self.loss_agg_mode = scale, loss_agg_mode
+            self.scale = scale
 
-        def compute(self, logprob, action_mask, **_):
-            loss = agg_loss(-self.scale * logprob, action_mask, self.loss_agg_mode)
+        def compute(self, logprob, action_mask, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * logprob, action_mask, loss_agg_mode)
             return loss, {"scaled_sft_loss": loss.detach()}
     '''
 )
@@ -148,3 +148,188 @@ def test_import_errors_are_one_line(tmp_path):
         import_components(str(tmp_path / "missing.py"))
     with pytest.raises(ImportError, match="no module named 'no_such_user_module'"):
         import_components("no_such_user_module")
+
+
+CONTRACT_PLUGIN = textwrap.dedent(
+    '''
+    """Three losses of a user's project against the aggregation contract (issue 37, item 1)."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
+
+
+    @POLICY_LOSS_FN.register("self_averaging")
+    class SelfAveraging(PolicyLossFn):
+        """Averages its own tokens and says nothing about aggregation."""
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+            loss = (-advantages * logprob * action_mask).sum() / action_mask.sum().clamp(min=1)
+            return loss, {"self_averaging_loss": loss.detach()}
+
+
+    @POLICY_LOSS_FN.register("renamed_mode")
+    class RenamedMode(PolicyLossFn):
+        """Keeps its mode under another attribute name than loss_agg_mode."""
+
+        def __init__(self, backend: str = "trl", agg: str = "token-mean"):
+            super().__init__(backend)
+            self.agg = agg
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+            loss = agg_loss(-advantages * logprob, action_mask, self.agg)
+            return loss, {"renamed_mode_loss": loss.detach()}
+
+
+    @POLICY_LOSS_FN.register("declared_self_averaging")
+    class DeclaredSelfAveraging(SelfAveraging):
+        """The same self-averaging loss, declaring it."""
+
+        weighs_samples_itself = True
+
+
+    @POLICY_LOSS_FN.register("takes_aggregation")
+    class TakesAggregation(PolicyLossFn):
+        """The contract: it receives its aggregation."""
+
+        def __init__(self, backend: str = "trl", scale: float = 1.0):
+            super().__init__(backend)
+            self.scale = scale
+
+        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
+            return loss, {"takes_aggregation_loss": loss.detach()}
+    '''
+)
+
+
+@pytest.mark.parametrize("name", ["self_averaging", "renamed_mode"])
+def test_a_loss_that_does_not_take_its_aggregation_is_refused_at_construction(tmp_path, name):
+    """Issue 37 item 1: such a loss passed every check and failed at step 1 (``Unknown loss_agg_mode None`` or its
+    mode silently replaced); it is now refused when the config (so the trainer) is built, in one line naming what
+    to add."""
+    from trinity_trl.trainers import TrinityConfig
+
+    path = tmp_path / "contract_losses.py"
+    path.write_text(CONTRACT_PLUGIN)
+    try:
+        import_components(str(path))
+        with pytest.raises(ValueError, match="loss_agg_mode.*weighs_samples_itself = True") as error:
+            TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out")), policy_loss=name, kl_loss="none")
+        assert "\n" not in str(error.value) and name in str(error.value)
+    finally:
+        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+            if registered in POLICY_LOSS_FN._entries:
+                POLICY_LOSS_FN.unregister(registered)
+        sys.modules.pop("contract_losses", None)
+
+
+@pytest.mark.parametrize("name", ["takes_aggregation", "declared_self_averaging"])
+def test_a_loss_that_keeps_the_contract_trains(tmp_path, tiny_model_dir, name):
+    """A loss that receives its aggregation, or declares that it weighs its samples itself, trains; the trainer
+    passes the aggregation as an argument and never copies or changes the user's object."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    path = tmp_path / "contract_losses.py"
+    path.write_text(CONTRACT_PLUGIN)
+    try:
+        import_components(str(path))
+        args = TrinityConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1), policy_loss=name, kl_loss="none"
+        )
+        trainer = TrinityTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+        )
+        loss = trainer.components.policy_loss
+        state = dict(vars(loss))
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        assert any(f"actor/{name.replace('declared_', '')}_loss" in e for e in trainer.state.log_history)
+        assert trainer.components.policy_loss is loss and vars(loss) == state
+    finally:
+        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+            if registered in POLICY_LOSS_FN._entries:
+                POLICY_LOSS_FN.unregister(registered)
+        sys.modules.pop("contract_losses", None)
+
+
+ADVANTAGE_PLUGIN = textwrap.dedent(
+    '''
+    """A user's advantage estimator with one hyperparameter (issue 37, item 6)."""
+    import torch
+
+    from trinity_trl.algorithms import ADVANTAGE_FN, GroupAdvantageFn, gather_metrics, group_by
+
+
+    @ADVANTAGE_FN.register("median_baseline")
+    class MedianBaseline(GroupAdvantageFn):
+        """scale * (reward - the group's median reward)."""
+
+        def __init__(self, scale: float = 1.0):
+            self.scale = scale
+
+        def process(self, experiences):
+            kept, metrics = [], []
+            for group in group_by(experiences, "task").values():
+                rewards = torch.tensor([float(exp.reward) for exp in group])
+                baseline = rewards.median()
+                for exp, reward in zip(group, rewards):
+                    exp.set_advantage(self.scale * (reward - baseline))
+                metrics.append({"baseline": baseline.item(), "scale": self.scale})
+                kept.extend(group)
+            return kept, gather_metrics(metrics, "median_baseline")
+    '''
+)
+
+
+@pytest.fixture
+def advantage_plugin(tmp_path):
+    path = tmp_path / "user_advantages.py"
+    path.write_text(ADVANTAGE_PLUGIN)
+    yield path
+    if "median_baseline" in ADVANTAGE_FN._entries:
+        ADVANTAGE_FN.unregister("median_baseline")
+    sys.modules.pop("user_advantages", None)
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def test_an_advantage_estimator_from_a_file_through_python(tmp_path, tiny_model_dir, advantage_plugin):
+    """The docs' custom advantage (docs/algorithms/custom-components.md#advantage) from a file outside the package:
+    built with its hyperparameter, run on every group, its metrics logged."""
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    import_components(str(advantage_plugin))
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1),
+        advantage=Component("median_baseline", scale=0.5),
+        kl_loss="none",
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
+    )
+    assert type(trainer.components.advantage_fn).__name__ == "MedianBaseline"
+    trainer.train()
+    assert _logged(trainer, "median_baseline/scale/mean") == [0.5]
+
+
+def test_an_advantage_estimator_from_a_file_through_yaml_and_the_cli(tmp_path, tiny_model_dir, advantage_plugin):
+    """``import:`` (relative to the YAML file) and ``advantage: {name: ..., scale: ...}`` in YAML, the hyperparameter
+    overridden on the command line."""
+    from trinity_trl.cli import run
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "import: user_advantages.py\n"  # beside run.yaml
+        "algorithm: grpo\n"
+        "advantage: {name: median_baseline, scale: 0.5}\n"
+        "kl_loss: none\n"
+        f"model_name_or_path: {tiny_model_dir}\n"
+        f"output_dir: {tmp_path / 'out'}\n"
+        "max_steps: 1\nnum_train_rows: 8\nmax_completion_length: 8\nper_device_train_batch_size: 4\n"
+        "num_generations: 4\nlora_r: 4\nlora_alpha: 8\neval_accuracy: false\nlogging_steps: 1\nplot: false\n"
+        "report_to: none\nsave_strategy: 'no'\nuse_cpu: true\n"
+    )
+    trainer = run(["train", "--config", str(config), "--advantage.scale", "0.25"])
+    assert trainer.components.advantage_fn.scale == 0.25  # the command line wins over the YAML
+    assert _logged(trainer, "median_baseline/scale/mean") == [0.25]

@@ -186,7 +186,8 @@ def test_needs_reference_follows_the_kl_choice():
         ({"policy_loss_fn": "ppx"}, "policy loss 'ppx'"),
         ({"kl_loss_fn": "k4"}, "KL function 'k4'"),
         ({"loss_agg_mode": "sum"}, "loss_agg_mode"),
-        ({"advantage_fn": "rloo"}, "batch function"),  # grpo computes advantages on experience groups
+        # grpo computes advantages on experience groups; the error names the config field (advantage), not advantage_fn
+        ({"advantage_fn": "rloo"}, "but advantage='rloo' is a batch function"),
         ({"policy_loss_fn_args": ["clip_range", 0.2]}, "must be a dict"),
         ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_ratio_c": 0.5}}, "clip_ratio_c"),
         ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_rang_high": 0.3}}, "takes no argument.*clip_range_high"),

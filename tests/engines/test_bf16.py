@@ -75,7 +75,7 @@ def rl_kwargs(tmp_path, precision: str, **extra):
         output_dir=str(tmp_path / precision),
         max_completion_length=16,
         disable_tqdm=True,
-        entropy_loss_fn_args={"entropy_coef": 0.01},
+        entropy_loss={"entropy_coef": 0.01},
         **extra,
     )
     kwargs["bf16"], kwargs["fp16"] = precision == "bf16", precision == "fp16"
@@ -123,9 +123,7 @@ def build(name: str, tmp_path, model_dir: str, precision: str):
         "rollout_func": fixed_rollouts,
     }
     if name == "trinity":
-        args = TrinityConfig(
-            algorithm="grpo", kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.1}, **rl_kwargs(tmp_path, precision)
-        )
+        args = TrinityConfig(algorithm="grpo", kl_loss={"name": "k2", "kl_coef": 0.1}, **rl_kwargs(tmp_path, precision))
         return TrinityTrainer(model=model_dir, args=args, **data)
     if name == "chord":
         args = ChordConfig(expert_batch_size=2, **rl_kwargs(tmp_path, precision))
@@ -273,8 +271,8 @@ def test_fp16_on_a_cpu_is_rejected_with_the_reason(tmp_path, config_class):
 
 
 def test_ppo_rejects_fp16_on_any_device(tmp_path, monkeypatch):
-    import trinity_trl.trainers.common as common
+    import trinity_trl.trainers.machine as machine
 
-    monkeypatch.setattr(common, "accelerator_available", lambda: True)  # as on a GPU machine, where fp16 runs
+    monkeypatch.setattr(machine, "accelerator_available", lambda: True)  # as on a GPU machine, where fp16 runs
     with pytest.raises(ValueError, match="fp16 is not supported.*loss scaler serves one optimizer.*critic"):
         PPOConfig(output_dir=str(tmp_path), fp16=True, report_to="none")

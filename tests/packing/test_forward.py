@@ -189,9 +189,8 @@ def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, norma
             output_dir=str(tmp_path),
             loss_agg_mode=agg,
             loss_normalization=normalization,
-            kl_loss_fn="k2",
-            kl_loss_fn_args={"kl_coef": 0.5},
-            entropy_loss_fn_args={"entropy_coef": 0.05},
+            kl_loss={"name": "k2", "kl_coef": 0.5},
+            entropy_loss={"entropy_coef": 0.05},
             temperature=0.8,
         )
     )
@@ -214,9 +213,7 @@ def test_trinity_loss_and_gradients_equal_padded(tmp_path, model_dir, agg, norma
 
 def test_lora_adapter_and_disabled_adapter_reference_equal_padded(tmp_path, model_dir):
     args = TrinityConfig(
-        **tiny_grpo_kwargs(
-            output_dir=str(tmp_path), kl_loss_fn="low_var_kl", kl_loss_fn_args={"kl_coef": 0.5}, learning_rate=0.05
-        )
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), kl_loss={"name": "low_var_kl", "kl_coef": 0.5}, learning_rate=0.05)
     )
     trainer = TrinityTrainer(
         model=model_dir,
@@ -255,11 +252,10 @@ def test_training_with_accumulation_and_iterations_equals_padded(tmp_path, tiny_
                 per_device_train_batch_size=4,
                 gradient_accumulation_steps=2,
                 num_iterations=2,
-                kl_loss_fn="k3",
-                kl_loss_fn_args={"kl_coef": 0.1},
+                kl_loss={"name": "k3", "kl_coef": 0.1},
                 optim="sgd",
                 learning_rate=0.1,
-                entropy_loss_fn_args={"entropy_coef": 0.01},
+                entropy_loss={"entropy_coef": 0.01},
                 prefix_packing=packing,
                 activation_checkpointing=peft,
             )
@@ -357,7 +353,7 @@ def test_step_grpo_runs_equal_padded(tmp_path, tiny_model_dir):
     for shared in (True, False):
         args = StepGRPOConfig(
             **tiny_grpo_kwargs(
-                output_dir=str(tmp_path / str(shared)), max_env_steps=3, shared_prefix=shared, kl_loss_fn="k2"
+                output_dir=str(tmp_path / str(shared)), max_env_steps=3, shared_prefix=shared, kl_loss="k2"
             )
         )
         trainer = StepGRPOTrainer(

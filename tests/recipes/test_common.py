@@ -86,6 +86,25 @@ def test_unknown_yaml_keys_and_options_are_errors_with_suggestions(tmp_path):
         parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--bogus", "1"], "cispo")
 
 
+def test_the_removed_spellings_of_0_1_name_their_replacement(tmp_path):
+    """Issue 37 item 2: a YAML key or a command-line option that 0.2 removed is one line giving the new spelling."""
+    config = tmp_path / "old.yaml"
+    config.write_text("use_cpu: true\nbf16: false\nclip_range_high: 5.0\n")
+    with pytest.raises(
+        UsageError,
+        match=r"^CISPOConfig: clip_range_high was removed in trinity_trl 0.2; write policy_loss=\{'clip_range_high'",
+    ):
+        parse((RecipeArguments, CISPOConfig), ["--config", str(config), "--output_dir", str(tmp_path)], "cispo")
+    with pytest.raises(
+        UsageError, match=r"^ChordConfig: policy_loss_fn_args was removed .*--policy_loss.argument value"
+    ):
+        parse(
+            (RecipeArguments, ChordConfig),
+            ["--output_dir", str(tmp_path), "--policy_loss_fn_args", '{"mu_peak": 0.5}'],
+            "chord",
+        )
+
+
 def test_options_are_never_abbreviated(tmp_path):
     """argparse would take --max_step for --max_steps; a recipe must not."""
     with pytest.raises(UsageError, match=r"--max_step \(did you mean --max_steps\?\)"):
@@ -242,15 +261,18 @@ def restore_torch_threads():
 
 def test_torch_threads_of_a_recipe_config_reach_torch(monkeypatch, tmp_path, restore_torch_threads):
     """`torch_threads` in a recipe's YAML or command line is the training config's field (it sets torch's count
-    when the config is built), not a recipe argument that a Python user of the trainers would miss."""
+    when the trainer starts), not a recipe argument that a Python user of the trainers would miss."""
     import torch
 
     from trinity_trl.trainers import CISPOConfig
+    from trinity_trl.trainers.machine import start_on_this_machine
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch.set_num_threads(1)
     _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "2"], "cispo")
-    assert config.torch_threads == 2 and torch.get_num_threads() == 2
+    assert config.torch_threads == 2 and torch.get_num_threads() == 1  # parsing changes nothing process-wide
+    start_on_this_machine(config)  # what every trainer does first
+    assert torch.get_num_threads() == 2
     with pytest.raises(ValueError, match="torch_threads must be a whole number >= 0, got -1"):
         parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--torch_threads", "-1"], "cispo")
 
@@ -333,6 +355,37 @@ def test_import_registers_a_module_from_a_file(tmp_path):
         POLICY_LOSS_FN.unregister("flat_ppo")
     with pytest.raises(ImportError, match="no module named 'not_a_module_here'"):
         parse((RecipeArguments, TrinityConfig), ["--import", "not_a_module_here"], "train")
+
+
+def test_yaml_import_is_relative_to_the_yaml_file(tmp_path, monkeypatch):
+    """Issue 37 item 6: ``import: my_losses.py`` in a YAML file names the file beside the YAML file, whatever the
+    current folder (it was read from the current folder)."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.trainers import TrinityConfig
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "beside_losses.py").write_text(
+        "from trinity_trl.algorithms import POLICY_LOSS_FN\n"
+        "from trinity_trl.algorithms.policy_loss.ppo import PPOPolicyLossFn\n"
+        "@POLICY_LOSS_FN.register('beside_ppo')\n"
+        "class BesidePPO(PPOPolicyLossFn):\n"
+        "    pass\n"
+    )
+    config = project / "run.yaml"
+    config.write_text("import: beside_losses.py\npolicy_loss: beside_ppo\nuse_cpu: true\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    try:
+        _, parsed = parse(
+            (RecipeArguments, TrinityConfig), ["--config", str(config), "--output_dir", str(tmp_path / "o")], "train"
+        )
+        assert parsed.resolved_algorithm().policy_loss_fn == "beside_ppo"
+    finally:
+        if "beside_ppo" in POLICY_LOSS_FN:
+            POLICY_LOSS_FN.unregister("beside_ppo")
+        sys.modules.pop("beside_losses", None)
 
 
 def test_read_config_reports_yaml_syntax_as_file_and_line(tmp_path):

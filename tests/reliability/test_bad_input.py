@@ -50,12 +50,12 @@ def _generate(trainer, dataset=None, row=0):
     ("overrides", "match"),
     [
         ({"algorithm": "nope"}, r"Unknown algorithm 'nope'; known names: .*grpo"),
-        ({"policy_loss_fn": "nope"}, r"Unknown policy loss 'nope'; known names: .*cispo"),
-        ({"advantage_fn": "nope"}, r"'nope'.*known names"),
-        ({"kl_loss_fn": "nope"}, r"'nope'.*known names"),
-        ({"policy_loss_fn_args": {"clip_range": -0.1}}, r"clip ranges must be >= 0, got low=-0.1"),
-        ({"kl_loss_fn_args": {"kl_coef": -1.0}}, r"kl_coef must be >= 0, got -1.0"),
-        ({"policy_loss_fn_args": {"not_an_arg": 1}}, r"not_an_arg"),
+        ({"policy_loss": "nope"}, r"Unknown policy loss 'nope'; known names: .*cispo"),
+        ({"advantage": "nope"}, r"'nope'.*known names"),
+        ({"kl_loss": "nope"}, r"'nope'.*known names"),
+        ({"policy_loss": {"clip_range": -0.1}}, r"clip ranges must be >= 0, got low=-0.1"),
+        ({"kl_loss": {"kl_coef": -1.0}}, r"kl_coef must be >= 0, got -1.0"),
+        ({"policy_loss": {"not_an_arg": 1}}, r"not_an_arg"),
         ({"loss_agg_mode": "bad_mode"}, r"bad_mode"),
         ({"algorithm": "cispo", "epsilon": 0.3}, r"epsilon=0.3 is not used by trinity_trl.*clip_range"),
     ],
@@ -258,7 +258,7 @@ def test_group_with_one_scored_member_follows_the_singleton_rule(tmp_path, tiny_
     assert batch["advantages"].tolist() == approx([0.0, 0.0, 0.75 / (1 + 1e-6), 0.0], terms=4)  # a group of 4
     assert batch["completion_mask"].sum(1).tolist()[2] > 0 and trainer._metrics["train"]["unscorable_count"] == [3.0]
 
-    trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=lone, advantage_fn_args={"std_threshold": 0.0})
+    trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=lone, advantage={"std_threshold": 0.0})
     batch = _generate(trainer)
     assert batch["advantages"].abs().sum() == 0 and batch["completion_mask"].sum() == 0
     assert trainer._metrics["train"]["filtered_count"] == [1.0]

@@ -73,8 +73,7 @@ def _adaptive_kl(output_dir, model_dir, **extra):
             output_dir=output_dir,
             max_steps=STEPS,
             algorithm="reinforceplusplus",
-            kl_penalty_fn="k2",
-            kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
+            kl_penalty={"name": "k2", "kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
             **extra,
         )
     )
@@ -185,8 +184,7 @@ def test_resume_restores_the_adaptive_kl_coefficient_and_writes_the_trainer_stat
                 **tiny_grpo_kwargs(
                     output_dir=str(tmp_path / "out"),
                     algorithm="reinforceplusplus",
-                    kl_penalty_fn="k2",
-                    kl_penalty_fn_args=args,
+                    kl_penalty={"name": "k2", **args},
                     max_steps=3,
                     save_strategy="steps",
                     save_steps=1,

@@ -109,8 +109,8 @@ def test_loss_equals_library_mix_chord_on_the_same_tensors(tmp_path, tiny_model_
         mu_decay_steps=2,
         mu_peak=0.5,
         mu_valley=0.02,
-        kl_loss_fn="none",
-        entropy_loss_fn="none",
+        kl_loss="none",
+        entropy_loss="none",
         expert_batch_size=2,
     )
     trainer.train()
@@ -201,7 +201,7 @@ def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, 
 
 def test_mix_uses_a_constant_mu(tmp_path, tiny_model_dir):
     trainer = make_trainer(
-        tmp_path, tiny_model_dir, algorithm="mix", policy_loss_fn_args={"mu": 0.3}, max_steps=1, expert_batch_size=2
+        tmp_path, tiny_model_dir, algorithm="mix", policy_loss={"mu": 0.3}, max_steps=1, expert_batch_size=2
     )
     assert trainer.components.policy_loss.mu == 0.3
     trainer.train()
@@ -225,7 +225,7 @@ def test_expert_row_count_defaults_from_the_ratio():
         ({"expert_batch_size": 3, "gradient_accumulation_steps": 2}, "multiple of steps_per_generation"),
         ({"expert_data_ratio": 1.0}, "expert_data_ratio"),
         ({"algorithm": "mix", "mu_peak": 0.5}, "only apply to CHORD"),
-        ({"mu_peak": 0.5, "policy_loss_fn_args": {"mu_peak": 0.2}}, "set them in one place"),
+        ({"mu_peak": 0.5, "policy_loss": {"mu_peak": 0.2}}, "set them in one place"),
         ({"mu_valley": 2.0}, "mu_valley"),
     ],
 )

@@ -20,11 +20,13 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
     config = _config(
         tmp_path,
         CISPOConfig,
-        clip_range_low=0.5,
-        clip_range_high=0.4,
-        enable_mask_clip=True,
-        mask_clip_range_low=0.9,
-        mask_clip_range_high=0.5,
+        policy_loss={
+            "clip_range_low": 0.5,
+            "clip_range_high": 0.4,
+            "enable_mask_clip": True,
+            "mask_clip_range_low": 0.9,
+            "mask_clip_range_high": 0.5,
+        },
     )
     args = config.resolved_algorithm().policy_loss_fn_args
     assert {
@@ -46,24 +48,11 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
     resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
     assert resolved.algorithm == "cispo" and resolved.policy_loss_fn == "cispo"
     assert resolved.kl_loss_fn == "k2"  # the preset's KL loss
-    # a clash between a dedicated field and the same key in policy_loss_fn_args
-    with pytest.raises(ValueError, match="clip_range_high"):
-        _config(
-            tmp_path,
-            CISPOConfig,
-            clip_range_high=0.5,
-            policy_loss_fn_args={"clip_range_high": 0.6},
-        )
-    # one door: the loss's argument alone (the deprecated field is unset)
+    # one door: the loss's argument (the flat field of 0.1 is gone)
     given = _config(tmp_path, CISPOConfig, policy_loss={"clip_range_high": 5.0})
     assert given.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 5.0
-    same = _config(
-        tmp_path,
-        CISPOConfig,
-        clip_range_high=0.6,
-        policy_loss_fn_args={"clip_range_high": 0.6},
-    )
-    assert same.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.6
+    with pytest.raises(TypeError, match="clip_range_high was removed"):
+        _config(tmp_path, CISPOConfig, clip_range_high=0.6)
     with pytest.raises(ValueError, match="cispo"):
         _config(tmp_path, CISPOConfig, algorithm="grpo")
 
@@ -73,7 +62,9 @@ def test_cispo_trainer_trains_the_cispo_loss(tmp_path, tiny_model_dir):
         model=tiny_model_dir,
         reward_funcs=length_reward,
         train_dataset=tiny_conversational_dataset(),
-        args=CISPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, clip_range_high=0.5)),
+        args=CISPOConfig(
+            **tiny_grpo_kwargs(output_dir=str(tmp_path), max_steps=1, policy_loss={"clip_range_high": 0.5})
+        ),
     )
     assert isinstance(trainer, TrinityTrainer) and trainer._name == "CISPO"
     assert trainer.components.policy_loss.clip_range_high == 0.5

@@ -1,6 +1,6 @@
 """`trinity_trl/trainers/common.py`: components built once from a config, the processor a model name loads, the
 default output folder, `*_args` fields, fused-head capture and the sequence-sharding refusal. The model card written
-by `AlgorithmCardMixin`: test_model_card.py."""
+by `AlgorithmCardMixin` (`trainers/card.py`): test_model_card.py."""
 
 from __future__ import annotations
 
@@ -12,20 +12,15 @@ from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.algorithms import KL_FN, POLICY_LOSS_FN
 from trinity_trl.trainers import ChordConfig, TrinityConfig, TrinityTrainer
-from trinity_trl.trainers.common import (
-    Components,
-    capture_fused_outputs,
-    default_output_dir,
-    parse_args_field,
-    reject_sequence_sharding,
-)
+from trinity_trl.trainers.common import capture_fused_outputs, default_output_dir, reject_sequence_sharding
+from trinity_trl.trainers.components import Components
 
 
 # ------------------------------------------------------------------------------------------------- Components
 def test_components_are_built_from_the_resolved_algorithm():
     algorithm = TrinityConfig(
         **tiny_grpo_kwargs(
-            output_dir="unused", algorithm="reinforceplusplus", kl_penalty_fn="k1", kl_penalty_fn_args={"kl_coef": 0.3}
+            output_dir="unused", algorithm="reinforceplusplus", kl_penalty={"name": "k1", "kl_coef": 0.3}
         )
     ).resolved_algorithm()
     components = Components.build(algorithm)
@@ -49,7 +44,7 @@ def test_trainer_overrides_reach_the_policy_loss():
 
 def test_an_override_the_user_also_set_is_an_error():
     user_args = {"usual_sample_weight": 1.0, "expert_sample_weight": 1.0}
-    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss_fn_args=user_args)).resolved_algorithm()
+    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss=user_args)).resolved_algorithm()
     with pytest.raises(
         ValueError,
         match=r"policy_loss sets \['expert_sample_weight', 'usual_sample_weight'\], "
@@ -105,17 +100,6 @@ def test_default_output_dir():
     model = SimpleNamespace(config=SimpleNamespace(_name_or_path="/models/tiny"))
     assert default_output_dir(model, "TrinityConfig") == "tiny-TrinityConfig"
     assert default_output_dir(SimpleNamespace(config=SimpleNamespace(_name_or_path="")), "X") == "model-X"
-
-
-# -------------------------------------------------------------------------------------------- parse_args_field
-def test_parse_args_field():
-    assert parse_args_field("X", "policy_loss_fn_args", '{"mu": 0.3}') == {"mu": 0.3}
-    assert parse_args_field("X", "policy_loss_fn_args", {"mu": 0.3}) == {"mu": 0.3}
-    assert parse_args_field("X", "policy_loss_fn_args", None) is None
-    with pytest.raises(ValueError, match=r"X: policy_loss_fn_args must be a dict or a JSON object string, got '\{mu'"):
-        parse_args_field("X", "policy_loss_fn_args", "{mu")
-    with pytest.raises(ValueError, match="must be a dict or a JSON object string, got list"):
-        parse_args_field("X", "policy_loss_fn_args", "[1, 2]")
 
 
 # ---------------------------------------------------------------------------------------- capture_fused_outputs

@@ -182,19 +182,15 @@ def test_every_grpo_field_is_classified():
     assert set(grpo_fields) <= trinity_fields
     assert trinity_fields - set(grpo_fields) >= {
         "algorithm",
-        "policy_loss_fn",
-        "policy_loss_fn_args",
-        "advantage_fn",
-        "advantage_fn_args",
-        "kl_loss_fn",
-        "kl_loss_fn_args",
-        "kl_penalty_fn",
-        "kl_penalty_fn_args",
-        "entropy_loss_fn",
-        "entropy_loss_fn_args",
+        "policy_loss",
+        "advantage",
+        "kl_loss",
+        "kl_penalty",
+        "entropy_loss",
         "loss_agg_mode",
         "component_args_mode",
     }
+    assert not trinity_fields & set(TrinityConfig.removed_spellings)  # the flat fields of 0.1 are gone
 
 
 def test_replaced_field_messages_name_a_real_replacement():
@@ -239,7 +235,7 @@ def test_trl_epsilon_fields_are_the_relative_clip_bounds(tmp_path, algorithm):
     default = POLICY_LOSS_FN.get(algorithm if algorithm == "gspo" else "ppo").default_args()
     assert unset.clip_range_low == default.get("clip_range_low", default.get("clip_range"))
     with pytest.raises(ValueError, match="epsilon_high"):
-        _config(tmp_path, algorithm=algorithm, epsilon_high=0.4, policy_loss_fn_args={"clip_range_high": 0.5})
+        _config(tmp_path, algorithm=algorithm, epsilon_high=0.4, policy_loss={"clip_range_high": 0.5})
 
 
 def test_trl_cispo_epsilon_high_is_rejected_with_the_relative_replacement(tmp_path):
@@ -285,7 +281,7 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
     args = config.resolved_algorithm().policy_loss_fn_args
     assert args["tau_neg"] == 2.0 and args["tau_pos"] == 1.0
     # a sapo policy loss in another preset honours them too
-    args = _config(tmp_path, policy_loss_fn="sapo", sapo_temperature_pos=0.8).resolved_algorithm().policy_loss_fn_args
+    args = _config(tmp_path, policy_loss="sapo", sapo_temperature_pos=0.8).resolved_algorithm().policy_loss_fn_args
     assert args["tau_pos"] == 0.8
     # and they are checked: tau_neg must be >= tau_pos
     with pytest.raises(ValueError, match="tau_neg"):
@@ -296,13 +292,13 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
             tmp_path,
             algorithm="sapo",
             sapo_temperature_neg=2.0,
-            policy_loss_fn_args={"tau_neg": 3.0},
+            policy_loss={"tau_neg": 3.0},
         )
     same = _config(
         tmp_path,
         algorithm="sapo",
         sapo_temperature_neg=2.0,
-        policy_loss_fn_args={"tau_neg": 2.0},
+        policy_loss={"tau_neg": 2.0},
     )
     assert same.resolved_algorithm().policy_loss_fn_args["tau_neg"] == 2.0
 
@@ -326,11 +322,11 @@ def test_unknown_algorithm(tmp_path):
 @pytest.mark.parametrize(
     "component",
     [
-        "policy_loss_fn",
-        "advantage_fn",
-        "kl_loss_fn",
-        "kl_penalty_fn",
-        "entropy_loss_fn",
+        "policy_loss",
+        "advantage",
+        "kl_loss",
+        "kl_penalty",
+        "entropy_loss",
     ],
 )
 def test_unknown_component_name(tmp_path, component):
@@ -341,15 +337,15 @@ def test_unknown_component_name(tmp_path, component):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"policy_loss_fn_args": {"clip_ratio_c": 0.5}},
-        {"policy_loss_fn_args": {"clip_range": -0.1}},
-        {"advantage_fn_args": {"epsilon": 0.0}},
-        {"advantage_fn_args": {"std_cal_level": "nope"}},
-        {"kl_loss_fn_args": {"kl_coef": -1.0}},
-        {"kl_penalty_fn_args": {"adaptive": True}},  # without target_kl / horizon
-        {"algorithm": "cispo", "policy_loss_fn_args": {"clip_range_low": 1.5}},
-        {"algorithm": "sapo", "policy_loss_fn_args": {"tau_pos": 0.0}},
-        {"advantage_fn": "rloo"},  # a batch function in a group-advantage preset
+        {"policy_loss": {"clip_ratio_c": 0.5}},
+        {"policy_loss": {"clip_range": -0.1}},
+        {"advantage": {"epsilon": 0.0}},
+        {"advantage": {"std_cal_level": "nope"}},
+        {"kl_loss": {"kl_coef": -1.0}},
+        {"kl_penalty": {"adaptive": True}},  # without target_kl / horizon
+        {"algorithm": "cispo", "policy_loss": {"clip_range_low": 1.5}},
+        {"algorithm": "sapo", "policy_loss": {"tau_pos": 0.0}},
+        {"advantage": "rloo"},  # a batch function in a group-advantage preset
     ],
 )
 def test_bad_arguments_fail_at_config_construction(tmp_path, kwargs):
@@ -360,7 +356,7 @@ def test_bad_arguments_fail_at_config_construction(tmp_path, kwargs):
 def test_unknown_argument_key_fails_at_config_construction(tmp_path):
     # The component constructor rejects it with a ValueError naming the key and listing the accepted ones.
     with pytest.raises(ValueError, match="not_an_arg.*clip_range"):
-        _config(tmp_path, policy_loss_fn_args={"not_an_arg": 1})
+        _config(tmp_path, policy_loss={"not_an_arg": 1})
 
 
 @pytest.mark.parametrize("field", ["loss_agg_mode", "component_args_mode", "loss_normalization"])
@@ -372,22 +368,20 @@ def test_bad_modes(tmp_path, field):
 def test_args_given_as_json_strings_are_parsed(tmp_path):
     config = _config(
         tmp_path,
-        policy_loss_fn_args='{"clip_range": 0.3}',
-        advantage_fn_args='{"epsilon": 1e-5}',
-        kl_loss_fn_args='{"kl_coef": 0.01}',
-        kl_penalty_fn_args="{}",
-        entropy_loss_fn_args='{"entropy_coef": 0.002}',
+        policy_loss='{"clip_range": 0.3}',
+        advantage='{"epsilon": 1e-5}',
+        kl_loss='{"kl_coef": 0.01}',
+        kl_penalty="{}",
+        entropy_loss='{"entropy_coef": 0.002}',
     )
-    assert config.policy_loss.args == {"clip_range": 0.3}  # the deprecated field lands in the component
+    assert config.policy_loss.args == {"clip_range": 0.3}
     resolved = config.resolved_algorithm()
     assert resolved.policy_loss_fn_args["clip_range"] == 0.3
     assert resolved.advantage_fn_args["epsilon"] == 1e-5
     assert resolved.kl_loss_fn_args["kl_coef"] == 0.01
     assert resolved.entropy_loss_fn_args["entropy_coef"] == 0.002
-    with pytest.raises(ValueError, match="policy_loss_fn_args"):
-        _config(tmp_path, policy_loss_fn_args="{not json")
-    with pytest.raises(ValueError, match="policy_loss_fn_args"):
-        _config(tmp_path, policy_loss_fn_args="[1, 2]")  # JSON, but not an object
+    with pytest.raises(ValueError, match="policy_loss is not a JSON object"):
+        _config(tmp_path, policy_loss="{not json")
 
 
 def test_trl_parser_passes_args_as_json(tmp_path):
@@ -400,13 +394,13 @@ def test_trl_parser_passes_args_as_json(tmp_path):
             "True",
             "--algorithm",
             "gspo",
-            "--policy_loss_fn_args",
+            "--policy_loss",
             '{"clip_range": 0.3}',
-            "--kl_loss_fn",
+            "--kl_loss",
             "k3",
         ]
     )
-    assert config.policy_loss.args == {"clip_range": 0.3}  # the deprecated field lands in the component
+    assert config.policy_loss.args == {"clip_range": 0.3}
     resolved = config.resolved_algorithm()
     assert resolved.policy_loss_fn == "gspo" and resolved.kl_loss_fn == "k3"
     # merge mode: the user's symmetric clip_range replaces GSPO's default specific bounds
@@ -414,19 +408,17 @@ def test_trl_parser_passes_args_as_json(tmp_path):
 
 
 def test_merge_and_replace_semantics(tmp_path):
-    merged = _config(tmp_path, policy_loss_fn_args={"clip_range_high": 0.28}).resolved_algorithm()
+    merged = _config(tmp_path, policy_loss={"clip_range_high": 0.28}).resolved_algorithm()
     loss = merged.build_policy_loss()
     assert (loss.clip_range_low, loss.clip_range_high) == (0.2, 0.28)
     assert merged.policy_loss_fn_args["clip_ratio_c"] == 3.0  # the other defaults are kept
     with pytest.raises(ValueError, match="clip range is unresolved"):
         _config(
             tmp_path,
-            policy_loss_fn_args={"clip_range_high": 0.28},
+            policy_loss={"clip_range_high": 0.28},
             component_args_mode="replace",
         )
-    replaced = _config(
-        tmp_path, policy_loss_fn_args={"clip_range": 0.1}, component_args_mode="replace"
-    ).resolved_algorithm()
+    replaced = _config(tmp_path, policy_loss={"clip_range": 0.1}, component_args_mode="replace").resolved_algorithm()
     # the user's dict alone (plus the global aggregation mode, which always reaches the policy loss)
     assert replaced.policy_loss_fn_args == {
         "clip_range": 0.1,
@@ -452,7 +444,7 @@ def test_global_loss_agg_mode_overrides_the_policy_loss_in_replace_mode(tmp_path
         tmp_path,
         loss_agg_mode="seq-mean-token-mean",
         component_args_mode="replace",
-        policy_loss_fn_args={"clip_range": 0.2},
+        policy_loss={"clip_range": 0.2},
     ).resolved_algorithm()
     assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
 
@@ -478,13 +470,30 @@ def test_component_field_errors_name_the_allowed_arguments(tmp_path):
         _config(tmp_path, kl_loss={"kl_coef": "a lot"})
 
 
-def test_flat_component_fields_are_deprecated_but_work(tmp_path):
-    with pytest.warns(FutureWarning, match=r"policy_loss_fn / policy_loss_fn_args are deprecated.*policy_loss="):
-        config = _config(tmp_path, policy_loss_fn="cispo", policy_loss_fn_args={"clip_range_high": 5.0})
-    assert config.policy_loss.name == "cispo" and config.policy_loss_fn is None
-    assert config.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 5.0
-    with pytest.raises(ValueError, match="set policy_loss or the deprecated policy_loss_fn"):
-        _config(tmp_path, policy_loss="ppo", policy_loss_fn="cispo")
+REMOVED = [
+    ("TrinityConfig", "policy_loss_fn", "cispo", "policy_loss={'name': ...}"),
+    ("TrinityConfig", "kl_penalty_fn_args", {"kl_coef": 0.1}, "kl_penalty={'argument': value}"),
+    ("TrinitySFTConfig", "policy_loss_fn_args", {"cutoff_prob": 0.9}, "policy_loss={'argument': value}"),
+    ("TrinityDPOConfig", "kl_loss_fn", "k3", "kl_loss={'name': ...}"),
+    ("CISPOConfig", "clip_range_high", 5.0, "policy_loss={'clip_range_high': value}"),
+    ("SAPOConfig", "sapo_form", "trinity", "policy_loss={'form': value}"),
+    ("ChordConfig", "rl_loss_agg_mode", "token-mean", "policy_loss={'grpo_loss_agg_mode': value}"),
+    ("StepGRPOConfig", "advantage_epsilon", 1e-6, "advantage={'epsilon': value}"),
+]
+
+
+@pytest.mark.parametrize(("config", "old", "value", "new"), REMOVED)
+def test_the_spellings_of_0_1_are_refused_with_the_new_one(tmp_path, config, old, value, new):
+    """Issue 37 item 2: the flat fields and the other pre-1.0 spellings are removed (CHANGELOG.md); each is a one-line
+    error that gives the new spelling, not a bare ``unexpected keyword argument``."""
+    import trinity_trl.trainers as trainers
+
+    cls = getattr(trainers, config)
+    assert old not in {f.name for f in dataclasses.fields(cls)}
+    with pytest.raises(TypeError) as error:
+        cls(output_dir=str(tmp_path), use_cpu=True, **{old: value})
+    message = str(error.value)
+    assert message.startswith(f"{config}: {old} was removed in trinity_trl 0.2; write {new}") and "\n" not in message
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -17,33 +17,29 @@ from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer, TrinityConfig,
 class ClippedReinforce(PolicyLossFn):
     """``-clamp(A, -c, c) · ℓ``: REINFORCE with clipped advantages. Clipping at ``c`` makes it non-linear in A."""
 
-    def __init__(self, backend: str = "trl", clip: float = 1.0, loss_agg_mode: str = "token-mean"):
+    def __init__(self, backend: str = "trl", clip: float = 1.0):
         super().__init__(backend)
-        self.clip, self.loss_agg_mode = float(clip), loss_agg_mode
+        self.clip = float(clip)
 
     @property
     def linear_in_advantage(self) -> bool:
         return False
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
-        loss = agg_loss(-advantages.clamp(-self.clip, self.clip) * logprob, action_mask, self.loss_agg_mode)
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+        loss = agg_loss(-advantages.clamp(-self.clip, self.clip) * logprob, action_mask, loss_agg_mode)
         return loss, {"clipped_reinforce_loss": loss.detach()}
 
 
 class SequenceRatioReinforce(PolicyLossFn):
     """``-A · exp(mean_row(ℓ − ℓo)) · ...``: a per-row (sequence-level) ratio, like GSPO."""
 
-    def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
-        super().__init__(backend)
-        self.loss_agg_mode = loss_agg_mode
-
     @property
     def sequence_level(self) -> bool:
         return True
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         ratio = torch.exp(masked_mean(logprob - old_logprob, action_mask, dim=-1)).unsqueeze(-1)
-        loss = agg_loss(-advantages * ratio * logprob, action_mask, self.loss_agg_mode)
+        loss = agg_loss(-advantages * ratio * logprob, action_mask, loss_agg_mode)
         return loss, {"sequence_loss": loss.detach()}
 
 
@@ -58,9 +54,7 @@ def registered():
 
 def test_a_user_loss_trains_in_trinity_trainer(tmp_path, tiny_model_dir, registered):
     args = TrinityConfig(
-        **tiny_grpo_kwargs(
-            output_dir=str(tmp_path), policy_loss_fn="clipped_reinforce", policy_loss_fn_args={"clip": 0.5}
-        )
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), policy_loss={"name": "clipped_reinforce", "clip": 0.5})
     )
     trainer = TrinityTrainer(
         model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
@@ -87,7 +81,7 @@ def test_a_loss_that_is_not_linear_in_the_advantage_refuses_vllm_importance_weig
             args=TrinityConfig(
                 **tiny_grpo_kwargs(
                     output_dir=str(tmp_path),
-                    policy_loss_fn=loss,
+                    policy_loss=loss,
                     use_vllm=True,
                     vllm_importance_sampling_correction=True,
                 )
@@ -136,7 +130,7 @@ def test_step_grpo_packs_runs_only_for_token_level_losses(tmp_path, tiny_model_d
         train_dataset=Dataset.from_dict({"task": list(range(8))}),
         args=StepGRPOConfig(
             **tiny_grpo_kwargs(
-                output_dir=str(tmp_path), max_steps=1, max_env_steps=3, policy_loss_fn=loss, shared_prefix=True
+                output_dir=str(tmp_path), max_steps=1, max_env_steps=3, policy_loss=loss, shared_prefix=True
             )
         ),
     )

@@ -124,8 +124,8 @@ def test_dpo_loss_equals_trl_sigmoid_plus_kl_and_entropy(tiny_model_dir, ref_mod
         tmp_path,
         ref_model=AutoModelForCausalLM.from_pretrained(ref_model_dir),
         beta=0.3,
-        kl_loss_fn_args={"kl_coef": kl_coef},
-        entropy_loss_fn_args={"entropy_coef": entropy_coef},
+        kl_loss={"kl_coef": kl_coef},
+        entropy_loss={"entropy_coef": entropy_coef},
     )
     inputs = first_batch(trainer)
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_dpo_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
 
 
 def test_dpo_precomputed_reference_without_kl(tiny_model_dir, tmp_path):
-    trainer = dpo_trainer(tiny_model_dir, tmp_path, precompute_ref_log_probs=True, kl_loss_fn_args={"kl_coef": 0.0})
+    trainer = dpo_trainer(tiny_model_dir, tmp_path, precompute_ref_log_probs=True, kl_loss={"kl_coef": 0.0})
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and "actor/kl_loss" not in logs[0]
@@ -219,9 +219,7 @@ def test_dpo_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
 def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):
     from_fields = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), beta=0.2, label_smoothing=0.1)
     assert from_fields.resolved_algorithm().policy_loss_fn_args == {"beta": 0.2, "label_smoothing": 0.1}
-    from_args = TrinityDPOConfig(
-        **tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn_args='{"beta": 0.3, "label_smoothing": 0.2}'
-    )
+    from_args = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss='{"beta": 0.3, "label_smoothing": 0.2}')
     assert (from_args.beta, from_args.label_smoothing) == (0.3, 0.2)  # TRL's metrics use the same beta
     resolved = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path)).resolved_algorithm()
     assert resolved.kl_loss_fn == "k2" and resolved.kl_loss_fn_args["kl_coef"] == 0.001
@@ -238,13 +236,13 @@ def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):
         ({"use_weighting": True}, "use_weighting"),
         ({"discopop_tau": 0.1}, "discopop_tau"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
-        ({"kl_loss_fn": "none"}, "kl_loss_fn='none'.*kl_coef"),
-        ({"kl_loss_fn": "k9"}, "k9"),
-        ({"entropy_loss_fn": "mix"}, "entropy_loss must not read expert rows"),
+        ({"kl_loss": "none"}, "kl_loss='none'.*kl_coef"),
+        ({"kl_loss": "k9"}, "k9"),
+        ({"entropy_loss": "mix"}, "entropy_loss must not read expert rows"),
         ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs=True.*per-token KL"),
-        ({"beta": 0.2, "policy_loss_fn_args": {"beta": 0.3}}, "beta=0.2 conflicts"),
+        ({"beta": 0.2, "policy_loss": {"beta": 0.3}}, "beta=0.2 conflicts"),
         ({"label_smoothing": 0.6}, "label_smoothing"),
-        ({"policy_loss_fn_args": {"beta": -1.0}}, "beta must be > 0"),
+        ({"policy_loss": {"beta": -1.0}}, "beta must be > 0"),
         ({"loss_agg_mode": "mean"}, "loss_agg_mode"),
     ],
 )

@@ -25,7 +25,7 @@ from trinity_trl.trainers import (
     TrinitySFTConfig,
     TrinitySFTTrainer,
     TrinityTrainer,
-    common,
+    machine,
 )
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -37,11 +37,12 @@ def test_without_an_accelerator_configs_train_in_float32_without_checkpointing(
     tmp_path, config_class, caplog, monkeypatch
 ):
     """TRL's defaults (bf16, gradient checkpointing) are emulated on a CPU; without `use_cpu` or an explicit
-    precision a config built here must neither fail ("doesn't support bf16/gpu") nor pick them, and says so once."""
-    monkeypatch.setattr(common, "_CPU_DEFAULTS_ANNOUNCED", False)
+    precision a config built here must neither fail ("doesn't support bf16/gpu") nor pick them; the trainer says so
+    when it starts (tests/engines/test_cpu_defaults.py), building a config says nothing."""
     with caplog.at_level(logging.WARNING, logger="trinity_trl"):
         config = config_class(output_dir=str(tmp_path))
-        config_class(output_dir=str(tmp_path))
+        assert not [r for r in caplog.records if "No GPU or other accelerator" in r.getMessage()]
+        machine.start_on_this_machine(config)
     assert config.bf16 is False and config.activation_checkpointing is False
     said = [r.getMessage() for r in caplog.records if "No GPU or other accelerator" in r.getMessage()]
     assert len(said) == 1 and "float32" in said[0]
@@ -53,12 +54,12 @@ def test_explicit_precision_and_checkpointing_are_kept(tmp_path):
 
 
 def test_with_an_accelerator_trl_defaults_stay(tmp_path, monkeypatch):
-    monkeypatch.setattr(common, "accelerator_available", lambda: True)
+    monkeypatch.setattr(machine, "accelerator_available", lambda: True)
     config = TrinityConfig.__new__(TrinityConfig)  # apply_cpu_defaults alone: no CUDA here for the full config
     config.use_cpu, config.bf16, config.fp16 = False, None, False
     config.activation_checkpointing, config.gradient_checkpointing = None, True
     config.activation_checkpointing_kwargs, config.gradient_checkpointing_kwargs = None, None
-    common.apply_cpu_defaults(config)
+    machine.apply_cpu_defaults(config)
     assert config.bf16 is None  # TRL turns it on
     assert config.activation_checkpointing is True  # TRL's default, under the new name (no deprecation warning)
 

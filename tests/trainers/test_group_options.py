@@ -36,7 +36,7 @@ def generate(trainer, rewards_out: list | None = None):
 
 def test_rank_penalty_uses_the_behaviour_logprobs_of_every_sample(tmp_path, tiny_model_dir):
     args = {"rank_penalty": 0.5}
-    trainer = make(tmp_path, tiny_model_dir, length_reward, advantage_fn_args=args)
+    trainer = make(tmp_path, tiny_model_dir, length_reward, advantage=args)
     batch = generate(trainer)
     mask = batch["completion_mask"].bool()
     logps = trainer.scoring.logps(trainer.model, batch)
@@ -72,7 +72,7 @@ def test_duplicate_experiences_refill_filtered_groups_with_copies_of_kept_rows(t
         tmp_path,
         tiny_model_dir,
         first_group_flat,
-        advantage_fn_args={"std_threshold": 0.0, "duplicate_experiences": True},
+        advantage={"std_threshold": 0.0, "duplicate_experiences": True},
     )
     batch = generate(trainer)
     assert batch["completion_ids"].shape[0] == 2 * G  # the batch keeps its size
@@ -92,6 +92,6 @@ def test_without_duplicate_experiences_the_filtered_rows_are_left_out(tmp_path, 
     def first_group_flat(completions, **kwargs):
         return [1.0] * G + [float(i) for i in range(G)]
 
-    trainer = make(tmp_path, tiny_model_dir, first_group_flat, advantage_fn_args={"std_threshold": 0.0})
+    trainer = make(tmp_path, tiny_model_dir, first_group_flat, advantage={"std_threshold": 0.0})
     batch = generate(trainer)
     assert (batch["completion_mask"][:G].sum(1) == 0).all() and (batch["advantages"][:G] == 0).all()

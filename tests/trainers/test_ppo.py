@@ -82,8 +82,8 @@ def test_config_defaults_and_gae_arguments(tmp_path):
     ("kwargs", "match"),
     [
         ({"algorithm": "grpo"}, "'ppo' preset"),
-        ({"advantage_fn": "reinforceplusplus"}, "advantage must be 'ppo'"),
-        ({"advantage_fn_args": {"gamma": 0.5}}, "gamma"),  # clashes with the gamma field (1.0)
+        ({"advantage": "reinforceplusplus"}, "advantage must be 'ppo'"),
+        ({"advantage": {"gamma": 0.5}}, "gamma"),  # clashes with the gamma field (1.0)
         ({"gamma": 1.5}, "gamma"),
         ({"cliprange_value": 0.0}, "cliprange_value"),
         ({"critic_warmup_steps": -1}, "critic_warmup_steps"),
@@ -153,9 +153,7 @@ def test_values_are_scored_on_response_tokens_only(tmp_path, tiny_model_dir):
 
 
 def test_gae_in_the_trainer_equals_the_library_with_kl_in_reward(tmp_path, tiny_model_dir):
-    trainer = make(
-        tmp_path, tiny_model_dir, gamma=0.9, lam=0.8, kl_penalty_fn="k1", kl_penalty_fn_args={"kl_coef": 0.5}
-    )
+    trainer = make(tmp_path, tiny_model_dir, gamma=0.9, lam=0.8, kl_penalty={"name": "k1", "kl_coef": 0.5})
     trainer.train()
     assert len(trainer.recorded.batches) == 2
     kl_coefs = [h["critic/kl_coef"] for h in trainer.state.log_history if "critic/kl_coef" in h]
@@ -413,7 +411,7 @@ def test_critic_from_a_reward_model_path_a_module_or_an_in_memory_policy(tmp_pat
         model=policy,
         reward_funcs=length_reward,
         train_dataset=tiny_conversational_dataset(),
-        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"), kl_loss_fn="none")),
+        args=PPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"), kl_loss="none")),
     )
     critic_base = snapshot(unwrapped_critic(from_policy).model)
     assert critic_base.keys() == policy_base.keys()

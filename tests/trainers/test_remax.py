@@ -28,8 +28,8 @@ def test_remax_baseline_is_the_reward_of_a_greedy_completion(tmp_path, tiny_mode
             **tiny_grpo_kwargs(
                 output_dir=str(tmp_path),
                 algorithm="reinforceplusplus",
-                advantage_fn="remax",
-                kl_loss_fn="none",
+                advantage="remax",
+                kl_loss="none",
                 per_device_train_batch_size=8,
             )
         ),
@@ -77,11 +77,11 @@ def test_remax_needs_whole_groups_per_process(tmp_path):
     one greedy completion per group on the process that holds it, so each process must hold whole groups."""
     from types import SimpleNamespace
 
-    from trinity_trl.trainers.common import Components
+    from trinity_trl.trainers.components import Components
     from trinity_trl.training.checks import check_components
 
     config = TrinityConfig(
-        **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus", advantage_fn="remax")
+        **tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="reinforceplusplus", advantage="remax")
     )
     algorithm = config.resolved_algorithm()
     components = Components.build(algorithm)

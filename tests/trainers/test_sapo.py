@@ -28,17 +28,19 @@ def test_sapo_config(tmp_path):
         SAPOConfig,
         sapo_temperature_pos=0.8,
         sapo_temperature_neg=1.5,
-        sapo_form="trinity",
+        policy_loss={"form": "trinity"},
     )
     args = custom.resolved_algorithm().policy_loss_fn_args
     assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
-    with pytest.raises(ValueError, match="policy_loss.form must be one of"):
-        _config(tmp_path, SAPOConfig, sapo_form="bad")
+    with pytest.raises(ValueError, match="form"):
+        _config(tmp_path, SAPOConfig, policy_loss={"form": "bad"})
     # one door: the loss's own argument, no clash with a trainer field
     given = _config(tmp_path, SAPOConfig, policy_loss={"form": "trinity"}).resolved_algorithm()
     assert given.policy_loss_fn_args["form"] == "trinity"
-    with pytest.raises(ValueError, match="form"):
-        _config(tmp_path, SAPOConfig, sapo_form="paper", policy_loss={"form": "trinity"})  # both spellings
+    with pytest.raises(
+        TypeError, match=r"SAPOConfig: sapo_form was removed in trinity_trl 0.2; write policy_loss=\{'form'"
+    ):
+        _config(tmp_path, SAPOConfig, sapo_form="paper")  # the spelling of 0.1
     with pytest.raises(ValueError, match="sapo"):
         _config(tmp_path, SAPOConfig, algorithm="grpo")
 

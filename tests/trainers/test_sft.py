@@ -75,7 +75,7 @@ def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, t
     kwargs = tiny_sft_dpo_kwargs(tmp_path)
     ours = TrinitySFTTrainer(
         model=tiny_model_dir,
-        args=TrinitySFTConfig(**kwargs, policy_loss_fn=ours_loss),
+        args=TrinitySFTConfig(**kwargs, policy_loss=ours_loss),
         train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
     )
@@ -108,13 +108,13 @@ def test_sft_loss_and_gradients_equal_trl(tiny_model_dir, tmp_path, ours_loss, t
     [
         ("sft_is", None, "token-mean"),
         ("sft_phi", None, "token-mean"),
-        ("sft_phi", '{"cutoff_prob": 0.002}', "token-mean"),  # p ≈ 1/512 on a random model: the cutoff binds for some
+        ("sft_phi", {"cutoff_prob": 0.002}, "token-mean"),  # p ≈ 1/512 on a random model: the cutoff binds for some
         ("sft", None, "seq-mean-token-mean"),
     ],
 )
 def test_sft_losses_equal_library_on_the_same_logprobs(tiny_model_dir, tmp_path, loss_fn, loss_args, agg):
     args = TrinitySFTConfig(
-        **tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn=loss_fn, policy_loss_fn_args=loss_args, loss_agg_mode=agg
+        **tiny_sft_dpo_kwargs(tmp_path), policy_loss={"name": loss_fn, **(loss_args or {})}, loss_agg_mode=agg
     )
     trainer = TrinitySFTTrainer(
         model=tiny_model_dir,
@@ -180,7 +180,7 @@ def test_sft_gradient_accumulation_divides_once(tiny_model_dir, tmp_path):
 def test_sft_trains_two_steps(tiny_model_dir, tmp_path, dataset_format, use_lora):
     dataset = messages_dataset() if dataset_format == "messages" else prompt_completion_dataset()
     peft_config = lora_config() if use_lora else None
-    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss_fn="sft_phi")
+    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss="sft_phi")
     trainer = TrinitySFTTrainer(
         model=tiny_model_dir,
         args=args,
@@ -204,7 +204,7 @@ def test_sft_trains_two_steps(tiny_model_dir, tmp_path, dataset_format, use_lora
 
 
 def test_sft_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_path):
-    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path, max_steps=1), policy_loss_fn="sft_phi")
+    args = TrinitySFTConfig(**tiny_sft_dpo_kwargs(tmp_path, max_steps=1), policy_loss="sft_phi")
     trainer = TrinitySFTTrainer(
         model=tiny_model_dir,
         args=args,
@@ -230,8 +230,8 @@ def test_sft_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
         ({"policy_loss": "ppo"}, "policy_loss must be a loss that reads only the trained tokens' log-probs"),
         ({"loss_agg_mode": "token-sum"}, "loss_agg_mode"),
-        ({"policy_loss_fn_args": "{not json"}, "policy_loss_fn_args must be a dict or a JSON"),
-        ({"policy_loss_fn": "sft_phi", "policy_loss_fn_args": {"cutoff_prob": 0.0}}, "cutoff_prob"),
+        ({"policy_loss": "{not json"}, "policy_loss is not a JSON object"),
+        ({"policy_loss": {"name": "sft_phi", "cutoff_prob": 0.0}}, "cutoff_prob"),
         ({"packing": True, "loss_agg_mode": "seq-mean-token-mean"}, "packing=True"),
         ({"padding_free": True, "loss_agg_mode": "seq-mean-token-sum"}, "padding_free=True"),
     ],
@@ -259,8 +259,7 @@ def test_sft_trainer_rejects_compute_loss_func_and_converts_trl_sft_config(tiny_
 def test_sft_args_merge_over_default_args(tmp_path):
     args = TrinitySFTConfig(
         **tiny_sft_dpo_kwargs(tmp_path),
-        policy_loss_fn="sft_phi",
-        policy_loss_fn_args='{"cutoff_prob": 0.9, "loss_agg_mode": "seq-mean-token-sum"}',
+        policy_loss='{"name": "sft_phi", "cutoff_prob": 0.9, "loss_agg_mode": "seq-mean-token-sum"}',
     )
     resolved = args.resolved_algorithm()
     # the global loss_agg_mode wins over the loss's own key (docs/algorithms/presets.md#resolution step 4)

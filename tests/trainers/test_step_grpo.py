@@ -187,7 +187,7 @@ def test_lora_and_extra_reward_functions(tmp_path, tiny_model_dir):
         ({"max_env_steps": 0}, "max_env_steps"),
         ({"history": "text"}, "history"),
         ({"std_cal_level": "global"}, "std_cal_level"),
-        ({"advantage_fn": "grpo"}, "step_wise_grpo"),
+        ({"advantage": "grpo"}, "step_wise_grpo"),
     ],
 )
 def test_bad_configs(config, match):
@@ -241,9 +241,8 @@ def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg
         per_device_train_batch_size=8,
         max_env_steps=3,
         loss_agg_mode=agg,
-        kl_loss_fn="k3",
-        kl_loss_fn_args={"kl_coef": 0.5},
-        entropy_loss_fn_args={"entropy_coef": 0.05},
+        kl_loss={"name": "k3", "kl_coef": 0.5},
+        entropy_loss={"entropy_coef": 0.05},
         learning_rate=0.0,
     )
     trainer.train()
@@ -271,7 +270,7 @@ def test_shared_prefix_rows_equal_one_row_per_step(tmp_path, tiny_model_dir, agg
 def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model_dir):
     VaryingEnv.counter = 0
     trainer = make(
-        tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3, policy_loss_fn="gspo"
+        tmp_path, tiny_model_dir, number_guess_dataset(8), env=VaryingEnv, max_env_steps=3, policy_loss="gspo"
     )
     trainer.train()
     batch = trainer.recorded.batches[0]

@@ -141,8 +141,8 @@ def test_preset_loss_is_the_composition_of_its_components(tmp_path, tiny_model_d
             tmp_path,
             TrinityConfig,
             algorithm=preset,
-            kl_loss_fn_args={"kl_coef": kl_coef},
-            entropy_loss_fn_args={"entropy_coef": entropy_coef},
+            kl_loss={"kl_coef": kl_coef},
+            entropy_loss={"entropy_coef": entropy_coef},
         ),
     )
     assert (trainer.ref_model is not None) == trainer.algorithm.needs_reference
@@ -337,7 +337,7 @@ def test_reference_model_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
         tiny_model_dir,
         tiny_dataset,
         algorithm="grpo",
-        kl_loss_fn="none",
+        kl_loss="none",
     )
     assert no_kl.args.beta == 0.0
     assert not no_kl.algorithm.needs_reference
@@ -366,7 +366,7 @@ def test_ref_logps_reach_the_loss_iff_kl_term(tmp_path, tiny_model_dir, tiny_dat
         tiny_dataset,
         cls=recording(TrinityTrainer),
         max_steps=1,
-        kl_loss_fn="none",
+        kl_loss="none",
     )
     no_kl.train()
     (inputs,) = (call.inputs for call in no_kl.recorded.loss_calls)
@@ -386,13 +386,13 @@ def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tin
     assert trainer.ref_model is not None
     assert any(isinstance(cb, SyncRefModelCallback) for cb in trainer.callback_handler.callbacks)
     # without a KL term there is no reference to sync; the error speaks our terms, not TRL's beta
-    with pytest.raises(ValueError, match="kl_loss_fn"):
+    with pytest.raises(ValueError, match="set kl_loss or kl_penalty"):
         _trainer(
             tmp_path,
             tiny_model_dir,
             tiny_dataset,
             sync_ref_model=True,
-            kl_loss_fn="none",
+            kl_loss="none",
         )
 
 

@@ -60,7 +60,7 @@ def cispo_pair(tmp_path, tiny_model_dir, tiny_dataset):
         model=tiny_model_dir,
         reward_funcs=length_reward,
         train_dataset=tiny_dataset,
-        args=_args(tmp_path / "ours", CISPOConfig, kl_loss_fn="none"),
+        args=_args(tmp_path / "ours", CISPOConfig, kl_loss="none"),
     )
     theirs = GRPOTrainer(
         model=tiny_model_dir,
@@ -91,7 +91,7 @@ def test_cispo_differs_from_trl_default_epsilon_high(tmp_path, tiny_model_dir, t
         model=tiny_model_dir,
         reward_funcs=length_reward,
         train_dataset=tiny_dataset,
-        args=_args(tmp_path / "ours", CISPOConfig, kl_loss_fn="none"),
+        args=_args(tmp_path / "ours", CISPOConfig, kl_loss="none"),
     )
     theirs = GRPOTrainer(
         model=tiny_model_dir,
@@ -144,7 +144,7 @@ def test_sapo_trinity_form_differs_from_trl(tmp_path, tiny_model_dir, tiny_datas
         model=tiny_model_dir,
         reward_funcs=length_reward,
         train_dataset=tiny_dataset,
-        args=_args(tmp_path / "ours", SAPOConfig, sapo_form="trinity"),
+        args=_args(tmp_path / "ours", SAPOConfig, policy_loss={"form": "trinity"}),
     )
     theirs = GRPOTrainer(
         model=tiny_model_dir,
@@ -174,7 +174,7 @@ def test_cispo_global_normalization_matches_trl_cispo_under_accumulation(tmp_pat
         args=_args(
             tmp_path / "ours",
             CISPOConfig,
-            kl_loss_fn="none",
+            kl_loss="none",
             loss_normalization="global",
             **geometry,
         ),
@@ -213,7 +213,7 @@ def test_vllm_importance_sampling_ratio_matches_trl(tmp_path, tiny_model_dir, ti
     if loss == "cispo":
         ours_cls, ours_args = (
             CISPOTrainer,
-            _args(tmp_path / "ours", CISPOConfig, kl_loss_fn="none"),
+            _args(tmp_path / "ours", CISPOConfig, kl_loss="none"),
         )
         trl_args = _args(tmp_path / "trl", GRPOConfig, loss_type="cispo", epsilon_high=1.28)
     else:

@@ -384,7 +384,7 @@ def test_on_policy_distillation_advantages_are_teacher_minus_student_logps(tmp_p
 
 def test_kl_reward_penalty_with_adaptive_coefficient(tmp_path, tiny_model_dir):
     args = {"kl_coef": 0.05, "adaptive": True, "target_kl": 1e-6, "horizon": 10}
-    trainer = make(tmp_path, tiny_model_dir, algorithm="rloo", kl_penalty_fn="k1", kl_penalty_fn_args=args, max_steps=3)
+    trainer = make(tmp_path, tiny_model_dir, algorithm="rloo", kl_penalty={"name": "k1", **args}, max_steps=3)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "critic/kl_coef" in h]
     coefs = [h["critic/kl_coef"] for h in logs]
@@ -419,8 +419,7 @@ def test_evaluation_does_not_move_the_kl_controller(tmp_path, tiny_model_dir):
             **tiny_grpo_kwargs(
                 output_dir=str(tmp_path / "out"),
                 algorithm="reinforceplusplus",
-                kl_penalty_fn="k2",
-                kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1.0, "horizon": 10},
+                kl_penalty={"name": "k2", "kl_coef": 0.1, "adaptive": True, "target_kl": 1.0, "horizon": 10},
                 per_device_eval_batch_size=4,
             )
         ),

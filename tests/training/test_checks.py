@@ -68,7 +68,7 @@ class FakeAdvantage:
 class FakeComponents:
     policy_loss: Any = field(
         default_factory=lambda: SimpleNamespace(
-            needs_expert_rows=False, linear_in_advantage=True, reads_advantages=True
+            pairwise=False, needs_expert_rows=False, linear_in_advantage=True, reads_advantages=True
         )
     )
     kl_penalty: Any = field(default_factory=lambda: SimpleNamespace(enabled=False))
@@ -121,11 +121,25 @@ def test_offline_data_points_to_its_trainer(schema, trainer):
 
 def test_expert_rows_need_a_trainer_that_adds_them():
     components = FakeComponents(
-        policy_loss=SimpleNamespace(needs_expert_rows=True, linear_in_advantage=True, reads_advantages=True)
+        policy_loss=SimpleNamespace(
+            pairwise=False, needs_expert_rows=True, linear_in_advantage=True, reads_advantages=True
+        )
     )
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' needs expert rows; use ChordTrainer"):
         check(components=components)
     check(ExpertTrainer, components=components)
+
+
+def test_a_pairwise_loss_is_refused_by_the_rollout_trainers():
+    """DPO's loss compares chosen/rejected pairs: a rollout trainer once failed at its first step (no aggregation to
+    replace); it is refused at construction."""
+    components = FakeComponents(
+        policy_loss=SimpleNamespace(
+            pairwise=True, needs_expert_rows=False, linear_in_advantage=True, reads_advantages=False
+        )
+    )
+    with pytest.raises(ValueError, match=r"policy loss 'my_loss' compares chosen/rejected pairs.*TrinityDPOTrainer"):
+        check(components=components)
 
 
 def test_a_kl_penalty_needs_trainer_side_advantages():
@@ -153,7 +167,9 @@ def test_an_entropy_of_expert_rows_needs_expert_rows():
 
 def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():
     components = FakeComponents(
-        policy_loss=SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False, reads_advantages=True)
+        policy_loss=SimpleNamespace(
+            pairwise=False, needs_expert_rows=False, linear_in_advantage=False, reads_advantages=True
+        )
     )
     with pytest.raises(
         ValueError,
@@ -179,7 +195,7 @@ def test_a_teacher_advantage_needs_a_teacher():
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_teacher_logprobs=True, in_trainer=True))
     with pytest.raises(
         ValueError,
-        match=r"advantage_fn 'my_advantage' needs a teacher_model \(a model or a path\), "
+        match=r"advantage 'my_advantage' needs a teacher_model \(a model or a path\), "
         r"or a rollout_func that returns 'teacher_logprobs'",
     ):
         check(components=components)
@@ -190,14 +206,14 @@ def test_a_teacher_advantage_needs_a_teacher():
 def test_reward_baselines_need_whole_groups_on_each_process():
     """ReMax's greedy baseline is generated per group on the process that holds the group."""
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_reward_baselines=True, in_trainer=True))
-    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' scores one greedy completion per prompt group"):
+    with pytest.raises(ValueError, match=r"advantage 'my_advantage' scores one greedy completion per prompt group"):
         check(components=components, args=fake_args(per_device_train_batch_size=2))
     check(components=components, args=fake_args(per_device_train_batch_size=2, steps_per_generation=2))
 
 
 def test_critic_values_need_a_critic_trainer():
     components = FakeComponents(advantage_fn=FakeAdvantage(needs_values=True, in_trainer=True))
-    with pytest.raises(ValueError, match=r"advantage_fn 'my_advantage' \(GAE\) needs critic values.*PPOTrainer"):
+    with pytest.raises(ValueError, match=r"advantage 'my_advantage' \(GAE\) needs critic values.*PPOTrainer"):
         check(components=components)
     check(CriticTrainer, components=components)
 
@@ -220,7 +236,7 @@ def test_group_operators_needing_behaviour_logps_or_refilling_groups_are_accepte
 )
 def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
     """A loss that reads no advantages (RAFT's SFT loss) never runs the advantage function."""
-    policy = SimpleNamespace(needs_expert_rows=False, linear_in_advantage=False, reads_advantages=False)
+    policy = SimpleNamespace(pairwise=False, needs_expert_rows=False, linear_in_advantage=False, reads_advantages=False)
     check(components=FakeComponents(policy_loss=policy, advantage_fn=advantage))
     check(components=FakeComponents(advantage_fn=None))  # a preset without an advantage function
 
@@ -303,7 +319,7 @@ def test_expert_presets_need_chord_trainer(tmp_path, tiny_model_dir, tiny_datase
 
 def test_kl_penalty_needs_trainer_side_advantages(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="kl_penalty="):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty_fn="k1")
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_penalty="k1")
 
 
 def test_on_policy_distill_needs_a_teacher(tmp_path, tiny_model_dir, tiny_dataset):
@@ -332,7 +348,7 @@ def test_named_trainers_require_their_config(tmp_path, tiny_model_dir):
 
 def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="entropy_loss 'mix'"):
-        _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss_fn="mix")
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, entropy_loss="mix")
     # ChordTrainer adds expert rows, so the same entropy is accepted there
     expert = tiny_conversational_dataset(4).map(lambda row: {"completion": "It is " + row["answer"]})
     ChordTrainer(
@@ -341,7 +357,7 @@ def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
         expert_dataset=expert,
         train_dataset=tiny_dataset,
         args=ChordConfig(
-            **tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss_fn="mix", expert_batch_size=2)
+            **tiny_grpo_kwargs(output_dir=str(tmp_path / "chord"), entropy_loss="mix", expert_batch_size=2)
         ),
     )
 

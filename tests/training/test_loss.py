@@ -78,10 +78,12 @@ def test_a_plan_applied_to_another_shape_is_a_clear_error():
     plan = micro_batch("token-mean", torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"planned for a \(2, 3\) batch, got a mask of shape \(2, 4\)"):
         plan(torch.zeros(2, 4), torch.ones(2, 4))
-    ppo = POLICY_LOSS_FN.get("ppo")(clip_range=0.2).aggregated_with(plan)
+    ppo = POLICY_LOSS_FN.get("ppo")(clip_range=0.2)
     logps = torch.zeros(2, 4)
     with pytest.raises(ValueError, match=r"planned for a \(2, 3\) batch"):
-        ppo(logprob=logps, old_logprob=logps, action_mask=torch.ones(2, 4), advantages=torch.ones(2))
+        ppo(
+            logprob=logps, old_logprob=logps, action_mask=torch.ones(2, 4), advantages=torch.ones(2), loss_agg_mode=plan
+        )
 
 
 # ------------------------------------------------------------------------------ micro_batch: the documented modes
@@ -112,9 +114,8 @@ def test_ppo_with_the_plan_equals_ppo_with_the_mode(mode):
     for aggregation in (mode, "plan"):
         logps = (old + 0.5 * torch.randn(4, 7, generator=torch.Generator().manual_seed(2))).requires_grad_()
         ppo = POLICY_LOSS_FN.get("ppo")(clip_range=0.2, loss_agg_mode=mode)
-        if aggregation == "plan":
-            ppo = ppo.aggregated_with(micro_batch(ppo.effective_loss_agg_mode, mask))
-        loss, metrics = ppo(logprob=logps, old_logprob=old, action_mask=mask, advantages=advantages)
+        plan = micro_batch(ppo.effective_loss_agg_mode, mask) if aggregation == "plan" else None
+        loss, metrics = ppo(logprob=logps, old_logprob=old, action_mask=mask, advantages=advantages, loss_agg_mode=plan)
         loss.backward()
         results.append((loss.detach(), logps.grad, metrics))
     (spec_loss, spec_grad, spec_metrics), (plan_loss, plan_grad, plan_metrics) = results

@@ -1,5 +1,5 @@
 """`trinity_trl/training/model_card.py` (the algorithm section of a model card, the `ModelCard` a trainer composes)
-and the card our trainers write (`AlgorithmCardMixin` in `common.py`): on `save_model`, on a Hub push, with extra
+and the card our trainers write (`AlgorithmCardMixin` in `trainers/card.py`): on `save_model`, on a Hub push, with extra
 sections.
 
 The SFT and DPO trainers' cards: tests/trainers/test_sft_dpo.py."""

@@ -58,7 +58,7 @@ def test_behaviour_logps_are_computed_once_and_kept_in_the_batch(tmp_path, tiny_
 
 
 def test_reference_logps_come_from_the_reference_model_not_the_trained_policy(tmp_path, tiny_model_dir):
-    trainer = make(tmp_path, tiny_model_dir, kl_loss_fn="k2", kl_loss_fn_args={"kl_coef": 0.1})
+    trainer = make(tmp_path, tiny_model_dir, kl_loss={"name": "k2", "kl_coef": 0.1})
     assert trainer.ref_model is not None
     batch = rows_of(generate_batch(trainer, tiny_conversational_dataset()))
     before = trainer.scoring.reference_logps(batch)

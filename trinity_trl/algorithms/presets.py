@@ -17,6 +17,7 @@ from .entropy import ENTROPY_LOSS_FN
 from .kl import KL_FN
 from .masked import check_loss_agg_mode
 from .policy_loss import POLICY_LOSS_FN
+from .policy_loss.base import check_aggregation_contract
 from .registry import Registry
 
 # docs/algorithms/presets.md#resolution step 1: used for every field neither the user nor the preset sets
@@ -479,7 +480,9 @@ class AlgorithmConfig:
         )
 
     def build_policy_loss(self, **kwargs: Any):
-        return build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
+        loss = build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
+        check_aggregation_contract(loss)  # refused here, at construction, never at the first step
+        return loss
 
     def build_advantage_fn(self):
         return build_component(ADVANTAGE_FN, self.advantage_fn, self.advantage_fn_args)
@@ -515,6 +518,7 @@ def resolve_algorithm_config(
     loss_agg_mode: str | None = None,
     sample_strategy: str | None = None,
     repeat_times: int | None = None,
+    construct: bool = True,
 ) -> AlgorithmConfig:
     """Resolve a preset plus user overrides into concrete components (docs/algorithms/presets.md#resolution).
 
@@ -530,8 +534,9 @@ def resolve_algorithm_config(
        aggregates like the KL and entropy terms (Trinity keeps the loss's constructor default then).
     4. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
 
-    Every name is checked against its registry, and every component is constructed once so that
-    invalid arguments fail here, not in the first training step.
+    Every name is checked against its registry, and (``construct=True``) every component is constructed once so
+    that invalid arguments fail here, not in the first training step. A trainer resolves its validated config
+    with ``construct=False`` and builds its components itself, once.
     """
     preset = ALGORITHM_TYPE.get(algorithm)
     preset_cfg = preset.default_config()
@@ -594,7 +599,7 @@ def resolve_algorithm_config(
     if preset.uses_advantage and advantage_cls.compute_in_trainer() != preset.compute_advantage_in_trainer:
         where = "in the trainer on padded batches" if preset.compute_advantage_in_trainer else "on experience groups"
         raise ValueError(
-            f"algorithm {algorithm!r} computes advantages {where}, but advantage_fn {config['advantage_fn']!r} "
+            f"algorithm {algorithm!r} computes advantages {where}, but advantage={config['advantage_fn']!r} "
             f"is a {'batch' if advantage_cls.compute_in_trainer() else 'group'} function"
         )
 
@@ -607,6 +612,8 @@ def resolve_algorithm_config(
         uses_advantage=preset.uses_advantage,
         **config,
     )
+    if not construct:
+        return resolved
     # construct every component once so bad arguments fail at resolution time
     resolved.build_policy_loss()
     resolved.build_kl_loss()

@@ -252,7 +252,7 @@ class CompleteCheckpoints:
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-        from ..training.trl_seams import temporarily
+        from ..overrides import temporarily
 
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")

@@ -20,8 +20,8 @@ from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
 from ..training import checks
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
-from .common import deprecated_field
 from .config import TrinityConfig, from_trl_config
+from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
 
 # CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments
@@ -54,12 +54,17 @@ class ChordConfig(TrinityConfig):
         sft_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the SFT part (default: `loss_agg_mode`).
         policy_loss (`dict`, *optional*): the loss's other arguments, e.g.
             `{"grpo_loss_agg_mode": "seq-mean-token-mean"}` (aggregation of the RL (PPO) part, default:
-            `loss_agg_mode`; `rl_loss_agg_mode` is its deprecated spelling).
+            `loss_agg_mode`).
 
     The paper's variants: CHORD-μ `enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9,
     mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is constant: set it with
     `policy_loss={"mu": ...}` (the schedule fields must then keep their defaults).
     """
+
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "rl_loss_agg_mode": component_argument_spelling("policy_loss", "grpo_loss_agg_mode"),
+    }
 
     algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
     expert_batch_size: int | None = field(
@@ -80,7 +85,6 @@ class ChordConfig(TrinityConfig):
         default=_MU_DEFAULTS["enable_phi_function"], metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."}
     )
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
-    rl_loss_agg_mode: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss.grpo_loss_agg_mode."})
 
     def __post_init__(self):
         preset_loss = ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
@@ -117,9 +121,6 @@ class ChordConfig(TrinityConfig):
         args: dict[str, Any] = {}
         if self.sft_loss_agg_mode is not None:
             args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
-        if self.rl_loss_agg_mode is not None:
-            deprecated_field(self, "rl_loss_agg_mode", "policy_loss.grpo_loss_agg_mode", self.rl_loss_agg_mode)
-            args["grpo_loss_agg_mode"] = self.rl_loss_agg_mode
         schedule = {name: getattr(self, name) for name in MU_SCHEDULE_ARGS}
         if _policy_loss_class(self).schedule_args == MU_SCHEDULE_ARGS:  # a loss with CHORD's schedule
             given = self.policy_loss.args if self.policy_loss is not None else {}
@@ -128,9 +129,7 @@ class ChordConfig(TrinityConfig):
         else:
             changed = [k for k, v in schedule.items() if v != _MU_DEFAULTS[k]]
             if changed:
-                raise ValueError(
-                    f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss_fn_args['mu']"
-                )
+                raise ValueError(f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss.mu")
         return {"policy_loss_fn_args": args}
 
 

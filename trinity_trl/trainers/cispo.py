@@ -7,12 +7,12 @@ from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.policy_loss.cispo import CISPOPolicyLossFn
-from .common import deprecated_field
 from .config import TrinityConfig
+from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
 
-# the cispo loss's arguments that CISPOConfig took as its own fields before `policy_loss`
-DEPRECATED_FIELDS = (
+# the cispo loss's arguments that CISPOConfig took as its own fields before `policy_loss` (removed in 0.2)
+REMOVED_FIELDS = (
     "clip_range_low",
     "clip_range_high",
     "enable_mask_clip",
@@ -47,32 +47,21 @@ class CISPOConfig(TrinityConfig):
       with a positive advantage, or below `1 − mask_clip_range_low` with a negative one.
     * `mask_clip_range_low` (default `1.0`), `mask_clip_range_high` (default `0.28`): see `enable_mask_clip`.
 
-    The flat fields `clip_range_low`, ... of earlier releases still work, with a deprecation warning.
-
     Defaults otherwise follow the `cispo` preset: GRPO advantages, k2 KL loss (coefficient 0.001),
     `token-mean` aggregation.
     """
 
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        **{name: component_argument_spelling("policy_loss", name) for name in REMOVED_FIELDS},
+    }
+
     algorithm: str = field(default="cispo", metadata={"help": "Algorithm preset."})
-    clip_range_low: float | None = field(default=None, metadata={"help": "Deprecated: policy_loss.clip_range_low."})
-    clip_range_high: float | None = field(default=None, metadata={"help": "Deprecated: policy_loss.clip_range_high."})
-    enable_mask_clip: bool | None = field(default=None, metadata={"help": "Deprecated: policy_loss.enable_mask_clip."})
-    mask_clip_range_low: float | None = field(
-        default=None, metadata={"help": "Deprecated: policy_loss.mask_clip_range_low."}
-    )
-    mask_clip_range_high: float | None = field(
-        default=None, metadata={"help": "Deprecated: policy_loss.mask_clip_range_high."}
-    )
 
     def _user_overrides(self) -> dict[str, Any]:
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
             raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
-        args = {}
-        for name in DEPRECATED_FIELDS:
-            if getattr(self, name) is not None:
-                deprecated_field(self, name, f"policy_loss.{name}", getattr(self, name))
-                args[name] = getattr(self, name)
-        return {"policy_loss_fn_args": args} if args else {}
+        return {}
 
 
 class CISPOTrainer(TrinityTrainer):

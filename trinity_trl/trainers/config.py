@@ -11,7 +11,9 @@ from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolv
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.loss import LOSS_NORMALIZATIONS
-from .common import apply_cpu_defaults, check_saving_options, component_fields, torch_threads_field
+from .components import component_fields
+from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
+from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
 # component. Each non-default value is rejected with the way to get the same effect here, so no
@@ -51,7 +53,7 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see docs/configuration.md#trls-names.
 
-# each component's field -> its deprecated flat field (``<flat>`` + ``<flat>_args``)
+# each component field -> the name of its component in the resolved algorithm (AlgorithmConfig)
 COMPONENT_FIELDS = {
     "policy_loss": "policy_loss_fn",
     "advantage": "advantage_fn",
@@ -70,7 +72,7 @@ def _field_default(config_class: type, name: str) -> Any:
 
 
 @dataclass
-class TrinityConfig(GRPOConfig):
+class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -100,11 +102,6 @@ class TrinityConfig(GRPOConfig):
             e.g. `{"kl_coef": 0.01, "adaptive": True, "target_kl": 0.1, "horizon": 10000}`.
         entropy_loss (`str`, `dict`, `Component` or `None`, *optional*): `default`, `mix` or `none`, e.g.
             `{"entropy_coef": 0.001}`.
-        policy_loss_fn (`str`, *optional*, deprecated): With `policy_loss_fn_args`, `advantage_fn`,
-            `advantage_fn_args`, `kl_loss_fn`, `kl_loss_fn_args`, `kl_penalty_fn`, `kl_penalty_fn_args`,
-            `entropy_loss_fn` and `entropy_loss_fn_args`:
-            Deprecated spellings of the five values above (a name and an argument dict each); they still work
-            in this release, with a `FutureWarning`, and become the component value.
         loss_agg_mode (`str` or `None`, *optional*):
             `token-mean` (default), `seq-mean-token-sum`, `seq-mean-token-mean` or
             `seq-mean-token-sum-norm`. It also overrides the policy loss's own mode, and the KL and
@@ -154,6 +151,8 @@ class TrinityConfig(GRPOConfig):
     `clip_range_high`) and `sapo_temperature_pos` / `_neg` (`sapo`: `tau_pos` / `tau_neg`).
     """
 
+    removed_spellings = flat_component_spellings(*COMPONENT_FIELDS)
+
     algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
     policy_loss: dict | str | None = field(
         default=None,
@@ -179,26 +178,17 @@ class TrinityConfig(GRPOConfig):
         default=None,
         metadata={"help": "The entropy term and its arguments, e.g. {name: default, entropy_coef: 0.001}."},
     )
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss={name: ...}."})
-    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
-    advantage_fn: str | None = field(default=None, metadata={"help": "Deprecated: advantage={name: ...}."})
-    advantage_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: advantage."})
-    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
-    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
-    kl_penalty_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty={name: ...}."})
-    kl_penalty_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_penalty."})
-    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
-    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
     epsilon: float | None = field(
         default=None,
         metadata={
             "help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
-            "policy_loss_fn_args['clip_range'] (None: the loss's own default)."
+            "policy_loss.clip_range (None: the loss's own default)."
         },
     )
     component_args_mode: str = field(
-        default="merge", metadata={"help": "'merge' *_args over default_args() or 'replace' them (Trinity)."}
+        default="merge",
+        metadata={"help": "'merge' a component's arguments over its default_args() or 'replace' them (Trinity)."},
     )
     loss_normalization: str = field(
         default="micro_batch",
@@ -238,7 +228,7 @@ class TrinityConfig(GRPOConfig):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
         check_saving_options(self)
-        component_fields(self, COMPONENT_FIELDS)
+        component_fields(self, tuple(COMPONENT_FIELDS))
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
@@ -259,7 +249,7 @@ class TrinityConfig(GRPOConfig):
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
         self._check_replaced_fields()
-        self.resolved_algorithm()  # validates names and arguments now, not at the first step
+        self.resolved_algorithm(construct=True)  # validates names and arguments now, not at the first step
 
     def to_dict(self) -> dict[str, Any]:
         """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
@@ -303,7 +293,7 @@ class TrinityConfig(GRPOConfig):
         value = getattr(self, name)
         return value.name if value is not None else None
 
-    def resolved_algorithm(self) -> AlgorithmConfig:
+    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
         """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution)."""
         settings: dict[str, Any] = {}
         for name, key in COMPONENT_FIELDS.items():
@@ -329,13 +319,17 @@ class TrinityConfig(GRPOConfig):
             for ours, (trl, value) in trl_arguments.items():
                 if ours in args and args[ours] != value:
                     raise ValueError(
-                        f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss_fn_args"
-                        f"[{ours!r}]={args[ours]}; set it in one place"
+                        f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss.{ours}={args[ours]}; "
+                        "set it in one place"
                     )
                 args[ours] = value
             settings["policy_loss_fn_args"] = args
         return resolve_algorithm_config(
-            self.algorithm, merge_args=self.component_args_mode == "merge", force_loss_agg_mode=True, **settings
+            self.algorithm,
+            merge_args=self.component_args_mode == "merge",
+            force_loss_agg_mode=True,
+            construct=construct,
+            **settings,
         )
 
 

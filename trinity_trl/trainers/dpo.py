@@ -35,21 +35,16 @@ from trl import DPOConfig, DPOTrainer
 from ..algorithms import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
+from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .common import (
-    PresetTrainerMixin,
-    apply_cpu_defaults,
-    capture_fused_outputs,
-    check_saving_options,
-    component_fields,
-    default_output_dir,
-    load_processor,
-    reject_sequence_sharding,
-    torch_threads_field,
-)
+from .card import PresetTrainerMixin
+from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .components import component_fields
 from .config import from_trl_config
+from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
+from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
 # the library `dpo` loss instead, so a non-default value would be silently ignored: it is rejected.
@@ -76,7 +71,7 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 
 
 @dataclass
-class TrinityDPOConfig(DPOConfig):
+class TrinityDPOConfig(RefusesRemovedSpellings, DPOConfig):
     r"""
     Configuration of [`TrinityDPOTrainer`][]: every
     [`DPOConfig`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOConfig) option, plus the `dpo` preset's KL
@@ -97,8 +92,6 @@ class TrinityDPOConfig(DPOConfig):
         entropy_loss (`str`, `dict` or `Component`, *optional*, defaults to `"default"`):
             `default` (subtract `entropy_coef · AGG(H, m)`) or `none`, e.g. `{"entropy_coef": 0.001}`;
             the default coefficient is 0.
-        policy_loss_fn_args (`dict`, *optional*, deprecated): With `kl_loss_fn`, `kl_loss_fn_args`,
-            `entropy_loss_fn` and `entropy_loss_fn_args`: the deprecated spellings of the values above.
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             Aggregation of the KL and entropy terms over the chosen and rejected completion tokens
             of a micro-batch (docs/algorithms/aggregation.md#loss-agg-mode). The DPO term itself is a mean over pairs.
@@ -109,6 +102,8 @@ class TrinityDPOConfig(DPOConfig):
     `precompute_ref_log_probs=True` TRL keeps only summed reference log-probs, so the per-token KL
     term needs `kl_coef = 0`. Every other option is honoured.
     """
+
+    removed_spellings = flat_component_spellings("policy_loss", "kl_loss", "entropy_loss")
 
     policy_loss: dict | str | None = field(
         default=None,
@@ -121,12 +116,6 @@ class TrinityDPOConfig(DPOConfig):
     entropy_loss: dict | str | None = field(
         default="default", metadata={"help": "Entropy term: 'default' or 'none', e.g. {entropy_coef: 0.001}."}
     )
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
-    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
-    kl_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: kl_loss={name: ...}."})
-    kl_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: kl_loss."})
-    entropy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss={name: ...}."})
-    entropy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: entropy_loss."})
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
@@ -139,9 +128,7 @@ class TrinityDPOConfig(DPOConfig):
         super().__post_init__()
         check_saving_options(self)
         owner = type(self).__name__
-        component_fields(
-            self, {"policy_loss": "policy_loss_fn", "kl_loss": "kl_loss_fn", "entropy_loss": "entropy_loss_fn"}
-        )
+        component_fields(self, ("policy_loss", "kl_loss", "entropy_loss"))
         # a component value without a name keeps this config's (kl_loss={"kl_coef": 0.0} is still k2)
         for name, default in (("policy_loss", "dpo"), ("kl_loss", "k2"), ("entropy_loss", "default")):
             value = getattr(self, name)
@@ -159,7 +146,7 @@ class TrinityDPOConfig(DPOConfig):
                 raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}). Leave it at {default!r}.")
         if not KL_FN.get(self.kl_loss.name).enabled:
             raise ValueError(
-                f"{owner}: kl_loss_fn='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
+                f"{owner}: kl_loss='none' is not allowed: the dpo preset always has a KL loss (Trinity-RFT replaces "
                 "'none' by 'k2'); use kl_loss={'kl_coef': 0.0} to switch the term off"
             )
         if ENTROPY_LOSS_FN.get(self.entropy_loss.name).needs_expert_mask:
@@ -167,7 +154,7 @@ class TrinityDPOConfig(DPOConfig):
                 f"{owner}: entropy_loss must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
             )
         self._sync_dpo_fields(owner)
-        algorithm = self.resolved_algorithm()  # bad names / arguments fail here
+        algorithm = self.resolved_algorithm(construct=True)  # bad names / arguments fail here
         if self.precompute_ref_log_probs and algorithm.kl_loss_fn_args.get("kl_coef", 0.0) != 0.0:
             raise ValueError(
                 f"{owner}: precompute_ref_log_probs=True keeps only the summed reference log-prob of each completion, "
@@ -191,7 +178,7 @@ class TrinityDPOConfig(DPOConfig):
                 args[name] = from_field
         self.policy_loss = Component(self.policy_loss.name, **args)
 
-    def resolved_algorithm(self) -> AlgorithmConfig:
+    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
         """The `dpo` preset with this config's components and arguments (docs/algorithms/presets.md#resolution; args
         merged)."""
         return resolve_algorithm_config(
@@ -204,6 +191,7 @@ class TrinityDPOConfig(DPOConfig):
             entropy_loss_fn=self.entropy_loss.name,
             entropy_loss_fn_args=dict(self.entropy_loss.args) or None,
             loss_agg_mode=self.loss_agg_mode,
+            construct=construct,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,7 +206,7 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
 
 
-class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
+class TrinityDPOTrainer(PresetTrainerMixin, CompleteCheckpoints, DPOTrainer):
     """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`][]).
 
     Arguments are those of [`DPOTrainer`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOTrainer); ``args``
@@ -244,7 +232,9 @@ class TrinityDPOTrainer(PresetTrainerMixin, DPOTrainer):
         given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        start_run(args)
         super().__init__(**given)
+        check_run(self)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self.kl_loss = self.algorithm.build_kl_loss()

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.policy_loss.sapo import SAPOPolicyLossFn
-from .common import deprecated_field
 from .config import TrinityConfig
+from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
 
 SAPO_FORMS = ("paper", "trinity")
@@ -32,22 +32,24 @@ class SAPOConfig(TrinityConfig):
 
     Parameters:
         policy_loss (`dict`, *optional*): the `sapo` loss's arguments, e.g. `{"form": "trinity", "tau_pos": 1.0}`;
-            `form` defaults to `"paper"` here. (`sapo_form` is its deprecated spelling.)
+            `form` defaults to `"paper"` here.
         sapo_temperature_pos (`float`, *optional*, defaults to `1.0`): Gate temperature for A > 0.
         sapo_temperature_neg (`float`, *optional*, defaults to `1.05`): Gate temperature for A ≤ 0;
             must be ≥ `sapo_temperature_pos`.
     """
 
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "sapo_form": component_argument_spelling("policy_loss", "form"),
+    }
+
     algorithm: str = field(default="sapo", metadata={"help": "Algorithm preset."})
-    sapo_form: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss.form."})
     loss_agg_mode: str | None = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation mode."})
     kl_loss: dict | str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
 
     def _user_overrides(self) -> dict[str, Any]:
-        form = self.sapo_form
-        if form is not None:
-            deprecated_field(self, "sapo_form", "policy_loss.form", form)
-        elif self.policy_loss is None or "form" not in self.policy_loss.args:
+        form = None
+        if self.policy_loss is None or "form" not in self.policy_loss.args:
             form = "paper"  # this trainer's default: the SAPO paper's (and TRL's) objective
         if form is not None and form not in SAPO_FORMS:
             raise ValueError(f"policy_loss.form must be one of {SAPO_FORMS}, got {form!r}")

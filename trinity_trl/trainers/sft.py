@@ -28,21 +28,16 @@ from trl import SFTConfig, SFTTrainer
 
 from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.masked import check_loss_agg_mode
+from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .common import (
-    PresetTrainerMixin,
-    apply_cpu_defaults,
-    capture_fused_outputs,
-    check_saving_options,
-    component_fields,
-    default_output_dir,
-    load_processor,
-    reject_sequence_sharding,
-    torch_threads_field,
-)
+from .card import PresetTrainerMixin
+from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .components import component_fields
 from .config import from_trl_config
+from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
+from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
 # A non-default value raises an error that says how to get the same effect (or why it cannot work).
@@ -59,7 +54,7 @@ REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
 
 
 @dataclass
-class TrinitySFTConfig(SFTConfig):
+class TrinitySFTConfig(RefusesRemovedSpellings, SFTConfig):
     r"""
     Configuration of [`TrinitySFTTrainer`][]: every
     [`SFTConfig`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig) option, plus Trinity-RFT's SFT loss.
@@ -71,7 +66,6 @@ class TrinitySFTConfig(SFTConfig):
             importance-weighted; TRL calls it DFT), `sft_phi` (`−ℓ'·sg(p(1−p))`, CHORD's φ weighting,
             e.g. `{"name": "sft_phi", "cutoff_prob": 0.9}`), or any registered loss that reads only the
             log-probs of the trained tokens. A `loss_agg_mode` key is overridden by `loss_agg_mode` below.
-            (`policy_loss_fn` / `policy_loss_fn_args` are its deprecated spelling.)
         loss_agg_mode (`str`, *optional*, defaults to `"token-mean"`):
             How a micro-batch's per-token losses become one number: `token-mean`, `seq-mean-token-sum`,
             `seq-mean-token-mean` or `seq-mean-token-sum-norm` (docs/algorithms/aggregation.md#loss-agg-mode). The
@@ -85,6 +79,8 @@ class TrinitySFTConfig(SFTConfig):
     per-micro-batch aggregation does not use.
     """
 
+    removed_spellings = flat_component_spellings("policy_loss")
+
     policy_loss: dict | str | None = field(
         default=None,
         metadata={
@@ -92,8 +88,6 @@ class TrinitySFTConfig(SFTConfig):
             "(φ-weighted), e.g. {name: sft_phi, cutoff_prob: 0.9}; --policy_loss.cutoff_prob 0.9."
         },
     )
-    policy_loss_fn: str | None = field(default=None, metadata={"help": "Deprecated: policy_loss={name: ...}."})
-    policy_loss_fn_args: dict | str | None = field(default=None, metadata={"help": "Deprecated: policy_loss."})
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={
@@ -109,7 +103,7 @@ class TrinitySFTConfig(SFTConfig):
         super().__post_init__()
         check_saving_options(self)
         owner = type(self).__name__
-        component_fields(self, {"policy_loss": "policy_loss_fn"})
+        component_fields(self, ("policy_loss",))
         if not POLICY_LOSS_FN.get(self._policy_loss_name()).is_sft_type():
             sft_type = [n for n in POLICY_LOSS_FN.names() if POLICY_LOSS_FN.get(n).is_sft_type()]
             raise ValueError(
@@ -129,9 +123,9 @@ class TrinitySFTConfig(SFTConfig):
                         f"{self.loss_agg_mode!r} would average over rows that are not sequences; use "
                         "loss_agg_mode='token-mean' or turn packing / padding-free off"
                     )
-        self.resolved_algorithm()  # bad loss arguments fail here, not at the first step
+        self.resolved_algorithm(construct=True)  # bad loss arguments fail here, not at the first step
 
-    def resolved_algorithm(self) -> AlgorithmConfig:
+    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
         """The `sft` preset with this config's loss and arguments (docs/algorithms/presets.md#resolution; args
         merged)."""
         return resolve_algorithm_config(
@@ -140,6 +134,7 @@ class TrinitySFTConfig(SFTConfig):
             policy_loss_fn=self._policy_loss_name(),
             policy_loss_fn_args=dict(self.policy_loss.args) if self.policy_loss is not None else None,
             loss_agg_mode=self.loss_agg_mode,
+            construct=construct,
         )
 
     def _policy_loss_name(self) -> str:
@@ -153,7 +148,7 @@ class TrinitySFTConfig(SFTConfig):
 
 
 # ----------------------------------------------------------------------------------------- trainer
-class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
+class TrinitySFTTrainer(PresetTrainerMixin, CompleteCheckpoints, SFTTrainer):
     """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`][]).
 
     Arguments are those of [`SFTTrainer`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTTrainer), except
@@ -178,18 +173,18 @@ class TrinitySFTTrainer(PresetTrainerMixin, SFTTrainer):
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain SFTConfig is converted
         if compute_loss_func is not None:
             raise ValueError(
-                f"{type(self).__name__} computes its loss from policy_loss_fn; compute_loss_func would replace it "
-                "(choose policy_loss_fn / policy_loss_fn_args instead)"
+                f"{type(self).__name__} computes its loss from policy_loss; compute_loss_func would replace it "
+                "(choose policy_loss instead)"
             )
         self.algorithm = args.resolved_algorithm()
         given = bind_trl_arguments(SFTTrainer, model, args, *pos, **kwargs)
         if given.get("compute_loss_func") is not None:  # passed positionally
-            raise ValueError(
-                f"{type(self).__name__} computes its loss from policy_loss_fn; do not pass compute_loss_func"
-            )
+            raise ValueError(f"{type(self).__name__} computes its loss from policy_loss; do not pass compute_loss_func")
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+        start_run(args)
         super().__init__(**given)
+        check_run(self)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)

@@ -39,8 +39,8 @@ from ..training import checks
 from ..training.engines import engine_of, zero_stage
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
-from .common import deprecated_field
 from .config import TrinityConfig, from_trl_config
+from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
 
 STD_CAL_LEVELS = ("group", "batch", "none")
@@ -70,8 +70,7 @@ class StepGRPOConfig(TrinityConfig):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get
             no gradient and are counted in `filtered_count`.
         advantage (`dict`, *optional*): the step-wise advantage and its arguments, e.g.
-            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std; `advantage_epsilon`
-            is its deprecated spelling).
+            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std).
         shared_prefix (`bool`, *optional*, defaults to `True`):
             When each turn's prompt is exactly the previous prompt + completion + observation (always with
             `history="tokens"`), train the whole run as ONE row: one forward pass over the run, each
@@ -92,13 +91,17 @@ class StepGRPOConfig(TrinityConfig):
             it generates them in one batch (it generates at once when every running agent waits).
     """
 
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "advantage_epsilon": component_argument_spelling("advantage", "epsilon"),
+    }
+
     algorithm: str = field(default="multi_step_grpo", metadata={"help": "Algorithm preset."})
     max_env_steps: int = field(default=5, metadata={"help": "Turns per run at most."})
     history: str = field(default="tokens", metadata={"help": "'tokens' or 'messages' (see docs)."})
     enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
     std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
-    advantage_epsilon: float | None = field(default=None, metadata={"help": "Deprecated: advantage.epsilon."})
     shared_prefix: bool = field(
         default=True,
         metadata={
@@ -143,16 +146,13 @@ class StepGRPOConfig(TrinityConfig):
         if not ADVANTAGE_FN.get(advantage).step_wise:
             raise ValueError(
                 f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
-                f"runs and gives each step its run's score), got advantage_fn={advantage!r}"
+                f"runs and gives each step its run's score), got advantage={advantage!r}"
             )
         args = {
             "enable_step_norm": self.enable_step_norm,
             "std_cal_level": self.std_cal_level,
             "std_threshold": self.std_threshold,
         }
-        if self.advantage_epsilon is not None:
-            deprecated_field(self, "advantage_epsilon", "advantage.epsilon", self.advantage_epsilon)
-            args["epsilon"] = self.advantage_epsilon
         return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 

@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from ..checkpointing.checkpoints import TrainerStateFiles
+from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.groups import whole_groups
@@ -45,11 +45,14 @@ from ..training.trl_seams import (
     trained_mask,
     use_cpu_colocate_weight_sync,
 )
-from .common import AlgorithmCardMixin, Components, default_output_dir, load_processor, prepare_teacher
+from .card import AlgorithmCardMixin
+from .common import default_output_dir, load_processor, prepare_teacher
+from .components import Components
 from .config import TrinityConfig, from_trl_config
+from .machine import check_run, start_run
 
 
-class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`][]).
 
     Arguments are those of [`GRPOTrainer`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer), plus
@@ -89,8 +92,10 @@ class TrinityTrainer(AlgorithmCardMixin, GRPOTrainer):
             checks.check_prompt_dataset(given.get("train_dataset"), "train_dataset")
             checks.check_prompt_dataset(given.get("eval_dataset"), "eval_dataset")
         # TRL loads a reference model (or disables the adapter for it) iff beta != 0 (see trl_seams)
+        start_run(args)
         with temporarily(args, beta=1.0 if self.algorithm.needs_reference else 0.0):
             super().__init__(**given)
+        check_run(self)
         self.reward_funcs = [
             f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
             for f, name in zip(self.reward_funcs, self.reward_func_names)

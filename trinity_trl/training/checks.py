@@ -324,6 +324,11 @@ def check_components(
             f"algorithm {algorithm.algorithm!r} trains on {algorithm.schema!r} data, not on rollouts; use "
             f"{'TrinitySFTTrainer' if algorithm.schema == 'sft' else 'TrinityDPOTrainer'} instead"
         )
+    if policy.pairwise:
+        raise ValueError(
+            f"policy loss {algorithm.policy_loss_fn!r} compares chosen/rejected pairs, not rollouts; use "
+            "TrinityDPOTrainer (algorithm='dpo')"
+        )
     if policy.needs_expert_rows and not trainer_cls.supports_expert_rows:
         raise ValueError(f"policy loss {algorithm.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
     if components.kl_penalty.enabled and not algorithm.compute_advantage_in_trainer:
@@ -345,28 +350,28 @@ def check_components(
     if args.sync_ref_model and not algorithm.needs_reference:
         raise ValueError(
             "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "
-            "penalty): set kl_loss_fn or kl_penalty_fn, or sync_ref_model=False"
+            "penalty): set kl_loss or kl_penalty, or sync_ref_model=False"
         )
     if advantage is None or not policy.reads_advantages:
         return
     name = algorithm.advantage_fn
     if advantage.needs_teacher_logprobs and teacher_model is None and rollout_func is None:
         raise ValueError(
-            f"advantage_fn {name!r} needs a teacher_model (a model or a path), or a rollout_func that "
+            f"advantage {name!r} needs a teacher_model (a model or a path), or a rollout_func that "
             "returns 'teacher_logprobs'"
         )
     if advantage.needs_reward_baselines and (
         args.per_device_train_batch_size * args.steps_per_generation % args.num_generations
     ):
         raise ValueError(
-            f"advantage_fn {name!r} scores one greedy completion per prompt group, so each process's "
+            f"advantage {name!r} scores one greedy completion per prompt group, so each process's "
             f"generation batch (per_device_train_batch_size * steps_per_generation = "
             f"{args.per_device_train_batch_size * args.steps_per_generation}) must hold whole groups of "
             f"num_generations={args.num_generations}"
         )
     if advantage.needs_values and not trainer_cls.has_critic:
         raise ValueError(
-            f"advantage_fn {name!r} (GAE) needs critic values; it is only available with a value model (PPOTrainer)"
+            f"advantage {name!r} (GAE) needs critic values; it is only available with a value model (PPOTrainer)"
         )
 
 

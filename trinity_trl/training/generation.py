@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .trl_seams import temporarily
+from ..overrides import temporarily
 
 # generation settings that only apply to sampling (unset for greedy decoding)
 SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p")

@@ -207,10 +207,12 @@ def micro_batch_loss(
     """
     if policy_loss.weighs_samples_itself:
         aggregation: Any = loss_agg_mode
+        loss, metrics = policy_loss.evaluate(**loss_inputs)
     else:
-        policy_loss = policy_loss.aggregated_with(normalizer.plan(batch, mask, policy_loss.effective_loss_agg_mode))
+        # the policy loss receives its aggregation as an argument (its own mode, else the config's)
+        own_mode = policy_loss.effective_loss_agg_mode or loss_agg_mode
+        loss, metrics = policy_loss.evaluate(**loss_inputs, loss_agg_mode=normalizer.plan(batch, mask, own_mode))
         aggregation = normalizer.plan(batch, mask, loss_agg_mode)
-    loss, metrics = policy_loss.evaluate(**loss_inputs)
     metrics = {f"actor/{k}": v for k, v in metrics.items()}
     entropy_loss, kl_loss = components.entropy_loss, components.kl_loss
     if entropy_loss.enabled:

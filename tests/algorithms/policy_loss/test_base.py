@@ -227,11 +227,11 @@ class _RefAnchoredLoss(PolicyLossFn):
 
     def __init__(self, backend: str = "trl", beta: float = 0.5, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
-        self.beta, self.loss_agg_mode = beta, loss_agg_mode
+        self.beta, self.loss_agg_mode = beta, loss_agg_mode  # its own mode: what a direct call aggregates with
 
-    def compute(self, logprob, action_mask, advantages, ref_logprob, **_):
+    def compute(self, logprob, action_mask, advantages, ref_logprob, loss_agg_mode, **_):
         token_loss = -advantages * logprob + self.beta * (logprob - ref_logprob) ** 2
-        loss = agg_loss(token_loss, action_mask, self.loss_agg_mode)
+        loss = agg_loss(token_loss, action_mask, loss_agg_mode)
         return loss, {"my_loss": loss.detach()}
 
 

@@ -59,8 +59,7 @@ def build(case: str, model_dir: str, out: str, steps: int):
         args = PPOConfig(
             value_learning_rate=1e-2,
             save_total_limit=1,
-            kl_penalty_fn="k2",
-            kl_penalty_fn_args={"kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
+            kl_penalty={"name": "k2", "kl_coef": 0.1, "adaptive": True, "target_kl": 1e-6, "horizon": 10},
             **common,
         )
         return PPOTrainer(model=model_dir, args=args, **data)

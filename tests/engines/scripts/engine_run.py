@@ -138,7 +138,7 @@ def build(
     )
     common["bf16"] = bf16
     data = {"reward_funcs": length_reward, "train_dataset": tiny_conversational_dataset(16)}
-    kl = {"kl_loss_fn": "k2", "kl_loss_fn_args": {"kl_coef": 0.1}}
+    kl = {"kl_loss": {"name": "k2", "kl_coef": 0.1}}
     if case == "trinity_full":
         return TrinityTrainer(model=model_dir, args=TrinityConfig(algorithm="grpo", **kl, **common), **data)
     if case == "chord_lora":
@@ -207,7 +207,7 @@ def build_sft_dpo(case: str, model_dir: str, out: str, steps: int, save_steps: i
                 ],
             }
         )
-        args = TrinitySFTConfig(policy_loss_fn="sft_phi", per_device_train_batch_size=4, **common)
+        args = TrinitySFTConfig(policy_loss="sft_phi", per_device_train_batch_size=4, **common)
         return TrinitySFTTrainer(model=model_dir, args=args, train_dataset=dataset)
     dataset = Dataset.from_dict(
         {
@@ -216,7 +216,7 @@ def build_sft_dpo(case: str, model_dir: str, out: str, steps: int, save_steps: i
             "rejected": [" I think it is" + " more" * (b % 3) + f" {a * b + 1}" for a, b in rows],
         }
     )
-    args = TrinityDPOConfig(per_device_train_batch_size=2, kl_loss_fn_args={"kl_coef": 0.1}, **common)
+    args = TrinityDPOConfig(per_device_train_batch_size=2, kl_loss={"kl_coef": 0.1}, **common)
     return TrinityDPOTrainer(model=model_dir, args=args, train_dataset=dataset)
 
 

@@ -32,9 +32,8 @@ def main(model_dir: str, out_dir: str) -> None:
         kwargs = tiny_grpo_kwargs(
             output_dir=os.path.join(out_dir, case),
             per_device_train_batch_size=8,
-            kl_loss_fn="k2",
-            kl_loss_fn_args={"kl_coef": 0.5},
-            entropy_loss_fn_args={"entropy_coef": 0.05},
+            kl_loss={"name": "k2", "kl_coef": 0.5},
+            entropy_loss={"entropy_coef": 0.05},
         )
         if case == "ppo":
             trainer = PPOTrainer(

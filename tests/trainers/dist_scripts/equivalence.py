@@ -160,7 +160,7 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
         shuffle_dataset=False,
         # the default KL (k2) is 0 with zero gradient at the first step; a small entropy bonus adds a second
         # gradient term that also goes through the loss aggregation
-        entropy_loss_fn_args={"entropy_coef": 0.01},
+        entropy_loss={"entropy_coef": 0.01},
     )
     dataset = tiny_conversational_dataset(4)
     extra = {}
@@ -175,7 +175,7 @@ def run_case(case: str, model_dir: str, out_dir: str, world: int, rank: int) -> 
         # (std_threshold 0); duplicate_experiences refills its rows with copies of prompt 2+1's group. On 2
         # processes the filtered group is rank 0's and the kept one rank 1's, so the copies cross processes.
         args = TrinityConfig(
-            algorithm="grpo", advantage_fn_args={"std_threshold": 0.0, "duplicate_experiences": True}, **common
+            algorithm="grpo", advantage={"std_threshold": 0.0, "duplicate_experiences": True}, **common
         )
         cls, ragged = TrinityTrainer, False
     elif case == "reinforceplusplus":
@@ -286,7 +286,7 @@ def run_step_case(model_dir: str, out_dir: str, world: int, rank: int) -> None:
             shuffle_dataset=False,
             max_env_steps=3,
             loss_normalization="global",
-            entropy_loss_fn_args={"entropy_coef": 0.01},
+            entropy_loss={"entropy_coef": 0.01},
         )
     )
     grads = GradRecorder()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import copy
+import functools
+import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -14,13 +15,21 @@ from ..registry import Registry
 
 
 class PolicyLossFn(ComponentArgs):
-    """A policy loss: ``loss, metrics = fn(logprob=..., **inputs)``.
+    """A policy loss: ``loss, metrics = fn(logprob=..., loss_agg_mode=..., **inputs)``.
 
     Subclasses set `inputs` (what they need besides ``logprob``) and implement
     `compute`, which receives the inputs under their internal names, already cleaned:
     per-token tensors hold 0 wherever ``action_mask`` is 0, so NaN/inf in padding can leak
     neither into the loss nor into its gradient. ``compute`` returns ``(loss, metrics)`` where
     metric values may be tensors; `__call__` turns them into Python floats.
+
+    The aggregation contract (docs/algorithms/custom-components.md#aggregation): ``compute`` takes a
+    ``loss_agg_mode`` parameter and aggregates its token losses with it
+    (``agg_loss(token_loss, action_mask, loss_agg_mode)``); a trainer passes a callable there that
+    normalises over the count of its choosing (every token of the optimizer step, say), a direct call
+    the loss's own mode. A loss that normalises its samples itself (MIX, CHORD) declares
+    ``weighs_samples_itself = True`` instead and gets no aggregation. Any other loss is refused when it
+    is built (`check_aggregation_contract`), never at the first step.
 
     ``default_args()`` is derived from the constructor signature (see `trinity_trl.algorithms.args.ComponentArgs`);
     a subclass lists in ``preset_defaults`` only the preset values that differ from its constructor.
@@ -103,28 +112,24 @@ class PolicyLossFn(ComponentArgs):
 
     @property
     def effective_loss_agg_mode(self) -> str | None:
-        """The aggregation the loss applies to its token losses (``None`` if it has none). Usually its
-        ``loss_agg_mode``; a loss whose definition fixes the mode (REC's ``gspo-one-side``) says so."""
+        """The mode the loss aggregates its token losses with: the one a trainer builds its aggregation for
+        and a direct call uses. Its constructor's ``loss_agg_mode``; a loss whose definition fixes the mode
+        (REC's ``gspo-one-side``) says so; ``None`` for a loss without a mode of its own (a trainer then
+        uses the config's ``loss_agg_mode``)."""
         return getattr(self, "loss_agg_mode", None)
 
-    @property
-    def weighs_samples_itself(self) -> bool:
-        """Whether the loss normalises its samples itself across a whole optimizer step (MIX/CHORD,
-        docs/algorithms/chord.md#normalisation). A trainer then divides it only by gradient accumulation, and must not
-        pass an aggregation of its own (`aggregated_with`)."""
-        return False
+    #: Whether the loss normalises its samples itself across a whole optimizer step (MIX/CHORD,
+    #: docs/algorithms/chord.md#normalisation): its ``compute`` takes no aggregation, and a trainer divides it only
+    #: by gradient accumulation.
+    weighs_samples_itself: ClassVar[bool] = False
+    #: Whether the loss compares chosen/rejected pairs of rows (DPO): only TrinityDPOTrainer can run it.
+    pairwise: ClassVar[bool] = False
 
-    def aggregated_with(self, loss_agg_mode: Any) -> PolicyLossFn:
-        """A shallow copy of this loss that aggregates with ``loss_agg_mode`` (a mode name or an
-        aggregation callable, see [`agg_loss`][trinity_trl.algorithms.agg_loss]). Trainers use it to
-        normalise a micro-batch by a count of their choosing (e.g. every token of the optimizer step)."""
-        if self.effective_loss_agg_mode is None or self.weighs_samples_itself:
-            raise ValueError(
-                f"policy loss {getattr(self, 'name', type(self).__name__)!r} has no aggregation to replace"
-            )
-        copy_ = copy.copy(self)
-        copy_.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
-        return copy_
+    @classmethod
+    def takes_aggregation(cls) -> bool:
+        """Whether :meth:`compute` names a ``loss_agg_mode`` parameter (a ``**kwargs`` catch-all does not count:
+        it would accept the aggregation and could ignore it)."""
+        return _names_loss_agg_mode(cls.compute)
 
     @property
     def select_keys(self) -> list[str]:
@@ -135,9 +140,26 @@ class PolicyLossFn(ComponentArgs):
         loss, metrics = self.evaluate(logprob, **kwargs)
         return loss, metrics_to_floats(metrics)
 
-    def evaluate(self, logprob: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    def evaluate(
+        self, logprob: torch.Tensor | None = None, *, loss_agg_mode: Any = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Like ``__call__`` but metric values stay detached 0-d tensors (no device sync), for
-        callers that gather or average metrics themselves."""
+        callers that gather or average metrics themselves.
+
+        ``loss_agg_mode``: the aggregation of the token losses, a mode name or an aggregation callable (see
+        :func:`~trinity_trl.algorithms.masked.agg_loss`); ``None``: the loss's own mode
+        (:attr:`effective_loss_agg_mode`, else ``token-mean``). A loss that weighs its samples itself takes none.
+        """
+        if self.weighs_samples_itself:
+            if loss_agg_mode is not None:
+                raise ValueError(
+                    f"policy loss {self.display_name()!r} weighs its samples itself: it takes no aggregation"
+                )
+            aggregation: dict[str, Any] = {}
+        else:
+            check_aggregation_contract(self)
+            mode = loss_agg_mode if loss_agg_mode is not None else self.effective_loss_agg_mode or "token-mean"
+            aggregation = {"loss_agg_mode": check_loss_agg_mode(mode)}
         if logprob is not None:
             kwargs["logprob"] = logprob
         inputs = resolve_inputs(kwargs, ("logprob", *self.inputs), self.optional_inputs)
@@ -153,14 +175,40 @@ class PolicyLossFn(ComponentArgs):
             value = inputs.get(key)
             if isinstance(value, torch.Tensor) and value.shape == mask.shape:
                 inputs[key] = masked_fill_invalid(value, mask)
-        loss, metrics = self.compute(raw_advantages=raw_advantages, **inputs)
+        loss, metrics = self.compute(raw_advantages=raw_advantages, **aggregation, **inputs)
         return loss, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 
     def compute(self, **inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         raise NotImplementedError
 
+    @classmethod
+    def display_name(cls) -> str:
+        """The registered name, else the class name."""
+        return getattr(cls, "name", None) or cls.__name__
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
+
+
+@functools.cache
+def _names_loss_agg_mode(compute: Any) -> bool:
+    parameter = inspect.signature(compute).parameters.get("loss_agg_mode")
+    return parameter is not None and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+
+
+def check_aggregation_contract(loss: PolicyLossFn | type[PolicyLossFn]) -> None:
+    """Refuse a policy loss that neither takes its aggregation nor weighs its samples itself (one line naming
+    what to add). Without it a trainer could not normalise the loss: it would fail or silently keep the loss's
+    own micro-batch mean."""
+    if loss.weighs_samples_itself or loss.takes_aggregation():
+        return
+    cls = loss if isinstance(loss, type) else type(loss)
+    raise ValueError(
+        f"policy loss {cls.display_name()!r} ({cls.__module__}.{cls.__qualname__}) does not take its aggregation: "
+        "add a loss_agg_mode parameter to its compute() and aggregate with agg_loss(token_loss, action_mask, "
+        "loss_agg_mode), or, if it normalises its samples itself, declare weighs_samples_itself = True "
+        "(docs/algorithms/custom-components.md#aggregation)"
+    )
 
 
 class AggregatedLossFn(PolicyLossFn):

@@ -56,7 +56,7 @@ class CISPOPolicyLossFn(PolicyLossFn):
         self.mask_clip_range_high = _check_range("cispo", "mask_clip_range_high", mask_clip_range_high, None)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio).detach()
@@ -66,7 +66,7 @@ class CISPOPolicyLossFn(PolicyLossFn):
             too_high = (ratio > 1.0 + self.mask_clip_range_high) & (adv > 0)
             too_low = (ratio < 1.0 - self.mask_clip_range_low) & (adv < 0)
             keep = (~(too_high | too_low)).to(ratio.dtype)
-        loss = agg_loss(-adv * weight * keep * logprob, mask, self.loss_agg_mode)
+        loss = agg_loss(-adv * weight * keep * logprob, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "cispo_loss": loss.detach(),
             "ppo_kl": masked_mean(-log_ratio, mask),

@@ -39,6 +39,10 @@ class DPOLossFn(PolicyLossFn):
     """
 
     inputs = ("ref_logprob", "action_mask")
+    # one call is one chosen/rejected pair's loss, which TrinityDPOTrainer averages over the pairs: no token
+    # aggregation, and no rollout trainer can run it (``pairwise``)
+    weighs_samples_itself = True
+    pairwise = True
 
     def __init__(
         self, backend: str = "trl", beta: float = 0.1, label_smoothing: float = 0.0, *, allow_odd_rows: bool = False

@@ -60,7 +60,7 @@ class GSPOPolicyLossFn(PolicyLossFn):
     def sequence_level(self) -> bool:
         return True  # one ratio per row
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,)
@@ -68,7 +68,7 @@ class GSPOPolicyLossFn(PolicyLossFn):
 
         loss_unclipped = -adv * seq_ratio
         loss_clipped = -adv * torch.clamp(seq_ratio, 1.0 - self.clip_range_low, 1.0 + self.clip_range_high)
-        loss = agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, self.loss_agg_mode)
+        loss = agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(logprob.dtype), mask),
             "ppo_kl": masked_mean(-log_ratio, mask),

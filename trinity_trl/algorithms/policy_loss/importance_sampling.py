@@ -22,11 +22,11 @@ class ImportanceSamplingLossFn(AggregatedLossFn):
     Metrics: ``pg_loss``, ``ratio/mean = MMEAN(r)``, ``approx_kl = MMEAN(−δ)`` (clamped δ).
     """
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask = action_mask
         log_ratio = torch.clamp(logprob - old_logprob, -20.0, 20.0)
         ratio = torch.exp(log_ratio)
-        loss = agg_loss(-advantages * ratio, mask, self.loss_agg_mode)
+        loss = agg_loss(-advantages * ratio, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "pg_loss": loss.detach(),
             "ratio/mean": masked_mean(ratio.detach(), mask),

@@ -150,9 +150,8 @@ class ExpertMixLossFn(PolicyLossFn):
     # TRL's epsilon / epsilon_high are the PPO part's relative clip bounds
     trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
 
-    @property
-    def weighs_samples_itself(self) -> bool:
-        return True  # per-sample weights w_u, w_e over the optimizer step (docs/algorithms/chord.md#normalisation)
+    # per-sample weights w_u, w_e over the optimizer step (docs/algorithms/chord.md#normalisation)
+    weighs_samples_itself = True
 
     @classmethod
     def summary_metrics(cls) -> dict[str, tuple[str, ...]]:

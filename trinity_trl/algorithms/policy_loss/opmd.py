@@ -28,6 +28,6 @@ class OPMDPolicyLossFn(PolicyLossFn):
         self.tau = float(tau)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, action_mask, advantages, **_):
-        loss = agg_loss(-advantages * logprob, action_mask, self.loss_agg_mode) / (1.0 + self.tau)
+    def compute(self, logprob, action_mask, advantages, loss_agg_mode, **_):
+        loss = agg_loss(-advantages * logprob, action_mask, loss_agg_mode) / (1.0 + self.tau)
         return loss, {"opmd_loss": loss.detach()}

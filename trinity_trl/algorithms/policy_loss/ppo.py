@@ -95,7 +95,7 @@ class PPOPolicyLossFn(PolicyLossFn):
     def sequence_level(self) -> bool:
         return self.enable_sequence_masking  # the mask uses each row's mean log-ratio
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, raw_advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, raw_advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         if self.fallback_to_policy_gradient:
             log_ratio = logprob - logprob.detach()
@@ -134,6 +134,6 @@ class PPOPolicyLossFn(PolicyLossFn):
             metrics["seq_mask/masked_tokens"] = drop.to(logprob.dtype).sum() / (weight.sum() + 1e-10)
             metrics["seq_mask/mean_sequence_kl"] = seq_kl.mean()
 
-        loss = agg_loss(token_loss, mask, self.loss_agg_mode)
+        loss = agg_loss(token_loss, mask, loss_agg_mode)
         metrics["pg_loss"] = loss.detach()
         return loss, metrics

@@ -88,13 +88,11 @@ class RECPolicyLossFn(PolicyLossFn):
 
     @property
     def effective_loss_agg_mode(self):
-        # gspo-one-side is a sequence-level objective: always seq-mean-token-mean, unless a trainer
-        # supplied an aggregation callable that implements it (aggregated_with)
-        if self.clip_mode == "gspo-one-side" and not callable(self.loss_agg_mode):
-            return "seq-mean-token-mean"
-        return self.loss_agg_mode
+        # gspo-one-side is a sequence-level objective: always seq-mean-token-mean (a trainer passes an
+        # aggregation built for that mode)
+        return "seq-mean-token-mean" if self.clip_mode == "gspo-one-side" else self.loss_agg_mode
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         low, high = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
         ratio = torch.exp(logprob - old_logprob).detach()
@@ -137,6 +135,6 @@ class RECPolicyLossFn(PolicyLossFn):
         elif self.regularizer == "k2":
             token_loss = token_loss + self.regularizer_coef * (logprob - old_logprob) ** 2
 
-        loss = agg_loss(token_loss, mask, self.effective_loss_agg_mode)
+        loss = agg_loss(token_loss, mask, loss_agg_mode)
         metrics = {"pg_clipfrac": masked_mean((~in_range).to(logprob.dtype), mask), "pg_loss": loss.detach()}
         return loss, metrics

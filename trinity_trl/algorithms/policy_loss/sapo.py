@@ -61,7 +61,7 @@ class SAPOPolicyLossFn(PolicyLossFn):
             raise ValueError(f"sapo: unknown form {form!r}; allowed: {', '.join(SAPO_FORMS)}")
         self.form = form
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio)
@@ -75,7 +75,7 @@ class SAPOPolicyLossFn(PolicyLossFn):
         else:
             gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
             token_loss = -adv * gate
-        loss = agg_loss(token_loss, mask, self.loss_agg_mode)
+        loss = agg_loss(token_loss, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "sapo_loss": loss.detach(),
             "ppo_kl": masked_mean(-log_ratio.detach(), mask),

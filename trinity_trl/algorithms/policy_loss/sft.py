@@ -24,8 +24,8 @@ class SFTLossFn(AggregatedLossFn):
 
     inputs = ("action_mask",)
 
-    def compute(self, logprob, action_mask, **_):
-        loss = agg_loss(-logprob, action_mask, self.loss_agg_mode)
+    def compute(self, logprob, action_mask, loss_agg_mode, **_):
+        loss = agg_loss(-logprob, action_mask, loss_agg_mode)
         return loss, {"sft_loss": loss.detach()}
 
 
@@ -39,8 +39,8 @@ class SFTISLossFn(AggregatedLossFn):
 
     inputs = ("action_mask",)
 
-    def compute(self, logprob, action_mask, **_):
-        loss = agg_loss(-logprob * torch.exp(logprob).detach(), action_mask, self.loss_agg_mode)
+    def compute(self, logprob, action_mask, loss_agg_mode, **_):
+        loss = agg_loss(-logprob * torch.exp(logprob).detach(), action_mask, loss_agg_mode)
         return loss, {"sft_is_loss": loss.detach()}
 
 
@@ -64,10 +64,10 @@ class SFTPhiLossFn(PolicyLossFn):
             raise ValueError(f"sft_phi: cutoff_prob must be in (0, 1], got {cutoff_prob}")
         self.cutoff_prob = float(cutoff_prob)
 
-    def compute(self, logprob, action_mask, **_):
+    def compute(self, logprob, action_mask, loss_agg_mode, **_):
         weight = phi_function(torch.exp(logprob)).detach()
         clipped = logprob
         if self.cutoff_prob < 1.0:
             clipped = torch.clamp(logprob, max=math.log(self.cutoff_prob))
-        loss = agg_loss(-clipped * weight, action_mask, self.loss_agg_mode)
+        loss = agg_loss(-clipped * weight, action_mask, loss_agg_mode)
         return loss, {"sft_phi_loss": loss.detach()}

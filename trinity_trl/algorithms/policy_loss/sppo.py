@@ -29,12 +29,12 @@ class SPPOPolicyLossFn(PolicyLossFn):
         self.epsilon = float(epsilon)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio).detach()
         in_range = ((ratio >= 1.0 / (1.0 + self.epsilon)) & (ratio <= 1.0 + self.epsilon)).to(logprob.dtype)
-        loss = agg_loss(-adv * log_ratio * in_range, mask, self.loss_agg_mode)
+        loss = agg_loss(-adv * log_ratio * in_range, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "pg_clipfrac": masked_mean(1.0 - in_range, mask),
             "pg_loss": loss.detach(),

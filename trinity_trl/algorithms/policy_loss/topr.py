@@ -33,11 +33,11 @@ class TOPRPolicyLossFn(PolicyLossFn):
         # which branch a token takes depends on A itself unless the threshold is 0 (sign only)
         return self.advantage_threshold == 0.0
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, **_):
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
         mask, adv = action_mask, advantages
         ratio = torch.exp(logprob - old_logprob).detach()
         alpha = torch.where(adv <= self.advantage_threshold, torch.clamp(ratio, 0.0, 1.0), torch.ones_like(ratio))
-        loss = agg_loss(-alpha * adv * logprob, mask, self.loss_agg_mode)
+        loss = agg_loss(-alpha * adv * logprob, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "topr_loss": loss.detach(),
             "avg_alpha": masked_mean(alpha, mask),
