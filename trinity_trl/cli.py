@@ -49,7 +49,7 @@ CONFIGS_WIDTH = 100
 
 def _configs_table() -> str:
     """One row per bundled config (config, recipe, model, task, steps), then its measured result and purpose
-    wrapped beneath it, all within :data:`CONFIGS_WIDTH` columns."""
+    wrapped beneath it, all within `CONFIGS_WIDTH` columns."""
     import textwrap
 
     from .recipes import bundled_configs, config_summary
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_on_user_error(function, argv: list[str], prog: str):
-    """``function(argv)``; a user error (:data:`USER_ERRORS`) becomes one line ``<prog>: error: ...`` on stderr and
+    """``function(argv)``; a user error (`USER_ERRORS`) becomes one line ``<prog>: error: ...`` on stderr and
     exit status 2, unless ``argv`` holds ``--debug`` (then it propagates with its traceback). Any other exception
     is a bug and keeps its traceback. The ``trinity-trl`` command and the recipe scripts both go through here, so
     under a launcher every process then ends its process group (a barrier, then ``destroy_process_group``,
-    :func:`trinity_trl.distributed.ending_process_group`): on success, on a user error and on a bug alike."""
+    `trinity_trl.distributed.ending_process_group`): on success, on a user error and on a bug alike."""
     from .distributed import ending_process_group
 
     debug = "--debug" in argv

@@ -3,7 +3,7 @@
 A process that exits with its ``torch.distributed`` process group still alive leaves the group's threads to the
 interpreter's teardown; with gloo (CPU processes) one of them may then abort with ``terminate called without an
 active exception`` (SIGABRT), after all the work is done, and ``accelerate launch`` or ``torchrun`` exits 1. The
-``trinity-trl`` command and the recipe scripts end their process group through :func:`ending_process_group`; a
+``trinity-trl`` command and the recipe scripts end their process group through `ending_process_group`; a
 script of your own does the same (docs/distributed.md#ending).
 """
 
@@ -23,7 +23,7 @@ def end_process_group(*, failed: bool = False) -> bool:
 
     Call it once, at the end of a script, on every process. Without an initialised group (one process, no launcher)
     it does nothing. ``failed=True`` is the error path: with gloo the barrier then waits at most
-    :data:`ERROR_BARRIER_TIMEOUT_S` seconds (processes that stopped elsewhere never reach it), with another backend
+    `ERROR_BARRIER_TIMEOUT_S` seconds (processes that stopped elsewhere never reach it), with another backend
     (NCCL) it is skipped; the group is destroyed either way. Returns whether a group was ended.
     """
     import torch.distributed as dist
@@ -49,7 +49,7 @@ def end_process_group(*, failed: bool = False) -> bool:
 @contextmanager
 def ending_process_group() -> Iterator[None]:
     """``with ending_process_group(): ...`` around a whole script: when the block ends, by returning or by an
-    exception (a ``SystemExit`` included), :func:`end_process_group` ends the process group the script started
+    exception (a ``SystemExit`` included), `end_process_group` ends the process group the script started
     (``failed=True`` on an exception, so a process that fails alone does not wait long for the others). On
     Ctrl-C (``KeyboardInterrupt``) the group is destroyed without a barrier."""
     try:

@@ -1,7 +1,7 @@
 """The one helper that sets attributes of a library's object for a block and restores them.
 
 Where TRL or transformers read a value from an attribute instead of taking an argument, the trainers set it for the
-duration of one call with :func:`temporarily` (each use says why). It lives at the bottom of the package, importing
+duration of one call with `temporarily` (each use says why). It lives at the bottom of the package, importing
 nothing of it, so the rooms that need it (``checkpointing/``, ``training/``, ``trainers/``) import it downwards.
 """
 
@@ -26,7 +26,7 @@ def temporarily(obj: Any, **values: Any) -> Iterator[None]:
       ``args.output_dir``; ``save_model(other_dir)`` wants it next to the saved weights.
     * ``args.push_to_hub`` and ``args.save_total_limit`` while transformers' ``_save_checkpoint`` runs:
       it pushes the checkpoint and deletes old ones at its end, before our files and the completion
-      marker are written; :class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints` does both
+      marker are written; `trinity_trl.checkpointing.checkpoints.CompleteCheckpoints` does both
       after the marker.
     """
     saved = {name: getattr(obj, name) for name in values}

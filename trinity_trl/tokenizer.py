@@ -43,7 +43,7 @@ def hf_tokenizer(
 
 
 def correct_tokenizer(tokenizer, name_or_path, correct_pad_token: bool = True, correct_gemma2: bool = True):
-    """The corrections of :func:`hf_tokenizer`, applied in place to an already loaded tokenizer
+    """The corrections of `hf_tokenizer`, applied in place to an already loaded tokenizer
     (the trainers apply them to the tokenizer inside the processor TRL loads)."""
     if correct_gemma2 and "gemma-2" in str(name_or_path).lower():
         end_of_turn_id = tokenizer.convert_tokens_to_ids(GEMMA2_END_OF_TURN)

@@ -2,7 +2,7 @@
 
 A component declares its arguments once, as a typed constructor signature. What a preset uses when
 the user gives no arguments, ``default_args()``, is derived from that signature by one rule
-(:meth:`ComponentArgs.default_args`), so a default is never written twice. Where Trinity-RFT's preset
+(`ComponentArgs.default_args`), so a default is never written twice. Where Trinity-RFT's preset
 value differs from the constructor's default (PPO's ``clip_range`` is ``None`` in the constructor and
 0.2 in a preset, REC's primes, GSPO's clip bounds, the entropy coefficient), the class declares
 that value in ``preset_defaults``, next to the signature.
@@ -48,10 +48,10 @@ class ComponentArgs:
     The rule: ``default_args()`` lists, in signature order, each positional-or-keyword constructor
     parameter except ``backend``, with its default,
 
-    * leaving out parameters without a default and, when :attr:`omit_none_defaults` is true (policy
+    * leaving out parameters without a default and, when `omit_none_defaults` is true (policy
       losses, KL), parameters whose default is ``None`` (an unset option: Trinity's presets leave it
       out too);
-    * then laying :attr:`preset_defaults` on top: a listed parameter takes that value and is
+    * then laying `preset_defaults` on top: a listed parameter takes that value and is
       always present.
 
     Keyword-only parameters (after ``*``) are never listed: they are ``trinity_trl``'s own options
@@ -77,7 +77,7 @@ class ComponentArgs:
     @classmethod
     def default_args(cls) -> dict[str, Any]:
         """The arguments a preset uses when the user gives none (docs/algorithms/index.md#default-arguments): a fresh
-        dict, derived from the constructor signature and :attr:`preset_defaults` (see the class docstring)."""
+        dict, derived from the constructor signature and `preset_defaults` (see the class docstring)."""
         args: dict[str, Any] = {}
         for p in _preset_parameters(cls):
             if p.name in cls.preset_defaults:

@@ -3,9 +3,9 @@
 ``Component("cispo", clip_range_high=5.0)`` in Python, ``policy_loss: {name: cispo, clip_range_high: 5.0}``
 in YAML and ``--policy_loss.clip_range_high 5.0`` on the command line are the same value. Its keys are
 the component's constructor arguments, checked against the constructor's signature by
-:func:`check_arguments` (one-line errors that list the allowed keys and their types). A component may
+`check_arguments` (one-line errors that list the allowed keys and their types). A component may
 accept TRL's names for its arguments (``epsilon_high`` for ``clip_range_high``): it declares them in
-``trl_config_fields``, and :func:`rename_trl_arguments` renames them.
+``trl_config_fields``, and `rename_trl_arguments` renames them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Component:
     """A component's registry name (``None``: the preset's choice) and its constructor arguments.
 
     ``Component("cispo", clip_range_high=5.0)``; ``Component(clip_range_high=5.0)`` keeps the preset's
-    loss and sets one of its arguments. :meth:`parse` reads the YAML / command-line spellings.
+    loss and sets one of its arguments. `parse` reads the YAML / command-line spellings.
     """
 
     __slots__ = ("name", "args")
@@ -35,7 +35,7 @@ class Component:
 
     @classmethod
     def parse(cls, owner: str, field: str, value: Any) -> Component | None:
-        """``value`` as a :class:`Component`: ``None``, a ``Component``, a mapping with an optional ``name``
+        """``value`` as a `Component`: ``None``, a ``Component``, a mapping with an optional ``name``
         key (YAML), a JSON object string (command line) or a bare name (``"cispo"``)."""
         if value is None or isinstance(value, Component):
             return value

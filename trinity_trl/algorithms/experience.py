@@ -109,11 +109,11 @@ class ExperienceOperator(abc.ABC):
     experience pipeline; the group advantage functions are such operators).
 
     ``exps_out, metrics = op.process(exps)``; calling the operator does the same. Subclasses
-    implement :meth:`process`: it may change experiences in place, drop or add some, and reorder
+    implement `process`: it may change experiences in place, drop or add some, and reorder
     them, and returns the experiences to train on with a ``dict[str, float]`` of metrics.
 
     An operator that draws random numbers declares ``draws_random = True`` and takes ``rng`` (a
-    ``random.Random``) in :meth:`process`; calling it with ``rng=None`` draws from Python's global
+    ``random.Random``) in `process`; calling it with ``rng=None`` draws from Python's global
     ``random`` module, as Trinity-RFT does. Trainers pass their own generator, so no global state is touched.
     """
 

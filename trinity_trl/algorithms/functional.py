@@ -1,6 +1,6 @@
 """verl-compatible functional entry points.
 
-``agg_loss`` lives in :mod:`.masked` and ``kl_penalty`` in :mod:`.kl`; this module adds
+``agg_loss`` lives in `masked` and ``kl_penalty`` in `kl`; this module adds
 ``compute_policy_loss`` with verl's signature and return tuple.
 """
 

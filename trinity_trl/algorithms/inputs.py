@@ -2,7 +2,7 @@
 docs/algorithms/index.md#call-convention).
 
 Components use Trinity's internal names. Callers may use the internal names, verl's names or
-TRL's names; :func:`resolve_inputs` maps them. Unknown keys are ignored so a trainer can pass its
+TRL's names; `resolve_inputs` maps them. Unknown keys are ignored so a trainer can pass its
 whole batch dict. One input under several names is fine when the values are equal (the same tensor,
 or equal tensors); different values are an error.
 """
@@ -100,8 +100,8 @@ def resolve_inputs(kwargs: Mapping[str, Any], required: Iterable[str], optional:
 
     Returns ``{internal_name: value}`` for every required and every present optional input.
     Raises ``ValueError`` when a required input is missing (or ``None``) or when two aliases of
-    the same input carry different values (equal values, see :func:`same_value`, are fine: the
-    first alias in :data:`INPUT_ALIASES` order is used).
+    the same input carry different values (equal values, see `same_value`, are fine: the
+    first alias in `INPUT_ALIASES` order is used).
     """
     resolved: dict[str, Any] = {}
     for internal in (*required, *optional):

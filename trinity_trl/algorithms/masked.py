@@ -16,7 +16,7 @@ import torch
 # an aggregation given as a function of (loss_mat (B, T), loss_mask (B, T)) -> 0-d tensor
 Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: what an aggregation divides its weighted token sum by (see :class:`AggregationMode`)
+#: what an aggregation divides its weighted token sum by (see `AggregationMode`)
 Divisor = Literal["tokens", "samples", "width"]
 
 
@@ -24,7 +24,7 @@ Divisor = Literal["tokens", "samples", "width"]
 class AggregationMode:
     """One ``loss_agg_mode``: a weighted token sum ``Σ ℓ·m·w`` divided by one count ``D``.
 
-    This is the only definition of a mode: :func:`agg_loss` (one micro-batch, a row is a sample) and the
+    This is the only definition of a mode: `agg_loss` (one micro-batch, a row is a sample) and the
     trainers' loss plan (``trinity_trl.training.loss``: packed samples, counts over the whole optimizer
     step) both build their weights and count from it, each supplying the counts of its own batch. A new
     mode is a new entry of `AGGREGATION_MODES`.
@@ -127,7 +127,7 @@ def check_loss_agg_mode(loss_agg_mode: str | Aggregation) -> str | Aggregation:
 
 
 def aggregation_mode(loss_agg_mode: str) -> AggregationMode:
-    """The :class:`AggregationMode` named ``loss_agg_mode``; an unknown name is an error listing the modes."""
+    """The `AggregationMode` named ``loss_agg_mode``; an unknown name is an error listing the modes."""
     check_loss_agg_mode(loss_agg_mode)
     return AGGREGATION_MODES[loss_agg_mode]
 

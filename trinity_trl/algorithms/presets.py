@@ -2,7 +2,7 @@
 
 A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
 ``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
-it sets. :func:`resolve_algorithm_config` fills in everything else as Trinity does.
+it sets. `resolve_algorithm_config` fills in everything else as Trinity does.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Name -> class registries for every algorithm component family, and loading components from outside the
-package: modules named with ``--import`` (:func:`import_components`) and the ``trinity_trl.components``
-entry point group (:func:`load_entry_points`, run the first time a registry is asked for a name it lacks).
+package: modules named with ``--import`` (`import_components`) and the ``trinity_trl.components``
+entry point group (`load_entry_points`, run the first time a registry is asked for a name it lacks).
 """
 
 from __future__ import annotations

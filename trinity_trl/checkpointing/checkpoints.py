@@ -12,13 +12,13 @@ What our checkpoints hold beyond transformers'/TRL's:
 
 Every ``.pt`` file we write holds tensors, numbers, strings, lists and dicts only, and is read with
 ``torch.load(weights_only=True)``, which refuses anything else (checkpoints are shared on the Hub; a pickled object
-can run code when loaded): :func:`load_plain` turns the refusal into an error that names the file.
+can run code when loaded): `load_plain` turns the refusal into an error that names the file.
 
 **Completion.** A process killed while writing a checkpoint leaves a ``checkpoint-N`` folder that transformers'
 ``get_last_checkpoint`` (``resume_from_checkpoint=True``) would pick, being the highest-numbered one. So the last
-file written into a checkpoint is :data:`COMPLETE_FILE`, written atomically after every process has written all of
+file written into a checkpoint is `COMPLETE_FILE`, written atomically after every process has written all of
 its files (transformers', TRL's and ours): a manifest of every file with its size. A folder without it, or whose
-files no longer match it, is incomplete and is never resumed from (:func:`resume_checkpoint`). Our own files are
+files no longer match it, is incomplete and is never resumed from (`resume_checkpoint`). Our own files are
 written atomically too (a temporary file renamed over the final name), so a file is either whole or absent.
 """
 
@@ -80,7 +80,7 @@ def save_plain(obj: Any, path: str) -> None:
 
 
 def load_plain(path: str, map_location: Any = "cpu", what: str = "checkpoint file") -> Any:
-    """Read a file written by :func:`save_plain` without unpickling objects: anything but tensors, numbers, strings,
+    """Read a file written by `save_plain` without unpickling objects: anything but tensors, numbers, strings,
     lists and dicts is refused with an error naming the file."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
@@ -231,7 +231,7 @@ class CompleteCheckpoints:
     """Trainer mixin: a checkpoint is marked complete once every process wrote all of its files, and resuming picks
     complete checkpoints only (see the module docstring).
 
-    A trainer writes its own files in :meth:`_save_checkpoint_extras` (called on every process, before the
+    A trainer writes its own files in `_save_checkpoint_extras` (called on every process, before the
     marker). transformers' Hub push of the checkpoint and its deletion of old checkpoints (``save_total_limit``) run
     after the marker: a pushed checkpoint is complete, and an old checkpoint is deleted only once a newer one is.
 

@@ -141,7 +141,7 @@ def make_problems(
     """``num_rows`` distinct problems of ``split``: dicts with problem, prompt, solution, answer (str), kind.
 
     The kinds (templates) take turns, so each of ``kinds`` has ``num_rows / len(kinds)`` problems (rounded);
-    ``prompt_style`` is that of :func:`prompt_messages`.
+    ``prompt_style`` is that of `prompt_messages`.
     """
     if prompt_style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")

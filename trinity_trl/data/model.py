@@ -157,7 +157,7 @@ def resolve_model(model: Any) -> Any:
 
 
 def is_bundled_model_dir(path: Any) -> bool:
-    """Whether ``path`` is a conversion of the bundled model made by :func:`bundled_model_dir`."""
+    """Whether ``path`` is a conversion of the bundled model made by `bundled_model_dir`."""
     return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(os.fspath(path), _MARKER))
 
 

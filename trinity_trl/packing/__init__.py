@@ -2,15 +2,15 @@
 
 TRL's ``GRPOTrainer`` forwards a micro-batch as rows of left-padded prompt + right-padded completion,
 so the G completions of a prompt encode that prompt G times and every row is padded to the widest.
-Here the rows are folded into a prefix tree laid out as ONE packed row (:mod:`.tree`: shared prompts,
+Here the rows are folded into a prefix tree laid out as ONE packed row (`tree`: shared prompts,
 earlier turns and common system prompts once, several groups per row, no padding), whose attention
-(ancestors, then causal within a node) runs through one of the kernels of :mod:`.kernels`
+(ancestors, then causal within a node) runs through one of the kernels of `kernels`
 (``sdpa_segments`` on CPU; ``varlen``, ``flash_attn`` or ``flex`` on CUDA), reached through the model's
-own attention function (:mod:`.attention`). :mod:`.selection` is the one place that decides, per
+own attention function (`attention`). `selection` is the one place that decides, per
 forward, between a packed kernel and TRL's padded forward (``prefix_packing_kernel``; on CUDA ``auto``
 keeps packing only where it timed faster than the padded forward on the run itself), and
-:mod:`.forward` runs the packed log-prob and critic forwards for the trainers
-(:class:`~.forward.PrefixPacking`). User guide: ``docs/prefix-packing.md``.
+`forward` runs the packed log-prob and critic forwards for the trainers
+(`forward.PrefixPacking`). User guide: ``docs/prefix-packing.md``.
 """
 
 from .attention import TreeAttentionMask, tree_attention

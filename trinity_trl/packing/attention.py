@@ -1,14 +1,14 @@
 """How the tree attention reaches the model's attention layers.
 
-A packed forward passes a :class:`TreeAttentionMask` where the model takes a prepared 4D mask:
+A packed forward passes a `TreeAttentionMask` where the model takes a prepared 4D mask:
 an empty ``(1, 1, 0, 0)`` tensor on the packed row's device (so transformers' mask preparation
 returns it unchanged, DDP's input placement leaves it alone, and activation checkpointing keeps it
 with the layer's saved inputs) that carries the kernel and its plan, built once per forward.
 
 The layers' attention functions are looked up in transformers' ``AttentionInterface``: for the
 implementations a packed forward accepts (``sdpa``, ``flash_attention_2``, ``flash_attention_3``)
-:func:`install` registers a wrapper that runs :func:`tree_attention` when the mask is a
-:class:`TreeAttentionMask` and the original function otherwise, so a model loaded with
+`install` registers a wrapper that runs `tree_attention` when the mask is a
+`TreeAttentionMask` and the original function otherwise, so a model loaded with
 FlashAttention 2 is packed as well, and GQA key/value heads arrive unexpanded. (Registering
 through the interface rather than only intercepting ``scaled_dot_product_attention`` is what makes
 the FlashAttention-loaded models work; the mask still intercepts SDPA, for code that calls it
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .kernels import TreeKernel
 
-#: ``config._attn_implementation`` values whose attention function :func:`install` wraps
+#: ``config._attn_implementation`` values whose attention function `install` wraps
 DISPATCHED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
@@ -92,7 +92,7 @@ def _wrap(original):
 
 
 def install() -> None:
-    """Wrap the attention functions of :data:`DISPATCHED_IMPLEMENTATIONS` (once; idempotent)."""
+    """Wrap the attention functions of `DISPATCHED_IMPLEMENTATIONS` (once; idempotent)."""
     from transformers import AttentionInterface
 
     mapping = AttentionInterface._global_mapping

@@ -6,11 +6,11 @@ only the hidden states of the tokens that predict a completion token (a shared p
 once per row below it), so the chunked head scores only those and full-vocabulary logits are never
 materialised. The critic (PPO) is called on the same packed row and read at the same positions.
 
-Only verified causal decoders are packed (:data:`VERIFIED_MODEL_TYPES`, full attention, attention
+Only verified causal decoders are packed (`VERIFIED_MODEL_TYPES`, full attention, attention
 ``sdpa`` or FlashAttention 2/3); anything else (other architectures, sliding-window layers, eager
 attention, attention dropout, multimodal inputs, MoE auxiliary losses, masks that are not one
 contiguous run per row) falls back to TRL's padded forward with one log line naming the reason
-(:class:`PrefixPacking`), and so does a forward that :mod:`.selection` sends to the padded layout.
+(`PrefixPacking`), and so does a forward that `selection` sends to the padded layout.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def packed_logps(
     """``(K,)`` log-probs (and entropies) of ``packed``'s scored tokens through TRL's fused LM head.
 
     ``model`` is called as TRL's helper calls it (``fused_lm_head=True``), with the packed row, its
-    positions and its :class:`TreeAttentionMask`; the hook on ``backbone`` (the module whose
+    positions and its `TreeAttentionMask`; the hook on ``backbone`` (the module whose
     ``last_hidden_state`` the fused head reads) keeps the hidden states at ``scored_index`` only, and
     the pre-shifted ``shift_labels`` name each one's next token.
     """
@@ -158,7 +158,7 @@ class PackedOutput:
 
 @dataclass
 class _Plan:
-    """What :meth:`PrefixPacking._pack` decided for one forward."""
+    """What `PrefixPacking._pack` decided for one forward."""
 
     chunks: list[PackedRows]
     kernel: TreeKernel
@@ -199,11 +199,11 @@ class PrefixPacking:
             layout's tokens (``prefix_packing_max_token_ratio``).
         unwrap: the accelerator's ``unwrap_model``.
         autocast: the accelerator's ``autocast`` (what TRL's helper runs the model under).
-        kernel: ``prefix_packing_kernel`` (:mod:`.selection`).
+        kernel: ``prefix_packing_kernel`` (`selection`).
         device: the training device; a forced kernel that can never run there raises ``ValueError``
             here (``None``: checked at each forward instead, where it falls back with one log line).
         gather: with several processes, ``all_gather_object`` over them: ``auto``'s verdicts are taken
-            from every rank's timings at :meth:`synchronize` (:class:`.selection.Calibration`).
+            from every rank's timings at `synchronize` (`selection.Calibration`).
         timer: the stopwatch factory of the calibration (tests inject one).
     """
 
@@ -247,7 +247,7 @@ class PrefixPacking:
         return self._inspect(model)[1]
 
     def choice(self, model: torch.nn.Module, device: torch.device) -> Choice:
-        """The kernel choice for forwards of ``model`` on ``device`` (:func:`.selection.choose`)."""
+        """The kernel choice for forwards of ``model`` on ``device`` (`selection.choose`)."""
         inner = self._inspect(model)[0]
         dtype = compute_dtype(inner, device, self._autocast)
         key = (device, dtype)
@@ -262,7 +262,7 @@ class PrefixPacking:
 
     def synchronize(self) -> None:
         """Every process at the same points (each optimizer step): ``auto``'s verdicts from every rank's
-        timings (:meth:`.selection.Calibration.synchronize`); nothing where no forward calibrates (a forced kernel,
+        timings (`selection.Calibration.synchronize`); nothing where no forward calibrates (a forced kernel,
         ``auto`` on CPU: the same on every rank)."""
         if any(choice.calibrate for choice in self._choices.values()):
             self.calibration.synchronize()
@@ -318,7 +318,7 @@ class PrefixPacking:
         return sum(c.num_tokens for c in chunks) <= self.max_token_ratio * input_ids.numel()
 
     def _calibrate(self, model, inner, key, grad, kernel, input_ids, attention_mask, logits_to_keep, critic):
-        """A micro-batch of a shape class ``auto`` is still measuring (:class:`.selection.Calibration`):
+        """A micro-batch of a shape class ``auto`` is still measuring (`selection.Calibration`):
         run the trial's extra layouts on it (timed, gradients discarded), then return its real layout."""
         engine = _sharded(model, inner)
         if engine is not None:

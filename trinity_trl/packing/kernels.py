@@ -1,6 +1,6 @@
 """Tree-attention kernels behind one small interface.
 
-A kernel computes ``scaled_dot_product_attention`` over a packed row (:mod:`.tree`): query
+A kernel computes ``scaled_dot_product_attention`` over a packed row (`tree`): query
 ``(1, H, N, D)``, key/value ``(1, H_kv, N, D)``; every token attends to its ancestor nodes and
 causally to its own node. Each kernel has two parts:
 

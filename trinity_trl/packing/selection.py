@@ -1,15 +1,15 @@
 """The one place that decides how a forward runs: packed with which kernel, or TRL's padded rows.
 
-``prefix_packing_kernel`` (:data:`KERNEL_CHOICES`):
+``prefix_packing_kernel`` (`KERNEL_CHOICES`):
 
 * a kernel name forces it: a kernel that cannot run on the training device at all (no CUDA, torch
   too old, FlashAttention not installed) is an error when the trainer is built; one that cannot run
   a given forward (a float32 model for ``varlen``/``flash_attn``) sends that forward to the padded
-  layout, with one log line. A forced ``flex`` counts the graphs it compiles (:class:`CompileBudget`);
+  layout, with one log line. A forced ``flex`` counts the graphs it compiles (`CompileBudget`);
 * ``auto``: on CPU, ``sdpa_segments`` (measured faster than padded rows on CPU:
   ``benchmarks/results/prefix_packing.md``); on CUDA, the best fused kernel the software offers for
   the compute dtype (``flash_attn``, else ``varlen``; fp16/bf16 only), kept only where it was
-  MEASURED faster than the padded forward on this very run (:class:`Calibration`). ``auto`` never
+  MEASURED faster than the padded forward on this very run (`Calibration`). ``auto`` never
   picks ``flex`` (its compilation costs 20-60 s whatever the verdict, and no GPU measurement has
   shown it faster than ``varlen`` yet) nor ``sdpa_segments`` on a GPU (launch-bound: 8-12x slower
   than padded rows on an H100); on other devices, the padded forward.
@@ -89,7 +89,7 @@ class Stopwatch:
     """Elapsed time over one or more marked intervals on the device's timeline: CUDA events (no host
     sync; read once the GPU has passed them) or, elsewhere, ``time.perf_counter``.
 
-    ``start`` opens an interval (no-op while one is open), ``stop`` closes it; :meth:`seconds` sums
+    ``start`` opens an interval (no-op while one is open), ``stop`` closes it; `seconds` sums
     the closed intervals once ``expected`` of them are closed. A timed forward+backward has two (the
     forward, then the backward from the first gradient reaching the outputs), so the host work the
     trainer does between them (the loss, metrics) is not counted.
@@ -157,7 +157,7 @@ class _BackwardStamp(torch.autograd.Function):
 
 @dataclass
 class Timing:
-    """The hooks :func:`time_model` placed: ``anchors`` (tensors that require grad and lead to the
+    """The hooks `time_model` placed: ``anchors`` (tensors that require grad and lead to the
     end-of-backward mark: pass them to ``torch.autograd.grad`` with the parameters)."""
 
     handles: list = field(default_factory=list)
@@ -237,17 +237,17 @@ Gather = Callable[[Any], list]
 
 
 def gather_objects(payload: Any) -> list:
-    """Every rank's ``payload`` over the default process group (a :data:`Gather`)."""
+    """Every rank's ``payload`` over the default process group (a `Gather`)."""
     out: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, payload)
     return out
 
 
 class Calibration:
-    """``auto`` on CUDA: per shape class (:func:`shape_class`), time packed against padded ON THE SAME
+    """``auto`` on CUDA: per shape class (`shape_class`), time packed against padded ON THE SAME
     micro-batch and keep the faster layout for the rest of the run (one log line per class).
 
-    The first micro-batches of a class (:meth:`next_trial`): one runs packed and one padded (their real
+    The first micro-batches of a class (`next_trial`): one runs packed and one padded (their real
     passes, untimed: warm-up of kernels and allocator for both layouts, at no extra cost), then a pair:
     the real pass runs padded, timed, and the same micro-batch's packed forward (+ backward) runs
     before it as an extra whose gradients are discarded. Where the pair is closer than ``close``, a
@@ -258,7 +258,7 @@ class Calibration:
     and never builds its tree again.
 
     The verdict: packed where its time is below ``1 - margin`` of padded's (a near tie keeps TRL's
-    layout). With several ranks (``gather``), a class's verdict is taken at :meth:`synchronize`, which
+    layout). With several ranks (``gather``), a class's verdict is taken at `synchronize`, which
     every rank calls at the same points (each optimizer step): the measurements of all ranks are
     gathered and summed per class, so every rank takes the same verdict; until then the class runs
     padded. ``timer`` makes the stopwatches (injectable for tests).
@@ -279,7 +279,7 @@ class Calibration:
 
     # ---------------------------------------------------------------- per forward
     def calibrating(self, key: tuple) -> bool:
-        """Whether forwards of ``key`` still take part in the measurement (then call :meth:`next_trial`)."""
+        """Whether forwards of ``key`` still take part in the measurement (then call `next_trial`)."""
         self._see(key)
         c = self.classes[key]
         return c.verdict is None and c.result is None
@@ -447,7 +447,7 @@ def _recompile_limit_name() -> str:
 class CompileBudget:
     """The graphs a forced ``flex`` compiles: ``graphs_per_signature`` (a static graph for the first
     packed length, then a dynamic one) for each signature (grad mode, dtype, head dim, heads and KV
-    heads) seen; :meth:`limit` raises dynamo's recompile limit (``torch._dynamo.config``, its public
+    heads) seen; `limit` raises dynamo's recompile limit (``torch._dynamo.config``, its public
     knob) around the packed forward so that these graphs never hit it (past the limit, torch falls
     back to eager FlexAttention, which materialises the whole score matrix)."""
 

@@ -8,7 +8,7 @@ attends to every token of its ancestor nodes and causally to the earlier tokens 
 
 Because the layout is depth first, "key ``k`` is visible from query ``q``" is simply
 ``k <= q < subtree_end[k]``, where ``subtree_end[k]`` is the packed index just past the subtree of
-``k``'s node: the one integer per token the FlexAttention kernel needs (:mod:`.kernels`).
+``k``'s node: the one integer per token the FlexAttention kernel needs (`kernels`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class PackedRows:
 
 
 def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(first, count)`` of each row's attended columns; raises :class:`NotPackable` unless each row
+    """``(first, count)`` of each row's attended columns; raises `NotPackable` unless each row
     is one contiguous run (left padding, tokens, right padding) whose scored columns all follow a
     token of the same row (TRL's padded forward predicts a column from the column before it)."""
     mask = attention_mask.detach().to("cpu", torch.bool).numpy()

@@ -1,9 +1,9 @@
 """Multi-step environments and the rollouts that turn episodes into one sample per turn.
 
-Two environment protocols (:mod:`.protocols`): this package's reset/step :class:`Environment`, played by
-:class:`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
-:func:`run_from_trajectory`. OpenEnv environments: :mod:`.openenv` (the ``openenv`` extra). Agents that call an
-OpenAI client: :class:`AgentRollout` over the trainer's :class:`PolicyEndpoint` (the ``agents`` extra).
+Two environment protocols (`protocols`): this package's reset/step `Environment`, played by
+`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
+`run_from_trajectory`. OpenEnv environments: `openenv` (the ``openenv`` extra). Agents that call an
+OpenAI client: `AgentRollout` over the trainer's `PolicyEndpoint` (the ``agents`` extra).
 """
 
 from .agent import AgentRollout

@@ -1,18 +1,18 @@
 """Agents over an OpenAI-compatible endpoint: ``async def agent(client, row) -> reward`` played G times per task.
 
-:class:`AgentRollout` is the rollout of :class:`~trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
-For a batch of dataset rows it opens one run per row on the trainer's :class:`~.endpoint.PolicyEndpoint` (each its
+`AgentRollout` is the rollout of `trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
+For a batch of dataset rows it opens one run per row on the trainer's `endpoint.PolicyEndpoint` (each its
 own API key), starts every agent in its own thread with its own event loop (so a run that blocks stalls only itself)
 with an ``openai.AsyncOpenAI`` client pointed at it, and, on the training thread, answers the agents' requests in
 batches until every run has ended. Each run's recorded
-calls become a :class:`~.multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
+calls become a `multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
 *segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
 history was rewritten starts a new one).
 
 Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
 something that is not a finite reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
-(``"drop"``: its steps get no gradient), and the fault is counted in :attr:`AgentRollout.metrics` (logged under
-``agent/``, with one warning line per kind of fault per rollout). :attr:`AgentRollout.recorded` keeps the last
+(``"drop"``: its steps get no gradient), and the fault is counted in `AgentRollout.metrics` (logged under
+``agent/``, with one warning line per kind of fault per rollout). `AgentRollout.recorded` keeps the last
 rollout's runs as played and trained (docs/environments.md#agent-runs). A request the endpoint refuses (longer than
 the context, past the turn limit, after the run ended, malformed) is answered with an HTTP error the agent sees as an
 ``openai`` exception, and counted.
@@ -68,14 +68,14 @@ class _Worker:
 
 @dataclass
 class RecordedRun:
-    """One agent run as it was played and trained (:attr:`AgentRollout.recorded`).
+    """One agent run as it was played and trained (`AgentRollout.recorded`).
 
     Attributes:
         row: the dataset row the agent was given.
         reward: the run's reward as trained (after ``on_failure``; NaN: unscored).
         outcome: ``"ok"``, ``"error"``, ``"timeout"`` or ``"bad_reward"``.
         info: what the agent returned beside its reward (or the fault's message).
-        calls: the model calls the endpoint answered, in order (:class:`~.endpoint.Call`: ``prompt_ids``, and per
+        calls: the model calls the endpoint answered, in order (`endpoint.Call`: ``prompt_ids``, and per
             choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``); each choice is one step.
     """
 
@@ -151,12 +151,12 @@ class AgentRollout:
         self._previous: list[RunRecord] = []
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
-        #: the last rollout's runs, as played and trained (:class:`RecordedRun`)
+        #: the last rollout's runs, as played and trained (`RecordedRun`)
         self.recorded: list[RecordedRun] = []
 
     async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
         """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises
-        ``CancelledError``, read as a timeout by :meth:`_start`)."""
+        ``CancelledError``, read as a timeout by `_start`)."""
         import openai
 
         client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)

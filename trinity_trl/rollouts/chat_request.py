@@ -1,10 +1,10 @@
-"""The typed body of ``POST /v1/chat/completions`` on the policy endpoint (:mod:`.endpoint`).
+"""The typed body of ``POST /v1/chat/completions`` on the policy endpoint (`endpoint`).
 
 Pydantic models that mirror the ``openai`` package's request types (``openai.types.chat.CompletionCreateParams`` and
 the message, content-part and tool types it names), strictly: a wrong type is refused as a wrong type (no ``"1"`` read
 as a number, no ``1`` read as a string), a field the endpoint does not know is refused by name, and a field it knows
 but cannot honour (one that would change the distribution the recorded log-probs come from) is refused with the
-reason. :func:`parse_request` turns a raw body into a :class:`ChatRequest` or a :class:`BodyError` that names the
+reason. `parse_request` turns a raw body into a `ChatRequest` or a `BodyError` that names the
 field; nothing that fails here reaches the training thread.
 
 Fields accepted and not used, because they do not change what is sampled: ``model`` (every name is answered by the
@@ -259,7 +259,7 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def parse_request(raw: bytes | str | dict) -> ChatRequest:
-    """The typed request of ``raw`` (the HTTP body, or an already decoded object), or :class:`BodyError`."""
+    """The typed request of ``raw`` (the HTTP body, or an already decoded object), or `BodyError`."""
     try:
         if isinstance(raw, (bytes, str)):
             return ChatRequest.model_validate_json(raw)

@@ -3,15 +3,15 @@
 Agents written against an OpenAI client (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers' harnesses, plain
 scripts) call ``POST /v1/chat/completions`` on ``http://127.0.0.1:<port>/v1``; the trainer's policy answers. The server
 is FastAPI on uvicorn, in a background thread with its own event loop, bound to loopback on a port the OS chooses.
-Request bodies are typed (:mod:`.chat_request`): a malformed one is refused with a 400 naming the field before
+Request bodies are typed (`chat_request`): a malformed one is refused with a 400 naming the field before
 anything reaches the training thread.
 Each agent run gets its own API key: a request without the key of a live run is refused (401), a request of a run that
 is over (finished, timed out or cut) is refused too (409) and counted.
 
 Requests are not answered one by one: the handler queues the request and waits, while the training thread (the one
-that owns the model) takes the queued requests in batches (:meth:`PolicyEndpoint.next_batch`, driven by
-:class:`~trinity_trl.rollouts.agent.AgentRollout`) and answers a whole batch with one generation call. Every answer is
-recorded under its run, exactly as sampled (:class:`Call`): the prompt token ids as the chat template rendered them
+that owns the model) takes the queued requests in batches (`PolicyEndpoint.next_batch`, driven by
+`trinity_trl.rollouts.agent.AgentRollout`) and answers a whole batch with one generation call. Every answer is
+recorded under its run, exactly as sampled (`Call`): the prompt token ids as the chat template rendered them
 (tool schemas included), the completion token ids and their sampling log-probs. Training reads those ids; the text
 sent back to the agent is never tokenized again.
 
@@ -156,7 +156,7 @@ def _arguments(value: Any) -> Any:
 
 
 def normalize_messages(messages: list) -> list[dict[str, Any]]:
-    """The typed request's messages (:class:`~.chat_request.ChatRequest`) in the form the chat template renders and
+    """The typed request's messages (`chat_request.ChatRequest`) in the form the chat template renders and
     calls are compared in."""
     out = []
     for message in messages:
@@ -278,7 +278,7 @@ class PolicyEndpoint:
     Args:
         generator: the trainer's generation backend (one completion per prompt, batched).
         renderer: the policy's chat template and tool-call parser.
-        model_name: the model id ``GET /v1/models`` lists (:data:`POLICY_MODEL_ID`); a request's ``model`` may be
+        model_name: the model id ``GET /v1/models`` lists (`POLICY_MODEL_ID`); a request's ``model`` may be
             any string: whatever it names, the policy answers.
         max_context: prompt tokens at most (a longer request is refused with ``context_length_exceeded``).
         max_calls: model calls per run at most (``max_env_steps``); a call past it is refused and the run is cut.
@@ -463,8 +463,8 @@ class PolicyEndpoint:
         return record
 
     def _parse(self, record: RunRecord, raw: bytes) -> Pending:
-        """The typed request of ``raw`` (:mod:`.chat_request`), checked against the trainer's settings; every refusal
-        is a :class:`RequestError` naming the field, raised here, on the server's thread, before anything is
+        """The typed request of ``raw`` (`chat_request`), checked against the trainer's settings; every refusal
+        is a `RequestError` naming the field, raised here, on the server's thread, before anything is
         queued for the training thread."""
         try:
             body = parse_request(raw)

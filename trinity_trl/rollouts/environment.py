@@ -46,7 +46,7 @@ class Environment:
     """Base class of reset/step environments (duck typing works too: a class whose public methods are exactly
     ``reset`` and ``step``). An optional ``close()`` is called when the run ends (e.g. to end a server session).
     TRL's tool environments (public methods as tools, optional ``get_reward``) are the other protocol
-    :class:`~trinity_trl.trainers.StepGRPOTrainer` accepts; see :mod:`trinity_trl.rollouts.protocols`."""
+    `trinity_trl.trainers.StepGRPOTrainer` accepts; see `trinity_trl.rollouts.protocols`."""
 
     def reset(self, **row: Any) -> str | None:
         """Start an episode for one dataset row (all its columns as keyword arguments).

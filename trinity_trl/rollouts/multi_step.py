@@ -1,7 +1,7 @@
 """Play multi-step episodes with a trainer's generation backend, one sample per turn.
 
 All runs that are still active generate their next turn in ONE batched call to the trainer's
-generation backend (:class:`~trinity_trl.rollouts.generation.Generator`: TRL's transformers
+generation backend (`trinity_trl.rollouts.generation.Generator`: TRL's transformers
 ``generate``, continuous batching or vLLM, whichever the trainer is configured for). Each turn is
 recorded as a ``Step``: the prompt is the whole
 conversation so far, the completion is the model's turn.
@@ -85,12 +85,12 @@ class MultiStepRollout:
         generator: the generation backend (chat template, tokenizer and sampling settings).
         environment_factory: builds a fresh environment per run; or a dict of factories, each row choosing
             one by its ``environment`` column (not passed to ``reset``), as TRL routes its environments.
-        max_steps: turns per run at most (a run still going then ends; see :attr:`Run.done`).
+        max_steps: turns per run at most (a run still going then ends; see `Run.done`).
         history: ``"tokens"`` or ``"messages"`` (see the module docstring).
 
     An environment's failure (``reset`` or ``step`` raising, ``step`` returning something else than a
-    :class:`StepResult`, or no observation for a run that goes on) stops the rollout with an
-    :class:`EnvironmentFailure` naming the run, its row and the turn. A step reward of ``None`` means "cannot
+    `StepResult`, or no observation for a run that goes on) stops the rollout with an
+    `EnvironmentFailure` naming the run, its row and the turn. A step reward of ``None`` means "cannot
     score": the run's reward becomes NaN, and the trainer counts it and gives its steps no gradient. An
     environment that defines ``close()`` is closed when its run ends.
     """

@@ -2,8 +2,8 @@
 
 `OpenEnv <https://github.com/meta-pytorch/OpenEnv>`_ runs an environment as a server (HTTP/WebSocket, one
 session per client) and ships typed clients (``EnvClient`` subclasses, or ``GenericEnvClient`` with plain
-dicts); an ``openenv.core.Environment`` can also be used in-process. :class:`OpenEnvEnvironment` wraps either
-in the reset/step protocol, so :class:`~trinity_trl.trainers.StepGRPOTrainer` plays it: the model's text
+dicts); an ``openenv.core.Environment`` can also be used in-process. `OpenEnvEnvironment` wraps either
+in the reset/step protocol, so `trinity_trl.trainers.StepGRPOTrainer` plays it: the model's text
 becomes the environment's action (``action``), the observation it returns becomes the next user message
 (``observation``), and the run's reward is the reward OpenEnv returned with the last step. One client (one
 server session) per run, closed when the run ends::
@@ -67,7 +67,7 @@ class OpenEnvEnvironment(Environment):
             OpenEnv ``StepResult`` or observation.
         action: the model's turn (text) -> the action to send (an ``Action`` instance, or a dict for
             ``GenericEnvClient``).
-        observation: an observation -> the text the model reads next (default :func:`observation_text`).
+        observation: an observation -> the text the model reads next (default `observation_text`).
         reset_columns: the dataset columns passed to OpenEnv's ``reset`` (default: all of them; an OpenEnv server
             drops the ones its environment's ``reset`` does not take).
         instructions: text put before the first observation (e.g. how to write an action), or ``None``.

@@ -1,9 +1,9 @@
 """Which environment protocol an environment follows, decided from what its class defines.
 
-Two protocols are trained step-wise by :class:`~trinity_trl.trainers.StepGRPOTrainer`:
+Two protocols are trained step-wise by `trinity_trl.trainers.StepGRPOTrainer`:
 
-* **reset/step** (this package's :class:`~trinity_trl.rollouts.Environment`): ``reset(**row)`` returns the
-  first observation, ``step(action: str)`` returns a :class:`~trinity_trl.rollouts.StepResult` with the next
+* **reset/step** (this package's `trinity_trl.rollouts.Environment`): ``reset(**row)`` returns the
+  first observation, ``step(action: str)`` returns a `trinity_trl.rollouts.StepResult` with the next
   observation, the reward and ``done``. The model's turns are plain text.
 * **tools** (TRL's ``environment_factory`` contract, as ``GRPOTrainer`` documents it): ``reset(**row)``
   returns a string appended to the last user message, or ``None``; every other public method is a tool the
@@ -11,7 +11,7 @@ Two protocols are trained step-wise by :class:`~trinity_trl.trainers.StepGRPOTra
   finished run. A turn that calls a tool is a step, the tool results are its observation, a turn without
   a tool call is the final answer.
 
-An environment follows reset/step when it subclasses :class:`~trinity_trl.rollouts.Environment` or when its
+An environment follows reset/step when it subclasses `trinity_trl.rollouts.Environment` or when its
 public methods are exactly ``reset`` and ``step``; any other class with a ``reset`` follows the tool
 protocol (a method named ``step`` next to other public methods is then a tool). Methods are read from the
 class, like TRL does (``inspect.getmembers(cls, inspect.isfunction)``), so properties are never evaluated.

@@ -35,7 +35,7 @@ def run_from_trajectory(
     logprobs: Sequence[float] | None = None,
     reward: float = 0.0,
 ) -> Run:
-    """One :class:`Run` whose steps are the assistant turns of a tool-calling trajectory.
+    """One `Run` whose steps are the assistant turns of a tool-calling trajectory.
 
     Args:
         prompt_ids: the run's first prompt (chat template with the tools, ending with the generation prompt).

@@ -1,8 +1,8 @@
 """verifiers environments as ``StepGRPOTrainer`` agents (the ``verifiers`` extra).
 
 A verifiers environment (``vf.MultiTurnEnv``, ``vf.ToolEnv``, ``vf.SingleTurnEnv``, ... with a ``vf.Rubric``) plays a
-whole rollout itself through an OpenAI-style client. :class:`VerifiersAgent` hands it the client of the agent door
-(:mod:`trinity_trl.rollouts.agent`), wrapped in verifiers' own chat-completions client, so every model call of the
+whole rollout itself through an OpenAI-style client. `VerifiersAgent` hands it the client of the agent door
+(`trinity_trl.rollouts.agent`), wrapped in verifiers' own chat-completions client, so every model call of the
 rollout goes to the policy endpoint and is recorded exactly as sampled; the rubric's weighted reward is the run's
 reward and its metrics are the run's info.
 
@@ -46,7 +46,7 @@ class VerifiersAgent:
             the environment's own; ``temperature`` and ``top_p`` are the trainer's and may only repeat them.
 
     Each dataset row is one rollout input (``prompt``, and ``answer``, ``info``, ``example_id`` where the environment
-    uses them): :meth:`dataset` returns the environment's own dataset in that form. A rubric with group reward
+    uses them): `dataset` returns the environment's own dataset in that form. A rubric with group reward
     functions (scored over all rollouts of a prompt together) is refused: the agent door scores each run alone.
     A rollout that verifiers ends with an error (a refused request, a tool failure it does not catch) keeps the
     rubric's reward, which is how verifiers scores it; the error is the run's info.

@@ -1,12 +1,12 @@
 """TRL trainers for Trinity-RFT algorithms: the classes a user constructs, and their configs.
 
-One base, :class:`TrinityTrainer` (TRL's ``GRPOTrainer`` running any preset), owns TRL's seams; the algorithm
-trainers (:class:`ChordTrainer`, :class:`CISPOTrainer`, :class:`SAPOTrainer`, :class:`StepGRPOTrainer`,
-:class:`PPOTrainer`) are small subclasses with a config of the right defaults and the one behaviour that is
-theirs, and :class:`TrinitySFTTrainer` / :class:`TrinityDPOTrainer` run the SFT and DPO presets on TRL's own
-trainers. What they share lives beside them: :mod:`trinity_trl.training` (advantages, loss plan, scoring,
-metrics, engines, card), :mod:`trinity_trl.packing` (prefix-packed forwards) and
-:mod:`trinity_trl.checkpointing`. Tests: ``tests/trainers/``.
+One base, `TrinityTrainer` (TRL's ``GRPOTrainer`` running any preset), owns TRL's seams; the algorithm
+trainers (`ChordTrainer`, `CISPOTrainer`, `SAPOTrainer`, `StepGRPOTrainer`,
+`PPOTrainer`) are small subclasses with a config of the right defaults and the one behaviour that is
+theirs, and `TrinitySFTTrainer` / `TrinityDPOTrainer` run the SFT and DPO presets on TRL's own
+trainers. What they share lives beside them: `trinity_trl.training` (advantages, loss plan, scoring,
+metrics, engines, card), `trinity_trl.packing` (prefix-packed forwards) and
+`trinity_trl.checkpointing`. Tests: ``tests/trainers/``.
 """
 
 import warnings

@@ -17,11 +17,11 @@ from .components import Components
 
 class AlgorithmCardMixin:
     """The trainer's seams for its model card: after TRL writes its card (checkpoints, Hub pushes), the composed
-    :class:`~trinity_trl.training.model_card.ModelCard` (``self.model_card``) completes it with the algorithm
+    `trinity_trl.training.model_card.ModelCard` (``self.model_card``) completes it with the algorithm
     section, the training set-up and any added sections; ``save_model`` writes the card too. Nothing else: the
-    checkpoints are their own mixin (:class:`~trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`), and what
-    a trainer checks and sets when it starts is :func:`~trinity_trl.trainers.machine.start_run` /
-    :func:`~trinity_trl.trainers.machine.check_run`, which each trainer calls.
+    checkpoints are their own mixin (`trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`), and what
+    a trainer checks and sets when it starts is `trinity_trl.trainers.machine.start_run` /
+    `trinity_trl.trainers.machine.check_run`, which each trainer calls.
 
     A mixin only because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come
     before a TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm``
@@ -33,7 +33,7 @@ class AlgorithmCardMixin:
     #: the built components of trainers that run rollouts (TrinityTrainer); None for SFT / DPO
     components: Components | None = None
     #: the algorithm's display name on the card (TRL's class attribute; a trainer's own name such as CISPO, or the
-    #: preset's, see :meth:`_set_card_identity`)
+    #: preset's, see `_set_card_identity`)
     _name: str
     # what the host TRL trainer provides
     args: Any  # TrainingArguments

@@ -1,8 +1,8 @@
 """What the trainers share to meet TRL: the processor a model name loads, a frozen teacher, the default output folder,
 the fused-LM-head outputs of TRL's SFT/DPO forwards, and the parallelism they refuse.
 
-The other shared pieces have their own homes: :mod:`.machine` (where the run happens), :mod:`.components` (the
-algorithm's components), :mod:`.card` (the model card's seams)."""
+The other shared pieces have their own homes: `machine` (where the run happens), `components` (the
+algorithm's components), `card` (the model card's seams)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 def load_processor(model: str, args, rl: bool = True):
     """The processor TRL would load for ``model`` (a tokenizer or VLM processor, same options), with
-    :func:`trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer. ``rl``: left padding and
+    `trinity_trl.hf_tokenizer`'s pad/eos corrections applied to its tokenizer. ``rl``: left padding and
     truncation as GRPOTrainer loads it; otherwise the tokenizer's own sides, as the SFT/DPO trainers load it."""
     from transformers import AutoProcessor
 

@@ -1,4 +1,4 @@
-"""The components of a trainer: each config field read into one :class:`Component` value, and the algorithm's
+"""The components of a trainer: each config field read into one `Component` value, and the algorithm's
 components built once from the resolved algorithm (trainers ask their declared properties)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..algorithms.policy_loss import PolicyLossFn
 
 
 def component_fields(config: Any, fields: Iterable[str]) -> None:
-    """Read the component fields of ``config`` (``policy_loss``, ...) into :class:`Component` values, in place."""
+    """Read the component fields of ``config`` (``policy_loss``, ...) into `Component` values, in place."""
     owner = type(config).__name__
     for name in fields:
         setattr(config, name, Component.parse(owner, name, getattr(config, name)))

@@ -29,7 +29,7 @@ TORCH_THREADS_HELP = (
 
 
 def torch_threads_field() -> Any:
-    """The ``torch_threads`` field every trinity_trl config has (see :func:`apply_cpu_defaults`)."""
+    """The ``torch_threads`` field every trinity_trl config has (see `apply_cpu_defaults`)."""
     return dataclasses.field(default=None, metadata={"help": TORCH_THREADS_HELP})
 
 
@@ -45,7 +45,7 @@ def apply_cpu_defaults(config: Any) -> None:
     ``activation_checkpointing`` (no deprecation warning for TRL's old name).
 
     Only this config's own values change: nothing process-wide happens until a trainer starts
-    (:func:`start_on_this_machine` sets torch's threads and says what was chosen).
+    (`start_on_this_machine` sets torch's threads and says what was chosen).
     """
     on_cpu = config.use_cpu or not accelerator_available()
     if config.fp16 and on_cpu:
@@ -119,7 +119,7 @@ def check_saving_options(config: Any) -> None:
 
 def start_run(config: Any) -> None:
     """What every trainer does before TRL builds it: torch's threads and the CPU notice
-    (:func:`start_on_this_machine`), and the Hub reachable when the run pushes (before transformers creates the
+    (`start_on_this_machine`), and the Hub reachable when the run pushes (before transformers creates the
     repository)."""
     from ..training.checks import check_hub_reachable
 

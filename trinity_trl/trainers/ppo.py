@@ -7,7 +7,7 @@ KL penalty, docs/algorithms/kl.md#kl-penalty) give GAE advantages and returns
 then trains both models from the same rows: the policy with the PPO-clip loss (plus KL and entropy terms, as every
 ``TrinityTrainer``) and the critic with the clipped value loss (docs/algorithms/entropy.md#critic-loss). The critic has
 its own optimizer, stepped right after the policy's, and its own wrapping in the run's engine (DDP, FSDP, or a DeepSpeed
-engine of its own: :mod:`.critic_engine`). Without DeepSpeed the two losses are summed into one backward pass (their
+engine of its own: `critic_engine`). Without DeepSpeed the two losses are summed into one backward pass (their
 parameters are disjoint, so each optimizer sees only its own model's gradient); under DeepSpeed the
 critic's engine runs its own backward.
 """

@@ -1,7 +1,7 @@
 """The configuration spellings that 0.2 removed (CHANGELOG.md), each refused in one line that gives its replacement.
 
 A config class lists its removed spellings in ``removed_spellings`` (``{old name: what to write instead}``).
-Python keyword arguments are refused by :func:`refuse_removed_spellings` (called from the config's ``__new__``,
+Python keyword arguments are refused by `refuse_removed_spellings` (called from the config's ``__new__``,
 before the dataclass would raise a bare ``unexpected keyword`` error); the recipes' parser names the same
 replacement for a YAML key or a command-line option (``recipes/common.py``).
 """

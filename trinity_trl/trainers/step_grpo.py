@@ -6,14 +6,14 @@ within its task group and gives the score to every step of the run (docs/algorit
 step then becomes a sample of the training batch (a whole prefix-preserving run in one row, see ``shared_prefix``).
 
 Two environment protocols, told apart by what the environment class defines
-(:mod:`trinity_trl.rollouts.protocols`):
+(`trinity_trl.rollouts.protocols`):
 
 * **TRL's tool environments** (``environment_factory`` and ``tools`` exactly as ``GRPOTrainer`` takes
   them): TRL plays the runs itself (its environment pool, ``reset``, chat template with the tool
   schemas, tool-call parsing, tool execution and errors, ``get_reward``), and every assistant turn of
-  the resulting trajectory becomes a step (:mod:`trinity_trl.rollouts.trajectories`).
-* **reset/step environments** (:class:`trinity_trl.rollouts.Environment`): the turns are text;
-  :class:`~trinity_trl.rollouts.MultiStepRollout` plays them over the trainer's generation backend,
+  the resulting trajectory becomes a step (`trinity_trl.rollouts.trajectories`).
+* **reset/step environments** (`trinity_trl.rollouts.Environment`): the turns are text;
+  `trinity_trl.rollouts.MultiStepRollout` plays them over the trainer's generation backend,
   batching the next turn of every active run into one generation call.
 """
 
@@ -269,7 +269,7 @@ class StepGRPOTrainer(TrinityTrainer):
         skip_trl_reference_pass(self)
 
     def _agent_rollout(self, agent):
-        """The policy endpoint and the rollout that plays ``agent`` over it (:mod:`trinity_trl.rollouts.agent`)."""
+        """The policy endpoint and the rollout that plays ``agent`` over it (`trinity_trl.rollouts.agent`)."""
         from ..rollouts.agent import AgentRollout
         from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
 
@@ -305,7 +305,7 @@ class StepGRPOTrainer(TrinityTrainer):
     @property
     def agent_runs(self):
         """With ``agent=``: the runs of the last generation, as played and trained
-        (:class:`~trinity_trl.rollouts.agent.RecordedRun`: the row, the reward, and each model call's prompt ids,
+        (`trinity_trl.rollouts.agent.RecordedRun`: the row, the reward, and each model call's prompt ids,
         completion ids and sampling log-probs); read it from a callback's ``on_step_end``."""
         if self.environment_protocol != AGENT_PROTOCOL:
             raise AttributeError("agent_runs exists only for StepGRPOTrainer(agent=...)")
@@ -348,7 +348,7 @@ class StepGRPOTrainer(TrinityTrainer):
 
     def _play(self, rows: list[dict[str, Any]], prompts, trainer) -> dict[str, list]:
         """TRL's ``rollout_func`` for one batch: play every run and report each run's final turn (which
-        TRL scores); the runs come back to :meth:`_training_batch` as the rows' ``run`` field."""
+        TRL scores); the runs come back to `_training_batch` as the rows' ``run`` field."""
         runs = self.rollout(rows)
         if getattr(self.rollout, "metrics", None):  # the agent rollout's fault counters (agent/...)
             append_metrics(
@@ -380,7 +380,7 @@ class StepGRPOTrainer(TrinityTrainer):
     # --------------------------------------------------------------------------- advantages
     def _tool_runs(self, output: dict) -> list[Run]:
         """This process's runs of TRL's tool loop, one step per assistant turn
-        (:mod:`~trinity_trl.rollouts.trajectories`): the padded prompt / completion / tool-mask rows of TRL's output,
+        (`trinity_trl.rollouts.trajectories`): the padded prompt / completion / tool-mask rows of TRL's output,
         back to the token lists it generated."""
         prompt_lengths = output["prompt_mask"].sum(1).tolist()
         completion_lengths = output["completion_mask"].sum(1).tolist()  # unmasked: see _generate_and_score_completions

@@ -4,14 +4,14 @@ It owns the seams of ``GRPOTrainer`` (see the TRL notes) and little else; the wo
 (docs/contributing.md#trainer-seams):
 
 * ``_generate_and_score_completions``: after TRL has generated and scored a batch, replace its
-  advantages (``advantage_estimator``, :mod:`trinity_trl.training.advantages`) and let a subclass add or expand
-  rows (:meth:`_training_batch`);
+  advantages (``advantage_estimator``, `trinity_trl.training.advantages`) and let a subclass add or expand
+  rows (`_training_batch`);
 * ``_compute_loss``: policy loss − entropy term + KL loss from one forward pass through TRL's own log-prob helper,
-  read from a :class:`~trinity_trl.training.loss.LossBatch` and normalised by ``loss_normalizer``
-  (:class:`~trinity_trl.training.loss.LossNormalizer`);
-* the log-prob and baseline passes a component asks for (``scoring``, :class:`~trinity_trl.training.scoring.Scoring`),
-  checkpoint extras (``state_files``, :class:`~trinity_trl.checkpointing.checkpoints.TrainerStateFiles`) and metric
-  pooling (:mod:`trinity_trl.training.metrics`).
+  read from a `trinity_trl.training.loss.LossBatch` and normalised by ``loss_normalizer``
+  (`trinity_trl.training.loss.LossNormalizer`);
+* the log-prob and baseline passes a component asks for (``scoring``, `trinity_trl.training.scoring.Scoring`),
+  checkpoint extras (``state_files``, `trinity_trl.checkpointing.checkpoints.TrainerStateFiles`) and metric
+  pooling (`trinity_trl.training.metrics`).
 
 What a component needs (reference, behaviour or teacher log-probs, expert rows, linearity in the
 advantage, ...) is asked from the component itself, so a loss registered outside the package works
@@ -248,7 +248,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
 
     # ------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint_extras(self, folder: str) -> None:
-        """Our files in a checkpoint (:class:`~.checkpoints.TrainerStateFiles`), before it is marked complete."""
+        """Our files in a checkpoint (`checkpoints.TrainerStateFiles`), before it is marked complete."""
         super()._save_checkpoint_extras(folder)
         # TRL's micro-step counter inside a generation batch: the rest of the batch is still to be trained on
         inside_batch = self._buffered_inputs is not None and self._step % (
@@ -323,7 +323,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         **multimodal,
     ):
         """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
-        old/reference passes. It runs the prefix-shared packed layout (:mod:`trinity_trl.packing`) where that applies,
+        old/reference passes. It runs the prefix-shared packed layout (`trinity_trl.packing`) where that applies,
         else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
         packed = self.prefix_packing.logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal

@@ -13,7 +13,7 @@ TRL computes GRPO advantages itself; our trainers replace them with the configur
 Rows that a group operator filters out (``std_threshold``) and completions no reward function
 scored get advantage 0 and leave the loss (``loss_rows``). Inputs that only some functions need
 (behaviour or teacher log-probs, critic values) are computed on demand through
-:class:`AdvantageSources`.
+`AdvantageSources`.
 """
 
 from __future__ import annotations

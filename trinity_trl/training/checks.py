@@ -5,14 +5,14 @@ handled in a documented way that drops nothing silently (docs/guarantees.md#bad-
 
 * datasets: a missing ``prompt`` column or empty prompts (``""``, ``[]``, ``None``) are rejected at
   construction (map-style datasets, by row index) or at the first batch (iterable datasets);
-* reward functions: an exception is re-raised as :class:`RewardFunctionError` naming the function
+* reward functions: an exception is re-raised as `RewardFunctionError` naming the function
   and the row that raises; a result that is not a list of numbers/None is a ``TypeError`` naming
   the value (TRL checks the length);
 * ``rollout_func``: rows with an empty completion are rejected (TRL would fail on ``ids[-1]``);
 * context: a prompt that cannot fit ``max_completion_length`` more tokens in the model's
   positions is rejected, naming the row and the lengths;
-* loss inputs: :func:`guard_loss_mask` drops trained tokens whose log-probs or advantages are not
-  finite, and :func:`masked_finite` zeroes every untrained position, so NaN/inf cannot reach the
+* loss inputs: `guard_loss_mask` drops trained tokens whose log-probs or advantages are not
+  finite, and `masked_finite` zeroes every untrained position, so NaN/inf cannot reach the
   loss or its gradient; each event is counted in a ``guards/*`` metric.
 """
 
@@ -44,7 +44,7 @@ def check_prompt_dataset(dataset: Any, name: str) -> None:
     """Reject a dataset without a ``prompt`` column, or (map-style datasets) with empty prompts.
 
     The scan reads the column's lengths from Arrow, so it costs milliseconds even on large datasets.
-    Iterable datasets are checked batch by batch (:func:`check_batch_prompts`).
+    Iterable datasets are checked batch by batch (`check_batch_prompts`).
     """
     if dataset is None:
         return
@@ -298,7 +298,7 @@ OWNED_ARGUMENTS = {
 
 def check_owned_arguments(trainer_name: str, kwargs: dict[str, Any]) -> None:
     """A keyword argument that another trainer takes (``expert_dataset`` given to ``TrinityTrainer``) is one line
-    naming that trainer, as an algorithm that needs it is (:func:`check_components`), instead of TRL's bare
+    naming that trainer, as an algorithm that needs it is (`check_components`), instead of TRL's bare
     ``unexpected keyword argument``. ``kwargs``: what the trainer passes on to TRL (its own are taken out)."""
     for name, (owner, config, what) in OWNED_ARGUMENTS.items():
         if name in kwargs:
@@ -413,7 +413,7 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
 
 
 def hub_unavailable(what: str, instead: str, error: BaseException | None = None) -> str | None:
-    """The one-line message of :func:`require_hub` when the Hub is switched off or unreachable, else ``None``. Without
+    """The one-line message of `require_hub` when the Hub is switched off or unreachable, else ``None``. Without
     ``error`` the Hub is asked (any HTTP answer, even 401, means it is there); with ``error`` (what a Hub call raised)
     only a connection error, or offline mode, means it is unavailable."""
     from huggingface_hub import constants

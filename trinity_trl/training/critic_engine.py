@@ -13,13 +13,13 @@ second trained model with its own optimizer and learning rate, so it gets a wrap
   optimizer step; a checkpoint holds ``critic_optimizer_rank{r}.pt``, each process's ZeRO partition (fp32 master
   weights and moments).
 
-Every checkpoint file is read with ``torch.load(weights_only=True)`` (:func:`~.checkpoint.load_plain`). A ZeRO
+Every checkpoint file is read with ``torch.load(weights_only=True)`` (`checkpoint.load_plain`). A ZeRO
 optimizer's ``state_dict()`` also holds a few objects derived from the config and the model's layout, not learned
 (the loss scaler, the ZeRO stage enum, parameter-slice mappings): they are left out of the file and taken from the
 live engine when loading, so the file holds tensors, numbers, strings, lists and dicts only.
 
 The critic's weights for people (``critic/``, ``save_pretrained`` format) are gathered from every process
-(:meth:`Critic.full_state_dict`) and written by the main process.
+(`Critic.full_state_dict`) and written by the main process.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Critic:
         raise NotImplementedError
 
     def load(self, folder: str) -> None:
-        """Restore the weights and optimizer state written by :meth:`save` (every process calls it)."""
+        """Restore the weights and optimizer state written by `save` (every process calls it)."""
         raise NotImplementedError
 
 

@@ -5,9 +5,9 @@ on-policy distillation, PPO's value model) must join the same engine, or they br
 sharded: under ZeRO-3 a model loaded while ``zero3_init_flag`` is on holds empty parameter shards until an engine
 gathers them, and under FSDP every rank must run the same collectives.
 
-* :func:`prepare_frozen_model`: a model that is only evaluated (teacher), prepared as TRL prepares the reference
+* `prepare_frozen_model`: a model that is only evaluated (teacher), prepared as TRL prepares the reference
   model (``prepare_deepspeed`` / ``prepare_fsdp`` / ``accelerator.prepare_model``).
-* :func:`check_engine`: a run that asked for FSDP (an accelerate config with ``distributed_type: FSDP``, or
+* `check_engine`: a run that asked for FSDP (an accelerate config with ``distributed_type: FSDP``, or
   ``fsdp=...``) but got another engine is refused. Accelerate 1.15 keeps ``DistributedType.MULTI_CPU`` for CPU
   processes and drops the FSDP plugin (``accelerate/state.py`` turns only GPU-like distributed types into ``FSDP``),
   so the model would silently be trained with DDP (or in one unsharded process).

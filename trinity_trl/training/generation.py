@@ -1,4 +1,4 @@
-"""The generation interface a trainer offers to rollouts (:class:`trinity_trl.rollouts.Generator`).
+"""The generation interface a trainer offers to rollouts (`trinity_trl.rollouts.Generator`).
 
 It wraps TRL's own prompt tokenization and single-turn generation (transformers ``generate``,
 continuous batching or vLLM, whichever the trainer is configured for), so multi-step rollouts use
@@ -31,7 +31,7 @@ FORWARD_KEYS = (
 
 
 class TRLGeneration:
-    """:class:`~trinity_trl.rollouts.Generator` backed by a TRL ``GRPOTrainer``."""
+    """`trinity_trl.rollouts.Generator` backed by a TRL ``GRPOTrainer``."""
 
     def __init__(self, trainer):
         self._trainer = trainer

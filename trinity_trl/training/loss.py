@@ -19,7 +19,7 @@ and divides by ``processes · steps_per_generation`` to get the count of one mic
 DDP's mean every token (sample) of the optimizer step weighs the same on any number of processes.
 ``seq-mean-token-sum-norm`` is always per micro-batch (docs/algorithms/aggregation.md#loss-agg-mode).
 
-The loss terms receive :class:`WeightedSum` as their aggregation, so each term *is* ``Σ m·w·ℓ / D``:
+The loss terms receive `WeightedSum` as their aggregation, so each term *is* ``Σ m·w·ℓ / D``:
 nothing is divided by one count and multiplied back by another. Gradient accumulation is applied by
 the trainer on top (``loss / gradient_accumulation_steps``), as TRL does.
 """
@@ -39,10 +39,10 @@ LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
 @dataclass(frozen=True)
 class LossBatch:
-    """What the loss of one micro-batch reads, taken once from TRL's batch dict (:meth:`from_trl`).
+    """What the loss of one micro-batch reads, taken once from TRL's batch dict (`from_trl`).
 
     TRL hands ``_compute_loss`` a dict that also carries the rows our trainers added to it (TRL's buffering
-    and shuffling move every key along). Only :meth:`from_trl` reads that dict's optional keys; everything
+    and shuffling move every key along). Only `from_trl` reads that dict's optional keys; everything
     downstream (guards, loss inputs, the aggregation plan) reads these fields. ``None`` means the batch has
     no such field, with the meaning given for each.
 

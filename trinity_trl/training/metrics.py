@@ -74,7 +74,7 @@ SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu")
 
 def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(label, keys)`` pairs of the progress summary (the first key logged wins): reward and loss, the
-    terms the policy loss class declares (:meth:`~trinity_trl.algorithms.PolicyLossFn.summary_metrics`), the
+    terms the policy loss class declares (`trinity_trl.algorithms.PolicyLossFn.summary_metrics`), the
     KL loss and the critic's value loss."""
     keys: dict[str, tuple[str, ...]] = {
         "reward": ("reward",),
@@ -92,7 +92,7 @@ def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]
 
 def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple | None = None) -> str:
     """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``
-    (``metrics``: :func:`summary_metrics` of the trainer's policy loss)."""
+    (``metrics``: `summary_metrics` of the trainer's policy loss)."""
     parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
     for label, keys in metrics if metrics is not None else summary_metrics():
         key = next((k for k in keys if k in logs), None)
@@ -104,7 +104,7 @@ def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple
 
 
 class ConciseProgress(ProgressCallback):
-    """transformers' progress bar, with one :func:`summary_line` per logging step instead of the metric dict."""
+    """transformers' progress bar, with one `summary_line` per logging step instead of the metric dict."""
 
     def __init__(self, metrics: tuple, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -116,7 +116,7 @@ class ConciseProgress(ProgressCallback):
 
 
 class ConcisePrinter(PrinterCallback):
-    """transformers' printer (``disable_tqdm=True``), with one :func:`summary_line` per logging step."""
+    """transformers' printer (``disable_tqdm=True``), with one `summary_line` per logging step."""
 
     def __init__(self, metrics: tuple):
         self.metrics = metrics
@@ -128,7 +128,7 @@ class ConcisePrinter(PrinterCallback):
 
 def use_concise_progress(trainer: Any) -> None:
     """Replace transformers' ``ProgressCallback`` (or ``PrinterCallback`` with ``disable_tqdm=True``), which prints
-    every logged metric dict (dozens of keys) on every logging step, by one :func:`summary_line` per logging step;
+    every logged metric dict (dozens of keys) on every logging step, by one `summary_line` per logging step;
     every metric still goes to ``trainer.state.log_history`` and the trackers. A progress display the user put in
     its place stays, and a second call does nothing. ``trainer``: one of ours (it reads ``trainer.algorithm``)."""
     from ..algorithms import POLICY_LOSS_FN

@@ -13,10 +13,10 @@ from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
 
 class ModelCard:
     """trinity_trl's part of one trainer's model card. The trainer composes one and, each time TRL has written its
-    card (``README.md``), calls :meth:`complete` with what the card needs to know at that moment.
+    card (``README.md``), calls `complete` with what the card needs to know at that moment.
 
-    :meth:`complete` corrects TRL's header (:func:`rewrite_card`: base model, license, how to load the result) and
-    appends the algorithm section, the training set-up and the sections added with :meth:`add_section`, in that
+    `complete` corrects TRL's header (`rewrite_card`: base model, license, how to load the result) and
+    appends the algorithm section, the training set-up and the sections added with `add_section`, in that
     order. The card itself holds only what was added to it: the extra sections, the training data's name when it is
     set by hand, and the environment a model was trained in (StepGRPO).
 
@@ -51,7 +51,7 @@ class ModelCard:
         Args:
             path: the ``README.md`` TRL wrote.
             algorithm: the resolved algorithm; components: the built components (``None`` for trainers without
-                rollouts, see :func:`algorithm_card_section`).
+                rollouts, see `algorithm_card_section`).
             args: the trainer's ``TrainingArguments``; model: the unwrapped policy (a PEFT model for an adapter).
             dataset_name: the training data's name given to TRL's ``create_model_card``; without it, the name set on
                 this card, else ``train_dataset``'s own name (``datasets`` records it for Hub and builder datasets).
@@ -132,7 +132,7 @@ def paper_for(algorithm: str) -> tuple[str, dict]:
 
 def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, components: Any = None) -> str:
     """A Markdown section naming the algorithm, its paper and the resolved hyper-parameters of the components
-    the trainer uses (``components``: the built :class:`~trinity_trl.trainers.common.Components`, or ``None``
+    the trainer uses (``components``: the built `trinity_trl.trainers.common.Components`, or ``None``
     for trainers without rollouts, whose advantage function and KL penalty never run)."""
     name, paper = paper_for(algorithm.algorithm)
     preset = ALGORITHM_TYPE.get(algorithm.algorithm)

@@ -1,4 +1,4 @@
-"""The passes a component may need beyond TRL's scoring of a batch (:class:`Scoring`, composed by the trainer).
+"""The passes a component may need beyond TRL's scoring of a batch (`Scoring`, composed by the trainer).
 
 * log-probs of any rows under the policy (behaviour log-probs when TRL computed none), the reference model (or the
   policy with its adapter disabled under PEFT, as TRL does) and the teacher (on-policy distillation);
@@ -33,7 +33,7 @@ class Scoring:
         reference: the reference model TRL loaded, or ``None`` (then the policy with its adapter disabled, PEFT).
         unwrap: ``accelerator.unwrap_model``.
         teacher: the teacher model (on-policy distillation), or ``None``.
-        generation: the trainer's :class:`~.generation.TRLGeneration` (ReMax's greedy completions).
+        generation: the trainer's `generation.TRLGeneration` (ReMax's greedy completions).
         score: the trainer's reward pass, with the signature of TRL's ``GRPOTrainer._calculate_rewards``
             (returns every process's ``(N, reward functions)`` rewards).
         reward_weights: ``(reward functions,)`` TRL's ``reward_weights``.

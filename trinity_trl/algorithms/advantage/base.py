@@ -84,7 +84,7 @@ class BatchAdvantageFn(AdvantageFn):
 
 def batch_get(batch: dict[str, Any], name: str) -> Any:
     """Read ``name`` from a batch dict under any of its aliases; ``ValueError`` if absent, or if two
-    aliases carry different values (as :func:`~..inputs.resolve_inputs`).
+    aliases carry different values (as `inputs.resolve_inputs`).
 
     ``token_level_rewards`` falls back to ``token_level_scores``: that is not an alias (the rewards are
     the scores minus a KL penalty, when there is one), so the rewards win when both are present.

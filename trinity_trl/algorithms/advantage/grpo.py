@@ -3,9 +3,9 @@
 
 This module also holds the helpers that the other advantage families share:
 
-* for group operators, :func:`experience_rewards` (rewards of a group as float32);
-* for grouped batch functions, :func:`row_scores`, :func:`row_groups`, :func:`group_mean`,
-  :func:`group_unbiased_std` and :func:`write_row_advantages`. Group statistics over ``uid`` are
+* for group operators, `experience_rewards` (rewards of a group as float32);
+* for grouped batch functions, `row_scores`, `row_groups`, `group_mean`,
+  `group_unbiased_std` and `write_row_advantages`. Group statistics over ``uid`` are
   index ops (``index_add``/``bincount``), so 10 000 rows cost a few tensor ops, not a Python loop.
 
 Row scores are ``Σ_t token_level_rewards[b, t]`` over the **full** width, as in the reference.

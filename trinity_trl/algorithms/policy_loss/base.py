@@ -127,7 +127,7 @@ class PolicyLossFn(ComponentArgs):
 
     @classmethod
     def takes_aggregation(cls) -> bool:
-        """Whether :meth:`compute` names a ``loss_agg_mode`` parameter (a ``**kwargs`` catch-all does not count:
+        """Whether `compute` names a ``loss_agg_mode`` parameter (a ``**kwargs`` catch-all does not count:
         it would accept the aggregation and could ignore it)."""
         return _names_loss_agg_mode(cls.compute)
 
@@ -147,8 +147,8 @@ class PolicyLossFn(ComponentArgs):
         callers that gather or average metrics themselves.
 
         ``loss_agg_mode``: the aggregation of the token losses, a mode name or an aggregation callable (see
-        :func:`~trinity_trl.algorithms.masked.agg_loss`); ``None``: the loss's own mode
-        (:attr:`effective_loss_agg_mode`, else ``token-mean``). A loss that weighs its samples itself takes none.
+        `trinity_trl.algorithms.masked.agg_loss`); ``None``: the loss's own mode
+        (`effective_loss_agg_mode`, else ``token-mean``). A loss that weighs its samples itself takes none.
         """
         if self.weighs_samples_itself:
             if loss_agg_mode is not None:

@@ -32,26 +32,26 @@ def mu_schedule_function(
 
 MU_SCHEDULE_ARGS = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
 """The CHORD constructor arguments that set μ's schedule and the expert loss (their defaults:
-:meth:`CHORDPolicyLossFn.mu_schedule_defaults`)."""
+`CHORDPolicyLossFn.mu_schedule_defaults`)."""
 
 
 @POLICY_LOSS_FN.register("mix_chord")
 class CHORDPolicyLossFn(ExpertMixLossFn):
-    """CHORD: ``(1−μ)·L_u + μ·L_e`` with μ from :func:`mu_schedule_function` at the batch's step.
+    """CHORD: ``(1−μ)·L_u + μ·L_e`` with μ from `mu_schedule_function` at the batch's step.
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
     ``expert_mask``: ``(B,)`` bool; ``step``: the current global step, either a plain ``int`` or,
     as in docs/algorithms/chord.md#chord, a ``(B,)`` tensor or sequence of ints that are all equal.
 
     Args:
-        mu_warmup_steps, mu_decay_steps, mu_peak, mu_valley: μ's schedule (:func:`mu_schedule_function`);
+        mu_warmup_steps, mu_decay_steps, mu_peak, mu_valley: μ's schedule (`mu_schedule_function`);
             steps ``>= 0``, peak and valley in ``[0, 1]``.
         enable_phi_function: train expert rows with ``sft_phi`` (φ-weighted) instead of plain ``sft``.
-        Every other argument: see :class:`ExpertMixLossFn` (the per-sample weights, or Trinity's
+        Every other argument: see `ExpertMixLossFn` (the per-sample weights, or Trinity's
         batch geometry; a preset uses ``clip_range=0.2``).
 
     These defaults are declared once, in this signature; a trainer config reads them with
-    :meth:`mu_schedule_defaults` (or ``args.constructor_defaults``).
+    `mu_schedule_defaults` (or ``args.constructor_defaults``).
     """
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask", "step")

@@ -3,7 +3,7 @@
 Both MIX and CHORD (``chord.py``) weigh each usual (on-policy) sample by ``w_u`` and each expert
 sample by ``w_e``. A trainer gives these per-sample weights directly (``usual_sample_weight``,
 ``expert_sample_weight``); Trinity's configuration gives its batch geometry instead
-(``ppo_mini_batch_size``, ``train_batch_size_usual``, ...), from which :class:`BatchGeometry` derives
+(``ppo_mini_batch_size``, ``train_batch_size_usual``, ...), from which `BatchGeometry` derives
 them with the formula of docs/algorithms/chord.md#normalisation.
 """
 
@@ -133,7 +133,7 @@ class ExpertMixLossFn(PolicyLossFn):
       optimizer step``, so every sample of a kind weighs the same in the step.
     * Trinity's batch-geometry arguments (``use_dynamic_bsz``, ``ppo_mini_batch_size``,
       ``ppo_micro_batch_size_per_gpu``, ``ngpus_trainer``, ``train_batch_size_usual``,
-      ``train_batch_size_expert``), turned into weights by :meth:`BatchGeometry.sample_weights`. A
+      ``train_batch_size_expert``), turned into weights by `BatchGeometry.sample_weights`. A
       geometry argument left ``None`` takes Trinity's default (``False`` / ``1``); with none given
       and no explicit weights, all are defaults (``w_u = w_e = 1``), as in the reference.
 
@@ -141,7 +141,7 @@ class ExpertMixLossFn(PolicyLossFn):
 
     The inner losses are built from the registry: ``ppo`` with the clip range and
     ``grpo_loss_agg_mode or loss_agg_mode`` (every other PPO argument at its constructor default:
-    dual clip 3.0 on, no sequence masking or truncation), and the SFT loss of :meth:`build_sft_loss_fn`
+    dual clip 3.0 on, no sequence masking or truncation), and the SFT loss of `build_sft_loss_fn`
     with ``sft_loss_agg_mode or loss_agg_mode``. Each sees only its own rows: ``(n_u, T)`` and
     ``(n_e, T)`` slices of the ``(B, T)`` inputs.
     """
@@ -300,7 +300,7 @@ class MIXPolicyLossFn(ExpertMixLossFn):
 
     Shapes: ``logprob``, ``old_logprob``, ``advantages``, ``action_mask``: ``(B, T)``;
     ``expert_mask``: ``(B,)`` bool, True for SFT demonstration rows. Every other argument: see
-    :class:`ExpertMixLossFn` (a preset uses ``clip_range=0.2``).
+    `ExpertMixLossFn` (a preset uses ``clip_range=0.2``).
     """
 
     preset_defaults = {"clip_range": 0.2}

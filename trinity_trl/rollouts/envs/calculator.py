@@ -2,8 +2,8 @@
 
 Two versions of one task, one per environment protocol:
 
-* :class:`CalculatorEnv` (reset/step): the model writes ``calc(EXPR)`` or ``answer(N)`` as plain text.
-* :class:`CalculatorToolEnv` (TRL's tool protocol): ``calc(expression)`` and ``answer(number)`` are tools the
+* `CalculatorEnv` (reset/step): the model writes ``calc(EXPR)`` or ``answer(N)`` as plain text.
+* `CalculatorToolEnv` (TRL's tool protocol): ``calc(expression)`` and ``answer(number)`` are tools the
   model calls in its chat template's tool-call format; ``get_reward()`` checks the submitted answer.
 """
 
@@ -153,7 +153,7 @@ def _word_problems(n: int, seed: int) -> tuple[list[str], list[int]]:
 
 
 def calculator_dataset(n: int = 64, seed: int = 0):
-    """``n`` two-operation word problems (columns ``question``, ``answer``) for :class:`CalculatorEnv`."""
+    """``n`` two-operation word problems (columns ``question``, ``answer``) for `CalculatorEnv`."""
     from datasets import Dataset
 
     questions, answers = _word_problems(n, seed)
@@ -161,7 +161,7 @@ def calculator_dataset(n: int = 64, seed: int = 0):
 
 
 def calculator_tool_dataset(n: int = 64, seed: int = 0):
-    """The same problems for :class:`CalculatorToolEnv`: columns ``prompt`` (a system message asking for the tools,
+    """The same problems for `CalculatorToolEnv`: columns ``prompt`` (a system message asking for the tools,
     and the question as the user message), ``question`` and ``answer``."""
     from datasets import Dataset
 

@@ -1,10 +1,10 @@
 """A small tool-using agent written with the ``openai`` package alone, on the bundled arithmetic task.
 
-:func:`calculator_agent` is an ``async def agent(client, row)`` for ``StepGRPOTrainer(agent=...)``: it asks the model
-a word problem from :func:`~trinity_trl.data.arithmetic_dataset`, runs a calculator for it (the model writes
+`calculator_agent` is an ``async def agent(client, row)`` for ``StepGRPOTrainer(agent=...)``: it asks the model
+a word problem from `trinity_trl.data.arithmetic_dataset`, runs a calculator for it (the model writes
 ``calc(EXPRESSION)``; the agent replies with the value), and gives one second try after a wrong answer. Reward: 1 for
 the right final answer at the first try, 0.5 at the second, else 0 (the exact check of
-:func:`~trinity_trl.data.arithmetic_reward`).
+`trinity_trl.data.arithmetic_reward`).
 
 The calculator is called through text, not the API's function calling: SmolLM2-135M-Instruct, the bundled model,
 does not write function calls (and its chat template cannot render tool schemas). An agent for a model that does
