@@ -1,4 +1,4 @@
-"""One process of a 2-process gloo group that runs each entry point in turn (tests/test_distributed.py).
+"""One process of a 2-process gloo group that runs each entry point in turn (tests/test_process_group_teardown.py).
 
 Usage: entry_point_teardown.py RANK STORE_DIR OUT_JSON. For each scenario the process joins a fresh gloo group (a
 FileStore of its own, no port), records the barrier and destroy calls of ``torch.distributed``, runs the entry point

@@ -149,3 +149,16 @@ def test_the_python_api_prints_one_line_per_logging_step(disable_tqdm, tmp_path,
     assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2"] and "| reward " in lines[0]
     assert "'guards/nonfinite_logps'" not in text and "{'loss'" not in text
     assert any("guards/nonfinite_logps" in entry for entry in trainer.state.log_history)
+
+
+def test_the_summary_line_shows_a_missing_or_strange_value_instead_of_stopping_the_run():
+    """A log step whose loss is NaN (logged as None by the Trainer) or a string must not raise: the console line
+    is printed by a callback inside ``trainer.train()`` (the guards test's NaN run stopped there)."""
+    from trinity_trl.training.metrics import summary_line
+
+    metrics = (("reward", ("reward",)), ("loss", ("loss",)), ("rl", ("actor/pg_loss",)))
+    line = summary_line(
+        1, 2, {"reward": None, "loss": float("nan"), "actor/pg_loss": "n/a", "step_time": 1.25}, metrics
+    )
+    assert line == "step 1/2 | reward None | loss nan | rl n/a | 1.2 s"
+    assert summary_line(3, 0, {"loss": 0.123456}, metrics) == "step 3 | loss 0.1235"

@@ -97,10 +97,19 @@ def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple
     for label, keys in metrics if metrics is not None else summary_metrics():
         key = next((k for k in keys if k in logs), None)
         if key is not None:
-            parts.append(f"{label} {float(logs[key]):.4g}")
+            parts.append(f"{label} {_number(logs[key], '.4g')}")
     if "step_time" in logs:
-        parts.append(f"{float(logs['step_time']):.1f} s")
+        parts.append(f"{_number(logs['step_time'], '.1f')} s")
     return " | ".join(parts)
+
+
+def _number(value: Any, spec: str) -> str:
+    """A logged value for the summary line: a number formatted by ``spec``; anything else (``None`` where the Trainer
+    logged a non-finite value as null, a string) as it is, so a strange value never stops training at a log step."""
+    try:
+        return format(float(value), spec)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 class ConciseProgress(ProgressCallback):
