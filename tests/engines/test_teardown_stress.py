@@ -10,7 +10,8 @@ model, no held-out evaluation: most of a launch is start-up and teardown.
 
 TRINITY_STRESS_REPEATS (default 10) launches per engine; TRINITY_STRESS_BUSY (default 2) busy processes
 (`while True: pass`, pinned to one CPU each) that the test starts beside the launches (tests/stress.sh, which starts
-its own, sets 0). The abort is rare: `tests/test_process_group_teardown.py` checks its cause (a group left alive) in `make test`.
+its own, sets 0). The abort is rare: `tests/test_process_group_teardown.py` checks its cause (a group left
+alive) in `make test`.
 """
 
 from __future__ import annotations
