@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: when does CHORD beat SFT alone and RL alone? Held-out accuracy against training steps.
+"""Benchmark: does CHORD-mu beat SFT then GRPO? Held-out accuracy of the methods at the same budget.
 
 The setting of the CHORD paper (arXiv 2508.11408) on the bundled arithmetic word problems: expert
 demonstrations exist for some problem templates only (``--covered``, default ``add sub mul``), while
@@ -17,41 +17,66 @@ and the same number of steps:
 * ``chord_phi``: the same rows, CHORD-phi (SFT tokens weighted by p(1-p), constant mu 0.1);
 * ``mix``: the same rows, MIX (plain SFT term, constant mu 0.1).
 
-Tuning budget, the same for every method: the learning-rate grid ``--learning-rates`` (default 3e-4,
-1e-4, 1e-3, in that order), each value trained once on the tuning seed (the first of ``--seeds``);
-the value with the best final accuracy on ``--val-rows`` validation problems (training-split
-problems that are neither RL prompts nor demonstrations; never the held-out ones) is that method's
-rate, and the other seeds run at it. Every run's held-out curve is recorded, so the tuning seed's run
-at the chosen rate is also its first seed.
+Tuning budget, the same for every method: the learning-rate grid ``--learning-rates``, each value
+trained once on the tuning seed (the first of ``--seeds``); the value with the best final accuracy on
+``--val-rows`` validation problems (training-split problems that are neither RL prompts nor
+demonstrations; never the held-out ones) is that method's rate, and the other seeds run at it (without
+validation). Every run's held-out score is recorded, so the tuning seed's run at the chosen rate is also
+its first seed.
 
 Rollouts: ``--num-generations`` per prompt, at most ``--completion-len`` tokens, temperature 0.8,
-reward = exact final answer. Prompts carry the answer format as the system message. Every
-``--eval-every`` steps a callback measures greedy accuracy (``evaluate_accuracy``) on ``--eval-rows``
-held-out problems (the templates take turns, so each has the same count), overall and on the covered
-and uncovered templates; the final evaluation keeps each problem's outcome, for a paired comparison
-of CHORD-mu with SFT then GRPO (per seed, and pooled over problems and seeds: an exact sign test on
-the problems one method solves and the other does not). Step 0 (the base model: a fresh LoRA adapter
-is the identity) is measured once and shared. Cost per method: CPU seconds per training step and the
-share of them spent generating rollouts.
+reward = exact final answer. Prompts carry the answer format as the system message. A callback
+measures greedy accuracy (``evaluate_accuracy``) on ``--eval-rows`` held-out problems (the templates take
+turns, so each has the same count) after the last step, and every ``--eval-every`` steps if that is not 0,
+overall and on the covered and uncovered templates; the final evaluation keeps each problem's outcome
+and template, for a paired comparison of CHORD-mu with SFT then GRPO (per seed, and pooled over problems
+and seeds: an exact sign test on the problems one method solves and the other does not, overall and per
+template group, covered and uncovered). Step 0 (the base model: a fresh LoRA adapter is the identity) is
+measured once and shared. Cost per method: CPU seconds per training step and the share of them spent
+generating rollouts.
+
+Default setting (issue 38: the paper's central question, sized for about two hours of one core):
+CHORD-mu against SFT then GRPO, 3 seeds, 60 steps of 8 rows (CHORD-mu 4 rollouts + 4 demonstrations;
+SFT then GRPO 30 steps of 8 demonstrations, then 30 of 8 rollouts), completions of at most 40 tokens,
+the grid 1e-4, 3e-4 chosen on 100 validation problems, 200 held-out problems scored once, after the last
+step. Runs: 2 methods x (2 grid values on seed 0 + seeds 1 and 2) = 8. The budget, from CPU seconds of
+the process (one thread, this 2-core machine under load 7-12): a 6-step run of these settings on 2026-11-26
+measured CHORD-mu 7.1 and SFT then GRPO 8.7 CPU s per step and 0.36 CPU s per scored problem; the 30-step
+study's runs (``benchmarks/results/learning_runs.jsonl``) measured CHORD-mu 7.9-10.6, SFT 5.5-6.1 and GRPO
+12.7-13.7 per step (so SFT then GRPO about 9.9 on average) and up to 0.45 CPU s per problem (the base
+model's longer answers). With the upper values:
+
+    training     4 x 60 x 10.6 (CHORD-mu) + 4 x 60 x 9.9 (SFT then GRPO)  = 4920 s
+    held-out     8 runs x 200 problems x 0.45                              =  720 s
+    validation   4 tuning runs x 100 problems x 0.45                       =  180 s
+    step 0       200 problems x 0.45                                       =   90 s
+    total                                                                  = 5910 s (98 min of one core)
+
+which leaves about 20 % of the 7200 s for contention. GRPO alone and SFT alone do not fit beside them
+(with the same tuning, another 4 x 60 x (13.7 + 6.1) = 4750 s of training); since the runs are keyed by
+(method, seed, rate), ``--methods chord_mu sft_grpo grpo sft`` later adds them under the same fingerprint.
+
+Full setting (``--full``: 6 methods, 3 seeds, 100 steps of 8 rows, 200 held-out problems every 25 steps,
+100 validation problems, grid of 3 learning rates 3e-4, 1e-4, 1e-3: 6 methods x (3 + 2) = 30 runs, an
+estimated 10-13 hours of one core). Quick setting (``--quick``: 1 seed, 6 steps, 20 problems, one rate; a
+smoke run, too short to rank anything).
 
 Each finished run (method, seed, learning rate) is appended to ``learning_runs.jsonl`` in ``--out``
-with a fingerprint of the settings; a restarted benchmark with the same settings skips the runs
-already there, so an interrupted run continues where it stopped (losing at most the run in flight).
-``learning.json``, ``learning.md`` and ``learning.png`` are rewritten after every run.
-
-Full setting (3 seeds, 100 steps of 8 rows, 200 held-out problems every 25 steps, 100 validation
-problems, grid of 3 learning rates: 6 methods x (3 + 2) = 30 runs, an estimated 10-13 hours of one core;
-run it in the background at low priority with one thread)::
+with a fingerprint of the settings (``RUN_KEYS``: every option that changes what a run measures); at
+start, the records of ``--resume-from`` (default: the committed ``benchmarks/results/learning_runs.jsonl``,
+all settings) that ``--out``'s file lacks are copied into it, and the runs of the current fingerprint
+already there are skipped, so an interrupted study continues where it stopped (losing at most the run in
+flight), also over several sittings; runs made with other settings are never mixed in, and ``--out``'s
+file can be copied back over the committed one without losing its earlier studies.
+``learning.json``, ``learning.md`` and ``learning.png`` are rewritten after every run. Run it in the
+background at low priority with one thread, writing to a folder outside the repository (a ``git
+checkout`` of ``benchmarks/results/`` would lose finished runs)::
 
     OMP_NUM_THREADS=1 nohup nice -n 19 .venv/bin/python benchmarks/learning.py --out ~/learning-study \\
         > ~/learning-study.log 2>&1 &
 
-(a folder outside the repository: the files are rewritten after every run, so a ``git checkout`` of
-``benchmarks/results/`` would lose finished runs; copy the four result files there when the study is done)
-
-Quick setting (1 seed, 6 steps, 20 problems, one learning rate; a smoke run, too short to rank anything)::
-
-    nice -n 5 .venv/bin/python benchmarks/learning.py --quick --out /tmp/learning
+and copy the four result files into ``benchmarks/results/`` when done (or to carry finished runs over to a
+later sitting). Smoke run: ``nice -n 5 .venv/bin/python benchmarks/learning.py --quick --out /tmp/learning``.
 """
 
 from __future__ import annotations
@@ -72,7 +97,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 
 METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix")
-DEFAULT_METHODS = METHODS
 LABELS = {
     "grpo": "GRPO",
     "sft": "SFT only",
@@ -81,7 +105,19 @@ LABELS = {
     "chord_phi": "CHORD-phi",
     "mix": "MIX",
 }
+# the default setting: the paired question of issue 38 (CHORD-mu against SFT then GRPO), sized to fit about two
+# hours of one core (the arithmetic is in the module docstring and benchmarks/README.md)
+PAIR_SETTING = {
+    "methods": ["chord_mu", "sft_grpo"],
+    "seeds": [0, 1, 2],
+    "steps": 60,
+    "eval_every": 0,
+    "eval_rows": 200,
+    "val_rows": 100,
+    "learning_rates": [1e-4, 3e-4],
+}
 FULL = {
+    "methods": list(METHODS),
     "seeds": [0, 1, 2],
     "steps": 100,
     "eval_every": 25,
@@ -89,12 +125,21 @@ FULL = {
     "val_rows": 100,
     "learning_rates": [3e-4, 1e-4, 1e-3],
 }
-QUICK = {"seeds": [0], "steps": 6, "eval_every": 3, "eval_rows": 20, "val_rows": 10, "learning_rates": [2e-4]}
+QUICK = {
+    "methods": list(METHODS),
+    "seeds": [0],
+    "steps": 6,
+    "eval_every": 3,
+    "eval_rows": 20,
+    "val_rows": 10,
+    "learning_rates": [2e-4],
+}
 TEMPERATURE = 0.8
 # the pair of the paired comparison: CHORD-mu against the two-stage pipeline
 PAIR = ("chord_mu", "sft_grpo")
 GROUPS = ("all", "covered", "uncovered")
 RUNS_FILE = "learning_runs.jsonl"
+COMMITTED_RUNS = Path(__file__).resolve().parent / "results" / RUNS_FILE
 # options that change what a run measures: a results file made with other values is not resumed
 RUN_KEYS = (
     "model",
@@ -263,6 +308,7 @@ def evaluate(model, tokenizer, data: dict, args, split: str = "test", outcomes: 
     }
     if outcomes:
         point["outcomes"] = [int(r) for r in arithmetic_reward(completions, list(data[split]["answer"]))]
+        point["kinds"] = list(kinds)  # each problem's template, for the sign test per template group
     return point
 
 
@@ -284,9 +330,9 @@ def timed_generation(trainer, seconds: list[float]) -> None:
 def train_with_evaluation(
     trainer, data: dict, args, step_offset: int = 0, evaluate_last: bool = True, validate: bool = True
 ) -> dict:
-    """Train; every ``eval_every`` (global) steps record the held-out accuracy (each problem's outcome at the
-    last step), then, with ``validate``, the validation accuracy; CPU/wall seconds of training (and of its
-    rollout generation) and of the evaluations."""
+    """Train; every ``eval_every`` (global) steps (0: none but the last) record the held-out accuracy (each
+    problem's outcome at the last step), then, with ``validate``, the validation accuracy; CPU/wall seconds of
+    training (and of its rollout generation) and of the evaluations."""
     from transformers import PrinterCallback, TrainerCallback
 
     trainer.remove_callback(PrinterCallback)  # the log dict of every step (kept in log_history)
@@ -299,7 +345,7 @@ def train_with_evaluation(
         def on_step_end(self, targs, state, control, **kwargs):
             step = state.global_step + step_offset
             last = evaluate_last and state.global_step == targs.max_steps
-            if step % args.eval_every == 0 or last:
+            if (args.eval_every and step % args.eval_every == 0) or last:
                 start, cpu = time.perf_counter(), time.process_time()
                 point = {
                     "step": step,
@@ -341,16 +387,17 @@ def train_with_evaluation(
     return result
 
 
-def run_method(method: str, model: str, seed: int, lr: float, args, data: dict, tmp: Path) -> dict:
-    """One (method, seed, learning rate) run: its curve, validation accuracy, timings and per-step logs (both
-    stages for ``sft_grpo``)."""
+def run_method(
+    method: str, model: str, seed: int, lr: float, args, data: dict, tmp: Path, validate: bool = True
+) -> dict:
+    """One (method, seed, learning rate) run: its curve, validation accuracy (with ``validate``: the tuning
+    seed's runs; otherwise ``None``), timings and per-step logs (both stages for ``sft_grpo``)."""
     if method == "sft":
         trainer = sft_trainer(model, seed, lr, args, data, str(tmp / "sft"), args.steps)
-        return train_with_evaluation(trainer, data, args)
+        return {"val": None, **train_with_evaluation(trainer, data, args, validate=validate)}
     if method != "sft_grpo":
-        return train_with_evaluation(
-            rl_trainer(method, model, seed, lr, args, data, str(tmp / method), args.steps), data, args
-        )
+        trainer = rl_trainer(method, model, seed, lr, args, data, str(tmp / method), args.steps)
+        return {"val": None, **train_with_evaluation(trainer, data, args, validate=validate)}
     sft_steps = args.sft_steps if args.sft_steps is not None else args.steps // 2
     first = sft_trainer(model, seed, lr, args, data, str(tmp / "sft_stage"), sft_steps)
     stage1 = train_with_evaluation(first, data, args, evaluate_last=False, validate=False)
@@ -365,12 +412,12 @@ def run_method(method: str, model: str, seed: int, lr: float, args, data: dict, 
         args.steps - sft_steps,
         tokenizer=first.processing_class,
     )
-    stage2 = train_with_evaluation(second, data, args, step_offset=sft_steps)
+    stage2 = train_with_evaluation(second, data, args, step_offset=sft_steps, validate=validate)
     merged = {
         "curve": stage1["curve"] + stage2["curve"],
         "steps": sft_steps + stage2["steps"],
         "sft_steps": sft_steps,
-        "val": stage2["val"],
+        "val": stage2.get("val"),
     }
     for key in ("train_wall_s", "train_cpu_s", "generation_cpu_s", "eval_wall_s", "eval_cpu_s"):
         merged[key] = stage1[key] + stage2[key]
@@ -397,6 +444,38 @@ def load_runs(path: Path, key: str) -> list[dict]:
             if record.get("settings") == key:
                 runs.append(record)
     return runs
+
+
+def run_id(record: dict) -> tuple:
+    """What a record is a run of: (settings fingerprint, method, seed, learning rate); the method is ``"base"``
+    for step 0."""
+    return (record.get("settings"), record["method"], record.get("seed"), record.get("lr"))
+
+
+def _all_runs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def merge_runs(target: Path, sources: list[Path]) -> int:
+    """Append to ``target`` the records of ``sources`` (e.g. the committed ``benchmarks/results`` runs file) that
+    it does not hold yet, whatever their settings (``load_runs`` reads only those of the current fingerprint;
+    keeping the others makes ``target`` a superset that can be copied back over the committed file). The same run
+    is never recorded twice; missing sources and ``target`` itself are skipped. Returns how many were added."""
+    have = {run_id(r) for r in _all_runs(target)}
+    added = []
+    for source in sources:
+        if not source.is_file() or (target.exists() and source.resolve() == target.resolve()):
+            continue
+        for record in _all_runs(source):
+            if run_id(record) not in have:
+                have.add(run_id(record))
+                added.append(record)
+    if added:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a") as f:
+            for record in added:
+                f.write(json.dumps(record) + "\n")
+    return len(added)
 
 
 def _stats(values: list[float]) -> dict:
@@ -438,9 +517,30 @@ def _sign_test(wins: int, losses: int) -> float:
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
-def paired(records: list[dict], rates: dict, a: str, b: str) -> dict | None:
+def sign_counts(pairs: list[tuple[list[int], list[int], list[str]]], covered: list[str] | None) -> dict:
+    """Pooled over ``pairs`` (one per seed: ``a``'s and ``b``'s 0/1 outcome per problem and each problem's
+    template), the problems only ``a`` solves, only ``b`` solves and the exact two-sided sign test, for all
+    problems and, with ``covered``, for the covered and the uncovered templates apart."""
+    groups = {"all": lambda kind: True}
+    if covered is not None:
+        groups["covered"] = lambda kind: kind in covered
+        groups["uncovered"] = lambda kind: kind not in covered
+    out = {}
+    for group, member in groups.items():
+        wins = losses = 0
+        for xs, ys, kinds in pairs:
+            for x, y, kind in zip(xs, ys, kinds, strict=True):
+                if member(kind):
+                    wins += x > y
+                    losses += y > x
+        out[group] = {"only_a": wins, "only_b": losses, "sign_test_p": _sign_test(wins, losses)}
+    return out
+
+
+def paired(records: list[dict], rates: dict, a: str, b: str, covered: list[str] | None = None) -> dict | None:
     """CHORD-mu (``a``) against ``b`` at their chosen rates, on the seeds both have: per-seed differences of the
-    final accuracy (mean, std, paired t), and pooled over seeds and problems, the problems only one solves."""
+    final accuracy (mean, std, paired t), and pooled over seeds and problems, the problems only one solves with an
+    exact sign test (``problems``; with ``covered``, also per template group: ``problems_by_group``)."""
     if a not in rates or b not in rates:
         return None
     runs = {m: {r["seed"]: r for r in records if r["method"] == m and r.get("lr") == rates[m]["lr"]} for m in (a, b)}
@@ -456,12 +556,16 @@ def paired(records: list[dict], rates: dict, a: str, b: str) -> dict | None:
         std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         t = mean / (std / math.sqrt(len(diffs))) if std > 0 else None
         out[group] = {"diffs": diffs, "mean": mean, "std": std, "t": t}
-    wins = losses = 0
+    pairs = []
     for seed in seeds:
-        for x, y in zip(_final(runs[a][seed])["outcomes"], _final(runs[b][seed])["outcomes"]):
-            wins += x > y
-            losses += y > x
-    out["problems"] = {"only_a": wins, "only_b": losses, "sign_test_p": _sign_test(wins, losses)}
+        fa, fb = _final(runs[a][seed]), _final(runs[b][seed])
+        kinds = fa.get("kinds") or [""] * len(fa["outcomes"])  # runs recorded before kinds were kept
+        pairs.append((fa["outcomes"], fb["outcomes"], kinds))
+    with_kinds = covered is not None and all(_final(runs[a][s]).get("kinds") for s in seeds)
+    counts = sign_counts(pairs, covered if with_kinds else None)
+    out["problems"] = counts["all"]
+    if with_kinds:
+        out["problems_by_group"] = counts
     return out
 
 
@@ -572,7 +676,7 @@ def markdown(report: dict) -> str:
     uncovered = [k for k in ("add", "sub", "mul", "div", "two_step") if k not in c["covered"]]
     grid = ", ".join(_lr(x) for x in c["learning_rates"])
     lines = [
-        "# Learning benchmark: CHORD vs SFT only, GRPO only and SFT then GRPO",
+        "# Learning benchmark: " + ", ".join(LABELS.get(m, m) for m in c["methods"]),
         "",
         ("**Quick setting**: a smoke run, too short to rank anything. " if c["quick"] else "")
         + f"Command: `{report['command']}`",
@@ -601,8 +705,9 @@ def markdown(report: dict) -> str:
             f"demonstrations (CHORD-mu: plain SFT term, mu 0.9 -> 0.05 cosine over all {c['steps']} steps; "
             f"CHORD-phi: p(1-p)-weighted SFT term, mu 0.1; MIX: plain SFT term, mu 0.1). Rollouts: temperature "
             f"{c['temperature']}, at most {c['completion_len']} tokens, reward 1 for the exact final answer, no KL. "
-            f"Accuracy: greedy, {c['eval_max_new_tokens']} new tokens, every {c['eval_every']} steps; step 0 = the "
-            "base model."
+            f"Accuracy: greedy, {c['eval_max_new_tokens']} new tokens, "
+            + (f"every {c['eval_every']} steps" if c["eval_every"] else f"once, after step {c['steps']}")
+            + "; step 0 = the base model (measured once, shared)."
         ),
         "",
         (
@@ -664,6 +769,16 @@ def markdown(report: dict) -> str:
             f"exact two-sided sign test p = {p['sign_test_p']:.3g}.",
             "",
         ]
+        if pair.get("problems_by_group"):
+            lines += [
+                "Exact sign test per template group (pooled over seeds and the group's held-out problems):",
+                "",
+                f"| group | solved by {a} only | solved by {b} only | two-sided p |",
+                "|---|---|---|---|",
+            ]
+            for group, g in pair["problems_by_group"].items():
+                lines.append(f"| {group} | {g['only_a']} | {g['only_b']} | {g['sign_test_p']:.3g} |")
+            lines.append("")
     lines += [
         "## Cost and rollouts",
         "",
@@ -706,13 +821,13 @@ def write_report(
         "load_average_start": measured.get("load_average_start", load_start),
         "load_average_end": measured.get("load_average_end", bc.loadavg()),
         "model_description": description,
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "note", "from_runs")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "note", "from_runs", "resume_from")},
         "settings": settings_key(args),
         "sft_steps": args.sft_steps if args.sft_steps is not None else args.steps // 2,
         "tune_seed": args.seeds[0],
         "rates": rates,
         "summary": summarise(records, args.methods, rates),
-        "paired": paired(records, rates, *PAIR),
+        "paired": paired(records, rates, *PAIR, covered=args.covered),
         "num_runs": sum(r["method"] != "base" for r in records),
         "planned_runs": len(args.methods) * (len(args.learning_rates) + len(args.seeds) - 1),
         "total_cpu_s": sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records),
@@ -736,14 +851,28 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the full six-method setting {FULL} (10-13 CPU hours; explicit options below still override it)",
+    )
+    preset.add_argument(
         "--quick", action="store_true", help=f"quick setting {QUICK} (explicit options below still override it)"
     )
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
-    parser.add_argument("--seeds", type=int, nargs="+", help=f"default {FULL['seeds']} ({QUICK['seeds']} quick)")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {FULL['steps']}, {QUICK['steps']} quick)")
-    parser.add_argument("--eval-every", type=int, help=f"default {FULL['eval_every']} ({QUICK['eval_every']} quick)")
-    parser.add_argument("--eval-rows", type=int, help=f"default {FULL['eval_rows']} ({QUICK['eval_rows']} quick)")
+
+    def default(key: str) -> str:
+        return f"default {PAIR_SETTING[key]} ({FULL[key]} --full, {QUICK[key]} --quick)"
+
+    parser.add_argument("--methods", nargs="+", choices=METHODS, help=default("methods"))
+    parser.add_argument("--seeds", type=int, nargs="+", help=default("seeds"))
+    parser.add_argument("--steps", type=int, help="optimizer steps, " + default("steps"))
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        help="held-out accuracy every so many steps (0: only after the last step), " + default("eval_every"),
+    )
+    parser.add_argument("--eval-rows", type=int, help="held-out problems, " + default("eval_rows"))
     parser.add_argument("--eval-max-new-tokens", type=int, default=40)
     parser.add_argument("--eval-batch-size", type=int, default=50)
     parser.add_argument(
@@ -760,10 +889,10 @@ def parse_args(argv=None):
         "--learning-rates",
         type=float,
         nargs="+",
-        help=f"the tuning grid, the same for every method (default {FULL['learning_rates']}, "
-        f"{QUICK['learning_rates']} quick): each value runs on the first seed, the best on validation runs on the rest",
+        help="the tuning grid, the same for every method, each value run on the first seed, the best on validation "
+        "runs on the rest; " + default("learning_rates"),
     )
-    parser.add_argument("--val-rows", type=int, help=f"validation problems (default {FULL['val_rows']})")
+    parser.add_argument("--val-rows", type=int, help="validation problems, " + default("val_rows"))
     parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="rollout sampling temperature")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--train-rows", type=int, default=512, help="RL prompts (all templates)")
@@ -784,6 +913,13 @@ def parse_args(argv=None):
         help="torch.set_num_threads (1: on 2 shared cores, 2 threads made steps up to 25x slower)",
     )
     parser.add_argument("--out", default="benchmarks/results", help="directory for learning.* and the runs file")
+    parser.add_argument(
+        "--resume-from",
+        nargs="*",
+        default=[str(COMMITTED_RUNS)],
+        help="runs files whose runs of the same settings fingerprint are copied into --out's runs file at start "
+        "(not run again); default the committed benchmarks/results/learning_runs.jsonl",
+    )
     parser.add_argument("--note", action="append", default=[], help="a remark to record in the report (repeatable)")
     parser.add_argument(
         "--report-only",
@@ -791,7 +927,7 @@ def parse_args(argv=None):
         help="train nothing: rewrite learning.json/.md/.png from the runs file (adding --note)",
     )
     args = parser.parse_args(argv)
-    preset = QUICK if args.quick else FULL
+    preset = QUICK if args.quick else FULL if args.full else PAIR_SETTING
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -800,6 +936,8 @@ def parse_args(argv=None):
         parser.error("--rows (and --rows minus --expert-rows for CHORD/MIX) must be multiples of --num-generations")
     if not 0 < args.expert_rows < args.rows:
         parser.error("--expert-rows must be in (0, --rows)")
+    if args.eval_every < 0:
+        parser.error("--eval-every must be 0 (only after the last step) or positive")
     from trinity_trl.data.arithmetic import TEMPLATES
 
     unknown = sorted(set(args.covered) - set(TEMPLATES))
@@ -819,6 +957,9 @@ def main(argv=None) -> int:
         args.model, args.model
     )
     load_start = bc.loadavg()
+    added = merge_runs(runs_path, [Path(p) for p in args.resume_from])
+    if added:
+        print(f"copied {added} recorded runs (of any settings) from {', '.join(args.resume_from)}", flush=True)
     records = load_runs(runs_path, key)
     if args.report_only:
         # re-rendering trains nothing: keep the machine, load and command recorded by the process that trained
@@ -897,10 +1038,13 @@ def main(argv=None) -> int:
 
         def run(method: str, seed: int, lr: float) -> None:
             print(f"[seed {seed}] {method} lr {_lr(lr)}: training ...", flush=True)
-            result = run_method(method, model, seed, lr, args, data, tmp / f"{method}-{seed}-{_lr(lr)}")
+            # validation only chooses the rate: the other seeds' runs skip it
+            result = run_method(
+                method, model, seed, lr, args, data, tmp / f"{method}-{seed}-{_lr(lr)}", validate=seed == tune_seed
+            )
             append({"method": method, "seed": seed, "lr": lr, **result, "load_average": bc.loadavg()})
             print(
-                f"[seed {seed}] {method} lr {_lr(lr)}: validation {result['val']:.3f}, "
+                f"[seed {seed}] {method} lr {_lr(lr)}: validation {bc.fmt(result['val'])}, "
                 f"{result['train_cpu_s'] / result['steps']:.1f} CPU s/step, eval {result['eval_cpu_s']:.0f} CPU s, "
                 f"load {bc.loadavg()}",
                 flush=True,

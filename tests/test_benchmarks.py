@@ -115,6 +115,7 @@ def test_learning_quick_tiny_tunes_each_method_resumes_and_pairs(tmp_path):
         "2e-4",
         "--out",
         str(tmp_path),
+        "--resume-from",  # nothing: the committed runs file is not copied in
     ]
     _run("learning.py", *tiny, "--methods", "grpo", "sft_grpo")
     runs = [json.loads(line) for line in (tmp_path / "learning_runs.jsonl").read_text().splitlines()]
@@ -229,15 +230,15 @@ def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
     assert "## One training step" in (tmp_path / "demo_profile-t.md").read_text()
 
 
-# what benchmarks/README.md (and the main README's learning section) states of the study's full setting
-STUDY_STATES = {
-    "methods": ["grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix"],
+# what benchmarks/README.md states of the study's default (paired) setting and of its full setting (--full)
+PAIR_STATES = {
+    "methods": ["chord_mu", "sft_grpo"],
     "seeds": [0, 1, 2],
-    "steps": 100,
-    "eval_every": 25,
+    "steps": 60,
+    "eval_every": 0,
     "eval_rows": 200,
     "val_rows": 100,
-    "learning_rates": [3e-4, 1e-4, 1e-3],
+    "learning_rates": [1e-4, 3e-4],
     "rows": 8,
     "expert_rows": 4,
     "num_generations": 4,
@@ -245,24 +246,112 @@ STUDY_STATES = {
     "temperature": 0.8,
     "covered": ["add", "sub", "mul"],
 }
+FULL_STATES = {
+    **PAIR_STATES,
+    "methods": ["grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix"],
+    "steps": 100,
+    "eval_every": 25,
+    "learning_rates": [3e-4, 1e-4, 1e-3],
+}
 
 
-def test_learning_full_setting_is_what_the_readme_states():
+def test_learning_settings_are_what_the_readme_states():
     sys.path.insert(0, str(BENCHMARKS))
     from learning import parse_args
 
-    args = parse_args([])
-    assert {key: getattr(args, key) for key in STUDY_STATES} == STUDY_STATES
+    for argv, states in (([], PAIR_STATES), (["--full"], FULL_STATES)):
+        args = parse_args(argv)
+        assert {key: getattr(args, key) for key in states} == states, argv
     text = (BENCHMARKS / "README.md").read_text()
     section = text[text.index("## `learning.py`") :]
     for stated in (
-        "100 optimizer steps of 8 training rows each, seeds 0, 1, 2",
+        "60 optimizer steps of 8 training rows each, seeds 0, 1, 2",
         "200 held-out problems",
-        "the learning rates 3e-4, 1e-4 and 1e-3",
+        "the learning rates 1e-4 and 3e-4",
         "100 **validation** problems",
+        "2 x (2 + 2) = 8 runs",
+        "(`--full`): 100 optimizer steps",
+        "the learning rates 3e-4, 1e-4 and 1e-3",
         "6 x (3 + 2) = 30 runs",
     ):
         assert stated in section, stated
+
+
+def test_learning_fingerprint_changes_with_what_a_run_measures():
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import RUN_KEYS, parse_args, settings_key
+
+    base = settings_key(parse_args([]))
+    assert base == settings_key(parse_args([]))  # deterministic
+    assert base != settings_key(parse_args(["--full"]))  # 100 steps, an evaluation every 25
+    for option in (["--steps", "61"], ["--eval-rows", "199"], ["--eval-every", "20"], ["--completion-len", "32"]):
+        assert settings_key(parse_args(option)) != base, option
+    for option in (["--covered", "add", "sub"], ["--rows", "12"], ["--sft-steps", "20"], ["--val-rows", "50"]):
+        assert settings_key(parse_args(option)) != base, option
+    # options that do not change a run's measurement keep it: which runs to do, threads, where to write
+    for option in (["--seeds", "0", "1", "2", "3"], ["--threads", "2"], ["--out", "/elsewhere"], ["--note", "x"]):
+        assert settings_key(parse_args(option)) == base, option
+    assert {"steps", "eval_every", "eval_rows", "val_rows", "completion_len", "rows"} <= set(RUN_KEYS)
+
+
+def _records(key: str, ids: list[tuple]) -> list[dict]:
+    return [{"settings": key, "method": m, "seed": seed, "lr": lr, "val": 0.5} for m, seed, lr in ids]
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_learning_resumes_from_the_committed_runs_without_counting_a_run_twice(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import load_runs, merge_runs, run_id
+
+    committed, out = tmp_path / "committed.jsonl", tmp_path / "out" / "learning_runs.jsonl"
+    ours = [("base", None, None), ("chord_mu", 0, 1e-4), ("sft_grpo", 0, 1e-4)]
+    other = _records("bbb", [("chord_mu", 0, 1e-4)])  # the same run under other settings: another run
+    _write(committed, _records("aaa", ours) + other)
+    # a fresh output folder gets every recorded run; the current settings read only their own
+    assert merge_runs(out, [committed]) == 4
+    assert [run_id(r)[1:] for r in load_runs(out, "aaa")] == ours and load_runs(out, "bbb") == other
+    assert merge_runs(out, [committed]) == 0  # nothing twice
+    # the output folder ran on: its own runs stay, the committed file's new ones are added once
+    with out.open("a") as f:
+        f.write(json.dumps(_records("aaa", [("chord_mu", 0, 3e-4)])[0]) + "\n")
+    _write(committed, _records("aaa", ours + [("sft_grpo", 0, 3e-4), ("chord_mu", 0, 3e-4)]) + other)
+    assert merge_runs(out, [committed]) == 1
+    ids = [run_id(r)[1:] for r in load_runs(out, "aaa")]
+    assert ids == ours + [("chord_mu", 0, 3e-4), ("sft_grpo", 0, 3e-4)] and len(set(ids)) == len(ids)
+    # a missing source and the output file itself are left alone
+    assert merge_runs(out, [tmp_path / "missing.jsonl", out]) == 0
+    assert len(out.read_text().splitlines()) == 6
+
+
+def test_learning_sign_test_per_template_group():
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import _sign_test, paired
+
+    kinds = ["add", "div", "mul", "two_step", "sub", "div"]
+
+    def run(method, seed, outcomes):
+        point = {"step": 60, "all": sum(outcomes) / 6, "covered": 0.0, "uncovered": 0.0}
+        return {"method": method, "seed": seed, "lr": 1e-4, "curve": [{**point, "outcomes": outcomes, "kinds": kinds}]}
+
+    records = [
+        run("chord_mu", 0, [1, 1, 0, 1, 1, 0]),
+        run("sft_grpo", 0, [0, 0, 1, 0, 1, 0]),
+        run("chord_mu", 1, [1, 0, 1, 1, 0, 0]),
+        run("sft_grpo", 1, [0, 1, 1, 0, 1, 1]),
+    ]
+    rates = {m: {"lr": 1e-4} for m in ("chord_mu", "sft_grpo")}
+    pair = paired(records, rates, "chord_mu", "sft_grpo", covered=["add", "sub", "mul"])
+    groups = pair["problems_by_group"]
+    # covered: seed 0 add +1, mul -1; seed 1 add +1, sub -1. uncovered: seed 0 div +1, two_step +1; seed 1
+    # div -1 (index 1), two_step +1, div -1 (index 5)
+    assert (groups["covered"]["only_a"], groups["covered"]["only_b"]) == (2, 2)
+    assert (groups["uncovered"]["only_a"], groups["uncovered"]["only_b"]) == (3, 2)
+    assert groups["all"] == pair["problems"] == {"only_a": 5, "only_b": 4, "sign_test_p": _sign_test(5, 4)}
+    assert groups["uncovered"]["sign_test_p"] == _sign_test(3, 2)
+    assert "problems_by_group" not in paired(records, rates, "chord_mu", "sft_grpo")  # no groups without covered
 
 
 def test_configs_learning_records_a_config_run(tmp_path, tiny_model_dir):
