@@ -216,7 +216,7 @@ def test_stop_strings_and_refused_sampling_settings(endpoint):
 
 
 def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
-    ep = endpoint(max_context=1000, max_calls=2)
+    ep = endpoint(max_context=1000, max_env_steps=2)
     late = {}
 
     async def agent(client, row):

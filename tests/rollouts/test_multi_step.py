@@ -79,7 +79,7 @@ def echo(call, prompt):
 
 def test_one_run_per_row_and_one_step_per_turn():
     generator = ScriptedGenerator(echo)
-    runs = MultiStepRollout(generator, CountdownEnv, max_steps=5)(
+    runs = MultiStepRollout(generator, CountdownEnv, max_env_steps=5)(
         [{"prompt": "Hi", "turns": 3, "final": 0.7}, {"prompt": "Hi", "turns": 1, "final": 0.2}]
     )
     assert [len(run.steps) for run in runs] == [3, 1]
@@ -93,7 +93,7 @@ def test_one_run_per_row_and_one_step_per_turn():
 
 def test_token_history_extends_the_previous_prompt_and_equals_the_rendered_conversation():
     generator = ScriptedGenerator(echo)
-    (run,) = MultiStepRollout(generator, CountdownEnv, max_steps=5)([{"prompt": "Hi", "turns": 3}])
+    (run,) = MultiStepRollout(generator, CountdownEnv, max_env_steps=5)([{"prompt": "Hi", "turns": 3}])
     for previous, step in zip(run.steps, run.steps[1:]):
         assert step.prompt_ids[: len(previous.prompt_ids) + len(previous.completion_ids)] == (
             previous.prompt_ids + previous.completion_ids
@@ -110,7 +110,7 @@ def test_token_history_extends_the_previous_prompt_and_equals_the_rendered_conve
 
 def test_a_turn_cut_off_before_eos_gets_one_in_the_history():
     generator = ScriptedGenerator(lambda call, prompt: "cut…" if call == 0 else "ok")
-    (run,) = MultiStepRollout(generator, CountdownEnv, max_steps=5)([{"prompt": "Hi", "turns": 2}])
+    (run,) = MultiStepRollout(generator, CountdownEnv, max_env_steps=5)([{"prompt": "Hi", "turns": 2}])
     first, second = run.steps
     assert first.completion_ids == text_ids("cut")  # as generated: no EOS
     observation = [NEWLINE, USER, *text_ids("Turn 1: you said cut."), EOS, NEWLINE, ASSISTANT]
@@ -118,7 +118,7 @@ def test_a_turn_cut_off_before_eos_gets_one_in_the_history():
 
 
 def test_observation_ids_follow_the_eos_of_the_turn():
-    rollout = MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=2)
+    rollout = MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=2)
     # the template renders "<eos>\n" after a turn: the generated turn ends at <eos>, the "\n" belongs to what follows
     assert rollout._observation_ids("obs") == [NEWLINE, USER, *text_ids("obs"), EOS, NEWLINE, ASSISTANT]
 
@@ -127,7 +127,7 @@ def test_a_template_that_does_not_append_is_refused_in_token_mode():
     def numbered(messages, add_generation_prompt):  # starts with the message count: earlier tokens change
         return [len(messages), *chat_template(messages, add_generation_prompt)]
 
-    rollout = MultiStepRollout(ScriptedGenerator(echo, template=numbered), CountdownEnv, max_steps=3)
+    rollout = MultiStepRollout(ScriptedGenerator(echo, template=numbered), CountdownEnv, max_env_steps=3)
     with pytest.raises(ValueError, match="does not extend a conversation by appending tokens; use history='messages'"):
         rollout([{"prompt": "Hi", "turns": 2}])
 
@@ -144,19 +144,19 @@ def test_messages_mode_re_renders_and_flags_rewritten_history():
 
     replies = {0: "think:a", 1: "plain"}
     generator = ScriptedGenerator(lambda call, prompt: replies.get(call, "x"), template=strip_thoughts)
-    rollout = MultiStepRollout(generator, CountdownEnv, max_steps=3, history="messages")
+    rollout = MultiStepRollout(generator, CountdownEnv, max_env_steps=3, history="messages")
     (run,) = rollout([{"prompt": "Hi", "turns": 3}])
     assert not run.prefix_preserving  # the second prompt no longer contains the first turn
     messages = run.messages
     assert [step.prompt_ids for step in run.steps] == [strip_thoughts(messages[:k], True) for k in (1, 3, 5)]
 
     (kept,) = MultiStepRollout(
-        ScriptedGenerator(echo, template=strip_thoughts), CountdownEnv, max_steps=3, history="messages"
+        ScriptedGenerator(echo, template=strip_thoughts), CountdownEnv, max_env_steps=3, history="messages"
     )([{"prompt": "Hi", "turns": 3}])
     assert kept.prefix_preserving  # nothing rewritten
 
 
-def test_max_steps_ends_every_run():
+def test_max_env_steps_ends_every_run():
     class Endless(Environment):
         def reset(self, **row):
             return "Go."
@@ -165,16 +165,16 @@ def test_max_steps_ends_every_run():
             return StepResult("Again.", reward=0.25)
 
     generator = ScriptedGenerator(echo)
-    runs = MultiStepRollout(generator, Endless, max_steps=2)([{"prompt": "a"}, {"prompt": "b"}])
+    runs = MultiStepRollout(generator, Endless, max_env_steps=2)([{"prompt": "a"}, {"prompt": "b"}])
     assert [len(run.steps) for run in runs] == [2, 2]
     assert all(run.done and run.reward == 0.25 for run in runs)  # cut off: the last step's reward counts
     assert len(generator.calls) == 2
 
 
 def test_logprobs_are_kept_per_step_when_the_generator_reports_them():
-    (run,) = MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=2)([{"prompt": "Hi", "turns": 2}])
+    (run,) = MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=2)([{"prompt": "Hi", "turns": 2}])
     assert [step.logprobs for step in run.steps] == [[-0.5] * 3, [-0.5] * 3]  # "t0" + EOS
-    (run,) = MultiStepRollout(ScriptedGenerator(echo, logprobs=False), CountdownEnv, max_steps=2)(
+    (run,) = MultiStepRollout(ScriptedGenerator(echo, logprobs=False), CountdownEnv, max_env_steps=2)(
         [{"prompt": "Hi", "turns": 2}]
     )
     assert [step.logprobs for step in run.steps] == [None, None]
@@ -187,7 +187,7 @@ def test_reset_gets_the_row_without_its_prompt():
         envs.append(CountdownEnv())
         return envs[-1]
 
-    MultiStepRollout(ScriptedGenerator(echo), factory, max_steps=1)([{"prompt": "Hi", "turns": 1, "level": 3}])
+    MultiStepRollout(ScriptedGenerator(echo), factory, max_env_steps=1)([{"prompt": "Hi", "turns": 1, "level": 3}])
     assert envs[0].row == {"level": 3}
 
 
@@ -214,17 +214,17 @@ def test_the_first_prompt_is_the_rows_prompt_and_the_first_observation(prompt, o
             return StepResult(None, done=True)
 
     generator = ScriptedGenerator(echo)
-    (run,) = MultiStepRollout(generator, Start, max_steps=1)([{"prompt": prompt}])
+    (run,) = MultiStepRollout(generator, Start, max_env_steps=1)([{"prompt": prompt}])
     assert run.messages == expected
     assert generator.calls[0] == [chat_template(expected, True)]
 
 
 # ---------------------------------------------------------------------------------------------------- errors
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="max_steps must be >= 1, got 0"):
-        MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=0)
+    with pytest.raises(ValueError, match="max_env_steps must be >= 1, got 0"):
+        MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=0)
     with pytest.raises(ValueError, match=r"history must be one of \('tokens', 'messages'\), got 'text'"):
-        MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=1, history="text")
+        MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=1, history="text")
 
 
 def test_a_run_needs_a_prompt():
@@ -233,7 +233,7 @@ def test_a_run_needs_a_prompt():
             return None
 
     with pytest.raises(ValueError, match="a run needs a prompt"):
-        MultiStepRollout(ScriptedGenerator(echo), Silent, max_steps=1)([{"task": 1}])
+        MultiStepRollout(ScriptedGenerator(echo), Silent, max_env_steps=1)([{"task": 1}])
 
 
 def test_step_must_return_a_step_result():
@@ -247,7 +247,7 @@ def test_step_must_return_a_step_result():
     with pytest.raises(
         EnvironmentFailure, match=r"run 0 \(\), turn 0: Sloppy.step\(\) must return a StepResult, got tuple"
     ):
-        MultiStepRollout(ScriptedGenerator(echo), Sloppy, max_steps=2)([{"prompt": "a"}])
+        MultiStepRollout(ScriptedGenerator(echo), Sloppy, max_env_steps=2)([{"prompt": "a"}])
 
 
 def test_an_unfinished_episode_needs_an_observation():
@@ -261,7 +261,7 @@ def test_an_unfinished_episode_needs_an_observation():
     with pytest.raises(
         EnvironmentFailure, match=r"turn 0: Mute.step\(\) returned no observation for an episode that is not done"
     ):
-        MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=2)([{"prompt": "a"}])
+        MultiStepRollout(ScriptedGenerator(echo), Mute, max_env_steps=2)([{"prompt": "a"}])
     # on the last allowed turn no observation is needed: the run ends anyway
-    (run,) = MultiStepRollout(ScriptedGenerator(echo), Mute, max_steps=1)([{"prompt": "a"}])
+    (run,) = MultiStepRollout(ScriptedGenerator(echo), Mute, max_env_steps=1)([{"prompt": "a"}])
     assert run.done and len(run.steps) == 1

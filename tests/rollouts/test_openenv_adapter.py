@@ -135,7 +135,7 @@ class ScriptedGuesser:
 
 
 def test_multi_step_runs_against_the_server(server_url):
-    runs = MultiStepRollout(ScriptedGuesser(), make_env(server_url), max_steps=4)(
+    runs = MultiStepRollout(ScriptedGuesser(), make_env(server_url), max_env_steps=4)(
         [{"target": 1}, {"target": 3}, {"target": 9}]
     )
     assert [(len(r.steps), r.reward, r.cut) for r in runs[:2]] == [(1, 1.0, False), (3, 1.0, False)]

@@ -1,9 +1,10 @@
 """Multi-step environments and the rollouts that turn episodes into one sample per turn.
 
-Two environment protocols (`protocols`): this package's reset/step `Environment`, played by
-`MultiStepRollout`, and TRL's tool environments, played by TRL's own tool loop and split into turns by
-`run_from_trajectory`. OpenEnv environments: `openenv` (the ``openenv`` extra). Agents that call an
-OpenAI client: `AgentRollout` over the trainer's `PolicyEndpoint` (the ``agents`` extra).
+Every way of playing runs is a `Rollout` (`protocols`) returning whole `Run`s, which the trainer lays out as
+`TrainingRow`s (`runs`): `MultiStepRollout` plays this package's reset/step `Environment`s, `ToolRollout` reads TRL's
+tool environments back from TRL's own tool loop (`run_from_trajectory`), `AgentRollout` plays agents that call an
+OpenAI client over the trainer's `PolicyEndpoint` (the ``agents`` extra). OpenEnv environments: `openenv` (the
+``openenv`` extra).
 """
 
 from .agent import AgentRollout
@@ -18,9 +19,18 @@ from .envs import (
     number_guess_dataset,
 )
 from .generation import Generator
-from .multi_step import MultiStepRollout, Run, Step
-from .protocols import STEP_PROTOCOL, TOOL_PROTOCOL, resolve_protocol
-from .trajectories import run_from_trajectory
+from .multi_step import MultiStepRollout
+from .protocols import (
+    STEP_PROTOCOL,
+    TOOL_PROTOCOL,
+    PlayedRollout,
+    Rollout,
+    RolloutContext,
+    environment_reward,
+    resolve_protocol,
+)
+from .runs import Run, Step, TrainingRow
+from .trajectories import ToolRollout, run_from_trajectory
 
 __all__ = [
     "AgentRollout",
@@ -33,13 +43,19 @@ __all__ = [
     "Generator",
     "MultiStepRollout",
     "NumberGuessEnv",
+    "PlayedRollout",
+    "Rollout",
+    "RolloutContext",
     "Run",
     "STEP_PROTOCOL",
     "Step",
     "StepResult",
     "TOOL_PROTOCOL",
+    "ToolRollout",
+    "TrainingRow",
     "calculator_dataset",
     "calculator_tool_dataset",
+    "environment_reward",
     "number_guess_dataset",
     "resolve_protocol",
     "run_from_trajectory",

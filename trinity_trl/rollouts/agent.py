@@ -1,6 +1,7 @@
 """Agents over an OpenAI-compatible endpoint: ``async def agent(client, row) -> reward`` played G times per task.
 
-`AgentRollout` is the rollout of `trinity_trl.trainers.StepGRPOTrainer` when it is given ``agent=``.
+`AgentRollout` is the `trinity_trl.rollouts.protocols.Rollout` of `trinity_trl.trainers.StepGRPOTrainer` when it is
+given ``agent=``.
 For a batch of dataset rows it opens one run per row on the trainer's `endpoint.PolicyEndpoint` (each its
 own API key), starts every agent in its own thread with its own event loop (so a run that blocks stalls only itself)
 with an ``openai.AsyncOpenAI`` client pointed at it, and, on the training thread, answers the agents' requests in
@@ -32,8 +33,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import COUNTERS, Call, PolicyEndpoint, RunRecord
-from .multi_step import Run, Step
+from .endpoint import COUNTERS, Call, ChatRenderer, PolicyEndpoint, RunRecord
+from .protocols import PlayedRollout, RolloutContext
+from .runs import Run, Step
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +115,12 @@ def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[in
     return steps, segments
 
 
-class AgentRollout:
+class AgentRollout(PlayedRollout):
     """Plays an agent function over the policy endpoint (see the module docstring).
 
     Args:
-        endpoint: the trainer's endpoint (started for each rollout, on a fresh OS-chosen port, and stopped after it).
+        endpoint: the endpoint (started for each rollout, on a fresh OS-chosen port, and stopped after it); ``None``:
+            `start` builds one over the trainer's generation backend and chat template.
         agent: ``async def agent(client, row)`` returning a reward (a number, or ``None`` for "cannot score") or
             ``(reward, info)``.
         timeout: seconds of its own time a run may take (time spent waiting for the policy's answers excluded, so a
@@ -126,33 +129,76 @@ class AgentRollout:
         batch_window: seconds the endpoint waits, after a request arrives, for the other live runs' requests
             before it generates (it generates at once when every live run waits).
         empty_prompt: the prompt ids of the stand-in step of a run that made no call (its completion is one EOS; it
-            belongs to no segment, so it is never trained; it carries the run's reward into its group).
+            belongs to no segment, so it is never trained; it carries the run's reward into its group); default: the
+            EOS token, or the pad token when `start` builds the endpoint.
+        max_env_steps: model calls per run at most, when `start` builds the endpoint (else the endpoint's).
+        history: ``"tokens"`` (a request that continues an earlier call extends its sampled tokens) or
+            ``"messages"`` (every request rendered anew), when `start` builds the endpoint.
     """
+
+    protocol = AGENT_PROTOCOL
 
     def __init__(
         self,
-        endpoint: PolicyEndpoint,
+        endpoint: PolicyEndpoint | None,
         agent: AgentFn,
         timeout: float = 300.0,
         on_failure: str = "zero",
         batch_window: float = 0.05,
         empty_prompt: list[int] | None = None,
+        max_env_steps: int | None = None,
+        history: str = "tokens",
     ):
         check_agent(agent)
         if on_failure not in FAILURE_MODES:
             raise ValueError(f"on_failure must be one of {FAILURE_MODES}, got {on_failure!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        self.endpoint, self.agent = endpoint, agent
+        self.agent = agent
         self.timeout, self.on_failure, self.batch_window = float(timeout), on_failure, float(batch_window)
-        self.empty_prompt = list(empty_prompt or [endpoint.generator.eos_token_id])
-        self.eos_token_id = endpoint.generator.eos_token_id
+        self.environment_names = [getattr(agent, "__qualname__", type(agent).__qualname__)]
+        self.history = history if endpoint is None else ("tokens" if endpoint.token_history else "messages")
+        self.max_env_steps = max_env_steps if endpoint is None else endpoint.max_env_steps
+        self._empty_prompt = empty_prompt
+        self.endpoint: PolicyEndpoint | None = None
+        if endpoint is not None:
+            self._use(endpoint)
         self.metrics: dict[str, float] = {}
         self._previous: list[RunRecord] = []
         self._counted: Counter = Counter()
         self.infos: list[Any] = []
         #: the last rollout's runs, as played and trained (`RecordedRun`)
         self.recorded: list[RecordedRun] = []
+
+    def _use(self, endpoint: PolicyEndpoint) -> None:
+        self.endpoint = endpoint
+        self.empty_prompt = list(self._empty_prompt or [endpoint.generator.eos_token_id])
+        self.eos_token_id = endpoint.generator.eos_token_id
+
+    def start(self, context: RolloutContext) -> None:
+        if context.lockstep_engine is not None:
+            # each process serves its own runs and generates when its agents ask, a number of times that differs
+            # between processes; ZeRO-3 and FSDP gather the sharded weights in every forward of generate, so all
+            # processes must generate in lockstep (DDP and ZeRO-1/2 keep whole weights: each generates alone)
+            raise NotImplementedError(
+                f"agent= cannot run under {context.lockstep_engine}: its generation needs every process to generate "
+                "in lockstep, while each process answers its own agents when they ask; use DDP or ZeRO-1/2 "
+                "(docs/environments.md#agent-limits)"
+            )
+        if self.endpoint is not None:
+            return
+        if self._empty_prompt is None:
+            self._empty_prompt = [context.tokenizer.pad_token_id]
+        self._use(
+            PolicyEndpoint(
+                context.generation,
+                ChatRenderer(context.processing_class, context.chat_template, context.chat_template_kwargs),
+                max_context=context.max_context,
+                max_env_steps=self.max_env_steps,
+                sampling=context.sampling,
+                token_history=self.history == "tokens",
+            )
+        )
 
     async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
         """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises

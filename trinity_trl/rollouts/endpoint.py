@@ -281,7 +281,8 @@ class PolicyEndpoint:
         model_name: the model id ``GET /v1/models`` lists (`POLICY_MODEL_ID`); a request's ``model`` may be
             any string: whatever it names, the policy answers.
         max_context: prompt tokens at most (a longer request is refused with ``context_length_exceeded``).
-        max_calls: model calls per run at most (``max_env_steps``); a call past it is refused and the run is cut.
+        max_env_steps: model calls per run at most (the trainer's ``max_env_steps``); a call past it is refused and the
+            run is cut.
         sampling: the trainer's sampling settings (``temperature``, ``top_p``): a request may repeat them or leave
             them out; another value is refused, since the recorded log-probs would not be the sampled ones.
         token_history: extend an earlier call's sampled tokens when a request continues it (see the module
@@ -294,12 +295,12 @@ class PolicyEndpoint:
         renderer: ChatRenderer,
         model_name: str = POLICY_MODEL_ID,
         max_context: int | None = None,
-        max_calls: int | None = None,
+        max_env_steps: int | None = None,
         sampling: dict[str, float | None] | None = None,
         token_history: bool = True,
     ):
         self.generator, self.renderer = generator, renderer
-        self.model_name, self.max_context, self.max_calls = model_name, max_context, max_calls
+        self.model_name, self.max_context, self.max_env_steps = model_name, max_context, max_env_steps
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self.token_history = token_history
         self.runs: dict[str, RunRecord] = {}
@@ -498,11 +499,11 @@ class PolicyEndpoint:
             )
         messages = normalize_messages(body.messages)
         with self._lock:
-            if self.max_calls is not None and len(record.calls) >= self.max_calls:
+            if self.max_env_steps is not None and len(record.calls) >= self.max_env_steps:
                 record.open, record.cut = False, True
                 raise RequestError(
                     409,
-                    f"this run made {self.max_calls} model calls, the trainer's max_env_steps: the run is cut",
+                    f"this run made {self.max_env_steps} model calls, the trainer's max_env_steps: the run is cut",
                     "turn_limit",
                     "turn_limit_hits",
                 )

@@ -2,7 +2,7 @@
 
 An environment is one episode's world. The trainer creates one per run (``environment_factory()``),
 calls ``reset`` with the task's dataset row, then alternates: the model writes a turn, ``step``
-answers it, until ``done`` or ``max_steps`` turns. Every turn becomes one training sample; the
+answers it, until ``done`` or ``max_env_steps`` turns. Every turn becomes one training sample; the
 reward of a run is the reward returned with its last step.
 
 A minimal environment::

@@ -19,42 +19,17 @@ Two ways to extend the history after a turn (``history``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .environment import EnvironmentFailure, StepResult
 from .generation import Generator
+from .protocols import STEP_PROTOCOL, PlayedRollout, RolloutContext
+from .runs import Run, Step
+
+__all__ = ["HISTORY_MODES", "MultiStepRollout", "Run", "Step"]
 
 HISTORY_MODES = ("tokens", "messages")
-
-
-@dataclass
-class Step:
-    """One turn: ``prompt_ids`` (conversation so far), ``completion_ids`` (the model's turn)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float] | None
-    reward: float
-    text: str
-
-
-@dataclass
-class Run:
-    """One episode. ``reward`` is the reward of the last step (NaN when it could not be scored);
-    ``prefix_preserving`` says whether every step's prompt starts with the previous step's prompt +
-    completion; ``cut`` whether the run was stopped by the turn limit before its environment ended it. ``segments``:
-    the step indices of each chain of steps that extend one another (an agent run over the policy endpoint whose
-    history was rewritten has several); ``None`` means one chain when ``prefix_preserving``, else one per step."""
-
-    steps: list[Step] = field(default_factory=list)
-    reward: float = 0.0
-    done: bool = False
-    prefix_preserving: bool = True
-    cut: bool = False
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    segments: list[list[int]] | None = None
 
 
 def _describe(row: dict[str, Any], limit: int = 80) -> str:
@@ -78,15 +53,18 @@ def _initial_messages(row: dict[str, Any], observation: str | None) -> list[dict
     return messages
 
 
-class MultiStepRollout:
-    """Plays ``len(rows)`` episodes in lockstep with a generation backend.
+class MultiStepRollout(PlayedRollout):
+    """The `trinity_trl.rollouts.protocols.Rollout` of reset/step environments: plays ``len(rows)`` episodes in
+    lockstep with a generation backend and returns them whole.
 
     Args:
-        generator: the generation backend (chat template, tokenizer and sampling settings).
+        generator: the generation backend (chat template, tokenizer and sampling settings); ``None``: the trainer's,
+            given by `start`.
         environment_factory: builds a fresh environment per run; or a dict of factories, each row choosing
             one by its ``environment`` column (not passed to ``reset``), as TRL routes its environments.
-        max_steps: turns per run at most (a run still going then ends; see `Run.done`).
+        max_env_steps: turns per run at most (a run still going then ends, ``cut``; see `Run`).
         history: ``"tokens"`` or ``"messages"`` (see the module docstring).
+        environment_names: what the model card names as the environment.
 
     An environment's failure (``reset`` or ``step`` raising, ``step`` returning something else than a
     `StepResult`, or no observation for a run that goes on) stops the rollout with an
@@ -95,21 +73,67 @@ class MultiStepRollout:
     environment that defines ``close()`` is closed when its run ends.
     """
 
+    protocol = STEP_PROTOCOL
+
     def __init__(
         self,
-        generator: Generator,
+        generator: Generator | None,
         environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]],
-        max_steps: int,
+        max_env_steps: int | None = None,
         history: str = "tokens",
+        environment_names: Iterable[str] = (),
+        *,
+        max_steps: int | None = None,
     ):
-        if max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if max_steps is not None:  # its name until 0.1: it clashed with the training length (issue 37)
+            raise TypeError(
+                "MultiStepRollout's max_steps is now max_env_steps (turns per run at most, as in the config)"
+            )
+        if max_env_steps is None:
+            raise TypeError("MultiStepRollout needs max_env_steps (turns per run at most)")
+        if max_env_steps < 1:
+            raise ValueError(f"max_env_steps must be >= 1, got {max_env_steps}")
         if history not in HISTORY_MODES:
             raise ValueError(f"history must be one of {HISTORY_MODES}, got {history!r}")
         self.generator = generator
         self.environment_factory = environment_factory
-        self.max_steps = max_steps
+        self.max_env_steps = max_env_steps
         self.history = history
+        self.environment_names = list(environment_names)
+        self.metrics: dict[str, float] = {}
+
+    @classmethod
+    def for_environments(cls, environment_factory, tools, max_env_steps: int, history: str, names) -> MultiStepRollout:
+        """The trainer's rollout of ``environment_factory`` (checked by `trinity_trl.rollouts.resolve_protocol`; no
+        ``tools``), over the generation backend `start` gives it."""
+        return cls(None, environment_factory, max_env_steps, history, names)
+
+    def trl_arguments(self, given: dict[str, Any], reward_funcs: list[Callable]) -> dict[str, Any]:
+        if given.get("train_dataset") is None:
+            given = given | {"train_dataset": self._placeholder_tasks(given.get("args"))}
+        return super().trl_arguments(given, reward_funcs)
+
+    def _placeholder_tasks(self, args):
+        """``train_dataset=None`` (the environment owns the data): rows of empty prompts that drive the loop while
+        ``reset`` supplies each task, the same placeholder TRL builds for its own environments."""
+        from datasets import Dataset
+
+        if isinstance(self.environment_factory, dict):
+            raise ValueError(
+                "a dict environment_factory routes rows by their 'environment' column: it needs a "
+                "train_dataset with that column"
+            )
+        if args is None or args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
+            )
+        return Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
+        )
+
+    def start(self, context: RolloutContext) -> None:
+        if self.generator is None:
+            self.generator = context.generation
 
     def _start(self, index: int, row: dict[str, Any]) -> tuple[Any, Run]:
         factory = self.environment_factory
@@ -133,6 +157,8 @@ class MultiStepRollout:
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         generator = self.generator
+        if generator is None:
+            raise RuntimeError("MultiStepRollout has no generator: pass one, or let StepGRPOTrainer start() it")
         runs, environments = [], []
         for index, row in enumerate(rows):
             env, run = self._start(index, row)
@@ -140,7 +166,7 @@ class MultiStepRollout:
             environments.append(env)
         prompts = generator.tokenize_conversations([run.messages for run in runs])
         try:
-            for turn in range(self.max_steps):
+            for turn in range(self.max_env_steps):
                 active = [i for i, run in enumerate(runs) if not run.done]
                 if not active:
                     break
@@ -158,7 +184,7 @@ class MultiStepRollout:
                     if result.done:
                         run.done = True
                         self._close(environments[i])
-                    elif turn == self.max_steps - 1:
+                    elif turn == self.max_env_steps - 1:
                         run.done, run.cut = True, True
                         self._close(environments[i])
                     elif result.observation is None:  # the run goes on, so the model needs something to read

@@ -19,11 +19,18 @@ class, like TRL does (``inspect.getmembers(cls, inspect.isfunction)``), so prope
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .environment import Environment
+
+if TYPE_CHECKING:
+    from .generation import Generator
+    from .runs import Run
 
 STEP_PROTOCOL = "reset/step"
 TOOL_PROTOCOL = "tools"
@@ -171,4 +178,176 @@ def check_reset_accepts(cls: type, columns: list[str]) -> None:
         raise TypeError(
             f"{cls.__qualname__}.reset() requires {required}, which the dataset has no columns for "
             f"(columns: {list(columns)})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- rollouts
+def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
+    """The reward a played run returned (a reset/step environment's last-step reward, an agent's return value):
+    ``None`` where it could not score the run, or returned a non-finite number (TRL's convention, so the run is
+    unscorable rather than rewarded 0, and kept out of the logged means). The first reward function of every
+    `PlayedRollout`."""
+    return [None if reward is None or not math.isfinite(reward) else reward for reward in env_reward]
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout may use of its trainer once TRL has built it (`Rollout.start`).
+
+    Attributes:
+        generation: the trainer's generation backend (`trinity_trl.rollouts.generation.Generator`).
+        processing_class: the trainer's tokenizer or processor (the policy's chat template).
+        tokenizer: its tokenizer.
+        chat_template: the chat template the trainer renders with (``None``: the tokenizer's own).
+        chat_template_kwargs: extra arguments of the chat template.
+        tools: TRL's tools (a tool environment's methods and the standalone ``tools``), as TRL keeps them.
+        max_context: prompt tokens at most (the model's context less ``max_completion_length``), or ``None``.
+        sampling: the trainer's sampling settings (``temperature``, ``top_p``).
+        lockstep_engine: the engine's name when every process must generate in lockstep (DeepSpeed ZeRO-3, FSDP
+            gather the sharded weights in every forward), else ``None``.
+    """
+
+    generation: Generator
+    processing_class: Any
+    tokenizer: Any
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[Callable] | None = None
+    max_context: int | None = None
+    sampling: dict[str, float | None] = field(default_factory=dict)
+    lockstep_engine: str | None = None
+
+
+#: ``trl_generate(inputs, **attributes)``: TRL's ``_generate_and_score_completions`` of ``inputs``, with some of the
+#: trainer's attributes (``rollout_func``, ``mask_truncated_completions``) set for the call
+TrlGenerate = Callable[..., dict[str, Any]]
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """How `trinity_trl.trainers.StepGRPOTrainer` gets whole runs for a batch of task rows.
+
+    One implementation per kind of environment: `trinity_trl.rollouts.MultiStepRollout` (reset/step environments),
+    `trinity_trl.rollouts.ToolRollout` (TRL's tool environments) and `trinity_trl.rollouts.AgentRollout` (agents over
+    the policy endpoint). The trainer calls these methods and reads these attributes, nothing else: another kind of
+    environment is another class passed as ``StepGRPOTrainer(rollout=...)``, with no change to the trainer.
+
+    Attributes:
+        protocol: a name for people (the model card, logs, tests); the trainer never compares it.
+        environment_names: what the model card names as the environment.
+        max_env_steps: turns (model calls) per run at most; the trainer checks it equals its config's ``max_env_steps``.
+        history: ``"tokens"`` or ``"messages"``, as the config's ``history``.
+        metrics: this process's metrics of the last generation (``{}``: none), logged as they are named; a name ending
+            in ``_per_run`` is a mean over runs (averaged over processes), any other a count (summed).
+    """
+
+    protocol: str
+    environment_names: list[str]
+    max_env_steps: int
+    history: str
+    metrics: dict[str, float]
+
+    def trl_arguments(self, given: dict[str, Any], reward_funcs: list[Callable]) -> dict[str, Any]:
+        """TRL's ``GRPOTrainer`` keyword arguments: ``given`` (the user's) with this rollout's reward functions (built
+        on ``reward_funcs``, the user's), environments and tools, or a placeholder ``train_dataset``."""
+
+    def start(self, context: RolloutContext) -> None:
+        """Called once, when TRL's trainer exists: take what the rollout needs of it; refuse (one line) what it cannot
+        run under."""
+
+    def generate(self, inputs: list[dict[str, Any]], trl_generate: TrlGenerate) -> dict[str, Any]:
+        """TRL's scored output for one generation batch of task rows (``inputs``), through ``trl_generate``."""
+
+    def runs(self, output: dict[str, Any], inputs: list[dict[str, Any]], rewards: list[float]) -> list[Run]:
+        """This process's runs of the batch, whole (one per row of ``output``, in order); ``rewards``: their rewards as
+        TRL weighed them (NaN: unscored)."""
+
+
+class PlayedRollout:
+    """Base of the rollouts that play their runs themselves (reset/step environments, agents): subclasses define
+    ``__call__(rows) -> list[Run]``. TRL receives each run's last turn through its ``rollout_func`` and scores it, with
+    `environment_reward` (the run's own reward) first among the reward functions; the runs come back whole in each
+    row's ``run`` field."""
+
+    protocol: str
+    environment_names: list[str]
+    max_env_steps: int
+    history: str
+    metrics: dict[str, float]
+
+    def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
+        raise NotImplementedError
+
+    def trl_arguments(self, given: dict[str, Any], reward_funcs: list[Callable]) -> dict[str, Any]:
+        return given | {"reward_funcs": [environment_reward, *reward_funcs]}
+
+    def generate(self, inputs: list[dict[str, Any]], trl_generate: TrlGenerate) -> dict[str, Any]:
+        rows = [dict(row) for row in inputs]
+        # TRL reads x["prompt"] before calling the rollout; tasks may get their whole prompt from reset()
+        for row in inputs:
+            row.setdefault("prompt", [{"role": "user", "content": ""}])
+        # TRL's rollout_func receives only the prompts; the runs need the whole rows
+        return trl_generate(inputs, rollout_func=functools.partial(self.report, rows))
+
+    def report(self, rows: list[dict[str, Any]], prompts, trainer) -> dict[str, list]:
+        """TRL's ``rollout_func`` for one batch: play every run and report each run's final turn (which TRL scores),
+        and the whole runs (``run``)."""
+        runs = self(rows)
+        last = [run.steps[-1] for run in runs]
+        logprobs = [s.logprobs for s in last]
+        return {
+            "prompt_ids": [s.prompt_ids for s in last],
+            "completion_ids": [s.completion_ids for s in last],
+            "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
+            "env_reward": [run.reward for run in runs],
+            "run": runs,
+        }
+
+    def runs(self, output: dict[str, Any], inputs: list[dict[str, Any]], rewards: list[float]) -> list[Run]:
+        return [row["run"] for row in inputs]
+
+
+def environment_rollout(
+    environment_factory: Callable | dict[str, Callable] | None,
+    tools: Iterable | None,
+    columns: Iterable[str] | None,
+    max_env_steps: int,
+    history: str = "tokens",
+) -> Rollout:
+    """The rollout of ``environment_factory`` and ``tools`` (checked by `resolve_protocol`): a
+    `trinity_trl.rollouts.MultiStepRollout` for reset/step environments, a `trinity_trl.rollouts.ToolRollout` for TRL's
+    tool environments and standalone tools."""
+    from .multi_step import MultiStepRollout
+    from .trajectories import ToolRollout
+
+    protocol, classes = resolve_protocol(environment_factory, tools, columns)
+    names = sorted({cls.__qualname__ for cls in classes.values()})
+    kind = {STEP_PROTOCOL: MultiStepRollout, TOOL_PROTOCOL: ToolRollout}[protocol]
+    return kind.for_environments(environment_factory, tools, max_env_steps, history, names)
+
+
+ROLLOUT_METHODS = ("trl_arguments", "start", "generate", "runs")
+ROLLOUT_ATTRIBUTES = ("protocol", "environment_names", "max_env_steps", "history", "metrics")
+
+
+def check_rollout(rollout: Any, max_env_steps: int, history: str) -> None:
+    """One-line ``TypeError``/``ValueError`` unless ``rollout`` follows `Rollout` and plays by the trainer's
+    ``max_env_steps`` and ``history``."""
+    name = type(rollout).__qualname__
+    missing = [m for m in ROLLOUT_METHODS if not callable(getattr(rollout, m, None))]
+    missing += [a for a in ROLLOUT_ATTRIBUTES if not hasattr(rollout, a)]
+    if missing:
+        raise TypeError(
+            f"rollout= must follow trinity_trl.rollouts.Rollout (methods {', '.join(ROLLOUT_METHODS)}; attributes "
+            f"{', '.join(ROLLOUT_ATTRIBUTES)}): {name} lacks {', '.join(missing)}"
+        )
+    if rollout.max_env_steps != max_env_steps:
+        raise ValueError(
+            f"rollout {name} plays max_env_steps={rollout.max_env_steps} turns per run but the config says "
+            f"max_env_steps={max_env_steps}: make them equal"
+        )
+    if rollout.history != history:
+        raise ValueError(
+            f"rollout {name} extends the history by {rollout.history!r} but the config says history={history!r}: "
+            "make them equal"
         )

@@ -19,9 +19,7 @@ Two environment protocols, told apart by what the environment class defines
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +28,16 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
-from ..rollouts import MultiStepRollout
-from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent
-from ..rollouts.multi_step import HISTORY_MODES, Run
-from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
-from ..rollouts.trajectories import run_from_trajectory
+from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent
+from ..rollouts.multi_step import HISTORY_MODES
+from ..rollouts.protocols import (
+    Rollout,
+    RolloutContext,
+    check_rollout,
+    environment_reward,  # noqa: F401 (its home until issue 37; imported from here)
+    environment_rollout,
+)
+from ..rollouts.runs import Run, TrainingRow
 from ..training import checks
 from ..training.engines import engine_of, zero_stage
 from ..training.metrics import append_metrics
@@ -156,13 +159,6 @@ class StepGRPOConfig(TrinityConfig):
         return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 
-def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
-    """The reward a reset/step environment returned with each run's last step (``None`` where it could not
-    score the run, or returned a non-finite number: TRL's convention, so the run is unscorable rather than rewarded 0,
-    and kept out of the logged means)."""
-    return [None if reward is None or not math.isfinite(reward) else reward for reward in env_reward]
-
-
 class StepGRPOTrainer(TrinityTrainer):
     """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`][]).
 
@@ -200,6 +196,7 @@ class StepGRPOTrainer(TrinityTrainer):
         tools=None,
         teacher_model=None,
         agent=None,
+        rollout=None,
         **kwargs,
     ):
         args = from_trl_config(args, StepGRPOConfig, "StepGRPOTrainer")  # a plain GRPOConfig is converted
@@ -209,7 +206,14 @@ class StepGRPOTrainer(TrinityTrainer):
         given["teacher_model"] = teacher_model
         train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
-        if agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
+        config = args if args is not None else StepGRPOConfig  # its defaults when args=None (TRL builds the config)
+        if rollout is not None:  # a Rollout of the user's (trinity_trl.rollouts.protocols.Rollout)
+            if environment_factory is not None or tools or agent is not None:
+                raise ValueError(
+                    "rollout= plays its own runs: pass rollout= alone, without environment_factory/tools/agent"
+                )
+            check_rollout(rollout, config.max_env_steps, config.history)
+        elif agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
             if environment_factory is not None or tools:
                 raise ValueError(
                     "agent= plays its own environment: pass agent= alone, without environment_factory/tools"
@@ -223,42 +227,26 @@ class StepGRPOTrainer(TrinityTrainer):
                     "sampled token ids and log-probs exactly for agents; set use_vllm=False "
                     "(docs/environments.md#agent-limits)"
                 )
-            protocol, classes = AGENT_PROTOCOL, {None: type(agent)}
+            rollout = AgentRollout(
+                None,
+                agent,
+                timeout=config.agent_timeout,
+                on_failure=config.agent_on_failure,
+                batch_window=config.agent_batch_window,
+                max_env_steps=config.max_env_steps,
+                history=config.history,
+            )
         else:
-            protocol, classes = resolve_protocol(environment_factory, tools, columns)
-        self.environment_protocol = protocol
-        environment_names = sorted(
-            {
-                getattr(agent, "__qualname__", cls.__qualname__) if agent else cls.__qualname__
-                for cls in classes.values()
-            }
-        )
+            rollout = environment_rollout(environment_factory, tools, columns, config.max_env_steps, config.history)
+        self.rollout: Rollout = rollout
         extra = (
             []
             if reward_funcs is None
             else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         )
-        if protocol == TOOL_PROTOCOL:
-            if args is not None and args.history != "tokens":
-                raise ValueError(
-                    "history='messages' is for reset/step environments; TRL's tool loop always extends "
-                    "the token history (set history='tokens')"
-                )
-            # TRL sets up the environments (pool, tools, get_reward, response parsing, chat template)
-            super().__init__(
-                **(given | {"reward_funcs": extra or None, "environment_factory": environment_factory, "tools": tools})
-            )
-            self.rollout = None
-        else:
-            if train_dataset is None:
-                given["train_dataset"] = self._placeholder_tasks(args, environment_factory)
-            super().__init__(**(given | {"reward_funcs": [environment_reward, *extra]}))
-            self.rollout = (
-                self._agent_rollout(agent)
-                if agent is not None
-                else MultiStepRollout(self.generation, environment_factory, self.args.max_env_steps, self.args.history)
-            )
-        self.model_card.environment = ", ".join(environment_names) or None
+        super().__init__(**rollout.trl_arguments(given, extra))
+        rollout.start(self._rollout_context())
+        self.model_card.environment = ", ".join(rollout.environment_names) or None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
                 "StepGRPOTrainer does not support vllm_importance_sampling_correction yet (TRL computes the ratio for "
@@ -268,104 +256,65 @@ class StepGRPOTrainer(TrinityTrainer):
         # turns would be redone (the reference model itself stays loaded)
         skip_trl_reference_pass(self)
 
-    def _agent_rollout(self, agent):
-        """The policy endpoint and the rollout that plays ``agent`` over it (`trinity_trl.rollouts.agent`)."""
-        from ..rollouts.agent import AgentRollout
-        from ..rollouts.endpoint import ChatRenderer, PolicyEndpoint
-
+    def _rollout_context(self) -> RolloutContext:
+        """What the rollout may use of this trainer (`trinity_trl.rollouts.protocols.RolloutContext`)."""
         args = self.args
         engine = engine_of(self.accelerator)
-        if engine == "fsdp" or (engine == "deepspeed" and zero_stage(self.accelerator) == 3):
-            # each process serves its own runs and generates when its agents ask, a number of times that differs
-            # between processes; ZeRO-3 and FSDP gather the sharded weights in every forward of generate, so all
-            # processes must generate in lockstep (DDP and ZeRO-1/2 keep whole weights: each generates alone)
-            raise NotImplementedError(
-                f"agent= cannot run under {'FSDP' if engine == 'fsdp' else 'DeepSpeed ZeRO-3'}: its generation needs "
-                "every process to generate in lockstep, while each process answers its own agents when they ask; use "
-                "DDP or ZeRO-1/2 (docs/environments.md#agent-limits)"
-            )
+        lockstep = (
+            "FSDP"
+            if engine == "fsdp"
+            else "DeepSpeed ZeRO-3"
+            if engine == "deepspeed" and zero_stage(self.accelerator) == 3
+            else None
+        )
         context = getattr(self.model.config, "max_position_embeddings", None)
-        endpoint = PolicyEndpoint(
-            self.generation,
-            ChatRenderer(self.processing_class, self.chat_template, self.chat_template_kwargs),
+        return RolloutContext(
+            generation=self.generation,
+            processing_class=self.processing_class,
+            tokenizer=self._tokenizer,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
             max_context=None if context is None else context - args.max_completion_length,
-            max_calls=args.max_env_steps,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
-            token_history=args.history == "tokens",
+            lockstep_engine=lockstep,
         )
-        return AgentRollout(
-            endpoint,
-            agent,
-            timeout=args.agent_timeout,
-            on_failure=args.agent_on_failure,
-            batch_window=args.agent_batch_window,
-            empty_prompt=[self._tokenizer.pad_token_id],
-        )
+
+    @property
+    def environment_protocol(self) -> str:
+        """The name of the rollout's protocol (``"reset/step"``, ``"tools"``, ``"agent"`` or a user rollout's), for
+        people: the trainer itself never reads it."""
+        return self.rollout.protocol
 
     @property
     def agent_runs(self):
         """With ``agent=``: the runs of the last generation, as played and trained
         (`trinity_trl.rollouts.agent.RecordedRun`: the row, the reward, and each model call's prompt ids,
         completion ids and sampling log-probs); read it from a callback's ``on_step_end``."""
-        if self.environment_protocol != AGENT_PROTOCOL:
+        if not hasattr(self.rollout, "recorded"):
             raise AttributeError("agent_runs exists only for StepGRPOTrainer(agent=...)")
         return self.rollout.recorded
 
-    @staticmethod
-    def _placeholder_tasks(args, environment_factory):
-        """``train_dataset=None`` with a reset/step environment: rows of empty prompts that drive the loop
-        while ``reset`` supplies each task, the same placeholder TRL builds for its own environments."""
-        from datasets import Dataset
-
-        if isinstance(environment_factory, dict):
-            raise ValueError(
-                "a dict environment_factory routes rows by their 'environment' column: it needs a "
-                "train_dataset with that column"
-            )
-        if args is None or args.max_steps <= 0:
-            raise ValueError(
-                "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
-            )
-        return Dataset.from_dict(
-            {"prompt": [[{"role": "user", "content": ""}]] * (args.generation_batch_size // args.num_generations)}
-        )
-
     # ------------------------------------------------------------------------------ rollout
     def _generate_and_score_completions(self, inputs):
-        if self.environment_protocol == TOOL_PROTOCOL:
-            # TRL plays the tool loop. Its mask_truncated_completions would zero the whole trajectory (and the
-            # turn boundaries in its tool_mask) when the last turn is cut off; here each step is masked on its
-            # own in _step_batch, so TRL's whole-run masking is off during its call (trl_seams.temporarily)
-            with temporarily(self, mask_truncated_completions=False):
-                return super()._generate_and_score_completions(inputs)
-        rows = [dict(row) for row in inputs]
-        # TRL reads x["prompt"] before calling the rollout; tasks may get their whole prompt from reset()
-        for row in inputs:
-            row.setdefault("prompt", [{"role": "user", "content": ""}])
-        # TRL's rollout_func receives only the prompts; the environments need the whole rows (trl_seams)
-        with temporarily(self, rollout_func=checks.checked_rollout_func(functools.partial(self._play, rows))):
-            return super()._generate_and_score_completions(inputs)
-
-    def _play(self, rows: list[dict[str, Any]], prompts, trainer) -> dict[str, list]:
-        """TRL's ``rollout_func`` for one batch: play every run and report each run's final turn (which
-        TRL scores); the runs come back to `_training_batch` as the rows' ``run`` field."""
-        runs = self.rollout(rows)
-        if getattr(self.rollout, "metrics", None):  # the agent rollout's fault counters (agent/...)
+        output = self.rollout.generate(inputs, self._trl_generate)
+        if self.rollout.metrics:  # e.g. the agent rollout's fault counters (agent/...)
             append_metrics(
                 self._metrics["train" if self.model.training else "eval"], self._all_processes(self.rollout.metrics)
             )
-        last = [run.steps[-1] for run in runs]
-        logprobs = [s.logprobs for s in last]
-        return {
-            "prompt_ids": [s.prompt_ids for s in last],
-            "completion_ids": [s.completion_ids for s in last],
-            "logprobs": None if any(lp is None for lp in logprobs) else logprobs,
-            "env_reward": [run.reward for run in runs],
-            "run": runs,
-        }
+        return output
+
+    def _trl_generate(self, inputs: list[dict[str, Any]], **attributes) -> dict[str, Any]:
+        """TRL's generation and scoring of ``inputs`` (through `TrinityTrainer`), with ``attributes`` of this trainer
+        set for the call (trl_seams.temporarily): how a `Rollout` plays through TRL. A ``rollout_func`` is checked as
+        a user's would be."""
+        if attributes.get("rollout_func") is not None:
+            attributes["rollout_func"] = checks.checked_rollout_func(attributes["rollout_func"])
+        with temporarily(self, **attributes):
+            return super()._generate_and_score_completions(inputs)
 
     def _all_processes(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The agent rollout's metrics over every process: counts summed, per-run means averaged (every process plays
+        """The rollout's metrics over every process: counts summed, per-run means averaged (every process plays
         the same number of runs)."""
         if self.accelerator.num_processes == 1:
             return metrics
@@ -378,58 +327,9 @@ class StepGRPOTrainer(TrinityTrainer):
         }
 
     # --------------------------------------------------------------------------- advantages
-    def _tool_runs(self, output: dict) -> list[Run]:
-        """This process's runs of TRL's tool loop, one step per assistant turn
-        (`trinity_trl.rollouts.trajectories`): the padded prompt / completion / tool-mask rows of TRL's output,
-        back to the token lists it generated."""
-        prompt_lengths = output["prompt_mask"].sum(1).tolist()
-        completion_lengths = output["completion_mask"].sum(1).tolist()  # unmasked: see _generate_and_score_completions
-        tool_mask = output.get("tool_mask")
-        sampled = output.get("sampling_per_token_logps")
-        runs = []
-        for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-            prompt = output["prompt_ids"][i, output["prompt_ids"].size(1) - p :].tolist()
-            completion = output["completion_ids"][i, :c].tolist()
-            mask = [1] * c if tool_mask is None else tool_mask[i, :c].tolist()
-            logps = None if sampled is None else sampled[i, :c].tolist()
-            runs.append(run_from_trajectory(prompt, completion, mask, logps))
-        return runs
-
-    def _final_turns(self, runs: list[Run]) -> list[str]:
-        """How each tool run ended, its last turn parsed as TRL parses turns (``parse_response``): ``"answer"`` (no
-        tool call), ``"tool_call"`` (still calling a tool: stopped by ``max_env_steps`` or ``max_completion_length``)
-        or ``"malformed"`` (the response template's tool-call opener is there but TRL's parser found no valid call,
-        so TRL took the turn as the final answer: the run ends there, scored as it is)."""
-        from trl.chat_template_utils import parse_response
-
-        template = getattr(self._tokenizer, "response_template", None)
-        if template is None and getattr(self._tokenizer, "response_schema", None) is None:
-            return ["answer"] * len(runs)
-        field = (template or {}).get("fields", {}).get("tool_calls", {})
-        opener = field.get("open_pattern") or (re.escape(field["open"]) if field.get("open") else None)
-        endings = []
-        for run in runs:
-            last = run.steps[-1]
-            if parse_response(self._tokenizer, last.completion_ids, prefix=last.prompt_ids, tools=self.tools).get(
-                "tool_calls"
-            ):
-                endings.append("tool_call")
-            elif opener is not None and re.search(opener, self._tokenizer.decode(last.completion_ids)):
-                endings.append("malformed")
-            else:
-                endings.append("answer")
-        return endings
-
     def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
-        malformed = 0
-        if self.environment_protocol == TOOL_PROTOCOL:
-            runs = self._tool_runs(output)
-            endings = self._final_turns(runs)
-            for run, ending, reward in zip(runs, endings, rewards[self._local_rows(len(runs))].tolist()):
-                run.cut, run.reward = ending == "tool_call", reward
-            malformed = endings.count("malformed")
-        else:
-            runs = [row["run"] for row in inputs]
+        local = rewards[self._local_rows(output["prompt_ids"].size(0))].tolist()
+        runs = self.rollout.runs(output, inputs, local)  # this process's runs, whole
         group_size = self._group_size(mode)
         device = output["prompt_ids"].device
         steps = self.accelerator.gather(torch.tensor([len(run.steps) for run in runs], device=device)).cpu().tolist()
@@ -460,7 +360,7 @@ class StepGRPOTrainer(TrinityTrainer):
                 ),
                 # tool runs whose last turn was a tool call TRL could not parse (taken as the final answer)
                 "multi_step/malformed_tool_calls": float(
-                    self.accelerator.gather(torch.tensor(malformed, device=device)).sum()
+                    self.accelerator.gather(torch.tensor(sum(r.malformed for r in runs), device=device)).sum()
                 ),
                 "unscorable_count": float((~torch.isfinite(rewards)).sum()),
             }
@@ -474,85 +374,47 @@ class StepGRPOTrainer(TrinityTrainer):
         return batch
 
     def _step_batch(self, output: dict, runs: list[Run], advantages: list[list[float | None]]) -> dict:
-        """The training rows of this process's runs: a whole run per row when it is prefix-preserving
-        and ``shared_prefix`` is on, else one row per step; then padding rows so the count splits
-        evenly into micro-batches. Per token: ``segment_ids`` (the step a trained token belongs to,
-        -1 elsewhere), ``advantages``; per row: ``sample_count`` (steps trained in it).
+        """The training batch of this process's runs: each run's `TrainingRow`s (a whole run per row when it is
+        prefix-preserving and ``shared_prefix`` is on, else one row per step; `trinity_trl.rollouts.runs`), then
+        padding rows so the count splits evenly into micro-batches, stacked into TRL's padded tensors. Per token:
+        ``segment_ids`` (the step a trained token belongs to, -1 elsewhere), ``advantages``; per row:
+        ``sample_count`` (steps trained in it).
         """
         device = output["prompt_ids"].device
-        eos = set(self.eos_token_ids)
+        eos = set(self.eos_token_ids) if self.args.mask_truncated_completions else None
         shared = self.args.shared_prefix and not self.components.policy_loss.sequence_level
-        prompts, completions, segments, token_adv, samples, widths, sampling = [], [], [], [], [], [], []
-        for run, scores in zip(runs, advantages):
-            trained = [
-                score is not None
-                and (
-                    not self.args.mask_truncated_completions
-                    or (bool(step.completion_ids) and step.completion_ids[-1] in eos)
-                )
-                for step, score in zip(run.steps, scores)
-            ]
-            if run.segments is not None:  # an agent run: its segments (none when it made no call)
-                groups = run.segments if shared else [[s] for segment in run.segments for s in segment]
-            else:
-                groups = (
-                    [list(range(len(run.steps)))]
-                    if shared and run.prefix_preserving
-                    else [[s] for s in range(len(run.steps))]
-                )
-            for group in groups:
-                first, last = run.steps[group[0]], run.steps[group[-1]]
-                completion = last.prompt_ids[len(first.prompt_ids) :] + last.completion_ids
-                segment, adv, logps = [-1] * len(completion), [0.0] * len(completion), [float("nan")] * len(completion)
-                for s in group:
-                    step = run.steps[s]
-                    start = len(step.prompt_ids) - len(first.prompt_ids)
-                    span = slice(start, start + len(step.completion_ids))
-                    if step.logprobs:
-                        logps[span] = step.logprobs
-                    if trained[s]:
-                        segment[span] = [s] * len(step.completion_ids)
-                        adv[span] = [scores[s]] * len(step.completion_ids)
-                prompts.append(first.prompt_ids)
-                completions.append(completion)
-                segments.append(segment)
-                token_adv.append(adv)
-                sampling.append(logps)
-                samples.append(sum(trained[s] for s in group))
-                widths.append(max(len(run.steps[s].completion_ids) for s in group))
-        padding = -len(prompts) % self.args.steps_per_generation or (0 if prompts else self.args.steps_per_generation)
+        rows: list[TrainingRow] = [
+            row for run, scores in zip(runs, advantages) for row in run.training_rows(scores, shared, eos)
+        ]
+        padding = -len(rows) % self.args.steps_per_generation or (0 if rows else self.args.steps_per_generation)
         pad_id = self._tokenizer.pad_token_id
-        prompts += [[pad_id]] * padding
-        completions += [[pad_id]] * padding
-        segments += [[-1]] * padding
-        token_adv += [[0.0]] * padding
-        sampling += [[float("nan")]] * padding
-        samples += [0] * padding
-        widths += [1] * padding
+        rows += [TrainingRow.padding(pad_id)] * padding
 
         def padded(rows, value, side, dtype=torch.long):
             return pad([torch.tensor(r, dtype=dtype) for r in rows], padding_value=value, padding_side=side).to(device)
 
-        segment_ids = padded(segments, -1, "right")
+        segment_ids = padded([r.segment_ids for r in rows], -1, "right")
         batch: dict[str, Any] = {
-            "prompt_ids": padded(prompts, pad_id, "left"),
-            "prompt_mask": padded([[1] * len(p) for p in prompts], 0, "left"),
-            "completion_ids": padded(completions, pad_id, "right"),
-            "completion_mask": padded([[1] * len(c) for c in completions], 0, "right"),
+            "prompt_ids": padded([r.prompt_ids for r in rows], pad_id, "left"),
+            "prompt_mask": padded([[1] * len(r.prompt_ids) for r in rows], 0, "left"),
+            "completion_ids": padded([r.completion_ids for r in rows], pad_id, "right"),
+            "completion_mask": padded([[1] * len(r.completion_ids) for r in rows], 0, "right"),
             "tool_mask": (segment_ids >= 0).long(),
             "segment_ids": segment_ids,
-            "advantages": padded(token_adv, 0.0, "right", torch.float32),
-            "sample_count": torch.tensor(samples, device=device),
-            "step_width": torch.tensor(widths, device=device),
+            "advantages": padded([r.advantages for r in rows], 0.0, "right", torch.float32),
+            "sample_count": torch.tensor([r.sample_count for r in rows], device=device),
+            "step_width": torch.tensor([r.step_width for r in rows], device=device),
             "num_items_in_batch": output["num_items_in_batch"],
         }
         if "sampling_per_token_logps" in output:
-            batch["sampling_per_token_logps"] = padded(sampling, float("nan"), "right", torch.float32)
-        rows = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+            batch["sampling_per_token_logps"] = padded(
+                [r.sampling_logps for r in rows], float("nan"), "right", torch.float32
+            )
+        tensors = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         if "old_per_token_logps" in output:  # TRL needs behaviour log-probs (off-policy steps): all rows
-            batch["old_per_token_logps"] = self.scoring.policy_logps(rows)
+            batch["old_per_token_logps"] = self.scoring.policy_logps(tensors)
         if self.algorithm.needs_reference:
-            batch["ref_per_token_logps"] = self.scoring.reference_logps(rows)
+            batch["ref_per_token_logps"] = self.scoring.reference_logps(tensors)
         unknown = set(output) - set(batch) - {"ref_per_token_logps", "importance_sampling_ratio"}
         if unknown:
             raise ValueError(f"StepGRPOTrainer cannot expand batches with {sorted(unknown)}")
