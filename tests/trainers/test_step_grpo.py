@@ -11,7 +11,15 @@ from helpers import TINY_LOGP_SCALE, TINY_MODEL_TERMS, length_reward, lora_confi
 from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import ADVANTAGE_FN, EID, Experience
-from trinity_trl.rollouts import Environment, NumberGuessEnv, StepResult, number_guess_dataset
+from trinity_trl.rollouts import (
+    Environment,
+    NumberGuessEnv,
+    Run,
+    Step,
+    StepResult,
+    environment_reward,
+    number_guess_dataset,
+)
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 
@@ -275,3 +283,124 @@ def test_shared_prefix_falls_back_for_sequence_level_losses(tmp_path, tiny_model
     trainer.train()
     batch = trainer.recorded.batches[0]
     assert batch["prompt_ids"].shape[0] == sum(len(r.steps) for r in runs_of(trainer))  # one row per step
+
+
+class FixedRuns:
+    """A user's `trinity_trl.rollouts.Rollout`, written from scratch (no base class): every task row gets the same two
+    turns, token ids fixed, prefix-preserving; run ``i`` of a batch is rewarded ``i % 2``."""
+
+    protocol = "fixed"
+    environment_names = ["FixedRuns"]
+    max_env_steps = 2
+    history = "tokens"
+
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+        self.started = None
+
+    def trl_arguments(self, given, reward_funcs):
+        return given | {"reward_funcs": [environment_reward, *reward_funcs]}
+
+    def start(self, context):
+        self.started = context
+
+    def generate(self, inputs, trl_generate):
+        return trl_generate(inputs, rollout_func=self.report)
+
+    def report(self, prompts, trainer):
+        eos = self.started.generation.eos_token_id
+        runs = [
+            Run(
+                steps=[
+                    Step([11, 12], [13, 14, eos], None, 0.0, ""),
+                    Step([11, 12, 13, 14, eos, 15], [16, eos], None, float(i % 2), ""),
+                ],
+                reward=float(i % 2),
+                done=True,
+            )
+            for i in range(len(prompts))
+        ]
+        last = [run.steps[-1] for run in runs]
+        return {
+            "prompt_ids": [s.prompt_ids for s in last],
+            "completion_ids": [s.completion_ids for s in last],
+            "logprobs": None,
+            "env_reward": [run.reward for run in runs],
+            "run": runs,
+        }
+
+    def runs(self, output, inputs, rewards):
+        return [row["run"] for row in inputs]
+
+
+def test_a_rollout_of_ones_own_plugs_into_the_trainer(tmp_path, tiny_model_dir):
+    # issue 37 item 4: the trainer asks the Rollout for whole runs and lays them out, whatever the protocol's name;
+    # 4 runs (2 tasks x num_generations 2), each one row of both turns (shared prefix), rewards 0, 1 per task
+    rollout = FixedRuns()
+    trainer = Recording(
+        model=tiny_model_dir,
+        args=StepGRPOConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / "out"),
+                max_steps=1,
+                shuffle_dataset=False,
+                num_generations=2,
+                per_device_train_batch_size=4,
+                max_env_steps=2,
+            )
+        ),
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Go."}]] * 2}),
+        rollout=rollout,
+    )
+    assert trainer.environment_protocol == "fixed" and rollout.started.tokenizer is trainer.processing_class
+    trainer.train()
+    eos = trainer._tokenizer.eos_token_id
+    batch = trainer.recorded.batches[0]
+    assert batch["sample_count"].tolist() == [2, 2, 2, 2]
+    for r in range(4):
+        mask = batch["completion_mask"][r].bool()
+        assert batch["completion_ids"][r][mask].tolist() == [13, 14, eos, 15, 16, eos]
+        assert batch["segment_ids"][r][mask].tolist() == [0, 0, 0, -1, 1, 1]
+    # step-wise GRPO of rewards (0, 1) per task: -z, +z for both turns of each run
+    fn = ADVANTAGE_FN.get("step_wise_grpo")(**ADVANTAGE_FN.get("step_wise_grpo").default_args())
+    exps = [
+        Experience(eid=EID(batch=0, task=i // 2, run=i % 2, step=s), tokens=torch.zeros(1), reward=float(i % 2))
+        for i in range(4)
+        for s in range(2)
+    ]
+    expected = {(e.eid.task, e.eid.run): float(e.advantages[0]) for e in fn(exps)[0]}
+    assert expected[(0, 0)] < 0 < expected[(0, 1)]
+    trained = batch["advantages"][batch["segment_ids"] >= 0].view(4, 5)  # 5 trained tokens per row
+    for i in range(4):
+        assert trained[i].tolist() == approx([expected[(i // 2, i % 2)]] * 5, terms=2)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert "| environment | `FixedRuns` |" in (tmp_path / "saved" / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"runs": None}, TypeError, "FixedRuns lacks runs"),
+        ({"max_env_steps": 3}, ValueError, "max_env_steps=3 turns per run but the config says max_env_steps=2"),
+        ({"history": "messages"}, ValueError, "history by 'messages' but the config says history='tokens'"),
+    ],
+)
+def test_a_rollout_that_does_not_fit_is_refused_at_construction(tmp_path, tiny_model_dir, change, error, match):
+    rollout = FixedRuns()
+    for name, value in change.items():
+        setattr(rollout, name, value)
+    with pytest.raises(error, match=match):
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_env_steps=2)),
+            train_dataset=number_guess_dataset(2),
+            rollout=rollout,
+        )
+    with pytest.raises(ValueError, match="rollout= plays its own runs"):
+        StepGRPOTrainer(
+            model=tiny_model_dir,
+            args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), max_env_steps=2)),
+            train_dataset=number_guess_dataset(2),
+            rollout=FixedRuns(),
+            environment_factory=NumberGuessEnv,
+        )
