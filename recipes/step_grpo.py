@@ -4,6 +4,7 @@
     trinity-trl step_grpo --config step_grpo_cpu --environment calculator --max_steps 50
     trinity-trl step_grpo --config step_grpo_tools_cpu                        # TRL tool environment: calc/answer tools
     trinity-trl step_grpo --config step_grpo_agent_cpu                        # an openai-client agent (agent=)
+    trinity-trl step_grpo --import my_env.py --environment countdown          # your own, registered in my_env.py
     python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
 
 Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, a TRL tool
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trinity_trl.data import arithmetic_dataset
 from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import (
     UsageError,
@@ -27,28 +27,10 @@ from trinity_trl.recipes.common import (
     run_as_script,
     save_outputs,
 )
-from trinity_trl.rollouts import (
-    CalculatorEnv,
-    CalculatorToolEnv,
-    NumberGuessEnv,
-    calculator_dataset,
-    calculator_tool_dataset,
-    number_guess_dataset,
-)
-from trinity_trl.rollouts.envs.calculator_agent import calculator_agent
+from trinity_trl.rollouts import ENVIRONMENTS
 from trinity_trl.tokenizer import TOOL_CHAT_TEMPLATES, tool_chat_template
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
-# environment name -> (factory of one environment per run, dataset of tasks)
-ENVIRONMENTS = {
-    "number_guess": (lambda: NumberGuessEnv(partial_credit=True), number_guess_dataset),
-    "calculator": (lambda: CalculatorEnv(partial_credit=True), calculator_dataset),
-    "calculator_tools": (CalculatorToolEnv, calculator_tool_dataset),  # TRL's tool protocol
-}
-# agent name -> (async def agent(client, row) played over the policy endpoint, dataset of tasks)
-AGENTS = {
-    "calculator_agent": (calculator_agent, lambda n, seed: arithmetic_dataset("train", n, seed=seed, kinds=["mul"])),
-}
 # chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot
 CHAT_TEMPLATES = tuple(TOOL_CHAT_TEMPLATES)
 
@@ -61,8 +43,9 @@ class StepGRPOScriptArguments:
     environment: str = field(
         default="number_guess",
         metadata={
-            "help": "number_guess, calculator (text actions), calculator_tools (TRL tools) or calculator_agent (an "
-            "agent written with the openai package, trained through the policy endpoint: the `agents` extra)."
+            "help": "number_guess, calculator (text actions), calculator_tools (TRL tools), calculator_agent (an "
+            "agent written with the openai package, trained through the policy endpoint: the `agents` extra), or a "
+            "name registered by a file given with import: (trinity_trl.rollouts.register_environment)."
         },
     )
     chat_template: str | None = field(
@@ -87,8 +70,11 @@ class StepGRPOScriptArguments:
     )
 
     def __post_init__(self):
-        if self.environment not in ENVIRONMENTS and self.environment not in AGENTS:
-            raise UsageError(f"environment must be one of {sorted([*ENVIRONMENTS, *AGENTS])}, got {self.environment!r}")
+        if self.environment not in ENVIRONMENTS:
+            raise UsageError(
+                f"environment must be one of {sorted(ENVIRONMENTS.names())} (or a name registered by a file given with "
+                f"import:), got {self.environment!r}"
+            )
         if self.num_tasks < 1:
             raise UsageError(f"num_tasks must be >= 1, got {self.num_tasks}")
         if self.chat_template is not None and self.chat_template not in CHAT_TEMPLATES:
@@ -100,11 +86,8 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
-    environment_factory, make_dataset = ENVIRONMENTS.get(args.environment) or AGENTS[args.environment]
-    agent = None
-    if args.environment in AGENTS:  # an agent plays the tasks: environment_factory is its function
-        agent, environment_factory = environment_factory, None
-    tasks = make_dataset(args.num_tasks, seed=training_args.seed)
+    # (an environment registered without a dataset owns the data: no train_dataset, max_steps sets the length)
+    played = ENVIRONMENTS.get(args.environment).trainer_arguments(args.num_tasks, seed=training_args.seed)
     # 3. model (with a tool-calling chat template if asked) and trainer
     model = resolve_model(args.model_name_or_path)
     processing_class = None
@@ -115,11 +98,9 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     trainer = StepGRPOTrainer(
         model=model,
         args=training_args,
-        train_dataset=tasks,
         processing_class=processing_class,
-        environment_factory=environment_factory,
-        agent=agent,
         peft_config=peft_config(args),
+        **played,
     )
     concise_progress(trainer)
     # 4. train

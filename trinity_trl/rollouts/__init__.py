@@ -29,6 +29,7 @@ from .protocols import (
     environment_reward,
     resolve_protocol,
 )
+from .registry import ENVIRONMENTS, NamedEnvironment, register_environment
 from .runs import Run, Step, TrainingRow
 from .trajectories import ToolRollout, run_from_trajectory
 
@@ -38,10 +39,12 @@ __all__ = [
     "PolicyEndpoint",
     "CalculatorEnv",
     "CalculatorToolEnv",
+    "ENVIRONMENTS",
     "Environment",
     "EnvironmentFailure",
     "Generator",
     "MultiStepRollout",
+    "NamedEnvironment",
     "NumberGuessEnv",
     "PlayedRollout",
     "Rollout",
@@ -57,6 +60,7 @@ __all__ = [
     "calculator_tool_dataset",
     "environment_reward",
     "number_guess_dataset",
+    "register_environment",
     "resolve_protocol",
     "run_from_trajectory",
 ]
