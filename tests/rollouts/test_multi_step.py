@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from trinity_trl.rollouts import Environment, MultiStepRollout, StepResult
+from trinity_trl.rollouts import Environment, MultiStepRollout, PolicyEndpoint, StepResult
 from trinity_trl.rollouts.environment import EnvironmentFailure
 
 USER, ASSISTANT, EOS, NEWLINE = 1000, 1001, 1002, 1003
@@ -225,6 +225,13 @@ def test_bad_arguments():
         MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=0)
     with pytest.raises(ValueError, match=r"history must be one of \('tokens', 'messages'\), got 'text'"):
         MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_env_steps=1, history="text")
+    # the name it had until issue 37 (it clashed with the training length), and the endpoint's
+    with pytest.raises(TypeError, match="MultiStepRollout's max_steps is now max_env_steps"):
+        MultiStepRollout(ScriptedGenerator(echo), CountdownEnv, max_steps=3)
+    with pytest.raises(TypeError, match="PolicyEndpoint's max_calls is now max_env_steps"):
+        PolicyEndpoint(ScriptedGenerator(echo), None, max_calls=3)
+    with pytest.raises(RuntimeError, match="MultiStepRollout has no generator"):
+        MultiStepRollout(None, CountdownEnv, max_env_steps=1)([{"prompt": "Hi", "turns": 1}])
 
 
 def test_a_run_needs_a_prompt():

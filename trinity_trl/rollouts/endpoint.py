@@ -298,7 +298,10 @@ class PolicyEndpoint:
         max_env_steps: int | None = None,
         sampling: dict[str, float | None] | None = None,
         token_history: bool = True,
+        max_calls: None = None,
     ):
+        if max_calls is not None:  # its name until issue 37
+            raise TypeError("PolicyEndpoint's max_calls is now max_env_steps (model calls per run at most)")
         self.generator, self.renderer = generator, renderer
         self.model_name, self.max_context, self.max_env_steps = model_name, max_context, max_env_steps
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}

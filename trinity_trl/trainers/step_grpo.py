@@ -5,16 +5,21 @@ runs, the rewards of every process are gathered, and ``step_wise_grpo`` normalis
 within its task group and gives the score to every step of the run (docs/algorithms/advantages.md#step-wise-grpo). Each
 step then becomes a sample of the training batch (a whole prefix-preserving run in one row, see ``shared_prefix``).
 
-Two environment protocols, told apart by what the environment class defines
-(`trinity_trl.rollouts.protocols`):
+The runs come from one `trinity_trl.rollouts.Rollout` (docs/environments.md#rollouts), which returns them whole;
+the trainer lays them out as `trinity_trl.rollouts.TrainingRow`s and never asks which kind of environment it plays:
 
 * **TRL's tool environments** (``environment_factory`` and ``tools`` exactly as ``GRPOTrainer`` takes
   them): TRL plays the runs itself (its environment pool, ``reset``, chat template with the tool
-  schemas, tool-call parsing, tool execution and errors, ``get_reward``), and every assistant turn of
-  the resulting trajectory becomes a step (`trinity_trl.rollouts.trajectories`).
+  schemas, tool-call parsing, tool execution and errors, ``get_reward``), and `trinity_trl.rollouts.ToolRollout`
+  splits every trajectory back into one step per assistant turn (`trinity_trl.rollouts.trajectories`).
 * **reset/step environments** (`trinity_trl.rollouts.Environment`): the turns are text;
   `trinity_trl.rollouts.MultiStepRollout` plays them over the trainer's generation backend,
   batching the next turn of every active run into one generation call.
+* **agents** (``agent=``): `trinity_trl.rollouts.AgentRollout` serves the policy on loopback to the agent's OpenAI
+  client; each model call is a step.
+* **a rollout of one's own** (``rollout=``): any object following `trinity_trl.rollouts.Rollout`.
+
+Which of the first two an ``environment_factory`` follows is read from its class (`trinity_trl.rollouts.protocols`).
 """
 
 from __future__ import annotations
@@ -176,9 +181,13 @@ class StepGRPOTrainer(TrinityTrainer):
             the trainer serves on loopback; every model call is a step, trained on the token ids it sampled
             (`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
             `agent_batch_window`; `max_env_steps` bounds the calls of a run.
+        rollout: instead of the above, a `trinity_trl.rollouts.Rollout` of one's own (a kind of environment the
+            library does not know; docs/environments.md#rollouts). Its `max_env_steps` and `history` must equal the
+            config's.
         reward_funcs: reward functions scoring each run (TRL passes them the whole conversation of a tool run,
-            or the final turn of a reset/step run). A reset/step environment's last-step reward is always the
-            first reward (`environment_reward`); a tool environment's `get_reward()` is added by TRL.
+            or the final turn of a reset/step run). A reset/step environment's last-step reward (an agent's return
+            value) is always the first reward (`environment_reward`); a tool environment's `get_reward()` is added by
+            TRL.
         Other arguments: as [`TrinityTrainer`][] (no `rollout_func`: the environment loop is the rollout).
     """
 
