@@ -62,9 +62,9 @@ def packed_setup(checkpointing: bool = True):
     return model, packing, ids, mask, keep
 
 
-def padded_forward(model, ids, mask):
+def padded_forward(model, ids, mask, grad: bool = False):
     labels = ids.masked_fill(mask == 0, -100)
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
 
 
@@ -191,3 +191,28 @@ def test_a_trained_and_saved_model_says_its_own_implementation(tmp_path, tiny_mo
         config = json.loads((saved / "config.json").read_text())
         assert TREE_ATTENTION not in json.dumps(config)
         assert AutoModelForCausalLM.from_pretrained(saved).config._attn_implementation == "sdpa"
+
+
+def test_auto_times_the_padded_layout_with_the_models_own_attention(monkeypatch):
+    """``auto``'s calibration on the same model (made to calibrate on CPU, activation checkpointing on): every
+    attention call that carries a plan, recomputations included, runs under the tree implementation, and every other
+    one (the padded extra runs and real passes) under the model's own ``sdpa``."""
+    from trinity_trl.packing import KERNELS, selection
+
+    model, packing, ids, mask, keep = packed_setup()
+    monkeypatch.setattr(packing, "choice", lambda m, d: selection.Choice(KERNELS["sdpa_segments"], calibrate=True))
+    seen = []
+
+    def record(module, args, kwargs, output):
+        seen.append((module.config._attn_implementation, kwargs.get(attention_module.PLAN_KWARG) is not None))
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(record, with_kwargs=True)  # before the route's: sees its switch
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+        (padded_forward(model, ids, mask, grad=True) if out is None else out.logps).sum().backward()
+    assert any(packing.calibration.extra_runs.values())  # the calibration ran extra layouts
+    assert {plan for _, plan in seen} == {True, False}
+    assert all((name == TREE_ATTENTION) == plan for name, plan in seen), set(seen)
+    assert {name for name, plan in seen if not plan} == {"sdpa"}
