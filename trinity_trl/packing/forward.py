@@ -88,8 +88,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 def tree_inputs(packed: PackedRows, kernel: TreeKernel, backbone: torch.nn.Module) -> dict[str, Any]:
     """The model's inputs for ``packed``: the packed row, its positions, a mask of ones (a packed row has no padding;
-    the registered mask function makes no mask of it) and the `attention.TreePlan` of ``kernel``, built once for the
-    whole forward, under which ``backbone``'s calls run the tree attention (`attention.route`)."""
+    the registered mask function makes no mask of it, and with a mask transformers does not search the positions for
+    packed sequences, a host synchronisation) and the `attention.TreePlan` of ``kernel``, built once for the whole
+    forward, under which ``backbone``'s calls run the tree attention (`attention.route`)."""
     device = packed.input_ids.device
     plan = attention.route(backbone, TreePlan(kernel, kernel.plan(packed, device)))
     return {
