@@ -661,8 +661,9 @@ def test_every_kernel_on_cuda_equals_the_padded_forward(kernel, dtype, arch, pef
 @needs_cuda
 @pytest.mark.parametrize("kernel", ["varlen", "flash_attn", "flex"])
 def test_kernels_on_cuda_with_activation_checkpointing_and_chunked_packing(kernel, monkeypatch):
-    """TRL's default activation checkpointing (the layers recompute their forward, tree mask and plan included, in
-    the backward) and chunked packing (TRL's forward batch size below the micro-batch: several packed rows), bf16."""
+    """TRL's default activation checkpointing (the layers recompute their forward in the backward, the plan in their
+    keyword arguments) and chunked packing (TRL's forward batch size below the micro-batch: several packed rows),
+    bf16."""
     _cuda_kernel(kernel, torch.bfloat16)
     compare_with_padded(kernel, torch.bfloat16, "cuda", checkpointing=True)
     compare_with_padded(kernel, torch.bfloat16, "cuda", batch_size=2, monkeypatch=monkeypatch)

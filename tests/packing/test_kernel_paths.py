@@ -241,7 +241,7 @@ def tiny_setup():
 
     from trinity_trl.packing import attention
 
-    attention.install()  # what PrefixPacking does: the layers' attention function hands GQA heads over unexpanded
+    attention.register()  # packed_logps registers it too: the layers hand GQA heads over unexpanded
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))

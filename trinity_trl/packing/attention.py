@@ -1,102 +1,173 @@
-"""How the tree attention reaches the model's attention layers.
+"""How the tree attention reaches the model's attention layers: transformers' public attention registry.
 
-A packed forward passes a `TreeAttentionMask` where the model takes a prepared 4D mask:
-an empty ``(1, 1, 0, 0)`` tensor on the packed row's device (so transformers' mask preparation
-returns it unchanged, DDP's input placement leaves it alone, and activation checkpointing keeps it
-with the layer's saved inputs) that carries the kernel and its plan, built once per forward.
+`register` adds one named attention implementation, ``TREE_ATTENTION`` (``"trinity_tree"``), to
+transformers' ``AttentionInterface`` (its function, `tree_attention_forward`, runs the kernel of the
+plan it is given) and to ``AttentionMaskInterface`` (its mask function returns no mask: the plan is
+the mask). It adds a name and changes no entry that exists: ``sdpa``, ``eager``, the FlashAttention
+functions and every other model in the process stay as they are.
 
-The layers' attention functions are looked up in transformers' ``AttentionInterface``: for the
-implementations a packed forward accepts (``sdpa``, ``flash_attention_2``, ``flash_attention_3``)
-`install` registers a wrapper that runs `tree_attention` when the mask is a
-`TreeAttentionMask` and the original function otherwise, so a model loaded with
-FlashAttention 2 is packed as well, and GQA key/value heads arrive unexpanded. (Registering
-through the interface rather than only intercepting ``scaled_dot_product_attention`` is what makes
-the FlashAttention-loaded models work; the mask still intercepts SDPA, for code that calls it
-directly.) Any other use of the mask as a tensor is an error: it holds no mask values.
+A packed forward passes its `TreePlan` (the kernel and its plan, built once per forward) as the
+keyword argument ``tree_attention_plan`` of the model's forward; transformers hands a forward's
+keyword arguments down to the decoder layers and to the attention function. The model runs under
+``TREE_ATTENTION`` only for the calls that carry a plan: `route` places forward hooks on the
+backbone and on each decoder layer's attention module that set ``config._attn_implementation`` to
+``TREE_ATTENTION`` while a call with a plan runs, and set it back to what it was when the call
+returns (or raises). So
+
+* the mask is made (``None``) by the registered mask function, and the layers' attention function is
+  `tree_attention_forward`, which gets the key/value heads unexpanded (GQA) whatever the model was
+  loaded with (``sdpa``, FlashAttention 2/3);
+* activation checkpointing recomputes a layer with the keyword arguments of its first run, plan
+  included, and the attention module's hook routes the recomputation the same way;
+* every call without a plan (TRL's padded forward, ``auto``'s padded timing pass, generation, the
+  user's own calls) runs the model's own implementation, untouched;
+* the hooks live as long as a packed forward's plan: they are removed when the last plan of the
+  model is freed (after the backward, or at once without gradients), so nothing stays on the model.
+
+A model saved or pushed meanwhile says its own implementation (``_attn_implementation`` is not
+saved in ``config.json`` by transformers anyway).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .kernels import TreeKernel
 
-#: ``config._attn_implementation`` values whose attention function `install` wraps
-DISPATCHED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+#: the name of the tree attention in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
+TREE_ATTENTION = "trinity_tree"
+#: the keyword argument of the model's forward that carries a packed row's `TreePlan`
+PLAN_KWARG = "tree_attention_plan"
+#: ``config._attn_implementation`` values of the models a packed forward accepts (the model's own attention
+#: runs every forward that is not packed)
+PACKABLE_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-class TreeAttentionMask(torch.Tensor):
-    """The attention pattern of a packed row: ``kernel`` and its ``plan`` (see the module docs)."""
+@dataclass(frozen=True, eq=False)
+class TreePlan:
+    """The attention pattern of a packed row: ``kernel`` and its ``plan``, built once per forward. (Not a tuple or a
+    dict: DDP's input placement passes it through as it is.)"""
 
     kernel: TreeKernel
     plan: Any
 
-    @staticmethod
-    def __new__(cls, kernel: TreeKernel, plan: Any, device: torch.device | str):
-        mask = torch.Tensor._make_subclass(cls, torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device))
-        mask.kernel = kernel
-        mask.plan = plan
-        return mask
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _sdpa(*args, **kwargs)
-        if func is torch.Tensor.to:  # device placement of inputs (DDP, accelerate): already where it belongs
-            return args[0]
-        name = getattr(func, "__name__", "")
-        if name in _METADATA:  # shape, device, dtype, ndim (property getters), repr: those of the empty tensor
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        raise TypeError(
-            f"a packed prefix-tree attention mask only goes to the attention function, not {name or func}; the "
-            f"model's attention must be one of {', '.join(DISPATCHED_IMPLEMENTATIONS)} "
-            "(set prefix_packing=False to forward padded rows)"
-        )
-
-
-_METADATA = ("__get__", "__repr__", "dim", "size", "__len__")
-
 
 def tree_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: TreeAttentionMask, scale: float | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: TreePlan, scale: float | None = None
 ) -> torch.Tensor:
     """Attention of a packed row: ``query`` ``(1, H, N, D)``, ``key``/``value`` ``(1, H_kv, N, D)``
-    (``H_kv`` dividing ``H``) through ``mask``'s kernel; returns ``(1, H, N, D)``."""
+    (``H_kv`` dividing ``H``) through ``plan``'s kernel; returns ``(1, H, N, D)``."""
     if query.shape[0] != 1:
         raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
-    return mask.kernel(mask.plan, query, key, value, scale)
+    return plan.kernel(plan.plan, query, key, value, scale)
 
 
-def _sdpa(query, key, value, attn_mask, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p:
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tree_attention_plan: TreePlan | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``TREE_ATTENTION``: the signature of transformers' attention functions, the
+    output ``(1, N, H, D)`` as theirs."""
+    if tree_attention_plan is None:
+        raise RuntimeError(
+            f"the attention implementation {TREE_ATTENTION!r} runs packed forwards only (the forward's "
+            f"{PLAN_KWARG!r} keyword argument is missing); load the model with attn_implementation='sdpa'"
+        )
+    if dropout:
         raise ValueError("prefix packing does not support attention dropout (set prefix_packing=False)")
-    return tree_attention(query, key, value, attn_mask, scale)
+    out = tree_attention(query, key, value, tree_attention_plan, scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
-def _wrap(original):
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if not isinstance(attention_mask, TreeAttentionMask):
-            return original(module, query, key, value, attention_mask, *args, **kwargs)
-        if kwargs.get("dropout") or (args and args[0]):
-            raise ValueError("prefix packing does not support attention dropout (set prefix_packing=False)")
-        out = tree_attention(query, key, value, attention_mask, kwargs.get("scaling"))
-        return out.transpose(1, 2).contiguous(), None
-
-    attention.trinity_tree_original = original
-    return attention
+def _no_mask(**kwargs) -> None:
+    """The mask function of ``TREE_ATTENTION``: a packed row's attention pattern is its plan."""
+    return None
 
 
-def install() -> None:
-    """Wrap the attention functions of `DISPATCHED_IMPLEMENTATIONS` (once; idempotent)."""
+def register() -> None:
+    """Register ``TREE_ATTENTION`` in transformers' attention and mask registries (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
-    mapping = AttentionInterface._global_mapping
-    for name in DISPATCHED_IMPLEMENTATIONS:
-        original = mapping.get(name)
-        if original is not None and not hasattr(original, "trinity_tree_original"):
-            AttentionInterface.register(name, _wrap(original))
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    AttentionMaskInterface.register(TREE_ATTENTION, _no_mask)
+
+
+def attention_modules(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of ``backbone``'s decoder layers (``self_attn``), the modules that look up the attention
+    function by the config's name."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in backbone.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [layer.self_attn for layer in layers if isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
+
+
+class _Route:
+    """The hooks on one model while it has live plans (see the module docs)."""
+
+    def __init__(self, backbone: torch.nn.Module):
+        self.config = backbone.config
+        self.depth = 0  # calls with a plan in progress (the backbone's and, inside it, its layers')
+        self.previous: str | None = None
+        self.live = 0  # plans not yet freed
+        self.handles = []
+        for module in [backbone, *attention_modules(backbone)]:
+            self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+
+    def _enter(self, module, args, kwargs):
+        if kwargs.get(PLAN_KWARG) is not None:
+            if self.depth == 0:
+                self.previous = self.config._attn_implementation
+                self.config._attn_implementation = TREE_ATTENTION
+            self.depth += 1
+
+    def _leave(self, module, args, kwargs, output):
+        if kwargs.get(PLAN_KWARG) is not None and self.depth:
+            self.depth -= 1
+            if self.depth == 0:
+                self.config._attn_implementation = self.previous
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> its _Route while it has live plans
+
+
+def route(backbone: torch.nn.Module, plan: TreePlan) -> TreePlan:
+    """Make ``backbone``'s calls that carry ``plan`` (as ``PLAN_KWARG``) run under ``TREE_ATTENTION``, until ``plan``
+    is freed; returns ``plan``."""
+    register()
+    while True:  # a finalizer run by the garbage collector in between may have just removed the route
+        current = _routes.get(backbone)
+        if current is None:
+            current = _routes[backbone] = _Route(backbone)
+        current.live += 1
+        if current.handles:
+            break
+    weakref.finalize(plan, _release, weakref.ref(backbone))
+    return plan
+
+
+def _release(backbone_ref: weakref.ref) -> None:
+    backbone = backbone_ref()
+    current = _routes.get(backbone) if backbone is not None else None
+    if current is not None:
+        current.live -= 1
+        if current.live == 0:
+            current.remove()
+            del _routes[backbone]

@@ -6,6 +6,9 @@ only the hidden states of the tokens that predict a completion token (a shared p
 once per row below it), so the chunked head scores only those and full-vocabulary logits are never
 materialised. The critic (PPO) is called on the same packed row and read at the same positions.
 
+The packed row reaches the attention layers through transformers' attention registry (`attention`):
+its `attention.TreePlan` rides in the forward's keyword arguments.
+
 Only verified causal decoders are packed (`VERIFIED_MODEL_TYPES`, full attention, attention
 ``sdpa`` or FlashAttention 2/3); anything else (other architectures, sliding-window layers, eager
 attention, attention dropout, multimodal inputs, MoE auxiliary losses, masks that are not one
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from . import attention
-from .attention import TreeAttentionMask
+from .attention import PLAN_KWARG, TreePlan
 from .kernels import TreeKernel
 from .selection import (
     Calibration,
@@ -65,12 +68,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             f"{', '.join(VERIFIED_MODEL_TYPES)})"
         )
     implementation = config._attn_implementation
-    if implementation not in attention.DISPATCHED_IMPLEMENTATIONS:
+    if implementation not in attention.PACKABLE_IMPLEMENTATIONS:
         return (
             f"the model's attention is {implementation!r}; the packed forward runs where it is one of "
-            f"{', '.join(repr(i) for i in attention.DISPATCHED_IMPLEMENTATIONS)} (load the model with "
+            f"{', '.join(repr(i) for i in attention.PACKABLE_IMPLEMENTATIONS)} (load the model with "
             "attn_implementation='sdpa')"
         )
+    if len(attention.attention_modules(model.base_model)) != config.num_hidden_layers:
+        return "the model's decoder layers have no `self_attn` attention module"
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(config, "sliding_window", None) is not None:
         return "the model has sliding-window attention layers"
@@ -81,10 +86,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def tree_mask(packed: PackedRows, kernel: TreeKernel) -> TreeAttentionMask:
-    """The attention mask of ``packed`` for ``kernel``: its plan, built once for the whole forward."""
+def tree_inputs(packed: PackedRows, kernel: TreeKernel, backbone: torch.nn.Module) -> dict[str, Any]:
+    """The model's inputs for ``packed``: the packed row, its positions, a mask of ones (a packed row has no padding;
+    the registered mask function makes no mask of it, and with a mask transformers does not search the positions for
+    packed sequences, a host synchronisation) and the `attention.TreePlan` of ``kernel``, built once for the whole
+    forward, under which ``backbone``'s calls run the tree attention (`attention.route`)."""
     device = packed.input_ids.device
-    return TreeAttentionMask(kernel, kernel.plan(packed, device), device)
+    plan = attention.route(backbone, TreePlan(kernel, kernel.plan(packed, device)))
+    return {
+        "input_ids": packed.input_ids[None],
+        "position_ids": packed.position_ids[None],
+        "attention_mask": torch.ones((1, packed.input_ids.numel()), dtype=torch.bool, device=device),
+        PLAN_KWARG: plan,
+    }
 
 
 def packed_logps(
@@ -98,7 +112,7 @@ def packed_logps(
     """``(K,)`` log-probs (and entropies) of ``packed``'s scored tokens through TRL's fused LM head.
 
     ``model`` is called as TRL's helper calls it (``fused_lm_head=True``), with the packed row, its
-    positions and its `TreeAttentionMask`; the hook on ``backbone`` (the module whose
+    positions and its plan (`tree_inputs`); the hook on ``backbone`` (the module whose
     ``last_hidden_state`` the fused head reads) keeps the hidden states at ``scored_index`` only, and
     the pre-shifted ``shift_labels`` name each one's next token.
     """
@@ -113,13 +127,7 @@ def packed_logps(
     handle = backbone.register_forward_hook(keep_scored)
     try:
         with autocast():
-            out = model(
-                input_ids=packed.input_ids[None],
-                position_ids=packed.position_ids[None],
-                attention_mask=tree_mask(packed, kernel),
-                shift_labels=labels[None],
-                fused_lm_head=True,
-            )
+            out = model(**tree_inputs(packed, kernel, backbone), shift_labels=labels[None], fused_lm_head=True)
     finally:
         handle.remove()
     count = packed.scored_index.numel()
@@ -128,16 +136,16 @@ def packed_logps(
 
 
 def packed_critic_values(
-    critic: torch.nn.Module, packed: PackedRows, kernel: TreeKernel, autocast: Callable[[], Any]
+    critic: torch.nn.Module,
+    backbone: torch.nn.Module,
+    packed: PackedRows,
+    kernel: TreeKernel,
+    autocast: Callable[[], Any],
 ) -> torch.Tensor:
     """``(K,)`` values of a token-classification critic at ``packed``'s scored positions (the state
-    each completion token was chosen in)."""
+    each completion token was chosen in); ``backbone`` is the critic's transformers backbone."""
     with autocast():
-        logits = critic(
-            input_ids=packed.input_ids[None],
-            position_ids=packed.position_ids[None],
-            attention_mask=tree_mask(packed, kernel),
-        ).logits
+        logits = critic(**tree_inputs(packed, kernel, backbone)).logits
     if logits.dim() != 3 or logits.shape[-1] != 1:
         raise ValueError(f"the critic must return logits of shape (B, L, 1), got {tuple(logits.shape)}")
     return logits[0, packed.scored_index, 0]
@@ -234,7 +242,6 @@ class PrefixPacking:
         self._logged: set[str] = set()
         self.calibration = Calibration(timer, gather)
         self.compile_budget = CompileBudget()
-        attention.install()
 
     def _inspect(self, model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
         if model not in self._models:
@@ -368,7 +375,9 @@ class PrefixPacking:
             with torch.enable_grad() if grad else torch.no_grad():
                 if layout == "packed":
                     if critic:
-                        outputs = [packed_critic_values(inner, c, kernel, self._autocast) for c in chunks]
+                        outputs = [
+                            packed_critic_values(inner, inner.base_model, c, kernel, self._autocast) for c in chunks
+                        ]
                     else:
                         outputs = [
                             packed_logps(inner, inner.base_model, c, kernel, False, self._autocast)[0] for c in chunks
@@ -458,7 +467,10 @@ class PrefixPacking:
         if plan is None:
             return None
         with self._compiling(plan.kernel, critic, input_ids.device):
-            values = torch.cat([packed_critic_values(critic, p, plan.kernel, self._autocast) for p in plan.chunks])
+            backbone = plan.inner.base_model
+            values = torch.cat(
+                [packed_critic_values(critic, backbone, p, plan.kernel, self._autocast) for p in plan.chunks]
+            )
         rows = torch.cat([c.scored_rows for c in plan.chunks])
         cols = torch.cat([c.scored_cols for c in plan.chunks])
         return values.new_zeros((input_ids.shape[0], logits_to_keep)).index_put((rows, cols), values)
