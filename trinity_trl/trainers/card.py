@@ -87,7 +87,10 @@ class AlgorithmCardMixin:
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
-        record_public_base_model(output_dir or self.args.output_dir)  # the bundled model's Hub id, not the cache
+        # the bundled model's Hub id, not the cache; by the process that wrote the folder only (under DeepSpeed every
+        # process calls _save, and another one would read adapter_config.json while it is being written)
+        if self.args.should_save:
+            record_public_base_model(output_dir or self.args.output_dir)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
