@@ -3,6 +3,7 @@ that `from_pretrained` of the pushed repo, downloaded into a fresh cache, gives 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,53 @@ def test_push_to_hub_without_a_hub_is_one_line(tmp_path, tiny_model_dir, monkeyp
         ValueError, match=r"^trainer.push_to_hub\(\), but the Hugging Face Hub at http://127.0.0.1:9 is"
     ):
         trainer.push_to_hub()
+
+
+def test_a_checkpoint_is_pushed_only_once_it_is_complete(tmp_path, tiny_model_dir, fake_hub):
+    """Invariant of `CompleteCheckpoints` (checkpointing/checkpoints.py): transformers pushes a checkpoint at the end
+    of its ``_save_checkpoint``, before our files and the completion marker exist; ours pushes it after the marker.
+    Each push starts (TrainerCallback.on_push_begin) on a complete checkpoint, and what reaches the Hub is the
+    checkpoint the marker describes, our files included."""
+    from transformers import TrainerCallback
+
+    from trinity_trl.checkpointing.checkpoints import COMPLETE_FILE, TRAINER_STATE_FILE, incompleteness
+
+    out = tmp_path / "out"
+    at_push: dict[int, str | None] = {}
+
+    class AtPush(TrainerCallback):
+        def on_push_begin(self, args, state, control, **kwargs):
+            at_push[state.global_step] = incompleteness(str(out / f"checkpoint-{state.global_step}"))
+
+    repo = "tester/pushed-checkpoints"
+    args = TrinityConfig(
+        **tiny_grpo_kwargs(
+            output_dir=str(out),
+            algorithm="cispo",
+            save_strategy="steps",
+            save_steps=1,
+            push_to_hub=True,
+            hub_model_id=repo,
+            hub_strategy="all_checkpoints",
+            hub_always_push=True,  # every checkpoint is pushed, even while the previous push is running
+        )
+    )
+    trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=tiny_conversational_dataset(),
+        callbacks=[AtPush()],
+    )
+    trainer.train()
+
+    assert at_push == {1: None, 2: None}  # (on the old order: "it has no trinity_checkpoint_complete.json")
+    files = fake_hub.files(repo)
+    for step in (1, 2):
+        prefix = f"checkpoint-{step}/"
+        pushed = {name[len(prefix) :] for name in files if name.startswith(prefix)}
+        manifest = json.loads(files[prefix + COMPLETE_FILE])
+        assert manifest["global_step"] == step
+        assert TRAINER_STATE_FILE in manifest["files"] and "trainer_state.json" in manifest["files"]
+        assert pushed == set(manifest["files"]) | {COMPLETE_FILE}
+    assert fake_hub.blocked == []

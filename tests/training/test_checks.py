@@ -17,7 +17,13 @@ from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 from trl import GRPOConfig
 
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
-from trinity_trl.training.checks import check_completion_room, check_components, guard_loss_mask, masked_finite
+from trinity_trl.training.checks import (
+    check_completion_room,
+    check_components,
+    guard_loss_mask,
+    hub_errors_in_one_line,
+    masked_finite,
+)
 from trinity_trl.training.loss import LossBatch
 
 
@@ -368,3 +374,27 @@ def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, t
     trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True, ref_model_sync_steps=1, max_steps=2)
     trainer.train()  # grpo has a k2 KL loss, so TRL keeps and syncs a reference model
     assert trainer.ref_model is not None
+
+
+# ------------------------------------------------------------------------------------------------------ the Hub
+def test_hub_errors_in_one_line_turns_only_an_unreachable_hub_into_one_line(monkeypatch):
+    """What `trainer.push_to_hub()` runs in (trainers/card.py): a connection error becomes a one-line ValueError
+    naming the call and what to do instead; any other error, and success, pass through unchanged."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://hub.invalid")
+    with pytest.raises(ValueError, match=r"^upload\(\), but the Hugging Face Hub at http://hub.invalid is unreachable"):
+        with hub_errors_in_one_line("upload()", "save it and upload later"):
+            raise ConnectionError("connection refused")
+    with pytest.raises(KeyError, match="not a Hub problem"):
+        with hub_errors_in_one_line("upload()", "save it and upload later"):
+            raise KeyError("not a Hub problem")
+    with hub_errors_in_one_line("upload()", "save it and upload later"):
+        done = True
+    assert done
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"^upload\(\), but the Hugging Face Hub is switched off") as err:
+        with hub_errors_in_one_line("upload()", "save it and upload later"):
+            raise RuntimeError("whatever the client raised offline")
+    assert "\n" not in str(err.value) and "save it and upload later" in str(err.value)

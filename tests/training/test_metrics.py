@@ -9,7 +9,13 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from trinity_trl.training.metrics import append_metrics, no_learning_signal, pool_metrics, replace_logged_advantages
+from trinity_trl.training.metrics import (
+    append_metrics,
+    append_process_means,
+    no_learning_signal,
+    pool_metrics,
+    replace_logged_advantages,
+)
 
 
 def test_append_metrics_turns_tensors_into_floats_and_appends():
@@ -25,6 +31,23 @@ def test_append_metrics_detaches():
     x = torch.tensor(2.0, requires_grad=True)
     append_metrics(store, {"actor/loss": x * 3})
     assert store["actor/loss"] == [6.0]
+
+
+def test_append_process_means_appends_each_metrics_mean_over_processes():
+    """The SFT/DPO trainers' logging: one gather of every key (sorted), each key's mean over processes appended."""
+    other_rank = torch.tensor([[10.0, 20.0, 30.0]], dtype=torch.float64)  # another process's actor/a, actor/b, c
+    gathered = []
+
+    def gather(values):  # accelerate's gather for 2 processes, seen from rank 0
+        gathered.append(values)
+        return torch.cat([values, other_rank])
+
+    store = defaultdict(list, {"actor/b": [7.0]})
+    append_process_means(store, {"c": 4, "actor/b": torch.tensor(2.0), "actor/a": 1.0}, gather, "cpu")
+    assert len(gathered) == 1 and gathered[0].dtype == torch.float64 and gathered[0].shape == (1, 3)
+    assert dict(store) == {"actor/a": [5.5], "actor/b": [7.0, 11.0], "c": [17.0]}
+    append_process_means(store, {}, gather, "cpu")  # nothing to log: no collective either
+    assert len(gathered) == 1
 
 
 def fake_gather_object(per_rank: list[dict]):

@@ -216,3 +216,37 @@ def test_added_sections_follow_the_algorithm_section(tmp_path, tiny_model_dir):
     assert positions == sorted(positions)
     assert card.count("## Evaluation") == 1
     assert not os.path.exists(tmp_path / "out" / "README.md")  # written next to the saved weights, not into output_dir
+
+
+# ------------------------------------------------------------------------------------- the saved adapter's base
+def test_only_the_process_that_saves_records_the_bundled_models_hub_id(tmp_path):
+    """`AlgorithmCardMixin._save` rewrites an adapter's base model (the bundled model's cache folder -> its Hub id)
+    after transformers' ``_save``. Under DeepSpeed every process calls ``_save``, but only the one that saves writes
+    the folder: another process reading ``adapter_config.json`` while it is written failed a ZeRO-3 run
+    (JSONDecodeError on rank 1) and could write it at the same time. (On the old code the other process rewrote it.)"""
+    from types import SimpleNamespace
+
+    from trinity_trl.data import model as bundled
+    from trinity_trl.trainers.card import AlgorithmCardMixin
+
+    bundled_dir = tmp_path / "bundled"
+    bundled_dir.mkdir()
+    (bundled_dir / bundled._MARKER).write_text("{}")  # what bundled_model_dir() writes after a conversion
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    adapter_config = saved / "adapter_config.json"
+
+    class TransformersTrainer:  # transformers' _save as a non-writing process runs it: nothing written
+        def _save(self, output_dir=None, state_dict=None):
+            pass
+
+    class Host(AlgorithmCardMixin, TransformersTrainer):
+        def __init__(self, should_save):
+            self.args = SimpleNamespace(should_save=should_save, output_dir=str(tmp_path / "out"))
+
+    original = json.dumps({"base_model_name_or_path": str(bundled_dir), "r": 4})
+    adapter_config.write_text(original)
+    Host(should_save=False)._save(str(saved))
+    assert adapter_config.read_text() == original
+    Host(should_save=True)._save(str(saved))
+    assert json.loads(adapter_config.read_text()) == {"base_model_name_or_path": bundled.BUNDLED_MODEL_HUB_ID, "r": 4}

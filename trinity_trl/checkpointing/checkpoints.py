@@ -20,6 +20,37 @@ file written into a checkpoint is `COMPLETE_FILE`, written atomically after ever
 its files (transformers', TRL's and ours): a manifest of every file with its size. A folder without it, or whose
 files no longer match it, is incomplete and is never resumed from (`resume_checkpoint`). Our own files are
 written atomically too (a temporary file renamed over the final name), so a file is either whole or absent.
+
+**Why `CompleteCheckpoints` runs the push and the rotation itself.** Three invariants: a pushed checkpoint is
+complete; an old checkpoint is deleted (``save_total_limit``) only once a newer one is complete; a checkpoint whose
+writing was interrupted is never resumed from. So the order must be: every file (transformers', TRL's, ours) ->
+every process done -> the marker -> the Hub push -> the rotation. transformers 5.24's ``Trainer._save_checkpoint``
+(``transformers/trainer.py``) writes its files, ``trainer_state.json`` last (line 3417), then pushes
+(``self._push_from_checkpoint(output_dir)``, lines 3419-3420) and rotates (``rotate_checkpoints(...)``, lines
+3423-3430) in the same method, and no seam it offers falls between the last file and the push:
+
+* ``_save_optimizer_and_scheduler`` / ``_save_scaler`` / ``_save_rng_state`` (lines 3398-3403) run before
+  ``trainer_state.json`` is written, and not at all with ``save_only_model=True``: a marker there would describe
+  a folder that is not finished;
+* ``_push_from_checkpoint`` (and the ``on_push_begin`` callback inside it) is called only when ``push_to_hub`` is
+  on (and ``on_push_begin`` on process 0 only): without a push there would be no marker, and the rotation
+  still follows;
+* the ``on_save`` callback runs after ``_save_checkpoint`` has returned (``_maybe_log_save_evaluate``, lines
+  2285-2286), once the old checkpoints are already deleted: with ``save_total_limit=1``, a run killed between the
+  rotation and the marker would leave no complete checkpoint (``tests/engines/test_crash_resume.py``);
+* ``rotate_checkpoints`` is a module function that ``transformers.trainer`` imports by name (line 143), called
+  with ``args.save_total_limit``: the argument is the only handle that defers it without patching transformers'
+  module for every trainer in the process.
+
+Also, TRL's trainers write files of their own into the checkpoint after transformers' method returns (GRPOTrainer's
+``entropy_ctrl_state.json``, ``trl/trainer/grpo_trainer.py`` line 3394), i.e. after transformers' push. Hence
+`CompleteCheckpoints._save_checkpoint` runs TRL's and transformers' ``_save_checkpoint`` whole, with
+``push_to_hub`` and ``save_total_limit`` switched off for that call (`trinity_trl.overrides.temporarily`), then
+writes our files and the marker and calls transformers' own ``_push_from_checkpoint`` and ``rotate_checkpoints``
+with the run's arguments: transformers' code does the push and the rotation; only the moment is ours.
+``tests/test_hub.py::test_a_checkpoint_is_pushed_only_once_it_is_complete`` and
+``tests/engines/test_crash_resume.py::test_killed_while_writing_a_checkpoint`` fail if they run in transformers'
+order.
 """
 
 from __future__ import annotations
@@ -233,7 +264,8 @@ class CompleteCheckpoints:
 
     A trainer writes its own files in `_save_checkpoint_extras` (called on every process, before the
     marker). transformers' Hub push of the checkpoint and its deletion of old checkpoints (``save_total_limit``) run
-    after the marker: a pushed checkpoint is complete, and an old checkpoint is deleted only once a newer one is.
+    after the marker: a pushed checkpoint is complete, and an old checkpoint is deleted only once a newer one is
+    (why transformers' own sequence cannot give that order: the module docstring).
 
     It overrides two methods of transformers' ``Trainer`` (``_save_checkpoint``, ``train``), which is why it is a
     mixin and not an object the trainer composes; it must come before a ``transformers.Trainer`` in the bases, and

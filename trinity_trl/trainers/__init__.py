@@ -1,12 +1,18 @@
-"""TRL trainers for Trinity-RFT algorithms: the classes a user constructs, and their configs.
+"""The trainer classes a user constructs, and their configs: TRL trainer subclasses that own TRL's seams.
+
+``trainers/`` versus ``training/``: a class here is what you construct and what TRL calls by method name;
+`trinity_trl.training` is the machinery those methods hand their work to (advantages, the loss plan, scoring,
+metrics, checks, engines, the card's content), one concern per module, tested without a trainer and importing none.
+So a new trainer goes here, and what happens inside its seams goes there.
 
 One base, `TrinityTrainer` (TRL's ``GRPOTrainer`` running any preset), owns TRL's seams; the algorithm
 trainers (`ChordTrainer`, `CISPOTrainer`, `SAPOTrainer`, `StepGRPOTrainer`,
 `PPOTrainer`) are small subclasses with a config of the right defaults and the one behaviour that is
 theirs, and `TrinitySFTTrainer` / `TrinityDPOTrainer` run the SFT and DPO presets on TRL's own
-trainers. What they share lives beside them: `trinity_trl.training` (advantages, loss plan, scoring,
-metrics, engines, card), `trinity_trl.packing` (prefix-packed forwards) and
-`trinity_trl.checkpointing`. Tests: ``tests/trainers/``.
+trainers. Beside the trainer classes: `components` (the algorithm's components, built once), `machine` (where the
+run happens: CPU defaults, threads, the start checks), `card` (the model card's seams), `common` (TRL plumbing) and
+`spellings` (the removed spellings). Other rooms they compose: `trinity_trl.packing` (prefix-packed forwards),
+`trinity_trl.rollouts` (multi-step runs) and `trinity_trl.checkpointing`. Tests: ``tests/trainers/``.
 """
 
 import warnings

@@ -1,31 +1,34 @@
-"""The model card's seams of the trainers, and metric logging of the preset trainers built on TRL's SFT/DPO
-trainers."""
+"""The model card's seams of the trainers: where TRL and transformers write or push a card, the trainer's composed
+`trinity_trl.training.model_card.ModelCard` completes it."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-import torch
-
 from ..algorithms import AlgorithmConfig
-from ..algorithms.inputs import metrics_to_floats
 from ..overrides import temporarily
+from ..training.checks import hub_errors_in_one_line
 from ..training.model_card import ModelCard, paper_for, record_public_base_model
 from .components import Components
 
 
 class AlgorithmCardMixin:
-    """The trainer's seams for its model card: after TRL writes its card (checkpoints, Hub pushes), the composed
-    `trinity_trl.training.model_card.ModelCard` (``self.model_card``) completes it with the algorithm
-    section, the training set-up and any added sections; ``save_model`` writes the card too. Nothing else: the
-    checkpoints are their own mixin (`trinity_trl.checkpointing.checkpoints.CompleteCheckpoints`), and what
-    a trainer checks and sets when it starts is `trinity_trl.trainers.machine.start_run` /
-    `trinity_trl.trainers.machine.check_run`, which each trainer calls.
+    """The trainer's seams for its model card, and nothing else. The card's content is the composed
+    `trinity_trl.training.model_card.ModelCard` (``self.model_card``): each time TRL has written its card (on a
+    checkpoint, a Hub push, ``save_model``), `create_model_card` hands it to ``self.model_card``, which completes it
+    with the algorithm section, the training set-up and any added sections.
 
-    A mixin only because it overrides TRL's ``create_model_card`` and transformers' ``save_model``; it must come
-    before a TRL trainer in the bases. What it reads of its host is declared below: the trainer sets ``algorithm``
-    (and ``components``, ``_name``) before the first card is written; the rest is TRL's / transformers'.
+    A mixin only because the seams are methods TRL and transformers call by name: TRL's ``create_model_card``,
+    transformers' ``save_model`` and ``_save`` (the card and the bundled model's Hub id next to the saved weights) and
+    ``push_to_hub`` (which writes the card, then uploads; an unreachable Hub is reported in one line by
+    `trinity_trl.training.checks.hub_errors_in_one_line`). Each method passes values to a collaborator and takes
+    values back. It must come before a TRL trainer in the bases, inherits nothing and is inherited by nothing of
+    ours: the checkpoints are `trinity_trl.checkpointing.checkpoints.CompleteCheckpoints` (a sibling base), the
+    checks and settings of a starting run are the functions `trinity_trl.trainers.machine.start_run` /
+    `trinity_trl.trainers.machine.check_run` that each trainer calls, and metric logging is
+    `trinity_trl.training.metrics`. What it reads of its host is declared below: the trainer sets ``algorithm`` (and
+    ``components``, ``_name``) before the first card is written; the rest is TRL's / transformers'.
     """
 
     #: set by the trainer: the resolved algorithm the card describes
@@ -78,20 +81,16 @@ class AlgorithmCardMixin:
         )
 
     def push_to_hub(self, *args, **kwargs):
-        from ..training.checks import hub_unavailable
-
-        try:
+        instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
+        with hub_errors_in_one_line("trainer.push_to_hub()", instead):
             return super().push_to_hub(*args, **kwargs)
-        except Exception as err:  # a raw connection error from inside huggingface_hub: one line instead
-            instead = "save with trainer.save_model() and upload the folder later (docs/distributed.md#push-later)"
-            message = hub_unavailable("trainer.push_to_hub()", instead, err)
-            if message is None:
-                raise
-            raise ValueError(message) from None
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
-        record_public_base_model(output_dir or self.args.output_dir)  # the bundled model's Hub id, not the cache
+        # the bundled model's Hub id, not the cache; by the process that wrote the folder only (under DeepSpeed every
+        # process calls _save, and another one would read adapter_config.json while it is being written)
+        if self.args.should_save:
+            record_public_base_model(output_dir or self.args.output_dir)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
@@ -99,22 +98,3 @@ class AlgorithmCardMixin:
             target = output_dir or self.args.output_dir
             with temporarily(self.args, output_dir=target):  # TRL writes the card into args.output_dir
                 self.create_model_card(model_name=os.path.basename(os.path.normpath(target)))
-
-
-class PresetTrainerMixin(AlgorithmCardMixin):
-    """What the preset trainers built on TRL's SFT/DPO trainers share: the model card and metric
-    logging into TRL's lists, averaged over processes."""
-
-    # what the host TRL trainer provides: its per-mode metric lists
-    _metrics: dict[str, dict[str, list[float]]]
-
-    def _log_local_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
-        """Average each metric over processes (one gather) and append it to TRL's per-mode lists."""
-        floats = metrics_to_floats(metrics)
-        if not floats:
-            return
-        keys = sorted(floats)
-        values = torch.tensor([floats[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        values = self.accelerator.gather(values.unsqueeze(0)).mean(dim=0).tolist()
-        for key, value in zip(keys, values):
-            self._metrics[mode][key].append(value)

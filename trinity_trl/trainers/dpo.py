@@ -37,9 +37,10 @@ from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
 from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
+from ..training.metrics import append_process_means
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .card import PresetTrainerMixin
+from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import component_fields
 from .config import from_trl_config
@@ -206,7 +207,7 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
 
 
-class TrinityDPOTrainer(PresetTrainerMixin, CompleteCheckpoints, DPOTrainer):
+class TrinityDPOTrainer(AlgorithmCardMixin, CompleteCheckpoints, DPOTrainer):
     """A ``DPOTrainer`` whose loss is Trinity-RFT's `dpo` preset (see [`TrinityDPOConfig`][]).
 
     Arguments are those of [`DPOTrainer`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOTrainer); ``args``
@@ -234,7 +235,7 @@ class TrinityDPOTrainer(PresetTrainerMixin, CompleteCheckpoints, DPOTrainer):
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
         start_run(args)
         super().__init__(**given)
-        check_run(self)
+        check_run(self.accelerator, self.args)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self.kl_loss = self.algorithm.build_kl_loss()
@@ -315,7 +316,7 @@ class TrinityDPOTrainer(PresetTrainerMixin, CompleteCheckpoints, DPOTrainer):
         if self.aux_loss_enabled:
             # as in DPOTrainer: the MoE load-balancing loss is added once per micro-batch
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss
-        self._log_local_metrics(mode, metrics)
+        append_process_means(self._metrics[mode], metrics, self.accelerator.gather, self.accelerator.device)
         if return_outputs:
             return loss, result[1]
         return loss

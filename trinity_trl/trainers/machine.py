@@ -127,8 +127,9 @@ def start_run(config: Any) -> None:
     check_hub_reachable(config)
 
 
-def check_run(trainer: Any) -> None:
-    """What every trainer checks once TRL has built it: the engine it asked for is the one Accelerate set up."""
+def check_run(accelerator: Any, args: Any) -> None:
+    """What every trainer checks once TRL has built it (``accelerator``: the one TRL set up for ``args``): the engine
+    it asked for is the one Accelerate set up."""
     from ..training.engines import check_engine
 
-    check_engine(trainer)  # FSDP asked for but not set up by Accelerate (engines.py)
+    check_engine(accelerator, args)  # FSDP asked for but not set up by Accelerate (engines.py)

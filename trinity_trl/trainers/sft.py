@@ -30,9 +30,10 @@ from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_conf
 from ..algorithms.masked import check_loss_agg_mode
 from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
+from ..training.metrics import append_process_means
 from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
-from .card import PresetTrainerMixin
+from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import component_fields
 from .config import from_trl_config
@@ -148,7 +149,7 @@ class TrinitySFTConfig(RefusesRemovedSpellings, SFTConfig):
 
 
 # ----------------------------------------------------------------------------------------- trainer
-class TrinitySFTTrainer(PresetTrainerMixin, CompleteCheckpoints, SFTTrainer):
+class TrinitySFTTrainer(AlgorithmCardMixin, CompleteCheckpoints, SFTTrainer):
     """An ``SFTTrainer`` whose loss is Trinity-RFT's `sft`, `sft_is` or `sft_phi` (see [`TrinitySFTConfig`][]).
 
     Arguments are those of [`SFTTrainer`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTTrainer), except
@@ -184,7 +185,7 @@ class TrinitySFTTrainer(PresetTrainerMixin, CompleteCheckpoints, SFTTrainer):
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
         start_run(args)
         super().__init__(**given)
-        check_run(self)
+        check_run(self.accelerator, self.args)
         reject_sequence_sharding(self, type(self).__name__)
         self.policy_loss = self.algorithm.build_policy_loss()
         self._name, self._paper = paper_for(self.algorithm.algorithm)
@@ -206,7 +207,8 @@ class TrinitySFTTrainer(PresetTrainerMixin, CompleteCheckpoints, SFTTrainer):
         if self.aux_loss_enabled:
             # as in SFTTrainer: the MoE load-balancing loss is added once per micro-batch
             loss = loss + self.router_aux_loss_coef * outputs.aux_loss
-        self._log_local_metrics(mode, {f"actor/{k}": v for k, v in metrics.items()})
+        logged = {f"actor/{k}": v for k, v in metrics.items()}
+        append_process_means(self._metrics[mode], logged, self.accelerator.gather, self.accelerator.device)
         if return_outputs:
             return loss, result[1]
         return loss

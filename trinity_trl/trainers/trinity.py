@@ -95,7 +95,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         start_run(args)
         with temporarily(args, beta=1.0 if self.algorithm.needs_reference else 0.0):
             super().__init__(**given)
-        check_run(self)
+        check_run(self.accelerator, self.args)
         self.reward_funcs = [
             f if isinstance(f, torch.nn.Module) else checks.checked_reward_func(f, name)
             for f, name in zip(self.reward_funcs, self.reward_func_names)

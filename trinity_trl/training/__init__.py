@@ -1,11 +1,12 @@
-"""The machinery every trainer shares, apart from the trainer classes that use it.
+"""What happens inside a trainer's seams: the machinery the trainer classes compose, not the trainers themselves.
 
-A trainer in `trinity_trl.trainers` owns TRL's seams and little else; what happens inside them lives here,
-one concern per module, each with its own tests under ``tests/training/``: `advantages` (a generation
+``training/`` versus ``trainers/``: `trinity_trl.trainers` holds the classes a user constructs, whose methods are the
+ones TRL calls by name; each such method hands its work to a module here and takes the result back. Nothing here
+imports a trainer class, and each module is tested on its own under ``tests/training/``: `advantages` (a generation
 batch's advantages from the gathered rewards), `loss` (token losses to the optimizer step's loss and its
 divisor), `scoring` (the extra log-prob passes a component asks for), `metrics` (TRL's metric lists,
-pooled across processes), `checks` (input checks and numerical guards), `generation` (the interface a
-trainer offers to rollouts), `engines` and `critic_engine` (DDP, DeepSpeed ZeRO and FSDP, and PPO's
+pooled across processes), `checks` (input checks, numerical guards and the Hub checks), `generation` (the interface a
+trainer offers to rollouts), `engines` and `critic_engine` (DDP, DeepSpeed ZeRO and FSDP, the engine check, and PPO's
 value model inside them), `model_card` (what the card says about the algorithm) and `trl_seams` (the
-few places where TRL 1.16 leaves no clean seam). Nothing here imports a trainer class.
+few places where TRL 1.16 leaves no clean seam).
 """

@@ -18,8 +18,10 @@ handled in a documented way that drops nothing silently (docs/guarantees.md#bad-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -396,6 +398,19 @@ def require_hub(what: str, instead: str) -> None:
     message = hub_unavailable(what, instead)
     if message:
         raise ValueError(message)
+
+
+@contextlib.contextmanager
+def hub_errors_in_one_line(what: str, instead: str) -> Iterator[None]:
+    """Run a Hub call; if it fails because the Hub is switched off or unreachable, raise `require_hub`'s one-line
+    ``ValueError`` instead of the HTTP client's traceback (any other error is raised as it is)."""
+    try:
+        yield
+    except Exception as err:  # a raw connection error from inside huggingface_hub: one line instead
+        message = hub_unavailable(what, instead, err)
+        if message is None:
+            raise
+        raise ValueError(message) from None
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:

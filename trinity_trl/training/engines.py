@@ -50,16 +50,17 @@ def prepare_frozen_model(model: Any, accelerator) -> Any:
     return accelerator.prepare_model(model, evaluation_mode=True)
 
 
-def check_engine(trainer: Any) -> None:
-    """Refuse a run whose requested engine Accelerate did not set up (see the module docstring)."""
+def check_engine(accelerator: Any, args: Any) -> None:
+    """Refuse a run whose requested engine Accelerate did not set up (see the module docstring); ``args``: the run's
+    ``TrainingArguments`` (its ``fsdp`` option), ``accelerator``: the one set up for them."""
     import os
 
     from accelerate.utils import DistributedType
 
-    state = trainer.accelerator.state
+    state = accelerator.state
     requested = (
         os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        or bool(trainer.args.fsdp)
+        or bool(args.fsdp)
         or getattr(state, "fsdp_plugin", None) is not None
     )
     if requested and state.distributed_type != DistributedType.FSDP:

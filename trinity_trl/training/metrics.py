@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+import torch
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..algorithms.inputs import metrics_to_floats
@@ -40,6 +41,24 @@ COUNT_PREFIX = "guards/"
 def append_metrics(store: MutableMapping[str, list[float]], metrics: dict[str, Any]) -> None:
     """Append each metric (tensors become floats with one device sync) to ``store[name]``."""
     for key, value in metrics_to_floats(metrics).items():
+        store[key].append(value)
+
+
+def append_process_means(
+    store: MutableMapping[str, list[float]], metrics: dict[str, Any], gather: Callable, device: Any
+) -> None:
+    """Average each metric over processes and append it to ``store[name]`` (TRL's list of one mode).
+
+    For the trainers built on TRL's SFT/DPO trainers, whose every process logs the same keys each micro-batch: one
+    ``gather`` (accelerate's, of a ``(1, K)`` float64 tensor on ``device``) instead of `pool_metrics`'s object gather.
+    """
+    floats = metrics_to_floats(metrics)
+    if not floats:
+        return
+    keys = sorted(floats)
+    values = torch.tensor([floats[k] for k in keys], dtype=torch.float64, device=device)
+    means = gather(values.unsqueeze(0)).mean(dim=0).tolist()
+    for key, value in zip(keys, means):
         store[key].append(value)
 
 
