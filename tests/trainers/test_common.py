@@ -24,9 +24,9 @@ def test_components_are_built_from_the_resolved_algorithm():
         )
     ).resolved_algorithm()
     components = Components.build(algorithm)
-    assert isinstance(components.policy_loss, POLICY_LOSS_FN.get(algorithm.policy_loss_fn))
+    assert isinstance(components.policy_loss, POLICY_LOSS_FN.get(algorithm.policy_loss.name))
     assert isinstance(components.kl_penalty, KL_FN.get("k1")) and components.kl_penalty.kl_coef == 0.3
-    assert isinstance(components.kl_loss, KL_FN.get(algorithm.kl_loss_fn))
+    assert isinstance(components.kl_loss, KL_FN.get(algorithm.kl_loss.name))
     assert components.advantage_fn is not None and components.entropy_loss is not None
 
 

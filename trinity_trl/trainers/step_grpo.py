@@ -30,6 +30,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
+from ..algorithms.component import Component
 from ..rollouts import MultiStepRollout
 from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent
 from ..rollouts.multi_step import HISTORY_MODES, Run
@@ -141,19 +142,21 @@ class StepGRPOConfig(TrinityConfig):
             )
         super().__post_init__()
 
-    def _user_overrides(self) -> dict[str, Any]:
+    def _implied_components(self) -> dict[str, Component]:
         advantage = self.component_name("advantage") or "step_wise_grpo"
         if not ADVANTAGE_FN.get(advantage).step_wise:
             raise ValueError(
                 f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
                 f"runs and gives each step its run's score), got advantage={advantage!r}"
             )
-        args = {
-            "enable_step_norm": self.enable_step_norm,
-            "std_cal_level": self.std_cal_level,
-            "std_threshold": self.std_threshold,
+        return {
+            "advantage": Component(
+                advantage,
+                enable_step_norm=self.enable_step_norm,
+                std_cal_level=self.std_cal_level,
+                std_threshold=self.std_threshold,
+            )
         }
-        return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 
 def environment_reward(completions, env_reward, **kwargs) -> list[float | None]:
