@@ -139,9 +139,7 @@ def test_merge_args_option_lays_user_args_over_defaults():
 def test_merged_clip_range_replaces_default_specific_bounds():
     fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss={"clip_range": 0.2}).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.2)
-    fn = resolve_algorithm_config(
-        "gspo", merge_args=True, policy_loss={"clip_range_high": 0.001}
-    ).build_policy_loss()
+    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss={"clip_range_high": 0.001}).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.0003, 0.001)
 
 

@@ -311,7 +311,7 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
 def test_every_preset_resolves(tmp_path, algorithm):
     resolved = _config(tmp_path, algorithm=algorithm).resolved_algorithm()
     assert resolved.algorithm == algorithm
-    assert resolved.policy_loss.name == ALGORITHM_TYPE.get(algorithm).default_config()["policy_loss_fn"]
+    assert resolved.policy_loss.name == ALGORITHM_TYPE.get(algorithm).default_config()["policy_loss"].name
 
 
 def test_unknown_algorithm(tmp_path):
@@ -411,7 +411,7 @@ def test_merge_and_replace_semantics(tmp_path):
     merged = _config(tmp_path, policy_loss={"clip_range_high": 0.28}).resolved_algorithm()
     loss = merged.build_policy_loss()
     assert (loss.clip_range_low, loss.clip_range_high) == (0.2, 0.28)
-    assert merged.policy_loss_fn_args["clip_ratio_c"] == 3.0  # the other defaults are kept
+    assert merged.policy_loss.args["clip_ratio_c"] == 3.0  # the other defaults are kept
     with pytest.raises(ValueError, match="clip range is unresolved"):
         _config(
             tmp_path,
@@ -420,7 +420,7 @@ def test_merge_and_replace_semantics(tmp_path):
         )
     replaced = _config(tmp_path, policy_loss={"clip_range": 0.1}, component_args_mode="replace").resolved_algorithm()
     # the user's dict alone (plus the global aggregation mode, which always reaches the policy loss)
-    assert replaced.policy_loss_fn_args == {
+    assert replaced.policy_loss.args == {
         "clip_range": 0.1,
         "loss_agg_mode": "token-mean",
     }
