@@ -10,6 +10,7 @@ built from, once, by `build_component`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,10 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
 }
 #: the aggregation of every term when neither the user nor the preset chooses one
 DEFAULT_LOSS_AGG_MODE = "token-mean"
+
+#: what a component keyword of `resolve_algorithm_config` takes: a `Component`, a name, a YAML-style mapping
+#: (``{"name": "cispo", "clip_range_high": 5.0}``) or ``None`` (the preset's)
+ComponentValue = Component | str | Mapping[str, Any] | None
 
 # component field -> registry it names
 COMPONENTS: dict[str, Registry] = {
@@ -526,20 +531,20 @@ def resolve_algorithm_config(
     *,
     merge_args: bool = False,
     force_loss_agg_mode: bool = False,
-    policy_loss: Component | str | None = None,
-    advantage: Component | str | None = None,
-    kl_penalty: Component | str | None = None,
-    kl_loss: Component | str | None = None,
-    entropy_loss: Component | str | None = None,
+    policy_loss: ComponentValue = None,
+    advantage: ComponentValue = None,
+    kl_penalty: ComponentValue = None,
+    kl_loss: ComponentValue = None,
+    entropy_loss: ComponentValue = None,
     loss_agg_mode: str | None = None,
     sample_strategy: str | None = None,
     repeat_times: int | None = None,
 ) -> AlgorithmConfig:
     """Resolve a preset plus the user's components into concrete ones (docs/algorithms/presets.md#resolution).
 
-    Each component is a `Component` (or a bare name): ``None`` or a ``Component`` without a name keeps the preset's
-    choice; a ``Component`` without arguments uses the preset's arguments for that component, else its
-    ``default_args()``.
+    Each component is a `Component` (or a bare name, or a mapping with an optional ``name`` key): ``None`` or a
+    ``Component`` without a name keeps the preset's choice; a ``Component`` without arguments uses the preset's
+    arguments for that component, else its ``default_args()``.
 
     1. Settings left ``None`` take the preset's value, else `GLOBAL_DEFAULTS` (`DEFAULT_LOSS_AGG_MODE`).
     2. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
