@@ -491,7 +491,7 @@ def main(argv=None) -> int:
             "vocab": len(tokenizer),
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "algorithm": trainer.args.algorithm,
-            "policy_loss_fn": algo.policy_loss_fn,
+            "policy_loss_fn": algo.policy_loss.name,
             "loss_agg_mode": algo.loss_agg_mode,
             "kl_loss_fn": trainer.kl_loss.name,
             "entropy_loss_fn": trainer.entropy_loss.name,

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None):
     else:
         kwargs.update(train_dataset=task.train, reward_funcs=reward_functions(args.reward_funcs))
         if args.teacher_model_name_or_path is not None:
-            if not ADVANTAGE_FN.get(training_args.resolved_algorithm().advantage_fn).needs_teacher_logprobs:
+            if not ADVANTAGE_FN.get(training_args.resolved_algorithm().advantage.name).needs_teacher_logprobs:
                 raise UsageError("teacher_model_name_or_path is only used by the on_policy_distill advantage")
             kwargs["teacher_model"] = args.teacher_model_name_or_path
     # 3. model and trainer

@@ -54,8 +54,8 @@ def test_trl_names_are_renamed_once():
     assert rename_trl_arguments("policy loss", "ppo", ppo, {"epsilon_high": 0.28}) == {"clip_range_high": 0.28}
     with pytest.raises(ValueError, match="set it once"):
         rename_trl_arguments("policy loss", "ppo", ppo, {"epsilon_high": 0.28, "clip_range_high": 0.3})
-    resolved = resolve_algorithm_config("grpo", merge_args=True, policy_loss_fn_args={"epsilon": 0.1})
-    assert resolved.policy_loss_fn_args["clip_range"] == 0.1 and "epsilon" not in resolved.policy_loss_fn_args
+    resolved = resolve_algorithm_config("grpo", merge_args=True, policy_loss={"epsilon": 0.1})
+    assert resolved.policy_loss.args["clip_range"] == 0.1 and "epsilon" not in resolved.policy_loss.args
     # CISPO's TRL cap means another quantity: not a name of its argument, so an error lists its arguments
     with pytest.raises(ValueError, match="epsilon_high.*clip_range_high: float"):
-        resolve_algorithm_config("cispo", policy_loss_fn_args={"epsilon_high": 5.0})
+        resolve_algorithm_config("cispo", policy_loss={"epsilon_high": 5.0})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trinity_trl.algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmType, resolve_algorithm_config
+from trinity_trl.algorithms.component import Component
 
 # key: (crit, ref, adv@tr, bal, schema, repeat, sample_strategy, policy, advantage, kl_penalty, kl_loss, entropy)
 TABLE = {
@@ -86,11 +87,11 @@ def test_preset_flags_and_resolved_components(key):
     cfg = resolve_algorithm_config(key)
     assert (
         cfg.sample_strategy,
-        cfg.policy_loss_fn,
-        cfg.advantage_fn,
-        cfg.kl_penalty_fn,
-        cfg.kl_loss_fn,
-        cfg.entropy_loss_fn,
+        cfg.policy_loss.name,
+        cfg.advantage.name,
+        cfg.kl_penalty.name,
+        cfg.kl_loss.name,
+        cfg.entropy_loss.name,
     ) == (strategy, policy, adv, klp, kll, ent)
     assert cfg.loss_agg_mode == "token-mean"
     assert preset.paper or key == "sft"
@@ -98,104 +99,119 @@ def test_preset_flags_and_resolved_components(key):
 
 def test_default_config_is_a_fresh_copy():
     cfg = ALGORITHM_TYPE.get("on_policy_distill").default_config()
-    cfg["advantage_fn_args"]["kl_coef"] = 99.0
-    assert ALGORITHM_TYPE.get("on_policy_distill").default_config()["advantage_fn_args"] == {"kl_coef": 1.0}
+    assert cfg["advantage"] == Component("on_policy_distill", kl_coef=1.0)
+    cfg["advantage"].args["kl_coef"] = 99.0
+    assert ALGORITHM_TYPE.get("on_policy_distill").default_config()["advantage"].args == {"kl_coef": 1.0}
+
+
+def test_a_preset_sets_components_only():
+    from trinity_trl.algorithms.presets import _preset
+
+    with pytest.raises(TypeError, match=r"preset 'x' sets \['policy_loss_fn'\]; a preset sets components"):
+        _preset("x", description="", display_name="", policy_loss_fn="ppo")
 
 
 def test_args_default_to_component_default_args_and_preset_args():
     cfg = resolve_algorithm_config("cispo")
-    assert cfg.policy_loss_fn_args == POLICY_LOSS_FN.get("cispo").default_args()
-    assert resolve_algorithm_config("on_policy_distill").advantage_fn_args == {"kl_coef": 1.0}
+    assert cfg.policy_loss.args == POLICY_LOSS_FN.get("cispo").default_args()
+    assert resolve_algorithm_config("on_policy_distill").advantage.args == {"kl_coef": 1.0}
 
 
 def test_user_args_replace_defaults_wholesale():
     # reference behaviour (docs/algorithms/presets.md#resolution step 3): clip_range is lost, so PPO cannot resolve its
-    # low bound
+    # low bound when it is built
+    replaced = resolve_algorithm_config("grpo", policy_loss={"clip_range_high": 0.28})
+    assert replaced.policy_loss.args == {"clip_range_high": 0.28}
     with pytest.raises(ValueError, match="clip"):
-        resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range_high": 0.28})
-    cfg = resolve_algorithm_config("grpo", policy_loss_fn_args={"clip_range": 0.1, "clip_range_high": 0.28})
-    assert cfg.policy_loss_fn_args == {"clip_range": 0.1, "clip_range_high": 0.28}
+        replaced.build_policy_loss()
+    cfg = resolve_algorithm_config("grpo", policy_loss={"clip_range": 0.1, "clip_range_high": 0.28})
+    assert cfg.policy_loss.args == {"clip_range": 0.1, "clip_range_high": 0.28}
 
 
 def test_merge_args_option_lays_user_args_over_defaults():
-    cfg = resolve_algorithm_config("grpo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.28})
-    assert cfg.policy_loss_fn_args["clip_range"] == 0.2
-    assert cfg.policy_loss_fn_args["clip_range_high"] == 0.28
+    cfg = resolve_algorithm_config("grpo", merge_args=True, policy_loss={"clip_range_high": 0.28})
+    assert cfg.policy_loss.args["clip_range"] == 0.2
+    assert cfg.policy_loss.args["clip_range_high"] == 0.28
     fn = cfg.build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.28)
 
 
 def test_merged_clip_range_replaces_default_specific_bounds():
-    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss_fn_args={"clip_range": 0.2}).build_policy_loss()
+    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss={"clip_range": 0.2}).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.2, 0.2)
-    fn = resolve_algorithm_config(
-        "gspo", merge_args=True, policy_loss_fn_args={"clip_range_high": 0.001}
-    ).build_policy_loss()
+    fn = resolve_algorithm_config("gspo", merge_args=True, policy_loss={"clip_range_high": 0.001}).build_policy_loss()
     assert (fn.clip_range_low, fn.clip_range_high) == (0.0003, 0.001)
 
 
 def test_global_loss_agg_mode_overrides_policy_args():
     cfg = resolve_algorithm_config("gspo")  # docs/algorithms/presets.md#resolution: GSPO's own seq-mean-token-mean is
     # overwritten
-    assert cfg.policy_loss_fn_args["loss_agg_mode"] == "token-mean"
+    assert cfg.policy_loss.args["loss_agg_mode"] == "token-mean"
     cfg = resolve_algorithm_config(
         "grpo",
         loss_agg_mode="seq-mean-token-sum",
-        policy_loss_fn_args={"clip_range": 0.2, "loss_agg_mode": "token-mean"},
+        policy_loss={"clip_range": 0.2, "loss_agg_mode": "token-mean"},
     )
-    assert cfg.policy_loss_fn_args["loss_agg_mode"] == "seq-mean-token-sum"
+    assert cfg.policy_loss.args["loss_agg_mode"] == "seq-mean-token-sum"
     assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
 
 
 def test_force_loss_agg_mode_reaches_a_replace_mode_args_dict():
     # reference: a replace-mode dict without the key keeps the loss's constructor default
-    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", policy_loss_fn_args={"clip_range": 0.2})
-    assert "loss_agg_mode" not in cfg.policy_loss_fn_args
+    cfg = resolve_algorithm_config("grpo", loss_agg_mode="seq-mean-token-sum", policy_loss={"clip_range": 0.2})
+    assert "loss_agg_mode" not in cfg.policy_loss.args
     cfg = resolve_algorithm_config(
-        "grpo", loss_agg_mode="seq-mean-token-sum", force_loss_agg_mode=True, policy_loss_fn_args={"clip_range": 0.2}
+        "grpo", loss_agg_mode="seq-mean-token-sum", force_loss_agg_mode=True, policy_loss={"clip_range": 0.2}
     )
     assert cfg.build_policy_loss().loss_agg_mode == "seq-mean-token-sum"
     cfg = resolve_algorithm_config("dpo", force_loss_agg_mode=True, loss_agg_mode="seq-mean-token-sum")
-    assert "loss_agg_mode" not in cfg.policy_loss_fn_args  # dpo has no aggregation mode
+    assert "loss_agg_mode" not in cfg.policy_loss.args  # dpo has no aggregation mode
 
 
 def test_user_component_choice_wins_and_preset_args_do_not_leak():
-    cfg = resolve_algorithm_config("grpo", policy_loss_fn="sapo", kl_loss_fn="low_var_kl", entropy_loss_fn="none")
-    assert (cfg.policy_loss_fn, cfg.kl_loss_fn, cfg.entropy_loss_fn) == ("sapo", "low_var_kl", "none")
-    cfg = resolve_algorithm_config("on_policy_distill", advantage_fn="rloo")
-    assert cfg.advantage_fn_args == {}
+    cfg = resolve_algorithm_config("grpo", policy_loss="sapo", kl_loss="low_var_kl", entropy_loss="none")
+    assert (cfg.policy_loss.name, cfg.kl_loss.name, cfg.entropy_loss.name) == ("sapo", "low_var_kl", "none")
+    cfg = resolve_algorithm_config("on_policy_distill", advantage="rloo")
+    assert cfg.advantage.args == {}
 
 
 def test_dpo_forces_two_repeats_and_a_kl_loss():
-    cfg = resolve_algorithm_config("dpo", kl_loss_fn="none", repeat_times=4)
+    cfg = resolve_algorithm_config("dpo", kl_loss="none", repeat_times=4)
     assert cfg.repeat_times == 2
-    assert cfg.kl_loss_fn == "k2"
+    assert cfg.kl_loss.name == "k2"
     assert cfg.needs_reference
 
 
 def test_needs_reference_follows_the_kl_choice():
     assert resolve_algorithm_config("grpo").needs_reference
-    assert not resolve_algorithm_config("grpo", kl_loss_fn="none").needs_reference
+    assert not resolve_algorithm_config("grpo", kl_loss="none").needs_reference
     assert not resolve_algorithm_config("asymre").needs_reference
-    assert resolve_algorithm_config("asymre", kl_penalty_fn="k1").needs_reference
+    assert resolve_algorithm_config("asymre", kl_penalty="k1").needs_reference
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"policy_loss_fn": "ppx"}, "policy loss 'ppx'"),
-        ({"kl_loss_fn": "k4"}, "KL function 'k4'"),
+        ({"policy_loss": "ppx"}, "policy loss 'ppx'"),
+        ({"kl_loss": "k4"}, "KL function 'k4'"),
         ({"loss_agg_mode": "sum"}, "loss_agg_mode"),
         # grpo computes advantages on experience groups; the error names the config field (advantage), not advantage_fn
-        ({"advantage_fn": "rloo"}, "but advantage='rloo' is a batch function"),
-        ({"policy_loss_fn_args": ["clip_range", 0.2]}, "must be a dict"),
-        ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_ratio_c": 0.5}}, "clip_ratio_c"),
-        ({"policy_loss_fn_args": {"clip_range": 0.2, "clip_rang_high": 0.3}}, "takes no argument.*clip_range_high"),
+        ({"advantage": "rloo"}, "but advantage='rloo' is a batch function"),
+        ({"policy_loss": ["clip_range", 0.2]}, "policy_loss must be a name, a mapping"),
+        ({"policy_loss": {"clip_range": 0.2, "clip_rang_high": 0.3}}, "takes no argument.*clip_range_high"),
     ],
 )
 def test_bad_configurations_fail_at_resolution(kwargs, match):
     with pytest.raises(ValueError, match=match):
         resolve_algorithm_config("grpo", **kwargs)
+
+
+def test_a_value_the_constructor_refuses_fails_when_the_component_is_built():
+    # resolution checks names and types and builds nothing; the constructor checks values (a config builds its
+    # components when it is constructed, tests/trainers/test_config.py)
+    resolved = resolve_algorithm_config("grpo", policy_loss={"clip_range": 0.2, "clip_ratio_c": 0.5})
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        resolved.build_policy_loss()
 
 
 def test_unknown_algorithm():
@@ -240,12 +256,12 @@ def test_declared_recipe_and_trainer_agree_with_the_components():
     for name in ALGORITHM_TYPE.names():
         preset = ALGORITHM_TYPE.get(name)
         config = preset.default_config()
-        loss = POLICY_LOSS_FN.get(config.get("policy_loss_fn", "ppo"))
+        loss = POLICY_LOSS_FN.get(config["policy_loss"].name)
         if "expert_mask" in loss.inputs:
             expected = ("chord", "ChordTrainer")
         elif preset.use_critic:
             expected = ("ppo", "PPOTrainer")
-        elif ADVANTAGE_FN.get(config.get("advantage_fn", "ppo")).step_wise:
+        elif ADVANTAGE_FN.get(config.get("advantage", Component("ppo")).name).step_wise:
             expected = ("step_grpo", "StepGRPOTrainer")
         else:
             expected = (

@@ -316,14 +316,14 @@ def test_component_arguments_on_the_command_line_and_in_yaml(tmp_path):
         "train",
     )
     resolved = config.resolved_algorithm()
-    assert resolved.policy_loss_fn == "cispo"
-    assert (resolved.policy_loss_fn_args["clip_range_low"], resolved.policy_loss_fn_args["clip_range_high"]) == (
+    assert resolved.policy_loss.name == "cispo"
+    assert (resolved.policy_loss.args["clip_range_low"], resolved.policy_loss.args["clip_range_high"]) == (
         0.5,
         5.0,
     )
-    assert resolved.kl_loss_fn_args["kl_coef"] == 1e-3
+    assert resolved.kl_loss.args["kl_coef"] == 1e-3
     _, config = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path), "--use_cpu", "true"], "cispo")
-    assert config.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 0.28
+    assert config.resolved_algorithm().policy_loss.args["clip_range_high"] == 0.28
     with pytest.raises(ValueError, match=r"takes no argument\(s\) \['clip_range_hi'\]"):
         parse(
             (RecipeArguments, CISPOConfig),
@@ -350,7 +350,7 @@ def test_import_registers_a_module_from_a_file(tmp_path):
             ["--import", str(plugin), "--policy_loss", "flat_ppo", "--output_dir", str(tmp_path), "--use_cpu", "true"],
             "train",
         )
-        assert config.resolved_algorithm().policy_loss_fn == "flat_ppo"
+        assert config.resolved_algorithm().policy_loss.name == "flat_ppo"
     finally:
         POLICY_LOSS_FN.unregister("flat_ppo")
     with pytest.raises(ImportError, match="no module named 'not_a_module_here'"):
@@ -381,7 +381,7 @@ def test_yaml_import_is_relative_to_the_yaml_file(tmp_path, monkeypatch):
         _, parsed = parse(
             (RecipeArguments, TrinityConfig), ["--config", str(config), "--output_dir", str(tmp_path / "o")], "train"
         )
-        assert parsed.resolved_algorithm().policy_loss_fn == "beside_ppo"
+        assert parsed.resolved_algorithm().policy_loss.name == "beside_ppo"
     finally:
         if "beside_ppo" in POLICY_LOSS_FN:
             POLICY_LOSS_FN.unregister("beside_ppo")

@@ -28,7 +28,7 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
             "mask_clip_range_high": 0.5,
         },
     )
-    args = config.resolved_algorithm().policy_loss_fn_args
+    args = config.resolved_algorithm().policy_loss.args
     assert {
         k: args[k]
         for k in (
@@ -46,11 +46,11 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
         "mask_clip_range_high": 0.5,
     }
     resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
-    assert resolved.algorithm == "cispo" and resolved.policy_loss_fn == "cispo"
-    assert resolved.kl_loss_fn == "k2"  # the preset's KL loss
+    assert resolved.algorithm == "cispo" and resolved.policy_loss.name == "cispo"
+    assert resolved.kl_loss.name == "k2"  # the preset's KL loss
     # one door: the loss's argument (the flat field of 0.1 is gone)
     given = _config(tmp_path, CISPOConfig, policy_loss={"clip_range_high": 5.0})
-    assert given.resolved_algorithm().policy_loss_fn_args["clip_range_high"] == 5.0
+    assert given.resolved_algorithm().policy_loss.args["clip_range_high"] == 5.0
     with pytest.raises(TypeError, match="clip_range_high was removed"):
         _config(tmp_path, CISPOConfig, clip_range_high=0.6)
     with pytest.raises(ValueError, match="cispo"):

@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/common.py`: components built once from a config, the processor a model name loads, the
+"""`trinity_trl/trainers/common.py`: the processor a model name loads, the
 default output folder, `*_args` fields, fused-head capture and the sequence-sharding refusal. The model card written
 by `AlgorithmCardMixin` (`trainers/card.py`): test_model_card.py."""
 
@@ -10,49 +10,8 @@ import pytest
 import torch
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
-from trinity_trl.algorithms import KL_FN, POLICY_LOSS_FN
-from trinity_trl.trainers import ChordConfig, TrinityConfig, TrinityTrainer
+from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 from trinity_trl.trainers.common import capture_fused_outputs, default_output_dir, reject_sequence_sharding
-from trinity_trl.trainers.components import Components
-
-
-# ------------------------------------------------------------------------------------------------- Components
-def test_components_are_built_from_the_resolved_algorithm():
-    algorithm = TrinityConfig(
-        **tiny_grpo_kwargs(
-            output_dir="unused", algorithm="reinforceplusplus", kl_penalty={"name": "k1", "kl_coef": 0.3}
-        )
-    ).resolved_algorithm()
-    components = Components.build(algorithm)
-    assert isinstance(components.policy_loss, POLICY_LOSS_FN.get(algorithm.policy_loss_fn))
-    assert isinstance(components.kl_penalty, KL_FN.get("k1")) and components.kl_penalty.kl_coef == 0.3
-    assert isinstance(components.kl_loss, KL_FN.get(algorithm.kl_loss_fn))
-    assert components.advantage_fn is not None and components.entropy_loss is not None
-
-
-def test_a_preset_without_advantages_gets_no_advantage_function():
-    algorithm = TrinityConfig(**tiny_grpo_kwargs(output_dir="unused", algorithm="raft")).resolved_algorithm()
-    assert Components.build(algorithm).advantage_fn is None
-
-
-def test_trainer_overrides_reach_the_policy_loss():
-    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm()
-    components = Components.build(algorithm, {"usual_sample_weight": 0.125, "expert_sample_weight": 0.5})
-    assert components.policy_loss.usual_sample_weight == 0.125
-    assert components.policy_loss.expert_sample_weight == 0.5
-
-
-def test_an_override_the_user_also_set_is_an_error():
-    user_args = {"usual_sample_weight": 1.0, "expert_sample_weight": 1.0}
-    algorithm = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", policy_loss=user_args)).resolved_algorithm()
-    with pytest.raises(
-        ValueError,
-        match=r"policy_loss sets \['expert_sample_weight', 'usual_sample_weight'\], "
-        r"which the trainer derives from its own batch geometry \(would be "
-        r"\{'expert_sample_weight': 0.5, 'usual_sample_weight': 0.25\}\); "
-        r"remove them",
-    ):
-        Components.build(algorithm, {"usual_sample_weight": 0.25, "expert_sample_weight": 0.5})
 
 
 # ---------------------------------------------------------------------------------------------- load_processor

@@ -278,10 +278,10 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
         with pytest.raises(ValueError, match=name):
             _config(tmp_path, **{name: NON_DEFAULT_VALUES[name]})  # grpo preset: ppo loss
     config = _config(tmp_path, algorithm="sapo", sapo_temperature_neg=2.0)
-    args = config.resolved_algorithm().policy_loss_fn_args
+    args = config.resolved_algorithm().policy_loss.args
     assert args["tau_neg"] == 2.0 and args["tau_pos"] == 1.0
     # a sapo policy loss in another preset honours them too
-    args = _config(tmp_path, policy_loss="sapo", sapo_temperature_pos=0.8).resolved_algorithm().policy_loss_fn_args
+    args = _config(tmp_path, policy_loss="sapo", sapo_temperature_pos=0.8).resolved_algorithm().policy_loss.args
     assert args["tau_pos"] == 0.8
     # and they are checked: tau_neg must be >= tau_pos
     with pytest.raises(ValueError, match="tau_neg"):
@@ -300,7 +300,7 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
         sapo_temperature_neg=2.0,
         policy_loss={"tau_neg": 2.0},
     )
-    assert same.resolved_algorithm().policy_loss_fn_args["tau_neg"] == 2.0
+    assert same.resolved_algorithm().policy_loss.args["tau_neg"] == 2.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
 def test_every_preset_resolves(tmp_path, algorithm):
     resolved = _config(tmp_path, algorithm=algorithm).resolved_algorithm()
     assert resolved.algorithm == algorithm
-    assert resolved.policy_loss_fn == ALGORITHM_TYPE.get(algorithm).default_config()["policy_loss_fn"]
+    assert resolved.policy_loss.name == ALGORITHM_TYPE.get(algorithm).default_config()["policy_loss"].name
 
 
 def test_unknown_algorithm(tmp_path):
@@ -376,10 +376,10 @@ def test_args_given_as_json_strings_are_parsed(tmp_path):
     )
     assert config.policy_loss.args == {"clip_range": 0.3}
     resolved = config.resolved_algorithm()
-    assert resolved.policy_loss_fn_args["clip_range"] == 0.3
-    assert resolved.advantage_fn_args["epsilon"] == 1e-5
-    assert resolved.kl_loss_fn_args["kl_coef"] == 0.01
-    assert resolved.entropy_loss_fn_args["entropy_coef"] == 0.002
+    assert resolved.policy_loss.args["clip_range"] == 0.3
+    assert resolved.advantage.args["epsilon"] == 1e-5
+    assert resolved.kl_loss.args["kl_coef"] == 0.01
+    assert resolved.entropy_loss.args["entropy_coef"] == 0.002
     with pytest.raises(ValueError, match="policy_loss is not a JSON object"):
         _config(tmp_path, policy_loss="{not json")
 
@@ -402,7 +402,7 @@ def test_trl_parser_passes_args_as_json(tmp_path):
     )
     assert config.policy_loss.args == {"clip_range": 0.3}
     resolved = config.resolved_algorithm()
-    assert resolved.policy_loss_fn == "gspo" and resolved.kl_loss_fn == "k3"
+    assert resolved.policy_loss.name == "gspo" and resolved.kl_loss.name == "k3"
     # merge mode: the user's symmetric clip_range replaces GSPO's default specific bounds
     assert resolved.build_policy_loss().clip_range_low == resolved.build_policy_loss().clip_range_high == 0.3
 
@@ -411,7 +411,7 @@ def test_merge_and_replace_semantics(tmp_path):
     merged = _config(tmp_path, policy_loss={"clip_range_high": 0.28}).resolved_algorithm()
     loss = merged.build_policy_loss()
     assert (loss.clip_range_low, loss.clip_range_high) == (0.2, 0.28)
-    assert merged.policy_loss_fn_args["clip_ratio_c"] == 3.0  # the other defaults are kept
+    assert merged.policy_loss.args["clip_ratio_c"] == 3.0  # the other defaults are kept
     with pytest.raises(ValueError, match="clip range is unresolved"):
         _config(
             tmp_path,
@@ -420,14 +420,14 @@ def test_merge_and_replace_semantics(tmp_path):
         )
     replaced = _config(tmp_path, policy_loss={"clip_range": 0.1}, component_args_mode="replace").resolved_algorithm()
     # the user's dict alone (plus the global aggregation mode, which always reaches the policy loss)
-    assert replaced.policy_loss_fn_args == {
+    assert replaced.policy_loss.args == {
         "clip_range": 0.1,
         "loss_agg_mode": "token-mean",
     }
     # without user args, both modes take default_args()
     assert (
-        _config(tmp_path, component_args_mode="replace").resolved_algorithm().policy_loss_fn_args
-        == _config(tmp_path).resolved_algorithm().policy_loss_fn_args
+        _config(tmp_path, component_args_mode="replace").resolved_algorithm().policy_loss.args
+        == _config(tmp_path).resolved_algorithm().policy_loss.args
     )
 
 
@@ -455,11 +455,11 @@ def test_component_fields_take_a_name_a_mapping_or_a_component(tmp_path):
 
     for value in ({"name": "cispo", "clip_range_high": 5.0}, Component("cispo", clip_range_high=5.0)):
         resolved = _config(tmp_path, policy_loss=value).resolved_algorithm()
-        assert resolved.policy_loss_fn == "cispo" and resolved.policy_loss_fn_args["clip_range_high"] == 5.0
+        assert resolved.policy_loss.name == "cispo" and resolved.policy_loss.args["clip_range_high"] == 5.0
     resolved = _config(tmp_path, algorithm="gspo", policy_loss={"epsilon_high": 0.3}).resolved_algorithm()
-    assert resolved.policy_loss_fn == "gspo" and resolved.policy_loss_fn_args["clip_range_high"] == 0.3
+    assert resolved.policy_loss.name == "gspo" and resolved.policy_loss.args["clip_range_high"] == 0.3
     resolved = _config(tmp_path, kl_loss="k3", entropy_loss={"entropy_coef": 0.002}).resolved_algorithm()
-    assert resolved.kl_loss_fn == "k3" and resolved.entropy_loss_fn_args["entropy_coef"] == 0.002
+    assert resolved.kl_loss.name == "k3" and resolved.entropy_loss.args["entropy_coef"] == 0.002
     assert _config(tmp_path, policy_loss="cispo").to_dict()["policy_loss"] == {"name": "cispo"}
 
 
@@ -548,7 +548,7 @@ def test_a_converted_grpo_config_trains(tmp_path, tiny_model_dir):
         model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
     )
     trainer.train()
-    assert trainer.state.global_step == 1 and trainer.algorithm.policy_loss_fn == "cispo"
+    assert trainer.state.global_step == 1 and trainer.algorithm.policy_loss.name == "cispo"
 
 
 @pytest.mark.parametrize(

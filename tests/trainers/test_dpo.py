@@ -218,12 +218,12 @@ def test_dpo_evaluates_and_model_card_names_the_algorithm(tiny_model_dir, tmp_pa
 
 def test_dpo_beta_and_label_smoothing_map_both_ways(tmp_path):
     from_fields = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), beta=0.2, label_smoothing=0.1)
-    assert from_fields.resolved_algorithm().policy_loss_fn_args == {"beta": 0.2, "label_smoothing": 0.1}
+    assert from_fields.resolved_algorithm().policy_loss.args == {"beta": 0.2, "label_smoothing": 0.1}
     from_args = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path), policy_loss='{"beta": 0.3, "label_smoothing": 0.2}')
     assert (from_args.beta, from_args.label_smoothing) == (0.3, 0.2)  # TRL's metrics use the same beta
     resolved = TrinityDPOConfig(**tiny_sft_dpo_kwargs(tmp_path)).resolved_algorithm()
-    assert resolved.kl_loss_fn == "k2" and resolved.kl_loss_fn_args["kl_coef"] == 0.001
-    assert resolved.entropy_loss_fn == "default" and resolved.entropy_loss_fn_args == {"entropy_coef": 0.0}
+    assert resolved.kl_loss.name == "k2" and resolved.kl_loss.args["kl_coef"] == 0.001
+    assert resolved.entropy_loss.name == "default" and resolved.entropy_loss.args == {"entropy_coef": 0.0}
 
 
 @pytest.mark.parametrize(

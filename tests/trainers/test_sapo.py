@@ -18,11 +18,11 @@ def _config(tmp_path, cls, **kwargs):
 
 def test_sapo_config(tmp_path):
     resolved = _config(tmp_path, SAPOConfig).resolved_algorithm()
-    assert resolved.policy_loss_fn == "sapo"
-    assert resolved.policy_loss_fn_args["form"] == "paper"
+    assert resolved.policy_loss.name == "sapo"
+    assert resolved.policy_loss.args["form"] == "paper"
     assert resolved.loss_agg_mode == "seq-mean-token-mean"
     assert resolved.build_policy_loss().loss_agg_mode == "seq-mean-token-mean"
-    assert resolved.kl_loss_fn == "none" and not resolved.needs_reference
+    assert resolved.kl_loss.name == "none" and not resolved.needs_reference
     custom = _config(
         tmp_path,
         SAPOConfig,
@@ -30,13 +30,13 @@ def test_sapo_config(tmp_path):
         sapo_temperature_neg=1.5,
         policy_loss={"form": "trinity"},
     )
-    args = custom.resolved_algorithm().policy_loss_fn_args
+    args = custom.resolved_algorithm().policy_loss.args
     assert (args["tau_pos"], args["tau_neg"], args["form"]) == (0.8, 1.5, "trinity")
     with pytest.raises(ValueError, match="form"):
         _config(tmp_path, SAPOConfig, policy_loss={"form": "bad"})
     # one door: the loss's own argument, no clash with a trainer field
     given = _config(tmp_path, SAPOConfig, policy_loss={"form": "trinity"}).resolved_algorithm()
-    assert given.policy_loss_fn_args["form"] == "trinity"
+    assert given.policy_loss.args["form"] == "trinity"
     with pytest.raises(
         TypeError, match=r"SAPOConfig: sapo_form was removed in trinity_trl 0.2; write policy_loss=\{'form'"
     ):

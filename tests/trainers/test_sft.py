@@ -128,11 +128,11 @@ def test_sft_losses_equal_library_on_the_same_logprobs(tiny_model_dir, tmp_path,
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     logps, _, mask = plain_token_logps(reference, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
-    library = POLICY_LOSS_FN.get(loss_fn)(**trainer.algorithm.policy_loss_fn_args)
+    library = POLICY_LOSS_FN.get(loss_fn)(**trainer.algorithm.policy_loss.args)
     expected, _ = library(logprob=logps, action_mask=mask)
     expected.backward()
 
-    assert trainer.algorithm.policy_loss_fn_args["loss_agg_mode"] == agg
+    assert trainer.algorithm.policy_loss.args["loss_agg_mode"] == agg
     assert loss.item() == approx(expected.item(), terms=TINY_MODEL_TERMS)  # two forwards, a mean of -log-probs
     assert_grads_close(parameter_grads(trainer.model), parameter_grads(reference))
 
@@ -263,8 +263,8 @@ def test_sft_args_merge_over_default_args(tmp_path):
     )
     resolved = args.resolved_algorithm()
     # the global loss_agg_mode wins over the loss's own key (docs/algorithms/presets.md#resolution step 4)
-    assert resolved.policy_loss_fn_args == {"cutoff_prob": 0.9, "loss_agg_mode": "token-mean"}
-    assert resolved.algorithm == "sft" and resolved.kl_loss_fn == "none" and resolved.entropy_loss_fn == "none"
+    assert resolved.policy_loss.args == {"cutoff_prob": 0.9, "loss_agg_mode": "token-mean"}
+    assert resolved.algorithm == "sft" and resolved.kl_loss.name == "none" and resolved.entropy_loss.name == "none"
 
 
 # ------------------------------------------------------------------------------- every option has an owner

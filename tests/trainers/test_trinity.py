@@ -103,10 +103,10 @@ def _expected_loss(trainer, inputs, logps, entropies):
         advantages=inputs["advantages"],
         ref_logprob=ref,
     )
-    if algorithm.entropy_loss_fn != "none":
+    if algorithm.entropy_loss.name != "none":
         entropy_term, _ = algorithm.build_entropy_loss()(entropy=entropies, action_mask=mask, loss_agg_mode=agg)
         loss = loss - entropy_term
-    if algorithm.kl_loss_fn != "none":
+    if algorithm.kl_loss.name != "none":
         kl_term, _ = algorithm.build_kl_loss().calculate_kl_loss(logps, ref, mask, agg, old_logprob=old)
         loss = loss + kl_term
     return loss
@@ -158,7 +158,7 @@ def test_preset_loss_is_the_composition_of_its_components(tmp_path, tiny_model_d
     (forward,) = trainer.recorded.logps_calls  # one forward pass, through TRL's helper
     assert trainer.recorded.loss_calls[-1].forward is forward
     logps, entropies, _aux = forward.result
-    assert (entropies is not None) == (trainer.algorithm.entropy_loss_fn != "none")
+    assert (entropies is not None) == (trainer.algorithm.entropy_loss.name != "none")
 
     expected = _expected_loss(trainer, batch, logps, entropies)
     assert torch.isfinite(expected)
@@ -200,7 +200,7 @@ def test_preset_trains_two_steps(tmp_path, tiny_model_dir, tiny_dataset, preset,
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     assert len(logs) == 2
-    metric = f"actor/{POLICY_LOSS_METRIC[trainer.algorithm.policy_loss_fn]}"
+    metric = f"actor/{POLICY_LOSS_METRIC[trainer.algorithm.policy_loss.name]}"
     for entry in logs:
         assert math.isfinite(entry["loss"]) and math.isfinite(entry[metric]), entry
         # the logged loss is the metric summed over one step's micro-batches (at most 8 of them)

@@ -311,7 +311,7 @@ def test_grpo_advantages_are_the_library_grpo_of_the_weighted_rewards(tmp_path, 
     assert per_func.shape == (2 * G, 2)
     rewards = per_func[:, 0] + 0.5 * per_func[:, 1]
 
-    expected = library_group_advantages(rewards.tolist(), G, **trainer.algorithm.advantage_fn_args)
+    expected = library_group_advantages(rewards.tolist(), G, **trainer.algorithm.advantage.args)
     # z-scores over a group of G weighted rewards, in another order; |z| < 2 sets the scale
     assert_close(batch["advantages"], torch.tensor([expected[row] for row in range(2 * G)]), terms=G, scale=2.0)
     grouped = rewards.view(-1, G)

@@ -16,6 +16,7 @@ import torch
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 from trl import GRPOConfig
 
+from trinity_trl.algorithms.component import Component
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
 from trinity_trl.training.checks import (
     check_completion_room,
@@ -51,10 +52,10 @@ class FakeAlgorithm:
     use_critic: bool = False
     compute_advantage_in_trainer: bool = False
     needs_reference: bool = True
-    policy_loss_fn: str = "my_loss"
-    advantage_fn: str = "my_advantage"
-    kl_penalty_fn: str = "none"
-    entropy_loss_fn: str = "default"
+    policy_loss: Component = field(default_factory=lambda: Component("my_loss"))
+    advantage: Component = field(default_factory=lambda: Component("my_advantage"))
+    kl_penalty: Component = field(default_factory=lambda: Component("none"))
+    entropy_loss: Component = field(default_factory=lambda: Component("default"))
 
 
 @dataclass
@@ -156,8 +157,8 @@ def test_a_kl_penalty_needs_trainer_side_advantages():
         r"advantages, but algorithm 'custom' computes advantages on experience "
         r"groups",
     ):
-        check(algorithm=FakeAlgorithm(kl_penalty_fn="k1"), components=components)
-    check(algorithm=FakeAlgorithm(kl_penalty_fn="k1", compute_advantage_in_trainer=True), components=components)
+        check(algorithm=FakeAlgorithm(kl_penalty=Component("k1")), components=components)
+    check(algorithm=FakeAlgorithm(kl_penalty=Component("k1"), compute_advantage_in_trainer=True), components=components)
 
 
 def test_an_entropy_of_expert_rows_needs_expert_rows():
@@ -167,8 +168,8 @@ def test_an_entropy_of_expert_rows_needs_expert_rows():
         match=r"entropy_loss 'mix' needs expert rows; use ChordTrainer, or "
         r"entropy_loss='default'",
     ):
-        check(algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
-    check(ExpertTrainer, algorithm=FakeAlgorithm(entropy_loss_fn="mix"), components=components)
+        check(algorithm=FakeAlgorithm(entropy_loss=Component("mix")), components=components)
+    check(ExpertTrainer, algorithm=FakeAlgorithm(entropy_loss=Component("mix")), components=components)
 
 
 def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():

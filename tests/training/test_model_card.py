@@ -102,8 +102,8 @@ def test_section_names_trainer_preset_paper_and_every_component():
     assert {"policy_loss", "loss_agg_mode"} <= set(rows) <= {*components, "loss_agg_mode"}
     for component in set(rows) & set(components):  # each listed component as resolved
         name, arguments = rows[component]
-        assert name == getattr(algorithm, f"{component}_fn"), component
-        assert json.loads(arguments) == json.loads(json.dumps(getattr(algorithm, f"{component}_fn_args"), default=str))
+        assert name == getattr(algorithm, component).name, component
+        assert json.loads(arguments) == json.loads(json.dumps(getattr(algorithm, component).args, default=str))
     assert json.loads(rows["policy_loss"][1])["mu_peak"] == 0.4
     assert rows["loss_agg_mode"] == (algorithm.loss_agg_mode, "")
 

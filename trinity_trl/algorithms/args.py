@@ -23,9 +23,8 @@ def constructor_defaults(cls: type) -> dict[str, Any]:
     """``{name: default}`` for every constructor parameter of ``cls`` that has a default, keyword-only
     ones included (``backend``, ``*args`` and ``**kwargs`` left out).
 
-    This is where a trainer config reads a component's defaults, e.g. the CHORD μ schedule::
-
-        constructor_defaults(POLICY_LOSS_FN.get("mix_chord"))["mu_peak"]  # 0.1
+    ``constructor_defaults(POLICY_LOSS_FN.get("cispo"))`` gives every default of the `cispo` loss, the documented
+    values of its arguments.
     """
     return {
         name: p.default
@@ -73,6 +72,14 @@ class ComponentArgs:
                 f"{cls.__name__}.preset_defaults names {unknown}, which are not positional-or-keyword "
                 f"constructor parameters ({', '.join(sorted(names)) or 'none'})"
             )
+
+    @classmethod
+    def merged_args(cls, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments a component is built with when a user's ``given`` arguments are laid over its
+        `default_args` (``component_args_mode="merge"``, docs/configuration.md). A component whose
+        defaults would override one of the user's arguments in its constructor (GSPO's preset clip bounds over a
+        user's symmetric ``clip_range``) drops them here."""
+        return {**cls.default_args(), **given}
 
     @classmethod
     def default_args(cls) -> dict[str, Any]:

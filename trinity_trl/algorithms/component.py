@@ -55,6 +55,15 @@ class Component:
         args = dict(value)
         return cls(args.pop("name", None), **args)
 
+    def copy(self) -> Component:
+        """A new `Component` with the same name and a copy of the arguments."""
+        return Component(self.name, **self.args)
+
+    def with_args(self, **args: Any) -> Component:
+        """A new `Component` with the same name and ``args`` laid over these arguments
+        (``component.with_args(loss_agg_mode=mode)``)."""
+        return Component(self.name, **{**self.args, **args})
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML spelling: ``{"name": ..., **args}`` (no ``name`` key when it is ``None``)."""
         return ({"name": self.name} if self.name is not None else {}) | self.args

@@ -118,9 +118,8 @@ def main() -> None:
     print(f"\n{len(ALGORITHM_TYPE)} algorithm presets:")
     for name in ALGORITHM_TYPE.names():
         cfg = ALGORITHM_TYPE.get(name).default_config()
-        print(
-            f"  {name:20s} policy_loss={cfg.get('policy_loss_fn', 'ppo'):18s} advantage={cfg.get('advantage_fn', '-')}"
-        )
+        advantage = cfg["advantage"].name if "advantage" in cfg else "-"
+        print(f"  {name:20s} policy_loss={cfg['policy_loss'].name:18s} advantage={advantage}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """KL estimators as loss and as reward penalty, with the adaptive coefficient (docs/algorithms/kl.md).
 
 Every estimator is per token, on ``(B, T)`` log-probs of the sampled tokens, in nats. One
-registry serves both uses: ``kl_loss_fn`` (a term added to the actor loss) and ``kl_penalty_fn``
+registry serves both uses: ``kl_loss`` (a term added to the actor loss) and ``kl_penalty``
 (subtracted from the token-level reward before the advantage function).
 """
 

@@ -2,17 +2,20 @@
 
 A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
 ``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
-it sets. `resolve_algorithm_config` fills in everything else as Trinity does.
+it sets, each a `Component`. `resolve_algorithm_config` fills in everything else as Trinity does and
+returns an `AlgorithmConfig` whose components are `Component` values with every argument resolved: the
+value a user wrote (``policy_loss={"name": "cispo", "clip_range_high": 5.0}``) is the value a component is
+built from, once, by `build_component`.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .advantage import ADVANTAGE_FN
-from .component import check_arguments, rename_trl_arguments
+from .component import Component, argument_types, check_arguments, rename_trl_arguments
 from .entropy import ENTROPY_LOSS_FN
 from .kl import KL_FN
 from .masked import check_loss_agg_mode
@@ -20,24 +23,29 @@ from .policy_loss import POLICY_LOSS_FN
 from .policy_loss.base import check_aggregation_contract
 from .registry import Registry
 
-# docs/algorithms/presets.md#resolution step 1: used for every field neither the user nor the preset sets
+# docs/algorithms/presets.md#resolution step 1: used for every setting neither the user nor the preset makes
 GLOBAL_DEFAULTS: dict[str, Any] = {
     "sample_strategy": "warmup",
-    "policy_loss_fn": "ppo",
-    "advantage_fn": "ppo",
-    "kl_penalty_fn": "none",
-    "kl_loss_fn": "k2",
-    "entropy_loss_fn": "default",
-    "loss_agg_mode": "token-mean",
+    "policy_loss": "ppo",
+    "advantage": "ppo",
+    "kl_penalty": "none",
+    "kl_loss": "k2",
+    "entropy_loss": "default",
 }
+#: the aggregation of every term when neither the user nor the preset chooses one
+DEFAULT_LOSS_AGG_MODE = "token-mean"
+
+#: what a component keyword of `resolve_algorithm_config` takes: a `Component`, a name, a YAML-style mapping
+#: (``{"name": "cispo", "clip_range_high": 5.0}``) or ``None`` (the preset's)
+ComponentValue = Component | str | Mapping[str, Any] | None
 
 # component field -> registry it names
 COMPONENTS: dict[str, Registry] = {
-    "policy_loss_fn": POLICY_LOSS_FN,
-    "advantage_fn": ADVANTAGE_FN,
-    "kl_penalty_fn": KL_FN,
-    "kl_loss_fn": KL_FN,
-    "entropy_loss_fn": ENTROPY_LOSS_FN,
+    "policy_loss": POLICY_LOSS_FN,
+    "advantage": ADVANTAGE_FN,
+    "kl_penalty": KL_FN,
+    "kl_loss": KL_FN,
+    "entropy_loss": ENTROPY_LOSS_FN,
 }
 
 SCHEMAS = ("sft", "dpo", "experience")
@@ -86,13 +94,15 @@ class AlgorithmType(metaclass=ConstantMeta):
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
-        """The settings this preset makes (docs/algorithms/presets.md#preset-table; footnoted components come from
-        `GLOBAL_DEFAULTS` instead)."""
+        """The settings this preset makes (docs/algorithms/presets.md#preset-table), a fresh dict: ``repeat_times``,
+        ``sample_strategy`` and each component it sets as a `Component` (``{"advantage": Component("grpo")}``);
+        components it does not set come from `GLOBAL_DEFAULTS`."""
         return {}
 
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
-        """Preset-specific adjustments applied during resolution (in place)."""
+        """Preset-specific adjustments applied during resolution (in place), after each component's name is
+        chosen (``config["kl_loss"]`` is a `Component`) and before its arguments are."""
 
 
 AlgorithmType.freeze()  # the defaults every preset inherits are constants too
@@ -113,13 +123,19 @@ def _preset(
 ):
     """Declare a preset from its table row (docs/algorithms/presets.md#preset-table)."""
 
+    unknown = sorted(set(settings) - set(COMPONENTS))
+    if unknown:
+        raise TypeError(f"preset {key!r} sets {unknown}; a preset sets components ({', '.join(COMPONENTS)})")
+
     def decorator(cls: type[AlgorithmType]) -> type[AlgorithmType]:
-        config: dict[str, Any] = {"sample_strategy": sample_strategy, **settings}
-        if repeat_times is not None:
-            config = {"repeat_times": repeat_times, **config}
-        cls.default_config = classmethod(
-            lambda c, _cfg=config: {k: (dict(v) if isinstance(v, dict) else v) for k, v in _cfg.items()}
-        )  # type: ignore[method-assign]
+        def default_config(_cls) -> dict[str, Any]:
+            config: dict[str, Any] = {} if repeat_times is None else {"repeat_times": repeat_times}
+            config["sample_strategy"] = sample_strategy
+            for name, value in settings.items():  # a fresh Component each call: nobody can change the preset's
+                config[name] = Component.parse(key, name, value).copy()
+            return config
+
+        cls.default_config = classmethod(default_config)  # type: ignore[method-assign]
         cls.description = description
         cls.paper = paper
         cls.display_name = display_name
@@ -131,8 +147,8 @@ def _preset(
     return decorator
 
 
-_RL = {"kl_penalty_fn": "none", "kl_loss_fn": "k2", "entropy_loss_fn": "default"}
-_NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "none"}
+_RL = {"kl_penalty": "none", "kl_loss": "k2", "entropy_loss": "default"}
+_NO_KL = {"kl_penalty": "none", "kl_loss": "none", "entropy_loss": "none"}
 
 
 @_preset(
@@ -140,9 +156,9 @@ _NO_KL = {"kl_penalty_fn": "none", "kl_loss_fn": "none", "entropy_loss_fn": "non
     display_name="SFT",
     description="Supervised fine-tuning on demonstrations",
     repeat_times=None,
-    policy_loss_fn="sft",
-    kl_loss_fn="none",
-    entropy_loss_fn="none",
+    policy_loss="sft",
+    kl_loss="none",
+    entropy_loss="none",
 )
 class SFTAlgorithm(AlgorithmType):
     trainer = "TrinitySFTTrainer"
@@ -158,8 +174,8 @@ class SFTAlgorithm(AlgorithmType):
     description="PPO with a value model and GAE",
     paper="arXiv:1707.06347",
     repeat_times=1,
-    policy_loss_fn="ppo",
-    advantage_fn="ppo",
+    policy_loss="ppo",
+    advantage="ppo",
     **_RL,
 )
 class PPOAlgorithm(AlgorithmType):
@@ -175,8 +191,8 @@ class PPOAlgorithm(AlgorithmType):
     paper_title="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
     description="GRPO: PPO-clip with group-normalised rewards",
     paper="arXiv:2402.03300",
-    policy_loss_fn="ppo",
-    advantage_fn="grpo",
+    policy_loss="ppo",
+    advantage="grpo",
     **_RL,
 )
 class GRPOAlgorithm(AlgorithmType):
@@ -189,8 +205,8 @@ class GRPOAlgorithm(AlgorithmType):
     paper_title="REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
     description="REINFORCE++: discounted returns, batch-whitened",
     paper="arXiv:2501.03262",
-    policy_loss_fn="ppo",
-    advantage_fn="reinforceplusplus",
+    policy_loss="ppo",
+    advantage="reinforceplusplus",
     **_RL,
 )
 class ReinforcePlusPlusAlgorithm(AlgorithmType):
@@ -203,8 +219,8 @@ class ReinforcePlusPlusAlgorithm(AlgorithmType):
     paper_title=("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs"),
     description="RLOO: leave-one-out baseline",
     paper="arXiv:2402.14740",
-    policy_loss_fn="ppo",
-    advantage_fn="rloo",
+    policy_loss="ppo",
+    advantage="rloo",
     **_RL,
 )
 class RLOOAlgorithm(AlgorithmType):
@@ -219,8 +235,8 @@ class RLOOAlgorithm(AlgorithmType):
     ),
     description="Online policy mirror descent",
     paper="arXiv:2505.17826",
-    policy_loss_fn="opmd",
-    advantage_fn="opmd",
+    policy_loss="opmd",
+    advantage="opmd",
     **_RL,
 )
 class OPMDAlgorithm(AlgorithmType):
@@ -232,8 +248,8 @@ class OPMDAlgorithm(AlgorithmType):
     display_name="AsymRE",
     description="Asymmetric REINFORCE (shifted group baseline)",
     paper="arXiv:2506.20520",
-    policy_loss_fn="opmd",
-    advantage_fn="asymre",
+    policy_loss="opmd",
+    advantage="asymre",
     **_NO_KL,
 )
 class AsymREAlgorithm(AlgorithmType):
@@ -246,9 +262,9 @@ class AsymREAlgorithm(AlgorithmType):
     paper_title="Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
     description="Direct preference optimisation",
     paper="arXiv:2305.18290",
-    policy_loss_fn="dpo",
-    kl_loss_fn="k2",
-    entropy_loss_fn="default",
+    policy_loss="dpo",
+    kl_loss="k2",
+    entropy_loss="default",
 )
 class DPOAlgorithm(AlgorithmType):
     trainer = "TrinityDPOTrainer"
@@ -259,8 +275,8 @@ class DPOAlgorithm(AlgorithmType):
     @classmethod
     def check_config(cls, config: dict[str, Any]) -> None:
         config["repeat_times"] = 2
-        if config["kl_loss_fn"] == "none":
-            config["kl_loss_fn"] = "k2"
+        if config["kl_loss"].name == "none":
+            config["kl_loss"] = Component("k2", **config["kl_loss"].args)
 
 
 @_preset(
@@ -268,8 +284,8 @@ class DPOAlgorithm(AlgorithmType):
     display_name="TOPR",
     description="Tapered off-policy REINFORCE",
     paper="arXiv:2503.14286",
-    policy_loss_fn="topr",
-    advantage_fn="reinforce",
+    policy_loss="topr",
+    advantage="reinforce",
     **_RL,
 )
 class TOPRAlgorithm(AlgorithmType):
@@ -282,8 +298,8 @@ class TOPRAlgorithm(AlgorithmType):
     paper_title="MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
     description="CISPO: clipped IS-weight policy optimisation (MiniMax-M1)",
     paper="arXiv:2506.13585",
-    policy_loss_fn="cispo",
-    advantage_fn="grpo",
+    policy_loss="cispo",
+    advantage="grpo",
     **_RL,
 )
 class CISPOAlgorithm(AlgorithmType):
@@ -296,8 +312,8 @@ class CISPOAlgorithm(AlgorithmType):
     paper_title="Group Sequence Policy Optimization",
     description="GSPO: sequence-level importance ratio",
     paper="arXiv:2507.18071",
-    policy_loss_fn="gspo",
-    advantage_fn="grpo",
+    policy_loss="gspo",
+    advantage="grpo",
     **_RL,
 )
 class GSPOAlgorithm(AlgorithmType):
@@ -310,8 +326,8 @@ class GSPOAlgorithm(AlgorithmType):
     paper_title="Soft Adaptive Policy Optimization",
     description="SAPO: soft adaptive gate instead of a hard clip",
     paper="arXiv:2511.20347",
-    policy_loss_fn="sapo",
-    advantage_fn="grpo",
+    policy_loss="sapo",
+    advantage="grpo",
     **_RL,
 )
 class SAPOAlgorithm(AlgorithmType):
@@ -329,9 +345,9 @@ class SAPOAlgorithm(AlgorithmType):
     paper="arXiv:2508.11408",
     repeat_times=8,
     sample_strategy="mix",
-    policy_loss_fn="mix",
-    advantage_fn="grpo",
-    entropy_loss_fn="mix",
+    policy_loss="mix",
+    advantage="grpo",
+    entropy_loss="mix",
 )
 class MIXAlgorithm(AlgorithmType):
     recipe = "chord"
@@ -352,9 +368,9 @@ class MIXAlgorithm(AlgorithmType):
     paper="arXiv:2508.11408",
     repeat_times=8,
     sample_strategy="mix",
-    policy_loss_fn="mix_chord",
-    advantage_fn="grpo",
-    entropy_loss_fn="mix",
+    policy_loss="mix_chord",
+    advantage="grpo",
+    entropy_loss="mix",
 )
 class MIXCHORDAlgorithm(AlgorithmType):
     recipe = "chord"
@@ -369,9 +385,9 @@ class MIXCHORDAlgorithm(AlgorithmType):
     description="RAFT: SFT on the best (rewarded) samples",
     paper="arXiv:2304.06767",
     repeat_times=None,
-    policy_loss_fn="sft",
-    kl_loss_fn="none",
-    entropy_loss_fn="none",
+    policy_loss="sft",
+    kl_loss="none",
+    entropy_loss="none",
 )
 class RAFTAlgorithm(AlgorithmType):
     use_reference = False
@@ -383,8 +399,8 @@ class RAFTAlgorithm(AlgorithmType):
     display_name="sPPO",
     description="sPPO: log-ratio policy gradient inside a trust region",
     paper="arXiv:2108.05828",
-    policy_loss_fn="sppo",
-    advantage_fn="opmd",
+    policy_loss="sppo",
+    advantage="opmd",
     **_NO_KL,
 )
 class sPPOAlgorithm(AlgorithmType):  # noqa: N801 (Trinity's name)
@@ -396,8 +412,8 @@ class sPPOAlgorithm(AlgorithmType):  # noqa: N801 (Trinity's name)
     display_name="REC",
     description="REC: group-relative REINFORCE with optional clipping",
     paper="arXiv:2509.24203",
-    policy_loss_fn="rec",
-    advantage_fn="rec",
+    policy_loss="rec",
+    advantage="rec",
     **_RL,
 )
 class RECAlgorithm(AlgorithmType):
@@ -410,8 +426,8 @@ class RECAlgorithm(AlgorithmType):
     description="Step-wise GRPO for multi-step agents (run reward broadcast to every step)",
     paper="rLLM (github.com/rllm-org/rllm)",
     repeat_times=8,
-    policy_loss_fn="ppo",
-    advantage_fn="step_wise_grpo",
+    policy_loss="ppo",
+    advantage="step_wise_grpo",
     **_RL,
 )
 class MultiStepGRPOAlgorithm(AlgorithmType):
@@ -427,9 +443,8 @@ class MultiStepGRPOAlgorithm(AlgorithmType):
     description="On-policy distillation: per-token teacher log-ratio as advantage",
     paper="arXiv:2306.13649",
     repeat_times=8,
-    policy_loss_fn="ppo",
-    advantage_fn="on_policy_distill",
-    advantage_fn_args={"kl_coef": 1.0},
+    policy_loss="ppo",
+    advantage=Component("on_policy_distill", kl_coef=1.0),
     **_NO_KL,
 )
 class OnPolicyDistillAlgorithm(AlgorithmType):
@@ -437,29 +452,28 @@ class OnPolicyDistillAlgorithm(AlgorithmType):
     compute_advantage_in_trainer = True
 
 
-def build_component(registry: Registry, name: str, args: dict[str, Any]):
-    """``registry.get(name)(**args)``; an argument the component does not take, or a value of another
-    type than its annotation, is a one-line ``ValueError`` that lists the arguments and their types."""
-    cls = registry.get(name)
-    check_arguments(registry.kind, name, cls, args)
+def build_component(registry: Registry, component: Component, **trainer_arguments: Any):
+    """The component ``component`` names, built from its arguments (and ``trainer_arguments``, constructor
+    arguments a trainer derives itself, such as CHORD's sample weights). An argument the component does not take, or
+    a value of another type than its annotation, is a one-line ``ValueError`` that lists the arguments and their
+    types; a value the constructor refuses is its own one-line ``ValueError``."""
+    cls = registry.get(component.name)
+    args = component.with_args(**trainer_arguments).args
+    check_arguments(registry.kind, component.name, cls, args)
     return cls(**args)
 
 
 @dataclass
 class AlgorithmConfig:
-    """A fully resolved algorithm: component names, their argument dicts and the preset flags."""
+    """A fully resolved algorithm (docs/algorithms/presets.md#resolution): each component a `Component` naming it
+    with every argument it is built with, the aggregation, and the preset's flags."""
 
     algorithm: str
-    policy_loss_fn: str
-    policy_loss_fn_args: dict[str, Any]
-    advantage_fn: str
-    advantage_fn_args: dict[str, Any]
-    kl_penalty_fn: str
-    kl_penalty_fn_args: dict[str, Any]
-    kl_loss_fn: str
-    kl_loss_fn_args: dict[str, Any]
-    entropy_loss_fn: str
-    entropy_loss_fn_args: dict[str, Any]
+    policy_loss: Component
+    advantage: Component
+    kl_penalty: Component
+    kl_loss: Component
+    entropy_loss: Component
     loss_agg_mode: str
     sample_strategy: str
     repeat_times: int | None
@@ -468,36 +482,48 @@ class AlgorithmConfig:
     can_balance_batch: bool
     schema: str
     uses_advantage: bool
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def needs_reference(self) -> bool:
         """Whether reference log-probs are needed: a KL term or penalty, or a loss that reads them (DPO)."""
         return (
-            KL_FN.get(self.kl_loss_fn).enabled
-            or KL_FN.get(self.kl_penalty_fn).enabled
-            or "ref_logprob" in POLICY_LOSS_FN.get(self.policy_loss_fn).inputs
+            KL_FN.get(self.kl_loss.name).enabled
+            or KL_FN.get(self.kl_penalty.name).enabled
+            or "ref_logprob" in POLICY_LOSS_FN.get(self.policy_loss.name).inputs
         )
 
-    def build_policy_loss(self, **kwargs: Any):
-        loss = build_component(POLICY_LOSS_FN, self.policy_loss_fn, {**self.policy_loss_fn_args, **kwargs})
+    def build_policy_loss(self, **trainer_arguments: Any):
+        """The policy loss, built from `policy_loss` (and ``trainer_arguments``, see `build_component`)."""
+        loss = build_component(POLICY_LOSS_FN, self.policy_loss, **trainer_arguments)
         check_aggregation_contract(loss)  # refused here, at construction, never at the first step
         return loss
 
     def build_advantage_fn(self):
-        return build_component(ADVANTAGE_FN, self.advantage_fn, self.advantage_fn_args)
+        return build_component(ADVANTAGE_FN, self.advantage)
 
     def build_kl_loss(self):
-        return build_component(KL_FN, self.kl_loss_fn, self.kl_loss_fn_args)
+        return build_component(KL_FN, self.kl_loss)
 
     def build_kl_penalty(self):
-        return build_component(KL_FN, self.kl_penalty_fn, self.kl_penalty_fn_args)
+        return build_component(KL_FN, self.kl_penalty)
 
     def build_entropy_loss(self):
-        return build_component(ENTROPY_LOSS_FN, self.entropy_loss_fn, self.entropy_loss_fn_args)
+        return build_component(ENTROPY_LOSS_FN, self.entropy_loss)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, each component in its YAML spelling (``{"name": "cispo", "clip_range_high": 0.28, ...}``)."""
+        return {name: value.to_dict() if isinstance(value, Component) else value for name, value in vars(self).items()}
+
+
+def _resolved_arguments(
+    cls: type, given: Component, preset: Component | None, merge_args: bool, kind: str
+) -> dict[str, Any]:
+    """Step 3 of docs/algorithms/presets.md#resolution for one component: the arguments it is built with."""
+    if not given.args:
+        same = preset is not None and preset.name == given.name and preset.args
+        return dict(preset.args) if same else cls.default_args()
+    args = rename_trl_arguments(kind, given.name, cls, given.args)
+    return cls.merged_args(args) if merge_args else args
 
 
 def resolve_algorithm_config(
@@ -505,106 +531,78 @@ def resolve_algorithm_config(
     *,
     merge_args: bool = False,
     force_loss_agg_mode: bool = False,
-    policy_loss_fn: str | None = None,
-    policy_loss_fn_args: dict[str, Any] | None = None,
-    advantage_fn: str | None = None,
-    advantage_fn_args: dict[str, Any] | None = None,
-    kl_penalty_fn: str | None = None,
-    kl_penalty_fn_args: dict[str, Any] | None = None,
-    kl_loss_fn: str | None = None,
-    kl_loss_fn_args: dict[str, Any] | None = None,
-    entropy_loss_fn: str | None = None,
-    entropy_loss_fn_args: dict[str, Any] | None = None,
+    policy_loss: ComponentValue = None,
+    advantage: ComponentValue = None,
+    kl_penalty: ComponentValue = None,
+    kl_loss: ComponentValue = None,
+    entropy_loss: ComponentValue = None,
     loss_agg_mode: str | None = None,
     sample_strategy: str | None = None,
     repeat_times: int | None = None,
-    construct: bool = True,
 ) -> AlgorithmConfig:
-    """Resolve a preset plus user overrides into concrete components (docs/algorithms/presets.md#resolution).
+    """Resolve a preset plus the user's components into concrete ones (docs/algorithms/presets.md#resolution).
 
-    1. Fields left ``None`` take the preset's value, else `GLOBAL_DEFAULTS`.
-    2. A component without a user args dict uses its ``default_args()`` (or the preset's args
-       for that same component). A user args dict **replaces** ``default_args()`` (reference
-       behaviour; missing keys fall back to constructor defaults) unless ``merge_args=True``, in
-       which case it is laid over ``default_args()`` (a user ``clip_range`` then also replaces the
-       default ``clip_range_low``/``clip_range_high``, so it is never silently overridden).
-    3. If ``loss_agg_mode`` is a key of the policy-loss args, the global ``loss_agg_mode`` wins. With
-       ``force_loss_agg_mode=True`` it also wins when the key is absent (a ``replace``-mode args dict
-       without it), for every loss that takes an aggregation mode, so the policy loss always
-       aggregates like the KL and entropy terms (Trinity keeps the loss's constructor default then).
-    4. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
+    Each component is a `Component` (or a bare name, or a mapping with an optional ``name`` key): ``None`` or a
+    ``Component`` without a name keeps the preset's choice; a ``Component`` without arguments uses the preset's
+    arguments for that component, else its ``default_args()``.
 
-    Every name is checked against its registry, and (``construct=True``) every component is constructed once so
-    that invalid arguments fail here, not in the first training step. A trainer resolves its validated config
-    with ``construct=False`` and builds its components itself, once.
+    1. Settings left ``None`` take the preset's value, else `GLOBAL_DEFAULTS` (`DEFAULT_LOSS_AGG_MODE`).
+    2. Preset-specific checks (DPO forces ``repeat_times=2`` and a KL loss).
+    3. A component's arguments **replace** its ``default_args()`` (reference behaviour; missing keys fall back to
+       constructor defaults) unless ``merge_args=True``, in which case they are laid over them
+       (``cls.merged_args``: a user's symmetric ``clip_range`` then also replaces GSPO's preset bounds).
+    4. If the policy loss's arguments hold a ``loss_agg_mode``, the global ``loss_agg_mode`` wins. With
+       ``force_loss_agg_mode=True`` it also wins when they do not (a ``replace``-mode component without it), for
+       every loss that takes an aggregation mode, so the policy loss always aggregates like the KL and entropy
+       terms (Trinity keeps the loss's constructor default then).
+
+    Every name is checked against its registry and every argument's name and type against the constructor's
+    signature; nothing is built here (a trainer config builds its components once, `build_component`).
     """
     preset = ALGORITHM_TYPE.get(algorithm)
     preset_cfg = preset.default_config()
-    user = {
-        "policy_loss_fn": policy_loss_fn,
-        "advantage_fn": advantage_fn,
-        "kl_penalty_fn": kl_penalty_fn,
-        "kl_loss_fn": kl_loss_fn,
-        "entropy_loss_fn": entropy_loss_fn,
-        "loss_agg_mode": loss_agg_mode,
-        "sample_strategy": sample_strategy,
-        "repeat_times": repeat_times,
+    user: dict[str, Any] = {
+        "policy_loss": policy_loss,
+        "advantage": advantage,
+        "kl_penalty": kl_penalty,
+        "kl_loss": kl_loss,
+        "entropy_loss": entropy_loss,
     }
-    user_args = {
-        "policy_loss_fn": policy_loss_fn_args,
-        "advantage_fn": advantage_fn_args,
-        "kl_penalty_fn": kl_penalty_fn_args,
-        "kl_loss_fn": kl_loss_fn_args,
-        "entropy_loss_fn": entropy_loss_fn_args,
+    config: dict[str, Any] = {
+        "sample_strategy": sample_strategy or preset_cfg.get("sample_strategy") or GLOBAL_DEFAULTS["sample_strategy"],
+        "repeat_times": repeat_times if repeat_times is not None else preset_cfg.get("repeat_times"),
     }
-    config: dict[str, Any] = {}
-    for key, value in user.items():
-        if value is not None:
-            config[key] = value
-        elif key in preset_cfg:
-            config[key] = preset_cfg[key]
-        else:
-            config[key] = GLOBAL_DEFAULTS.get(key)
-    check_loss_agg_mode(config["loss_agg_mode"])
+    for field_name, value in user.items():
+        given = Component.parse("resolve_algorithm_config", field_name, value) or Component()
+        fallback = preset_cfg.get(field_name) or Component(GLOBAL_DEFAULTS[field_name])
+        config[field_name] = Component(given.name or fallback.name, **given.args)
+    loss_agg_mode = loss_agg_mode if loss_agg_mode is not None else DEFAULT_LOSS_AGG_MODE
+    check_loss_agg_mode(loss_agg_mode)
     preset.check_config(config)
 
-    for key, registry in COMPONENTS.items():
-        name = config[key]
-        cls = registry.get(name)  # unknown name -> ValueError listing known names
-        given = user_args[key]
-        if given is not None and not isinstance(given, dict):
-            raise ValueError(f"{key}_args must be a dict, got {type(given).__name__}")
-        if given is not None:
-            given = rename_trl_arguments(registry.kind, name, cls, given)
-        if given is None:
-            preset_args = preset_cfg.get(f"{key}_args") if preset_cfg.get(key) == name else None
-            args = dict(preset_args) if preset_args is not None else cls.default_args()
-        elif merge_args:
-            defaults = cls.default_args()
-            if "clip_range" in given:
-                # a user's symmetric clip_range must not lose to default specific bounds (GSPO's 3e-4/4e-4)
-                defaults.pop("clip_range_low", None)
-                defaults.pop("clip_range_high", None)
-            args = {**defaults, **given}
-        else:
-            args = dict(given)
-        config[f"{key}_args"] = args
+    for field_name, registry in COMPONENTS.items():
+        given = config[field_name]
+        cls = registry.get(given.name)  # unknown name -> ValueError listing known names
+        args = _resolved_arguments(cls, given, preset_cfg.get(field_name), merge_args, registry.kind)
+        check_arguments(registry.kind, given.name, cls, args)
+        config[field_name] = Component(given.name, **args)
 
-    policy_args = config["policy_loss_fn_args"]
-    accepts_mode = "loss_agg_mode" in inspect.signature(POLICY_LOSS_FN.get(config["policy_loss_fn"])).parameters
-    if "loss_agg_mode" in policy_args or (force_loss_agg_mode and accepts_mode):
-        policy_args["loss_agg_mode"] = config["loss_agg_mode"]
+    policy = config["policy_loss"]
+    takes_mode = "loss_agg_mode" in argument_types(POLICY_LOSS_FN.get(policy.name))
+    if "loss_agg_mode" in policy.args or (force_loss_agg_mode and takes_mode):
+        config["policy_loss"] = policy.with_args(loss_agg_mode=loss_agg_mode)
 
-    advantage_cls = ADVANTAGE_FN.get(config["advantage_fn"])
+    advantage_cls = ADVANTAGE_FN.get(config["advantage"].name)
     if preset.uses_advantage and advantage_cls.compute_in_trainer() != preset.compute_advantage_in_trainer:
         where = "in the trainer on padded batches" if preset.compute_advantage_in_trainer else "on experience groups"
         raise ValueError(
-            f"algorithm {algorithm!r} computes advantages {where}, but advantage={config['advantage_fn']!r} "
+            f"algorithm {algorithm!r} computes advantages {where}, but advantage={config['advantage'].name!r} "
             f"is a {'batch' if advantage_cls.compute_in_trainer() else 'group'} function"
         )
 
-    resolved = AlgorithmConfig(
+    return AlgorithmConfig(
         algorithm=algorithm,
+        loss_agg_mode=loss_agg_mode,
         use_critic=preset.use_critic,
         compute_advantage_in_trainer=preset.compute_advantage_in_trainer,
         can_balance_batch=preset.can_balance_batch,
@@ -612,13 +610,3 @@ def resolve_algorithm_config(
         uses_advantage=preset.uses_advantage,
         **config,
     )
-    if not construct:
-        return resolved
-    # construct every component once so bad arguments fail at resolution time
-    resolved.build_policy_loss()
-    resolved.build_kl_loss()
-    resolved.build_kl_penalty()
-    resolved.build_entropy_loss()
-    if preset.uses_advantage:
-        resolved.build_advantage_fn()
-    return resolved

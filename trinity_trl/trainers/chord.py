@@ -15,17 +15,14 @@ import torch
 from datasets import Dataset
 from trl.trainer.utils import pad
 
-from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN
-from ..algorithms.policy_loss.chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn
+from ..algorithms import POLICY_LOSS_FN
+from ..algorithms.component import Component, argument_types
 from ..training import checks
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
-from .config import TrinityConfig, from_trl_config
+from .config import TrinityConfig, from_trl_config, preset_component
 from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
-
-# CHORD's μ schedule: the fields of ChordConfig and their defaults are the loss's own arguments
-_MU_DEFAULTS = CHORDPolicyLossFn.mu_schedule_defaults()
 
 
 def _policy_loss_class(config: TrinityConfig):
@@ -45,20 +42,23 @@ class ChordConfig(TrinityConfig):
         expert_data_ratio (`float`, *optional*, defaults to `0.25`):
             Target fraction of expert rows in the mixed batch, used when `expert_batch_size` is `None`;
             the count is rounded to a multiple of `steps_per_generation` (at least one per micro-step).
-        mu_warmup_steps (`int`, *optional*, defaults to `0`): Steps of linear warm-up of μ from 0 to `mu_peak`.
-        mu_decay_steps (`int`, *optional*, defaults to `0`): Steps of cosine decay of μ from `mu_peak` to `mu_valley`.
-        mu_peak (`float`, *optional*, defaults to `0.1`): μ at the end of the warm-up.
-        mu_valley (`float`, *optional*, defaults to `0.1`): μ after the decay.
-        enable_phi_function (`bool`, *optional*, defaults to `True`):
-            Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ); `False` uses plain SFT (CHORD-μ).
+        mu_warmup_steps (`int`, *optional*): Steps of linear warm-up of μ from 0 to `mu_peak` (the loss's default: 0).
+        mu_decay_steps (`int`, *optional*): Steps of cosine decay of μ from `mu_peak` to `mu_valley` (default 0).
+        mu_peak (`float`, *optional*): μ at the end of the warm-up (default 0.1).
+        mu_valley (`float`, *optional*): μ after the decay (default 0.1).
+        enable_phi_function (`bool`, *optional*):
+            Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ, the default); `False` uses plain SFT
+            (CHORD-μ).
         sft_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the SFT part (default: `loss_agg_mode`).
         policy_loss (`dict`, *optional*): the loss's other arguments, e.g.
             `{"grpo_loss_agg_mode": "seq-mean-token-mean"}` (aggregation of the RL (PPO) part, default:
             `loss_agg_mode`).
 
-    The paper's variants: CHORD-μ `enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9,
-    mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is constant: set it with
-    `policy_loss={"mu": ...}` (the schedule fields must then keep their defaults).
+    The μ fields are the `mix_chord` loss's arguments of the same names: a field left unset keeps the loss's default
+    (or the value given in `policy_loss`, where `policy_loss={"mu_peak": 0.9}` is the same as `mu_peak=0.9`); the
+    same argument set to two values is an error. The paper's variants: CHORD-μ `enable_phi_function=False,
+    mu_decay_steps=200, mu_peak=0.9, mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is
+    constant: set it with `policy_loss={"mu": ...}` (the schedule fields must then stay unset).
     """
 
     removed_spellings = {
@@ -73,27 +73,29 @@ class ChordConfig(TrinityConfig):
     expert_data_ratio: float = field(
         default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."}
     )
-    mu_warmup_steps: int = field(
-        default=_MU_DEFAULTS["mu_warmup_steps"], metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak)."}
+    mu_warmup_steps: int | None = field(
+        default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
     )
-    mu_decay_steps: int = field(
-        default=_MU_DEFAULTS["mu_decay_steps"], metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley)."}
+    mu_decay_steps: int | None = field(
+        default=None, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley); unset: the loss's 0."}
     )
-    mu_peak: float = field(default=_MU_DEFAULTS["mu_peak"], metadata={"help": "Peak mu."})
-    mu_valley: float = field(default=_MU_DEFAULTS["mu_valley"], metadata={"help": "Final mu."})
-    enable_phi_function: bool = field(
-        default=_MU_DEFAULTS["enable_phi_function"], metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss."}
+    mu_peak: float | None = field(default=None, metadata={"help": "Peak mu; unset: the loss's 0.1."})
+    mu_valley: float | None = field(default=None, metadata={"help": "Final mu; unset: the loss's 0.1."})
+    enable_phi_function: bool | None = field(
+        default=None, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss; unset: the loss's True."}
     )
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
 
     def __post_init__(self):
-        preset_loss = ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+        preset_loss = preset_component(self.algorithm, "policy_loss").name
         if "expert_mask" not in POLICY_LOSS_FN.get(preset_loss).inputs:
             raise ValueError(
                 f"ChordConfig trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
                 f"got algorithm={self.algorithm!r}"
             )
         super().__post_init__()
+
+    def _check_own_fields(self) -> None:
         if self.loss_normalization != "micro_batch":
             raise ValueError(
                 "ChordConfig: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert samples "
@@ -117,20 +119,32 @@ class ChordConfig(TrinityConfig):
         wanted = self.expert_data_ratio / (1.0 - self.expert_data_ratio) * rollouts
         return max(1, round(wanted / spg)) * spg
 
-    def _user_overrides(self) -> dict[str, Any]:
-        args: dict[str, Any] = {}
-        if self.sft_loss_agg_mode is not None:
-            args["sft_loss_agg_mode"] = self.sft_loss_agg_mode
-        schedule = {name: getattr(self, name) for name in MU_SCHEDULE_ARGS}
-        if _policy_loss_class(self).schedule_args == MU_SCHEDULE_ARGS:  # a loss with CHORD's schedule
-            given = self.policy_loss.args if self.policy_loss is not None else {}
-            # a field at its default leaves the key to policy_loss (policy_loss={"mu_peak": 0.9} is the same)
-            args.update({k: v for k, v in schedule.items() if k not in given or v != _MU_DEFAULTS[k]})
-        else:
-            changed = [k for k, v in schedule.items() if v != _MU_DEFAULTS[k]]
-            if changed:
-                raise ValueError(f"{changed} only apply to CHORD (mix_chord); MIX takes a constant policy_loss.mu")
-        return {"policy_loss_fn_args": args}
+    def derived_policy_loss_arguments(self) -> dict[str, Any]:
+        """The loss's per-sample weights (docs/algorithms/chord.md#normalisation), from this config's batch geometry:
+        every usual (expert) sample of an optimizer step weighs ``w = GA / (usual (expert) samples per process per
+        optimizer step)``; the trainer divides by GA, so each sample counts ``1 / B_u``."""
+        steps = self.gradient_accumulation_steps / self.steps_per_generation  # generation batches per step
+        rollouts = self.per_device_train_batch_size * self.steps_per_generation
+        return {
+            "usual_sample_weight": self.gradient_accumulation_steps / (rollouts * steps),
+            "expert_sample_weight": self.gradient_accumulation_steps / (self.local_expert_rows() * steps),
+        }
+
+    def _implied_components(self) -> dict[str, Component]:
+        schedule = Component(
+            mu_warmup_steps=self.mu_warmup_steps,
+            mu_decay_steps=self.mu_decay_steps,
+            mu_peak=self.mu_peak,
+            mu_valley=self.mu_valley,
+            enable_phi_function=self.enable_phi_function,
+            sft_loss_agg_mode=self.sft_loss_agg_mode,
+        )
+        given = {name: value for name, value in schedule.args.items() if value is not None}
+        takes = argument_types(_policy_loss_class(self))
+        misplaced = [name for name in given if name not in takes]
+        if misplaced:
+            raise ValueError(f"{misplaced} only apply to CHORD (mix_chord); MIX takes a constant policy_loss.mu")
+        return {"policy_loss": Component(**given)}
 
 
 def _expert_columns(dataset: Dataset) -> str:
@@ -181,17 +195,6 @@ class ChordTrainer(TrinityTrainer):
         self._expert_permutation: tuple[int, torch.Tensor] | None = None  # (epoch, order) of the current pass
         self._eval_policy_loss = None  # built at the first evaluation
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
-
-    def _policy_loss_overrides(self, args: ChordConfig) -> dict[str, Any]:
-        # docs/algorithms/chord.md#normalisation in TRL: every usual (expert) sample of an optimizer step weighs w = GA
-        # / (usual (expert) samples per process per optimizer step); the trainer divides by GA, so each sample counts
-        # 1/B_u
-        steps = args.gradient_accumulation_steps / args.steps_per_generation  # generation batches per step
-        rollouts = args.per_device_train_batch_size * args.steps_per_generation
-        return {
-            "usual_sample_weight": args.gradient_accumulation_steps / (rollouts * steps),
-            "expert_sample_weight": args.gradient_accumulation_steps / (args.local_expert_rows() * steps),
-        }
 
     # ---------------------------------------------------------------------------- expert rows
     def _next_expert_indices(self) -> list[int]:

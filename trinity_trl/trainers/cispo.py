@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.policy_loss.cispo import CISPOPolicyLossFn
@@ -58,10 +57,9 @@ class CISPOConfig(TrinityConfig):
 
     algorithm: str = field(default="cispo", metadata={"help": "Algorithm preset."})
 
-    def _user_overrides(self) -> dict[str, Any]:
+    def _check_own_fields(self) -> None:
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
             raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
-        return {}
 
 
 class CISPOTrainer(TrinityTrainer):

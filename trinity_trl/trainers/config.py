@@ -7,11 +7,11 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from ..algorithms import ALGORITHM_TYPE, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms import ALGORITHM_TYPE, GLOBAL_DEFAULTS, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.loss import LOSS_NORMALIZATIONS
-from .components import component_fields
+from .components import ComponentsBuiltOnce, component_fields
 from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
@@ -53,14 +53,8 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see docs/configuration.md#trls-names.
 
-# each component field -> the name of its component in the resolved algorithm (AlgorithmConfig)
-COMPONENT_FIELDS = {
-    "policy_loss": "policy_loss_fn",
-    "advantage": "advantage_fn",
-    "kl_loss": "kl_loss_fn",
-    "kl_penalty": "kl_penalty_fn",
-    "entropy_loss": "entropy_loss_fn",
-}
+# the component fields of a config, each a `Component` and the field of the same name of the resolved algorithm
+COMPONENT_FIELDS = ("policy_loss", "advantage", "kl_loss", "kl_penalty", "entropy_loss")
 ARGS_MODES = ("merge", "replace")
 
 
@@ -72,7 +66,7 @@ def _field_default(config_class: type, name: str) -> Any:
 
 
 @dataclass
-class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
+class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -228,7 +222,7 @@ class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
         check_saving_options(self)
-        component_fields(self, tuple(COMPONENT_FIELDS))
+        component_fields(self, COMPONENT_FIELDS)
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(
                 f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
@@ -249,7 +243,8 @@ class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
         self._check_replaced_fields()
-        self.resolved_algorithm(construct=True)  # validates names and arguments now, not at the first step
+        self._check_own_fields()
+        self.check_components()  # builds them now (bad names and arguments fail here), once: the trainer takes them
 
     def to_dict(self) -> dict[str, Any]:
         """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
@@ -259,8 +254,13 @@ class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
                 out[name] = out[name].to_dict()
         return out
 
-    def _user_overrides(self) -> dict[str, Any]:
-        """Hook for subclasses: component settings implied by their own options."""
+    def _check_own_fields(self) -> None:
+        """Hook for subclasses: check their own fields, after TRL's and before the components are built."""
+
+    def _implied_components(self) -> dict[str, Component]:
+        """Hook for subclasses: the components their own options imply, ``{field: Component}``. A name applies
+        when the user chose none; the arguments are laid over the user's (the same argument set to another value
+        on both sides is an error)."""
         return {}
 
     def _check_replaced_fields(self) -> None:
@@ -275,62 +275,75 @@ class TrinityConfig(RefusesRemovedSpellings, GRPOConfig):
                     f"Leave it at its default ({default!r})."
                 )
 
-    def _trl_field_arguments(self) -> dict[str, tuple[str, Any]]:
-        """The TRL fields the user set that mean an argument of the policy loss: ``{argument: (field, value)}``."""
+    def _trl_field_arguments(self) -> Component:
+        """The TRL fields the user set that mean an argument of the policy loss, as that loss's arguments
+        (``epsilon_high=0.3`` -> ``Component(clip_range_high=0.3)``); conflicting values are an error."""
         own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
-        return {
-            ours: (trl, getattr(self, trl))
-            for trl, ours in own.items()
-            if getattr(self, trl) != _field_default(type(self), trl)
-        }
+        given = self.policy_loss.args if self.policy_loss is not None else {}
+        arguments: dict[str, Any] = {}
+        for trl, ours in own.items():
+            value = getattr(self, trl)
+            if value == _field_default(type(self), trl):
+                continue
+            if ours in given and given[ours] != value:
+                raise ValueError(
+                    f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss.{ours}={given[ours]}; "
+                    "set it in one place"
+                )
+            arguments[ours] = value
+        return Component(**arguments)
 
     def _policy_loss_name(self) -> str:
         chosen = self.policy_loss.name if self.policy_loss is not None else None
-        return chosen or ALGORITHM_TYPE.get(self.algorithm).default_config().get("policy_loss_fn", "ppo")
+        return chosen or preset_component(self.algorithm, "policy_loss").name
 
     def component_name(self, name: str) -> str | None:
         """The name the user chose for component ``name`` (``"advantage"``, ...), ``None`` for the preset's."""
         value = getattr(self, name)
         return value.name if value is not None else None
 
-    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
-        """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution)."""
-        settings: dict[str, Any] = {}
-        for name, key in COMPONENT_FIELDS.items():
-            value: Component | None = getattr(self, name)
-            settings[key] = value.name if value is not None else None
-            settings[f"{key}_args"] = dict(value.args) if value is not None and value.args else None
-        settings["loss_agg_mode"] = self.loss_agg_mode
-        for key, value in self._user_overrides().items():
-            if key.endswith("_args"):
-                given = settings.get(key) or {}
-                clash = {k for k in value if k in given and given[k] != value[k]}
-                if clash:
-                    raise ValueError(
-                        f"{key} sets {sorted(clash)}, which {type(self).__name__} also sets from its own fields "
-                        f"({ {k: value[k] for k in sorted(clash)} }); set them in one place"
-                    )
-                settings[key] = {**given, **value}
-            elif settings.get(key) is None:
-                settings[key] = value
+    def _chosen(self, name: str, implied: dict[str, Component]) -> Component | None:
+        """The user's component ``name`` with what this config's own options imply laid over it."""
+        given, extra = getattr(self, name), implied.get(name)
+        if extra is None:
+            return given
+        if given is None:
+            return extra
+        clash = {k for k in extra.args if k in given.args and given.args[k] != extra.args[k]}
+        if clash:
+            raise ValueError(
+                f"{name} sets {sorted(clash)}, which {type(self).__name__} also sets from its own fields "
+                f"({ {k: extra.args[k] for k in sorted(clash)} }); set them in one place"
+            )
+        return Component(given.name or extra.name, **{**given.args, **extra.args})
+
+    def resolved_algorithm(self) -> AlgorithmConfig:
+        """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution): each
+        component the `Component` you gave (with what this config's own options imply), its name and arguments
+        completed from the preset. Nothing is built (`take_components` hands the trainer the built components)."""
+        implied = self._implied_components()
         trl_arguments = self._trl_field_arguments()
-        if trl_arguments:
-            args = dict(settings.get("policy_loss_fn_args") or {})
-            for ours, (trl, value) in trl_arguments.items():
-                if ours in args and args[ours] != value:
-                    raise ValueError(
-                        f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss.{ours}={args[ours]}; "
-                        "set it in one place"
-                    )
-                args[ours] = value
-            settings["policy_loss_fn_args"] = args
+        if trl_arguments.args:
+            implied = {
+                **implied,
+                "policy_loss": (implied.get("policy_loss") or Component()).with_args(**trl_arguments.args),
+            }
         return resolve_algorithm_config(
             self.algorithm,
             merge_args=self.component_args_mode == "merge",
             force_loss_agg_mode=True,
-            construct=construct,
-            **settings,
+            policy_loss=self._chosen("policy_loss", implied),
+            advantage=self._chosen("advantage", implied),
+            kl_loss=self._chosen("kl_loss", implied),
+            kl_penalty=self._chosen("kl_penalty", implied),
+            entropy_loss=self._chosen("entropy_loss", implied),
+            loss_agg_mode=self.loss_agg_mode,
         )
+
+
+def preset_component(algorithm: str, name: str) -> Component:
+    """The component ``name`` that preset ``algorithm`` sets, else the global default's."""
+    return ALGORITHM_TYPE.get(algorithm).default_config().get(name) or Component(GLOBAL_DEFAULTS[name])
 
 
 def _trl_base(config_class: type) -> type:

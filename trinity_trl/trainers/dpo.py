@@ -42,7 +42,7 @@ from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
 from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
-from .components import component_fields
+from .components import ComponentsBuiltOnce, component_fields
 from .config import from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
@@ -64,7 +64,7 @@ REPLACED_DPO_FIELDS: dict[str, tuple[Any, str]] = {
         0.0,
         (
             "token-level label smoothing of Trainer; for conservative DPO set label_smoothing (or "
-            "policy_loss_fn_args={'label_smoothing': ...})"
+            "policy_loss={'label_smoothing': ...})"
         ),
     ),
 }
@@ -72,7 +72,7 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 
 
 @dataclass
-class TrinityDPOConfig(RefusesRemovedSpellings, DPOConfig):
+class TrinityDPOConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, DPOConfig):
     r"""
     Configuration of [`TrinityDPOTrainer`][]: every
     [`DPOConfig`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOConfig) option, plus the `dpo` preset's KL
@@ -155,16 +155,16 @@ class TrinityDPOConfig(RefusesRemovedSpellings, DPOConfig):
                 f"{owner}: entropy_loss must not read expert rows (DPO has none), got {self.entropy_loss.name!r}"
             )
         self._sync_dpo_fields(owner)
-        algorithm = self.resolved_algorithm(construct=True)  # bad names / arguments fail here
-        if self.precompute_ref_log_probs and algorithm.kl_loss_fn_args.get("kl_coef", 0.0) != 0.0:
+        kl_loss = self.check_components().kl_loss  # built now (bad arguments fail here), once: the trainer takes them
+        if self.precompute_ref_log_probs and kl_loss.kl_coef != 0.0:
             raise ValueError(
                 f"{owner}: precompute_ref_log_probs=True keeps only the summed reference log-prob of each completion, "
-                f"so the per-token KL loss ({algorithm.kl_loss_fn}, kl_coef={algorithm.kl_loss_fn_args['kl_coef']}) "
-                "cannot be computed; set kl_loss_fn_args={'kl_coef': 0.0} or precompute_ref_log_probs=False"
+                f"so the per-token KL loss ({self.kl_loss.name}, kl_coef={kl_loss.kl_coef}) "
+                "cannot be computed; set kl_loss={'kl_coef': 0.0} or precompute_ref_log_probs=False"
             )
 
     def _sync_dpo_fields(self, owner: str) -> None:
-        """Make DPOConfig's `beta` / `label_smoothing` and `policy_loss_fn_args` say the same thing."""
+        """Make DPOConfig's `beta` / `label_smoothing` and `policy_loss`'s arguments say the same thing."""
         args = dict(self.policy_loss.args)
         for name, default in _DPO_FIELD_DEFAULTS.items():
             from_field = getattr(self, name)
@@ -179,20 +179,16 @@ class TrinityDPOConfig(RefusesRemovedSpellings, DPOConfig):
                 args[name] = from_field
         self.policy_loss = Component(self.policy_loss.name, **args)
 
-    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
+    def resolved_algorithm(self) -> AlgorithmConfig:
         """The `dpo` preset with this config's components and arguments (docs/algorithms/presets.md#resolution; args
         merged)."""
         return resolve_algorithm_config(
             "dpo",
             merge_args=True,
-            policy_loss_fn=self.policy_loss.name,
-            policy_loss_fn_args=dict(self.policy_loss.args),
-            kl_loss_fn=self.kl_loss.name,
-            kl_loss_fn_args=dict(self.kl_loss.args) or None,
-            entropy_loss_fn=self.entropy_loss.name,
-            entropy_loss_fn_args=dict(self.entropy_loss.args) or None,
+            policy_loss=self.policy_loss,
+            kl_loss=self.kl_loss,
+            entropy_loss=self.entropy_loss,
             loss_agg_mode=self.loss_agg_mode,
-            construct=construct,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,7 +225,8 @@ class TrinityDPOTrainer(AlgorithmCardMixin, CompleteCheckpoints, DPOTrainer):
         if args is None:
             args = self.config_class(output_dir=default_output_dir(model, "TrinityDPO"))
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain DPOConfig is converted
-        self.algorithm = args.resolved_algorithm()
+        components = args.take_components()  # built once, when the config was checked
+        self.algorithm = components.algorithm
         given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
@@ -237,9 +234,9 @@ class TrinityDPOTrainer(AlgorithmCardMixin, CompleteCheckpoints, DPOTrainer):
         super().__init__(**given)
         check_run(self.accelerator, self.args)
         reject_sequence_sharding(self, type(self).__name__)
-        self.policy_loss = self.algorithm.build_policy_loss()
-        self.kl_loss = self.algorithm.build_kl_loss()
-        self.entropy_loss = self.algorithm.build_entropy_loss()
+        self.policy_loss = components.policy_loss
+        self.kl_loss = components.kl_loss
+        self.entropy_loss = components.entropy_loss
         self._name, self._paper = paper_for(self.algorithm.algorithm)
         self._paper = {**DPOTrainer._paper, **self._paper}  # keep TRL's DPO citation
 

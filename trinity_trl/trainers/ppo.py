@@ -19,13 +19,13 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from ..algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
+from ..algorithms.component import Component
 from ..algorithms.masked import masked_fill_invalid, masked_mean
 from ..algorithms.value_loss import check_cliprange_value, clipped_value_loss
 from ..data.model import resolve_model
@@ -124,14 +124,14 @@ class PPOConfig(TrinityConfig):
                 "its own); use bf16=True or fp32"
             )
 
-    def _user_overrides(self) -> dict[str, Any]:
+    def _implied_components(self) -> dict[str, Component]:
         advantage = self.component_name("advantage") or "ppo"
         if not ADVANTAGE_FN.get(advantage).needs_values:
             raise ValueError(
                 f"PPOConfig trains a critic for GAE, so advantage must be 'ppo' (or another function "
                 f"of critic values), got {advantage!r}"
             )
-        return {"advantage_fn_args": {"gamma": self.gamma, "lam": self.lam}}
+        return {"advantage": Component(gamma=self.gamma, lam=self.lam)}
 
 
 class _CriticOptimizerStep(TrainerCallback):

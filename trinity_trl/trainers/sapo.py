@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..algorithms import POLICY_LOSS_FN
+from ..algorithms.component import Component
 from ..algorithms.policy_loss.sapo import SAPOPolicyLossFn
 from .config import TrinityConfig
 from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
-
-SAPO_FORMS = ("paper", "trinity")
 
 
 @dataclass
@@ -47,15 +45,12 @@ class SAPOConfig(TrinityConfig):
     loss_agg_mode: str | None = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation mode."})
     kl_loss: dict | str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
 
-    def _user_overrides(self) -> dict[str, Any]:
-        form = None
-        if self.policy_loss is None or "form" not in self.policy_loss.args:
-            form = "paper"  # this trainer's default: the SAPO paper's (and TRL's) objective
-        if form is not None and form not in SAPO_FORMS:
-            raise ValueError(f"policy_loss.form must be one of {SAPO_FORMS}, got {form!r}")
+    def _implied_components(self) -> dict[str, Component]:
         if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
             raise ValueError(f"SAPOConfig needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
-        return {"policy_loss_fn_args": {"form": form}} if form is not None else {}
+        if self.policy_loss is None or "form" not in self.policy_loss.args:
+            return {"policy_loss": Component(form="paper")}  # this trainer's default: the SAPO paper's (and TRL's)
+        return {}
 
 
 class SAPOTrainer(TrinityTrainer):

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from trl import SFTConfig, SFTTrainer
 
 from ..algorithms import POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
+from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
 from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
@@ -35,7 +36,7 @@ from ..training.model_card import paper_for
 from ..training.trl_seams import bind_trl_arguments
 from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
-from .components import component_fields
+from .components import ComponentsBuiltOnce, component_fields
 from .config import from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
@@ -55,7 +56,7 @@ REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
 
 
 @dataclass
-class TrinitySFTConfig(RefusesRemovedSpellings, SFTConfig):
+class TrinitySFTConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, SFTConfig):
     r"""
     Configuration of [`TrinitySFTTrainer`][]: every
     [`SFTConfig`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig) option, plus Trinity-RFT's SFT loss.
@@ -124,18 +125,16 @@ class TrinitySFTConfig(RefusesRemovedSpellings, SFTConfig):
                         f"{self.loss_agg_mode!r} would average over rows that are not sequences; use "
                         "loss_agg_mode='token-mean' or turn packing / padding-free off"
                     )
-        self.resolved_algorithm(construct=True)  # bad loss arguments fail here, not at the first step
+        self.check_components()  # built now (bad loss arguments fail here), once: the trainer takes them
 
-    def resolved_algorithm(self, construct: bool = False) -> AlgorithmConfig:
+    def resolved_algorithm(self) -> AlgorithmConfig:
         """The `sft` preset with this config's loss and arguments (docs/algorithms/presets.md#resolution; args
         merged)."""
         return resolve_algorithm_config(
             "sft",
             merge_args=True,
-            policy_loss_fn=self._policy_loss_name(),
-            policy_loss_fn_args=dict(self.policy_loss.args) if self.policy_loss is not None else None,
+            policy_loss=Component(self._policy_loss_name(), **(self.policy_loss.args if self.policy_loss else {})),
             loss_agg_mode=self.loss_agg_mode,
-            construct=construct,
         )
 
     def _policy_loss_name(self) -> str:
@@ -177,7 +176,8 @@ class TrinitySFTTrainer(AlgorithmCardMixin, CompleteCheckpoints, SFTTrainer):
                 f"{type(self).__name__} computes its loss from policy_loss; compute_loss_func would replace it "
                 "(choose policy_loss instead)"
             )
-        self.algorithm = args.resolved_algorithm()
+        components = args.take_components()  # built once, when the config was checked
+        self.algorithm = components.algorithm
         given = bind_trl_arguments(SFTTrainer, model, args, *pos, **kwargs)
         if given.get("compute_loss_func") is not None:  # passed positionally
             raise ValueError(f"{type(self).__name__} computes its loss from policy_loss; do not pass compute_loss_func")
@@ -187,7 +187,7 @@ class TrinitySFTTrainer(AlgorithmCardMixin, CompleteCheckpoints, SFTTrainer):
         super().__init__(**given)
         check_run(self.accelerator, self.args)
         reject_sequence_sharding(self, type(self).__name__)
-        self.policy_loss = self.algorithm.build_policy_loss()
+        self.policy_loss = components.policy_loss
         self._name, self._paper = paper_for(self.algorithm.algorithm)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -33,6 +33,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
+from ..algorithms.component import Component
 from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent
 from ..rollouts.multi_step import HISTORY_MODES
 from ..rollouts.protocols import (
@@ -149,19 +150,21 @@ class StepGRPOConfig(TrinityConfig):
             )
         super().__post_init__()
 
-    def _user_overrides(self) -> dict[str, Any]:
+    def _implied_components(self) -> dict[str, Component]:
         advantage = self.component_name("advantage") or "step_wise_grpo"
         if not ADVANTAGE_FN.get(advantage).step_wise:
             raise ValueError(
                 f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
                 f"runs and gives each step its run's score), got advantage={advantage!r}"
             )
-        args = {
-            "enable_step_norm": self.enable_step_norm,
-            "std_cal_level": self.std_cal_level,
-            "std_threshold": self.std_threshold,
+        return {
+            "advantage": Component(
+                advantage,
+                enable_step_norm=self.enable_step_norm,
+                std_cal_level=self.std_cal_level,
+                std_threshold=self.std_threshold,
+            )
         }
-        return {"advantage_fn": advantage, "advantage_fn_args": args}
 
 
 class StepGRPOTrainer(TrinityTrainer):

@@ -47,7 +47,6 @@ from ..training.trl_seams import (
 )
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
-from .components import Components
 from .config import TrinityConfig, from_trl_config
 from .machine import check_run, start_run
 
@@ -81,8 +80,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain GRPOConfig is converted
         checks.check_owned_arguments(type(self).__name__, kwargs)  # expert_dataset: ChordTrainer's, ...
         given = bind_trl_arguments(GRPOTrainer, model, reward_funcs, args, *pos, **kwargs)
-        self.algorithm = args.resolved_algorithm()
-        self.components = Components.build(self.algorithm, self._policy_loss_overrides(args))
+        self.components = args.take_components()  # built once, when the config was checked
+        self.algorithm = self.components.algorithm
         checks.check_components(
             type(self), self.algorithm, self.components, args, teacher_model, given.get("rollout_func")
         )
@@ -151,11 +150,6 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         use_concise_progress(self)  # one line per logging step, not transformers' metric dict (training/metrics)
 
     # ----------------------------------------------------------------------------- subclass hooks
-    def _policy_loss_overrides(self, args: TrinityConfig) -> dict[str, Any]:
-        """Policy-loss constructor arguments the trainer sets from its own geometry (ChordTrainer:
-        per-sample weights); they must not clash with the user's ``policy_loss_fn_args``."""
-        return {}
-
     def _training_batch(self, output: dict, inputs: list[dict], rewards: torch.Tensor, mode: str) -> dict:
         """Turn TRL's scored batch into the training batch: our advantages replace TRL's. Subclasses add
         rows (ChordTrainer: demonstrations) or expand runs into steps (StepGRPOTrainer).

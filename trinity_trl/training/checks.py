@@ -328,24 +328,25 @@ def check_components(
         )
     if policy.pairwise:
         raise ValueError(
-            f"policy loss {algorithm.policy_loss_fn!r} compares chosen/rejected pairs, not rollouts; use "
+            f"policy loss {algorithm.policy_loss.name!r} compares chosen/rejected pairs, not rollouts; use "
             "TrinityDPOTrainer (algorithm='dpo')"
         )
     if policy.needs_expert_rows and not trainer_cls.supports_expert_rows:
-        raise ValueError(f"policy loss {algorithm.policy_loss_fn!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
+        raise ValueError(f"policy loss {algorithm.policy_loss.name!r} needs expert rows; use ChordTrainer (MIX/CHORD)")
     if components.kl_penalty.enabled and not algorithm.compute_advantage_in_trainer:
         raise ValueError(
-            f"kl_penalty={algorithm.kl_penalty_fn!r} subtracts a KL from token rewards before trainer-side "
+            f"kl_penalty={algorithm.kl_penalty.name!r} subtracts a KL from token rewards before trainer-side "
             f"advantages, but algorithm {algorithm.algorithm!r} computes advantages on experience groups "
             "(use kl_loss, or a preset such as 'reinforceplusplus' or 'rloo')"
         )
     if components.entropy_loss.needs_expert_mask and not trainer_cls.supports_expert_rows:
         raise ValueError(
-            f"entropy_loss {algorithm.entropy_loss_fn!r} needs expert rows; use ChordTrainer, or entropy_loss='default'"
+            f"entropy_loss {algorithm.entropy_loss.name!r} needs expert rows; use ChordTrainer, or "
+            "entropy_loss='default'"
         )
     if args.use_vllm and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
         raise ValueError(
-            f"policy loss {algorithm.policy_loss_fn!r} with these arguments is not linear in the advantage, so TRL's "
+            f"policy loss {algorithm.policy_loss.name!r} with these arguments is not linear in the advantage, so TRL's "
             "vLLM importance-sampling weight cannot be applied through the advantages; set "
             "vllm_importance_sampling_correction=False"
         )
@@ -356,7 +357,7 @@ def check_components(
         )
     if advantage is None or not policy.reads_advantages:
         return
-    name = algorithm.advantage_fn
+    name = algorithm.advantage.name
     if advantage.needs_teacher_logprobs and teacher_model is None and rollout_func is None:
         raise ValueError(
             f"advantage {name!r} needs a teacher_model (a model or a path), or a rollout_func that "

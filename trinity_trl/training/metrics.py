@@ -161,7 +161,7 @@ def use_concise_progress(trainer: Any) -> None:
     its place stays, and a second call does nothing. ``trainer``: one of ours (it reads ``trainer.algorithm``)."""
     from ..algorithms import POLICY_LOSS_FN
 
-    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss_fn))
+    metrics = summary_metrics(POLICY_LOSS_FN.get(trainer.algorithm.policy_loss.name))
     for default, concise in ((ProgressCallback, ConciseProgress), (PrinterCallback, ConcisePrinter)):
         if any(type(cb) is default for cb in trainer.callback_handler.callbacks):
             trainer.remove_callback(default)

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, AlgorithmConfig
+from ..algorithms import ALGORITHM_TYPE, ENTROPY_LOSS_FN, KL_FN, AlgorithmConfig
 from ..data.model import BUNDLED_MODEL_HUB_ID, is_bundled_model_dir
 
 
@@ -143,7 +143,7 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
         f"Trained with `trinity_trl`'s `{trainer_name}` "
         f"using the `{algorithm.algorithm}` preset: {preset.description}.",
     ]
-    variant = POLICY_LOSS_FN.get(algorithm.policy_loss_fn).card_note(algorithm.policy_loss_fn_args)
+    variant = components.policy_loss.card_note() if components is not None else None
     if variant:
         lines.append(variant)
     if paper:
@@ -151,12 +151,9 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
     elif preset.paper:
         lines.append(f"Reference: {preset.paper}.")
     lines += ["", "| component | name | arguments |", "|---|---|---|"]
-    for component in used_components(algorithm, components):
-        args = getattr(algorithm, f"{component}_args")
-        lines.append(
-            f"| {component.removesuffix('_fn')} | `{getattr(algorithm, component)}` "
-            f"| `{json.dumps(args, sort_keys=True, default=str)}` |"
-        )
+    for field in used_components(algorithm, components):
+        component = getattr(algorithm, field)
+        lines.append(f"| {field} | `{component.name}` | `{json.dumps(component.args, sort_keys=True, default=str)}` |")
     lines.append(f"| loss_agg_mode | `{algorithm.loss_agg_mode}` | |")
     return "\n".join(lines) + "\n"
 
@@ -164,17 +161,17 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
 def used_components(algorithm: AlgorithmConfig, components: Any) -> list[str]:
     """The component fields worth listing: the policy loss always; the advantage function and KL penalty
     only for trainers that compute advantages; KL and entropy terms only when they are switched on."""
-    used = ["policy_loss_fn"]
+    used = ["policy_loss"]
     if components is not None and components.advantage_fn is not None and components.policy_loss.reads_advantages:
-        used.append("advantage_fn")
-    kl_loss = components.kl_loss if components is not None else KL_FN.get(algorithm.kl_loss_fn)
+        used.append("advantage")
+    kl_loss = components.kl_loss if components is not None else KL_FN.get(algorithm.kl_loss.name)
     if kl_loss.enabled:
-        used.append("kl_loss_fn")
+        used.append("kl_loss")
     if components is not None and components.kl_penalty.enabled:
-        used.append("kl_penalty_fn")
-    entropy = components.entropy_loss if components is not None else ENTROPY_LOSS_FN.get(algorithm.entropy_loss_fn)
+        used.append("kl_penalty")
+    entropy = components.entropy_loss if components is not None else ENTROPY_LOSS_FN.get(algorithm.entropy_loss.name)
     if entropy.enabled:
-        used.append("entropy_loss_fn")
+        used.append("entropy_loss")
     return used
 
 

@@ -248,11 +248,9 @@ def test_a_loss_defined_outside_the_package_declares_and_resolves(my_loss, polic
     assert fn.select_keys == ["completion_mask", "advantages", "ref_per_token_logps"]
     assert my_loss.default_args() == {"beta": 0.5, "loss_agg_mode": "token-mean"}
 
-    cfg = resolve_algorithm_config(
-        "grpo", policy_loss_fn="my_loss", kl_loss_fn="none", loss_agg_mode="seq-mean-token-mean"
-    )
-    assert cfg.policy_loss_fn == "my_loss"
-    assert cfg.policy_loss_fn_args == {"beta": 0.5, "loss_agg_mode": "seq-mean-token-mean"}
+    cfg = resolve_algorithm_config("grpo", policy_loss="my_loss", kl_loss="none", loss_agg_mode="seq-mean-token-mean")
+    assert cfg.policy_loss.name == "my_loss"
+    assert cfg.policy_loss.args == {"beta": 0.5, "loss_agg_mode": "seq-mean-token-mean"}
     assert cfg.needs_reference  # the loss reads reference log-probs, although no KL term does
     built = cfg.build_policy_loss()
     assert type(built) is my_loss and built.loss_agg_mode == "seq-mean-token-mean"

@@ -122,7 +122,7 @@ def test_chord_dynamic_reference_value_with_explicit_weights(policy_data):
     )
 
 
-def test_mu_schedule_defaults_are_read_from_the_signature():
+def test_mu_schedule_defaults_are_declared_in_the_signature():
     expected = {
         "mu_warmup_steps": 0,
         "mu_decay_steps": 0,
@@ -130,11 +130,21 @@ def test_mu_schedule_defaults_are_read_from_the_signature():
         "mu_valley": 0.1,
         "enable_phi_function": True,
     }
-    assert CHORDPolicyLossFn.mu_schedule_defaults() == expected
     defaults = constructor_defaults(POLICY_LOSS_FN.get("mix_chord"))
     assert {k: defaults[k] for k in expected} == expected
     assert {k: v for k, v in CHORDPolicyLossFn.default_args().items() if k in expected} == expected
-    assert CHORDPolicyLossFn.mu_schedule_defaults() is not CHORDPolicyLossFn.mu_schedule_defaults()
+
+
+def test_card_note_describes_the_loss_as_built():
+    assert CHORDPolicyLossFn(clip_range=0.2).card_note() == (
+        "Variant: CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p)); constant μ = 0.1."
+    )
+    mu = CHORDPolicyLossFn(clip_range=0.2, enable_phi_function=False, mu_decay_steps=200, mu_peak=0.9, mu_valley=0.05)
+    assert mu.card_note() == (
+        "Variant: CHORD-μ (plain SFT term); μ starts at 0.9 and decays (cosine) to 0.05 over 200 steps."
+    )
+    warm = CHORDPolicyLossFn(clip_range=0.2, mu_warmup_steps=5, mu_decay_steps=10, mu_peak=0.5)
+    assert "μ rises linearly from 0 to 0.5 over 5 steps, then decays (cosine) to 0.1 over 10 steps" in warm.card_note()
 
 
 def test_trinity_class_name_is_importable():

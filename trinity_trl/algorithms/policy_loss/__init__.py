@@ -3,12 +3,11 @@
 
 from . import chord, cispo, dpo, gspo, importance_sampling, mix, opmd, ppo, rec, sapo, sft, sppo, topr  # noqa: F401
 from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn
-from .chord import MU_SCHEDULE_ARGS, CHORDPolicyLossFn, MIXCHORDPolicyLossFn, mu_schedule_function
+from .chord import CHORDPolicyLossFn, MIXCHORDPolicyLossFn, mu_schedule_function
 from .mix import BatchGeometry, ExpertMixLossFn, MIXPolicyLossFn
 from .sft import phi_function
 
 __all__ = [
-    "MU_SCHEDULE_ARGS",
     "POLICY_LOSS_FN",
     "AggregatedLossFn",
     "BatchGeometry",

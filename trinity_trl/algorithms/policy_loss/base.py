@@ -41,8 +41,6 @@ class PolicyLossFn(ComponentArgs):
     # TRL ``GRPOConfig`` fields that mean exactly one of this loss's arguments: {TRL field: argument}.
     # Trainer configs accept them and pass them on (a field whose meaning differs is not listed).
     trl_config_fields: ClassVar[dict[str, str]] = {}
-    # constructor arguments that a trainer config sets from its own schedule fields (CHORD's μ schedule)
-    schedule_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backend: str = "trl"):
         self.backend = check_backend(backend)
@@ -65,9 +63,8 @@ class PolicyLossFn(ComponentArgs):
         ``<name>_loss``, labelled ``sft`` for an SFT-type loss and ``rl`` otherwise."""
         return {"sft" if cls.is_sft_type() else "rl": ("pg_loss", f"{cls.name}_loss")}
 
-    @classmethod
-    def card_note(cls, args: dict[str, Any]) -> str | None:
-        """One sentence for the model card about the configuration ``args`` (a variant, a schedule), or ``None``."""
+    def card_note(self) -> str | None:
+        """One sentence for the model card about this loss as built (a variant, a schedule), or ``None``."""
         return None
 
     @property

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ..args import constructor_defaults
 from .base import POLICY_LOSS_FN, PolicyLossFn
 from .mix import ExpertMixLossFn, _unit_interval
 
@@ -30,11 +29,6 @@ def mu_schedule_function(
     return (mu_peak - mu_valley) * 0.5 * (1.0 + math.cos(math.pi * (g - w) / d)) + mu_valley
 
 
-MU_SCHEDULE_ARGS = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
-"""The CHORD constructor arguments that set μ's schedule and the expert loss (their defaults:
-`CHORDPolicyLossFn.mu_schedule_defaults`)."""
-
-
 @POLICY_LOSS_FN.register("mix_chord")
 class CHORDPolicyLossFn(ExpertMixLossFn):
     """CHORD: ``(1−μ)·L_u + μ·L_e`` with μ from `mu_schedule_function` at the batch's step.
@@ -50,15 +44,12 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         Every other argument: see `ExpertMixLossFn` (the per-sample weights, or Trinity's
         batch geometry; a preset uses ``clip_range=0.2``).
 
-    These defaults are declared once, in this signature; a trainer config reads them with
-    `mu_schedule_defaults` (or ``args.constructor_defaults``).
+    These defaults are declared once, in this signature; `ChordConfig`'s μ fields of the same names are passed
+    here as they are (a field left unset keeps the default).
     """
 
     inputs = ("old_logprob", "action_mask", "advantages", "expert_mask", "step")
     preset_defaults = {"clip_range": 0.2}
-
-    # the arguments of μ's schedule, which ChordConfig sets from its own fields
-    schedule_args: ClassVar[tuple[str, ...]] = MU_SCHEDULE_ARGS
 
     def __init__(
         self,
@@ -110,18 +101,14 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
             expert_sample_weight=expert_sample_weight,
         )
 
-    @classmethod
-    def card_note(cls, args: dict[str, Any]) -> str | None:
-        """The CHORD variant of ``args`` (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""
-        if "mu_peak" not in args:  # arguments replaced without the schedule: nothing to say
-            return None
+    def card_note(self) -> str | None:
+        """The CHORD variant (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""
         variant = (
             "CHORD-φ (SFT tokens weighted by φ(p) = p(1 − p))"
-            if args.get("enable_phi_function", True)
+            if self.enable_phi_function
             else "CHORD-μ (plain SFT term)"
         )
-        peak, valley = args.get("mu_peak"), args.get("mu_valley")
-        warmup, decay = args.get("mu_warmup_steps", 0), args.get("mu_decay_steps", 0)
+        peak, valley, warmup, decay = self.mu_peak, self.mu_valley, self.mu_warmup_steps, self.mu_decay_steps
         if decay or warmup:
             schedule = (
                 f"μ rises linearly from 0 to {peak} over {warmup} steps, then "
@@ -131,13 +118,6 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         else:
             schedule = f"constant μ = {valley}"
         return f"Variant: {variant}; {schedule}."
-
-    @classmethod
-    def mu_schedule_defaults(cls) -> dict[str, Any]:
-        """``{mu_warmup_steps: 0, mu_decay_steps: 0, mu_peak: 0.1, mu_valley: 0.1, enable_phi_function: True}``,
-        read from the constructor signature (a fresh dict)."""
-        defaults = constructor_defaults(cls)
-        return {name: defaults[name] for name in MU_SCHEDULE_ARGS}
 
     def build_sft_loss_fn(self, loss_agg_mode: str) -> PolicyLossFn:
         if self.enable_phi_function:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,6 +56,15 @@ class GSPOPolicyLossFn(PolicyLossFn):
                 "gspo: loss_agg_mode=%r; GSPO is defined with 'seq-mean-token-mean' (sequence-level objective)",
                 self.loss_agg_mode,
             )
+
+    @classmethod
+    def merged_args(cls, given: Mapping[str, Any]) -> dict[str, Any]:
+        """A user's symmetric ``clip_range`` replaces the preset's bounds (`preset_defaults`), which the constructor
+        would otherwise take over it."""
+        args = super().merged_args(given)
+        if "clip_range" not in given:
+            return args
+        return {name: value for name, value in args.items() if name in given or name not in cls.preset_defaults}
 
     @property
     def sequence_level(self) -> bool:
