@@ -31,7 +31,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..rollouts import MultiStepRollout
-from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent
+from ..rollouts.agent import AGENT_PROTOCOL, FAILURE_MODES, check_agent, check_agent_generation
 from ..rollouts.multi_step import HISTORY_MODES, Run
 from ..rollouts.protocols import TOOL_PROTOCOL, resolve_protocol
 from ..rollouts.trajectories import run_from_trajectory
@@ -217,12 +217,8 @@ class StepGRPOTrainer(TrinityTrainer):
             if train_dataset is None:
                 raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
             check_agent(agent)
-            if args is not None and args.use_vllm:
-                raise NotImplementedError(
-                    "agent= generates with transformers for now: the vLLM path has not been shown to record the "
-                    "sampled token ids and log-probs exactly for agents; set use_vllm=False "
-                    "(docs/environments.md#agent-limits)"
-                )
+            if args is not None:
+                check_agent_generation(args.use_vllm, args.vllm_mode, args.vllm_tensor_parallel_size)
             protocol, classes = AGENT_PROTOCOL, {None: type(agent)}
         else:
             protocol, classes = resolve_protocol(environment_factory, tools, columns)
@@ -285,6 +281,8 @@ class StepGRPOTrainer(TrinityTrainer):
                 "DDP or ZeRO-1/2 (docs/environments.md#agent-limits)"
             )
         context = getattr(self.model.config, "max_position_embeddings", None)
+        if self.use_vllm and args.vllm_max_model_length is not None:  # vLLM fails on a longer prompt + completion
+            context = args.vllm_max_model_length if context is None else min(context, args.vllm_max_model_length)
         endpoint = PolicyEndpoint(
             self.generation,
             ChatRenderer(self.processing_class, self.chat_template, self.chat_template_kwargs),
