@@ -124,7 +124,8 @@ vllm-env: $(VLLM_STAMP)
 
 # ChordTrainer, CISPOTrainer (vLLM importance-sampling correction), StepGRPOTrainer and StepGRPOTrainer(agent=...)
 # generate with vLLM colocated on the CPU for 2 steps each, checking that every weight sync reaches vLLM and that an
-# agent's calls are trained on exactly the token ids and log-probs vLLM sampled (about 8 minutes on 2 cores).
+# agent's calls are trained on exactly the token ids and log-probs vLLM sampled (2 to 8 minutes on 2 cores, depending
+# on their load).
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm_cpu
 

@@ -68,10 +68,10 @@ def check_agent_generation(use_vllm: bool, vllm_mode: str, tensor_parallel_size:
         return
     if vllm_mode == "server":
         raise NotImplementedError(
-            "agent= cannot generate with vllm_mode='server': TRL's server generation gathers the prompts of every "
-            "process into one request in each call (a collective that all processes must enter together), while each "
-            "process answers its own agents when they ask, and its weight transfer needs NCCL, so it is not tested "
-            "here; use vllm_mode='colocate' (docs/environments.md#agent-limits)"
+            "agent= cannot generate with vllm_mode='server': TRL's server generation gathers the prompts of all "
+            "processes in every call (a collective: processes that answer their own agents at different times would "
+            "wait on each other), and its weight transfer needs NCCL, so even one process cannot be tested here; use "
+            "vllm_mode='colocate' (docs/environments.md#agent-limits)"
         )
     if tensor_parallel_size > 1:
         raise NotImplementedError(
