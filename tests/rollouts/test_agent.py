@@ -227,9 +227,15 @@ def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):
         )
     with pytest.raises(ValueError, match="needs a train_dataset"):
         StepGRPOTrainer(model=tool_model_dir, args=args, agent=calculator_agent)
-    vllm = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), use_vllm=True))
-    with pytest.raises(NotImplementedError, match="use_vllm=False .*agent-limits"):
-        StepGRPOTrainer(model=tool_model_dir, args=vllm, train_dataset=tasks(2), agent=calculator_agent)
+    # vLLM colocated with one engine per process trains (tests/vllm_cpu); what makes each generation call a
+    # collective across processes is refused before anything is loaded
+    for vllm, message in (
+        ({"vllm_mode": "server"}, "vllm_mode='server': .*collective.*NCCL.*vllm_mode='colocate' .*agent-limits"),
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2: .*collective.*=1 .*agent-limits"),
+    ):
+        refused = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), use_vllm=True, **vllm))
+        with pytest.raises(NotImplementedError, match=message):
+            StepGRPOTrainer(model=tool_model_dir, args=refused, train_dataset=tasks(2), agent=calculator_agent)
 
 
 def test_chord_trainer_refuses_agents_and_environments(tmp_path):

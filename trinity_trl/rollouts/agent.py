@@ -58,6 +58,32 @@ def check_agent(agent: Any) -> None:
         )
 
 
+def check_agent_generation(use_vllm: bool, vllm_mode: str, tensor_parallel_size: int) -> None:
+    """``NotImplementedError`` where TRL's generation cannot answer an agent endpoint.
+
+    Each process answers its own agents whenever they ask, so its generation calls must not wait for the other
+    processes. Transformers generation (DDP, ZeRO-1/2) and vLLM colocated with ``tensor_parallel_size=1`` (each process
+    its own engine) generate alone, and vLLM returns the sampled token ids and log-probs that the endpoint records.
+    The other vLLM setups make every generation call a collective (docs/environments.md#agent-limits).
+    """
+    if not use_vllm:
+        return
+    if vllm_mode == "server":
+        raise NotImplementedError(
+            "agent= cannot generate with vllm_mode='server': TRL's server generation gathers the prompts of all "
+            "processes in every call (a collective: processes that answer their own agents at different times would "
+            "wait on each other), and its weight transfer needs NCCL, so even one process cannot be tested here; use "
+            "vllm_mode='colocate' (docs/environments.md#agent-limits)"
+        )
+    if tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"agent= cannot generate with vllm_tensor_parallel_size={tensor_parallel_size}: TRL's colocated vLLM "
+            "gathers the prompts of a tensor-parallel group's processes in each call (a collective), while each "
+            "process answers its own agents when they ask; use vllm_tensor_parallel_size=1 "
+            "(docs/environments.md#agent-limits)"
+        )
+
+
 @dataclass
 class _Worker:
     """One agent run in its own thread: the thread, its event loop, the agent's task and the run's outcome."""

@@ -34,7 +34,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..algorithms.component import Component
-from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent
+from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent, check_agent_generation
 from ..rollouts.multi_step import HISTORY_MODES
 from ..rollouts.protocols import (
     Rollout,
@@ -233,12 +233,8 @@ class StepGRPOTrainer(TrinityTrainer):
             if train_dataset is None:
                 raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
             check_agent(agent)
-            if args is not None and args.use_vllm:
-                raise NotImplementedError(
-                    "agent= generates with transformers for now: the vLLM path has not been shown to record the "
-                    "sampled token ids and log-probs exactly for agents; set use_vllm=False "
-                    "(docs/environments.md#agent-limits)"
-                )
+            if args is not None:
+                check_agent_generation(args.use_vllm, args.vllm_mode, args.vllm_tensor_parallel_size)
             rollout = AgentRollout(
                 None,
                 agent,
@@ -280,6 +276,8 @@ class StepGRPOTrainer(TrinityTrainer):
             else None
         )
         context = getattr(self.model.config, "max_position_embeddings", None)
+        if self.use_vllm and args.vllm_max_model_length is not None:  # vLLM fails on a longer prompt + completion
+            context = args.vllm_max_model_length if context is None else min(context, args.vllm_max_model_length)
         return RolloutContext(
             generation=self.generation,
             processing_class=self.processing_class,
