@@ -135,3 +135,28 @@ def test_what_cannot_run_offline_is_refused_in_one_line(tmp_path, offline, monke
         VerifiersAgent(calc_env(harness))
     with pytest.raises(ValueError, match="n=1"):
         VerifiersAgent(calc_env(local_harness(tmp_path / "n")), sampling_args={"n": 2})
+
+
+def test_a_call_the_door_refuses_ends_only_its_rollout(tmp_path, tool_model_dir, offline):
+    # every call asks for max_tokens=0, which the endpoint refuses (400): verifiers' harness sees the refusal, its
+    # rollout ends with the error, and training goes on with each run failed and counted
+    agent = VerifiersAgent(calc_env(local_harness(tmp_path)), sampling_args={"max_tokens": 0})
+    kwargs = tiny_grpo_kwargs(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        shuffle_dataset=False,
+        max_completion_length=64,
+        temperature=1.0,
+        num_generations=2,
+        per_device_train_batch_size=4,
+    )
+    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+    force_turns(trainer, lambda text: "It is -1.")
+    trainer.train()
+    assert trainer.state.global_step == 1
+    runs = trainer.agent_runs
+    assert [run.outcome for run in runs] == ["error"] * 4 and all(run.reward == 0.0 for run in runs)
+    # the run's fault is verifiers' own record of the endpoint's answer, naming the refused field
+    assert all("ended before it was scored" in run.info and "max_tokens" in run.info for run in runs)
+    logs = logs_of(trainer)
+    assert logs["agent/errors"] == 4.0 and logs["agent/rejected_requests"] == 4.0 and logs["agent/requests"] == 0.0
