@@ -160,3 +160,32 @@ def test_a_call_the_door_refuses_ends_only_its_rollout(tmp_path, tool_model_dir,
     assert all("ended before it was scored" in run.info and "max_tokens" in run.info for run in runs)
     logs = logs_of(trainer)
     assert logs["agent/errors"] == 4.0 and logs["agent/rejected_requests"] == 4.0 and logs["agent/requests"] == 0.0
+
+
+def test_an_episode_of_several_runs_fails_its_rollout_in_one_line(tmp_path, tool_model_dir, offline):
+    # verifiers' best-of-n env plays its one seat n times per episode, each run with its own reward: one rollout of
+    # the door is one run, so such an episode is a failed run naming why, and training goes on
+    from verifiers.v1.envs.best_of_n.env import BestOfNEnv, BestOfNEnvConfig
+
+    config = BestOfNEnvConfig(
+        taskset={"id": "verifiers_v1_calc"},
+        agent={"runtime": {"type": "subprocess"}, "harness": local_harness(tmp_path)},
+        n=2,
+    )
+    agent = VerifiersAgent(BestOfNEnv(config))
+    kwargs = tiny_grpo_kwargs(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        shuffle_dataset=False,
+        max_completion_length=64,
+        temperature=1.0,
+        num_generations=2,
+        per_device_train_batch_size=4,
+    )
+    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+    force_turns(trainer, lambda text: "It is -1.")
+    trainer.train()
+    runs = trainer.agent_runs
+    assert [run.outcome for run in runs] == ["error"] * 4
+    assert all("played its seat 2 times (BestOfNEnv)" in run.info for run in runs)
+    assert logs_of(trainer)["agent/errors"] == 4.0

@@ -254,6 +254,11 @@ class _V1:
                 episode = await env.run_episode(task, context)
         if not episode.traces:
             raise RuntimeError(f"the verifiers episode failed: {_errors(episode.errors)}")
+        if len(episode.traces) > 1:
+            raise RuntimeError(
+                f"the verifiers episode played its seat {len(episode.traces)} times ({type(self.env).__name__}); "
+                "a rollout trains one run: the group is num_generations rollouts"
+            )
         trace = episode.traces[0]
         info: dict[str, Any] = {"metrics": dict(trace.metrics), "stop_condition": trace.stop_condition}
         if trace.errors or episode.errors:
