@@ -3,7 +3,8 @@ taskset built locally (tests/rollouts/verifiers_v1_calc.py), played by verifiers
 ``subprocess`` runtime, trained by ``StepGRPOTrainer`` offline.
 
 verifiers 0.4 is not in the project's environment: ``make test-verifiers-04`` builds ``.venv-vf04`` (verifiers 0.4,
-``uv``, and a local folder of the wheels the harness program needs) and runs this file there; elsewhere it is skipped.
+``uv``, and a local folder of the wheels the harness program needs) and runs this file there; with another verifiers
+it is skipped.
 During training every connection beyond loopback goes to a dead proxy, so nothing reaches the network.
 """
 
@@ -36,7 +37,7 @@ WHEELS = Path(os.environ.get("TRINITY_VF04_WHEELS", Path(sys.prefix) / "wheels")
 
 
 @pytest.fixture
-def offline(monkeypatch, tmp_path):
+def offline(monkeypatch):
     """Loopback only: every other HTTP(S) connection (pip, uv, httpx, openai) goes to a dead proxy."""
     for key in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.setenv(key, "http://127.0.0.1:9")
@@ -47,8 +48,7 @@ def offline(monkeypatch, tmp_path):
 
 def local_harness(tmp_path) -> dict:
     """The null harness, its uv program prepared from local sources only."""
-    if not (WHEELS / "openai").parent.is_dir() or not any(WHEELS.glob("openai-*.whl")):
-        pytest.skip(f"no local wheels of the harness program at {WHEELS} (make test-verifiers-04)")
+    assert any(WHEELS.glob("openai-*.whl")), f"no local wheels of the harness program at {WHEELS} (see the Makefile)"
     index = tmp_path / "index"
     index.mkdir(parents=True)
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
