@@ -41,6 +41,21 @@ def test_import_trinity_trl_imports_no_trainer_torch_or_trl():
     assert out == ["[]", "trinity_trl.trainers.chord True"]
 
 
+def test_importing_every_trainer_imports_no_agent_request_model():
+    """The typed request models need pydantic (the ``agents`` extra's, through FastAPI): they are imported when an
+    endpoint serves, not with the trainers (the lent GPU machine, for one, has no pydantic)."""
+    code = (
+        "import sys\n"
+        "from trinity_trl import StepGRPOTrainer, ChordTrainer, TrinityTrainer\n"
+        "import trinity_trl.rollouts, trinity_trl.packing\n"
+        "print(sorted(m for m in ('trinity_trl.rollouts.chat_request', 'fastapi') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=scaled_timeout(180)
+    ).stdout.splitlines()
+    assert out == ["[]"]
+
+
 @pytest.mark.parametrize(
     ("trainer", "argument", "owner"),
     [

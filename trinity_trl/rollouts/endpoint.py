@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_request import BodyError, parse_request
 from .generation import Generator
 
 logger = logging.getLogger(__name__)
@@ -470,6 +469,8 @@ class PolicyEndpoint:
         """The typed request of ``raw`` (`chat_request`), checked against the trainer's settings; every refusal
         is a `RequestError` naming the field, raised here, on the server's thread, before anything is
         queued for the training thread."""
+        from .chat_request import BodyError, parse_request  # pydantic: the agents extra's, imported when serving
+
         try:
             body = parse_request(raw)
         except BodyError as err:
