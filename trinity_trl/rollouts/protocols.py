@@ -307,25 +307,6 @@ class PlayedRollout:
         return [row["run"] for row in inputs]
 
 
-def environment_rollout(
-    environment_factory: Callable | dict[str, Callable] | None,
-    tools: Iterable | None,
-    columns: Iterable[str] | None,
-    max_env_steps: int,
-    history: str = "tokens",
-) -> Rollout:
-    """The rollout of ``environment_factory`` and ``tools`` (checked by `resolve_protocol`): a
-    `trinity_trl.rollouts.MultiStepRollout` for reset/step environments, a `trinity_trl.rollouts.ToolRollout` for TRL's
-    tool environments and standalone tools."""
-    from .multi_step import MultiStepRollout
-    from .trajectories import ToolRollout
-
-    protocol, classes = resolve_protocol(environment_factory, tools, columns)
-    names = sorted({cls.__qualname__ for cls in classes.values()})
-    kind = {STEP_PROTOCOL: MultiStepRollout, TOOL_PROTOCOL: ToolRollout}[protocol]
-    return kind.for_environments(environment_factory, tools, max_env_steps, history, names)
-
-
 ROLLOUT_METHODS = ("trl_arguments", "start", "generate", "runs")
 ROLLOUT_ATTRIBUTES = ("protocol", "environment_names", "max_env_steps", "history", "metrics")
 

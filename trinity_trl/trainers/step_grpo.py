@@ -35,13 +35,13 @@ from trl.trainer.utils import pad
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..algorithms.component import Component
 from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent, check_agent_generation
+from ..rollouts.choice import environment_rollout
 from ..rollouts.multi_step import HISTORY_MODES
 from ..rollouts.protocols import (
     Rollout,
     RolloutContext,
     check_rollout,
     environment_reward,  # noqa: F401 (its home until issue 37; imported from here)
-    environment_rollout,
 )
 from ..rollouts.runs import Run, TrainingRow
 from ..training import checks
