@@ -22,6 +22,7 @@ from tolerance import assert_close
 from trainers import test_step_grpo_tools as tool_tests
 from trainers.test_step_grpo_tools import Recording, force_turns, logs_of, task_of, tool_call
 
+from trinity_trl.rollouts.envs import NumberGuessEnv, number_guess_dataset
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
 tool_model_dir = tool_tests.tool_model_dir  # the tiny Qwen2 with TRL's Qwen2.5 chat template (tools)
@@ -211,6 +212,15 @@ def test_eight_concurrent_runs_with_faults_train_on(tmp_path, tool_model_dir):
 def test_bad_agent_options_fail_at_config_construction(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)), **kwargs)
+
+
+@pytest.mark.parametrize("option", [{"agent_timeout": 60.0}, {"agent_on_failure": "drop"}, {"agent_batch_window": 0.2}])
+def test_an_agent_option_without_an_agent_is_refused(tmp_path, tool_model_dir, option):
+    args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)), **option)
+    with pytest.raises(ValueError, match=f"{next(iter(option))} set, but there is no agent="):
+        StepGRPOTrainer(
+            model=tool_model_dir, args=args, train_dataset=number_guess_dataset(4), environment_factory=NumberGuessEnv
+        )
 
 
 def test_agent_is_checked_when_the_trainer_is_built(tmp_path, tool_model_dir):

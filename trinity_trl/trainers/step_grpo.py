@@ -25,7 +25,7 @@ Which of the first two an ``environment_factory`` follows is read from its class
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -89,7 +89,8 @@ class StepGRPOConfig(TrinityConfig):
             rewritten, and sequence-level losses (`gspo`, `rec` with GSPO clipping, `ppo` with sequence
             masking), fall back to one row per turn.
         agent_timeout (`float`, *optional*, defaults to `300.0`):
-            With `agent=`: seconds of its own time one agent run may take (time waiting for the policy's answers
+            With `agent=` only (this and the other two `agent_*` options, set without `agent=`, are refused when
+            the trainer is built): seconds of its own time one agent run may take (time waiting for the policy's answers
             does not count); it is then cancelled, its later calls refused, and it is scored as `agent_on_failure`
             says.
         agent_on_failure (`str`, *optional*, defaults to `"zero"`):
@@ -167,6 +168,16 @@ class StepGRPOConfig(TrinityConfig):
         }
 
 
+#: the options of `StepGRPOConfig` that only ``agent=`` reads
+AGENT_OPTIONS = ("agent_timeout", "agent_on_failure", "agent_batch_window")
+
+
+def _agent_options_set(config: StepGRPOConfig | type[StepGRPOConfig]) -> list[str]:
+    """The `AGENT_OPTIONS` that ``config`` sets to something other than their defaults."""
+    defaults = {f.name: f.default for f in fields(StepGRPOConfig)}
+    return [name for name in AGENT_OPTIONS if getattr(config, name) != defaults[name]]
+
+
 class StepGRPOTrainer(TrinityTrainer):
     """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`][]).
 
@@ -219,6 +230,11 @@ class StepGRPOTrainer(TrinityTrainer):
         train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
         config = args if args is not None else StepGRPOConfig  # its defaults when args=None (TRL builds the config)
+        if agent is None and (unused := _agent_options_set(config)):
+            raise ValueError(
+                f"{', '.join(unused)} set, but there is no agent=: the agent_* options apply to agent= runs only "
+                "(leave them at their defaults)"
+            )
         if rollout is not None:  # a Rollout of the user's (trinity_trl.rollouts.protocols.Rollout)
             if environment_factory is not None or tools or agent is not None:
                 raise ValueError(
