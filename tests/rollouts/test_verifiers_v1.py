@@ -72,20 +72,25 @@ def calc_env(harness: dict, runtime: str = "subprocess"):
     return vf.SingleAgentEnv(config)
 
 
-def test_a_verifiers_0_4_env_trains_two_steps_with_its_task_rewards(tmp_path, tool_model_dir, offline):
-    agent = VerifiersAgent(calc_env(local_harness(tmp_path)))
-    data = agent.dataset()
-    assert data["task_index"] == [0, 1]
+def recording_trainer(agent: VerifiersAgent, tmp_path, tool_model_dir, max_steps: int) -> Recording:
+    """A `Recording` StepGRPOTrainer over ``agent``'s tasks: 2 runs of each of 2 tasks a step, turns of 64 tokens."""
     kwargs = tiny_grpo_kwargs(
         output_dir=str(tmp_path / "out"),
-        max_steps=2,
+        max_steps=max_steps,
         shuffle_dataset=False,
         max_completion_length=64,
         temperature=1.0,
         num_generations=2,
         per_device_train_batch_size=4,
     )
-    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=data, agent=agent)
+    return Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+
+
+def test_a_verifiers_0_4_env_trains_two_steps_with_its_task_rewards(tmp_path, tool_model_dir, offline):
+    agent = VerifiersAgent(calc_env(local_harness(tmp_path)))
+    data = agent.dataset()
+    assert data["task_index"] == [0, 1]
+    trainer = recording_trainer(agent, tmp_path, tool_model_dir, max_steps=2)
     seen = []
 
     class ReadRuns(__import__("transformers").TrainerCallback):
@@ -141,16 +146,7 @@ def test_a_call_the_door_refuses_ends_only_its_rollout(tmp_path, tool_model_dir,
     # every call asks for max_tokens=0, which the endpoint refuses (400): verifiers' harness sees the refusal, its
     # rollout ends with the error, and training goes on with each run failed and counted
     agent = VerifiersAgent(calc_env(local_harness(tmp_path)), sampling_args={"max_tokens": 0})
-    kwargs = tiny_grpo_kwargs(
-        output_dir=str(tmp_path / "out"),
-        max_steps=1,
-        shuffle_dataset=False,
-        max_completion_length=64,
-        temperature=1.0,
-        num_generations=2,
-        per_device_train_batch_size=4,
-    )
-    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+    trainer = recording_trainer(agent, tmp_path, tool_model_dir, max_steps=1)
     force_turns(trainer, lambda text: "It is -1.")
     trainer.train()
     assert trainer.state.global_step == 1
@@ -173,16 +169,7 @@ def test_an_episode_of_several_runs_fails_its_rollout_in_one_line(tmp_path, tool
         n=2,
     )
     agent = VerifiersAgent(BestOfNEnv(config))
-    kwargs = tiny_grpo_kwargs(
-        output_dir=str(tmp_path / "out"),
-        max_steps=1,
-        shuffle_dataset=False,
-        max_completion_length=64,
-        temperature=1.0,
-        num_generations=2,
-        per_device_train_batch_size=4,
-    )
-    trainer = Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
+    trainer = recording_trainer(agent, tmp_path, tool_model_dir, max_steps=1)
     force_turns(trainer, lambda text: "It is -1.")
     trainer.train()
     runs = trainer.agent_runs
