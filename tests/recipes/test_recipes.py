@@ -157,6 +157,64 @@ def test_chord_recipe_logs_mu_and_both_losses_and_plots_them(tmp_path, tiny_mode
     assert summary(tmp_path)["accuracy_before"] is None and summary(tmp_path)["accuracy_after"] is None
 
 
+@pytest.mark.parametrize("variant", ["chord_mu", "chord_phi"])
+def test_paper_configs_from_yaml_and_the_command_line(variant, tmp_path):
+    """Issue 45: the paper's CHORD variants as bundled configs and as one option on the command line."""
+    from trinity_trl.recipes.common import RecipeArguments, UsageError, parse
+    from trinity_trl.trainers import ChordConfig
+
+    on_cpu = ["--use_cpu", "true", "--bf16", "false", "--use_vllm", "false", "--output_dir", str(tmp_path)]
+    for config in (f"{variant}_paper_gpu", f"{variant}_paper_cpu"):
+        _, parsed = parse((RecipeArguments, ChordConfig), ["--config", config, *on_cpu], "chord")
+        policy_loss = parsed.resolved_algorithm().policy_loss.args
+        assert parsed.paper_config == variant and parsed.num_generations == 8 and parsed.kl_loss.name == "none"
+        assert policy_loss["enable_phi_function"] is (variant == "chord_phi")
+        assert policy_loss["mu_decay_steps"] == (parsed.max_steps if variant == "chord_mu" else 0)
+        rows = parsed.local_expert_rows()
+        assert rows / (rows + parsed.per_device_train_batch_size * parsed.steps_per_generation) == 0.2
+    other = "chord_phi" if variant == "chord_mu" else "chord_mu"
+    _, parsed = parse(
+        (RecipeArguments, ChordConfig), ["--config", f"{other}_paper_cpu", "--paper_config", variant, *on_cpu], "chord"
+    )
+    assert parsed.paper_config == variant and parsed.mu_peak == (0.9 if variant == "chord_mu" else 0.1)
+    # a config that sets its own rollouts and mu schedule: the conflict is named, nothing is overridden
+    with pytest.raises((ValueError, UsageError), match=f"paper_config='{variant}' samples 8 rollouts per prompt"):
+        parse((RecipeArguments, ChordConfig), ["--config", "chord_cpu", "--paper_config", variant, *on_cpu], "chord")
+    with pytest.raises((ValueError, UsageError), match=rf"paper_config='{variant}' sets \w+=.*, got"):
+        parse(
+            (RecipeArguments, ChordConfig),
+            ["--config", "chord_cpu", "--paper_config", variant, "--num_generations", "8", "--expert_batch_size", "2"]
+            + ["--enable_phi_function", str(variant == "chord_mu"), *on_cpu],
+            "chord",
+        )
+
+
+def test_paper_config_recipe_trains_from_the_command_line(tmp_path, tiny_model_dir):
+    trainer = cli(
+        [
+            "chord",
+            "--config",
+            "chord_phi_paper_cpu",
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(tmp_path),
+            *RL_TINY,
+            "--num_generations",
+            "8",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_expert_rows",
+            "8",
+            "--eval_accuracy",
+            "false",
+        ]
+    )
+    log = [e for e in trainer.state.log_history if "actor/mu" in e]
+    assert [e["actor/mu"] for e in log] == [0.1, 0.1] and all("actor/expert/sft_phi_loss" in e for e in log)
+    assert [e["chord/expert_rows"] for e in log] == [2.0, 2.0] and trainer.ref_model is None
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_recipe_pushes_adapter_tokenizer_and_card_to_the_hub(name, tmp_path, tiny_model_dir, fake_hub):
     repo = f"tester/{name}-recipe"

@@ -234,6 +234,81 @@ def test_bad_chord_configs(config, match):
         ChordConfig(**tiny_grpo_kwargs(output_dir="unused", **config))
 
 
+PAPER_GEOMETRY = {"num_generations": 8, "per_device_train_batch_size": 8, "max_steps": 30}
+
+
+@pytest.mark.parametrize(
+    "variant, schedule",
+    [
+        ("chord_mu", {"mu_warmup_steps": 0, "mu_decay_steps": 30, "mu_peak": 0.9, "mu_valley": 0.05}),
+        ("chord_phi", {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1}),
+    ],
+)
+def test_paper_configs_take_the_released_values(variant, schedule):
+    """Issue 45: the paper's variants by name, with the released settings (docs/trainers/chord.md#paper): a fifth of
+    the rows demonstrations, 8 rollouts per prompt, no KL, the variant's mu schedule (CHORD-mu's decay over the run)
+    and phi."""
+    config = ChordConfig(**tiny_grpo_kwargs(output_dir="unused", **PAPER_GEOMETRY), paper_config=variant)
+    algorithm = config.resolved_algorithm()
+    assert algorithm.kl_loss.name == "none" and not algorithm.needs_reference
+    assert {k: algorithm.policy_loss.args[k] for k in schedule} == schedule
+    assert algorithm.policy_loss.args["enable_phi_function"] is (variant == "chord_phi")
+    expert, rollouts = config.local_expert_rows(), config.per_device_train_batch_size * config.steps_per_generation
+    assert expert / (expert + rollouts) == 0.2 and config.num_generations == 8
+    # the same values spelled out are accepted, and a CHORD-mu decay length of your own is the run's scaling
+    spelled_out = {"paper_config": variant, "expert_data_ratio": 0.2, **schedule}
+    assert (
+        ChordConfig(**tiny_grpo_kwargs(output_dir="unused", **PAPER_GEOMETRY), **spelled_out)
+        .resolved_algorithm()
+        .policy_loss.args
+        == algorithm.policy_loss.args
+    )
+    if variant == "chord_mu":
+        released = ChordConfig(
+            **tiny_grpo_kwargs(output_dir="unused", **PAPER_GEOMETRY), paper_config=variant, mu_decay_steps=200
+        )
+        assert released.resolved_algorithm().policy_loss.args["mu_decay_steps"] == 200
+
+
+def test_paper_config_trains_with_its_mu_phi_and_expert_share(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, tiny_model_dir, paper_config="chord_mu", **{**PAPER_GEOMETRY, "max_steps": 2})
+    assert trainer.ref_model is None  # no KL: no reference forward
+    trainer.train()
+    log = trainer.state.log_history
+    assert [e["actor/mu"] for e in log if "actor/mu" in e] == [
+        approx(mu_schedule_function(step, 0, 2, 0.9, 0.05)) for step in (1, 2)
+    ]
+    assert "actor/expert/sft_loss" in log[0] and "actor/expert/sft_phi_loss" not in log[0]
+    assert [e["chord/expert_rows"] for e in log if "chord/expert_rows" in e] == [2.0, 2.0]  # beside 8 rollouts
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"paper_config": "chord"}, r"paper_config must be one of \['chord_mu', 'chord_phi'\]"),
+        ({"num_generations": 4, "per_device_train_batch_size": 8}, "samples 8 rollouts per prompt"),
+        ({"kl_loss": {"name": "k3", "kl_coef": 0.001}}, "trains without a KL term"),
+        ({"mu_peak": 0.5}, r"sets mu_peak=0.9, got mu_peak=0.5"),
+        ({"enable_phi_function": True}, "sets enable_phi_function=False"),
+        ({"mu_warmup_steps": 10}, "sets mu_warmup_steps=0"),
+        ({"expert_data_ratio": 0.25}, "sets expert_data_ratio=0.2"),
+        ({"expert_batch_size": 4}, "a fifth of each step's rows"),
+        ({"per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "num_generations": 8}, None),
+        ({"per_device_train_batch_size": 2, "steps_per_generation": 4}, "4 expert rows beside 8 rollouts"),
+        ({"algorithm": "mix"}, "is CHORD"),
+        ({"max_steps": -1, "num_train_epochs": 1}, "decays mu over the whole run: set max_steps"),
+        ({"policy_loss": {"mu_valley": 0.0}}, "set them in one place"),
+    ],
+)
+def test_paper_config_refuses_other_values(config, match):
+    kwargs = tiny_grpo_kwargs(output_dir="unused", **{**PAPER_GEOMETRY, **config})
+    if match is None:  # a geometry whose share is exactly 0.2: accepted
+        assert ChordConfig(**kwargs, paper_config="chord_mu").local_expert_rows() == 8
+        return
+    with pytest.raises(ValueError, match=match):
+        ChordConfig(**{"paper_config": "chord_mu", **kwargs})
+
+
 def test_bad_expert_datasets(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="needs an expert_dataset"):
         ChordTrainer(

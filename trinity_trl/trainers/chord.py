@@ -29,6 +29,32 @@ def _policy_loss_class(config: TrinityConfig):
     return POLICY_LOSS_FN.get(config._policy_loss_name())
 
 
+@dataclass(frozen=True)
+class ChordPaperConfig:
+    """The settings of one CHORD variant as the paper's authors released them (Trinity-RFT's `mix_chord` example,
+    docs/trainers/chord.md#paper). ``mu_decay_steps=None``: μ decays over the whole run (``max_steps``)."""
+
+    expert_data_ratio: float
+    num_generations: int
+    mu_warmup_steps: int
+    mu_decay_steps: int | None
+    mu_peak: float
+    mu_valley: float
+    enable_phi_function: bool
+
+
+#: ``ChordConfig(paper_config=name)``: expert rows a fifth of each step's rows, 8 rollouts per prompt, no KL term, and
+#: the variant's μ / φ. CHORD-μ: plain SFT term, μ cosine from 0.9 to 0.05 without warm-up (the release decays over
+#: 200 steps; here over the run unless ``mu_decay_steps`` is set). CHORD-φ: φ-weighted SFT term, constant μ 0.1.
+PAPER_CONFIGS: dict[str, ChordPaperConfig] = {
+    "chord_mu": ChordPaperConfig(0.2, 8, 0, None, 0.9, 0.05, False),
+    "chord_phi": ChordPaperConfig(0.2, 8, 0, 0, 0.1, 0.1, True),
+}
+#: μ decay steps of the release's CHORD-μ (Trinity-RFT's example run); the paper configuration scales it to the run
+RELEASED_MU_DECAY_STEPS = 200
+DEFAULT_EXPERT_DATA_RATIO = 0.25
+
+
 @dataclass
 class ChordConfig(TrinityConfig):
     r"""
@@ -39,9 +65,15 @@ class ChordConfig(TrinityConfig):
             Expert (demonstration) rows added to each process's generation batch. Must be a multiple of
             `steps_per_generation` so every micro-batch keeps the same size. `None`: derived from
             `expert_data_ratio`.
-        expert_data_ratio (`float`, *optional*, defaults to `0.25`):
+        expert_data_ratio (`float`, *optional*, defaults to `0.25`, `0.2` with `paper_config`):
             Target fraction of expert rows in the mixed batch, used when `expert_batch_size` is `None`;
             the count is rounded to a multiple of `steps_per_generation` (at least one per micro-step).
+        paper_config (`str` or `None`, *optional*):
+            `"chord_mu"` or `"chord_phi"`: the paper's variant with the values its authors released (expert share
+            0.2, 8 rollouts per prompt, no KL term; CHORD-μ: plain SFT term, μ cosine from 0.9 to 0.05 without
+            warm-up over the whole run, `max_steps`, unless `mu_decay_steps` is set (the release decays over 200
+            steps); CHORD-φ: φ-weighted SFT term, constant μ 0.1). Unset fields take these values; a field set to
+            another value is an error, as is a batch whose expert share would not be exactly 0.2.
         mu_warmup_steps (`int`, *optional*): Steps of linear warm-up of μ from 0 to `mu_peak` (the loss's default: 0).
         mu_decay_steps (`int`, *optional*): Steps of cosine decay of μ from `mu_peak` to `mu_valley` (default 0).
         mu_peak (`float`, *optional*): μ at the end of the warm-up (default 0.1).
@@ -56,9 +88,9 @@ class ChordConfig(TrinityConfig):
 
     The μ fields are the `mix_chord` loss's arguments of the same names: a field left unset keeps the loss's default
     (or the value given in `policy_loss`, where `policy_loss={"mu_peak": 0.9}` is the same as `mu_peak=0.9`); the
-    same argument set to two values is an error. The paper's variants: CHORD-μ `enable_phi_function=False,
-    mu_decay_steps=200, mu_peak=0.9, mu_valley=0.05`; CHORD-φ the defaults (constant μ = 0.1). For MIX, μ is
-    constant: set it with `policy_loss={"mu": ...}` (the schedule fields must then stay unset).
+    same argument set to two values is an error. The paper's variants with their released settings:
+    `paper_config="chord_mu"` or `"chord_phi"`. For MIX, μ is constant: set it with `policy_loss={"mu": ...}` (the
+    schedule fields must then stay unset).
     """
 
     removed_spellings = {
@@ -70,8 +102,16 @@ class ChordConfig(TrinityConfig):
     expert_batch_size: int | None = field(
         default=None, metadata={"help": "Expert rows per process per generation batch."}
     )
-    expert_data_ratio: float = field(
-        default=0.25, metadata={"help": "Target expert fraction when expert_batch_size is None."}
+    expert_data_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Target expert fraction when expert_batch_size is None; unset 0.25 (0.2 with paper_config)."},
+    )
+    paper_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "'chord_mu' or 'chord_phi': the paper's released settings (expert share 0.2, 8 rollouts per "
+            "prompt, no KL, the variant's mu and phi; CHORD-mu decays over max_steps unless mu_decay_steps is set)."
+        },
     )
     mu_warmup_steps: int | None = field(
         default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
@@ -101,6 +141,10 @@ class ChordConfig(TrinityConfig):
                 "ChordConfig: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert samples "
                 "with their own per-sample normalisation (docs/algorithms/chord.md#normalisation)"
             )
+        if self.paper_config is not None:
+            self._apply_paper_config()
+        if self.expert_data_ratio is None:
+            self.expert_data_ratio = DEFAULT_EXPERT_DATA_RATIO
         if not 0.0 < self.expert_data_ratio < 1.0:
             raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
         spg = self.steps_per_generation
@@ -109,6 +153,53 @@ class ChordConfig(TrinityConfig):
                 f"expert_batch_size ({self.expert_batch_size}) must be a positive multiple of steps_per_generation "
                 f"({spg}); otherwise TRL's batch split would drop rows"
             )
+        if self.paper_config is not None:
+            expert, rollouts = self.local_expert_rows(), self.per_device_train_batch_size * spg
+            if expert * 4 != rollouts:  # a share of exactly 0.2: one demonstration per four rollouts
+                raise ValueError(
+                    f"paper_config={self.paper_config!r} trains a fifth of each step's rows on demonstrations: "
+                    f"{expert} expert rows beside {rollouts} rollouts per generation batch give "
+                    f"{expert / (expert + rollouts):.3f}; make per_device_train_batch_size a multiple of 4 "
+                    "(and leave expert_batch_size unset)"
+                )
+
+    def _apply_paper_config(self) -> None:
+        """Fill the unset fields with the paper variant's released values; refuse fields set to other values."""
+        if self.paper_config not in PAPER_CONFIGS:
+            raise ValueError(f"paper_config must be one of {sorted(PAPER_CONFIGS)}, got {self.paper_config!r}")
+        paper = PAPER_CONFIGS[self.paper_config]
+        owner = f"paper_config={self.paper_config!r}"
+        if self.algorithm != "mix_chord":
+            raise ValueError(f"{owner} is CHORD (algorithm='mix_chord'), got algorithm={self.algorithm!r}")
+        if self.num_generations != paper.num_generations:
+            raise ValueError(
+                f"{owner} samples {paper.num_generations} rollouts per prompt, "
+                f"got num_generations={self.num_generations}"
+            )
+        if self.kl_loss is not None and self.kl_loss.name != "none":
+            raise ValueError(f"{owner} trains without a KL term, got kl_loss={self.kl_loss.to_dict()!r}")
+        self.kl_loss = Component("none", **(self.kl_loss.args if self.kl_loss is not None else {}))
+        decay = paper.mu_decay_steps
+        if decay is None:  # CHORD-μ: the release's 200-step decay, scaled to the run
+            decay = self.mu_decay_steps if self.mu_decay_steps is not None else self.max_steps
+            if decay <= 0:
+                raise ValueError(
+                    f"{owner} decays mu over the whole run: set max_steps (or mu_decay_steps), got max_steps="
+                    f"{self.max_steps}"
+                )
+        values = {
+            "expert_data_ratio": paper.expert_data_ratio,
+            "mu_warmup_steps": paper.mu_warmup_steps,
+            "mu_decay_steps": decay,
+            "mu_peak": paper.mu_peak,
+            "mu_valley": paper.mu_valley,
+            "enable_phi_function": paper.enable_phi_function,
+        }
+        for name, value in values.items():
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise ValueError(f"{owner} sets {name}={value!r}, got {name}={given!r}; leave it unset")
+            setattr(self, name, value)
 
     def local_expert_rows(self) -> int:
         """Expert rows each process adds to one generation batch."""
