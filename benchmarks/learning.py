@@ -95,6 +95,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
+import seed_stats
 
 METHODS = ("grpo", "sft", "sft_grpo", "chord_mu", "chord_phi", "mix")
 LABELS = {
@@ -162,6 +163,8 @@ RUN_KEYS = (
     "device",
     "temperature",
 )
+# options added later: in the fingerprint only when set, so the runs recorded before they existed keep theirs
+OPTIONAL_RUN_KEYS = ("expert_ratio",)
 
 
 # ------------------------------------------------------------------------------------------ set-up
@@ -222,6 +225,12 @@ def rl_trainer(method: str, model, seed: int, lr: float, args, data: dict, outpu
     else:
         trainer_class = ChordTrainer
         extra["expert_dataset"] = data["expert"]
+        # the demonstrations' share as ChordConfig's ratio (--expert-ratio), or their count per step
+        share = (
+            {"expert_data_ratio": args.expert_ratio}
+            if args.expert_ratio is not None
+            else {"expert_batch_size": args.expert_rows}
+        )
         if method == "chord_mu":  # the paper's CHORD-mu: plain SFT term, mu decays over the run
             config = ChordConfig(
                 **rl,
@@ -231,7 +240,7 @@ def rl_trainer(method: str, model, seed: int, lr: float, args, data: dict, outpu
                 mu_valley=0.05,
                 mu_warmup_steps=0,
                 mu_decay_steps=steps,
-                expert_batch_size=args.expert_rows,
+                **share,
             )
         elif method == "chord_phi":  # the paper's CHORD-phi: p(1-p)-weighted SFT tokens, constant mu 0.1
             config = ChordConfig(
@@ -240,10 +249,10 @@ def rl_trainer(method: str, model, seed: int, lr: float, args, data: dict, outpu
                 enable_phi_function=True,
                 mu_peak=0.1,
                 mu_valley=0.1,
-                expert_batch_size=args.expert_rows,
+                **share,
             )
         elif method == "mix":
-            config = ChordConfig(**rl, algorithm="mix", expert_batch_size=args.expert_rows)
+            config = ChordConfig(**rl, algorithm="mix", **share)
         else:
             raise ValueError(method)
     if not isinstance(model, str):  # continue training an existing adapter: no new one
@@ -430,6 +439,7 @@ def run_method(
 def settings_key(args) -> str:
     """A fingerprint of the options that change what a run measures (see ``RUN_KEYS``)."""
     values = {k: getattr(args, k) for k in RUN_KEYS}
+    values.update({k: getattr(args, k) for k in OPTIONAL_RUN_KEYS if getattr(args, k, None) is not None})
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -552,10 +562,9 @@ def paired(records: list[dict], rates: dict, a: str, b: str, covered: list[str] 
         diffs = [_final(runs[a][s])[group] - _final(runs[b][s])[group] for s in seeds]
         if None in diffs:
             continue
-        mean = statistics.mean(diffs)
-        std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-        t = mean / (std / math.sqrt(len(diffs))) if std > 0 else None
-        out[group] = {"diffs": diffs, "mean": mean, "std": std, "t": t}
+        test = seed_stats.paired_t(diffs)  # the seed is the unit of replication
+        stats = {k: test[k] for k in ("mean", "t", "p", "low", "high")}
+        out[group] = {"diffs": diffs, "std": test["std"] or 0.0, **stats}
     pairs = []
     for seed in seeds:
         fa, fb = _final(runs[a][seed]), _final(runs[b][seed])
@@ -571,7 +580,7 @@ def paired(records: list[dict], rates: dict, a: str, b: str, covered: list[str] 
 
 def summarise(records: list[dict], methods: list[str], rates: dict) -> dict:
     """Per method, at its chosen rate: mean / std / min / max over seeds at each evaluated step (step 0 = base
-    model), cost, train reward and how often rollouts gave an RL signal."""
+    model), cost, train reward and the share of rollout groups that gave an RL signal (a reward spread)."""
     base = next((r for r in records if r["method"] == "base"), None)
     out = {}
     for method in methods:
@@ -602,7 +611,9 @@ def summarise(records: list[dict], methods: list[str], rates: dict) -> dict:
             "train_wall_s_per_step": statistics.mean(r["train_wall_s"] / r["steps"] for r in runs),
             "eval_cpu_s": statistics.mean(r["eval_cpu_s"] for r in runs),
             "mean_train_reward": statistics.mean(rewards) if rewards else None,
-            "rl_steps_with_signal": sum(v < 1.0 for v in zero_std) / len(zero_std) if zero_std else None,
+            # each step's share of rollout groups whose rewards differ (an RL signal), averaged over steps: a share
+            # of groups, comparable between methods with different numbers of groups per step
+            "rl_groups_with_signal": sum(1.0 - v for v in zero_std) / len(zero_std) if zero_std else None,
         }
     return out
 
@@ -752,26 +763,32 @@ def markdown(report: dict) -> str:
         lines += [
             f"## Paired comparison: {a} minus {b} (final step, seeds {pair['seeds']})",
             "",
-            "| group | per-seed differences | mean | std | paired t |",
-            "|---|---|---|---|---|",
+            "The seed is the unit of replication: every problem of a seed is scored by the same trained adapter and "
+            "the same problems recur in every seed, so the test is a paired t over the per-seed differences "
+            f"({len(pair['seeds']) - 1} degrees of freedom).",
+            "",
+            "| group | per-seed differences | mean | std | 95 % interval | paired t | two-sided p |",
+            "|---|---|---|---|---|---|---|",
         ]
         for group in GROUPS:
             if group in pair:
                 d = pair[group]
+                interval = "n/a" if d.get("low") is None else f"[{d['low']:+.3f}, {d['high']:+.3f}]"
                 lines.append(
                     f"| {group} | {', '.join(f'{x:+.3f}' for x in d['diffs'])} | {d['mean']:+.3f} | {d['std']:.3f} | "
-                    f"{bc.fmt(d['t'], '.2f')} |"
+                    f"{interval} | {bc.fmt(d['t'], '.2f')} | {bc.fmt(d.get('p'), '.2f')} |"
                 )
         p = pair["problems"]
         lines += [
             "",
-            f"Pooled over seeds and held-out problems: {p['only_a']} solved by {a} only, {p['only_b']} by {b} only; "
-            f"exact two-sided sign test p = {p['sign_test_p']:.3g}.",
+            f"Descriptive only (not a test of the methods: it counts each problem of each seed as independent, which "
+            f"they are not): pooled over seeds and held-out problems, {p['only_a']} solved by {a} only, "
+            f"{p['only_b']} by {b} only (an exact sign test on these counts would give p = {p['sign_test_p']:.3g}).",
             "",
         ]
         if pair.get("problems_by_group"):
             lines += [
-                "Exact sign test per template group (pooled over seeds and the group's held-out problems):",
+                "The same counts per template group (descriptive, as above):",
                 "",
                 f"| group | solved by {a} only | solved by {b} only | two-sided p |",
                 "|---|---|---|---|",
@@ -783,12 +800,12 @@ def markdown(report: dict) -> str:
         "## Cost and rollouts",
         "",
         "| method | CPU s / step (train) | generation share | wall s / step (train) | eval CPU s / run | "
-        "mean train reward | RL steps with a reward spread |",
+        "mean train reward | rollout groups with a reward spread |",
         "|---|---|---|---|---|---|---|",
     ]
     for method, s in summary.items():
         share = s.get("generation_share")
-        signal = s.get("rl_steps_with_signal")
+        signal = s.get("rl_groups_with_signal")
         lines.append(
             f"| {LABELS.get(method, method)} | {s['train_cpu_s_per_step']:.1f} | "
             f"{'n/a' if not share else f'{100 * share:.0f} %'} | {s['train_wall_s_per_step']:.1f} | "
@@ -882,6 +899,13 @@ def parse_args(argv=None):
     )
     parser.add_argument("--rows", type=int, default=8, help="training rows per optimizer step, for every method")
     parser.add_argument("--expert-rows", type=int, default=4, help="CHORD/MIX: demonstrations among the rows")
+    parser.add_argument(
+        "--expert-ratio",
+        type=float,
+        default=None,
+        help="CHORD/MIX: the demonstrations' share of the rows instead of --expert-rows (ChordConfig's "
+        "expert_data_ratio; e.g. 0.2 with --rows 10: 2 demonstrations beside 8 rollouts)",
+    )
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT then GRPO: SFT steps (default: half)")
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--completion-len", type=int, default=40)
@@ -932,8 +956,22 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     uses_expert = {"chord_mu", "chord_phi", "mix"} & set(args.methods)
-    if args.rows % args.num_generations or (uses_expert and (args.rows - args.expert_rows) % args.num_generations):
-        parser.error("--rows (and --rows minus --expert-rows for CHORD/MIX) must be multiples of --num-generations")
+    if args.expert_ratio is not None:
+        if not 0 < args.expert_ratio < 1:
+            parser.error("--expert-ratio must be in (0, 1)")
+        expert_rows = round(args.expert_ratio * args.rows)
+        rollouts = args.rows - expert_rows
+        # ChordConfig derives the expert rows from the ratio and the rollouts: they must come out the same
+        if rollouts < 1 or round(args.expert_ratio / (1 - args.expert_ratio) * rollouts) != expert_rows:
+            parser.error(f"--expert-ratio {args.expert_ratio} of --rows {args.rows} is not a whole number of rows")
+        args.expert_rows = expert_rows
+    uses_rows_as_rollouts = {"grpo", "sft_grpo"} & set(args.methods)
+    if (uses_rows_as_rollouts and args.rows % args.num_generations) or (
+        uses_expert and (args.rows - args.expert_rows) % args.num_generations
+    ):
+        parser.error(
+            "--rows (GRPO) and --rows minus the demonstrations (CHORD/MIX) must be multiples of --num-generations"
+        )
     if not 0 < args.expert_rows < args.rows:
         parser.error("--expert-rows must be in (0, --rows)")
     if args.eval_every < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,9 @@ def test_learning_quick_tiny_tunes_each_method_resumes_and_pairs(tmp_path):
     }
     diffs = [a["all"] - b["all"] for a, b in zip(finals["chord_mu"], finals["sft_grpo"])]
     assert pair["all"]["diffs"] == diffs  # the same subtraction of the same values
+    assert (pair["all"]["p"] is None) == (diffs[0] == diffs[1])  # a paired t over the 2 seeds, unless they agree
+    if pair["all"]["p"] is not None:
+        assert pair["all"]["low"] < statistics.mean(diffs) < pair["all"]["high"] and 0.0 < pair["all"]["p"] <= 1.0
     only_a = sum(
         x > y for a, b in zip(finals["chord_mu"], finals["sft_grpo"]) for x, y in zip(a["outcomes"], b["outcomes"])
     )
@@ -196,6 +200,26 @@ def test_sign_test_matches_the_binomial_distribution():
     assert _sign_test(5, 0) == 2 / 32  # one-sided 1/32, doubled
     assert _sign_test(1, 4) == _sign_test(4, 1) == 2 * 6 / 32  # P(X <= 1) = 6/32
     assert _sign_test(3, 3) == 1.0
+
+
+def test_seed_stats_match_students_t_and_holm():
+    """Reference values of Student's t (tables; t with 1 degree of freedom is Cauchy: p = 1 - 2 atan(t) / pi)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import math
+
+    from seed_stats import holm, paired_t, t_quantile, t_two_sided_p
+
+    for probability, df, table in ((0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 7, 2.3646), (0.995, 30, 2.7500)):
+        assert t_quantile(probability, df) == pytest.approx(table, abs=1e-4), (probability, df)
+    assert t_two_sided_p(50.0, 1) == pytest.approx(1 - 2 * math.atan(50.0) / math.pi, rel=1e-9)
+    assert t_two_sided_p(2.0, 5) == pytest.approx(0.101939, abs=1e-6) and t_two_sided_p(0.0, 5) == 1.0
+    # the committed 3-seed study: CHORD-mu minus SFT then GRPO per seed
+    test = paired_t([-0.025, -0.185, 0.015])
+    assert test["p"] == pytest.approx(0.3989, abs=1e-4) and test["df"] == 2
+    assert (test["low"], test["high"]) == (pytest.approx(-0.3279, abs=1e-4), pytest.approx(0.1979, abs=1e-4))
+    assert paired_t([0.1, 0.1])["p"] is None and paired_t([0.1])["low"] is None  # no spread, one seed: no test
+    assert holm({"a": 0.01, "b": 0.04, "c": None}) == {"a": 0.02, "b": 0.04, "c": None}
+    assert holm({"a": 0.03, "b": 0.02}) == {"a": 0.04, "b": 0.04}  # step-down: never below an earlier step
 
 
 def test_prefix_packing_quick(tmp_path):
@@ -291,7 +315,32 @@ def test_learning_fingerprint_changes_with_what_a_run_measures():
     # options that do not change a run's measurement keep it: which runs to do, threads, where to write
     for option in (["--seeds", "0", "1", "2", "3"], ["--threads", "2"], ["--out", "/elsewhere"], ["--note", "x"]):
         assert settings_key(parse_args(option)) == base, option
+    # the committed study's fingerprint: options added since (--expert-ratio) leave it when unset
+    assert base == "8057d0a42412"
+    chord = ["--methods", "chord_mu", "chord_phi", "--rows", "10", "--num-generations", "8"]
+    ratio = parse_args([*chord, "--expert-ratio", "0.2"])
+    assert ratio.expert_rows == 2 and settings_key(ratio) != settings_key(parse_args([*chord, "--expert-rows", "2"]))
     assert {"steps", "eval_every", "eval_rows", "val_rows", "completion_len", "rows"} <= set(RUN_KEYS)
+
+
+def test_learning_takes_the_expert_share_as_a_ratio(tmp_path, tiny_model_dir):
+    """CHORD's demonstrations as ChordConfig.expert_data_ratio of the rows (2 beside 8 rollouts for 0.2 of 10)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import parse_args, rl_trainer
+
+    from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
+
+    args = parse_args(
+        ["--methods", "chord_mu", "--rows", "10", "--expert-ratio", "0.2", "--num-generations", "8"]
+        + ["--completion-len", "8"]
+    )
+    data = {"train": arithmetic_dataset("train", 8), "expert": arithmetic_expert_dataset(8)}
+    for method in ("chord_mu", "chord_phi", "mix"):
+        trainer = rl_trainer(method, tiny_model_dir, 0, 1e-3, args, data, str(tmp_path / method), 2)
+        assert trainer.args.expert_data_ratio == 0.2 and trainer.args.expert_batch_size is None, method
+        assert trainer.args.per_device_train_batch_size == 8 and trainer.args.local_expert_rows() == 2, method
+    with pytest.raises(SystemExit):  # 0.25 of 10 rows is not a whole number of demonstrations
+        parse_args(["--rows", "10", "--expert-ratio", "0.25"])
 
 
 def _records(key: str, ids: list[tuple]) -> list[dict]:
