@@ -544,3 +544,73 @@ def test_prefix_packing_bf16_tolerances_come_from_the_dtype():
     assert bf16["logps_rtol"] == tolerance(torch.bfloat16, terms=roundings, ulps=1)["rtol"]
     assert bf16["grads_rtol"] == tolerance(torch.bfloat16, terms=2 * roundings, ulps=1)["rtol"]
     assert bf16["logps_rtol"] > 100 * fp32["logps_rtol"]  # bf16's eps is 2**16 times float32's
+
+
+def test_learning_study_tuning_extends_an_edge_and_stops():
+    """The pre-registered tuning: the grid in order, a best value on an edge extends the grid past it (at most
+    max_extensions times), a tie goes to the lower rate."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning_study import PLAN, tuning
+
+    plan = {**PLAN, "grid": [1e-4, 3e-4, 1e-3], "max_extensions": 2, "tune_seed": 0}
+
+    def runs(vals: dict) -> list[dict]:
+        return [{"arm": "chord_phi", "seed": 0, "lr": lr, "val": v} for lr, v in vals.items()]
+
+    assert tuning(runs({1e-4: 0.5}), plan, "chord_phi")["next"] == 3e-4  # the grid in order
+    inside = tuning(runs({1e-4: 0.2, 3e-4: 0.5, 1e-3: 0.4}), plan, "chord_phi")
+    assert (inside["lr"], inside["next"], inside["at_edge"]) == (3e-4, None, None)
+    assert tuning(runs({1e-4: 0.5, 3e-4: 0.5, 1e-3: 0.4}), plan, "chord_phi")["next"] == pytest.approx(1e-4 / 3, rel=1e-5)
+    high = {1e-4: 0.2, 3e-4: 0.3, 1e-3: 0.5}
+    assert tuning(runs(high), plan, "chord_phi")["next"] == 3e-3
+    assert tuning(runs({**high, 3e-3: 0.6}), plan, "chord_phi")["next"] == 9e-3
+    done = tuning(runs({**high, 3e-3: 0.6, 9e-3: 0.7}), plan, "chord_phi")  # still on the edge after 2: used, said
+    assert (done["lr"], done["next"], done["at_edge"]) == (9e-3, None, "high")
+    back = tuning(runs({**high, 3e-3: 0.4}), plan, "chord_phi")  # the extension lost: the old edge is interior now
+    assert (back["lr"], back["next"], back["at_edge"]) == (1e-3, None, None)
+
+
+def test_learning_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
+    """The study end to end on a random tiny model and a miniature plan: the tuning seed first, then whole seeds;
+    a restart runs nothing finished; the summary's tests are paired t over the complete seeds, Holm-corrected, and a
+    study with seeds missing says it is partial."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_common
+    import learning_study as ls
+
+    model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
+    plan = {
+        **ls.PLAN,
+        **{"steps": 4, "eval_rows": 10, "probe_rows": 5, "val_rows": 5, "train_rows": 16, "expert_pool": 8},
+        **{"scored_seeds": [1, 2], "grid": [1e-3], "max_extensions": 0, "completion_len": 8},
+        "eval_max_new_tokens": 8,
+    }
+    out = tmp_path / "study"
+    ls.run_study(out, plan, str(model))
+    records = [json.loads(line) for line in (out / ls.RUNS_FILE).read_text().splitlines()]
+    order = [(r["arm"], r["seed"], r["role"]) for r in records]
+    assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
+        (a, s, "scored") for s in (1, 2) for a in plan["arms"]
+    ]
+    sft_grpo = records[3]
+    assert [p["step"] for p in sft_grpo["points"]] == [1, 3, 5] and sft_grpo["optimizer_steps"] == 5
+    assert (sft_grpo["demonstrations"], sft_grpo["rollouts"]) == (8, 32) == (records[1]["demonstrations"], 32)
+    final = records[-1]["points"][-1]
+    assert len(final["completions"]) == len(final["outcomes"]) == 10 and records[-1]["val"] is None
+    assert [p["n"] for p in records[1]["points"]] == [5, 5, 10] and 0.0 <= records[1]["val"] <= 1.0
+    ls.run_study(out, plan, str(model))  # a restart: nothing left to run
+    assert len((out / ls.RUNS_FILE).read_text().splitlines()) == len(records)
+    summary = ls.write_summary(out / ls.RUNS_FILE, tmp_path / "results", plan)
+    assert not summary["partial"] and summary["complete_seeds"] == [1, 2]
+    primary = summary["tests"]["primary"]
+    scored = {(r["arm"], r["seed"]): r["points"][-1]["all"] for r in records if r["role"] == "scored"}
+    assert primary["diffs"] == [scored[("chord_phi", s)] - scored[("sft_grpo", s)] for s in (1, 2)]
+    assert (tmp_path / "results" / "learning_study_runs.jsonl").read_text() == (out / ls.RUNS_FILE).read_text()
+    assert "## Pre-registered tests" in (tmp_path / "results" / "learning_study.md").read_text()
+    # the last seed unfinished: partial, and said so
+    (out / ls.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
+    partial = ls.write_summary(out / ls.RUNS_FILE, tmp_path / "partial", plan)
+    assert partial["partial"] and partial["complete_seeds"] == [1]
+    assert "**PARTIAL: 1 of 2 scored seeds complete**" in (tmp_path / "partial" / "learning_study.md").read_text()
+    # another plan's runs are not read
+    assert ls.load_runs(out / ls.RUNS_FILE, ls.plan_key({**plan, "steps": 8})) == []

@@ -1,0 +1,767 @@
+#!/usr/bin/env python
+"""The pre-registered study of issue 45: CHORD-phi and CHORD-mu as their paper runs them, against SFT then GRPO.
+
+    python benchmarks/learning_study.py run --out /work/study          # resumable: a restart skips finished runs
+    python benchmarks/learning_study.py status --out /work/study       # runs done / planned, rates, CPU time so far
+    python benchmarks/learning_study.py summarise --out /work/study --to benchmarks/results   # tests over the seeds
+    python benchmarks/learning_study.py measure --out /tmp/study-cost --steps 8                 # cost of each arm
+
+The plan is ``PLAN`` below, written out in ``benchmarks/results/learning_study_plan.md`` and committed before the
+first scored run; a runs file made under another plan (its fingerprint, ``plan_key``) is never mixed in. What it
+compares, on the bundled arithmetic task (demonstrations for the templates add, sub and mul only; RL prompts and
+held-out problems from all five) with SmolLM2-135M-Instruct + LoRA:
+
+* ``chord_phi``: ``ChordConfig(paper_config="chord_phi")``: 8 rollouts (1 prompt x 8) + 2 demonstrations a step
+  (the released share 0.2), no KL, phi-weighted SFT term, constant mu 0.1;
+* ``chord_mu``: ``paper_config="chord_mu"``: the same rows, plain SFT term, mu 0.9 -> 0.05 over the run;
+* ``sft_grpo``: SFT on 8 demonstrations a step for a quarter as many steps, then GRPO (1 prompt x 8, no KL) for as
+  many steps as CHORD: the same demonstrations and rollouts in all, more optimizer steps (reported).
+
+The tuning seed runs each arm over the learning-rate grid (validation problems, never the held-out ones); an optimum
+on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
+run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
+the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
+descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # sets the offline environment before torch/trl imports
+import seed_stats
+
+# The pre-registration (issue 45 item 3). Changing any value changes the fingerprint: runs made under another plan
+# are not resumed or summarised with these.
+PLAN = {
+    "arms": ["chord_phi", "chord_mu", "sft_grpo"],
+    "primary": ["chord_phi", "sft_grpo"],
+    "secondary": [["chord_mu", "sft_grpo"]],
+    "metric": "greedy accuracy on the held-out problems after the last step",
+    "alpha": 0.05,
+    "confidence": 0.95,
+    "model": "bundled",
+    "lora_r": 16,
+    "steps": 56,  # CHORD optimizer steps (the SFT stage of sft_grpo: steps // 4, then GRPO: steps)
+    "rollouts_per_step": 8,
+    "num_generations": 8,
+    "expert_share": 0.2,  # CHORD: 2 demonstrations beside 8 rollouts a step
+    "sft_rows_per_step": 8,
+    "completion_len": 40,
+    "temperature": 0.8,
+    "train_rows": 512,
+    "expert_pool": 256,
+    "covered": ["add", "sub", "mul"],
+    "prompt_style": "system",
+    "eval_rows": 200,
+    "probe_rows": 100,  # the first 100 held-out problems (20 per template) at the intermediate points
+    "val_rows": 100,
+    "eval_max_new_tokens": 40,
+    "tune_seed": 0,
+    "scored_seeds": [1, 2, 3, 4, 5, 6, 7, 8],
+    "grid": [1e-4, 3e-4, 1e-3],
+    "grid_factor": 3.0,
+    "max_extensions": 2,
+}
+RUNS_FILE = "runs.jsonl"
+LABELS = {"chord_phi": "CHORD-phi", "chord_mu": "CHORD-mu", "sft_grpo": "SFT then GRPO", "base": "base model"}
+GROUPS = ("all", "covered", "uncovered")
+TEMPLATES = ("add", "sub", "mul", "div", "two_step")
+
+
+def plan_key(plan: dict = PLAN) -> str:
+    """The plan's fingerprint: runs are kept under it."""
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def sft_steps(plan: dict) -> int:
+    """SFT steps of ``sft_grpo``: the demonstrations CHORD sees in all, ``sft_rows_per_step`` at a time."""
+    demonstrations = plan["steps"] * expert_rows(plan)
+    if demonstrations % plan["sft_rows_per_step"]:
+        raise ValueError(f"{demonstrations} demonstrations are not whole SFT steps of {plan['sft_rows_per_step']}")
+    return demonstrations // plan["sft_rows_per_step"]
+
+
+def expert_rows(plan: dict) -> int:
+    """Demonstrations per CHORD step: ``expert_share`` of the step's rows."""
+    share = plan["expert_share"]
+    rows = share / (1 - share) * plan["rollouts_per_step"]
+    if abs(rows - round(rows)) > 1e-9:
+        raise ValueError(f"an expert share of {share} beside {plan['rollouts_per_step']} rollouts is not whole rows")
+    return round(rows)
+
+
+def eval_points(plan: dict, arm: str) -> list[int]:
+    """The (global) steps whose per-template accuracy is measured, the last on all held-out problems: CHORD after a
+    quarter, half and all of its steps; SFT then GRPO at the end of SFT, halfway through GRPO and at the end."""
+    steps = plan["steps"]
+    if arm == "sft_grpo":
+        first = sft_steps(plan)
+        return [first, first + steps // 2, first + steps]
+    return [steps // 4, steps // 2, steps]
+
+
+# ------------------------------------------------------------------------------------------ runs file
+def load_runs(path: Path, key: str) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["plan"] == key]
+
+
+def finished(records: list[dict], arm: str, seed: int | None, lr: float | None) -> dict | None:
+    return next((r for r in records if (r["arm"], r["seed"], r["lr"]) == (arm, seed, lr)), None)
+
+
+def tuning(records: list[dict], plan: dict, arm: str) -> dict:
+    """The arm's tuning so far: ``{grid, val, lr, next, at_edge}``. ``next`` is the rate still to run (the grid's
+    values in order, then an extension past the edge the best value sits on), ``None`` once tuning is done; ``lr``
+    is the best validation accuracy's rate (a tie goes to the lower rate)."""
+    grid = list(plan["grid"])
+    runs = {r["lr"]: r["val"] for r in records if r["arm"] == arm and r["seed"] == plan["tune_seed"]}
+    for lr in grid:
+        if lr not in runs:
+            return {"grid": grid, "val": runs, "lr": None, "next": lr, "at_edge": None}
+    extensions = 0
+    while True:
+        best = max(sorted(grid), key=lambda lr: runs[lr])  # max keeps the first of equals: the lower rate
+        low, high = min(grid), max(grid)
+        edge = "low" if best == low else "high" if best == high else None
+        if edge is None or extensions == plan["max_extensions"]:
+            return {"grid": sorted(grid), "val": runs, "lr": best, "next": None, "at_edge": edge}
+        beyond = _rate(low / plan["grid_factor"] if edge == "low" else high * plan["grid_factor"])
+        grid.append(beyond)
+        extensions += 1
+        if beyond not in runs:
+            return {"grid": sorted(grid), "val": runs, "lr": None, "next": beyond, "at_edge": edge}
+
+
+def _rate(value: float) -> float:
+    return float(f"{value:.6g}")  # 1e-4 / 3 -> 3.33333e-05, the same float on every call
+
+
+def planned_runs(plan: dict) -> int:
+    """Runs of the plan, its grid not extended (each extension adds one)."""
+    return len(plan["arms"]) * (len(plan["grid"]) + len(plan["scored_seeds"]))
+
+
+# ------------------------------------------------------------------------------------------ training
+def _namespace(plan: dict) -> SimpleNamespace:
+    """The fields ``learning.py``'s helpers read."""
+    return SimpleNamespace(
+        lora_r=plan["lora_r"],
+        device="cpu",
+        bf16=False,
+        val_rows=plan["val_rows"],
+        prompt_style=plan["prompt_style"],
+    )
+
+
+def task_data(plan: dict) -> dict:
+    from learning import validation_set
+
+    from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
+
+    data = {
+        "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=plan["prompt_style"]),
+        "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=plan["prompt_style"]),
+        "expert": arithmetic_expert_dataset(
+            plan["expert_pool"], seed=1, kinds=plan["covered"], prompt_style=plan["prompt_style"]
+        ),
+    }
+    data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
+    data["val"] = validation_set(_namespace(plan), data)
+    return data
+
+
+def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
+    """Greedy accuracy overall, on the covered and uncovered templates and per template; with ``keep``, each
+    problem's outcome, template and completion."""
+    from trinity_trl.data import accuracy_by_kind, arithmetic_reward, evaluate_accuracy
+
+    _, completions = evaluate_accuracy(
+        model,
+        tokenizer,
+        dataset,
+        batch_size=50,
+        max_new_tokens=plan["eval_max_new_tokens"],
+        progress=False,
+        return_completions=True,
+    )
+    kinds = list(dataset["kind"])
+    outcomes = [int(r) for r in arithmetic_reward(completions, list(dataset["answer"]))]
+
+    def share(member) -> float | None:
+        chosen = [o for o, k in zip(outcomes, kinds) if member(k)]
+        return sum(chosen) / len(chosen) if chosen else None
+
+    by_kind = accuracy_by_kind(completions, dataset)
+    point = {
+        "n": len(outcomes),
+        "all": share(lambda k: True),
+        "covered": share(lambda k: k in plan["covered"]),
+        "uncovered": share(lambda k: k not in plan["covered"]),
+        "by_kind": {k: v for k, v in by_kind.items() if k != "all"},
+    }
+    if keep:
+        point.update(outcomes=outcomes, kinds=kinds, completions=[_text(c) for c in completions])
+    return point
+
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def _common(plan: dict, seed: int, lr: float, steps: int, output_dir: str) -> dict:
+    from learning import common_config
+
+    return common_config(_namespace(plan), seed, output_dir, steps, lr)
+
+
+def _rl(plan: dict) -> dict:
+    return {
+        "per_device_train_batch_size": plan["rollouts_per_step"],
+        "num_generations": plan["num_generations"],
+        "max_completion_length": plan["completion_len"],
+        "temperature": plan["temperature"],
+        "kl_loss": "none",  # no KL in every arm, stated (CHORD's paper_config implies it)
+    }
+
+
+def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
+    from learning import lora_config
+
+    from trinity_trl.data import arithmetic_reward
+    from trinity_trl.trainers import ChordConfig, ChordTrainer
+
+    config = ChordConfig(**_common(plan, seed, lr, plan["steps"], output_dir), **_rl(plan), paper_config=arm)
+    if config.local_expert_rows() != expert_rows(plan):
+        raise RuntimeError(f"{arm}: {config.local_expert_rows()} demonstrations a step, planned {expert_rows(plan)}")
+    return ChordTrainer(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=data["train"],
+        expert_dataset=data["expert"],
+        peft_config=lora_config(_namespace(plan)),
+    )
+
+
+def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
+    from learning import lora_config
+
+    from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
+
+    config = TrinitySFTConfig(
+        **_common(plan, seed, lr, sft_steps(plan), output_dir), per_device_train_batch_size=plan["sft_rows_per_step"]
+    )
+    return TrinitySFTTrainer(
+        model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(_namespace(plan))
+    )
+
+
+def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
+    """GRPO on the SFT stage's adapter (a new optimizer), no KL."""
+    from trinity_trl.data import arithmetic_reward
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    config = TrinityConfig(**_common(plan, seed, lr, plan["steps"], output_dir), **_rl(plan), algorithm="grpo")
+    return TrinityTrainer(
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=data["train"],
+        processing_class=tokenizer,
+    )
+
+
+def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset: int = 0) -> dict:
+    """Train, scoring the probe problems after each stage step in ``probes`` (stage step -> global step); CPU and
+    wall seconds of training (without the probes) and of generation, per-step logs."""
+    from learning import timed_generation
+    from transformers import PrinterCallback, TrainerCallback
+
+    trainer.remove_callback(PrinterCallback)
+    points: list[dict] = []
+    eval_cpu, generation_cpu = [0.0], [0.0]
+    if hasattr(trainer, "_generate_single_turn"):
+        timed_generation(trainer, generation_cpu)
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            if state.global_step in probes:
+                cpu = time.process_time()
+                point = {
+                    "step": probes[state.global_step],
+                    **score(trainer.model, trainer.processing_class, data["probe"], plan),
+                }
+                eval_cpu[0] += time.process_time() - cpu
+                points.append(point)
+                print(f"    step {point['step']}: probe accuracy {point['all']:.3f} {point['by_kind']}", flush=True)
+
+    trainer.add_callback(Probe())
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer.train()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    reward_key = next((k for k in (logs[0] if logs else {}) if k.startswith("rewards/") and k.endswith("/mean")), None)
+    return {
+        "points": points,
+        "steps": trainer.state.global_step,
+        "train_cpu_s": cpu - eval_cpu[0],
+        "train_wall_s": wall,
+        "generation_cpu_s": generation_cpu[0],
+        "probe_cpu_s": eval_cpu[0],
+        "train_reward": [e.get(reward_key) for e in logs] if reward_key else [],
+        "frac_reward_zero_std": [e["frac_reward_zero_std"] for e in logs if "frac_reward_zero_std" in e],
+        "mu": [e["actor/mu"] for e in logs if "actor/mu" in e],
+        "loss": [e.get("loss") for e in logs],
+    }
+
+
+def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, tmp: Path, validate: bool) -> dict:
+    """One run: its probes, final held-out score (outcomes, templates and greedy completions kept), validation
+    accuracy (tuning runs), optimizer steps, the demonstrations and rollouts it trained on, cost."""
+    points = eval_points(plan, arm)
+    if arm == "sft_grpo":
+        first = sft_trainer(model, seed, lr, plan, data, str(tmp / "sft"))
+        stage1 = train_stage(first, data, plan, {points[0]: points[0]})
+        second = grpo_trainer(first.model, first.processing_class, seed, lr, plan, data, str(tmp / "grpo"))
+        stage2 = train_stage(second, data, plan, {points[1] - points[0]: points[1]})
+        trainer, stages = second, [stage1, stage2]
+        demonstrations = stage1["steps"] * plan["sft_rows_per_step"]
+        rollouts = stage2["steps"] * plan["rollouts_per_step"]
+    else:
+        trainer = chord_trainer(arm, model, seed, lr, plan, data, str(tmp / arm))
+        stage = train_stage(trainer, data, plan, {points[0]: points[0], points[1]: points[1]})
+        stages = [stage]
+        demonstrations = stage["steps"] * expert_rows(plan)
+        rollouts = stage["steps"] * plan["rollouts_per_step"]
+    cpu = time.process_time()
+    final = {"step": points[2], **score(trainer.model, trainer.processing_class, data["test"], plan, keep=True)}
+    val = score(trainer.model, trainer.processing_class, data["val"], plan)["all"] if validate else None
+    eval_cpu = time.process_time() - cpu
+    result = {
+        "points": [p for s in stages for p in s["points"]] + [final],
+        "val": val,
+        "optimizer_steps": sum(s["steps"] for s in stages),
+        "sft_steps": stages[0]["steps"] if arm == "sft_grpo" else 0,
+        "demonstrations": demonstrations,
+        "rollouts": rollouts,
+        "eval_cpu_s": eval_cpu + sum(s["probe_cpu_s"] for s in stages),
+    }
+    for key in ("train_cpu_s", "train_wall_s", "generation_cpu_s"):
+        result[key] = sum(s[key] for s in stages)
+    for key in ("train_reward", "frac_reward_zero_std", "mu", "loss"):
+        result[key] = [v for s in stages for v in s[key]]
+    return result
+
+
+def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    key = plan_key(plan)
+    path = out / RUNS_FILE
+    out.mkdir(parents=True, exist_ok=True)
+    records = load_runs(path, key)
+    print(f"plan {key}: {len(records)} records in {path}; load {bc.loadavg()}", flush=True)
+
+    def append(record: dict) -> None:
+        record = {"plan": key, **record, "load_average": bc.loadavg(), "finished": time.strftime("%Y-%m-%d %H:%M")}
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        records.append(record)
+
+    model = model_override or _bundled()
+    data = task_data(plan)
+    if finished(records, "base", None, None) is None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cpu = time.process_time()
+        base = AutoModelForCausalLM.from_pretrained(model)
+        final = {"step": 0, **score(base, AutoTokenizer.from_pretrained(model), data["test"], plan, keep=True)}
+        append(
+            {
+                "arm": "base",
+                "seed": None,
+                "lr": None,
+                "role": "base",
+                "points": [final],
+                "eval_cpu_s": time.process_time() - cpu,
+            }
+        )
+        print(f"base model: {final['all']:.3f} {final['by_kind']}", flush=True)
+        del base
+
+    def run(arm: str, seed: int, lr: float, role: str) -> None:
+        print(f"[{role} seed {seed}] {arm} lr {lr:g}: training ({time.strftime('%H:%M')}) ...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="learning_study_") as tmp:
+            result = run_arm(arm, model, seed, lr, plan, data, Path(tmp), validate=role == "tune")
+        append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
+        final = result["points"][-1]
+        print(
+            f"[{role} seed {seed}] {arm} lr {lr:g}: held-out {final['all']:.3f}, validation {bc.fmt(result['val'])}, "
+            f"{result['train_cpu_s']:.0f} CPU s training + {result['eval_cpu_s']:.0f} scoring, load {bc.loadavg()}",
+            flush=True,
+        )
+        gc.collect()
+
+    while True:  # the tuning seed, arm after arm at each grid value, then the extensions past an edge
+        pending = [(arm, t["next"]) for arm in plan["arms"] if (t := tuning(records, plan, arm))["next"] is not None]
+        if not pending:
+            break
+        arm, lr = min(pending, key=lambda p: plan["grid"].index(p[1]) if p[1] in plan["grid"] else 99)
+        run(arm, plan["tune_seed"], lr, "tune")
+    rates = {arm: tuning(records, plan, arm)["lr"] for arm in plan["arms"]}
+    print(f"rates: {rates}", flush=True)
+    for seed in plan["scored_seeds"]:  # whole seeds first: an interrupted study leaves complete pairs
+        for arm in plan["arms"]:
+            if finished(records, arm, seed, rates[arm]) is None:
+                run(arm, seed, rates[arm], "scored")
+    print("study complete", flush=True)
+    return 0
+
+
+def _bundled() -> str:
+    from trinity_trl.data import bundled_model_dir
+
+    return str(bundled_model_dir())
+
+
+# ------------------------------------------------------------------------------------------ summary
+def _final(run: dict) -> dict:
+    return run["points"][-1]
+
+
+def summarise(records: list[dict], plan: dict = PLAN) -> dict:
+    """The pre-registered tests and the descriptive tables, from the finished runs."""
+    rates = {arm: tuning(records, plan, arm) for arm in plan["arms"]}
+    scored = {
+        arm: {
+            r["seed"]: r for r in records if r["arm"] == arm and r["role"] == "scored" and r["lr"] == rates[arm]["lr"]
+        }
+        for arm in plan["arms"]
+    }
+    complete = [s for s in plan["scored_seeds"] if all(s in scored[arm] for arm in plan["arms"])]
+    tests = {}
+    comparisons = {"primary": plan["primary"], **{f"secondary {i + 1}": c for i, c in enumerate(plan["secondary"])}}
+    for name, (a, b) in comparisons.items():
+        seeds = [s for s in plan["scored_seeds"] if s in scored[a] and s in scored[b]]
+        diffs = [_final(scored[a][s])["all"] - _final(scored[b][s])["all"] for s in seeds]
+        tests[name] = {"arms": [a, b], "seeds": seeds, "diffs": diffs, **seed_stats.paired_t(diffs, plan["confidence"])}
+        for group in ("covered", "uncovered"):
+            group_diffs = [_final(scored[a][s])[group] - _final(scored[b][s])[group] for s in seeds]
+            tests[name][group] = {"diffs": group_diffs, **seed_stats.paired_t(group_diffs, plan["confidence"])}
+    adjusted = seed_stats.holm({name: t["p"] for name, t in tests.items()})
+    for name, test in tests.items():
+        test["p_holm"] = adjusted[name]
+        test["significant"] = None if test["p_holm"] is None else test["p_holm"] < plan["alpha"]
+    base = next((r for r in records if r["arm"] == "base"), None)
+    arms = {}
+    for arm in plan["arms"]:
+        runs = [scored[arm][s] for s in sorted(scored[arm])]
+        arms[arm] = {
+            "lr": rates[arm]["lr"],
+            "tuning": rates[arm],
+            "seeds": sorted(scored[arm]),
+            "optimizer_steps": sorted({r["optimizer_steps"] for r in runs}),
+            "demonstrations": sorted({r["demonstrations"] for r in runs}),
+            "rollouts": sorted({r["rollouts"] for r in runs}),
+            "final": {g: _spread([_final(r)[g] for r in runs]) for g in GROUPS},
+            "by_kind": {k: _spread([_final(r)["by_kind"][k] for r in runs]) for k in TEMPLATES},
+            "curve": _curve(runs),
+            "templates": _learned(runs, base, plan),
+            "train_cpu_s_per_run": _spread([r["train_cpu_s"] for r in runs]),
+            "eval_cpu_s_per_run": _spread([r["eval_cpu_s"] for r in runs]),
+            "rollout_groups_with_spread": _mean([1.0 - v for r in runs for v in r["frac_reward_zero_std"]]),
+            "mean_train_reward": _mean([v for r in runs for v in r["train_reward"] if v is not None]),
+        }
+    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    return {
+        "plan": plan,
+        "plan_key": plan_key(plan),
+        "complete_seeds": complete,
+        "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
+        "runs_done": sum(r["arm"] != "base" for r in records),
+        "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+        "tests": tests,
+        "arms": arms,
+        "base": None if base is None else {k: _final(base)[k] for k in (*GROUPS, "by_kind")},
+        "cpu_s": total,
+    }
+
+
+def _spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {
+        "mean": statistics.mean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
+def _curve(runs: list[dict]) -> list[dict]:
+    """Mean accuracy (and per template) at each evaluated step over the runs."""
+    steps = sorted({p["step"] for r in runs for p in r["points"]})
+    out = []
+    for step in steps:
+        points = [p for r in runs for p in r["points"] if p["step"] == step]
+        out.append(
+            {
+                "step": step,
+                "n_problems": points[0]["n"],
+                "all": _spread([p["all"] for p in points]),
+                "by_kind": {k: _spread([p["by_kind"].get(k) for p in points]) for k in TEMPLATES},
+            }
+        )
+    return out
+
+
+def _learned(runs: list[dict], base: dict | None, plan: dict) -> dict:
+    """Per template, how many runs never learned it (every point at most the base model's accuracy + 0.1), learned
+    and kept it, or forgot it (a point at least base + 0.2, and the last step at least 0.2 below that peak): the
+    pre-registered description (benchmarks/results/learning_study_plan.md)."""
+    out = {}
+    for kind in TEMPLATES:
+        floor = _final(base)["by_kind"][kind] if base else 0.0
+        counts = {"never learned": 0, "kept": 0, "forgot": 0, "other": 0}
+        for run in runs:
+            values = [p["by_kind"][kind] for p in run["points"]]
+            peak, last = max(values), values[-1]
+            if peak <= floor + 0.1:
+                counts["never learned"] += 1
+            elif peak >= floor + 0.2 and last <= peak - 0.2:
+                counts["forgot"] += 1
+            elif last >= floor + 0.2:
+                counts["kept"] += 1
+            else:
+                counts["other"] += 1
+        out[kind] = counts
+    return out
+
+
+def markdown(summary: dict) -> str:
+    plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
+    seeds = summary["complete_seeds"]
+    lines = ["# The pre-registered CHORD study (issue 45)", ""]
+    if summary["partial"]:
+        lines += [
+            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
+            f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
+            "intervals over the seeds reached, not its result.",
+            "",
+        ]
+    lines += [
+        f"Plan `{summary['plan_key']}` (`learning_study_plan.md`, committed before the first scored run). CPU time of "
+        f"the finished runs: {summary['cpu_s'] / 3600:.1f} h of one core.",
+        "",
+        "## Pre-registered tests (held-out accuracy after the last step, paired t over the scored seeds)",
+        "",
+        "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, t in tests.items():
+        a, b = (LABELS[x] for x in t["arms"])
+        interval = "n/a" if t["low"] is None else f"[{t['low']:+.3f}, {t['high']:+.3f}]"
+        lines.append(
+            f"| {name}: {a} minus {b} | {len(t['seeds'])} | {', '.join(f'{d:+.3f}' for d in t['diffs'])} | "
+            f"{bc.fmt(t['mean'], '+.3f')} | {interval} | {bc.fmt(t['p'], '.3f')} | {bc.fmt(t['p_holm'], '.3f')} |"
+        )
+    lines += [
+        "",
+        "Descriptive, not tested: the same differences on the covered and uncovered templates.",
+        "",
+        "| comparison | group | mean | 95 % interval |",
+        "|---|---|---|---|",
+    ]
+    for name, t in tests.items():
+        for group in ("covered", "uncovered"):
+            g = t[group]
+            interval = "n/a" if g["low"] is None else f"[{g['low']:+.3f}, {g['high']:+.3f}]"
+            lines.append(f"| {name} | {group} | {bc.fmt(g['mean'], '+.3f')} | {interval} |")
+    lines += [
+        "",
+        "## Arms",
+        "",
+        "| arm | rate | seeds | optimizer steps | demonstrations | rollouts | all | covered | uncovered |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, s in arms.items():
+        cells = [_cell(s["final"][g]) for g in GROUPS]
+        lines.append(
+            f"| {LABELS[arm]} | {bc.fmt(s['lr'], 'g')} | {len(s['seeds'])} | {s['optimizer_steps']} | "
+            f"{s['demonstrations']} | {s['rollouts']} | " + " | ".join(cells) + " |"
+        )
+    base = summary["base"]
+    if base:
+        lines += [
+            "",
+            f"Base model: {base['all']:.3f} ({', '.join(f'{k} {v:.3f}' for k, v in base['by_kind'].items())}).",
+        ]
+    lines += ["", "## Tuning (validation accuracy on the tuning seed)", ""]
+    for arm, s in arms.items():
+        t = s["tuning"]
+        values = ", ".join(f"{lr:g}: {bc.fmt(t['val'].get(lr))}" for lr in t["grid"])
+        state = (
+            "unfinished"
+            if t["next"] is not None
+            else f"chose {t['lr']:g}"
+            + (f" (still on the {t['at_edge']} edge after {plan['max_extensions']} extensions)" if t["at_edge"] else "")
+        )
+        lines.append(f"- {LABELS[arm]}: {values}; {state}.")
+    lines += ["", "## Per template: final accuracy and what each run did with the template", ""]
+    lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
+    for arm, s in arms.items():
+        lines.append(f"| {LABELS[arm]} | " + " | ".join(_cell(s["by_kind"][k]) for k in TEMPLATES) + " |")
+    lines += ["", "Runs that never learned / learned and kept / forgot each template (definitions in the plan):", ""]
+    lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
+    for arm, s in arms.items():
+        cells = [f"{c['never learned']} / {c['kept']} / {c['forgot']}" for c in s["templates"].values()]
+        lines.append(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Curves (mean over the scored seeds; intermediate points on the first "
+        f"{plan['probe_rows']} held-out problems)",
+        "",
+    ]
+    for arm, s in arms.items():
+        points = "; ".join(f"step {c['step']}: {_cell(c['all'])}" for c in s["curve"])
+        lines.append(f"- {LABELS[arm]}: {points}")
+    lines += [
+        "",
+        "## Cost",
+        "",
+        "| arm | training CPU s / run | scoring CPU s / run | rollout groups with a reward "
+        "spread | mean train reward |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, s in arms.items():
+        lines.append(
+            f"| {LABELS[arm]} | {_cell(s['train_cpu_s_per_run'], '.0f')} | {_cell(s['eval_cpu_s_per_run'], '.0f')} | "
+            f"{bc.fmt(s['rollout_groups_with_spread'], '.2f')} | {bc.fmt(s['mean_train_reward'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict | None, spec: str = ".3f") -> str:
+    if row is None:
+        return "n/a"
+    return f"{row['mean']:{spec}} ± {row['std']:{spec}}" if row["n"] > 1 else f"{row['mean']:{spec}}"
+
+
+def status(out: Path, plan: dict = PLAN) -> str:
+    records = load_runs(out / RUNS_FILE, plan_key(plan))
+    summary = summarise(records, plan)
+    runs = [r for r in records if r["arm"] != "base"]
+    cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in runs)
+    lines = [
+        f"plan {summary['plan_key']}: {summary['runs_done']} of about {summary['runs_planned']} runs done; "
+        f"{len(summary['complete_seeds'])} of {len(plan['scored_seeds'])} scored seeds complete",
+        f"CPU time of the finished runs: {cpu / 3600:.2f} h ({cpu / max(1, len(runs)):.0f} s a run)",
+    ]
+    for arm, s in summary["arms"].items():
+        t = s["tuning"]
+        lines.append(f"  {arm}: tuning {t['val']} -> {t['lr']}; scored seeds {s['seeds']}")
+    if runs:
+        last = runs[-1]
+        lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
+    return "\n".join(lines)
+
+
+def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
+    """``learning_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
+    ``learning_study_runs.jsonl``."""
+    records = load_runs(runs_path, plan_key(plan))
+    summary = summarise(records, plan)
+    to.mkdir(parents=True, exist_ok=True)
+    target = to / "learning_study_runs.jsonl"
+    if runs_path.resolve() != target.resolve():
+        shutil.copyfile(runs_path, target)
+    (to / "learning_study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (to / "learning_study.md").write_text(markdown(summary))
+    return summary
+
+
+def measure(out: Path, steps: int, model_override: str | None = None) -> int:
+    """The cost of one run of each arm (``steps`` CHORD steps, a quarter of them SFT then ``steps`` GRPO), for sizing
+    the plan: CPU seconds per step and per scored problem."""
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    plan = {**PLAN, "steps": steps, "eval_rows": 50, "probe_rows": 25, "val_rows": 25}  # per-problem cost suffices
+    data = task_data(plan)
+    model = model_override or _bundled()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for arm in plan["arms"]:
+        with tempfile.TemporaryDirectory(prefix="learning_study_cost_") as tmp:
+            result = run_arm(arm, model, 99, 3e-4, plan, data, Path(tmp), validate=True)
+        scored = plan["eval_rows"] + plan["val_rows"] + 2 * plan["probe_rows"]
+        results[arm] = {
+            "optimizer_steps": result["optimizer_steps"],
+            "train_cpu_s": result["train_cpu_s"],
+            "train_cpu_s_per_step": result["train_cpu_s"] / result["optimizer_steps"],
+            "eval_cpu_s": result["eval_cpu_s"],
+            "eval_cpu_s_per_problem": result["eval_cpu_s"] / scored,
+            "generation_cpu_s": result["generation_cpu_s"],
+            "load_average": bc.loadavg(),
+        }
+        print(arm, results[arm], flush=True)
+    report = {"machine": bc.machine_description("cpu"), "steps": steps, "results": results}
+    (out / "learning_study_cost.json").write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "status", "summarise", "measure"):
+        command = sub.add_parser(name)
+        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
+        if name == "summarise":
+            command.add_argument("--to", required=True, help="where learning_study.{json,md} and the runs file go")
+        if name == "measure":
+            command.add_argument("--steps", type=int, default=8)
+        if name in ("run", "measure"):
+            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    if args.command == "run":
+        return run_study(out, PLAN, args.model)
+    if args.command == "status":
+        print(status(out))
+        return 0
+    if args.command == "summarise":
+        summary = write_summary(out / RUNS_FILE, Path(args.to))
+        print(markdown(summary))
+        return 0
+    return measure(out, args.steps, args.model)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
