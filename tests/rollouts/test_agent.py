@@ -299,7 +299,8 @@ MALFORMED = [
     ("logprobs text", {"model": "p", "messages": HI, "logprobs": "yes"}, "logprobs"),
     ("top_logprobs", {"model": "p", "messages": HI, "top_logprobs": 3}, "top_logprobs"),
     ("tool_choice required", {"model": "p", "messages": HI, "tools": [CALC], "tool_choice": "required"}, "tool_choice"),
-    ("stream", {"model": "p", "messages": HI, "stream": True}, "stream"),
+    ("stream text", {"model": "p", "messages": HI, "stream": "yes"}, "stream"),
+    ("stream_options text", {"model": "p", "messages": HI, "stream_options": {"include_usage": 1}}, "include_usage"),
     ("seed", {"model": "p", "messages": HI, "seed": 1}, "seed"),
     ("logit_bias", {"model": "p", "messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
     ("presence_penalty", {"model": "p", "messages": HI, "presence_penalty": 1.0}, "presence_penalty"),
@@ -382,7 +383,7 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
 
 def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_model_dir):
     # issue 36 item 4: trainer.agent_runs, read in on_step_end, holds each run's calls exactly as sampled and trained;
-    # item 3: a run that returns inf is a bad reward (scored 0), kept out of the logged reward mean
+    # issue 46 item 6: a run that returns inf is unscorable (as None and NaN are), kept out of the logged reward mean
     from transformers import TrainerCallback
 
     seen = []
@@ -403,12 +404,13 @@ def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_mo
     trainer.train()
     assert len(seen) == 1 and len(seen[0]) == 4
     runs = seen[0]
-    assert [(r.row["task"], r.outcome, r.reward) for r in runs] == [
+    assert [(r.row["task"], r.outcome, r.reward if r.row["task"] == 0 else "nan") for r in runs] == [
         (0, "ok", 1.0),
         (0, "ok", 1.0),
-        (1, "bad_reward", 0.0),
-        (1, "bad_reward", 0.0),
+        (1, "ok", "nan"),
+        (1, "ok", "nan"),
     ]
+    assert all(math.isnan(r.reward) for r in runs[2:])
     steps = [step for run in runs for step in run.steps]
     assert len(steps) == 12 and all(len(run.calls) == 3 for run in runs)
     # every sampled turn (the generator's own record: context, ids, log-probs) is a recorded step, and back
@@ -418,8 +420,8 @@ def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_mo
     for run in runs:
         assert any(row[-len(run.steps[-1][1]) :] == run.steps[-1][1] for row in rows)
     logs = logs_of(trainer)
-    assert logs["agent/bad_rewards"] == 2.0
-    assert logs["rewards/environment_reward/mean"] == 0.5  # (1 + 1 + 0 + 0) / 4, not inf
+    assert logs["unscorable_count"] == 2.0 and logs["agent/errors"] == 0.0
+    assert logs["rewards/environment_reward/mean"] == 1.0  # (1 + 1) / 2: the unscorable runs are left out, not inf
 
 
 def project_threads():

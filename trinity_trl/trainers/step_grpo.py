@@ -304,6 +304,8 @@ class StepGRPOTrainer(TrinityTrainer):
             max_context=None if context is None else context - args.max_completion_length,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
             lockstep_engine=lockstep,
+            max_completion_length=args.max_completion_length,
+            policy_version=lambda: self.state.global_step,
         )
 
     @property
