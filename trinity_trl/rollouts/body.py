@@ -43,7 +43,7 @@ class Rules:
         refused: ``{dotted field: why}`` for a known field given a value other than its neutral one.
         unsupported: ``{dotted field: why}`` for a field of the API the endpoint does not take.
         tags: the tags of the format's tagged unions (a message's role, an item's or block's type): pydantic puts the
-            tag in an error's location, right after the list index; it is no part of the field's path.
+            tag in an error's location before the member's fields; it is no part of the field's path.
     """
 
     refused: Mapping[str, str] = field(default_factory=dict)
@@ -62,8 +62,8 @@ def where(loc: tuple, tags: frozenset[str] = frozenset()) -> str:
     for i, item in enumerate(loc):
         if isinstance(item, int):
             parts.append(str(item))
-        elif item in tags and i > 0 and isinstance(loc[i - 1], int):
-            continue  # the tag of a tagged union's member, right after its list index
+        elif item in tags and i < len(loc) - 1:
+            continue  # the tag of a tagged union's member (a field of that name would be the last element)
         elif re.fullmatch(r"[a-z_][a-z0-9_]*", item) and item not in _BRANCHES:
             parts.append(item)
     return ".".join(parts)
@@ -86,6 +86,10 @@ def describe(errors: list[dict], rules: Rules) -> tuple[str, str | None]:
 
     deepest = max(len(path(e).split(".")) for e in errors)
     errors = [e for e in errors if len(path(e).split(".")) == deepest]
+    # a value of the right type that breaks a constraint says more than the other branches' "wrong type"
+    constraints = [e for e in errors if not (e["type"].endswith("_type") or e["type"] == "none_required")]
+    if constraints and len(constraints) < len(errors) and all(e["type"] != "literal_error" for e in constraints):
+        errors = constraints
     first = errors[0]
     at, kind, got = path(first), first["type"], first.get("input")
     field_name = re.sub(r"\.\d+", "", at)  # the field whatever the list positions: input.3.role -> input.role

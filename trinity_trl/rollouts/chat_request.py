@@ -48,12 +48,15 @@ Content = StrictStr | list[TextPart] | None
 class FunctionCall(Strict):
     name: Annotated[StrictStr, Field(min_length=1)]
     arguments: StrictStr | dict[str, Any]  # the protocol's JSON string; a mapping is taken too
+    # the openai client's streaming helper returns the arguments parsed beside them: sent back as they came
+    parsed_arguments: dict[str, Any] | None = None
 
 
 class ToolCall(Strict):
     id: StrictStr | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: StrictInt | None = None  # a streamed call's position, kept by the client's streaming helper
 
 
 class SystemMessage(Strict):
@@ -75,6 +78,7 @@ class AssistantMessage(Strict):
     tool_calls: list[ToolCall] | None = None
     # fields of a returned ``ChatCompletionMessage`` an agent may send back as they came (model_dump): only empty
     refusal: None = None
+    parsed: None = None
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
