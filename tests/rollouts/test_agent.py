@@ -774,3 +774,19 @@ def test_agents_are_refused_where_generation_needs_every_process(tmp_path, tool_
     args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
     with pytest.raises(NotImplementedError, match="lockstep.*use DDP or ZeRO-1/2"):
         StepGRPOTrainer(model=tool_model_dir, args=args, train_dataset=tasks(2), agent=calculator_agent)
+
+
+def test_the_agents_extra_names_every_client_and_make_install_installs_it():
+    # issue 46 item 7: the clients an agent may ask for and the Agents SDK come with the agents extra, which
+    # `make install` installs
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["agents"]
+    names = {re.split(r"[<>=!~\[ ]", requirement)[0] for requirement in extra}
+    assert {"fastapi", "uvicorn", "openai", "anthropic", "openai-agents"} <= names
+    install = re.search(r'pip install --quiet -e "\.\[([\w,]+)\]"', (root / "Makefile").read_text())
+    assert install and "agents" in install.group(1).split(",")

@@ -605,3 +605,41 @@ def test_max_tokens_above_the_completion_length_is_refused_in_every_format(endpo
     assert runs[0].reward == 1.0 and rollout.metrics["agent/rejected_requests"] == 4.0
     assert "max_tokens=1024 is above the trainer's max_completion_length=16" in answers["anthropic"]
     assert all(f"{name}=" in answers[name] for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+
+
+def test_the_agents_sdk_defaults_are_taken_and_settings_that_would_change_sampling_are_refused(endpoint):
+    # issue 46 item 2: an OpenAI Agents SDK agent as written (its default model settings: include=[],
+    # reasoning.effort="none", text.verbosity="low") is answered; a model setting the policy cannot honour is
+    # refused, naming the field
+    from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
+    from openai.types.shared import Reasoning
+
+    ep = endpoint()
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    refused = {}
+
+    async def agent(client, row):
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+        result = await Runner.run(Agent(name="greeter", instructions="Be brief."), "hi", run_config=config)
+        assert result.final_output == "Hello there friend."
+        for field, settings in (
+            ("reasoning.effort", ModelSettings(reasoning=Reasoning(effort="high"))),
+            ("tool_choice", ModelSettings(tool_choice="required")),
+            ("truncation", ModelSettings(truncation="auto")),
+            ("top_logprobs", ModelSettings(top_logprobs=3)),
+        ):
+            try:
+                await Runner.run(Agent(name="a", tools=[add], model_settings=settings), "hi", run_config=config)
+            except openai.BadRequestError as err:
+                refused[field] = err.body["param"]
+        return 1.0
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and len(runs[0].steps) == 1
+    assert refused == {f: f for f in ("reasoning.effort", "tool_choice", "truncation", "top_logprobs")}
+    assert rollout.metrics["agent/rejected_requests"] == 4.0
