@@ -459,21 +459,25 @@ def test_responses_api_calls_and_function_call_outputs_extend_the_run(endpoint, 
         second = await create(client, model="m", instructions="Be brief.", input=items, tools=[ADD_RESPONSES_TOOL])
         assert second.status == "completed" and second.output_text == "The sum is 5."
         assert second.usage.output_tokens == len(ep.renderer.tokenizer("The sum is 5.")["input_ids"]) + 1
+        # the sampled tokens' log-probs, when asked for (a new conversation: a new segment)
+        hello = await create(client, model="m", input="hi", include=["message.output_text.logprobs"])
+        logprobs = [t.logprob for t in hello.output[0].content[0].logprobs]
+        assert hello.output_text == "Hello there friend." and logprobs == [-(i + 1) / 10 for i in range(len(logprobs))]
+        assert len(logprobs) == hello.usage.output_tokens
         return 1.0
 
     rollout, runs = play(ep, agent, [{}])
     run = runs[0]
-    assert run.reward == 1.0 and run.segments == [[0, 1]] and rollout.metrics["agent/rejected_requests"] == 0.0
-    first, second = run.steps
+    assert run.reward == 1.0 and run.segments == [[0, 1], [2]] and rollout.metrics["agent/rejected_requests"] == 0.0
+    first, second, _ = run.steps
     assert (
         second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)]
         == first.prompt_ids + first.completion_ids
     )
     text = ep.renderer.tokenizer.decode(first.prompt_ids)
     assert text.startswith("<|im_start|>system\nBe brief.") and '"name": "add"' in text
-    assert [s.policy_version for s in run.steps] == [7, 7] and {c.wire for c in rollout.recorded[0].calls} == {
-        "responses"
-    }
+    assert [s.policy_version for s in run.steps] == [7] * 3
+    assert {c.wire for c in rollout.recorded[0].calls} == {"responses"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

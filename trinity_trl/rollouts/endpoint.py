@@ -68,7 +68,7 @@ COUNTERS = (
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses: answered with ``status`` and an OpenAI-style error body."""
+    """A request the endpoint refuses: answered with ``status`` and the error body of its format (`wire`)."""
 
     def __init__(
         self,
