@@ -552,12 +552,16 @@ def test_a_conversation_continues_across_formats_and_a_run_url_carries_its_key(e
                 f"{access.run_base_url}/responses", json={"input": items, "tools": [ADD_RESPONSES_TOOL]}
             )
             refused = await http.post(f"{access.base_url}/responses", json={"input": "hi"})
+            unknown = await http.post(f"{access.run_base_url}/completions", json={"prompt": "hi"})
         assert refused.status_code == 401
+        # a path the endpoint does not serve: a 404 that names what it serves, counted
+        assert unknown.status_code == 404 and "serves GET /v1/models, POST /v1/chat/completions" in unknown.text
         return float(answer.json()["output"][0]["content"][0]["text"] == "The sum is 5.")
 
     rollout, runs = play(ep, agent, [{}])
     assert runs[0].reward == 1.0 and runs[0].segments == [[0, 1]]
     assert [c.wire for c in rollout.recorded[0].calls] == ["chat", "responses"]
+    assert rollout.metrics["agent/rejected_requests"] == 2.0  # the request without a key, and the unknown path
 
 
 def test_an_agent_asks_for_its_client_by_annotation():

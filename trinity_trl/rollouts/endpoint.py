@@ -477,6 +477,18 @@ class PolicyEndpoint:
             app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
             for wire in FORMATS:
                 app.add_api_route(f"{prefix}/v1{wire.path}", serving(wire), methods=["POST"])
+        served = ", ".join(["GET /v1/models", *(f"POST /v1{wire.path}" for wire in FORMATS)])
+
+        async def unknown(request: Request, path: str):
+            # e.g. /v1/completions or /v1/embeddings: named and counted, in the shape of the format it resembles
+            wire = next((w for w in FORMATS if path.startswith(f"v1{w.path}")), chat)
+            refused = RequestError(
+                404, f"{request.method} /{path} is not served: the policy endpoint serves {served}", "not_found"
+            )
+            self._count("rejected_requests", refused)
+            return error(refused, wire)
+
+        app.add_api_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         return app
 
     def _authorize(self, request) -> RunRecord:
