@@ -48,6 +48,7 @@ SUBSTITUTIONS = [
     (r'\b(model|teacher_model)="[^"]+"', r"\1=TINY_MODEL"),
     (r"\bmax_steps=\d+", "max_steps=1"),
     (r"\bmax_completion_length=\d+", "max_completion_length=8"),
+    (r"\bmax_tokens=\d+", "max_tokens=8"),  # an agent's request may ask for max_completion_length tokens at most
     (r"\bnum_rows=\d+", "num_rows=16"),
     (r"\bcritic_warmup_steps=\d+", "critic_warmup_steps=0"),  # warm-up must leave steps to train the policy
     (r'hub_model_id="you/', 'hub_model_id="tester/'),

@@ -48,7 +48,9 @@ def test_importing_every_trainer_imports_no_agent_request_model():
         "import sys\n"
         "from trinity_trl import StepGRPOTrainer, ChordTrainer, TrinityTrainer\n"
         "import trinity_trl.rollouts, trinity_trl.packing\n"
-        "print(sorted(m for m in ('trinity_trl.rollouts.chat_request', 'fastapi') if m in sys.modules))\n"
+        "typed = ['trinity_trl.rollouts.' + m for m in ('body', 'chat_request', 'responses_request', "
+        "'messages_request', 'wire')]\n"
+        "print(sorted(m for m in typed + ['fastapi', 'anthropic'] if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=scaled_timeout(180)

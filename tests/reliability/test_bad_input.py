@@ -223,11 +223,13 @@ def test_unscorable_rewards_get_zero_advantage_no_loss_and_are_counted(tmp_path,
         assert_close(advantages[[0, 2, 3]], (scored - scored.mean()) / (scored.std() + 1e-6), terms=3, scale=2.0)
 
 
-def test_nan_from_one_of_two_reward_functions_keeps_the_other_score(tmp_path, tiny_model_dir):
-    """As in TRL, the weighted sum skips a function that did not score a row (NaN/None); the row stays trained."""
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), float("-inf")], ids=["none", "nan", "inf", "-inf"])
+def test_nan_from_one_of_two_reward_functions_keeps_the_other_score(tmp_path, tiny_model_dir, value):
+    """As in TRL, the weighted sum skips a function that did not score a row (None); NaN and +-inf are the same as None
+    (issue 46 item 6: one rule for bad rewards): the row stays trained with the other function's score."""
 
     def sometimes(completions, **kwargs):
-        return [float("nan")] + [0.0] * (len(completions) - 1)
+        return [value] + [0.0] * (len(completions) - 1)
 
     trainer = _trainer(tmp_path, tiny_model_dir, reward_funcs=[length_reward, sometimes])
     batch = _generate(trainer)

@@ -299,7 +299,8 @@ MALFORMED = [
     ("logprobs text", {"model": "p", "messages": HI, "logprobs": "yes"}, "logprobs"),
     ("top_logprobs", {"model": "p", "messages": HI, "top_logprobs": 3}, "top_logprobs"),
     ("tool_choice required", {"model": "p", "messages": HI, "tools": [CALC], "tool_choice": "required"}, "tool_choice"),
-    ("stream", {"model": "p", "messages": HI, "stream": True}, "stream"),
+    ("stream text", {"model": "p", "messages": HI, "stream": "yes"}, "stream"),
+    ("stream_options text", {"model": "p", "messages": HI, "stream_options": {"include_usage": 1}}, "include_usage"),
     ("seed", {"model": "p", "messages": HI, "seed": 1}, "seed"),
     ("logit_bias", {"model": "p", "messages": HI, "logit_bias": {"5": 10}}, "logit_bias"),
     ("presence_penalty", {"model": "p", "messages": HI, "presence_penalty": 1.0}, "presence_penalty"),
@@ -313,6 +314,89 @@ MALFORMED = [
 ]
 # bodies only raw HTTP can send (the openai client always sends a JSON object)
 RAW_ONLY = [("not JSON", b'{"model": "p", "messages": [', None), ("a JSON list", b"[1, 2]", None)]
+
+# issue 46 item 4: the same for the Responses API (POST /v1/responses) and Anthropic Messages (POST /v1/messages)
+ITEMS = [{"role": "user", "content": "hi"}]
+FUNCTION_CALL = {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": "{}"}
+RESPONSES_TOOL = {"type": "function", "name": "calc", "parameters": {"type": "object"}}
+RESPONSES_MALFORMED = [
+    ("input missing", {"model": "p"}, "input"),
+    ("input int", {"input": 5}, "input"),
+    ("input empty", {"input": []}, "input"),
+    ("reasoning item", {"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ("unknown role", {"input": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("content int", {"input": [{"role": "user", "content": 5}]}, "content"),
+    ("image part", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0.type"),
+    ("text part int", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "text"),
+    ("call without call_id", {"input": [*ITEMS, {**FUNCTION_CALL, "call_id": None}]}, "call_id"),
+    ("call arguments object", {"input": [*ITEMS, {**FUNCTION_CALL, "arguments": {}}]}, "arguments"),
+    ("output int", {"input": [*ITEMS, {"type": "function_call_output", "call_id": "c1", "output": 5}]}, "output"),
+    ("tools object", {"input": ITEMS, "tools": {"name": "calc"}}, "tools"),
+    ("web search tool", {"input": ITEMS, "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ("tool name empty", {"input": ITEMS, "tools": [{**RESPONSES_TOOL, "name": ""}]}, "name"),
+    ("tool_choice required", {"input": ITEMS, "tools": [RESPONSES_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("temperature text", {"input": ITEMS, "temperature": "hot"}, "temperature"),
+    ("other temperature", {"input": ITEMS, "temperature": 0.5}, "temperature"),
+    ("max_output_tokens zero", {"input": ITEMS, "max_output_tokens": 0}, "max_output_tokens"),
+    ("max_output_tokens too many", {"input": ITEMS, "max_output_tokens": 100_000}, "max_output_tokens"),
+    ("include reasoning", {"input": ITEMS, "include": ["reasoning.encrypted_content"]}, "include"),
+    ("reasoning effort high", {"input": ITEMS, "reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ("json output", {"input": ITEMS, "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("previous_response_id", {"input": ITEMS, "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("unknown field", {"input": ITEMS, "temprature": 1.0}, "temprature"),
+    ("parallel_tool_calls false", {"input": ITEMS, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("stream text", {"input": ITEMS, "stream": "yes"}, "stream"),
+    ("truncation auto", {"input": ITEMS, "truncation": "auto"}, "truncation"),
+    ("top_logprobs", {"input": ITEMS, "top_logprobs": 5}, "top_logprobs"),
+    ("instructions int", {"input": ITEMS, "instructions": 5}, "instructions"),
+    ("background", {"input": ITEMS, "background": True}, "background"),
+    ("metadata int", {"input": ITEMS, "metadata": {"k": 1}}, "metadata"),
+]
+HELLO = {"model": "p", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+TOOL_USE = {"type": "tool_use", "id": "t1", "name": "calc", "input": {}}
+MESSAGES_MALFORMED = [
+    ("max_tokens missing", {"model": "p", "messages": HELLO["messages"]}, "max_tokens"),
+    ("max_tokens zero", {**HELLO, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens above the completion length", {**HELLO, "max_tokens": 100_000}, "max_tokens"),
+    ("max_tokens text", {**HELLO, "max_tokens": "64"}, "max_tokens"),
+    ("messages missing", {"model": "p", "max_tokens": 64}, "messages"),
+    ("messages empty", {**HELLO, "messages": []}, "messages"),
+    ("system role", {**HELLO, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ("content int", {**HELLO, "messages": [{"role": "user", "content": 5}]}, "content"),
+    ("image block", {**HELLO, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "type"),
+    ("text int", {**HELLO, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "text"),
+    ("tool_use from the user", {**HELLO, "messages": [{"role": "user", "content": [TOOL_USE]}]}, "type"),
+    (
+        "tool_result without its id",
+        {**HELLO, "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "1"}]}]},
+        "tool_use_id",
+    ),
+    (
+        "tool_use input text",
+        {**HELLO, "messages": [*HELLO["messages"], {"role": "assistant", "content": [{**TOOL_USE, "input": "x"}]}]},
+        "input",
+    ),
+    ("prefill", {**HELLO, "messages": [*HELLO["messages"], {"role": "assistant", "content": "The"}]}, "messages"),
+    ("system int", {**HELLO, "system": 5}, "system"),
+    ("tool without schema", {**HELLO, "tools": [{"name": "calc"}]}, "input_schema"),
+    ("server tool", {**HELLO, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ("tool_choice any", {**HELLO, "tool_choice": {"type": "any"}}, "tool_choice"),
+    (
+        "no parallel tool use",
+        {**HELLO, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+        "disable_parallel_tool_use",
+    ),
+    ("thinking", {**HELLO, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("top_k", {**HELLO, "top_k": 5}, "top_k"),
+    ("other temperature", {**HELLO, "temperature": 0.5}, "temperature"),
+    ("stop_sequences text", {**HELLO, "stop_sequences": "stop"}, "stop_sequences"),
+    ("stream text", {**HELLO, "stream": "yes"}, "stream"),
+    ("model missing", {"max_tokens": 64, "messages": HELLO["messages"]}, "model"),
+    ("unknown field", {**HELLO, "max_token": 64}, "max_token"),
+    ("metadata user_id int", {**HELLO, "metadata": {"user_id": 5}}, "user_id"),
+    ("container", {**HELLO, "container": "c"}, "container"),
+    ("output_config", {**HELLO, "output_config": {"effort": "low"}}, "output_config"),
+]
 
 
 async def send_with_openai(client, body):
@@ -332,21 +416,22 @@ async def send_with_openai(client, body):
     return 200, None
 
 
-async def send_raw(client, body):
+async def send_raw(client, body, path="chat/completions"):
+    """``body`` posted to ``path`` with the run's key (a bearer token, or Anthropic's ``x-api-key`` for messages)."""
     import httpx
 
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    auth = {"x-api-key": client.api_key} if path == "messages" else {"Authorization": f"Bearer {client.api_key}"}
     async with httpx.AsyncClient() as http:
         response = await http.post(
-            f"{client.base_url}chat/completions",
-            content=content,
-            headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json"},
+            f"{client.base_url}{path}", content=content, headers={**auth, "Content-Type": "application/json"}
         )
     return response.status_code, response.json().get("error")
 
 
 def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_path, tool_model_dir):
-    # issue 36 item 1: before the fix, stop=[5] killed trainer.train() (endpoint _choice) and several bodies got 500
+    # issue 36 item 1: before the fix, stop=[5] killed trainer.train() (endpoint _choice) and several bodies got 500;
+    # issue 46 item 4: every format's malformed bodies are refused alike (chat, Responses, Messages)
     answers, models = [], []
 
     async def agent(client, row):
@@ -356,6 +441,9 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
                 answers.append(("openai", name, field, *await send_with_openai(client, body)))
             for name, body, field in MALFORMED + RAW_ONLY:
                 answers.append(("raw", name, field, *await send_raw(client, body)))
+            for path, table in (("responses", RESPONSES_MALFORMED), ("messages", MESSAGES_MALFORMED)):
+                for name, body, field in table + RAW_ONLY:
+                    answers.append((path, name, field, *await send_raw(client, body, path)))
         return await calculator_agent(client, row)
 
     trainer = make(
@@ -363,8 +451,9 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
     )
     trainer.train()
     assert trainer.state.global_step == 2
-    bad = len(MALFORMED) * 2 + len(RAW_ONLY)
+    bad = len(MALFORMED) * 2 + len(RESPONSES_MALFORMED) + len(MESSAGES_MALFORMED) + 3 * len(RAW_ONLY)
     assert len(MALFORMED) >= 30 and len(answers) == 2 * 2 * bad  # 2 steps x the 2 runs of task 0
+    assert len(RESPONSES_MALFORMED) >= 20 and len(MESSAGES_MALFORMED) >= 20
     for how, name, field, status, error in answers:
         assert 400 <= status < 500, f"{how} {name}: HTTP {status}"
         message = error["message"]
@@ -382,7 +471,7 @@ def test_malformed_requests_get_4xx_naming_the_field_and_training_goes_on(tmp_pa
 
 def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_model_dir):
     # issue 36 item 4: trainer.agent_runs, read in on_step_end, holds each run's calls exactly as sampled and trained;
-    # item 3: a run that returns inf is a bad reward (scored 0), kept out of the logged reward mean
+    # issue 46 item 6: a run that returns inf is unscorable (as None and NaN are), kept out of the logged reward mean
     from transformers import TrainerCallback
 
     seen = []
@@ -403,12 +492,13 @@ def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_mo
     trainer.train()
     assert len(seen) == 1 and len(seen[0]) == 4
     runs = seen[0]
-    assert [(r.row["task"], r.outcome, r.reward) for r in runs] == [
+    assert [(r.row["task"], r.outcome, r.reward if r.row["task"] == 0 else "nan") for r in runs] == [
         (0, "ok", 1.0),
         (0, "ok", 1.0),
-        (1, "bad_reward", 0.0),
-        (1, "bad_reward", 0.0),
+        (1, "ok", "nan"),
+        (1, "ok", "nan"),
     ]
+    assert all(math.isnan(r.reward) for r in runs[2:])
     steps = [step for run in runs for step in run.steps]
     assert len(steps) == 12 and all(len(run.calls) == 3 for run in runs)
     # every sampled turn (the generator's own record: context, ids, log-probs) is a recorded step, and back
@@ -418,8 +508,187 @@ def test_each_runs_recorded_calls_are_readable_from_a_callback(tmp_path, tool_mo
     for run in runs:
         assert any(row[-len(run.steps[-1][1]) :] == run.steps[-1][1] for row in rows)
     logs = logs_of(trainer)
-    assert logs["agent/bad_rewards"] == 2.0
-    assert logs["rewards/environment_reward/mean"] == 0.5  # (1 + 1 + 0 + 0) / 4, not inf
+    assert logs["unscorable_count"] == 2.0 and logs["agent/errors"] == 0.0
+    assert logs["rewards/environment_reward/mean"] == 1.0  # (1 + 1) / 2: the unscorable runs are left out, not inf
+
+
+# ------------------------------------------------------------------------------------- every wire format, trained
+ANSWER = "Solve task {task}: what is {task}*3-1?"
+CALC_RESPONSES = {"type": "function", **CALC["function"]}
+CALC_ANTHROPIC = {
+    "name": "calc",
+    "description": CALC["function"]["description"],
+    "input_schema": CALC["function"]["parameters"],
+}
+
+
+async def chat_agent(access, row, stream):
+    """`calculator_agent` over chat completions, its answers streamed or not."""
+    client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+    messages = [{"role": "user", "content": ANSWER.format(**row)}]
+    try:
+        for _ in range(4):
+            if stream:
+                async with client.chat.completions.stream(model="policy", messages=messages, tools=[CALC]) as events:
+                    message = (await events.get_final_completion()).choices[0].message
+            else:
+                reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+                message = reply.choices[0].message
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.content,
+                    **({"tool_calls": [c.model_dump() for c in message.tool_calls]} if message.tool_calls else {}),
+                }
+            )
+            if not message.tool_calls:
+                return float(str(row["task"] * 3 - 1) in message.content)
+            for call in message.tool_calls:
+                result = evaluate(json.loads(call.function.arguments)["expression"])
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    finally:
+        await client.close()
+    return 0.0
+
+
+async def responses_agent(access, row, stream):
+    """The same loop over the Responses API: function calls and their outputs as input items."""
+    client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+    items: list = [{"role": "user", "content": ANSWER.format(**row)}]
+    try:
+        for _ in range(4):
+            if stream:
+                async with client.responses.stream(model="policy", input=items, tools=[CALC_RESPONSES]) as events:
+                    response = await events.get_final_response()
+            else:
+                response = await client.responses.create(model="policy", input=items, tools=[CALC_RESPONSES])
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+            calls = [item for item in response.output if item.type == "function_call"]
+            if not calls:
+                return float(str(row["task"] * 3 - 1) in response.output_text)
+            for call in calls:
+                output = evaluate(json.loads(call.arguments)["expression"])
+                items.append({"type": "function_call_output", "call_id": call.call_id, "output": output})
+    finally:
+        await client.close()
+    return 0.0
+
+
+async def anthropic_agent(access, row, stream):
+    """The same loop with the anthropic client: tool_use blocks answered by tool_result blocks."""
+    import anthropic
+
+    client = anthropic.AsyncAnthropic(base_url=access.root_url, api_key=access.api_key, max_retries=0)
+    messages: list = [{"role": "user", "content": ANSWER.format(**row)}]
+    try:
+        for _ in range(4):
+            kwargs = {"model": "policy", "max_tokens": 512, "messages": messages, "tools": [CALC_ANTHROPIC]}
+            if stream:
+                async with client.messages.stream(**kwargs) as events:
+                    message = await events.get_final_message()
+            else:
+                message = await client.messages.create(**kwargs)
+            messages.append({"role": "assistant", "content": message.content})
+            uses = [block for block in message.content if block.type == "tool_use"]
+            if not uses:
+                return float(str(row["task"] * 3 - 1) in message.content[0].text)
+            results = [
+                {"type": "tool_result", "tool_use_id": use.id, "content": evaluate(use.input["expression"])}
+                for use in uses
+            ]
+            messages.append({"role": "user", "content": results})
+    finally:
+        await client.close()
+    return 0.0
+
+
+async def agents_sdk_agent(access, row, stream):
+    """An OpenAI Agents SDK agent with a function tool, as written for OpenAI's service: only its client (the base
+    URL and the run's key) and tracing (off) differ."""
+    from agents import Agent, OpenAIProvider, RunConfig, Runner, function_tool
+
+    @function_tool
+    def calc(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return evaluate(expression)
+
+    agent = Agent(name="calculator", instructions="Use the calc tool, then answer.", tools=[calc])
+    client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    try:
+        if stream:
+            result = Runner.run_streamed(agent, ANSWER.format(**row), run_config=config)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, ANSWER.format(**row), run_config=config)
+    finally:
+        await client.close()
+    return float(str(row["task"] * 3 - 1) in result.final_output)
+
+
+WIRE_AGENTS = [
+    (agent, stream)
+    for agent in (chat_agent, responses_agent, anthropic_agent, agents_sdk_agent)
+    for stream in (False, True)
+]
+
+
+def test_every_wire_format_trains_on_its_sampled_ids_with_their_policy_version(tmp_path, tool_model_dir):
+    # issue 46: in each step, 8 concurrent runs, one per client: the openai client over chat completions and the
+    # Responses API, the anthropic client over Messages, an OpenAI Agents SDK agent with a function tool, each streamed
+    # and not. Every run solves its task through two tool calls; every sampled turn is recorded as sampled, with the
+    # policy version of the weights that sampled it, and trained as recorded.
+    from transformers import TrainerCallback
+
+    from trinity_trl.rollouts.agent import PolicyAccess
+
+    started = []
+
+    async def agent(access: PolicyAccess, row):
+        # the runs start in the order of their rows (task 0's 4 runs, then task 1's): one client each per step
+        fn, stream = WIRE_AGENTS[len(started) % len(WIRE_AGENTS)]
+        started.append(fn.__name__ + (" streamed" if stream else ""))
+        return await fn(access, row, stream)
+
+    seen = []
+
+    class ReadRuns(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append((state.global_step, list(trainer.agent_runs)))
+
+    record = []
+    trainer = make(
+        tmp_path,
+        tool_model_dir,
+        agent,
+        tasks(2),
+        record=record,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_steps=2,
+    )
+    trainer.add_callback(ReadRuns())
+    trainer.train()
+    assert len(started) == 16 and len(seen) == 2
+    steps = []
+    for (global_step, runs), batch in zip(seen, trainer.batches):
+        assert [r.outcome for r in runs] == ["ok"] * 8 and [r.reward for r in runs] == [1.0] * 8, runs
+        rows = [
+            [t for t in prompt + completion if t != trainer.processing_class.pad_token_id]
+            for prompt, completion in zip(batch["prompt_ids"].tolist(), batch["completion_ids"].tolist())
+        ]
+        for run in runs:
+            assert len(run.calls) == 3 and {call.wire for call in run.calls} in ({"chat"}, {"responses"}, {"messages"})
+            # sampled by the weights of this step's generation: global_step - 1 optimizer steps taken
+            assert [call.policy_version for call in run.calls] == [global_step - 1] * 3
+            for prompt, completion, _ in run.steps:  # trained as sampled: after exactly its context
+                assert any(row[: len(prompt) + len(completion)] == prompt + completion for row in rows)
+            steps += run.steps
+    # every turn the generator sampled is a recorded step, ids and log-probs, and back
+    assert sorted(steps) == sorted((p, c, lp) for p, c, lp in record) and len(steps) == 48
+    logs = logs_of(trainer)
+    assert logs["agent/rejected_requests"] == 0.0 and logs["agent/segments_per_run"] == 1.0
 
 
 def project_threads():
@@ -505,3 +774,19 @@ def test_agents_are_refused_where_generation_needs_every_process(tmp_path, tool_
     args = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
     with pytest.raises(NotImplementedError, match="lockstep.*use DDP or ZeRO-1/2"):
         StepGRPOTrainer(model=tool_model_dir, args=args, train_dataset=tasks(2), agent=calculator_agent)
+
+
+def test_the_agents_extra_names_every_client_and_make_install_installs_it():
+    # issue 46 item 7: the clients an agent may ask for and the Agents SDK come with the agents extra, which
+    # `make install` installs
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["agents"]
+    names = {re.split(r"[<>=!~\[ ]", requirement)[0] for requirement in extra}
+    assert {"fastapi", "uvicorn", "openai", "anthropic", "openai-agents"} <= names
+    install = re.search(r'pip install --quiet -e "\.\[([\w,]+)\]"', (root / "Makefile").read_text())
+    assert install and "agents" in install.group(1).split(",")

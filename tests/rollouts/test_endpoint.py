@@ -266,9 +266,8 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
     # one log line per kind of fault, with its count (issue 36 item 3)
     lines = [r.getMessage() for r in caplog.records if r.name == "trinity_trl.rollouts.agent"]
     expected = [
-        "1 of 10 agent runs raised (first: RuntimeError: agent bug)",
+        "2 of 10 agent runs raised (first: RuntimeError: agent bug)",  # and the run that returned 'great'
         "1 of 10 agent runs took more than agent_timeout=4 s",
-        "2 of 10 agent runs returned no usable reward (first: the agent returned 'great', not a reward)",
         "agent/late_calls: 1 this step",
         "agent/context_overflows: 1 this step (first: the prompt has",
         "agent/malformed_tool_calls: 1 this step",
@@ -279,11 +278,13 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
         assert sum(line.startswith(text) for line in lines) == 1, (text, lines)
     rewards = dict(zip(kinds, (run.reward for run in runs)))
     assert rewards["raises"] == 0.0 and rewards["hangs"] == 0.0 and rewards["no_number"] == 0.0
-    assert rewards["infinite"] == 0.0  # a non-finite reward is a bad reward, kept out of the group statistics
+    # issue 46 item 6: inf, like None, is no fault: the run is unscorable (NaN), as a row of any other source
+    assert math.isnan(rewards["infinite"]) and math.isnan(rewards["unscorable"])
     assert rewards["malformed"] == 1.0 and rewards["too_long"] == 1.0 and rewards["turn_limit"] == 1.0
-    assert math.isnan(rewards["unscorable"])
+    outcomes = {kind: recorded.outcome for kind, recorded in zip(kinds, rollout.recorded)}
+    assert outcomes["no_number"] == "error" and outcomes["infinite"] == outcomes["unscorable"] == "ok"
     m = rollout.metrics
-    assert (m["agent/errors"], m["agent/timeouts"], m["agent/bad_rewards"]) == (1.0, 1.0, 2.0)
+    assert (m["agent/errors"], m["agent/timeouts"]) == (2.0, 1.0) and "agent/bad_rewards" not in m
     assert m["agent/malformed_tool_calls"] == 1.0 and m["agent/context_overflows"] == 1.0
     assert m["agent/turn_limit_hits"] == 1.0 and runs[kinds.index("turn_limit")].cut
     assert m["agent/late_calls"] == 1.0 and rewards["late_caller"] == 1.0
@@ -387,3 +388,266 @@ def test_tools_the_chat_template_cannot_serve_are_refused(template):
         ep.stop()
     assert runs[0].reward == 1.0 and rollout.metrics["agent/rejected_requests"] == 1.0
     assert len(runs[0].steps) == 1
+
+
+# ------------------------------------------------------------------------------------- streaming and other formats
+ADD_RESPONSES_TOOL = {"type": "function", **ADD_TOOL["function"]}
+ADD_ANTHROPIC_TOOL = {
+    "name": "add",
+    "description": ADD_TOOL["function"]["description"],
+    "input_schema": ADD_TOOL["function"]["parameters"],
+}
+
+
+def test_chat_streams_the_answer_as_the_openai_client_reads_it(endpoint):
+    # issue 46 item 1: stream=true is answered with server-sent events: the text, the tool calls, the finish reason,
+    # the usage in a last chunk when asked; the same turn as without streaming, recorded once
+    ep = endpoint()
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": "hi"}]
+        whole = await client.chat.completions.create(model="m", messages=messages)
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True}, logprobs=True
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content == "Hello there friend."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        logprobs = [
+            t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+        ]
+        assert logprobs == [-(i + 1) / 10 for i in range(whole.usage.completion_tokens)]
+        # a tool call, streamed without usage
+        tool_turn = [{"role": "user", "content": "use the tool"}]
+        stream = await client.chat.completions.create(model="m", messages=tool_turn, tools=[ADD_TOOL], stream=True)
+        chunks = [chunk async for chunk in stream]
+        calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("add", {"a": 2, "b": 3})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and all(c.usage is None for c in chunks)
+        return 1.0
+
+    _, runs = play(ep, agent, [{}])
+    assert len(runs[0].steps) == 3 and runs[0].steps[0].completion_ids == runs[0].steps[1].completion_ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_api_calls_and_function_call_outputs_extend_the_run(endpoint, stream):
+    # issue 46 item 2: POST /v1/responses, with instructions, a function tool and the function call's output sent
+    # back as input items: the second call extends the first (one segment), whichever way it is answered
+    ep = endpoint(policy_version=lambda: 7)
+
+    async def create(client, **kwargs):
+        if not stream:
+            return await client.responses.create(**kwargs)
+        events = [event async for event in await client.responses.create(stream=True, **kwargs)]
+        kinds = [e.type for e in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        return events[-1].response
+
+    async def agent(client, row):
+        items = [{"role": "user", "content": "Please use the tool."}]
+        first = await create(client, model="m", instructions="Be brief.", input=items, tools=[ADD_RESPONSES_TOOL])
+        (call,) = first.output
+        assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
+        items += [
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+        ]
+        second = await create(client, model="m", instructions="Be brief.", input=items, tools=[ADD_RESPONSES_TOOL])
+        assert second.status == "completed" and second.output_text == "The sum is 5."
+        assert second.usage.output_tokens == len(ep.renderer.tokenizer("The sum is 5.")["input_ids"]) + 1
+        # the sampled tokens' log-probs, when asked for (a new conversation: a new segment)
+        hello = await create(client, model="m", input="hi", include=["message.output_text.logprobs"])
+        logprobs = [t.logprob for t in hello.output[0].content[0].logprobs]
+        assert hello.output_text == "Hello there friend." and logprobs == [-(i + 1) / 10 for i in range(len(logprobs))]
+        assert len(logprobs) == hello.usage.output_tokens
+        return 1.0
+
+    rollout, runs = play(ep, agent, [{}])
+    run = runs[0]
+    assert run.reward == 1.0 and run.segments == [[0, 1], [2]] and rollout.metrics["agent/rejected_requests"] == 0.0
+    first, second, _ = run.steps
+    assert (
+        second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)]
+        == first.prompt_ids + first.completion_ids
+    )
+    text = ep.renderer.tokenizer.decode(first.prompt_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.") and '"name": "add"' in text
+    assert [s.policy_version for s in run.steps] == [7] * 3
+    assert {c.wire for c in rollout.recorded[0].calls} == {"responses"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_anthropic_messages_with_tool_use_and_tool_results_extend_the_run(endpoint, stream):
+    # issue 46 item 3: POST /v1/messages through anthropic.AsyncAnthropic (the agent asks for it by annotation):
+    # system, tool_use / tool_result blocks, stop sequences; the second call extends the first
+    import anthropic
+
+    ep = endpoint()
+
+    async def create(client, **kwargs):
+        if not stream:
+            return await client.messages.create(**kwargs)
+        async with client.messages.stream(**kwargs) as events:
+            return await events.get_final_message()
+
+    async def agent(client: anthropic.AsyncAnthropic, row):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Please use the tool."}]}]
+        first = await create(
+            client, model="m", max_tokens=512, system="Be brief.", messages=messages, tools=[ADD_ANTHROPIC_TOOL]
+        )
+        assert first.stop_reason == "tool_use"
+        (use,) = [block for block in first.content if block.type == "tool_use"]
+        assert use.name == "add" and use.input == {"a": 2, "b": 3}
+        messages += [
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]},
+        ]
+        second = await create(
+            client, model="m", max_tokens=512, system="Be brief.", messages=messages, tools=[ADD_ANTHROPIC_TOOL]
+        )
+        assert second.stop_reason == "end_turn" and second.content[0].text == "The sum is 5."
+        stopped = await create(
+            client, model="m", max_tokens=512, messages=[{"role": "user", "content": "hi"}], stop_sequences=["there"]
+        )
+        assert (stopped.stop_reason, stopped.stop_sequence, stopped.content[0].text) == (
+            "stop_sequence",
+            "there",
+            "Hello ",
+        )
+        return 1.0
+
+    rollout, runs = play(ep, agent, [{}])
+    run = runs[0]
+    assert run.reward == 1.0 and run.segments == [[0, 1], [2]] and rollout.metrics["agent/rejected_requests"] == 0.0
+    assert ep.renderer.tokenizer.decode(run.steps[0].prompt_ids).startswith("<|im_start|>system\nBe brief.")
+    assert {c.wire for c in rollout.recorded[0].calls} == {"messages"}
+
+
+def test_a_conversation_continues_across_formats_and_a_run_url_carries_its_key(endpoint):
+    # item 4: one recorder: a chat call continued by a Responses call extends it; item 5: a per-run base URL (the key
+    # in the path) serves a client that sends no key of its own
+    import httpx
+
+    from trinity_trl.rollouts.agent import PolicyAccess
+
+    ep = endpoint()
+
+    async def agent(access: PolicyAccess, row):
+        chat = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "Please use the tool."}]
+        first = await chat.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL])
+        await chat.close()
+        call = first.choices[0].message.tool_calls[0]
+        items = [
+            *messages,
+            {"type": "function_call", "call_id": call.id, "name": "add", "arguments": call.function.arguments},
+            {"type": "function_call_output", "call_id": call.id, "output": "5"},
+        ]
+        async with httpx.AsyncClient() as http:  # no Authorization header: the key is in the URL
+            answer = await http.post(
+                f"{access.run_base_url}/responses", json={"input": items, "tools": [ADD_RESPONSES_TOOL]}
+            )
+            refused = await http.post(f"{access.base_url}/responses", json={"input": "hi"})
+            unknown = await http.post(f"{access.run_base_url}/completions", json={"prompt": "hi"})
+        assert refused.status_code == 401
+        # a path the endpoint does not serve: a 404 that names what it serves, counted
+        assert unknown.status_code == 404 and "serves GET /v1/models, POST /v1/chat/completions" in unknown.text
+        return float(answer.json()["output"][0]["content"][0]["text"] == "The sum is 5.")
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and runs[0].segments == [[0, 1]]
+    assert [c.wire for c in rollout.recorded[0].calls] == ["chat", "responses"]
+    assert rollout.metrics["agent/rejected_requests"] == 2.0  # the request without a key, and the unknown path
+
+
+def test_an_agent_asks_for_its_client_by_annotation():
+    import anthropic
+
+    from trinity_trl.rollouts.agent import PolicyAccess, check_agent, client_kind
+
+    async def plain(client, row): ...
+
+    async def claude(client: anthropic.AsyncAnthropic, row): ...
+
+    async def access(access: PolicyAccess, row): ...
+
+    async def wrong(client: int, row): ...
+
+    assert [client_kind(f) for f in (plain, claude, access)] == ["openai", "anthropic", "access"]
+    with pytest.raises(TypeError, match="annotated <class 'int'>: annotate it openai.AsyncOpenAI"):
+        check_agent(wrong)
+
+
+def test_max_tokens_above_the_completion_length_is_refused_in_every_format(endpoint):
+    import anthropic
+
+    from trinity_trl.rollouts.agent import PolicyAccess
+
+    ep = endpoint(max_completion_length=16)
+    answers = {}
+
+    async def agent(client: PolicyAccess, row):
+        oa = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        an = anthropic.AsyncAnthropic(base_url=client.root_url, api_key=client.api_key, max_retries=0)
+        hi = [{"role": "user", "content": "hi"}]
+        for name, call in (
+            ("max_tokens", oa.chat.completions.create(model="m", messages=hi, max_tokens=17)),
+            ("max_completion_tokens", oa.chat.completions.create(model="m", messages=hi, max_completion_tokens=99)),
+            ("max_output_tokens", oa.responses.create(model="m", input="hi", max_output_tokens=17)),
+            ("anthropic", an.messages.create(model="m", messages=hi, max_tokens=1024)),
+        ):
+            try:
+                await call
+            except (openai.BadRequestError, anthropic.BadRequestError) as err:
+                answers[name] = str(err)
+        ok = await an.messages.create(model="m", messages=hi, max_tokens=16)
+        await oa.close()
+        await an.close()
+        return float(ok.content[0].text == "Hello there friend.")
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and rollout.metrics["agent/rejected_requests"] == 4.0
+    assert "max_tokens=1024 is above the trainer's max_completion_length=16" in answers["anthropic"]
+    assert all(f"{name}=" in answers[name] for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+
+
+def test_the_agents_sdk_defaults_are_taken_and_settings_that_would_change_sampling_are_refused(endpoint):
+    # issue 46 item 2: an OpenAI Agents SDK agent as written (its default model settings: include=[],
+    # reasoning.effort="none", text.verbosity="low") is answered; a model setting the policy cannot honour is
+    # refused, naming the field
+    from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
+    from openai.types.shared import Reasoning
+
+    ep = endpoint()
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    refused = {}
+
+    async def agent(client, row):
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+        result = await Runner.run(Agent(name="greeter", instructions="Be brief."), "hi", run_config=config)
+        assert result.final_output == "Hello there friend."
+        for field, settings in (
+            ("reasoning.effort", ModelSettings(reasoning=Reasoning(effort="high"))),
+            ("tool_choice", ModelSettings(tool_choice="required")),
+            ("truncation", ModelSettings(truncation="auto")),
+            ("top_logprobs", ModelSettings(top_logprobs=3)),
+        ):
+            try:
+                await Runner.run(Agent(name="a", tools=[add], model_settings=settings), "hi", run_config=config)
+            except openai.BadRequestError as err:
+                refused[field] = err.body["param"]
+        return 1.0
+
+    rollout, runs = play(ep, agent, [{}])
+    assert runs[0].reward == 1.0 and len(runs[0].steps) == 1
+    assert refused == {f: f for f in ("reasoning.effort", "tool_choice", "truncation", "top_logprobs")}
+    assert rollout.metrics["agent/rejected_requests"] == 4.0

@@ -86,7 +86,26 @@ def recording_trainer(agent: VerifiersAgent, tmp_path, tool_model_dir, max_steps
     return Recording(model=tool_model_dir, args=StepGRPOConfig(**kwargs), train_dataset=agent.dataset(), agent=agent)
 
 
-def test_a_verifiers_0_4_env_trains_two_steps_with_its_task_rewards(tmp_path, tool_model_dir, offline):
+def test_a_verifiers_0_4_env_trains_two_steps_with_its_task_rewards(tmp_path, tool_model_dir, offline, monkeypatch):
+    from trinity_trl.rollouts.endpoint import PolicyEndpoint
+
+    served = []  # (path, streamed) of every request the endpoint parsed
+    parse = PolicyEndpoint._parse
+
+    def spy(self, record, raw, wire):
+        pending = parse(self, record, raw, wire)
+        served.append((record.key, pending.request.stream))
+        return pending
+
+    monkeypatch.setattr(PolicyEndpoint, "_parse", spy)
+    paths = []
+    authorize = PolicyEndpoint._authorize
+
+    def spy_authorize(self, request):
+        paths.append(request.url.path)
+        return authorize(self, request)
+
+    monkeypatch.setattr(PolicyEndpoint, "_authorize", spy_authorize)
     agent = VerifiersAgent(calc_env(local_harness(tmp_path)))
     data = agent.dataset()
     assert data["task_index"] == [0, 1]
@@ -122,6 +141,10 @@ def test_a_verifiers_0_4_env_trains_two_steps_with_its_task_rewards(tmp_path, to
         assert all(len(run.calls) == 1 for run in runs)
     steps = [s for runs in seen for run in runs for s in run.steps]
     assert sorted(steps) == sorted((p, c, lp) for p, c, lp in record) and len(steps) == 8
+    # issue 46 item 5: no relay: verifiers' interception server sends the harness's request as it was written
+    # (streamed) straight to the endpoint, at each run's own base URL (its key in the path)
+    assert len(served) == 8 and all(streamed for _, streamed in served)
+    assert sorted(paths) == sorted(f"/runs/{key}/v1/chat/completions" for key, _ in served)
     logs = logs_of(trainer)
     assert logs["agent/errors"] == 0.0 and logs["rewards/environment_reward/mean"] == pytest.approx(0.5)
 

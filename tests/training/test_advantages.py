@@ -46,6 +46,14 @@ def test_weighted_rewards_sum_every_scored_function():
     assert math.isnan(rewards[3].item())  # no function scored: unscored
 
 
+def test_weighted_rewards_read_inf_as_not_scored():
+    # issue 46 item 6: +-inf (e.g. from a reward model, which no wrapper checks) is "not scored", as NaN is
+    inf = float("inf")
+    per_func = torch.tensor([[inf, 4.0], [-inf, NAN], [1.0, -inf]])
+    rewards = weighted_rewards(per_func, torch.tensor([1.0, 0.5]))
+    assert rewards[0].item() == 2.0 and math.isnan(rewards[1].item()) and rewards[2].item() == 1.0
+
+
 # --------------------------------------------------------------------------------------------------- best_of_group
 def test_best_of_group_keeps_each_groups_best():
     rewards = torch.tensor([0.1, 0.9, 0.3, 0.2, 5.0, -1.0, 4.0, 4.5])

@@ -1,22 +1,25 @@
-"""Agents over an OpenAI-compatible endpoint: ``async def agent(client, row) -> reward`` played G times per task.
+"""Agents over the policy endpoint: ``async def agent(client, row) -> reward`` played G times per task.
 
 `AgentRollout` is the `trinity_trl.rollouts.protocols.Rollout` of `trinity_trl.trainers.StepGRPOTrainer` when it is
 given ``agent=``.
 For a batch of dataset rows it opens one run per row on the trainer's `endpoint.PolicyEndpoint` (each its
 own API key), starts every agent in its own thread with its own event loop (so a run that blocks stalls only itself)
-with an ``openai.AsyncOpenAI`` client pointed at it, and, on the training thread, answers the agents' requests in
-batches until every run has ended. Each run's recorded
+with a client pointed at it, and, on the training thread, answers the agents' requests in batches until every run
+has ended. The client is the one the agent's first parameter asks for (`client_kind`): an ``openai.AsyncOpenAI``
+(unannotated, the default), an ``anthropic.AsyncAnthropic``, or a `PolicyAccess` (base URLs and the run's key, for an
+agent that builds its own client). Each run's recorded
 calls become a `multi_step.Run`: one step per sampled answer, in the order the calls were made, grouped in
 *segments* (a call that extends an earlier call's prompt + completion continues that call's segment; a call whose
 history was rewritten starts a new one).
 
-Faults never stop training: an agent that raises, takes more than ``timeout`` seconds of its own time, or returns
-something that is not a finite reward ends its run; the run is scored 0 (``on_failure="zero"``) or left unscored
-(``"drop"``: its steps get no gradient), and the fault is counted in `AgentRollout.metrics` (logged under
-``agent/``, with one warning line per kind of fault per rollout). `AgentRollout.recorded` keeps the last
-rollout's runs as played and trained (docs/environments.md#agent-runs). A request the endpoint refuses (longer than
-the context, past the turn limit, after the run ended, malformed) is answered with an HTTP error the agent sees as an
-``openai`` exception, and counted.
+Faults never stop training: an agent that raises (returning something that is not a number counts as raising) or
+takes more than ``timeout`` seconds of its own time ends its run; the run is scored 0 (``on_failure="zero"``) or left
+unscored (``"drop"``: its steps get no gradient), and the fault is counted in `AgentRollout.metrics` (logged under
+``agent/``, with one warning line per kind of fault per rollout). A reward of ``None``, NaN or +-inf is no fault: the
+run is unscorable, as a row of any other source with such a reward (docs/guarantees.md#bad-rewards).
+`AgentRollout.recorded` keeps the last rollout's runs as played and trained (docs/environments.md#agent-runs). A
+request the endpoint refuses (longer than the context, past the turn limit, after the run ended, malformed) is
+answered with an HTTP error the agent sees as an exception of its client, and counted.
 """
 
 from __future__ import annotations
@@ -48,14 +51,62 @@ CANCEL_GRACE_S = 10.0
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
 
+@dataclass(frozen=True)
+class PolicyAccess:
+    """How one agent run reaches the policy: what an agent gets when its first parameter is annotated with this class
+    (``async def agent(access: PolicyAccess, row)``), to build its own client or hand the addresses to a program.
+
+    Attributes:
+        base_url: ``http://127.0.0.1:<port>/v1``, the base URL of OpenAI clients (chat completions, Responses).
+        root_url: ``http://127.0.0.1:<port>``, for clients that add ``/v1`` themselves (``anthropic``).
+        api_key: the run's key, sent as a bearer token or as ``x-api-key``.
+        run_base_url: ``http://127.0.0.1:<port>/runs/<key>/v1``, the run's own base URL with its key in the path,
+            for a client that cannot send a key of its own per run (whatever key it sends is then not read).
+    """
+
+    base_url: str
+    root_url: str
+    api_key: str
+    run_base_url: str
+
+
+#: the clients an agent may ask for, by the annotation of its first parameter (no annotation: ``openai``)
+CLIENT_KINDS = {"AsyncOpenAI": "openai", "AsyncAnthropic": "anthropic", "PolicyAccess": "access"}
+
+
+def client_kind(agent: Any) -> str:
+    """Which client ``agent`` asks for: ``"openai"`` (``openai.AsyncOpenAI``; an unannotated first parameter),
+    ``"anthropic"`` (``anthropic.AsyncAnthropic``) or ``"access"`` (`PolicyAccess`); ``TypeError`` for another
+    annotation."""
+    try:
+        parameters = list(inspect.signature(agent, eval_str=True).parameters.values())
+    except (NameError, TypeError, ValueError):  # an annotation that names what the agent's module does not import
+        parameters = list(inspect.signature(agent).parameters.values())
+    if not parameters:
+        return "openai"
+    annotation = parameters[0].annotation
+    if annotation in (inspect.Parameter.empty, Any, object):
+        return "openai"
+    name = annotation.rsplit(".", 1)[-1] if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if name not in CLIENT_KINDS:
+        raise TypeError(
+            f"the agent's first parameter is annotated {annotation!r:.60}: annotate it openai.AsyncOpenAI (or leave it "
+            "unannotated), anthropic.AsyncAnthropic, or trinity_trl.rollouts.agent.PolicyAccess (base URLs and the "
+            "run's key)"
+        )
+    return CLIENT_KINDS[name]
+
+
 def check_agent(agent: Any) -> None:
-    """``TypeError`` unless ``agent`` is an ``async def agent(client, row)``."""
+    """``TypeError`` unless ``agent`` is an ``async def agent(client, row)`` whose ``client`` is one the endpoint can
+    give (`client_kind`)."""
     call = type(agent).__dict__.get("__call__") if not inspect.isfunction(agent) else None
     if not (inspect.iscoroutinefunction(agent) or (call is not None and inspect.iscoroutinefunction(call))):
         raise TypeError(
             f"agent must be an async function `async def agent(client, row) -> reward` (or (reward, info)), got "
             f"{agent!r:.80}"
         )
+    client_kind(agent)
 
 
 def check_agent_generation(use_vllm: bool, vllm_mode: str, tensor_parallel_size: int) -> None:
@@ -101,10 +152,12 @@ class RecordedRun:
     Attributes:
         row: the dataset row the agent was given.
         reward: the run's reward as trained (after ``on_failure``; NaN: unscored).
-        outcome: ``"ok"``, ``"error"``, ``"timeout"`` or ``"bad_reward"``.
+        outcome: ``"ok"``, ``"error"`` (the agent raised, or returned something that is not a number) or
+            ``"timeout"``.
         info: what the agent returned beside its reward (or the fault's message).
         calls: the model calls the endpoint answered, in order (`endpoint.Call`: ``prompt_ids``, and per
-            choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``); each choice is one step.
+            choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``; and ``policy_version``,
+            the optimizer steps taken by the weights that sampled it); each choice is one step.
     """
 
     row: dict[str, Any]
@@ -147,11 +200,12 @@ class AgentRollout(PlayedRollout):
     Args:
         endpoint: the endpoint (started for each rollout, on a fresh OS-chosen port, and stopped after it); ``None``:
             `start` builds one over the trainer's generation backend and chat template.
-        agent: ``async def agent(client, row)`` returning a reward (a number, or ``None`` for "cannot score") or
-            ``(reward, info)``.
+        agent: ``async def agent(client, row)`` returning a reward (a number; ``None``, NaN or +-inf: the run is
+            unscorable) or ``(reward, info)``; ``client`` is what its annotation asks for (`client_kind`).
         timeout: seconds of its own time a run may take (time spent waiting for the policy's answers excluded, so a
             slow generation never times agents out); it is then cancelled and its calls refused.
-        on_failure: ``"zero"`` (a failed run scores 0) or ``"drop"`` (it is unscored and gets no gradient).
+        on_failure: ``"zero"`` (a run whose agent raised or timed out scores 0) or ``"drop"`` (it is unscored and
+            gets no gradient).
         batch_window: seconds the endpoint waits, after a request arrives, for the other live runs' requests
             before it generates (it generates at once when every live run waits).
         empty_prompt: the prompt ids of the stand-in step of a run that made no call (its completion is one EOS; it
@@ -176,6 +230,7 @@ class AgentRollout(PlayedRollout):
         history: str = "tokens",
     ):
         check_agent(agent)
+        self.client_kind = client_kind(agent)
         if on_failure not in FAILURE_MODES:
             raise ValueError(f"on_failure must be one of {FAILURE_MODES}, got {on_failure!r}")
         if not timeout > 0:
@@ -223,15 +278,36 @@ class AgentRollout(PlayedRollout):
                 max_env_steps=self.max_env_steps,
                 sampling=context.sampling,
                 token_history=self.history == "tokens",
+                max_completion_length=context.max_completion_length,
+                policy_version=context.policy_version,
             )
         )
 
-    async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
-        """``(outcome, reward, info)`` of one run (``outcome``: ok / error / bad_reward; a cancelled run raises
-        ``CancelledError``, read as a timeout by `_start`)."""
+    def access(self, record: RunRecord) -> PolicyAccess:
+        """How ``record``'s run reaches the policy (its URLs and key)."""
+        endpoint = self.endpoint
+        root = endpoint.root_url
+        return PolicyAccess(endpoint.base_url, root, record.key, f"{endpoint.run_root_url(record)}/v1")
+
+    def _client(self, record: RunRecord) -> Any:
+        """The client the agent asked for, pointed at the endpoint with the run's key."""
+        access = self.access(record)
+        if self.client_kind == "access":
+            return access
+        if self.client_kind == "anthropic":
+            try:
+                import anthropic
+            except ImportError as err:
+                raise ImportError('an agent asking for anthropic.AsyncAnthropic needs "trinity-trl[agents]"') from err
+            return anthropic.AsyncAnthropic(base_url=access.root_url, api_key=access.api_key, max_retries=0)
         import openai
 
-        client = openai.AsyncOpenAI(base_url=self.endpoint.base_url, api_key=record.key, max_retries=0)
+        return openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+
+    async def _one(self, record: RunRecord, row: dict[str, Any]) -> tuple[str, Any, Any]:
+        """``(outcome, reward, info)`` of one run (``outcome``: ok / error; a cancelled run raises ``CancelledError``,
+        read as a timeout by `_start`). A reward of None, NaN or +-inf is the run's and makes it unscorable (NaN)."""
+        client = self._client(record)
         try:
             result = await self.agent(client, dict(row))
         except asyncio.CancelledError:
@@ -240,17 +316,16 @@ class AgentRollout(PlayedRollout):
             return "error", None, f"{type(err).__name__}: {err}"
         finally:
             self.endpoint.close_run(record)
-            await client.close()
+            if hasattr(client, "close"):
+                await client.close()
         reward, info = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
         if reward is None:
             return "ok", math.nan, info
         try:
             value = float(reward)
-        except (TypeError, ValueError):
-            return "bad_reward", None, f"the agent returned {result!r:.80}, not a reward"
-        if math.isinf(value):  # kept out of the group statistics and of the logged means
-            return "bad_reward", None, f"the agent returned a non-finite reward {value}"
-        return "ok", value, info
+        except (TypeError, ValueError):  # an agent's bug, as if it had raised
+            return "error", None, f"the agent returned {result!r:.80}: a reward is a number, or None (unscorable)"
+        return "ok", (value if math.isfinite(value) else math.nan), info
 
     def _start(self, record: RunRecord, row: dict[str, Any], index: int) -> _Worker:
         """Start one run in its own thread with its own event loop: an agent that blocks (``time.sleep``, blocking
@@ -336,7 +411,7 @@ class AgentRollout(PlayedRollout):
                 CANCEL_GRACE_S,
             )
         outcomes = [w.outcome.result() if w.outcome.done() else ("timeout", None, None) for w in workers]
-        counts = {"error": 0, "timeout": 0, "bad_reward": 0}
+        counts = {"error": 0, "timeout": 0}
         first: dict[str, Any] = {}
         runs, self.infos, self.recorded = [], [], []
         for row, record, (outcome, reward, info) in zip(rows, records, outcomes):
@@ -357,7 +432,6 @@ class AgentRollout(PlayedRollout):
         self.metrics = {
             "agent/errors": float(counts["error"]),
             "agent/timeouts": float(counts["timeout"]),
-            "agent/bad_rewards": float(counts["bad_reward"]),
             **{f"agent/{name}": float(counters[name]) for name in COUNTERS},
             "agent/calls_per_run": sum(len(r.calls) for r in records) / n,
             "agent/runs_without_calls": float(sum(not r.calls for r in records)),
@@ -372,7 +446,6 @@ class AgentRollout(PlayedRollout):
         lines = {
             "error": f"agent runs raised (first: {first.get('error')}); {scored}",
             "timeout": f"agent runs took more than agent_timeout={self.timeout:g} s of their own time; {scored}",
-            "bad_reward": f"agent runs returned no usable reward (first: {first.get('bad_reward')}); {scored}",
         }
         for kind, text in lines.items():
             if counts[kind]:
@@ -389,7 +462,16 @@ class AgentRollout(PlayedRollout):
         out = []
         for c, k in steps:
             call, choice = record.calls[c], record.calls[c].choices[k]
-            out.append(Step(call.prompt_ids, choice.completion_ids, choice.logprobs, reward, choice.message["content"]))
+            out.append(
+                Step(
+                    call.prompt_ids,
+                    choice.completion_ids,
+                    choice.logprobs,
+                    reward,
+                    choice.message["content"],
+                    policy_version=call.policy_version,
+                )
+            )
         return Run(
             steps=out,
             reward=reward,

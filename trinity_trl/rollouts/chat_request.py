@@ -1,53 +1,33 @@
 """The typed body of ``POST /v1/chat/completions`` on the policy endpoint (`endpoint`).
 
 Pydantic models that mirror the ``openai`` package's request types (``openai.types.chat.CompletionCreateParams`` and
-the message, content-part and tool types it names), strictly: a wrong type is refused as a wrong type (no ``"1"`` read
-as a number, no ``1`` read as a string), a field the endpoint does not know is refused by name, and a field it knows
-but cannot honour (one that would change the distribution the recorded log-probs come from) is refused with the
-reason. `parse_request` turns a raw body into a `ChatRequest` or a `BodyError` that names the
-field; nothing that fails here reaches the training thread.
+the message, content-part and tool types it names), strictly (`body`). `parse_request` turns a raw body into a
+`ChatRequest` or a `body.BodyError` that names the field; `ChatRequest.to_request` gives the recorder's
+`endpoint.Request`. Nothing that fails here reaches the training thread.
 
 Fields accepted and not used, because they do not change what is sampled: ``model`` (every name is answered by the
 policy), ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier``, ``prompt_cache_key``,
-``stream_options`` with ``stream`` false, ``parallel_tool_calls=True`` and ``response_format={"type": "text"}``.
+``prompt_cache_retention``, ``verbosity`` (a hint the policy has no setting for), ``stream_options``,
+``parallel_tool_calls=True``, ``reasoning_effort="none"`` and ``response_format={"type": "text"}``.
 """
 
 from __future__ import annotations
 
-import re
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-    model_validator,
-)
+from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-Number = StrictInt | StrictFloat
+from .body import BodyError, Number, Rules, Strict, parse_body
+from .endpoint import Request
+
+__all__ = ["BodyError", "ChatRequest", "parse_request"]
 
 
-class BodyError(ValueError):
-    """A request body the endpoint refuses; ``param`` is the dotted path of the first bad field (or ``None``)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class TextPart(_Strict):
+class TextPart(Strict):
     """A content part; only ``{"type": "text", "text": ...}`` is rendered by a text chat template."""
 
-    model_config = ConfigDict(extra="allow", strict=True)  # other part kinds carry their own fields: named below
+    model_config = Strict.model_config | {"extra": "allow"}  # other part kinds carry their own fields: named below
     type: StrictStr
     text: StrictStr | None = None
 
@@ -65,36 +45,40 @@ class TextPart(_Strict):
 Content = StrictStr | list[TextPart] | None
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: Annotated[StrictStr, Field(min_length=1)]
     arguments: StrictStr | dict[str, Any]  # the protocol's JSON string; a mapping is taken too
+    # the openai client's streaming helper returns the arguments parsed beside them: sent back as they came
+    parsed_arguments: dict[str, Any] | None = None
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: StrictStr | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: StrictInt | None = None  # a streamed call's position, kept by the client's streaming helper
 
 
-class SystemMessage(_Strict):
+class SystemMessage(Strict):
     role: Literal["system", "developer"]
     content: Content
     name: StrictStr | None = None
 
 
-class UserMessage(_Strict):
+class UserMessage(Strict):
     role: Literal["user"]
     content: Content
     name: StrictStr | None = None
 
 
-class AssistantMessage(_Strict):
+class AssistantMessage(Strict):
     role: Literal["assistant"]
     content: Content = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     # fields of a returned ``ChatCompletionMessage`` an agent may send back as they came (model_dump): only empty
     refusal: None = None
+    parsed: None = None
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
@@ -104,7 +88,7 @@ class AssistantMessage(_Strict):
     reasoning: Annotated[StrictStr, Field(max_length=0)] | None = None
 
 
-class ToolMessage(_Strict):
+class ToolMessage(Strict):
     role: Literal["tool"]
     content: Content
     tool_call_id: StrictStr | None = None
@@ -114,23 +98,28 @@ class ToolMessage(_Strict):
 Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: Annotated[StrictStr, Field(min_length=1)]
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text"]
 
 
-class ChatRequest(_Strict):
+class StreamOptions(Strict):
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None
+
+
+class ChatRequest(Strict):
     """The fields of a chat-completions request the endpoint honours (see the module docstring for the rest)."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -146,11 +135,13 @@ class ChatRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: Literal[True] | None = None
-    stream: Literal[False] | None = None
-    stream_options: dict[str, Any] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
     frequency_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
     presence_penalty: Annotated[Number, Field(ge=0, le=0)] | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # bookkeeping fields that do not change what is sampled
     user: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
@@ -158,6 +149,7 @@ class ChatRequest(_Strict):
     service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -166,6 +158,22 @@ class ChatRequest(_Strict):
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_request(self) -> Request:
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return Request(
+            messages=normalize_messages(self.messages),
+            tools=tools,
+            n=self.n or 1,
+            max_tokens=self.completion_limit,
+            max_tokens_field="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+            stop=self.stops,
+            logprobs=bool(self.logprobs),
+            parse_tools=bool(tools) and self.tool_choice != "none",
+            tool_choice=self.tool_choice,
+            stream=bool(self.stream),
+            sampling={"temperature": self.temperature, "top_p": self.top_p},
+        )
 
 
 #: why a known field with a value other than its neutral one is refused
@@ -177,10 +185,10 @@ REFUSED = {
         "choice would change the distribution the recorded log-probs come from)"
     ),
     "parallel_tool_calls": "parallel_tool_calls=false cannot be enforced on unconstrained sampling: leave it out",
-    "stream": "streaming is not supported: leave stream out or false",
     "frequency_penalty": "penalties change the sampled distribution: leave frequency_penalty out or 0",
     "presence_penalty": "penalties change the sampled distribution: leave presence_penalty out or 0",
     "response_format": "only response_format {'type': 'text'} is supported (the sampling is not constrained)",
+    "reasoning_effort": "the policy has no reasoning setting: leave reasoning_effort out or 'none'",
 }
 #: fields of the OpenAI API the endpoint does not take, and why
 UNSUPPORTED = {
@@ -191,79 +199,58 @@ UNSUPPORTED = {
     "modalities": "the policy answers text only",
     "audio": "the policy answers text only",
     "prediction": "it is not supported",
-    "reasoning_effort": "the policy has no reasoning setting",
-    "verbosity": "the policy has no verbosity setting",
     "web_search_options": "the policy has no web search",
+    "moderation": "the endpoint does not moderate",
+    "prompt_cache_options": "it is not supported",
 }
 
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RULES = Rules(refused=REFUSED, unsupported=UNSUPPORTED, tags=frozenset(ROLES))
 
 
-def _where(loc: tuple) -> str:
-    """The dotted field path of an error location, without pydantic's union branch tags (``str``, ``list[...]``,
-    ``TextPart``, the role tag of a message)."""
-    parts: list[str] = []
-    for i, item in enumerate(loc):
-        if isinstance(item, int):
-            parts.append(str(item))
-        elif item in ROLES and i >= 2 and loc[0] == "messages" and isinstance(loc[i - 1], int) and i == 2:
-            continue  # the discriminator tag of messages.N
-        elif re.fullmatch(r"[a-z_][a-z0-9_]*", item) and item not in (
-            "str",
-            "int",
-            "float",
-            "bool",
-            "list",
-            "dict",
-            "none",
-        ):
-            parts.append(item)
-    return ".".join(parts)
+def _text(content: str | list | None) -> str:
+    """A typed message content (a string, ``None`` or a list of text parts) as text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
 
 
-def _expected(message: str) -> str:
-    return message.removeprefix("Input should be ").removeprefix("a valid ").removeprefix("an ")
+def arguments(value: Any) -> Any:
+    """Tool-call arguments for the chat template: the JSON string of the OpenAI protocol, parsed (templates render a
+    mapping); text that is not JSON stays text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
-def _describe(errors: list[dict]) -> tuple[str, str | None]:
-    """One line naming the bad field (the most specific error) and what was wrong with it."""
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return f"the body is not JSON: {first['msg']}", None
-    if first["type"] == "model_type" and not first["loc"]:
-        return f"the body must be a JSON object, got {type(first['input']).__name__}", None
-    deepest = max(len(_where(e["loc"]).split(".")) for e in errors)
-    errors = [e for e in errors if len(_where(e["loc"]).split(".")) == deepest]
-    first = errors[0]
-    where, kind, got = _where(first["loc"]), first["type"], first.get("input")
-    if kind == "extra_forbidden":
-        if where in UNSUPPORTED:
-            return f"{where} is not supported: {UNSUPPORTED[where]}", where
-        return f"unknown field {where!r}: the policy endpoint does not take it", where
-    if kind == "missing":
-        return f"{where} is required", where
-    if where in REFUSED and kind in ("literal_error", "greater_than_equal", "less_than_equal"):
-        return f"{where}={got!r}: {REFUSED[where]}", where
-    if kind == "union_tag_invalid":
-        role = got.get("role") if isinstance(got, dict) else got
-        return f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r:.40}", f"{where}.role"
-    if kind == "value_error":
-        return f"{where}: {first['msg'].removeprefix('Value error, ')}", where
-    if all(e["type"] == "literal_error" for e in errors):
-        return f"{where}: {got!r:.60} is not allowed, expected {_expected(first['msg'])}", where
-    if all(e["type"].endswith("_type") or e["type"] in ("none_required", "literal_error") for e in errors):
-        expected = " or ".join(dict.fromkeys(_expected(e["msg"]) for e in errors))
-        return f"{where}: wrong type {type(got).__name__} ({got!r:.60}); expected {expected}", where
-    return f"{where}: {first['msg']} (got {got!r:.60})", where
+def normalize_messages(messages: list) -> list[dict[str, Any]]:
+    """The typed request's messages in the form the chat template renders and calls are compared in."""
+    out = []
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        item: dict[str, Any] = {"role": role, "content": _text(message.content)}
+        if role == "assistant" and message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": arguments(c.function.arguments)},
+                }
+                for c in message.tool_calls
+            ]
+        if role == "tool":
+            if message.tool_call_id is not None:
+                item["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                item["name"] = message.name
+        out.append(item)
+    return out
 
 
 def parse_request(raw: bytes | str | dict) -> ChatRequest:
     """The typed request of ``raw`` (the HTTP body, or an already decoded object), or `BodyError`."""
-    try:
-        if isinstance(raw, (bytes, str)):
-            return ChatRequest.model_validate_json(raw)
-        return ChatRequest.model_validate(raw)
-    except ValidationError as err:
-        message, param = _describe(err.errors(include_url=False))
-        raise BodyError(message, param) from None
+    return parse_body(ChatRequest, raw, RULES)

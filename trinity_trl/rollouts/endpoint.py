@@ -1,32 +1,38 @@
-"""A policy-backed OpenAI-compatible endpoint inside the training process (the ``agents`` extra).
+"""A policy-backed endpoint inside the training process, in the wire formats agents speak (the ``agents`` extra).
 
-Agents written against an OpenAI client (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers' harnesses, plain
-scripts) call ``POST /v1/chat/completions`` on ``http://127.0.0.1:<port>/v1``; the trainer's policy answers. The server
-is FastAPI on uvicorn, in a background thread with its own event loop, bound to loopback on a port the OS chooses.
-Request bodies are typed (`chat_request`): a malformed one is refused with a 400 naming the field before
-anything reaches the training thread.
-Each agent run gets its own API key: a request without the key of a live run is refused (401), a request of a run that
-is over (finished, timed out or cut) is refused too (409) and counted.
+Agents call ``http://127.0.0.1:<port>/v1`` with the client they already use, and the trainer's policy answers:
+
+* OpenAI chat completions, ``POST /v1/chat/completions`` (``openai.AsyncOpenAI``, LangGraph, smolagents, verifiers),
+* the OpenAI Responses API, ``POST /v1/responses`` (the OpenAI Agents SDK, Codex-style harnesses),
+* Anthropic Messages, ``POST /v1/messages`` (``anthropic.AsyncAnthropic``, Claude-style harnesses),
+
+each streamed (server-sent events, as the format's own client reads them) or not. The server is FastAPI on uvicorn, in
+a background thread with its own event loop, bound to loopback on a port the OS chooses. Request bodies are typed per
+format (`chat_request`, `responses_request`, `messages_request`): a malformed one is refused with a 4xx naming the
+field before anything reaches the training thread; `wire` writes the answers.
+Each agent run gets its own API key, sent as a bearer token or ``x-api-key``, or put in the path by a per-run base
+URL (``/runs/<key>/v1``, for clients that cannot send a per-run key): a request without the key of a live run is
+refused (401), a request of a run that is over (finished, timed out or cut) is refused too (409) and counted.
 
 Requests are not answered one by one: the handler queues the request and waits, while the training thread (the one
 that owns the model) takes the queued requests in batches (`PolicyEndpoint.next_batch`, driven by
-`trinity_trl.rollouts.agent.AgentRollout`) and answers a whole batch with one generation call. Every answer is
-recorded under its run, exactly as sampled (`Call`): the prompt token ids as the chat template rendered them
-(tool schemas included), the completion token ids and their sampling log-probs. Training reads those ids; the text
-sent back to the agent is never tokenized again.
+`trinity_trl.rollouts.agent.AgentRollout`) and answers a whole batch with one generation call. Every answer, whatever
+its format, is recorded under its run in one way (`Call`): the prompt token ids as the chat template rendered them
+(tool schemas included), the completion token ids and their sampling log-probs, and the policy version (optimizer
+steps taken by the weights that sampled it). Training reads those ids; the text sent back is never tokenized again.
 
-**Token history.** When a request's messages are an earlier call's messages, then the assistant message that call
-returned, then new messages (tool results, a user turn), its prompt is that call's prompt + the sampled completion
-(+ EOS if the turn was cut) + the chat-template tokens of the new messages: the model reads its own turn as it was
-sampled, and the call *extends* the earlier one (they share a prefix and train in one packed row). Any other request
-(an agent that summarises or drops turns) is rendered anew and starts a new segment.
+**Token history.** Every format's request is read as one conversation (`Request.messages`, the chat template's
+form). When a request's messages are an earlier call's messages, then the assistant message that call returned, then
+new messages (tool results, a user turn), its prompt is that call's prompt + the sampled completion (+ EOS if the turn
+was cut) + the chat-template tokens of the new messages: the model reads its own turn as it was sampled, and the call
+*extends* the earlier one (they share a prefix and train in one packed row), whichever format either call used. Any
+other request (an agent that summarises or drops turns) is rendered anew and starts a new segment.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' `Request` annotation at run time
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 import math
 import queue
@@ -35,7 +41,6 @@ import secrets
 import socket
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +68,7 @@ COUNTERS = (
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses: answered with ``status`` and an OpenAI-style error body."""
+    """A request the endpoint refuses: answered with ``status`` and the error body of its format (`wire`)."""
 
     def __init__(
         self,
@@ -78,26 +83,64 @@ class RequestError(Exception):
 
 
 @dataclass
+class Request:
+    """A request of any wire format, as the recorder reads it (each typed body's ``to_request``).
+
+    Attributes:
+        messages: the conversation in the chat template's form (``role``, ``content`` text, an assistant's
+            ``tool_calls`` with parsed arguments, a tool result's ``tool_call_id``).
+        tools: function tools in the chat-completions form the chat template renders, or ``None``.
+        n: answers to sample.
+        max_tokens: completion tokens at most, or ``None``; ``max_tokens_field`` names it as the format does.
+        stop: stop strings.
+        logprobs: the answer carries the sampled tokens' log-probs.
+        parse_tools: tool calls are parsed out of the answer.
+        tool_choice: the format's tool choice, as a string (``"auto"``, ``"none"``) or ``None``.
+        stream: answered as server-sent events.
+        sampling: the request's ``temperature`` and ``top_p`` (``None``: left out).
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    parse_tools: bool = False
+    tool_choice: str | None = None
+    stream: bool = False
+    sampling: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
 class Choice:
     """One sampled answer of a call: exactly what training reads (``completion_ids``, ``logprobs``) and the assistant
-    message sent back (``message``, the form the agent returns in its next request)."""
+    message sent back (``message``, the form the agent returns in its next request); ``stop_sequence``: the stop
+    string that ended it, if one did."""
 
     completion_ids: list[int]
     logprobs: list[float] | None
     message: dict[str, Any]
     finish_reason: str
+    stop_sequence: str | None = None
 
 
 @dataclass
 class Call:
-    """One request of a run. ``parent``: ``(call index, choice index)`` whose prompt + completion this call's prompt
-    extends, or ``None`` (rendered anew: a new segment)."""
+    """One request of a run, whatever its wire format. ``parent``: ``(call index, choice index)`` whose prompt +
+    completion this call's prompt extends, or ``None`` (rendered anew: a new segment). ``policy_version``: the number
+    of optimizer steps the weights that sampled this call's answers had taken (the trainer's ``global_step`` at
+    generation; ``None`` when the endpoint was given no version). ``wire``: the format it came in (``"chat"``,
+    ``"responses"``, ``"messages"``)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     prompt_ids: list[int]
     parent: tuple[int, int] | None
     choices: list[Choice] = field(default_factory=list)
+    policy_version: int | None = None
+    wire: str = "chat"
 
 
 @dataclass
@@ -122,60 +165,15 @@ class RunRecord:
 
 @dataclass
 class Pending:
-    """A parsed request waiting for the training thread."""
+    """A parsed request waiting for the training thread: ``wire`` is its format (`wire.Format`), ``body`` its typed
+    body, ``reply`` the answer once made (a JSON object, or the server-sent events of a streamed one)."""
 
     run: RunRecord
     call: Call
-    n: int
-    max_tokens: int | None
-    stop: list[str]
-    want_logprobs: bool
-    parse_tools: bool
+    request: Request
+    wire: Any
+    body: Any
     future: concurrent.futures.Future
-
-
-def _text(content: str | list | None) -> str:
-    """A typed message content (a string, ``None`` or a list of text parts) as text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
-def _arguments(value: Any) -> Any:
-    """Tool-call arguments for the chat template: the JSON string of the OpenAI protocol, parsed (templates render a
-    mapping); text that is not JSON stays text."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
-
-
-def normalize_messages(messages: list) -> list[dict[str, Any]]:
-    """The typed request's messages (`chat_request.ChatRequest`) in the form the chat template renders and
-    calls are compared in."""
-    out = []
-    for message in messages:
-        role = "system" if message.role == "developer" else message.role
-        item: dict[str, Any] = {"role": role, "content": _text(message.content)}
-        if role == "assistant" and message.tool_calls:
-            item["tool_calls"] = [
-                {
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
-                }
-                for c in message.tool_calls
-            ]
-        if role == "tool":
-            if message.tool_call_id is not None:
-                item["tool_call_id"] = message.tool_call_id
-            if message.name is not None:
-                item["name"] = message.name
-        out.append(item)
-    return out
 
 
 def _same_turn(returned: dict[str, Any], sent: dict[str, Any]) -> bool:
@@ -272,7 +270,7 @@ class ChatRenderer:
 
 
 class PolicyEndpoint:
-    """The OpenAI-compatible server of a trainer (see the module docstring). ``start()`` serves, ``stop()`` ends.
+    """The policy's server of a trainer (see the module docstring). ``start()`` serves, ``stop()`` ends.
 
     Args:
         generator: the trainer's generation backend (one completion per prompt, batched).
@@ -286,6 +284,10 @@ class PolicyEndpoint:
             them out; another value is refused, since the recorded log-probs would not be the sampled ones.
         token_history: extend an earlier call's sampled tokens when a request continues it (see the module
             docstring); ``False`` renders every request anew (the trainer's ``history="messages"``).
+        max_completion_length: completion tokens the generator samples at most (the trainer's): a request asking for
+            more (``max_tokens`` and its kin) is refused, since it could not be honoured.
+        policy_version: returns the number of optimizer steps taken by the weights the generator samples with (the
+            trainer's ``global_step``); each call records it (`Call.policy_version`).
     """
 
     def __init__(
@@ -298,6 +300,8 @@ class PolicyEndpoint:
         sampling: dict[str, float | None] | None = None,
         token_history: bool = True,
         max_calls: None = None,
+        max_completion_length: int | None = None,
+        policy_version: Callable[[], int] | None = None,
     ):
         if max_calls is not None:  # its name until issue 37
             raise TypeError("PolicyEndpoint's max_calls is now max_env_steps (model calls per run at most)")
@@ -305,6 +309,8 @@ class PolicyEndpoint:
         self.model_name, self.max_context, self.max_env_steps = model_name, max_context, max_env_steps
         self.sampling = {k: v for k, v in (sampling or {}).items() if v is not None}
         self.token_history = token_history
+        self.max_completion_length = max_completion_length
+        self.policy_version = policy_version
         self.runs: dict[str, RunRecord] = {}
         self.queue: queue.Queue[Pending] = queue.Queue()
         self.counters: Counter = Counter()
@@ -317,8 +323,19 @@ class PolicyEndpoint:
 
     # ------------------------------------------------------------------------------ server life
     @property
+    def root_url(self) -> str:
+        """``http://127.0.0.1:<port>``: the base URL of clients that add ``/v1`` themselves (``anthropic``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        """``http://127.0.0.1:<port>/v1``: the base URL of OpenAI clients."""
+        return f"{self.root_url}/v1"
+
+    def run_root_url(self, record: RunRecord) -> str:
+        """The run's own root URL, its key in the path (``.../runs/<key>``; ``/v1`` follows), for clients that
+        cannot send a per-run key."""
+        return f"{self.root_url}/runs/{record.key}"
 
     def start(self) -> "PolicyEndpoint":
         import uvicorn
@@ -408,55 +425,80 @@ class PolicyEndpoint:
     # ------------------------------------------------------------------------------ HTTP
     def app(self):
         from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
+
+        from .wire import FORMATS, chat
 
         app = FastAPI(title="trinity_trl policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def error(err: RequestError) -> JSONResponse:
-            body = {"error": {"message": str(err), "type": err.code, "code": err.code, "param": err.param}}
-            return JSONResponse(body, status_code=err.status)
+        def error(err: RequestError, wire) -> JSONResponse:
+            return JSONResponse(wire.error_body(err), status_code=err.status)
 
-        @app.get("/v1/models")
         async def models(request: Request):
             try:
                 self._authorize(request)
             except RequestError as err:
-                return error(err)
+                return error(err, chat)
             from openai.types import Model
 
             model = Model(id=self.model_name, created=0, object="model", owned_by="trinity_trl")
             return {"object": "list", "data": [model.model_dump()]}
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
-            try:
-                record = self._authorize(request)
-                pending = self._parse(record, await request.body())
-            except RequestError as err:
-                self._count(err.counter or "rejected_requests", err)
-                return error(err)
-            with self._lock:
-                if record.waiting == 0:
-                    record.waiting_since = time.monotonic()
-                record.waiting += 1
-            self.queue.put(pending)
-            try:
-                result = await asyncio.wrap_future(pending.future)
-            except RequestError as err:
-                return error(err)
-            finally:
+        def serving(wire):
+            async def handler(request: Request):
+                try:
+                    record = self._authorize(request)
+                    pending = self._parse(record, await request.body(), wire)
+                except RequestError as err:
+                    self._count(err.counter or "rejected_requests", err)
+                    return error(err, wire)
                 with self._lock:
-                    record.waiting -= 1
-                    if record.waiting == 0 and record.waiting_since is not None:
-                        record.waited += time.monotonic() - record.waiting_since
-                        record.waiting_since = None
-            return result
+                    if record.waiting == 0:
+                        record.waiting_since = time.monotonic()
+                    record.waiting += 1
+                self.queue.put(pending)
+                try:
+                    reply = await asyncio.wrap_future(pending.future)
+                except RequestError as err:
+                    return error(err, wire)
+                finally:
+                    with self._lock:
+                        record.waiting -= 1
+                        if record.waiting == 0 and record.waiting_since is not None:
+                            record.waited += time.monotonic() - record.waiting_since
+                            record.waiting_since = None
+                if isinstance(reply, list):  # a streamed answer: its server-sent events, written whole
+                    return Response("".join(reply), media_type="text/event-stream")
+                return reply
 
+            return handler
+
+        for prefix in ("", "/runs/{key}"):
+            app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+            for wire in FORMATS:
+                app.add_api_route(f"{prefix}/v1{wire.path}", serving(wire), methods=["POST"])
+        served = ", ".join(["GET /v1/models", *(f"POST /v1{wire.path}" for wire in FORMATS)])
+
+        async def unknown(request: Request, path: str):
+            # e.g. /v1/completions or /v1/embeddings: named and counted, in the shape of the format it resembles
+            wire = next((w for w in FORMATS if path.startswith(f"v1{w.path}")), chat)
+            refused = RequestError(
+                404, f"{request.method} /{path} is not served: the policy endpoint serves {served}", "not_found"
+            )
+            self._count("rejected_requests", refused)
+            return error(refused, wire)
+
+        app.add_api_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         return app
 
     def _authorize(self, request) -> RunRecord:
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        """The live run whose key the request carries: in the path (a per-run base URL), as a bearer token, or as
+        ``x-api-key`` (Anthropic's header)."""
+        key = request.path_params.get("key")
+        if key is None:
+            header = request.headers.get("authorization", "")
+            key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            key = key or request.headers.get("x-api-key", "").strip()
         with self._lock:
             record = self.runs.get(key)
         if record is None:
@@ -465,18 +507,19 @@ class PolicyEndpoint:
             raise RequestError(409, "this run is over (finished, timed out or cut)", "run_closed", "late_calls")
         return record
 
-    def _parse(self, record: RunRecord, raw: bytes) -> Pending:
-        """The typed request of ``raw`` (`chat_request`), checked against the trainer's settings; every refusal
-        is a `RequestError` naming the field, raised here, on the server's thread, before anything is
+    def _parse(self, record: RunRecord, raw: bytes, wire) -> Pending:
+        """The typed request of ``raw`` in its format (``wire``), checked against the trainer's settings; every
+        refusal is a `RequestError` naming the field, raised here, on the server's thread, before anything is
         queued for the training thread."""
-        from .chat_request import BodyError, parse_request  # pydantic: the agents extra's, imported when serving
+        from .body import BodyError  # pydantic: the agents extra's, imported when serving
 
         try:
-            body = parse_request(raw)
+            body = wire.parse(raw)
         except BodyError as err:
             raise RequestError(400, str(err), param=err.param) from None
+        request = body.to_request()
         for name, value in self.sampling.items():
-            asked = getattr(body, name)
+            asked = request.sampling.get(name)
             if asked is not None and not math.isclose(float(asked), float(value)):
                 raise RequestError(
                     400,
@@ -484,8 +527,15 @@ class PolicyEndpoint:
                     f"trainer's settings (leave {name} out)",
                     param=name,
                 )
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        if tools and not self.renderer.renders_tools:
+        limit = self.max_completion_length
+        if limit is not None and request.max_tokens is not None and request.max_tokens > limit:
+            raise RequestError(
+                400,
+                f"{request.max_tokens_field}={request.max_tokens} is above the trainer's max_completion_length="
+                f"{limit}: the policy samples at most {limit} tokens a call (ask for at most that)",
+                param=request.max_tokens_field,
+            )
+        if request.tools and not self.renderer.renders_tools:
             raise RequestError(
                 400,
                 "tools were given but the policy's chat template does not render tool schemas (a prompt with and "
@@ -493,7 +543,7 @@ class PolicyEndpoint:
                 "template that renders tools (chat_template, e.g. TRL's qwen2_5 template) or leave tools out",
                 param="tools",
             )
-        if tools and body.tool_choice != "none" and self.renderer.parser is None:
+        if request.tools and request.tool_choice != "none" and self.renderer.parser is None:
             raise RequestError(
                 400,
                 "tools were given but TRL knows no response template for the policy's chat template, so the "
@@ -501,7 +551,6 @@ class PolicyEndpoint:
                 "qwen2_5) or leave tools out",
                 param="tools",
             )
-        messages = normalize_messages(body.messages)
         with self._lock:
             if self.max_env_steps is not None and len(record.calls) >= self.max_env_steps:
                 record.open, record.cut = False, True
@@ -513,12 +562,10 @@ class PolicyEndpoint:
                 )
         return Pending(
             run=record,
-            call=Call(messages=messages, tools=tools, prompt_ids=[], parent=None),
-            n=body.n or 1,
-            max_tokens=body.completion_limit,
-            stop=body.stops,
-            want_logprobs=bool(body.logprobs),
-            parse_tools=bool(tools) and body.tool_choice != "none",
+            call=Call(messages=request.messages, tools=request.tools, prompt_ids=[], parent=None, wire=wire.name),
+            request=request,
+            wire=wire,
+            body=body,
             future=concurrent.futures.Future(),
         )
 
@@ -574,7 +621,9 @@ class PolicyEndpoint:
             ready.append(pending)
         if not ready:
             return
-        prompts = [p.call.prompt_ids for p in ready for _ in range(p.n)]
+        prompts = [p.call.prompt_ids for p in ready for _ in range(p.request.n)]
+        # the weights that answer this batch: read on the training thread, which alone steps the optimizer
+        version = None if self.policy_version is None else int(self.policy_version())
         try:
             completions, logprobs = self.generator.generate(prompts)
         except Exception as err:  # the agents get an error; the trainer's exception propagates
@@ -585,7 +634,8 @@ class PolicyEndpoint:
             raise
         index = 0
         for pending in ready:
-            start, index = index, index + pending.n
+            start, index = index, index + pending.request.n
+            pending.call.policy_version = version
             try:
                 pending.call.choices = [
                     self._choice(
@@ -593,7 +643,13 @@ class PolicyEndpoint:
                     )
                     for i in range(start, index)
                 ]
-                response = self._response(pending)
+                if pending.request.logprobs and any(c.logprobs is None for c in pending.call.choices):
+                    raise RequestError(
+                        400,
+                        "logprobs were asked for but the generation backend returns none (transformers generation; "
+                        "use_vllm returns them)",
+                    )
+                response = pending.wire.reply(pending, self.model_name, self.renderer.tokenizer.decode)
             except RequestError as err:
                 self._count("rejected_requests", err)
                 self._fail(pending, err)
@@ -670,22 +726,23 @@ class PolicyEndpoint:
         """Cut ``ids`` at ``max_tokens`` and after the token that completes a stop string (a sample cut short is still
         a sample of the same policy), then parse the turn."""
         decode = self.renderer.tokenizer.decode
+        request = pending.request
         finish = "stop" if ids and ids[-1] in self.generator.eos_token_ids else "length"
-        if pending.max_tokens is not None and len(ids) > pending.max_tokens:
-            ids, finish = ids[: pending.max_tokens], "length"
-        content_cut = None
-        if pending.stop:
+        if request.max_tokens is not None and len(ids) > request.max_tokens:
+            ids, finish = ids[: request.max_tokens], "length"
+        content_cut = stop_sequence = None
+        if request.stop:
             for end in range(1, len(ids) + 1):
                 text = decode(ids[:end], skip_special_tokens=True)
-                hits = [text.find(s) for s in pending.stop if s and s in text]
+                hits = sorted((text.find(s), s) for s in request.stop if s and s in text)
                 if hits:
-                    ids, content_cut, finish = ids[:end], min(hits), "stop"
+                    ids, (content_cut, stop_sequence), finish = ids[:end], hits[0], "stop"
                     break
         if logprobs is not None:
             logprobs = logprobs[: len(ids)]
         message, malformed = (
             self.renderer.parse(ids, pending.call.prompt_ids, pending.call.tools)
-            if pending.parse_tools
+            if request.parse_tools
             else ({"role": "assistant", "content": decode(ids, skip_special_tokens=True)}, False)
         )
         if content_cut is not None:
@@ -694,64 +751,4 @@ class PolicyEndpoint:
             self._count("malformed_tool_calls", f"a turn with an unparsable tool call: {message['content']!r:.120}")
         if message.get("tool_calls"):
             finish = "tool_calls"
-        return Choice(ids, logprobs, message, finish)
-
-    def _response(self, pending: Pending) -> dict[str, Any]:
-        from openai.types.chat import ChatCompletion
-
-        decode = self.renderer.tokenizer.decode
-        choices = []
-        for index, choice in enumerate(pending.call.choices):
-            message: dict[str, Any] = {"role": "assistant", "content": choice.message["content"]}
-            if choice.message.get("tool_calls"):
-                message["tool_calls"] = [
-                    {
-                        "id": f"call_{uuid.uuid4().hex[:24]}",
-                        "type": "function",
-                        "function": {
-                            "name": c["function"]["name"],
-                            "arguments": json.dumps(c["function"]["arguments"])
-                            if not isinstance(c["function"]["arguments"], str)
-                            else c["function"]["arguments"],
-                        },
-                    }
-                    for c in choice.message["tool_calls"]
-                ]
-            logprobs = None
-            if pending.want_logprobs:
-                if choice.logprobs is None:
-                    raise RequestError(
-                        400,
-                        "logprobs were asked for but the generation backend returns none (transformers generation; "
-                        "use_vllm returns them)",
-                    )
-                logprobs = {
-                    "content": [
-                        {
-                            "token": decode([t]),
-                            "logprob": lp,
-                            "bytes": list(decode([t]).encode()),
-                            "top_logprobs": [],
-                        }
-                        for t, lp in zip(choice.completion_ids, choice.logprobs)
-                    ]
-                }
-            choices.append(
-                {"index": index, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs}
-            )
-        completion_tokens = sum(len(c.completion_ids) for c in pending.call.choices)
-        response = ChatCompletion.model_validate(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(pending.call.prompt_ids),
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": len(pending.call.prompt_ids) + completion_tokens,
-                },
-            }
-        )
-        return response.model_dump(exclude_none=True)
+        return Choice(ids, logprobs, message, finish, stop_sequence)

@@ -202,7 +202,10 @@ class RolloutContext:
         chat_template_kwargs: extra arguments of the chat template.
         tools: TRL's tools (a tool environment's methods and the standalone ``tools``), as TRL keeps them.
         max_context: prompt tokens at most (the model's context less ``max_completion_length``), or ``None``.
+        max_completion_length: completion tokens the generation backend samples at most, or ``None``.
         sampling: the trainer's sampling settings (``temperature``, ``top_p``).
+        policy_version: returns the number of optimizer steps the generation backend's weights have taken (the
+            trainer's ``global_step``), or ``None``.
         lockstep_engine: the engine's name when every process must generate in lockstep (DeepSpeed ZeRO-3, FSDP
             gather the sharded weights in every forward), else ``None``.
     """
@@ -216,6 +219,8 @@ class RolloutContext:
     max_context: int | None = None
     sampling: dict[str, float | None] = field(default_factory=dict)
     lockstep_engine: str | None = None
+    max_completion_length: int | None = None
+    policy_version: Callable[[], int] | None = None
 
 
 #: ``trl_generate(inputs, **attributes)``: TRL's ``_generate_and_score_completions`` of ``inputs``, with some of the

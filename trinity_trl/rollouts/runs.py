@@ -17,13 +17,16 @@ from typing import Any
 
 @dataclass
 class Step:
-    """One turn: ``prompt_ids`` (conversation so far), ``completion_ids`` (the model's turn)."""
+    """One turn: ``prompt_ids`` (conversation so far), ``completion_ids`` (the model's turn, as sampled),
+    ``logprobs`` (their sampling log-probs, when known); ``policy_version``: the number of optimizer steps taken by
+    the weights that sampled it, when the rollout records it (agents do; ``None`` otherwise)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float] | None
     reward: float
     text: str
+    policy_version: int | None = None
 
 
 @dataclass

@@ -11,8 +11,10 @@ environment APIs verifiers has shipped, told apart by what the environment objec
   reward is the run's reward.
 - the v1 API (``verifiers.v1.Env``, e.g. ``vf.SingleAgentEnv`` over a ``vf.Taskset``; verifiers 0.4 ships only this):
   verifiers' own episode runs (``Env.run_episode``: task setup, the harness program, the task's ``@vf.reward``
-  scoring), its harness reaching the model through verifiers' interception server, which is pointed at a relay on
-  loopback that forwards each request through the door's client. The trace's weighted reward is the run's reward.
+  scoring), its harness reaching the model through verifiers' interception server, which forwards each request as
+  the harness wrote it (chat completions, Responses or Messages, streamed or not) to the policy endpoint, at the
+  run's own base URL (its key in the path: verifiers sends one key for every rollout). The trace's weighted reward is
+  the run's reward.
 
 A v1 rollout trains only where it runs offline: the agent seat on the ``subprocess`` runtime (every other runtime is
 a remote sandbox service or a container installed from the network); a harness that needs no container; for
@@ -27,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import json
 import math
 import os
 import shutil
-import socket
 from collections.abc import Iterable
 from typing import Any
+
+from .agent import PolicyAccess
 
 #: the model name sent with each request (the endpoint answers any name with the policy)
 MODEL_NAME = "policy"
@@ -49,8 +51,8 @@ _NETWORK_RUNTIMES = {
 }
 #: the uv settings that name package sources (each must be local for the harness program to be prepared offline)
 _UV_SOURCES = ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "UV_INDEX", "UV_EXTRA_INDEX_URL", "UV_FIND_LINKS")
-#: the API key variable of the relay's client config (unset: the relay needs none)
-_RELAY_KEY_VAR = "TRINITY_TRL_VERIFIERS_RELAY_API_KEY"
+#: the API key variable of verifiers' client config: unset, since the run's key is in its base URL
+_UNSET_KEY_VAR = "TRINITY_TRL_VERIFIERS_UNSET_API_KEY"
 
 
 def _api() -> tuple[Any, Any, Any]:
@@ -133,9 +135,10 @@ class VerifiersAgent:
         ``seed`` when given)."""
         return self._play.dataset(n, seed)
 
-    async def __call__(self, client: Any, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-        """One rollout of ``row`` with the policy behind ``client``: ``(the environment's reward, info)``."""
-        return await self._play(client, row)
+    async def __call__(self, access: PolicyAccess, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """One rollout of ``row`` with the policy behind ``access`` (the run's URLs and key):
+        ``(the environment's reward, info)``."""
+        return await self._play(access, row)
 
 
 class _Classic:
@@ -155,10 +158,16 @@ class _Classic:
     def dataset(self, n: int, seed: int | None):
         return self.env.get_dataset(n=n, seed=seed)
 
-    async def __call__(self, client: Any, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-        output = await self.env.run_rollout(
-            dict(row), self.client_class(client), MODEL_NAME, dict(self.sampling_args), max_retries=0
-        )
+    async def __call__(self, access: PolicyAccess, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0)
+        try:
+            output = await self.env.run_rollout(
+                dict(row), self.client_class(client), MODEL_NAME, dict(self.sampling_args), max_retries=0
+            )
+        finally:
+            await client.close()
         reward = output.get("reward")
         info = {"metrics": dict(output.get("metrics") or {}), "stop_condition": output.get("stop_condition")}
         if output.get("error"):
@@ -167,7 +176,7 @@ class _Classic:
 
 
 class _V1:
-    """The v1 API: verifiers' own episode, its model calls relayed through the door's client."""
+    """The v1 API: verifiers' own episode, its model calls sent to the run's base URL."""
 
     def __init__(self, env: Any, sampling_args: dict[str, Any] | None):
         import verifiers.v1 as vf
@@ -239,19 +248,19 @@ class _V1:
             self._tasks[index] = found
         return self._tasks[index]
 
-    async def __call__(self, client: Any, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    async def __call__(self, access: PolicyAccess, row: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         if "task_index" not in row:
             raise KeyError("a verifiers v1 row names its task by `task_index` (see VerifiersAgent.dataset)")
         task = self._task(int(row["task_index"]))
         env = copy.copy(self.env)  # its serving resources (interception server) are this run's, in this run's loop
-        async with _Relay(client) as relay:
-            context = self.vf.ModelContext(
-                model=MODEL_NAME,
-                client=self.vf.EvalClientConfig(base_url=relay.base_url, api_key_var=_RELAY_KEY_VAR),
-                sampling=self.sampling,
-            )
-            async with env.serving():
-                episode = await env.run_episode(task, context)
+        context = self.vf.ModelContext(
+            model=MODEL_NAME,
+            # verifiers sends the key of its config (none here) with every request: the run's key is in its URL
+            client=self.vf.EvalClientConfig(base_url=access.run_base_url, api_key_var=_UNSET_KEY_VAR),
+            sampling=self.sampling,
+        )
+        async with env.serving():
+            episode = await env.run_episode(task, context)
         if not episode.traces:
             raise RuntimeError(f"the verifiers episode failed: {_errors(episode.errors)}")
         if len(episode.traces) > 1:
@@ -268,63 +277,6 @@ class _V1:
             raise RuntimeError(f"the verifiers rollout ended before it was scored: {info['error']}")
         info["rewards"] = {key: reward.value for key, reward in trace.rewards.items() if reward is not None}
         return float(trace.reward), info
-
-
-class _Relay:
-    """An OpenAI chat-completions server on loopback for one v1 rollout: verifiers' interception server sends each
-    model call here, and it is forwarded, without ``stream``, through the door's client. A streamed request gets the
-    answer back as server-sent events (verifiers' own chat dialect writes them); a refused one gets the door's
-    status and body."""
-
-    def __init__(self, client: Any):
-        self.client = client
-
-    async def __aenter__(self) -> _Relay:
-        from aiohttp import web
-
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        await web.SockSite(self.runner, sock).start()
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.runner.cleanup()
-
-    async def _chat(self, request: Any) -> Any:
-        import httpx
-        import openai
-        from aiohttp import web
-        from verifiers.v1.dialects import ChatDialect
-
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "the body is not a JSON object"}}, status=400)
-        stream = bool(body.pop("stream", False))
-        body.pop("stream_options", None)
-        try:
-            response = await self.client.post("/chat/completions", body=body, cast_to=httpx.Response)
-        except openai.APIStatusError as err:
-            return web.Response(status=err.status_code, body=err.response.content, content_type="application/json")
-        if not stream:
-            return web.Response(status=200, body=response.content, content_type="application/json")
-        events = b"".join(ChatDialect().stream_events(json.loads(response.content)))
-        return web.Response(status=200, body=events, content_type="text/event-stream")
-
-    async def _models(self, request: Any) -> Any:
-        import httpx
-        from aiohttp import web
-
-        response = await self.client.get("/models", cast_to=httpx.Response)
-        return web.Response(status=response.status_code, body=response.content, content_type="application/json")
 
 
 def _prepare_offline(harness: Any, config: Any) -> None:

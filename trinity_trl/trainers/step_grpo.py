@@ -15,8 +15,8 @@ the trainer lays them out as `trinity_trl.rollouts.TrainingRow`s and never asks 
 * **reset/step environments** (`trinity_trl.rollouts.Environment`): the turns are text;
   `trinity_trl.rollouts.MultiStepRollout` plays them over the trainer's generation backend,
   batching the next turn of every active run into one generation call.
-* **agents** (``agent=``): `trinity_trl.rollouts.AgentRollout` serves the policy on loopback to the agent's OpenAI
-  client; each model call is a step.
+* **agents** (``agent=``): `trinity_trl.rollouts.AgentRollout` serves the policy on loopback to the agent's client
+  (OpenAI chat completions or Responses, Anthropic Messages); each model call is a step.
 * **a rollout of one's own** (``rollout=``): any object following `trinity_trl.rollouts.Rollout`.
 
 Which of the first two an ``environment_factory`` follows is read from its class (`trinity_trl.rollouts.protocols`).
@@ -191,10 +191,11 @@ class StepGRPOTrainer(TrinityTrainer):
             `train_dataset=None` the environment owns the data and `max_steps` sets the length.
         tools: standalone tools (callables), as for TRL's `GRPOTrainer`; with a tool environment or alone.
         agent: instead of an environment, `async def agent(client, row) -> reward` (or `(reward, info)`): a program
-            that calls the policy through `client`, an `openai.AsyncOpenAI` pointed at an OpenAI-compatible endpoint
-            the trainer serves on loopback; every model call is a step, trained on the token ids it sampled
-            (`trinity_trl.rollouts.agent`, the `agents` extra). Options: `agent_timeout`, `agent_on_failure`,
-            `agent_batch_window`; `max_env_steps` bounds the calls of a run.
+            that calls the policy through `client`, pointed at an endpoint the trainer serves on loopback: an
+            `openai.AsyncOpenAI` (chat completions, Responses), or what the parameter's annotation asks for
+            (`anthropic.AsyncAnthropic`, `trinity_trl.rollouts.agent.PolicyAccess`); every model call is a step,
+            trained on the token ids it sampled (`trinity_trl.rollouts.agent`, the `agents` extra). Options:
+            `agent_timeout`, `agent_on_failure`, `agent_batch_window`; `max_env_steps` bounds the calls of a run.
         rollout: instead of the above, a `trinity_trl.rollouts.Rollout` of one's own (a kind of environment the
             library does not know; docs/environments.md#rollouts). Its `max_env_steps` and `history` must equal the
             config's.
@@ -304,6 +305,8 @@ class StepGRPOTrainer(TrinityTrainer):
             max_context=None if context is None else context - args.max_completion_length,
             sampling={"temperature": args.temperature, "top_p": args.top_p},
             lockstep_engine=lockstep,
+            max_completion_length=args.max_completion_length,
+            policy_version=lambda: self.state.global_step,
         )
 
     @property

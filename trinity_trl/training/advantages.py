@@ -64,9 +64,11 @@ class Advantages:
 
 def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The weighted sum of every reward function's value per completion, NaN where none scored
-    (``rewards_per_func``: ``(N, n_funcs)`` with NaN for "not scored", as TRL gathers it)."""
-    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    (``rewards_per_func``: ``(N, n_funcs)`` with NaN for "not scored", as TRL gathers it). A value that is not
+    finite (NaN, +-inf, e.g. from a reward model) is "not scored", as ``None`` is (docs/guarantees.md#bad-rewards)."""
+    scored = torch.where(torch.isfinite(rewards_per_func), rewards_per_func, torch.nan)
+    rewards = (scored * weights.to(scored.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(scored).all(dim=1)] = torch.nan
     return rewards
 
 

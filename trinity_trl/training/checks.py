@@ -141,6 +141,8 @@ def _raise_context(name: str, err: Exception, row: int | None, kwargs: dict[str,
 
 
 def _validated(name: str, output: Any) -> list[Any]:
+    """``output`` as a list of rewards, each a number or ``None``: a NaN or +-inf is a ``None`` (the function did not
+    score that completion), the one rule for bad rewards of every source (docs/guarantees.md#bad-rewards)."""
     if output is None or isinstance(output, (str, bytes, dict)) or not hasattr(output, "__len__"):
         raise TypeError(
             f"reward function {name!r} returned {short(output)} ({type(output).__name__}); it must return a list "
@@ -161,6 +163,8 @@ def _validated(name: str, output: Any) -> list[Any]:
                 f"reward function {name!r} returned {short(value)} ({type(value).__name__}) for row {row}; "
                 "a reward must be a number, or None where the function does not score the completion"
             )
+        if not math.isfinite(float(value)):
+            values[row] = None
     return values
 
 
