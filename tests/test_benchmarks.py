@@ -560,7 +560,8 @@ def test_learning_study_tuning_extends_an_edge_and_stops():
     assert tuning(runs({1e-4: 0.5}), plan, "chord_phi")["next"] == 3e-4  # the grid in order
     inside = tuning(runs({1e-4: 0.2, 3e-4: 0.5, 1e-3: 0.4}), plan, "chord_phi")
     assert (inside["lr"], inside["next"], inside["at_edge"]) == (3e-4, None, None)
-    assert tuning(runs({1e-4: 0.5, 3e-4: 0.5, 1e-3: 0.4}), plan, "chord_phi")["next"] == pytest.approx(1e-4 / 3, rel=1e-5)
+    tie = tuning(runs({1e-4: 0.5, 3e-4: 0.5, 1e-3: 0.4}), plan, "chord_phi")  # the lower rate, an edge: extended
+    assert tie["next"] == pytest.approx(1e-4 / 3, rel=1e-5)
     high = {1e-4: 0.2, 3e-4: 0.3, 1e-3: 0.5}
     assert tuning(runs(high), plan, "chord_phi")["next"] == 3e-3
     assert tuning(runs({**high, 3e-3: 0.6}), plan, "chord_phi")["next"] == 9e-3
