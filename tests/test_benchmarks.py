@@ -615,3 +615,20 @@ def test_learning_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     assert "**PARTIAL: 1 of 2 scored seeds complete**" in (tmp_path / "partial" / "learning_study.md").read_text()
     # another plan's runs are not read
     assert ls.load_runs(out / ls.RUNS_FILE, ls.plan_key({**plan, "steps": 8})) == []
+
+
+def test_the_committed_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/learning_study.md is what `summarise` makes of learning_study_runs.jsonl (no hand edits),
+    and while the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "learning_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "learning_study.md").read_text() == markdown(summary)
+    assert summary["runs_done"] >= 1  # the committed runs are of this plan
+    if summary["partial"]:
+        docs = (ROOT / "docs" / "benchmarks.md").read_text()
+        section = docs[docs.index("{ #learning-study }") :]
+        assert "**Running; no result yet.**" in section[:400]
+        assert "running**; no result yet" in (ROOT / "README.md").read_text()
