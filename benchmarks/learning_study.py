@@ -688,7 +688,23 @@ def status(out: Path, plan: dict = PLAN) -> str:
     if runs:
         last = runs[-1]
         lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
+        eta = _eta(records, summary["runs_planned"] - summary["runs_done"])
+        if eta:
+            lines.append(eta)
     return "\n".join(lines)
+
+
+def _eta(records: list[dict], left: int) -> str | None:
+    """Runs left and the wall time they take at the pace seen so far (the median time between finished runs)."""
+    import datetime
+
+    stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    if not gaps:
+        return None
+    pace = statistics.median(gaps)
+    hours = left * pace / 3600
+    return f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
 
 
 def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
