@@ -245,3 +245,14 @@ def _one_torch_thread_in_trainer_folders(request: pytest.FixtureRequest):
     if os.path.relpath(request.path, _TESTS_DIR).split(os.sep)[0] in ONE_THREAD_FOLDERS:
         request.getfixturevalue("one_torch_thread")
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_stale_extension_build_lock():
+    """DeepSpeed JIT-builds its CPU op under a lock file in torch's extension cache, which every later launch waits on
+    forever (torch's FileBaton polls it). A session interrupted mid-build leaves the lock behind; one older than any
+    build is removed here, with a line saying so (a launch this session kills cleans up after itself: launching.py)."""
+    from launching import STALE_BUILD_LOCK_S, clear_build_locks
+
+    clear_build_locks(older_than_s=STALE_BUILD_LOCK_S)
+    yield

@@ -10,6 +10,12 @@
 * **A retry only around start-up.** Between the OS handing out a free port and the launcher binding it, another
   process may take it. :func:`run_launch` runs the command again (with a fresh port) only when its output says a
   port was taken (:func:`port_was_taken`); any other failure, an assertion included, fails the test at once.
+* **Nothing left behind.** Each attempt runs in its own process session; when it is retried or runs past its timeout,
+  the whole session is killed (the launcher's ranks too, which would otherwise live on as orphans), and a JIT-build
+  lock of torch's extension cache that the attempt left (:func:`clear_build_locks`) is removed. DeepSpeed's CPU ranks
+  take that lock at start-up to build or check their ``shm_comm`` op; a rank killed while holding it leaves a lock
+  that every later DeepSpeed launch waits on forever (torch's ``FileBaton`` has no timeout). That is how a launch
+  retried after losing its port once hung CI for 13 minutes.
 
 Every launched script meets the other ranks at a barrier before ``destroy_process_group`` (notes/TRL_1_16.md §7).
 """
@@ -18,9 +24,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +41,32 @@ _PORT_TAKEN = re.compile(
 )
 #: start-up attempts of one launch when the port it was given is taken
 LAUNCH_ATTEMPTS = 3
+#: how old a JIT-build lock must be to count as left behind by an earlier session (a build takes about 2 minutes)
+STALE_BUILD_LOCK_S = 15 * 60
+
+
+def extension_cache() -> Path:
+    """torch's JIT extension cache, where DeepSpeed builds its CPU ops (``TORCH_EXTENSIONS_DIR`` or its default)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+
+
+def clear_build_locks(*, newer_than: float | None = None, older_than_s: float | None = None) -> list[Path]:
+    """Remove the JIT-build locks of :func:`extension_cache` whose modification time is at or after ``newer_than``
+    (a timestamp: those a killed attempt left) or more than ``older_than_s`` seconds ago (those an interrupted session
+    left); return the removed paths, each announced in one line."""
+    root, now, removed = extension_cache(), time.time(), []
+    for lock in sorted(root.glob("*/*/lock")) if root.is_dir() else []:
+        try:
+            mtime = lock.stat().st_mtime
+        except FileNotFoundError:
+            continue  # released meanwhile
+        if (newer_than is not None and mtime >= newer_than) or (
+            older_than_s is not None and now - mtime > older_than_s
+        ):
+            print(f"removing a JIT-build lock left by a killed or interrupted build: {lock}")
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed
 
 
 def free_port() -> int:
@@ -71,19 +106,31 @@ def run_launch(
 ) -> subprocess.CompletedProcess:
     """Run a launch and fail the test with its output's tail when its exit code is not ``expect_rc`` (``None``: any)
     or it runs past ``scaled_timeout(timeout_s)``. ``command`` may be a function building the command, called once
-    per attempt so that each attempt gets a fresh port; a launch is retried only when :func:`port_was_taken`."""
+    per attempt so that each attempt gets a fresh port; a launch is retried only when :func:`port_was_taken`. An
+    attempt that is retried or times out is killed with every process it started, and its build lock removed."""
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         cmd = list(command() if callable(command) else command)
         timeout = scaled_timeout(timeout_s)
-        try:
-            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired as err:
-            pytest.fail(
-                f"{label} timed out after {timeout}s (load factor {load_factor():.1f}): {cmd}\n--- stdout ---\n"
-                f"{_text(err.stdout)[-4000:]}\n--- stderr ---\n{_text(err.stderr)[-8000:]}"
-            )
+        started = time.time() - 1  # file times may be a little coarser than the clock
+        with subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        ) as popen:
+            try:
+                stdout, stderr = popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_session(popen)
+                stdout, stderr = popen.communicate()
+                clear_build_locks(newer_than=started)
+                pytest.fail(
+                    f"{label} timed out after {timeout}s (load factor {load_factor():.1f}): {cmd}\n--- stdout ---\n"
+                    f"{_text(stdout)[-4000:]}\n--- stderr ---\n{_text(stderr)[-8000:]}"
+                )
+        proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
         if proc.returncode != 0 and attempt < LAUNCH_ATTEMPTS and port_was_taken(proc.stdout + proc.stderr):
-            continue  # start-up lost its port to another process: launch again
+            # start-up lost its port to another process: a rank may live on, or have died holding the build lock
+            _kill_session(popen)
+            clear_build_locks(newer_than=started)
+            continue  # launch again
         if expect_rc is not None and proc.returncode != expect_rc:
             pytest.fail(
                 f"{label} exited with {proc.returncode}, expected {expect_rc}: {cmd}\n--- stdout ---\n"
@@ -91,6 +138,14 @@ def run_launch(
             )
         return proc
     raise AssertionError("unreachable")
+
+
+def _kill_session(popen: subprocess.Popen) -> None:
+    """SIGKILL every process of ``popen``'s session (it was started with ``start_new_session``)."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the session has ended
 
 
 def _text(output) -> str:

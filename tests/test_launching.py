@@ -82,3 +82,89 @@ def test_a_launch_past_its_timeout_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(launching, "scaled_timeout", lambda base: 1)
     with pytest.raises(pytest.fail.Exception, match="timed out after 1s"):
         run_launch([sys.executable, "-c", "import time; time.sleep(30)"], "sleeper", timeout_s=1)
+
+
+def _lock_holder(tmp_path, *, then: str) -> str:  # TORCH_EXTENSIONS_DIR: tmp_path / 'ext'
+    """A script that starts a child (in the launch's session) that takes a JIT-build lock of the extension
+    cache and sleeps holding it (as a DeepSpeed rank building its op), writes the child's pid, then runs ``then``."""
+    child = (
+        "import os, pathlib, time\n"
+        "root = pathlib.Path(os.environ['TORCH_EXTENSIONS_DIR']) / 'py311_cpu' / 'deepspeed_shm_comm'\n"
+        "root.mkdir(parents=True, exist_ok=True)\n"
+        "(root / 'lock').touch()\n"
+        "time.sleep(120)\n"
+    )
+    return (
+        "import pathlib, subprocess, sys, time\n"
+        # its output not on the launch's pipes: a rank the launcher leaves running must not hold them open
+        "quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {child!r}], **quiet)\n"
+        f"pathlib.Path({str(tmp_path / 'child.pid')!r}).write_text(str(child.pid))\n"
+        # go on once the child holds the lock
+        f"while not list(pathlib.Path({str(tmp_path / 'ext')!r}).glob('*/*/lock')): time.sleep(0.05)\n" + then
+    )
+
+
+def _dead(pid: int) -> bool:
+    import os
+    import time
+
+    for _ in range(50):  # the kill is delivered at once; the process table may lag a moment
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_launch_past_its_timeout_leaves_no_process_and_no_build_lock(tmp_path, monkeypatch):
+    # a rank killed while holding DeepSpeed's JIT-build lock left it behind and every later ZeRO launch waited on it
+    # forever (CI hung 13 minutes): the attempt's whole session is killed and the lock it took removed
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(launching, "scaled_timeout", lambda base: 3)
+    script = _lock_holder(tmp_path, then="time.sleep(60)\n")
+    with pytest.raises(pytest.fail.Exception, match="timed out after 3s"):
+        run_launch([sys.executable, "-c", script], "lock holder", timeout_s=3)
+    assert _dead(int((tmp_path / "child.pid").read_text()))
+    assert list((tmp_path / "ext").glob("*/*/lock")) == []
+
+
+def test_a_launch_retried_for_its_port_starts_without_the_first_attempts_lock(tmp_path, monkeypatch):
+    # the first attempt loses its port while a rank of it holds the build lock; the retry must not find that lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    marker = tmp_path / "ran"
+    first = _lock_holder(
+        tmp_path, then="print('OSError: [Errno 98] Address already in use', file=sys.stderr); sys.exit(1)\n"
+    )
+    second = (
+        "import pathlib, sys\n"
+        f"locks = list(pathlib.Path({str(tmp_path / 'ext')!r}).glob('*/*/lock'))\n"
+        "print('locks', len(locks)); sys.exit(1 if locks else 0)\n"
+    )
+
+    def command():
+        script = second if marker.exists() else first
+        marker.write_text("x")
+        return [sys.executable, "-c", script]
+
+    proc = run_launch(command, "lock holder then retry", timeout_s=60)
+    assert proc.returncode == 0 and "locks 0" in proc.stdout
+    assert _dead(int((tmp_path / "child.pid").read_text()))
+
+
+def test_only_locks_of_a_killed_attempt_or_an_earlier_session_are_removed(tmp_path, monkeypatch):
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old, fresh = (tmp_path / "py311_cpu" / name / "lock" for name in ("old_op", "fresh_op"))
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))
+    assert launching.clear_build_locks(older_than_s=launching.STALE_BUILD_LOCK_S) == [old]
+    assert fresh.exists() and not old.exists()
+    assert launching.clear_build_locks(newer_than=time.time() + 60) == [] and fresh.exists()
+    assert launching.clear_build_locks(newer_than=time.time() - 60) == [fresh]
