@@ -336,8 +336,9 @@ class PrefixPacking:
         return sum(c.num_tokens for c in chunks) <= self.max_token_ratio * input_ids.numel()
 
     def _calibrate(self, model, inner, key, grad, kernel, input_ids, attention_mask, logits_to_keep, critic):
-        """A micro-batch of a shape class ``auto`` is still measuring (`selection.Calibration`):
-        run the trial's extra layouts on it (timed, gradients discarded), then return its real layout."""
+        """A micro-batch of a shape class ``auto`` is measuring (`selection.Calibration`): its real pass in the
+        layout the measurement asks for, timed (and, where the real pass cannot be timed, that layout timed as an
+        extra run before it, its gradients discarded)."""
         engine = _sharded(model, inner)
         if engine is not None:
             self._fall_back(
@@ -346,8 +347,6 @@ class PrefixPacking:
             )
             self.calibration.classes[key].verdict = False
             return None
-        if grad and any(p.grad is not None for p in inner.parameters() if p.requires_grad):
-            return None  # a later micro-batch of an accumulation: an extra run would hold a 2nd set of gradients
         device = input_ids.device
         packed_watch = self.calibration.timer(device, "packed")
         packed_watch.start()  # building the tree counts to the packed layout
@@ -360,8 +359,10 @@ class PrefixPacking:
         trial = self.calibration.next_trial(key, _real_pass_timeable(model, grad), passes)
         if trial is None:
             return _Plan(chunks, kernel, inner) if passes and self.calibration.verdict(key) else None
+        if trial.extras and grad and any(p.grad is not None for p in inner.parameters() if p.requires_grad):
+            trial = None  # a later micro-batch of an accumulation: an extra run would hold a 2nd set of gradients
         watches = {"packed": packed_watch}
-        for layout in trial.extras:
+        for layout in trial.extras if trial else ():
             watch = watches.setdefault(layout, self.calibration.timer(device, layout))
             try:
                 self._extra_run(
@@ -372,6 +373,9 @@ class PrefixPacking:
                 self.calibration.classes[key].verdict = False
                 return None
             self.calibration.record(key, layout, watch, extra=True)
+            watches.pop(layout)  # the real pass gets a stopwatch of its own
+        if trial is None:
+            return None
         if trial.time_real:
             watch = watches.setdefault(trial.real, self.calibration.timer(device, trial.real))
             time_model(inner, watch, grad)  # stops at the end of the backward (or forward); the hooks go away
