@@ -1,30 +1,36 @@
 #!/usr/bin/env python
-"""`make gpu-check`: the whole GPU verification of prefix packing in one command (issue 34), within about 8 minutes
-on one H100.
+"""`make gpu-check`: the GPU verification of prefix packing in one command of at most 8 minutes on one H100
+(issues 34 and 42).
 
-Parts, each in its own process group with its own time budget (a part that overruns is stopped; the others run):
+Parts, each in its own process group with its own time budget (a part that overruns is stopped; the others run),
+in this order:
 
-* ``tests``: the CUDA tests, ``python -m pytest -q -m gpu tests/packing`` (junit XML and the log kept);
-* ``bench``: ``benchmarks/prefix_packing.py`` in bf16 with activation checkpointing (TRL's default) at the issue's
-  points (Qwen2.5-0.5B and 1.5B shapes with the real vocabulary at P1024/C256/G8 and P2048/C512/G8, and 0.5B
-  P256/C128/G8): the training part, the whole step, peak memory, ``auto``'s verdicts, and packed-vs-padded
-  equivalence within tolerances derived for bf16;
-* ``trainers``: every trainer with prefix packing (TrinityTrainer, ChordTrainer, CISPOTrainer, SAPOTrainer,
-  PPOTrainer, StepGRPOTrainer) for 2 steps with ``prefix_packing_kernel="auto"`` on CUDA, on the tests' tiny model.
+* ``profile`` (default): one profiled training step of ours (packed, ``varlen``) and of TRL's (padded) at 1.5B,
+  prompt 1024, completion 256, G 8 (``benchmarks/packing_profile.py``): host ops, device syncs, launches per layer;
+* ``tests``: the CUDA tests, ``python -m pytest -q -m gpu tests/packing`` (junit XML kept);
+* ``bench`` (default): ``benchmarks/prefix_packing.py`` at its ``target`` points (1.5B P1024/C256 and P2048/C512, G 8,
+  one prompt per micro-batch, then the same two at gradient accumulation 4, with ``prefix_packing_token_budget``
+  where the installed ``TrinityConfig`` has it), 5 repeats, each a fresh process per side, sides alternating;
+* ``trainers``: every trainer with prefix packing for 2 steps with ``prefix_packing_kernel="auto"`` on CUDA, on the
+  tests' tiny model;
+* ``small``: the benchmark's 0.5B points; ``lora``: its 1.5B LoRA points (added to the same report).
+
+Default parts: ``profile,bench`` (within 8 minutes on an H100: see `BUDGETS`); the rest with ``--parts`` as a second
+command, e.g. ``PARTS=tests,trainers,small,lora``.
 
 Results go to ``--out`` (default ``$OUT``, where the lent GPU machine sends files back from; else a new temporary
 folder), at most 8 files: ``gpu_check.md`` and ``gpu_check.json`` (the summary, rewritten after each part, so a
-stopped run keeps what finished), then ``gpu_tests.xml``, ``gpu_tests.log``, ``prefix_packing_cuda.json``,
-``prefix_packing_cuda.md``, ``bench.log``, ``trainers.log``. The summary is printed at the end.
+stopped run keeps what finished), ``gpu_check.log`` (every part's output), ``gpu_tests.xml``,
+``packing_profile_cuda.{json,md}`` and ``prefix_packing_cuda.{json,md}``. The summary is printed at the end.
 
-``--dry-run`` runs the same parts on CPU with the CUDA parts shrunk to tiny shapes (the CUDA tests skip with their
-reason, the benchmark runs its quick point, the trainers run on CPU with ``auto``); ``tests/test_benchmarks.py`` runs
-it. ``--parts bench,trainers`` re-runs only some parts (a short second GPU run).
+``--dry-run`` runs the same parts on CPU with tiny shapes (the CUDA tests skip with their reason, the profile and
+the benchmark run their quick settings, the trainers run on CPU with ``auto``); ``tests/test_benchmarks.py`` runs
+it.
 
 On the lent GPU machine, from the repository root (see ../shared/gpu/README.md)::
 
     bash .gpu/run.sh make gpu-check
-    bash .gpu/run.sh make gpu-check PARTS=bench,trainers
+    bash .gpu/run.sh make gpu-check PARTS=tests,trainers,small,lora
     make gpu-check DRY_RUN=1            # here, on CPU
 """
 
@@ -42,22 +48,33 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "bench", "trainers")
-#: seconds per part on one H100 (measured there: see docs/prefix-packing.md); the sum, plus the ~10 s of run.sh's
-#: installs, stays under 8 minutes
-BUDGETS = {"tests": 180.0, "bench": 210.0, "trainers": 60.0}
+PARTS = ("profile", "tests", "bench", "trainers", "small", "lora")
+DEFAULT_PARTS = ("profile", "bench")
+#: seconds per part on one GPU. The default parts' sum (455 s), plus run.sh's installs (~15 s), stays under 8
+#: minutes. Estimated from the committed H200 runs (benchmarks/results/prefix_packing_cuda_registry.json and
+#: _k4auto.json: per step 0.33-0.39 s at 1.5B P1024/C256 and 0.32-0.67 s at P2048/C512 with one prompt per
+#: micro-batch, 1.28 s for 32 rows at P1024/C256), 4 x 4 = 16 steps of ours and 4 x 5 = 20 of TRL's at one prompt per
+#: micro-batch, 5 + 4 at gradient accumulation 4 (each step 4 micro-batches), per repeat, plus ~4 s per process to
+#: start (the libraries are imported once, by a forkserver): ~70 s a repeat, ~350 s for 5, on an H200; an H100's
+#: slower memory adds up to ~10%. A bench part stopped by its budget keeps the repeats that finished.
+BUDGETS = {"profile": 75.0, "tests": 180.0, "bench": 380.0, "trainers": 60.0, "small": 240.0, "lora": 200.0}
 #: a dry run's budgets are this many times the GPU ones (they only stop a hung part there)
 DRY_RUN_SLACK = 5
-#: each benchmark point's worker (both sides and the check, in one process) is stopped after this
-BENCH_POINT_TIMEOUT = 100.0
+#: each benchmark run's process is stopped after this
+BENCH_RUN_TIMEOUT = 90.0
 TRAINERS = ("trinity", "chord", "cispo", "sapo", "ppo", "step_grpo")
+#: the benchmark parts and their point sets
+BENCH_SETS = {"bench": "target", "small": "small", "lora": "lora"}
 
 
 # ------------------------------------------------------------------------------------------ processes
 def run_part(command: list[str], log: Path, budget: float, env: dict | None = None) -> dict:
-    """Run ``command`` in its own process group, its output to ``log``; stop the group after ``budget`` seconds."""
+    """Run ``command`` in its own process group, its output appended to ``log``; stop the group after ``budget``
+    seconds."""
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "a") as out:
+        out.write(f"\n===== {' '.join(command)}\n")
+        out.flush()
         proc = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -89,10 +106,15 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def tail(path: Path, lines: int = 15) -> list[str]:
+def tail(path: Path, lines: int = 15, since: int = 0) -> list[str]:
+    """The last ``lines`` lines of ``path`` after its first ``since`` characters (a part's own output)."""
     if not path.is_file():
         return []
-    return path.read_text(errors="replace").splitlines()[-lines:]
+    return path.read_text(errors="replace")[since:].splitlines()[-lines:]
+
+
+def log_size(path: Path) -> int:
+    return len(path.read_text(errors="replace")) if path.is_file() else 0
 
 
 def environment() -> dict:
@@ -122,20 +144,43 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- parts
+def part_profile(args, out: Path) -> dict:
+    log, since = out / "gpu_check.log", log_size(out / "gpu_check.log")
+    name = "packing_profile" if args.dry_run else "packing_profile_cuda"
+    command = [sys.executable, str(ROOT / "benchmarks" / "packing_profile.py")]
+    command += ["--quick"] if args.dry_run else ["--device", "cuda"]
+    run = run_part(command, log, args.budget_profile, env={"OUT": str(out)})
+    path = out / f"{name}.json"
+    report = json.loads(path.read_text()) if path.is_file() else None
+    sides = {}
+    for side, s in (report or {}).get("sides", {}).items():
+        t = s.get("torch") or {}
+        sides[side] = {
+            "step_wall_s": t.get("wall_s"),
+            "gpu_busy_s": None if t.get("gpu_busy_ms") is None else t["gpu_busy_ms"] / 1e3,
+            "launches_per_layer": t.get("launches_per_layer"),
+            "sync_calls": sum(x["count"] for x in t.get("sync_calls", [])),
+            "sync_warnings": sum(x["count"] for x in t.get("sync_warnings", [])),
+        }
+    status = "timeout" if run["timed_out"] else "passed" if run["returncode"] == 0 and report else "failed"
+    return {"status": status, **run, "sides": sides, "log_tail": tail(log, since=since) if status != "passed" else []}
+
+
 def part_tests(args, out: Path) -> dict:
-    xml, log = out / "gpu_tests.xml", out / "gpu_tests.log"
+    xml, log = out / "gpu_tests.xml", out / "gpu_check.log"
+    since = log_size(log)
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rA", "-p", "no:cacheprovider"]
     command += [f"--junitxml={xml}", *args.test_paths]
     run = run_part(command, log, args.budget_tests)
     counts = junit_counts(xml)
-    failed = [line for line in tail(log, 400) if line.startswith(("FAILED", "ERROR"))]
+    failed = [line for line in tail(log, 400, since) if line.startswith(("FAILED", "ERROR"))]
     if run["timed_out"]:
         status = "timeout"
     elif run["returncode"] == 0 or (run["returncode"] == 5 and counts.get("tests", 0) == 0):
         status = "passed"  # 5: nothing collected
     else:
         status = "failed"
-    return {"status": status, **run, "counts": counts, "failures": failed[:20], "log_tail": tail(log)}
+    return {"status": status, **run, "counts": counts, "failures": failed[:20], "log_tail": tail(log, since=since)}
 
 
 def junit_counts(path: Path) -> dict:
@@ -157,21 +202,25 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
-def part_bench(args, out: Path) -> dict:
+def part_bench(args, out: Path, part: str = "bench") -> dict:
+    """The benchmark at ``part``'s point set; ``small`` and ``lora`` add their points to the same report."""
     name = "prefix_packing" if args.dry_run else "prefix_packing_cuda"
-    log = out / "bench.log"
-    # the report goes to $OUT, prefix_packing.py's default output (where the lent GPU machine sends files back from)
+    log = out / "gpu_check.log"
+    since = log_size(log)
+    report_path = out / f"{name}.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "prefix_packing.py")]
     if args.dry_run:
-        command += ["--quick", "--rollout", "fixed", "--same-process", "--timeout", str(args.bench_point_timeout)]
+        command += ["--quick", "--rollout", "fixed", "--repeats", "2", "--timeout", str(args.bench_run_timeout)]
     else:
-        command += ["--device", "cuda", "--bf16", "--timeout", str(args.bench_point_timeout)]
-        if args.bench_points:
+        command += ["--device", "cuda", "--bf16", "--timeout", str(args.bench_run_timeout)]
+        command += ["--point-set", BENCH_SETS[part], "--repeats", str(args.repeats)]
+        if args.bench_points and part == "bench":
             command += ["--points", *args.bench_points]
         if args.optim:
             command += ["--optim", args.optim]
-    run = run_part(command, log, args.budget_bench, env={"OUT": str(out)})
-    report_path = out / f"{name}.json"
+    if part != "bench" and report_path.is_file():
+        command += ["--resume", str(report_path)]
+    run = run_part(command, log, getattr(args, f"budget_{part}"), env={"OUT": str(out)})
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
     points = []
     for r in (report or {}).get("results", []):
@@ -179,19 +228,21 @@ def part_bench(args, out: Path) -> dict:
         direct = c["equivalence"].get("direct") or {}
         points.append(
             {
-                "point": f"{r['model']} P{r['prompt_len']}/C{r['completion_len']}/G{r['generations']}",
-                "train_part_ratio": c.get("train_part_ratio"),
-                "step_ratio": c.get("step_time_ratio"),
-                "train_part_memory_ratio": c.get("train_part_memory_ratio"),
-                "memory_ratio": c.get("memory_ratio"),
-                "ours_train_part_s": c["ours"].get("train_part_s"),
-                "trl_train_part_s": c["trl"].get("train_part_s"),
-                "ours_step_s": c["ours"].get("step_s"),
-                "trl_step_s": c["trl"].get("step_s"),
+                "point": r["name"],
+                "repeats": r["repeats"],
+                "train_ratio": c.get("train_ratio"),
+                "train_ratio_per_repeat": c.get("train_ratio_per_repeat"),
+                "ours_train_s": c["ours"].get("train_s_spread"),
+                "trl_train_s": c["trl"].get("train_s_spread"),
+                "step_ratio": c.get("step_ratio"),
+                "part_memory_ratio": c.get("part_memory_ratio"),
+                "calibration_s_per_run": c.get("calibration_s_per_run"),
+                "forwarded_token_ratio": c["ours"].get("forwarded_token_ratio"),
+                "forwards_per_step": c["ours"].get("forwards_per_step"),
                 "kernels": c["ours"].get("kernels"),
                 "auto_verdicts": c["ours"].get("auto_verdicts"),
                 "auto_log": c["ours"].get("auto_log", [])[:6],
-                "calibration_cost": c.get("calibration_cost"),
+                "departures": r.get("departures", []),
                 "equivalent": c["equivalence"]["equivalent"],
                 "logps_rel_l2": direct.get("logps_rel_l2"),
                 "logps_rtol": direct.get("logps_rtol"),
@@ -217,12 +268,13 @@ def part_bench(args, out: Path) -> dict:
         "failed_points": failed,
         "not_measured": missing,
         "summary": (report or {}).get("summary", {}),
-        "log_tail": tail(log) if status != "passed" else [],
+        "log_tail": tail(log, since=since) if status != "passed" else [],
     }
 
 
 def part_trainers(args, out: Path) -> dict:
-    log = out / "trainers.log"
+    log = out / "gpu_check.log"
+    since = log_size(log)
     with tempfile.TemporaryDirectory(prefix="gpu_check_trainers_") as tmp:
         results = Path(tmp) / "results.jsonl"
         command = [sys.executable, os.path.abspath(__file__), "--trainers-worker", str(results), "--work", tmp]
@@ -235,7 +287,7 @@ def part_trainers(args, out: Path) -> dict:
             rows.append({"trainer": name, "ok": False, "error": "not run (the part was stopped or failed before)"})
     ok = all(r["ok"] for r in rows)
     status = "timeout" if run["timed_out"] else "passed" if ok and run["returncode"] == 0 else "failed"
-    return {"status": status, **run, "trainers": rows, "log_tail": tail(log) if status != "passed" else []}
+    return {"status": status, **run, "trainers": rows, "log_tail": tail(log, since=since) if status != "passed" else []}
 
 
 def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) -> int:
@@ -359,51 +411,19 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
 MET = {True: "PASS", False: "FAIL", None: "not measured"}
 
 
-def targets(bench: dict | None) -> list[dict]:
-    """Issue 34's targets (item 5) against the benchmark's summary."""
-    s = (bench or {}).get("summary", {})
-    rows = [
-        (
-            "training part, 1.5B P1024/C256/G8",
-            "cuda_1.5b_1024_256_8_train_ratio",
-            "<= 0.55x TRL",
-            "cuda_1.5b_1024_256_8_met",
-        ),
-        (
-            "training part, 1.5B P2048/C512/G8",
-            "cuda_1.5b_2048_512_8_train_ratio",
-            "<= 0.45x TRL",
-            "cuda_1.5b_2048_512_8_met",
-        ),
-        (
-            "training part with auto, every point (worst)",
-            "cuda_worst_train_ratio",
-            "<= 1.03x TRL",
-            "cuda_never_loses_met",
-        ),
-        (
-            "peak memory of the training part, P >= 1024 (worst)",
-            "cuda_worst_memory_ratio_at_prompt_1024_plus",
-            "<= 0.5x TRL",
-            "cuda_memory_met",
-        ),
-    ]
-    out = [{"target": a, "value": s.get(b), "bound": c, "met": s.get(d)} for a, b, c, d in rows]
-    out.append(
-        {
-            "target": "auto's calibration, share of a 100-step run (estimate, worst point)",
-            "value": s.get("cuda_worst_calibration_share_of_100_steps"),
-            "bound": "<= 3%",
-            "met": None
-            if s.get("cuda_worst_calibration_share_of_100_steps") is None
-            else s["cuda_worst_calibration_share_of_100_steps"] <= 0.03,
-        }
-    )
-    return out
+def targets(summary: dict) -> list[dict]:
+    """Issue 42's targets against the benchmark's summary (every benchmark part writes the same report)."""
+    return list(summary.get("cuda_targets", []))
 
 
 def fmt(value, spec=".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+def spread(value: dict | None, spec=".3f") -> str:
+    if not value or value.get("median") is None:
+        return "n/a"
+    return f"{fmt(value['median'], spec)} ({fmt(value['min'], spec)}-{fmt(value['max'], spec)})"
 
 
 def markdown(summary: dict) -> str:
@@ -414,7 +434,8 @@ def markdown(summary: dict) -> str:
         f"Device: {env.get('gpu') or 'CPU'}"
         + (f" ({env['gpu_memory_gib']} GiB, capability {env.get('capability')})" if env.get("gpu") else "")
         + f"; torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}. "
-        f"Command: `{summary['command']}`. Total {summary['total_wall_s']:.0f} s.",
+        f"Date {summary['date']}, commit {summary.get('commit') or 'unknown'}. Command: `{summary['command']}`. "
+        f"Total {summary['total_wall_s']:.0f} s.",
         "",
         "Imports: " + ", ".join(f"{k} {v}" for k, v in (env.get("imports") or {}).items()),
         "",
@@ -424,6 +445,15 @@ def markdown(summary: dict) -> str:
     for name in summary["requested_parts"]:
         p = parts.get(name, {"status": "not run yet"})
         lines.append(f"| {name} | {p['status']} | {fmt(p.get('wall_s'), '.0f')} | {fmt(p.get('budget_s'), '.0f')} |")
+    profile = parts.get("profile")
+    if profile:
+        lines += ["", "Profile (one step each; packing_profile_cuda.md has the details):", ""]
+        for side, x in profile.get("sides", {}).items():
+            lines.append(
+                f"- {side}: step {fmt(x['step_wall_s'])} s on the host, GPU busy {fmt(x['gpu_busy_s'])} s, "
+                f"{fmt(x['launches_per_layer'], '.0f')} launches per layer, {x['sync_calls']} sync calls, "
+                f"{x['sync_warnings']} sync warnings"
+            )
     tests = parts.get("tests")
     if tests:
         c = tests.get("counts", {})
@@ -435,36 +465,45 @@ def markdown(summary: dict) -> str:
         lines += [f"- {f}" for f in tests.get("failures", [])[:10]]
         for reason, n in list(c.get("skip_reasons", {}).items())[:3]:
             lines.append(f"- skipped x{n}: {reason}")
-    bench = parts.get("bench")
+    bench = next((parts[n] for n in ("lora", "small", "bench") if n in parts and parts[n].get("points")), None)
     if bench:
         lines += [
             "",
-            "Benchmark (ours / TRL; part = the loss's forward+backward; step = the whole optimizer step):",
+            "Benchmark (ours / TRL; `train` = the whole step minus generation, optimizer included; median over "
+            "repeats, min-max; each repeat a fresh process per side):",
             "",
-            "| point | part ratio | step ratio | part memory ratio | kernels | auto verdicts | equivalent "
-            "(logps / grads rel. L2, tol) |",
-            "|---|---|---|---|---|---|---|",
+            "| point | repeats | **train ratio** | per repeat | ours train (s) | TRL train (s) | part memory ratio "
+            "| calibration (s/run) | tokens fwd | kernels | auto verdicts | equivalent (logps / grads rel. L2, tol) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in bench["points"]:
             verdicts = p.get("auto_verdicts")
             lines.append(
-                f"| {p['point']} | {fmt(p['train_part_ratio'])} | {fmt(p['step_ratio'])} "
-                f"| {fmt(p['train_part_memory_ratio'])} "
+                f"| {p['point']} | {p['repeats']} | **{fmt(p['train_ratio'])}** "
+                f"| {spread(p['train_ratio_per_repeat'])} "
+                f"| {spread(p['ours_train_s'])} | {spread(p['trl_train_s'])} | {fmt(p['part_memory_ratio'])} "
+                f"| {spread(p['calibration_s_per_run'], '.2f')} | {fmt(p['forwarded_token_ratio'], '.2f')} "
                 f"| {', '.join(f'{k} x{n}' for k, n in (p.get('kernels') or {}).items()) or '-'} "
                 f"| {'; '.join(f'{k}: {v}' for k, v in verdicts.items()) if verdicts else auto_log(p)} "
                 f"| {'yes' if p['equivalent'] else 'NO'} ({fmt(p['logps_rel_l2'], '.1e')} / "
                 f"{fmt(p['grads_rel_l2'], '.1e')}, {fmt(p['logps_rtol'], '.1e')} / {fmt(p['grads_rtol'], '.1e')}) |"
             )
-        for p in bench["points"]:
-            if p.get("equivalence_error"):
-                lines.append(f"- {p['point']}: the equivalence check broke: {p['equivalence_error'][-300:]}")
-        for f in bench.get("failed_points", []):
-            lines.append(f"- FAILED {f['point']}: {f['error'][-300:]}")
-        if bench.get("not_measured"):
-            lines.append(f"- not measured: {bench['not_measured']}")
-        lines += ["", "Targets (issue 34 item 5):", ""]
+        departures = sorted({d for p in bench["points"] for d in p.get("departures", [])})
+        if departures:
+            lines += ["", "Departures from the trainers' defaults (per point in prefix_packing_cuda.md): "]
+            lines += [f"- {d}" for d in departures]
+        for name in ("bench", "small", "lora"):
+            part = parts.get(name) or {}
+            for p in part.get("points", []):
+                if p.get("equivalence_error"):
+                    lines.append(f"- {p['point']}: the equivalence check broke: {p['equivalence_error'][-300:]}")
+            for f in part.get("failed_points", []):
+                lines.append(f"- FAILED {f['point']}: {f['error'][-300:]}")
+            if part.get("not_measured"):
+                lines.append(f"- {name}: fewer repeats than asked at: {', '.join(part['not_measured'])}")
+        lines += ["", "Targets (issue 42):", ""]
         for t in summary["targets"]:
-            lines.append(f"- {t['target']}: {fmt(t['value'])} ({t['bound']}): {MET[t['met']]}")
+            lines.append(f"- {t['point']} {t['metric']}: {fmt(t['value'])} (<= {t['bound']}): {MET[t['met']]}")
     trainers = parts.get("trainers")
     if trainers:
         lines += ["", "Trainers, 2 steps with packing auto:", ""]
@@ -495,12 +534,32 @@ def write_summary(out: Path, summary: dict) -> None:
 
 
 # -------------------------------------------------------------------------------------------- main
+def commit() -> str | None:
+    """The checkout's commit (``git``), where there is one; ``None`` on a copy without ``.git``."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
+    ).stdout.strip()
+    return out.stdout.strip() + ("+local changes" if dirty else "")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, the CUDA tests skip")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument(
+        "--parts",
+        default=",".join(DEFAULT_PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)})",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT, else a temp one)")
     for name in PARTS:
         parser.add_argument(
@@ -508,8 +567,9 @@ def main(argv=None) -> int:
             type=float,
             help=f"seconds (default {BUDGETS[name]:.0f}; {DRY_RUN_SLACK}x that in a dry run, on a shared CPU)",
         )
-    parser.add_argument("--bench-point-timeout", type=float, help=f"default {BENCH_POINT_TIMEOUT:.0f} s (5x dry)")
-    parser.add_argument("--bench-points", nargs="+", metavar="MODEL:P:C:G", help="instead of the issue's points")
+    parser.add_argument("--bench-run-timeout", type=float, help=f"per process, default {BENCH_RUN_TIMEOUT:.0f} s")
+    parser.add_argument("--repeats", type=int, default=5, help="benchmark repeats (fresh processes per side)")
+    parser.add_argument("--bench-points", nargs="+", metavar="MODEL:P:C:G", help="bench part: instead of its set")
     parser.add_argument("--optim", help="both benchmark sides' optimizer (e.g. sgd: no state); default TRL's")
     parser.add_argument("--test-paths", nargs="+", default=["tests/packing"])
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
@@ -521,12 +581,13 @@ def main(argv=None) -> int:
     for name in PARTS:  # a dry run's budgets only stop a hung part: a loaded CPU machine is slow
         if getattr(args, f"budget_{name}") is None:
             setattr(args, f"budget_{name}", BUDGETS[name] * (DRY_RUN_SLACK if args.dry_run else 1))
-    if args.bench_point_timeout is None:
-        args.bench_point_timeout = BENCH_POINT_TIMEOUT * (DRY_RUN_SLACK if args.dry_run else 1)
+    if args.bench_run_timeout is None:
+        args.bench_run_timeout = BENCH_RUN_TIMEOUT * (DRY_RUN_SLACK if args.dry_run else 1)
     requested = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(requested) - set(PARTS))
     if unknown or not requested:
         parser.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}, got {args.parts!r}")
+    requested = [p for p in PARTS if p in requested]  # in the documented order
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -535,30 +596,41 @@ def main(argv=None) -> int:
     summary = {
         "command": command,
         "dry_run": args.dry_run,
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
         "environment": env,
         "requested_parts": requested,
         "parts": {},
-        "targets": targets(None),
+        "targets": [],
         "out": str(out),
         "total_wall_s": 0.0,
     }
     write_summary(out, summary)
-    runners = {"tests": part_tests, "bench": part_bench, "trainers": part_trainers}
-    budgets = {"tests": args.budget_tests, "bench": args.budget_bench, "trainers": args.budget_trainers}
+    runners = {
+        "profile": part_profile,
+        "tests": part_tests,
+        "bench": part_bench,
+        "trainers": part_trainers,
+        "small": lambda a, o: part_bench(a, o, "small"),
+        "lora": lambda a, o: part_bench(a, o, "lora"),
+    }
     for name in requested:
+        budget = getattr(args, f"budget_{name}")
         if not args.dry_run and not env.get("cuda"):
             reason = env.get("error", "torch.cuda.is_available() is False")[-300:]
             result = {"status": "no CUDA", "reason": f"no CUDA device: {reason}", "wall_s": 0.0}
+        elif args.dry_run and name in ("small", "lora"):
+            result = {"status": "passed", "wall_s": 0.0, "note": "CUDA point sets: the dry run's bench covers the code"}
         else:
-            print(f"[gpu-check] {name}: budget {budgets[name]:.0f} s", flush=True)
+            print(f"[gpu-check] {name}: budget {budget:.0f} s", flush=True)
             try:
                 result = runners[name](args, out)
             except Exception as err:  # a broken part is reported; the next part runs
                 result = {"status": "failed", "error": f"{type(err).__name__}: {err}", "wall_s": None}
-        result["budget_s"] = budgets[name]
+        result["budget_s"] = budget
         summary["parts"][name] = result
-        if name == "bench":
-            summary["targets"] = targets(result)
+        if result.get("summary"):
+            summary["targets"] = targets(result["summary"])
         summary["total_wall_s"] = time.perf_counter() - started
         write_summary(out, summary)
         print(f"[gpu-check] {name}: {result['status']} ({fmt(result.get('wall_s'), '.0f')} s)", flush=True)

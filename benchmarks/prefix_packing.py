@@ -1,62 +1,60 @@
 #!/usr/bin/env python
-"""Benchmark: the prefix-shared packed training forward against TRL's ``GRPOTrainer`` (padded rows).
+"""Benchmark: the prefix-shared packed training step against TRL's ``GRPOTrainer`` (padded rows).
 
-For every point of the grid (prompt length ``P`` x completion length ``C`` x group size ``G``) the
-same model, data, seed and settings are trained by TRL's ``GRPOTrainer`` (``loss_type="grpo"``,
-``beta=0``) and by ``TrinityTrainer`` (``algorithm="grpo"``, no KL, ``seq-mean-token-mean``: the pair
-``trl_overhead.py`` and the parity tests prove equivalent), whose default ``prefix_packing=True``
-forwards each group's prompt once and no padding. One optimizer step = one prompt x ``G``
-completions in one micro-batch (``per_device_train_batch_size = num_generations = G``,
-``gradient_accumulation_steps=1``). Prompts are exactly ``P`` tokens of random words; the random
-model rarely samples EOS, so completions are mostly ``C`` tokens.
+Each point (a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per micro-batch,
+gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
+``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")`` (the pair
+``trl_overhead.py`` and the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
+group's prompt once and no padding.
 
-Every run is a fresh subprocess training ``--steps`` optimizer steps; the two sides of a point run
-one after the other, the first side alternating between repetitions and points. A callback times
-each optimizer step (``on_step_begin`` to ``on_step_end``: generation, scoring, loss, backward,
-optimizer) and a wrapper around TRL's ``_generate`` times generation, so the report gives the whole
-``step`` and its ``train`` part (step minus generation: where the layouts differ), medians over the
-steps after ``--warmup``, then over repetitions. Ratios are ours / TRL (< 1: ours faster or smaller).
+**Protocol** (issue 42):
 
-Memory: on CPU, the peak resident set size during ``train()`` above the RSS just before it
-(``VmHWM`` reset through ``/proc/self/clear_refs``: activations, gradients, optimizer state; the
-``memory_ratio``) and the process's peak RSS (libraries and weights included); on CUDA,
-``torch.cuda.max_memory_allocated`` during ``train()`` above what was allocated before it.
+* **The figure is the ``train`` column**: the whole optimizer step (``on_step_begin`` to ``on_step_end``: scoring,
+  the log-prob forwards, loss, backward, the optimizer) minus TRL's generation (timed around ``_generate``), the
+  median over a run's steps after its warm-up. Nothing is synchronised inside the step (a sync between forward and
+  backward would change what a host-bound step costs); the training part (the loss's forward and backward between
+  syncs) is measured only with ``--part-timing``. Memory on CUDA: the allocator's peak during the loss's forward
+  and backward above what was allocated at its start (host-side bookkeeping: no sync), and during ``train()``.
+* **A repeat is a fresh process per side**, sides alternating (ours, TRL, ours, TRL, ...), at least 5 repeats
+  (``--repeats``, default 5 on CUDA); points are interleaved within a repeat, so a run stopped early keeps the same
+  number of repeats at every point. The figures are the median over repeats of each run's median step, with the
+  min-max over repeats. On CUDA the processes are forked from a server that imported the libraries and never
+  touched CUDA (``multiprocessing``'s forkserver: a fresh process, CUDA context and allocator each, without paying
+  the imports 40 times; the same on CPU); ``--no-fork`` spawns each from scratch.
+* **TRL at its defaults except what the point names**: ``per_device_train_batch_size = G x K``,
+  ``num_generations = G``, ``gradient_accumulation_steps = GA``, ``max_completion_length = C``, LoRA; and, on both
+  sides, ``loss_type="grpo"`` (TRL's default is ``"dapo"``; ``"grpo"`` is the objective ours trains), completions of
+  exactly ``C`` random tokens from a ``rollout_func`` on CUDA (no sampling: the same on both sides, and not in the
+  ``train`` column), ``logging_steps=1``, ``max_steps``, no saving or reporting. Every departure is written beside the
+  figure in the report (`departures`).
+* **Warm-up per side**: TRL's runs skip their first ``--trl-warmup`` steps (CUDA/cuBLAS start-up); ours skip
+  theirs until ``auto``'s calibration has decided (``--warmup``). **Calibration is charged as seconds per run**: our
+  warm-up steps' excess over our steady step, less TRL's warm-up steps' excess over its steady step.
 
-Both sides must log the same loss and gradient norm at every step (checked, reported).
+On CUDA (``--device cuda --bf16``) the point sets (``--point-set``, :data:`POINT_SETS`): ``target`` (the default: 1.5B
+at P1024/C256 and P2048/C512, G 8, one prompt per micro-batch, then the same two at gradient accumulation 4 with
+``prefix_packing_token_budget`` at its default where the installed ``TrinityConfig`` has it), ``small`` (0.5B),
+``lora`` (1.5B with LoRA). Random models of the Qwen2.5 shapes with the real vocabulary (151,936), saved in bf16.
 
-On CUDA (``--device cuda --bf16``): by default the five points of issue 34 (:data:`CUDA_POINTS`; the whole grid
-does not fit a lent GPU machine's 10-minute command), random models of the Qwen2.5-0.5B and Qwen2.5-1.5B shapes
-with the real vocabulary (151,936, so TRL's fused LM head does its real work) saved in bf16 (the real checkpoints'
-dtype), both sides trained one after the other in the SAME worker process per point (order alternating between
-points), with activation checkpointing on (TRL's default), the optimizer of TRL's default (``--optim sgd``: one
-without state on both sides), and completions of exactly ``C`` random tokens from a ``rollout_func``
-(``--rollout fixed``: sampling ``C`` tokens would take most of the time and is the same on both sides). Ours with
-``prefix_packing_kernel=--kernel`` (``auto``: the kernel is kept only where it timed faster than padded rows on the
-first micro-batches, so ``--warmup`` covers the calibration). Besides the step, each step's **training part** (the
-loss's forward and backward, between syncs) and, on CUDA, its peak memory above its start are recorded, with
-``auto``'s verdict per shape class. The first step (compilation included) is reported apart, with the kernel each
-training forward used.
-
-Equivalence: on every device, the first micro-batch is run again on the trained model, packed through a forced
-kernel and padded (:func:`check_equivalence`), and the relative L2 differences of its log-probs and gradient are
-held to tolerances derived for the dtype (:func:`equivalence_tolerances`); on CPU in float32 the two sides' logged
-losses and gradient norms must also agree at every step (in bf16 the trajectories part by rounding).
+Equivalence: in each point's first repeat, ours runs the first micro-batch again on the trained model, packed
+through a forced kernel and padded (:func:`check_equivalence`); the relative L2 differences of its log-probs and
+gradient are held to tolerances derived for the dtype (:func:`equivalence_tolerances`).
 
 Results go to ``--out``: ``$OUT`` where set (the lent GPU machine sends back what is written there), else
 ``benchmarks/results``; ``prefix_packing_cuda.{json,md}`` on CUDA. ``make gpu-check`` (``benchmarks/gpu_check.py``)
-runs it with the GPU tests and the trainers.
+runs it.
 
-Run it niced from the repository root (the full CPU grid takes about 40 minutes on 2 cores)::
+Run it niced from the repository root::
 
-    nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results
-    python benchmarks/prefix_packing.py --device cuda --bf16
-    # one point (--resume adds to an earlier report):
-    python benchmarks/prefix_packing.py --device cuda --bf16 --points qwen2.5-1.5b:1024:256:8
+    nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results        # the CPU grid, hours
+    python benchmarks/prefix_packing.py --device cuda --bf16                                  # the target points
+    python benchmarks/prefix_packing.py --device cuda --bf16 --points qwen2.5-1.5b:1024:256:8:ga4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -66,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -73,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
+#: the CPU grid's targets (issue 34; the `train` column, tiny model)
 TARGETS = {
     "headline": (1024, 128, 8),
     "headline_train_time_ratio_max": 0.5,
@@ -80,28 +80,93 @@ TARGETS = {
     "short_prompt": 64,
     "short_prompt_train_time_ratio_max": 1.03,
 }
-#: issue 34's targets on one H100 in bf16 (training part: the loss's forward and backward, ours / TRL; memory: its
-#: peak above its start at the two long points)
-CUDA_TARGETS = {
-    "1.5b_1024_256_8_train_ratio_max": 0.55,
-    "1.5b_2048_512_8_train_ratio_max": 0.45,
-    "memory_ratio_max_at_prompt_1024_plus": 0.5,
-    "train_ratio_max_everywhere": 1.03,
-}
-#: the points of issue 34 on a GPU (model, P, C, G, K), the target points first
-CUDA_POINTS = [
-    ("qwen2.5-1.5b", 1024, 256, 8, 1),
-    ("qwen2.5-1.5b", 2048, 512, 8, 1),
-    ("qwen2.5-0.5b", 256, 128, 8, 1),
-    ("qwen2.5-0.5b", 1024, 256, 8, 1),
-    ("qwen2.5-0.5b", 2048, 512, 8, 1),
-]
 REAL_VOCAB = 151936
 #: random models of these shapes (Qwen2.5 configs; tied embeddings) with the real vocabulary
 MODEL_SHAPES = {
     "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
     "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
 }
+#: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One benchmark point: ``model`` (a key of `MODEL_SHAPES`, ``tiny`` or ``bundled``), prompt and completion
+    lengths, group size, ``prompts`` per micro-batch, gradient ``accumulation`` steps, ``lora``."""
+
+    model: str
+    prompt_len: int
+    completion_len: int
+    generations: int
+    prompts: int = 1
+    accumulation: int = 1
+    lora: bool = False
+
+    @property
+    def name(self) -> str:
+        extra = [f"K{self.prompts}"] + ([f"GA{self.accumulation}"] if self.accumulation > 1 else [])
+        extra += ["LoRA"] if self.lora else []
+        return f"{self.model} P{self.prompt_len}/C{self.completion_len}/G{self.generations} {' '.join(extra)}"
+
+    @property
+    def key(self) -> str:
+        parts = [self.model, str(self.prompt_len), str(self.completion_len), str(self.generations)]
+        parts += [f"k{self.prompts}"] if self.prompts != 1 else []
+        parts += [f"ga{self.accumulation}"] if self.accumulation != 1 else []
+        return ":".join(parts + (["lora"] if self.lora else []))
+
+
+def parse_point(text: str) -> Point:
+    """``MODEL:P:C:G[:kN][:gaN][:lora]``, e.g. ``qwen2.5-1.5b:2048:512:8:ga4``."""
+    parts = text.split(":")
+    if len(parts) < 4 or parts[0] not in ("tiny", "bundled", *MODEL_SHAPES) or not all(x.isdigit() for x in parts[1:4]):
+        raise ValueError(
+            f"a point is MODEL:P:C:G[:kN][:gaN][:lora] (MODEL one of tiny, {', '.join(MODEL_SHAPES)}), got {text!r}"
+        )
+    options = {"prompts": 1, "accumulation": 1, "lora": False}
+    for option in parts[4:]:
+        if option == "lora":
+            options["lora"] = True
+        elif option.startswith("ga") and option[2:].isdigit():
+            options["accumulation"] = int(option[2:])
+        elif option.startswith("k") and option[1:].isdigit():
+            options["prompts"] = int(option[1:])
+        else:
+            raise ValueError(f"unknown point option {option!r} in {text!r} (kN, gaN, lora)")
+    return Point(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), **options)
+
+
+#: the CUDA point sets (`make gpu-check`'s parts): ``target`` first (issue 42's points), then the others
+POINT_SETS = {
+    "target": [
+        Point("qwen2.5-1.5b", 1024, 256, 8),
+        Point("qwen2.5-1.5b", 2048, 512, 8),
+        Point("qwen2.5-1.5b", 1024, 256, 8, accumulation=4),
+        Point("qwen2.5-1.5b", 2048, 512, 8, accumulation=4),
+    ],
+    "small": [
+        Point("qwen2.5-0.5b", 256, 128, 8),
+        Point("qwen2.5-0.5b", 1024, 256, 8),
+        Point("qwen2.5-0.5b", 2048, 512, 8),
+    ],
+    "lora": [
+        Point("qwen2.5-1.5b", 1024, 256, 8, lora=True),
+        Point("qwen2.5-1.5b", 2048, 512, 8, lora=True),
+    ],
+}
+#: issue 42's targets on one GPU (ours / TRL, the ``train`` column; memory: the training part's peak)
+CUDA_TARGETS = [
+    ("qwen2.5-1.5b:1024:256:8", "train_ratio", 0.65),
+    ("qwen2.5-1.5b:2048:512:8", "train_ratio", 0.42),
+    ("qwen2.5-1.5b:1024:256:8:ga4", "train_ratio", 0.50),
+    ("qwen2.5-1.5b:2048:512:8:ga4", "train_ratio", 0.40),
+    ("qwen2.5-0.5b:256:128:8", "train_ratio", 1.03),
+    ("qwen2.5-0.5b:1024:256:8", "train_ratio", 1.03),
+    ("qwen2.5-1.5b:1024:256:8", "part_memory_ratio", 1.0),
+    ("qwen2.5-1.5b:2048:512:8", "part_memory_ratio", 1.0),
+    ("qwen2.5-1.5b:2048:512:8:lora", "part_memory_ratio", 0.6),
+]
 
 
 # --------------------------------------------------------------------------------------- data
@@ -152,23 +217,71 @@ def fixed_rollout(spec: dict, tokenizer):
 # ------------------------------------------------------------------------------------- worker
 def worker(spec_path: str) -> int:
     """Train the runs described by the JSON spec (one per side in ``spec["sides"]``, in this one process);
-    write ``{side: measurements}`` to ``spec["result"]``."""
+    write ``{side: measurements}`` to ``spec["result"]`` (or the error to ``spec["result"] + ".error"``)."""
     spec = json.loads(Path(spec_path).read_text())
-    import torch
+    try:
+        import torch
 
-    torch.set_num_threads(spec["threads"])
-    warnings.filterwarnings("ignore")
-    import transformers
+        torch.set_num_threads(spec["threads"])
+        warnings.filterwarnings("ignore")
+        import transformers
 
-    transformers.logging.set_verbosity_error()
-    results = {}
-    for side in spec["sides"]:
-        results[side] = train_side(dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}"))
-        gc.collect()
-        if spec["device"] == "cuda":
-            torch.cuda.empty_cache()
-    Path(spec["result"]).write_text(json.dumps(results))
+        transformers.logging.set_verbosity_error()
+        if spec.get("make_model"):
+            path, description = make_model(spec["make_model"], spec)
+            Path(spec["result"]).write_text(json.dumps({"path": path, "description": description}))
+            return 0
+        results = {}
+        for side in spec["sides"]:
+            own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
+            if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
+                own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+            results[side] = train_side(own)
+            gc.collect()
+            if spec["device"] == "cuda":
+                torch.cuda.empty_cache()
+        Path(spec["result"]).write_text(json.dumps(results))
+    except BaseException:
+        Path(spec["result"] + ".error").write_text(traceback.format_exc())
+        raise
     return 0
+
+
+def has_token_budget() -> bool:
+    """Whether the installed ``TrinityConfig`` has ``prefix_packing_token_budget`` (issue 42 item 2)."""
+    from trinity_trl.trainers import TrinityConfig
+
+    return any(f.name == "prefix_packing_token_budget" for f in dataclasses.fields(TrinityConfig))
+
+
+def departures(spec: dict, token_budget: bool | None = None) -> list[str]:
+    """What each side sets beyond its trainer's defaults (besides the point itself), for the report."""
+    common = [
+        "loss_type='grpo' on TRL's side (its default 'dapo'; 'grpo' is the objective ours trains)",
+        "logging_steps=1, max_steps, save_strategy='no', report_to='none' (both)",
+    ]
+    if spec.get("rollout") == "fixed":
+        common.append(f"completions of exactly C={spec['completion_len']} random tokens from a rollout_func (both)")
+    if spec["device"] == "cpu":
+        common.append("use_cpu=True, bf16=False, activation checkpointing " + ("on" if spec.get("ac") else "off"))
+    elif spec.get("ac") is False:
+        common.append("activation checkpointing off (both; TRL's default is on)")
+    if spec.get("optim"):
+        common.append(f"optim={spec['optim']!r} (both)")
+    if spec.get("learning_rate") is not None:
+        common.append(f"learning_rate={spec['learning_rate']} (both)")
+    if spec.get("lora"):
+        common.append(f"LoRA {LORA} (both)")
+    if spec.get("accumulation", 1) > 1:
+        if token_budget:
+            common.append(
+                "ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)"
+            )
+        elif token_budget is False:
+            common.append("ours: no prefix_packing_token_budget in this version (one packed forward per micro-batch)")
+    if spec.get("kernel", "auto") != "auto":
+        common.append(f"ours: prefix_packing_kernel={spec['kernel']!r}")
+    return common
 
 
 def train_side(spec: dict) -> dict:
@@ -184,49 +297,55 @@ def train_side(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    per_step = spec.get("prompts_per_step", 1)
+    per_step = spec.get("prompts_per_step", 1) * spec.get("accumulation", 1)
     dataset = Dataset.from_dict(
         {"prompt": prompt_texts(tokenizer, spec["prompt_len"], per_step * (spec["steps"] + 2), spec["seed"])}
     )
     vocab = AutoConfig.from_pretrained(spec["model"]).vocab_size
-    extra = {}
-    if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
-        extra["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
-    common = dict(
+    common: dict = dict(
         output_dir=spec["output_dir"],
-        use_cpu=not cuda,
-        bf16=spec["bf16"],
-        activation_checkpointing=spec.get("activation_checkpointing", False),
-        per_device_train_batch_size=spec["generations"] * per_step,
+        per_device_train_batch_size=spec["generations"] * spec.get("prompts_per_step", 1),
         num_generations=spec["generations"],
+        gradient_accumulation_steps=spec.get("accumulation", 1),
         max_completion_length=spec["completion_len"],
         max_steps=spec["steps"],
-        learning_rate=spec["learning_rate"],
-        temperature=1.0,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
         seed=spec["seed"],
-        dataloader_num_workers=0,
         disable_tqdm=True,
-        shuffle_dataset=False,
-        max_grad_norm=1e9,
-        **extra,
     )
+    if not cuda:
+        common.update(use_cpu=True, bf16=False, activation_checkpointing=bool(spec.get("ac")))
+    else:
+        common["bf16"] = bool(spec["bf16"])
+        if spec.get("ac") is False:
+            common["activation_checkpointing"] = False
+    if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
+        common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
     if spec.get("optim"):
         common["optim"] = spec["optim"]
+    if spec.get("learning_rate") is not None:
+        common["learning_rate"] = spec["learning_rate"]
+    peft = {}
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **LORA)
     rollout = fixed_rollout(spec, tokenizer) if spec.get("rollout") == "fixed" else None
     if spec["side"] == "ours":
         from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
-        config = TrinityConfig(
+        ours = dict(
             algorithm="grpo",
             kl_loss="none",
             loss_agg_mode="seq-mean-token-mean",
             prefix_packing=spec["packing"],
             prefix_packing_kernel=spec.get("kernel", "auto"),
-            **common,
         )
+        if spec.get("accumulation", 1) > 1 and has_token_budget():
+            ours["prefix_packing_token_budget"] = None  # its default, named: the point is about it
+        config = TrinityConfig(**ours, **common)
         trainer = TrinityTrainer(
             model=spec["model"],
             reward_funcs=char_reward,
@@ -234,11 +353,12 @@ def train_side(spec: dict) -> dict:
             train_dataset=dataset,
             processing_class=tokenizer,
             rollout_func=rollout,
+            **peft,
         )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
-        config = GRPOConfig(loss_type="grpo", beta=0.0, **common)
+        config = GRPOConfig(loss_type="grpo", **common)
         trainer = GRPOTrainer(
             model=spec["model"],
             reward_funcs=char_reward,
@@ -246,18 +366,30 @@ def train_side(spec: dict) -> dict:
             train_dataset=dataset,
             processing_class=tokenizer,
             rollout_func=rollout,
+            **peft,
         )
 
     steps: list[dict] = []
+    profile = spec.get("profile")
+    profiler_state: dict = {}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             sync()
+            if profile and len(steps) in (profile["step"], profile["step"] + 1):
+                import packing_profile
+
+                profiler_state["active"] = packing_profile.start(len(steps) == profile["step"], cuda)
             steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
 
         def on_step_end(self, args, state, control, **kw):
             sync()
             steps[-1]["end"] = time.perf_counter()
+            if profiler_state.get("active") is not None:
+                import packing_profile
+
+                result = packing_profile.stop(profiler_state.pop("active"), spec)
+                profiler_state.setdefault("results", []).append(result)
 
     trainer.add_callback(StepTimer())
     generate = trainer._generate
@@ -275,45 +407,52 @@ def train_side(spec: dict) -> dict:
     batches: list[dict] = []
 
     def counting_compute_loss(model, inputs):
-        batches.append(
-            {
-                "rows": int(inputs["prompt_ids"].shape[0]),
-                "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
-                "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
-            }
-        )
+        if not batches:  # the first micro-batch's shape (reading its mask is a host sync: once only)
+            batches.append(
+                {
+                    "rows": int(inputs["prompt_ids"].shape[0]),
+                    "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
+                    "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
+                }
+            )
         return compute_loss(model, inputs)
 
     trainer._compute_loss = counting_compute_loss
-    # the training part: the loss's forward (compute_loss) and its backward, each between two syncs; on CUDA also
-    # the peak allocated during them above what was allocated when the forward began (activations and gradients)
+    # the training part: the loss's forward (compute_loss) and its backward. Its peak memory on CUDA (the allocator's
+    # host-side bookkeeping: no sync); its time only with --part-timing (syncs around each: they change a host-bound
+    # step, so the headline `train` column is measured without them)
+    part_timing = spec.get("part_timing", False)
     first_inputs: list[dict] = []
-    memory = {"base": 0, "peak": 0, "overall": 0}
+    memory = {"base": 0, "overall": 0}
     compute_loss_public = trainer.compute_loss
 
     def timed_compute_loss(model, inputs, *a, **kw):
-        if not first_inputs:
+        if not first_inputs and spec.get("equivalence"):
             first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-        sync()
+        if part_timing:
+            sync()
         if cuda:
             memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             memory["base"] = torch.cuda.memory_allocated()
         start = time.perf_counter()
         out = compute_loss_public(model, inputs, *a, **kw)
-        sync()
-        steps[-1]["train_part"] += time.perf_counter() - start
+        if part_timing:
+            sync()
+            steps[-1]["train_part"] += time.perf_counter() - start
         return out
 
     trainer.compute_loss = timed_compute_loss
     backward = trainer.accelerator.backward
 
     def timed_backward(loss, **kw):
-        sync()
+        if part_timing:
+            sync()
         start = time.perf_counter()
         backward(loss, **kw)
-        sync()
-        steps[-1]["train_part"] += time.perf_counter() - start
+        if part_timing:
+            sync()
+            steps[-1]["train_part"] += time.perf_counter() - start
         if cuda:
             peak = torch.cuda.max_memory_allocated() - memory["base"]
             steps[-1]["train_part_peak_mib"] = max(steps[-1].get("train_part_peak_mib", 0.0), peak / 2**20)
@@ -358,13 +497,15 @@ def train_side(spec: dict) -> dict:
     if cuda:
         memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
     logs = trainer.state.log_history
+    done = [s for s in steps if "end" in s]
     result = {
-        "step_s": [s["end"] - s["begin"] for s in steps if "end" in s],
-        "train_part_s": [s["train_part"] for s in steps if "end" in s],
-        "train_part_peak_mib": [s.get("train_part_peak_mib") for s in steps if "end" in s],
+        "step_s": [s["end"] - s["begin"] for s in done],
+        "train_part_s": [s["train_part"] for s in done] if part_timing else [],
+        "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
         "auto_log": verdicts,
         "auto_verdicts": auto_verdicts(trainer) if spec["side"] == "ours" else None,  # never raises
-        "generation_s": [s["generation"] for s in steps if "end" in s],
+        "generation_s": [s["generation"] for s in done],
+        "warmup": spec["warmup"],
         "train_wall_s": wall,
         "cpu_util": (time.process_time() - cpu_start) / wall if wall > 0 else None,
         "process_peak_rss_mib": bc.max_rss_mib(),
@@ -377,15 +518,21 @@ def train_side(spec: dict) -> dict:
         "forwarded_token_ratio": [
             e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e
         ],
+        "forwards_per_step": [e["packing/forwards_per_step"] for e in logs if "packing/forwards_per_step" in e],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "loadavg_end": bc.loadavg(),
-        "first_step_s": steps[0]["end"] - steps[0]["begin"] if steps and "end" in steps[0] else None,
+        "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
         "kernels": kernels,
+        "token_budget": has_token_budget() if spec["side"] == "ours" else None,
+        "pid": os.getpid(),
     }
+    if profiler_state.get("results"):
+        result["profile"] = profiler_state["results"]
     if cuda:
         result["cuda_peak_above_start_mib"] = (memory["overall"] - cuda_before) / 2**20
         result["cuda_peak_allocated_mib"] = memory["overall"] / 2**20
-    if spec["side"] == "ours" and first_inputs and spec.get("equivalence", True):
+    if spec["side"] == "ours" and first_inputs and spec.get("equivalence"):
         try:
             result["equivalence_check"] = check_equivalence(trainer, first_inputs[0], spec)
         except Exception as err:  # the timings stand; the check reports what broke it
@@ -528,26 +675,115 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------- driver
-def run_worker(spec: dict, tmp: Path, index: int, timeout: float) -> dict:
-    """Run ``spec["sides"]`` in one worker process; ``{side: measurements}``."""
-    spec = dict(spec, output_dir=str(tmp / f"out{index}"), result=str(tmp / f"result{index}.json"))
-    path = tmp / f"spec{index}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"run {spec['point']}/{'+'.join(spec['sides'])} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+class Runner:
+    """Runs worker processes: forked from a server that imported the libraries (``multiprocessing``'s forkserver; on
+    CUDA, where it saves each run the imports), or spawned from scratch (``subprocess``). Each run is a fresh
+    process; one that does not finish within ``timeout`` seconds is killed."""
+
+    PRELOAD = ["bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers"]
+
+    def __init__(self, tmp: Path, timeout: float, fork: bool):
+        self.tmp, self.timeout, self.fork = tmp, timeout, fork
+        self.index = 0
+        self.context = None
+        self.forked_once = False
+        if fork:
+            import multiprocessing
+
+            # the server must not initialise CUDA (a forked child could not use it): NVML answers is_available()
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+            self.context = multiprocessing.get_context("forkserver")
+            self.context.set_forkserver_preload(self.PRELOAD)
+
+    def run(self, spec: dict) -> dict:
+        self.index += 1
+        spec = dict(
+            spec, output_dir=str(self.tmp / f"out{self.index}"), result=str(self.tmp / f"result{self.index}.json")
         )
-    return json.loads(Path(spec["result"]).read_text())
+        path = self.tmp / f"spec{self.index}.json"
+        path.write_text(json.dumps(spec))
+        if self.context is not None:
+            returncode, stderr = self._fork(path, spec)
+            if returncode != 0 and not self.forked_once:  # forking does not work here: spawn from now on
+                print(
+                    f"[runner] a forked run failed before any succeeded; spawning instead:\n{stderr[-1500:]}",
+                    flush=True,
+                )
+                self.context = None
+            else:
+                self.forked_once = self.forked_once or returncode == 0
+        if self.context is None:
+            proc = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+            )
+            returncode, stderr = proc.returncode, proc.stderr
+        if returncode != 0 or not Path(spec["result"]).is_file():
+            label = spec.get("point", spec.get("make_model", ""))
+            raise RuntimeError(
+                f"run {label}/{'+'.join(spec.get('sides', []))} failed (rc {returncode}):\n{stderr[-4000:]}"
+            )
+        return json.loads(Path(spec["result"]).read_text())
+
+    def _fork(self, path: Path, spec: dict) -> tuple[int, str]:
+        error = Path(spec["result"] + ".error")
+        process = self.context.Process(target=_forked_worker, args=(str(path),))
+        process.start()
+        process.join(self.timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(f"worker {self.index}", self.timeout)
+        return process.exitcode, error.read_text() if error.is_file() else ""
 
 
-def run_summary(result: dict, warmup: int) -> dict:
+def _forked_worker(spec_path: str) -> None:
+    code = worker(spec_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+
+
+def make_model(name: str, spec: dict) -> tuple[str, str]:
+    """In a worker: the model directory of ``name`` (a random model is created and saved there)."""
+    if name == "tiny":
+        s = spec["shape"]
+        path = bc.save_random_qwen2(
+            spec["model_dir"],
+            hidden=s["hidden"],
+            layers=s["layers"],
+            heads=s["heads"],
+            kv_heads=s["kv_heads"],
+            intermediate=s["intermediate"],
+            max_positions=4096,
+            seed=spec["seed"],
+        )
+        return path, (
+            f"random Qwen2 (hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} "
+            f"KV, intermediate {s['intermediate']}, vocab 489) with the tests' tiny BPE tokenizer"
+        )
+    if name in MODEL_SHAPES:
+        shape = MODEL_SHAPES[name]
+        path = save_random_real_vocab_qwen2(
+            Path(spec["model_dir"]), spec["device"], spec["seed"], spec["bf16"], **shape
+        )
+        return path, (
+            f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape (hidden {shape['hidden']}, {shape['layers']} "
+            f"layers, {shape['heads']} heads / {shape['kv_heads']} KV, intermediate {shape['intermediate']}, vocab "
+            f"{REAL_VOCAB}) with the tests' tiny BPE tokenizer"
+        )
+    from trinity_trl.data import bundled_model_dir
+
+    return str(bundled_model_dir()), "SmolLM2-135M-Instruct (bundled, Llama architecture, vocab 49152)"
+
+
+def run_summary(result: dict, warmup: int | None = None) -> dict:
+    """One run's medians over its steps after its warm-up."""
+    warmup = result.get("warmup", 0) if warmup is None else warmup
     steps, gens = result["step_s"][warmup:], result["generation_s"][warmup:]
     peaks = [x for x in result.get("train_part_peak_mib", [])[warmup:] if x is not None]
     return {
@@ -559,22 +795,27 @@ def run_summary(result: dict, warmup: int) -> dict:
     }
 
 
-def side_summary(results: list[dict], warmup: int) -> dict:
-    per_run = [run_summary(r, warmup) for r in results]
-    out = {
-        key: bc.median([p[key] for p in per_run])
-        for key in ("step_s", "generation_s", "train_s", "train_part_s", "train_part_peak_mib")
-    }
+def _spread(values: list) -> dict:
+    values = [v for v in values if v is not None]
+    return {"median": bc.median(values), "min": min(values) if values else None, "max": max(values) if values else None}
+
+
+def side_summary(results: list[dict]) -> dict:
+    """Medians over repeats of each run's median (with min-max), the kernels, auto's verdicts."""
+    per_run = [run_summary(r) for r in results]
+    out = {key: bc.median([p[key] for p in per_run]) for key in per_run[0]}
+    out["train_s_spread"] = _spread([p["train_s"] for p in per_run])
+    out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
     for key in (
         "process_peak_rss_mib",
         "train_peak_rss_above_start_mib",
         "cuda_peak_above_start_mib",
         "cuda_peak_allocated_mib",
         "cpu_util",
+        "first_step_s",
     ):
         out[key] = bc.median([r.get(key) for r in results])
     out["micro_batch"] = results[0]["micro_batch"]
-    out["first_step_s"] = bc.median([r.get("first_step_s") for r in results])
     kernels: dict[str, int] = {}
     for r in results:
         for name, n in r.get("kernels", {}).items():
@@ -582,40 +823,39 @@ def side_summary(results: list[dict], warmup: int) -> dict:
     out["kernels"] = kernels
     ratios = [x for r in results for x in r["forwarded_token_ratio"]]
     out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
+    forwards = [x for r in results for x in r.get("forwards_per_step", [])]
+    out["forwards_per_step"] = bc.median(forwards) if forwards else None
     out["per_run"] = per_run
     out["auto_verdicts"] = results[0].get("auto_verdicts")
     out["auto_log"] = results[0].get("auto_log", [])
+    out["token_budget"] = results[0].get("token_budget")
+    out["repeats"] = len(results)
     return out
 
 
-def calibration_cost(ours: list[dict], trl: list[dict], warmup: int) -> dict | None:
-    """What ``auto``'s calibration steps cost (an estimate): the training part of our first ``warmup`` steps above
-    our steady step, minus the same excess on TRL's side (start-up costs both pay), as a share of a 100-step
-    run's training part at our steady speed."""
-    if not warmup or not ours or not trl:
-        return None
+def calibration_seconds(ours: dict, trl: dict) -> float | None:
+    """What ``auto``'s calibration cost one of our runs, in seconds: our warm-up steps' excess over our steady step,
+    less TRL's warm-up steps' excess over its steady step (start-up costs both sides pay)."""
 
     def excess(result):
-        parts = result.get("train_part_s", [])
-        steady = bc.median(parts[warmup:])
-        if steady is None:
-            return None, None
-        return sum(max(0.0, t - steady) for t in parts[:warmup]), steady
+        warmup = result.get("warmup", 0)
+        train = [s - g for s, g in zip(result["step_s"], result["generation_s"])]
+        steady = bc.median(train[warmup:])
+        return None if steady is None else sum(max(0.0, t - steady) for t in train[:warmup])
 
-    (ours_excess, ours_steady), (trl_excess, _) = excess(ours[0]), excess(trl[0])
-    if ours_excess is None or trl_excess is None or not ours_steady:
-        return None
-    cost = max(0.0, ours_excess - trl_excess)
-    return {"seconds": cost, "share_of_100_steps": cost / (100 * ours_steady)}
+    a, b = excess(ours), excess(trl)
+    return None if a is None or b is None else max(0.0, a - b)
 
 
-def compare(ours: list[dict], trl: list[dict], warmup: int, memory_key: str) -> dict:
-    so, st = side_summary(ours, warmup), side_summary(trl, warmup)
+def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
+    """Ours against TRL at one point: ratios of the medians over repeats, and the per-repeat ratios' min-max."""
+    so, st = side_summary(ours), side_summary(trl)
     loss, grad = [], []
     for x, y in zip(ours, trl):
         loss += [abs(u - v) for u, v in zip(x["losses"], y["losses"])]
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
-    paired = [bc.ratio(run_summary(x, warmup)["train_s"], run_summary(y, warmup)["train_s"]) for x, y in zip(ours, trl)]
+    paired = [bc.ratio(run_summary(x)["train_s"], run_summary(y)["train_s"]) for x, y in zip(ours, trl)]
+    calibration = [calibration_seconds(x, y) for x, y in zip(ours, trl)]
     checks = [r["equivalence_check"] for r in ours if r.get("equivalence_check")]
     trajectory = bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL
     bf16 = any(c.get("dtype") in ("bfloat16", "float16") for c in checks)
@@ -624,14 +864,14 @@ def compare(ours: list[dict], trl: list[dict], warmup: int, memory_key: str) -> 
     return {
         "ours": so,
         "trl": st,
+        "train_ratio": bc.ratio(so["train_s"], st["train_s"]),
+        "train_ratio_per_repeat": _spread(paired),
+        "step_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "train_part_ratio": bc.ratio(so["train_part_s"], st["train_part_s"]),
-        "train_part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
-        "calibration_cost": calibration_cost(ours, trl, warmup),
-        "train_time_ratio": bc.ratio(so["train_s"], st["train_s"]),
-        "train_time_ratio_paired": bc.median(paired),
-        "step_time_ratio": bc.ratio(so["step_s"], st["step_s"]),
+        "part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
         "memory_ratio": bc.ratio(so[memory_key], st[memory_key]),
         "process_peak_memory_ratio": bc.ratio(so["process_peak_rss_mib"], st["process_peak_rss_mib"]),
+        "calibration_s_per_run": _spread(calibration),
         "equivalence": {
             "equivalent": bool(equivalent),
             "loss_max_abs_diff": max(loss) if loss else None,
@@ -640,37 +880,6 @@ def compare(ours: list[dict], trl: list[dict], warmup: int, memory_key: str) -> 
             "direct": checks[0] if checks else None,
         },
     }
-
-
-def resolve_model(name: str, args, tmp: Path) -> tuple[str, str]:
-    if name == "tiny":
-        path = bc.save_random_qwen2(
-            tmp / "model",
-            hidden=args.hidden,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            intermediate=args.intermediate,
-            max_positions=4096,
-            seed=args.seed,
-        )
-        return path, (
-            f"random Qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} "
-            f"KV, intermediate {args.intermediate}, vocab 489) with the tests' tiny BPE tokenizer"
-        )
-    if name in MODEL_SHAPES:
-        shape = MODEL_SHAPES[name]
-        path = save_random_real_vocab_qwen2(tmp / name, args.device, args.seed, args.bf16, **shape)
-        return path, (
-            f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape (hidden {shape['hidden']}, {shape['layers']} "
-            f"layers, {shape['heads']} heads / {shape['kv_heads']} KV, intermediate {shape['intermediate']}, vocab "
-            f"{REAL_VOCAB}) with the tests' tiny BPE tokenizer (sampling kept to its ids)"
-        )
-    if name == "bundled":
-        from trinity_trl.data import bundled_model_dir
-
-        return str(bundled_model_dir()), "SmolLM2-135M-Instruct (bundled, Llama architecture, vocab 49152)"
-    return name, name
 
 
 def save_random_real_vocab_qwen2(path: Path, device: str, seed: int, bf16: bool = False, **shape) -> str:
@@ -710,142 +919,205 @@ def save_random_real_vocab_qwen2(path: Path, device: str, seed: int, bf16: bool 
     return str(path)
 
 
+def _cell(spread: dict | None, spec: str = ".3f") -> str:
+    if not spread or spread.get("median") is None:
+        return "n/a"
+    return f"{bc.fmt(spread['median'], spec)} ({bc.fmt(spread['min'], spec)}-{bc.fmt(spread['max'], spec)})"
+
+
 def markdown(report: dict) -> str:
     c, m = report["config"], report["machine"]
-    mem = "CUDA peak allocated above start" if c["device"] == "cuda" else "peak RSS during train() above start"
+    cuda = c["device"] == "cuda"
+    mem = "CUDA peak allocated above start" if cuda else "peak RSS during train() above start"
     lines = [
-        "# Prefix-shared packed training forward vs TRL's `GRPOTrainer`",
+        "# Prefix-shared packed training step vs TRL's `GRPOTrainer`",
         "",
         f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Command: "
         + "; then ".join(f"`{x}`" for x in report["commands"]),
         "",
         bc.machine_line(m),
-        f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end.",
+        f"Date: {report['date']}. Load average (1/5/15 min): {report['load_average_start']} at start, "
+        f"{report['load_average_end']} at end.",
         "",
-        (
-            "Models: "
-            + "; ".join(
-                f"`{name}`: {desc} ({report['parameters_by_model'].get(name, 0) / 1e6:.1f}M parameters)"
-                for name, desc in report["model_descriptions"].items()
-            )
-            + f". {'bf16' if c['bf16'] else 'fp32'}, full fine-tuning, lr {c['learning_rate']}, optimizer "
-            f"{c.get('optim') or 'TRL default'}, activation checkpointing "
-            f"{'on' if c.get('activation_checkpointing') else 'off'}, completions "
-            f"{'of exactly C random tokens (no sampling)' if c.get('rollout') == 'fixed' else 'sampled'}. "
-            "One optimizer step = K prompt(s) x G completions in one micro-batch; ours with "
-            f"`prefix_packing_kernel={c.get('kernel', 'auto')!r}`. Each run: {c['steps']} steps, the first "
-            f"{c['warmup']} untimed "
-            f"(prompts of {c['long_prompt']}+ tokens: {c['long_steps']} step(s), {c['long_warmup']} untimed); "
-            f"{c['repeats']} run(s) per side per point, {c['focus_repeats']} at the target points (prompt "
-            f"{TARGETS['short_prompt']}, and {'/'.join(map(str, TARGETS['headline']))}); sides interleaved. Ours: "
-            "`TrinityTrainer(algorithm='grpo', kl_loss='none', loss_agg_mode='seq-mean-token-mean')` with "
-            "`prefix_packing=True` (the default); TRL: `GRPOConfig(loss_type='grpo', beta=0)`."
-        ),
+        "Models: "
+        + "; ".join(
+            f"`{name}`: {desc} ({report['parameters_by_model'].get(name, 0) / 1e6:.1f}M parameters)"
+            for name, desc in report["model_descriptions"].items()
+        )
+        + f". {'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
+        f"loss_agg_mode='seq-mean-token-mean')`, `prefix_packing_kernel={c.get('kernel', 'auto')!r}`; TRL: "
+        "`GRPOTrainer` at its defaults except the departures below.",
         "",
-        (
-            "`train` = step minus TRL's generation (scoring, log-prob forward, loss, backward, optimizer); "
-            "`step` = the "
-            f"whole optimizer step; memory = {mem}. Ratios ours / TRL (< 1: ours faster / smaller). `tokens fwd` = "
-            "tokens the packed forward processes / tokens of TRL's padded micro-batch."
-        ),
+        f"Protocol: a repeat is a fresh process per side, sides alternating (ours, TRL, ours, TRL, ...; points "
+        f"interleaved), {c['repeats']} repeat(s) asked; `train` = the whole optimizer step minus TRL's generation "
+        "(scoring, log-prob forwards, loss, backward, optimizer), the median over a run's steps after its warm-up "
+        f"(ours: {c['warmup']} steps, `auto`'s calibration; TRL: {c['trl_warmup']}; at gradient accumulation > 1: "
+        f"{c['accumulation_warmup']} / {min(c['trl_warmup'], c['accumulation_warmup'])}); figures: median over repeats "
+        "(min-max). Ratios ours / TRL (< 1: ours faster / smaller); `per repeat`: each repeat's ours / TRL. "
+        f"Memory: {mem}; `part memory`: the peak during the loss's forward and backward above its start. "
+        "`calibration`: seconds a run of ours spent in `auto`'s calibration (its warm-up excess over its steady "
+        "step, less TRL's). `tokens fwd`: tokens the packed forwards process / tokens of TRL's padded micro-batches.",
         "",
-        "| model | P | C | G | K | tokens fwd | kernel (training forwards) | ours train (s) | TRL train (s) "
-        "| **train ratio** | step ratio | first step ours / TRL (s) | ours mem (MiB) | TRL mem (MiB) "
-        "| **memory ratio** | process peak ratio | equal loss/grad-norm |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| point | repeats | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | per repeat | step ratio "
+        "| ours part memory (MiB) | TRL part memory (MiB) | **part memory ratio** | memory ratio | calibration (s/run) "
+        "| kernels (training forwards) | equivalent |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    part_lines = [
-        "",
-        "Training part (the loss's forward and backward, between syncs), its peak memory above its start, `auto`'s "
-        "verdicts, and the direct check (the first micro-batch packed through a forced kernel vs padded, on the "
-        "trained model: relative L2 differences of the completion log-probs about their mean and of the whole "
-        "gradient, against tolerances derived for the dtype):",
-        "",
-        "| model | P | C | G | ours part (s) | TRL part (s) | **part ratio** | ours part peak (MiB) | TRL part peak "
-        "(MiB) | **part memory ratio** | auto verdicts | calibration (share of 100 steps) | kernel, dtype "
-        "| log-probs rel. L2 (tol) | grads rel. L2 (tol) | **equivalent** |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    mk = report["memory_key"]
-    for point in sorted(
-        report["results"],
-        key=lambda r: (
-            r["model"],
-            r["prompt_len"],
-            r["completion_len"],
-            r["generations"],
-            r.get("prompts_per_step", 1),
-        ),
-    ):
+    for point in report["results"]:
         r = point["comparison"]
         o, t, e = r["ours"], r["trl"], r["equivalence"]
-        lines.append(
-            f"| {point['model']} | {point['prompt_len']} | {point['completion_len']} | {point['generations']} "
-            f"| {point.get('prompts_per_step', 1)} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
-            f"| {', '.join(f'{k} x{n}' for k, n in sorted(o.get('kernels', {}).items())) or '-'} "
-            f"| {bc.fmt(o['train_s'])} | {bc.fmt(t['train_s'])} "
-            f"| **{bc.fmt(r['train_time_ratio'])}** | {bc.fmt(r['step_time_ratio'])} "
-            f"| {bc.fmt(o.get('first_step_s'))} / {bc.fmt(t.get('first_step_s'))} | {bc.fmt(o[mk], '.0f')} "
-            f"| {bc.fmt(t[mk], '.0f')} | **{bc.fmt(r['memory_ratio'])}** | {bc.fmt(r['process_peak_memory_ratio'])} "
-            f"| {'yes' if e['equivalent'] else 'NO'} ({bc.fmt(e['loss_max_abs_diff'], '.0e')} / "
-            f"{bc.fmt(e['grad_norm_max_rel_diff'], '.0e')}) |"
-        )
         d = e.get("direct") or {}
-        verdicts = o.get("auto_verdicts")
-        cost = r.get("calibration_cost")
-        part_lines.append(
-            f"| {point['model']} | {point['prompt_len']} | {point['completion_len']} | {point['generations']} "
-            f"| {bc.fmt(o.get('train_part_s'))} | {bc.fmt(t.get('train_part_s'))} "
-            f"| **{bc.fmt(r.get('train_part_ratio'))}** | {bc.fmt(o.get('train_part_peak_mib'), '.0f')} "
-            f"| {bc.fmt(t.get('train_part_peak_mib'), '.0f')} | **{bc.fmt(r.get('train_part_memory_ratio'))}** "
-            f"| {', '.join(f'{k}: {v}' for k, v in verdicts.items()) if verdicts else '-'} "
-            f"| {bc.fmt(cost and cost['share_of_100_steps'], '.1%')} "
-            f"| {d.get('kernel', '-')}, {d.get('dtype', '-')} "
-            f"| {bc.fmt(d.get('logps_rel_l2'), '.1e')} ({bc.fmt(d.get('logps_rtol'), '.1e')}) "
-            f"| {bc.fmt(d.get('grads_rel_l2'), '.1e')} ({bc.fmt(d.get('grads_rtol'), '.1e')}) "
-            f"| **{'yes' if e['equivalent'] else 'NO'}** |"
+        check = "yes" if e["equivalent"] else "NO"
+        if d.get("logps_rel_l2") is not None:
+            check += f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
+        lines.append(
+            f"| {point['name']} | {o['repeats']} / {t['repeats']} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
+            f"| {_cell(o['train_s_spread'])} | {_cell(t['train_s_spread'])} | **{bc.fmt(r['train_ratio'])}** "
+            f"| {_cell(r['train_ratio_per_repeat'])} | {bc.fmt(r['step_ratio'])} "
+            f"| {_cell(o['train_part_peak_mib_spread'], '.0f')} | {_cell(t['train_part_peak_mib_spread'], '.0f')} "
+            f"| **{bc.fmt(r['part_memory_ratio'])}** | {bc.fmt(r['memory_ratio'])} "
+            f"| {_cell(r['calibration_s_per_run'], '.2f')} "
+            f"| {', '.join(f'{k} x{n}' for k, n in sorted(o.get('kernels', {}).items())) or '-'} | {check} |"
         )
-    lines += part_lines
+    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
+    for point in report["results"]:
+        r = point["comparison"]
+        d = r["equivalence"].get("direct") or {}
+        verdicts = r["ours"].get("auto_verdicts")
+        lines.append(f"- **{point['name']}**: {'; '.join(point['departures'])}.")
+        lines.append(
+            "  `auto`: "
+            + (", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-")
+            + (
+                f"; forwards per step {bc.fmt(r['ours']['forwards_per_step'], '.1f')}"
+                if r["ours"].get("forwards_per_step")
+                else ""
+            )
+            + (
+                f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
+                f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
+                f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
+                f"(tol {bc.fmt(d.get('grads_rtol'), '.1e')})"
+                if d.get("logps_rel_l2") is not None
+                else (f". Direct check: {d.get('error') or d.get('reason')}" if d else "")
+            )
+            + "."
+        )
+        if c.get("part_timing"):
+            lines.append(
+                "  Training part (loss forward + backward, between syncs): ours "
+                f"{bc.fmt(r['ours']['train_part_s'])} s, "
+                f"TRL {bc.fmt(r['trl']['train_part_s'])} s, ratio {bc.fmt(r['train_part_ratio'])}."
+            )
     s = report["summary"]
-    if c["device"] == "cuda":
-        met = {True: "met", False: "NOT met", None: "not measured"}
+    if cuda:
+        lines += ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
+        for t in s.get("cuda_targets", []):
+            met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+            lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
+    else:
         lines += [
             "",
-            "Targets (issue 34, one GPU in bf16; training part = the loss's forward and backward, memory = its "
-            "peak above its start):",
+            "Targets (CPU, issue 34; `train` ratio):",
             "",
-            f"- 1.5B, prompt 1024, completion 256, G 8: train ratio {bc.fmt(s['cuda_1.5b_1024_256_8_train_ratio'])} "
-            f"(target <= {CUDA_TARGETS['1.5b_1024_256_8_train_ratio_max']}): {met[s['cuda_1.5b_1024_256_8_met']]}",
-            f"- 1.5B, prompt 2048, completion 512, G 8: train ratio {bc.fmt(s['cuda_1.5b_2048_512_8_train_ratio'])} "
-            f"(target <= {CUDA_TARGETS['1.5b_2048_512_8_train_ratio_max']}): {met[s['cuda_1.5b_2048_512_8_met']]}",
-            f"- memory at prompt >= 1024: worst ratio {bc.fmt(s['cuda_worst_memory_ratio_at_prompt_1024_plus'])} "
-            f"(target <= {CUDA_TARGETS['memory_ratio_max_at_prompt_1024_plus']}): {met[s['cuda_memory_met']]}",
-            f"- every point: worst train ratio {bc.fmt(s['cuda_worst_train_ratio'])} (target <= "
-            f"{CUDA_TARGETS['train_ratio_max_everywhere']}): {met[s['cuda_never_loses_met']]}",
-            f"- auto's calibration (estimate): at most {bc.fmt(s['cuda_worst_calibration_share_of_100_steps'], '.1%')} "
-            "of a 100-step run's training part",
-            "",
+            f"- prompt 1024, completion 128, G 8: train ratio {bc.fmt(s['headline_train_time_ratio'])} (target <= "
+            f"{TARGETS['headline_train_time_ratio_max']}), memory ratio {bc.fmt(s['headline_memory_ratio'])} "
+            f"(target <= {TARGETS['headline_memory_ratio_max']}): "
+            f"{'met' if s['headline_met'] else 'NOT met' if s['headline_met'] is not None else 'not measured'}",
+            f"- prompt 64: worst train ratio {bc.fmt(s['short_prompt_worst_train_time_ratio'])} (target <= "
+            f"{TARGETS['short_prompt_train_time_ratio_max']}): "
+            f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
         ]
-    lines += [
-        "",
-        "Targets (CPU, training part of the step):",
-        "",
-        f"- prompt 1024, completion 128, G 8: train ratio {bc.fmt(s['headline_train_time_ratio'])} (target <= "
-        f"{TARGETS['headline_train_time_ratio_max']}), memory ratio {bc.fmt(s['headline_memory_ratio'])} "
-        f"(target <= {TARGETS['headline_memory_ratio_max']}): "
-        f"{'met' if s['headline_met'] else 'NOT met' if s['headline_met'] is not None else 'not measured'}",
-        f"- prompt 64: worst train ratio {bc.fmt(s['short_prompt_worst_train_time_ratio'])} (target <= "
-        f"{TARGETS['short_prompt_train_time_ratio_max']}): "
-        f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
-        "",
-    ]
     if report["not_measured"]:
-        lines += [
-            f"Not measured (run cut short): {', '.join('/'.join(map(str, p)) for p in report['not_measured'])}.",
-            "",
-        ]
-    lines += [f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
+        lines += ["", f"Not measured (run cut short): {', '.join(report['not_measured'])}."]
+    for f in report.get("failed_points", []):
+        lines += ["", f"FAILED {f['point']}: {f['error'][-400:]}"]
+    lines += ["", f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
     return "\n".join(lines)
+
+
+def summarise(results: list[dict]) -> dict:
+    """The CPU grid's targets (issue 34) and, on CUDA, issue 42's (`CUDA_TARGETS`)."""
+
+    def find(model, p, c, g):
+        return next(
+            (
+                r
+                for r in results
+                if (r["model"], r["prompt_len"], r["completion_len"], r["generations"]) == (model, p, c, g)
+            ),
+            None,
+        )
+
+    headline = find("tiny", *TARGETS["headline"])
+    short = [
+        r["comparison"]["train_ratio"]
+        for r in results
+        if r["model"] == "tiny" and r["prompt_len"] == TARGETS["short_prompt"]
+    ]
+    summary = {
+        "headline_train_time_ratio": headline and headline["comparison"]["train_ratio"],
+        "headline_memory_ratio": headline and headline["comparison"]["memory_ratio"],
+        "headline_met": None
+        if headline is None or headline["comparison"]["memory_ratio"] is None
+        else bool(
+            headline["comparison"]["train_ratio"] <= TARGETS["headline_train_time_ratio_max"]
+            and headline["comparison"]["memory_ratio"] <= TARGETS["headline_memory_ratio_max"]
+        ),
+        "short_prompt_worst_train_time_ratio": max(short) if short else None,
+        "short_prompt_met": None if not short else max(short) <= TARGETS["short_prompt_train_time_ratio_max"],
+        "all_equivalent": all(r["comparison"]["equivalence"]["equivalent"] for r in results),
+    }
+    by_key = {r["key"]: r for r in results}
+    targets = []
+    for key, metric, bound in CUDA_TARGETS:
+        found = by_key.get(key)
+        value = found["comparison"].get(metric) if found else None
+        targets.append(
+            {
+                "point": parse_point(key).name,
+                "key": key,
+                "metric": metric,
+                "bound": bound,
+                "value": value,
+                "met": None if value is None else value <= bound,
+            }
+        )
+    summary["cuda_targets"] = targets
+    return summary
+
+
+def write(args, argv, results, missing, parameters, descriptions, started, load_start) -> None:
+    """Write the report of what was measured so far (``missing``: the points not measured yet)."""
+    memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
+    command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
+    report = {
+        "benchmark": "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
+        "command": command,
+        "commands": [*getattr(args, "commands", []), command],  # a resumed report: every run that made it
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
+        "load_average_start": load_start,
+        "load_average_end": bc.loadavg(),
+        "config": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points")
+        },
+        "model_descriptions": descriptions,
+        "parameters_by_model": parameters,
+        "memory_key": memory_key,
+        "targets": {
+            "cpu": {k: list(v) if isinstance(v, tuple) else v for k, v in TARGETS.items()},
+            "cuda": [list(t) for t in CUDA_TARGETS],
+        },
+        "summary": summarise(results),
+        "results": results,
+        "not_measured": missing,
+        "failed_points": getattr(args, "failed_points", []),
+        "total_wall_s": time.perf_counter() - started + getattr(args, "resumed_wall_s", 0.0),
+    }
+    bc.write_report(args.out, report["benchmark"], report, markdown(report))
 
 
 def main(argv=None) -> int:
@@ -855,20 +1127,20 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--models",
-        nargs="+",
-        choices=["tiny", *MODEL_SHAPES],
-        help="random models to run (default: tiny on CPU; both Qwen2.5 shapes on CUDA)",
+        "--point-set",
+        default=None,
+        help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)",
     )
-    parser.add_argument("--prompt-lens", type=int, nargs="+", help="default 64 256 1024 (CPU), 256 1024 2048 (CUDA)")
-    parser.add_argument("--completion-lens", type=int, nargs="+", help="default 32 128 (CPU), 128 256 512 (CUDA)")
-    parser.add_argument("--generations", type=int, nargs="+", help="default 4 8 16 (CPU), 8 (CUDA)")
     parser.add_argument(
-        "--prompts-per-step",
-        type=int,
+        "--points",
         nargs="+",
-        help="prompts (groups) per micro-batch: default 1 (CPU), 1 2 4 (CUDA)",
+        metavar="MODEL:P:C:G[:kN][:gaN][:lora]",
+        help="exactly these points, e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4",
     )
+    parser.add_argument("--models", nargs="+", choices=["tiny", *MODEL_SHAPES], help="CPU grid: models (tiny)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", help="CPU grid: default 64 256 1024")
+    parser.add_argument("--completion-lens", type=int, nargs="+", help="CPU grid: default 32 128")
+    parser.add_argument("--generations", type=int, nargs="+", help="CPU grid: default 4 8 16")
     parser.add_argument(
         "--kernel",
         default="auto",
@@ -881,36 +1153,32 @@ def main(argv=None) -> int:
         nargs=3,
         metavar=("P", "C", "G"),
         default=[256, 32, 8],
-        help="one point on the bundled SmolLM2-135M-Instruct ('none' with --no-bundled)",
+        help="CPU grid: one point on the bundled SmolLM2-135M-Instruct",
     )
     parser.add_argument("--no-bundled", action="store_true", help="skip the bundled-model point")
-    parser.add_argument("--only-bundled", action="store_true", help="run the bundled-model point only")
-    parser.add_argument(
-        "--resume",
-        metavar="JSON",
-        help="a prefix_packing.json from an earlier (cut short) run: keep its points, run the others",
-    )
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default 2 on CPU, 9 on CUDA)")
+    parser.add_argument("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
+    parser.add_argument("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + 3)")
     parser.add_argument(
         "--warmup",
         type=int,
-        help="first steps of each run not timed (default 1 on CPU; 6 on CUDA: auto's calibration micro-batches)",
+        help="our untimed first steps: auto's calibration (default 7 on CUDA at one micro-batch per step, 1 CPU)",
     )
+    parser.add_argument("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
     parser.add_argument(
-        "--long-prompt",
+        "--accumulation-warmup",
         type=int,
-        default=1024,
-        help="points with at least this prompt length run --long-steps / --long-warmup instead",
+        default=3,
+        help="our untimed first steps at gradient accumulation > 1 (each step holds several micro-batches)",
     )
-    parser.add_argument("--long-steps", type=int, default=1, help="optimizer steps per run at long-prompt points")
-    parser.add_argument("--long-warmup", type=int, default=0, help="untimed first steps at long-prompt points")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per side per point")
+    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3; 2 at accumulation > 1)")
     parser.add_argument(
-        "--focus-repeats", type=int, default=2, help="runs per side at the target points (prompt 64, and 1024/128/8)"
+        "--long-prompt", type=int, default=1024, help="CPU: points from this prompt length run --long-steps"
     )
+    parser.add_argument("--long-steps", type=int, default=1, help="CPU: timed steps at long-prompt points")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
     parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--learning-rate", type=float, help="both sides (default: each trainer's default)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--heads", type=int, default=8)
@@ -918,37 +1186,17 @@ def main(argv=None) -> int:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke setting: one small point, 2 steps, a 2-layer hidden-64 model, no bundled model",
-    )
-    parser.add_argument(
-        "--rollout",
-        choices=("generate", "fixed"),
-        help="generate: TRL samples the completions (default on CPU); fixed: a rollout_func gives each row exactly "
-        "C random tokens, no sampling (default on CUDA, where sampling C tokens would take most of the time)",
-    )
+    parser.add_argument("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
+    parser.add_argument("--rollout", choices=("generate", "fixed"), help="default: fixed on CUDA, generate on CPU")
     parser.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
-        help="both sides (default: on for CUDA, as TRL's GRPOConfig; off on CPU, as our CPU default)",
+        help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)",
     )
-    parser.add_argument(
-        "--optim",
-        help="the optimizer of both sides (TrainingArguments.optim, e.g. sgd: no optimizer state); default TRL's",
-    )
-    parser.add_argument(
-        "--points",
-        nargs="+",
-        metavar="MODEL:P:C:G",
-        help="run exactly these points (K 1) instead of the grid, e.g. qwen2.5-1.5b:1024:256:8",
-    )
-    parser.add_argument(
-        "--same-process",
-        action="store_true",
-        help="on CPU too, both sides of a point in one worker process (faster; the RSS peaks then overlap)",
-    )
+    parser.add_argument("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
+    parser.add_argument("--part-timing", action="store_true", help="also time the loss's forward+backward (syncs)")
+    parser.add_argument("--same-process", action="store_true", help="both sides of a repeat in one process (smoke)")
+    parser.add_argument("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
     parser.add_argument("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
     parser.add_argument("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
     parser.add_argument(
@@ -960,70 +1208,55 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args.worker)
     cuda = args.device == "cuda"
+    if args.quick:
+        args.points = ["tiny:32:8:4"]
+        args.warmup, args.trl_warmup, args.timed_steps, args.no_bundled = 1, 1, 1, True
+        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 128
     defaults = {
-        "models": [*MODEL_SHAPES] if cuda else ["tiny"],
-        "prompt_lens": [256, 1024, 2048] if cuda else [64, 256, 1024],
-        "completion_lens": [128, 256, 512] if cuda else [32, 128],
-        "generations": [8] if cuda else [4, 8, 16],
-        "prompts_per_step": [1, 2, 4] if cuda else [1],
-        "steps": 9 if cuda else 2,
-        "warmup": 6 if cuda else 1,
+        "repeats": 5 if cuda else 1,
+        "warmup": 7 if cuda else 1,
+        "trl_warmup": 2 if cuda else 1,
+        "timed_steps": 3 if cuda else 1,
+        "models": ["tiny"],
+        "prompt_lens": [64, 256, 1024],
+        "completion_lens": [32, 128],
+        "generations": [4, 8, 16],
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.rollout is None:
         args.rollout = "fixed" if cuda else "generate"
-    if args.activation_checkpointing is None:
-        args.activation_checkpointing = cuda
-    if cuda:  # no CPU-style shortening of long prompts, no bundled point (no weights there), sides in one process
-        args.long_prompt, args.long_steps, args.long_warmup = 10**9, args.steps, args.warmup
-        args.no_bundled = True
-        args.focus_repeats = min(args.focus_repeats, args.repeats)
-    if args.quick:
-        args.prompt_lens, args.completion_lens, args.generations = [32], [8], [4]
-        args.models, args.prompts_per_step = ["tiny"], [1]
-        args.steps, args.warmup, args.repeats, args.focus_repeats, args.no_bundled = 2, 1, 1, 1, True
-        args.long_steps, args.long_warmup = 2, 1
-        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 128
-    if args.steps <= args.warmup or args.long_steps <= args.long_warmup:
-        parser.error("--steps must be larger than --warmup (and --long-steps than --long-warmup)")
-    if args.device == "cuda":
+    if cuda:
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda but torch.cuda.is_available() is False")
+    try:
+        if args.points:
+            points = [parse_point(text) for text in args.points]
+        elif cuda:
+            names = (args.point_set or "target").split(",")
+            unknown = [n for n in names if n not in POINT_SETS]
+            if unknown:
+                parser.error(f"--point-set takes {', '.join(POINT_SETS)}, got {unknown}")
+            points = [p for n in names for p in POINT_SETS[n]]
+        else:
+            points = [
+                Point(m, p, c, g)
+                for m in args.models
+                for p in args.prompt_lens
+                for c in args.completion_lens
+                for g in args.generations
+            ]
+            if not args.no_bundled:
+                points.append(Point("bundled", *args.bundled_point))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.steps is not None and args.steps <= args.warmup:
+        parser.error("--steps must be larger than --warmup")
 
     started, load_start = time.perf_counter(), bc.loadavg()
-    grid_given = any(x is not None for x in (argv_value(argv, "--models"), argv_value(argv, "--prompt-lens")))
-    if args.points:
-        points = [parse_point(text, parser) for text in args.points]
-    elif cuda and not grid_given and not args.quick:
-        points = list(CUDA_POINTS)  # the issue's points: the whole grid does not fit a lent machine's command
-    else:
-        points = [
-            (m, p, c, g, k)
-            for m in args.models
-            for p in args.prompt_lens
-            for c in args.completion_lens
-            for g in args.generations
-            for k in args.prompts_per_step
-        ]
-    # the target points first, then the rest from the cheapest: the report is rewritten after every point, so a
-    # run cut short still holds whole points
-    points.sort(
-        key=lambda x: (
-            x not in CUDA_POINTS,
-            CUDA_POINTS.index(x) if x in CUDA_POINTS else 0,
-            x[1:4] != TARGETS["headline"],
-            x[1] != TARGETS["short_prompt"],
-            x[4] * x[3] * (x[1] + x[2]) * (MODEL_SHAPES.get(x[0], {}).get("layers", 1)),
-        )
-    )
-    if args.only_bundled:
-        points = []
-    if not args.no_bundled:
-        points.append(("bundled", *args.bundled_point, 1))
     results, parameters, descriptions, commands = [], {}, {}, []
     args.failed_points = []
     if args.resume:
@@ -1031,220 +1264,132 @@ def main(argv=None) -> int:
         results = earlier["results"]
         parameters, descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
         commands = earlier.get("commands", [earlier["command"]])
-        done = {
-            (r["model"], r["prompt_len"], r["completion_len"], r["generations"], r.get("prompts_per_step", 1))
-            for r in results
-        }
-        points = [p for p in points if p not in done]
+        done = {r["key"] for r in results}
+        points = [p for p in points if p.key not in done]
         args.resumed_wall_s = earlier["total_wall_s"]
-    index = 0
+    args.commands = commands
+    memory_key = "cuda_peak_above_start_mib" if cuda else "train_peak_rss_above_start_mib"
     with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp_name:
         tmp = Path(tmp_name)
+        runner = Runner(tmp, args.timeout, fork=not args.no_fork and not args.same_process)
         paths = {}
-        for model in dict.fromkeys(p[0] for p in points):
-            paths[model], descriptions[model] = resolve_model(model, args, tmp)
-        args.commands = commands
-        for n, (model, p, c, g, k) in enumerate(points):
-            focus = p == TARGETS["short_prompt"] or (p, c, g) == TARGETS["headline"]
-            repeats = args.focus_repeats if focus and model == "tiny" else args.repeats
-            long = p >= args.long_prompt
-            steps, warmup = (args.long_steps, args.long_warmup) if long else (args.steps, args.warmup)
-            base = {
-                "model": paths[model],
-                "device": args.device,
-                "threads": args.threads,
-                "bf16": args.bf16,
-                "steps": steps,
-                "prompt_len": p,
-                "completion_len": c,
-                "generations": g,
-                "learning_rate": args.learning_rate,
-                "seed": args.seed,
-                "point": f"{model}/{p}/{c}/{g}/{k}",
-                "point_tuple": [model, p, c, g, k],
-                "packing": True,
-                "kernel": args.kernel,
-                "prompts_per_step": k,
-                "rollout": args.rollout,
-                "activation_checkpointing": args.activation_checkpointing,
-                "optim": args.optim,
-                "equivalence": not args.no_equivalence,
-                "break_packed": args.break_packed,
-            }
-            runs = {"ours": [], "trl": []}
-            index += 2 * repeats
-            try:
-                measure_point(args, base, runs, repeats, n, warmup, tmp, index - 2 * repeats)
-            except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the next point runs
-                print(f"[{model} P={p} C={c} G={g} K={k}] FAILED: {err}", flush=True)
-                args.failed_points.append({"point": base["point"], "error": str(err)[-3000:]})
-                write(args, argv, results, points[n + 1 :], parameters, descriptions, started, load_start)
-                continue
-            for side_runs in runs.values():
-                for result in side_runs:
-                    parameters[model] = result["parameters"]
-            memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
-            results.append(
+        shape = {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "intermediate": args.intermediate,
+        }
+        for model in dict.fromkeys(p.model for p in points):
+            made = runner.run(
                 {
-                    "model": model,
-                    "prompt_len": p,
-                    "completion_len": c,
-                    "generations": g,
-                    "prompts_per_step": k,
-                    "repeats": repeats,
-                    "steps": steps,
-                    "warmup": warmup,
-                    "comparison": compare(runs["ours"], runs["trl"], warmup, memory_key),
-                    "runs": runs,
+                    "make_model": model,
+                    "model_dir": str(tmp / f"model_{model}"),
+                    "device": args.device,
+                    "threads": args.threads,
+                    "bf16": args.bf16,
+                    "seed": args.seed,
+                    "shape": shape,
                 }
             )
-            write(args, argv, results, points[n + 1 :], parameters, descriptions, started, load_start)
-    if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
-        write(args, argv, results, [], parameters, descriptions, started, load_start)
+            paths[model], descriptions[model] = made["path"], made["description"]
+        runs = {p.key: {"ours": [], "trl": []} for p in points}
+        failed: set[str] = set()
+        for rep in range(args.repeats):
+            for point in points:
+                if point.key in failed:
+                    continue
+                base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
+                batches = [["ours", "trl"]] if args.same_process else [["ours"], ["trl"]]
+                try:
+                    for sides in batches:
+                        for side, result in runner.run(dict(base, sides=sides)).items():
+                            runs[point.key][side].append(result)
+                            log_run(point, side, rep, args.repeats, result)
+                except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the other points run
+                    print(f"[{point.name}] FAILED: {err}", flush=True)
+                    args.failed_points.append({"point": point.name, "error": str(err)[-3000:]})
+                    failed.add(point.key)
+                    continue
+                # the report after every repeat of every point: a run stopped early keeps what finished
+                results = [r for r in results if r["key"] != point.key]
+                measured = []
+                for p in points:
+                    sides = runs[p.key]
+                    n = min(len(sides["ours"]), len(sides["trl"]))
+                    if n == 0:
+                        continue
+                    for result in sides["ours"] + sides["trl"]:
+                        parameters[p.model] = result["parameters"]
+                    spec = point_spec(args, p, paths[p.model])
+                    measured.append(
+                        {
+                            "key": p.key,
+                            "name": p.name,
+                            **dataclasses.asdict(p),
+                            "repeats": n,
+                            "departures": departures(spec, sides["ours"][0].get("token_budget")),
+                            "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
+                            "runs": {"ours": sides["ours"][:n], "trl": sides["trl"][:n]},
+                        }
+                    )
+                kept = [r for r in results if r["key"] not in runs]  # resumed points
+                missing = [
+                    p.name for p in points if min(len(runs[p.key]["ours"]), len(runs[p.key]["trl"])) < args.repeats
+                ]
+                write(args, argv, kept + measured, missing, parameters, descriptions, started, load_start)
+        if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
+            write(args, argv, results, [], parameters, descriptions, started, load_start)
     return 1 if args.failed_points else 0
 
 
-def argv_value(argv, flag: str):
-    """``flag``'s presence on the command line (``None``: absent)."""
-    given = sys.argv[1:] if argv is None else argv
-    return True if any(a == flag or a.startswith(flag + "=") for a in given) else None
-
-
-def parse_point(text: str, parser) -> tuple:
-    """``MODEL:P:C:G`` as a grid point (K 1)."""
-    parts = text.split(":")
-    if len(parts) != 4 or parts[0] not in ("tiny", *MODEL_SHAPES) or not all(x.isdigit() for x in parts[1:]):
-        parser.error(f"--points takes MODEL:P:C:G (MODEL one of tiny, {', '.join(MODEL_SHAPES)}), got {text!r}")
-    return (parts[0], int(parts[1]), int(parts[2]), int(parts[3]), 1)
-
-
-def measure_point(args, base: dict, runs: dict, repeats: int, n: int, warmup: int, tmp: Path, index: int) -> None:
-    """Run one point's repetitions into ``runs`` (``{side: [measurements]}``); raise where a worker fails."""
-    cuda = args.device == "cuda"
-    model, p, c, g, k = base["point_tuple"]
-    for rep in range(repeats):
-        order = ("ours", "trl") if (n + rep) % 2 == 0 else ("trl", "ours")
-        # CUDA: both sides in one process (one CUDA context, one compilation cache); CPU: one process each
-        batches = [list(order)] if cuda or args.same_process else [[side] for side in order]
-        for sides in batches:
-            index += 1
-            for side, result in run_worker(dict(base, sides=sides), tmp, index, args.timeout).items():
-                runs[side].append(result)
-                s = run_summary(result, warmup)
-                peak = result.get("cuda_peak_above_start_mib" if cuda else "train_peak_rss_above_start_mib")
-                kernels = f", kernels {result['kernels']}" if result.get("kernels") else ""
-                print(
-                    f"[{model} P={p} C={c} G={g} K={k} rep {rep + 1}/{repeats}] {side}: step "
-                    f"{bc.fmt(s['step_s'])} s, train {bc.fmt(s['train_s'])} s, part {bc.fmt(s['train_part_s'])} s "
-                    f"(peak {bc.fmt(s['train_part_peak_mib'], '.0f')} MiB), first step "
-                    f"{bc.fmt(result.get('first_step_s'))} s, peak {bc.fmt(peak, '.0f')} MiB{kernels}, "
-                    f"load {bc.loadavg()}",
-                    flush=True,
-                )
-
-
-def write(args, argv, results, missing, parameters, descriptions, started, load_start) -> None:
-    """Write the report of the points measured so far (``missing``: the points not run yet)."""
-    memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
-    headline = next(
-        (
-            r
-            for r in results
-            if r["model"] == "tiny" and (r["prompt_len"], r["completion_len"], r["generations"]) == TARGETS["headline"]
-        ),
-        None,
-    )
-    short = [
-        r["comparison"]["train_time_ratio"]
-        for r in results
-        if r["model"] == "tiny" and r["prompt_len"] == TARGETS["short_prompt"]
-    ]
-    summary = {
-        "headline_train_time_ratio": headline and headline["comparison"]["train_time_ratio"],
-        "headline_memory_ratio": headline and headline["comparison"]["memory_ratio"],
-        "headline_met": None
-        if headline is None
-        else bool(
-            headline["comparison"]["train_time_ratio"] <= TARGETS["headline_train_time_ratio_max"]
-            and headline["comparison"]["memory_ratio"] <= TARGETS["headline_memory_ratio_max"]
-        ),
-        "short_prompt_worst_train_time_ratio": max(short) if short else None,
-        "short_prompt_met": None if not short else max(short) <= TARGETS["short_prompt_train_time_ratio_max"],
-        "all_equivalent": all(r["comparison"]["equivalence"]["equivalent"] for r in results),
-    }
-    if args.device == "cuda":
-        summary.update(cuda_summary(results))
-    command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
-    report = {
-        "benchmark": "prefix_packing",
-        "command": command,
-        "commands": [*getattr(args, "commands", []), command],  # a resumed report: every run that made it
-        "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
-        "load_average_start": load_start,
-        "load_average_end": bc.loadavg(),
-        "config": {
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points")
-        },
-        "model_description": descriptions.get("tiny") or next(iter(descriptions.values())),
-        "model_descriptions": descriptions,
-        "parameters": parameters.get("tiny") or next(iter(parameters.values())),
-        "parameters_by_model": parameters,
-        "memory_key": memory_key,
-        "targets": {k: list(v) if isinstance(v, tuple) else v for k, v in TARGETS.items()},
-        "summary": summary,
-        "results": results,
-        "not_measured": [list(p) for p in missing],
-        "failed_points": getattr(args, "failed_points", []),
-        "total_wall_s": time.perf_counter() - started + getattr(args, "resumed_wall_s", 0.0),
-    }
-    name = "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing"
-    report["benchmark"] = name
-    bc.write_report(args.out, name, report, markdown(report))
-
-
-def cuda_summary(results: list[dict]) -> dict:
-    """Issue 34's CUDA targets against the points measured (``None``: the point was not run). The training part is
-    the loss's forward and backward (``train_part_ratio``); memory is the peak during it above its start."""
-
-    def part(r, key="train_part_ratio"):
-        value = r["comparison"].get(key)
-        return value if value is not None or key != "train_part_ratio" else r["comparison"]["train_time_ratio"]
-
-    def ratio(model, p, c, key="train_part_ratio"):
-        found = [
-            part(r, key)
-            for r in results
-            if (r["model"], r["prompt_len"], r["completion_len"], r["generations"], r.get("prompts_per_step", 1))
-            == (model, p, c, 8, 1)
-        ]
-        return found[0] if found else None
-
-    train = [part(r) for r in results if part(r) is not None]
-    memory = [
-        part(r, "train_part_memory_ratio")
-        for r in results
-        if r["prompt_len"] >= 1024 and part(r, "train_part_memory_ratio") is not None
-    ]
-    shares = [
-        r["comparison"]["calibration_cost"]["share_of_100_steps"]
-        for r in results
-        if r["comparison"].get("calibration_cost")
-    ]
-    a, b = ratio("qwen2.5-1.5b", 1024, 256), ratio("qwen2.5-1.5b", 2048, 512)
-    t = CUDA_TARGETS
+def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -> dict:
+    """The worker's spec for ``point`` (steps and warm-up per side: ours until auto's calibration has decided)."""
+    accumulation = point.accumulation > 1
+    warmup = args.accumulation_warmup if accumulation else args.warmup
+    timed = args.timed_steps if not accumulation or args.quick else min(args.timed_steps, 2)
+    if args.device == "cpu" and point.prompt_len >= args.long_prompt:
+        timed = args.long_steps
+    steps = args.steps or warmup + timed
     return {
-        "cuda_1.5b_1024_256_8_train_ratio": a,
-        "cuda_1.5b_1024_256_8_met": None if a is None else a <= t["1.5b_1024_256_8_train_ratio_max"],
-        "cuda_1.5b_2048_512_8_train_ratio": b,
-        "cuda_1.5b_2048_512_8_met": None if b is None else b <= t["1.5b_2048_512_8_train_ratio_max"],
-        "cuda_worst_memory_ratio_at_prompt_1024_plus": max(memory) if memory else None,
-        "cuda_memory_met": None if not memory else max(memory) <= t["memory_ratio_max_at_prompt_1024_plus"],
-        "cuda_worst_train_ratio": max(train) if train else None,
-        "cuda_never_loses_met": None if not train else max(train) <= t["train_ratio_max_everywhere"],
-        "cuda_worst_calibration_share_of_100_steps": max(shares) if shares else None,
+        "model": model_path,
+        "device": args.device,
+        "threads": args.threads,
+        "bf16": args.bf16,
+        "steps": steps,
+        "warmup": warmup,
+        "trl_warmup": min(args.trl_warmup, warmup),
+        "prompt_len": point.prompt_len,
+        "completion_len": point.completion_len,
+        "generations": point.generations,
+        "prompts_per_step": point.prompts,
+        "accumulation": point.accumulation,
+        "lora": point.lora,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+        "point": point.name,
+        "packing": True,
+        "kernel": args.kernel,
+        "rollout": args.rollout,
+        "ac": args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing),
+        "optim": args.optim,
+        "part_timing": args.part_timing,
+        "equivalence": equivalence,
+        "break_packed": args.break_packed,
     }
+
+
+def log_run(point: Point, side: str, rep: int, repeats: int, result: dict) -> None:
+    s = run_summary(result)
+    cuda_peak = result.get("cuda_peak_above_start_mib")
+    kernels = f", kernels {result['kernels']}" if result.get("kernels") else ""
+    print(
+        f"[{point.name} rep {rep + 1}/{repeats}] {side}: train {bc.fmt(s['train_s'])} s, step {bc.fmt(s['step_s'])} s, "
+        f"part peak {bc.fmt(s['train_part_peak_mib'], '.0f')} MiB, first step {bc.fmt(result.get('first_step_s'))} s"
+        + (f", peak {bc.fmt(cuda_peak, '.0f')} MiB" if cuda_peak is not None else "")
+        + f"{kernels}, pid {result.get('pid')}, load {bc.loadavg()}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -223,17 +223,49 @@ def test_seed_stats_match_students_t_and_holm():
 
 
 def test_prefix_packing_quick(tmp_path):
-    _run("prefix_packing.py", "--quick", "--out", str(tmp_path))
+    """One tiny point, two repeats: each repeat a fresh process per side (forked), ours then TRL's; the report gives
+    the medians over repeats with their min-max, and every departure from the trainers' defaults."""
+    _run("prefix_packing.py", "--quick", "--repeats", "2", "--out", str(tmp_path))
     report = _load(tmp_path / "prefix_packing.json")
     _check_machine(report)
     (point,) = report["results"]
     comparison = point["comparison"]
-    for key in ("train_time_ratio", "step_time_ratio", "memory_ratio"):
+    for key in ("train_ratio", "step_ratio", "memory_ratio"):
         assert comparison[key] > 0, key
+    runs = point["runs"]
+    assert point["repeats"] == 2 and len(runs["ours"]) == len(runs["trl"]) == 2
+    assert len({r["pid"] for r in runs["ours"] + runs["trl"]}) == 4  # a fresh process per side and repeat
+    spread = comparison["ours"]["train_s_spread"]
+    assert spread["min"] <= spread["median"] <= spread["max"]
     assert comparison["ours"]["forwarded_token_ratio"] < 1.0  # the packed forward ran
     assert comparison["equivalence"]["equivalent"], comparison["equivalence"]
+    assert any("loss_type='grpo'" in d for d in point["departures"])
     assert report["not_measured"] == [] and "headline_met" in report["summary"]
-    assert "| tiny | 32 | 8 | 4 |" in (tmp_path / "prefix_packing.md").read_text()
+    assert "| tiny P32/C8/G4 K1 | 2 / 2 |" in (tmp_path / "prefix_packing.md").read_text()
+
+
+def test_prefix_packing_points_parse_with_their_options():
+    sys.path.insert(0, str(BENCHMARKS))
+    from prefix_packing import POINT_SETS, parse_point
+
+    point = parse_point("qwen2.5-1.5b:2048:512:8:ga4:lora")
+    assert (point.prompt_len, point.completion_len, point.accumulation, point.lora, point.prompts) == (
+        2048,
+        512,
+        4,
+        True,
+        1,
+    )
+    assert parse_point(point.key) == point
+    assert [p.key for p in POINT_SETS["target"]] == [
+        "qwen2.5-1.5b:1024:256:8",
+        "qwen2.5-1.5b:2048:512:8",
+        "qwen2.5-1.5b:1024:256:8:ga4",
+        "qwen2.5-1.5b:2048:512:8:ga4",
+    ]
+    for bad in ("qwen2.5-1.5b:1024:256", "gpt:1:2:3", "qwen2.5-1.5b:1024:256:8:fast"):
+        with pytest.raises(ValueError):
+            parse_point(bad)
 
 
 def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
@@ -435,36 +467,60 @@ def test_threads_quick_on_the_tiny_model(tmp_path, tiny_model_dir):
 
 
 def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
-    """`make gpu-check DRY_RUN=1`: every part on CPU into $OUT (no --out), at most 8 files, the summary first; the
-    benchmark's direct packed-vs-padded check ran and every trainer trained 2 steps with packing."""
+    """`make gpu-check DRY_RUN=1`: the parts on CPU into $OUT (no --out), at most 8 files, the summary first; the
+    profile summarised both sides' steps, the benchmark ran two repeats (fresh processes) with its direct
+    packed-vs-padded check, and the trainers trained 2 steps with packing."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
+    parts = "profile,tests,bench,trainers"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry-run"],
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_check.py"),
+            "--dry-run",
+            "--parts",
+            parts,
+            "--trainers",
+            "trinity",
+            "ppo",
+        ],
         check=False,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=scaled_timeout(600),
+        timeout=scaled_timeout(900),
         env=env,
     )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and {"gpu_check.md", "gpu_check.json", "prefix_packing.json"} <= set(files), files
+    assert len(files) <= 8 and {"gpu_check.md", "gpu_check.json", "prefix_packing.json", "packing_profile.md"} <= set(
+        files
+    ), files
     summary = _load(out / "gpu_check.json")
-    assert summary["dry_run"] and list(summary["parts"]) == ["tests", "bench", "trainers"]
+    assert summary["dry_run"] and list(summary["parts"]) == parts.split(",")
     assert all(part["status"] == "passed" and part["wall_s"] > 0 for part in summary["parts"].values())
+    assert set(summary["parts"]["profile"]["sides"]) == {"ours", "trl"}
     tests = summary["parts"]["tests"]["counts"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # the CUDA tests skip on CPU, with the reason
     (point,) = summary["parts"]["bench"]["points"]
-    assert point["equivalent"] and point["train_part_ratio"] > 0 and point["grads_rtol"] > 0
+    assert point["equivalent"] and point["repeats"] == 2 and point["train_ratio"] > 0 and point["grads_rtol"] > 0
     trainers = summary["parts"]["trainers"]["trainers"]
-    assert [t["trainer"] for t in trainers] == ["trinity", "chord", "cispo", "sapo", "ppo", "step_grpo"]
+    assert [t["trainer"] for t in trainers] == ["trinity", "ppo"]
     for t in trainers:
         assert t["ok"] and t["steps"] == 2 and min(t["forwarded_token_ratio"]) < 1.0, t
-    assert [t["target"] for t in summary["targets"]][0].startswith("training part, 1.5B")
+    assert summary["targets"][0]["point"].startswith("qwen2.5-1.5b P1024/C256")
     assert "| bench | passed |" in (out / "gpu_check.md").read_text()
     assert "Trainers, 2 steps with packing auto" in proc.stdout  # the one-screen summary
+
+
+def test_gpu_check_runs_the_profile_and_the_target_points_by_default():
+    """Without --parts: the profile, then the benchmark's target points (1.5B at one prompt per micro-batch and at
+    gradient accumulation 4), 5 repeats; the other parts are named by PARTS."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_check
+
+    assert gpu_check.DEFAULT_PARTS == ("profile", "bench") and gpu_check.BENCH_SETS["bench"] == "target"
+    assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 8 * 60 - 20  # run.sh's installs besides
 
 
 def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):

@@ -31,6 +31,9 @@ from packing_helpers import (
     logp_terms,
     long_grouped_rows,
     padded_batch,
+    reference_flash_attn_varlen_func,
+    reference_varlen_attn_2_11,
+    reference_varlen_attn_2_13,
 )
 from tolerance import assert_close
 
@@ -78,113 +81,6 @@ def test_flash_attn_needs_version_2_1(monkeypatch, version, ok):
         assert reason is None
     else:
         assert reason and "flash_attn >= 2.1" in reason and version[:3] in reason, reason
-
-
-# ---------------------------------------------------------------------------- strict kernel references
-def _check_varlen_arguments(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> None:
-    """The contract of FlashAttention's variable-length kernels, as the CUDA kernels enforce it (or misbehave)."""
-    assert q.dim() == k.dim() == v.dim() == 3, "(tokens, heads, head_dim) tensors"
-    assert q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
-    assert q.shape[2] == k.shape[2] == v.shape[2] and k.shape[:2] == v.shape[:2]
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "the last dimension must be contiguous"
-    for cu, tensor in ((cu_q, q), (cu_k, k)):
-        assert cu.dtype == torch.int32 and cu.device == q.device and cu.dim() == 1, (cu.dtype, cu.device)
-        assert int(cu[0]) == 0 and bool((cu[1:] >= cu[:-1]).all()) and int(cu[-1]) == tensor.shape[0]
-    assert cu_q.shape == cu_k.shape
-    for m, cu in ((max_q, cu_q), (max_k, cu_k)):
-        assert type(m) is int and m == int((cu[1:] - cu[:-1]).max()), (type(m), m)  # a Python int, the true maximum
-    assert scale is None or type(scale) is float
-
-
-def _bottom_right_causal(q, k, v, cu_q, cu_k, scale):
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qi, ki, vi = (
-            t[int(a) : int(b)].transpose(0, 1)
-            for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1]))
-        )
-        mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool).tril(ki.shape[1] - qi.shape[1])
-        outs.append(
-            F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
-        )
-    return torch.cat(outs)
-
-
-def reference_varlen_attn_2_11(
-    query,
-    key,
-    value,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    *,
-    return_aux=None,
-    scale=None,
-    window_size=(-1, -1),
-    k_cache=None,
-    v_cache=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    page_table=None,
-    seqused_k=None,
-):
-    """torch 2.11's ``varlen_attn``: causal only for ``window_size == (-1, 0)`` compared as a tuple, no GQA."""
-    _check_varlen_arguments(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
-    assert window_size == (-1, 0) and isinstance(window_size, tuple), window_size  # (-1, -1) is NOT causal
-    assert key.shape[1] == query.shape[1], "torch 2.11's varlen_attn has no enable_gqa: heads must be expanded"
-    assert return_aux is None
-    return _bottom_right_causal(query, key, value, cu_seq_q, cu_seq_k, scale)
-
-
-def reference_varlen_attn_2_13(
-    query,
-    key,
-    value,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    *,
-    return_aux=None,
-    scale=None,
-    window_size=(-1, -1),
-    enable_gqa=False,
-    seqused_k=None,
-    block_table=None,
-    num_splits=None,
-):
-    """torch 2.13's ``varlen_attn``: ``enable_gqa`` for fewer key/value heads."""
-    _check_varlen_arguments(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
-    assert window_size == (-1, 0) and isinstance(window_size, tuple), window_size
-    if key.shape[1] != query.shape[1]:
-        assert enable_gqa and query.shape[1] % key.shape[1] == 0
-    return _bottom_right_causal(query, key, value, cu_seq_q, cu_seq_k, scale)
-
-
-def reference_flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
-    """FlashAttention 2's ``flash_attn_varlen_func`` (>= 2.1: ``causal`` is bottom-right aligned; GQA native)."""
-    _check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    assert causal is True and dropout_p == 0.0 and window_size == (-1, -1) and not return_attn_probs
-    assert q.shape[1] % k.shape[1] == 0
-    return _bottom_right_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
 def test_references_match_the_installed_varlen_attn_signature():

@@ -10,19 +10,23 @@ A packed forward passes its `TreePlan` (the kernel and its plan, built once per 
 keyword argument ``tree_attention_plan`` of the model's forward; transformers hands a forward's
 keyword arguments down to the decoder layers and to the attention function. The model runs under
 ``TREE_ATTENTION`` only for the calls that carry a plan: `route` places forward hooks on the
-backbone and on each decoder layer's attention module that set ``config._attn_implementation`` to
-``TREE_ATTENTION`` while a call with a plan runs, and set it back to what it was when the call
-returns (or raises). So
+backbone (and, where the layers recompute under activation checkpointing, on each decoder layer's
+attention module) that set ``config._attn_implementation`` to ``TREE_ATTENTION`` while a call with a
+plan runs, and set it back to what it was when the call returns (or raises). So
 
 * the mask is made (``None``) by the registered mask function, and the layers' attention function is
   `tree_attention_forward`, which gets the key/value heads unexpanded (GQA) whatever the model was
   loaded with (``sdpa``, FlashAttention 2/3);
 * activation checkpointing recomputes a layer with the keyword arguments of its first run, plan
-  included, and the attention module's hook routes the recomputation the same way;
+  included, and the attention module's hook routes the recomputation the same way (a forward without
+  gradients, or a model without checkpointing, recomputes nothing: the backbone's hooks alone);
 * every call without a plan (TRL's padded forward, ``auto``'s padded timing pass, generation, the
   user's own calls) runs the model's own implementation, untouched;
 * the hooks live as long as a packed forward's plan: they are removed when the last plan of the
-  model is freed (after the backward, or at once without gradients), so nothing stays on the model.
+  model is freed (after the backward, or at once without gradients), so nothing stays on the model
+  (hooks left on it would cost every later call, generation's included, a few microseconds per
+  module: more than installing them per packed forward). The backbone's hook also keeps, where the
+  plan says so (``TreePlan.keep``), only the hidden states that predict a scored token.
 
 A model saved or pushed meanwhile says its own implementation (``_attn_implementation`` is not
 saved in ``config.json`` by transformers anyway).
@@ -49,11 +53,13 @@ PACKABLE_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 @dataclass(frozen=True, eq=False)
 class TreePlan:
-    """The attention pattern of a packed row: ``kernel`` and its ``plan``, built once per forward. (Not a tuple or a
-    dict: DDP's input placement passes it through as it is.)"""
+    """The attention pattern of a packed row: ``kernel`` and its ``plan``, built once per forward; ``keep``: the
+    positions of the backbone's output to keep (the tokens whose hidden states predict a scored token), or
+    ``None`` for all. (Not a tuple or a dict: DDP's input placement passes it through as it is.)"""
 
     kernel: TreeKernel
     plan: Any
+    keep: torch.Tensor | None = None
 
 
 def tree_attention(
@@ -86,8 +92,10 @@ def tree_attention_forward(
         )
     if dropout:
         raise ValueError("prefix packing does not support attention dropout (set prefix_packing=False)")
-    out = tree_attention(query, key, value, tree_attention_plan, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed row has batch size 1, got query of shape {tuple(query.shape)}")
+    plan = tree_attention_plan
+    return plan.kernel.attend(plan.plan, query, key, value, scaling), None
 
 
 def _no_mask(**kwargs) -> None:
@@ -104,13 +112,18 @@ def register() -> None:
     AttentionMaskInterface.register(TREE_ATTENTION, _no_mask)
 
 
+def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in backbone.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def attention_modules(backbone: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules of ``backbone``'s decoder layers (``self_attn``), the modules that look up the attention
     function by the config's name."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in backbone.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return [layer.self_attn for layer in layers if isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
+    return [
+        layer.self_attn for layer in _layers(backbone) if isinstance(getattr(layer, "self_attn", None), torch.nn.Module)
+    ]
 
 
 class _Route:
@@ -121,10 +134,19 @@ class _Route:
         self.depth = 0  # calls with a plan in progress (the backbone's and, inside it, its layers')
         self.previous: str | None = None
         self.live = 0  # plans not yet freed
-        self.handles = []
-        for module in [backbone, *attention_modules(backbone)]:
-            self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+        self.handles = [
+            backbone.register_forward_pre_hook(self._enter, with_kwargs=True),
+            backbone.register_forward_hook(self._leave_backbone, with_kwargs=True, always_call=True),
+        ]
+        self.layers_routed = False
+
+    def route_layers(self, modules: list[torch.nn.Module]) -> None:
+        """Hooks on the attention modules too: their recomputation in the backward runs outside the backbone's call."""
+        if not self.layers_routed:
+            self.layers_routed = True
+            for module in modules:
+                self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
 
     def _enter(self, module, args, kwargs):
         if kwargs.get(PLAN_KWARG) is not None:
@@ -139,6 +161,13 @@ class _Route:
             if self.depth == 0:
                 self.config._attn_implementation = self.previous
 
+    def _leave_backbone(self, module, args, kwargs, output):
+        self._leave(module, args, kwargs, output)
+        plan = kwargs.get(PLAN_KWARG)
+        if plan is not None and plan.keep is not None and output is not None:
+            output["last_hidden_state"] = output["last_hidden_state"][:, plan.keep]
+        return output
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -146,12 +175,28 @@ class _Route:
 
 
 _routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> its _Route while it has live plans
+#: backbone -> (its decoder layers, their attention modules): found once per model
+_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_registered = False
+
+
+def _recomputes(backbone: torch.nn.Module, layers: list[torch.nn.Module]) -> bool:
+    """Whether a forward now would recompute ``backbone``'s layers in its backward (activation checkpointing, as
+    transformers' ``GradientCheckpointingLayer`` decides it: checkpointing on, training mode, gradients on)."""
+    return torch.is_grad_enabled() and any(layer.gradient_checkpointing and layer.training for layer in layers)
 
 
 def route(backbone: torch.nn.Module, plan: TreePlan) -> TreePlan:
     """Make ``backbone``'s calls that carry ``plan`` (as ``PLAN_KWARG``) run under ``TREE_ATTENTION``, until ``plan``
     is freed; returns ``plan``."""
-    register()
+    global _registered
+    if not _registered:
+        register()
+        _registered = True
+    if backbone not in _modules:
+        layers = _layers(backbone)
+        _modules[backbone] = (layers, attention_modules(backbone))
+    layers, modules = _modules[backbone]
     while True:  # a finalizer run by the garbage collector in between may have just removed the route
         current = _routes.get(backbone)
         if current is None:
@@ -159,6 +204,8 @@ def route(backbone: torch.nn.Module, plan: TreePlan) -> TreePlan:
         current.live += 1
         if current.handles:
             break
+    if _recomputes(backbone, layers):
+        current.route_layers(modules)
     weakref.finalize(plan, _release, weakref.ref(backbone))
     return plan
 

@@ -86,13 +86,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def tree_inputs(packed: PackedRows, kernel: TreeKernel, backbone: torch.nn.Module) -> dict[str, Any]:
+def tree_inputs(
+    packed: PackedRows, kernel: TreeKernel, backbone: torch.nn.Module, keep: torch.Tensor | None = None
+) -> dict[str, Any]:
     """The model's inputs for ``packed``: the packed row, its positions, a mask of ones (a packed row has no padding;
     the registered mask function makes no mask of it, and with a mask transformers does not search the positions for
     packed sequences, a host synchronisation) and the `attention.TreePlan` of ``kernel``, built once for the whole
-    forward, under which ``backbone``'s calls run the tree attention (`attention.route`)."""
+    forward, under which ``backbone``'s calls run the tree attention (`attention.route`); ``keep``: the positions of
+    the backbone's output to keep (``None``: all)."""
     device = packed.input_ids.device
-    plan = attention.route(backbone, TreePlan(kernel, kernel.plan(packed, device)))
+    plan = attention.route(backbone, TreePlan(kernel, kernel.plan(packed, device), keep))
     return {
         "input_ids": packed.input_ids[None],
         "position_ids": packed.position_ids[None],
@@ -112,24 +115,15 @@ def packed_logps(
     """``(K,)`` log-probs (and entropies) of ``packed``'s scored tokens through TRL's fused LM head.
 
     ``model`` is called as TRL's helper calls it (``fused_lm_head=True``), with the packed row, its
-    positions and its plan (`tree_inputs`); the hook on ``backbone`` (the module whose
-    ``last_hidden_state`` the fused head reads) keeps the hidden states at ``scored_index`` only, and
-    the pre-shifted ``shift_labels`` name each one's next token.
+    positions and its plan (`tree_inputs`), whose ``keep`` makes the backbone (the module whose
+    ``last_hidden_state`` the fused head reads) return the hidden states at ``scored_index`` only; the
+    pre-shifted ``shift_labels`` name each one's next token.
     """
     index, labels = packed.scored_index, packed.scored_labels
     if index.numel() == 0:  # nothing scored: one ignored position keeps the output connected to the graph
         index, labels = index.new_zeros(1), labels.new_full((1,), -100)
-
-    def keep_scored(module, args, output):
-        output["last_hidden_state"] = output["last_hidden_state"][:, index]
-        return output
-
-    handle = backbone.register_forward_hook(keep_scored)
-    try:
-        with autocast():
-            out = model(**tree_inputs(packed, kernel, backbone), shift_labels=labels[None], fused_lm_head=True)
-    finally:
-        handle.remove()
+    with autocast():
+        out = model(**tree_inputs(packed, kernel, backbone, keep=index), shift_labels=labels[None], fused_lm_head=True)
     count = packed.scored_index.numel()
     entropy = out.entropy[0, :count] if compute_entropy else None
     return out.log_probs[0, :count], entropy
@@ -238,6 +232,8 @@ class PrefixPacking:
         # per model as passed (DDP / PEFT wrapper): (the transformers model inside, why it runs padded);
         # unwrapping costs milliseconds per call in accelerate
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # per transformers model, per (device, autocast on): its compute dtype (FSDP2's policy: a walk over modules)
+        self._dtypes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._choices: dict[tuple, Choice] = {}
         self._logged: set[str] = set()
         self.calibration = Calibration(timer, gather)
@@ -256,11 +252,20 @@ class PrefixPacking:
     def choice(self, model: torch.nn.Module, device: torch.device) -> Choice:
         """The kernel choice for forwards of ``model`` on ``device`` (`selection.choose`)."""
         inner = self._inspect(model)[0]
-        dtype = compute_dtype(inner, device, self._autocast)
+        dtype = self._compute_dtype(inner, device)
         key = (device, dtype)
         if key not in self._choices:
             self._choices[key] = choose(self.kernel, device, dtype)
         return self._choices[key]
+
+    def _compute_dtype(self, inner: torch.nn.Module, device: torch.device) -> torch.dtype:
+        """`selection.compute_dtype`, found once per model, device and autocast state."""
+        with self._autocast():
+            autocast = torch.is_autocast_enabled(device.type)
+        known = self._dtypes.setdefault(inner, {})
+        if (device, autocast) not in known:
+            known[(device, autocast)] = compute_dtype(inner, device, self._autocast)
+        return known[(device, autocast)]
 
     def _fall_back(self, reason: str) -> None:
         if reason not in self._logged:
@@ -312,7 +317,13 @@ class PrefixPacking:
         try:
             budget = batch_size * input_ids.shape[1] if batch_size is not None else None
             chunks = pack_rows(
-                input_ids, attention_mask, logits_to_keep, budget, kernel.pad_multiple, kernel.min_tokens
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                budget,
+                kernel.pad_multiple,
+                kernel.min_tokens,
+                arrays=kernel.arrays,
             )
         except NotPackable as err:
             self._fall_back(str(err))
@@ -325,8 +336,9 @@ class PrefixPacking:
         return sum(c.num_tokens for c in chunks) <= self.max_token_ratio * input_ids.numel()
 
     def _calibrate(self, model, inner, key, grad, kernel, input_ids, attention_mask, logits_to_keep, critic):
-        """A micro-batch of a shape class ``auto`` is still measuring (`selection.Calibration`):
-        run the trial's extra layouts on it (timed, gradients discarded), then return its real layout."""
+        """A micro-batch of a shape class ``auto`` is measuring (`selection.Calibration`): its real pass in the
+        layout the measurement asks for, timed (and, where the real pass cannot be timed, that layout timed as an
+        extra run before it, its gradients discarded)."""
         engine = _sharded(model, inner)
         if engine is not None:
             self._fall_back(
@@ -335,8 +347,6 @@ class PrefixPacking:
             )
             self.calibration.classes[key].verdict = False
             return None
-        if grad and any(p.grad is not None for p in inner.parameters() if p.requires_grad):
-            return None  # a later micro-batch of an accumulation: an extra run would hold a 2nd set of gradients
         device = input_ids.device
         packed_watch = self.calibration.timer(device, "packed")
         packed_watch.start()  # building the tree counts to the packed layout
@@ -349,8 +359,10 @@ class PrefixPacking:
         trial = self.calibration.next_trial(key, _real_pass_timeable(model, grad), passes)
         if trial is None:
             return _Plan(chunks, kernel, inner) if passes and self.calibration.verdict(key) else None
+        if trial.extras and grad and any(p.grad is not None for p in inner.parameters() if p.requires_grad):
+            trial = None  # a later micro-batch of an accumulation: an extra run would hold a 2nd set of gradients
         watches = {"packed": packed_watch}
-        for layout in trial.extras:
+        for layout in trial.extras if trial else ():
             watch = watches.setdefault(layout, self.calibration.timer(device, layout))
             try:
                 self._extra_run(
@@ -361,6 +373,9 @@ class PrefixPacking:
                 self.calibration.classes[key].verdict = False
                 return None
             self.calibration.record(key, layout, watch, extra=True)
+            watches.pop(layout)  # the real pass gets a stopwatch of its own
+        if trial is None:
+            return None
         if trial.time_real:
             watch = watches.setdefault(trial.real, self.calibration.timer(device, trial.real))
             time_model(inner, watch, grad)  # stops at the end of the backward (or forward); the hooks go away
@@ -409,7 +424,7 @@ class PrefixPacking:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dtype = compute_dtype(inner, device, self._autocast)
+        dtype = self._compute_dtype(inner, device)
         self.compile_budget.add((torch.is_grad_enabled(), dtype, head_dim, heads, kv_heads))
         return self.compile_budget.limit()
 
@@ -436,23 +451,16 @@ class PrefixPacking:
         if plan is None:
             return None
         backbone = plan.inner.base_model
-        shape = (input_ids.shape[0], logits_to_keep)
-        index, logps, entropies = [], [], []
+        logps, entropies = [], []
         for packed in plan.chunks:
             with self._compiling(plan.kernel, model, input_ids.device):
                 lp, ent = packed_logps(model, backbone, packed, plan.kernel, compute_entropy, self._autocast)
-            index.append((packed.scored_rows, packed.scored_cols))
             logps.append(lp)
             entropies.append(ent)
-        rows, cols = torch.cat([r for r, _ in index]), torch.cat([c for _, c in index])
-
-        def scatter(values):
-            values = torch.cat(values)
-            return values.new_zeros(shape).index_put((rows, cols), values)
-
+        shape = (input_ids.shape[0], logits_to_keep)
         return PackedOutput(
-            scatter(logps),
-            scatter(entropies) if compute_entropy else None,
+            _scatter(plan.chunks, logps, shape),
+            _scatter(plan.chunks, entropies, shape) if compute_entropy else None,
             sum(c.num_tokens for c in plan.chunks),
             input_ids.numel(),
             plan.kernel.name,
@@ -468,9 +476,13 @@ class PrefixPacking:
             return None
         with self._compiling(plan.kernel, critic, input_ids.device):
             backbone = plan.inner.base_model
-            values = torch.cat(
-                [packed_critic_values(critic, backbone, p, plan.kernel, self._autocast) for p in plan.chunks]
-            )
-        rows = torch.cat([c.scored_rows for c in plan.chunks])
-        cols = torch.cat([c.scored_cols for c in plan.chunks])
-        return values.new_zeros((input_ids.shape[0], logits_to_keep)).index_put((rows, cols), values)
+            values = [packed_critic_values(critic, backbone, p, plan.kernel, self._autocast) for p in plan.chunks]
+        return _scatter(plan.chunks, values, (input_ids.shape[0], logits_to_keep))
+
+
+def _scatter(chunks: list[PackedRows], values: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """``shape`` (``(B, logits_to_keep)``): each chunk's per-scored-token ``values`` at its rows and columns, 0
+    elsewhere (one ``index_put`` over the flattened output)."""
+    flat = chunks[0].scored_flat if len(chunks) == 1 else torch.cat([c.scored_flat for c in chunks])
+    joined = values[0] if len(values) == 1 else torch.cat(values)
+    return joined.new_zeros(shape[0] * shape[1]).index_put((flat,), joined).view(shape)

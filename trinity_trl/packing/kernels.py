@@ -5,9 +5,14 @@ A kernel computes ``scaled_dot_product_attention`` over a packed row (`tree`): q
 causally to its own node. Each kernel has two parts:
 
 * ``plan(packed, device)``: everything the kernel needs, built ONCE per packed forward on the device
-  (offsets, index of gathered keys, BlockMask) and reused by every layer and by the backward;
+  (offsets, index of gathered keys, BlockMask) and reused by every layer and by the backward. Its integer
+  arrays are built on the host by ``arrays(segments, num_tokens)`` and travel in the packed row's one
+  host-to-device copy (`tree.upload`); the Python integers a kernel takes (``max_q``, ``max_k``) come
+  from the host arrays, so building the plan reads nothing back from the device;
 * ``__call__(plan, query, key, value, scale)``: one layer; on CUDA a fixed number of kernel launches
-  whatever the tree, no Python loop over nodes and no host synchronisation.
+  whatever the tree, no Python loop over nodes and no host synchronisation. ``attend`` is the same in
+  transformers' output layout ``(1, N, H, D)`` (what the attention function returns), without the
+  transposes ``__call__``'s layout costs.
 
 The kernels:
 
@@ -45,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import InvalidVersion, Version
 
-from .tree import PackedRows, Segment
+from .tree import PackedRows, Segment, upload
 
 #: FlexAttention's sparse block size; the flex kernel pads the packed row to a multiple of it
 FLEX_BLOCK = 128
@@ -116,6 +121,21 @@ def _cast(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 
+def _plan_arrays(
+    kernel: TreeKernel, packed: PackedRows, device: torch.device
+) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """``kernel``'s plan arrays, on the host and on ``device``: those uploaded with ``packed`` (`tree.pack_rows`'s
+    ``arrays``), else built and uploaded now (a packed row built without them)."""
+    names = kernel.array_names
+    tensors = packed.kernel_tensors
+    if all(n in tensors and n in packed.kernel_arrays for n in names) and all(
+        tensors[n].device == torch.device(device) for n in names
+    ):
+        return {n: packed.kernel_arrays[n] for n in names}, {n: tensors[n] for n in names}
+    arrays = kernel.arrays(packed.segments, packed.num_tokens)
+    return arrays, upload(arrays, device)
+
+
 # ============================================================================ the interface
 class TreeKernel:
     """One tree-attention kernel (see the module docs)."""
@@ -127,6 +147,8 @@ class TreeKernel:
     min_tokens: ClassVar[int] = 0
     #: dtypes the kernel runs in (None: any floating dtype)
     dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    #: the names of the plan arrays `arrays` returns
+    array_names: ClassVar[tuple[str, ...]] = ()
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why the kernel cannot run on ``device`` with the installed software (``None``: it can)."""
@@ -138,6 +160,10 @@ class TreeKernel:
             return f"the {self.name} kernel runs in {names}, not {str(dtype).removeprefix('torch.')}"
         return None
 
+    def arrays(self, segments: list[Segment], num_tokens: int) -> dict[str, np.ndarray]:
+        """The plan's integer arrays, built on the host (uploaded with the packed row: `tree.pack_rows`)."""
+        return {}
+
     def plan(self, packed: PackedRows, device: torch.device) -> Any:
         raise NotImplementedError
 
@@ -145,6 +171,12 @@ class TreeKernel:
         self, plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend(
+        self, plan: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """`__call__` in transformers' attention output layout: ``(1, N, H, D)``, contiguous."""
+        return self(plan, query, key, value, scale).transpose(1, 2).contiguous()
 
 
 class SdpaSegments(TreeKernel):
@@ -194,32 +226,61 @@ class SdpaSegments(TreeKernel):
         return torch.cat(outputs, dim=2) if outputs else query.new_zeros(query.shape)
 
 
-@dataclass
+@dataclass(eq=False)
 class _VarlenPlan:
+    """The gathered-key layout on the device, and what the layers share: the compute dtype (read at the first layer,
+    under the forward's autocast state)."""
+
     key_index: torch.Tensor  # (K,) long
     cu_q: torch.Tensor  # int32
     cu_k: torch.Tensor  # int32
     max_q: int
     max_k: int
+    dtype: torch.dtype | None = None
+
+    def cast(self, query, key, value):
+        if self.dtype is None:
+            self.dtype = _compute_dtype(query)
+        dtype = self.dtype
+        if query.dtype is dtype and key.dtype is dtype and value.dtype is dtype:
+            return query, key, value
+        return _cast(dtype, query, key, value)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``(K, H_kv, D)``: the key/value heads ``x`` (``(1, H_kv, N, D)``) at the gathered keys: one
+        ``index_select`` over a view of ``x`` (whatever its memory layout: no copy first)."""
+        return x[0].transpose(0, 1).index_select(0, self.key_index)
 
 
-def _varlen_plan(packed: PackedRows, device: torch.device) -> _VarlenPlan:
-    layout = gathered_keys(packed.segments)
+def _varlen_arrays(segments: list[Segment]) -> dict[str, np.ndarray]:
+    layout = gathered_keys(segments)
+    return {"key_index": layout.key_index, "cu": np.concatenate([layout.cu_q, layout.cu_k])}
+
+
+def _varlen_plan(kernel: TreeKernel, packed: PackedRows, device: torch.device) -> _VarlenPlan:
+    host, tensors = _plan_arrays(kernel, packed, device)
+    cu = tensors["cu"].to(torch.int32)  # one cast for both offsets; views of it
+    cu_q, cu_k = cu.split(cu.numel() // 2)
+    half = len(host["cu"]) // 2
     return _VarlenPlan(
-        key_index=torch.as_tensor(layout.key_index, dtype=torch.long).to(device, non_blocking=True),
-        cu_q=torch.as_tensor(layout.cu_q, dtype=torch.int32).to(device, non_blocking=True),
-        cu_k=torch.as_tensor(layout.cu_k, dtype=torch.int32).to(device, non_blocking=True),
-        max_q=layout.max_q,
-        max_k=layout.max_k,
+        key_index=tensors["key_index"],
+        cu_q=cu_q,
+        cu_k=cu_k,
+        max_q=int(np.diff(host["cu"][:half]).max(initial=0)),
+        max_k=int(np.diff(host["cu"][half:]).max(initial=0)),
     )
 
 
-def _gather(plan: _VarlenPlan, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(N, H, D)`` queries and ``(K, H_kv, D)`` gathered keys/values."""
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).index_select(0, plan.key_index)
-    v = value[0].transpose(0, 1).index_select(0, plan.key_index)
-    return q, k, v
+def _queries(plan: _VarlenPlan, query: torch.Tensor) -> torch.Tensor:
+    """``(N, H, D)``: the packed row's queries as they are (a view where the projection left them token-major)."""
+    return query[0].transpose(0, 1).contiguous()
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(K, heads, D)`` from ``(K, H_kv, D)``: each key/value head repeated for its query heads (torch < 2.12's
+    ``varlen_attn`` has no ``enable_gqa``): one copy."""
+    k, kv, dim = x.shape
+    return x[:, :, None].expand(k, kv, heads // kv, dim).reshape(k, heads, dim)
 
 
 @cache
@@ -244,6 +305,7 @@ class Varlen(TreeKernel):
 
     name = "varlen"
     dtypes = HALF
+    array_names = ("key_index", "cu")
 
     def unavailable(self, device: torch.device) -> str | None:
         if _varlen_api() is None:
@@ -252,22 +314,28 @@ class Varlen(TreeKernel):
             return f"varlen_attn has CUDA kernels only (device {device.type})"
         return _capability_reason(self.name, device)
 
+    def arrays(self, segments, num_tokens):
+        return _varlen_arrays(segments)
+
     def plan(self, packed, device):
-        return _varlen_plan(packed, device)
+        return _varlen_plan(self, packed, device)
+
+    def attend(self, plan, query, key, value, scale):
+        varlen_attn, causal, has_gqa = _varlen_api()
+        query, key, value = plan.cast(query, key, value)
+        q, k, v = _queries(plan, query), plan.gather(key), plan.gather(value)
+        if k.shape[1] == q.shape[1]:
+            extra = causal
+        elif has_gqa:
+            extra = {**causal, "enable_gqa": True}
+        else:  # torch < 2.12: one key/value head per query head
+            extra = causal
+            k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+        out = varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **extra)
+        return out.unsqueeze(0)
 
     def __call__(self, plan, query, key, value, scale):
-        varlen_attn, causal, has_gqa = _varlen_api()
-        query, key, value = _cast(_compute_dtype(query), query, key, value)
-        q, k, v = _gather(plan, query, key, value)
-        extra = dict(causal)
-        if k.shape[1] != q.shape[1]:
-            if has_gqa:
-                extra["enable_gqa"] = True
-            else:  # torch < 2.12: one KV head per query head
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        out = varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **extra)
-        return out.transpose(0, 1).unsqueeze(0)
+        return self.attend(plan, query, key, value, scale).transpose(1, 2)
 
 
 @cache
@@ -298,6 +366,7 @@ class FlashAttn(TreeKernel):
 
     name = "flash_attn"
     dtypes = HALF
+    array_names = ("key_index", "cu")
 
     def unavailable(self, device: torch.device) -> str | None:
         if _flash_attn_varlen() is None:
@@ -314,16 +383,22 @@ class FlashAttn(TreeKernel):
             return f"FlashAttention runs on CUDA only (device {device.type})"
         return _capability_reason(self.name, device)
 
-    def plan(self, packed, device):
-        return _varlen_plan(packed, device)
+    def arrays(self, segments, num_tokens):
+        return _varlen_arrays(segments)
 
-    def __call__(self, plan, query, key, value, scale):
-        query, key, value = _cast(_compute_dtype(query), query, key, value)
-        q, k, v = _gather(plan, query, key, value)
+    def plan(self, packed, device):
+        return _varlen_plan(self, packed, device)
+
+    def attend(self, plan, query, key, value, scale):
+        query, key, value = plan.cast(query, key, value)
+        q, k, v = _queries(plan, query), plan.gather(key), plan.gather(value)
         out = _flash_attn_varlen()(
             q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True
         )
-        return out.transpose(0, 1).unsqueeze(0)
+        return out.unsqueeze(0)
+
+    def __call__(self, plan, query, key, value, scale):
+        return self.attend(plan, query, key, value, scale).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------- FlexAttention
@@ -399,6 +474,7 @@ class Flex(TreeKernel):
     pad_multiple = FLEX_BLOCK
     # at least 2 blocks: torch.compile specialises sizes 0 and 1, so a 1-block row would compile a graph of its own
     min_tokens = 2 * FLEX_BLOCK
+    array_names = ("subtree_end",)
 
     def unavailable(self, device: torch.device) -> str | None:
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
@@ -407,8 +483,14 @@ class Flex(TreeKernel):
             return f"FlexAttention has no backward on {device.type} (CUDA only here)"
         return None
 
+    def arrays(self, segments, num_tokens):
+        ends = np.zeros(num_tokens, dtype=np.int64)
+        for seg in segments:
+            ends[seg.start : seg.end] = seg.subtree_end if seg.subtree_end >= 0 else seg.end
+        return {"subtree_end": ends}
+
     def plan(self, packed, device):
-        subtree_end = torch.as_tensor(packed.subtree_ends(), dtype=torch.int32).to(device, non_blocking=True)
+        subtree_end = _plan_arrays(self, packed, device)[1]["subtree_end"].to(torch.int32)
         return _FlexPlan(tree_block_mask(subtree_end, FLEX_BLOCK), subtree_end)
 
     def __call__(self, plan, query, key, value, scale, compiled: bool = True):

@@ -8,8 +8,9 @@
   layout, with one log line. A forced ``flex`` counts the graphs it compiles (`CompileBudget`);
 * ``auto``: on CPU, ``sdpa_segments`` (measured faster than padded rows on CPU:
   ``benchmarks/results/prefix_packing.md``); on CUDA, the best fused kernel the software offers for
-  the compute dtype (``flash_attn``, else ``varlen``; fp16/bf16 only), kept only where it was
-  MEASURED faster than the padded forward on this very run (`Calibration`). ``auto`` never
+  the compute dtype (``flash_attn``, else ``varlen``; fp16/bf16 only), kept only where its real
+  passes were MEASURED faster than the padded forward's on this very run, on evidence (at least three
+  pairs, medians, a margin from the spread seen) and re-timed every 100 micro-batches (`Calibration`). ``auto`` never
   picks ``flex`` (its compilation costs 20-60 s whatever the verdict, and no GPU measurement has
   shown it faster than ``varlen`` yet) nor ``sdpa_segments`` on a GPU (launch-bound: 8-12x slower
   than padded rows on an H100); on other devices, the padded forward.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -210,26 +212,40 @@ def shape_class(model: torch.nn.Module, grad: bool, rows: int, width: int) -> tu
 
 @dataclass
 class Trial:
-    """What one calibration micro-batch of a shape class runs.
+    """What one micro-batch of a shape class runs while ``auto`` measures it.
 
-    ``extras``: layouts run on this micro-batch BEFORE its real pass, each timed, their gradients
-    computed with ``torch.autograd.grad`` on the unwrapped model and discarded (no accumulation, no
-    gradient all-reduce). ``real``: the layout of the micro-batch's real pass (what the trainer
-    trains on), timed where ``time_real``."""
+    ``real``: the layout of the micro-batch's real pass (what the trainer trains on), timed where ``time_real``.
+    ``extras``: layouts run on this micro-batch BEFORE its real pass, each timed, their gradients computed with
+    ``torch.autograd.grad`` on the unwrapped model and discarded: only where the real pass cannot be timed (DDP's
+    synchronising micro-batch, whose backward holds the gradient all-reduce)."""
 
     real: str
     time_real: bool = False
     extras: tuple[str, ...] = ()
 
 
+#: the layouts of a trial's real passes, in turn: pairs in alternating order (packed then padded, then padded then
+#: packed), so that a drift of the machine's speed over the trial weighs on both layouts alike
+ORDER = ("packed", "padded", "padded", "packed")
+
+
 @dataclass
 class _Class:
-    stage: int = 0  # calibration micro-batches run so far
-    passed: bool = False  # some calibration micro-batch passed the prefix_packing_max_token_ratio check
-    unpackable: int = 0  # calibration micro-batches that could not be packed at all
-    pairs: list[dict[str, Stopwatch]] = field(default_factory=list)
-    result: tuple[float, float, bool] | None = None  # (packed s, padded s, passed): this rank's measurement
+    samples: dict[str, list[float]] = field(default_factory=lambda: {"packed": [], "padded": []})
+    pending: list[list] = field(default_factory=list)  # [layout, stopwatch, reads so far, target] not read yet
+    position: int = 0  # the trial's next position in ORDER
+    passed: bool = False  # some micro-batch of the trial passed the prefix_packing_max_token_ratio check
+    unpackable: int = 0  # micro-batches of the trial that could not be packed at all
+    result: tuple | None = None  # (packed s, padded s, passed, margin): this rank's measurement, verdict pending
     verdict: bool | None = None  # True: packed kept
+    margin: float | None = None  # the relative margin the verdict was taken with
+    since: int = 0  # micro-batches of the class since its verdict or its last re-timing
+    recheck: dict | None = None  # a re-timing in progress: its layouts in turn, position, samples
+    trials: int = 0  # trials completed (the first, and those a re-timing reopened)
+    rechecks: int = 0  # re-timings completed
+    extra_runs: int = 0
+    not_passing: int = 0  # trial micro-batches that failed the ratio check
+    last: tuple | None = None  # this rank's last (packed s, padded s, margin)
 
 
 #: ``gather(payload)`` -> every rank's payload, in rank order (``torch.distributed.all_gather_object``)
@@ -243,102 +259,142 @@ def gather_objects(payload: Any) -> list:
     return out
 
 
+#: Student's t, two-sided 95%, by degrees of freedom (the margin's multiplier for few readings; 1.96 beyond)
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18, 14: 2.14}
+
+
+def t95(df: int) -> float:
+    if df <= 0:
+        return T95[1]
+    return T95.get(df) or next((T95[k] for k in sorted(T95) if k >= df), 1.96)
+
+
+#: a stopwatch not closed after this many reads (its pass never reached the end of its backward: a skipped backward,
+#: a loss replaced by zero) is dropped from the samples
+STALE_READS = 3
+
+
 class Calibration:
-    """``auto`` on CUDA: per shape class (`shape_class`), time packed against padded ON THE SAME
-    micro-batch and keep the faster layout for the rest of the run (one log line per class).
+    """``auto`` on CUDA: per shape class (`shape_class`), keep the layout (packed or TRL's padded rows) whose
+    REAL passes timed faster on this very run, decided on evidence, re-timed so that a wrong verdict does not last.
 
-    The first micro-batches of a class (`next_trial`): one runs packed and one padded (their real
-    passes, untimed: warm-up of kernels and allocator for both layouts, at no extra cost), then a pair:
-    the real pass runs padded, timed, and the same micro-batch's packed forward (+ backward) runs
-    before it as an extra whose gradients are discarded. Where the pair is closer than ``close``, a
-    second pair with the roles swapped (real packed, extra padded; order effects cancel). Where the
-    real pass cannot be timed without a gradient all-reduce in it (DDP's synchronising micro-batch),
-    both layouts run as extras. The ratio check does not choose which micro-batches are sampled; but a
-    class none of whose calibration micro-batches passed it is decided padded (it would never pack)
-    and never builds its tree again.
+    * **The trial** (`next_trial`): the class's real passes run packed and padded in turn, in pairs of alternating
+      order (`ORDER`: packed, padded, padded, packed, ...), each timed (forward, then backward from the first
+      gradient reaching the outputs to the input embeddings: `time_model`). No extra pass: a pass in the slower
+      layout costs only its excess over the faster one. Where the real pass cannot be timed (DDP's synchronising
+      micro-batch), its layout is timed as an extra pass before it (gradients discarded).
+    * **The verdict** (`_decide`), after at least ``min_pairs`` pairs: the medians of each layout's times; the
+      margin from the spread they showed: Student's t (95%, for the few readings) standard errors of the
+      difference of the two medians' logarithms
+      (each layout's spread estimated by the median absolute deviation of its times' logarithms, pooled over both
+      layouts), at least ``min_margin``. Where one median is below the other by more than the margin, its layout is
+      kept; in between, another pair, up to ``max_pairs``; then the layout of the lower median (neither is slower by
+      more than the margin: a tie, either is right). One log line per verdict.
+    * **Re-timing** (every ``recheck_every`` micro-batches of a decided class): three real passes timed, the kept
+      layout, the other, the kept layout; where the other beat the kept layout's two (their median) by more than
+      ``min_margin``, the trial runs again (a verdict that was wrong, or that the run outgrew, lasts at most
+      ``recheck_every`` micro-batches and a trial). A new trial is cheap where the layouts are close, and a reading
+      of the slower layout rarely beats the faster one where they are not.
+    * **What it costs** (`cost`): the extra passes, plus the excess of every real pass run in the slower layout.
+      A class none of whose trial micro-batches passed ``prefix_packing_max_token_ratio`` is decided padded and
+      never builds its tree again.
 
-    The verdict: packed where its time is below ``1 - margin`` of padded's (a near tie keeps TRL's
-    layout). With several ranks (``gather``), a class's verdict is taken at `synchronize`, which
-    every rank calls at the same points (each optimizer step): the measurements of all ranks are
-    gathered and summed per class, so every rank takes the same verdict; until then the class runs
-    padded. ``timer`` makes the stopwatches (injectable for tests).
+    With several ranks (``gather``), a class's verdict is taken at `synchronize`, which every rank calls at the
+    same points (each optimizer step): the medians of all ranks are summed per class (margins: the largest), so
+    every rank takes the same verdict; until then the class runs padded. ``timer`` makes the stopwatches
+    (injectable for tests).
     """
 
     def __init__(
-        self, timer: Timer = Stopwatch, gather: Gather | None = None, margin: float = 0.02, close: float = 0.10
+        self,
+        timer: Timer = Stopwatch,
+        gather: Gather | None = None,
+        min_pairs: int = 3,
+        max_pairs: int = 8,
+        z: float | None = None,
+        min_margin: float = 0.02,
+        recheck_every: int = 100,
     ):
         self.timer = timer
         self.gather = gather
-        self.margin = margin
-        self.close = close
+        self.min_pairs, self.max_pairs, self.z, self.min_margin = min_pairs, max_pairs, z, min_margin
+        self.recheck_every = recheck_every
         self.classes: dict[tuple, _Class] = {}
         self._ordinals: dict[int, int] = {}  # id(model) -> order of first sight (the same on every rank)
         self._remote: dict[tuple, bool] = {}  # verdicts gathered for classes this rank has not seen yet
-        #: per class, the extra runs made (layout, grad): the calibration's own work beyond training
+        #: per class, the extra runs made (layouts): the calibration's only passes beyond training
         self.extra_runs: dict[tuple, list[str]] = {}
 
     # ---------------------------------------------------------------- per forward
     def calibrating(self, key: tuple) -> bool:
-        """Whether forwards of ``key`` still take part in the measurement (then call `next_trial`)."""
-        self._see(key)
-        c = self.classes[key]
-        return c.verdict is None and c.result is None
+        """Whether this micro-batch of ``key`` takes part in a measurement (then call `next_trial`): during the
+        trial, and at each re-timing of a decided class (counted here: call it once per micro-batch)."""
+        c = self._see(key)
+        if c.verdict is None:
+            return c.result is None
+        if c.recheck is None:
+            c.since += 1
+            if self.recheck_every and c.since >= self.recheck_every:
+                c.since = 0
+                kept = "packed" if c.verdict else "padded"
+                other = "padded" if c.verdict else "packed"
+                c.recheck = {"order": (kept, other, kept), "position": 0, "samples": {kept: [], other: []}}
+        return c.recheck is not None
 
     def next_trial(self, key: tuple, timeable: bool, passes: bool) -> Trial | None:
-        """The plan for this micro-batch of ``key``; ``None``: no trial, run the verdict (or, pending,
-        padded). ``timeable``: the real pass can be timed (no gradient all-reduce in it); ``passes``:
-        the micro-batch passes the ratio check (else its real pass is padded)."""
+        """The plan for this micro-batch of ``key``; ``None``: no measurement, run the verdict (or, pending,
+        padded). ``timeable``: the real pass can be timed (no gradient all-reduce in it); ``passes``: the
+        micro-batch passes the ratio check (else it can run padded only)."""
         c = self._see(key)
-        if c.verdict is not None or c.result is not None:
+        self._read(key, c)
+        if c.verdict is not None:
+            return self._recheck_trial(key, c, timeable, passes)
+        if c.result is not None:
             return None
         c.passed |= passes
-        if c.stage == 0:
-            c.stage = 1
-            return Trial("packed" if passes else "padded")
-        if c.stage == 1:
-            c.stage = 2
-            return Trial("padded")
-        if c.pairs:
-            times = self._read(key, c)
-            if times is None:
-                return None  # the GPU has not reached the marks yet: padded, read again at the next forward
-            packed, padded = times
-            if len(c.pairs) >= 2 or abs(packed - padded) > self.close * max(packed, padded):
-                self._complete(key, c, packed, padded)
-                return None
-        real = "padded" if not c.pairs or not passes else "packed"
-        other = "packed" if real == "padded" else "padded"
-        c.pairs.append({})
+        c.not_passing += not passes
+        if c.not_passing >= 2 and not c.passed:  # it would never pack: padded, and the tree is not built again
+            self._complete(key, c, math.inf, 0.0, self.min_margin)
+            return None
+        if self._decide(key, c):
+            return None
+        wanted = ORDER[c.position % len(ORDER)]
+        if wanted == "packed" and not passes:
+            return Trial("padded")  # cannot run packed: untimed, the order waits for a micro-batch that can
+        c.position += 1
         if timeable:
-            return Trial(real, True, (other,))
-        return Trial(real, False, (other, real))
+            return Trial(wanted, time_real=True)
+        return Trial(wanted, time_real=False, extras=(wanted,))
 
     def record(self, key: tuple, layout: str, stopwatch: Stopwatch, extra: bool = False) -> None:
-        """``stopwatch`` times ``layout`` for the current pair of ``key`` (``extra``: a run the
+        """``stopwatch`` times a pass of ``layout`` for ``key``'s measurement in progress (``extra``: a pass the
         calibration added)."""
-        self.classes[key].pairs[-1][layout] = stopwatch
+        c = self.classes[key]
+        target = "recheck" if c.verdict is not None and c.recheck is not None else "trial"
+        c.pending.append([layout, stopwatch, 0, target])
         if extra:
+            c.extra_runs += 1
             self.extra_runs.setdefault(key, []).append(layout)
 
     def unpackable(self, key: tuple) -> None:
-        """A calibration micro-batch of ``key`` could not be packed at all: two such and no packed
-        one decide the class padded."""
+        """A trial micro-batch of ``key`` could not be packed at all: two such and no packed one decide the class
+        padded."""
         c = self._see(key)
         c.unpackable += 1
         if c.unpackable >= 2 and not c.passed and c.verdict is None and c.result is None:
-            self._complete(key, c, math.inf, 0.0)
+            self._complete(key, c, math.inf, 0.0, self.min_margin)
 
     def verdict(self, key: tuple) -> bool | None:
         c = self.classes.get(key)
         return None if c is None else c.verdict
 
     def summary(self) -> list[dict]:
-        """Per shape class: its shape, this rank's packed and padded seconds (``None`` until measured), the
-        verdict (``"packed"``, ``"padded"`` or ``None``) and the extra runs it took (for reports)."""
+        """Per shape class: its shape, this rank's packed and padded medians (``None`` until measured), the margin,
+        the verdict (``"packed"``, ``"padded"`` or ``None``), samples, extra runs, trials and re-timings."""
         rows = []
         for key, c in self.classes.items():
             grad, rows_, width = key[1:]
-            packed, padded, passed = c.result if c.result else (None, None, c.passed)
+            packed, padded, passed, margin = c.result if c.result else (None, None, c.passed, c.margin)
             verdict = None if c.verdict is None else ("packed" if c.verdict else "padded")
             rows.append(
                 {
@@ -347,33 +403,39 @@ class Calibration:
                     "width": width,
                     "packed_s": packed,
                     "padded_s": padded,
+                    "margin": margin,
                     "passed_ratio_check": passed,
                     "verdict": verdict,
-                    "extra_runs": len(self.extra_runs.get(key, [])),
+                    "samples": {k: len(v) for k, v in c.samples.items()},
+                    "extra_runs": c.extra_runs,
+                    "trials": c.trials,
+                    "rechecks": c.rechecks,
                 }
             )
         return rows
 
     # ---------------------------------------------------------------- across ranks
     def synchronize(self) -> None:
-        """Every rank, at the same points (each optimizer step): gather the measurements of all ranks
-        and decide, per class, from their sums (no-op on one process)."""
+        """Every rank, at the same points (each optimizer step): gather the measurements of all ranks and decide,
+        per class, from their sums (no-op on one process)."""
         if self.gather is None:
             return
         mine = {self._canonical(k): c.result for k, c in self.classes.items() if c.result and c.verdict is None}
         merged: dict[tuple, list] = {}
         for payload in self.gather(mine):
-            for canon, (packed, padded, passed) in payload.items():
-                total = merged.setdefault(canon, [0.0, 0.0, False])
+            for canon, (packed, padded, passed, margin) in payload.items():
+                total = merged.setdefault(canon, [0.0, 0.0, False, 0.0])
                 total[0] += packed
                 total[1] += padded
                 total[2] = total[2] or passed
+                total[3] = max(total[3], margin)
         local = {self._canonical(k): k for k in self.classes}
         for canon in sorted(merged):
-            packed, padded, passed = merged[canon]
-            verdict = self._verdict(canon[1:], packed, padded, passed, ranks=True)
+            packed, padded, passed, margin = merged[canon]
+            verdict = self._verdict(canon[1:], packed, padded, passed, margin, ranks=True)
             if canon in local:
-                self.classes[local[canon]].verdict = verdict
+                c = self.classes[local[canon]]
+                c.verdict, c.margin, c.result = verdict, margin, None
             else:
                 self._remote[canon] = verdict
 
@@ -384,35 +446,116 @@ class Calibration:
             c = self.classes[key] = _Class()
             remote = self._remote.pop(self._canonical(key), None)
             if remote is not None:
-                c.verdict = remote
+                c.verdict, c.margin = remote, self.min_margin
         return self.classes[key]
 
     def _canonical(self, key: tuple) -> tuple:
         return (self._ordinals[key[0]], *key[1:])
 
-    def _read(self, key: tuple, c: _Class) -> tuple[float, float] | None:
-        """Mean packed and padded seconds over the pairs, ``None`` while a mark is not reached."""
-        sums = {"packed": 0.0, "padded": 0.0}
-        for pair in c.pairs:
-            for layout in sums:
-                watch = pair.get(layout)
-                seconds = None if watch is None else watch.seconds()
-                if seconds is None:
-                    if watch is not None and watch.closed >= watch.expected:
-                        return None  # marks set, not reached by the GPU yet
-                    # never set (no backward reached the embeddings, a layout not run): keep TRL's layout
-                    logger.warning("prefix packing: could not time %s; padded rows kept", _describe(key[1:]))
-                    c.verdict = False
-                    return None
-                sums[layout] += seconds
-        return sums["packed"] / len(c.pairs), sums["padded"] / len(c.pairs)
+    def _read(self, key: tuple, c: _Class) -> None:
+        """Move the readable stopwatches' seconds into the samples (CUDA events: read once the GPU passed them,
+        never waited for)."""
+        waiting = []
+        for entry in c.pending:
+            layout, watch, reads, target = entry
+            seconds = watch.seconds()
+            if seconds is None:
+                entry[2] = reads + 1
+                if watch.closed >= watch.expected or entry[2] < STALE_READS:
+                    waiting.append(entry)  # marks set, not reached by the GPU yet; or a backward still to come
+                else:
+                    logger.debug("prefix packing: a timing of %s never completed; dropped", _describe(key[1:]))
+                continue
+            if target == "recheck" and c.recheck is not None:
+                c.recheck["samples"][layout].append(seconds)
+            elif target == "trial":
+                c.samples[layout].append(seconds)
+        c.pending = waiting
 
-    def _complete(self, key: tuple, c: _Class, packed: float, padded: float) -> None:
-        c.result = (packed, padded, c.passed)
+    def _spread_margin(self, times: dict[str, list[float]]) -> float:
+        """The relative margin: Student's t (95%, two-sided, for the readings' degrees of freedom; ``z`` where
+        given) standard errors of the difference of the two layouts' median log-times, each layout's spread the
+        median absolute deviation of its log-times about its median (pooled), at least ``min_margin``."""
+        deviations, counts = [], []
+        for values in times.values():
+            logs = [math.log(v) for v in values if v > 0]
+            if not logs:
+                continue
+            center = statistics.median(logs)
+            deviations += [abs(x - center) for x in logs]
+            counts.append(len(logs))
+        if len(counts) < 2 or not deviations:
+            return self.min_margin
+        sigma = 1.4826 * statistics.median(deviations)  # a normal spread's MAD -> its standard deviation
+        se = 1.2533 * sigma * math.sqrt(sum(1 / n for n in counts))  # a median's standard error, each layout
+        multiplier = self.z if self.z is not None else t95(sum(counts) - len(counts))
+        return max(self.min_margin, math.expm1(multiplier * se))
+
+    def _decide(self, key: tuple, c: _Class) -> bool:
+        """Decide ``key`` from its samples where the evidence suffices (see the class docs); True once decided."""
+        packed, padded = c.samples["packed"], c.samples["padded"]
+        pairs = min(len(packed), len(padded))
+        if pairs < self.min_pairs:
+            return False
+        margin = self._spread_margin(c.samples)
+        mp, md = statistics.median(packed), statistics.median(padded)
+        clear = mp < md / (1.0 + margin) or mp > md * (1.0 + margin)
+        if not clear and pairs < self.max_pairs:
+            return False
+        self._complete(key, c, mp, md, margin)
+        return True
+
+    def _recheck_trial(self, key: tuple, c: _Class, timeable: bool, passes: bool) -> Trial | None:
+        r = c.recheck
+        if r is None:
+            return None
+        kept = "packed" if c.verdict else "padded"
+        other = "padded" if c.verdict else "packed"
+        if len(r["samples"][kept]) >= 2 and len(r["samples"][other]) >= 1:
+            c.recheck = None
+            c.rechecks += 1
+            reference = statistics.median(r["samples"][kept])
+            if r["samples"][other][0] < reference / (1.0 + self.min_margin):  # a new trial settles it
+                logger.warning(
+                    "prefix packing, %s: re-timed, %s %.1f ms vs %s %.1f ms: the verdict is taken again",
+                    _describe(key[1:]),
+                    other,
+                    r["samples"][other][0] * 1e3,
+                    kept,
+                    reference * 1e3,
+                )
+                self._reopen(c)
+                return self.next_trial(key, timeable, passes)
+            return None
+        if r["position"] >= len(r["order"]):
+            return None  # all three timed, not all read yet: the kept layout meanwhile
+        wanted = r["order"][r["position"]]
+        if not timeable or (wanted == "packed" and not passes):
+            return None  # no extra pass for a re-timing: wait for a micro-batch whose real pass can be timed
+        r["position"] += 1
+        return Trial(wanted, time_real=True)
+
+    def _reopen(self, c: _Class) -> None:
+        c.samples = {"packed": [], "padded": []}
+        c.pending, c.position, c.passed, c.unpackable, c.not_passing = [], 0, False, 0, 0
+        c.verdict, c.result, c.since = None, None, 0
+
+    def _complete(self, key: tuple, c: _Class, packed: float, padded: float, margin: float) -> None:
+        c.trials += 1
+        c.since = 0
         if self.gather is None:
-            c.verdict = self._verdict(key[1:], packed, padded, c.passed)
+            c.verdict = self._verdict(key[1:], packed, padded, c.passed, margin)
+            c.margin = margin
+            c.result = None
+        else:
+            c.result = (packed, padded, c.passed, margin)
+        c.last = (packed, padded, margin)
 
-    def _verdict(self, shape: tuple, packed: float, padded: float, passed: bool, ranks: bool = False) -> bool:
+    def _verdict(
+        self, shape: tuple, packed: float, padded: float, passed: bool, margin: float, ranks: bool = False
+    ) -> bool:
+        """Packed where its median is the lower (a trial ends either with a gap beyond the margin or, after
+        ``max_pairs`` pairs, with a gap within it: then neither layout is slower by more than the margin)."""
         if not passed:
             logger.warning(
                 "prefix packing, %s: no micro-batch passed prefix_packing_max_token_ratio; padded rows kept, the "
@@ -420,13 +563,15 @@ class Calibration:
                 _describe(shape),
             )
             return False
-        verdict = packed < (1.0 - self.margin) * padded
+        verdict = packed < padded
         logger.warning(
-            "prefix packing, %s: packed %.1f ms vs padded %.1f ms (same micro-batches%s): %s kept",
+            "prefix packing, %s: packed %.1f ms vs padded %.1f ms (medians of real passes%s; margin %.1f%%%s): %s kept",
             _describe(shape),
             packed * 1e3,
             padded * 1e3,
             ", summed over ranks" if ranks else "",
+            margin * 100,
+            "" if packed * (1 + margin) < padded or padded * (1 + margin) < packed else ", a tie within it",
             "packed" if verdict else "padded",
         )
         return verdict

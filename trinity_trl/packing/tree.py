@@ -9,14 +9,22 @@ attends to every token of its ancestor nodes and causally to the earlier tokens 
 Because the layout is depth first, "key ``k`` is visible from query ``q``" is simply
 ``k <= q < subtree_end[k]``, where ``subtree_end[k]`` is the packed index just past the subtree of
 ``k``'s node: the one integer per token the FlexAttention kernel needs (`kernels`).
+
+Host work per packed row: ONE device-to-host read (the token ids, with -1 where the mask is 0) and ONE
+host-to-device copy (`upload`: every integer array of the packed row and of the kernel's plan in one
+buffer, pinned on CUDA, the tensors views of it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+#: ``arrays(segments, num_tokens)``: a kernel's plan arrays (int64, built on the host), uploaded with the packed row
+HostArrays = Callable[[list["Segment"], int], dict[str, np.ndarray]]
 
 
 class NotPackable(ValueError):
@@ -140,6 +148,11 @@ class PackedRows:
     scored_cols: torch.Tensor
     rows: list[int] = field(default_factory=list)  # the batch rows packed here
     padding: int = 0  # trailing padding tokens (a root segment of their own; see ``pack_rows``)
+    #: ``scored_rows * logits_to_keep + scored_cols``: where each result goes in the flattened output
+    scored_flat: torch.Tensor | None = None
+    #: a kernel's plan arrays (``pack_rows``'s ``arrays``): on the host, and on the device (uploaded with the rest)
+    kernel_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    kernel_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -158,7 +171,11 @@ def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np.nda
     """``(first, count)`` of each row's attended columns; raises `NotPackable` unless each row
     is one contiguous run (left padding, tokens, right padding) whose scored columns all follow a
     token of the same row (TRL's padded forward predicts a column from the column before it)."""
-    mask = attention_mask.detach().to("cpu", torch.bool).numpy()
+    return _spans(attention_mask.detach().to("cpu", torch.bool).numpy(), logits_to_keep)
+
+
+def _spans(mask: np.ndarray, logits_to_keep: int) -> tuple[np.ndarray, np.ndarray]:
+    """`row_spans` of a boolean mask on the host."""
     width = mask.shape[1]
     count = mask.sum(1)
     first = mask.argmax(1)
@@ -173,6 +190,28 @@ def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[np.nda
     return first, count
 
 
+def host_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> np.ndarray:
+    """The batch's token ids on the host, -1 where the mask is 0: ONE device-to-host read (a host synchronisation on
+    a GPU) for both."""
+    marked = torch.where(attention_mask.detach() != 0, input_ids.detach(), -1)
+    return marked.cpu().numpy()
+
+
+def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """``arrays`` (integers) as int64 tensors on ``device`` in ONE host-to-device copy: concatenated into one host
+    buffer (pinned on CUDA, so the copy is asynchronous and the host does not wait for the GPU), copied, and split
+    into views of their shapes. On CPU the tensors share the arrays' buffer (no copy)."""
+    flat = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays.values()]
+    host = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64))
+    device = torch.device(device)
+    if device.type == "cpu":
+        buffer = host
+    else:
+        buffer = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    parts = buffer.split([a.size for a in flat]) if flat else ()
+    return {name: part.view(np.shape(a)) for (name, a), part in zip(arrays.items(), parts)}
+
+
 def pack_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -180,6 +219,7 @@ def pack_rows(
     max_tokens: int | None = None,
     pad_multiple: int = 1,
     min_tokens: int = 0,
+    arrays: HostArrays | None = None,
 ) -> list[PackedRows]:
     """Fold the rows of ``input_ids`` (``(B, L)``, attended where ``attention_mask`` is 1; the last
     ``logits_to_keep`` columns are scored) into packed rows of at most ``max_tokens`` distinct tokens
@@ -187,9 +227,13 @@ def pack_rows(
     next groups of the micro-batch) share a packed row; a row longer than ``max_tokens`` gets a packed
     row of its own. ``pad_multiple``: the packed row is padded up to a multiple of it (FlexAttention's
     block size, so that its kernels see few distinct lengths) with tokens that form a root segment of
-    their own, attend only among themselves and are never scored; and to at least ``min_tokens``."""
-    first, count = row_spans(attention_mask, logits_to_keep)
-    ids = input_ids.detach().cpu().numpy()
+    their own, attend only among themselves and are never scored; and to at least ``min_tokens``.
+    ``arrays``: a kernel's plan arrays (`HostArrays`), uploaded in the same copy as the packed row's
+    (``kernel_arrays`` on the host, ``kernel_tensors`` on the device).
+
+    Host work: one read of the rows (`host_rows`) and one copy per packed row (`upload`)."""
+    ids = host_rows(input_ids, attention_mask)
+    first, count = _spans(ids >= 0, logits_to_keep)
     rows = [ids[r, first[r] : first[r] + count[r]] for r in range(ids.shape[0])]
     chunks, current, tree = [], [], _PrefixTree()
     for r, row in enumerate(rows):
@@ -201,7 +245,8 @@ def pack_rows(
         chunks.append((tree, current))
     offset = ids.shape[1] - logits_to_keep  # first scored column
     return [
-        _layout(tree, ends, rows, first, offset, input_ids.device, pad_multiple, min_tokens) for tree, ends in chunks
+        _layout(tree, ends, rows, first, offset, logits_to_keep, input_ids.device, pad_multiple, min_tokens, arrays)
+        for tree, ends in chunks
     ]
 
 
@@ -211,9 +256,11 @@ def _layout(
     rows: list[np.ndarray],
     first: np.ndarray,
     offset: int,
+    logits_to_keep: int,
     device: torch.device,
     pad_multiple: int = 1,
     min_tokens: int = 0,
+    arrays: HostArrays | None = None,
 ) -> PackedRows:
     nodes = tree.nodes()
     tokens = np.concatenate([n.tokens for n in nodes]) if nodes else np.zeros(0, dtype=np.int64)
@@ -251,17 +298,26 @@ def _layout(
         out_rows.append(np.full(len(scored), r))
         out_cols.append(columns[scored] - offset)
 
-    def tensor(parts):
-        return torch.as_tensor(np.concatenate(parts) if parts else np.zeros(0), dtype=torch.long, device=device)
+    def joined(parts):
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
+    out_rows, out_cols = joined(out_rows), joined(out_cols)
+    host = {
+        "input_ids": tokens,
+        "position_ids": positions,
+        "scored_index": joined(index),
+        "scored_labels": joined(labels),
+        "scored_rows": out_rows,
+        "scored_cols": out_cols,
+        "scored_flat": out_rows * logits_to_keep + out_cols,
+    }
+    kernel_arrays = arrays(segments, len(tokens)) if arrays is not None else {}
+    tensors = upload({**host, **{f"kernel/{k}": v for k, v in kernel_arrays.items()}}, device)
     return PackedRows(
-        input_ids=torch.as_tensor(tokens, dtype=torch.long, device=device),
-        position_ids=torch.as_tensor(positions, dtype=torch.long, device=device),
+        **{name: tensors[name] for name in host},
         segments=segments,
-        scored_index=tensor(index),
-        scored_labels=tensor(labels),
-        scored_rows=tensor(out_rows),
-        scored_cols=tensor(out_cols),
         rows=[r for r, _ in ends],
         padding=padding,
+        kernel_arrays=kernel_arrays,
+        kernel_tensors={k: tensors[f"kernel/{k}"] for k in kernel_arrays},
     )

@@ -240,7 +240,8 @@ def guard_loss_mask(
     A token is dropped (its mask set to 0) when its current, behaviour or reference log-prob or
     entropy (``guards/nonfinite_logps``), or its advantage or vLLM importance weight
     (``guards/nonfinite_advantages``), is NaN or ±inf. ``guards/empty_mask`` is 1 when the
-    micro-batch then has no trained token (its loss is exactly 0).
+    micro-batch then has no trained token (its loss is exactly 0). The metrics are 0-dim tensors and nothing here
+    reads the device (no host synchronisation inside the loss).
     """
     valid = mask != 0
     bad_logps = ~torch.isfinite(logps.detach())
@@ -257,12 +258,12 @@ def guard_loss_mask(
     bad_logps &= valid
     bad_adv &= valid & ~bad_logps
     dropped = bad_logps | bad_adv
-    if dropped.any():
-        mask = mask * (~dropped).to(mask.dtype)
+    mask = mask * (~dropped).to(mask.dtype)  # unchanged where nothing is dropped; no host read to find out
+    # 0-dim tensors: read with the micro-batch's other metrics in one device synchronisation (`append_metrics`)
     metrics = {
-        "guards/nonfinite_logps": float(bad_logps.sum()),
-        "guards/nonfinite_advantages": float(bad_adv.sum()),
-        "guards/empty_mask": float(not bool((mask != 0).any())),
+        "guards/nonfinite_logps": bad_logps.sum().float(),
+        "guards/nonfinite_advantages": bad_adv.sum().float(),
+        "guards/empty_mask": (mask == 0).all().float(),
     }
     return mask, metrics
 
