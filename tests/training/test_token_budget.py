@@ -28,15 +28,7 @@ from tolerance import assert_close
 from trinity_trl.packing import pack_rows
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
 from trinity_trl.training import token_budget
-from trinity_trl.training.token_budget import (
-    MicroBatchTokens,
-    MicroStep,
-    TokenBudget,
-    bin_tokens,
-    micro_batch_tokens,
-    plan_bins,
-    resolve_token_budget,
-)
+from trinity_trl.training.token_budget import MicroStep, TokenBudget, WindowTokens, plan_bins, resolve_token_budget
 
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "token_budget_ddp.py"
@@ -45,34 +37,41 @@ SYSTEM = "You are a careful assistant. Answer with the number only."
 
 
 # --------------------------------------------------------------------------------------------------------- the plan
-def tokens(prompts: dict[int, int], completions: int, padded: int = 1000) -> MicroBatchTokens:
-    return MicroBatchTokens(prompts=prompts, completion_tokens=completions, padded_tokens=padded)
+def window(rows, lengths, padded=None) -> WindowTokens:
+    """A window whose distinct rows (in lexicographic order) have ``lengths`` and share nothing with each other."""
+    return WindowTokens(rows, lengths, [0] * len(lengths), padded or [1000] * len(rows))
 
 
-def test_bin_tokens_count_each_distinct_prompt_once_and_every_completion_token():
-    a, b = tokens({0: 10, 1: 7}, 20), tokens({1: 7, 2: 5}, 9)
-    assert bin_tokens([a]) == 37
-    assert bin_tokens([a, b]) == 10 + 7 + 5 + 20 + 9  # prompt 1 (a group split over both) once
-    assert bin_tokens([a, b], pad=lambda n: -(-n // 16) * 16) == 64  # the kernel's block padding
+def test_packed_tokens_count_each_distinct_prefix_once():
+    # distinct rows in lexicographic order: a prompt-only row, two completions of it, another prompt's row
+    w = WindowTokens(rows=[[0, 1], [1, 2], [3]], lengths=[10, 17, 13, 8], shared=[0, 10, 12, 0], padded=[100] * 3)
+    assert w.packed_tokens([0]) == 10 + 17 - 10
+    assert w.packed_tokens([0, 1]) == 10 + 7 + 1  # rows 1 and 2 share 12 tokens
+    assert w.packed_tokens([1]) == 17 + 13 - 12
+    assert w.packed_tokens([0, 2]) == 17 + 8
+    assert w.packed_tokens([2]) == 8
+    # rows 0 and 2 alone: their common prefix is the smallest between them (10, through row 1)
+    assert WindowTokens([[0], [2]], [10, 17, 13], [0, 10, 12], [100, 100]).packed_tokens([0, 1]) == 10 + 13 - 10
 
 
 def test_plan_bins_is_greedy_over_consecutive_micro_batches():
-    members = [tokens({i: 10}, 20) for i in range(5)]  # 30 tokens each, distinct prompts
-    assert plan_bins(members, budget=60) == [2, 2, 1]
-    assert plan_bins(members, budget=59) == [1, 1, 1, 1, 1]
-    assert plan_bins(members, budget=150) == [5]
-    assert plan_bins(members, budget=90) == [3, 2]
+    w = window([[i] for i in range(5)], [30] * 5)  # 30 tokens each, nothing shared
+    assert plan_bins(w, budget=60) == [2, 2, 1]
+    assert plan_bins(w, budget=59) == [1, 1, 1, 1, 1]
+    assert plan_bins(w, budget=150) == [5]
+    assert plan_bins(w, budget=90) == [3, 2]
+    assert plan_bins(w, budget=60, pad=lambda n: -(-n // 16) * 16) == [1, 1, 1, 1, 1]  # the kernel's block: 64
     # a micro-batch over the budget on its own is a bin of its own (never dropped, never split)
-    big = [tokens({0: 10}, 20), tokens({1: 100}, 100), tokens({2: 10}, 20), tokens({3: 10}, 20)]
+    big = window([[0], [1], [2], [3]], [30, 200, 30, 30])
     assert plan_bins(big, budget=60) == [1, 1, 2]
     # packing's own condition: a bin holds at most max_token_ratio of its padded tokens
-    dense = [tokens({i: 10}, 20, padded=40) for i in range(4)]
+    dense = window([[i] for i in range(4)], [30] * 4, padded=[40] * 4)
     assert plan_bins(dense, budget=1000, max_token_ratio=0.7) == [1, 1, 1, 1]  # 60 > 0.7 * 80
     assert plan_bins(dense, budget=1000, max_token_ratio=0.75) == [4]
-    # a group split over micro-batches: its prompt counted once, so more fits
-    split = [tokens({0: 40}, 10), tokens({0: 40}, 10), tokens({0: 40}, 10)]
-    assert plan_bins(split, budget=70) == [3]
-    assert plan_bins([], budget=10) == [] and plan_bins(members[:1], budget=1) == [1]
+    # a group's rows spread over micro-batches share their prompt in one forward, so more fits
+    split = WindowTokens([[0], [1], [2]], [50, 50, 50], [0, 40, 40], [1000] * 3)
+    assert plan_bins(split, budget=70) == [3]  # 50 + 10 + 10
+    assert plan_bins(window([], []), budget=10) == [] and plan_bins(window([[0]], [30]), budget=1) == [1]
 
 
 def _micro_batch(rows: list[tuple[list[int], list[int]]], width_p: int, width_c: int) -> dict:
@@ -89,7 +88,8 @@ def _micro_batch(rows: list[tuple[list[int], list[int]]], width_p: int, width_c:
 
 def _random_micro_batches(generator: torch.Generator, shared_system: bool) -> list[dict]:
     """Four micro-batches of three rows of one generation batch: three groups of four rows (so groups are split over
-    micro-batches), ragged completions (one empty per group), optionally a system prompt every prompt starts with."""
+    micro-batches), ragged completions (one empty per group), a duplicate row, optionally a system prompt every prompt
+    starts with."""
 
     def rand(n):
         return torch.randint(3, 400, (n,), generator=generator).tolist()
@@ -97,26 +97,24 @@ def _random_micro_batches(generator: torch.Generator, shared_system: bool) -> li
     system = rand(6) if shared_system else []
     prompts = [system + rand(3 + 2 * g) for g in range(3)]
     rows = [(p, rand(n)) for p in prompts for n in (7, 2, 0, 4)]
+    rows[5] = rows[4]  # a duplicate row
     return [_micro_batch(rows[i : i + 3], 20, 8) for i in range(0, 12, 3)]
 
 
 @pytest.mark.parametrize("shared_system", [False, True])
-def test_micro_batch_tokens_bound_the_packed_rows(shared_system):
-    """The bound is never below the tokens of the prefix tree packing builds for the same rows (so a bin never
-    forwards more than the budget), and is exactly them where rows share nothing but their group's prompt."""
+def test_window_tokens_are_the_packed_rows_tokens(shared_system):
+    """For every run of consecutive micro-batches, the count is the tokens of the prefix tree packing builds for the
+    same rows (groups split over micro-batches, a system prompt shared by every group or not, empty completions, a
+    duplicate row)."""
     batches = _random_micro_batches(torch.Generator().manual_seed(0), shared_system)
-    counts = micro_batch_tokens(batches)
+    w = WindowTokens.of(batches)
     for start in range(len(batches)):
         for end in range(start + 1, len(batches) + 1):
             part = batches[start:end]
             ids = torch.cat([torch.cat([b["prompt_ids"], b["completion_ids"]], 1) for b in part])
             mask = torch.cat([torch.cat([b["prompt_mask"], b["completion_mask"]], 1) for b in part])
-            packed = sum(c.num_tokens for c in pack_rows(ids, mask, 8))
-            bound = bin_tokens(counts[start:end])
-            assert bound >= packed
-            if not shared_system:
-                assert bound == packed
-    assert [c.padded_tokens for c in counts] == [3 * 28] * 4
+            assert w.packed_tokens(range(start, end)) == sum(c.num_tokens for c in pack_rows(ids, mask, 8))
+    assert w.padded == [3 * 28] * 4
 
 
 def test_resolve_token_budget_refuses_where_merged_forwards_are_not_shown_exact(caplog):
@@ -369,10 +367,11 @@ class DecliningTrainer(RaggedTrainer):
 
 
 class _Gradients:
-    """A callback: every trainable parameter's gradient at each optimizer step (complete, all-reduced)."""
+    """A callback: every trainable parameter's gradient at each optimizer step (complete, all-reduced), of the policy
+    and of any other trained ``modules`` (PPO's critic)."""
 
-    def __init__(self, model):
-        self.model, self.steps = model, []
+    def __init__(self, model, **modules):
+        self.modules, self.steps = {"": model, **modules}, []
 
     def __getattr__(self, name):  # every other callback event: nothing
         if name.startswith("on_"):
@@ -380,10 +379,19 @@ class _Gradients:
         raise AttributeError(name)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+        self.steps.append(
+            {
+                f"{prefix}{n}": p.grad.detach().clone()
+                for prefix, module in self.modules.items()
+                for n, p in module.named_parameters()
+                if p.grad is not None
+            }
+        )
 
 
-def train_gradients(model_dir, output_dir, budget, trainer_class=RaggedTrainer, setup=None, **overrides):
+def train_gradients(
+    model_dir, output_dir, budget, trainer_class=RaggedTrainer, setup=None, config_class=TrinityConfig, **overrides
+):
     """``setup(trainer)``, then two optimizer steps of 4 micro-batches of 4 rows (one generation batch, each
     micro-batch used twice: ``num_iterations=2``, so the second step trains off-policy), a float64 model, KL and
     entropy terms. Returns the gradients of each step and the trainer."""
@@ -400,14 +408,12 @@ def train_gradients(model_dir, output_dir, budget, trainer_class=RaggedTrainer, 
         prefix_packing_token_budget=budget,
         max_steps=2,
     )
+    trainer_kwargs = {"reward_funcs": length_reward, "train_dataset": conversational_dataset()}
+    trainer_kwargs.update(overrides.pop("trainer_kwargs", {}))
     kwargs.update(overrides)
-    trainer = trainer_class(
-        model=model_dir,
-        reward_funcs=length_reward,
-        args=TrinityConfig(**kwargs),
-        train_dataset=conversational_dataset(),
-    )
-    recorder = _Gradients(trainer.model)
+    trainer = trainer_class(model=model_dir, args=config_class(**kwargs), **trainer_kwargs)
+    critic = getattr(trainer, "critic", None)
+    recorder = _Gradients(trainer.model, **({} if critic is None else {"critic.": critic}))
     trainer.add_callback(recorder)
     if setup is not None:
         setup(trainer)
@@ -521,6 +527,41 @@ def test_when_packing_declines_the_merged_forward_each_micro_batch_runs_alone(tm
     assert_same_gradients(merged, unmerged)
 
 
+def _ppo_and_step_grpo():
+    from trinity_trl.rollouts import CalculatorEnv, calculator_dataset
+    from trinity_trl.trainers import PPOConfig, PPOTrainer, StepGRPOConfig, StepGRPOTrainer
+
+    return {
+        "ppo": {"trainer_class": PPOTrainer, "config_class": PPOConfig},
+        "step_grpo": {
+            "trainer_class": StepGRPOTrainer,
+            "config_class": StepGRPOConfig,
+            "max_env_steps": 3,
+            "trainer_kwargs": {
+                "reward_funcs": None,
+                "train_dataset": calculator_dataset(16),
+                "environment_factory": CalculatorEnv,
+            },
+        },
+    }
+
+
+@pytest.mark.parametrize("name", ["ppo", "step_grpo"])
+def test_ppo_and_step_grpo_gradients_equal_the_unmerged_micro_batches(tmp_path, tiny_model_dir, name):
+    """PPOTrainer (the policy's forwards shared, the critic's value loss per micro-batch: policy and critic gradients)
+    and StepGRPOTrainer (rows of several turns, samples per step; the random model's turns share little within a
+    micro-batch, so a budget of one micro-batch's padded tokens merges nothing: a larger one)."""
+    setup = _ppo_and_step_grpo()[name]
+    budget = None if name == "ppo" else 100_000
+    merged, trainer = train_gradients(tiny_model_dir, tmp_path / "merged", budget, **dict(setup))
+    unmerged, _ = train_gradients(tiny_model_dir, tmp_path / "unmerged", 0, **dict(setup))
+    forwards = [e["packing/forwards_per_step"] for e in trainer.state.log_history if "packing/forwards_per_step" in e]
+    assert forwards and max(forwards) < 4.0
+    if name == "ppo":
+        assert any(k.startswith("critic.") for k in merged[0])
+    assert_same_gradients(merged, unmerged)
+
+
 def test_chord_keeps_one_forward_per_micro_batch(tmp_path, tiny_model_dir, caplog):
     expert = Dataset.from_dict(
         {
@@ -578,9 +619,9 @@ def test_two_processes_all_reduce_once_per_step_with_the_unmerged_gradients(tmp_
             assert set(got["all_reduce_steps"]) == set(off["all_reduce_steps"]) == {3}, case
             assert_same_gradients(got["gradients"], off["gradients"])
         assert results["declined"]["forwards"] == [4.0, 4.0]
-    # rank 0 forwards each step in one, rank 1 (the default budget) in more, but fewer than its 4 micro-batches
+    # rank 0 (the default budget) forwards each step's 4 micro-batches in fewer forwards, rank 1 (one token) in 4
     forwards = [torch.load(tmp_path / f"rank{r}.pt")["merged"]["forwards"] for r in (0, 1)]
-    assert forwards[0] == [1.0, 1.0] and 1.0 < max(forwards[1]) < 4.0, forwards
+    assert max(forwards[0]) < 4.0 and forwards[1] == [4.0, 4.0], forwards
     a, b = (torch.load(tmp_path / f"rank{r}.pt")["merged"]["gradients"] for r in (0, 1))
     for step_a, step_b in zip(a, b, strict=True):
         for name in step_a:

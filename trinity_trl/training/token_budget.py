@@ -13,10 +13,10 @@ window is already in TRL's buffer, so the window is planned then, from their tok
 
 **Plan.** Consecutive micro-batches are grouped greedily into *bins*: a micro-batch joins the open bin while the bin's
 packed tokens stay within the budget (and within ``prefix_packing_max_token_ratio`` of its padded tokens, as packing
-itself requires); else it opens the next bin. The packed tokens of a bin are bounded from above without building its
-prefix tree: each distinct prompt of the bin once, plus every row's completion tokens, rounded up to the kernel's block
-(`bin_tokens`); the tree shares at least that, so a bin's forward never holds more than the budget. A micro-batch
-over the budget on its own is a bin of its own and runs as it would without a budget (never dropped, never split).
+itself requires); else it opens the next bin. The packed tokens of a bin are counted exactly without building its
+prefix tree (`WindowTokens`: the window's distinct rows sorted once, a tree's size read from neighbours' common
+prefixes), rounded up to the kernel's block, so a bin's forward holds at most the budget. A micro-batch over the
+budget on its own is a bin of its own and runs as it would without a budget (never dropped, never split).
 
 **Run.** A bin runs at the ``training_step`` of its last member; the window's last bin ends on the window's last
 micro-batch, so the optimizer step's synchronising micro-batch (DDP's gradient all-reduce) is always the last one of a
@@ -90,72 +90,93 @@ def resolve_token_budget(
 
 # ---------------------------------------------------------------------------------------------------------- plan
 @dataclass(frozen=True)
-class MicroBatchTokens:
-    """What the plan needs of one micro-batch: ``prompts`` maps each distinct prompt of its rows (a key shared by
-    identical prompts across the window) to its tokens; ``completion_tokens`` the tokens of every row's completion;
-    ``padded_tokens`` its rows times its padded width (what TRL forwards)."""
+class WindowTokens:
+    """The packed tokens of any set of a window's micro-batches, exactly, without building a prefix tree.
 
-    prompts: dict[int, int]
-    completion_tokens: int
-    padded_tokens: int
+    A prefix tree over a set of token sequences holds ``sum of their lengths - sum of the common prefixes of
+    neighbours in lexicographic order`` tokens (each sequence adds what it does not share with the one before it);
+    for a subset, the common prefix of two neighbours is the smallest common prefix between them in the order of the
+    whole set. So the window's distinct rows are sorted once (`of`) and any union of micro-batches is counted on the
+    host (`packed_tokens`): the tokens of the packed row `trinity_trl.packing.pack_rows` builds, before the kernel's
+    block padding.
 
+    Attributes:
+        rows: per micro-batch, the sorted positions of its rows among the window's distinct rows.
+        lengths: per distinct row (lexicographic order), its tokens.
+        shared: per distinct row, the tokens it shares with the one before it (0 for the first).
+        padded: per micro-batch, its rows times its padded width (what TRL forwards).
+    """
 
-def bin_tokens(members: Sequence[MicroBatchTokens], pad: Callable[[int], int] = lambda n: n) -> int:
-    """An upper bound of the packed tokens of ``members`` forwarded together: each distinct prompt once plus every
-    completion token (a prefix tree shares at least the rows' common prompts), ``pad``-ded to the kernel's block."""
-    prompts: dict[int, int] = {}
-    for m in members:
-        prompts.update(m.prompts)
-    return pad(sum(prompts.values()) + sum(m.completion_tokens for m in members))
+    rows: list[list[int]]
+    lengths: list[int]
+    shared: list[int]
+    padded: list[int]
+
+    @classmethod
+    def of(cls, micro_batches: Sequence[dict[str, Any]]) -> WindowTokens:
+        """The window of ``micro_batches`` (TRL's dicts of one generation batch, equal widths; ``prompt_*`` then
+        ``completion_*`` are a row's tokens where its masks are 1), with one host synchronisation."""
+        ids = torch.cat([torch.cat([b["prompt_ids"], b["completion_ids"]], 1) for b in micro_batches])
+        mask = torch.cat([torch.cat([b["prompt_mask"], b["completion_mask"]], 1) for b in micro_batches]) != 0
+        width = ids.shape[1]
+        # each row's tokens from its first one on (one contiguous run: `pack_rows` requires it), then -1
+        first, count = mask.to(torch.int32).argmax(1), mask.sum(1)
+        columns = torch.arange(width, device=ids.device)
+        aligned = ids.gather(1, (first[:, None] + columns).clamp(max=width - 1))
+        aligned = aligned.masked_fill(columns >= count[:, None], -1)
+        distinct, inverse = torch.unique(aligned, dim=0, return_inverse=True)  # sorted: -1 below every token
+        lengths = (distinct >= 0).sum(1)
+        same = (distinct[1:] == distinct[:-1]) & (distinct[:-1] >= 0)
+        shared = torch.cat([lengths.new_zeros(1), same.to(torch.int64).cumprod(1).sum(1)])
+        host = torch.cat([inverse, lengths, shared]).tolist()
+        n, d = inverse.numel(), distinct.shape[0]
+        inverse_h, lengths_h, shared_h = host[:n], host[n : n + d], host[n + d :]
+        rows, start = [], 0
+        for b in micro_batches:
+            stop = start + b["prompt_ids"].shape[0]
+            rows.append(sorted(set(inverse_h[start:stop])))
+            start = stop
+        padded = [b["prompt_ids"].shape[0] * width for b in micro_batches]
+        return cls(rows, lengths_h, shared_h, padded)
+
+    def packed_tokens(self, members: Sequence[int]) -> int:
+        """The tokens of the prefix tree of micro-batches ``members`` forwarded together."""
+        chosen = sorted({r for m in members for r in self.rows[m]})
+        total, previous = 0, None
+        for r in chosen:
+            common = 0
+            if previous is not None:  # the smallest common prefix between the neighbours previous .. r
+                common = min(self.shared[previous + 1 : r + 1])
+            total += self.lengths[r] - common
+            previous = r
+        return total
 
 
 def plan_bins(
-    members: Sequence[MicroBatchTokens],
+    window: WindowTokens,
     budget: int,
     max_token_ratio: float = 1.0,
     pad: Callable[[int], int] = lambda n: n,
 ) -> list[int]:
-    """Sizes of the consecutive bins ``members`` are forwarded in (they sum to ``len(members)``).
+    """Sizes of the consecutive bins the window's micro-batches are forwarded in (they sum to their number).
 
-    Greedy, which gives the fewest consecutive bins: a member joins the open bin while the bin's `bin_tokens` stay
-    at most ``budget`` and at most ``max_token_ratio`` of its padded tokens (packing's own condition); a member that
-    fits in no bin with another is a bin of its own."""
+    Greedy, which gives the fewest consecutive bins: a micro-batch joins the open bin while the bin's packed tokens
+    (``pad``-ded to the kernel's block) stay at most ``budget`` and at most ``max_token_ratio`` of its padded tokens
+    (packing's own condition); a micro-batch that fits in no bin with another is a bin of its own."""
+    count = len(window.rows)
     sizes: list[int] = []
     start = 0
-    for end in range(1, len(members) + 1):
+    for end in range(2, count + 1):
         if end - start == 1:
-            continue  # a bin holds at least its first member
-        candidate = members[start:end]
-        tokens = bin_tokens(candidate, pad)
-        if tokens > budget or tokens > max_token_ratio * sum(m.padded_tokens for m in candidate):
+            continue  # a bin holds at least its first micro-batch
+        members = range(start, end)
+        tokens = pad(window.packed_tokens(members))
+        if tokens > budget or tokens > max_token_ratio * sum(window.padded[m] for m in members):
             sizes.append(end - 1 - start)
             start = end - 1
-    if start < len(members):
-        sizes.append(len(members) - start)
+    if start < count:
+        sizes.append(count - start)
     return sizes
-
-
-def micro_batch_tokens(micro_batches: Sequence[dict[str, Any]]) -> list[MicroBatchTokens]:
-    """`MicroBatchTokens` of each micro-batch (TRL's dicts with ``prompt_ids``, ``prompt_mask``, ``completion_mask``
-    of one generation batch: equal widths), with one host synchronisation for all of them."""
-    prompts = torch.cat([b["prompt_ids"].masked_fill(b["prompt_mask"] == 0, -1) for b in micro_batches])
-    _, key = torch.unique(prompts, dim=0, return_inverse=True)
-    prompt_len = torch.cat([b["prompt_mask"].sum(1) for b in micro_batches])
-    completion_len = torch.cat([b["completion_mask"].sum(1) for b in micro_batches])
-    keys, prompt_lens, completion_lens = torch.stack([key, prompt_len, completion_len]).tolist()
-    out, row = [], 0
-    for b in micro_batches:
-        rows = b["prompt_ids"].shape[0]
-        span = range(row, row + rows)
-        out.append(
-            MicroBatchTokens(
-                prompts={keys[r]: prompt_lens[r] for r in span},
-                completion_tokens=sum(completion_lens[r] for r in span),
-                padded_tokens=rows * (b["prompt_ids"].shape[1] + b["completion_mask"].shape[1]),
-            )
-        )
-        row += rows
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------- run
@@ -270,7 +291,7 @@ class TokenBudget:
             return _Window(members, set(range(1, count + 1)))
         budget = self.budget if self.budget is not None else members[0]["prompt_ids"].shape[0] * _width(members[0])
         budget = min(budget, self._cap(model, members[0]))
-        sizes = plan_bins(micro_batch_tokens(members), budget, self._packing.max_token_ratio, pad)
+        sizes = plan_bins(WindowTokens.of(members), budget, self._packing.max_token_ratio, pad)
         ends, total = set(), 0
         for size in sizes:
             total += size

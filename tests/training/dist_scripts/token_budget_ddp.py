@@ -3,8 +3,8 @@
 
 Each rank trains two optimizer steps of 4 micro-batches (its own generation batch) three times:
 
-* `merged`: micro-batches share packed forwards, rank 0 with a budget holding the whole step (one forward per step),
-  rank 1 with the default (more forwards): the ranks run different numbers of forwards;
+* `merged`: rank 0 with the default budget (its micro-batches share packed forwards), rank 1 with a budget of one
+  token (each micro-batch its own forward): the ranks run different numbers of forwards;
 * `declined`: a budget holding the whole step, every merged forward declined by packing, so the 4 members run alone
   in the step's last `training_step`, the first 3 under `no_sync`;
 * `off`: no budget.
@@ -57,7 +57,7 @@ def main(model_dir: str, out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for case, budget, trainer_class in (
-        ("merged", 100_000 if rank == 0 else None, RaggedTrainer),
+        ("merged", None if rank == 0 else 1, RaggedTrainer),
         ("declined", 100_000, DecliningTrainer),  # one bin of 4, each member alone in the synchronising step
         ("off", 0, RaggedTrainer),
     ):
