@@ -136,7 +136,8 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
             batch) are forwarded in as few packed forwards as the budget allows, with the gradient of the unmerged
             micro-batches (each normalised as alone). `None`: the tokens of TRL's padded micro-batch
             (`per_device_train_batch_size` rows times the padded width); `0`: off, one forward per micro-batch.
-            Refused under DeepSpeed, FSDP and with CHORD's expert rows (docs/prefix-packing.md#token-budget).
+            Under DeepSpeed, FSDP and with CHORD's expert rows the default is off (one log line) and a set budget
+            is an error (docs/prefix-packing.md#token-budget).
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a component value's arguments combine with the component's `default_args()`: `"merge"` lays
             your keys over the defaults (so `policy_loss={"clip_range_high": 0.28}` keeps `clip_range=0.2`);

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from .generation import FORWARD_KEYS
+
 logger = logging.getLogger("trinity_trl")
 
 #: the engines under which merged forwards are not shown exact (`resolve_token_budget`)
@@ -303,8 +305,6 @@ class TokenBudget:
         packing = self._packing
         if not packing.enabled or self._aux_loss or packing.model_reason(model) is not None:
             return None
-        from .generation import FORWARD_KEYS
-
         if any(m.get(k) is not None for m in members for k in FORWARD_KEYS):  # multimodal rows: packing declines
             return None
         if any(k not in m for m in members for k in ROW_KEYS) or len({_width(m) for m in members}) != 1:
