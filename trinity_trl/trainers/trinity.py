@@ -144,8 +144,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
             forward=lambda model, ids, mask, keep, batch_size: self._get_per_token_logps_and_entropies(
                 model, ids, mask, keep, batch_size, self.components.entropy_loss.enabled, packed_only=True
             ),
-            backward=self.accelerator.backward,
-            no_sync=self.accelerator.no_sync,
+            backward=lambda loss: self.accelerator.backward(loss),  # looked up at call time (benchmarks wrap it)
+            no_sync=lambda model: self.accelerator.no_sync(model),
             metrics=lambda metrics: append_metrics(self._metrics["train"], metrics),
             aux_loss=self.aux_loss_enabled,
         )
