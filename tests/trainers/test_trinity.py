@@ -241,6 +241,7 @@ def test_gradient_accumulation_averages_the_micro_batch_losses(tmp_path, tiny_mo
             steps_per_generation=2,
             max_steps=1,
             max_grad_norm=0.0,
+            prefix_packing_token_budget=0,  # a loss per micro-batch (merged: tests/training/test_token_budget.py)
         ),
     )
     capture.trainer = trainer

@@ -130,6 +130,14 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
             `num_generations`). With `loss_normalization="global"` and whole generation batches per optimizer
             step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
             shuffle (one log line).
+        prefix_packing_token_budget (`int` or `None`, *optional*, defaults to `None`):
+            Token budget of the packed training forwards, in forwarded packed tokens per forward. The micro-batches
+            of one optimizer step (gradient accumulation, `steps_per_generation` above 1; within one generation
+            batch) are forwarded in as few packed forwards as the budget allows, with the gradient of the unmerged
+            micro-batches (each normalised as alone). `None`: the tokens of TRL's padded micro-batch
+            (`per_device_train_batch_size` rows times the padded width); `0`: off, one forward per micro-batch.
+            Under DeepSpeed, FSDP and with CHORD's expert rows the default is off (one log line) and a set budget
+            is an error (docs/prefix-packing.md#token-budget).
         component_args_mode (`str`, *optional*, defaults to `"merge"`):
             How a component value's arguments combine with the component's `default_args()`: `"merge"` lays
             your keys over the defaults (so `policy_loss={"clip_range_high": 0.28}` keeps `clip_range=0.2`);
@@ -216,6 +224,16 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
         metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
     )
 
+    # token-budget micro-batches (training/token_budget.py)
+    prefix_packing_token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of packed training forwards, in forwarded packed tokens per forward: the micro-"
+            "batches of an optimizer step share as few packed forwards as it allows (same gradient). None: the "
+            "tokens of TRL's padded micro-batch (per_device_train_batch_size x padded width); 0: off."
+        },
+    )
+
     torch_threads: int | None = torch_threads_field()
 
     def __post_init__(self):
@@ -239,6 +257,7 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
             raise ValueError(
                 f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
             )
+        _check_token_budget(self.prefix_packing_token_budget, self.prefix_packing)
         if self.component_args_mode not in ARGS_MODES:
             raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
         ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
@@ -339,6 +358,13 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
             entropy_loss=self._chosen("entropy_loss", implied),
             loss_agg_mode=self.loss_agg_mode,
         )
+
+
+def _check_token_budget(budget: int | None, prefix_packing: bool) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"prefix_packing_token_budget must be None, 0 (off) or a number of tokens, got {budget!r}")
+    if budget and not prefix_packing:
+        raise ValueError(f"prefix_packing_token_budget={budget} has no effect with prefix_packing=False")
 
 
 def preset_component(algorithm: str, name: str) -> Component:

@@ -33,10 +33,12 @@ from ..packing.groups import whole_groups
 from ..packing.selection import gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
+from ..training.engines import engine_of
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
 from ..training.scoring import Scoring
+from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
 from ..training.trl_seams import (
     bind_trl_arguments,
     captured_return,
@@ -130,6 +132,23 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
             gather=gather_objects if self.accelerator.num_processes > 1 else None,
         )
         self.add_callback(_PackingVerdicts(self.prefix_packing))
+        self.token_budget = TokenBudget(  # prefix_packing_token_budget (training/token_budget.py)
+            resolve_token_budget(
+                args.prefix_packing_token_budget,
+                type(self).__name__,
+                engine_of(self.accelerator),
+                self.supports_expert_rows,
+                args.prefix_packing,
+            ),
+            self.prefix_packing,
+            forward=lambda model, ids, mask, keep, batch_size: self._get_per_token_logps_and_entropies(
+                model, ids, mask, keep, batch_size, self.components.entropy_loss.enabled, packed_only=True
+            ),
+            backward=lambda loss: self.accelerator.backward(loss),  # looked up at call time (benchmarks wrap it)
+            no_sync=lambda model: self.accelerator.no_sync(model),
+            metrics=lambda metrics: append_metrics(self._metrics["train"], metrics),
+            aux_loss=self.aux_loss_enabled,
+        )
         self.loss_normalizer = LossNormalizer(
             args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
         )
@@ -314,17 +333,25 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         batch_size=None,
         compute_entropy=False,
         compute_aux_loss=False,
+        *,
+        packed_only=False,
         **multimodal,
     ):
         """Every log-prob forward passes here: ours (training, behaviour, reference, teacher) and TRL's own
         old/reference passes. It runs the prefix-shared packed layout (`trinity_trl.packing`) where that applies,
-        else TRL's padded forward; both return TRL's ``(logps, entropies, aux_loss)``."""
+        else TRL's padded forward (``packed_only``: returns ``None`` instead, for a merged forward of several
+        micro-batches, `trinity_trl.training.token_budget`); both return TRL's ``(logps, entropies, aux_loss)``."""
         packed = self.prefix_packing.logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, multimodal
         )
         mode = "train" if self.model.training else "eval"
+        if packed is None and packed_only:
+            return None
+        # a training forward (with a backward): the tokens it forwards (token budget, docs/prefix-packing.md)
+        tokens = {"packing/tokens_per_forward": input_ids.numel() if packed is None else packed.forwarded}
+        training = {} if mode != "train" or not torch.is_grad_enabled() else tokens
         if packed is None:
-            append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": 1.0})
+            append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": 1.0, **training})
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -335,15 +362,35 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
                 compute_aux_loss,
                 **multimodal,
             )
-        append_metrics(self._metrics[mode], {"packing/forwarded_token_ratio": packed.forwarded / packed.padded})
+        append_metrics(
+            self._metrics[mode], {"packing/forwarded_token_ratio": packed.forwarded / packed.padded, **training}
+        )
         return packed.logps, packed.entropies, None
 
     # ------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
+        if self.model.training and self.token_budget.enabled:  # micro-batches merged into packed forwards
+            return self.token_budget.loss(model, inputs, self._micro_step(), self._micro_batch_loss)
+        return self._micro_batch_loss(model, inputs)
+
+    def _micro_step(self) -> MicroStep:
+        """Where this ``training_step`` stands in transformers' and TRL's loops (the token budget's window)."""
+        buffered = self._buffered_inputs
+        return MicroStep(
+            self.state.global_step,
+            getattr(self, "current_gradient_accumulation_steps", 1),
+            self.accelerator.sync_gradients,
+            buffered,
+            self._step % len(buffered) if buffered else 0,
+        )
+
+    def _micro_batch_loss(self, model, inputs, forward=None):
+        """The loss of one micro-batch, normalised as the micro-batch alone. ``forward``: its rows' ``(logps,
+        entropies, aux_loss)`` from a forward of several micro-batches (token budget); ``None``: its own forward."""
         mode = "train" if self.model.training else "eval"
         components = self.components
         batch = LossBatch.from_trl(inputs)  # TRL's dict stops here: the loss reads typed fields
-        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+        logps, entropies, aux_loss = forward or self._get_per_token_logps_and_entropies(
             model,
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
