@@ -262,7 +262,8 @@ def _cache_keyword(model) -> str:
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    called = getattr(base, "forward", base)  # a module's forward, or any callable standing in for a model
+    return "cache" if "cache" in inspect.signature(called).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
