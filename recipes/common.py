@@ -20,6 +20,10 @@ from trinity_trl.data.arithmetic import arithmetic_reward, evaluate_accuracy, ex
 from trinity_trl.data.model import BUNDLED
 
 BUNDLED_TASK = "arithmetic"
+#: ``logging_steps`` of a run from the command line unless the config or the command line sets it
+CLI_LOGGING_STEPS = 1
+#: what the held-out evaluation scores (``eval_metric``)
+EVAL_METRICS = ("auto", "reward", "accuracy")
 
 
 class UsageError(ValueError):
@@ -38,8 +42,17 @@ class RecipeArguments:
         metadata={
             "help": "'arithmetic' (bundled word problems); a Hub id; a folder of data files (train.jsonl, "
             "test.jsonl; also .json, .csv, .parquet); or one such file (its rows are the train split). Rows: "
-            "'prompt' (text or chat messages) + 'answer', or GSM8K's 'question' + 'answer' ('... #### 42'). "
-            "In Python also a datasets.Dataset or DatasetDict."
+            "'prompt' (text or chat messages), plus the columns the reward functions take (the built-in ones: "
+            "'answer'); or GSM8K's 'question' + 'answer' ('... #### 42', see dataset_layout). In Python also a "
+            "datasets.Dataset or DatasetDict."
+        },
+    )
+    dataset_layout: str = field(
+        default="auto",
+        metadata={
+            "help": "How rows become prompts: 'auto' (a 'prompt' column as it is; GSM8K's 'question' + 'answer', "
+            "every answer ending '#### <number>', with an arithmetic answer-format instruction added, said in one "
+            "line), 'prompt' (a 'prompt' column, never a guess) or 'gsm8k' (always GSM8K's)."
         },
     )
     expert_dataset_name: str | None = field(
@@ -91,8 +104,17 @@ class RecipeArguments:
     eval_accuracy: bool = field(
         default=False,
         metadata={
-            "help": "Measure greedy held-out accuracy before and after training: the exact final-answer check "
-            "against the 'answer' column, whatever reward_funcs trains with (the log line says which)."
+            "help": "Evaluate greedy completions of the held-out split before and after training, scored as "
+            "eval_metric says (the log line and the model card say what was measured)."
+        },
+    )
+    eval_metric: str = field(
+        default="auto",
+        metadata={
+            "help": "What the held-out evaluation scores: 'reward' (the training reward functions: mean reward, and "
+            "the share of answers at the reward's maximum where the function declares one, `fn.max_reward = 1.0`), "
+            "'accuracy' (the bundled exact final-answer check against the 'answer' column) or 'auto' (accuracy on "
+            "the bundled 'arithmetic' task, reward otherwise)."
         },
     )
     eval_batch_size: int = field(default=32, metadata={"help": "Batch size of the accuracy evaluation."})
@@ -108,6 +130,9 @@ class RecipeArguments:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.reward_funcs:
             raise UsageError("reward_funcs must name at least one reward function")
+        for name, allowed in (("dataset_layout", DATASET_LAYOUTS), ("eval_metric", EVAL_METRICS)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
 def run_as_script(main: Callable) -> None:
@@ -152,8 +177,14 @@ def parse(
     from trinity_trl.recipes import config_path
 
     argv = resolve_config_argument(list(sys.argv[1:] if argv is None else argv), config_path)
+    print_config = "--print_config" in argv
+    argv = [a for a in argv if a != "--print_config"]
     config_file = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     yaml_values = read_config(config_file) if config_file else {}
+    if "logging_steps" not in yaml_values and _option_from_argv(argv, "logging_steps") is None:
+        # a run from the command line shows every step (TRL's default, 10, leaves a short run without a step line)
+        if any(f.name == "logging_steps" for cls in config_classes for f in fields(cls)):
+            argv = [*argv, "--logging_steps", str(CLI_LOGGING_STEPS)]
     check_gpu_config(config_file, argv)
     argv = import_argument(argv, yaml_values, config_file)
     argv = component_arguments(argv, config_classes, yaml_values)
@@ -208,7 +239,60 @@ def parse(
         for config in parsed:
             if hasattr(config, "output_dir"):
                 config.output_dir = default_output_dir(recipe, config_file, argv)
+    if print_config:
+        print(shown_config(parsed, recipe))
+        raise SystemExit(0)
     return tuple(parsed)
+
+
+def shown_config(parsed: list, recipe: str) -> str:
+    """``--print_config``: the recipe's arguments, then what the trainer config trains with
+    (`trinity_trl.trainers.config.shown_settings`: the preset, each component as it is built with every argument,
+    the aggregation, this package's options that are set, and the TRL fields that differ from TRL's defaults), as
+    YAML (each value in JSON's flow style, which YAML reads)."""
+    from trinity_trl.trainers.config import ShowsWhatTrains, shown_settings
+
+    lines = [f"# trinity-trl {recipe} --print_config: what this run trains with (nothing was loaded or trained)"]
+    for config in parsed:
+        if isinstance(config, ShowsWhatTrains):
+            lines.append(
+                f"# {type(config).__name__}: the preset, each component as it is built, loss_agg_mode, the options "
+                "set, and the TRL fields that differ from TRL's defaults"
+            )
+            values = shown_settings(config)
+        else:
+            lines.append(f"# {type(config).__name__}")
+            values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+        lines += [f"{name}: {_flow_value(value)}" for name, value in values.items()]
+    return "\n".join(lines)
+
+
+def _flow_value(value: Any) -> str:
+    """``value`` in YAML's flow style, read back as the same value: a `Component` as its mapping (its name alone
+    without arguments), an enum as its value, strings quoted as JSON does, floats always with a fraction or an
+    exponent YAML reads as a float (``1.0e-06``; JSON's ``1e-06`` would be read back as a string)."""
+    from enum import Enum
+
+    from trinity_trl.algorithms.component import Component
+
+    if isinstance(value, Component):
+        return _flow_value(value.to_dict() if value.args else value.name)
+    if isinstance(value, Enum):
+        return _flow_value(value.value)
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}[repr(value)]
+        text = repr(value)
+        return text.replace("e", ".0e") if "e" in text and "." not in text else text
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_flow_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_flow_value(v) for v in value) + "]"
+    return json.dumps(value if isinstance(value, str) else str(value))
 
 
 def refuse_removed_options(config_classes: tuple, keys: list[str]) -> None:
@@ -425,6 +509,8 @@ def recipe_help(config_classes: tuple, recipe: str, description: str = "") -> st
     lines += [
         "  --config FILE|NAME    a YAML file, or a bundled config name (trinity-trl configs lists them);",
         "                        command-line options override its values",
+        "  --print_config        print what the run trains with (each component as it is built, the options",
+        "                        set, TRL's fields that differ from its defaults) and exit",
     ]
     hidden = 0
     for cls in config_classes:
@@ -472,6 +558,7 @@ class Task:
     train: Any
     test: Any
     expert: Any  # prompt + completion; None when the dataset has no reference solutions
+    name: str = BUNDLED_TASK  # how messages and the model card name the data
 
 
 def _take(dataset, n: int):
@@ -496,21 +583,46 @@ def _gsm8k_row(row: dict) -> dict:
 
 
 PROMPT_LAYOUTS = "'prompt' (text or chat messages) + 'answer', or GSM8K's 'question' + 'answer'"
+#: how a dataset's columns become prompts (``dataset_layout``)
+DATASET_LAYOUTS = ("auto", "prompt", "gsm8k")
+GSM8K_MARK = "####"
 
 
-def to_task_format(dataset, name: str = "dataset", needs_answer: bool = True):
-    """Rows with ``prompt`` (and ``answer``, ``solution`` when known) from the supported layouts, checked: not
-    empty, prompts as text or conversations, and an ``answer`` column when ``needs_answer``."""
-    from trinity_trl.data.loading import check_columns, check_prompts, check_split
+def detect_layout(dataset, name: str, layout: str = "auto") -> str:
+    """``"prompt"`` (rows with a ``prompt`` column, used as they are) or ``"gsm8k"`` (GSM8K's ``question`` +
+    ``answer``, whose answers end ``#### <number>``), as ``layout`` asks. ``"auto"`` reads a ``prompt`` column as it
+    is, and GSM8K's layout only where every answer holds ``####``: a ``question`` + ``answer`` file of another task
+    is a :class:`UsageError` saying how to name its columns, never a silent arithmetic instruction on its prompts."""
+    from trinity_trl.data.loading import check_columns
+
+    columns = set(dataset.column_names)
+    if layout == "gsm8k" or (layout == "auto" and "prompt" not in columns and {"question", "answer"} <= columns):
+        check_columns(dataset, ["question", "answer"], name, "GSM8K's 'question' + 'answer' (dataset_layout gsm8k)")
+        if layout == "gsm8k":
+            return "gsm8k"
+        plain = next((i for i, a in enumerate(dataset["answer"]) if GSM8K_MARK not in str(a)), None)
+        if plain is None:
+            return "gsm8k"
+        raise UsageError(
+            f"{name} has 'question' + 'answer' columns but no 'prompt', and its answers are not GSM8K's "
+            f"('... {GSM8K_MARK} 42'; row {plain}: {str(dataset[plain]['answer'])[:40]!r}): rename 'question' to "
+            "'prompt' (text or chat messages), or pass --dataset_layout gsm8k to read it as GSM8K (an arithmetic "
+            "answer-format instruction added to each question)"
+        )
+    check_columns(dataset, ["prompt"], name, PROMPT_LAYOUTS)
+    return "prompt"
+
+
+def to_task_format(dataset, name: str = "dataset", needs_answer: bool = True, layout: str = "auto"):
+    """Rows with ``prompt`` (and ``answer``, ``solution`` when known) in the layout `detect_layout` finds (or
+    ``layout`` names), checked: not empty, prompts as text or conversations, and an ``answer`` column when
+    ``needs_answer``."""
+    from trinity_trl.data.loading import check_prompts, check_split
 
     check_split(dataset, name)
-    columns = set(dataset.column_names)
-    if "prompt" in columns:
-        return check_prompts(dataset, name, required=("answer",) if needs_answer else ())
-    if {"question", "answer"} <= columns:
+    if detect_layout(dataset, name, layout) == "gsm8k":
         return dataset.map(_gsm8k_row, remove_columns=dataset.column_names)
-    check_columns(dataset, ["prompt"], name, PROMPT_LAYOUTS)
-    return dataset
+    return check_prompts(dataset, name, required=("answer",) if needs_answer else ())
 
 
 def expert_from(dataset):
@@ -580,11 +692,22 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
     loaded = load_splits(args.dataset_name, args.dataset_config)
     rewarded_by_answer = rewarded and any(reward in REWARDS for reward in args.reward_funcs)
     train_split = _split(loaded, args.dataset_train_split, name, "dataset_train_split")
-    train = to_task_format(train_split, f"{name}[{args.dataset_train_split}]", rewarded_by_answer)
+    train_name = f"{name}[{args.dataset_train_split}]"
+    layout = detect_layout(train_split, train_name, args.dataset_layout)
+    if layout == "gsm8k" and args.dataset_layout == "auto":
+        print(
+            f"[trinity-trl] {name}: 'question' + 'answer' rows with '{GSM8K_MARK}' answers read as GSM8K (an "
+            f"arithmetic answer-format instruction added to each question, the answer after '{GSM8K_MARK}'); "
+            "--dataset_layout prompt reads a 'prompt' column instead",
+            flush=True,
+        )
+    train = to_task_format(train_split, train_name, rewarded_by_answer, layout)
     test = None
+    by_answer = evaluation_metric(args) == "accuracy"
     if args.dataset_test_split in loaded:
+        test_name = f"{name}[{args.dataset_test_split}]"
         test = _take(
-            to_task_format(loaded[args.dataset_test_split], f"{name}[{args.dataset_test_split}]", args.eval_accuracy),
+            to_task_format(loaded[args.dataset_test_split], test_name, args.eval_accuracy and by_answer, layout),
             args.num_eval_rows,
         )
     elif args.eval_accuracy:
@@ -598,7 +721,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         )
         raise UsageError(f"eval_accuracy needs a held-out split {args.dataset_test_split!r}; {advice}")
     if with_expert and args.expert_dataset_name is not None:
-        return Task(train=_take(train, args.num_train_rows), test=test, expert=_expert_dataset(args))
+        return Task(train=_take(train, args.num_train_rows), test=test, expert=_expert_dataset(args), name=name)
     expert = expert_from(train) if with_expert else None
     if with_expert and expert is None:
         raise UsageError(
@@ -612,7 +735,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
         expert = expert.select(range(len(expert) - count, len(expert)))
         train = train.select(range(len(train) - count))
-    return Task(train=_take(train, args.num_train_rows), test=test, expert=expert)
+    return Task(train=_take(train, args.num_train_rows), test=test, expert=expert, name=name)
 
 
 def _expert_dataset(args: RecipeArguments):
@@ -647,6 +770,8 @@ def math_verify_reward(completions: list, answer: list, **kwargs) -> list[float]
     return scores
 
 
+math_verify_reward.max_reward = 1.0  # the held-out evaluation's success share: rows where the answer verifies
+
 REWARDS: dict[str, Callable] = {"accuracy": arithmetic_reward, "math_verify": math_verify_reward}
 
 
@@ -670,9 +795,13 @@ def _reward_module(module: str):
         ) from None
 
 
-def reward_functions(names: list[str]) -> list[Callable]:
+def reward_functions(names: list[str], task: Task | None = None) -> list[Callable]:
     """Reward functions by name ('accuracy', 'math_verify') or import path: 'package.module:function', or
-    'file.py:function' (a file path, or a module file in the working folder)."""
+    'file.py:function' (a file path, or a module file in the working folder). With ``task``, each is checked against
+    the columns of its training (and held-out) rows (`trinity_trl.training.checks.check_reward_columns`), so a
+    parameter no column fills is a one-line error before the model loads."""
+    from trinity_trl.training.checks import check_reward_columns
+
     funcs = []
     for name in names:
         if name in REWARDS:
@@ -684,11 +813,37 @@ def reward_functions(names: list[str]) -> list[Callable]:
             except (ImportError, AttributeError) as err:
                 raise UsageError(f"cannot import reward function {name!r}: {err}") from err
         else:
-            raise UsageError(f"unknown reward function {name!r}; use one of {sorted(REWARDS)} or 'module:function'")
+            named = f"; name the function in it: '{name}:<function>'" if name.endswith(".py") else ""
+            raise UsageError(
+                f"unknown reward function {name!r}{named}; use one of {sorted(REWARDS)} or 'module:function'"
+            )
+    if task is not None:
+        check_reward_columns(funcs, task.train, f"{task.name} (training rows)")
+        check_reward_columns(funcs, task.test, f"{task.name} (held-out rows)")
     return funcs
 
 
+def check_models(args, training_args=None) -> None:
+    """Every model a recipe will load (``model_name_or_path``, ``teacher_model_name_or_path``, the config's
+    ``value_model_name_or_path``) checked before anything loads: a missing path, or a Hub id neither cached nor on a
+    Hub that answers in 3 s, is one line (`trinity_trl.training.checks.check_model_source`)."""
+    from trinity_trl.training.checks import check_model_source
+
+    for owner in (args, training_args):
+        for option in ("model_name_or_path", "teacher_model_name_or_path", "value_model_name_or_path"):
+            if getattr(owner, option, None) is not None:
+                check_model_source(getattr(owner, option), option)
+
+
 # --------------------------------------------------------------------------------------- evaluation
+def evaluation_metric(args: RecipeArguments) -> str:
+    """``"accuracy"`` or ``"reward"``: what the held-out evaluation scores (``eval_metric``; ``auto``: the exact
+    final-answer check on the bundled arithmetic task, the training reward functions on any other data)."""
+    if args.eval_metric != "auto":
+        return args.eval_metric
+    return "accuracy" if isinstance(args.dataset_name, str) and args.dataset_name == BUNDLED_TASK else "reward"
+
+
 def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> float:
     """Greedy held-out accuracy; each process scores its shard of the held-out rows and the counts are summed.
 
@@ -725,30 +880,189 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
 
 
 def evaluation_check(args: RecipeArguments) -> str:
-    """What the held-out evaluation scores, in words: always the greedy exact final-answer check against the
-    ``answer`` column, which is not the training reward when ``reward_funcs`` names others."""
+    """What the accuracy evaluation scores, in words: the greedy exact final-answer check against the ``answer``
+    column, which is not the training reward when ``reward_funcs`` names others."""
     check = "greedy, exact final-answer check against the 'answer' column"
     others = [name for name in args.reward_funcs if name != "accuracy"]
     return f"{check}, not the reward function{'s' if len(others) > 1 else ''} {', '.join(others)}" if others else check
 
 
-def train_and_evaluate(trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None) -> dict[str, Any]:
-    """Train, with greedy held-out accuracy before and after when ``args.eval_accuracy`` (then also a model-card
-    section); returns the run's summary for ``training_log.json``. Torch's thread count is the training config's
+def max_reward(func: Callable) -> float | None:
+    """The maximum a reward function declares (``func.max_reward = 1.0``), else ``None``."""
+    value = getattr(func, "max_reward", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def score_completions(funcs: list[Callable], rows: list[dict], completions: list, completion_ids: list, state=None):
+    """``(len(rows), len(funcs))`` float64 rewards of ``completions`` (NaN where a function returns ``None``): each
+    function called as TRL's GRPOTrainer calls a reward function, with ``prompts``, ``completions``,
+    ``completion_ids``, the rows' other columns, ``trainer_state`` and ``log_extra`` / ``log_metric`` (which log
+    nothing here); async functions are run to completion. Errors and malformed results are named by
+    `trinity_trl.training.checks.checked_reward_func`."""
+    import asyncio
+
+    import torch
+    from trl.trainer.utils import is_async_callable
+
+    from trinity_trl.training.checks import checked_reward_func
+
+    columns = {
+        key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+    }
+    kwargs = {
+        "prompts": [row["prompt"] for row in rows],
+        "completions": completions,
+        "completion_ids": completion_ids,
+        **columns,
+        "trainer_state": state,
+        "log_extra": lambda *a, **k: None,
+        "log_metric": lambda *a, **k: None,
+    }
+    scores = torch.full((len(rows), len(funcs)), float("nan"), dtype=torch.float64)
+    for j, func in enumerate(funcs):
+        checked = checked_reward_func(func, getattr(func, "__name__", type(func).__name__))
+        values = asyncio.run(checked(**kwargs)) if is_async_callable(func) else checked(**kwargs)
+        if len(values) != len(rows):
+            raise ValueError(f"reward function {func!r} returned {len(values)} rewards for {len(rows)} completions")
+        scores[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
+    return scores
+
+
+def held_out_reward(trainer, test_set, args: RecipeArguments, rewards: list[Callable], label: str) -> dict[str, Any]:
+    """The training reward functions on greedy completions of the held-out rows: ``{"reward": mean of the weighted
+    reward sum (TRL's reward_weights), "rewards": {function: mean}, "success": {function: share of rows at its
+    declared maximum}, "rows": N}`` (functions without a declared maximum have no success share; a function's
+    ``None`` leaves the row out of its mean and share). Each process scores its shard; sums and counts are added."""
+    import torch
+    from trl.data_utils import is_conversational
+    from trl.models.utils import unwrap_model_for_generation
+
+    from trinity_trl.data.arithmetic import greedy_completions
+
+    accelerator = trainer.accelerator
+    tokenizer = trainer.processing_class
+    shard = test_set.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
+    with unwrap_model_for_generation(trainer.model_wrapped, accelerator) as model:
+        ids = greedy_completions(
+            model,
+            tokenizer,
+            shard["prompt"],
+            batch_size=args.eval_batch_size,
+            max_new_tokens=args.eval_max_new_tokens,
+            progress=trainer.is_world_process_zero() and not trainer.args.disable_tqdm,
+        )
+    rows = [shard[i] for i in range(len(shard))]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    completions = (
+        [[{"role": "assistant", "content": t}] for t in texts] if rows and is_conversational(rows[0]) else texts
+    )
+    scores = score_completions(rewards, rows, completions, ids, trainer.state) if rows else None
+    weights = getattr(trainer.args, "reward_weights", None) or [1.0] * len(rewards)
+    maxima = [max_reward(func) for func in rewards]
+    # per function: reward sum, scored rows, rows at the maximum; then the weighted sum's total and its rows
+    sums = torch.zeros(3 * len(rewards) + 2, dtype=torch.float64)
+    if scores is not None:
+        for j, top in enumerate(maxima):
+            scored = ~scores[:, j].isnan()
+            sums[3 * j] = scores[scored, j].sum()
+            sums[3 * j + 1] = scored.sum()
+            sums[3 * j + 2] = (scores[scored, j] >= top).sum() if top is not None else 0.0
+        weighted = (scores * torch.tensor(weights, dtype=torch.float64)).nansum(dim=1)
+        sums[-2], sums[-1] = weighted.sum(), float(len(rows))
+    sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").cpu().tolist()
+    names = [getattr(func, "__name__", type(func).__name__) for func in rewards]
+    result = {
+        "reward": sums[-2] / sums[-1],
+        "rewards": {n: sums[3 * j] / sums[3 * j + 1] if sums[3 * j + 1] else None for j, n in enumerate(names)},
+        "success": {
+            n: sums[3 * j + 2] / sums[3 * j + 1]
+            for j, n in enumerate(names)
+            if maxima[j] is not None and sums[3 * j + 1]
+        },
+        "rows": int(sums[-1]),
+    }
+    if trainer.is_world_process_zero():
+        print(f"[trinity-trl] held-out evaluation {label} training: {reward_summary(result, rewards)}", flush=True)
+    return result
+
+
+def reward_summary(result: dict[str, Any], rewards: list[Callable]) -> str:
+    """One line: mean reward (per function when several), success share where declared, rows, how."""
+    text = f"mean reward {result['reward']:.3f}"
+    if len(result["rewards"]) > 1:
+        text += (
+            " (" + ", ".join(f"{n} {v:.3f}" if v is not None else f"{n} -" for n, v in result["rewards"].items()) + ")"
+        )
+    maxima = {getattr(f, "__name__", type(f).__name__): max_reward(f) for f in rewards}
+    for name, share in result["success"].items():
+        text += f", success {share:.3f} ({name} = its maximum {maxima[name]:g})"
+    return f"{text} ({result['rows']} rows; greedy completions scored by the training reward functions)"
+
+
+def train_and_evaluate(
+    trainer, args: RecipeArguments, test_set, resume_from_checkpoint=None, rewards: list[Callable] | None = None
+) -> dict[str, Any]:
+    """Train, evaluating greedy completions of the held-out rows before and after when ``args.eval_accuracy``: with
+    ``rewards`` (the training reward functions, `held_out_reward`) or the exact final-answer check
+    (`held_out_accuracy`), as `evaluation_metric` says; then a model-card section says what was measured and how.
+    Returns the run's summary for ``training_log.json``. Torch's thread count is the training config's
     ``torch_threads`` (set when the config was built; one per process on a CPU by default)."""
+    metric = evaluation_metric(args) if args.eval_accuracy else None
+    if metric == "reward" and not rewards:
+        raise UsageError("eval_metric 'reward' needs the training reward functions; this recipe has none")
+
+    def evaluate(label: str) -> Any:
+        if metric == "accuracy":
+            return held_out_accuracy(trainer, test_set, args, label)
+        return held_out_reward(trainer, test_set, args, rewards, label) if metric == "reward" else None
+
+    before = evaluate("before")
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    after = evaluate("after")
+    steps = trainer.state.global_step
+    summary: dict[str, Any] = {"global_step": steps, "eval_metric": metric}
+    if metric == "reward":
+        summary.update(
+            reward_before=before["reward"],
+            reward_after=after["reward"],
+            success_before=before["success"] or None,
+            success_after=after["success"] or None,
+        )
+    else:
+        summary.update(accuracy_before=before, accuracy_after=after)
+    if metric is not None:
+        trainer.add_model_card_section(
+            evaluation_card_section(args, metric, len(test_set), steps, before, after, rewards)
+        )
+    return summary
+
+
+def evaluation_card_section(args, metric: str, rows: int, steps: int, before: Any, after: Any, rewards) -> str:
+    """The model card's "Evaluation" section: what was measured, on which rows, how, before and after."""
     from trinity_trl.data.loading import source_name
 
-    before = held_out_accuracy(trainer, test_set, args, "before") if args.eval_accuracy else None
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    after = held_out_accuracy(trainer, test_set, args, "after") if args.eval_accuracy else None
-    steps = trainer.state.global_step
-    if before is not None:
-        trainer.add_model_card_section(
-            f"\n## Evaluation\n\nGreedy exact-answer accuracy on {len(test_set)} held-out problems of "
-            f"`{source_name(args.dataset_name)}`: **{before:.3f}** before training, **{after:.3f}** after "
-            f"({steps} steps; {evaluation_check(args).removeprefix('greedy, ')}).\n"
+    data = f"{rows} held-out rows of `{source_name(args.dataset_name)}`"
+    how = f"greedy completions of at most {args.eval_max_new_tokens} tokens"
+    if metric == "accuracy":
+        text = (
+            f"Exact final-answer accuracy on {data} ({how}; {evaluation_check(args).removeprefix('greedy, ')}): "
+            f"**{before:.3f}** before training, **{after:.3f}** after {steps} steps."
         )
-    return {"global_step": steps, "accuracy_before": before, "accuracy_after": after}
+    else:
+        names = ", ".join(f"`{getattr(f, '__name__', type(f).__name__)}`" for f in rewards)
+        text = (
+            f"The training reward function{'s' if len(rewards) > 1 else ''} {names} on {data} ({how}; the mean of "
+            f"the weighted reward sum): **{before['reward']:.3f}** before training, **{after['reward']:.3f}** after "
+            f"{steps} steps."
+        )
+        for name, share in after["success"].items():
+            top = max_reward(next(f for f in rewards if getattr(f, "__name__", None) == name))
+            earlier = before["success"].get(name)
+            text += (
+                f" Share of rows at `{name}`'s declared maximum ({top:g}): "
+                f"**{'-' if earlier is None else f'{earlier:.3f}'}** before, **{share:.3f}** after."
+            )
+    return f"\n## Evaluation\n\n{text}\n"
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -782,7 +1096,10 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
 
         if remark := no_learning_signal(trainer.state.log_history):
             print(f"[trinity-trl] {remark}", flush=True)
-        before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
-        outcome = f"accuracy {before:.3f} -> {after:.3f}; " if before is not None else ""
+        outcome = ""
+        if summary.get("accuracy_before") is not None:
+            outcome = f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
+        elif summary.get("reward_before") is not None:
+            outcome = f"held-out mean reward {summary['reward_before']:.3f} -> {summary['reward_after']:.3f}; "
         written = "model, card, training_log.json and plot" if plotted else "model, card and training_log.json"
         print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}{written} in {output_dir}", flush=True)

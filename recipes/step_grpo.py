@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import (
     UsageError,
+    check_models,
     check_output_dir,
     concise_progress,
     parse,
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     # 1. options: a YAML config plus command-line overrides
     args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
+    check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
     # (an environment registered without a dataset owns the data: no train_dataset, max_steps sets the length)
     played = ENVIRONMENTS.get(args.environment).trainer_arguments(args.num_tasks, seed=training_args.seed)

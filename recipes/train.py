@@ -24,8 +24,10 @@ from trinity_trl.algorithms import ADVANTAGE_FN, ALGORITHM_TYPE
 from trinity_trl.recipes.common import (
     RecipeArguments,
     UsageError,
+    check_models,
     check_output_dir,
     concise_progress,
+    evaluation_metric,
     load_task,
     parse,
     peft_config,
@@ -83,17 +85,21 @@ def main(argv: list[str] | None = None):
     # (--algorithm is a field of TrinityConfig; the SFT/DPO configs have no choice to make)
     args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))
     check_output_dir(args, training_args)
+    check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: RL prompts, held-out problems, and demonstrations or preference pairs for sft / dpo
     task = load_task(
         args, seed=training_args.seed, with_expert=preset.schema == "sft", rewarded=preset.schema not in ("sft", "dpo")
     )
+    # the reward functions train the RL presets; for sft / dpo they only score the held-out evaluation (if asked)
+    scored = preset.schema not in ("sft", "dpo") or (args.eval_accuracy and evaluation_metric(args) == "reward")
+    rewards = reward_functions(args.reward_funcs, task) if scored else None
     kwargs = {}
     if preset.schema == "sft":
         kwargs["train_dataset"] = task.expert
     elif preset.schema == "dpo":
         kwargs["train_dataset"] = _preference_pairs(args, task, training_args.seed)
     else:
-        kwargs.update(train_dataset=task.train, reward_funcs=reward_functions(args.reward_funcs))
+        kwargs.update(train_dataset=task.train, reward_funcs=rewards)
         if args.teacher_model_name_or_path is not None:
             if not ADVANTAGE_FN.get(training_args.resolved_algorithm().advantage.name).needs_teacher_logprobs:
                 raise UsageError("teacher_model_name_or_path is only used by the on_policy_distill advantage")
@@ -101,8 +107,8 @@ def main(argv: list[str] | None = None):
     # 3. model and trainer
     trainer = trainer_class(model=args.model_name_or_path, args=training_args, peft_config=peft_config(args), **kwargs)
     concise_progress(trainer)
-    # 4. train, measuring greedy held-out accuracy before and after
-    summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint)
+    # 4. train, evaluating greedy completions of the held-out rows before and after (eval_metric)
+    summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint, rewards=rewards)
     # 5. save the adapter (or model), tokenizer, card, training log and plot; push when asked
     save_outputs(trainer, args, summary)
     return trainer

@@ -239,8 +239,6 @@ def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_m
             "8",
             "--eval_accuracy",
             "false",
-            "--logging_steps",
-            "1",
         ],
         capture_output=True,
         text=True,
@@ -248,7 +246,165 @@ def test_console_script_is_installed_and_exits_zero_after_a_run(tmp_path, tiny_m
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    # one short progress line per step instead of a dict of every metric
+    # one short progress line per step instead of a dict of every metric, without --logging_steps (TRL's is 10)
     assert "step 1/1 | reward" in result.stdout + result.stderr
     assert "'completions/mean_length'" not in result.stdout + result.stderr
     assert "rollout_func" not in result.stderr and "gradient_checkpointing` is deprecated" not in result.stderr
+    # a quiet console (issue 43): progress bars and our lines, no library notice (trinity_trl/notices.py)
+    assert not foreign_console_lines(result.stdout + result.stderr), foreign_console_lines(
+        result.stdout + result.stderr
+    )
+
+
+#: what a run's console may show besides progress bars: trinity_trl's lines
+OUR_LINES = ("[trinity-trl] ", "step ", "No GPU or other accelerator: ")
+
+
+def foreign_console_lines(text: str) -> list[str]:
+    """The lines of a run's console that are neither a progress bar (tqdm's `... 3/8 [00:01<00:02, 2.1it/s]`, drawn
+    with carriage returns) nor one of `OUR_LINES`."""
+    bar = re.compile(r"(\d+%\|.*\||\[\d\d:\d\d[<,].*\]|examples/s\])")
+    lines = [part.strip() for line in text.splitlines() for part in line.split("\r")]
+    return [line for line in lines if line and not bar.search(line) and not line.startswith(OUR_LINES)]
+
+
+# the 19 mistakes of a newcomer's first hour on a text task of their own (issue 43): each is one line and exit 2,
+# before any model loads. (argv, the error's text); `capitals` is the user's folder, set up by the test.
+NEWCOMER_MISTAKES = [
+    (
+        ["cispo", "--config", "cispo_cpu", "--learnig_rate", "1e-3"],
+        r"--learnig_rate \(did you mean --learning_rate\?\)",
+    ),
+    (["cispo", "--config", "two.yaml"], r"max_steps in \S*two\.yaml must be an integer, got 'two'$"),
+    (  # GSM8K's column names on another task: never a silent arithmetic instruction on every prompt
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", "qa.jsonl", "--reward_funcs", "capreward:capital_reward"],
+        r"qa\.jsonl\[train\] has 'question' \+ 'answer' columns but no 'prompt'.*rename 'question' to 'prompt'",
+    ),
+    (["cispo", "--config", "cispo_cpu", "--dataset_name", "prompt_only.jsonl"], r"has no column 'answer'"),
+    (  # a reward parameter that no column fills: refused before the model loads, not a traceback at step 1
+        [
+            "cispo",
+            "--config",
+            "cispo_cpu",
+            "--dataset_name",
+            "no_answer/",
+            "--reward_funcs",
+            "capreward:capital_reward",
+        ],
+        r"reward function 'capital_reward' takes 'answer', but no_answer/ \(training rows\) has no such column",
+    ),
+    (
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", "data/", "--reward_funcs", "capreward:capitol_reward"],
+        r"cannot import reward function 'capreward:capitol_reward'",
+    ),
+    (  # a misspelt model id offline: one line (was a raw OSError, exit 1)
+        ["cispo", "--config", "cispo_cpu", "--model_name_or_path", "HuggingFaceTB/SmolLM2-135M-Instuct"],
+        r"model_name_or_path 'HuggingFaceTB/SmolLM2-135M-Instuct' is not a local path and not in the Hugging Face "
+        r"cache .*HF_HUB_OFFLINE.*did you mean HuggingFaceTB/SmolLM2-135M-Instruct\?",
+    ),
+    (["cipso"], r"unknown recipe 'cipso' \(did you mean cispo\?\)"),
+    (
+        [
+            "chord",
+            "--config",
+            "chord_cpu",
+            "--dataset_name",
+            "data/",
+            "--reward_funcs",
+            "capreward:capital_reward",
+            "--expert_dataset_name",
+            "expert_bad.jsonl",
+        ],
+        r"expert_bad\.jsonl\[train\] has no column 'messages'; its columns are \['question', 'response'\]",
+    ),
+    (["cispo", "--config", "cispo_cpu", "--num_generations", "3"], r"must be divisible by num_generations \(3\)"),
+    (["cispo", "--config", "cispo_cpu", "--output_dir", "used"], r"output_dir 'used' already holds 1 file"),
+    (["cispo", "--config", "cispo_cuda"], r"'cispo_cuda' is neither a file nor a bundled config \(did you mean"),
+    (
+        ["cispo", "--config", "cispo_cpu", "--reward_funcs", "capreward.py"],
+        r"unknown reward function 'capreward\.py'",
+    ),
+    (
+        ["cispo", "--config", "cispo_cpu", "--use_peft", "yes_please"],
+        r"use_peft must be true or false, got 'yes_please'$",
+    ),
+    (["sapo", "--config", "sapo_gpu"], r"this config \(sapo_gpu\) needs a GPU .*; use sapo_cpu, its CPU twin$"),
+    (  # a local look-alike: a missing folder, not a Hub id
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", "dat/"],
+        r"dat/: no such file or folder \(looked for \S+/dat\); did you mean data/\?$",
+    ),
+    (["cispo", "--config", "cispo_cpu", "--dataset_name", "./dat/"], r"\./dat/: no such file or folder"),
+    (  # a misspelt suffix: a missing file (was a ConnectionError traceback after 37 s)
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", "capitals.jsnol"],
+        r"capitals\.jsnol: no such file or folder \(looked for \S+\); did you mean capitals\.jsonl\?$",
+    ),
+    (
+        ["chord", "--config", "chord_cpu", "--dataset_name", "data/", "--reward_funcs", "capreward:capital_reward"],
+        r"data/ has no reference solutions .* give expert_dataset_name",
+    ),
+]
+
+
+def capitals_folder(folder: Path) -> None:
+    """The newcomer's working folder: a capital-cities task (chat prompts + `answer`) as a folder and as one file,
+    a reward in its own file, and the look-alikes of their mistakes."""
+
+    def rows(path: Path, records: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    pairs = [("France", "Paris"), ("Kenya", "Nairobi"), ("Japan", "Tokyo"), ("Peru", "Lima"), ("Chile", "Santiago")]
+    prompt = [{"prompt": [{"role": "user", "content": f"What is the capital of {c}?"}], "answer": a} for c, a in pairs]
+    rows(folder / "data" / "train.jsonl", prompt[:4])
+    rows(folder / "data" / "test.jsonl", prompt[4:])
+    rows(folder / "capitals.jsonl", prompt)
+    rows(folder / "qa.jsonl", [{"question": f"What is the capital of {c}?", "answer": a} for c, a in pairs])
+    rows(folder / "prompt_only.jsonl", [{"prompt": r["prompt"]} for r in prompt])
+    rows(folder / "no_answer" / "train.jsonl", [{"prompt": r["prompt"]} for r in prompt[:4]])
+    rows(folder / "no_answer" / "test.jsonl", [{"prompt": r["prompt"]} for r in prompt[4:]])
+    rows(folder / "expert_bad.jsonl", [{"question": c, "response": f"The capital is {a}."} for c, a in pairs])
+    (folder / "capreward.py").write_text(
+        "def capital_reward(completions, answer, **kwargs):\n"
+        "    return [float(a in c[-1]['content']) for c, a in zip(completions, answer)]\n"
+    )
+    (folder / "two.yaml").write_text("max_steps: two\n")
+    (folder / "used").mkdir()
+    (folder / "used" / "adapter_model.safetensors").write_text("")
+
+
+def test_the_newcomer_mistakes_are_each_one_line_and_exit_2_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """Issue 43's 19 mistakes, through the command's entry point in-process, offline (HF_HUB_OFFLINE): each prints
+    one line ``trinity-trl <recipe>: error: ...`` naming what is wrong and exits 2, and none gets as far as loading
+    a model (which would fail the test: no model is reachable here)."""
+    import huggingface_hub.constants
+    import torch
+
+    from trinity_trl.data import model as bundled
+
+    capitals_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the GPU config, on any machine
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded: the mistake was not caught first")
+
+    monkeypatch.setattr(bundled, "bundled_model_dir", no_model)
+    assert len(NEWCOMER_MISTAKES) == 19
+    wrong = []
+    for number, (argv, message) in enumerate(NEWCOMER_MISTAKES, 1):
+        given = argv if "--output_dir" in argv or len(argv) == 1 else [*argv, "--output_dir", f"out{number}"]
+        try:
+            main(given)
+            code = 0
+        except SystemExit as exit_info:
+            code = exit_info.code
+        except Exception as err:  # noqa: BLE001 - reported with the others below
+            code = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        err = capsys.readouterr().err.strip().splitlines()
+        line = err[0].removesuffix(" (--debug shows the traceback)") if len(err) == 1 else None
+        if code != 2 or line is None or not line.startswith(f"trinity-trl {argv[0]}: error: "):
+            wrong.append(f"{number} {argv[1:]}: exit {code}, stderr {err[-3:]}")
+        elif not re.search(message, line):
+            wrong.append(f"{number}: {line!r} does not say {message!r}")
+    assert not wrong, "\n".join(wrong)

@@ -169,6 +169,18 @@ def test_the_built_docs_hold_no_unrendered_references_or_tips(built_site):
     assert '<details class="warning" open>' in trainers  # CISPOConfig's warning on TRL's absolute cap
 
 
+def test_the_api_reference_renders_its_type_cells(built_site):
+    """A "Type" cell holds a type (mkdocstrings renders it as code), never the TRL-style markdown of the docstring
+    it came from (`` `float`, *optional*, defaults to `1.0` ``; docs/griffe_trl_types.py rewrites it)."""
+    trainers = (built_site / "api" / "trainers" / "index.html").read_text(encoding="utf-8")
+    cells = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td>\s*<code>(.*?)</code>\s*</td>", trainers, re.S)]
+    raw = [c for c in cells if "`" in c or "*optional*" in c or "defaults to" in c]
+    assert not raw, raw
+    # TrinityConfig's first field: its type, and its default moved to the description
+    assert "str | dict | Component | None" in cells and "*optional*" not in trainers
+    assert "Defaults to" in trainers
+
+
 def fenced_blocks(path: Path, language: str) -> list[tuple[int, str]]:
     """``(start offset, dedented code)`` of every ```language block of a Markdown file (indented ones included)."""
     import textwrap

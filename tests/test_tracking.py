@@ -187,7 +187,9 @@ def test_cispo_metrics_go_to_an_offline_wandb_run(tmp_path, tiny_model_dir, monk
         "WANDB_API_KEY": "",
     }.items():
         monkeypatch.setenv(name, value)
-    args = CISPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), report_to=["wandb"], run_name="run-1"))
+    args = CISPOConfig(
+        **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), report_to=["wandb"], run_name="run-1"), kl_loss="k2"
+    )
     trainer = CISPOTrainer(
         model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset()
     )

@@ -11,7 +11,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .distributed import end_process_group, ending_process_group
+from .notices import quiet_notices
 from .tokenizer import hf_tokenizer, tool_chat_template
+
+quiet_notices()  # library notices a user cannot act on (trinity_trl/notices.py says which and why)
 
 __version__ = "0.1.0"
 

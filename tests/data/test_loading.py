@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -153,11 +154,89 @@ def tiny_tokenizer():
 
 
 def test_hub_ids_still_go_to_the_hub(monkeypatch):
-    """A name that is not a path (``owner/name``) goes to ``datasets.load_dataset`` unchanged."""
+    """A name that is not a path (``owner/name``) and that the Hub cache holds goes to ``datasets.load_dataset``
+    unchanged."""
     import datasets
 
+    import trinity_trl.data.loading as loading
+
     seen = []
+    monkeypatch.setattr(loading, "in_hub_cache", lambda repo_id, repo_type="model": True)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append(a) or {"train": []})
     load_splits("openai/gsm8k", "main")
     assert seen == [("openai/gsm8k", "main")]
     assert not os.path.exists("openai/gsm8k")
+
+
+def test_a_local_look_alike_is_a_missing_path_not_a_hub_id(tmp_path, monkeypatch):
+    """``dat/`` (a trailing slash), ``capitals.jsnol`` (a file suffix), ``data/trian.jsonl`` (inside a local folder):
+    named as missing local paths, with the closest name beside them, and the Hub is never asked."""
+    import datasets
+
+    import trinity_trl.data.loading as loading
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "train.jsonl", ROWS, "jsonl")
+    write(tmp_path / "capitals.jsonl", ROWS, "jsonl")
+    monkeypatch.setattr(loading, "hub_repo_problem", lambda *a: pytest.fail("asked the Hub about a local path"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("loaded a missing path"))
+    for given, close in (
+        ("dat/", "data/"),
+        ("capitals.jsnol", "capitals.jsonl"),
+        ("data/trian.jsonl", "data/train.jsonl"),
+        ("./dat/", "./data/"),
+        ("notes.md", None),
+    ):
+        hint = rf"; did you mean {re.escape(close)}\?$" if close else r"\)$"
+        with pytest.raises(
+            FileNotFoundError, match=rf"^{re.escape(given)}: no such file or folder \(looked for .*{hint}"
+        ):
+            load_splits(given)
+    assert loading.looks_like_path("owner/name.csv") and not loading.looks_like_path("owner/name.v2")
+    assert not loading.looks_like_path("gsm8k") and not loading.looks_like_path("openai/gsm8k")
+
+
+def test_a_hub_id_that_cannot_load_now_is_one_error_before_anything_downloads(monkeypatch):
+    """Not in the cache while HF_HUB_OFFLINE is set: said at once, the Hub never asked, datasets never called."""
+    import datasets
+    from huggingface_hub import constants
+
+    import trinity_trl.data.loading as loading
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(loading, "in_hub_cache", lambda repo_id, repo_type="model": False)
+    monkeypatch.setattr(loading, "_ask_hub", lambda *a: pytest.fail("asked the Hub offline"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(FileNotFoundError, match=r"^dataset 'someone/capitals' is not a local path and not in the "):
+        load_splits("someone/capitals")
+    with pytest.raises(FileNotFoundError, match=r"HF_HUB_OFFLINE is set, so the Hub is not asked$"):
+        load_splits("someone/capitals")
+
+
+def test_the_hub_probe_tells_a_missing_repository_from_one_that_exists(fake_hub):
+    """Online, the Hub's 404 is "no such dataset"; a repository it has passes."""
+    import trinity_trl.data.loading as loading
+
+    assert "the Hub has no dataset of that id" in loading.hub_repo_problem("tester/absent", "dataset")
+    fake_hub.create_repo("tester/present", "dataset", private=False)
+    assert loading.hub_repo_problem("tester/present", "dataset") is None
+
+
+def test_a_silent_hub_is_reported_after_the_probe_time(monkeypatch):
+    """A Hub that accepts the connection and never answers: "did not answer" after HUB_PROBE_SECONDS (shortened
+    here), not after the HTTP client's own timeouts and retries."""
+    import socket
+
+    from huggingface_hub import constants
+
+    import trinity_trl.data.loading as loading
+
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(loading, "HUB_PROBE_SECONDS", 0.5)
+        problem = loading.hub_repo_problem("someone/capitals", "dataset")
+    assert problem.endswith("and the Hub did not answer within 0.5 s"), problem

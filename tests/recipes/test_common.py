@@ -179,6 +179,8 @@ def test_reward_functions_by_name_or_import_path():
         reward_functions(["speed"])
     with pytest.raises(ValueError, match="cannot import reward function"):
         reward_functions(["trinity_trl.data:nope"])
+    with pytest.raises(ValueError, match=r"unknown reward function 'mine\.py'; name the function in it: 'mine\.py:<f"):
+        reward_functions(["mine.py"])
 
 
 def test_reward_function_from_a_file_in_the_working_folder_or_a_path(tmp_path, monkeypatch):
@@ -464,3 +466,76 @@ def test_default_output_dir_is_named_after_what_ran(tmp_path):
     yaml_file.write_text("environment: calculator\noutput_dir: runs/mine\n")
     _, config = parse(classes, ["--config", str(yaml_file)], "step_grpo")
     assert config.output_dir == "runs/mine"
+
+
+def _trainer_config_of(name: str):
+    """The recipe of bundled config ``name`` and the trainer config its parse builds (``--use_cpu`` for a GPU one)."""
+    from trinity_trl.recipes.step_grpo import StepGRPOScriptArguments
+    from trinity_trl.recipes.train import TrainArguments, algorithm_from
+    from trinity_trl.trainers import PPOConfig, SAPOConfig, StepGRPOConfig
+
+    recipe = config_summary(name)["recipe"]
+    argv = ["--config", name] + (["--use_cpu", "true"] if name.endswith("_gpu") else [])
+    if recipe == "train":
+        import trinity_trl.trainers as trainers
+        from trinity_trl.algorithms import ALGORITHM_TYPE
+
+        config_class = getattr(trainers, ALGORITHM_TYPE.get(algorithm_from(argv)).trainer).config_class
+        return recipe, argv, parse((TrainArguments, config_class), argv, "train", ignore=("algorithm",))[1]
+    config_class = {"chord": ChordConfig, "cispo": CISPOConfig, "sapo": SAPOConfig, "ppo": PPOConfig}.get(recipe)
+    script = RecipeArguments
+    if recipe == "step_grpo":
+        config_class, script = StepGRPOConfig, StepGRPOScriptArguments
+    return recipe, argv, parse((script, config_class), argv, recipe)[1]
+
+
+@pytest.mark.parametrize("name", bundled_configs())
+def test_print_config_shows_the_components_the_run_builds(name, capsys):
+    """`trinity-trl <recipe> --config <name> --print_config` on every bundled config (so every recipe): YAML naming
+    each component the trainer config builds, with the arguments it is built from, an off KL as `none`, and the TRL
+    fields that differ from TRL's defaults; it exits 0 without loading anything."""
+    import yaml
+
+    from trinity_trl.cli import main
+    from trinity_trl.trainers.config import changed_trl_fields
+
+    recipe, argv, config = _trainer_config_of(name)
+    with pytest.raises(SystemExit) as exit_info:
+        main([recipe, *argv, "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    built = config.take_components()
+    for field in ("policy_loss", "advantage", "kl_loss", "kl_penalty", "entropy_loss"):
+        if field not in printed:
+            assert not hasattr(config, field) or (field == "advantage" and not built.algorithm.uses_advantage), field
+            continue
+        component = getattr(built.algorithm, field)
+        on = getattr(built, field if field != "advantage" else "advantage_fn").__class__
+        if getattr(on, "enabled", True):
+            expected = component.to_dict() if component.args else component.name
+        else:
+            expected = "none"
+        assert printed[field] == expected, (name, field)
+    assert (
+        printed["algorithm"] == built.algorithm.algorithm and printed["loss_agg_mode"] == built.algorithm.loss_agg_mode
+    )
+    trl_changed = changed_trl_fields(config)
+    assert printed["output_dir"] == config.output_dir and "beta" not in printed
+    for key in ("learning_rate", "max_steps", "num_generations"):
+        assert (key in printed) == (key in trl_changed), (name, key)
+        if key in printed:
+            assert printed[key] == getattr(config, key)
+    assert printed["logging_steps"] == config.logging_steps == read_config(config_path(name)).get("logging_steps", 1)
+
+
+def test_a_run_from_the_command_line_logs_every_step_unless_told_otherwise(tmp_path):
+    """TRL's logging_steps is 10, which leaves a short run without a step line: the CLI's default is 1 (issue 43); a
+    config or the command line still sets it."""
+    (tmp_path / "every5.yaml").write_text("logging_steps: 5\n")
+    (_, config) = parse((RecipeArguments, CISPOConfig), ["--output_dir", str(tmp_path)], "cispo")
+    assert config.logging_steps == 1
+    (_, config) = parse((RecipeArguments, CISPOConfig), ["--config", str(tmp_path / "every5.yaml")], "cispo")
+    assert config.logging_steps == 5
+    (_, config) = parse((RecipeArguments, CISPOConfig), ["--logging_steps", "3"], "cispo")
+    assert config.logging_steps == 3
+    assert CISPOConfig(output_dir=str(tmp_path), use_cpu=True).logging_steps == 10  # Python keeps TRL's default

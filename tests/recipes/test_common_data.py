@@ -170,8 +170,8 @@ def test_pairs_and_demonstrations_need_no_answer_column():
     with pytest.raises(ValueError, match=r"the dataset\[train\] has no column 'answer'"):
         load_task(RecipeArguments(dataset_name=data))  # the RL presets reward them with the 'accuracy' reward
     no_answers = DatasetDict({"train": pairs, "test": pairs.select(range(2))})
-    with pytest.raises(ValueError, match=r"the dataset\[test\] has no column 'answer'"):
-        load_task(RecipeArguments(dataset_name=no_answers, eval_accuracy=True), rewarded=False)
+    with pytest.raises(ValueError, match=r"the dataset\[test\] has no column 'answer'"):  # the accuracy check reads it
+        load_task(RecipeArguments(dataset_name=no_answers, eval_accuracy=True, eval_metric="accuracy"), rewarded=False)
     assert len(load_task(RecipeArguments(dataset_name=no_answers), rewarded=False).test) == 2
 
 
@@ -196,13 +196,50 @@ def test_recipe_trains_and_evaluates_on_a_folder_of_text_prompts(tmp_path, tiny_
     )
     trainer = run(["cispo", "--config", str(config)])
     log = json.loads((tmp_path / "out" / "training_log.json").read_text())
-    assert trainer.state.global_step == 1 and log["summary"]["accuracy_after"] is not None
-    assert f"held-out problems of `{source}`" in (tmp_path / "out" / "README.md").read_text()
+    assert trainer.state.global_step == 1 and log["summary"]["reward_after"] is not None
+    assert f"held-out rows of `{source}`" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_the_held_out_evaluation_scores_with_the_training_rewards(tmp_path, tiny_model_dir, capsys):
+    """On one's own data the evaluation is the training reward functions on greedy completions (issue 43): the mean
+    of the weighted reward sum, each function's mean over the rows it scores (None leaves a row out), and the share
+    of rows at a declared maximum (`fn.max_reward`) for the functions that declare one. Rewards read from a column
+    make every number known in advance, whatever the model writes."""
+    from trinity_trl.cli import run
+
+    (tmp_path / "my_scores.py").write_text(
+        "def score_reward(completions, score, **kw):\n    return list(score)\n"
+        "score_reward.max_reward = 1.0\n"
+        "def not_first(completions, score, **kw):\n    return [None] + [1.0] * (len(score) - 1)\n"
+    )
+    rows = [dict(r, score=s) for r, s in zip(TEXT_ROWS, [1.0, 0.0, 1.0, 0.5] * 2)]
+    source = folder(tmp_path, rows, test_rows=rows[:4])
+    _, tiny = RUNS["cispo"]
+    rewards = [f"{tmp_path / 'my_scores.py'}:score_reward", f"{tmp_path / 'my_scores.py'}:not_first"]
+    run(
+        ["cispo", "--config", "cispo_cpu", "--dataset_name", source, "--model_name_or_path", tiny_model_dir,
+         "--output_dir", str(tmp_path / "out"), *tiny, "--max_steps", "1", "--plot", "false", "--reward_funcs",
+         *rewards]
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "out" / "training_log.json").read_text())["summary"]
+    # rows: score 1, 0, 1, 0.5; not_first: None, 1, 1, 1 -> weighted sums 1, 1, 2, 1.5
+    assert summary["eval_metric"] == "reward" and summary["reward_before"] == summary["reward_after"] == 1.375
+    assert summary["success_after"] == {"score_reward": 0.5} and "accuracy_after" not in summary
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "held-out evaluation" in line]
+    assert lines[1] == (
+        "[trinity-trl] held-out evaluation after training: mean reward 1.375 (score_reward 0.625, not_first 1.000), "
+        "success 0.500 (score_reward = its maximum 1) (4 rows; greedy completions scored by the training reward "
+        "functions)"
+    ), lines
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"The training reward functions `score_reward`, `not_first` on 4 held-out rows of `{source}`" in card
+    assert "Share of rows at `score_reward`'s declared maximum (1): **0.500** before, **0.500** after." in card
 
 
 def test_the_held_out_evaluation_says_which_check_it_uses(tmp_path, tiny_model_dir, capsys):
-    """The evaluation is the exact final-answer check whatever the training reward (issue 35): the log line and the
-    card say so, and name the user's reward functions it is not."""
+    """Asked for (eval_metric accuracy), the evaluation is the exact final-answer check whatever the training reward
+    (issue 35): the log line and the card say so, and name the user's reward functions it is not."""
     from trinity_trl.cli import run
 
     (tmp_path / "my_rewards_eval.py").write_text("def short(completions, **kw):\n    return [0.0] * len(completions)\n")
@@ -211,13 +248,13 @@ def test_the_held_out_evaluation_says_which_check_it_uses(tmp_path, tiny_model_d
     run(
         ["cispo", "--config", "cispo_cpu", "--dataset_name", source, "--model_name_or_path", tiny_model_dir,
          "--output_dir", str(tmp_path / "out"), *tiny, "--max_steps", "1", "--plot", "false", "--eval_accuracy",
-         "true", "--reward_funcs", f"{tmp_path / 'my_rewards_eval.py'}:short"]
+         "true", "--eval_metric", "accuracy", "--reward_funcs", f"{tmp_path / 'my_rewards_eval.py'}:short"]
     )  # fmt: skip
     printed = capsys.readouterr()
     lines = [line for line in (printed.out + printed.err).splitlines() if "held-out accuracy" in line]
     check = f"exact final-answer check against the 'answer' column, not the reward function {tmp_path}/my_rewards_eval"
     assert len(lines) == 2 and all(f"(4 problems; greedy, {check}.py:short)" in line for line in lines), lines
-    assert f" steps; {check}.py:short)." in (tmp_path / "out" / "README.md").read_text()
+    assert f"; {check}.py:short): **" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_chord_on_ones_own_data_from_the_documented_command(tmp_path, tiny_model_dir, capsys):
@@ -242,3 +279,30 @@ def test_chord_on_ones_own_data_from_the_documented_command(tmp_path, tiny_model
         f"[trinity-trl] rollout_kinds ['mul', 'div'] ignored: it selects templates of the bundled 'arithmetic' "
         f"task, and dataset_name is {source!r}"
     ]
+
+
+def test_question_and_answer_columns_are_read_as_gsm8k_only_when_the_answers_are_gsm8ks(tmp_path, capsys):
+    """Issue 43: GSM8K's layout is guessed from its columns only when every answer ends '#### <number>', and said
+    in one line; another task's 'question' + 'answer' is a one-line error saying how to name the columns; the guess
+    can be switched off (dataset_layout prompt) or forced (gsm8k)."""
+    gsm8k = [
+        {"question": f"Tom has {i} apples and buys 2. How many?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
+        for i in range(4)
+    ]
+    capitals = [{"question": "What is the capital of Kenya?", "answer": "Nairobi"}] * 4
+    task = load_task(args_for(folder(tmp_path, gsm8k, name="gsm")))
+    assert task.train[0]["answer"] == "2" and "The answer is" in str(task.train[0]["prompt"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "GSM8K" in line]
+    assert len(said) == 1 and "read as GSM8K" in said[0] and "--dataset_layout prompt" in said[0], said
+    with pytest.raises(ValueError, match=r"has no column 'prompt'"):
+        load_task(args_for(str(tmp_path / "gsm"), "--dataset_layout", "prompt"))
+    source = folder(tmp_path, capitals, name="capitals")
+    with pytest.raises(
+        UsageError,
+        match=r"capitals\[train\] has 'question' \+ 'answer' columns but no 'prompt', and "
+        r"its answers are not GSM8K's .* row 0: 'Nairobi'\): rename 'question' to 'prompt'",
+    ):
+        load_task(args_for(source))
+    forced = load_task(args_for(source, "--dataset_layout", "gsm8k", "--eval_accuracy", "false"))
+    assert forced.train[0]["answer"] == "Nairobi"
+    assert not [line for line in capsys.readouterr().out.splitlines() if "GSM8K" in line]  # asked for: no note

@@ -60,7 +60,8 @@ def make_trainer(tmp_path, model_dir, cls=None, expert=None, peft=False, **confi
 
 
 def test_expert_rows_join_the_batch_tokenized_like_rollouts(tmp_path, tiny_model_dir):
-    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2)
+    # a KL term (named: none by default), so expert rows get reference log-probs too
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2, kl_loss="k2")
     trainer.train()
     batch = trainer.recorded.batches[0]
     expert = batch["expert_mask"]
@@ -181,7 +182,7 @@ def test_expert_stream_visits_every_row_each_pass(tmp_path, tiny_model_dir):
 
 
 def test_lora_reference_logps_of_expert_rows_come_from_the_base_model(tmp_path, tiny_model_dir):
-    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, peft=True, expert_batch_size=2)
+    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=2, peft=True, expert_batch_size=2, kl_loss="k2")
     trainer.train()
     batch = trainer.recorded.batches[-1]  # generated after one update: adapter non-zero
     expert = batch["expert_mask"]

@@ -47,7 +47,8 @@ def test_cispo_config_fields_land_in_policy_loss_args(tmp_path):
     }
     resolved = _config(tmp_path, CISPOConfig).resolved_algorithm()
     assert resolved.algorithm == "cispo" and resolved.policy_loss.name == "cispo"
-    assert resolved.kl_loss.name == "k2"  # the preset's KL loss
+    assert resolved.kl_loss.name == "none"  # TRL's beta=0.0: no KL unless named (issue 43)
+    assert _config(tmp_path, CISPOConfig, kl_loss="k2").resolved_algorithm().kl_loss.args["kl_coef"] == 0.001
     # one door: the loss's argument (the flat field of 0.1 is gone)
     given = _config(tmp_path, CISPOConfig, policy_loss={"clip_range_high": 5.0})
     assert given.resolved_algorithm().policy_loss.args["clip_range_high"] == 5.0

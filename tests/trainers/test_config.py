@@ -582,3 +582,128 @@ def test_other_configs_are_still_a_type_error(tmp_path):
     dpo = from_trl_config(DPOConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.3), TrinityDPOConfig, "T")
     assert type(dpo) is TrinityDPOConfig and dpo.beta == 0.3
     assert from_trl_config(None, CISPOConfig, "T") is None and from_trl_config(chord, ChordConfig, "T") is chord
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. No KL term the user did not ask for (issue 43), and what a config shows is what it builds
+
+#: the presets whose Trinity-RFT defaults add a KL loss (k2, kl_coef 0.001), which a trainer config with TRL's
+#: beta=0.0 and no kl_loss no longer adds (CHANGELOG.md); dpo keeps its own (its preset always has one)
+PRESETS_WITH_A_TRINITY_KL = {
+    "cispo", "grpo", "gspo", "mix", "mix_chord", "multi_step_grpo", "opmd", "ppo", "rec", "reinforceplusplus",
+    "rloo", "sapo", "topr",
+}  # fmt: skip
+
+
+def test_the_presets_keep_their_trinity_kl_where_a_trinity_user_reads_it():
+    from trinity_trl.algorithms import resolve_algorithm_config
+
+    with_kl = {
+        name
+        for name in ALGORITHM_TYPE.names()
+        if KL_FN.get(resolve_algorithm_config(name).kl_loss.name).enabled and name != "dpo"
+    }
+    assert with_kl == PRESETS_WITH_A_TRINITY_KL
+    for name in with_kl:  # resolution in algorithms/ is Trinity's: the preset's (or the global) k2
+        assert resolve_algorithm_config(name).kl_loss == resolve_algorithm_config(name, kl_loss="k2").kl_loss
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_TYPE.names()))
+def test_beta_zero_and_no_kl_named_trains_without_a_kl_term_and_naming_one_brings_it_back(tmp_path, algorithm):
+    from trinity_trl.algorithms import resolve_algorithm_config
+
+    config = _config(tmp_path, algorithm=algorithm)
+    assert config.beta == 0.0 and config.kl_loss is None and config.kl_penalty is None
+    built = config.take_components()
+    if algorithm == "dpo":  # Trinity's dpo preset turns 'none' into k2; the config shows it (below)
+        assert built.kl_loss.enabled
+    else:
+        assert not built.kl_loss.enabled and not built.kl_penalty.enabled
+        assert not config.resolved_algorithm().needs_reference or "ref_logprob" in built.policy_loss.inputs
+    named = _config(tmp_path, algorithm=algorithm, kl_loss="k2").take_components()
+    assert (
+        named.kl_loss.enabled and named.algorithm.kl_loss == resolve_algorithm_config(algorithm, kl_loss="k2").kl_loss
+    )
+    if algorithm in PRESETS_WITH_A_TRINITY_KL:  # the old behaviour, exactly, by naming it
+        assert named.algorithm.kl_loss == resolve_algorithm_config(algorithm).kl_loss
+
+
+def test_a_kl_coefficient_without_a_kl_is_refused_and_with_the_presets_kl_it_is_that_kl(tmp_path):
+    with pytest.raises(ValueError, match=r"kl_loss sets \['kl_coef'\] but names no KL estimator.*'name': 'k2'"):
+        _config(tmp_path, algorithm="asymre", kl_loss={"kl_coef": 0.01})
+    with pytest.raises(ValueError, match=r"kl_penalty sets \['kl_coef'\] but names no KL estimator"):
+        _config(tmp_path, algorithm="rloo", kl_penalty={"kl_coef": 0.01})
+    assert _config(tmp_path, algorithm="grpo", kl_loss={"kl_coef": 0.01}).resolved_algorithm().kl_loss.args == {
+        "adaptive": False,
+        "kl_coef": 0.01,
+    }
+
+
+def shown_matches_built(config) -> None:
+    """What `shown_settings` (the repr, --print_config) says a config trains with is what it builds: each component
+    the registry class built from the shown name and arguments, an off component shown as `none`, and the card's
+    algorithm table lists exactly the components that are on."""
+    import json
+
+    from trinity_trl.algorithms.component import Component
+    from trinity_trl.trainers.config import shown_settings
+    from trinity_trl.training.model_card import algorithm_card_section
+
+    shown, built = shown_settings(config), config.take_components()
+    objects = {
+        "policy_loss": (built.policy_loss, POLICY_LOSS_FN),
+        "advantage": (built.advantage_fn, ADVANTAGE_FN),
+        "kl_loss": (built.kl_loss, KL_FN),
+        "kl_penalty": (built.kl_penalty, KL_FN),
+        "entropy_loss": (built.entropy_loss, ENTROPY_LOSS_FN),
+    }
+    card = algorithm_card_section(built.algorithm, type(config).__name__, built)
+    for field, (obj, registry) in objects.items():
+        if field == "advantage" and not built.algorithm.uses_advantage:
+            assert field not in shown and obj is None
+            continue
+        component = shown[field]
+        assert isinstance(component, Component) and f"{field}={component!r}" in repr(config)
+        assert type(obj) is registry.get(component.name), (field, component, obj)
+        if getattr(obj, "enabled", True):
+            assert component == getattr(built.algorithm, field), field  # the arguments it was built from
+            if field != "advantage" or built.policy_loss.reads_advantages:
+                assert f"| {field} | `{component.name}` | `{json.dumps(component.args, sort_keys=True)}` |" in card
+        else:
+            assert component == Component("none") and f"| {field} |" not in card
+    assert ("No KL term" in card) == (not built.kl_loss.enabled and not built.kl_penalty.enabled)
+    assert shown["loss_agg_mode"] == built.algorithm.loss_agg_mode and shown["algorithm"] == config.algorithm
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_TYPE.names()))
+def test_a_bare_config_of_every_preset_shows_what_it_builds(tmp_path, algorithm):
+    shown_matches_built(TrinityConfig(algorithm=algorithm, output_dir=str(tmp_path)))
+    shown_matches_built(TrinityConfig(algorithm=algorithm, output_dir=str(tmp_path), kl_loss="k3", loss_agg_mode=None))
+
+
+def test_chord_config_shows_no_kl_and_what_it_builds():
+    from trinity_trl.trainers import ChordConfig
+
+    config = ChordConfig()  # TRL users write this: beta=0.0 means no KL
+    shown_matches_built(config)
+    assert "kl_loss=Component('none')" in repr(config) and not config.take_components().kl_loss.enabled
+    assert "mu_peak=0.1" in repr(config)  # the loss's arguments as built, not the unset fields (None)
+
+
+def test_the_repr_shows_the_options_set_and_trls_fields_changed_from_trls_defaults(tmp_path):
+    from trinity_trl.trainers import TrinityDPOConfig, TrinitySFTConfig
+    from trinity_trl.trainers.config import changed_trl_fields
+
+    config = _config(tmp_path, algorithm="rloo", learning_rate=3e-4, prefix_packing=False, num_generations=4)
+    text = repr(config)
+    assert text.startswith("TrinityConfig(algorithm='rloo', policy_loss=Component('ppo', ")
+    for part in ("learning_rate=0.0003", "prefix_packing=False", "use_cpu=True", f"output_dir={str(tmp_path)!r}"):
+        assert part in text, part
+    # TRL's defaults are not repeated (beta=0.0, num_generations=8 is TRL's default... 4 is not)
+    assert "beta=" not in text and "num_generations=4" in text and "temperature=" not in text
+    assert "epsilon=" not in text  # TrinityConfig's own None (the loss's bound), not a change of TRL's 0.2
+    assert changed_trl_fields(GRPOConfig(output_dir="x", use_cpu=True)) == {"output_dir": "x", "use_cpu": True}
+    for config_class in (TrinitySFTConfig, TrinityDPOConfig):
+        text = repr(_config(tmp_path, config_class))
+        assert text.startswith(f"{config_class.__name__}(algorithm=") and "policy_loss=Component(" in text
+    assert "kl_loss=Component('k2', adaptive=False, kl_coef=0.001)" in repr(_config(tmp_path, TrinityDPOConfig))

@@ -72,7 +72,7 @@ def test_config_defaults_and_gae_arguments(tmp_path):
     config = PPOConfig(output_dir=str(tmp_path), use_cpu=True, gamma=0.9, lam=0.8)
     resolved = config.resolved_algorithm()
     assert (resolved.algorithm, resolved.policy_loss.name, resolved.advantage.name) == ("ppo", "ppo", "ppo")
-    assert resolved.use_critic and resolved.kl_loss.name == "k2" and resolved.kl_penalty.name == "none"
+    assert resolved.use_critic and resolved.kl_loss.name == "none" and resolved.kl_penalty.name == "none"
     assert resolved.advantage.args == {"gamma": 0.9, "lam": 0.8}
     assert resolved.build_advantage_fn().lam == 0.8
     assert (config.cliprange_value, config.critic_warmup_steps, config.save_value_model) == (0.5, 0, False)

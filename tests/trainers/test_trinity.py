@@ -30,6 +30,7 @@ from helpers import (
 from tolerance import approx, assert_close
 from transformers import TrainerCallback
 
+from trinity_trl.algorithms import resolve_algorithm_config
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 from trinity_trl.training.loss import LossBatch
 
@@ -133,6 +134,8 @@ def test_preset_loss_is_the_composition_of_its_components(tmp_path, tiny_model_d
         0.05,
         0.01,
     )  # larger than the presets' so both terms show in the loss
+    # the preset's own KL loss (Trinity-RFT's), named: a trainer config adds none unless named (issue 43)
+    trinity_kl = resolve_algorithm_config(preset).kl_loss.name
     trainer = recording(TrinityTrainer)(
         model=tiny_model_dir,
         reward_funcs=length_reward,
@@ -141,7 +144,7 @@ def test_preset_loss_is_the_composition_of_its_components(tmp_path, tiny_model_d
             tmp_path,
             TrinityConfig,
             algorithm=preset,
-            kl_loss={"kl_coef": kl_coef},
+            kl_loss={"name": trinity_kl, "kl_coef": kl_coef} if trinity_kl != "none" else None,
             entropy_loss={"entropy_coef": entropy_coef},
         ),
     )
@@ -328,21 +331,16 @@ def test_completions_table_shows_our_advantages(tmp_path, tiny_model_dir, tiny_d
 
 
 def test_reference_model_iff_kl_term(tmp_path, tiny_model_dir, tiny_dataset):
-    with_kl = _trainer(tmp_path / "kl", tiny_model_dir, tiny_dataset, algorithm="grpo")
+    with_kl = _trainer(tmp_path / "kl", tiny_model_dir, tiny_dataset, algorithm="grpo", kl_loss="k2")
     assert with_kl.args.beta == 0.0  # restored after TRL's __init__
     assert with_kl.algorithm.needs_reference
     assert with_kl.ref_model is not None
 
-    no_kl = _trainer(
-        tmp_path / "none",
-        tiny_model_dir,
-        tiny_dataset,
-        algorithm="grpo",
-        kl_loss="none",
-    )
-    assert no_kl.args.beta == 0.0
-    assert not no_kl.algorithm.needs_reference
-    assert no_kl.ref_model is None
+    for name, kl in (("none", "none"), ("unset", None)):  # unset: TRL's beta=0.0, no KL (issue 43)
+        no_kl = _trainer(tmp_path / name, tiny_model_dir, tiny_dataset, algorithm="grpo", kl_loss=kl)
+        assert no_kl.args.beta == 0.0
+        assert not no_kl.algorithm.needs_reference
+        assert no_kl.ref_model is None
 
     no_ref_preset = _trainer(tmp_path / "asymre", tiny_model_dir, tiny_dataset, algorithm="asymre")
     assert no_ref_preset.ref_model is None
@@ -355,6 +353,7 @@ def test_ref_logps_reach_the_loss_iff_kl_term(tmp_path, tiny_model_dir, tiny_dat
         tiny_dataset,
         cls=recording(TrinityTrainer),
         max_steps=1,
+        kl_loss="k2",
     )
     with_kl.train()
     assert with_kl.args.beta == 0.0
@@ -383,6 +382,7 @@ def test_sync_ref_model_is_honoured_with_a_kl_term(tmp_path, tiny_model_dir, tin
         tiny_dataset,
         sync_ref_model=True,
         ref_model_sync_steps=1,
+        kl_loss="k2",
     )
     assert trainer.ref_model is not None
     assert any(isinstance(cb, SyncRefModelCallback) for cb in trainer.callback_handler.callbacks)
@@ -406,6 +406,7 @@ def test_lora_reference_is_the_base_model(tmp_path, tiny_model_dir, tiny_dataset
         cls=recording(TrinityTrainer),
         max_steps=2,
         peft_config=peft_config,
+        kl_loss="k2",
     )
     assert trainer.args.beta == 0.0
     assert trainer.ref_model is None  # the adapter-disabled policy is the reference

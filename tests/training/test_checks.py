@@ -372,8 +372,12 @@ def test_mix_entropy_needs_expert_rows(tmp_path, tiny_model_dir, tiny_dataset):
 def test_sync_ref_model_without_a_reference_is_rejected_in_our_terms(tmp_path, tiny_model_dir, tiny_dataset):
     with pytest.raises(ValueError, match="sync_ref_model=True updates the reference model"):
         _trainer(tmp_path, tiny_model_dir, tiny_dataset, algorithm="asymre", sync_ref_model=True)
-    trainer = _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True, ref_model_sync_steps=1, max_steps=2)
-    trainer.train()  # grpo has a k2 KL loss, so TRL keeps and syncs a reference model
+    with pytest.raises(ValueError, match="sync_ref_model=True updates the reference model"):
+        _trainer(tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True)  # grpo without a KL named: none
+    trainer = _trainer(
+        tmp_path, tiny_model_dir, tiny_dataset, sync_ref_model=True, ref_model_sync_steps=1, max_steps=2, kl_loss="k2"
+    )
+    trainer.train()  # a k2 KL loss, so TRL keeps and syncs a reference model
     assert trainer.ref_model is not None
 
 
@@ -399,3 +403,70 @@ def test_hub_errors_in_one_line_turns_only_an_unreachable_hub_into_one_line(monk
         with hub_errors_in_one_line("upload()", "save it and upload later"):
             raise RuntimeError("whatever the client raised offline")
     assert "\n" not in str(err.value) and "save it and upload later" in str(err.value)
+
+
+def test_a_model_that_cannot_load_now_is_one_error_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
+    """check_model_source: a missing folder, a folder that is no model, a Hub id offline and not cached (with the
+    bundled model's name suggested for a misspelling of its Hub id); "bundled", a model folder and a cached id pass."""
+    from huggingface_hub import constants
+
+    import trinity_trl.data.loading as loading
+    from trinity_trl.training.checks import check_model_source
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(loading, "_ask_hub", lambda *a: pytest.fail("asked the Hub offline"))
+    (tmp_path / "notes").mkdir()
+    check_model_source("bundled")
+    check_model_source(tiny_model_dir)
+    for model, message in (
+        ("./mdl", r"^model \./mdl: no such model folder \(looked for \S+mdl\)$"),
+        ("notes", r"^model 'notes' is a folder without config\.json: not a saved model$"),
+        (
+            "HuggingFaceTB/SmolLM2-135M-Instuct",
+            r"^model 'HuggingFaceTB/SmolLM2-135M-Instuct' is not a local path and not in the Hugging Face cache .* "
+            r"HF_HUB_OFFLINE is set, so the Hub is not asked; did you mean HuggingFaceTB/SmolLM2-135M-Instruct\? "
+            r"\('bundled' is that model",
+        ),
+    ):
+        with pytest.raises(FileNotFoundError, match=message):
+            check_model_source(model)
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    check_model_source("someone/tiny")  # in the cache: loads offline
+
+
+def test_a_reward_parameter_no_column_fills_is_refused_naming_both():
+    from datasets import Dataset
+
+    from trinity_trl.training.checks import check_reward_columns
+
+    data = Dataset.from_dict({"prompt": ["What is the capital of Kenya?"], "country": ["Kenya"]})
+
+    def capital_reward(completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    def with_default(completions, answer=None, trainer_state=None, log_metric=None):
+        return [0.0] * len(completions)
+
+    def by_country(prompts, completions, completion_ids, country):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"^reward function 'capital_reward' takes 'answer', but data has no such "):
+        check_reward_columns([length_reward, capital_reward], data, "data")
+    check_reward_columns([with_default, by_country, "owner/reward-model", torch.nn.Linear(1, 1)], data, "data")
+    check_reward_columns(capital_reward, None, "data")  # nothing to check against
+
+
+def test_a_trainer_refuses_such_a_reward_before_it_loads_the_model(tmp_path):
+    from datasets import Dataset
+
+    def capital_reward(completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    data = Dataset.from_dict({"prompt": ["What is the capital of Kenya?"] * 4})
+    args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"'capital_reward' takes 'answer', but train_dataset has no such column"):
+        TrinityTrainer(model=str(tmp_path / "never-loaded"), reward_funcs=capital_reward, train_dataset=data, args=args)

@@ -250,3 +250,66 @@ def test_only_the_process_that_saves_records_the_bundled_models_hub_id(tmp_path)
     assert adapter_config.read_text() == original
     Host(should_save=True)._save(str(saved))
     assert json.loads(adapter_config.read_text()) == {"base_model_name_or_path": bundled.BUNDLED_MODEL_HUB_ID, "r": 4}
+
+
+# ----------------------------------------------------------------------------------- the card's own loading code
+def python_blocks(card: str) -> list[str]:
+    import re
+
+    return re.findall(r"```python\n(.*?)```", card, re.S)
+
+
+def test_the_cards_loading_code_runs_offline_for_a_bundled_and_a_local_base(tmp_path, tiny_model_dir):
+    """Issue 43: the card of an adapter of the bundled model shows first the load that works offline (its base from
+    the installed package, `bundled_model_dir()`), then the Hub one; the card of an adapter of a local model loads it
+    from that folder. Both first blocks, run as written in a fresh offline process with an empty Hub cache (here
+    `bundled_model_dir()` finds the tiny model as its conversion), load the adapter and generate."""
+    import shutil
+    import subprocess
+    import sys
+
+    from launching import scaled_timeout
+
+    from trinity_trl.data import model as bundled
+
+    cache = tmp_path / "cache"
+    bundled_dir = cache / bundled.BUNDLED_MODEL_NAME
+    shutil.copytree(tiny_model_dir, bundled_dir)
+    (bundled_dir / bundled._MARKER).write_text("{}")  # what bundled_model_dir() writes after a conversion
+    cards = {}
+    for name, base in (("bundled", str(bundled_dir)), ("local", tiny_model_dir)):
+        trainer = TrinityTrainer(
+            model=base,
+            reward_funcs=length_reward,
+            peft_config=lora_config(),
+            train_dataset=tiny_conversational_dataset(),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / name), max_steps=1)),
+        )
+        trainer.save_model(str(tmp_path / name))
+        cards[name] = (tmp_path / name / "README.md").read_text()
+    bundled_blocks, local_blocks = python_blocks(cards["bundled"]), python_blocks(cards["local"])
+    assert len(bundled_blocks) == 2 and "bundled_model_dir()" in bundled_blocks[0]
+    assert "AutoPeftModelForCausalLM.from_pretrained" in bundled_blocks[1]  # the Hub's (HuggingFaceTB/...)
+    assert "Offline, on the weights it was trained on" in cards["bundled"] and "With the Hub" in cards["bundled"]
+    assert len(local_blocks) == 1 and "bundled_model_dir" not in local_blocks[0]
+    script = "\n".join(
+        f"exec({block!r}, {{}})\nprint('loaded {name}')"
+        for name, block in (("bundled", bundled_blocks[0]), ("local", local_blocks[0]))
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "empty_hf_home"),  # no Hub cache: the original model cannot come from there
+        "TRINITY_TRL_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled_timeout(300),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded bundled" in result.stdout and "loaded local" in result.stdout

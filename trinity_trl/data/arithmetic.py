@@ -240,6 +240,9 @@ def arithmetic_reward(completions: list, answer: list, **kwargs) -> list[float]:
     return [float(extract_answer(_completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer)]
 
 
+arithmetic_reward.max_reward = 1.0  # declared maximum: the recipes' held-out evaluation reports the share that reach it
+
+
 # "answer is <number>" followed by a character that cannot continue the number: the answer is complete
 _ANSWER_DONE = re.compile(rf"answer\s+is\s*:?\s*\$?\s*(?:\\boxed\{{)?\s*{_NUMBER}(?:[^\d.,]|[.,]\D)", re.IGNORECASE)
 
@@ -251,6 +254,16 @@ def answer_is_complete(text: str) -> bool:
     (so "The answer is 1" and "The answer is 12." wait for the next token, "The answer is 12.\n" does not).
     """
     return _ANSWER_DONE.search(text) is not None
+
+
+def _cache_keyword(model) -> str:
+    """The forward's keyword for the KV cache: ``cache`` where the model's forward takes it (transformers 5.24
+    renamed ``past_key_values``, which then warns on every call), else ``past_key_values``."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    called = getattr(base, "forward", base)  # a module's forward, or any callable standing in for a model
+    return "cache" if "cache" in inspect.signature(called).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -305,6 +318,7 @@ def _greedy_batch(
     batch_rows = list(range(input_ids.shape[0]))  # the dataset row of each row of the batch
     running = set(batch_rows)
     cache = DynamicCache(config=model.config)
+    cache_keyword = _cache_keyword(model)
     tokens, mask = input_ids, attention_mask
     position = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     for step in range(max_new_tokens):
@@ -317,9 +331,9 @@ def _greedy_batch(
             input_ids=tokens,
             attention_mask=mask,
             position_ids=position,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_keyword: cache},
         ).logits[:, -1, :]
         chosen = logits.argmax(dim=-1)
         for row, token in zip(batch_rows, chosen.tolist()):
@@ -354,8 +368,8 @@ def evaluate_accuracy(
     """Greedy accuracy of ``model`` on ``dataset`` (rows with ``prompt`` and ``answer``; a prompt is a
     conversation, rendered with the chat template, or text, given as it is: TRL's two prompt formats).
 
-    Generation is greedy with a KV cache, in batches of ``batch_size`` prompts of similar length; a row
-    stops at EOS, after ``max_new_tokens``, or (``stop_at_answer``) as soon as it has stated a complete
+    Generation is `greedy_completions`: greedy with a KV cache, in batches of ``batch_size`` prompts of similar
+    length; a row stops at EOS, after ``max_new_tokens``, or (``stop_at_answer``) as soon as it has stated a complete
     final answer ("The answer is N." and one more token), and finished rows leave the batch. Without
     ``stop_at_answer`` the completions are those of ``model.generate(do_sample=False)``; with it they are
     their prefixes up to the first stated answer, so a completion that states two answers is scored on
@@ -363,13 +377,43 @@ def evaluate_accuracy(
 
     Returns the accuracy in [0, 1] (and the decoded completions, in dataset order, when ``return_completions``).
     """
+    if len(dataset) == 0:
+        raise ValueError("evaluate_accuracy needs at least one row")
+    completion_ids = greedy_completions(
+        model,
+        tokenizer,
+        dataset["prompt"],
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        stop=answer_is_complete if stop_at_answer else None,
+    )
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    rewards = arithmetic_reward(completions, list(dataset["answer"]))
+    accuracy = sum(rewards) / len(rewards)
+    return (accuracy, completions) if return_completions else accuracy
+
+
+def greedy_completions(
+    model,
+    tokenizer,
+    prompts: list,
+    batch_size: int = 32,
+    max_new_tokens: int = 64,
+    progress: bool = True,
+    stop=None,
+) -> list[list[int]]:
+    """The greedy completion (token ids, without the prompt) of each of ``prompts`` (conversations, rendered with the
+    chat template, or text, given as it is), in order.
+
+    Greedy with a KV cache, in batches of ``batch_size`` prompts of similar length; a row stops at EOS, after
+    ``max_new_tokens``, or as soon as ``stop(decoded completion)`` is true, and finished rows leave the batch. Under
+    ZeRO-3 / FSDP every process runs as many forward passes (an empty ``prompts`` too)."""
     import torch
     from tqdm.auto import tqdm
 
     from .loading import prompt_token_ids
 
-    if len(dataset) == 0:
-        raise ValueError("evaluate_accuracy needs at least one row")
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     was_training = model.training
@@ -377,18 +421,18 @@ def evaluate_accuracy(
     device = next(model.parameters()).device
     eos = _eos_ids(model, tokenizer)
     if tokenizer.pad_token_id is None and not eos:
-        raise ValueError("evaluate_accuracy needs a tokenizer with a pad or eos token (to pad batches)")
+        raise ValueError("greedy evaluation needs a tokenizer with a pad or eos token (to pad batches)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    prompts = prompt_token_ids(tokenizer, dataset["prompt"])  # text or conversations, tokenized as TRL does
+    prompts = prompt_token_ids(tokenizer, list(prompts))  # text or conversations, tokenized as TRL does
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: little padding
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     synced = _needs_synced_forward(model)
 
-    def stop(ids: list[int]) -> bool:
-        return stop_at_answer and answer_is_complete(tokenizer.decode(ids, skip_special_tokens=True))
+    def stopped(ids: list[int]) -> bool:
+        return stop is not None and stop(tokenizer.decode(ids, skip_special_tokens=True))
 
     completion_ids: list[list[int]] = [[] for _ in prompts]
-    idle_ids = torch.tensor([prompts[0][-1:]], device=device)
+    idle_ids = torch.tensor([prompts[0][-1:] if prompts else [pad_id]], device=device)
     num_batches = len(batches)
     if synced:  # every process runs as many batches (empty ones where its shard has fewer)
         count = torch.tensor([num_batches], device=device)
@@ -407,15 +451,12 @@ def evaluate_accuracy(
                     dtype=torch.long,
                     device=device,
                 ).reshape(len(rows), width)
-                completions = _greedy_batch(model, ids, mask, max_new_tokens, eos, stop, synced, idle_ids)
+                completions = _greedy_batch(model, ids, mask, max_new_tokens, eos, stopped, synced, idle_ids)
                 for i, completion in zip(rows, completions):
                     completion_ids[i] = completion
     finally:
         model.train(was_training)
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    rewards = arithmetic_reward(completions, list(dataset["answer"]))
-    accuracy = sum(rewards) / len(rewards)
-    return (accuracy, completions) if return_completions else accuracy
+    return completion_ids
 
 
 def accuracy_by_kind(completions: list, dataset) -> dict[str, float]:

@@ -15,8 +15,11 @@ The reading is ``datasets.load_dataset`` with the builder that matches the file 
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 # data file suffix -> the datasets builder that reads it
@@ -28,14 +31,117 @@ def source_name(source: Any) -> str:
     return os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the dataset"
 
 
-def _looks_like_path(text: str) -> bool:
-    """A name that can only be meant as a local path (a Hub id is ``name`` or ``owner/name``, no suffix)."""
+def looks_like_path(text: str) -> bool:
+    """A name that can only be meant as a local path: it starts with ``.``, ``/``, ``~`` or ``\\``, ends with a
+    slash (``dat/``), has more than one slash, or ends in a file suffix (``capitals.jsnol``; ``data/trian.jsonl``
+    and ``owner/name.csv`` too when the suffix is a data file's). A Hub id is ``name`` or ``owner/name``, which
+    transformers and datasets also read as a Hub id when no such local path exists."""
+    suffix = os.path.splitext(text)[1]
     return (
         text.startswith((".", "/", "~", "\\"))
         or os.path.isabs(text)
-        or os.path.splitext(text)[1].lower() in DATA_FILE_BUILDERS
+        or text.endswith(("/", os.sep))
         or text.count("/") > 1
+        or suffix.lower() in DATA_FILE_BUILDERS
+        or ("/" not in text and re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]{1,7}", suffix) is not None)
     )
+
+
+def missing_path_message(text: str, what: str = "file or folder") -> str:
+    """``<text>: no such <what> (looked for <absolute path>)``, with the closest name in that folder when one is
+    close (``dat/`` -> ``data/``, ``capitals.jsnol`` -> ``capitals.jsonl``)."""
+    path = os.path.abspath(os.path.expanduser(text))
+    close = close_local_name(text)
+    return f"{text}: no such {what} (looked for {path}){f'; did you mean {close}?' if close else ''}"
+
+
+def close_local_name(text: str) -> str | None:
+    """The name of a file or folder beside where ``text`` points whose name is close to it (folders with a trailing
+    slash), spelt as ``text`` is; ``None`` when none is."""
+    path = os.path.abspath(os.path.expanduser(text))
+    parent, name = os.path.split(path.rstrip(os.sep))
+    if not os.path.isdir(parent):
+        return None
+    entries = [e + ("/" if os.path.isdir(os.path.join(parent, e)) else "") for e in os.listdir(parent)]
+    wanted = name + ("/" if text.endswith(("/", os.sep)) else "")
+    close = difflib.get_close_matches(wanted, [e for e in entries if not e.startswith(".")], n=1, cutoff=0.6)
+    return os.path.join(os.path.dirname(text.rstrip("/" + os.sep)), close[0]) if close else None
+
+
+#: seconds the Hub is given to answer whether a repository exists, before a model or dataset id not in the cache is
+#: reported as unreachable
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_repo_problem(repo_id: str, repo_type: str = "model") -> str | None:
+    """Why ``repo_id`` cannot be loaded now, in words that follow its name, or ``None`` when it can (it is in the
+    Hugging Face cache, or the Hub has it). Not in the cache with ``HF_HUB_OFFLINE`` set: the Hub is not asked. Else
+    the Hub is asked once, in a background thread given `HUB_PROBE_SECONDS`: no such repository (404, or private
+    without a login) and no answer in time are both problems. ``repo_type``: ``"model"`` or ``"dataset"``."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        return f"is neither a local path nor a Hub {repo_type} id ({' '.join(str(err).split())})"
+    if in_hub_cache(repo_id, repo_type):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return (
+            f"is not a local path and not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is "
+            "set, so the Hub is not asked"
+        )
+    answer = _ask_hub(repo_id, repo_type)
+    if answer == "missing":
+        return f"is not a local path, and the Hub has no {repo_type} of that id (or it is private: `hf auth login`)"
+    if answer == "no answer":
+        wait = f"{HUB_PROBE_SECONDS:g} s"
+        return f"is not a local path and not in the Hugging Face cache, and the Hub did not answer within {wait}"
+    if answer is not None:
+        return f"is not a local path and not in the Hugging Face cache, and the Hub could not be reached ({answer})"
+    return None
+
+
+def in_hub_cache(repo_id: str, repo_type: str = "model") -> bool:
+    """Whether a snapshot of ``repo_id`` is in the Hugging Face hub cache (or, for a dataset, ``datasets``' own)."""
+    from huggingface_hub import constants
+
+    folder = os.path.join(constants.HF_HUB_CACHE, f"{repo_type}s--{repo_id.replace('/', '--')}", "snapshots")
+    if os.path.isdir(folder) and os.listdir(folder):
+        return True
+    if repo_type == "dataset":
+        import datasets
+
+        return os.path.isdir(os.path.join(datasets.config.HF_DATASETS_CACHE, repo_id.replace("/", "___")))
+    return False
+
+
+def _ask_hub(repo_id: str, repo_type: str) -> str | None:
+    """``None``: the Hub has ``repo_id``; ``"missing"``: it answered that it has not; else why it did not answer."""
+    import threading
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            HfApi().repo_info(repo_id, repo_type=repo_type, timeout=HUB_PROBE_SECONDS)
+            answer.append(None)
+        except GatedRepoError:  # it exists; access is the download's business
+            answer.append(None)
+        except RepositoryNotFoundError:
+            answer.append("missing")
+        except Exception as err:  # noqa: BLE001 - any other failure means no usable answer
+            answer.append(" ".join(str(err).split())[:120] or type(err).__name__)
+
+    thread = threading.Thread(target=ask, name="trinity-trl-hub-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_SECONDS)
+    return answer[0] if answer else "no answer"
 
 
 def load_splits(source: Any, config: str | None = None):
@@ -50,8 +156,9 @@ def load_splits(source: Any, config: str | None = None):
         config: the dataset's configuration name (Hub datasets with several, e.g. GSM8K's ``"main"``).
 
     Raises:
-        FileNotFoundError: ``source`` is a path (it starts with ``.``, ``/`` or ``~``, or ends in a data file
-            suffix) that does not exist, or a folder without data files.
+        FileNotFoundError: ``source`` is a path (`looks_like_path`) that does not exist, a folder without data
+            files, or a Hub id that cannot be loaded now (`hub_repo_problem`: not cached and the Hub offline,
+            unreachable or without it), all before anything is downloaded.
         ValueError: a file with another suffix.
         TypeError: ``source`` is neither a dataset nor a string or path.
     """
@@ -77,7 +184,8 @@ def load_splits(source: Any, config: str | None = None):
                 f"got {suffix or 'no suffix'!r}"
             )
         _check_not_blank({path: text})
-        return load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": path})
+        with _quiet_local_load():
+            return load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": path})
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, marker)) for marker in ("dataset_dict.json", "state.json")):
             loaded = load_from_disk(path)
@@ -93,7 +201,8 @@ def load_splits(source: Any, config: str | None = None):
         from datasets.table import CastError
 
         try:
-            return load_dataset(path, config)
+            with _quiet_local_load():
+                return load_dataset(path, config)
         except DatasetGenerationError as err:
             if not isinstance(err.__cause__, CastError):
                 raise
@@ -103,9 +212,28 @@ def load_splits(source: Any, config: str | None = None):
                 f"another {sorted(cast.requested_column_names)}); datasets reads a folder as one dataset: give every "
                 "split's file the same columns, or load the splits one file at a time"
             ) from err
-    if _looks_like_path(text):
-        raise FileNotFoundError(f"{text}: no such file or folder (looked for {path})")
+    if looks_like_path(text):
+        raise FileNotFoundError(missing_path_message(text))
+    problem = hub_repo_problem(text, "dataset")
+    if problem is not None:
+        close = close_local_name(text)
+        raise FileNotFoundError(f"dataset {text!r} {problem}{f'; did you mean {close}?' if close else ''}")
     return load_dataset(text, config)
+
+
+@contextlib.contextmanager
+def _quiet_local_load() -> Iterator[None]:
+    """Without ``datasets``' progress bars (and restored after): reading local files takes a moment, and its "Generating
+    train split" bars would stand before any one-line error about the data."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
 
 
 def _check_not_blank(files: dict[str, str]) -> None:

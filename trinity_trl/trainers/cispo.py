@@ -46,8 +46,8 @@ class CISPOConfig(TrinityConfig):
       with a positive advantage, or below `1 − mask_clip_range_low` with a negative one.
     * `mask_clip_range_low` (default `1.0`), `mask_clip_range_high` (default `0.28`): see `enable_mask_clip`.
 
-    Defaults otherwise follow the `cispo` preset: GRPO advantages, k2 KL loss (coefficient 0.001),
-    `token-mean` aggregation.
+    Defaults otherwise follow the `cispo` preset: GRPO advantages, `token-mean` aggregation; no KL term unless
+    `kl_loss` names one (the preset's Trinity default: `kl_loss="k2"`, coefficient 0.001).
     """
 
     removed_spellings = {

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import functools
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from trl import GRPOConfig
@@ -53,9 +54,124 @@ REPLACED_GRPO_FIELDS: dict[str, str] = {
 # The GRPOConfig fields above that a policy loss may declare as its own (PolicyLossFn.trl_config_fields)
 # are passed to it; see docs/configuration.md#trls-names.
 
+#: what an unset ``kl_loss`` / ``kl_penalty`` resolves to in a trainer config: TRL's ``beta=0.0`` means no KL term,
+#: and a trainer config keeps that meaning for every preset (CHORD's released configuration uses none either). A
+#: preset's Trinity-RFT default (``k2``, ``kl_coef`` 0.001 for most) stays in its ``default_config()``
+#: (`trinity_trl.algorithms.presets`) and comes back when the config names a KL: ``kl_loss="k2"``
+#: (docs/configuration.md#kl).
+NO_KL = "none"
+
 # the component fields of a config, each a `Component` and the field of the same name of the resolved algorithm
 COMPONENT_FIELDS = ("policy_loss", "advantage", "kl_loss", "kl_penalty", "entropy_loss")
 ARGS_MODES = ("merge", "replace")
+
+
+class ShowsWhatTrains:
+    """Mixin of the trainer configs: the repr shows what a run of the config trains with (`shown_settings`): the
+    preset, each component as it is built, the aggregation, this package's options that are set and the TRL options
+    that differ from TRL's defaults, rather than the ~200 fields as given (where ``kl_loss=None`` would hide which KL
+    the preset resolves to)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # ``@dataclass`` writes a field-by-field ``__repr__`` into every class it decorates unless the class defines
+        # one itself; defining it on each subclass here (before the decorator runs) keeps this one for all of them,
+        # users' subclasses included
+        cls.__repr__ = ShowsWhatTrains.__repr__
+
+    def __repr__(self) -> str:
+        try:
+            shown = shown_settings(self)
+        except Exception as err:  # noqa: BLE001 - a config changed after it was checked: say so, never fail a repr
+            return f"{type(self).__name__}(<does not resolve: {err}>)"
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
+
+    __str__ = __repr__
+
+
+def shown_settings(config: Any) -> dict[str, Any]:
+    """What a run of the trainer config ``config`` trains with, in the order `--print_config`, the config's repr and
+    the tests show it:
+
+    * ``algorithm``, then each component field of the config as the config builds it (`Component`, every argument
+      resolved); a component that is off (``kl_loss``, ``kl_penalty``, ``entropy_loss`` named ``none``) as
+      ``Component("none")``; ``advantage`` only for presets that compute one; then ``loss_agg_mode``;
+    * this package's other options that differ from their defaults (``prefix_packing``, ``expert_batch_size``, ...);
+    * the fields of TRL's config class (``GRPOConfig``, ``SFTConfig``, ``DPOConfig``) that differ from TRL's own
+      defaults (`changed_trl_fields`), ``output_dir`` always.
+    """
+    from ..algorithms import ADVANTAGE_FN, ENTROPY_LOSS_FN, KL_FN
+
+    algorithm = config.resolved_algorithm()
+    own = _own_fields(type(config))
+    shown: dict[str, Any] = {"algorithm": algorithm.algorithm}
+    registries = {"kl_loss": KL_FN, "kl_penalty": KL_FN, "entropy_loss": ENTROPY_LOSS_FN, "advantage": ADVANTAGE_FN}
+    for name in COMPONENT_FIELDS:
+        if name not in own:
+            continue
+        if name == "advantage" and not algorithm.uses_advantage:
+            continue
+        component = getattr(algorithm, name)
+        off = name in ("kl_loss", "kl_penalty", "entropy_loss") and not registries[name].get(component.name).enabled
+        shown[name] = Component(component.name) if off else component
+    shown["loss_agg_mode"] = algorithm.loss_agg_mode
+    for f in fields(config):
+        if f.name in own and f.init and f.name not in shown and f.name not in COMPONENT_FIELDS:
+            value = getattr(config, f.name)
+            if value != _declared_default(f):
+                shown[f.name] = value
+    return shown | changed_trl_fields(config)
+
+
+def changed_trl_fields(config: Any) -> dict[str, Any]:
+    """The fields of the TRL config class ``config`` extends (or is) whose values differ from that class's defaults,
+    ``{name: value}`` in field order, ``output_dir`` first. TRL's defaults are those of an instance built on this
+    machine, so a default TRL resolves when the config is built (``bf16``, ``activation_checkpointing``) counts with
+    its resolved value; ``use_cpu`` is compared with its declared default, and what TrainingArguments derives from
+    it (`_SET_FROM_USE_CPU`) with the derived value only when ``use_cpu`` is set."""
+    trl_base = _trl_base(type(config))
+    defaults, own = _trl_defaults(trl_base), _own_fields(type(config))
+    changed = {"output_dir": config.output_dir}
+    for f in fields(trl_base):
+        if not f.init or f.name in own or f.name == "output_dir":
+            continue
+        declared = f.name == "use_cpu" or (f.name in _SET_FROM_USE_CPU and not config.use_cpu)
+        if getattr(config, f.name) != (_declared_default(f) if declared else defaults[f.name]):
+            changed[f.name] = getattr(config, f.name)
+    return changed
+
+
+# what TrainingArguments sets from use_cpu=True (the reference instance of `_trl_defaults` is built with it)
+_SET_FROM_USE_CPU = ("dataloader_pin_memory",)
+
+
+@functools.cache
+def _trl_defaults(trl_base: type) -> dict[str, Any]:
+    """``{field: TRL's default}`` of the TRL config class ``trl_base``: the values of an instance built on this
+    machine (with ``use_cpu=True``: TrainingArguments refuses its own bf16 default without a GPU otherwise)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference instance's own deprecation or device notices
+        default = trl_base(output_dir="trl-defaults", use_cpu=True)
+    return {f.name: getattr(default, f.name) for f in fields(trl_base) if f.init}
+
+
+def _own_fields(config_class: type) -> set[str]:
+    """The fields of ``config_class`` that are not TRL's: its own, and TRL's that it declares anew with another
+    default (TrinityConfig's ``epsilon``, ``None``: the loss's own bound)."""
+    trl = {f.name: f for f in fields(_trl_base(config_class))}
+    return {
+        f.name
+        for f in fields(config_class)
+        if f.name not in trl or _declared_default(f) != _declared_default(trl[f.name])
+    }
+
+
+def _declared_default(f: Any) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
 
 
 def _field_default(config_class: type, name: str) -> Any:
@@ -66,7 +182,7 @@ def _field_default(config_class: type, name: str) -> Any:
 
 
 @dataclass
-class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
+class TrinityConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -347,17 +463,25 @@ class TrinityConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
                 **implied,
                 "policy_loss": (implied.get("policy_loss") or Component()).with_args(**trl_arguments.args),
             }
-        return resolve_algorithm_config(
+        kl = {name: self._chosen(name, implied) for name in ("kl_loss", "kl_penalty")}
+        resolved = resolve_algorithm_config(
             self.algorithm,
             merge_args=self.component_args_mode == "merge",
             force_loss_agg_mode=True,
             policy_loss=self._chosen("policy_loss", implied),
             advantage=self._chosen("advantage", implied),
-            kl_loss=self._chosen("kl_loss", implied),
-            kl_penalty=self._chosen("kl_penalty", implied),
+            kl_loss=kl["kl_loss"] or NO_KL,
+            kl_penalty=kl["kl_penalty"] or NO_KL,
             entropy_loss=self._chosen("entropy_loss", implied),
             loss_agg_mode=self.loss_agg_mode,
         )
+        for name, chosen in kl.items():
+            if chosen is not None and chosen.name is None and chosen.args and getattr(resolved, name).name == NO_KL:
+                raise ValueError(
+                    f"{type(self).__name__}: {name} sets {sorted(chosen.args)} but names no KL estimator, and the "
+                    f"{self.algorithm!r} preset has none; name one, e.g. {name}={ {'name': 'k2', **chosen.args} }"
+                )
+        return resolved
 
 
 def _check_token_budget(budget: int | None, prefix_packing: bool) -> None:
@@ -395,18 +519,8 @@ def from_trl_config(args: Any, config_class: type, trainer: str) -> Any:
         raise TypeError(
             f"{trainer} needs a {config_class.__name__} or a plain TRL {trl_base.__name__}, got {type(args).__name__}"
         )
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the reference instance's own deprecation or device notices
-        # (use_cpu: TrainingArguments refuses its own bf16 default on a machine without a GPU otherwise)
-        default = trl_base(output_dir=args.output_dir, use_cpu=True)
-    given = {
-        f.name: getattr(args, f.name)
-        for f in fields(trl_base)
-        if f.init and getattr(args, f.name) != (f.default if f.name == "use_cpu" else getattr(default, f.name))
-    }
+    given = changed_trl_fields(args)
     try:
-        return config_class(output_dir=args.output_dir, **given)
+        return config_class(**given)
     except ValueError as err:
         raise ValueError(f"{trainer} with TRL's {trl_base.__name__}: {err}") from err

@@ -43,7 +43,7 @@ from ..training.trl_seams import bind_trl_arguments
 from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import ComponentsBuiltOnce, component_fields
-from .config import from_trl_config
+from .config import ShowsWhatTrains, from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
@@ -72,7 +72,7 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 
 
 @dataclass
-class TrinityDPOConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, DPOConfig):
+class TrinityDPOConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, DPOConfig):
     r"""
     Configuration of [`TrinityDPOTrainer`][]: every
     [`DPOConfig`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOConfig) option, plus the `dpo` preset's KL

@@ -49,7 +49,7 @@ _VALUE_HEADS = ("score", "classifier")
 class PPOConfig(TrinityConfig):
     r"""
     Configuration of [`PPOTrainer`][]: Trinity-RFT's `ppo` preset (PPO-clip policy loss, GAE
-    advantages, k2 KL loss, entropy term) with a value model.
+    advantages, entropy term; its k2 KL loss when `kl_loss` names it) with a value model.
 
     Parameters:
         value_model_name_or_path (`str` or `None`, *optional*):
@@ -81,7 +81,7 @@ class PPOConfig(TrinityConfig):
     FSDP). Not supported (rejected): `fp16` (one loss scaler cannot serve two optimizers; use
     `bf16`), `critic_warmup_steps > 0` under DeepSpeed (its engine steps the policy's optimizer at
     every boundary, gradient or not) and an `advantage` other than `ppo` (GAE). `kl_penalty` (KL in the
-    reward, before GAE) is honoured; the preset's default is `none` with a k2 KL loss.
+    reward, before GAE) is honoured; unset, it is `none`, as is `kl_loss` (TRL's `beta=0.0`: no KL term).
     """
 
     algorithm: str = field(default="ppo", metadata={"help": "Algorithm preset (PPOConfig trains 'ppo' only)."})

@@ -26,7 +26,7 @@ class SAPOConfig(TrinityConfig):
       `GRPOConfig(loss_type="sapo")`.
     * `policy_loss={"form": "trinity"}`: Trinity-RFT's form, `−A·sg(f(r))·log π` (on-policy gradient `2/τ` times
       larger, not vanishing for large ratios). Use `algorithm="sapo"` in [`TrinityConfig`][] for the
-      full Trinity preset (token-mean, k2 KL loss).
+      full Trinity preset (token-mean; its k2 KL loss when you name it, `kl_loss="k2"`).
 
     Parameters:
         policy_loss (`dict`, *optional*): the `sapo` loss's arguments, e.g. `{"form": "trinity", "tau_pos": 1.0}`;

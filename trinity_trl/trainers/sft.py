@@ -37,7 +37,7 @@ from ..training.trl_seams import bind_trl_arguments
 from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import ComponentsBuiltOnce, component_fields
-from .config import from_trl_config
+from .config import ShowsWhatTrains, from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
@@ -56,7 +56,7 @@ REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
 
 
 @dataclass
-class TrinitySFTConfig(ComponentsBuiltOnce, RefusesRemovedSpellings, SFTConfig):
+class TrinitySFTConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, SFTConfig):
     r"""
     Configuration of [`TrinitySFTTrainer`][]: every
     [`SFTConfig`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig) option, plus Trinity-RFT's SFT loss.

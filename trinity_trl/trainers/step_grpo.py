@@ -59,7 +59,8 @@ STD_CAL_LEVELS = ("group", "batch", "none")
 class StepGRPOConfig(TrinityConfig):
     r"""
     Configuration of [`StepGRPOTrainer`][] (preset `multi_step_grpo`: PPO-clip loss, `step_wise_grpo`
-    advantages, k2 KL loss; any policy loss of the library can replace PPO).
+    advantages; no KL term unless `kl_loss` names one, e.g. the preset's `k2`; any policy loss of the library can
+    replace PPO).
 
     Parameters:
         max_env_steps (`int`, *optional*, defaults to `5`):
@@ -209,6 +210,7 @@ class StepGRPOTrainer(TrinityTrainer):
     _name = "Step-wise GRPO"
     config_class = StepGRPOConfig
     requires_prompt = False  # a task's prompt may come from reset()
+    rollouts_add_reward_inputs = True  # env_reward, from the runs
 
     def __init__(
         self,

@@ -71,6 +71,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
     has_critic: ClassVar[bool] = False
     #: every dataset row needs a non-empty ``prompt`` (StepGRPOTrainer: environments may supply it)
     requires_prompt: ClassVar[bool] = True
+    #: the rollouts add inputs of the reward functions beyond the dataset's columns (StepGRPOTrainer: env_reward)
+    rollouts_add_reward_inputs: ClassVar[bool] = False
 
     def __init__(self, model, reward_funcs=None, args: TrinityConfig | None = None, *pos, teacher_model=None, **kwargs):
         model, teacher_model = resolve_model(model), resolve_model(teacher_model)  # "bundled" works everywhere
@@ -87,6 +89,10 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
         checks.check_components(
             type(self), self.algorithm, self.components, args, teacher_model, given.get("rollout_func")
         )
+        # reward functions against the columns (unless rollouts add inputs: an environment, a rollout_func's fields)
+        if not (self.rollouts_add_reward_inputs or given.get("environment_factory") or given.get("rollout_func")):
+            checks.check_reward_columns(given.get("reward_funcs"), given.get("train_dataset"), "train_dataset")
+            checks.check_reward_columns(given.get("reward_funcs"), given.get("eval_dataset"), "eval_dataset")
         if isinstance(model, str) and given.get("processing_class") is None:
             given["processing_class"] = load_processor(model, args)
         if self.requires_prompt and given.get("environment_factory") is None:

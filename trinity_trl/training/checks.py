@@ -19,8 +19,10 @@ handled in a documented way that drops nothing silently (docs/guarantees.md#bad-
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import math
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +168,41 @@ def _validated(name: str, output: Any) -> list[Any]:
         if not math.isfinite(float(value)):
             values[row] = None
     return values
+
+
+#: the keyword arguments TRL's GRPOTrainer passes every reward function besides the dataset's columns (all but
+#: ``prompt``, ``completion`` and ``completion_ids``, which it passes as the first three)
+TRL_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def check_reward_columns(reward_funcs: Any, dataset: Any, name: str) -> None:
+    """Each reward function's parameters without a default are arguments TRL will pass it: `TRL_REWARD_ARGUMENTS`
+    or a column of ``dataset``. One that is neither (an ``answer`` parameter on data without an ``answer`` column)
+    is a one-line ``ValueError`` now, not a ``TypeError`` at the first step after the model has loaded and generated.
+    Reward models (``nn.Module``, model ids) and datasets without known columns pass."""
+    import inspect
+
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or columns is None:
+        return
+    passed = (set(columns) - {"prompt", "completion", "completion_ids"}) | set(TRL_REWARD_ARGUMENTS)
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for func in funcs:
+        if isinstance(func, (str, os.PathLike, torch.nn.Module)) or not callable(func):
+            continue
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+            continue
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        missing = [p.name for p in parameters if p.kind in keyword and p.default is p.empty and p.name not in passed]
+        if missing:
+            listed = ", ".join(repr(m) for m in missing)
+            raise ValueError(
+                f"reward function {getattr(func, '__name__', type(func).__name__)!r} takes {listed}, but {name} has "
+                f"no such column (its columns: {', '.join(columns)}); TRL passes a reward function the dataset's "
+                f"columns and {', '.join(TRL_REWARD_ARGUMENTS)}: add the column, or give the parameter a default"
+            )
 
 
 def checked_reward_func(func: Any, name: str) -> Any:
@@ -389,6 +426,35 @@ def check_completion_room(max_completion_length: int, max_positions: int | None)
             f"max_completion_length ({max_completion_length}) leaves no room for a prompt in the "
             f"model's {max_positions} positions (max_position_embeddings)"
         )
+
+
+def check_model_source(model: Any, option: str = "model") -> None:
+    """A model named by a string that cannot be loaded now is a one-line error before anything loads: a path that
+    does not exist (or a folder without ``config.json``), or a Hub id that is neither in the cache nor on a Hub that
+    answers within `trinity_trl.data.loading.HUB_PROBE_SECONDS` (`trinity_trl.data.loading.hub_repo_problem`).
+    ``"bundled"``, ``None`` and model objects pass; ``option`` names the argument in the message."""
+    from ..data.loading import close_local_name, hub_repo_problem, looks_like_path, missing_path_message
+    from ..data.model import BUNDLED, BUNDLED_MODEL_HUB_ID
+
+    if not isinstance(model, (str, os.PathLike)) or model == BUNDLED:
+        return
+    text = os.fspath(model)
+    path = os.path.expanduser(text)
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")):
+            raise FileNotFoundError(f"{option} {text!r} is a folder without config.json: not a saved model")
+        return
+    if looks_like_path(text):
+        raise FileNotFoundError(f"{option} {missing_path_message(text, 'model folder')}")
+    problem = hub_repo_problem(text, "model")
+    if problem is None:
+        return
+    hint = ""
+    if difflib.get_close_matches(text, [BUNDLED_MODEL_HUB_ID], n=1, cutoff=0.8):
+        hint = f"; did you mean {BUNDLED_MODEL_HUB_ID}? ('{BUNDLED}' is that model, from an installed package, offline)"
+    elif close := close_local_name(text):
+        hint = f"; did you mean {close}?"
+    raise FileNotFoundError(f"{option} {text!r} {problem}{hint}")
 
 
 def check_hub_reachable(args: Any) -> None:

