@@ -17,6 +17,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.component import Component, argument_types
+from ..data.loading import SeededPasses
 from ..training import checks
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
@@ -199,23 +200,6 @@ def expert_completion_ids(tokenizer: Any, answer: str, max_completion_length: in
     return ids[:max_completion_length]
 
 
-class ExpertOrder:
-    """The order demonstrations are drawn in: one global stream, reshuffled every pass over the dataset with the
-    run's seed (position ``p`` of the stream is row ``order(p // size)[p % size]``)."""
-
-    def __init__(self, size: int, seed: int):
-        self.size, self.seed = size, seed
-        self._permutation: tuple[int, torch.Tensor] | None = None  # (epoch, order) of the current pass
-
-    def row(self, position: int) -> int:
-        """The dataset row at ``position`` of the stream."""
-        epoch, offset = divmod(position, self.size)
-        if self._permutation is None or self._permutation[0] != epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._permutation = (epoch, torch.randperm(self.size, generator=generator))
-        return int(self._permutation[1][offset])
-
-
 class ExpertRowsLoss:
     """Trainer mixin (before `TrinityLossMixin` in the bases): the expert rows' inputs of a MIX/CHORD policy loss,
     for ChordTrainer and AsyncChordTrainer alike."""
@@ -264,18 +248,18 @@ class ChordTrainer(ExpertRowsLoss, TrinityTrainer):
         self.expert_dataset = expert_dataset
         self._expert_cache: dict[int, tuple[Any, list[int]]] = {}
         self._expert_cursor = 0  # rows of the global expert stream consumed so far
-        self._expert_order: ExpertOrder | None = None  # built with the run's seed at the first draw
+        self._expert_order: SeededPasses | None = None  # built with the run's seed at the first draw
         self._eval_policy_loss = None  # built at the first evaluation
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
     # ---------------------------------------------------------------------------- expert rows
     def _next_expert_indices(self) -> list[int]:
-        """This process's slice of the next expert rows: one global stream (`ExpertOrder`), split contiguously
-        across processes."""
+        """This process's slice of the next expert rows: one global stream, reshuffled every pass over the dataset
+        with the run's seed (`SeededPasses`), split contiguously across processes."""
         per_process = self.args.local_expert_rows()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         if self._expert_order is None:
-            self._expert_order = ExpertOrder(len(self.expert_dataset), self.args.seed)
+            self._expert_order = SeededPasses(len(self.expert_dataset), self.args.seed)
         start = self._expert_cursor + rank * per_process
         rows = [self._expert_order.row(position) for position in range(start, start + per_process)]
         self._expert_cursor += world * per_process
