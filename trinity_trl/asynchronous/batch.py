@@ -31,6 +31,7 @@ class PackedMicroBatch:
         samples: ``S``, the samples packed in the row (those without a trained token included).
         policy_version: ``(S,)`` the optimizer steps whose weights generated each sample (NaN: a demonstration, or a
             worker that does not say).
+        model_version: ``(S,)`` the same as TRL counts it (weight syncs; NaN: a demonstration).
         expert: ``(S,)`` bool, the demonstrations (CHORD).
         micro_batch: the micro-batch's counts over every process's row, as floats: ``trained_tokens``,
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
@@ -43,6 +44,7 @@ class PackedMicroBatch:
     segment: torch.Tensor
     samples: int
     policy_version: torch.Tensor
+    model_version: torch.Tensor
     expert: torch.Tensor
     micro_batch: dict[str, float]
 
@@ -75,6 +77,7 @@ def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
         segment=segment,
         samples=samples,
         policy_version=inputs["sample_policy_version"][0, :samples],
+        model_version=inputs["sample_model_version"][0, :samples],
         expert=inputs["sample_expert"][0, :samples] != 0,
         micro_batch=micro_batch,
     )

@@ -58,8 +58,11 @@ PLAN_KWARG = "trinity_tree_plan"
 #: ``tree_attention_kernel`` choices: ``auto`` (see `kernel_for`) or one of our kernels TRL's layout can run
 TREE_KERNEL_CHOICES = ("auto", "sdpa_segments", "varlen", "flash_attn")
 
-#: the keys of ``RolloutSample.metrics`` that carry a sample's fields to the loss (seam 3); both are logged as means
+#: the keys of ``RolloutSample.metrics`` that carry a sample's fields to the loss (seam 3); all are logged as means:
+#: its policy version (optimizer steps), its ``model_version`` (TRL's count of weight syncs), and whether it is a
+#: demonstration
 POLICY_VERSION_KEY = "sample/policy_version"
+MODEL_VERSION_KEY = "sample/model_version"
 EXPERT_KEY = "chord/expert_share"
 
 
@@ -265,10 +268,10 @@ class SampleStream:
             self.experts += 1
             sample = self.demonstrations(self.model_version(), self._last_group)
             sample.metrics[EXPERT_KEY] = 1.0
-            sample.metrics[POLICY_VERSION_KEY] = float(self.policy_version(sample.model_version))
             return sample
         sample = self.source.get(block, timeout)
         sample.metrics[POLICY_VERSION_KEY] = float(self.policy_version(sample.model_version))
+        sample.metrics[MODEL_VERSION_KEY] = float(sample.model_version)
         if self.demonstrations is not None:
             sample.metrics[EXPERT_KEY] = 0.0
             if self.kept(sample.model_version):
@@ -293,10 +296,17 @@ def _trl_collator_class() -> type:
 
 
 #: the per-sample tensors `SampleFieldsCollator` adds to a packed micro-batch (dimension 0: one row per process, as
-#: TRL's keys): ``sample_policy_version`` ``(P, S)`` (NaN past a row's samples and for demonstrations),
-#: ``sample_expert`` ``(P, S)`` (1 for a demonstration), ``sample_count`` ``(P,)``, and per micro-batch, repeated on
-#: each row, ``global_n_samples`` and ``global_n_expert``
-SAMPLE_FIELD_KEYS = ("sample_policy_version", "sample_expert", "sample_count", "global_n_samples", "global_n_expert")
+#: TRL's keys): ``sample_policy_version`` and ``sample_model_version`` ``(P, S)`` (NaN past a row's samples and for
+#: demonstrations), ``sample_expert`` ``(P, S)`` (1 for a demonstration), ``sample_count`` ``(P,)``, and per
+#: micro-batch, repeated on each row, ``global_n_samples`` and ``global_n_expert``
+SAMPLE_FIELD_KEYS = (
+    "sample_policy_version",
+    "sample_model_version",
+    "sample_expert",
+    "sample_count",
+    "global_n_samples",
+    "global_n_expert",
+)
 
 
 @functools.cache
@@ -311,6 +321,7 @@ def _collator_class() -> type:
             (rows,) = examples
             width = max(1, max(len(row.samples) for row in rows))
             versions = torch.full((len(rows), width), float("nan"))
+            model_versions = torch.full((len(rows), width), float("nan"))
             expert = torch.zeros((len(rows), width))
             for r, row in enumerate(rows):
                 for s, sample in enumerate(row.samples):
@@ -318,8 +329,10 @@ def _collator_class() -> type:
                     expert[r, s] = float(metrics.get(EXPERT_KEY, 0.0))
                     if not expert[r, s]:
                         versions[r, s] = float(metrics.get(POLICY_VERSION_KEY, float("nan")))
+                        model_versions[r, s] = float(metrics.get(MODEL_VERSION_KEY, float("nan")))
             counts = torch.tensor([float(len(row.samples)) for row in rows])
             batch["sample_policy_version"] = versions
+            batch["sample_model_version"] = model_versions
             batch["sample_expert"] = expert
             batch["sample_count"] = counts
             batch["global_n_samples"] = torch.full((len(rows),), float(counts.sum()))

@@ -66,11 +66,27 @@ from .machine import apply_cpu_defaults, check_run, check_saving_options, start_
 from .trinity_loss import TrinityLossMixin
 
 GENERATION_BACKENDS = ("transformers", "vllm")
+# AsyncGRPOConfig fields that only TRL's vLLM worker reads: with generation_backend="transformers" a value other than
+# the default is refused (it would do nothing), with what to do instead
+VLLM_WORKER_FIELDS: dict[str, str] = {
+    "vllm_server_base_url": "the vLLM server's address",
+    "vllm_server_timeout": "how long to wait for the vLLM server",
+    "request_timeout": "the timeout of a request to the vLLM server",
+    "weight_sync_timeout": "the timeout of a weight transfer to the vLLM server",
+    "max_tool_calling_iterations": "multi-turn tool calling (TRL's worker)",
+    "fork_threshold_tokens": "multi-turn re-tokenization (TRL's worker)",
+    "log_completions": "TRL's worker's completion printout",
+    "num_completions_to_print": "TRL's worker's completion printout",
+}
 # AsyncGRPOConfig fields (and the GRPOConfig fields added below) whose job a component does; as in TrinityConfig
 ASYNC_REPLACED_FIELDS = {
     name: REPLACED_GRPO_FIELDS[name]
     for name in ("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg")
 }
+
+
+def _default(config_class: type, name: str) -> Any:
+    return next(f.default for f in fields(config_class) if f.name == name)
 
 
 def _grpo_field(name: str) -> Any:
@@ -148,6 +164,14 @@ class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
             raise ValueError(
                 f"tree_attention_kernel must be one of {TREE_KERNEL_CHOICES}, got {self.tree_attention_kernel!r}"
             )
+        if self.generation_backend == "transformers":
+            for name, what in VLLM_WORKER_FIELDS.items():
+                value, default = getattr(self, name), _default(type(self), name)
+                if value != default:
+                    raise ValueError(
+                        f"{type(self).__name__}: {name}={value!r} sets {what}, which generation_backend='transformers' "
+                        f"does not use; leave it at {default!r} or set generation_backend='vllm'"
+                    )
         self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
 
 
@@ -174,6 +198,11 @@ def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinit
             raise ValueError(
                 f"advantage {name!r} refills filtered groups with copies of other groups of the batch; the "
                 "asynchronous trainers score each group alone: set duplicate_experiences=False"
+            )
+        if advantage.uses_batch_statistics:
+            raise ValueError(
+                f"advantage {name!r} with these arguments normalises by statistics of the whole batch; the "
+                "asynchronous trainers score each group alone (e.g. std_cal_level='group')"
             )
         if advantage.step_wise:
             raise ValueError(f"advantage {name!r} scores multi-step runs; the asynchronous trainers generate one turn")
@@ -316,6 +345,10 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         self._tree_kernel = functools.partial(kernel_for, self.args.tree_attention_kernel, self.accelerator.device)
         if own_worker:
             rollout_worker.max_queued_samples = self.args.max_inflight_tasks  # TRL's default is set in its __init__
+        if self.args.generation_backend == "transformers" and self.args.token_budget is None:
+            # TRL's default asks the vLLM server for its max_model_len (the cap of prompt + completion); here the cap
+            # is the model's own, as transformers generates
+            self.args.token_budget = checks.model_max_positions(self.accelerator.unwrap_model(self.model)) or 0
         self.ref_model = self._reference_model(model) if self.algorithm.needs_reference else None
         self.loss_normalizer = LossNormalizer(
             self.args.loss_normalization, self.accelerator.num_processes, self.args.gradient_accumulation_steps
@@ -440,8 +473,12 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         if self.components.entropy_loss.enabled:
             entropies = layout.pad(outputs.entropy.flatten()[packed.token_index])
         staleness = self.state.global_step - packed.policy_version.to(torch.float32)  # NaN: demonstrations
+        # max_staleness against the weights trained on: TRL's queue dataset drops a sample that is too old when it
+        # takes it from the queue, but the data loader takes the next micro-batch's samples one weight sync ahead
+        too_stale = (self.model_version - packed.model_version) > self.args.max_staleness  # NaN compares False
+        mask = layout.mask.to(device) * (~too_stale).to(device).unsqueeze(1)
         batch = LossBatch(
-            mask=layout.mask.to(device),
+            mask=mask,
             advantages=layout.pad(packed.advantages),
             old_logps=layout.pad(packed.old_logps),
             ref_logps=self._reference_logps(model, packed, plan, layout) if self.algorithm.needs_reference else None,
@@ -459,11 +496,11 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             mode,
             policy_loss=self._step_policy_loss(inputs),
         )
-        rollouts = staleness[~torch.isnan(staleness)]
-        if rollouts.numel():
-            append_metrics(
-                self._metrics[mode], {"async/staleness": rollouts.mean(), "async/staleness_max": rollouts.max()}
-            )
+        trained = staleness[~torch.isnan(staleness) & ~too_stale]
+        metrics = {"async/dropped_stale_total": float(too_stale.sum())}
+        if trained.numel():
+            metrics.update({"async/staleness": trained.mean(), "async/staleness_max": trained.max()})
+        append_metrics(self._metrics[mode], metrics)
         account_step(self, packed.micro_batch, forward_s)
         return loss
 
