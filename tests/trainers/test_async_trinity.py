@@ -151,14 +151,8 @@ def _sync_loss(trainer, inputs):
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.zero_grad(set_to_none=True)
     if "ref_per_token_logps" not in inputs and trainer.algorithm.needs_reference:
-        with torch.no_grad():
-            inputs["ref_per_token_logps"], _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer,
-                trainer.ref_model,
-                torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
-                inputs["completion_ids"].shape[1],
-            )
+        # as TRL computes them: the reference model, or the policy with its adapter disabled under LoRA
+        inputs["ref_per_token_logps"] = trainer.scoring.reference_logps(inputs)
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     loss.backward()
     return loss.detach(), _grads(trainer.model)
@@ -530,3 +524,39 @@ def test_every_async_grpo_config_field_is_honoured_or_refused():
     own -= {"learning_rate", "logging_steps", "lr_scheduler_type", "ignore_data_skip"}  # TrainingArguments' own
     sorted_out = set(honoured) | set(ASYNC_REPLACED_FIELDS) | set(VLLM_WORKER_FIELDS)
     assert own <= sorted_out, f"unsorted AsyncGRPOConfig fields: {sorted(own - sorted_out)}"
+
+
+def test_lora_kl_reference_is_the_policy_without_its_adapter(tmp_path, float64_model_dir, tiny_dataset):
+    """With LoRA the KL terms' reference is our own forward of the policy with its adapter disabled (no second model):
+    loss and adapter gradients equal the synchronous trainer's, whose reference TRL computes the same way."""
+    from helpers import lora_config
+
+    options = {"algorithm": "grpo", "kl_loss": {"name": "k3", "kl_coef": 0.2}}
+    sync = TrinityTrainer(
+        model=float64_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "s"), prefix_packing=False, **F64, **options)),
+        train_dataset=tiny_dataset,
+        peft_config=lora_config(),
+    )
+    asynchronous = AsyncTrinityTrainer(
+        model=float64_model_dir,
+        reward_funcs=length_reward,
+        args=AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path / "a"), dtype="auto", **options)),
+        train_dataset=tiny_dataset,
+        peft_config=lora_config(),
+    )
+    assert asynchronous.ref_model is None  # no second copy under LoRA
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        theirs = dict(asynchronous.model.named_parameters())
+        for name, p in sync.model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))  # lora_B off 0: KL > 0
+                theirs[name].copy_(p)
+    tokenizer = sync.processing_class
+    old = _old_logps(sync, tokenizer)
+    _assert_same(
+        _sync_loss(sync, _padded_inputs(tokenizer, old)), _async_loss(asynchronous, _packed_inputs(tokenizer, old))
+    )
+    assert asynchronous._metrics["train"]["actor/kl_loss"][-1] > 1e-6
