@@ -209,3 +209,22 @@ def test_the_collator_reads_each_samples_fields_back():
     versions = batch["sample_policy_version"][0]
     assert versions[[0, 1, 3]].tolist() == [2.0, 1.0, 0.0] and torch.isnan(versions[2])
     assert batch["global_n_samples"].tolist() == [4.0] and batch["global_n_expert"].tolist() == [1.0]
+
+
+def test_the_trained_model_still_generates_and_scores_plain_batches():
+    """Under ``"tree_fa3"`` a forward that is no packed row (a recipe's held-out generation, padded rows) runs SDPA
+    with the model's mask: the same logits as the model loaded with ``sdpa``."""
+    register_tree_attention()
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer).to(torch.float64).eval()
+    ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        model.config._attn_implementation = "tree_fa3"
+        got = model(input_ids=ids, attention_mask=mask).logits
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        model.config._attn_implementation = "sdpa"
+        reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert_close(got[mask.bool()], expected[mask.bool()], terms=TINY_MODEL_TERMS)
+    assert torch.equal(generated, reference)

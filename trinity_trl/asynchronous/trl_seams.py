@@ -173,7 +173,17 @@ def tree_fa3_attention(
 ) -> tuple[torch.Tensor, None]:
     """The function registered as ``"tree_fa3"``: TRL's signature, our kernels. ``query`` ``(1, H, N, D)``,
     ``key`` / ``value`` ``(1, H_kv, N, D)``; returns ``(1, N, H, D)``. The plan comes with the forward
-    (``trinity_tree_plan``, our trainers); a forward without one (TRL's own trainer) gets one built per call."""
+    (``trinity_tree_plan``, our trainers); a packed row without one (TRL's own trainer) gets one built per call. A
+    forward that is no packed row (generation, evaluation) runs transformers' SDPA."""
+    plan = trinity_tree_plan
+    if plan is None and tree_kv_index is None:
+        # not one of TRL's packed rows (the trained model generating or evaluated, e.g. a recipe's held-out
+        # accuracy): the model's attention as transformers' SDPA computes it, with the mask `_mask` made
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if sliding_window or softcap:
         raise ValueError(
             "our tree kernels run full causal attention: a model with sliding-window attention or attention "
@@ -181,13 +191,7 @@ def tree_fa3_attention(
         )
     if dropout:
         raise ValueError("tree attention runs without attention dropout (set the model's attention_dropout to 0)")
-    plan = trinity_tree_plan
     if plan is None:
-        if tree_kv_index is None:
-            raise RuntimeError(
-                f"the attention implementation {TRL_TREE_ATTENTION!r} runs TRL's packed rows only (tree_kv_index "
-                "missing); load the model with attn_implementation='sdpa' for other forwards"
-            )
         device = query.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else query.dtype
         plan = tree_plan(
@@ -203,8 +207,12 @@ def tree_fa3_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(**kwargs: Any) -> None:
-    return None  # TRL's packed rows carry their attention pattern in the tree keywords
+def _mask(**kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask (``None`` where causal attention needs none): used by forwards that are not packed rows; a packed
+    row's pattern is its tree keywords (TRL passes it no ``attention_mask``, so no mask is materialised)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(**kwargs)
 
 
 def register_tree_attention() -> None:
@@ -213,7 +221,7 @@ def register_tree_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(TRL_TREE_ATTENTION, tree_fa3_attention)
-    AttentionMaskInterface.register(TRL_TREE_ATTENTION, _no_mask)
+    AttentionMaskInterface.register(TRL_TREE_ATTENTION, _mask)
 
 
 # ==================================================================================== 3. per-sample fields
