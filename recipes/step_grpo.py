@@ -21,6 +21,7 @@ from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import (
     UsageError,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     parse,
     peft_config,
@@ -83,6 +84,7 @@ class StepGRPOScriptArguments:
 
 def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     # 1. options: a YAML config plus command-line overrides
+    choose_trainer(argv, StepGRPOTrainer, "step_grpo")  # --asynchronous is refused: no asynchronous twin
     args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())

@@ -25,6 +25,7 @@ from trinity_trl.recipes.common import (
     RecipeArguments,
     UsageError,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     load_task,
     parse,
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None):
         return importlib.import_module(f"trinity_trl.recipes.{preset.recipe}").main(argv)
     from trinity_trl import trainers
 
-    trainer_class = getattr(trainers, preset.trainer)
+    trainer_class = choose_trainer(argv, getattr(trainers, preset.trainer), "train")  # --asynchronous: the twin
     config_class = trainer_class.config_class
     # (--algorithm is a field of TrinityConfig; the SFT/DPO configs have no choice to make)
     args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))

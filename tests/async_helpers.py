@@ -14,8 +14,8 @@ import torch
 
 def tiny_async_kwargs(**overrides: Any) -> dict[str, Any]:
     """CPU-friendly `AsyncTrinityConfig` keyword arguments for the tiny model (set `output_dir`): groups of 4
-    completions of at most 8 tokens, micro-batches of 4 samples (no token budget: TRL's default asks a vLLM server),
-    2 optimizer steps, no checkpoints, one log line per step."""
+    completions of at most 8 tokens, micro-batches of 4 samples, 2 optimizer steps, no checkpoints, one log line per
+    step."""
     kwargs: dict[str, Any] = {
         "use_cpu": True,
         "per_device_train_batch_size": 4,
@@ -23,7 +23,6 @@ def tiny_async_kwargs(**overrides: Any) -> dict[str, Any]:
         "max_completion_length": 8,
         "max_steps": 2,
         "learning_rate": 1e-3,
-        "token_budget": 0,
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 1,

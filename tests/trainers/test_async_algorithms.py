@@ -74,15 +74,17 @@ def test_cispo_and_sapo_train(trainer_class, config_class, tmp_path, tiny_model_
 
 
 def test_chord_mixes_demonstrations_in_at_its_share_with_mu_in_optimizer_steps(tmp_path, tiny_model_dir, tiny_dataset):
-    """Demonstrations are the configured share of the trained samples (per micro-batch, up to one sample), the loss
+    """A micro-batch holds per_device_train_batch_size rollouts and expert_batch_size demonstrations (within one,
+    as the stream mixes them in at that share), the loss
     sees them as expert rows, and μ at step k is the schedule's value at optimizer step k (counted from 1, as
     ChordTrainer stamps it)."""
     schedule = {"mu_warmup_steps": 1, "mu_decay_steps": 2, "mu_peak": 0.9, "mu_valley": 0.05}
     args = AsyncChordConfig(
         **tiny_async_kwargs(
-            output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8, expert_data_ratio=0.25, **schedule
+            output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=6, expert_batch_size=2, **schedule
         )
     )
+    assert args.expert_share() == 0.25
     trainer = AsyncChordTrainer(tiny_model_dir, length_reward, args, tiny_dataset, expert_dataset=expert_dataset())
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "actor/mu" in entry]
@@ -91,7 +93,8 @@ def test_chord_mixes_demonstrations_in_at_its_share_with_mu_in_optimizer_steps(t
         assert entry["actor/mu"] == pytest.approx(
             mu_schedule_function(step, schedule["mu_warmup_steps"], schedule["mu_decay_steps"], 0.9, 0.05)
         )
-        assert abs(entry["chord/expert_share"] - 0.25) <= 1 / 8  # 8 samples per micro-batch
+        assert abs(entry["chord/expert_share"] - 0.25) <= 1 / 8  # 6 rollouts + 2 demonstrations (within one)
+        assert entry["batch/samples_per_step"] == 8
         assert entry["actor/expert/sft_phi_loss"] > 0  # demonstrations reached the SFT part
     assert trainer._expert_cursor >= 4 * 2 - 1
 

@@ -513,7 +513,7 @@ def test_every_async_grpo_config_field_is_honoured_or_refused():
         "min_p": "the worker's sampling",
         "repetition_penalty": "the worker's sampling",
         "chat_template_kwargs": "the worker's prompt tokenization",
-        "token_budget": "TRL's batcher (None: the model's max positions)",
+        "token_budget": "TRL's batcher (None with our worker: per_device_train_batch_size samples)",
         "max_inflight_tasks": "the worker's max_queued_samples",
         "max_staleness": "TRL's queue dataset",
         "queue_maxsize": "the worker's queue",

@@ -7,13 +7,14 @@ small subclass of [`AsyncTrinityTrainer`][] (docs/asynchronous.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..asynchronous.trl_seams import SampleStream
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
+from ..overrides import temporarily
 from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
 from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
 from .cispo import CISPOFields
@@ -57,16 +58,43 @@ class AsyncChordConfig(ChordFields, AsyncTrinityConfig):
     [`AsyncTrinityConfig`][].
 
     Parameters:
+        expert_batch_size (`int` or `None`, *optional*):
+            Demonstrations per micro-batch beside its `per_device_train_batch_size` rollouts (as [`ChordConfig`][]'s
+            per generation batch): a micro-batch then holds `per_device_train_batch_size + expert_batch_size`
+            samples, and demonstrations are that share of the sample stream. `None`: from `expert_data_ratio`.
         expert_data_ratio (`float`, *optional*, defaults to `0.25`):
-            The share of demonstrations among the samples trained on: one is mixed into the sample stream whenever
-            demonstrations fall below this share of all samples (rollouts dropped as stale not counted). Micro-batches
-            (of variable size under `token_budget`) hold whatever the stream brings; the loss weighs every usual
-            sample of an optimizer step `1 / (usual samples of the step)` and every demonstration `1 / (demonstrations
-            of the step)`, as [`ChordTrainer`][] does (docs/asynchronous.md#chord).
+            The share of demonstrations among the samples trained on, when `expert_batch_size` is `None`
+            (`round(ratio / (1 - ratio) * per_device_train_batch_size)` demonstrations per micro-batch, at least 1).
 
-    μ is scheduled in optimizer steps, as in [`ChordConfig`][]. `expert_batch_size` (a number of rows per generation
-    batch) has no meaning here: there is no generation batch.
+    A demonstration is mixed into the sample stream whenever demonstrations fall below their share of the samples
+    (rollouts dropped as stale not counted), so a micro-batch holds its demonstrations to within one; under
+    `token_budget` micro-batches vary in size and hold the share on average. The loss weighs every usual sample of
+    an optimizer step `1 / (usual samples of the step)` and every demonstration `1 / (demonstrations of the step)`,
+    as [`ChordTrainer`][] does (docs/asynchronous.md#chord). μ is scheduled in optimizer steps, as in
+    [`ChordConfig`][].
     """
+
+    expert_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Demonstrations per micro-batch beside its per_device_train_batch_size rollouts."},
+    )
+
+    def _check_own_fields(self) -> None:
+        super()._check_own_fields()
+        if self.expert_batch_size is not None and self.expert_batch_size < 1:
+            raise ValueError(f"expert_batch_size must be >= 1, got {self.expert_batch_size}")
+
+    def demonstrations_per_micro_batch(self) -> int:
+        """Demonstrations each micro-batch holds beside its ``per_device_train_batch_size`` rollouts."""
+        if self.expert_batch_size is not None:
+            return self.expert_batch_size
+        ratio = self.expert_data_ratio
+        return max(1, round(ratio / (1.0 - ratio) * self.per_device_train_batch_size))
+
+    def expert_share(self) -> float:
+        """The share of demonstrations in the sample stream."""
+        experts = self.demonstrations_per_micro_batch()
+        return experts / (experts + self.per_device_train_batch_size)
 
     def derived_policy_loss_arguments(self) -> dict[str, Any]:
         """The loss's per-sample weights are the trainer's (from each optimizer step's counts): placeholders here,
@@ -109,10 +137,20 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             source,
             self.policy_versions,
             demonstrations=self._demonstration,
-            expert_ratio=self.args.expert_data_ratio,
+            expert_ratio=self.args.expert_share(),
             kept=lambda version: self.model_version - version <= self.args.max_staleness,  # TRL's staleness filter
             model_version=lambda: self.model_version,
         )
+
+    def get_train_dataloader(self):
+        """TRL's fixed-count batcher reads its micro-batch size from ``per_device_train_batch_size`` when the loader
+        is built; a micro-batch holds the rollouts and the demonstrations (`AsyncChordConfig`), so for that one call
+        the size it reads counts both (`trinity_trl.overrides.temporarily`)."""
+        if self.args.token_budget is not None and self.args.token_budget > 0:
+            return super().get_train_dataloader()
+        samples = self.args.per_device_train_batch_size + self.args.demonstrations_per_micro_batch()
+        with temporarily(self.args, per_device_train_batch_size=samples):
+            return super().get_train_dataloader()
 
     def _demonstration(self, model_version: int, group_id: int):
         """The next demonstration as a ``RolloutSample``: its prompt as the worker tokenizes prompts, its answer and

@@ -112,6 +112,10 @@ class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
             of the policy, any device, our advantage components) or `"vllm"` (TRL's worker and a `vllm serve`
             server at `vllm_server_base_url`; TRL's group z-score is the advantage, so `advantage` must be `grpo` at
             its defaults).
+        token_budget (`int` or `None`, *optional*): TRL's: the most tokens one micro-batch row forwards (micro-batches
+            then hold as many samples as fit). Left `None` with `generation_backend="transformers"`, micro-batches hold
+            `per_device_train_batch_size` samples, as the synchronous trainers' (TRL's `token_budget <= 0`); with
+            `"vllm"`, TRL's default (the server's `max_model_len`).
         tree_attention_kernel (`str`, *optional*, defaults to `"auto"`):
             The kernel of the packed rows' tree attention: `"auto"` (`sdpa_segments` on a CPU; on CUDA `flash_attn`,
             else `varlen`, for fp16/bf16, else `sdpa_segments`), or one of them forced. Never downloaded.
@@ -346,9 +350,9 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         if own_worker:
             rollout_worker.max_queued_samples = self.args.max_inflight_tasks  # TRL's default is set in its __init__
         if self.args.generation_backend == "transformers" and self.args.token_budget is None:
-            # TRL's default asks the vLLM server for its max_model_len (the cap of prompt + completion); here the cap
-            # is the model's own, as transformers generates
-            self.args.token_budget = checks.model_max_positions(self.accelerator.unwrap_model(self.model)) or 0
+            # TRL's default asks the vLLM server for its max_model_len; without a server, micro-batches of
+            # per_device_train_batch_size samples, as the synchronous trainers' (set token_budget for TRL's budget)
+            self.args.token_budget = 0
         self.ref_model = self._reference_model(model) if self.algorithm.needs_reference else None
         self.loss_normalizer = LossNormalizer(
             self.args.loss_normalization, self.accelerator.num_processes, self.args.gradient_accumulation_steps
