@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--dry-run", action="store_true", help="the tiny model, 2 steps, one round")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results; $OUT on a GPU)")
+    parser.add_argument(
+        "--out", default=None, help="results folder (default $OUT, else benchmarks/results; --dry-run: a temporary one)"
+    )
     parser.add_argument("--name", default=None, help="results file name (default async_vs_sync[_<device>])")
     parser.add_argument("--one", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--seed={args.seed}",
         *([] if args.lora else ["--no-lora"]),
     ]
-    started = time.time()
+    started, load_start = time.time(), bench_common.loadavg()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as work:
         model_path(args.model, work)  # once, before the first run
@@ -282,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "summary": summarise(rounds),
         "total_wall_s": time.time() - started,
+        "load_average_start": load_start,
+        "load_average_end": bench_common.loadavg(),
     }
     name = args.name or (
         "async_vs_sync" + ("" if args.device == "cpu" else f"_{args.device}") + ("_dry" if args.dry_run else "")
     )
-    out = args.out or os.environ.get("OUT") or RESULTS
+    out = args.out or os.environ.get("OUT")
+    out = out or (tempfile.mkdtemp(prefix="async_vs_sync-dry-") if args.dry_run else RESULTS)
     bench_common.write_report(out, name, report, markdown(report))
     return 0 if all(_ok(r) for r in rounds) else 1
 

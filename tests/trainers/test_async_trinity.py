@@ -57,7 +57,7 @@ def expert_dataset(n: int = 8) -> Dataset:
 # ------------------------------------------------------------------------------------------- the fixed batch
 # four completions of two prompts; the first two share their first two tokens (the tree forks inside a completion);
 # every completion is trained from its first token and the widest one is whole, so the padded rows' width is the
-# widest sample (the one layout difference: docs/asynchronous.md#what-differs)
+# widest sample (the one layout difference: docs/asynchronous.md#what-it-does-not-run)
 COMPLETIONS = [[17, 23, 40, 41, 42, 43], [17, 23, 50, 51], [60, 61, 62, 63, 64, 65], [70, 71, 72]]
 PROMPTS = [0, 0, 1, 1]
 ADVANTAGES = [1.0, -0.5, 0.3, -0.8]

@@ -23,7 +23,7 @@ REMOVED_FIELDS = (
 @dataclass
 class CISPOFields:
     """CISPO's defaults and check, shared by [`CISPOConfig`][] and the asynchronous
-    [`AsyncCISPOConfig`][trinity_trl.trainers.AsyncCISPOConfig]."""
+    [`AsyncCISPOConfig`][trinity_trl.trainers.async_algorithms.AsyncCISPOConfig]."""
 
     removed_spellings = {
         **TrinityConfig.removed_spellings,

@@ -15,7 +15,7 @@ from .trinity import TrinityTrainer
 @dataclass
 class SAPOFields:
     """SAPO's defaults (the paper's loss: `seq-mean-token-mean`, no KL) and check, shared by [`SAPOConfig`][] and the
-    asynchronous [`AsyncSAPOConfig`][trinity_trl.trainers.AsyncSAPOConfig]."""
+    asynchronous [`AsyncSAPOConfig`][trinity_trl.trainers.async_algorithms.AsyncSAPOConfig]."""
 
     removed_spellings = {
         **TrinityConfig.removed_spellings,
