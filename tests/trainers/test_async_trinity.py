@@ -560,3 +560,23 @@ def test_lora_kl_reference_is_the_policy_without_its_adapter(tmp_path, float64_m
         _sync_loss(sync, _padded_inputs(tokenizer, old)), _async_loss(asynchronous, _packed_inputs(tokenizer, old))
     )
     assert asynchronous._metrics["train"]["actor/kl_loss"][-1] > 1e-6
+
+
+def _reward_a(completions, **kwargs):
+    return [1.0, None, float("inf"), 2.0]
+
+
+def _reward_b(completions, **kwargs):
+    return [0.5, float("nan"), 1.0, None]
+
+
+def test_trls_worker_gets_one_picklable_weighted_reward_with_the_unscorable_rule():
+    """For TRL's vLLM worker (which sums its reward functions with weight 1 in a spawned process): one picklable
+    function, the weighted sum, None where no function scored or the sum is not finite (TRL's z-score then leaves
+    the completion out of its group instead of turning the group's advantages into NaN)."""
+    import pickle
+
+    from trinity_trl.trainers.async_trinity import RewardSum
+
+    reward = pickle.loads(pickle.dumps(RewardSum([_reward_a, _reward_b], [1.0, 2.0])))
+    assert reward(completions=[0, 1, 2, 3]) == [2.0, None, None, 2.0]

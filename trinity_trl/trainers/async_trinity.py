@@ -222,6 +222,15 @@ def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinit
             )
 
 
+def _init_kwargs(args: AsyncTrinityConfig) -> dict[str, Any]:
+    """How TRL's AsyncGRPOTrainer loads the policy (``model_init_kwargs``, with ``trust_remote_code`` and ``dtype``),
+    for the other copies of the checkpoint: the worker's and the KL terms' reference."""
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("dtype", args.dtype)
+    return kwargs
+
+
 class RewardSum:
     """The reward functions as ONE picklable reward function for TRL's vLLM worker (which runs them in a spawned
     process and sums them with weight 1): the weighted sum of the functions' values, ``None`` (unscorable: left out
@@ -369,10 +378,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         """Our worker, with its own copy of the policy loaded as TRL loads the trainer's (on the trainer's device)."""
         from trl.trainer.utils import create_model_from_path, get_callable_name
 
-        init_kwargs = dict(args.model_init_kwargs or {})
-        init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        init_kwargs.setdefault("dtype", args.dtype)
-        copy = create_model_from_path(model, device_map=None, attn_implementation="sdpa", **init_kwargs)
+        copy = create_model_from_path(model, device_map=None, attn_implementation="sdpa", **_init_kwargs(args))
         copy.to(args.device)
         eos = copy.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -422,11 +428,8 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
 
         if is_peft_model(self.accelerator.unwrap_model(self.model)):
             return None
-        init_kwargs = dict(self.args.model_init_kwargs or {})
-        init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-        init_kwargs.setdefault("dtype", self.args.dtype)
         reference = create_model_from_path(
-            model, device_map=None, attn_implementation=TRL_TREE_ATTENTION, **init_kwargs
+            model, device_map=None, attn_implementation=TRL_TREE_ATTENTION, **_init_kwargs(self.args)
         )
         reference.eval().requires_grad_(False)
         add_fused_lm_head(reference, temperature=self.temperature, outputs=("log_probs", "entropy"))
