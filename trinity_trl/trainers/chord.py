@@ -33,8 +33,9 @@ def _policy_loss_class(config: TrinityConfig):
 @dataclass
 class ChordFields:
     """CHORD's and MIX's own fields and checks, shared by [`ChordConfig`][] and the asynchronous
-    [`AsyncChordConfig`][trinity_trl.trainers.async_algorithms.AsyncChordConfig]: the preset (a loss that mixes expert rows), the
-    target expert share and μ's schedule, passed to the ``mix_chord`` loss as its arguments of the same names."""
+    [`AsyncChordConfig`][trinity_trl.trainers.async_algorithms.AsyncChordConfig]: the preset (a loss that mixes
+    expert rows), the target expert share and μ's schedule, passed to the ``mix_chord`` loss as its arguments of the
+    same names."""
 
     removed_spellings = {
         **TrinityConfig.removed_spellings,
