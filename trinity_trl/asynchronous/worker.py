@@ -22,6 +22,7 @@ are drawn, not the recorded log-probs (as with TRL's vLLM worker without ``proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -255,15 +256,18 @@ class TransformersRolloutWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.model_version < 0:  # TRL syncs once before start()
-                self._load_committed()
+                with self._on_own_stream():
+                    self._load_committed()
                 self._stop.wait(0.01)
             while not self._stop.is_set():
-                self._load_committed()
                 if self.max_queued_samples and self.rollout_buffer.qsize() >= self.max_queued_samples:
                     self._heartbeat = time.monotonic()  # waiting for the trainer is not a stall
                     self._stop.wait(0.01)
                     continue
-                with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+                # on a GPU the worker's own stream: loading the weights and generating are ordered on it, and overlap
+                # the trainer's kernels (the staged copies are complete: stage_weights synchronised its stream)
+                with self._on_own_stream():
+                    self._load_committed()
                     samples, metrics = self.rollout_group(self.position)
                 for sample in samples:
                     self._put(sample)
@@ -276,6 +280,9 @@ class TransformersRolloutWorker:
         except BaseException as error:  # noqa: BLE001 (reported by check_health, in one line)
             self._failure = error
             logger.error("the rollout worker failed: %s: %s", type(error).__name__, error)
+
+    def _on_own_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _put(self, sample: Any) -> None:
         sample.enqueued_at = time.time()
@@ -367,14 +374,6 @@ class TransformersRolloutWorker:
             **{k: float(v) for k, v in result.metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
         }
         return samples, metrics
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class LocalWeightTransfer:
