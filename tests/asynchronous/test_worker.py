@@ -199,18 +199,22 @@ def test_a_failing_worker_is_reported_in_one_line(tokenizer):
 
 
 def test_a_stalled_worker_is_reported_and_stops_without_hanging(tokenizer):
-    release = threading.Event()
+    """A reward function that hangs stops the worker's progress (a slow generation would not: each token is progress),
+    and ``check_health`` reports it; stop() returns although the thread is stuck."""
+    entered, release = threading.Event(), threading.Event()
 
     def hangs(completions, **kwargs):
+        entered.set()
         release.wait(60)
         return [0.0] * len(completions)
 
     worker = make_worker(tokenizer, reward_funcs=[hangs])
     send(worker, build_tiny_model(tokenizer), version=1)
     worker.start()
+    assert entered.wait(60)
     worker.check_health(stale_after_s=300)  # alive and not yet stale
     time.sleep(0.6)
-    with pytest.raises(RuntimeError, match="stalled: no group finished for") as info:
+    with pytest.raises(RuntimeError, match="stalled: no progress for") as info:
         worker.check_health(stale_after_s=0.5)
     assert "\n" not in str(info.value)
     worker.stop(timeout=0.5)  # the thread is stuck in the reward function: stop() returns, leaving a daemon thread
@@ -230,3 +234,25 @@ def test_the_worker_waits_for_the_trainer(tokenizer):
     thread = worker._thread
     worker.stop()
     assert not thread.is_alive()
+
+
+def test_a_slow_generation_is_progress_not_a_stall(tokenizer):
+    """Each generated token counts as progress: a group whose generation takes longer than heartbeat_stale_after_s
+    (here: every token slowed) is not reported as a stall while it generates."""
+    worker = make_worker(tokenizer, max_completion_length=8)
+    send(worker, build_tiny_model(tokenizer), version=1)
+    forward = worker.model.forward
+    checks = []
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.3)
+        if worker._thread is not None:
+            worker.check_health(stale_after_s=0.5)  # no RuntimeError: the last token was 0.3 s ago
+            checks.append(1)
+        return forward(*args, **kwargs)
+
+    worker.model.forward = slow_forward
+    worker.start()
+    _wait(lambda: worker.rollout_buffer.qsize() >= G or worker._failure is not None, timeout=120)
+    worker.stop()
+    assert worker._failure is None and len(checks) >= 4  # the group took > 0.5 s x 4 and was never stale

@@ -102,12 +102,14 @@ async def _awaited(awaitable):
 
 
 class _StopWhen:
-    """A ``generate`` stopping criterion: every sequence is done once ``event`` is set (the worker is stopping)."""
+    """A ``generate`` stopping criterion, called once per generated token: it reports the progress (``on_token``) and
+    ends every sequence once ``event`` is set (the worker is stopping)."""
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, event: threading.Event, on_token: Callable[[], None]):
+        self.event, self.on_token = event, on_token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.on_token()
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
@@ -239,7 +241,9 @@ class TransformersRolloutWorker:
         self._thread = None
 
     def check_health(self, stale_after_s: float) -> None:
-        """Raise (one line) if the worker failed, ended, or made no progress for ``stale_after_s`` seconds."""
+        """Raise (one line) if the worker failed, ended, or made no progress for ``stale_after_s`` seconds: no token
+        generated, no group scored and queued, and not waiting for the trainer (a slow generation is progress; a
+        reward function that hangs is not)."""
         if self._failure is not None:
             error = self._failure
             raise RuntimeError(f"the rollout worker failed: {type(error).__name__}: {error}") from error
@@ -248,8 +252,7 @@ class TransformersRolloutWorker:
         idle = time.monotonic() - self._heartbeat
         if idle > stale_after_s:
             raise RuntimeError(
-                f"the rollout worker stalled: no group finished for {idle:.0f} s (heartbeat_stale_after_s="
-                f"{stale_after_s:g})"
+                f"the rollout worker stalled: no progress for {idle:.0f} s (heartbeat_stale_after_s={stale_after_s:g})"
             )
 
     # ------------------------------------------------------------------------------------- the loop
@@ -281,6 +284,9 @@ class TransformersRolloutWorker:
             self._failure = error
             logger.error("the rollout worker failed: %s: %s", type(error).__name__, error)
 
+    def _beat(self) -> None:
+        self._heartbeat = time.monotonic()
+
     def _on_own_stream(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
@@ -304,7 +310,7 @@ class TransformersRolloutWorker:
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             generation_config=self.generation_config,
-            stopping_criteria=StoppingCriteriaList([_StopWhen(self._stop)]),
+            stopping_criteria=StoppingCriteriaList([_StopWhen(self._stop, self._beat)]),
         )
         new = out.sequences[:, input_ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float() / self.temperature
