@@ -580,3 +580,11 @@ def test_trls_worker_gets_one_picklable_weighted_reward_with_the_unscorable_rule
 
     reward = pickle.loads(pickle.dumps(RewardSum([_reward_a, _reward_b], [1.0, 2.0])))
     assert reward(completions=[0, 1, 2, 3]) == [2.0, None, None, 2.0]
+
+
+def test_the_worker_needs_reward_functions(tmp_path, tiny_model_dir, tiny_dataset):
+    with pytest.raises(ValueError, match="needs reward_funcs") as info:
+        AsyncTrinityTrainer(
+            tiny_model_dir, None, AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path))), tiny_dataset
+        )
+    assert "\n" not in str(info.value)

@@ -327,6 +327,8 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
                 raise ValueError(
                     "tools and environment_factory need TRL's multi-turn worker: set generation_backend='vllm'"
                 )
+            if own_worker and not reward_funcs:
+                raise ValueError(f"{type(self).__name__} needs reward_funcs: its worker scores each group with them")
             if own_worker:
                 rollout_worker = self._transformers_worker(model, args, processing_class, train_dataset, reward_funcs)
                 weight_transfer = weight_transfer or LocalWeightTransfer(rollout_worker)
