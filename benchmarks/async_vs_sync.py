@@ -194,7 +194,9 @@ def markdown(report: dict) -> str:
         f"Job: {c['algorithm']} on `{c['model']}` ({'LoRA r 16, ' if c['lora'] else ''}{c['prompts']} prompt(s) x "
         f"{c['generations']} completions of at most {c['completion']} tokens per optimizer step), {c['steps']} "
         f"optimizer steps, device `{c['device']}`; {len(report['rounds'])} rounds, each a fresh process per side, "
-        "the side that goes first alternating. Medians (min-max) over rounds.",
+        "the side that goes first alternating; torch threads per run: "
+        + ", ".join(sorted({str(r[side].get("torch_threads")) for r in report["rounds"] for side in ("sync", "async")}))
+        + ". Medians (min-max) over rounds.",
         "",
         "| | synchronous | asynchronous | async / sync (per round) |",
         "|---|---|---|---|",
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="results folder (default $OUT, else benchmarks/results; --dry-run: a temporary one)"
     )
     parser.add_argument("--name", default=None, help="results file name (default async_vs_sync[_<device>])")
+    parser.add_argument("--report-only", metavar="JSON", help="rewrite the Markdown of a results file")
     parser.add_argument("--one", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -251,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.steps, args.repeats, args.completion = "tiny", 2, 1, 8
     if args.one:
         print("RESULT " + json.dumps(one_run(args.one, args, args.work)), flush=True)
+        return 0
+    if args.report_only:
+        with open(args.report_only) as f:
+            report = json.load(f)
+        with open(os.path.splitext(args.report_only)[0] + ".md", "w") as f:
+            f.write(markdown(report))
         return 0
     args.passthrough = [
         f"--algorithm={args.algorithm}",

@@ -60,7 +60,16 @@ def main(model_dir: str, url: str, out: str) -> None:
         max_staleness=1,
     )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = AsyncTrinityTrainer(model_dir, varied_reward, args, tiny_conversational_dataset(16), peft_config=lora)
+    # TRL's worker parses each answer with the tokenizer's response template, which it sets only for chat templates it
+    # knows; the tiny tokenizer's ChatML template is not one, so it gets the template of TRL's own ChatML family
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.response_template = qwen3_template
+    trainer = AsyncTrinityTrainer(
+        model_dir, varied_reward, args, tiny_conversational_dataset(16), processing_class=tokenizer, peft_config=lora
+    )
     trainer.train()
     models = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=60).json()["data"]]
     ids = trainer.processing_class(PROBE)["input_ids"]

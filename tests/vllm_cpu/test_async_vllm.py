@@ -38,22 +38,10 @@ def vllm_server(vllm_model_dir):  # noqa: F811
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    command = [
-        str(Path(sys.executable).with_name("vllm")),
-        "serve",
-        vllm_model_dir,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        "--max-loras",
-        "4",
-    ]
+    # (the `vllm` console script reads the version of a distribution named "vllm"; this one is "vllm-cpu")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir]
+    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "256"]
+    command += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "4"]
     log = open(Path(vllm_model_dir) / "vllm_serve.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
