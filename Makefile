@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-verifiers-04 test-fast test-gpu gpu-check test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-verifiers-04 test-fast test-gpu gpu-check gpu-check-async test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,16 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run) \
 		$(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
+
+# Synchronous against asynchronous training on the same job on the lent GPU (benchmarks/async_vs_sync.py): random
+# weights of Qwen2.5-0.5B's shape (the GPU machine has no model weights), bf16, 2 prompts x 8 completions of at most 128
+# tokens a step, 6 steps, 3 rounds of a fresh process per side (sized for about 6 minutes on an H100, not yet run
+# on a GPU; each run stopped after 240 s); results (async_vs_sync_cuda.json/.md) under $$OUT. On the GPU machine: `bash .gpu/run.sh make
+# gpu-check-async`; here, the tiny model on CPU: `make gpu-check-async DRY_RUN=1`.
+ASYNC_CHECK_ARGS ?= --device cuda --model qwen2.5-0.5b --repeats 3 --steps 6 --prompts 2 --generations 8 \
+	--completion 128 --timeout 240 --no-lora
+gpu-check-async:
+	$(GPU_PY) benchmarks/async_vs_sync.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run,$(ASYNC_CHECK_ARGS))
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
 # of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first

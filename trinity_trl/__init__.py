@@ -40,6 +40,14 @@ __all__ = [
     "TrinitySFTConfig",
     "TrinityDPOTrainer",
     "TrinityDPOConfig",
+    "AsyncTrinityTrainer",
+    "AsyncTrinityConfig",
+    "AsyncCISPOTrainer",
+    "AsyncCISPOConfig",
+    "AsyncSAPOTrainer",
+    "AsyncSAPOConfig",
+    "AsyncChordTrainer",
+    "AsyncChordConfig",
 ]
 
 #: public name -> the module it is imported from on first access (PEP 562): every trainer and config, which the
@@ -48,6 +56,14 @@ _LAZY: dict[str, str] = {name: "trinity_trl.trainers" for name in __all__ if nam
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first access
     from .trainers import (
+        AsyncChordConfig,
+        AsyncChordTrainer,
+        AsyncCISPOConfig,
+        AsyncCISPOTrainer,
+        AsyncSAPOConfig,
+        AsyncSAPOTrainer,
+        AsyncTrinityConfig,
+        AsyncTrinityTrainer,
         ChordConfig,
         ChordTrainer,
         CISPOConfig,

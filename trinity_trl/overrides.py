@@ -28,6 +28,9 @@ def temporarily(obj: Any, **values: Any) -> Iterator[None]:
       it pushes the checkpoint and deletes old ones at its end, before our files and the completion
       marker are written; `trinity_trl.checkpointing.checkpoints.CompleteCheckpoints` does both
       after the marker.
+    * ``args.per_device_train_batch_size`` while ``AsyncGRPOTrainer.get_train_dataloader`` runs for
+      AsyncChordTrainer: TRL's fixed-count batcher takes its micro-batch size from it, and a CHORD micro-batch holds
+      the demonstrations beside that many rollouts.
     """
     saved = {name: getattr(obj, name) for name in values}
     for name, value in values.items():

@@ -26,7 +26,7 @@ import torch
 from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
-import trinity_trl.trainers.trinity as trinity_module
+import trinity_trl.trainers.trinity_loss as trinity_module
 from trinity_trl.trainers import (
     ChordConfig,
     ChordTrainer,

@@ -318,19 +318,43 @@ def check_demonstrations(dataset, name: str):
     return dataset
 
 
-def prompt_token_ids(tokenizer, prompts: list) -> list[list[int]]:
+def prompt_token_ids(tokenizer, prompts: list, chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """The token ids the model is given for each prompt, as TRL's GRPOTrainer tokenizes them: a conversation
-    rendered with the chat template and its generation prompt, text as it is (with the tokenizer's special
-    tokens, e.g. a BOS token)."""
+    rendered with the chat template and its generation prompt (and TRL's ``chat_template_kwargs``), text as it is
+    (with the tokenizer's special tokens, e.g. a BOS token)."""
     ids = []
     for prompt in prompts:
         if isinstance(prompt, str):
             ids.append(tokenizer(prompt)["input_ids"])
         elif is_conversation(prompt):
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
             ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
             raise ValueError(
                 f"a prompt is text or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}"
             )
     return ids
+
+
+class SeededPasses:
+    """An endless stream over ``size`` rows, reshuffled every pass with ``seed``: position ``p`` of the stream is row
+    ``order(p // size)[p % size]``, where pass ``e``'s order is ``torch.randperm(size)`` drawn from a generator seeded
+    with ``seed + e`` (the same on every process and every resume)."""
+
+    def __init__(self, size: int, seed: int):
+        if size < 1:
+            raise ValueError(f"a stream needs at least one row, got size={size}")
+        self.size, self.seed = size, seed
+        self._permutation: tuple[int, Any] | None = None  # (pass, order) of the current pass
+
+    def row(self, position: int) -> int:
+        """The row at ``position`` of the stream."""
+        import torch
+
+        epoch, offset = divmod(position, self.size)
+        if self._permutation is None or self._permutation[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._permutation = (epoch, torch.randperm(self.size, generator=generator))
+        return int(self._permutation[1][offset])

@@ -9,9 +9,13 @@ One base, `TrinityTrainer` (TRL's ``GRPOTrainer`` running any preset), owns TRL'
 trainers (`ChordTrainer`, `CISPOTrainer`, `SAPOTrainer`, `StepGRPOTrainer`,
 `PPOTrainer`) are small subclasses with a config of the right defaults and the one behaviour that is
 theirs, and `TrinitySFTTrainer` / `TrinityDPOTrainer` run the SFT and DPO presets on TRL's own
-trainers. Beside the trainer classes: `components` (the algorithm's components, built once), `machine` (where the
-run happens: CPU defaults, threads, the start checks), `card` (the model card's seams), `common` (TRL plumbing) and
-`spellings` (the removed spellings). Other rooms they compose: `trinity_trl.packing` (prefix-packed forwards),
+trainers. `AsyncTrinityTrainer` (and `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`) run the same
+algorithms on TRL's asynchronous trainer (`async_trinity`, `async_algorithms`; the loss after the forward is
+`trinity_loss`, shared with `TrinityTrainer`; they import TRL's experimental module on first access). Beside the
+trainer classes: `components` (the algorithm's components, built once), `machine` (where the run happens: CPU
+defaults, threads, the start checks), `card` (the model card's seams), `common` (TRL plumbing) and `spellings` (the
+removed spellings); `trinity_trl.asynchronous` is what the asynchronous trainers compose. Other rooms they compose:
+`trinity_trl.packing` (prefix-packed forwards),
 `trinity_trl.rollouts` (multi-step runs) and `trinity_trl.checkpointing`. Tests: ``tests/trainers/``.
 """
 
@@ -23,6 +27,9 @@ import warnings
 for _alias in ("is_gradient_checkpointing", "gradient_checkpointing_enable", "gradient_checkpointing_disable"):
     warnings.filterwarnings("ignore", message=rf"`{_alias}` is deprecated", category=FutureWarning)
 
+import importlib
+from typing import Any
+
 from .chord import ChordConfig, ChordTrainer
 from .cispo import CISPOConfig, CISPOTrainer
 from .config import TrinityConfig
@@ -33,7 +40,30 @@ from .sft import TrinitySFTConfig, TrinitySFTTrainer
 from .step_grpo import StepGRPOConfig, StepGRPOTrainer
 from .trinity import TrinityTrainer
 
+#: the asynchronous trainers (TRL's experimental AsyncGRPOTrainer), imported on first access (PEP 562)
+_ASYNC: dict[str, str] = {
+    "AsyncTrinityConfig": "async_trinity",
+    "AsyncTrinityTrainer": "async_trinity",
+    "AsyncCISPOConfig": "async_algorithms",
+    "AsyncCISPOTrainer": "async_algorithms",
+    "AsyncSAPOConfig": "async_algorithms",
+    "AsyncSAPOTrainer": "async_algorithms",
+    "AsyncChordConfig": "async_algorithms",
+    "AsyncChordTrainer": "async_algorithms",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ASYNC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    *_ASYNC,
     "CISPOConfig",
     "CISPOTrainer",
     "ChordConfig",

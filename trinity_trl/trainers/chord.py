@@ -17,6 +17,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.component import Component, argument_types
+from ..data.loading import SeededPasses
 from ..training import checks
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
@@ -56,7 +57,74 @@ DEFAULT_EXPERT_DATA_RATIO = 0.25
 
 
 @dataclass
-class ChordConfig(TrinityConfig):
+class ChordFields:
+    """CHORD's and MIX's own fields and checks, shared by [`ChordConfig`][] and the asynchronous
+    [`AsyncChordConfig`][trinity_trl.trainers.async_algorithms.AsyncChordConfig]: the preset (a loss that mixes
+    expert rows), the target expert share and μ's schedule, passed to the ``mix_chord`` loss as its arguments of the
+    same names."""
+
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "rl_loss_agg_mode": component_argument_spelling("policy_loss", "grpo_loss_agg_mode"),
+    }
+
+    algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
+    expert_data_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Target expert fraction when expert_batch_size is None; unset 0.25 (0.2 with paper_config)."},
+    )
+    mu_warmup_steps: int | None = field(
+        default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
+    )
+    mu_decay_steps: int | None = field(
+        default=None, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley); unset: the loss's 0."}
+    )
+    mu_peak: float | None = field(default=None, metadata={"help": "Peak mu; unset: the loss's 0.1."})
+    mu_valley: float | None = field(default=None, metadata={"help": "Final mu; unset: the loss's 0.1."})
+    enable_phi_function: bool | None = field(
+        default=None, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss; unset: the loss's True."}
+    )
+    sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
+
+    def __post_init__(self):
+        preset_loss = preset_component(self.algorithm, "policy_loss").name
+        if "expert_mask" not in POLICY_LOSS_FN.get(preset_loss).inputs:
+            raise ValueError(
+                f"{type(self).__name__} trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
+                f"got algorithm={self.algorithm!r}"
+            )
+        super().__post_init__()
+
+    def _check_own_fields(self) -> None:
+        if self.loss_normalization != "micro_batch":
+            raise ValueError(
+                f"{type(self).__name__}: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert "
+                "samples with their own per-sample normalisation (docs/algorithms/chord.md#normalisation)"
+            )
+        if self.expert_data_ratio is None:
+            self.expert_data_ratio = DEFAULT_EXPERT_DATA_RATIO
+        if not 0.0 < self.expert_data_ratio < 1.0:
+            raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
+
+    def _implied_components(self) -> dict[str, Component]:
+        schedule = Component(
+            mu_warmup_steps=self.mu_warmup_steps,
+            mu_decay_steps=self.mu_decay_steps,
+            mu_peak=self.mu_peak,
+            mu_valley=self.mu_valley,
+            enable_phi_function=self.enable_phi_function,
+            sft_loss_agg_mode=self.sft_loss_agg_mode,
+        )
+        given = {name: value for name, value in schedule.args.items() if value is not None}
+        takes = argument_types(_policy_loss_class(self))
+        misplaced = [name for name in given if name not in takes]
+        if misplaced:
+            raise ValueError(f"{misplaced} only apply to CHORD (mix_chord); MIX takes a constant policy_loss.mu")
+        return {"policy_loss": Component(**given)}
+
+
+@dataclass
+class ChordConfig(ChordFields, TrinityConfig):
     r"""
     Configuration of [`ChordTrainer`][]: CHORD (`algorithm="mix_chord"`, default) or MIX (`"mix"`).
 
@@ -93,18 +161,8 @@ class ChordConfig(TrinityConfig):
     schedule fields must then stay unset).
     """
 
-    removed_spellings = {
-        **TrinityConfig.removed_spellings,
-        "rl_loss_agg_mode": component_argument_spelling("policy_loss", "grpo_loss_agg_mode"),
-    }
-
-    algorithm: str = field(default="mix_chord", metadata={"help": "'mix_chord' (CHORD) or 'mix'."})
     expert_batch_size: int | None = field(
         default=None, metadata={"help": "Expert rows per process per generation batch."}
-    )
-    expert_data_ratio: float | None = field(
-        default=None,
-        metadata={"help": "Target expert fraction when expert_batch_size is None; unset 0.25 (0.2 with paper_config)."},
     )
     paper_config: str | None = field(
         default=None,
@@ -113,40 +171,11 @@ class ChordConfig(TrinityConfig):
             "prompt, no KL, the variant's mu and phi; CHORD-mu decays over max_steps unless mu_decay_steps is set)."
         },
     )
-    mu_warmup_steps: int | None = field(
-        default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
-    )
-    mu_decay_steps: int | None = field(
-        default=None, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley); unset: the loss's 0."}
-    )
-    mu_peak: float | None = field(default=None, metadata={"help": "Peak mu; unset: the loss's 0.1."})
-    mu_valley: float | None = field(default=None, metadata={"help": "Final mu; unset: the loss's 0.1."})
-    enable_phi_function: bool | None = field(
-        default=None, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss; unset: the loss's True."}
-    )
-    sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
-
-    def __post_init__(self):
-        preset_loss = preset_component(self.algorithm, "policy_loss").name
-        if "expert_mask" not in POLICY_LOSS_FN.get(preset_loss).inputs:
-            raise ValueError(
-                f"ChordConfig trains presets whose loss mixes expert rows ('mix_chord' for CHORD, 'mix'); "
-                f"got algorithm={self.algorithm!r}"
-            )
-        super().__post_init__()
 
     def _check_own_fields(self) -> None:
-        if self.loss_normalization != "micro_batch":
-            raise ValueError(
-                "ChordConfig: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert samples "
-                "with their own per-sample normalisation (docs/algorithms/chord.md#normalisation)"
-            )
         if self.paper_config is not None:
-            self._apply_paper_config()
-        if self.expert_data_ratio is None:
-            self.expert_data_ratio = DEFAULT_EXPERT_DATA_RATIO
-        if not 0.0 < self.expert_data_ratio < 1.0:
-            raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
+            self._apply_paper_config()  # before the shared checks: it sets the expert share
+        super()._check_own_fields()
         spg = self.steps_per_generation
         if self.expert_batch_size is not None and (self.expert_batch_size < spg or self.expert_batch_size % spg):
             raise ValueError(
@@ -221,22 +250,6 @@ class ChordConfig(TrinityConfig):
             "expert_sample_weight": self.gradient_accumulation_steps / (self.local_expert_rows() * steps),
         }
 
-    def _implied_components(self) -> dict[str, Component]:
-        schedule = Component(
-            mu_warmup_steps=self.mu_warmup_steps,
-            mu_decay_steps=self.mu_decay_steps,
-            mu_peak=self.mu_peak,
-            mu_valley=self.mu_valley,
-            enable_phi_function=self.enable_phi_function,
-            sft_loss_agg_mode=self.sft_loss_agg_mode,
-        )
-        given = {name: value for name, value in schedule.args.items() if value is not None}
-        takes = argument_types(_policy_loss_class(self))
-        misplaced = [name for name in given if name not in takes]
-        if misplaced:
-            raise ValueError(f"{misplaced} only apply to CHORD (mix_chord); MIX takes a constant policy_loss.mu")
-        return {"policy_loss": Component(**given)}
-
 
 def _expert_columns(dataset: Dataset) -> str:
     columns = set(dataset.column_names)
@@ -250,7 +263,51 @@ def _expert_columns(dataset: Dataset) -> str:
     )
 
 
-class ChordTrainer(TrinityTrainer):
+def expert_example(dataset: Dataset, index: int, expert_format: str) -> tuple[Any, str]:
+    """``(prompt, answer text)`` of row ``index`` of ``dataset`` in ``expert_format`` (`_expert_columns`): the
+    conversation before the assistant's answer (or the ``prompt`` column) and that answer."""
+    row = dataset[index]
+    if expert_format == "messages":
+        messages = row["messages"]
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError(f"expert_dataset row {index}: the last message must be the assistant's answer")
+        prompt, answer = messages[:-1], messages[-1]["content"]
+    else:
+        prompt, answer = row["prompt"], row["completion"]
+        if isinstance(answer, list):
+            if len(answer) != 1 or answer[0].get("role") != "assistant":
+                raise ValueError(
+                    f"expert_dataset row {index}: a conversational completion must be one assistant message"
+                )
+            answer = answer[0]["content"]
+    if not isinstance(answer, str) or not answer:
+        raise ValueError(f"expert_dataset row {index}: empty completion")
+    return prompt, answer
+
+
+def expert_completion_ids(tokenizer: Any, answer: str, max_completion_length: int) -> list[int]:
+    """The trained tokens of a demonstration: its answer's ids and the end-of-sequence id, cut to
+    ``max_completion_length`` like a rollout."""
+    ids = tokenizer(text=answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids[:max_completion_length]
+
+
+class ExpertRowsLoss:
+    """Trainer mixin (before `TrinityLossMixin` in the bases): the expert rows' inputs of a MIX/CHORD policy loss,
+    for ChordTrainer and AsyncChordTrainer alike."""
+
+    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        loss_inputs = super()._loss_inputs(batch, logps, mask)
+        loss_inputs["expert_mask"] = batch.expert_rows
+        # demonstrations' behaviour log-probs are 0 (docs/algorithms/chord.md#expert-rows) whether or not TRL computed
+        # old log-probs
+        loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(batch.expert_rows.unsqueeze(1), 0.0)
+        # Trinity stamps samples with the step being trained, counted from 1 (docs/algorithms/chord.md#chord)
+        loss_inputs["step"] = self.state.global_step + 1
+        return loss_inputs
+
+
+class ChordTrainer(ExpertRowsLoss, TrinityTrainer):
     """[`TrinityTrainer`][] that mixes expert demonstrations into every generation batch (CHORD / MIX).
 
     Args:
@@ -283,30 +340,22 @@ class ChordTrainer(TrinityTrainer):
         self.expert_dataset = expert_dataset
         self._expert_cache: dict[int, tuple[Any, list[int]]] = {}
         self._expert_cursor = 0  # rows of the global expert stream consumed so far
-        self._expert_permutation: tuple[int, torch.Tensor] | None = None  # (epoch, order) of the current pass
+        self._expert_order: SeededPasses | None = None  # built with the run's seed at the first draw
         self._eval_policy_loss = None  # built at the first evaluation
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
 
     # ---------------------------------------------------------------------------- expert rows
     def _next_expert_indices(self) -> list[int]:
-        """This process's slice of the next expert rows: one global stream, reshuffled every pass
-        over the dataset with the run's seed, split contiguously across processes."""
+        """This process's slice of the next expert rows: one global stream, reshuffled every pass over the dataset
+        with the run's seed (`SeededPasses`), split contiguously across processes."""
         per_process = self.args.local_expert_rows()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        size = len(self.expert_dataset)
-        rows = []
-        for position in range(self._expert_cursor + rank * per_process, self._expert_cursor + (rank + 1) * per_process):
-            epoch, offset = divmod(position, size)
-            rows.append(int(self._expert_order(epoch)[offset]))
+        if self._expert_order is None:
+            self._expert_order = SeededPasses(len(self.expert_dataset), self.args.seed)
+        start = self._expert_cursor + rank * per_process
+        rows = [self._expert_order.row(position) for position in range(start, start + per_process)]
         self._expert_cursor += world * per_process
         return rows
-
-    def _expert_order(self, epoch: int) -> torch.Tensor:
-        """The seeded permutation of the expert dataset for one pass (cached: one pass at a time)."""
-        if self._expert_permutation is None or self._expert_permutation[0] != epoch:
-            generator = torch.Generator().manual_seed(self.args.seed + epoch)
-            self._expert_permutation = (epoch, torch.randperm(len(self.expert_dataset), generator=generator))
-        return self._expert_permutation[1]
 
     def _trainer_state(self) -> dict[str, Any]:
         return {**super()._trainer_state(), "expert_cursor": self._expert_cursor}
@@ -330,25 +379,11 @@ class ChordTrainer(TrinityTrainer):
     def _tokenize_expert(self, index: int) -> tuple[Any, list[int]]:
         """``(prompt for TRL's prompt tokenizer, completion ids + eos)`` of expert row ``index``."""
         if index not in self._expert_cache:
-            row = self.expert_dataset[index]
-            if self._expert_format == "messages":
-                messages = row["messages"]
-                if not messages or messages[-1].get("role") != "assistant":
-                    raise ValueError(f"expert_dataset row {index}: the last message must be the assistant's answer")
-                prompt, answer = messages[:-1], messages[-1]["content"]
-            else:
-                prompt, answer = row["prompt"], row["completion"]
-                if isinstance(answer, list):
-                    if len(answer) != 1 or answer[0].get("role") != "assistant":
-                        raise ValueError(
-                            f"expert_dataset row {index}: a conversational completion must be one assistant message"
-                        )
-                    answer = answer[0]["content"]
-            if not isinstance(answer, str) or not answer:
-                raise ValueError(f"expert_dataset row {index}: empty completion")
-            tokenizer = self._tokenizer
-            ids = tokenizer(text=answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            self._expert_cache[index] = (prompt, ids[: self.max_completion_length])
+            prompt, answer = expert_example(self.expert_dataset, index, self._expert_format)
+            self._expert_cache[index] = (
+                prompt,
+                expert_completion_ids(self._tokenizer, answer, self.max_completion_length),
+            )
         return self._expert_cache[index]
 
     def _expert_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -435,17 +470,6 @@ class ChordTrainer(TrinityTrainer):
             },
         )
         return merged
-
-    # ----------------------------------------------------------------------------------- loss
-    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-        loss_inputs = super()._loss_inputs(batch, logps, mask)
-        loss_inputs["expert_mask"] = batch.expert_rows
-        # demonstrations' behaviour log-probs are 0 (docs/algorithms/chord.md#expert-rows) whether or not TRL computed
-        # old log-probs
-        loss_inputs["old_logprob"] = loss_inputs["old_logprob"].masked_fill(batch.expert_rows.unsqueeze(1), 0.0)
-        # Trinity stamps samples with the step being trained, counted from 1 (docs/algorithms/chord.md#chord)
-        loss_inputs["step"] = self.state.global_step + 1
-        return loss_inputs
 
 
 def _widen(x: torch.Tensor, width: int, value: float, left: bool = False) -> torch.Tensor:

@@ -21,7 +21,24 @@ REMOVED_FIELDS = (
 
 
 @dataclass
-class CISPOConfig(TrinityConfig):
+class CISPOFields:
+    """CISPO's defaults and check, shared by [`CISPOConfig`][] and the asynchronous
+    [`AsyncCISPOConfig`][trinity_trl.trainers.async_algorithms.AsyncCISPOConfig]."""
+
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        **{name: component_argument_spelling("policy_loss", name) for name in REMOVED_FIELDS},
+    }
+
+    algorithm: str = field(default="cispo", metadata={"help": "Algorithm preset."})
+
+    def _check_own_fields(self) -> None:
+        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
+            raise ValueError(f"{type(self).__name__} needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
+
+
+@dataclass
+class CISPOConfig(CISPOFields, TrinityConfig):
     r"""
     Configuration of [`CISPOTrainer`][] (Trinity-RFT's CISPO, docs/algorithms/policy-losses.md#cispo).
 
@@ -49,17 +66,6 @@ class CISPOConfig(TrinityConfig):
     Defaults otherwise follow the `cispo` preset: GRPO advantages, `token-mean` aggregation; no KL term unless
     `kl_loss` names one (the preset's Trinity default: `kl_loss="k2"`, coefficient 0.001).
     """
-
-    removed_spellings = {
-        **TrinityConfig.removed_spellings,
-        **{name: component_argument_spelling("policy_loss", name) for name in REMOVED_FIELDS},
-    }
-
-    algorithm: str = field(default="cispo", metadata={"help": "Algorithm preset."})
-
-    def _check_own_fields(self) -> None:
-        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), CISPOPolicyLossFn):
-            raise ValueError(f"CISPOConfig needs the 'cispo' policy loss, got {self._policy_loss_name()!r}")
 
 
 class CISPOTrainer(TrinityTrainer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from trl import GRPOConfig
 
@@ -182,7 +182,188 @@ def _field_default(config_class: type, name: str) -> Any:
 
 
 @dataclass
-class TrinityConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, GRPOConfig):
+class AlgorithmFields(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings):
+    """The algorithm part of a trainer config: the preset, its components and how their losses are aggregated and
+    normalised, with the checks and the resolution (`resolved_algorithm`) every such config shares.
+
+    [`TrinityConfig`][] (on TRL's ``GRPOConfig``) and the asynchronous trainers' configs (on TRL's
+    ``AsyncGRPOConfig``, `trinity_trl.trainers.async_trinity`) take these fields from here, so an algorithm is
+    configured the same way (Python, YAML, command line) whichever TRL trainer runs it. A config calls
+    `check_algorithm_fields` at the end of its ``__post_init__``. ``replaced_fields`` lists the fields of the config's
+    TRL base whose job a component does (a non-default value is refused with the replacement named).
+    """
+
+    replaced_fields: ClassVar[dict[str, str]] = {}
+
+    removed_spellings = flat_component_spellings(*COMPONENT_FIELDS)
+
+    algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
+    policy_loss: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The policy loss and its arguments: a name ('cispo') or {name: cispo, clip_range_high: 5.0} "
+            "(YAML; JSON on the command line), or one argument: --policy_loss.clip_range_high 5.0. "
+            "Unset name or arguments: the preset's."
+        },
+    )
+    advantage: dict | str | None = field(
+        default=None,
+        metadata={"help": "The advantage function and its arguments, e.g. {name: grpo, epsilon: 1e-6}."},
+    )
+    kl_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator added to the loss and its arguments, e.g. {name: k3, kl_coef: 0.001}."},
+    )
+    kl_penalty: dict | str | None = field(
+        default=None,
+        metadata={"help": "The KL estimator subtracted from token rewards, e.g. {name: k2, kl_coef: 0.01}."},
+    )
+    entropy_loss: dict | str | None = field(
+        default=None,
+        metadata={"help": "The entropy term and its arguments, e.g. {name: default, entropy_coef: 0.001}."},
+    )
+    loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
+    epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
+            "policy_loss.clip_range (None: the loss's own default)."
+        },
+    )
+    component_args_mode: str = field(
+        default="merge",
+        metadata={"help": "'merge' a component's arguments over its default_args() or 'replace' them (Trinity)."},
+    )
+    loss_normalization: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "'micro_batch' (Trinity: token-mean per micro-batch, then / gradient_accumulation_steps) "
+            "or 'global' (token-mean terms divided by the global token count of the optimizer step)."
+        },
+    )
+
+    def check_algorithm_fields(self) -> None:
+        """Read and check the algorithm fields, then build the components (bad names and arguments fail here), once:
+        the trainer takes them. The config's ``__post_init__`` calls it after TRL's."""
+        component_fields(self, COMPONENT_FIELDS)
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
+            )
+        if self.component_args_mode not in ARGS_MODES:
+            raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
+        ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
+        self._check_replaced_fields()
+        self._check_own_fields()
+        self.check_components()
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
+        out = super().to_dict()
+        for name in COMPONENT_FIELDS:
+            if isinstance(out.get(name), Component):
+                out[name] = out[name].to_dict()
+        return out
+
+    def _check_own_fields(self) -> None:
+        """Hook for subclasses: check their own fields, after TRL's and before the components are built."""
+
+    def _implied_components(self) -> dict[str, Component]:
+        """Hook for subclasses: the components their own options imply, ``{field: Component}``. A name applies
+        when the user chose none; the arguments are laid over the user's (the same argument set to another value
+        on both sides is an error)."""
+        return {}
+
+    def _check_replaced_fields(self) -> None:
+        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
+        for name, replacement in self.replaced_fields.items():
+            value, default = getattr(self, name), _field_default(type(self), name)
+            if (name == "scale_rewards" and value == "group") or name in own:
+                continue
+            if value != default:
+                raise ValueError(
+                    f"{type(self).__name__}: {name}={value!r} is not used by trinity_trl ({replacement}). "
+                    f"Leave it at its default ({default!r})."
+                )
+
+    def _trl_field_arguments(self) -> Component:
+        """The TRL fields the user set that mean an argument of the policy loss, as that loss's arguments
+        (``epsilon_high=0.3`` -> ``Component(clip_range_high=0.3)``); conflicting values are an error."""
+        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
+        given = self.policy_loss.args if self.policy_loss is not None else {}
+        arguments: dict[str, Any] = {}
+        for trl, ours in own.items():
+            if not hasattr(self, trl):  # a TRL field this config does not have (the asynchronous configs')
+                continue
+            value = getattr(self, trl)
+            if value == _field_default(type(self), trl):
+                continue
+            if ours in given and given[ours] != value:
+                raise ValueError(
+                    f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss.{ours}={given[ours]}; "
+                    "set it in one place"
+                )
+            arguments[ours] = value
+        return Component(**arguments)
+
+    def _policy_loss_name(self) -> str:
+        chosen = self.policy_loss.name if self.policy_loss is not None else None
+        return chosen or preset_component(self.algorithm, "policy_loss").name
+
+    def component_name(self, name: str) -> str | None:
+        """The name the user chose for component ``name`` (``"advantage"``, ...), ``None`` for the preset's."""
+        value = getattr(self, name)
+        return value.name if value is not None else None
+
+    def _chosen(self, name: str, implied: dict[str, Component]) -> Component | None:
+        """The user's component ``name`` with what this config's own options imply laid over it."""
+        given, extra = getattr(self, name), implied.get(name)
+        if extra is None:
+            return given
+        if given is None:
+            return extra
+        clash = {k for k in extra.args if k in given.args and given.args[k] != extra.args[k]}
+        if clash:
+            raise ValueError(
+                f"{name} sets {sorted(clash)}, which {type(self).__name__} also sets from its own fields "
+                f"({ {k: extra.args[k] for k in sorted(clash)} }); set them in one place"
+            )
+        return Component(given.name or extra.name, **{**given.args, **extra.args})
+
+    def resolved_algorithm(self) -> AlgorithmConfig:
+        """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution): each
+        component the `Component` you gave (with what this config's own options imply), its name and arguments
+        completed from the preset. Nothing is built (`take_components` hands the trainer the built components)."""
+        implied = self._implied_components()
+        trl_arguments = self._trl_field_arguments()
+        if trl_arguments.args:
+            implied = {
+                **implied,
+                "policy_loss": (implied.get("policy_loss") or Component()).with_args(**trl_arguments.args),
+            }
+        kl = {name: self._chosen(name, implied) for name in ("kl_loss", "kl_penalty")}
+        resolved = resolve_algorithm_config(
+            self.algorithm,
+            merge_args=self.component_args_mode == "merge",
+            force_loss_agg_mode=True,
+            policy_loss=self._chosen("policy_loss", implied),
+            advantage=self._chosen("advantage", implied),
+            kl_loss=kl["kl_loss"] or NO_KL,
+            kl_penalty=kl["kl_penalty"] or NO_KL,
+            entropy_loss=self._chosen("entropy_loss", implied),
+            loss_agg_mode=self.loss_agg_mode,
+        )
+        for name, chosen in kl.items():
+            if chosen is not None and chosen.name is None and chosen.args and getattr(resolved, name).name == NO_KL:
+                raise ValueError(
+                    f"{type(self).__name__}: {name} sets {sorted(chosen.args)} but names no KL estimator, and the "
+                    f"{self.algorithm!r} preset has none; name one, e.g. {name}={ {'name': 'k2', **chosen.args} }"
+                )
+        return resolved
+
+
+@dataclass
+class TrinityConfig(AlgorithmFields, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -269,52 +450,7 @@ class TrinityConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelling
     `clip_range_high`) and `sapo_temperature_pos` / `_neg` (`sapo`: `tau_pos` / `tau_neg`).
     """
 
-    removed_spellings = flat_component_spellings(*COMPONENT_FIELDS)
-
-    algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
-    policy_loss: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "The policy loss and its arguments: a name ('cispo') or {name: cispo, clip_range_high: 5.0} "
-            "(YAML; JSON on the command line), or one argument: --policy_loss.clip_range_high 5.0. "
-            "Unset name or arguments: the preset's."
-        },
-    )
-    advantage: dict | str | None = field(
-        default=None,
-        metadata={"help": "The advantage function and its arguments, e.g. {name: grpo, epsilon: 1e-6}."},
-    )
-    kl_loss: dict | str | None = field(
-        default=None,
-        metadata={"help": "The KL estimator added to the loss and its arguments, e.g. {name: k3, kl_coef: 0.001}."},
-    )
-    kl_penalty: dict | str | None = field(
-        default=None,
-        metadata={"help": "The KL estimator subtracted from token rewards, e.g. {name: k2, kl_coef: 0.01}."},
-    )
-    entropy_loss: dict | str | None = field(
-        default=None,
-        metadata={"help": "The entropy term and its arguments, e.g. {name: default, entropy_coef: 0.001}."},
-    )
-    loss_agg_mode: str | None = field(default=None, metadata={"help": "Loss aggregation mode (default token-mean)."})
-    epsilon: float | None = field(
-        default=None,
-        metadata={
-            "help": "TRL's lower clip bound 1 - epsilon; for ppo, gspo, mix and mix_chord the same as "
-            "policy_loss.clip_range (None: the loss's own default)."
-        },
-    )
-    component_args_mode: str = field(
-        default="merge",
-        metadata={"help": "'merge' a component's arguments over its default_args() or 'replace' them (Trinity)."},
-    )
-    loss_normalization: str = field(
-        default="micro_batch",
-        metadata={
-            "help": "'micro_batch' (Trinity: token-mean per micro-batch, then / gradient_accumulation_steps) "
-            "or 'global' (token-mean terms divided by the global token count of the optimizer step)."
-        },
-    )
+    replaced_fields = REPLACED_GRPO_FIELDS
 
     prefix_packing: bool = field(
         default=True,
@@ -356,11 +492,6 @@ class TrinityConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelling
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
         check_saving_options(self)
-        component_fields(self, COMPONENT_FIELDS)
-        if self.loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ValueError(
-                f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}"
-            )
         if not 0.0 < self.prefix_packing_max_token_ratio <= 1.0:
             raise ValueError(
                 f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}"
@@ -374,114 +505,7 @@ class TrinityConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelling
                 f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
             )
         _check_token_budget(self.prefix_packing_token_budget, self.prefix_packing)
-        if self.component_args_mode not in ARGS_MODES:
-            raise ValueError(f"component_args_mode must be one of {ARGS_MODES}, got {self.component_args_mode!r}")
-        ALGORITHM_TYPE.get(self.algorithm)  # unknown preset -> ValueError listing the presets
-        self._check_replaced_fields()
-        self._check_own_fields()
-        self.check_components()  # builds them now (bad names and arguments fail here), once: the trainer takes them
-
-    def to_dict(self) -> dict[str, Any]:
-        """TrainingArguments' dict (logged, saved as JSON) with each component in its YAML spelling."""
-        out = super().to_dict()
-        for name in COMPONENT_FIELDS:
-            if isinstance(out.get(name), Component):
-                out[name] = out[name].to_dict()
-        return out
-
-    def _check_own_fields(self) -> None:
-        """Hook for subclasses: check their own fields, after TRL's and before the components are built."""
-
-    def _implied_components(self) -> dict[str, Component]:
-        """Hook for subclasses: the components their own options imply, ``{field: Component}``. A name applies
-        when the user chose none; the arguments are laid over the user's (the same argument set to another value
-        on both sides is an error)."""
-        return {}
-
-    def _check_replaced_fields(self) -> None:
-        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
-        for name, replacement in REPLACED_GRPO_FIELDS.items():
-            value, default = getattr(self, name), _field_default(type(self), name)
-            if (name == "scale_rewards" and value == "group") or name in own:
-                continue
-            if value != default:
-                raise ValueError(
-                    f"{type(self).__name__}: {name}={value!r} is not used by trinity_trl ({replacement}). "
-                    f"Leave it at its default ({default!r})."
-                )
-
-    def _trl_field_arguments(self) -> Component:
-        """The TRL fields the user set that mean an argument of the policy loss, as that loss's arguments
-        (``epsilon_high=0.3`` -> ``Component(clip_range_high=0.3)``); conflicting values are an error."""
-        own = POLICY_LOSS_FN.get(self._policy_loss_name()).trl_config_fields
-        given = self.policy_loss.args if self.policy_loss is not None else {}
-        arguments: dict[str, Any] = {}
-        for trl, ours in own.items():
-            value = getattr(self, trl)
-            if value == _field_default(type(self), trl):
-                continue
-            if ours in given and given[ours] != value:
-                raise ValueError(
-                    f"{trl}={value} (the policy loss's {ours}) conflicts with policy_loss.{ours}={given[ours]}; "
-                    "set it in one place"
-                )
-            arguments[ours] = value
-        return Component(**arguments)
-
-    def _policy_loss_name(self) -> str:
-        chosen = self.policy_loss.name if self.policy_loss is not None else None
-        return chosen or preset_component(self.algorithm, "policy_loss").name
-
-    def component_name(self, name: str) -> str | None:
-        """The name the user chose for component ``name`` (``"advantage"``, ...), ``None`` for the preset's."""
-        value = getattr(self, name)
-        return value.name if value is not None else None
-
-    def _chosen(self, name: str, implied: dict[str, Component]) -> Component | None:
-        """The user's component ``name`` with what this config's own options imply laid over it."""
-        given, extra = getattr(self, name), implied.get(name)
-        if extra is None:
-            return given
-        if given is None:
-            return extra
-        clash = {k for k in extra.args if k in given.args and given.args[k] != extra.args[k]}
-        if clash:
-            raise ValueError(
-                f"{name} sets {sorted(clash)}, which {type(self).__name__} also sets from its own fields "
-                f"({ {k: extra.args[k] for k in sorted(clash)} }); set them in one place"
-            )
-        return Component(given.name or extra.name, **{**given.args, **extra.args})
-
-    def resolved_algorithm(self) -> AlgorithmConfig:
-        """The algorithm with every component and argument resolved (docs/algorithms/presets.md#resolution): each
-        component the `Component` you gave (with what this config's own options imply), its name and arguments
-        completed from the preset. Nothing is built (`take_components` hands the trainer the built components)."""
-        implied = self._implied_components()
-        trl_arguments = self._trl_field_arguments()
-        if trl_arguments.args:
-            implied = {
-                **implied,
-                "policy_loss": (implied.get("policy_loss") or Component()).with_args(**trl_arguments.args),
-            }
-        kl = {name: self._chosen(name, implied) for name in ("kl_loss", "kl_penalty")}
-        resolved = resolve_algorithm_config(
-            self.algorithm,
-            merge_args=self.component_args_mode == "merge",
-            force_loss_agg_mode=True,
-            policy_loss=self._chosen("policy_loss", implied),
-            advantage=self._chosen("advantage", implied),
-            kl_loss=kl["kl_loss"] or NO_KL,
-            kl_penalty=kl["kl_penalty"] or NO_KL,
-            entropy_loss=self._chosen("entropy_loss", implied),
-            loss_agg_mode=self.loss_agg_mode,
-        )
-        for name, chosen in kl.items():
-            if chosen is not None and chosen.name is None and chosen.args and getattr(resolved, name).name == NO_KL:
-                raise ValueError(
-                    f"{type(self).__name__}: {name} sets {sorted(chosen.args)} but names no KL estimator, and the "
-                    f"{self.algorithm!r} preset has none; name one, e.g. {name}={ {'name': 'k2', **chosen.args} }"
-                )
-        return resolved
+        self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
 
 
 def _check_token_budget(budget: int | None, prefix_packing: bool) -> None:

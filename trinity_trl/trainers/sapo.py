@@ -13,7 +13,29 @@ from .trinity import TrinityTrainer
 
 
 @dataclass
-class SAPOConfig(TrinityConfig):
+class SAPOFields:
+    """SAPO's defaults (the paper's loss: `seq-mean-token-mean`, no KL) and check, shared by [`SAPOConfig`][] and the
+    asynchronous [`AsyncSAPOConfig`][trinity_trl.trainers.async_algorithms.AsyncSAPOConfig]."""
+
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "sapo_form": component_argument_spelling("policy_loss", "form"),
+    }
+
+    algorithm: str = field(default="sapo", metadata={"help": "Algorithm preset."})
+    loss_agg_mode: str | None = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation mode."})
+    kl_loss: dict | str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
+
+    def _implied_components(self) -> dict[str, Component]:
+        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
+            raise ValueError(f"{type(self).__name__} needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
+        if self.policy_loss is None or "form" not in self.policy_loss.args:
+            return {"policy_loss": Component(form="paper")}  # this trainer's default: the SAPO paper's (and TRL's)
+        return {}
+
+
+@dataclass
+class SAPOConfig(SAPOFields, TrinityConfig):
     r"""
     Configuration of [`SAPOTrainer`][].
 
@@ -35,22 +57,6 @@ class SAPOConfig(TrinityConfig):
         sapo_temperature_neg (`float`, *optional*, defaults to `1.05`): Gate temperature for A ≤ 0;
             must be ≥ `sapo_temperature_pos`.
     """
-
-    removed_spellings = {
-        **TrinityConfig.removed_spellings,
-        "sapo_form": component_argument_spelling("policy_loss", "form"),
-    }
-
-    algorithm: str = field(default="sapo", metadata={"help": "Algorithm preset."})
-    loss_agg_mode: str | None = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation mode."})
-    kl_loss: dict | str | None = field(default="none", metadata={"help": "KL loss (none in the SAPO paper)."})
-
-    def _implied_components(self) -> dict[str, Component]:
-        if not issubclass(POLICY_LOSS_FN.get(self._policy_loss_name()), SAPOPolicyLossFn):
-            raise ValueError(f"SAPOConfig needs the 'sapo' policy loss, got {self._policy_loss_name()!r}")
-        if self.policy_loss is None or "form" not in self.policy_loss.args:
-            return {"policy_loss": Component(form="paper")}  # this trainer's default: the SAPO paper's (and TRL's)
-        return {}
 
 
 class SAPOTrainer(TrinityTrainer):

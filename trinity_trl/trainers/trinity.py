@@ -35,7 +35,7 @@ from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.engines import engine_of
 from ..training.generation import FORWARD_KEYS, TRLGeneration
-from ..training.loss import LossBatch, LossNormalizer, micro_batch_loss
+from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
 from ..training.scoring import Scoring
 from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
@@ -51,9 +51,10 @@ from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig, from_trl_config
 from .machine import check_run, start_run
+from .trinity_loss import TrinityLossMixin
 
 
-class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`][]).
 
     Arguments are those of [`GRPOTrainer`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer), plus
@@ -228,27 +229,6 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
     def _use_advantage_extras(self, output: dict, result: Advantages) -> None:
         """Hook for more outputs of a batch advantage function (PPOTrainer: ``returns``)."""
 
-    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-        """Keyword inputs of the policy loss; subclasses add theirs (ChordTrainer: ``expert_mask``, ``step``)."""
-        advantages = batch.advantages
-        if batch.importance_sampling_ratio is not None:
-            # TRL weights each token's loss by the vLLM IS ratio; a loss linear in the advantage gets the
-            # same weighting from scaled advantages (ratio >= 0 keeps signs and clip branches)
-            advantages = (
-                advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            ) * batch.importance_sampling_ratio
-        return {
-            "logprob": logps,
-            "old_logprob": logps.detach() if batch.old_logps is None else batch.old_logps,
-            "action_mask": mask,
-            "advantages": advantages,
-            "ref_logprob": batch.ref_logps,
-        }
-
-    def _policy_loss_for(self, mode: str):
-        """The policy loss of a training or evaluation micro-batch (ChordTrainer weighs eval rows apart)."""
-        return self.components.policy_loss
-
     def _trainer_state(self) -> dict[str, Any]:
         """State a checkpoint carries beyond TRL's (``trinity_trainer_state.json``); subclasses add theirs
         (``micro_step``: TRL's counter, which decides when the next generation happens)."""
@@ -405,33 +385,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in FORWARD_KEYS},
         )
-        # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
-        # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
-        mask, guard_metrics = checks.guard_loss_mask(batch.mask, logps, batch, entropies)
-        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(batch, logps, mask).items()}
-        loss, metrics = micro_batch_loss(
-            self._policy_loss_for(mode),
-            self.components,
-            self.loss_normalizer,
-            self.algorithm.loss_agg_mode,
-            batch,
-            loss_inputs,
-            entropies,
-            mask,
-        )
-        if mode == "train":  # GRPOTrainer sets loss_is_scaled_for_ga: transformers does not divide
-            loss = loss / self.current_gradient_accumulation_steps
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / (
-                self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            )
-            metrics["aux_loss"] = aux_loss.detach()
-        guard_metrics["guards/nonfinite_loss"] = float(not checks.is_finite(loss))
-        if guard_metrics["guards/nonfinite_loss"]:  # e.g. an unclamped ratio overflowed: skip this micro-batch
-            loss = checks.zero_loss(model)
-        metrics["actor/loss"] = loss.detach()
-        append_metrics(self._metrics[mode], {**metrics, **guard_metrics})
-        return loss
+        return self._micro_batch_loss(model, batch, logps, entropies, aux_loss, mode)
 
     # ------------------------------------------------------------------------------ state, logs
     def evaluate(self, *args, **kwargs):

@@ -386,13 +386,15 @@ def check_components(
             f"entropy_loss {algorithm.entropy_loss.name!r} needs expert rows; use ChordTrainer, or "
             "entropy_loss='default'"
         )
-    if args.use_vllm and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
+    # (the asynchronous trainers' configs have no use_vllm, sync_ref_model or steps_per_generation: TRL's
+    # AsyncGRPOConfig generates with a vLLM server or our worker, keeps no reference model and has no generation batch)
+    if getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction and not policy.linear_in_advantage:
         raise ValueError(
             f"policy loss {algorithm.policy_loss.name!r} with these arguments is not linear in the advantage, so TRL's "
             "vLLM importance-sampling weight cannot be applied through the advantages; set "
             "vllm_importance_sampling_correction=False"
         )
-    if args.sync_ref_model and not algorithm.needs_reference:
+    if getattr(args, "sync_ref_model", False) and not algorithm.needs_reference:
         raise ValueError(
             "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "
             "penalty): set kl_loss or kl_penalty, or sync_ref_model=False"
@@ -406,7 +408,7 @@ def check_components(
             "returns 'teacher_logprobs'"
         )
     if advantage.needs_reward_baselines and (
-        args.per_device_train_batch_size * args.steps_per_generation % args.num_generations
+        args.per_device_train_batch_size * getattr(args, "steps_per_generation", 1) % args.num_generations
     ):
         raise ValueError(
             f"advantage {name!r} scores one greedy completion per prompt group, so each process's "

@@ -58,6 +58,12 @@ class GroupAdvantageFn(AdvantageFn, ExperienceOperator):
         """Whether the output holds copies of kept experiences in place of filtered groups."""
         return False
 
+    @property
+    def uses_batch_statistics(self) -> bool:
+        """Whether a group's scores depend on the other groups of the call (e.g. GRPO's ``std_cal_level="batch"``):
+        a trainer that scores each group alone (the asynchronous trainers) cannot run it."""
+        return False
+
     @classmethod
     def compute_in_trainer(cls) -> bool:
         return False

@@ -151,6 +151,10 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
     def refills_filtered_groups(self) -> bool:
         return self.duplicate_experiences and self.std_threshold is not None
 
+    @property
+    def uses_batch_statistics(self) -> bool:
+        return self.std_cal_level == "batch"
+
     def group_scores(
         self, group: list[Experience], batch_std: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:

@@ -1,0 +1,177 @@
+"""Helpers of the asynchronous trainers' tests (tests/asynchronous/, tests/trainers/test_async_*.py): rollout samples
+built by hand, TRL's packing and our collator on them, scripted rollout workers, and tiny CPU configs."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def tiny_async_kwargs(**overrides: Any) -> dict[str, Any]:
+    """CPU-friendly `AsyncTrinityConfig` keyword arguments for the tiny model (set `output_dir`): groups of 4
+    completions of at most 8 tokens, micro-batches of 4 samples, 2 optimizer steps, no checkpoints, one log line per
+    step."""
+    kwargs: dict[str, Any] = {
+        "use_cpu": True,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def save_float64_model(path, tokenizer) -> str:
+    """The tiny Qwen2 (tests/helpers.py) saved in float64 with its tokenizer; both trainers load it as it is."""
+    from helpers import build_tiny_model
+
+    model = build_tiny_model(tokenizer).to(torch.float64)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def rollout_sample(
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    logps: list[float],
+    advantage: float,
+    group_id: int,
+    model_version: int = 1,
+    trained: bool = True,
+    metrics: dict[str, float] | None = None,
+):
+    """A TRL ``RolloutSample`` of one completion (``logps``: its behaviour log-probs, one per completion token)."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    return RolloutSample(
+        prompt=[],
+        completion=[],
+        input_ids=np.asarray(prompt_ids + completion_ids, dtype=np.int64),
+        completion_mask=np.asarray([0] * len(prompt_ids) + [int(trained)] * len(completion_ids), dtype=np.int64),
+        old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(logps), dtype=np.float32),
+        advantage=float(advantage),
+        model_version=model_version,
+        group_id=group_id,
+        metrics=dict(metrics or {}),
+    )
+
+
+def queue_item(sample) -> dict[str, Any]:
+    """``sample`` as TRL's queue dataset hands it to the batcher."""
+    return {
+        "input_ids": sample.input_ids,
+        "completion_mask": sample.completion_mask,
+        "old_log_probs": sample.old_log_probs,
+        "advantage": sample.advantage,
+        "group_id": sample.group_id,
+        "metrics": sample.metrics,
+    }
+
+
+def packed_batch(samples: list, pad_token_id: int, step_totals: bool = True) -> dict[str, Any]:
+    """One micro-batch of ``samples`` in one packed row (one process), through TRL's ``TreeRow`` and our collator
+    (`trinity_trl.asynchronous.trl_seams`), with the optimizer step's totals of a one-micro-batch step."""
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    from trinity_trl.asynchronous.trl_seams import _collator_class
+
+    row = TreeRow()
+    for sample in samples:
+        row.add(queue_item(sample))
+    batch = _collator_class()(pad_token_id, 1)([[row]])
+    if step_totals:
+        batch["step_trained_tokens"] = batch["global_n_tokens"][:1].clone()
+        batch["step_samples"] = batch["global_n_samples"][:1].clone()
+        batch["step_expert_samples"] = batch["global_n_expert"][:1].clone()
+    return batch
+
+
+class ScriptedWorker:
+    """A ``RolloutWorkerProtocol`` that serves ``make_sample(n, model_version)`` as fast as the queue takes them (its
+    own thread), or fails / stalls on request: ``fail_after`` samples, then raise; ``stall_after`` samples, then
+    hang (heartbeat stops)."""
+
+    def __init__(self, make_sample, fail_after: int | None = None, stall_after: int | None = None, maxsize: int = 64):
+        self.rollout_buffer: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.make_sample = make_sample
+        self.fail_after, self.stall_after = fail_after, stall_after
+        self.model_version = 0
+        self.versions_seen: list[int] = []
+        self.failure: BaseException | None = None
+        self.heartbeat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        try:
+            while not self._stop.is_set():
+                if self.fail_after is not None and n >= self.fail_after:
+                    raise RuntimeError("scripted worker failure")
+                if self.stall_after is not None and n >= self.stall_after:
+                    self._stop.wait()  # hangs: no heartbeat, no sample
+                    return
+                sample = self.make_sample(n, self.model_version)
+                while not self._stop.is_set():
+                    try:
+                        self.rollout_buffer.put(sample, timeout=0.05)
+                        break
+                    except queue.Full:
+                        self.heartbeat = time.monotonic()
+                n += 1
+                self.heartbeat = time.monotonic()
+        except BaseException as error:  # noqa: BLE001
+            self.failure = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def update_model_version(self, model_version: int) -> None:
+        self.model_version = model_version
+        self.versions_seen.append(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the rollout worker failed: {self.failure}")
+        if time.monotonic() - self.heartbeat > stale_after_s:
+            raise RuntimeError("the rollout worker stalled")
+
+
+class NoTransfer:
+    """A ``WeightTransferProtocol`` that moves nothing (the scripted worker has no model)."""
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def send_weights(self, iterator) -> None:
+        for _ in iterator:
+            pass
+
+    def resume(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass

@@ -1,0 +1,103 @@
+"""``--asynchronous``: a recipe trains with its trainer's asynchronous twin from the same config, in one argument
+(docs/asynchronous.md); recipes without a twin refuse it in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from trinity_trl.cli import run as cli
+from trinity_trl.recipes.common import UsageError, asynchronous_requested
+
+# a bundled CPU config made tiny: the tiny model, 2 steps of one group of 4 completions of 8 tokens, 4 held-out rows
+TINY = ["--max_steps", "2", "--num_train_rows", "8", "--num_eval_rows", "4", "--eval_max_new_tokens", "8"]
+TINY += ["--eval_batch_size", "4", "--max_completion_length", "8", "--per_device_train_batch_size", "4"]
+TINY += ["--num_generations", "4", "--lora_r", "4", "--lora_alpha", "8"]
+
+
+@pytest.mark.parametrize(
+    "command, config, extra, trainer",
+    [
+        ("cispo", "cispo_cpu", [], "AsyncCISPOTrainer"),
+        (
+            "chord",
+            "chord_cpu",
+            ["--expert_batch_size", "2", "--num_expert_rows", "8", "--mu_decay_steps", "2"],
+            "AsyncChordTrainer",
+        ),
+        ("train", "train_cpu", ["--algorithm", "opmd"], "AsyncTrinityTrainer"),
+    ],
+)
+def test_a_recipe_trains_asynchronously_with_one_more_argument(
+    command, config, extra, trainer, tmp_path, tiny_model_dir
+):
+    run = cli(
+        [
+            command,
+            "--config",
+            config,
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(tmp_path),
+            *TINY,
+            *extra,
+            "--asynchronous",
+        ]
+    )
+    assert type(run).__name__ == trainer and run.state.global_step == 2
+    log = json.loads((tmp_path / "training_log.json").read_text())
+    assert 0.0 <= log["summary"]["accuracy_after"] <= 1.0  # the trained model generates for the held-out check
+    assert any("async/staleness" in entry for entry in log["log_history"])
+    assert {"adapter_model.safetensors", "README.md", "training_log.json"} <= set(os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--asynchronous"], True),
+        (["--asynchronous", "--max_steps", "2"], True),
+        (["--asynchronous", "false"], False),
+        (["--asynchronous=true"], True),
+        (["--max_steps", "2"], False),
+    ],
+)
+def test_the_flag_is_read_before_parsing(argv, expected):
+    assert asynchronous_requested(argv) is expected
+
+
+def test_the_flag_in_a_config_file(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("asynchronous: true\nmax_steps: 2\n")
+    assert asynchronous_requested(["--config", str(config)]) is True
+    assert asynchronous_requested(["--config", str(config), "--asynchronous", "false"]) is False
+    config.write_text("asynchronous: maybe\n")
+    with pytest.raises(UsageError, match="asynchronous must be true or false"):
+        asynchronous_requested(["--config", str(config)])
+
+
+@pytest.mark.parametrize("command, config", [("ppo", "ppo_cpu"), ("step_grpo", "step_grpo_cpu")])
+def test_recipes_without_an_asynchronous_twin_refuse_it(command, config, tiny_model_dir):
+    with pytest.raises(UsageError, match="has no asynchronous twin") as info:
+        cli([command, "--config", config, "--model_name_or_path", tiny_model_dir, "--asynchronous"])
+    assert "\n" not in str(info.value)
+
+
+def test_an_option_only_the_synchronous_trainer_has_is_named(tiny_model_dir, tmp_path):
+    with pytest.raises(UsageError, match="steps_per_generation"):
+        cli(
+            [
+                "cispo",
+                "--config",
+                "cispo_cpu",
+                "--model_name_or_path",
+                tiny_model_dir,
+                "--output_dir",
+                str(tmp_path),
+                "--asynchronous",
+                "--steps_per_generation",
+                "2",
+            ]
+        )

@@ -1,0 +1,213 @@
+"""The algorithm trainers on TRL's asynchronous trainer: `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`.
+
+Each is its synchronous twin's config fields and defaults (`CISPOFields`, `SAPOFields`, `ChordFields`: the same
+classes [`CISPOConfig`][], [`SAPOConfig`][] and [`ChordConfig`][] are made of) on [`AsyncTrinityConfig`][], and a
+small subclass of [`AsyncTrinityTrainer`][] (docs/asynchronous.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..asynchronous.trl_seams import SampleStream
+from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
+from ..overrides import temporarily
+from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
+from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
+from .cispo import CISPOFields
+from .config import from_trl_config
+from .sapo import SAPOFields
+
+
+@dataclass
+class AsyncCISPOConfig(CISPOFields, AsyncTrinityConfig):
+    r"""Configuration of [`AsyncCISPOTrainer`][]: the fields and defaults of [`CISPOConfig`][] (the `cispo` preset; the
+    loss's arguments in `policy_loss`, e.g. `{"clip_range_high": 5.0}`) on [`AsyncTrinityConfig`][]."""
+
+
+class AsyncCISPOTrainer(AsyncTrinityTrainer):
+    """[`AsyncTrinityTrainer`][] with Trinity-RFT's CISPO loss (see [`AsyncCISPOConfig`][]): [`CISPOTrainer`][]
+    with generation overlapping training."""
+
+    _name = "CISPO"
+    config_class = AsyncCISPOConfig
+
+
+@dataclass
+class AsyncSAPOConfig(SAPOFields, AsyncTrinityConfig):
+    r"""Configuration of [`AsyncSAPOTrainer`][]: the fields and defaults of [`SAPOConfig`][] (the SAPO paper's loss,
+    `seq-mean-token-mean`, no KL) on [`AsyncTrinityConfig`][]."""
+
+
+class AsyncSAPOTrainer(AsyncTrinityTrainer):
+    """[`AsyncTrinityTrainer`][] with the SAPO soft gate (see [`AsyncSAPOConfig`][]): [`SAPOTrainer`][] with
+    generation overlapping training."""
+
+    _name = "SAPO"
+    config_class = AsyncSAPOConfig
+
+
+@dataclass
+class AsyncChordConfig(ChordFields, AsyncTrinityConfig):
+    r"""
+    Configuration of [`AsyncChordTrainer`][]: CHORD (`algorithm="mix_chord"`, default) or MIX (`"mix"`), with the
+    fields of [`ChordConfig`][] (μ's schedule, `enable_phi_function`, `sft_loss_agg_mode`) on
+    [`AsyncTrinityConfig`][].
+
+    Parameters:
+        expert_batch_size (`int` or `None`, *optional*):
+            Demonstrations per micro-batch beside its `per_device_train_batch_size` rollouts (as [`ChordConfig`][]'s
+            per generation batch): a micro-batch then holds `per_device_train_batch_size + expert_batch_size`
+            samples, and demonstrations are that share of the sample stream. `None`: from `expert_data_ratio`.
+        expert_data_ratio (`float`, *optional*, defaults to `0.25`):
+            The share of demonstrations among the samples trained on, when `expert_batch_size` is `None`
+            (`round(ratio / (1 - ratio) * per_device_train_batch_size)` demonstrations per micro-batch, at least 1).
+
+    A demonstration is mixed into the sample stream whenever demonstrations fall below their share of the samples
+    (rollouts dropped as stale not counted), so a micro-batch holds its demonstrations to within one; under
+    `token_budget` micro-batches vary in size and hold the share on average. The loss weighs every usual sample of
+    an optimizer step `1 / (usual samples of the step)` and every demonstration `1 / (demonstrations of the step)`,
+    as [`ChordTrainer`][] does (docs/asynchronous.md#chord). μ is scheduled in optimizer steps, as in
+    [`ChordConfig`][].
+    """
+
+    expert_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Demonstrations per micro-batch beside its per_device_train_batch_size rollouts."},
+    )
+
+    def _check_own_fields(self) -> None:
+        super()._check_own_fields()
+        if self.expert_batch_size is not None and self.expert_batch_size < 1:
+            raise ValueError(f"expert_batch_size must be >= 1, got {self.expert_batch_size}")
+
+    def demonstrations_per_micro_batch(self) -> int:
+        """Demonstrations each micro-batch holds beside its ``per_device_train_batch_size`` rollouts."""
+        if self.expert_batch_size is not None:
+            return self.expert_batch_size
+        ratio = self.expert_data_ratio
+        return max(1, round(ratio / (1.0 - ratio) * self.per_device_train_batch_size))
+
+    def expert_share(self) -> float:
+        """The share of demonstrations in the sample stream."""
+        experts = self.demonstrations_per_micro_batch()
+        return experts / (experts + self.per_device_train_batch_size)
+
+    def derived_policy_loss_arguments(self) -> dict[str, Any]:
+        """The loss's per-sample weights are the trainer's (from each optimizer step's counts): placeholders here,
+        so that the user cannot set them too."""
+        return {"usual_sample_weight": 1.0, "expert_sample_weight": 1.0}
+
+
+class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
+    """[`AsyncTrinityTrainer`][] that mixes expert demonstrations into the sample stream (CHORD / MIX):
+    [`ChordTrainer`][] with generation overlapping training.
+
+    Args:
+        expert_dataset (`datasets.Dataset`): demonstrations, in [`ChordTrainer`][]'s formats (`messages`, or
+            `prompt` + `completion`), drawn in a seeded order reshuffled every pass.
+        Other arguments: as [`AsyncTrinityTrainer`][].
+
+    Logged beyond [`AsyncTrinityTrainer`][]'s: `actor/mu`, the SFT and RL parts as [`ChordTrainer`][] logs them, and
+    `chord/expert_share` (the share of demonstrations per micro-batch).
+    """
+
+    _name = "CHORD"
+    config_class = AsyncChordConfig
+    supports_expert_rows = True
+
+    def __init__(self, model, reward_funcs=None, args: AsyncChordConfig | None = None, *pos, expert_dataset=None, **kw):
+        args = from_trl_config(args, AsyncChordConfig, "AsyncChordTrainer") if args is not None else None
+        if expert_dataset is None:
+            raise ValueError("AsyncChordTrainer needs an expert_dataset (demonstrations for the SFT part)")
+        check_demonstrations(expert_dataset, "expert_dataset")
+        self._expert_format = _expert_columns(expert_dataset)
+        self.expert_dataset = expert_dataset
+        self._expert_cache: dict[int, tuple[list[int], list[int]]] = {}
+        self._expert_cursor = 0  # demonstrations drawn so far
+        self._expert_order: SeededPasses | None = None
+        self._step_losses: dict[tuple[float, float], Any] = {}
+        super().__init__(model, reward_funcs, args, *pos, **kw)
+
+    def _sample_stream(self, source) -> SampleStream:
+        return SampleStream(
+            source,
+            self.policy_versions,
+            demonstrations=self._demonstration,
+            expert_ratio=self.args.expert_share(),
+            kept=lambda version: self.model_version - version <= self.args.max_staleness,  # TRL's staleness filter
+            model_version=lambda: self.model_version,
+        )
+
+    def get_train_dataloader(self):
+        """TRL's fixed-count batcher reads its micro-batch size from ``per_device_train_batch_size`` when the loader
+        is built; a micro-batch holds the rollouts and the demonstrations (`AsyncChordConfig`), so for that one call
+        the size it reads counts both (`trinity_trl.overrides.temporarily`)."""
+        if self.args.token_budget is not None and self.args.token_budget > 0:
+            return super().get_train_dataloader()
+        samples = self.args.per_device_train_batch_size + self.args.demonstrations_per_micro_batch()
+        with temporarily(self.args, per_device_train_batch_size=samples):
+            return super().get_train_dataloader()
+
+    def _demonstration(self, model_version: int, group_id: int):
+        """The next demonstration as a ``RolloutSample``: its prompt as the worker tokenizes prompts, its answer and
+        the end-of-sequence token trained, behaviour log-probs and advantage 0 (docs/algorithms/chord.md#expert-rows),
+        in the stream next to the group it follows."""
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        if self._expert_order is None:
+            self._expert_order = SeededPasses(len(self.expert_dataset), self.args.seed)
+        index = self._expert_order.row(self._expert_cursor)
+        self._expert_cursor += 1
+        if index not in self._expert_cache:
+            prompt, answer = expert_example(self.expert_dataset, index, self._expert_format)
+            (prompt_ids,) = prompt_token_ids(self.processing_class, [prompt], self.args.chat_template_kwargs)
+            completion = expert_completion_ids(self.processing_class, answer, self.args.max_completion_length)
+            self._expert_cache[index] = (prompt_ids, completion)
+        prompt_ids, completion = self._expert_cache[index]
+        return RolloutSample(
+            prompt=[],
+            completion=[],
+            input_ids=np.asarray(prompt_ids + completion, dtype=np.int64),
+            completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(completion), dtype=np.int64),
+            old_log_probs=np.zeros(len(prompt_ids) + len(completion), dtype=np.float32),
+            advantage=0.0,
+            model_version=model_version,
+            group_id=group_id,
+            metrics={},
+        )
+
+    def _step_policy_loss(self, inputs: dict[str, Any]):
+        """The loss with this optimizer step's per-sample weights: every usual sample of the step (every process)
+        weighs ``1 / usual samples`` and every demonstration ``1 / demonstrations``, after the trainer's division by
+        gradient accumulation and DDP's mean over processes (docs/algorithms/chord.md#normalisation)."""
+        samples, experts = float(inputs["step_samples"][0]), float(inputs["step_expert_samples"][0])
+        scale = self.current_gradient_accumulation_steps * self.accelerator.num_processes
+        weights = (scale / max(samples - experts, 1.0), scale / max(experts, 1.0))
+        if weights not in self._step_losses:
+            if len(self._step_losses) > 64:  # step counts repeat; keep the cache small
+                self._step_losses.clear()
+            self._step_losses[weights] = self.algorithm.build_policy_loss(
+                usual_sample_weight=weights[0], expert_sample_weight=weights[1]
+            )
+        return self._step_losses[weights]
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {**super()._trainer_state(), "expert_cursor": self._expert_cursor}
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        super()._load_trainer_state(state)
+        self._expert_cursor = state["expert_cursor"]
+
+
+__all__ = [
+    "AsyncCISPOConfig",
+    "AsyncCISPOTrainer",
+    "AsyncChordConfig",
+    "AsyncChordTrainer",
+    "AsyncSAPOConfig",
+    "AsyncSAPOTrainer",
+]

@@ -1,0 +1,573 @@
+"""``AsyncTrinityTrainer``: Trinity-RFT's algorithms on TRL's asynchronous trainer (``AsyncGRPOTrainer``).
+
+Generation and training overlap: a rollout worker fills a queue with scored samples while the trainer trains on what
+is there, dropping samples more than ``max_staleness`` weight syncs old (docs/asynchronous.md). TRL's trainer brings
+the queue, the token budget, tree packing (a micro-batch's samples packed into one row, shared prompts forwarded once)
+and LoRA adapter sync to vLLM; its loss is one fixed PPO clip. Here the loss is the configured algorithm's, computed by
+the same code the synchronous trainers run (`trinity_trl.trainers.trinity_loss.TrinityLossMixin`): any policy loss,
+entropy and KL terms, aggregation mode and normalisation, configured as in [`TrinityConfig`][] (the same fields,
+presets, YAML and command line). The seams it needs beyond TRL's public ones are in
+`trinity_trl.asynchronous.trl_seams`, each with its reason.
+
+Where samples come from (``generation_backend``):
+
+* ``"transformers"`` (default): `trinity_trl.asynchronous.worker.TransformersRolloutWorker`, a thread that generates
+  with transformers from its own copy of the policy (updated between two groups), scores each group with the reward
+  functions and computes its advantages with the configured advantage component. Runs on a CPU and on any GPU.
+* ``"vllm"``: TRL's own worker against ``vllm_server_base_url`` (``vllm serve``); it computes the group z-score of
+  the rewards itself, so the advantage must be the ``grpo`` estimator at its defaults (TRL's z-score then replaces
+  it: docs/asynchronous.md#with-vllm).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+from trl import GRPOConfig
+from trl.import_utils import TRLExperimentalWarning
+
+with warnings.catch_warnings():
+    # TRL warns once, on the first import of trl.experimental, that its API may change: trinity_trl pins TRL 1.16.*
+    # and its contract tests (tests/asynchronous/test_trl_seams.py) fail when what we use changes
+    warnings.simplefilter("ignore", TRLExperimentalWarning)
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+from ..asynchronous.batch import SampleLayout, unpack
+from ..asynchronous.trl_seams import (
+    TREE_KERNEL_CHOICES,
+    TRL_TREE_ATTENTION,
+    PolicyVersions,
+    SampleStream,
+    account_step,
+    cpu_safe_peak_flops,
+    kernel_for,
+    register_tree_attention,
+    tree_plan,
+    trl_collator,
+)
+from ..asynchronous.worker import GroupScorer, LocalWeightTransfer, TransformersRolloutWorker
+from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
+from ..data.model import resolve_model
+from ..packing.selection import compute_dtype
+from ..training import checks
+from ..training.advantages import AdvantageEstimator
+from ..training.loss import LossBatch, LossNormalizer
+from ..training.metrics import append_metrics, pool_metrics, use_concise_progress
+from .card import AlgorithmCardMixin
+from .common import default_output_dir, load_processor
+from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, from_trl_config
+from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
+from .trinity_loss import TrinityLossMixin
+
+GENERATION_BACKENDS = ("transformers", "vllm")
+# AsyncGRPOConfig fields that only TRL's vLLM worker reads: with generation_backend="transformers" a value other than
+# the default is refused (it would do nothing), with what to do instead
+VLLM_WORKER_FIELDS: dict[str, str] = {
+    "vllm_server_base_url": "the vLLM server's address",
+    "vllm_server_timeout": "how long to wait for the vLLM server",
+    "request_timeout": "the timeout of a request to the vLLM server",
+    "weight_sync_timeout": "the timeout of a weight transfer to the vLLM server",
+    "max_tool_calling_iterations": "multi-turn tool calling (TRL's worker)",
+    "fork_threshold_tokens": "multi-turn re-tokenization (TRL's worker)",
+    "log_completions": "TRL's worker's completion printout",
+    "num_completions_to_print": "TRL's worker's completion printout",
+}
+# AsyncGRPOConfig fields (and the GRPOConfig fields added below) whose job a component does; as in TrinityConfig
+ASYNC_REPLACED_FIELDS = {
+    name: REPLACED_GRPO_FIELDS[name]
+    for name in ("epsilon", "epsilon_high", "sapo_temperature_pos", "sapo_temperature_neg")
+}
+
+
+def _default(config_class: type, name: str) -> Any:
+    return next(f.default for f in fields(config_class) if f.name == name)
+
+
+def _grpo_field(name: str) -> Any:
+    """A field as ``GRPOConfig`` declares it (its default and help), for an option our asynchronous configs share
+    with the synchronous ones."""
+    declared = next(f for f in fields(GRPOConfig) if f.name == name)
+    return field(default=declared.default, metadata=dict(declared.metadata))
+
+
+@dataclass
+class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
+    r"""
+    Configuration of [`AsyncTrinityTrainer`][]: every option of TRL's
+    [`AsyncGRPOConfig`](https://huggingface.co/docs/trl/main/en/async_grpo_trainer) (the queue, `max_staleness`,
+    `token_budget`, the vLLM server, ...) plus the algorithm, with exactly the fields of [`TrinityConfig`][]:
+    `algorithm`, `policy_loss`, `advantage`, `kl_loss`, `kl_penalty`, `entropy_loss`, `loss_agg_mode`,
+    `loss_normalization`, `component_args_mode`, and TRL's names of loss arguments (`epsilon`, `epsilon_high`,
+    `sapo_temperature_pos` / `_neg`).
+
+    Parameters:
+        generation_backend (`str`, *optional*, defaults to `"transformers"`):
+            Where samples come from: `"transformers"` (a worker thread generating with transformers from its own copy
+            of the policy, any device, our advantage components) or `"vllm"` (TRL's worker and a `vllm serve`
+            server at `vllm_server_base_url`; TRL's group z-score is the advantage, so `advantage` must be `grpo` at
+            its defaults).
+        token_budget (`int` or `None`, *optional*): TRL's: the most tokens one micro-batch row forwards (micro-batches
+            then hold as many samples as fit). Left `None` with `generation_backend="transformers"`, micro-batches hold
+            `per_device_train_batch_size` samples, as the synchronous trainers' (TRL's `token_budget <= 0`); with
+            `"vllm"`, TRL's default (the server's `max_model_len`).
+        tree_attention_kernel (`str`, *optional*, defaults to `"auto"`):
+            The kernel of the packed rows' tree attention: `"auto"` (`sdpa_segments` on a CPU; on CUDA `flash_attn`,
+            else `varlen`, for fp16/bf16, else `sdpa_segments`), or one of them forced. Never downloaded.
+        reward_weights (`list[float]` or `None`, *optional*): Weights of the reward functions (default 1 each).
+        sapo_temperature_pos, sapo_temperature_neg (`float`, *optional*): TRL's SAPO gate temperatures, passed to
+            the `sapo` loss as `tau_pos` / `tau_neg` (as in [`TrinityConfig`][]).
+        loss_normalization (`str`, *optional*, defaults to `"micro_batch"`):
+            `"micro_batch"`: each micro-batch's token (sample) mean, divided by `gradient_accumulation_steps`, as TRL's
+            asynchronous trainer does. `"global"`: every trained token (sample) of the optimizer step weighs the
+            same, whatever the size of its micro-batch (micro-batches vary in size under `token_budget`).
+
+    `max_staleness` counts TRL's weight syncs (one per optimizer step unless `weight_sync_steps > 1`); the logged
+    `async/staleness` counts optimizer steps: the policy version a sample was generated with (the number of
+    optimizer steps whose weights served it) behind the weights it is trained on.
+    """
+
+    replaced_fields = ASYNC_REPLACED_FIELDS
+
+    generation_backend: str = field(
+        default="transformers",
+        metadata={
+            "help": "'transformers' (a worker thread generating with transformers from its own copy of the policy) "
+            "or 'vllm' (TRL's worker and a vllm serve server; TRL's group z-score is the advantage).",
+            "choices": list(GENERATION_BACKENDS),
+        },
+    )
+    tree_attention_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": "Kernel of the packed rows' tree attention: auto (sdpa_segments on CPU; flash_attn or varlen for "
+            "fp16/bf16 on CUDA), sdpa_segments, varlen or flash_attn.",
+            "choices": list(TREE_KERNEL_CHOICES),
+        },
+    )
+    reward_weights: list[float] | None = _grpo_field("reward_weights")
+    sapo_temperature_pos: float = _grpo_field("sapo_temperature_pos")
+    sapo_temperature_neg: float = _grpo_field("sapo_temperature_neg")
+
+    torch_threads: int | None = torch_threads_field()
+
+    def __post_init__(self):
+        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
+        super().__post_init__()
+        check_saving_options(self)
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise ValueError(
+                f"generation_backend must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}"
+            )
+        if self.tree_attention_kernel not in TREE_KERNEL_CHOICES:
+            raise ValueError(
+                f"tree_attention_kernel must be one of {TREE_KERNEL_CHOICES}, got {self.tree_attention_kernel!r}"
+            )
+        if self.generation_backend == "transformers":
+            for name, what in VLLM_WORKER_FIELDS.items():
+                value, default = getattr(self, name), _default(type(self), name)
+                if value != default:
+                    raise ValueError(
+                        f"{type(self).__name__}: {name}={value!r} sets {what}, which generation_backend='transformers' "
+                        f"does not use; leave it at {default!r} or set generation_backend='vllm'"
+                    )
+        self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
+
+
+def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinityConfig) -> None:
+    """Refuse, at construction and in one line, an algorithm the asynchronous trainers cannot run, asking the
+    components' declared properties: what the synchronous trainers refuse, plus what needs a whole generation batch
+    (each group is scored alone, as it is generated) or a reference the worker has not."""
+    algorithm = components.algorithm
+    checks.check_components(trainer_cls, algorithm, components, args, teacher_model=None)
+    advantage, policy = components.advantage_fn, components.policy_loss
+    name = algorithm.advantage.name
+    if components.kl_penalty.enabled:
+        raise ValueError(
+            f"kl_penalty={algorithm.kl_penalty.name!r} subtracts a KL from token rewards before batch-level "
+            "advantages; the asynchronous trainers score each group alone as it is generated (use kl_loss)"
+        )
+    if advantage is not None and policy.reads_advantages:
+        if advantage.compute_in_trainer():
+            raise ValueError(
+                f"advantage {name!r} is computed over a whole generation batch; the asynchronous trainers score each "
+                "group alone as it is generated: use a group estimator (grpo, opmd, asymre, rec, ...)"
+            )
+        if advantage.refills_filtered_groups:
+            raise ValueError(
+                f"advantage {name!r} refills filtered groups with copies of other groups of the batch; the "
+                "asynchronous trainers score each group alone: set duplicate_experiences=False"
+            )
+        if advantage.uses_batch_statistics:
+            raise ValueError(
+                f"advantage {name!r} with these arguments normalises by statistics of the whole batch; the "
+                "asynchronous trainers score each group alone (e.g. std_cal_level='group')"
+            )
+        if advantage.step_wise:
+            raise ValueError(f"advantage {name!r} scores multi-step runs; the asynchronous trainers generate one turn")
+    if args.generation_backend == "vllm":
+        from ..algorithms import ADVANTAGE_FN
+
+        default = ADVANTAGE_FN.get("grpo").default_args()
+        if not policy.reads_advantages or name != "grpo" or dict(algorithm.advantage.args) != default:
+            raise ValueError(
+                "generation_backend='vllm' uses TRL's worker, whose advantage is its group z-score of the rewards: "
+                f"the algorithm's advantage must be 'grpo' at its defaults (got {name!r} with "
+                f"{dict(algorithm.advantage.args)}); use generation_backend='transformers' for other advantages"
+            )
+
+
+def _init_kwargs(args: AsyncTrinityConfig) -> dict[str, Any]:
+    """How TRL's AsyncGRPOTrainer loads the policy (``model_init_kwargs``, with ``trust_remote_code`` and ``dtype``),
+    for the other copies of the checkpoint: the worker's and the KL terms' reference."""
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("dtype", args.dtype)
+    return kwargs
+
+
+class RewardSum:
+    """The reward functions as ONE picklable reward function for TRL's vLLM worker (which runs them in a spawned
+    process and sums them with weight 1): the weighted sum of the functions' values, ``None`` (unscorable: left out
+    of the group's z-score, advantage 0) where no function scored or the sum is not finite: the rule of
+    docs/guarantees.md, where TRL's own sum would let one ``inf`` turn its whole group's advantages into NaN."""
+
+    __name__ = "reward"
+
+    def __init__(self, funcs: list[Any], weights: list[float]):
+        self.funcs, self.weights = funcs, weights
+
+    def __call__(self, **kwargs: Any) -> list[float | None]:
+        import asyncio
+        import inspect
+
+        total: list[float | None] = [None] * len(kwargs["completions"])
+        for func, weight in zip(self.funcs, self.weights):
+            values = func(**kwargs)
+            if inspect.isawaitable(values):
+                values = asyncio.run(_awaited(values))
+            for i, value in enumerate(values):
+                if value is None or (isinstance(value, float) and math.isnan(value)):
+                    continue
+                total[i] = (total[i] or 0.0) + weight * float(value)
+        return [t if t is not None and math.isfinite(t) else None for t in total]
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, AsyncGRPOTrainer):
+    """TRL's ``AsyncGRPOTrainer`` running any Trinity-RFT algorithm (see the module docs and [`AsyncTrinityConfig`][]).
+
+    Arguments are those of TRL's ``AsyncGRPOTrainer``: ``model`` (an id or a path; ``"bundled"`` for the bundled
+    model), ``reward_funcs``, ``args``, ``train_dataset``, ``processing_class``, ``callbacks``, ``optimizers``,
+    ``peft_config``, ``tools`` and ``environment_factory`` (with ``generation_backend="vllm"`` only), ``rollout_worker``
+    and ``weight_transfer`` (a worker and transfer of your own, TRL's protocols).
+
+    Logged beyond TRL's metrics: ``actor/*`` (the loss terms, as the synchronous trainers), ``async/staleness`` and
+    ``async/staleness_max`` (optimizer steps between the weights that generated a trained sample and those it trains),
+    ``guards/*`` and the worker's ``rollout/*`` and advantage metrics.
+    """
+
+    _tag_names = ["trl", "trinity_trl", "async-grpo"]
+    _name = "Trinity"
+    config_class: ClassVar[type[AsyncTrinityConfig]] = AsyncTrinityConfig
+    #: mixes expert (demonstration) rows into the sample stream (AsyncChordTrainer)
+    supports_expert_rows: ClassVar[bool] = False
+    has_critic: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs=None,
+        args: AsyncTrinityConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
+    ):
+        model = resolve_model(model)
+        if not isinstance(model, str):
+            raise TypeError(
+                f"{type(self).__name__} takes a model id or path (TRL's AsyncGRPOTrainer loads the model itself), got "
+                f"{type(model).__name__}; save_pretrained() it and pass the folder"
+            )
+        if args is None:
+            args = self.config_class(output_dir=default_output_dir(model, self.config_class.__name__))
+        args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain AsyncGRPOConfig is converted
+        self.components = args.take_components()
+        self.algorithm = self.components.algorithm
+        check_async_components(type(self), self.components, args)
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        reward_funcs = [f for f in reward_funcs if f is not None]
+        if any(isinstance(f, (str, torch.nn.Module)) for f in reward_funcs):
+            raise TypeError(f"{type(self).__name__} takes reward functions (callables), not reward models")
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
+        if len(weights) != len(reward_funcs):
+            raise ValueError(f"reward_weights has {len(weights)} values for {len(reward_funcs)} reward functions")
+        if processing_class is None:
+            processing_class = load_processor(model, args)
+        if environment_factory is None:
+            checks.check_prompt_dataset(train_dataset, "train_dataset")
+        start_run(args)
+        own_worker = args.generation_backend == "transformers" and rollout_worker is None
+        if args.generation_backend == "transformers":
+            if tools or environment_factory is not None:
+                raise ValueError(
+                    "tools and environment_factory need TRL's multi-turn worker: set generation_backend='vllm'"
+                )
+            if own_worker and not reward_funcs:
+                raise ValueError(f"{type(self).__name__} needs reward_funcs: its worker scores each group with them")
+            if own_worker:
+                rollout_worker = self._transformers_worker(model, args, processing_class, train_dataset, reward_funcs)
+                weight_transfer = weight_transfer or LocalWeightTransfer(rollout_worker)
+            trl_rewards = reward_funcs
+        else:
+            trl_rewards = [RewardSum(reward_funcs, list(weights))] if reward_funcs else []
+        with cpu_safe_peak_flops():  # trl_seams 1
+            super().__init__(
+                model=model,
+                reward_funcs=trl_rewards,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+                tools=tools,
+                environment_factory=environment_factory,
+                rollout_worker=rollout_worker,
+                weight_transfer=weight_transfer,
+            )
+        register_tree_attention()  # trl_seams 2: after TRL's __init__ registered its own
+        check_run(self.accelerator, self.args)
+        if self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"{type(self).__name__} runs in one process for now (several processes are not tested yet); "
+                "launch it without torchrun / accelerate launch"
+            )
+        self._tree_kernel = functools.partial(kernel_for, self.args.tree_attention_kernel, self.accelerator.device)
+        if own_worker:
+            rollout_worker.max_queued_samples = self.args.max_inflight_tasks  # TRL's default is set in its __init__
+        if self.args.generation_backend == "transformers" and self.args.token_budget is None:
+            # TRL's default asks the vLLM server for its max_model_len; without a server, micro-batches of
+            # per_device_train_batch_size samples, as the synchronous trainers' (set token_budget for TRL's budget)
+            self.args.token_budget = 0
+        self.ref_model = self._reference_model(model) if self.algorithm.needs_reference else None
+        self.loss_normalizer = LossNormalizer(
+            self.args.loss_normalization, self.accelerator.num_processes, self.args.gradient_accumulation_steps
+        )
+        self.state_files = TrainerStateFiles(self.accelerator.process_index, self.accelerator.device)
+        self.policy_versions = PolicyVersions()
+        if self.accelerator.is_main_process:
+            self.rollout_queue = self._sample_stream(self.rollout_queue)  # trl_seams 3
+        self._set_card_identity()
+        use_concise_progress(self)
+
+    # ------------------------------------------------------------------------------------ construction
+    def _transformers_worker(self, model: str, args, tokenizer, dataset, reward_funcs) -> TransformersRolloutWorker:
+        """Our worker, with its own copy of the policy loaded as TRL loads the trainer's (on the trainer's device)."""
+        from trl.trainer.utils import create_model_from_path, get_callable_name
+
+        copy = create_model_from_path(model, device_map=None, attn_implementation="sdpa", **_init_kwargs(args))
+        copy.to(args.device)
+        eos = copy.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer.eos_token_id not in eos:
+            eos = [tokenizer.eos_token_id, *eos]
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
+        names = [get_callable_name(f) for f in reward_funcs]
+        estimator = AdvantageEstimator(
+            self.components.advantage_fn,
+            self.components.policy_loss,
+            self.components.kl_penalty,
+            gather=lambda x: x,  # one group is the whole "generation batch"
+            pad_across_processes=lambda x, **kwargs: x,
+            seed=args.seed,
+        )
+        scorer = GroupScorer(
+            [checks.checked_reward_func(f, n) for f, n in zip(reward_funcs, names)],
+            names,
+            torch.tensor(weights, dtype=torch.float32),
+            estimator,
+        )
+        return TransformersRolloutWorker(
+            copy,
+            tokenizer,
+            dataset,
+            scorer,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            eos_token_ids=eos,
+            chat_template_kwargs=args.chat_template_kwargs,
+            queue_maxsize=args.queue_maxsize,
+            seed=args.seed,
+        )
+
+    def _reference_model(self, model: str):
+        """The frozen reference of the KL terms: ``None`` under PEFT (the policy with its adapter disabled, as TRL
+        does), else a second copy of the checkpoint with TRL's packed attention and fused head."""
+        from accelerate.utils import is_peft_model
+        from trl.trainer.utils import add_fused_lm_head, create_model_from_path
+
+        from ..training.engines import prepare_frozen_model
+
+        if is_peft_model(self.accelerator.unwrap_model(self.model)):
+            return None
+        reference = create_model_from_path(
+            model, device_map=None, attn_implementation=TRL_TREE_ATTENTION, **_init_kwargs(self.args)
+        )
+        reference.eval().requires_grad_(False)
+        add_fused_lm_head(reference, temperature=self.temperature, outputs=("log_probs", "entropy"))
+        return prepare_frozen_model(reference, self.accelerator)
+
+    def _sample_stream(self, source) -> SampleStream:
+        """The stream TRL's queue dataset reads: the worker's samples, stamped with their policy versions."""
+        return SampleStream(source, self.policy_versions)
+
+    # ------------------------------------------------------------------------------------ TRL's seams
+    def get_train_dataloader(self):
+        with trl_collator():  # trl_seams 3: TRL's collator plus each sample's fields
+            return super().get_train_dataloader()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers fetches an optimizer step's micro-batches before the first forward: their totals (trained
+        tokens, samples, demonstrations of every process) go into each, for the step-level normalisations."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        totals = {
+            "step_trained_tokens": sum(float(b["global_n_tokens"][0]) for b in batches),
+            "step_samples": sum(float(b["global_n_samples"][0]) for b in batches),
+            "step_expert_samples": sum(float(b["global_n_expert"][0]) for b in batches),
+        }
+        for batch in batches:
+            batch.update({key: torch.tensor([value]) for key, value in totals.items()})
+        return batches, num_items
+
+    def _sync_weight(self):
+        super()._sync_weight()
+        if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (trl_seams 3)
+            self.policy_versions.record(self.model_version, self.state.global_step)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError(f"{type(self).__name__} does not return model outputs from compute_loss")
+        mode = "train" if self.model.training else "eval"
+        packed = unpack(inputs)
+        device = packed.token_index.device
+        kernel = self._tree_kernel(compute_dtype(model, device, self.accelerator.autocast))
+        plan = tree_plan(packed.forward, kernel, device)  # once per forward: every layer and the backward use it
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        started = time.time()
+        outputs = model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan, **router)
+        forward_s = time.time() - started
+        layout = SampleLayout(packed.segment, packed.samples)
+        logps = layout.pad(outputs.log_probs.flatten()[packed.token_index])
+        entropies = None
+        if self.components.entropy_loss.enabled:
+            entropies = layout.pad(outputs.entropy.flatten()[packed.token_index])
+        staleness = self.state.global_step - packed.policy_version.to(torch.float32)  # NaN: demonstrations
+        # max_staleness against the weights trained on: TRL's queue dataset drops a sample that is too old when it
+        # takes it from the queue, but the data loader takes the next micro-batch's samples one weight sync ahead
+        too_stale = (self.model_version - packed.model_version) > self.args.max_staleness  # NaN compares False
+        mask = layout.mask.to(device) * (~too_stale).to(device).unsqueeze(1)
+        batch = LossBatch(
+            mask=mask,
+            advantages=layout.pad(packed.advantages),
+            old_logps=layout.pad(packed.old_logps),
+            ref_logps=self._reference_logps(model, packed, plan, layout) if self.algorithm.needs_reference else None,
+            expert_rows=packed.expert if self.supports_expert_rows else None,
+            global_tokens=inputs["step_trained_tokens"][0],
+            global_samples=inputs["step_samples"][0],
+            staleness=staleness,
+        )
+        loss = self._micro_batch_loss(
+            model,
+            batch,
+            logps,
+            entropies,
+            getattr(outputs, "aux_loss", None),
+            mode,
+            policy_loss=self._step_policy_loss(inputs),
+        )
+        trained = staleness[~torch.isnan(staleness) & ~too_stale]
+        metrics = {"async/dropped_stale_total": float(too_stale.sum())}
+        if trained.numel():
+            metrics.update({"async/staleness": trained.mean(), "async/staleness_max": trained.max()})
+        append_metrics(self._metrics[mode], metrics)
+        account_step(self, packed.micro_batch, forward_s)
+        return loss
+
+    def _loss_inputs(self, batch: LossBatch, logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        # each sample's staleness, for a policy loss that reads it (components may declare a ``staleness`` input)
+        return {**super()._loss_inputs(batch, logps, mask), "staleness": batch.staleness}
+
+    def _step_policy_loss(self, inputs: dict[str, Any]):
+        """The policy loss of this micro-batch's optimizer step (``None``: the built one; AsyncChordTrainer weighs
+        its samples with the step's counts)."""
+        return None
+
+    @torch.no_grad()
+    def _reference_logps(self, model, packed, plan, layout: SampleLayout) -> torch.Tensor:
+        """The trained tokens' log-probs under the reference: our own forward of the packed row (the reference model,
+        or under PEFT the policy with its adapter disabled)."""
+        from trl.trainer.utils import use_adapter
+
+        if self.ref_model is not None:
+            outputs = self.ref_model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan)
+        else:
+            unwrapped = self.accelerator.unwrap_model(model)
+            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                outputs = model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan)
+        return layout.pad(outputs.log_probs.flatten()[packed.token_index].detach())
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint carries beyond TRL's (``trinity_trainer_state.json``)."""
+        state: dict[str, Any] = {"kl_loss": self.components.kl_loss.state_dict()}
+        if isinstance(self.rollout_worker, TransformersRolloutWorker):
+            first = self._groups_before_resume  # the worker's first group of this run (group id = stream position)
+            while first in self._trained_groups:  # TRL's set of the groups it trained on
+                first += 1
+            state["prompt_position"] = first
+        return state
+
+    def _load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.components.kl_loss.load_state_dict(state["kl_loss"])
+        if "prompt_position" in state and isinstance(self.rollout_worker, TransformersRolloutWorker):
+            # the worker restarts at the first group not trained on; TRL counts epochs from there
+            self.rollout_worker.position = state["prompt_position"]
+            self._groups_before_resume = state["prompt_position"]
+
+    def _save_checkpoint_extras(self, folder: str) -> None:
+        super()._save_checkpoint_extras(folder)
+        self.state_files.save(folder, self._trainer_state() if self.args.should_save else None, None)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers calls this when resuming from ``checkpoint``, before the worker starts."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint:
+            state, _ = self.state_files.load(checkpoint)
+            if state is not None:
+                self._load_trainer_state(state)
+
+    # ------------------------------------------------------------------------------------ logs
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        pool_metrics(self._metrics[mode], None)  # one process (checked above): count metrics summed
+        super().log(logs, start_time)
