@@ -271,6 +271,26 @@ def test_paper_configs_take_the_released_values(variant, schedule):
         assert released.resolved_algorithm().policy_loss.args["mu_decay_steps"] == 200
 
 
+@pytest.mark.parametrize("variant", ["chord_mu", "chord_phi"])
+def test_the_asynchronous_chord_takes_the_paper_configs_as_the_synchronous_one(variant):
+    """`--asynchronous` on a paper config: AsyncChordConfig resolves paper_config to the same loss arguments and no
+    KL, with one demonstration per four rollouts in each micro-batch, and refuses another share."""
+    from trinity_trl.trainers.async_algorithms import AsyncChordConfig
+
+    schedule = ("mu_warmup_steps", "mu_decay_steps", "mu_peak", "mu_valley", "enable_phi_function")
+    sync = ChordConfig(output_dir="unused", **PAPER_GEOMETRY, paper_config=variant).resolved_algorithm()
+    config = AsyncChordConfig(output_dir="unused", **PAPER_GEOMETRY, paper_config=variant)
+    asynchronous = config.resolved_algorithm()
+    assert {k: asynchronous.policy_loss.args[k] for k in schedule} == {k: sync.policy_loss.args[k] for k in schedule}
+    assert asynchronous.kl_loss.name == "none" and config.expert_share() == 0.2
+    with pytest.raises(ValueError, match=f"paper_config='{variant}' trains a fifth"):
+        AsyncChordConfig(
+            output_dir="unused", **{**PAPER_GEOMETRY, "per_device_train_batch_size": 6}, paper_config=variant
+        )
+    with pytest.raises(ValueError, match="samples 8 rollouts per prompt"):
+        AsyncChordConfig(output_dir="unused", **{**PAPER_GEOMETRY, "num_generations": 4}, paper_config=variant)
+
+
 def test_paper_config_trains_with_its_mu_phi_and_expert_share(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, tiny_model_dir, paper_config="chord_mu", **{**PAPER_GEOMETRY, "max_steps": 2})
     assert trainer.ref_model is None  # no KL: no reference forward

@@ -62,9 +62,13 @@ class AsyncChordConfig(ChordFields, AsyncTrinityConfig):
             Demonstrations per micro-batch beside its `per_device_train_batch_size` rollouts (as [`ChordConfig`][]'s
             per generation batch): a micro-batch then holds `per_device_train_batch_size + expert_batch_size`
             samples, and demonstrations are that share of the sample stream. `None`: from `expert_data_ratio`.
-        expert_data_ratio (`float`, *optional*, defaults to `0.25`):
+        expert_data_ratio (`float`, *optional*, defaults to `0.25`, `0.2` with `paper_config`):
             The share of demonstrations among the samples trained on, when `expert_batch_size` is `None`
             (`round(ratio / (1 - ratio) * per_device_train_batch_size)` demonstrations per micro-batch, at least 1).
+        paper_config (`str` or `None`, *optional*):
+            `"chord_mu"` or `"chord_phi"`: the paper's variant with its released values, as in [`ChordConfig`][]
+            (a micro-batch then holds one demonstration per four rollouts: `per_device_train_batch_size` a multiple
+            of 4).
 
     A demonstration is mixed into the sample stream whenever demonstrations fall below their share of the samples
     (rollouts dropped as stale not counted), so a micro-batch holds its demonstrations to within one; under
@@ -83,6 +87,7 @@ class AsyncChordConfig(ChordFields, AsyncTrinityConfig):
         super()._check_own_fields()
         if self.expert_batch_size is not None and self.expert_batch_size < 1:
             raise ValueError(f"expert_batch_size must be >= 1, got {self.expert_batch_size}")
+        self._check_paper_share(self.demonstrations_per_micro_batch(), self.per_device_train_batch_size, "micro-batch")
 
     def demonstrations_per_micro_batch(self) -> int:
         """Demonstrations each micro-batch holds beside its ``per_device_train_batch_size`` rollouts."""

@@ -73,6 +73,13 @@ class ChordFields:
         default=None,
         metadata={"help": "Target expert fraction when expert_batch_size is None; unset 0.25 (0.2 with paper_config)."},
     )
+    paper_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "'chord_mu' or 'chord_phi': the paper's released settings (expert share 0.2, 8 rollouts per "
+            "prompt, no KL, the variant's mu and phi; CHORD-mu decays over max_steps unless mu_decay_steps is set)."
+        },
+    )
     mu_warmup_steps: int | None = field(
         default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
     )
@@ -101,10 +108,61 @@ class ChordFields:
                 f"{type(self).__name__}: loss_normalization must be 'micro_batch': MIX/CHORD weigh usual and expert "
                 "samples with their own per-sample normalisation (docs/algorithms/chord.md#normalisation)"
             )
+        if self.paper_config is not None:
+            self._apply_paper_config()  # first: it sets the expert share
         if self.expert_data_ratio is None:
             self.expert_data_ratio = DEFAULT_EXPERT_DATA_RATIO
         if not 0.0 < self.expert_data_ratio < 1.0:
             raise ValueError(f"expert_data_ratio must be in (0, 1), got {self.expert_data_ratio}")
+
+    def _check_paper_share(self, expert: int, rollouts: int, where: str) -> None:
+        """With ``paper_config``, refuse ``expert`` demonstrations beside ``rollouts`` rollouts (per ``where``) unless
+        they are exactly the released fifth of the rows."""
+        if self.paper_config is not None and expert * 4 != rollouts:  # one demonstration per four rollouts
+            raise ValueError(
+                f"paper_config={self.paper_config!r} trains a fifth of each step's rows on demonstrations: "
+                f"{expert} expert rows beside {rollouts} rollouts per {where} give "
+                f"{expert / (expert + rollouts):.3f}; make per_device_train_batch_size a multiple of 4 "
+                "(and leave expert_batch_size unset)"
+            )
+
+    def _apply_paper_config(self) -> None:
+        """Fill the unset fields with the paper variant's released values; refuse fields set to other values."""
+        if self.paper_config not in PAPER_CONFIGS:
+            raise ValueError(f"paper_config must be one of {sorted(PAPER_CONFIGS)}, got {self.paper_config!r}")
+        paper = PAPER_CONFIGS[self.paper_config]
+        owner = f"paper_config={self.paper_config!r}"
+        if self.algorithm != "mix_chord":
+            raise ValueError(f"{owner} is CHORD (algorithm='mix_chord'), got algorithm={self.algorithm!r}")
+        if self.num_generations != paper.num_generations:
+            raise ValueError(
+                f"{owner} samples {paper.num_generations} rollouts per prompt, "
+                f"got num_generations={self.num_generations}"
+            )
+        if self.kl_loss is not None and self.kl_loss.name != "none":
+            raise ValueError(f"{owner} trains without a KL term, got kl_loss={self.kl_loss.to_dict()!r}")
+        self.kl_loss = Component("none", **(self.kl_loss.args if self.kl_loss is not None else {}))
+        decay = paper.mu_decay_steps
+        if decay is None:  # CHORD-μ: the release's 200-step decay, scaled to the run
+            decay = self.mu_decay_steps if self.mu_decay_steps is not None else self.max_steps
+            if decay <= 0:
+                raise ValueError(
+                    f"{owner} decays mu over the whole run: set max_steps (or mu_decay_steps), got max_steps="
+                    f"{self.max_steps}"
+                )
+        values = {
+            "expert_data_ratio": paper.expert_data_ratio,
+            "mu_warmup_steps": paper.mu_warmup_steps,
+            "mu_decay_steps": decay,
+            "mu_peak": paper.mu_peak,
+            "mu_valley": paper.mu_valley,
+            "enable_phi_function": paper.enable_phi_function,
+        }
+        for name, value in values.items():
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise ValueError(f"{owner} sets {name}={value!r}, got {name}={given!r}; leave it unset")
+            setattr(self, name, value)
 
     def _implied_components(self) -> dict[str, Component]:
         schedule = Component(
@@ -164,17 +222,8 @@ class ChordConfig(ChordFields, TrinityConfig):
     expert_batch_size: int | None = field(
         default=None, metadata={"help": "Expert rows per process per generation batch."}
     )
-    paper_config: str | None = field(
-        default=None,
-        metadata={
-            "help": "'chord_mu' or 'chord_phi': the paper's released settings (expert share 0.2, 8 rollouts per "
-            "prompt, no KL, the variant's mu and phi; CHORD-mu decays over max_steps unless mu_decay_steps is set)."
-        },
-    )
 
     def _check_own_fields(self) -> None:
-        if self.paper_config is not None:
-            self._apply_paper_config()  # before the shared checks: it sets the expert share
         super()._check_own_fields()
         spg = self.steps_per_generation
         if self.expert_batch_size is not None and (self.expert_batch_size < spg or self.expert_batch_size % spg):
@@ -182,53 +231,7 @@ class ChordConfig(ChordFields, TrinityConfig):
                 f"expert_batch_size ({self.expert_batch_size}) must be a positive multiple of steps_per_generation "
                 f"({spg}); otherwise TRL's batch split would drop rows"
             )
-        if self.paper_config is not None:
-            expert, rollouts = self.local_expert_rows(), self.per_device_train_batch_size * spg
-            if expert * 4 != rollouts:  # a share of exactly 0.2: one demonstration per four rollouts
-                raise ValueError(
-                    f"paper_config={self.paper_config!r} trains a fifth of each step's rows on demonstrations: "
-                    f"{expert} expert rows beside {rollouts} rollouts per generation batch give "
-                    f"{expert / (expert + rollouts):.3f}; make per_device_train_batch_size a multiple of 4 "
-                    "(and leave expert_batch_size unset)"
-                )
-
-    def _apply_paper_config(self) -> None:
-        """Fill the unset fields with the paper variant's released values; refuse fields set to other values."""
-        if self.paper_config not in PAPER_CONFIGS:
-            raise ValueError(f"paper_config must be one of {sorted(PAPER_CONFIGS)}, got {self.paper_config!r}")
-        paper = PAPER_CONFIGS[self.paper_config]
-        owner = f"paper_config={self.paper_config!r}"
-        if self.algorithm != "mix_chord":
-            raise ValueError(f"{owner} is CHORD (algorithm='mix_chord'), got algorithm={self.algorithm!r}")
-        if self.num_generations != paper.num_generations:
-            raise ValueError(
-                f"{owner} samples {paper.num_generations} rollouts per prompt, "
-                f"got num_generations={self.num_generations}"
-            )
-        if self.kl_loss is not None and self.kl_loss.name != "none":
-            raise ValueError(f"{owner} trains without a KL term, got kl_loss={self.kl_loss.to_dict()!r}")
-        self.kl_loss = Component("none", **(self.kl_loss.args if self.kl_loss is not None else {}))
-        decay = paper.mu_decay_steps
-        if decay is None:  # CHORD-μ: the release's 200-step decay, scaled to the run
-            decay = self.mu_decay_steps if self.mu_decay_steps is not None else self.max_steps
-            if decay <= 0:
-                raise ValueError(
-                    f"{owner} decays mu over the whole run: set max_steps (or mu_decay_steps), got max_steps="
-                    f"{self.max_steps}"
-                )
-        values = {
-            "expert_data_ratio": paper.expert_data_ratio,
-            "mu_warmup_steps": paper.mu_warmup_steps,
-            "mu_decay_steps": decay,
-            "mu_peak": paper.mu_peak,
-            "mu_valley": paper.mu_valley,
-            "enable_phi_function": paper.enable_phi_function,
-        }
-        for name, value in values.items():
-            given = getattr(self, name)
-            if given is not None and given != value:
-                raise ValueError(f"{owner} sets {name}={value!r}, got {name}={given!r}; leave it unset")
-            setattr(self, name, value)
+        self._check_paper_share(self.local_expert_rows(), self.per_device_train_batch_size * spg, "generation batch")
 
     def local_expert_rows(self) -> int:
         """Expert rows each process adds to one generation batch."""

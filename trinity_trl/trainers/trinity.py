@@ -356,8 +356,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
     # ------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
         if self.model.training and self.token_budget.enabled:  # micro-batches merged into packed forwards
-            return self.token_budget.loss(model, inputs, self._micro_step(), self._micro_batch_loss)
-        return self._micro_batch_loss(model, inputs)
+            return self.token_budget.loss(model, inputs, self._micro_step(), self._forward_and_loss)
+        return self._forward_and_loss(model, inputs)
 
     def _micro_step(self) -> MicroStep:
         """Where this ``training_step`` stands in transformers' and TRL's loops (the token budget's window)."""
@@ -370,7 +370,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             self._step % len(buffered) if buffered else 0,
         )
 
-    def _micro_batch_loss(self, model, inputs, forward=None):
+    def _forward_and_loss(self, model, inputs, forward=None):
         """The loss of one micro-batch, normalised as the micro-batch alone. ``forward``: its rows' ``(logps,
         entropies, aux_loss)`` from a forward of several micro-batches (token budget); ``None``: its own forward."""
         mode = "train" if self.model.training else "eval"
