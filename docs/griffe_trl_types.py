@@ -15,7 +15,7 @@ from typing import Any
 import griffe
 
 # an entry's first line in a Parameters/Args section whose type holds TRL's markdown (backticks, *optional*)
-_ENTRY = re.compile(r"^(?P<indent>\s+)(?P<name>\*{0,2}\w+) \((?P<type>[^`]*`.*?)\):(?P<rest>.*)$")
+_ENTRY = re.compile(r"^(?P<indent>\s+)(?P<name>\*{0,2}\w+(?:, \w+)*) \((?P<type>[^`]*`.*?)\):(?P<rest>.*)$")
 _DEFAULT = re.compile(r",?\s*defaults to (?P<default>.+)$")
 
 
