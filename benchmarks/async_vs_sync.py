@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -134,16 +133,10 @@ def one_run(side: str, args, work: str) -> dict:
 
 def run_side(side: str, args, work: str) -> dict:
     """One side in a fresh process (the machine's load recorded before it)."""
-    record = {"side": side, "loadavg_before": bench_common.loadavg()}
     command = [sys.executable, __file__, "--one", side, "--work", work, *args.passthrough]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {**record, "error": f"timed out after {args.timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {**record, "error": proc.stderr[-2000:]}
-    return {**record, **json.loads(lines[-1][len("RESULT ") :])}
+    return bench_common.result_of_process(
+        command, args.timeout, {"side": side, "loadavg_before": bench_common.loadavg()}
+    )
 
 
 def summarise(rounds: list[dict]) -> dict:

@@ -702,3 +702,18 @@ def test_async_vs_sync_dry_run(tmp_path):
     assert round_["sync"]["staleness_mean"] == 0.0 and round_["async"]["staleness_mean"] >= 0.0
     assert report["summary"]["ratio_time_to_steps"]["median"] > 0
     assert "| time to 2 steps (s) |" in (tmp_path / "async_vs_sync_dry.md").read_text()
+
+
+def test_async_bundled_dry_run(tmp_path):
+    """benchmarks/async_bundled.py on the tiny model: each asynchronous trainer it names trains its steps in a fresh
+    process, CHORD through paper_config (two of the five here: the script's own loop runs them all the same way)."""
+    _run("async_bundled.py", "--dry-run", "--only", "gspo", "--only", "chord_phi", "--out", str(tmp_path))
+    report = _load(tmp_path / "async_bundled_dry.json")
+    _check_machine(report)
+    runs = {r["run"]: r for r in report["runs"]}
+    assert set(runs) == {"gspo", "chord_phi"}
+    assert runs["gspo"]["trainer"] == "AsyncTrinityTrainer" and runs["gspo"]["algorithm"] == "gspo"
+    assert runs["chord_phi"]["trainer"] == "AsyncChordTrainer" and runs["chord_phi"]["mu"] == [0.1, 0.1]
+    for r in runs.values():
+        assert r["steps"] == 2 and r["finite"] and len(r["losses"]) == 2 and len(r["staleness"]) == 2, r
+    assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
