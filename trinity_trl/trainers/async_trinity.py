@@ -34,7 +34,7 @@ from trl.import_utils import TRLExperimentalWarning
 
 with warnings.catch_warnings():
     # TRL warns once, on the first import of trl.experimental, that its API may change: trinity_trl pins TRL 1.16.*
-    # and its contract tests (tests/asynchronous/test_trl_seams.py) fail when what we use changes
+    # and its contract tests (tests/asynchronous/test_async_seams.py) fail when what we use changes
     warnings.simplefilter("ignore", TRLExperimentalWarning)
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
