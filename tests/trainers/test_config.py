@@ -707,3 +707,27 @@ def test_the_repr_shows_the_options_set_and_trls_fields_changed_from_trls_defaul
         text = repr(_config(tmp_path, config_class))
         assert text.startswith(f"{config_class.__name__}(algorithm=") and "policy_loss=Component(" in text
     assert "kl_loss=Component('k2', adaptive=False, kl_coef=0.001)" in repr(_config(tmp_path, TrinityDPOConfig))
+
+
+@pytest.mark.parametrize("first, then", [("WARNING", "ERROR"), ("ERROR", "WARNING")])
+def test_the_repr_does_not_show_the_progress_bar_setting_transformers_resolves_from_its_logging_level(first, then):
+    """``disable_tqdm`` left unset is resolved from transformers' logging level when the config is built; a change of
+    that level between two configs (a user's ``set_verbosity_error()``, another test) is not a change the user made.
+    CI failed on this: the reference defaults were cached under one level and compared under another."""
+    import logging
+
+    from transformers.training_args import logger
+
+    from trinity_trl.trainers.config import changed_trl_fields
+
+    saved = logger.level
+    try:
+        logger.setLevel(getattr(logging, first))
+        changed_trl_fields(GRPOConfig(output_dir="x", use_cpu=True))  # the reference defaults are built (cached)
+        logger.setLevel(getattr(logging, then))
+        assert changed_trl_fields(GRPOConfig(output_dir="x", use_cpu=True)) == {"output_dir": "x", "use_cpu": True}
+        resolved = GRPOConfig(output_dir="x", use_cpu=True).disable_tqdm
+        set_against = changed_trl_fields(GRPOConfig(output_dir="x", use_cpu=True, disable_tqdm=not resolved))
+        assert set_against == {"output_dir": "x", "disable_tqdm": not resolved, "use_cpu": True}
+    finally:
+        logger.setLevel(saved)

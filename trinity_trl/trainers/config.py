@@ -136,10 +136,27 @@ def changed_trl_fields(config: Any) -> dict[str, Any]:
         if not f.init or f.name in own or f.name == "output_dir":
             continue
         declared = f.name == "use_cpu" or (f.name in _SET_FROM_USE_CPU and not config.use_cpu)
-        if getattr(config, f.name) != (_declared_default(f) if declared else defaults[f.name]):
+        if f.name in _RESOLVED_FROM_LOGGING:
+            default = _RESOLVED_FROM_LOGGING[f.name]()
+        else:
+            default = _declared_default(f) if declared else defaults[f.name]
+        if getattr(config, f.name) != default:
             changed[f.name] = getattr(config, f.name)
     return changed
 
+
+def _tqdm_off_by_logging() -> bool:
+    import logging
+
+    from transformers.training_args import logger
+
+    return logger.getEffectiveLevel() > logging.WARN
+
+
+# what TrainingArguments resolves from transformers' logging level when left unset: compared with the level now, not
+# with the cached reference instance's (built under whatever level was set then: a config built after
+# ``transformers.logging.set_verbosity_error()`` would otherwise show ``disable_tqdm=True`` as a change)
+_RESOLVED_FROM_LOGGING = {"disable_tqdm": _tqdm_off_by_logging}
 
 # what TrainingArguments sets from use_cpu=True (the reference instance of `_trl_defaults` is built with it)
 _SET_FROM_USE_CPU = ("dataloader_pin_memory",)
