@@ -1,6 +1,7 @@
-"""Each asynchronous algorithm trains on the bundled model: CISPO, SAPO, GSPO, CHORD-mu and CHORD-phi (issue 44).
+"""Each asynchronous algorithm trains on the bundled model: CISPO, SAPO, GSPO, CHORD-mu, CHORD-phi and step-wise GRPO
+(issue 44).
 
-    nice -n 5 python benchmarks/async_bundled.py                 # all five, 2 optimizer steps each, this CPU
+    nice -n 5 python benchmarks/async_bundled.py                 # all six, 2 optimizer steps each, this CPU
     python benchmarks/async_bundled.py --only cispo --steps 3    # one of them
     python benchmarks/async_bundled.py --dry-run                 # the tiny random model, a quick check of the script
 
@@ -11,7 +12,9 @@ CHORD-phi through `AsyncChordTrainer` with `paper_config` (8 completions a promp
 demonstrations from `arithmetic_expert_dataset`). One prompt's group a micro-batch, completions of at most 32 tokens,
 learning rate 1e-3, TRL's other asynchronous defaults. Rewards: `arithmetic_reward` (1 for the exact answer) plus
 0.2 for stating an answer at all, so that the first groups differ (the bundled model is rarely right in 2 steps, and a
-group of equal rewards has no advantage to train on). Per run: optimizer steps reached, wall seconds, the logged loss,
+group of equal rewards has no advantage to train on). Step-wise GRPO (`AsyncStepGRPOTrainer`) plays the bundled
+number-guessing environment instead (`NumberGuessEnv` with partial credit, targets 1-20, 4 runs of at most 3 turns a
+task, a micro-batch 4 steps; the environment's reward). Per run: optimizer steps reached, wall seconds, the logged loss,
 `grad_norm`, reward and `async/staleness` per step, and whether every logged loss is finite. Writes
 `results/async_bundled.{json,md}` (`--name` to change).
 """
@@ -30,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # noqa: E402
 
-RUNS = ("cispo", "sapo", "gspo", "chord_mu", "chord_phi")
+RUNS = ("cispo", "sapo", "gspo", "chord_mu", "chord_phi", "step_grpo")
 
 
 def one_run(name: str, args, work: str) -> dict:
@@ -60,7 +63,17 @@ def one_run(name: str, args, work: str) -> dict:
         "use_cpu": True,
     }
     extra = {}
-    if name.startswith("chord"):
+    reward_funcs, train_dataset = [arithmetic_reward, states_a_number], arithmetic_dataset("train", num_rows=128)
+    if name == "step_grpo":
+        from trinity_trl.rollouts.envs import NumberGuessEnv, number_guess_dataset
+
+        config = trinity_trl.AsyncStepGRPOConfig(
+            **common, num_generations=4, per_device_train_batch_size=4, max_env_steps=3
+        )
+        trainer_class = trinity_trl.AsyncStepGRPOTrainer
+        extra = {"environment_factory": lambda: NumberGuessEnv(partial_credit=True)}
+        reward_funcs, train_dataset = None, number_guess_dataset(64, low=1, high=20)
+    elif name.startswith("chord"):
         config = trinity_trl.AsyncChordConfig(
             **common, paper_config=name, num_generations=8, per_device_train_batch_size=8
         )
@@ -80,9 +93,9 @@ def one_run(name: str, args, work: str) -> dict:
         )
     trainer = trainer_class(
         model=model,
-        reward_funcs=[arithmetic_reward, states_a_number],
+        reward_funcs=reward_funcs,
         args=config,
-        train_dataset=arithmetic_dataset("train", num_rows=128),
+        train_dataset=train_dataset,
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
         **extra,
     )
@@ -129,7 +142,9 @@ def markdown(report: dict) -> str:
         "CHORD-phi: `paper_config` (one prompt x 8 completions and 2 demonstrations a micro-batch, no KL). "
         "Learning rate 1e-3; "
         "TRL's other asynchronous defaults (`max_staleness` 4). Rewards: `arithmetic_reward` plus 0.2 for stating "
-        "an answer. Each run a fresh process, one after the other.",
+        "an answer. step_grpo: the bundled number-guessing environment (partial credit, targets 1-20), 4 runs of at "
+        "most 3 turns a task, 4 steps a micro-batch, the environment's reward. Each run a fresh process, one after "
+        "the other.",
         "",
         "| run | trainer | steps | wall (s) | loss per step | grad norm per step | reward per step "
         "| staleness per step | finite |",
@@ -152,6 +167,7 @@ def markdown(report: dict) -> str:
             f"{'yes' if r['finite'] else 'no'} |"
         )
     lines += ["", f"Total wall time {report['wall_s']:.0f} s.", ""]
+    lines += [f"{note}\n" for note in report.get("notes", [])]
     return "\n".join(lines)
 
 

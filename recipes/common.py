@@ -30,6 +30,20 @@ class UsageError(ValueError):
     """A mistake on the command line or in a config file: the ``trinity-trl`` command prints it on one line."""
 
 
+def asynchronous_field() -> Any:
+    """The recipes' ``asynchronous`` option (read before parsing by `asynchronous_requested`; declared so that it
+    parses and shows in ``--help``)."""
+    return field(
+        default=False,
+        metadata={
+            "help": "Train with the asynchronous twin of the recipe's trainer (AsyncCISPOTrainer, AsyncSAPOTrainer, "
+            "AsyncChordTrainer, AsyncTrinityTrainer, AsyncStepGRPOTrainer): a worker generates the next groups while "
+            "the trainer trains (docs/asynchronous.md). The same options, plus those of TRL's AsyncGRPOConfig "
+            "(max_staleness, ...)."
+        },
+    )
+
+
 @dataclass
 class RecipeArguments:
     """Script arguments shared by the recipes (the trainer's own options come from its config class)."""
@@ -124,14 +138,7 @@ class RecipeArguments:
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
 
-    asynchronous: bool = field(
-        default=False,
-        metadata={
-            "help": "Train with the asynchronous twin of the recipe's trainer (AsyncCISPOTrainer, AsyncSAPOTrainer, "
-            "AsyncChordTrainer, AsyncTrinityTrainer): a worker generates the next groups while the trainer trains "
-            "(docs/asynchronous.md). The same options, plus those of TRL's AsyncGRPOConfig (max_staleness, ...)."
-        },
-    )
+    asynchronous: bool = asynchronous_field()
 
     def __post_init__(self):
         for name in ("num_train_rows", "num_eval_rows", "num_expert_rows"):
@@ -158,6 +165,7 @@ ASYNCHRONOUS_TWINS = {
     "CISPOTrainer": "AsyncCISPOTrainer",
     "SAPOTrainer": "AsyncSAPOTrainer",
     "ChordTrainer": "AsyncChordTrainer",
+    "StepGRPOTrainer": "AsyncStepGRPOTrainer",
 }
 
 

@@ -5,21 +5,25 @@
     trinity-trl step_grpo --config step_grpo_tools_cpu                        # TRL tool environment: calc/answer tools
     trinity-trl step_grpo --config step_grpo_agent_cpu                        # an openai-client agent (agent=)
     trinity-trl step_grpo --import my_env.py --environment countdown          # your own, registered in my_env.py
+    trinity-trl step_grpo --config step_grpo_cpu --asynchronous               # AsyncStepGRPOTrainer (reset/step)
     python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
 
 Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, a TRL tool
 environment's get_reward(), or what an agent returns) is normalised within the task's group of runs and given to all
 of its turns.
-Options: the script arguments below and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields).
+Options: the script arguments below and every field of `StepGRPOConfig` (TRL's GRPOConfig plus the step-wise fields);
+with --asynchronous, of `AsyncStepGRPOConfig` (TRL's AsyncGRPOConfig plus the step-wise fields).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trinity_trl.data.model import BUNDLED, resolve_model
 from trinity_trl.recipes.common import (
     UsageError,
+    asynchronous_field,
     check_models,
     check_output_dir,
     choose_trainer,
@@ -31,7 +35,10 @@ from trinity_trl.recipes.common import (
 )
 from trinity_trl.rollouts import ENVIRONMENTS
 from trinity_trl.tokenizer import TOOL_CHAT_TEMPLATES, tool_chat_template
-from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+from trinity_trl.trainers import StepGRPOTrainer
+
+if TYPE_CHECKING:
+    from trinity_trl.trainers import AsyncStepGRPOTrainer
 
 # chat templates that render tool calls, stored by TRL (trl.chat_template_utils), for models whose own cannot
 CHAT_TEMPLATES = tuple(TOOL_CHAT_TEMPLATES)
@@ -67,6 +74,7 @@ class StepGRPOScriptArguments:
         metadata={"help": "Modules LoRA adapts ('all-linear' or names)."},
     )
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (needs matplotlib)."})
+    asynchronous: bool = asynchronous_field()
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Write into an output_dir that already holds files (otherwise an error)."}
     )
@@ -83,15 +91,21 @@ class StepGRPOScriptArguments:
             raise UsageError(f"chat_template must be one of {CHAT_TEMPLATES}, got {self.chat_template!r}")
 
 
-def main(argv: list[str] | None = None) -> StepGRPOTrainer:
+def main(argv: list[str] | None = None) -> StepGRPOTrainer | AsyncStepGRPOTrainer:
     # 1. options: a YAML config plus command-line overrides
-    choose_trainer(argv, StepGRPOTrainer, "step_grpo")  # --asynchronous is refused: no asynchronous twin
-    args, training_args = parse((StepGRPOScriptArguments, StepGRPOConfig), argv, "step_grpo", __doc__)
+    # --asynchronous: AsyncStepGRPOTrainer (reset/step environments; the others are refused in one line)
+    trainer_class = choose_trainer(argv, StepGRPOTrainer, "step_grpo")
+    args, training_args = parse((StepGRPOScriptArguments, trainer_class.config_class), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
     check_models(args, training_args)  # model ids and paths: one line now, before any data or model loads
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
     # (an environment registered without a dataset owns the data: no train_dataset, max_steps sets the length)
     played = ENVIRONMENTS.get(args.environment).trainer_arguments(args.num_tasks, seed=training_args.seed)
+    if trainer_class is not StepGRPOTrainer and "agent" in played:
+        raise UsageError(
+            f"--asynchronous: environment {args.environment!r} is an agent (agent=), which trains synchronously; "
+            "AsyncStepGRPOTrainer plays reset/step environments (number_guess, calculator, ...)"
+        )
     # 3. model (with a tool-calling chat template if asked) and trainer
     model = resolve_model(args.model_name_or_path)
     processing_class = None
@@ -99,7 +113,7 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer:
         from trinity_trl.trainers.common import load_processor
 
         processing_class = tool_chat_template(load_processor(model, training_args), args.chat_template)
-    trainer = StepGRPOTrainer(
+    trainer = trainer_class(
         model=model,
         args=training_args,
         processing_class=processing_class,

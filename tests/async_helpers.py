@@ -175,3 +175,23 @@ class NoTransfer:
 
     def destroy(self) -> None:
         pass
+
+
+def send(worker, model, version: int) -> None:
+    """A weight sync as TRL runs it: send_weights, then update_model_version."""
+    from trinity_trl.asynchronous.worker import LocalWeightTransfer
+
+    transfer = LocalWeightTransfer(worker)
+    transfer.pause()
+    transfer.send_weights(iter(model.named_parameters()))
+    transfer.resume()
+    worker.update_model_version(version)
+
+
+def recomputed_logps(model, sample, temperature: float = 0.7) -> torch.Tensor:
+    """A sample's completion log-probs recomputed by a plain forward of ``model`` (no cache, no generate)."""
+    start = int((sample.completion_mask == 0).sum())
+    ids = torch.tensor(sample.input_ids).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, start - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, start:].unsqueeze(-1)).squeeze(-1)

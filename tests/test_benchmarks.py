@@ -706,12 +706,17 @@ def test_async_vs_sync_dry_run(tmp_path):
 
 def test_async_bundled_dry_run(tmp_path):
     """benchmarks/async_bundled.py on the tiny model: each asynchronous trainer it names trains its steps in a fresh
-    process, CHORD through paper_config (two of the five here: the script's own loop runs them all the same way)."""
-    _run("async_bundled.py", "--dry-run", "--only", "gspo", "--only", "chord_phi", "--out", str(tmp_path))
+    process, CHORD through paper_config, step-wise GRPO on the number-guessing environment (three of the six here:
+    the script's own loop runs them all the same way)."""
+    only = ("--only", "gspo", "--only", "chord_phi", "--only", "step_grpo")
+    _run("async_bundled.py", "--dry-run", *only, "--out", str(tmp_path))
     report = _load(tmp_path / "async_bundled_dry.json")
     _check_machine(report)
     runs = {r["run"]: r for r in report["runs"]}
-    assert set(runs) == {"gspo", "chord_phi"}
+    assert set(runs) == {"gspo", "chord_phi", "step_grpo"}
+    assert (
+        runs["step_grpo"]["trainer"] == "AsyncStepGRPOTrainer" and runs["step_grpo"]["algorithm"] == "multi_step_grpo"
+    )
     assert runs["gspo"]["trainer"] == "AsyncTrinityTrainer" and runs["gspo"]["algorithm"] == "gspo"
     assert runs["chord_phi"]["trainer"] == "AsyncChordTrainer" and runs["chord_phi"]["mu"] == [0.1, 0.1]
     for r in runs.values():

@@ -48,6 +48,8 @@ __all__ = [
     "AsyncSAPOConfig",
     "AsyncChordTrainer",
     "AsyncChordConfig",
+    "AsyncStepGRPOTrainer",
+    "AsyncStepGRPOConfig",
 ]
 
 #: public name -> the module it is imported from on first access (PEP 562): every trainer and config, which the
@@ -62,6 +64,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         AsyncCISPOTrainer,
         AsyncSAPOConfig,
         AsyncSAPOTrainer,
+        AsyncStepGRPOConfig,
+        AsyncStepGRPOTrainer,
         AsyncTrinityConfig,
         AsyncTrinityTrainer,
         ChordConfig,

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
+from async_helpers import recomputed_logps, send
 from helpers import TINY_MODEL_TERMS, build_tiny_model, build_tiny_tokenizer, tiny_conversational_dataset
 from tolerance import assert_close
 
 from trinity_trl.algorithms import ADVANTAGE_FN, KL_FN, POLICY_LOSS_FN
-from trinity_trl.asynchronous.worker import GroupScorer, LocalWeightTransfer, TransformersRolloutWorker
+from trinity_trl.asynchronous.worker import GroupScorer, TransformersRolloutWorker
 from trinity_trl.training.advantages import AdvantageEstimator, group_advantages
 
 G = 4
@@ -54,15 +55,6 @@ def make_worker(tokenizer, reward_funcs=(length_reward,), temperature=0.7, max_c
     )
 
 
-def send(worker, model, version: int) -> None:
-    """A weight sync as TRL runs it: send_weights, then update_model_version."""
-    transfer = LocalWeightTransfer(worker)
-    transfer.pause()
-    transfer.send_weights(iter(model.named_parameters()))
-    transfer.resume()
-    worker.update_model_version(version)
-
-
 def test_recorded_tokens_and_logprobs_are_what_was_sampled(tokenizer):
     """The ids of a sample are the ids ``generate`` drew (through the first end-of-sequence token), and its log-probs
     are those ids' log-probabilities at the sampling temperature under the weights the worker holds (the trainer's
@@ -101,15 +93,6 @@ def test_recorded_tokens_and_logprobs_are_what_was_sampled(tokenizer):
         assert_close(recorded, expected, terms=TINY_MODEL_TERMS)
 
 
-def _recomputed_logps(model, sample, temperature: float = 0.7) -> torch.Tensor:
-    """A sample's completion log-probs recomputed by a plain forward of ``model`` (no cache, no generate)."""
-    start = int((sample.completion_mask == 0).sum())
-    ids = torch.tensor(sample.input_ids).unsqueeze(0)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, start - 1 : -1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, start:].unsqueeze(-1)).squeeze(-1)
-
-
 def test_new_weights_are_taken_between_groups_only(tokenizer):
     """A weight sync that arrives while a group is being generated (here: at its third forward) is not used for that
     group: every token of it comes from the weights it started with, whose version it carries; the next group is
@@ -133,7 +116,7 @@ def test_new_weights_are_taken_between_groups_only(tokenizer):
     for sample in first:
         assert_close(
             torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            _recomputed_logps(old_model, sample),
+            recomputed_logps(old_model, sample),
             terms=TINY_MODEL_TERMS,
         )
     worker._load_committed()  # what the worker's loop does before each group
@@ -142,7 +125,7 @@ def test_new_weights_are_taken_between_groups_only(tokenizer):
     for sample in second:
         assert_close(
             torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            _recomputed_logps(new_model, sample),
+            recomputed_logps(new_model, sample),
             terms=TINY_MODEL_TERMS,
         )
     staged_only = make_worker(tokenizer)

@@ -78,7 +78,36 @@ def test_the_flag_in_a_config_file(tmp_path):
         asynchronous_requested(["--config", str(config)])
 
 
-@pytest.mark.parametrize("command, config", [("ppo", "ppo_cpu"), ("step_grpo", "step_grpo_cpu")])
+def test_the_step_grpo_recipe_trains_asynchronously_with_one_more_argument(tmp_path, tiny_model_dir):
+    """The number-guessing config with ``--asynchronous``: AsyncStepGRPOTrainer, each turn a sample."""
+    tiny = ["--max_steps", "2", "--num_tasks", "8", "--max_completion_length", "8", "--max_env_steps", "2"]
+    tiny += ["--lora_r", "4", "--lora_alpha", "8"]
+    argv = ["step_grpo", "--config", "step_grpo_cpu", "--model_name_or_path", tiny_model_dir, *tiny]
+    run = cli([*argv, "--output_dir", str(tmp_path), "--asynchronous"])
+    assert type(run).__name__ == "AsyncStepGRPOTrainer" and run.state.global_step == 2
+    log = json.loads((tmp_path / "training_log.json").read_text())
+    assert any("multi_step/steps_per_run" in entry for entry in log["log_history"])
+    assert {"adapter_model.safetensors", "README.md", "training_log.json"} <= set(os.listdir(tmp_path))
+
+
+def test_an_agent_environment_is_refused_asynchronously_in_one_line(tiny_model_dir):
+    with pytest.raises(UsageError, match="is an agent") as info:
+        cli(
+            [
+                "step_grpo",
+                "--config",
+                "step_grpo_cpu",
+                "--environment",
+                "calculator_agent",
+                "--model_name_or_path",
+                tiny_model_dir,
+                "--asynchronous",
+            ]
+        )
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("command, config", [("ppo", "ppo_cpu")])
 def test_recipes_without_an_asynchronous_twin_refuse_it(command, config, tiny_model_dir):
     with pytest.raises(UsageError, match="has no asynchronous twin") as info:
         cli([command, "--config", config, "--model_name_or_path", tiny_model_dir, "--asynchronous"])

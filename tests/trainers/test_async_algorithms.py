@@ -1,6 +1,8 @@
-"""AsyncCISPOTrainer, AsyncSAPOTrainer and AsyncChordTrainer: their configs are their synchronous twins' (the same
-defaults and checks), and they train; CHORD mixes demonstrations in at its share with μ scheduled in optimizer steps.
-The slow test trains CISPO, SAPO, GSPO, CHORD-μ and CHORD-φ for 2 asynchronous steps each on the bundled model."""
+"""AsyncCISPOTrainer, AsyncSAPOTrainer, AsyncChordTrainer and AsyncStepGRPOTrainer: their configs are their
+synchronous twins' (the same defaults and checks), and they train; CHORD mixes demonstrations in at its share with μ
+scheduled in optimizer steps; step-wise GRPO trains multi-step runs of reset/step environments and refuses what its
+worker cannot play. The slow test trains CISPO, SAPO, GSPO, CHORD-μ, CHORD-φ and step-wise GRPO for 2 asynchronous
+steps each on the bundled model."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from datasets import Dataset
 from helpers import length_reward, lora_config, tiny_conversational_dataset
 
 from trinity_trl.algorithms.policy_loss.chord import mu_schedule_function
+from trinity_trl.rollouts import Environment, StepResult
 from trinity_trl.trainers import (
     AsyncChordConfig,
     AsyncChordTrainer,
@@ -17,11 +20,14 @@ from trinity_trl.trainers import (
     AsyncCISPOTrainer,
     AsyncSAPOConfig,
     AsyncSAPOTrainer,
+    AsyncStepGRPOConfig,
+    AsyncStepGRPOTrainer,
     AsyncTrinityConfig,
     AsyncTrinityTrainer,
     ChordConfig,
     CISPOConfig,
     SAPOConfig,
+    StepGRPOConfig,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
@@ -40,6 +46,11 @@ def expert_dataset(n: int = 16) -> Dataset:
         (AsyncCISPOConfig, CISPOConfig, {"policy_loss": {"clip_range_high": 5.0}}),
         (AsyncSAPOConfig, SAPOConfig, {"sapo_temperature_neg": 1.2}),
         (AsyncChordConfig, ChordConfig, {"mu_decay_steps": 10, "mu_peak": 0.9, "enable_phi_function": False}),
+        (
+            AsyncStepGRPOConfig,
+            StepGRPOConfig,
+            {"enable_step_norm": True, "std_threshold": 0.1, "policy_loss": "cispo", "kl_loss": "k3"},
+        ),
     ],
 )
 def test_the_same_options_resolve_to_the_same_algorithm(ours, theirs, options, tmp_path):
@@ -59,6 +70,10 @@ def test_the_twins_refuse_what_theirs_refuse(tmp_path):
         AsyncChordConfig(output_dir=str(tmp_path), use_cpu=True, expert_data_ratio=1.0)
     with pytest.raises(ValueError, match="derives from its own batch geometry"):
         AsyncChordConfig(output_dir=str(tmp_path), use_cpu=True, policy_loss={"usual_sample_weight": 2.0})
+    with pytest.raises(ValueError, match="AsyncStepGRPOConfig needs a step-wise advantage function"):
+        AsyncStepGRPOConfig(output_dir=str(tmp_path), use_cpu=True, advantage="grpo")
+    with pytest.raises(ValueError, match="history must be one of"):
+        AsyncStepGRPOConfig(output_dir=str(tmp_path), use_cpu=True, history="text")
 
 
 @pytest.mark.parametrize(
@@ -106,6 +121,104 @@ def test_chord_needs_demonstrations(tmp_path, tiny_model_dir, tiny_dataset):
         )
 
 
+# --------------------------------------------------------------------------------------------- step-wise GRPO
+class Countdown(Environment):
+    """A task of ``turns`` turns; the last one is rewarded by its length (so runs of a task differ)."""
+
+    def reset(self, turns: int, **row) -> str:
+        self.left = int(turns)
+        return f"{self.left} turns"
+
+    def step(self, action: str) -> StepResult:
+        self.left -= 1
+        if self.left:
+            return StepResult(f"{self.left} to go", reward=0.0)
+        return StepResult(None, reward=float(len(action) % 4), done=True)
+
+
+class OwnData(Countdown):
+    """The environment owns the data: ``reset()`` takes no task and gives the first observation."""
+
+    def reset(self, **row) -> str:
+        return super().reset(turns=2)
+
+
+def countdown_tasks(n: int = 8) -> Dataset:
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "count down"}]] * n, "turns": [1, 2, 3] * 2 + [2, 2]}
+    )
+
+
+@pytest.mark.parametrize("own_data", [False, True], ids=["tasks", "environment-owns-the-data"])
+def test_step_wise_grpo_trains_multi_step_runs_asynchronously(own_data, tmp_path, tiny_model_dir):
+    """Each step of a run is a sample: an optimizer step of 4 samples holds the steps of runs of 1-3 turns; the runs'
+    turns and the environment's reward are logged. With ``train_dataset=None`` the environment's ``reset()`` supplies
+    every task and ``max_steps`` the length."""
+    args = AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), max_env_steps=3))
+    if own_data:
+        trainer = AsyncStepGRPOTrainer(tiny_model_dir, None, args, None, environment_factory=OwnData)
+    else:
+        trainer = AsyncStepGRPOTrainer(tiny_model_dir, None, args, countdown_tasks(), environment_factory=Countdown)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = [entry for entry in trainer.state.log_history if "actor/loss" in entry]
+    assert len(logged) == 2 and all(entry["batch/samples_per_step"] == 4 for entry in logged)
+    turns = [
+        entry["multi_step/steps_per_run"] for entry in trainer.state.log_history if "multi_step/steps_per_run" in entry
+    ]
+    assert turns and all(1.0 <= t <= 3.0 for t in turns)
+    if own_data:
+        assert set(turns) == {2.0}
+    else:
+        assert any(t > 1.0 for t in turns)
+    assert any("rewards/environment_reward" in entry for entry in trainer.state.log_history)
+
+
+def test_step_wise_grpo_refuses_what_its_worker_cannot_play(tmp_path, tiny_model_dir):
+    class Adder:  # TRL's tool protocol: reset() and public methods as tools
+        def reset(self, **row) -> None:
+            return None
+
+        def add(self, a: int, b: int) -> int:
+            """Add two numbers.
+
+            Args:
+                a: the first.
+                b: the second.
+            """
+            return a + b
+
+    def config(**options):
+        return AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), **options))
+
+    with pytest.raises(ValueError, match="needs environment_factory"):
+        AsyncStepGRPOTrainer(tiny_model_dir, None, config(), countdown_tasks())
+    with pytest.raises(ValueError, match="Adder is a TRL tool environment"):
+        AsyncStepGRPOTrainer(tiny_model_dir, None, config(), countdown_tasks(), environment_factory=Adder)
+
+    class NoTasks(Countdown):
+        def reset(self) -> str:
+            return super().reset(turns=1)
+
+    with pytest.raises(TypeError, match=r"does not accept \['turns'\]"):
+        AsyncStepGRPOTrainer(tiny_model_dir, None, config(), countdown_tasks(), environment_factory=NoTasks)
+    with pytest.raises(ValueError, match="needs max_steps > 0"):
+        AsyncStepGRPOTrainer(tiny_model_dir, None, config(max_steps=-1), None, environment_factory=OwnData)
+    with pytest.raises(ValueError, match="generation_backend must be 'transformers'"):
+        config(generation_backend="vllm")
+    with pytest.raises(ValueError, match="normalises by statistics of the whole batch"):
+        AsyncStepGRPOTrainer(
+            tiny_model_dir, None, config(std_cal_level="batch"), countdown_tasks(), environment_factory=Countdown
+        )
+    with pytest.raises(ValueError, match="AsyncTrinityTrainer generates one turn"):
+        AsyncTrinityTrainer(
+            tiny_model_dir,
+            length_reward,
+            AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path), algorithm="multi_step_grpo")),
+            tiny_conversational_dataset(8),
+        )
+
+
 # --------------------------------------------------------------------------------------------- the bundled model
 BUNDLED_CASES = {
     "cispo": (AsyncCISPOTrainer, AsyncCISPOConfig, {}),
@@ -141,6 +254,29 @@ def test_each_algorithm_trains_two_asynchronous_steps_on_the_bundled_model(case,
     )
     extra = {"expert_dataset": task.expert} if trainer_class is AsyncChordTrainer else {}
     trainer = trainer_class("bundled", arithmetic_reward, args, task.train, peft_config=lora_config(8), **extra)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logged = [entry for entry in trainer.state.log_history if "actor/loss" in entry]
+    assert len(logged) == 2 and all(entry["guards/nonfinite_loss"] == 0 for entry in logged)
+
+
+@pytest.mark.slow
+def test_step_wise_grpo_trains_two_asynchronous_steps_on_the_bundled_model(tmp_path):
+    """The bundled model plays the bundled number-guessing game (partial credit, targets 1-20, at most 3 turns) with
+    LoRA: 2 optimizer steps of 4 steps each, finite losses."""
+    from trinity_trl.rollouts.envs import NumberGuessEnv, number_guess_dataset
+
+    args = AsyncStepGRPOConfig(
+        **tiny_async_kwargs(output_dir=str(tmp_path), max_completion_length=16, num_generations=2, max_env_steps=3)
+    )
+    trainer = AsyncStepGRPOTrainer(
+        "bundled",
+        None,
+        args,
+        number_guess_dataset(8, low=1, high=20),
+        peft_config=lora_config(8),
+        environment_factory=lambda: NumberGuessEnv(partial_credit=True),
+    )
     trainer.train()
     assert trainer.state.global_step == 2
     logged = [entry for entry in trainer.state.log_history if "actor/loss" in entry]

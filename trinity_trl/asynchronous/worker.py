@@ -52,7 +52,9 @@ class GroupScorer:
             completion).
         reward_func_names: their names (the ``rewards/<name>`` metrics).
         reward_weights: ``(F,)`` weights of the functions.
-        estimator: the trainer's advantage estimator (group-level components only; the trainer refuses others).
+        estimator: the trainer's advantage estimator (group-level components only; the trainer refuses others);
+            ``None`` where only `rewards` is used (`trinity_trl.asynchronous.multi_step.MultiStepWorker` scores runs
+            with its step-wise component).
     """
 
     def __init__(
@@ -60,7 +62,7 @@ class GroupScorer:
         reward_funcs: list[Callable],
         reward_func_names: list[str],
         reward_weights: torch.Tensor,
-        estimator: AdvantageEstimator,
+        estimator: AdvantageEstimator | None,
     ):
         self.reward_funcs = reward_funcs
         self.reward_func_names = reward_func_names
@@ -299,20 +301,30 @@ class TransformersRolloutWorker:
             except queue.Full:
                 self._heartbeat = time.monotonic()  # the trainer is behind: not a stall
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """``num_generations`` completions of ``prompt_ids``: the sampled ids (through the first end-of-sequence
         token) and their log-probs under the sampling temperature."""
+        return self.generate_many([prompt_ids] * self.num_generations)
+
+    @torch.no_grad()
+    def generate_many(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion of each prompt (prompts of different lengths are left-padded into one ``generate`` call):
+        the sampled ids (through the first end-of-sequence token) and their log-probs under the sampling
+        temperature."""
         from transformers import StoppingCriteriaList
 
-        input_ids = torch.tensor([prompt_ids] * self.num_generations, dtype=torch.long, device=self.device)
+        width = max(len(p) for p in prompts)
+        pad_id = self.generation_config.pad_token_id
+        pad_id = self.eos_token_ids[0] if pad_id is None else pad_id
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         out = self.model.generate(
             input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
+            attention_mask=attention_mask,
             generation_config=self.generation_config,
             stopping_criteria=StoppingCriteriaList([_StopWhen(self._stop, self._beat)]),
         )
-        new = out.sequences[:, input_ids.shape[1] :]
+        new = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float() / self.temperature
         logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))

@@ -9,9 +9,10 @@ One base, `TrinityTrainer` (TRL's ``GRPOTrainer`` running any preset), owns TRL'
 trainers (`ChordTrainer`, `CISPOTrainer`, `SAPOTrainer`, `StepGRPOTrainer`,
 `PPOTrainer`) are small subclasses with a config of the right defaults and the one behaviour that is
 theirs, and `TrinitySFTTrainer` / `TrinityDPOTrainer` run the SFT and DPO presets on TRL's own
-trainers. `AsyncTrinityTrainer` (and `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`) run the same
-algorithms on TRL's asynchronous trainer (`async_trinity`, `async_algorithms`; the loss after the forward is
-`trinity_loss`, shared with `TrinityTrainer`; they import TRL's experimental module on first access). Beside the
+trainers. `AsyncTrinityTrainer` (and `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`,
+`AsyncStepGRPOTrainer`) run the same algorithms on TRL's asynchronous trainer (`async_trinity`, `async_algorithms`;
+the loss after the forward is `trinity_loss`, shared with `TrinityTrainer`; they import TRL's experimental module on
+first access). Beside the
 trainer classes: `components` (the algorithm's components, built once), `machine` (where the run happens: CPU
 defaults, threads, the start checks), `card` (the model card's seams), `common` (TRL plumbing) and `spellings` (the
 removed spellings); `trinity_trl.asynchronous` is what the asynchronous trainers compose. Other rooms they compose:
@@ -50,6 +51,8 @@ _ASYNC: dict[str, str] = {
     "AsyncSAPOTrainer": "async_algorithms",
     "AsyncChordConfig": "async_algorithms",
     "AsyncChordTrainer": "async_algorithms",
+    "AsyncStepGRPOConfig": "async_algorithms",
+    "AsyncStepGRPOTrainer": "async_algorithms",
 }
 
 

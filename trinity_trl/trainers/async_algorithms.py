@@ -1,8 +1,9 @@
-"""The algorithm trainers on TRL's asynchronous trainer: `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`.
+"""The algorithm trainers on TRL's asynchronous trainer: `AsyncCISPOTrainer`, `AsyncSAPOTrainer`, `AsyncChordTrainer`,
+`AsyncStepGRPOTrainer`.
 
-Each is its synchronous twin's config fields and defaults (`CISPOFields`, `SAPOFields`, `ChordFields`: the same
-classes [`CISPOConfig`][], [`SAPOConfig`][] and [`ChordConfig`][] are made of) on [`AsyncTrinityConfig`][], and a
-small subclass of [`AsyncTrinityTrainer`][] (docs/asynchronous.md).
+Each is its synchronous twin's config fields and defaults (`CISPOFields`, `SAPOFields`, `ChordFields`,
+`StepWiseFields`: the same classes [`CISPOConfig`][], [`SAPOConfig`][], [`ChordConfig`][] and [`StepGRPOConfig`][] are
+made of) on [`AsyncTrinityConfig`][], and a small subclass of [`AsyncTrinityTrainer`][] (docs/asynchronous.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completi
 from .cispo import CISPOFields
 from .config import from_trl_config
 from .sapo import SAPOFields
+from .step_grpo import StepWiseFields
 
 
 @dataclass
@@ -208,7 +210,143 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
         self._expert_cursor = state["expert_cursor"]
 
 
+@dataclass
+class AsyncStepGRPOConfig(StepWiseFields, AsyncTrinityConfig):
+    r"""
+    Configuration of [`AsyncStepGRPOTrainer`][]: the fields and defaults of [`StepGRPOConfig`][] (preset
+    `multi_step_grpo`, `step_wise_grpo` advantages) on [`AsyncTrinityConfig`][], with the transformers worker.
+
+    Parameters:
+        max_env_steps (`int`, *optional*, defaults to `5`):
+            Turns per run at most (a run still going then ends, counted in `multi_step/cut_runs_total`).
+        history (`str`, *optional*, defaults to `"tokens"`):
+            `"tokens"`: each turn's prompt is the previous prompt + the generated tokens + the observation's
+            chat-template tokens (never re-tokenized). `"messages"`: the conversation is re-rendered by the chat
+            template every turn.
+        enable_step_norm (`bool`, *optional*, defaults to `False`):
+            Divide a run's advantage by its number of steps, so long runs do not weigh more.
+        std_cal_level (`str`, *optional*, defaults to `"group"`):
+            Standard deviation the run rewards are normalised by: the task group's (`"group"`) or none (`"none"`:
+            reward minus group mean). `"batch"` is refused: each group is scored alone, as it is played.
+        std_threshold (`float` or `None`, *optional*):
+            Skip task groups whose reward std is at most this (and single-run groups); their steps get no gradient.
+    """
+
+    def __post_init__(self):
+        self.check_step_fields()
+        super().__post_init__()
+        if self.generation_backend != "transformers":
+            raise ValueError(
+                "AsyncStepGRPOConfig plays runs with its own transformers worker: generation_backend must be "
+                f"'transformers', got {self.generation_backend!r} (TRL's vLLM worker plays TRL tool environments: "
+                "AsyncTrinityTrainer with generation_backend='vllm' and environment_factory)"
+            )
+
+
+class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
+    """[`AsyncTrinityTrainer`][] playing multi-step runs of reset/step environments with step-wise GRPO (see
+    [`AsyncStepGRPOConfig`][]): [`StepGRPOTrainer`][] with generation overlapping training.
+
+    Its worker (`trinity_trl.asynchronous.multi_step.MultiStepWorker`) plays `num_generations` runs of a task with the
+    code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward first, then
+    `reward_funcs` on the final turn), and queues every step as its own sample with its run's step-wise advantage.
+
+    Args:
+        environment_factory: builds one environment per run: a reset/step `trinity_trl.rollouts.Environment` (or a
+            class whose public methods are exactly `reset` and `step`); or a dict of them, each dataset row choosing
+            one by its `environment` column. TRL tool environments, `agent=` and `rollout=` run synchronously
+            ([`StepGRPOTrainer`][]).
+        train_dataset: the tasks (every column but `prompt` goes to `reset`); `None` when the environment owns the
+            data (`reset()` returns the first observation): `max_steps` then sets the length.
+        reward_funcs: reward functions scoring each run's final turn, after the environment's reward.
+        Other arguments: as [`AsyncTrinityTrainer`][].
+
+    Logged beyond [`AsyncTrinityTrainer`][]'s: `multi_step/steps_per_run`, `multi_step/prefix_preserving`,
+    `multi_step/cut_runs_total` and `unscorable_count` (runs).
+    """
+
+    _name = "Step-wise GRPO"
+    config_class = AsyncStepGRPOConfig
+    plays_runs = True
+    requires_prompt_dataset = False
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: AsyncStepGRPOConfig | None = None,
+        train_dataset=None,
+        *pos,
+        environment_factory=None,
+        rollout_worker=None,
+        **kw,
+    ):
+        from ..rollouts.multi_step import MultiStepRollout
+        from ..rollouts.protocols import STEP_PROTOCOL, environment_reward, resolve_protocol
+
+        args = from_trl_config(args, AsyncStepGRPOConfig, "AsyncStepGRPOTrainer") if args is not None else None
+        config = args if args is not None else AsyncStepGRPOConfig  # its defaults when args=None
+        if rollout_worker is not None:
+            raise ValueError("AsyncStepGRPOTrainer plays the runs with its own worker; rollout_worker= cannot be given")
+        if environment_factory is None:
+            raise ValueError(
+                "AsyncStepGRPOTrainer needs environment_factory (a callable returning a fresh reset/step environment, "
+                "or a dict of them routed by the dataset's 'environment' column)"
+            )
+        columns = None if train_dataset is None else getattr(train_dataset, "column_names", None)
+        protocol, classes = resolve_protocol(environment_factory, None, columns)
+        if protocol != STEP_PROTOCOL:
+            raise ValueError(
+                f"{next(iter(classes.values())).__qualname__} is a TRL tool environment: AsyncStepGRPOTrainer plays "
+                "reset/step environments; train tool environments with StepGRPOTrainer, or asynchronously with "
+                "AsyncTrinityTrainer(generation_backend='vllm', environment_factory=...) (TRL's worker)"
+            )
+        if train_dataset is None:
+            train_dataset = self._placeholder_tasks(environment_factory, args)
+        elif len(train_dataset) == 0:
+            raise ValueError("train_dataset has no rows: each row is one task")
+        self.environment_rollout = MultiStepRollout(
+            None,
+            environment_factory,
+            config.max_env_steps,
+            config.history,
+            [cls.__qualname__ for cls in classes.values()],
+        )
+        user_rewards = (
+            []
+            if reward_funcs is None
+            else (list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        )
+        super().__init__(model, [environment_reward, *user_rewards], args, train_dataset, *pos, **kw)
+
+    @staticmethod
+    def _placeholder_tasks(environment_factory, args):
+        """``train_dataset=None`` (the environment owns the data): one row of an empty prompt, drawn for every group
+        (``reset()`` supplies each task); the length comes from ``max_steps``."""
+        from datasets import Dataset
+
+        if isinstance(environment_factory, dict):
+            raise ValueError(
+                "a dict environment_factory routes rows by their 'environment' column: it needs a train_dataset "
+                "with that column"
+            )
+        if args is None or args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset=None (the environment owns the data) needs max_steps > 0 to set the training length"
+            )
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]]})
+
+    def _make_worker(self, *args: Any, **kwargs: Any):
+        from ..asynchronous.multi_step import MultiStepWorker
+
+        return MultiStepWorker(
+            *args, rollout=self.environment_rollout, advantage_fn=self.components.advantage_fn, **kwargs
+        )
+
+
 __all__ = [
+    "AsyncStepGRPOConfig",
+    "AsyncStepGRPOTrainer",
     "AsyncCISPOConfig",
     "AsyncCISPOTrainer",
     "AsyncChordConfig",

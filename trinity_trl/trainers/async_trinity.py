@@ -208,8 +208,11 @@ def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinit
                 f"advantage {name!r} with these arguments normalises by statistics of the whole batch; the "
                 "asynchronous trainers score each group alone (e.g. std_cal_level='group')"
             )
-        if advantage.step_wise:
-            raise ValueError(f"advantage {name!r} scores multi-step runs; the asynchronous trainers generate one turn")
+        if advantage.step_wise and not trainer_cls.plays_runs:
+            raise ValueError(
+                f"advantage {name!r} scores multi-step runs; {trainer_cls.__name__} generates one turn "
+                "(AsyncStepGRPOTrainer plays multi-step runs)"
+            )
     if args.generation_backend == "vllm":
         from ..algorithms import ADVANTAGE_FN
 
@@ -281,6 +284,11 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
     #: mixes expert (demonstration) rows into the sample stream (AsyncChordTrainer)
     supports_expert_rows: ClassVar[bool] = False
     has_critic: ClassVar[bool] = False
+    #: its worker plays multi-step runs (AsyncStepGRPOTrainer): a step-wise advantage is its advantage
+    plays_runs: ClassVar[bool] = False
+    #: the training dataset must be prompts (a ``prompt`` column); a trainer whose tasks may come from an
+    #: environment's ``reset()`` checks its dataset itself
+    requires_prompt_dataset: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -318,7 +326,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             raise ValueError(f"reward_weights has {len(weights)} values for {len(reward_funcs)} reward functions")
         if processing_class is None:
             processing_class = load_processor(model, args)
-        if environment_factory is None:
+        if environment_factory is None and self.requires_prompt_dataset:
             checks.check_prompt_dataset(train_dataset, "train_dataset")
         start_run(args)
         own_worker = args.generation_backend == "transformers" and rollout_worker is None
@@ -402,7 +410,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             torch.tensor(weights, dtype=torch.float32),
             estimator,
         )
-        return TransformersRolloutWorker(
+        return self._make_worker(
             copy,
             tokenizer,
             dataset,
@@ -419,6 +427,11 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             queue_maxsize=args.queue_maxsize,
             seed=args.seed,
         )
+
+    def _make_worker(self, *args: Any, **kwargs: Any) -> TransformersRolloutWorker:
+        """The worker of `_transformers_worker`'s arguments (a subclass may build its own kind of worker:
+        `AsyncStepGRPOTrainer`)."""
+        return TransformersRolloutWorker(*args, **kwargs)
 
     def _reference_model(self, model: str):
         """The frozen reference of the KL terms: ``None`` under PEFT (the policy with its adapter disabled, as TRL

@@ -56,7 +56,50 @@ STD_CAL_LEVELS = ("group", "batch", "none")
 
 
 @dataclass
-class StepGRPOConfig(TrinityConfig):
+class StepWiseFields:
+    """Step-wise GRPO's own fields and checks, shared by [`StepGRPOConfig`][] and the asynchronous
+    [`AsyncStepGRPOConfig`][trinity_trl.trainers.async_algorithms.AsyncStepGRPOConfig]: the preset, the turn limit,
+    how the history grows, and the step-wise advantage's arguments (passed to it under the same names)."""
+
+    removed_spellings = {
+        **TrinityConfig.removed_spellings,
+        "advantage_epsilon": component_argument_spelling("advantage", "epsilon"),
+    }
+
+    algorithm: str = field(default="multi_step_grpo", metadata={"help": "Algorithm preset."})
+    max_env_steps: int = field(default=5, metadata={"help": "Turns per run at most."})
+    history: str = field(default="tokens", metadata={"help": "'tokens' or 'messages' (see docs)."})
+    enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
+    std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
+    std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
+
+    def check_step_fields(self) -> None:
+        if self.max_env_steps < 1:
+            raise ValueError(f"max_env_steps must be >= 1, got {self.max_env_steps}")
+        if self.history not in HISTORY_MODES:
+            raise ValueError(f"history must be one of {HISTORY_MODES}, got {self.history!r}")
+        if self.std_cal_level not in STD_CAL_LEVELS:
+            raise ValueError(f"std_cal_level must be one of {STD_CAL_LEVELS}, got {self.std_cal_level!r}")
+
+    def _implied_components(self) -> dict[str, Component]:
+        advantage = self.component_name("advantage") or "step_wise_grpo"
+        if not ADVANTAGE_FN.get(advantage).step_wise:
+            raise ValueError(
+                f"{type(self).__name__} needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
+                f"runs and gives each step its run's score), got advantage={advantage!r}"
+            )
+        return {
+            "advantage": Component(
+                advantage,
+                enable_step_norm=self.enable_step_norm,
+                std_cal_level=self.std_cal_level,
+                std_threshold=self.std_threshold,
+            )
+        }
+
+
+@dataclass
+class StepGRPOConfig(StepWiseFields, TrinityConfig):
     r"""
     Configuration of [`StepGRPOTrainer`][] (preset `multi_step_grpo`: PPO-clip loss, `step_wise_grpo`
     advantages; no KL term unless `kl_loss` names one, e.g. the preset's `k2`; any policy loss of the library can
@@ -102,17 +145,6 @@ class StepGRPOConfig(TrinityConfig):
             it generates them in one batch (it generates at once when every running agent waits).
     """
 
-    removed_spellings = {
-        **TrinityConfig.removed_spellings,
-        "advantage_epsilon": component_argument_spelling("advantage", "epsilon"),
-    }
-
-    algorithm: str = field(default="multi_step_grpo", metadata={"help": "Algorithm preset."})
-    max_env_steps: int = field(default=5, metadata={"help": "Turns per run at most."})
-    history: str = field(default="tokens", metadata={"help": "'tokens' or 'messages' (see docs)."})
-    enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
-    std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
-    std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
     shared_prefix: bool = field(
         default=True,
         metadata={
@@ -134,12 +166,7 @@ class StepGRPOConfig(TrinityConfig):
             raise ValueError(f"agent_on_failure must be one of {FAILURE_MODES}, got {self.agent_on_failure!r}")
         if self.agent_batch_window < 0:
             raise ValueError(f"agent_batch_window must be >= 0 seconds, got {self.agent_batch_window}")
-        if self.max_env_steps < 1:
-            raise ValueError(f"max_env_steps must be >= 1, got {self.max_env_steps}")
-        if self.history not in HISTORY_MODES:
-            raise ValueError(f"history must be one of {HISTORY_MODES}, got {self.history!r}")
-        if self.std_cal_level not in STD_CAL_LEVELS:
-            raise ValueError(f"std_cal_level must be one of {STD_CAL_LEVELS}, got {self.std_cal_level!r}")
+        self.check_step_fields()
         # one limit on turns for both protocols: TRL's tool loop counts tool-calling iterations (turns - 1)
         if self.max_tool_calling_iterations is None:
             self.max_tool_calling_iterations = self.max_env_steps - 1
@@ -151,22 +178,6 @@ class StepGRPOConfig(TrinityConfig):
                 f"set max_env_steps={self.max_tool_calling_iterations + 1} and leave max_tool_calling_iterations unset"
             )
         super().__post_init__()
-
-    def _implied_components(self) -> dict[str, Component]:
-        advantage = self.component_name("advantage") or "step_wise_grpo"
-        if not ADVANTAGE_FN.get(advantage).step_wise:
-            raise ValueError(
-                f"StepGRPOConfig needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
-                f"runs and gives each step its run's score), got advantage={advantage!r}"
-            )
-        return {
-            "advantage": Component(
-                advantage,
-                enable_step_norm=self.enable_step_norm,
-                std_cal_level=self.std_cal_level,
-                std_threshold=self.std_threshold,
-            )
-        }
 
 
 #: the options of `StepGRPOConfig` that only ``agent=`` reads

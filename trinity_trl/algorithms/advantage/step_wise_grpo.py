@@ -49,6 +49,10 @@ class StepWiseGRPOAdvantage(GroupAdvantageFn):
         self.std_cal_level = check_choice("std_cal_level", std_cal_level, STEP_WISE_STD_CAL_LEVELS)
         self.std_threshold = None if std_threshold is None else float(std_threshold)
 
+    @property
+    def uses_batch_statistics(self) -> bool:
+        return self.std_cal_level == "batch"
+
     def calculate_last_step_advantage(
         self,
         exps: dict[str, Experience],

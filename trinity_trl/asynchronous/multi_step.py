@@ -1,0 +1,154 @@
+"""The rollout worker of `AsyncStepGRPOTrainer`: multi-step runs of reset/step environments, each step a sample.
+
+`MultiStepWorker` is the transformers worker (`trinity_trl.asynchronous.worker`) whose group is ``num_generations``
+runs of one task. It plays them with `trinity_trl.rollouts.MultiStepRollout`, the code `StepGRPOTrainer` plays them
+with, over `WorkerGeneration` (the worker's own copy of the policy behind the rollouts' generation interface); scores
+each run as `StepGRPOTrainer` does (the environment's reward first, then the reward functions on the run's final
+turn; an unscorable run trains nothing); gives every step its run's score with the trainer's step-wise advantage
+component; and queues one TRL ``RolloutSample`` per step: the step's prompt (the conversation so far) and its
+completion, only the completion trained, with the log-probs it was sampled with.
+
+A group is played between two weight loads, so all its steps carry one policy version. TRL's tree packing forwards the
+prefix the steps of a run share once, so a run costs about one forward of its longest step, not the sum of its
+steps' prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..algorithms import EID, Experience
+from ..data.loading import is_conversation, prompt_token_ids
+from ..rollouts.multi_step import MultiStepRollout
+from ..rollouts.runs import Run
+from ..training.advantages import weighted_rewards
+from .worker import TransformersRolloutWorker
+
+
+class WorkerGeneration:
+    """The rollouts' generation interface (`trinity_trl.rollouts.generation.Generator`) over a worker's copy of the
+    policy: its chat template, its tokenizer and `TransformersRolloutWorker.generate_many`."""
+
+    def __init__(self, worker: TransformersRolloutWorker):
+        self.worker = worker
+        self.tokenizer = worker.tokenizer
+        self.eos_token_id = worker.tokenizer.eos_token_id  # what the chat template ends a turn with
+        self.eos_token_ids = set(worker.eos_token_ids)
+
+    def tokenize_conversations(self, conversations: list[list[dict[str, Any]]]) -> list[list[int]]:
+        return prompt_token_ids(self.tokenizer, conversations, self.worker.chat_template_kwargs)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **self.worker.chat_template_kwargs,
+            )
+        )
+
+    def generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        return self.worker.generate_many(prompt_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class MultiStepWorker(TransformersRolloutWorker):
+    """`TransformersRolloutWorker` playing multi-step runs (see the module docs).
+
+    Args:
+        rollout: plays a group's runs (its generator is set to this worker's `WorkerGeneration`).
+        advantage_fn: the trainer's step-wise advantage component (``step_wise_grpo``): experiences in, scored
+            experiences and metrics out.
+        Other arguments: as `TransformersRolloutWorker`; ``scorer`` supplies the reward functions and their weights
+        (the environment's reward, `trinity_trl.rollouts.protocols.environment_reward`, first).
+    """
+
+    def __init__(self, *args: Any, rollout: MultiStepRollout, advantage_fn: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.rollout = rollout
+        self.rollout.generator = WorkerGeneration(self)
+        self.advantage_fn = advantage_fn
+
+    def step_advantages(self, runs: list[Run], rewards: torch.Tensor) -> tuple[list[list[float | None]], dict]:
+        """Per run and step, its advantage (``None``: not trained, its run unscorable or its group filtered), and
+        the component's metrics; as `StepGRPOTrainer` computes them for one task's group."""
+        experiences = [
+            Experience(eid=EID(batch=0, task=0, run=i, step=s), reward=float(rewards[i]))
+            for i, run in enumerate(runs)
+            if math.isfinite(float(rewards[i]))
+            for s in range(len(run.steps))
+        ]
+        scored, metrics = self.advantage_fn(experiences)
+        score = {(e.eid.run, e.eid.step): float(e.advantages) for e in scored}
+        return [[score.get((i, s)) for s in range(len(run.steps))] for i, run in enumerate(runs)], metrics
+
+    def rollout_group(self, position: int) -> tuple[list[Any], dict[str, float]]:
+        """The ``num_generations`` runs of the task at ``position``: one ``RolloutSample`` per step, and metrics."""
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        started = time.monotonic()
+        row = dict(self.dataset[self.order.row(position)])
+        size = self.num_generations
+        version = self.model_version
+        runs = self.rollout([dict(row) for _ in range(size)])
+        prompt = row.get("prompt") or [{"role": "user", "content": ""}]
+        conversational = isinstance(prompt, str) is False and is_conversation(prompt)
+        last = [run.steps[-1] for run in runs]
+        completions = [[{"role": "assistant", "content": s.text}] if conversational else s.text for s in last]
+        columns = {k: [v] * size for k, v in row.items() if k not in ("prompt", "completion")}
+        columns["env_reward"] = [run.reward for run in runs]
+        per_func = self.scorer.rewards([prompt] * size, completions, [s.completion_ids for s in last], columns)
+        rewards = weighted_rewards(per_func, self.scorer.reward_weights)
+        advantages, advantage_metrics = self.step_advantages(runs, rewards)
+        finite = rewards[torch.isfinite(rewards)]
+        group_std = float(finite.std(unbiased=False)) if len(finite) else float("nan")
+        samples = []
+        for i, run in enumerate(runs):
+            first_messages = len(run.messages) - 2 * (len(run.steps) - 1)  # each turn but the last added 2 messages
+            for s, step in enumerate(run.steps):
+                advantage = advantages[i][s]
+                trained = int(advantage is not None)
+                logps = step.logprobs or [0.0] * len(step.completion_ids)
+                metrics = {}
+                if s == len(run.steps) - 1:  # a run's reward once (TRL averages a metric over the samples carrying it)
+                    metrics = {
+                        "reward": float(rewards[i]),
+                        "reward_std": group_std,
+                        **{f"rewards/{n}": float(per_func[i, f]) for f, n in enumerate(self.scorer.reward_func_names)},
+                    }
+                samples.append(
+                    RolloutSample(
+                        prompt=run.messages[: first_messages + 2 * s],
+                        completion=[{"role": "assistant", "content": step.text}],
+                        input_ids=np.asarray(step.prompt_ids + step.completion_ids, dtype=np.int64),
+                        completion_mask=np.asarray(
+                            [0] * len(step.prompt_ids) + [trained] * len(step.completion_ids), dtype=np.int64
+                        ),
+                        old_log_probs=np.asarray([0.0] * len(step.prompt_ids) + list(logps), dtype=np.float32),
+                        advantage=0.0 if advantage is None else float(advantage),
+                        model_version=version,
+                        group_id=position,
+                        metrics=metrics,
+                    )
+                )
+        # TRL reduces a (numerator, denominator) pair as a rate over its logging window and sums a "total" word
+        metrics = {
+            "rollout/generate_s": time.monotonic() - started,
+            "rollout/completion_length": float(np.mean([len(s.completion_ids) for run in runs for s in run.steps])),
+            "multi_step/steps_per_run": (float(sum(len(run.steps) for run in runs)), float(len(runs))),
+            "multi_step/prefix_preserving": (float(sum(run.prefix_preserving for run in runs)), float(len(runs))),
+            "multi_step/cut_runs_total": float(sum(run.cut for run in runs)),
+            "unscorable_count": float(len(runs) - len(finite)),
+            "frac_reward_zero_std": float(len(finite) > 1 and bool((finite == finite[0]).all())),
+            **{k: float(v) for k, v in advantage_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
+        }
+        return samples, metrics
