@@ -5,7 +5,7 @@
     trinity-trl step_grpo --config step_grpo_tools_cpu                        # TRL tool environment: calc/answer tools
     trinity-trl step_grpo --config step_grpo_agent_cpu                        # an openai-client agent (agent=)
     trinity-trl step_grpo --import my_env.py --environment countdown          # your own, registered in my_env.py
-    trinity-trl step_grpo --config step_grpo_cpu --asynchronous               # AsyncStepGRPOTrainer (reset/step)
+    trinity-trl step_grpo --config step_grpo_cpu --asynchronous               # AsyncStepGRPOTrainer
     python recipes/step_grpo.py --config recipes/configs/step_grpo_cpu.yaml
 
 Every turn of every run is a training sample; a run's reward (the environment's reward at its last turn, a TRL tool
@@ -93,7 +93,7 @@ class StepGRPOScriptArguments:
 
 def main(argv: list[str] | None = None) -> StepGRPOTrainer | AsyncStepGRPOTrainer:
     # 1. options: a YAML config plus command-line overrides
-    # --asynchronous: AsyncStepGRPOTrainer (reset/step environments; the others are refused in one line)
+    # --asynchronous: AsyncStepGRPOTrainer (reset/step environments and agents; tool environments are refused)
     trainer_class = choose_trainer(argv, StepGRPOTrainer, "step_grpo")
     args, training_args = parse((StepGRPOScriptArguments, trainer_class.config_class), argv, "step_grpo", __doc__)
     check_output_dir(args, training_args)
@@ -101,11 +101,6 @@ def main(argv: list[str] | None = None) -> StepGRPOTrainer | AsyncStepGRPOTraine
     # 2. data: the environment's tasks (each row's columns go to the environment's reset())
     # (an environment registered without a dataset owns the data: no train_dataset, max_steps sets the length)
     played = ENVIRONMENTS.get(args.environment).trainer_arguments(args.num_tasks, seed=training_args.seed)
-    if trainer_class is not StepGRPOTrainer and "agent" in played:
-        raise UsageError(
-            f"--asynchronous: environment {args.environment!r} is an agent (agent=), which trains synchronously; "
-            "AsyncStepGRPOTrainer plays reset/step environments (number_guess, calculator, ...)"
-        )
     # 3. model (with a tool-calling chat template if asked) and trainer
     model = resolve_model(args.model_name_or_path)
     processing_class = None

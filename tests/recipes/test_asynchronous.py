@@ -90,20 +90,14 @@ def test_the_step_grpo_recipe_trains_asynchronously_with_one_more_argument(tmp_p
     assert {"adapter_model.safetensors", "README.md", "training_log.json"} <= set(os.listdir(tmp_path))
 
 
-def test_an_agent_environment_is_refused_asynchronously_in_one_line(tiny_model_dir):
-    with pytest.raises(UsageError, match="is an agent") as info:
-        cli(
-            [
-                "step_grpo",
-                "--config",
-                "step_grpo_cpu",
-                "--environment",
-                "calculator_agent",
-                "--model_name_or_path",
-                tiny_model_dir,
-                "--asynchronous",
-            ]
-        )
+def test_the_agent_config_trains_asynchronously_and_a_tool_environment_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    tiny = ["--max_steps", "1", "--num_tasks", "4", "--max_completion_length", "8", "--max_env_steps", "2"]
+    tiny += ["--num_generations", "2", "--per_device_train_batch_size", "2"]
+    argv = ["step_grpo", "--model_name_or_path", tiny_model_dir, *tiny, "--asynchronous"]
+    run = cli([*argv, "--config", "step_grpo_agent_cpu", "--output_dir", str(tmp_path / "agent")])
+    assert type(run).__name__ == "AsyncStepGRPOTrainer" and run.state.global_step == 1
+    with pytest.raises(ValueError, match="is a TRL tool environment") as info:
+        cli([*argv, "--config", "step_grpo_tools_cpu", "--output_dir", str(tmp_path / "tools")])
     assert "\n" not in str(info.value)
 
 

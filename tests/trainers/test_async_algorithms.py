@@ -174,6 +174,54 @@ def test_step_wise_grpo_trains_multi_step_runs_asynchronously(own_data, tmp_path
     assert any("rewards/environment_reward" in entry for entry in trainer.state.log_history)
 
 
+async def two_call_agent(client, row):
+    """Two calls through the OpenAI client, the second continuing the first; scored by its answer's length."""
+    messages = [{"role": "user", "content": f"task {row['task']}"}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return float(len(second.choices[0].message.content or "") % 3)
+
+
+def test_an_agent_trains_asynchronously_each_call_a_step(tmp_path, tiny_model_dir):
+    """``agent=``: the worker serves its copy of the policy on the endpoint; every call of a run is a sample (2 per
+    run here), trained on the ids it sampled: a run's second call extends its first call's prompt and completion."""
+    from trinity_trl.asynchronous.multi_step import MultiStepWorker
+
+    tasks = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 4, "task": list(range(4))})
+    args = AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), max_env_steps=2, agent_timeout=60.0))
+    trainer = AsyncStepGRPOTrainer(tiny_model_dir, None, args, tasks, agent=two_call_agent)
+    worker = trainer.rollout_worker
+    assert isinstance(worker, MultiStepWorker)
+    queued = []
+    rollout_group = worker.rollout_group
+
+    def recording(position):
+        samples, metrics = rollout_group(position)
+        queued.append(samples)
+        return samples, metrics
+
+    worker.rollout_group = recording
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logs = [entry for entry in trainer.state.log_history if "agent/calls_per_run" in entry]
+    assert logs and all(entry["agent/calls_per_run"] == 2.0 for entry in logs)
+    assert all(entry["agent/errors_total"] == 0 for entry in logs)
+    for samples in queued:
+        assert len(samples) == 2 * 4  # 4 runs x 2 calls
+        for first, second in zip(samples[0::2], samples[1::2]):
+            assert second.input_ids.tolist()[: len(first.input_ids)] == first.input_ids.tolist()
+            assert first.completion_mask.sum() > 0 and second.completion_mask.sum() > 0
+
+
+def test_agent_options_need_an_agent_asynchronously_too(tmp_path, tiny_model_dir):
+    args = AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), agent_on_failure="drop"))
+    with pytest.raises(ValueError, match="agent_on_failure set, but there is no agent="):
+        AsyncStepGRPOTrainer(tiny_model_dir, None, args, countdown_tasks(), environment_factory=Countdown)
+    with pytest.raises(ValueError, match="agent_timeout must be > 0"):
+        AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), agent_timeout=0.0))
+
+
 def test_step_wise_grpo_refuses_what_its_worker_cannot_play(tmp_path, tiny_model_dir):
     class Adder:  # TRL's tool protocol: reset() and public methods as tools
         def reset(self, **row) -> None:

@@ -1,12 +1,14 @@
-"""The rollout worker of `AsyncStepGRPOTrainer`: multi-step runs of reset/step environments, each step a sample.
+"""The rollout worker of `AsyncStepGRPOTrainer`: multi-step runs of reset/step environments or agents, each step a
+sample.
 
 `MultiStepWorker` is the transformers worker (`trinity_trl.asynchronous.worker`) whose group is ``num_generations``
-runs of one task. It plays them with `trinity_trl.rollouts.MultiStepRollout`, the code `StepGRPOTrainer` plays them
-with, over `WorkerGeneration` (the worker's own copy of the policy behind the rollouts' generation interface); scores
-each run as `StepGRPOTrainer` does (the environment's reward first, then the reward functions on the run's final
-turn; an unscorable run trains nothing); gives every step its run's score with the trainer's step-wise advantage
-component; and queues one TRL ``RolloutSample`` per step: the step's prompt (the conversation so far) and its
-completion, only the completion trained, with the log-probs it was sampled with.
+runs of one task. It plays them with the rollout `StepGRPOTrainer` plays them with
+(`trinity_trl.rollouts.MultiStepRollout` for reset/step environments, `trinity_trl.rollouts.AgentRollout` for agents
+over the policy endpoint), over `WorkerGeneration` (the worker's own copy of the policy behind the rollouts'
+generation interface); scores each run as `StepGRPOTrainer` does (the environment's or agent's reward first, then the
+reward functions on the run's final turn; an unscorable run trains nothing); gives every step its run's score with
+the trainer's step-wise advantage component; and queues one TRL ``RolloutSample`` per step: the step's prompt (the
+conversation so far) and its completion, only the completion trained, with the log-probs it was sampled with.
 
 A group is played between two weight loads, so all its steps carry one policy version. TRL's tree packing forwards the
 prefix the steps of a run share once, so a run costs about one forward of its longest step, not the sum of its
@@ -24,7 +26,9 @@ import torch
 
 from ..algorithms import EID, Experience
 from ..data.loading import is_conversation, prompt_token_ids
+from ..rollouts.agent import AgentRollout
 from ..rollouts.multi_step import MultiStepRollout
+from ..rollouts.protocols import RolloutContext
 from ..rollouts.runs import Run
 from ..training.advantages import weighted_rewards
 from .worker import TransformersRolloutWorker
@@ -72,11 +76,26 @@ class MultiStepWorker(TransformersRolloutWorker):
         (the environment's reward, `trinity_trl.rollouts.protocols.environment_reward`, first).
     """
 
-    def __init__(self, *args: Any, rollout: MultiStepRollout, advantage_fn: Any, **kwargs: Any):
+    def __init__(self, *args: Any, rollout: MultiStepRollout | AgentRollout, advantage_fn: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.rollout = rollout
-        self.rollout.generator = WorkerGeneration(self)
         self.advantage_fn = advantage_fn
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        max_completion = self.generation_config.max_new_tokens
+        rollout.start(
+            RolloutContext(
+                generation=WorkerGeneration(self),
+                processing_class=self.tokenizer,
+                tokenizer=self.tokenizer,
+                chat_template_kwargs=self.chat_template_kwargs,
+                max_context=None if context is None else context - max_completion,
+                sampling={"temperature": self.temperature, "top_p": self.generation_config.top_p},
+                max_completion_length=max_completion,
+                # a recorded call's policy version counts optimizer steps, which the worker does not know (TRL's
+                # model version counts weight syncs); the samples carry TRL's, which the trainer turns into steps
+                policy_version=None,
+            )
+        )
 
     def step_advantages(self, runs: list[Run], rewards: torch.Tensor) -> tuple[list[list[float | None]], dict]:
         """Per run and step, its advantage (``None``: not trained, its run unscorable or its group filtered), and
@@ -113,10 +132,12 @@ class MultiStepWorker(TransformersRolloutWorker):
         group_std = float(finite.std(unbiased=False)) if len(finite) else float("nan")
         samples = []
         for i, run in enumerate(runs):
-            first_messages = len(run.messages) - 2 * (len(run.steps) - 1)  # each turn but the last added 2 messages
+            first_messages = max(0, len(run.messages) - 2 * (len(run.steps) - 1))  # each turn but the last added 2
+            # an agent run's steps outside every segment (the stand-in step of a run that made no call) never train
+            segments = None if run.segments is None else {s for segment in run.segments for s in segment}
             for s, step in enumerate(run.steps):
                 advantage = advantages[i][s]
-                trained = int(advantage is not None)
+                trained = int(advantage is not None and (segments is None or s in segments))
                 logps = step.logprobs or [0.0] * len(step.completion_ids)
                 metrics = {}
                 if s == len(run.steps) - 1:  # a run's reward once (TRL averages a metric over the samples carrying it)
@@ -151,4 +172,10 @@ class MultiStepWorker(TransformersRolloutWorker):
             "frac_reward_zero_std": float(len(finite) > 1 and bool((finite == finite[0]).all())),
             **{k: float(v) for k, v in advantage_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
         }
+        # the rollout's own (an agent's faults): a mean over runs as a rate, a count summed over the logging window
+        for name, value in self.rollout.metrics.items():
+            if name.endswith("_per_run"):
+                metrics[name] = (float(value) * len(runs), float(len(runs)))
+            else:
+                metrics[f"{name}_total"] = float(value)
         return samples, metrics

@@ -21,7 +21,7 @@ from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completi
 from .cispo import CISPOFields
 from .config import from_trl_config
 from .sapo import SAPOFields
-from .step_grpo import StepWiseFields
+from .step_grpo import StepWiseFields, check_agent_options
 
 
 @dataclass
@@ -230,6 +230,15 @@ class AsyncStepGRPOConfig(StepWiseFields, AsyncTrinityConfig):
             reward minus group mean). `"batch"` is refused: each group is scored alone, as it is played.
         std_threshold (`float` or `None`, *optional*):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get no gradient.
+        agent_timeout (`float`, *optional*, defaults to `300.0`):
+            With `agent=` only (the three `agent_*` options are refused without it): seconds of its own time one agent
+            run may take; it is then cancelled and scored as `agent_on_failure` says.
+        agent_on_failure (`str`, *optional*, defaults to `"zero"`):
+            With `agent=`: a run whose agent raised, timed out or returned no number scores 0 (`"zero"`) or is left
+            unscored, its steps without gradient (`"drop"`).
+        agent_batch_window (`float`, *optional*, defaults to `0.05`):
+            With `agent=`: seconds the endpoint waits after a request for the group's other running agents' requests
+            before it generates them in one batch.
     """
 
     def __post_init__(self):
@@ -248,21 +257,26 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
     [`AsyncStepGRPOConfig`][]): [`StepGRPOTrainer`][] with generation overlapping training.
 
     Its worker (`trinity_trl.asynchronous.multi_step.MultiStepWorker`) plays `num_generations` runs of a task with the
-    code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward first, then
-    `reward_funcs` on the final turn), and queues every step as its own sample with its run's step-wise advantage.
+    code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward or the agent's return
+    value first, then `reward_funcs` on the final turn), and queues every step as its own sample with its run's
+    step-wise advantage.
 
     Args:
         environment_factory: builds one environment per run: a reset/step `trinity_trl.rollouts.Environment` (or a
             class whose public methods are exactly `reset` and `step`); or a dict of them, each dataset row choosing
-            one by its `environment` column. TRL tool environments, `agent=` and `rollout=` run synchronously
+            one by its `environment` column. TRL tool environments and `rollout=` run synchronously
             ([`StepGRPOTrainer`][]).
+        agent: instead of an environment, `async def agent(client, row) -> reward`, as [`StepGRPOTrainer`][] takes
+            it: every model call it makes through the policy endpoint is a step (`agent_timeout`, `agent_on_failure`,
+            `agent_batch_window` as there). Needs `train_dataset`.
         train_dataset: the tasks (every column but `prompt` goes to `reset`); `None` when the environment owns the
             data (`reset()` returns the first observation): `max_steps` then sets the length.
         reward_funcs: reward functions scoring each run's final turn, after the environment's reward.
         Other arguments: as [`AsyncTrinityTrainer`][].
 
     Logged beyond [`AsyncTrinityTrainer`][]'s: `multi_step/steps_per_run`, `multi_step/prefix_preserving`,
-    `multi_step/cut_runs_total` and `unscorable_count` (runs).
+    `multi_step/cut_runs_total` and `unscorable_count` (runs); with `agent=`, the agent's fault counters as
+    `agent/<name>_total` (summed over the logging window) and `agent/calls_per_run`, `agent/segments_per_run`.
     """
 
     _name = "Step-wise GRPO"
@@ -278,9 +292,11 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
         train_dataset=None,
         *pos,
         environment_factory=None,
+        agent=None,
         rollout_worker=None,
         **kw,
     ):
+        from ..rollouts.agent import AgentRollout, check_agent
         from ..rollouts.multi_step import MultiStepRollout
         from ..rollouts.protocols import STEP_PROTOCOL, environment_reward, resolve_protocol
 
@@ -288,30 +304,49 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
         config = args if args is not None else AsyncStepGRPOConfig  # its defaults when args=None
         if rollout_worker is not None:
             raise ValueError("AsyncStepGRPOTrainer plays the runs with its own worker; rollout_worker= cannot be given")
-        if environment_factory is None:
-            raise ValueError(
-                "AsyncStepGRPOTrainer needs environment_factory (a callable returning a fresh reset/step environment, "
-                "or a dict of them routed by the dataset's 'environment' column)"
+        check_agent_options(config, agent)
+        if agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
+            if environment_factory is not None:
+                raise ValueError("agent= plays its own environment: pass agent= alone, without environment_factory")
+            if train_dataset is None:
+                raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
+            check_agent(agent)
+            self.environment_rollout = AgentRollout(
+                None,
+                agent,
+                timeout=config.agent_timeout,
+                on_failure=config.agent_on_failure,
+                batch_window=config.agent_batch_window,
+                max_env_steps=config.max_env_steps,
+                history=config.history,
             )
-        columns = None if train_dataset is None else getattr(train_dataset, "column_names", None)
-        protocol, classes = resolve_protocol(environment_factory, None, columns)
-        if protocol != STEP_PROTOCOL:
-            raise ValueError(
-                f"{next(iter(classes.values())).__qualname__} is a TRL tool environment: AsyncStepGRPOTrainer plays "
-                "reset/step environments; train tool environments with StepGRPOTrainer, or asynchronously with "
-                "AsyncTrinityTrainer(generation_backend='vllm', environment_factory=...) (TRL's worker)"
+        else:
+            if environment_factory is None:
+                raise ValueError(
+                    "AsyncStepGRPOTrainer needs environment_factory (a callable returning a fresh reset/step "
+                    "environment, or a dict of them routed by the dataset's 'environment' column) or agent= (an "
+                    "`async def agent(client, row)` calling the policy through an OpenAI or Anthropic client)"
+                )
+            columns = None if train_dataset is None else getattr(train_dataset, "column_names", None)
+            protocol, classes = resolve_protocol(environment_factory, None, columns)
+            if protocol != STEP_PROTOCOL:
+                raise ValueError(
+                    f"{next(iter(classes.values())).__qualname__} is a TRL tool environment: AsyncStepGRPOTrainer "
+                    "plays reset/step environments and agents; train tool environments with StepGRPOTrainer, or "
+                    "asynchronously with AsyncTrinityTrainer(generation_backend='vllm', environment_factory=...) "
+                    "(TRL's worker)"
+                )
+            if train_dataset is None:
+                train_dataset = self._placeholder_tasks(environment_factory, args)
+            self.environment_rollout = MultiStepRollout(
+                None,
+                environment_factory,
+                config.max_env_steps,
+                config.history,
+                [cls.__qualname__ for cls in classes.values()],
             )
-        if train_dataset is None:
-            train_dataset = self._placeholder_tasks(environment_factory, args)
-        elif len(train_dataset) == 0:
+        if len(train_dataset) == 0:
             raise ValueError("train_dataset has no rows: each row is one task")
-        self.environment_rollout = MultiStepRollout(
-            None,
-            environment_factory,
-            config.max_env_steps,
-            config.history,
-            [cls.__qualname__ for cls in classes.values()],
-        )
         user_rewards = (
             []
             if reward_funcs is None

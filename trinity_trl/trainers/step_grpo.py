@@ -59,7 +59,8 @@ STD_CAL_LEVELS = ("group", "batch", "none")
 class StepWiseFields:
     """Step-wise GRPO's own fields and checks, shared by [`StepGRPOConfig`][] and the asynchronous
     [`AsyncStepGRPOConfig`][trinity_trl.trainers.async_algorithms.AsyncStepGRPOConfig]: the preset, the turn limit,
-    how the history grows, and the step-wise advantage's arguments (passed to it under the same names)."""
+    how the history grows, the step-wise advantage's arguments (passed to it under the same names) and the options of
+    ``agent=`` runs."""
 
     removed_spellings = {
         **TrinityConfig.removed_spellings,
@@ -72,8 +73,19 @@ class StepWiseFields:
     enable_step_norm: bool = field(default=False, metadata={"help": "Divide a run's advantage by its step count."})
     std_cal_level: str = field(default="group", metadata={"help": "'group', 'batch' or 'none'."})
     std_threshold: float | None = field(default=None, metadata={"help": "Skip groups with std <= threshold."})
+    agent_timeout: float = field(default=300.0, metadata={"help": "Seconds one agent run may take (agent=)."})
+    agent_on_failure: str = field(default="zero", metadata={"help": "'zero' or 'drop': a failed agent run's score."})
+    agent_batch_window: float = field(
+        default=0.05, metadata={"help": "Seconds the endpoint collects agents' requests into one batch (agent=)."}
+    )
 
     def check_step_fields(self) -> None:
+        if not self.agent_timeout > 0:
+            raise ValueError(f"agent_timeout must be > 0 seconds, got {self.agent_timeout}")
+        if self.agent_on_failure not in FAILURE_MODES:
+            raise ValueError(f"agent_on_failure must be one of {FAILURE_MODES}, got {self.agent_on_failure!r}")
+        if self.agent_batch_window < 0:
+            raise ValueError(f"agent_batch_window must be >= 0 seconds, got {self.agent_batch_window}")
         if self.max_env_steps < 1:
             raise ValueError(f"max_env_steps must be >= 1, got {self.max_env_steps}")
         if self.history not in HISTORY_MODES:
@@ -153,19 +165,7 @@ class StepGRPOConfig(StepWiseFields, TrinityConfig):
         },
     )
 
-    agent_timeout: float = field(default=300.0, metadata={"help": "Seconds one agent run may take (agent=)."})
-    agent_on_failure: str = field(default="zero", metadata={"help": "'zero' or 'drop': a failed agent run's score."})
-    agent_batch_window: float = field(
-        default=0.05, metadata={"help": "Seconds the endpoint collects agents' requests into one batch (agent=)."}
-    )
-
     def __post_init__(self):
-        if not self.agent_timeout > 0:
-            raise ValueError(f"agent_timeout must be > 0 seconds, got {self.agent_timeout}")
-        if self.agent_on_failure not in FAILURE_MODES:
-            raise ValueError(f"agent_on_failure must be one of {FAILURE_MODES}, got {self.agent_on_failure!r}")
-        if self.agent_batch_window < 0:
-            raise ValueError(f"agent_batch_window must be >= 0 seconds, got {self.agent_batch_window}")
         self.check_step_fields()
         # one limit on turns for both protocols: TRL's tool loop counts tool-calling iterations (turns - 1)
         if self.max_tool_calling_iterations is None:
@@ -180,14 +180,24 @@ class StepGRPOConfig(StepWiseFields, TrinityConfig):
         super().__post_init__()
 
 
-#: the options of `StepGRPOConfig` that only ``agent=`` reads
+#: the options of `StepWiseFields` that only ``agent=`` reads
 AGENT_OPTIONS = ("agent_timeout", "agent_on_failure", "agent_batch_window")
 
 
-def _agent_options_set(config: StepGRPOConfig | type[StepGRPOConfig]) -> list[str]:
-    """The `AGENT_OPTIONS` that ``config`` sets to something other than their defaults."""
-    defaults = {f.name: f.default for f in fields(StepGRPOConfig)}
+def agent_options_set(config: StepWiseFields | type[StepWiseFields]) -> list[str]:
+    """The `AGENT_OPTIONS` that ``config`` (a config or a config class: its defaults) sets to something other than
+    their defaults."""
+    defaults = {f.name: f.default for f in fields(StepWiseFields)}
     return [name for name in AGENT_OPTIONS if getattr(config, name) != defaults[name]]
+
+
+def check_agent_options(config: StepWiseFields | type[StepWiseFields], agent: Any) -> None:
+    """One line when ``agent_*`` options are set without ``agent=``."""
+    if agent is None and (unused := agent_options_set(config)):
+        raise ValueError(
+            f"{', '.join(unused)} set, but there is no agent=: the agent_* options apply to agent= runs only "
+            "(leave them at their defaults)"
+        )
 
 
 class StepGRPOTrainer(TrinityTrainer):
@@ -244,11 +254,7 @@ class StepGRPOTrainer(TrinityTrainer):
         train_dataset = given.get("train_dataset")
         columns = ["prompt"] if train_dataset is None else getattr(train_dataset, "column_names", None)
         config = args if args is not None else StepGRPOConfig  # its defaults when args=None (TRL builds the config)
-        if agent is None and (unused := _agent_options_set(config)):
-            raise ValueError(
-                f"{', '.join(unused)} set, but there is no agent=: the agent_* options apply to agent= runs only "
-                "(leave them at their defaults)"
-            )
+        check_agent_options(config, agent)
         if rollout is not None:  # a Rollout of the user's (trinity_trl.rollouts.protocols.Rollout)
             if environment_factory is not None or tools or agent is not None:
                 raise ValueError(
