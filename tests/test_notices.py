@@ -17,13 +17,20 @@ import logging, sys, warnings
 import trinity_trl
 import deepspeed  # its accelerator line, on a machine without a GPU
 from torch.utils.data import DataLoader
+from transformers.trainer_callback import CallbackHandler, PrinterCallback
 from trl import GRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import StepIntervalCallback
 
 def notices():
     GRPOConfig(output_dir="unused", use_cpu=True)  # TRL's default gradient_checkpointing=True: transformers warns
     list(DataLoader([1, 2], pin_memory=True))  # pin_memory without an accelerator
     warnings.warn("the user's own warning", UserWarning)
     logging.getLogger("DeepSpeed").warning("another DeepSpeed line")
+    handler = CallbackHandler([], None, None, None, None)
+    for _ in range(2):  # TRL's AsyncGRPOTrainer adds two on purpose
+        handler.add_callback(StepIntervalCallback(print, 1))
+    handler.add_callback(PrinterCallback)  # a user's own duplicate
+    handler.add_callback(PrinterCallback)
 
 notices()
 print("=== filters removed ===", flush=True)
@@ -31,6 +38,7 @@ print("=== filters removed ===", file=sys.stderr, flush=True)
 warnings.resetwarnings()
 warnings.simplefilter("always")
 logging.getLogger("DeepSpeed").filters.clear()
+logging.getLogger("transformers.trainer_callback").filters.clear()
 logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. (the same line again)")
 notices()
 """
@@ -39,6 +47,7 @@ NOTICES = (
     "Setting accelerator to CPU",
     "`gradient_checkpointing` is deprecated",
     "'pin_memory' argument is set as true",
+    "StepIntervalCallback'> to the callbacks of this Trainer",
 )
 
 
@@ -57,3 +66,4 @@ def test_notices_a_user_cannot_act_on_are_silenced_and_nothing_else():
         assert notice not in quiet, notice
         assert notice in output, f"{notice!r} no longer happens here: the filter may be stale"
     assert quiet.count("the user's own warning") == 1 and quiet.count("another DeepSpeed line") == 1
+    assert quiet.count("PrinterCallback'> to the callbacks of this Trainer") == 1

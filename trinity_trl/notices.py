@@ -39,6 +39,13 @@ QUIET_LOG_RECORDS: tuple[tuple[str, str, str], ...] = (
         "printed by `import deepspeed` (TRL imports it when installed) on every machine without a GPU; trinity_trl "
         "says the same in its own line when a run starts, with what it changes (float32, no checkpointing)",
     ),
+    (
+        "transformers.trainer_callback",
+        "You are adding a <class 'trl.experimental.async_grpo.async_grpo_trainer.StepIntervalCallback'>",
+        "TRL's AsyncGRPOTrainer adds two StepIntervalCallbacks on purpose (the weight sync and the step metrics), and "
+        "transformers warns about a second callback of one class; printed by every asynchronous trainer's "
+        "construction, whatever the user wrote (a user's own duplicate callback still warns)",
+    ),
 )
 
 
