@@ -21,7 +21,7 @@ from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completi
 from .cispo import CISPOFields
 from .config import from_trl_config
 from .sapo import SAPOFields
-from .step_grpo import StepWiseFields, check_agent_options
+from .step_grpo import StepWiseFields, agent_rollout, check_agent_options
 
 
 @dataclass
@@ -296,7 +296,6 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
         rollout_worker=None,
         **kw,
     ):
-        from ..rollouts.agent import AgentRollout, check_agent
         from ..rollouts.multi_step import MultiStepRollout
         from ..rollouts.protocols import STEP_PROTOCOL, environment_reward, resolve_protocol
 
@@ -306,20 +305,7 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
             raise ValueError("AsyncStepGRPOTrainer plays the runs with its own worker; rollout_worker= cannot be given")
         check_agent_options(config, agent)
         if agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
-            if environment_factory is not None:
-                raise ValueError("agent= plays its own environment: pass agent= alone, without environment_factory")
-            if train_dataset is None:
-                raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
-            check_agent(agent)
-            self.environment_rollout = AgentRollout(
-                None,
-                agent,
-                timeout=config.agent_timeout,
-                on_failure=config.agent_on_failure,
-                batch_window=config.agent_batch_window,
-                max_env_steps=config.max_env_steps,
-                history=config.history,
-            )
+            self.environment_rollout = agent_rollout(agent, config, train_dataset, environment_factory is not None)
         else:
             if environment_factory is None:
                 raise ValueError(

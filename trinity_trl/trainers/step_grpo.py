@@ -200,6 +200,26 @@ def check_agent_options(config: StepWiseFields | type[StepWiseFields], agent: An
         )
 
 
+def agent_rollout(agent: Any, config: Any, train_dataset: Any, with_environment: bool) -> AgentRollout:
+    """The rollout of ``agent=`` with ``config``'s ``agent_*`` options, ``max_env_steps`` and ``history`` (a config or
+    a config class: its defaults); one line when an environment is given too (``with_environment``), there is no
+    dataset, or the agent is not an ``async def agent(client, row)``."""
+    if with_environment:
+        raise ValueError("agent= plays its own environment: pass agent= alone, without environment_factory/tools")
+    if train_dataset is None:
+        raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
+    check_agent(agent)
+    return AgentRollout(
+        None,
+        agent,
+        timeout=config.agent_timeout,
+        on_failure=config.agent_on_failure,
+        batch_window=config.agent_batch_window,
+        max_env_steps=config.max_env_steps,
+        history=config.history,
+    )
+
+
 class StepGRPOTrainer(TrinityTrainer):
     """Multi-step agent training with step-wise GRPO (see [`StepGRPOConfig`][]).
 
@@ -262,24 +282,9 @@ class StepGRPOTrainer(TrinityTrainer):
                 )
             check_rollout(rollout, config.max_env_steps, config.history)
         elif agent is not None:  # an agent over the policy endpoint (trinity_trl.rollouts.agent)
-            if environment_factory is not None or tools:
-                raise ValueError(
-                    "agent= plays its own environment: pass agent= alone, without environment_factory/tools"
-                )
-            if train_dataset is None:
-                raise ValueError("agent= needs a train_dataset: each row is one task, passed to the agent as `row`")
-            check_agent(agent)
+            rollout = agent_rollout(agent, config, train_dataset, environment_factory is not None or bool(tools))
             if args is not None:
                 check_agent_generation(args.use_vllm, args.vllm_mode, args.vllm_tensor_parallel_size)
-            rollout = AgentRollout(
-                None,
-                agent,
-                timeout=config.agent_timeout,
-                on_failure=config.agent_on_failure,
-                batch_window=config.agent_batch_window,
-                max_env_steps=config.max_env_steps,
-                history=config.history,
-            )
         else:
             rollout = environment_rollout(environment_factory, tools, columns, config.max_env_steps, config.history)
         self.rollout: Rollout = rollout
