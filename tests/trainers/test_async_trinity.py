@@ -588,3 +588,81 @@ def test_the_worker_needs_reward_functions(tmp_path, tiny_model_dir, tiny_datase
             tiny_model_dir, None, AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path))), tiny_dataset
         )
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------- multi-step samples
+# AsyncStepGRPOTrainer queues each turn of a run as its own sample whose prompt holds the earlier turns' completions
+# (untrained there) and observations: in TRL's prefix tree a token is then trained in one sample and context in another.
+# Run A: three turns (observations between them), run B: one turn; each turn carries its run's advantage.
+TURNS_A = [[17, 23, 40, 41], [50, 51, 52], [60, 61]]
+OBSERVATIONS = [[80, 81], [82]]
+TURN_B = [70, 71, 72, 73, 74]
+
+
+def _turn_rows(tokenizer) -> list[tuple[list[int], list[int], float]]:
+    """``(prompt ids, completion ids, advantage)`` of each turn: run A's three turns, then run B's."""
+    first, second = _prompt_ids(tokenizer)
+    rows, prompt = [], list(first)
+    for t, turn in enumerate(TURNS_A):
+        rows.append((list(prompt), turn, 0.7))
+        prompt += turn + (OBSERVATIONS[t] if t < len(OBSERVATIONS) else [])
+    rows.append((list(second), TURN_B, -0.7))
+    return rows
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_multi_step_samples_packed_in_one_tree_give_the_per_turn_rows_loss(
+    loss_agg_mode, tmp_path, float64_model_dir, tiny_dataset
+):
+    """Each turn as a sample of its own (the layout of AsyncStepGRPOTrainer's worker), tree-packed into one row,
+    gives the loss and gradient of the turns as padded rows of the synchronous trainer (StepGRPOTrainer's one row per
+    turn)."""
+    options = {"algorithm": "grpo", "loss_agg_mode": loss_agg_mode}
+    sync = TrinityTrainer(
+        model=float64_model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "s"), prefix_packing=False, **F64, **options)),
+        train_dataset=tiny_dataset,
+    )
+    asynchronous = AsyncTrinityTrainer(
+        model=float64_model_dir,
+        reward_funcs=length_reward,
+        args=AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path / "a"), dtype="auto", **options)),
+        train_dataset=tiny_dataset,
+    )
+    _perturb(sync.model), _perturb(asynchronous.model)
+    tokenizer = sync.processing_class
+    rows = _turn_rows(tokenizer)
+    prompts = [torch.tensor(p) for p, _, _ in rows]
+    completions = [torch.tensor(c) for _, c, _ in rows]
+    inputs = {
+        "prompt_ids": pad(prompts, padding_value=tokenizer.pad_token_id, padding_side="left"),
+        "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+        "completion_ids": pad(completions, padding_value=tokenizer.pad_token_id, padding_side="right"),
+        "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"),
+        "advantages": torch.tensor([a for _, _, a in rows], dtype=torch.float32),
+    }
+    with torch.no_grad():  # behaviour log-probs off the current policy, with noise (ratios away from 1)
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            sync,
+            sync.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            inputs["completion_ids"].shape[1],
+        )
+    noisy = logps + 0.3 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=logps.dtype)
+    old = [noisy[i, : len(c)].float().tolist() for i, (_, c, _) in enumerate(rows)]
+    inputs["old_per_token_logps"] = pad(
+        [torch.tensor(lp, dtype=torch.float64) for lp in old], padding_value=0.0, padding_side="right"
+    )
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    inputs["global_loss_tokens"] = inputs["completion_mask"].sum().float()
+    inputs["global_loss_rows"] = torch.tensor(float(len(rows)))
+    samples = [
+        rollout_sample(p, c, lp, a, group_id=0 if i < len(TURNS_A) else 1, metrics={POLICY_VERSION_KEY: 0.0})
+        for i, ((p, c, a), lp) in enumerate(zip(rows, old))
+    ]
+    packed = packed_batch(samples, tokenizer.pad_token_id)
+    # the tree shares run A's turns: fewer tokens forwarded than the rows hold
+    assert packed["input_ids"].numel() < sum(len(p) + len(c) for p, c, _ in rows)
+    _assert_same(_sync_loss(sync, inputs), _async_loss(asynchronous, packed))
