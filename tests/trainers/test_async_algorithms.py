@@ -214,6 +214,31 @@ def test_an_agent_trains_asynchronously_each_call_a_step(tmp_path, tiny_model_di
             assert first.completion_mask.sum() > 0 and second.completion_mask.sum() > 0
 
 
+def test_an_agent_working_longer_than_the_heartbeat_limit_is_not_a_stall(tmp_path, tiny_model_dir):
+    """An agent's own time is bounded by agent_timeout, not by TRL's heartbeat_stale_after_s: an agent that thinks for
+    7 s before its calls trains under a 1 s heartbeat limit (TRL checks the worker's health every 5 s it waits)."""
+    import asyncio
+
+    async def slow_agent(client, row):
+        await asyncio.sleep(7.0)
+        return await two_call_agent(client, row)
+
+    tasks = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 2, "task": [0, 1]})
+    args = AsyncStepGRPOConfig(
+        **tiny_async_kwargs(
+            output_dir=str(tmp_path),
+            max_steps=1,
+            max_env_steps=2,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            heartbeat_stale_after_s=1.0,
+        )
+    )
+    trainer = AsyncStepGRPOTrainer(tiny_model_dir, None, args, tasks, agent=slow_agent)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_agent_options_need_an_agent_asynchronously_too(tmp_path, tiny_model_dir):
     args = AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), agent_on_failure="drop"))
     with pytest.raises(ValueError, match="agent_on_failure set, but there is no agent="):

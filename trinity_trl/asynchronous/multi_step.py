@@ -17,7 +17,9 @@ steps' prompts.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from typing import Any
 
@@ -97,6 +99,29 @@ class MultiStepWorker(TransformersRolloutWorker):
             )
         )
 
+    @contextlib.contextmanager
+    def _agents_at_work(self):
+        """While agents play, the worker is at work even when no token is generated: an agent's own time is bounded
+        by ``agent_timeout`` (the rollout cancels it then), which may exceed TRL's ``heartbeat_stale_after_s``; so the
+        heartbeat goes on, once a second, until the rollout returns. An environment's ``step`` has no such bound: a
+        hanging one still stops the heartbeat and the run ends with one line."""
+        if not isinstance(self.rollout, AgentRollout):
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(1.0):
+                self._beat()
+
+        thread = threading.Thread(target=beat, name="trinity-agents-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def step_advantages(self, runs: list[Run], rewards: torch.Tensor) -> tuple[list[list[float | None]], dict]:
         """Per run and step, its advantage (``None``: not trained, its run unscorable or its group filtered), and
         the component's metrics; as `StepGRPOTrainer` computes them for one task's group."""
@@ -118,7 +143,8 @@ class MultiStepWorker(TransformersRolloutWorker):
         row = dict(self.dataset[self.order.row(position)])
         size = self.num_generations
         version = self.model_version
-        runs = self.rollout([dict(row) for _ in range(size)])
+        with self._agents_at_work():
+            runs = self.rollout([dict(row) for _ in range(size)])
         prompt = row.get("prompt") or [{"role": "user", "content": ""}]
         conversational = isinstance(prompt, str) is False and is_conversation(prompt)
         last = [run.steps[-1] for run in runs]
