@@ -146,7 +146,7 @@ class MultiStepWorker(TransformersRolloutWorker):
         with self._agents_at_work():
             runs = self.rollout([dict(row) for _ in range(size)])
         prompt = row.get("prompt") or [{"role": "user", "content": ""}]
-        conversational = isinstance(prompt, str) is False and is_conversation(prompt)
+        conversational = is_conversation(prompt)
         last = [run.steps[-1] for run in runs]
         completions = [[{"role": "assistant", "content": s.text}] if conversational else s.text for s in last]
         columns = {k: [v] * size for k, v in row.items() if k not in ("prompt", "completion")}
