@@ -121,10 +121,9 @@ def _packed_inputs(tokenizer, old_logps, expert: list[bool] | None = None) -> di
     return packed_batch(samples, tokenizer.pad_token_id)
 
 
-def _old_logps(trainer, tokenizer) -> list[list[float]]:
-    """Behaviour log-probs off the current policy (ratios far from 1), rounded to float32 as TRL's queue carries
-    them."""
-    inputs = _padded_inputs(tokenizer, [[0.0] * len(c) for c in COMPLETIONS])
+def _noisy_logps(trainer, inputs: dict, lengths: list[int]) -> list[list[float]]:
+    """Behaviour log-probs of the padded ``inputs``' completions (``lengths`` tokens each) off the current policy,
+    with noise (ratios far from 1), rounded to float32 as TRL's queue carries them."""
     with torch.no_grad():
         logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             trainer,
@@ -135,7 +134,32 @@ def _old_logps(trainer, tokenizer) -> list[list[float]]:
         )
     generator = torch.Generator().manual_seed(1)
     noisy = logps + 0.3 * torch.randn(logps.shape, generator=generator, dtype=logps.dtype)
-    return [noisy[i, : len(c)].float().tolist() for i, c in enumerate(COMPLETIONS)]
+    return [noisy[i, :n].float().tolist() for i, n in enumerate(lengths)]
+
+
+def _old_logps(trainer, tokenizer) -> list[list[float]]:
+    """`_noisy_logps` of the fixed batch."""
+    inputs = _padded_inputs(tokenizer, [[0.0] * len(c) for c in COMPLETIONS])
+    return _noisy_logps(trainer, inputs, [len(c) for c in COMPLETIONS])
+
+
+def _twins(tmp_path, model_dir, dataset, options: dict) -> tuple[TrinityTrainer, AsyncTrinityTrainer]:
+    """`TrinityTrainer` and `AsyncTrinityTrainer` of ``options`` on the float64 checkpoint, both moved off it alike."""
+    sync = TrinityTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "s"), prefix_packing=False, **F64, **options)),
+        train_dataset=dataset,
+    )
+    asynchronous = AsyncTrinityTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path / "a"), dtype="auto", **options)),
+        train_dataset=dataset,
+    )
+    assert sync.model.dtype == asynchronous.model.dtype == torch.float64
+    _perturb(sync.model), _perturb(asynchronous.model)
+    return sync, asynchronous
 
 
 def _grads(model) -> dict:
@@ -199,20 +223,7 @@ def test_async_loss_and_gradient_equal_the_synchronous_trainers(case, tmp_path, 
     options = CASES[case]
     if options["algorithm"] == "ppo":  # the critic-free part of PPO's loss: its clip, a group advantage
         options = {**options, "algorithm": "grpo", "policy_loss": "ppo"}
-    sync = TrinityTrainer(
-        model=float64_model_dir,
-        reward_funcs=length_reward,
-        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "s"), prefix_packing=False, **F64, **options)),
-        train_dataset=tiny_dataset,
-    )
-    asynchronous = AsyncTrinityTrainer(
-        model=float64_model_dir,
-        reward_funcs=length_reward,
-        args=AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path / "a"), dtype="auto", **options)),
-        train_dataset=tiny_dataset,
-    )
-    assert sync.model.dtype == asynchronous.model.dtype == torch.float64
-    _perturb(sync.model), _perturb(asynchronous.model)
+    sync, asynchronous = _twins(tmp_path, float64_model_dir, tiny_dataset, options)
     tokenizer = sync.processing_class
     old = _old_logps(sync, tokenizer)
     _assert_same(
@@ -618,19 +629,7 @@ def test_multi_step_samples_packed_in_one_tree_give_the_per_turn_rows_loss(
     gives the loss and gradient of the turns as padded rows of the synchronous trainer (StepGRPOTrainer's one row per
     turn)."""
     options = {"algorithm": "grpo", "loss_agg_mode": loss_agg_mode}
-    sync = TrinityTrainer(
-        model=float64_model_dir,
-        reward_funcs=length_reward,
-        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "s"), prefix_packing=False, **F64, **options)),
-        train_dataset=tiny_dataset,
-    )
-    asynchronous = AsyncTrinityTrainer(
-        model=float64_model_dir,
-        reward_funcs=length_reward,
-        args=AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path / "a"), dtype="auto", **options)),
-        train_dataset=tiny_dataset,
-    )
-    _perturb(sync.model), _perturb(asynchronous.model)
+    sync, asynchronous = _twins(tmp_path, float64_model_dir, tiny_dataset, options)
     tokenizer = sync.processing_class
     rows = _turn_rows(tokenizer)
     prompts = [torch.tensor(p) for p, _, _ in rows]
@@ -642,16 +641,7 @@ def test_multi_step_samples_packed_in_one_tree_give_the_per_turn_rows_loss(
         "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"),
         "advantages": torch.tensor([a for _, _, a in rows], dtype=torch.float32),
     }
-    with torch.no_grad():  # behaviour log-probs off the current policy, with noise (ratios away from 1)
-        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            sync,
-            sync.model,
-            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
-            inputs["completion_ids"].shape[1],
-        )
-    noisy = logps + 0.3 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(1), dtype=logps.dtype)
-    old = [noisy[i, : len(c)].float().tolist() for i, (_, c, _) in enumerate(rows)]
+    old = _noisy_logps(sync, inputs, [len(c) for _, c, _ in rows])
     inputs["old_per_token_logps"] = pad(
         [torch.tensor(lp, dtype=torch.float64) for lp in old], padding_value=0.0, padding_side="right"
     )
