@@ -81,8 +81,8 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -m gpu -rs tests/packing
 
 # The GPU verification (benchmarks/gpu_check.py), each part with a time budget, results (at most 8 files) under $$OUT
-# or a temporary folder. Default parts, within 8 minutes on one H100: `profile` (one profiled packed step and TRL's at
-# 1.5B P1024/C256) and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch and at gradient
+# or a temporary folder. Default parts, within 9 minutes on an H200: `profile` (one profiled step each of ours
+# packed, ours padded and TRL's at 1.5B P1024/C256) and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch and at gradient
 # accumulation 4, 5 repeats, a fresh process per side). A second command runs the rest:
 # `make gpu-check PARTS=tests,trainers,small,lora` (the CUDA tests, every trainer for 2 steps, the 0.5B and LoRA
 # points). On the lent GPU machine: `bash .gpu/run.sh make gpu-check`; here, on CPU with tiny shapes:

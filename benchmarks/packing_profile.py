@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""One profiled training step of ours (packed) and of TRL's (padded) at Qwen2.5-1.5B, prompt 1024, completion 256, G 8
-(issue 42 item 1): where the packed step's host time goes on a GPU.
+"""One profiled training step of ours (packed, and with packing off) and of TRL's (padded) at Qwen2.5-1.5B, prompt
+1024, completion 256, G 8 (issue 42 item 1): where the packed step's host time goes on a GPU.
 
-Each side trains in its own fresh process (`prefix_packing.py`'s worker, the benchmark's exact setting: random model
+Each side (``ours``, ``ours_padded``: packing off, the layout ``auto`` keeps where packing does not pay; ``trl``)
+trains in its own fresh process (`prefix_packing.py`'s worker, the benchmark's exact setting: random model
 of the 1.5B shape with the real vocabulary, bf16, activation checkpointing on, TRL's defaults, completions of
 exactly C tokens). After its warm-up (ours: ``prefix_packing_kernel="varlen"`` forced, so that the profiled step is
 packed whatever ``auto`` would decide), one step runs under ``torch.profiler`` (CPU and CUDA activities) with
@@ -11,6 +12,7 @@ Python stack that made it), and the next step under ``cProfile`` (where the Pyth
 package). The summary, per side:
 
 * the step's host wall time against the GPU's busy time (the sum of its kernels' durations);
+* aten operations and host reads of device data (``aten::_local_scalar_dense``) in the step;
 * the top host operations by self CPU time, the CUDA runtime calls (launches, copies, syncs) with counts and times;
 * every device synchronisation: the runtime's synchronising calls and the sync-debug warnings, each with its stack;
 * kernel launches per decoder layer (all launches of the step / layers), and the top GPU kernels;
@@ -49,6 +51,9 @@ LAUNCHES = (
 )
 #: CUDA runtime calls that make the host wait for the device
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaMemcpy")
+#: the profiled processes: ours packed (the forced kernel), ours with packing off (the padded layout: what `auto`
+#: runs where it keeps padded rows, to set against TRL's own padded step), TRL's
+SIDES = ("ours", "ours_padded", "trl")
 #: packages the cProfile summary groups the host's Python time by
 PACKAGES = ("trinity_trl", "trl", "transformers", "accelerate", "peft", "torch", "datasets")
 
@@ -151,7 +156,10 @@ def _torch_summary(prof, syncs: _Syncs, spec: dict) -> dict:
     layers = spec.get("layers") or 1
     launches = sum(r["count"] for r in runtime if r["name"] in LAUNCHES)
     sync_calls = [r for r in runtime if r["name"] in SYNCS or "Synchronize" in r["name"]]
+    aten = [h for h in host if h["name"].startswith("aten::")]
     return {
+        "aten_ops": sum(h["count"] for h in aten),
+        "host_reads": sum(h["count"] for h in aten if h["name"] == "aten::_local_scalar_dense"),
         "host_ops_self_ms": sum(h["self_ms"] for h in host),
         "gpu_busy_ms": sum(k["ms"] for k in kernels),
         "kernels_run": sum(k["count"] for k in kernels),
@@ -159,6 +167,7 @@ def _torch_summary(prof, syncs: _Syncs, spec: dict) -> dict:
         "layers": layers,
         "launches_per_layer": launches / layers,
         "top_host_ops": host[:25],
+        "host_op_counts": {h["name"]: h["count"] for h in host},
         "runtime_calls": runtime[:25],
         "sync_calls": sync_calls,
         "sync_warnings": [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common()],
@@ -194,24 +203,26 @@ def _cprofile_summary(prof) -> dict:
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"# One profiled training step, ours (packed) and TRL's (padded){' (DRY RUN on CPU)' if c['quick'] else ''}",
+        f"# One profiled training step, ours (packed, and padded) and TRL's{' (DRY RUN on CPU)' if c['quick'] else ''}",
         "",
         f"Command: `{report['command']}`",
         "",
         bc.machine_line(report["machine"]),
         f"Date: {report['date']}. Point: {report['point']}; ours with `prefix_packing_kernel={c['kernel']!r}` (so the "
-        f"profiled step is packed); each side in its own process, {c['warmup']} warm-up steps, then one step under "
-        "torch.profiler (CPU + CUDA activities, `torch.cuda.set_sync_debug_mode('warn')`) and one under cProfile.",
+        f"profiled step is packed), `ours_padded` with `prefix_packing=False`; each side in its own process, "
+        f"{c['warmup']} warm-up steps, then one step under torch.profiler (CPU + CUDA activities, "
+        "`torch.cuda.set_sync_debug_mode('warn')`) and one under cProfile.",
         "",
-        "| side | step wall (s) | GPU busy (s) | host ops self (s) | kernels run | launches | launches per layer "
-        "| sync calls | sync warnings |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| side | step wall (s) | GPU busy (s) | host ops self (s) | aten ops | host reads | kernels run | launches "
+        "| launches per layer | sync calls | sync warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side, s in report["sides"].items():
         t = s.get("torch") or {}
         lines.append(
             f"| {side} | {bc.fmt(t.get('wall_s'))} | {bc.fmt((t.get('gpu_busy_ms') or 0) / 1e3)} "
-            f"| {bc.fmt((t.get('host_ops_self_ms') or 0) / 1e3)} | {t.get('kernels_run', 'n/a')} "
+            f"| {bc.fmt((t.get('host_ops_self_ms') or 0) / 1e3)} | {t.get('aten_ops', 'n/a')} "
+            f"| {t.get('host_reads', 'n/a')} | {t.get('kernels_run', 'n/a')} "
             f"| {t.get('launches', 'n/a')} | {bc.fmt(t.get('launches_per_layer'), '.0f')} "
             f"| {sum(x['count'] for x in t.get('sync_calls', []))} "
             f"| {sum(x['count'] for x in t.get('sync_warnings', []))} |"
@@ -309,8 +320,11 @@ def main(argv=None) -> int:
             "profile": {"step": args.warmup},
             "layers": layers,
         }
-        for side in ("ours", "trl"):
-            result = runner.run(dict(base, sides=[side]))[side]
+        for side in SIDES:
+            name, padded = side.removesuffix("_padded"), side == "ours_padded"
+            result = runner.run(dict(base, sides=[name], **({"packing": False, "kernel": "auto"} if padded else {})))[
+                name
+            ]
             profiles = {p["kind"]: p for p in result.get("profile", [])}
             sides[side] = {"step_s": result["step_s"], "kernels": result.get("kernels"), **profiles}
             print(f"[profile] {side}: steps {[round(x, 3) for x in result['step_s']]}", flush=True)

@@ -372,6 +372,10 @@ def train_side(spec: dict) -> dict:
     steps: list[dict] = []
     profile = spec.get("profile")
     profiler_state: dict = {}
+    trained = trainer
+
+    def deciding() -> bool:
+        return still_deciding(trained)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -385,6 +389,7 @@ def train_side(spec: dict) -> dict:
         def on_step_end(self, args, state, control, **kw):
             sync()
             steps[-1]["end"] = time.perf_counter()
+            steps[-1]["deciding"] = deciding()
             if profiler_state.get("active") is not None:
                 import packing_profile
 
@@ -500,6 +505,7 @@ def train_side(spec: dict) -> dict:
     done = [s for s in steps if "end" in s]
     result = {
         "step_s": [s["end"] - s["begin"] for s in done],
+        "deciding": [s["deciding"] for s in done],
         "train_part_s": [s["train_part"] for s in done] if part_timing else [],
         "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
         "auto_log": verdicts,
@@ -539,6 +545,13 @@ def train_side(spec: dict) -> dict:
             result["equivalence_check"] = {"equivalent": False, "error": f"{type(err).__name__}: {err}"[-2000:]}
     del trainer
     return result
+
+
+def still_deciding(trainer) -> bool:
+    """Whether ``auto`` has a shape class without a verdict after this step (its calibration still times real passes
+    in both layouts); ``False`` for TRL's side and where nothing is measured."""
+    verdicts = auto_verdicts(trainer)
+    return bool(verdicts) and any(v is None for v in verdicts.values())
 
 
 def auto_verdicts(trainer) -> dict | None:
@@ -781,17 +794,40 @@ def make_model(name: str, spec: dict) -> tuple[str, str]:
     return str(bundled_model_dir()), "SmolLM2-135M-Instruct (bundled, Llama architecture, vocab 49152)"
 
 
-def run_summary(result: dict, warmup: int | None = None) -> dict:
-    """One run's medians over its steps after its warm-up."""
+def timed_steps(result: dict, warmup: int | None = None) -> list[int]:
+    """The steps a run's figures are read from: those after its warm-up, less any that ended with ``auto`` still
+    deciding (``deciding``: its calibration's passes alternate layouts, so they are not the steady step). Where every
+    step after the warm-up was still deciding, those steps (the run is marked by `undecided_steps`)."""
     warmup = result.get("warmup", 0) if warmup is None else warmup
-    steps, gens = result["step_s"][warmup:], result["generation_s"][warmup:]
-    peaks = [x for x in result.get("train_part_peak_mib", [])[warmup:] if x is not None]
+    after = list(range(warmup, len(result["step_s"])))
+    deciding = result.get("deciding") or []
+    decided = [i for i in after if i >= len(deciding) or not deciding[i]]
+    return decided or after
+
+
+def undecided_steps(result: dict, warmup: int | None = None) -> int:
+    """How many of a run's steps after its warm-up ended with ``auto`` still deciding."""
+    warmup = result.get("warmup", 0) if warmup is None else warmup
+    return sum(1 for d in (result.get("deciding") or [])[warmup:] if d)
+
+
+def run_summary(result: dict, warmup: int | None = None) -> dict:
+    """One run's medians over its timed steps (`timed_steps`)."""
+    keep = timed_steps(result, warmup)
+
+    def pick(values):
+        return [values[i] for i in keep if i < len(values)]
+
+    steps, gens = pick(result["step_s"]), pick(result["generation_s"])
+    peaks = [x for x in pick(result.get("train_part_peak_mib", [])) if x is not None]
     return {
         "step_s": bc.median(steps),
         "generation_s": bc.median(gens),
         "train_s": bc.median([s - g for s, g in zip(steps, gens)]),
-        "train_part_s": bc.median(result.get("train_part_s", [])[warmup:]),
+        "train_part_s": bc.median(pick(result.get("train_part_s", []))),
         "train_part_peak_mib": max(peaks) if peaks else None,
+        "timed_steps": len(keep),
+        "undecided_steps": undecided_steps(result, warmup),
     }
 
 
@@ -806,6 +842,7 @@ def side_summary(results: list[dict]) -> dict:
     out = {key: bc.median([p[key] for p in per_run]) for key in per_run[0]}
     out["train_s_spread"] = _spread([p["train_s"] for p in per_run])
     out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
+    out["undecided_runs"] = sum(1 for p in per_run if p.get("undecided_steps"))
     for key in (
         "process_peak_rss_mib",
         "train_peak_rss_above_start_mib",
@@ -994,6 +1031,13 @@ def markdown(report: dict) -> str:
                 else ""
             )
             + (
+                f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs still deciding after the warm-up "
+                "(their figures read the steps after the verdict, or every step after the warm-up where none was "
+                "decided)"
+                if r["ours"].get("undecided_runs")
+                else ""
+            )
+            + (
                 f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
                 f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
                 f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
@@ -1171,7 +1215,7 @@ def main(argv=None) -> int:
         default=3,
         help="our untimed first steps at gradient accumulation > 1 (each step holds several micro-batches)",
     )
-    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3; 2 at accumulation > 1)")
+    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3)")
     parser.add_argument(
         "--long-prompt", type=int, default=1024, help="CPU: points from this prompt length run --long-steps"
     )
@@ -1347,7 +1391,7 @@ def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -
     """The worker's spec for ``point`` (steps and warm-up per side: ours until auto's calibration has decided)."""
     accumulation = point.accumulation > 1
     warmup = args.accumulation_warmup if accumulation else args.warmup
-    timed = args.timed_steps if not accumulation or args.quick else min(args.timed_steps, 2)
+    timed = args.timed_steps
     if args.device == "cpu" and point.prompt_len >= args.long_prompt:
         timed = args.long_steps
     steps = args.steps or warmup + timed
