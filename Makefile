@@ -96,9 +96,10 @@ gpu-check:
 
 # Synchronous against asynchronous training on the same job on the lent GPU (benchmarks/async_vs_sync.py): random
 # weights of Qwen2.5-0.5B's shape (the GPU machine has no model weights), bf16, 2 prompts x 8 completions of at most 128
-# tokens a step, 6 steps, 3 rounds of a fresh process per side (sized for about 6 minutes on an H100, not yet run
-# on a GPU; each run stopped after 240 s); results (async_vs_sync_cuda.json/.md) under $$OUT. On the GPU machine: `bash .gpu/run.sh make
-# gpu-check-async`; here, the tiny model on CPU: `make gpu-check-async DRY_RUN=1`.
+# tokens a step, 6 steps, 3 rounds of a fresh process per side (each run stopped after 240 s). On an H200 2 rounds of
+# 4 steps took 229 s in all, 28-39 s a run (benchmarks/results/h200_2026-11-28/); these defaults, about 5 minutes.
+# Results (async_vs_sync_cuda.json/.md) under $$OUT. On the GPU machine: `bash .gpu/run.sh make gpu-check-async`;
+# here, the tiny model on CPU: `make gpu-check-async DRY_RUN=1`.
 ASYNC_CHECK_ARGS ?= --device cuda --model qwen2.5-0.5b --repeats 3 --steps 6 --prompts 2 --generations 8 \
 	--completion 128 --timeout 240 --no-lora
 gpu-check-async:
