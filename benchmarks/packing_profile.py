@@ -19,7 +19,8 @@ package). The summary, per side:
 * the Python functions and packages that took the host's time.
 
 Results: ``packing_profile_cuda.{json,md}`` in ``--out`` (``$OUT`` on the lent machine; ``packing_profile.{json,md}``
-in a dry run on CPU, where only CPU activities and cProfile run). ``make gpu-check`` runs it as its first part
+in a dry run on CPU, where only CPU activities and cProfile run), rewritten after each side (ours, TRL, ours padded),
+so that a run stopped by its time budget keeps the sides that finished. ``make gpu-check`` runs it as its first part
 (``PARTS=profile``)::
 
     python benchmarks/packing_profile.py --device cuda          # on the GPU machine
@@ -53,7 +54,7 @@ LAUNCHES = (
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaMemcpy")
 #: the profiled processes: ours packed (the forced kernel), ours with packing off (the padded layout: what `auto`
 #: runs where it keeps padded rows, to set against TRL's own padded step), TRL's
-SIDES = ("ours", "ours_padded", "trl")
+SIDES = ("ours", "trl", "ours_padded")
 #: packages the cProfile summary groups the host's Python time by
 PACKAGES = ("trinity_trl", "trl", "transformers", "accelerate", "peft", "torch", "datasets")
 
@@ -320,26 +321,26 @@ def main(argv=None) -> int:
             "profile": {"step": args.warmup},
             "layers": layers,
         }
-        for side in SIDES:
-            name, padded = side.removesuffix("_padded"), side == "ours_padded"
-            result = runner.run(dict(base, sides=[name], **({"packing": False, "kernel": "auto"} if padded else {})))[
-                name
-            ]
+        name = "packing_profile_cuda" if cuda else "packing_profile"
+        for side in SIDES:  # the report is rewritten after each side: a part stopped by its budget keeps what finished
+            trainer, padded = side.removesuffix("_padded"), side == "ours_padded"
+            result = runner.run(
+                dict(base, sides=[trainer], **({"packing": False, "kernel": "auto"} if padded else {}))
+            )[trainer]
             profiles = {p["kind"]: p for p in result.get("profile", [])}
             sides[side] = {"step_s": result["step_s"], "kernels": result.get("kernels"), **profiles}
             print(f"[profile] {side}: steps {[round(x, 3) for x in result['step_s']]}", flush=True)
-    name = "packing_profile_cuda" if cuda else "packing_profile"
-    report = {
-        "benchmark": name,
-        "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": bc.machine_description(args.device),
-        "config": vars(args),
-        "point": point.name,
-        "sides": sides,
-        "total_wall_s": time.perf_counter() - started,
-    }
-    bc.write_report(args.out, name, report, markdown(report))
+            report = {
+                "benchmark": name,
+                "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": bc.machine_description(args.device),
+                "config": vars(args),
+                "point": point.name,
+                "sides": sides,
+                "total_wall_s": time.perf_counter() - started,
+            }
+            bc.write_report(args.out, name, report, markdown(report))
     return 0
 
 

@@ -526,6 +526,37 @@ def test_gpu_check_runs_the_profile_and_the_target_points_by_default():
     assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 540 - 60
 
 
+def test_packing_profile_keeps_the_sides_that_finished(tmp_path, monkeypatch):
+    """The profile writes its report after each side (ours, TRL, ours padded): on the H200 (2026-11-28) the part was
+    stopped by its budget before its last side and reported nothing. Here the third side's process fails: the report
+    holds the first two."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import packing_profile
+    import prefix_packing
+
+    ran = []
+
+    class Runner:
+        def __init__(self, *a, **kw):
+            pass
+
+        def run(self, spec):
+            if "make_model" in spec:
+                return {"path": str(tmp_path / "model")}
+            ran.append(spec)
+            if len(ran) == 3:
+                raise RuntimeError("stopped by its budget")
+            side = spec["sides"][0]
+            return {side: {"step_s": [0.5, 0.4], "kernels": {}, "profile": [{"kind": "torch", "aten_ops": 7}]}}
+
+    monkeypatch.setattr(prefix_packing, "Runner", Runner)
+    with pytest.raises(RuntimeError, match="stopped"):
+        packing_profile.main(["--quick", "--out", str(tmp_path)])
+    report = _load(tmp_path / "packing_profile.json")
+    assert list(report["sides"]) == ["ours", "trl"] and report["sides"]["trl"]["torch"]["aten_ops"] == 7
+    assert ran[2]["packing"] is False and ran[0]["packing"] is True  # the third side: ours with packing off
+
+
 def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
     """A part that overruns its budget is stopped (its process group killed) and reported; the next part runs."""
     out = tmp_path / "out"
