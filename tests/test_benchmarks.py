@@ -749,7 +749,8 @@ def test_learning_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
 
 def test_the_committed_study_summary_is_that_of_the_committed_runs():
     """benchmarks/results/learning_study.md is what `summarise` makes of learning_study_runs.jsonl (no hand edits),
-    and while the study is partial the docs say it is running and quote no result."""
+    while the study is partial the docs say it is running and quote no result, and once it is finished README and
+    docs quote each pre-registered test exactly."""
     sys.path.insert(0, str(BENCHMARKS))
     from learning_study import PLAN, load_runs, markdown, plan_key, summarise
 
@@ -757,11 +758,19 @@ def test_the_committed_study_summary_is_that_of_the_committed_runs():
     summary = summarise(load_runs(results / "learning_study_runs.jsonl", plan_key(PLAN)), PLAN)
     assert (results / "learning_study.md").read_text() == markdown(summary)
     assert summary["runs_done"] >= 1  # the committed runs are of this plan
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #learning-study }") :]
+    readme = (ROOT / "README.md").read_text()
     if summary["partial"]:
-        docs = (ROOT / "docs" / "benchmarks.md").read_text()
-        section = docs[docs.index("{ #learning-study }") :]
         assert "**Running; no result yet.**" in section[:400]
-        assert "running**; no result yet" in (ROOT / "README.md").read_text()
+        assert "running**; no result yet" in readme
+        return
+    # finished: README and docs quote each pre-registered test exactly as the summary has it
+    assert "no result yet" not in section[:400] and "no result yet" not in readme
+    for t in summary["tests"].values():
+        quote = f"{t['mean']:+.3f}, 95 % interval [{t['low']:+.3f}, {t['high']:+.3f}], p {t['p']:.3f}"
+        quote += f" (Holm {t['p_holm']:.3f})"
+        assert quote in section and quote in readme, quote
 
 
 def test_async_vs_sync_dry_run(tmp_path):
