@@ -83,10 +83,10 @@ def queue_item(sample) -> dict[str, Any]:
 
 def packed_batch(samples: list, pad_token_id: int, step_totals: bool = True) -> dict[str, Any]:
     """One micro-batch of ``samples`` in one packed row (one process), through TRL's ``TreeRow`` and our collator
-    (`trinity_trl.asynchronous.trl_seams`), with the optimizer step's totals of a one-micro-batch step."""
+    (`trinity_trl.asynchronous.async_grpo_seams`), with the optimizer step's totals of a one-micro-batch step."""
     from trl.experimental.async_grpo.packing import TreeRow
 
-    from trinity_trl.asynchronous.trl_seams import _collator_class
+    from trinity_trl.asynchronous.async_grpo_seams import _collator_class
 
     row = TreeRow()
     for sample in samples:

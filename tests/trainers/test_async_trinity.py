@@ -19,7 +19,7 @@ from tolerance import assert_close
 from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
-from trinity_trl.asynchronous.trl_seams import POLICY_VERSION_KEY
+from trinity_trl.asynchronous.async_grpo_seams import POLICY_VERSION_KEY
 from trinity_trl.trainers import (
     AsyncChordConfig,
     AsyncChordTrainer,
@@ -361,7 +361,7 @@ def test_max_staleness_is_honoured_and_drops_are_counted(tmp_path, tiny_model_di
 def test_samples_too_old_for_the_weights_they_train_leave_the_loss(tmp_path, tiny_model_dir, tiny_dataset):
     """A sample more than max_staleness weight syncs behind the weights it would train is no longer trained on (its
     tokens leave the loss) and is counted; the others' loss is what it is without it."""
-    from trinity_trl.asynchronous.trl_seams import MODEL_VERSION_KEY
+    from trinity_trl.asynchronous.async_grpo_seams import MODEL_VERSION_KEY
 
     trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_staleness=1)
     trainer.model_version = 5

@@ -51,7 +51,7 @@ class PackedMicroBatch:
 
 def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
     """``inputs``: what the trainer's ``compute_loss`` receives for this process (one row of TRL's collated
-    micro-batch, with the per-sample fields of `trinity_trl.asynchronous.trl_seams.SampleFieldsCollator`). The
+    micro-batch, with the per-sample fields of `trinity_trl.asynchronous.async_grpo_seams.SampleFieldsCollator`). The
     padding TRL adds so rows of different processes stack is dropped, as TRL's own ``compute_loss`` drops it."""
     attended = inputs["attention_mask"].bool()
     selected = inputs["token_index"] >= 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..asynchronous.trl_seams import SampleStream
+from ..asynchronous.async_grpo_seams import SampleStream
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
 from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer

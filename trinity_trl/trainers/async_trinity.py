@@ -7,7 +7,7 @@ and LoRA adapter sync to vLLM; its loss is one fixed PPO clip. Here the loss is 
 the same code the synchronous trainers run (`trinity_trl.trainers.trinity_loss.TrinityLossMixin`): any policy loss,
 entropy and KL terms, aggregation mode and normalisation, configured as in [`TrinityConfig`][] (the same fields,
 presets, YAML and command line). The seams it needs beyond TRL's public ones are in
-`trinity_trl.asynchronous.trl_seams`, each with its reason.
+`trinity_trl.asynchronous.async_grpo_seams`, each with its reason.
 
 Where samples come from (``generation_backend``):
 
@@ -34,12 +34,11 @@ from trl.import_utils import TRLExperimentalWarning
 
 with warnings.catch_warnings():
     # TRL warns once, on the first import of trl.experimental, that its API may change: trinity_trl pins TRL 1.16.*
-    # and its contract tests (tests/asynchronous/test_async_seams.py) fail when what we use changes
+    # and its contract tests (tests/asynchronous/test_async_grpo_seams.py) fail when what we use changes
     warnings.simplefilter("ignore", TRLExperimentalWarning)
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from ..asynchronous.batch import SampleLayout, unpack
-from ..asynchronous.trl_seams import (
+from ..asynchronous.async_grpo_seams import (
     TREE_KERNEL_CHOICES,
     TRL_TREE_ATTENTION,
     PolicyVersions,
@@ -51,6 +50,7 @@ from ..asynchronous.trl_seams import (
     tree_plan,
     trl_collator,
 )
+from ..asynchronous.batch import SampleLayout, unpack
 from ..asynchronous.worker import GroupScorer, LocalWeightTransfer, TransformersRolloutWorker
 from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
@@ -343,7 +343,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             trl_rewards = reward_funcs
         else:
             trl_rewards = [RewardSum(reward_funcs, list(weights))] if reward_funcs else []
-        with cpu_safe_peak_flops():  # trl_seams 1
+        with cpu_safe_peak_flops():  # async_grpo_seams 1
             super().__init__(
                 model=model,
                 reward_funcs=trl_rewards,
@@ -358,7 +358,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
                 rollout_worker=rollout_worker,
                 weight_transfer=weight_transfer,
             )
-        register_tree_attention()  # trl_seams 2: after TRL's __init__ registered its own
+        register_tree_attention()  # async_grpo_seams 2: after TRL's __init__ registered its own
         check_run(self.accelerator, self.args)
         if self.accelerator.num_processes > 1:
             raise ValueError(
@@ -379,7 +379,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         self.state_files = TrainerStateFiles(self.accelerator.process_index, self.accelerator.device)
         self.policy_versions = PolicyVersions()
         if self.accelerator.is_main_process:
-            self.rollout_queue = self._sample_stream(self.rollout_queue)  # trl_seams 3
+            self.rollout_queue = self._sample_stream(self.rollout_queue)  # async_grpo_seams 3
         self._set_card_identity()
         use_concise_progress(self)
 
@@ -456,7 +456,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
 
     # ------------------------------------------------------------------------------------ TRL's seams
     def get_train_dataloader(self):
-        with trl_collator():  # trl_seams 3: TRL's collator plus each sample's fields
+        with trl_collator():  # async_grpo_seams 3: TRL's collator plus each sample's fields
             return super().get_train_dataloader()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -474,7 +474,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
 
     def _sync_weight(self):
         super()._sync_weight()
-        if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (trl_seams 3)
+        if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (seams 3)
             self.policy_versions.record(self.model_version, self.state.global_step)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

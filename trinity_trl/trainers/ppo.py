@@ -32,9 +32,9 @@ from ..data.model import resolve_model
 from ..training import checks
 from ..training.advantages import Advantages, AdvantageSources
 from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
+from ..training.grpo_seams import bind_trl_arguments, trained_mask
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
-from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
 from .config import TrinityConfig, from_trl_config
 from .trinity import TrinityTrainer

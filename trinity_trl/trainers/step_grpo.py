@@ -46,8 +46,8 @@ from ..rollouts.protocols import (
 from ..rollouts.runs import Run, TrainingRow
 from ..training import checks
 from ..training.engines import engine_of, zero_stage
+from ..training.grpo_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from ..training.metrics import append_metrics
-from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .config import TrinityConfig, from_trl_config
 from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
@@ -359,7 +359,7 @@ class StepGRPOTrainer(TrinityTrainer):
 
     def _trl_generate(self, inputs: list[dict[str, Any]], **attributes) -> dict[str, Any]:
         """TRL's generation and scoring of ``inputs`` (through `TrinityTrainer`), with ``attributes`` of this trainer
-        set for the call (trl_seams.temporarily): how a `Rollout` plays through TRL. A ``rollout_func`` is checked as
+        set for the call (grpo_seams.temporarily): how a `Rollout` plays through TRL. A ``rollout_func`` is checked as
         a user's would be."""
         if attributes.get("rollout_func") is not None:
             attributes["rollout_func"] = checks.checked_rollout_func(attributes["rollout_func"])

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..algorithms.masked import aggregation_mode, masked_sum
-from .trl_seams import trained_mask
+from .grpo_seams import trained_mask
 
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 

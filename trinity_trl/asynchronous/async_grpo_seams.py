@@ -1,6 +1,6 @@
 """The places where TRL 1.16's ``AsyncGRPOTrainer`` leaves no public seam for what our asynchronous trainers need,
-each done once here with its reason (the asynchronous twin of `trinity_trl.training.trl_seams`). The contract tests
-(``tests/asynchronous/test_async_seams.py``) fail loudly if TRL changes what they rely on.
+each done once here with its reason (the asynchronous twin of `trinity_trl.training.grpo_seams`). The contract tests
+(``tests/asynchronous/test_async_grpo_seams.py``) fail loudly if TRL changes what they rely on.
 
 1. **Peak FLOPs off a GPU** (`cpu_safe_peak_flops`). ``AsyncGRPOTrainer.__init__`` asks TRL's
    ``get_peak_flops_per_device`` for the device's peak FLOPs (for its MFU metrics), which calls
