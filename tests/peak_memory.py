@@ -121,7 +121,7 @@ class PeakMemory:
         if not self.records or hasattr(self.config, "workeroutput"):
             return
         ranked = sorted(self.records, key=lambda r: -r["peak_gib"])
-        if self.config.cache is not None:
+        if getattr(self.config, "cache", None) is not None:
             self.config.cache.set(CACHE_KEY, ranked)
         worst = ranked[: self.top]
         terminalreporter.write_sep("-", f"peak resident memory: the {len(worst)} highest of {len(self.records)} tests")

@@ -228,3 +228,35 @@ def test_the_trained_model_still_generates_and_scores_plain_batches():
         reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert_close(got[mask.bool()], expected[mask.bool()], terms=TINY_MODEL_TERMS)
     assert torch.equal(generated, reference)
+
+
+# ------------------------------------------------------------------------------------------- models the kernels refuse
+def _configs():
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    small = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    return {
+        "qwen2-window-off": (Qwen2Config(**small, use_sliding_window=False, sliding_window=16), None),
+        "qwen2-window-on": (
+            Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+            "sliding window of 16 tokens in 1 of its 2 layers",
+        ),
+        "mistral-window": (MistralConfig(**small), "sliding window of 4096 tokens in every layer"),
+        "mistral-no-window": (MistralConfig(**small, sliding_window=None), None),
+        "gemma2": (Gemma2Config(**small), "sliding window of 4096 tokens in 1 of its 2 layers"),
+        "gemma2-full-softcapped": (
+            Gemma2Config(**small, sliding_window=None, layer_types=["full_attention"] * 2),
+            "soft-caps its attention logits",
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2-window-off", "qwen2-window-on", "mistral-window", "mistral-no-window",
+                                  "gemma2", "gemma2-full-softcapped"])  # fmt: skip
+def test_models_the_tree_kernels_cannot_run_are_named_from_their_config(name):
+    """Read from the config's layer types and window (no weights): a window that is set but off trains."""
+    from trinity_trl.asynchronous.async_grpo_seams import tree_attention_refusal
+
+    config, expected = _configs()[name]
+    reason = tree_attention_refusal(config)
+    assert reason is None if expected is None else expected in reason

@@ -185,3 +185,17 @@ def test_the_summary_line_shows_a_missing_or_strange_value_instead_of_stopping_t
     )
     assert line == "step 1/2 | reward None | loss nan | rl n/a | 1.2 s"
     assert summary_line(3, 0, {"loss": 0.123456}, metrics) == "step 3 | loss 0.1235"
+
+
+def test_the_asynchronous_summary_line_shows_staleness_and_seconds():
+    """The asynchronous trainers log no ``step_time``: their line shows the step's wall time (``perf/step_s``; the
+    first step has none, so its forward and backward, ``perf/fwd_bwd_s``) and the mean staleness of its samples."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.training.metrics import summary_line, summary_metrics
+
+    metrics = summary_metrics(POLICY_LOSS_FN.get("cispo"))
+    first = {"reward": 0.25, "loss": 0.1, "async/staleness": 0.0, "perf/fwd_bwd_s": 1.5}
+    later = {**first, "async/staleness": 1.5, "perf/step_s": 7.25}
+    assert summary_line(1, 3, first, metrics).endswith("| staleness 0 | 1.5 s")
+    assert summary_line(2, 3, later, metrics).endswith("| staleness 1.5 | 7.2 s")
+    assert "staleness" not in summary_line(2, 3, {"loss": 0.1, "step_time": 2.0}, metrics)

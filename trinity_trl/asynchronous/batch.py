@@ -33,6 +33,7 @@ class PackedMicroBatch:
             worker that does not say).
         model_version: ``(S,)`` the same as TRL counts it (weight syncs; NaN: a demonstration).
         expert: ``(S,)`` bool, the demonstrations (CHORD).
+        group: ``(S,)`` int64, each sample's prompt group (TRL's ``group_id``: the worker's stream position).
         micro_batch: the micro-batch's counts over every process's row, as floats: ``trained_tokens``,
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
     """
@@ -46,6 +47,7 @@ class PackedMicroBatch:
     policy_version: torch.Tensor
     model_version: torch.Tensor
     expert: torch.Tensor
+    group: torch.Tensor
     micro_batch: dict[str, float]
 
 
@@ -79,6 +81,7 @@ def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
         policy_version=inputs["sample_policy_version"][0, :samples],
         model_version=inputs["sample_model_version"][0, :samples],
         expert=inputs["sample_expert"][0, :samples] != 0,
+        group=inputs["sample_group"][0, :samples],
         micro_batch=micro_batch,
     )
 

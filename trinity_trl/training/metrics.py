@@ -88,18 +88,22 @@ def replace_logged_advantages(logged, gather: Callable, advantages, mask) -> Non
 
 
 # the labels of the one-line progress summary, in order
-SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu")
+SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu", "staleness")
+# the seconds of a step, the first one logged: TRL's synchronous trainers' step time; the asynchronous trainers' step
+# (from the end of the step before; the first step has none) or, for the first, its forward and backward
+STEP_SECONDS = ("step_time", "perf/step_s", "perf/fwd_bwd_s")
 
 
 def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(label, keys)`` pairs of the progress summary (the first key logged wins): reward and loss, the
     terms the policy loss class declares (`trinity_trl.algorithms.PolicyLossFn.summary_metrics`), the
-    KL loss and the critic's value loss."""
+    KL loss, the critic's value loss and the asynchronous trainers' mean staleness (optimizer steps)."""
     keys: dict[str, tuple[str, ...]] = {
         "reward": ("reward",),
         "loss": ("loss",),
         "kl": ("actor/kl_loss",),
         "value": ("critic/vf_loss",),
+        "staleness": ("async/staleness",),
     }
     if policy_loss is not None:
         keys.update(
@@ -111,14 +115,15 @@ def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]
 
 def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple | None = None) -> str:
     """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``
-    (``metrics``: `summary_metrics` of the trainer's policy loss)."""
+    (``metrics``: `summary_metrics` of the trainer's policy loss; the seconds: `STEP_SECONDS`)."""
     parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
     for label, keys in metrics if metrics is not None else summary_metrics():
         key = next((k for k in keys if k in logs), None)
         if key is not None:
             parts.append(f"{label} {_number(logs[key], '.4g')}")
-    if "step_time" in logs:
-        parts.append(f"{_number(logs['step_time'], '.1f')} s")
+    seconds = next((key for key in STEP_SECONDS if logs.get(key) is not None), None)
+    if seconds is not None:
+        parts.append(f"{_number(logs[seconds], '.1f')} s")
     return " | ".join(parts)
 
 
