@@ -21,9 +21,7 @@ per-step rows, groups split across processes), TRL's row shuffle runs instead, w
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,32 +59,3 @@ def shuffle_groups(batch: dict[str, Any], group: int, generator: torch.Generator
         return [v[i] for i in permutation.tolist()]
 
     return {key: permute(value) for key, value in batch.items()}
-
-
-@contextlib.contextmanager
-def whole_groups(trainer: Any) -> Iterator[None]:
-    """While TRL's ``_prepare_inputs`` runs: shuffle generation batches by groups instead of rows, where the
-    trainer's ``args.prefix_packing_whole_groups`` asks for it (see the module docs)."""
-    if not getattr(trainer.args, "prefix_packing_whole_groups", False):
-        yield
-        return
-    import trl.trainer.grpo_trainer as grpo
-
-    row_shuffle = grpo.shuffle_sequence_dict
-    group = trainer.num_generations
-    logged = trainer.__dict__.setdefault("_whole_groups_logged", set())
-
-    def shuffle(batch):
-        reason = group_blocks_reason(batch, group)
-        if reason is None:
-            return shuffle_groups(batch, group)
-        if reason not in logged:
-            logged.add(reason)
-            logger.warning("prefix_packing_whole_groups: TRL's row shuffle for this batch: %s", reason)
-        return row_shuffle(batch)
-
-    grpo.shuffle_sequence_dict = shuffle
-    try:
-        yield
-    finally:
-        grpo.shuffle_sequence_dict = row_shuffle

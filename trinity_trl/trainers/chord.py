@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from trl.trainer.utils import pad
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.component import Component, argument_types
 from ..data.loading import SeededPasses
 from ..training import checks
+from ..training.grpo_seams import pad
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
 from .config import TrinityConfig, from_trl_config, preset_component

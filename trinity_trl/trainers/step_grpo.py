@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..algorithms.component import Component
@@ -46,7 +45,7 @@ from ..rollouts.protocols import (
 from ..rollouts.runs import Run, TrainingRow
 from ..training import checks
 from ..training.engines import engine_of, zero_stage
-from ..training.grpo_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
+from ..training.grpo_seams import bind_trl_arguments, pad, skip_trl_reference_pass, temporarily
 from ..training.metrics import append_metrics
 from .config import TrinityConfig, from_trl_config
 from .spellings import component_argument_spelling

@@ -29,7 +29,6 @@ from trl import GRPOTrainer
 from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
-from ..packing.groups import whole_groups
 from ..packing.selection import gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
@@ -42,6 +41,7 @@ from ..training.grpo_seams import (
     temporarily,
     trained_mask,
     use_cpu_colocate_weight_sync,
+    whole_groups,
 )
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
