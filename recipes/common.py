@@ -661,6 +661,7 @@ class Task:
     test: Any
     expert: Any  # prompt + completion; None when the dataset has no reference solutions
     name: str = BUNDLED_TASK  # how messages and the model card name the data
+    expert_name: str | None = None  # how the model card names the demonstrations (Markdown)
 
 
 def _take(dataset, n: int):
@@ -768,11 +769,12 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
                 f"dataset_config of the bundled {BUNDLED_TASK!r} task is its prompt style, one of "
                 f"{PROMPT_STYLES}; got {style!r}"
             )
-        expert = None
+        expert, expert_name = None, None
         if with_expert and args.expert_dataset_name is None:
             expert = arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
+            expert_name = f"{len(expert)} worked solutions of the bundled `{BUNDLED_TASK}` task, generated"
         elif with_expert:
-            expert = _expert_dataset(args)
+            expert, expert_name = _expert_dataset(args), _expert_name(args)
         return Task(
             train=arithmetic_dataset(
                 "train",
@@ -783,6 +785,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
             ),
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
             expert=expert,
+            expert_name=expert_name,
         )
     if args.rollout_kinds:  # a bundled config's key (chord_cpu's [mul, div]) on one's own data: not applicable
         print(
@@ -823,7 +826,8 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         )
         raise UsageError(f"eval_accuracy needs a held-out split {args.dataset_test_split!r}; {advice}")
     if with_expert and args.expert_dataset_name is not None:
-        return Task(train=_take(train, args.num_train_rows), test=test, expert=_expert_dataset(args), name=name)
+        expert = _expert_dataset(args)
+        return Task(_take(train, args.num_train_rows), test, expert, name, _expert_name(args))
     expert = expert_from(train) if with_expert else None
     if with_expert and expert is None:
         raise UsageError(
@@ -837,7 +841,15 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
         expert = expert.select(range(len(expert) - count, len(expert)))
         train = train.select(range(len(train) - count))
+        expert_name = f"{count} rows from the end of `{name}`'s training split (their reference solutions)"
+        return Task(_take(train, args.num_train_rows), test, expert, name, expert_name)
     return Task(train=_take(train, args.num_train_rows), test=test, expert=expert, name=name)
+
+
+def _expert_name(args: RecipeArguments) -> str:
+    from trinity_trl.data.loading import source_name
+
+    return f"`{source_name(args.expert_dataset_name)}`"
 
 
 def _expert_dataset(args: RecipeArguments):

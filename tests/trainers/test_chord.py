@@ -153,7 +153,7 @@ def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
     log = trainer.state.log_history[0]
     for key in (
         "actor/mu",
-        "actor/expert/sft_phi_loss",
+        "actor/expert/sft_loss",  # ChordConfig()'s CHORD-μ: a plain SFT term
         "actor/usual/pg_loss",
         "chord/expert_tokens",
         "chord/on_policy_tokens",

@@ -151,6 +151,29 @@ def test_no_learning_signal_only_when_no_group_ever_varied():
     assert no_learning_signal([{"loss": 1.0}]) is None  # SFT / DPO: no rewards, nothing to say
 
 
+def test_a_chord_run_without_reward_signal_says_its_sft_term_trained():
+    """CHORD's rollouts all scored 0: the RL term learned nothing, but the SFT term on the demonstrations trained
+    (the held-out accuracy may rise): the remark says where what was learned came from, not that nothing was."""
+    log = [
+        {"reward": 0.0, "frac_reward_zero_std": 1.0, "actor/mu": 0.9},
+        {"reward": 0.0, "frac_reward_zero_std": 1.0, "actor/mu": 0.05},
+    ]
+    remark = no_learning_signal(log)
+    assert remark.startswith("no learning signal from the rewards:") and "the policy learned nothing" not in remark
+    assert "what the model learned came from the SFT term on the demonstrations (its weight mu 0.9 -> 0.05)" in remark
+
+
+@pytest.mark.parametrize("spelling", ["", "_total"], ids=["synchronous", "asynchronous"])
+def test_a_run_in_which_every_agent_run_failed_says_so(spelling):
+    """Every agent run raised or timed out at every logged step: the run trained on nothing its agents did, and the
+    closing remark says so (it ended like a good run); one step with a run that worked says nothing."""
+    failed = {f"agent/runs{spelling}": 4.0, f"agent/errors{spelling}": 3.0, f"agent/timeouts{spelling}": 1.0}
+    remark = no_learning_signal([failed, {**failed, f"agent/errors_after_cut_answer{spelling}": 2.0}])
+    assert remark.startswith("every agent run failed at every logged step (6 raised, 2 of them right after an answer")
+    assert "2 timed out" in remark
+    assert no_learning_signal([failed, {**failed, f"agent/errors{spelling}": 2.0}]) is None
+
+
 @pytest.mark.parametrize("disable_tqdm", [False, True], ids=["progress-bar", "printer"])
 def test_the_python_api_prints_one_line_per_logging_step(disable_tqdm, tmp_path, tiny_model_dir, capsys):
     """Issue 35: a trainer built in Python printed transformers' metric dict (dozens of keys) on every logging step;

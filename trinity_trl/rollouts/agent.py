@@ -436,6 +436,7 @@ class AgentRollout(PlayedRollout):
         self._counted = Counter(endpoint.counters)
         n = max(1, len(runs))
         self.metrics = {
+            "agent/runs": float(len(runs)),
             "agent/errors": float(counts["error"]),
             "agent/timeouts": float(counts["timeout"]),
             "agent/errors_after_cut_answer": float(counts["error_after_cut"]),
