@@ -8,12 +8,15 @@ itself needed, and the peak what the machine had to hold while it ran.
 
 At the end of the session the worst tests are printed (`--peak-memory-top`, default 10) and every record is written
 to the pytest cache (``.pytest_cache/d/peak_memory/last.json``; ``pytest --cache-show 'peak_memory/*'`` prints it).
+Each process also appends every record as it is made to ``.pytest_cache/d/peak_memory/<process>.jsonl``, so a run
+the kernel ends for lack of memory still says which tests its memory grew in.
 Under pytest-xdist each worker samples its own tests and hands its records to the controller, which reports them.
 ``--peak-memory-top 0`` turns the sampling off.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -90,6 +93,16 @@ class PeakMemory:
         self.top = config.getoption("--peak-memory-top")
         self.records: list[dict[str, Any]] = []
         self.sampler = Sampler()
+        self.stream = None  # opened at the first record: only processes that run tests write one
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.stream is None:
+            if getattr(self.config, "cache", None) is None:
+                return
+            worker = getattr(self.config, "workerinput", {}).get("workerid", "main")
+            self.stream = open(self.config.cache.mkdir("peak_memory") / f"{worker}.jsonl", "w", encoding="utf-8")
+        self.stream.write(json.dumps(record) + "\n")
+        self.stream.flush()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
@@ -99,14 +112,14 @@ class PeakMemory:
             yield
         finally:
             start_bytes, peak_bytes = self.sampler.stop()
-            self.records.append(
-                {
-                    "test": item.nodeid,
-                    "peak_gib": round(peak_bytes / _GIB, 3),
-                    "rise_gib": round((peak_bytes - start_bytes) / _GIB, 3),
-                    "seconds": round(time.monotonic() - started, 2),
-                }
-            )
+            record = {
+                "test": item.nodeid,
+                "peak_gib": round(peak_bytes / _GIB, 3),
+                "rise_gib": round((peak_bytes - start_bytes) / _GIB, 3),
+                "seconds": round(time.monotonic() - started, 2),
+            }
+            self.records.append(record)
+            self._write(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         workeroutput = getattr(self.config, "workeroutput", None)

@@ -112,6 +112,7 @@ SURFACE: dict[tuple[str, str, str], str] = {
     ("attribute", "trl", "_logs"): "GRPOTrainer's completions table (our advantages in it)",
     ("attribute", "trl", "_metrics"): "TRL's metric lists, per mode",
     ("attribute", "trl", "_paper"): "the paper on TRL's model card",
+    ("attribute", "trl", "_rollout_dataset"): "AsyncGRPOTrainer's queue dataset, released after train()",
     ("attribute", "trl", "_step_forward_s"): "AsyncGRPOTrainer's throughput accounting (account_step)",
     ("attribute", "trl", "_step_forward_tokens"): "AsyncGRPOTrainer's throughput accounting",
     ("attribute", "trl", "_step_samples"): "AsyncGRPOTrainer's throughput accounting",

@@ -509,6 +509,21 @@ def test_a_reward_function_that_hangs_ends_the_run_within_the_heartbeat_limit_na
     assert ended - _hang_started[0] < 2 + 5 + 8, ended - _hang_started[0]  # 8 s for a busy machine
 
 
+def test_a_trainer_that_trained_can_be_freed(tmp_path, tiny_model_dir, tiny_dataset):
+    """TRL's queue dataset starts a thread that never ends and holds the trainer (through the dataset): every trainer
+    that trained stayed alive with its models and its worker's copy (a test process grew past 8 GB). After train(),
+    nothing of TRL's holds it."""
+    import gc
+    import weakref
+
+    trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_steps=1)
+    trainer.train()
+    held = [weakref.ref(trainer), weakref.ref(trainer.model), weakref.ref(trainer.rollout_worker.model)]
+    del trainer
+    gc.collect()
+    assert [ref() is None for ref in held] == [True, True, True]
+
+
 def test_a_sliding_window_model_is_refused_before_it_loads(tmp_path, tiny_model_dir, tiny_dataset):
     """The kernels run full causal attention: a model whose config makes layers attend within a window is refused in
     one line when the trainer is built, read from its config (not at the first training forward, after both models

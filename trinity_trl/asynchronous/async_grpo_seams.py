@@ -37,6 +37,12 @@ each done once here with its reason (the asynchronous twin of `trinity_trl.train
    from the queue when the training loop asks for it, after the last weight sync (waiting inside the dataset would
    not help: accelerate's read-ahead would wait there for the next step's samples before this step trains).
 
+5. **A trainer that can be freed** (`release_rollout_dataset`). TRL's queue dataset starts a daemon thread (its
+   rollout-trace logger) that never ends and holds the dataset, whose ``model_version_fn`` closes over the trainer:
+   every trainer that trained stayed alive for the rest of the process, with its model, optimizer state, worker (and
+   the worker's copy of the model) and queued samples (seen in the test suite: a process running the trainers'
+   tests grew past 8 GB and was killed). After ``train()`` the dataset's references are dropped.
+
 Replacing TRL's ``compute_loss`` also means keeping its per-step throughput accounting (`account_step`), which TRL's
 ``_log_step_metrics`` reads.
 """
@@ -454,6 +460,18 @@ class StreamLoader(torch.utils.data.DataLoader):
         if self._stream is None:
             self._stream = super().__iter__()
         return self._stream
+
+
+def release_rollout_dataset(trainer: Any) -> None:
+    """Drop what TRL's queue dataset of ``trainer`` (the last ``get_train_dataloader``'s) holds (seam 5): the trainer
+    (through ``model_version_fn``), the worker (``check_health_fn``), the queue and the metric lists. The dataset is
+    not iterated again: the next ``train()`` builds a new one."""
+    dataset = getattr(trainer, "_rollout_dataset", None)
+    if dataset is None:
+        return
+    dataset.model_version_fn = dataset.check_health_fn = dataset.queue = None
+    dataset.metrics = {}
+    trainer._rollout_dataset = None
 
 
 class PolicyVersions:

@@ -46,6 +46,7 @@ from ..asynchronous.async_grpo_seams import (
     cpu_safe_peak_flops,
     kernel_for,
     register_tree_attention,
+    release_rollout_dataset,
     tree_attention_refusal,
     tree_plan,
     trl_collator,
@@ -661,7 +662,10 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         """TRL's ``train``; then, when optimizer steps had no sample to train (`get_batch_samples`), one line
         saying how many and, when no step trained at all, that the run trained nothing."""
         skipped_before, steps_before = self.skipped_steps, self.state.global_step
-        output = super().train(*args, **kwargs)
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            release_rollout_dataset(self)  # async_grpo_seams 5: else TRL's thread keeps this trainer alive
         skipped = self.skipped_steps - skipped_before
         if skipped and self.is_world_process_zero():
             trained = self.state.global_step - steps_before
