@@ -8,6 +8,7 @@ step instead of its micro-batches.
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -16,7 +17,7 @@ from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
 from trinity_trl.algorithms.masked import AGGREGATION_MODES, AggregationMode
-from trinity_trl.training.loss import LossBatch, LossNormalizer, WeightedSum
+from trinity_trl.training.loss import LossBatch, LossNormalizer, WeightedSum, masked_finite
 
 SPEC_EPSILON = 1e-8  # the spec's masked mean: sum / (count + 1e-8)
 
@@ -36,6 +37,18 @@ def micro_batch(mode: str, mask: torch.Tensor, **fields) -> WeightedSum:
     return LossNormalizer("micro_batch", num_processes=1, steps_per_generation=1).plan(
         loss_batch(mask, **fields), mask, mode
     )
+
+
+def test_masked_finite_keeps_trained_gradients_and_blocks_padding():
+    mask = torch.tensor([[1.0, 0.0]])
+    logps = torch.tensor([[-1.0, 5.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -torch.inf]])
+    ratio = torch.exp(masked_finite(logps, mask) - masked_finite(old, mask))
+    (ratio * mask).sum().backward()
+    assert logps.grad.tolist() == [[1.0, 0.0]]
+    assert masked_finite(torch.tensor([1.0, torch.nan, torch.inf]), mask).tolist() == [1.0, 0.0, 0.0]
+    assert masked_finite(torch.tensor([[1, 2]]), mask).dtype == torch.long  # masks and ids pass through
+    assert masked_finite(None, mask) is None
 
 
 # ------------------------------------------------------------------------------------------------ bad arguments
@@ -320,7 +333,12 @@ KL_ENTROPY = {"kl_loss": {"name": "k3", "kl_coef": 0.05}, "entropy_loss": {"name
 #: (case id, trainer, config options, batch options)
 TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
     ("grpo", "TrinityTrainer", {**KL_ENTROPY}, {}),
-    ("grpo-global-seqmean", "TrinityTrainer", {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"}, {}),
+    (
+        "grpo-global-seqmean",
+        "TrinityTrainer",
+        {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"},
+        {},
+    ),
     ("grpo-is-ratio", "TrinityTrainer", {"loss_agg_mode": "seq-mean-token-sum-norm"}, {"is_ratio": True}),
     ("gspo", "TrinityTrainer", {"algorithm": "gspo"}, {}),
     ("cispo-global", "TrinityTrainer", {"algorithm": "cispo", "loss_normalization": "global"}, {}),
@@ -332,18 +350,38 @@ TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
     ("raft", "TrinityTrainer", {"algorithm": "raft"}, {}),
     ("importance_sampling", "TrinityTrainer", {"policy_loss": "importance_sampling"}, {}),
     ("ppo-seqmask", "TrinityTrainer", {"policy_loss": {"clip_range": 0.2, "enable_sequence_masking": True}}, {}),
-    ("segments-global", "TrinityTrainer", {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"}, {"segments": True}),
+    (
+        "segments-global",
+        "TrinityTrainer",
+        {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"},
+        {"segments": True},
+    ),
     ("guards", "TrinityTrainer", {**KL_ENTROPY}, {"poison": True}),
     ("chord", "ChordTrainer", {"expert_batch_size": 2, **KL_ENTROPY}, {"experts": 2}),
     ("chord-eval", "ChordTrainer", {"expert_batch_size": 2}, {"mode": "eval"}),
     ("chord-mu", "ChordTrainer", {"paper_config": "chord_mu", "max_steps": 50, "num_generations": 8}, {"experts": 1}),
-    ("mix", "ChordTrainer", {"algorithm": "mix", "sft_loss_agg_mode": "seq-mean-token-mean", "expert_batch_size": 2}, {"experts": 2}),
+    (
+        "mix",
+        "ChordTrainer",
+        {"algorithm": "mix", "sft_loss_agg_mode": "seq-mean-token-mean", "expert_batch_size": 2},
+        {"experts": 2},
+    ),
     ("async-grpo", "AsyncTrinityTrainer", {**KL_ENTROPY}, {"staleness": True}),
-    ("async-cispo-global", "AsyncTrinityTrainer", {"algorithm": "cispo", "loss_normalization": "global"}, {"staleness": True}),
+    (
+        "async-cispo-global",
+        "AsyncTrinityTrainer",
+        {"algorithm": "cispo", "loss_normalization": "global"},
+        {"staleness": True},
+    ),
     ("async-sapo-global", "AsyncTrinityTrainer", {"algorithm": "sapo", "loss_normalization": "global"}, {}),
     ("async-chord", "AsyncChordTrainer", {"expert_batch_size": 2}, {"experts": 2, "staleness": True}),
-    ("async-mix", "AsyncChordTrainer", {"algorithm": "mix", "grpo_loss_agg_mode": "seq-mean-token-mean"}, {"experts": 1}),
-]  # fmt: skip
+    (
+        "async-mix",
+        "AsyncChordTrainer",
+        {"algorithm": "mix", "grpo_loss_agg_mode": "seq-mean-token-mean"},
+        {"experts": 1},
+    ),
+]
 
 
 def trainer_config(trainer: str, options: dict):
@@ -368,9 +406,9 @@ def trainer_config(trainer: str, options: dict):
 def trainer_host(trainer: str, config):
     """An instance of the real trainer class ``trainer`` holding what its loss code reads, built without a model."""
     import types
+    from collections import defaultdict
 
     import trinity_trl.trainers as trainers
-    from collections import defaultdict
 
     cls = getattr(trainers, trainer)
     host = object.__new__(cls)
@@ -472,3 +510,25 @@ def run_trainer_case(trainer: str, config_options: dict, options: dict, case: st
 def async_batch(host, fields: dict, step: dict) -> LossBatch:
     """The asynchronous trainer's `LossBatch`, with CHORD's per-sample weights of this optimizer step."""
     return LossBatch(**fields, class_weights=host._class_weights(step))
+
+
+def test_every_trainer_case_was_recorded():
+    recorded = json.loads(MICRO_BATCHES_BEFORE.read_text())["cases"]
+    assert set(recorded) == {case for case, *_ in TRAINER_CASES}
+
+
+@pytest.mark.parametrize("case, trainer, config_options, options", TRAINER_CASES, ids=[c[0] for c in TRAINER_CASES])
+def test_each_trainer_micro_batch_gives_the_loss_gradient_and_metrics_it_gave_before(
+    case, trainer, config_options, options
+):
+    """The loss, its gradient with respect to the log-probs and the metrics of a micro-batch through the trainer's own
+    loss code equal those the code before per-token losses gave, in float64: the same per-token terms, aggregated in
+    another order at most (42 tokens, terms of magnitude at most a few units)."""
+    before = json.loads(MICRO_BATCHES_BEFORE.read_text())["cases"][case]
+    got = run_trainer_case(trainer, config_options, options, case)
+    terms = ROWS * WIDTH
+    assert got["loss"] == approx(before["loss"], dtype=torch.float64, terms=terms, scale=max(1.0, abs(before["loss"])))
+    assert_close(*(torch.tensor(g, dtype=torch.float64) for g in (got["grad"], before["grad"])), terms=terms, scale=1.0)
+    assert set(got["metrics"]) == set(before["metrics"])
+    for key, value in before["metrics"].items():
+        assert got["metrics"][key] == approx(value, dtype=torch.float64, terms=terms, scale=max(1.0, abs(value))), key

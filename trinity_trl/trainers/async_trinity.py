@@ -508,16 +508,9 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             global_tokens=inputs["step_trained_tokens"][0],
             global_samples=inputs["step_samples"][0],
             staleness=staleness,
+            class_weights=self._class_weights(inputs),
         )
-        loss = self._micro_batch_loss(
-            model,
-            batch,
-            logps,
-            entropies,
-            getattr(outputs, "aux_loss", None),
-            mode,
-            policy_loss=self._step_policy_loss(inputs),
-        )
+        loss = self._micro_batch_loss(model, batch, logps, entropies, getattr(outputs, "aux_loss", None), mode)
         trained = staleness[~torch.isnan(staleness) & ~too_stale]
         metrics = {"async/dropped_stale_total": float(too_stale.sum())}
         if trained.numel():
@@ -530,9 +523,9 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         # each sample's staleness, for a policy loss that reads it (components may declare a ``staleness`` input)
         return {**super()._loss_inputs(batch, logps, mask), "staleness": batch.staleness}
 
-    def _step_policy_loss(self, inputs: dict[str, Any]):
-        """The policy loss of this micro-batch's optimizer step (``None``: the built one; AsyncChordTrainer weighs
-        its samples with the step's counts)."""
+    def _class_weights(self, inputs: dict[str, Any]) -> dict[str, float] | None:
+        """The per-sample weights of the policy loss's row classes in this micro-batch's optimizer step (``None``: the
+        loss's own; AsyncChordTrainer weighs its samples with the step's counts)."""
         return None
 
     @torch.no_grad()

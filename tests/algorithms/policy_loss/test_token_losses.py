@@ -19,6 +19,7 @@ import pathlib
 
 import pytest
 import torch
+from tolerance import approx, assert_close
 
 from ..conftest import make_policy_data
 from ..support import DYN, SCHEDULE
@@ -37,7 +38,12 @@ SPEC_CASES: list[tuple[str, str, dict, dict]] = [
     ("ppo-trunc", "ppo", {"truncate_adv_pos_is": True, "truncate_is_range_low": 0.5, "truncate_adv_neg_is": True}, {}),
     *[(f"gspo-{mode}", "gspo", {"loss_agg_mode": mode}, {}) for mode in ("seq-mean-token-mean", "token-mean")],
     ("cispo", "cispo", {}, {}),
-    ("cispo-maskclip", "cispo", {"enable_mask_clip": True, "mask_clip_range_low": 0.2, "mask_clip_range_high": 0.2}, {}),
+    (
+        "cispo-maskclip",
+        "cispo",
+        {"enable_mask_clip": True, "mask_clip_range_low": 0.2, "mask_clip_range_high": 0.2},
+        {},
+    ),
     ("cispo-seqsum", "cispo", {"loss_agg_mode": "seq-mean-token-sum"}, {}),
     ("sapo", "sapo", {}, {}),
     ("sapo-paper", "sapo", {"form": "paper", "loss_agg_mode": "seq-mean-token-mean"}, {}),
@@ -52,7 +58,12 @@ SPEC_CASES: list[tuple[str, str, dict, dict]] = [
     ("rec-gspo-is", "rec", {"clip_mode": "gspo-one-side", "weight": "gspo_importance_sampling"}, {}),
     ("rec-advantage", "rec", {"weight": "advantage", "temp": 0.5}, {}),
     ("rec-k2", "rec", {"regularizer": "k2", "regularizer_coef": 0.1}, {}),
-    ("rec-fkl", "rec", {"regularizer": "forward-kl", "regularizer_coef": 0.1, "loss_agg_mode": "seq-mean-token-sum"}, {}),
+    (
+        "rec-fkl",
+        "rec",
+        {"regularizer": "forward-kl", "regularizer_coef": 0.1, "loss_agg_mode": "seq-mean-token-sum"},
+        {},
+    ),
     ("rec-opd", "rec", {"weight": "truncated_importance_sampling", "fix_opd_advantage": True}, {}),
     ("opmd", "opmd", {}, {}),
     ("opmd-tau", "opmd", {"tau": 0.5, "loss_agg_mode": "seq-mean-token-mean"}, {}),
@@ -120,3 +131,48 @@ def run_case(key: str, overrides: dict, call: dict) -> dict:
 
 def recorded() -> dict:
     return json.loads(BEFORE.read_text())["cases"]
+
+
+def assert_as_before(got: dict, before: dict, terms: int) -> None:
+    """The loss, gradient and metrics of one case equal those recorded, to the rounding of float64 sums of ``terms``
+    per-token terms of magnitude at most 1 (or the value's own) taken in another order."""
+    assert got["loss"] == approx(before["loss"], dtype=torch.float64, terms=terms, scale=max(1.0, abs(before["loss"])))
+    grads = [torch.tensor(g, dtype=torch.float64) for g in (got["grad"], before["grad"])]
+    assert_close(*grads, terms=terms, scale=1.0)
+    assert set(got["metrics"]) == set(before["metrics"])
+    for key, value in before["metrics"].items():
+        assert got["metrics"][key] == approx(value, dtype=torch.float64, terms=terms, scale=max(1.0, abs(value))), key
+
+
+def test_every_registered_loss_has_cases():
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+
+    assert {key for _, key, _, _ in SPEC_CASES} == set(POLICY_LOSS_FN.names())
+    assert set(recorded()) == {case for case, _, _, _ in SPEC_CASES}
+
+
+@pytest.mark.parametrize("case, key, overrides, call", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
+def test_each_loss_gives_the_loss_gradient_and_metrics_it_gave_before(case, key, overrides, call):
+    assert_as_before(run_case(key, overrides, call), recorded()[case], terms=5 * 20)
+
+
+@pytest.mark.parametrize("case, key, overrides, call", SPEC_CASES, ids=[c[0] for c in SPEC_CASES])
+def test_the_public_call_is_the_per_token_losses_aggregated_with_the_own_mode(case, key, overrides, call):
+    """``token_losses`` gives ``(B, T)`` per-token losses, and ``aggregate`` with no aggregation (the loss's own modes)
+    is the public call, bit for bit (the same operations on the same values)."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.algorithms.policy_loss.base import TOKEN_LOSSES
+
+    cls = POLICY_LOSS_FN.get(key)
+    fn = cls(**{**cls.default_args(), **overrides})
+    if cls.loss_contract != TOKEN_LOSSES:
+        assert key == "dpo" and cls.weighs_samples_itself  # pairs: aggregated by the loss itself, as declared
+        return
+    inputs = fn.cleaned_inputs(None, spec_inputs(call))
+    token_losses, metrics = fn.token_losses(**inputs)
+    assert token_losses.shape == (5, 20)
+    loss, metrics = fn.aggregate(token_losses, metrics, inputs)
+    public, public_metrics = fn.evaluate(**spec_inputs(call))
+    assert torch.equal(loss, public)
+    assert metrics.keys() == public_metrics.keys()
+    assert all(torch.equal(torch.as_tensor(metrics[k]), torch.as_tensor(public_metrics[k])) for k in metrics)
