@@ -425,7 +425,6 @@ def trainer_host(trainer: str, config):
     host.accelerator = types.SimpleNamespace(num_processes=1)
     host._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     host._eval_policy_loss = None
-    host._step_losses = {}
     return host
 
 

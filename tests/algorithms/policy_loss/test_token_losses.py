@@ -176,3 +176,154 @@ def test_the_public_call_is_the_per_token_losses_aggregated_with_the_own_mode(ca
     assert torch.equal(loss, public)
     assert metrics.keys() == public_metrics.keys()
     assert all(torch.equal(torch.as_tensor(metrics[k]), torch.as_tensor(public_metrics[k])) for k in metrics)
+
+
+# ------------------------------------------------------------------------------------------------ MIX/CHORD classes
+def chord_inputs(step: int = 300) -> dict:
+    data = spec_inputs({"step": step})
+    return {k: v for k, v in data.items() if k != "ref_logprob"}
+
+
+def test_each_row_class_is_aggregated_with_its_own_mode_weight_and_mu():
+    """CHORD's loss is ``(1−μ)·n_u·w_u·PPO + μ·n_e·w_e·SFT_φ``, each part the inner loss's public call on its own rows
+    with its own mode (docs/algorithms/chord.md#normalisation), here with a different mode per part."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN, mu_schedule_function
+
+    modes = {"grpo_loss_agg_mode": "seq-mean-token-sum-norm", "sft_loss_agg_mode": "seq-mean-token-mean"}
+    weights = {"usual_sample_weight": 0.125, "expert_sample_weight": 1.5}
+    chord = POLICY_LOSS_FN.get("mix_chord")(clip_range=0.2, **SCHEDULE, **modes, **weights)
+    inputs = chord_inputs()
+    loss, metrics = chord(**inputs)
+    expert = inputs["expert_mask"]
+    usual_rows = {k: inputs[k][~expert] for k in ("logprob", "old_logprob", "action_mask", "advantages")}
+    usual, _ = POLICY_LOSS_FN.get("ppo")(clip_range=0.2, loss_agg_mode=modes["grpo_loss_agg_mode"])(**usual_rows)
+    sft_phi = POLICY_LOSS_FN.get("sft_phi")(loss_agg_mode=modes["sft_loss_agg_mode"])
+    demonstrations, _ = sft_phi(logprob=inputs["logprob"][expert], action_mask=inputs["action_mask"][expert])
+    mu = mu_schedule_function(300, **SCHEDULE)
+    usual_part, expert_part = usual * 2 * 0.125, demonstrations * 3 * 1.5
+    assert loss.item() == approx((1 - mu) * usual_part.item() + mu * expert_part.item(), dtype=torch.float64, terms=100)
+    assert metrics["usual/pg_loss"] == approx(usual_part.item(), dtype=torch.float64, terms=100)
+    assert metrics["expert/sft_phi_loss"] == approx(expert_part.item(), dtype=torch.float64, terms=100)
+    assert metrics["mu"] == mu and metrics["loss"] == loss.item()
+
+
+def test_a_trainers_class_weights_replace_the_losses_own():
+    """What the asynchronous CHORD trainer does each step: the same loss weighed by ``class_weights`` equals the loss
+    built with those weights; a class without a weight is an error."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+
+    cls = POLICY_LOSS_FN.get("mix_chord")
+    built = cls(**cls.default_args(), usual_sample_weight=0.125, expert_sample_weight=1.5)
+    default = cls(**cls.default_args())
+    inputs = default.cleaned_inputs(None, chord_inputs())
+    weighed, weighed_metrics = default.aggregate(
+        *default.token_losses(**inputs), inputs, class_weights={"usual": 0.125, "expert": 1.5}
+    )
+    expected, expected_metrics = built.evaluate(**chord_inputs())
+    assert torch.equal(weighed, expected)  # the same operations on the same values
+    assert weighed_metrics.keys() == expected_metrics.keys()
+    assert all(
+        torch.equal(torch.as_tensor(weighed_metrics[k]), torch.as_tensor(expected_metrics[k])) for k in weighed_metrics
+    )
+    assert not torch.equal(default.evaluate(**chord_inputs())[0], expected)  # the weights do matter here
+    with pytest.raises(ValueError, match=r"lack a weight for the row classes \['expert'\]"):
+        default.aggregate(*default.token_losses(**inputs), inputs, class_weights={"usual": 1.0})
+
+
+def test_a_loss_with_row_classes_takes_no_aggregation():
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+
+    mix = POLICY_LOSS_FN.get("mix")(clip_range=0.2)
+    with pytest.raises(ValueError, match="weighs its samples itself: it takes no aggregation"):
+        mix(**chord_inputs(), loss_agg_mode="token-mean")
+    inputs = mix.cleaned_inputs(None, chord_inputs())
+    with pytest.raises(ValueError, match="aggregates its row classes with their own modes: it takes no aggregation"):
+        mix.aggregate(*mix.token_losses(**inputs), inputs, "token-mean")
+
+
+def test_step_sample_weights_give_each_sample_of_a_kind_one_share_of_the_step():
+    """``w = micro_steps / samples of the kind``: after the trainer divides each micro-batch by ``micro_steps``, a
+    sample of a kind weighs ``1 / samples``; an empty kind counts 1 (its rows are absent anyway)."""
+    from trinity_trl.algorithms.policy_loss import BatchGeometry, step_sample_weights
+
+    assert step_sample_weights(12, 3, 4) == (4 / 12, 4 / 3)
+    assert step_sample_weights(6.0, 0.0, 2) == (2 / 6, 2.0)
+    geometry = BatchGeometry(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, train_batch_size_usual=6)
+    assert geometry.sample_weights(rows=5) == step_sample_weights(6, 1, 4)  # Trinity's fixed-size branch
+
+
+# ------------------------------------------------------------------------------------- the probe and the adapter
+def _loss_class(name: str, body: dict):
+    from trinity_trl.algorithms import PolicyLossFn
+
+    return type(name, (PolicyLossFn,), {"__module__": __name__, "name": name, **body})
+
+
+@pytest.mark.parametrize(
+    "token_losses, gives",
+    [
+        (lambda self, logprob, action_mask, **_: (logprob * action_mask).sum() / action_mask.sum(), r"gave shape \(\)"),
+        (lambda self, logprob, **_: (logprob.mean(-1), {}), r"gave shape \(2,\)"),
+        (lambda self, logprob, **_: ([0.0], {}), "gave list"),
+        (lambda self, logprob, old_logprob, **_: (logprob / old_logprob.sum(0)[5], {}), "raised IndexError: index 5"),
+    ],
+    ids=["own-mean", "per-row", "not-a-tensor", "raises"],
+)
+def test_a_per_token_method_that_gives_no_per_token_losses_is_refused_when_built(token_losses, gives):
+    from trinity_trl.algorithms.policy_loss.base import check_aggregation_contract
+
+    cls = _loss_class("averaging", {"token_losses": token_losses})
+    with pytest.raises(
+        ValueError, match=r"'averaging' .*token_losses\(\) must return .*probe call .*" + gives
+    ) as error:
+        check_aggregation_contract(cls())
+    assert "\n" not in str(error.value)
+    good = _loss_class(
+        "per_token", {"token_losses": lambda self, logprob, advantages, **_: (-advantages * logprob, {})}
+    )
+    check_aggregation_contract(good())  # a (2, 3) tensor passes
+
+
+def test_an_old_contract_loss_trains_through_the_adapter_with_one_deprecation_warning():
+    """A loss written to the previous contract (``compute`` taking ``loss_agg_mode``) gives, through the adapter, what
+    the same loss written as per-token losses gives, directly and with a trainer's aggregation; one warning, in one
+    line, when it is built."""
+    import warnings
+
+    from trinity_trl.algorithms import agg_loss
+    from trinity_trl.algorithms.policy_loss.base import OLD_CONTRACT, TOKEN_LOSSES, check_aggregation_contract
+    from trinity_trl.training.loss import LossBatch, LossNormalizer
+
+    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+        loss = agg_loss(-advantages * torch.exp(logprob - old_logprob), action_mask, loss_agg_mode)
+        return loss, {"old_loss": loss.detach()}
+
+    def token_losses(self, logprob, old_logprob, advantages, **_):
+        return -advantages * torch.exp(logprob - old_logprob), {}
+
+    old = _loss_class("old", {"compute": compute, "__init__": _with_mode})
+    new = _loss_class("new", {"token_losses": token_losses, "__init__": _with_mode})
+    assert (old.loss_contract, new.loss_contract) == (OLD_CONTRACT, TOKEN_LOSSES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_aggregation_contract(old(loss_agg_mode="seq-mean-token-mean"))
+        check_aggregation_contract(old())
+    assert len(caught) == 1 and issubclass(caught[0].category, FutureWarning) and "\n" not in str(caught[0].message)
+    assert "'old'" in str(caught[0].message) and "token_losses()" in str(caught[0].message)
+    mask = spec_inputs({})["action_mask"]
+    plan = LossNormalizer("micro_batch", 1, 1).plan(LossBatch(mask=mask), mask, "seq-mean-token-mean")
+    for aggregation in (None, plan):
+        results = []
+        for cls in (old, new):
+            inputs = spec_inputs({})
+            loss, metrics = cls(loss_agg_mode="seq-mean-token-mean").evaluate(**inputs, loss_agg_mode=aggregation)
+            results.append((loss, torch.autograd.grad(loss, inputs["logprob"])[0], metrics))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        assert results[0][2]["old_loss"] == results[1][2]["new_loss"]
+
+
+def _with_mode(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
+    from trinity_trl.algorithms.policy_loss.base import PolicyLossFn
+
+    PolicyLossFn.__init__(self, backend)
+    self.loss_agg_mode = loss_agg_mode
