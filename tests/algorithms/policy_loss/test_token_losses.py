@@ -327,3 +327,20 @@ def _with_mode(self, backend: str = "trl", loss_agg_mode: str = "token-mean"):
 
     PolicyLossFn.__init__(self, backend)
     self.loss_agg_mode = loss_agg_mode
+
+
+def test_row_classes_of_different_dtypes_are_aggregated_in_the_wider_one():
+    """With float32 log-probs and float64 advantages the PPO part is float64 and the SFT part float32: the per-token
+    losses hold both in float64 (the SFT part exactly) and each class is aggregated in float64 (before per-token
+    losses the SFT part was aggregated in float32, then summed with the PPO part in float64)."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+
+    chord = POLICY_LOSS_FN.get("mix_chord")(clip_range=0.2, **SCHEDULE)
+    inputs = chord_inputs()
+    mixed = {**inputs, "logprob": inputs["logprob"].detach().float(), "old_logprob": inputs["old_logprob"].float()}
+    loss, _ = chord(**mixed)
+    assert loss.dtype == torch.float64
+    reference, _ = chord(
+        **{**inputs, "logprob": mixed["logprob"].double(), "old_logprob": mixed["old_logprob"].double()}
+    )
+    assert loss.item() == approx(reference.item(), dtype=torch.float32, terms=100)

@@ -9,6 +9,7 @@ them with the formula of docs/algorithms/chord.md#normalisation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -286,7 +287,7 @@ class ExpertMixLossFn(PolicyLossFn):
         A subset with no rows contributes no metrics.
         """
         expert = self.expert_mask_of(expert_mask, logprob)
-        values, metrics = torch.zeros_like(logprob), {}
+        parts, metrics = [], {}
         for name, rows, loss_fn in (("usual", ~expert, self.grpo_loss_fn), ("expert", expert, self.sft_loss_fn)):
             if bool(rows.any()):
                 part, met = loss_fn.token_losses(
@@ -296,8 +297,13 @@ class ExpertMixLossFn(PolicyLossFn):
                     advantages=advantages[rows],
                     raw_advantages=advantages[rows],
                 )
-                values = values.index_put((rows,), part)
+                parts.append((rows, part))
                 metrics.update({f"{name}/{k}": v for k, v in met.items()})
+        # one tensor in the widest dtype of the parts (the PPO part follows float32 advantages, the SFT part ℓ's dtype)
+        dtype = functools.reduce(torch.promote_types, (part.dtype for _, part in parts), logprob.dtype)
+        values = torch.zeros(logprob.shape, dtype=dtype, device=logprob.device)
+        for rows, part in parts:
+            values = values.index_put((rows,), part.to(dtype))
         return values, metrics
 
     def row_classes(self, logprob, expert_mask, step=None, **_) -> tuple[RowClass, ...]:
