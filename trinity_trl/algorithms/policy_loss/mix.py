@@ -288,8 +288,12 @@ class ExpertMixLossFn(PolicyLossFn):
         """
         expert = self.expert_mask_of(expert_mask, logprob)
         parts, metrics = [], {}
-        for name, rows, loss_fn in (("usual", ~expert, self.grpo_loss_fn), ("expert", expert, self.sft_loss_fn)):
-            if bool(rows.any()):
+        n_expert = int(expert.sum())
+        for name, rows, loss_fn, count in (
+            ("usual", ~expert, self.grpo_loss_fn, len(expert) - n_expert),
+            ("expert", expert, self.sft_loss_fn, n_expert),
+        ):
+            if count:
                 part, met = loss_fn.token_losses(
                     logprob=logprob[rows],
                     old_logprob=old_logprob[rows],
