@@ -106,8 +106,8 @@ class PolicyLossFn(ComponentArgs):
     def summary_metrics(cls) -> dict[str, tuple[str, ...]]:
         """What the one-line progress summary shows of this loss: ``{label: metric keys}`` (its own metric
         names, without ``actor/``; the first one logged is shown). By default the loss's ``pg_loss`` or
-        ``<name>_loss``, labelled ``sft`` for an SFT-type loss and ``rl`` otherwise."""
-        return {"sft" if cls.is_sft_type() else "rl": ("pg_loss", f"{cls.name}_loss")}
+        `loss_metric_name`, labelled ``sft`` for an SFT-type loss and ``rl`` otherwise."""
+        return {"sft" if cls.is_sft_type() else "rl": tuple(dict.fromkeys(("pg_loss", cls.loss_metric_name())))}
 
     def card_note(self) -> str | None:
         """One sentence for the model card about this loss as built (a variant, a schedule), or ``None``."""
