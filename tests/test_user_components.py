@@ -19,7 +19,7 @@ from trinity_trl.algorithms.registry import import_components
 PLUGIN = textwrap.dedent(
     '''
     """Two losses of a user's project, each with one hyperparameter."""
-    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
+    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn
 
 
     @POLICY_LOSS_FN.register("scaled_reinforce")
@@ -30,9 +30,8 @@ PLUGIN = textwrap.dedent(
             super().__init__(backend)
             self.scale = scale
 
-        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
-            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
-            return loss, {"scaled_reinforce_loss": loss.detach()}
+        def token_losses(self, logprob, advantages, **_):
+            return -self.scale * advantages * logprob, {}
 
 
     @POLICY_LOSS_FN.register("scaled_sft")
@@ -45,9 +44,8 @@ PLUGIN = textwrap.dedent(
             super().__init__(backend)
             self.scale = scale
 
-        def compute(self, logprob, action_mask, loss_agg_mode, **_):
-            loss = agg_loss(-self.scale * logprob, action_mask, loss_agg_mode)
-            return loss, {"scaled_sft_loss": loss.detach()}
+        def token_losses(self, logprob, **_):
+            return -self.scale * logprob, {}
     '''
 )
 
