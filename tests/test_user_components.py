@@ -187,12 +187,8 @@ CONTRACT_PLUGIN = textwrap.dedent(
     class PerToken(PolicyLossFn):
         """The contract: per-token losses, which the trainer aggregates."""
 
-        def __init__(self, backend: str = "trl", scale: float = 1.0):
-            super().__init__(backend)
-            self.scale = scale
-
         def token_losses(self, logprob, advantages, **_):
-            return -self.scale * advantages * logprob, {}
+            return -advantages * logprob, {}
 
 
     @POLICY_LOSS_FN.register("scalar_token_losses")
