@@ -37,6 +37,11 @@ def _args(path, cls, **overrides):
     return cls(**tiny_grpo_kwargs(output_dir=str(path), **settings))
 
 
+def _trainer(trainer_cls, config_cls, path, model, dataset, **config):
+    args = _args(path, config_cls, **config)
+    return trainer_cls(model=model, reward_funcs=length_reward, train_dataset=dataset, args=args)
+
+
 def _assert_same(result_a, result_b, scale=1.0):
     (loss_a, grads_a), (loss_b, grads_b) = result_a, result_b
     # TRL's loss and ours sum the same tokens in another order: the tiny model's chain of additions (helpers.py)
@@ -250,24 +255,17 @@ def test_grpo_with_global_normalisation_matches_trls_defaults(tmp_path, tiny_mod
     `GRPOTrainer` trains at TRL's defaults (`loss_type="dapo"`, `beta=0`, group z-score with 1e-4): the same
     completions and advantages from the same weights and seed, the same loss and gradients on and off policy (the
     dual clip at 3 binds neither batch: it needs a ratio above 3 with a negative advantage)."""
-    ours = TrinityTrainer(
-        model=tiny_model_dir,
-        reward_funcs=length_reward,
-        train_dataset=tiny_dataset,
-        args=_args(
-            tmp_path / "ours",
-            TrinityConfig,
-            algorithm="grpo",
-            loss_normalization="global",
-            advantage={"epsilon": 1e-4},
-        ),
+    ours = _trainer(
+        TrinityTrainer,
+        TrinityConfig,
+        tmp_path / "ours",
+        tiny_model_dir,
+        tiny_dataset,
+        algorithm="grpo",
+        loss_normalization="global",
+        advantage={"epsilon": 1e-4},
     )
-    theirs = GRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=length_reward,
-        train_dataset=tiny_dataset,
-        args=_args(tmp_path / "trl", GRPOConfig),
-    )
+    theirs = _trainer(GRPOTrainer, GRPOConfig, tmp_path / "trl", tiny_model_dir, tiny_dataset)
     assert theirs.loss_type == "dapo" and theirs.beta == 0.0 and ours.ref_model is None
     batch, trl_batch = generate_batch(ours, tiny_dataset), generate_batch(theirs, tiny_dataset)
     assert torch.equal(batch["completion_ids"], trl_batch["completion_ids"])  # same weights, seed and sampler
