@@ -55,6 +55,16 @@ def make_worker(tokenizer, reward_funcs=(length_reward,), temperature=0.7, max_c
     )
 
 
+def assert_logps_of(model, samples) -> None:
+    """Each sample's recorded log-probs are those of a plain forward of ``model`` (the weights that sampled it)."""
+    for sample in samples:
+        assert_close(
+            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
+            recomputed_logps(model, sample),
+            terms=TINY_MODEL_TERMS,
+        )
+
+
 def test_recorded_tokens_and_logprobs_are_what_was_sampled(tokenizer):
     """The ids of a sample are the ids ``generate`` drew (through the first end-of-sequence token), and its log-probs
     are those ids' log-probabilities at the sampling temperature under the weights the worker holds (the trainer's
@@ -113,21 +123,11 @@ def test_new_weights_are_taken_between_groups_only(tokenizer):
     torch.manual_seed(0)
     first, _ = worker.rollout_group(0)
     assert len(calls) > 3 and {s.model_version for s in first} == {1}
-    for sample in first:
-        assert_close(
-            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            recomputed_logps(old_model, sample),
-            terms=TINY_MODEL_TERMS,
-        )
+    assert_logps_of(old_model, first)
     worker._load_committed()  # what the worker's loop does before each group
     second, _ = worker.rollout_group(1)
     assert {s.model_version for s in second} == {2}
-    for sample in second:
-        assert_close(
-            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            recomputed_logps(new_model, sample),
-            terms=TINY_MODEL_TERMS,
-        )
+    assert_logps_of(new_model, second)
     staged_only = make_worker(tokenizer)
     staged_only.stage_weights(iter(new_model.named_parameters()))  # sent, never committed by TRL
     staged_only._load_committed()
@@ -270,12 +270,7 @@ def test_a_steps_groups_come_from_one_generate_call_each_group_prefilled_once(to
     for (samples, metrics), prompt in zip(groups, prompts):
         assert all(s.prompt == prompt and s.model_version == 2 for s in samples)
         assert metrics["rollout/generate_s"] > 0
-        for sample in samples:
-            assert_close(
-                torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-                recomputed_logps(trainer_model, sample),
-                terms=TINY_MODEL_TERMS,
-            )
+        assert_logps_of(trainer_model, samples)
 
 
 def test_a_repetition_penalty_changes_the_draws_not_the_recorded_logprobs(tokenizer):
@@ -287,12 +282,7 @@ def test_a_repetition_penalty_changes_the_draws_not_the_recorded_logprobs(tokeni
     worker._load_committed()
     torch.manual_seed(0)
     samples, _ = worker.rollout_group(0)
-    for sample in samples:
-        assert_close(
-            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            recomputed_logps(trainer_model, sample),
-            terms=TINY_MODEL_TERMS,
-        )
+    assert_logps_of(trainer_model, samples)
 
 
 def test_compiled_decoding_in_the_worker_decodes_with_the_weights_it_loaded(tokenizer):
@@ -310,12 +300,7 @@ def test_compiled_decoding_in_the_worker_decodes_with_the_weights_it_loaded(toke
         send(worker, trainer_model, version=version)
         worker._load_committed()
         samples, _ = worker.rollout_group(version)
-        for sample in samples:
-            assert_close(
-                torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-                recomputed_logps(trainer_model, sample),
-                terms=TINY_MODEL_TERMS,
-            )
+        assert_logps_of(trainer_model, samples)
         if version == 1:
             compiled = worker.decoding.compilations
     assert compiled >= 1 and worker.decoding.compilations == compiled

@@ -264,3 +264,87 @@ def test_inductor_compiled_decoding_decodes_the_greedy_tokens_of_eager_decoding(
     got = decode(decoding, model64, ids, mask, compiled(tokenizer, 6, backend="inductor", mode="default"))
     assert_same_decoding(got, expected)
     assert decoding.compilations >= 1
+
+
+# --------------------------------------------------------------------------------------------------------- on CUDA
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (run by `make test-gpu` on a GPU machine)"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_auto_compiles_with_cuda_graphs_that_replay(tokenizer):
+    """transformers' default ``CompileConfig`` on CUDA (inductor, ``reduce-overhead``): float32 tokens and logits of
+    eager decoding; CUDA graphs are recorded on the first calls of a shape and replayed after (no recording, no
+    compilation at a later call of that shape)."""
+    model = build_tiny_model(tokenizer).cuda().eval()
+    ids, mask = batch(tokenizer, [7, 11, 4], [4, 3, 1])
+    ids, mask = ids.cuda(), mask.cuda()
+    choice = choose_decoding("auto", True, device="cuda", backend="transformers", refusal=compile_refusal(engine="ddp"))
+    assert choice == DecodingChoice(compiled=True, grouped=True)
+    decoding = GroupedDecoding(choice, CacheLength(11, 8))
+    config = greedy(tokenizer, disable_compile=False, compile_config=compile_config_for("cuda"))
+    expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy(tokenizer))
+    for _ in range(3):  # inductor's CUDA graph trees warm up, then record
+        assert_same_decoding(decode(decoding, model, ids, mask, config), expected)
+    compiled, recorded = decoding.compilations, decoding.recordings
+    assert compiled >= 1 and recorded >= 1
+    for _ in range(2):
+        assert_same_decoding(decode(decoding, model, ids, mask, config), expected)
+    assert (decoding.compilations, decoding.recordings, decoding.recompilations) == (compiled, recorded, 0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_the_workers_thread_decodes_compiled_on_its_own_stream(tokenizer):
+    """The asynchronous trainers' worker: a thread, its own CUDA stream, compiled decoding by default on CUDA; the
+    recorded log-probs are those of a plain forward of the weights it loaded, at each of several weight loads."""
+    import time
+
+    from async_helpers import recomputed_logps, send
+    from helpers import tiny_conversational_dataset
+
+    from trinity_trl.algorithms import ADVANTAGE_FN, KL_FN, POLICY_LOSS_FN
+    from trinity_trl.asynchronous.worker import GroupScorer, TransformersRolloutWorker
+    from trinity_trl.training.advantages import AdvantageEstimator
+
+    estimator = AdvantageEstimator(
+        ADVANTAGE_FN.get("grpo")(),
+        POLICY_LOSS_FN.get("ppo")(clip_range=0.2),
+        KL_FN.get("none")(),
+        gather=lambda x: x,
+        pad_across_processes=lambda x, **k: x,
+    )
+    scorer = GroupScorer([lambda completions, **k: [1.0] * len(completions)], ["one"], torch.ones(1), estimator)
+    worker = TransformersRolloutWorker(
+        build_tiny_model(tokenizer).cuda(),
+        tokenizer,
+        tiny_conversational_dataset(8),
+        scorer,
+        num_generations=4,
+        max_completion_length=6,
+        temperature=0.7,
+        eos_token_ids=[tokenizer.eos_token_id],
+        groups_per_generate=2,
+    )
+    assert worker.decoding.choice.compiled
+    for version, seed in ((1, 5), (2, 11)):
+        model = build_tiny_model(tokenizer, seed=seed)  # on the CPU: the reference forward
+        send(worker, model.cuda(), version=version)
+        model.cpu()
+        worker.start()  # loads the committed weights, then generates 2 groups a call on its own stream
+        samples, deadline = [], time.monotonic() + 300
+        while len(samples) < 8 and time.monotonic() < deadline:
+            sample = worker.rollout_buffer.get(timeout=300)
+            if sample.model_version == version:
+                samples.append(sample)
+        worker.stop()
+        worker._stop.clear()  # ready to start again
+        assert len(samples) == 8
+        for sample in samples:
+            assert_close(
+                torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
+                recomputed_logps(model, sample),
+                terms=TINY_MODEL_TERMS,
+            )
