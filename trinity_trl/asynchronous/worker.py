@@ -42,14 +42,7 @@ import torch
 
 from ..data.loading import SeededPasses, is_conversation, prompt_token_ids
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
-from ..training.decoding import (
-    CacheLength,
-    GroupedDecoding,
-    choose_decoding,
-    compile_config_for,
-    compile_refusal,
-    model_facts,
-)
+from ..training.decoding import GroupedDecoding, compile_refusal, model_facts, plan_decoding
 
 logger = logging.getLogger("trinity_trl")
 
@@ -255,26 +248,22 @@ class TransformersRolloutWorker:
         """How the worker decodes (`trinity_trl.training.decoding`): its copy is a plain model on one device, so
         compiled decoding is refused only for a quantized or offloaded copy; the static cache holds the dataset's
         longest prompt."""
-        refusal = compile_refusal(engine="single", **model_facts(self.model))
-        choice = choose_decoding(
+
+        def longest_prompt() -> int:
+            prompts = self.dataset["prompt"] if "prompt" in getattr(self.dataset, "column_names", ()) else []
+            return max(map(len, prompt_token_ids(self.tokenizer, prompts, self.chat_template_kwargs)), default=0)
+
+        return plan_decoding(
             compile_generation,
             one_prefill_per_group,
+            config=self.generation_config,
             device=self.device,
-            backend="transformers",
-            refusal=refusal,
+            refusal=compile_refusal(engine="single", **model_facts(self.model)),
+            longest_prompt=longest_prompt,
             owner="the rollout worker",
+            compile_config=compile_config,
+            on_prefill=self._beat,
         )
-        length = None
-        if choice.compiled:
-            config = self.generation_config
-            config.compile_config = compile_config_for(self.device, compile_config)
-            config.disable_compile = False
-            prompts = self.dataset["prompt"] if "prompt" in getattr(self.dataset, "column_names", ()) else []
-            longest = max(
-                (len(ids) for ids in prompt_token_ids(self.tokenizer, prompts, self.chat_template_kwargs)), default=0
-            )
-            length = CacheLength(longest, config.max_new_tokens)
-        return GroupedDecoding(choice, length, on_prefill=self._beat)
 
     # ------------------------------------------------------------------------------------- weights
     def stage_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -307,6 +296,12 @@ class TransformersRolloutWorker:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.groups_per_generate > 1:
+            logger.info(
+                "the rollout worker generates %d groups per generate call (an optimizer step's) and loads new weights "
+                "between calls: a sample can be up to one call staler than with one group per call",
+                self.groups_per_generate,
+            )
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="trinity-rollout-worker", daemon=True)
         self._thread.start()
@@ -355,8 +350,8 @@ class TransformersRolloutWorker:
                 for samples, metrics in groups:
                     for sample in samples:
                         self._put(sample)
-                    try:
-                        self.metrics_queue.put_nowait(metrics)
+                    try:  # the groups of a call: the staleness it adds (docs/generation.md#asynchronous)
+                        self.metrics_queue.put_nowait({**metrics, "rollout/groups_per_call": float(len(positions))})
                     except queue.Full:
                         pass  # the trainer stopped reading metrics; generation must not wait for it
                 self.position += len(positions)

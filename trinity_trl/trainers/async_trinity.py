@@ -127,10 +127,12 @@ class AsyncTrinityConfig(AlgorithmFields, GenerationFields, AsyncGRPOConfig):
             `"micro_batch"`: each micro-batch's token (sample) mean, divided by `gradient_accumulation_steps`, as TRL's
             asynchronous trainer does. `"global"`: every trained token (sample) of the optimizer step weighs the
             same, whatever the size of its micro-batch (micro-batches vary in size under `token_budget`).
-        compile_generation (`str`, *optional*, defaults to `"auto"`), one_prefill_per_group (`bool`, *optional*,
-            defaults to `True`): how the `"transformers"` worker decodes, as in [`TrinityConfig`][] (compiled decoding
-            on CUDA, one prefill per group; docs/generation.md). The worker generates an optimizer step's groups in one
-            `generate` call. With `"vllm"` (or a `rollout_worker` of your own) they do nothing (one log line when set).
+        compile_generation (`str`, *optional*, defaults to `"auto"`): How the `"transformers"` worker decodes, as in
+            [`TrinityConfig`][] (compiled decoding on CUDA; docs/generation.md). The worker generates an optimizer
+            step's groups in one `generate` call. With `"vllm"` (or a `rollout_worker` of your own) it does nothing
+            (one log line when set to `"on"`).
+        one_prefill_per_group (`bool`, *optional*, defaults to `True`): The worker's prompts encoded once per group,
+            as in [`TrinityConfig`][] (one log line when set to `False` with `"vllm"` or your own worker).
 
     `max_staleness` counts TRL's weight syncs (one per optimizer step unless `weight_sync_steps > 1`); the logged
     `async/staleness` counts optimizer steps: the policy version a sample was generated with (the number of

@@ -33,14 +33,7 @@ from ..packing.groups import whole_groups
 from ..packing.selection import gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
-from ..training.decoding import (
-    CacheLength,
-    GroupedDecoding,
-    choose_decoding,
-    compile_config_for,
-    compile_refusal,
-    model_facts,
-)
+from ..training.decoding import GroupedDecoding, choose_decoding, compile_refusal, model_facts, plan_decoding
 from ..training.engines import engine_of, zero_stage
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer
@@ -284,40 +277,28 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
     def _decoding(self, args: TrinityConfig) -> GroupedDecoding:
         """How this run decodes with transformers' ``generate`` (docs/generation.md). With compiled decoding, TRL's
         generation config (built with ``disable_compile=True``) is the seam: compilation on, transformers' static
-        cache, and its length fixed once from the longest prompt of the datasets."""
-        backend = (
-            "vLLM"
-            if self.use_vllm
-            else "continuous batching"
-            if self.use_transformers_continuous_batching
-            else "transformers"
-        )
-        config = getattr(self, "generation_config", None)  # TRL builds it only for transformers generation
-        cache = config.cache_implementation if config is not None else None
+        cache, its length fixed once from the longest prompt of the datasets."""
+        if self.use_vllm or self.use_transformers_continuous_batching:  # no generation config of TRL's to set
+            backend = "vLLM" if self.use_vllm else "continuous batching"
+            choice = choose_decoding(
+                args.compile_generation, args.one_prefill_per_group, device="cpu", backend=backend, refusal=None
+            )
+            return GroupedDecoding(choice)
         refusal = compile_refusal(
             engine=engine_of(self.accelerator),
             zero3=zero_stage(self.accelerator) == 3,
-            cache=cache,
+            cache=self.generation_config.cache_implementation,
             **model_facts(self.accelerator.unwrap_model(self.model)),
         )
-        device = self.accelerator.device
-        choice = choose_decoding(
+        return plan_decoding(
             args.compile_generation,
             args.one_prefill_per_group,
-            device=device,
-            backend=backend,
+            config=self.generation_config,
+            device=self.accelerator.device,
             refusal=refusal,
-            cache=cache,
+            longest_prompt=self._longest_prompt,
             owner=type(self).__name__,
         )
-        length = None
-        if choice.compiled:
-            length = CacheLength(self._longest_prompt(), self.max_completion_length)
-            config.compile_config = compile_config_for(device, config.compile_config)
-            config.disable_compile = False
-            config.cache_implementation = "static"
-            config.max_cache_len = length.tokens
-        return GroupedDecoding(choice, length)
 
     def _longest_prompt(self) -> int:
         """The longest prompt of the training and evaluation datasets, in tokens as TRL tokenizes them (0 where they

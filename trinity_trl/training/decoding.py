@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -139,6 +140,42 @@ def choose_decoding(
     return DecodingChoice(compiled=compiled, grouped=grouped)
 
 
+def plan_decoding(
+    compile_generation: str,
+    one_prefill_per_group: bool,
+    *,
+    config: Any,
+    device: torch.device | str,
+    refusal: str | None,
+    longest_prompt: Callable[[], int],
+    owner: str,
+    compile_config: Any = None,
+    on_prefill: Callable[[], None] | None = None,
+) -> GroupedDecoding:
+    """The `GroupedDecoding` of a run that generates with transformers' ``generate`` and the generation ``config``
+    (TRL's, or the asynchronous worker's): `choose_decoding`, and for compiled decoding that config set for it
+    (compilation on, transformers' static cache, ``compile_config`` or the config's own or transformers' default) and
+    the static cache's length from ``longest_prompt()`` (tokens) and the config's ``max_new_tokens``."""
+    cache = config.cache_implementation
+    choice = choose_decoding(
+        compile_generation,
+        one_prefill_per_group,
+        device=device,
+        backend="transformers",
+        refusal=refusal,
+        cache=cache,
+        owner=owner,
+    )
+    length = None
+    if choice.compiled:
+        length = CacheLength(longest_prompt(), config.max_new_tokens)
+        config.compile_config = compile_config_for(device, compile_config or config.compile_config)
+        config.disable_compile = False
+        config.cache_implementation = "static"
+        config.max_cache_len = length.tokens
+    return GroupedDecoding(choice, length, on_prefill)
+
+
 def compile_config_for(device: torch.device | str, given: Any = None) -> Any:
     """The ``CompileConfig`` of compiled decoding: ``given`` (a ``CompileConfig`` or its fields as a dict, e.g. from
     ``generation_kwargs={"compile_config": {...}}``) or transformers' default (inductor, ``reduce-overhead``: CUDA
@@ -216,14 +253,16 @@ def shared_prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     """Encode the distinct prompts ``input_ids[first]`` without their last token into ``cache`` (a dynamic cache),
     through ``model``'s forward (its adapters, as ``generate`` would)."""
     ids, mask = input_ids[first, :-1], attention_mask[first, :-1]
-    keyword = cache_keyword(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # only the cache is wanted: the LM head on one position where the model allows it
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(base).forward).parameters else {}
     model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=prefill_positions(mask),
         use_cache=True,
-        logits_to_keep=1,
-        **{keyword: cache},
+        **keep,
+        **{cache_keyword(model): cache},
     )
     return cache
 
