@@ -887,3 +887,17 @@ def test_whole_step_charges_compilation_per_run_and_counts_compilations():
     counters = whole_step.CompileCounters()
     torch.compile(lambda x: torch.sin(x) + 1, backend="eager")(torch.ones(3))
     assert counters.totals()["dynamo_compiles"] >= 1 and counters.totals()["cudagraph_recordings"] == 0
+
+
+def test_the_readme_and_docs_quote_the_committed_whole_step():
+    """The README's first performance figure and docs/benchmarks.md#whole-step are the committed results' paired
+    medians (benchmarks/results/whole_step.json), not a number typed once and left behind."""
+    report = _load(BENCHMARKS / "results" / "whole_step.json")
+    (part,) = [p for p in report["parts"].values() if p.get("repeats")]
+    step, train = (part["summary"]["ratios"]["ours"][k] for k in ("step_s", "train_s"))
+    readme = (ROOT / "README.md").read_text()
+    assert f"takes {step['median']:.2f}x TRL's\n  time, its training part {train['median']:.2f}x" in readme
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    spread = f"{step['min']:.2f}-{step['max']:.2f}"
+    quote = f"**{step['median']:.2f}x TRL's time for the whole step** (paired ratios {spread})"
+    assert quote in docs and f"{train['median']:.2f}x for its training part" in docs
