@@ -185,6 +185,7 @@ def run_side(spec: dict) -> dict:
             "activation_checkpointing": bool(trainer.args.activation_checkpointing),
         },
         "generation": {
+            "continuous_batching": bool(getattr(trainer, "use_transformers_continuous_batching", False)),
             "disable_compile": getattr(generation_config, "disable_compile", None),
             "cache_implementation": getattr(generation_config, "cache_implementation", None),
             **{

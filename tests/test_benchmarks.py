@@ -837,6 +837,7 @@ def test_whole_step_gpu_command_dry_run(tmp_path):
             assert len(sample["compile_per_step"]) == 2 and len(sample["completion_tokens"]) == 2
         assert repeat["samples"]["ours"]["trainer"] == "TrinityTrainer"
         assert any("continuous batching cache" in d for d in repeat["samples"]["trl_cb"]["departures"])
+        assert [s["generation"]["continuous_batching"] for s in repeat["samples"].values()] == [False, False, True]
         for sample in repeat["samples"].values():  # the training part: the timed step less its generation
             timed = sample["steps"][1]
             assert sample["train_s"] == pytest.approx(timed["step_s"] - timed["host"]["generation"])
