@@ -902,3 +902,22 @@ def test_the_readme_and_docs_quote_the_committed_whole_step():
     spread = f"{step['min']:.2f}-{step['max']:.2f}"
     quote = f"**{step['median']:.2f}x TRL's time for the whole step** (paired ratios {spread})"
     assert quote in docs and f"{train['median']:.2f}x for its training part" in docs
+
+
+def test_generation_speed_sides_decode_the_job_they_name():
+    """benchmarks/generation_speed.py's sides, in this process on the tiny model: each decodes the G copies of one
+    prompt to the full completion length (the side asserts the output's shape) in float32, and the reading names
+    the paired ratio."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import generation_speed
+
+    spec = {"model": "tiny", "prompt": 12, "completion": 3, "group": 4, "calls": 1}
+    plain = generation_speed.run_side({**spec, "side": "plain"})
+    grouped = generation_speed.run_side({**spec, "side": "grouped"})
+    for sample in (plain, grouped):
+        assert sample["dtype"] == "torch.float32" and len(sample["timed_s"]) == 1 and sample["generate_s"] > 0
+        assert sample["compilations"] == 0
+    report = {
+        "parts": {"p": {"summary": {"ratios": {"grouped": {"generate_s": {"median": 0.5, "min": 0.4, "max": 0.6}}}}}}
+    }
+    assert "`grouped` generation took 0.50x `plain`'s (paired per repeat, 0.40-0.60)" in generation_speed.render(report)
