@@ -308,16 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="whole_step-")
     env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, "inductor"), "TRITON_CACHE_DIR": os.path.join(work, "triton")}
     config = {**{k: v for k, v in vars(args).items() if k != "out"}, "device": device, "sides": list(names)}
-    bench = harness.Bench(
-        name,
-        harness.out_dir(args),
-        config=config,
-        device=device,
-        render=markdown,
-        budget_s=budget,
-        preload=PRELOAD,
-        log=args.gpu,
-    )
+    options = {"device": device, "render": markdown, "budget_s": budget, "preload": PRELOAD, "log": args.gpu}
+    bench = harness.Bench(name, harness.out_dir(args), config=config, **options)
     bench.report["title"] = "The whole step at TRL's defaults: ours against TRL's GRPOTrainer"
     try:
         for index, (part_name, (model, prompt, completion)) in enumerate(parts.items()):
