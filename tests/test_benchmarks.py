@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         check=False,
@@ -805,3 +805,119 @@ def test_async_bundled_dry_run(tmp_path):
     for r in runs.values():
         assert r["steps"] == 2 and r["finite"] and len(r["losses"]) == 2 and len(r["staleness"]) == 2, r
     assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
+
+
+def test_whole_step_gpu_command_dry_run(tmp_path):
+    """`make gpu-check-step DRY_RUN=1`: the GPU run's parts and sides on CPU with the tiny model, into $OUT (no --out):
+    per part its model, the cache-warming run, then ours, TRL and TRL with continuous batching, each a fresh process
+    whose steps are split by the phase timer (seams checked); the results hold every sample, the dtypes, the
+    compilation counts and the split table."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import phases
+    import whole_step
+
+    out = tmp_path / "out"
+    _run("whole_step.py", "--gpu", "--dry-run", env={"OUT": str(out)})
+    assert sorted(p.name for p in out.iterdir()) == [f"whole_step_cuda_dry.{x}" for x in ("json", "log", "md")]
+    report = _load(out / "whole_step_cuda_dry.json")
+    _check_machine(report)
+    assert report["config"]["sides"] == list(whole_step.GPU_SIDES) == ["ours", "trl", "trl_cb"]
+    assert len(report["parts"]) == len(whole_step.GPU_PARTS)
+    for index, part in enumerate(report["parts"].values()):
+        assert part["status"] == "done", part["why"]
+        # the first part's uncounted run warms the compile caches; the later parts spend their time on repeats
+        assert list(part["uncounted"]) == ["model", "ours, cold caches"][: 2 if index == 0 else 1]
+        (repeat,) = part["repeats"]
+        assert repeat["order"] == ["ours", "trl", "trl_cb"]
+        for name, sample in repeat["samples"].items():
+            assert len(sample["steps"]) == 2 and sample["step_s"] > 0, name  # 1 warm-up + 1 timed step
+            assert set(sample["phases"]) == set(phases.PHASES) and sample["phases"]["generation"] > 0
+            assert sample["dtype"]["parameters"] == "torch.float32" and sample["dtype"]["autocast"] is None
+            assert set(sample["compile"]) == {"dynamo_compiles", "cudagraph_recordings", "cudagraph_replays"}
+            assert len(sample["compile_per_step"]) == 2 and len(sample["completion_tokens"]) == 2
+        assert repeat["samples"]["ours"]["trainer"] == "TrinityTrainer"
+        assert any("continuous batching cache" in d for d in repeat["samples"]["trl_cb"]["departures"])
+        assert [s["generation"]["continuous_batching"] for s in repeat["samples"].values()] == [False, False, True]
+        for sample in repeat["samples"].values():  # the training part: the timed step less its generation
+            timed = sample["steps"][1]
+            assert sample["train_s"] == pytest.approx(timed["step_s"] - timed["host"]["generation"])
+        assert {"step_s", "train_s", "phases.generation"} <= set(part["summary"]["ratios"]["ours"])
+        assert part["summary"]["ratios"]["ours"]["train_s"]["median"] > 0
+        assert "compiled" in part["compilation"]
+    text = (out / "whole_step_cuda_dry.md").read_text()
+    assert "## The split, per side" in text and "| ours | float32 |" in text and "| trl_cb | float32 |" in text
+    (out / "whole_step_cuda_dry.md").unlink()
+    assert whole_step.main(["--report-only", str(out / "whole_step_cuda_dry.json")]) == 0  # re-rendered alike
+    assert (out / "whole_step_cuda_dry.md").read_text() == text
+
+
+def test_whole_step_charges_compilation_per_run_and_counts_compilations():
+    """The compilation charge: ours' first-step excess beyond TRL's, cold (the cache-warming run) and warm, repaid by
+    the gain per step over the eager side (ours_off where it ran); and the counter sees dynamo compile a frame."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    import whole_step
+
+    def run(side, step, excess, compiles=1):
+        return {"step_s": step, "first_step_excess_s": excess, "compile": {"dynamo_compiles": compiles}}
+
+    part = {
+        "uncounted": {"ours, cold caches": run("ours", 1.0, 21.0)},
+        "repeats": [
+            {"samples": {"ours": run("ours", 1.0, 6.0), "trl": run("trl", 3.0, 1.0), "ours_off": run("o", 2.0, 1.0)}},
+            {"samples": {"ours": run("ours", 1.2, 5.0), "trl": run("trl", 3.2, 1.0), "ours_off": run("o", 2.2, 1.2)}},
+        ],
+    }
+    c = whole_step.compilation(part)
+    assert c["eager_side"] == "ours_off" and c["warm_s"] == pytest.approx(4.5) and c["cold_s"] == pytest.approx(20.0)
+    assert c["gain_per_step_s"] == pytest.approx(1.0)
+    assert c["repaid_after_steps"] == {"cold": pytest.approx(20.0), "warm": pytest.approx(4.5)}
+    without_warming = {"repeats": part["repeats"]}  # ours' counted runs compiled cold
+    assert whole_step.compilation(without_warming)["warm_s"] is None
+    assert whole_step.compilation(without_warming)["cold_s"] == pytest.approx(4.5)
+    for repeat in part["repeats"]:
+        del repeat["samples"]["ours_off"]
+    c = whole_step.compilation(part)
+    assert c["eager_side"] == "trl" and c["gain_per_step_s"] == pytest.approx(2.0)
+    assert c["repaid_after_steps"]["warm"] == pytest.approx(2.25)
+    for repeat in part["repeats"]:
+        repeat["samples"]["ours"]["compile"]["dynamo_compiles"] = 0
+    assert whole_step.compilation(part) == {"compiled": False}
+
+    torch._dynamo.reset()  # (clears the compilation callbacks too: the counter registers after it)
+    counters = whole_step.CompileCounters()
+    torch.compile(lambda x: torch.sin(x) + 1, backend="eager")(torch.ones(3))
+    assert counters.totals()["dynamo_compiles"] >= 1 and counters.totals()["cudagraph_recordings"] == 0
+
+
+def test_the_readme_and_docs_quote_the_committed_whole_step():
+    """The README's first performance figure and docs/benchmarks.md#whole-step are the committed results' paired
+    medians (benchmarks/results/whole_step.json), not a number typed once and left behind."""
+    report = _load(BENCHMARKS / "results" / "whole_step.json")
+    (part,) = [p for p in report["parts"].values() if p.get("repeats")]
+    step, train = (part["summary"]["ratios"]["ours"][k] for k in ("step_s", "train_s"))
+    readme = (ROOT / "README.md").read_text()
+    assert f"takes {step['median']:.2f}x TRL's\n  time, its training part {train['median']:.2f}x" in readme
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    spread = f"{step['min']:.2f}-{step['max']:.2f}"
+    quote = f"**{step['median']:.2f}x TRL's time for the whole step** (paired ratios {spread})"
+    assert quote in docs and f"{train['median']:.2f}x for its training part" in docs
+
+
+def test_generation_speed_sides_decode_the_job_they_name():
+    """benchmarks/generation_speed.py's sides, in this process on the tiny model: each decodes the G copies of one
+    prompt to the full completion length (the side asserts the output's shape) in float32, and the reading names
+    the paired ratio."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import generation_speed
+
+    spec = {"model": "tiny", "prompt": 12, "completion": 3, "group": 4, "calls": 1}
+    plain = generation_speed.run_side({**spec, "side": "plain"})
+    grouped = generation_speed.run_side({**spec, "side": "grouped"})
+    for sample in (plain, grouped):
+        assert sample["dtype"] == "torch.float32" and len(sample["timed_s"]) == 1 and sample["generate_s"] > 0
+        assert sample["compilations"] == 0
+    report = {
+        "parts": {"p": {"summary": {"ratios": {"grouped": {"generate_s": {"median": 0.5, "min": 0.4, "max": 0.6}}}}}}
+    }
+    assert "`grouped` generation took 0.50x `plain`'s (paired per repeat, 0.40-0.60)" in generation_speed.render(report)

@@ -11,6 +11,7 @@ from trl import GRPOConfig
 from ..algorithms import ALGORITHM_TYPE, GLOBAL_DEFAULTS, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
+from ..training.decoding import COMPILE_GENERATION_CHOICES
 from ..training.loss import LOSS_NORMALIZATIONS
 from .components import ComponentsBuiltOnce, component_fields
 from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
@@ -379,8 +380,39 @@ class AlgorithmFields(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelli
         return resolved
 
 
+COMPILE_GENERATION_HELP = (
+    "Decode with transformers' static KV cache and its compilation of the model (CUDA graphs on CUDA): 'auto' (on on "
+    "CUDA for one process or DDP, full fine-tuning or LoRA; off elsewhere), 'on' (also on a CPU; refused under "
+    "DeepSpeed ZeRO-3, FSDP, quantized or offloaded models) or 'off'. Ignored with vLLM."
+)
+ONE_PREFILL_PER_GROUP_HELP = (
+    "Encode each distinct prompt of a generation batch once (a group's G copies share it) before transformers' "
+    "generate samples each copy's completion; the same completions as G prefills up to float rounding."
+)
+
+
 @dataclass
-class TrinityConfig(AlgorithmFields, GRPOConfig):
+class GenerationFields:
+    """How the trainer's transformers generation decodes (`trinity_trl.training.decoding`, docs/generation.md), the
+    same fields in every trainer config (synchronous and asynchronous): compiled decoding and one prefill per group.
+    A config calls `check_generation_fields` in its ``__post_init__``."""
+
+    compile_generation: str = field(
+        default="auto", metadata={"help": COMPILE_GENERATION_HELP, "choices": list(COMPILE_GENERATION_CHOICES)}
+    )
+    one_prefill_per_group: bool = field(default=True, metadata={"help": ONE_PREFILL_PER_GROUP_HELP})
+
+    def check_generation_fields(self) -> None:
+        if self.compile_generation not in COMPILE_GENERATION_CHOICES:
+            raise ValueError(
+                f"compile_generation must be one of {COMPILE_GENERATION_CHOICES}, got {self.compile_generation!r}"
+            )
+        if not isinstance(self.one_prefill_per_group, bool):
+            raise ValueError(f"one_prefill_per_group must be True or False, got {self.one_prefill_per_group!r}")
+
+
+@dataclass
+class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -456,6 +488,18 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
             How a component value's arguments combine with the component's `default_args()`: `"merge"` lays
             your keys over the defaults (so `policy_loss={"clip_range_high": 0.28}` keeps `clip_range=0.2`);
             `"replace"` uses your arguments alone, as Trinity-RFT does.
+        compile_generation (`str`, *optional*, defaults to `"auto"`):
+            Decode with transformers' static KV cache and its own compilation of the model's forward
+            (`torch.compile`; CUDA graphs on CUDA). `"auto"`: on on CUDA in one process or DDP, full fine-tuning or
+            LoRA; off on a CPU (where it does not pay) and where it cannot run. `"on"`: also on a CPU; an error under
+            DeepSpeed ZeRO-3, FSDP, with a quantized model or layers offloaded to the CPU. `"off"`: TRL's eager
+            decoding. With vLLM or continuous batching it does nothing (one log line when set to `"on"`). The cache's
+            length is fixed once per run (docs/generation.md#compiled-decoding).
+        one_prefill_per_group (`bool`, *optional*, defaults to `True`):
+            Encode each distinct prompt of a generation batch once, not once per copy: the group's G rows start from
+            one shared KV cache, each encodes its prompt's last token and samples its own completion (the same
+            completions as separate prefills, up to float rounding). Transformers generation only: vLLM and continuous
+            batching share prompts their own way.
 
     TRL options whose job a component takes over (`beta`, `loss_type`, `epsilon`, `epsilon_high`,
     `delta`, `importance_sampling_level`, `scale_rewards`, `multi_objective_aggregation`,
@@ -522,6 +566,7 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
                 f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
             )
         _check_token_budget(self.prefix_packing_token_budget, self.prefix_packing)
+        self.check_generation_fields()
         self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
 
 
