@@ -1,0 +1,141 @@
+"""Compiled decoder layers for packed forwards (`trinity_trl/packing/compiled.py`, ``prefix_packing_compile``).
+
+On CPU with ``backend="aot_eager"`` (dynamo and AOT autograd trace the layers, forward and backward, with the tree op
+and its fake kernel and autograd formula; no code generation): no graph break, the graphs compiled constant after the
+first packed forward whatever the tree (its length, its number of nodes), and the log-probs, entropies, loss and every
+gradient equal to the eager packed forward's in float64 within the packing tests' tolerance. The GPU check counts the
+same on CUDA with the inductor backend (`benchmarks/packing_profile.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import build_tiny_model, build_tiny_tokenizer
+from packing_helpers import GRAD_TERMS, LOGP_TERMS, grouped_rows, padded_batch
+from tolerance import assert_close
+
+from trinity_trl.packing import PrefixPacking
+from trinity_trl.packing.compiled import DISPATCHER_PREFIX, OP_KERNELS, tree_attention_op
+
+
+def _gathered(generator: torch.Generator, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """Three nodes (a root of 5 tokens and two children of 3 and 4) in the gathered-key layout, float64."""
+    paths = [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 8, 9, 10, 11]]
+    cu_q = [0, 5, 8, 12]
+    cu_k = [0]
+    for path in paths:
+        cu_k.append(cu_k[-1] + len(path))
+    index = torch.tensor(sum(paths, []))
+    host_cu = torch.tensor(cu_q + cu_k)
+    q = torch.randn(12, heads, dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    k = torch.randn(12, kv_heads, dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    v = torch.randn(12, kv_heads, dim, dtype=torch.float64, generator=generator, requires_grad=True)
+    return q, k, v, index, host_cu, list(zip(cu_q, cu_q[1:])), paths
+
+
+def test_the_tree_op_and_its_gradient_equal_per_node_attention():
+    """The op (its forward and the closed-form backward) against per-node SDPA differentiated by autograd, GQA, in
+    float64; and ``torch.library.opcheck`` (schema, fake kernel, autograd registration, AOT dispatch with dynamic
+    shapes)."""
+    q, k, v, index, host_cu, nodes, paths = _gathered(torch.Generator().manual_seed(0))
+    keys, values = k.index_select(0, index), v.index_select(0, index)
+    out, _ = tree_attention_op(q, keys, values, host_cu.int(), host_cu, 0.3, "sdpa_segments")
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    reference = []
+    for (a, b), path in zip(nodes, paths):
+        keys = torch.tensor(path)
+        mask = torch.ones(b - a, len(path), dtype=torch.bool).tril(len(path) - (b - a))
+        reference.append(
+            F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1), attn_mask=mask, scale=0.3,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )  # fmt: skip
+    reference = torch.cat(reference)
+    want = torch.autograd.grad(reference, (q, k, v), grad)
+    assert_close(out, reference, terms=12 * 8)
+    for name, a, b in zip("qkv", got, want):
+        assert_close(a, b, terms=12 * 8 * 4, msg=name)
+    args = (q.detach(), k.detach()[index].requires_grad_(), v.detach()[index].requires_grad_(), host_cu.int(), host_cu)
+    result = torch.library.opcheck(tree_attention_op, (*args, 0.3, "sdpa_segments"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _model():
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build_tiny_model(build_tiny_tokenizer()).double()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _pass(packing, model, rows):
+    ids, mask, keep = padded_batch(rows)
+    model.zero_grad(set_to_none=True)
+    out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
+    assert out is not None, "the packed forward fell back to padded rows"
+    loss = out.logps.sum() + 0.1 * out.entropies.sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, loss.detach(), grads
+
+
+def test_compiled_layers_compile_once_without_graph_breaks_and_equal_eager():
+    """Activation checkpointing on (TRL's default on a GPU). The compiled model forwards trees of 18 to 100 tokens and
+    3 to 16 nodes: after the first, no graph is compiled again, no graph breaks (the only compiled frames are the
+    decoder layers), and every forward's log-probs, entropies, loss and gradients equal the eager packed forward's
+    (float64, the packing tests' tolerances). A hook installed per forward (the eager route) recompiles every
+    forward, and a per-node loop in the layer (the eager kernel) once per node count: both fail the count."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_model = _model()
+    eager_model = copy.deepcopy(compiled_model)
+    backend = CompileCounterWithBackend("aot_eager")
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "sdpa_segments", compile=backend)
+    eager = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "sdpa_segments")
+    trees = [(1, 2), (2, 3), (3, 1), (4, 4), (6, 5)]  # (seed, groups): lengths 34, 53, 18, 75, 100
+    frames, nodes = [], []
+    try:
+        for seed, groups in trees:
+            rows = grouped_rows(torch.Generator().manual_seed(seed), groups=groups)
+            out, loss, grads = _pass(packing, compiled_model, rows)
+            assert out.kernel == OP_KERNELS["sdpa_segments"].name
+            frames.append(backend.frame_count)
+            nodes.append(out.forwarded)
+            want_out, want_loss, want_grads = _pass(eager, eager_model, rows)
+            assert_close(out.logps, want_out.logps, terms=LOGP_TERMS)
+            assert_close(out.entropies, want_out.entropies, terms=LOGP_TERMS)
+            assert_close(loss, want_loss, terms=GRAD_TERMS)
+            assert grads.keys() == want_grads.keys() and grads
+            for name, grad in want_grads.items():
+                assert_close(grads[name], grad, terms=GRAD_TERMS, msg=name)
+        assert compiled_model.config._attn_implementation == DISPATCHER_PREFIX + "sdpa"
+        assert len(set(nodes)) == len(trees), nodes  # every tree a new length
+        assert frames[0] >= 1 and frames == [frames[0]] * len(trees), f"graphs compiled after each forward: {frames}"
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert packing.compiled.graphs == frames[-1] <= packing.compile_budget.graphs
+        # the model's own forwards (no plan) run the model's own attention, uncompiled
+        ids, mask, _ = padded_batch(grouped_rows(torch.Generator().manual_seed(9)))
+        with torch.no_grad():
+            a = compiled_model(input_ids=ids, attention_mask=mask).logits
+            b = eager_model(input_ids=ids, attention_mask=mask).logits
+        assert_close(a, b, terms=LOGP_TERMS)
+        assert backend.frame_count == frames[-1]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_layers_refuse_flex():
+    with pytest.raises(ValueError, match="flex is compiled on its own"):
+        PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "flex", compile="aot_eager")
