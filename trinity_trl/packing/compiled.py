@@ -275,6 +275,39 @@ class OpKernel(TreeKernel):
 OP_KERNELS: dict[str, OpKernel] = {name: OpKernel(op) for name, op in OP_KERNEL.items()}
 
 
+# ============================================================================ the option
+def check_compile_request(compile_layers: bool, prefix_packing: bool, kernel: str, args: Any = None) -> None:
+    """Raise ``ValueError`` where ``prefix_packing_compile`` cannot be honoured by the config alone."""
+    if not compile_layers:
+        return
+    if not prefix_packing:
+        raise ValueError("prefix_packing_compile=True has no effect with prefix_packing=False")
+    if kernel == "flex":
+        raise ValueError(
+            "prefix_packing_compile=True compiles the layers around the sdpa_segments, varlen or flash_attn kernel; "
+            "flex is compiled on its own: use prefix_packing_kernel='auto' (or one of those) with it"
+        )
+    if getattr(args, "torch_compile", False):
+        raise ValueError(
+            "prefix_packing_compile=True compiles the decoder layers of packed forwards; torch_compile=True compiles "
+            "the whole model: set one of them"
+        )
+
+
+def compile_backend(compile_layers: bool, engine: str) -> str | None:
+    """The ``torch.compile`` backend of ``prefix_packing_compile`` in a run on ``engine`` (`engines.engine_of`):
+    ``"inductor"``, or ``None`` where off; raises ``ValueError`` under DeepSpeed and FSDP."""
+    if not compile_layers:
+        return None
+    if engine in ("deepspeed", "fsdp"):
+        name = "FSDP" if engine == "fsdp" else "DeepSpeed"
+        raise ValueError(
+            f"prefix_packing_compile=True runs in one process or under DDP, not under {name} (its engine gathers and "
+            "reduces around the layers, which the compiled layers are not tested with)"
+        )
+    return "inductor"
+
+
 # ============================================================================ the dispatcher
 def dispatcher_name(original: str) -> str:
     return DISPATCHER_PREFIX + original

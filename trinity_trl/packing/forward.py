@@ -29,7 +29,7 @@ import torch
 
 from . import attention
 from .attention import PLAN_KWARG, TreePlan
-from .compiled import OP_KERNELS, CompiledLayers, OpKernel, compiled_inputs
+from .compiled import OP_KERNELS, CompiledLayers, OpKernel, check_compile_request, compiled_inputs
 from .kernels import TreeKernel
 from .selection import (
     Calibration,
@@ -229,11 +229,7 @@ class PrefixPacking:
         compile: Any = None,
         compile_budget: CompileBudget | None = None,
     ):
-        if compile is not None and kernel == "flex":
-            raise ValueError(
-                "prefix_packing_compile compiles the layers around the sdpa_segments, varlen or flash_attn kernel; "
-                "flex is compiled on its own: use prefix_packing_kernel='auto' (or one of those) with it"
-            )
+        check_compile_request(compile is not None, True, kernel)
         if enabled and device is not None:
             check_kernel_request(kernel, device)
         elif kernel not in ("auto", "varlen", "flash_attn", "flex", "sdpa_segments"):
