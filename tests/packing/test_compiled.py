@@ -139,3 +139,31 @@ def test_compiled_layers_compile_once_without_graph_breaks_and_equal_eager():
 def test_compiled_layers_refuse_flex():
     with pytest.raises(ValueError, match="flex is compiled on its own"):
         PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, "flex", compile="aot_eager")
+
+
+def test_auto_times_compiled_passes_only_after_compilation(monkeypatch):
+    """Under compiled layers ``auto``'s trial starts only once a grad mode's packed passes have run compiled (the
+    first passes compile, and a timing of them would charge the compilation to packing): those passes run packed,
+    untimed. (Layers left uncompiled here: the accounting is what is tested, the op runs eagerly.)"""
+    from test_selection import _calibrating, _fused_tiny_model, _padded_logps
+
+    from trinity_trl.packing import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module.torch, "compile", lambda fn, **kwargs: fn)
+    model = _fused_tiny_model()
+    ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(0)))
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, compile="aot_eager")
+    _calibrating(monkeypatch, packing)
+    ran, trial = [], []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+        (_padded_logps(model, ids, mask, keep) if out is None else out.logps).sum().backward()
+        ran.append("padded" if out is None else out.kernel)
+        classes = packing.calibration.classes
+        trial.append(
+            sum(len(c.samples["packed"]) + len(c.samples["padded"]) + len(c.pending) for c in classes.values())
+        )
+    op = OP_KERNELS["sdpa_segments"].name
+    assert ran[:2] == [op, op] and trial[:2] == [0, 0], (ran, trial)  # the warm-up: packed, nothing timed
+    assert ran[2:] == [op, "padded"] and trial[2:] == [1, 2], (ran, trial)  # then the trial: each pass timed
