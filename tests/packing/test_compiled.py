@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers import build_tiny_model, build_tiny_tokenizer
 from packing_helpers import GRAD_TERMS, LOGP_TERMS, grouped_rows, padded_batch
 from tolerance import assert_close
+from transformers import TrainerCallback
 
 from trinity_trl.packing import PrefixPacking
 from trinity_trl.packing.compiled import DISPATCHER_PREFIX, OP_KERNELS, tree_attention_op
@@ -167,3 +168,74 @@ def test_auto_times_compiled_passes_only_after_compilation(monkeypatch):
     op = OP_KERNELS["sdpa_segments"].name
     assert ran[:2] == [op, op] and trial[:2] == [0, 0], (ran, trial)  # the warm-up: packed, nothing timed
     assert ran[2:] == [op, "padded"] and trial[2:] == [1, 2], (ran, trial)  # then the trial: each pass timed
+
+
+def test_a_trainer_trains_with_compiled_layers_as_without(tmp_path, tiny_model_dir, monkeypatch):
+    """`TrinityTrainer(prefix_packing_compile=True)` with activation checkpointing on (TRL switches it off and on
+    around every generation): its packed training forwards run the compiled layers (``aot_eager`` here, the
+    trainers' ``inductor`` on a GPU), compile once, with no graph break, and the run's losses and gradient norms are
+    those of the same run uncompiled (float32, the packing tests' tolerances)."""
+    from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
+    from torch._dynamo.utils import counters
+
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+    from trinity_trl.trainers import trinity as trinity_module
+
+    monkeypatch.setattr(trinity_module, "compile_backend", lambda on, engine: "aot_eager" if on else None)
+
+    def run(compiled: bool):
+        args = TrinityConfig(
+            **tiny_grpo_kwargs(
+                output_dir=str(tmp_path / str(compiled)),
+                activation_checkpointing=True,
+                prefix_packing_compile=compiled,
+                max_steps=3,
+            )
+        )
+        trainer = TrinityTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=tiny_conversational_dataset(8)
+        )
+        kernels, graphs = [], []
+        forward = trainer.prefix_packing.logps_and_entropies
+
+        def recording(*a, **k):
+            out = forward(*a, **k)
+            kernels.append(None if out is None else out.kernel)
+            return out
+
+        trainer.prefix_packing.logps_and_entropies = recording
+        trainer.add_callback(_StepGraphs(trainer, graphs))
+        trainer.train()
+        logs = trainer.state.log_history
+        return (
+            kernels,
+            graphs,
+            [e["loss"] for e in logs if "loss" in e],
+            [e["grad_norm"] for e in logs if "grad_norm" in e],
+        )
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        kernels, graphs, losses, norms = run(True)
+        assert set(kernels) == {OP_KERNELS["sdpa_segments"].name}, kernels
+        assert graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs), graphs  # compiled once, at the first step
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    eager_kernels, _, eager_losses, eager_norms = run(False)
+    assert set(eager_kernels) == {"sdpa_segments"}
+    assert_close(torch.tensor(losses), torch.tensor(eager_losses), terms=GRAD_TERMS)
+    assert_close(torch.tensor(norms), torch.tensor(eager_norms), terms=GRAD_TERMS)
+
+
+class _StepGraphs(TrainerCallback):
+    """Records the compiled layers' graph count after each optimizer step (none without compiled layers)."""
+
+    def __init__(self, trainer, graphs: list):
+        self.trainer, self.graphs = trainer, graphs
+
+    def on_step_end(self, args, state, control, **kwargs):
+        compiled = self.trainer.prefix_packing.compiled
+        if compiled is not None:
+            self.graphs.append(compiled.graphs)
