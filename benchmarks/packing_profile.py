@@ -485,9 +485,9 @@ def markdown(report: dict) -> str:
         lines += [
             "### Launch and call costs (host)",
             "",
-            f"{bc.fmt(m['launch_us'], '.1f')} µs per launch queued ({bc.fmt(m['launch_drained_us'], '.1f')} µs with "
-            f"the queue drained), {bc.fmt(m['module_call_us'], '.1f')} µs per call of an empty module, "
-            f"{bc.fmt(m['hooked_module_call_us'], '.1f')} µs with one forward hook ({m['launches']} each).",
+            f"{bc.fmt(m.get('launch_us'), '.1f')} µs per launch queued ({bc.fmt(m.get('launch_drained_us'), '.1f')} "
+            f"µs with the queue drained), {bc.fmt(m.get('module_call_us'), '.1f')} µs per call of an empty module, "
+            f"{bc.fmt(m.get('hooked_module_call_us'), '.1f')} µs with one forward hook ({m.get('launches')} each).",
             "",
         ]
     passes = (parts.get("passes") or {}).get("measurements") or []
@@ -506,10 +506,10 @@ def markdown(report: dict) -> str:
                 )
                 continue
             lines.append(
-                f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | {_ms(m['host_enqueue_s'])} "
-                f"| {_ms(m['event_span_s'])} | {_ms(m['gpu_busy_s'])} | {m['launches']} "
-                f"| {bc.fmt(m['host_us_per_launch'], '.1f')} | {m['aten_ops']} "
-                f"| {m['sync_calls']} / {m['sync_warnings']} |"
+                f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | {_ms(m.get('host_enqueue_s'))} "
+                f"| {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} | {m.get('launches')} "
+                f"| {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
+                f"| {m.get('sync_calls')} / {m.get('sync_warnings')} |"
             )
         for m in passes:
             if m.get("top_kernels") or m.get("top_host_ops"):
