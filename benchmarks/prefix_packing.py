@@ -249,6 +249,8 @@ def worker(spec_path: str) -> int:
             own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
             if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
                 own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+            elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
+                own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
             results[side] = train_side(own)
             gc.collect()
             if spec["device"] == "cuda":

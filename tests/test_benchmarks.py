@@ -472,7 +472,7 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     packed-vs-padded check, and the trainers trained 2 steps with packing."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
-    parts = "profile,tests,bench,trainers"
+    parts = "profile,bench,tests,trainers"
     proc = subprocess.run(
         [
             sys.executable,
@@ -626,7 +626,7 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     """A run's figure reads its steps after the warm-up that ended with every `auto` verdict taken: on the H200
     (2026-11-28) the verdict at gradient accumulation 4 came at step 3 to 5, after a 3-step warm-up, so the old
     reading mixed calibration steps (both layouts in turn) into the medians. Where no step after the warm-up was
-    decided, all of them are read and the run is counted as undecided."""
+    decided, all of them are read, and the run is counted apart from the decided ones."""
     sys.path.insert(0, str(BENCHMARKS))
     import prefix_packing as pp
 
@@ -648,7 +648,11 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     side = pp.side_summary(
         [dict(run, micro_batch=None, forwarded_token_ratio=[]), dict(never, micro_batch=None, forwarded_token_ratio=[])]
     )
-    assert side["undecided_runs"] == 2
+    # the run that never decided is counted apart: the side's figure is the decided run's (issue 53)
+    assert side["undecided_runs"] == 1 and side["runs_still_deciding_after_warmup"] == 2
+    assert side["train_s"] == pytest.approx(0.75) and side["train_s_spread"]["max"] == pytest.approx(0.75)
+    assert side["train_s_undecided"]["median"] == pp.run_summary(never)["train_s"]
+    assert [r["decided"] for r in side["per_run"]] == [True, False]
 
     class Calibration:
         def __init__(self, verdicts):
