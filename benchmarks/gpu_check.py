@@ -179,6 +179,7 @@ def part_profile(args, out: Path) -> dict:
                 "gpu_busy_s",
                 "launches",
                 "host_us_per_launch",
+                "aten_ops",
                 "sync_calls",
                 "sync_warnings",
                 "error",
