@@ -198,23 +198,15 @@ def build_model(shape: dict, device: str, dtype):
     """A random Qwen2 of ``shape``, initialised on ``device`` (nothing on disk), with TRL's fused LM head, activation
     checkpointing on (non-reentrant, TRL's setting) and in training mode."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from prefix_packing import qwen2_config
+    from transformers import Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    config = Qwen2Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    config = qwen2_config(shape, shape["vocab"])
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
     add_fused_lm_head(model, outputs=("log_probs",))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 

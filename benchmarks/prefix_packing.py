@@ -977,27 +977,35 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
+def qwen2_config(shape: dict, vocab: int = REAL_VOCAB, max_positions: int = 4096, **extra):
+    """The ``Qwen2Config`` of a random model of ``shape`` (``hidden``, ``intermediate``, ``layers``, ``heads``,
+    ``kv_heads``) with ``vocab`` entries and tied embeddings (as Qwen2.5-0.5B/1.5B); ``extra``: more config fields."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
 def save_random_real_vocab_qwen2(path: Path, device: str, seed: int, bf16: bool = False, **shape) -> str:
     """A random Qwen2 of ``shape`` with the real vocabulary (tied embeddings, as Qwen2.5-0.5B/1.5B), initialised on
     ``device`` (fast on a GPU) and saved with the tests' tiny tokenizer: in bf16 with ``bf16`` (the dtype of the
     real checkpoints, which the trainers then load), else in float32."""
     import torch
     from helpers import build_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=REAL_VOCAB,
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+    config = qwen2_config(
+        shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
     )
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)

@@ -73,7 +73,7 @@ def _model():
 
     model = build_tiny_model(build_tiny_tokenizer()).double()
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
