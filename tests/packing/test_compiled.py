@@ -239,3 +239,51 @@ class _StepGraphs(TrainerCallback):
         compiled = self.trainer.prefix_packing.compiled
         if compiled is not None:
             self.graphs.append(compiled.graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by `make test-gpu` on a GPU machine)")
+@pytest.mark.parametrize("kernel", ["varlen", "flash_attn"])
+def test_compiled_layers_on_cuda_compile_once_and_equal_the_padded_forward(kernel):
+    """On CUDA with the trainers' backend (inductor) and the tree op's FlashAttention kernels, bf16, activation
+    checkpointing on: the graphs compiled stay those of the first packed forward across trees of other lengths and
+    node counts, no graph break, and each forward's log-probs and gradients equal the float32 padded forward of the
+    same weights within the bf16 bounds of `packing_helpers` (a wrong kernel fails them)."""
+    from packing_helpers import assert_bf16_grad_close, assert_bf16_logps_close
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from trinity_trl.packing import KERNELS
+
+    reason = KERNELS[kernel].unavailable(torch.device("cuda")) or KERNELS[kernel].unsupported_dtype(torch.bfloat16)
+    if reason:
+        pytest.skip(reason)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model().to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    backend = CompileCounterWithBackend("inductor")
+    packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, kernel, "cuda", compile=backend)
+    frames = []
+    try:
+        for seed, groups in [(1, 2), (2, 3), (3, 1), (4, 4)]:
+            ids, mask, keep = padded_batch(grouped_rows(torch.Generator().manual_seed(seed), groups=groups))
+            ids, mask = ids.cuda(), mask.cuda()
+            model.zero_grad(set_to_none=True)
+            out = packing.logps_and_entropies(model, ids, mask, keep, None, True, False, {})
+            assert out is not None and out.kernel == OP_KERNELS[kernel].name
+            scored = mask[:, -keep:].bool()
+            out.logps.float()[scored].sum().backward()
+            frames.append(backend.frame_count)
+            reference.zero_grad(set_to_none=True)
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-keep] = -100
+            want = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+            want[scored].sum().backward()
+            assert_bf16_logps_close(out.logps.float()[scored], want[scored].detach())
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert_bf16_grad_close(p.grad.float(), q.grad, msg=name)
+        assert frames == [frames[0]] * len(frames), frames
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
