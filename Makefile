@@ -81,12 +81,13 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -m gpu -rs tests/packing
 
 # The GPU verification (benchmarks/gpu_check.py), each part with a time budget, results (at most 8 files) under $$OUT
-# or a temporary folder. Default parts, within 9 minutes on an H200: `profile` (one profiled step each of ours
-# packed, ours padded and TRL's at 1.5B P1024/C256) and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch and at gradient
-# accumulation 4, 5 repeats, a fresh process per side). A second command runs the rest:
-# `make gpu-check PARTS=tests,trainers,small,lora` (the CUDA tests, every trainer for 2 steps, the 0.5B and LoRA
-# points). On the lent GPU machine: `bash .gpu/run.sh make gpu-check`; here, on CPU with tiny shapes:
-# `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
+# or a temporary folder, each command within 8 minutes on an H200. Default parts: `profile` (one process of at most
+# 90 s: launch cost, training passes packed and padded at 1.5B and its 28-layer twin, trainer steps split into phases)
+# and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch, sides ours, ours with compiled layers and
+# TRL, 5 repeats asked, a fresh process per side, results after every repeat). Then, as further commands:
+# `make gpu-check PARTS=accumulation,small` (gradient accumulation 4, the 0.5B points) and
+# `make gpu-check PARTS=tests,trainers,lora`. On the lent GPU machine: `bash .gpu/run.sh make gpu-check`; here, on
+# CPU with tiny shapes: `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
 DRY_RUN ?=
 PARTS ?=
 GPU_CHECK_ARGS ?=

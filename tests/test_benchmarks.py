@@ -472,7 +472,7 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     packed-vs-padded check, and the trainers trained 2 steps with packing."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
-    parts = "profile,tests,bench,trainers"
+    parts = "profile,bench,tests,trainers"
     proc = subprocess.run(
         [
             sys.executable,
@@ -499,9 +499,12 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     summary = _load(out / "gpu_check.json")
     assert summary["dry_run"] and list(summary["parts"]) == parts.split(",")
     assert all(part["status"] == "passed" and part["wall_s"] > 0 for part in summary["parts"].values())
-    sides = summary["parts"]["profile"]["sides"]
-    assert set(sides) == {"ours", "ours_padded", "trl"}
-    assert all(sides[s]["aten_ops"] > 0 and sides[s]["host_reads"] >= 0 for s in sides), sides
+    profile = summary["parts"]["profile"]
+    assert {p["status"] for p in profile["parts"].values()} == {"done"}, profile["parts"]
+    assert profile["launch"]["launch_us"] > 0 and profile["launch"]["module_call_us"] > 0
+    assert len(profile["passes"]) == 4 and all(p["aten_ops"] > 0 and p["host_enqueue_s"] > 0 for p in profile["passes"])
+    assert [s["side"] for s in profile["steps"]] == ["ours_padded", "trl", "ours"]
+    assert all(s["step_s"] > 0 and s["host"]["backward"] > 0 for s in profile["steps"]), profile["steps"]
     tests = summary["parts"]["tests"]["counts"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # the CUDA tests skip on CPU, with the reason
     (point,) = summary["parts"]["bench"]["points"]
@@ -516,45 +519,55 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
 
 
 def test_gpu_check_runs_the_profile_and_the_target_points_by_default():
-    """Without --parts: the profile, then the benchmark's target points (1.5B at one prompt per micro-batch and at
-    gradient accumulation 4), 5 repeats; the other parts are named by PARTS."""
+    """Without --parts: the profile (at most 90 s), then the benchmark's target points (1.5B at one prompt per
+    micro-batch) with ours, ours compiled and TRL, 5 repeats; the other parts are named by PARTS, each command within
+    the 8 minutes of the GPU check's bound."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu_check
+    from prefix_packing import POINT_SETS
 
     assert gpu_check.DEFAULT_PARTS == ("profile", "bench") and gpu_check.BENCH_SETS["bench"] == "target"
-    # a device command runs at most 540 s; run.sh's installs and the parts' start-up took 41 s on an H200
-    assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 540 - 60
+    assert gpu_check.BENCH_SIDES["bench"] == "ours,ours_compiled,trl" and gpu_check.BUDGETS["profile"] <= 90
+    assert all(p.accumulation == 1 and p.model == "qwen2.5-1.5b" for p in POINT_SETS["target"])
+    # a command runs at most 8 minutes; run.sh's installs and the parts' start-up took 41 s on an H200
+    assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 480 - 60
+    for command in (("accumulation", "small"), ("tests", "trainers", "lora")):  # the further commands
+        assert sum(gpu_check.BUDGETS[p] for p in command) <= 480 - 60, command
 
 
-def test_packing_profile_keeps_the_sides_that_finished(tmp_path, monkeypatch):
-    """The profile writes its report after each side (ours, TRL, ours padded): on the H200 (2026-11-28) the part was
-    stopped by its budget before its last side and reported nothing. Here the third side's process fails: the report
-    holds the first two."""
+def test_packing_profile_writes_after_every_measurement_and_skips_parts_past_their_marks(tmp_path, monkeypatch):
+    """The profile is one process that rewrites its report after every measurement: on the H200 (2026-11-28) the
+    part was stopped by its budget and reported nothing. Here the process is stopped during its third pass: the
+    report on disk holds the launch costs and the first two passes. And a part whose time mark has passed is skipped,
+    recorded as such."""
     sys.path.insert(0, str(BENCHMARKS))
     import packing_profile
-    import prefix_packing
+    import torch
 
-    ran = []
+    passes = []
 
-    class Runner:
-        def __init__(self, *a, **kw):
-            pass
+    def measure_pass(*args, **kwargs):
+        passes.append(args[1])
+        if len(passes) == 3:
+            raise SystemExit("stopped by its budget")
+        return {"host_enqueue_s": 0.1, "event_span_s": 0.2, "gpu_busy_s": None, "launches": 0, "aten_ops": 9}
 
-        def run(self, spec):
-            if "make_model" in spec:
-                return {"path": str(tmp_path / "model")}
-            ran.append(spec)
-            if len(ran) == 3:
-                raise RuntimeError("stopped by its budget")
-            side = spec["sides"][0]
-            return {side: {"step_s": [0.5, 0.4], "kernels": {}, "profile": [{"kind": "torch", "aten_ops": 7}]}}
+    monkeypatch.setattr(packing_profile, "launch_costs", lambda device, n: {"launches": n, "launch_us": 2.0})
+    monkeypatch.setattr(packing_profile, "build_model", lambda *a: object())
+    monkeypatch.setattr(packing_profile, "batch", lambda p, c, vocab, device: (torch.zeros(8, p + c), None, c))
+    monkeypatch.setattr(packing_profile, "measure_pass", measure_pass)
+    with pytest.raises(SystemExit, match="stopped"):
+        packing_profile.main(["--dry-run", "--out", str(tmp_path)])
+    parts = _load(tmp_path / "packing_profile.json")["parts"]
+    assert parts["launch"]["status"] == "done" and parts["launch"]["measurements"][0]["launch_us"] == 2.0
+    assert [m["layout"] for m in parts["passes"]["measurements"]] == ["packed", "padded"]
+    assert "| twin | P32/C8 | padded |" in (tmp_path / "packing_profile.md").read_text()
 
-    monkeypatch.setattr(prefix_packing, "Runner", Runner)
-    with pytest.raises(RuntimeError, match="stopped"):
-        packing_profile.main(["--quick", "--out", str(tmp_path)])
-    report = _load(tmp_path / "packing_profile.json")
-    assert list(report["sides"]) == ["ours", "trl"] and report["sides"]["trl"]["torch"]["aten_ops"] == 7
-    assert ran[2]["packing"] is False and ran[0]["packing"] is True  # the third side: ours with packing off
+    monkeypatch.setattr(packing_profile, "MARKS", {"launch": 1e6, "passes": -1.0, "steps": -1.0})
+    assert packing_profile.main(["--dry-run", "--out", str(tmp_path / "marks")]) == 0
+    parts = _load(tmp_path / "marks" / "packing_profile.json")["parts"]
+    assert parts["launch"]["status"] == "done"
+    assert parts["passes"]["status"] == parts["steps"]["status"] == "skipped" and "time mark" in parts["steps"]["why"]
 
 
 def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
@@ -613,7 +626,7 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     """A run's figure reads its steps after the warm-up that ended with every `auto` verdict taken: on the H200
     (2026-11-28) the verdict at gradient accumulation 4 came at step 3 to 5, after a 3-step warm-up, so the old
     reading mixed calibration steps (both layouts in turn) into the medians. Where no step after the warm-up was
-    decided, all of them are read and the run is counted as undecided."""
+    decided, all of them are read, and the run is counted apart from the decided ones."""
     sys.path.insert(0, str(BENCHMARKS))
     import prefix_packing as pp
 
@@ -635,7 +648,11 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     side = pp.side_summary(
         [dict(run, micro_batch=None, forwarded_token_ratio=[]), dict(never, micro_batch=None, forwarded_token_ratio=[])]
     )
-    assert side["undecided_runs"] == 2
+    # the run that never decided is counted apart: the side's figure is the decided run's (issue 53)
+    assert side["undecided_runs"] == 1 and side["runs_still_deciding_after_warmup"] == 2
+    assert side["train_s"] == pytest.approx(0.75) and side["train_s_spread"]["max"] == pytest.approx(0.75)
+    assert side["train_s_undecided"]["median"] == pp.run_summary(never)["train_s"]
+    assert [r["decided"] for r in side["per_run"]] == [True, False]
 
     class Calibration:
         def __init__(self, verdicts):

@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, GLOBAL_DEFAULTS, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
+from ..packing.compiled import check_compile_request
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.decoding import COMPILE_GENERATION_CHOICES
 from ..training.loss import LOSS_NORMALIZATIONS
@@ -470,12 +471,22 @@ class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
             kept only for the shapes where it times faster than the padded forward on the same first
             micro-batches (one log line each), else the padded forward. A forced kernel that cannot run on the
             device is an error.
-        prefix_packing_whole_groups (`bool`, *optional*, defaults to `False`):
+        prefix_packing_whole_groups (`bool` or `None`, *optional*, defaults to `None`):
             Shuffle each generation batch by groups rather than by rows (TRL), so that a micro-batch holds
             whole groups and packing shares their prompts (`per_device_train_batch_size` a multiple of
-            `num_generations`). With `loss_normalization="global"` and whole generation batches per optimizer
-            step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
-            shuffle (one log line).
+            `num_generations`). `None`: on exactly where the optimizer step's gradient is unchanged by it
+            (`loss_normalization="global"`, a `loss_agg_mode` other than `seq-mean-token-sum-norm`,
+            `steps_per_generation` above 1 and dividing `gradient_accumulation_steps`), TRL's row shuffle elsewhere.
+            `True` turns it on anyway: under `"micro_batch"` each micro-batch's mean then weighs whole groups, and
+            seeded runs change (docs/prefix-packing.md#whole-groups-per-micro-batch). Batches that are not whole
+            groups keep TRL's shuffle (one log line where set to `True`).
+        prefix_packing_compile (`bool`, *optional*, defaults to `False`):
+            Compile the decoder layers for packed training forwards (`torch.compile` with dynamic shapes, the
+            inductor backend; generation and padded forwards stay as they are), with the tree attention as one
+            custom op, so that a layer compiles once whatever the tree and launches fewer kernels (the packed pass
+            at TRL's micro-batch is bound by the host's launches on a GPU). Off until a GPU measurement shows it
+            pays (docs/prefix-packing.md#compiled-layers); with `auto` on CUDA the packed passes are timed only
+            once compiled. Not under DeepSpeed or FSDP, nor with `torch_compile=True` or `prefix_packing_kernel="flex"`.
         prefix_packing_token_budget (`int` or `None`, *optional*, defaults to `None`):
             Token budget of the packed training forwards, in forwarded packed tokens per forward. The micro-batches
             of one optimizer step (gradient accumulation, `steps_per_generation` above 1; within one generation
@@ -532,9 +543,20 @@ class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
             "padded rows."
         },
     )
-    prefix_packing_whole_groups: bool = field(
+    prefix_packing_whole_groups: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups. None: on "
+            "only where the step's gradient is unchanged (global normalisation, whole generation batches per step)."
+        },
+    )
+
+    prefix_packing_compile: bool = field(
         default=False,
-        metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
+        metadata={
+            "help": "Compile the decoder layers for packed training forwards (torch.compile, dynamic shapes; the tree "
+            "attention as one custom op): fewer kernel launches. Off until measured faster on a GPU."
+        },
     )
 
     # token-budget micro-batches (training/token_budget.py)
@@ -567,6 +589,7 @@ class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
             )
         _check_token_budget(self.prefix_packing_token_budget, self.prefix_packing)
         self.check_generation_fields()
+        check_compile_request(self.prefix_packing_compile, self.prefix_packing, self.prefix_packing_kernel, self)
         self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
 
 

@@ -29,8 +29,9 @@ from trl import GRPOTrainer
 from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
+from ..packing.compiled import compile_backend
 from ..packing.groups import whole_groups
-from ..packing.selection import gather_objects
+from ..packing.selection import CompileBudget, gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.decoding import GroupedDecoding, choose_decoding, compile_refusal, model_facts, plan_decoding
@@ -132,6 +133,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             score=lambda *a: self._calculate_rewards(*a),
             reward_weights=self.reward_weights,
         )
+        # one compile budget per run: compiled layers (prefix_packing_compile), a forced flex, compiled generation
+        self.compile_budget = CompileBudget()
         self.prefix_packing = PrefixPacking(
             args.prefix_packing,
             args.prefix_packing_max_token_ratio,
@@ -140,6 +143,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             args.prefix_packing_kernel,
             self.accelerator.device,
             gather=gather_objects if self.accelerator.num_processes > 1 else None,
+            compile=compile_backend(args.prefix_packing_compile, engine_of(self.accelerator)),
+            compile_budget=self.compile_budget,
         )
         self.add_callback(_PackingVerdicts(self.prefix_packing))
         self.token_budget = TokenBudget(  # prefix_packing_token_budget (training/token_budget.py)
