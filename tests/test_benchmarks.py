@@ -257,12 +257,8 @@ def test_prefix_packing_points_parse_with_their_options():
         1,
     )
     assert parse_point(point.key) == point
-    assert [p.key for p in POINT_SETS["target"]] == [
-        "qwen2.5-1.5b:1024:256:8",
-        "qwen2.5-1.5b:2048:512:8",
-        "qwen2.5-1.5b:1024:256:8:ga4",
-        "qwen2.5-1.5b:2048:512:8:ga4",
-    ]
+    assert [p.key for p in POINT_SETS["target"]] == ["qwen2.5-1.5b:1024:256:8", "qwen2.5-1.5b:2048:512:8"]
+    assert [p.key for p in POINT_SETS["accumulation"]] == ["qwen2.5-1.5b:1024:256:8:ga4", "qwen2.5-1.5b:2048:512:8:ga4"]
     for bad in ("qwen2.5-1.5b:1024:256", "gpt:1:2:3", "qwen2.5-1.5b:1024:256:8:fast"):
         with pytest.raises(ValueError):
             parse_point(bad)
