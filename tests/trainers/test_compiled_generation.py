@@ -88,6 +88,11 @@ def test_decoding_compiles_once_per_mode_and_sees_the_optimizers_updates(tmp_pat
         compiled = count
     assert compiled >= 2 and trainer.decoding.recompilations == 0
     assert len({hooks for _, _, hooks in calls}) == 1  # TRL's checkpointing toggles left no hook behind
+    # one compile budget per run: every (mode, batch, length) decoded is counted beside compiled layers' graphs
+    assert (
+        trainer.compile_budget.by_user() == {"generation": len(trainer.decoding._seen)}
+        and len(trainer.decoding._seen) >= 2
+    )
 
     # the optimizer changed the weights in place: the next compiled generation decodes with them (float64 logits of
     # every step: those of eager decoding with the trained weights, not those of the weights before the steps)

@@ -119,6 +119,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             else prepare_teacher(teacher_model, self.accelerator, self.model.dtype, self.temperature)
         )
         self.generation = TRLGeneration(self)
+        # one compile budget per run: compiled generation, compiled layers (prefix_packing_compile), a forced flex
+        self.compile_budget = CompileBudget()
         self.decoding = self._decoding(args)  # compile_generation, one_prefill_per_group (training/decoding.py)
         # the forward and reward passes are looked up at call time: TRL's seams (trl_seams.captured_return) and
         # subclasses wrap them on the instance
@@ -133,8 +135,6 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             score=lambda *a: self._calculate_rewards(*a),
             reward_weights=self.reward_weights,
         )
-        # one compile budget per run: compiled layers (prefix_packing_compile), a forced flex, compiled generation
-        self.compile_budget = CompileBudget()
         self.prefix_packing = PrefixPacking(
             args.prefix_packing,
             args.prefix_packing_max_token_ratio,
@@ -303,6 +303,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             refusal=refusal,
             longest_prompt=self._longest_prompt,
             owner=type(self).__name__,
+            compile_budget=self.compile_budget,
         )
 
     def _longest_prompt(self) -> int:

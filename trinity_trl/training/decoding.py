@@ -151,11 +151,13 @@ def plan_decoding(
     owner: str,
     compile_config: Any = None,
     on_prefill: Callable[[], None] | None = None,
+    compile_budget: Any = None,
 ) -> GroupedDecoding:
     """The `GroupedDecoding` of a run that generates with transformers' ``generate`` and the generation ``config``
     (TRL's, or the asynchronous worker's): `choose_decoding`, and for compiled decoding that config set for it
     (compilation on, transformers' static cache, ``compile_config`` or the config's own or transformers' default) and
-    the static cache's length from ``longest_prompt()`` (tokens) and the config's ``max_new_tokens``."""
+    the static cache's length from ``longest_prompt()`` (tokens) and the config's ``max_new_tokens``;
+    ``compile_budget``: the run's `trinity_trl.packing.selection.CompileBudget`, shared with compiled layers."""
     cache = config.cache_implementation
     choice = choose_decoding(
         compile_generation,
@@ -173,7 +175,7 @@ def plan_decoding(
         config.disable_compile = False
         config.cache_implementation = "static"
         config.max_cache_len = length.tokens
-    return GroupedDecoding(choice, length, on_prefill)
+    return GroupedDecoding(choice, length, on_prefill, compile_budget)
 
 
 def compile_config_for(device: torch.device | str, given: Any = None) -> Any:
@@ -274,6 +276,9 @@ class GroupedDecoding:
         choice: the run's `DecodingChoice`.
         cache_length: the static cache's length (compiled decoding only).
         on_prefill: called after each shared prefill (a forward: progress, for a worker's heartbeat).
+        compile_budget: the run's compile budget (`trinity_trl.packing.selection.CompileBudget`), which compiled
+            layers share: each (mode, batch, length) decoded counts one graph of user ``"generation"``, and a
+            compiled call runs with dynamo's recompile limit above the run's total.
     """
 
     def __init__(
@@ -281,12 +286,14 @@ class GroupedDecoding:
         choice: DecodingChoice,
         cache_length: CacheLength | None = None,
         on_prefill: Callable[[], None] | None = None,
+        compile_budget: Any = None,
     ):
         if choice.compiled and cache_length is None:
             raise ValueError("compiled decoding needs a CacheLength")
         self.choice = choice
         self.cache_length = cache_length
         self.on_prefill = on_prefill
+        self.compile_budget = compile_budget
         self.compilations = 0  # graphs torch.compile built while this object decoded
         self.recompilations = 0  # ... for a (mode, batch, length) it had decoded before
         self.recordings = 0  # CUDA graphs recorded while it decoded
@@ -347,7 +354,10 @@ class GroupedDecoding:
             for index, layer in enumerate(prefix.layers):
                 cache.update(layer.keys[owner], layer.values[owner], index)
         key = (bool(model.training), batch, length)
-        with CompileEvents() as events:
+        if self.compile_budget is not None:
+            self.compile_budget.add(key, user="generation", graphs=1)
+        limit = self.compile_budget.limit() if self.compile_budget is not None else contextlib.nullcontext()
+        with limit, CompileEvents() as events:
             out = original(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
