@@ -65,6 +65,7 @@ SURFACE: dict[tuple[str, str, str], str] = {
     # ---------------------------------------------------------------- overrides: TRL's GRPOTrainer
     ("override", GRPO_TRAINER, "_compute_loss"): "our loss (TrinityLossMixin) with TRL's log-prob helper",
     ("override", GRPO_TRAINER, "_generate_and_score_completions"): "advantages, extra rows, KL in the reward",
+    ("override", GRPO_TRAINER, "_generate_single_turn"): "one prefill per group, compiled decoding; rollouts call it",
     ("override", GRPO_TRAINER, "_get_per_token_logps_and_entropies"): "prefix packing's forward",
     ("override", GRPO_TRAINER, "_load_optimizer_and_scheduler"): "our checkpoint extras loaded on resume",
     ("override", GRPO_TRAINER, "_name"): "the algorithm's name on the model card",
@@ -105,7 +106,6 @@ SURFACE: dict[tuple[str, str, str], str] = {
     # ---------------------------------------------------------------- private attributes of TRL's objects
     ("attribute", "trl", "_buffered_inputs"): "GRPOTrainer's buffered generation batch (checkpointed mid-batch)",
     ("attribute", "trl", "_calculate_rewards"): "GRPOTrainer's reward pass, called for extra rows (Scoring)",
-    ("attribute", "trl", "_generate_single_turn"): "GRPOTrainer's generation, called by the rollouts",
     ("attribute", "trl", "_groups_before_resume"): "AsyncGRPOTrainer's epoch count on resume",
     ("attribute", "trl", "_is_vlm"): "GRPOTrainer's vision-language flag (PPO refuses it)",
     ("attribute", "trl", "_iter_named_params"): "TRL's vLLM weight iterator (the CPU colocate sync)",

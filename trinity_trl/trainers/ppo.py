@@ -33,7 +33,7 @@ from ..training import checks
 from ..training.advantages import Advantages, AdvantageSources
 from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
 from ..training.grpo_seams import bind_trl_arguments, trained_mask
-from ..training.loss import LossBatch
+from ..training.loss import LossBatch, masked_finite
 from ..training.metrics import append_metrics
 from .common import default_output_dir
 from .config import TrinityConfig, from_trl_config
@@ -396,7 +396,7 @@ class PPOTrainer(TrinityTrainer):
         loss_mask = loss_mask * finite
         aggregation = self.loss_normalizer.plan(LossBatch.from_trl(inputs), loss_mask, self.algorithm.loss_agg_mode)
         loss, metrics = clipped_value_loss(
-            *(checks.masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
+            *(masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
             loss_mask,
             self.args.cliprange_value,
             aggregation,
