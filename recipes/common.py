@@ -234,10 +234,11 @@ def peft_config(args) -> Any:
 #: options of the synchronous trainers (TRL's GRPOConfig) that the asynchronous ones do not take, and what to use
 #: instead under --asynchronous; any other one gets the generic line of `refuse_synchronous_options`
 ASYNCHRONOUS_INSTEAD = {
-    "steps_per_generation": "the worker generates one group at a time all along, and how far behind the trained "
-    "weights a sample may be is --max_staleness (weight syncs; --weight_sync_steps sets how often they happen)",
-    "generation_batch_size": "the worker generates one group (--num_generations completions) at a time; a "
-    "micro-batch holds --per_device_train_batch_size samples, or --token_budget tokens",
+    "steps_per_generation": "the worker generates all along, an optimizer step's groups per call, and how far "
+    "behind the trained weights a sample may be is --max_staleness (weight syncs; --weight_sync_steps sets how often "
+    "they happen)",
+    "generation_batch_size": "the worker generates an optimizer step's groups (--num_generations completions each) "
+    "per call; a micro-batch holds --per_device_train_batch_size samples, or --token_budget tokens",
     "num_iterations": "each sample is trained once; how stale it may be is --max_staleness",
     "use_vllm": "--generation_backend vllm (TRL's worker against a vllm serve server at --vllm_server_base_url)",
     "vllm_mode": "--generation_backend vllm (a vllm serve server at --vllm_server_base_url)",

@@ -116,8 +116,8 @@ def test_an_option_only_the_synchronous_trainer_has_is_named(tiny_model_dir, tmp
         cli([*base, "--asynchronous", "--steps_per_generation", "2"])
     assert str(info.value).startswith(
         "--steps_per_generation is an option of the synchronous trainers, not of the asynchronous one "
-        "(--asynchronous): the worker generates one group at a time all along, and how far behind the trained "
-        "weights a sample may be is --max_staleness"
+        "(--asynchronous): the worker generates all along, an optimizer step's groups per call, and how far behind "
+        "the trained weights a sample may be is --max_staleness"
     )
     assert "did you mean" not in str(info.value) and "\n" not in str(info.value)
     config = tmp_path / "mine.yaml"
