@@ -505,7 +505,8 @@ def markdown(summary: dict) -> str:
     lines += seeded_study.tuning_lines(arms, plan, LABELS)
     lines += ["", "## Curves (mean success over the scored seeds)", ""]
     for arm, s in arms.items():
-        lines.append(f"- {LABELS[arm]}: " + "; ".join(f"step {c['step']}: {cell(c['success'])}" for c in s["curve"]))
+        points = "; ".join(f"step {c['step']}: {cell(c['success'])}" for c in s["curve"]) or "no run yet"
+        lines.append(f"- {LABELS[arm]}: {points}")
     lines += [
         "",
         "## Cost",

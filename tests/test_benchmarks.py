@@ -863,3 +863,19 @@ def test_the_gigpo_plan_is_committed_under_its_fingerprint_and_the_chord_plan_is
     plan_file = (BENCHMARKS / "results" / "gigpo_study_plan.md").read_text()
     assert f"**`{gigpo_study.plan_key()}`**" in plan_file
     assert gigpo_study.plan_key({**gigpo_study.PLAN, "steps": 41}) != gigpo_study.plan_key()
+
+
+def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and while
+    the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gigpo_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "gigpo_study.md").read_text() == markdown(summary)
+    assert any(r["arm"] == "base" for r in load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #gigpo-study }") :]
+    if summary["partial"]:
+        assert "**Running; no result yet.**" in section[:200]
