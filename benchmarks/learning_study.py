@@ -417,12 +417,7 @@ def summarise(records: list[dict], plan: dict = PLAN) -> dict:
         }
     total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
     return {
-        "plan": plan,
-        "plan_key": plan_key(plan),
-        "complete_seeds": complete,
-        "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
-        "runs_done": sum(r["arm"] != "base" for r in records),
-        "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+        **seeded_study.progress(records, plan, rates, complete),
         "tests": tests,
         "arms": arms,
         "base": None if base is None else {k: _final(base)[k] for k in (*GROUPS, "by_kind")},
@@ -472,19 +467,8 @@ def _learned(runs: list[dict], base: dict | None, plan: dict) -> dict:
 
 def markdown(summary: dict) -> str:
     plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
-    seeds = summary["complete_seeds"]
-    lines = ["# The pre-registered CHORD study (issue 45)", ""]
-    if summary["partial"]:
-        lines += [
-            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
-            f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
-            "intervals over the seeds reached, not its result.",
-            "",
-        ]
+    lines = seeded_study.header_lines(summary, "The pre-registered CHORD study (issue 45)", "learning_study_plan.md")
     lines += [
-        f"Plan `{summary['plan_key']}` (`learning_study_plan.md`, committed before the first scored run). CPU time of "
-        f"the finished runs: {summary['cpu_s'] / 3600:.1f} h of one core.",
-        "",
         "## Pre-registered tests (held-out accuracy after the last step, paired t over the scored seeds)",
         "",
         "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",

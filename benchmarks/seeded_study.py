@@ -120,6 +120,39 @@ def scored_runs(records: list[dict], plan: dict) -> tuple[dict, dict, list[int]]
     return rates, scored, complete
 
 
+def progress(records: list[dict], plan: dict, rates: dict, complete: list[int]) -> dict:
+    """The summary's bookkeeping: the fingerprint, the complete seeds, whether the study is partial (a seed missing or
+    tuning unfinished), runs done and planned (the grid's extensions counted), and the CPU seconds of every run."""
+    return {
+        "plan": plan,
+        "plan_key": plan_key(plan),
+        "complete_seeds": complete,
+        "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
+        "runs_done": sum(r["arm"] != "base" for r in records),
+        "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+    }
+
+
+def header_lines(summary: dict, title: str, plan_file: str) -> list[str]:
+    """The summary's title, the PARTIAL banner while the study is partial, and the plan line."""
+    plan, seeds = summary["plan"], summary["complete_seeds"]
+    lines = [f"# {title}", ""]
+    if summary["partial"]:
+        lines += [
+            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
+            f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
+            "intervals over the seeds reached, not its result.",
+            "",
+        ]
+        if summary.get("budget_spent"):
+            lines += [f"The CPU budget ({plan['cpu_budget_h']} h of one core) is spent: the study stops here.", ""]
+    return lines + [
+        f"Plan `{summary['plan_key']}` (`{plan_file}`, committed before the first scored run). CPU time of "
+        f"the finished runs: {summary['cpu_s'] / 3600:.1f} h of one core.",
+        "",
+    ]
+
+
 def paired_tests(plan: dict, scored: dict, outcome: Callable[[dict], float], extra: dict | None = None) -> dict:
     """The pre-registered tests: per comparison (``primary``, ``secondary 1``, ...), the per-seed differences of
     ``outcome(run)`` over the seeds both arms reached, a paired t with its interval, Holm's adjusted p over the
