@@ -19,7 +19,7 @@ from trinity_trl.algorithms.registry import import_components
 PLUGIN = textwrap.dedent(
     '''
     """Two losses of a user's project, each with one hyperparameter."""
-    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
+    from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn
 
 
     @POLICY_LOSS_FN.register("scaled_reinforce")
@@ -30,9 +30,8 @@ PLUGIN = textwrap.dedent(
             super().__init__(backend)
             self.scale = scale
 
-        def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
-            loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
-            return loss, {"scaled_reinforce_loss": loss.detach()}
+        def token_losses(self, logprob, advantages, **_):
+            return -self.scale * advantages * logprob, {}
 
 
     @POLICY_LOSS_FN.register("scaled_sft")
@@ -45,9 +44,8 @@ PLUGIN = textwrap.dedent(
             super().__init__(backend)
             self.scale = scale
 
-        def compute(self, logprob, action_mask, loss_agg_mode, **_):
-            loss = agg_loss(-self.scale * logprob, action_mask, loss_agg_mode)
-            return loss, {"scaled_sft_loss": loss.detach()}
+        def token_losses(self, logprob, **_):
+            return -self.scale * logprob, {}
     '''
 )
 
@@ -152,7 +150,7 @@ def test_import_errors_are_one_line(tmp_path):
 
 CONTRACT_PLUGIN = textwrap.dedent(
     '''
-    """Three losses of a user's project against the aggregation contract (issue 37, item 1)."""
+    """Losses of a user's project against the aggregation contract (issue 37 item 1, issue 54 item 1)."""
     from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss
 
 
@@ -185,9 +183,25 @@ CONTRACT_PLUGIN = textwrap.dedent(
         weighs_samples_itself = True
 
 
+    @POLICY_LOSS_FN.register("per_token")
+    class PerToken(PolicyLossFn):
+        """The contract: per-token losses, which the trainer aggregates."""
+
+        def token_losses(self, logprob, advantages, **_):
+            return -advantages * logprob, {}
+
+
+    @POLICY_LOSS_FN.register("scalar_token_losses")
+    class ScalarTokenLosses(PolicyLossFn):
+        """A per-token method that averages its own tokens."""
+
+        def token_losses(self, logprob, action_mask, advantages, **_):
+            return (-advantages * logprob * action_mask).sum() / action_mask.sum().clamp(min=1), {}
+
+
     @POLICY_LOSS_FN.register("takes_aggregation")
     class TakesAggregation(PolicyLossFn):
-        """The contract: it receives its aggregation."""
+        """The old contract (issue 37): it receives its aggregation in compute (deprecated, issue 54)."""
 
         def __init__(self, backend: str = "trl", scale: float = 1.0):
             super().__init__(backend)
@@ -197,6 +211,16 @@ CONTRACT_PLUGIN = textwrap.dedent(
             loss = agg_loss(-self.scale * advantages * logprob, action_mask, loss_agg_mode)
             return loss, {"takes_aggregation_loss": loss.detach()}
     '''
+)
+
+
+CONTRACT_LOSSES = (
+    "self_averaging",
+    "renamed_mode",
+    "declared_self_averaging",
+    "per_token",
+    "scalar_token_losses",
+    "takes_aggregation",
 )
 
 
@@ -215,25 +239,57 @@ def test_a_loss_that_does_not_take_its_aggregation_is_refused_at_construction(tm
             TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "out")), policy_loss=name, kl_loss="none")
         assert "\n" not in str(error.value) and name in str(error.value)
     finally:
-        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+        for registered in CONTRACT_LOSSES:
             if registered in POLICY_LOSS_FN._entries:
                 POLICY_LOSS_FN.unregister(registered)
         sys.modules.pop("contract_losses", None)
 
 
-@pytest.mark.parametrize("name", ["takes_aggregation", "declared_self_averaging"])
+def test_a_per_token_method_that_averages_its_tokens_is_refused_when_the_trainer_is_built(tmp_path):
+    """Issue 54 item 1: a ``token_losses`` returning no ``(B, T)`` tensor (here its own mean) would train at the wrong
+    scale; a probe call with dummy inputs refuses it, in one line, when the config (so the trainer) is built."""
+    from trinity_trl.trainers import TrinityConfig
+
+    path = tmp_path / "contract_losses.py"
+    path.write_text(CONTRACT_PLUGIN)
+    try:
+        import_components(str(path))
+        with pytest.raises(ValueError, match=r"token_losses\(\) must return .*probe call .* gave shape \(\)") as error:
+            TrinityConfig(
+                **tiny_grpo_kwargs(output_dir=str(tmp_path / "out")), policy_loss="scalar_token_losses", kl_loss="none"
+            )
+        assert "\n" not in str(error.value) and "scalar_token_losses" in str(error.value)
+    finally:
+        for registered in CONTRACT_LOSSES:
+            if registered in POLICY_LOSS_FN._entries:
+                POLICY_LOSS_FN.unregister(registered)
+        sys.modules.pop("contract_losses", None)
+
+
+@pytest.mark.parametrize("name", ["per_token", "takes_aggregation", "declared_self_averaging"])
 def test_a_loss_that_keeps_the_contract_trains(tmp_path, tiny_model_dir, name):
-    """A loss that receives its aggregation, or declares that it weighs its samples itself, trains; the trainer
-    passes the aggregation as an argument and never copies or changes the user's object."""
+    """A loss that gives per-token losses, or keeps the old contract (it receives its aggregation, with one deprecation
+    warning), or declares that it weighs its samples itself, trains; the trainer never copies or changes the user's
+    object."""
+    import warnings
+
     from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
     path = tmp_path / "contract_losses.py"
     path.write_text(CONTRACT_PLUGIN)
     try:
         import_components(str(path))
-        args = TrinityConfig(
-            **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1), policy_loss=name, kl_loss="none"
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = TrinityConfig(
+                **tiny_grpo_kwargs(output_dir=str(tmp_path / "out"), max_steps=1), policy_loss=name, kl_loss="none"
+            )
+        deprecations = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        if name == "takes_aggregation":
+            assert len(deprecations) == 1 and "\n" not in deprecations[0]
+            assert "token_losses()" in deprecations[0] and "until trinity_trl 0.3.0" in deprecations[0]
+        else:
+            assert deprecations == []
         trainer = TrinityTrainer(
             model=tiny_model_dir, reward_funcs=length_reward, train_dataset=tiny_conversational_dataset(), args=args
         )
@@ -245,7 +301,7 @@ def test_a_loss_that_keeps_the_contract_trains(tmp_path, tiny_model_dir, name):
         assert any(f"actor/{name.replace('declared_', '')}_loss" in e for e in trainer.state.log_history)
         assert trainer.components.policy_loss is loss and vars(loss) == state
     finally:
-        for registered in ("self_averaging", "renamed_mode", "declared_self_averaging", "takes_aggregation"):
+        for registered in CONTRACT_LOSSES:
             if registered in POLICY_LOSS_FN._entries:
                 POLICY_LOSS_FN.unregister(registered)
         sys.modules.pop("contract_losses", None)

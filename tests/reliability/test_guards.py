@@ -6,7 +6,8 @@ the loss (so an inf in padding cannot become a 0·inf = NaN gradient), and repla
 an exact zero. Logged counts since the previous log line: `guards/nonfinite_logps`, `guards/nonfinite_advantages`
 (tokens), `guards/empty_mask`, `guards/nonfinite_loss` (micro-batches).
 
-The guard functions themselves (`guard_loss_mask`, `masked_finite`) on tensors: tests/training/test_checks.py.
+The guard functions themselves on tensors: `guard_loss_mask` in tests/training/test_checks.py, `masked_finite` in
+tests/training/test_loss.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from trinity_trl.trainers import (
     TrinityTrainer,
 )
 from trinity_trl.training import checks
+from trinity_trl.training import loss as loss_module
 from trinity_trl.training.checks import GUARD_METRICS
 
 
@@ -101,7 +103,7 @@ def test_without_the_guards_the_same_inputs_poison_the_gradient(tmp_path, tiny_m
     """The test above has power: with the guards switched off, SAPO's soft gate turns the -inf in padding into a NaN
     gradient (0 · σ'(∞) · ∞), and the NaN behaviour log-prob into a NaN loss."""
     monkeypatch.setattr(checks, "guard_loss_mask", lambda mask, *a: (mask, {}))
-    monkeypatch.setattr(checks, "masked_finite", lambda value, mask: value)
+    monkeypatch.setattr(loss_module, "masked_finite", lambda value, mask: value)
     monkeypatch.setattr(checks, "is_finite", lambda x: True)
     trainer, grads = _sapo(tmp_path, tiny_model_dir, cls=_injecting(SAPOTrainer), max_steps=1)
     trainer.train()
@@ -114,13 +116,13 @@ def test_nonfinite_loss_is_replaced_by_zero_and_counted(tmp_path, tiny_model_dir
     class Overflowing(SAPOTrainer):
         def _policy_loss_for(self, mode):
             loss_fn = copy.copy(super()._policy_loss_for(mode))
-            compute = loss_fn.compute
+            token_losses = loss_fn.token_losses
 
             def overflowing(**inputs):
-                loss, metrics = compute(**inputs)
-                return loss * torch.inf, metrics
+                values, metrics = token_losses(**inputs)
+                return values * torch.inf, metrics
 
-            loss_fn.compute = overflowing
+            loss_fn.token_losses = overflowing
             return loss_fn
 
     trainer, grads = _sapo(tmp_path, tiny_model_dir, cls=Overflowing, max_steps=1)

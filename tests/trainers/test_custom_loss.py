@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
-from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, agg_loss, masked_mean
+from trinity_trl.algorithms import POLICY_LOSS_FN, PolicyLossFn, masked_mean
 from trinity_trl.rollouts import Environment, StepResult
 from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer, TrinityConfig, TrinityTrainer
 
@@ -25,9 +25,8 @@ class ClippedReinforce(PolicyLossFn):
     def linear_in_advantage(self) -> bool:
         return False
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
-        loss = agg_loss(-advantages.clamp(-self.clip, self.clip) * logprob, action_mask, loss_agg_mode)
-        return loss, {"clipped_reinforce_loss": loss.detach()}
+    def token_losses(self, logprob, advantages, **_):
+        return -advantages.clamp(-self.clip, self.clip) * logprob, {}
 
 
 class SequenceRatioReinforce(PolicyLossFn):
@@ -37,10 +36,11 @@ class SequenceRatioReinforce(PolicyLossFn):
     def sequence_level(self) -> bool:
         return True
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    loss_metric = "sequence_loss"
+
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         ratio = torch.exp(masked_mean(logprob - old_logprob, action_mask, dim=-1)).unsqueeze(-1)
-        loss = agg_loss(-advantages * ratio * logprob, action_mask, loss_agg_mode)
-        return loss, {"sequence_loss": loss.detach()}
+        return -advantages * ratio * logprob, {}
 
 
 @pytest.fixture

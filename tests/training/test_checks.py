@@ -23,7 +23,6 @@ from trinity_trl.training.checks import (
     check_components,
     guard_loss_mask,
     hub_errors_in_one_line,
-    masked_finite,
 )
 from trinity_trl.training.loss import LossBatch
 
@@ -286,18 +285,6 @@ def test_guard_loss_mask_checks_entropies_and_importance_weights():
     guarded, metrics = guard_loss_mask(mask, torch.zeros(2, 3), batch, entropies)
     assert guarded.tolist() == [[1, 0, 1], [0, 1, 1]]
     assert metrics["guards/nonfinite_logps"] == 1.0 and metrics["guards/nonfinite_advantages"] == 1.0
-
-
-def test_masked_finite_keeps_trained_gradients_and_blocks_padding():
-    mask = torch.tensor([[1.0, 0.0]])
-    logps = torch.tensor([[-1.0, 5.0]], requires_grad=True)
-    old = torch.tensor([[-1.0, -torch.inf]])
-    ratio = torch.exp(masked_finite(logps, mask) - masked_finite(old, mask))
-    (ratio * mask).sum().backward()
-    assert logps.grad.tolist() == [[1.0, 0.0]]
-    assert masked_finite(torch.tensor([1.0, torch.nan, torch.inf]), mask).tolist() == [1.0, 0.0, 0.0]
-    assert masked_finite(torch.tensor([[1, 2]]), mask).dtype == torch.long  # masks and ids pass through
-    assert masked_finite(None, mask) is None
 
 
 # ------------------------------------------------------------------------------------ as a trainer raises them

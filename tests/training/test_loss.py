@@ -8,13 +8,16 @@ step instead of its micro-batches.
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import torch
 from tolerance import approx, assert_close
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
 from trinity_trl.algorithms.masked import AGGREGATION_MODES, AggregationMode
-from trinity_trl.training.loss import LossBatch, LossNormalizer, WeightedSum
+from trinity_trl.training.loss import LossBatch, LossNormalizer, WeightedSum, masked_finite
 
 SPEC_EPSILON = 1e-8  # the spec's masked mean: sum / (count + 1e-8)
 
@@ -34,6 +37,18 @@ def micro_batch(mode: str, mask: torch.Tensor, **fields) -> WeightedSum:
     return LossNormalizer("micro_batch", num_processes=1, steps_per_generation=1).plan(
         loss_batch(mask, **fields), mask, mode
     )
+
+
+def test_masked_finite_keeps_trained_gradients_and_blocks_padding():
+    mask = torch.tensor([[1.0, 0.0]])
+    logps = torch.tensor([[-1.0, 5.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -torch.inf]])
+    ratio = torch.exp(masked_finite(logps, mask) - masked_finite(old, mask))
+    (ratio * mask).sum().backward()
+    assert logps.grad.tolist() == [[1.0, 0.0]]
+    assert masked_finite(torch.tensor([1.0, torch.nan, torch.inf]), mask).tolist() == [1.0, 0.0, 0.0]
+    assert masked_finite(torch.tensor([[1, 2]]), mask).dtype == torch.long  # masks and ids pass through
+    assert masked_finite(None, mask) is None
 
 
 # ------------------------------------------------------------------------------------------------ bad arguments
@@ -303,3 +318,216 @@ def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_st
     if mode == "token-mean":
         per_micro_batch = sum(micro_batch(mode, mb["mask"])(mb["loss"], mb["mask"]) for mb in micro_batches) / 4
         assert not torch.allclose(per_micro_batch, whole, rtol=1e-3)
+
+
+# --------------------------------------------------------------------- the trainers' micro-batches, before and after
+# Issue 54 item 1: the trainers take per-token losses and aggregate them here once. Each case runs one micro-batch
+# through a trainer's own loss code (`TrinityLossMixin._micro_batch_loss` of the real trainer class, its host built
+# without a model) in float64, and compares its loss, gradient with respect to the log-probs and metrics with those
+# the code of commit 7fef122 gave (`micro_batch_losses_before.json`): synchronous trainers (padded rows, StepGRPO's
+# packed segments, both normalisations, KL and entropy terms, CHORD/MIX training and evaluation) and asynchronous
+# ones (step counts, staleness, CHORD's weights from each optimizer step's counts).
+MICRO_BATCHES_BEFORE = pathlib.Path(__file__).with_name("micro_batch_losses_before.json")
+ROWS, WIDTH, ACCUMULATION = 6, 7, 2
+KL_ENTROPY = {"kl_loss": {"name": "k3", "kl_coef": 0.05}, "entropy_loss": {"name": "default", "entropy_coef": 0.01}}
+#: (case id, trainer, config options, batch options)
+TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
+    ("grpo", "TrinityTrainer", {**KL_ENTROPY}, {}),
+    (
+        "grpo-global-seqmean",
+        "TrinityTrainer",
+        {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"},
+        {},
+    ),
+    ("grpo-is-ratio", "TrinityTrainer", {"loss_agg_mode": "seq-mean-token-sum-norm"}, {"is_ratio": True}),
+    ("gspo", "TrinityTrainer", {"algorithm": "gspo"}, {}),
+    ("cispo-global", "TrinityTrainer", {"algorithm": "cispo", "loss_normalization": "global"}, {}),
+    ("sapo", "TrinityTrainer", {"algorithm": "sapo", **KL_ENTROPY}, {"token_advantages": True}),
+    ("rec-gspo", "TrinityTrainer", {"algorithm": "rec", "policy_loss": {"clip_mode": "gspo-one-side"}}, {}),
+    ("opmd", "TrinityTrainer", {"algorithm": "opmd"}, {}),
+    ("topr", "TrinityTrainer", {"algorithm": "topr", "loss_agg_mode": "seq-mean-token-sum"}, {}),
+    ("sppo", "TrinityTrainer", {"algorithm": "sppo"}, {}),
+    ("raft", "TrinityTrainer", {"algorithm": "raft"}, {}),
+    ("importance_sampling", "TrinityTrainer", {"policy_loss": "importance_sampling"}, {}),
+    ("ppo-seqmask", "TrinityTrainer", {"policy_loss": {"clip_range": 0.2, "enable_sequence_masking": True}}, {}),
+    (
+        "segments-global",
+        "TrinityTrainer",
+        {"loss_normalization": "global", "loss_agg_mode": "seq-mean-token-mean"},
+        {"segments": True},
+    ),
+    ("guards", "TrinityTrainer", {**KL_ENTROPY}, {"poison": True}),
+    ("chord", "ChordTrainer", {"expert_batch_size": 2, **KL_ENTROPY}, {"experts": 2}),
+    ("chord-eval", "ChordTrainer", {"expert_batch_size": 2}, {"mode": "eval"}),
+    ("chord-mu", "ChordTrainer", {"paper_config": "chord_mu", "max_steps": 50, "num_generations": 8}, {"experts": 1}),
+    (
+        "mix",
+        "ChordTrainer",
+        {"algorithm": "mix", "sft_loss_agg_mode": "seq-mean-token-mean", "expert_batch_size": 2},
+        {"experts": 2},
+    ),
+    ("async-grpo", "AsyncTrinityTrainer", {**KL_ENTROPY}, {"staleness": True}),
+    (
+        "async-cispo-global",
+        "AsyncTrinityTrainer",
+        {"algorithm": "cispo", "loss_normalization": "global"},
+        {"staleness": True},
+    ),
+    ("async-sapo-global", "AsyncTrinityTrainer", {"algorithm": "sapo", "loss_normalization": "global"}, {}),
+    ("async-chord", "AsyncChordTrainer", {"expert_batch_size": 2}, {"experts": 2, "staleness": True}),
+    (
+        "async-mix",
+        "AsyncChordTrainer",
+        {"algorithm": "mix", "grpo_loss_agg_mode": "seq-mean-token-mean"},
+        {"experts": 1},
+    ),
+]
+
+
+def trainer_config(trainer: str, options: dict):
+    """The config of ``trainer`` with ``options`` (``grpo_loss_agg_mode`` goes to the policy loss)."""
+    import trinity_trl.trainers as trainers
+
+    options = dict(options)
+    if "grpo_loss_agg_mode" in options:
+        options["policy_loss"] = {"grpo_loss_agg_mode": options.pop("grpo_loss_agg_mode")}
+    config_class = getattr(trainers, trainer.replace("Trainer", "Config"))
+    if config_class.__name__ == "TrinityConfig" or config_class.__name__ == "ChordConfig":
+        from helpers import tiny_grpo_kwargs
+
+        base = tiny_grpo_kwargs(output_dir="unused", gradient_accumulation_steps=ACCUMULATION)
+    else:
+        from async_helpers import tiny_async_kwargs
+
+        base = tiny_async_kwargs(output_dir="unused", gradient_accumulation_steps=ACCUMULATION)
+    return config_class(**{**base, **options})
+
+
+def trainer_host(trainer: str, config):
+    """An instance of the real trainer class ``trainer`` holding what its loss code reads, built without a model."""
+    import types
+    from collections import defaultdict
+
+    import trinity_trl.trainers as trainers
+
+    cls = getattr(trainers, trainer)
+    host = object.__new__(cls)
+    host.args = config
+    host.components = config.take_components()
+    host.algorithm = host.components.algorithm
+    asynchronous = trainer.startswith("Async")
+    per_micro_step = config.gradient_accumulation_steps if asynchronous else config.steps_per_generation
+    host.loss_normalizer = LossNormalizer(config.loss_normalization, 1, per_micro_step)
+    host.current_gradient_accumulation_steps = ACCUMULATION
+    host.aux_loss_enabled = False
+    host.model = torch.nn.Linear(1, 1)
+    host.state = types.SimpleNamespace(global_step=5)
+    host.accelerator = types.SimpleNamespace(num_processes=1)
+    host._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    host._eval_policy_loss = None
+    return host
+
+
+def trainer_micro_batch(case: str, options: dict) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """``(TRL-style batch dict, log-probs leaf, entropies)`` of one case, float64, ``ROWS`` x ``WIDTH``."""
+    generator = torch.Generator().manual_seed(sum(map(ord, case)))
+    rand = lambda *shape: torch.rand(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    lengths = [7, 5, 3, 7, 1, 0] if options.get("mode") != "eval" else [7, 5, 3, 7, 2, 6]
+    mask = ragged_mask(lengths, WIDTH)
+    logps = (-3.0 * rand(ROWS, WIDTH) - 0.05).requires_grad_(True)
+    batch = {
+        "completion_mask": mask,
+        "advantages": 2.0 * rand(ROWS, WIDTH) - 1.0 if options.get("token_advantages") else 2.0 * rand(ROWS) - 1.0,
+        "old_per_token_logps": logps.detach() + 0.8 * rand(ROWS, WIDTH) - 0.4,
+        "ref_per_token_logps": logps.detach() + 0.6 * rand(ROWS, WIDTH) - 0.3,
+    }
+    if options.get("is_ratio"):
+        batch["importance_sampling_ratio"] = 0.5 + rand(ROWS, WIDTH)
+    if options.get("segments"):
+        batch["segment_ids"] = torch.tensor(
+            [[0, 0, -1, 1, 1, 1, 2], [0, 0, 0, 1, 1, -1, -1], [0, 0, 0, -1, -1, -1, -1]]
+            + [[0, 1, 1, 1, 2, 2, 2], [0, -1, -1, -1, -1, -1, -1], [-1] * WIDTH]
+        )
+        batch["completion_mask"] = mask * (batch["segment_ids"] >= 0)
+        batch["sample_count"] = torch.tensor([3, 2, 1, 3, 1, 0])
+        batch["step_width"] = torch.tensor([3, 3, 3, 3, 1, 1])
+    experts = options.get("experts", 0)
+    batch["expert_mask"] = torch.arange(ROWS) >= ROWS - experts
+    if options.get("poison"):
+        batch["old_per_token_logps"][0, 2] = torch.nan  # a trained token the guards drop
+        batch["ref_per_token_logps"][5, 3] = torch.inf  # an untrained one they zero
+    counts = LossNormalizer.global_counts(loss_batch(batch["completion_mask"], sample_count=batch.get("sample_count")))
+    batch["global_loss_tokens"], batch["global_loss_rows"] = 3.0 * counts[0], 3.0 * counts[1]
+    entropies = 3.0 * rand(ROWS, WIDTH)
+    return batch, logps, entropies
+
+
+def loss_result(loss: torch.Tensor, logps: torch.Tensor, metrics: dict) -> dict:
+    (grad,) = torch.autograd.grad(loss, logps, allow_unused=True)
+    grad = torch.zeros_like(logps) if grad is None else grad
+    return {"loss": loss.item(), "grad": grad.tolist(), "metrics": {k: v[-1] for k, v in metrics.items()}}
+
+
+def async_loss_batch(host, batch: dict, options: dict) -> tuple[LossBatch, dict]:
+    """The `LossBatch` `AsyncTrinityTrainer.compute_loss` builds of ``batch``, and the step totals it reads."""
+    experts = options.get("experts", 0)
+    step = {
+        "step_trained_tokens": torch.tensor([3.0 * float(batch["completion_mask"].sum())]),
+        "step_samples": torch.tensor([3.0 * ROWS]),
+        "step_expert_samples": torch.tensor([3.0 * experts]),
+    }
+    staleness = torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 0.0]) if options.get("staleness") else torch.zeros(ROWS)
+    if experts:
+        staleness[ROWS - experts :] = torch.nan
+    fields = dict(
+        mask=batch["completion_mask"],
+        advantages=batch["advantages"],
+        old_logps=batch["old_per_token_logps"],
+        ref_logps=batch["ref_per_token_logps"] if host.algorithm.needs_reference else None,
+        expert_rows=batch["expert_mask"] if host.supports_expert_rows else None,
+        global_tokens=step["step_trained_tokens"][0],
+        global_samples=step["step_samples"][0],
+        staleness=staleness,
+    )
+    return fields, step
+
+
+def run_trainer_case(trainer: str, config_options: dict, options: dict, case: str) -> dict:
+    config = trainer_config(trainer, config_options)
+    host = trainer_host(trainer, config)
+    batch, logps, entropies = trainer_micro_batch(case, options)
+    mode = options.get("mode", "train")
+    entropies = entropies if host.components.entropy_loss.enabled else None
+    if trainer.startswith("Async"):
+        fields, step = async_loss_batch(host, batch, options)
+        loss = host._micro_batch_loss(host.model, async_batch(host, fields, step), logps, entropies, None, mode)
+    else:
+        loss = host._micro_batch_loss(host.model, LossBatch.from_trl(batch), logps, entropies, None, mode)
+    return loss_result(loss, logps, host._metrics[mode])
+
+
+def async_batch(host, fields: dict, step: dict) -> LossBatch:
+    """The asynchronous trainer's `LossBatch`, with CHORD's per-sample weights of this optimizer step."""
+    return LossBatch(**fields, class_weights=host._class_weights(step))
+
+
+def test_every_trainer_case_was_recorded():
+    recorded = json.loads(MICRO_BATCHES_BEFORE.read_text())["cases"]
+    assert set(recorded) == {case for case, *_ in TRAINER_CASES}
+
+
+@pytest.mark.parametrize("case, trainer, config_options, options", TRAINER_CASES, ids=[c[0] for c in TRAINER_CASES])
+def test_each_trainer_micro_batch_gives_the_loss_gradient_and_metrics_it_gave_before(
+    case, trainer, config_options, options
+):
+    """The loss, its gradient with respect to the log-probs and the metrics of a micro-batch through the trainer's own
+    loss code equal those the code before per-token losses gave, in float64: the same per-token terms, aggregated in
+    another order at most (42 tokens, terms of magnitude at most a few units)."""
+    before = json.loads(MICRO_BATCHES_BEFORE.read_text())["cases"][case]
+    got = run_trainer_case(trainer, config_options, options, case)
+    terms = ROWS * WIDTH
+    assert got["loss"] == approx(before["loss"], dtype=torch.float64, terms=terms, scale=max(1.0, abs(before["loss"])))
+    assert_close(*(torch.tensor(g, dtype=torch.float64) for g in (got["grad"], before["grad"])), terms=terms, scale=1.0)
+    assert set(got["metrics"]) == set(before["metrics"])
+    for key, value in before["metrics"].items():
+        assert got["metrics"][key] == approx(value, dtype=torch.float64, terms=terms, scale=max(1.0, abs(value))), key

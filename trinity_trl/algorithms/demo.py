@@ -11,7 +11,7 @@ import torch
 
 from . import ADVANTAGE_FN, ALGORITHM_TYPE, EID, ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN, Experience
 from .advantage import scalar_rewards_to_token_level
-from .policy_loss.mix import ExpertMixLossFn
+from .policy_loss.mix import ExpertMixLossFn, step_sample_weights
 
 
 def sample_batch(seed: int = 42, rows: int = 6, width: int = 20) -> dict[str, torch.Tensor]:
@@ -42,7 +42,8 @@ def _one_step_weights(cls, batch: dict[str, torch.Tensor]) -> dict[str, float]:
     if not issubclass(cls, ExpertMixLossFn):
         return {}
     experts = int(batch["expert_mask"].sum())
-    return {"usual_sample_weight": 1 / (len(batch["expert_mask"]) - experts), "expert_sample_weight": 1 / experts}
+    usual, expert = step_sample_weights(len(batch["expert_mask"]) - experts, experts, 1)
+    return {"usual_sample_weight": usual, "expert_sample_weight": expert}
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms.policy_loss import step_sample_weights
 from ..asynchronous.trl_seams import SampleStream
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
@@ -136,7 +137,6 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
         self._expert_cache: dict[int, tuple[list[int], list[int]]] = {}
         self._expert_cursor = 0  # demonstrations drawn so far
         self._expert_order: SeededPasses | None = None
-        self._step_losses: dict[tuple[float, float], Any] = {}
         super().__init__(model, reward_funcs, args, *pos, **kw)
 
     def _sample_stream(self, source) -> SampleStream:
@@ -187,20 +187,14 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             metrics={},
         )
 
-    def _step_policy_loss(self, inputs: dict[str, Any]):
-        """The loss with this optimizer step's per-sample weights: every usual sample of the step (every process)
-        weighs ``1 / usual samples`` and every demonstration ``1 / demonstrations``, after the trainer's division by
-        gradient accumulation and DDP's mean over processes (docs/algorithms/chord.md#normalisation)."""
+    def _class_weights(self, inputs: dict[str, Any]) -> dict[str, float]:
+        """This optimizer step's per-sample weights: every usual sample of the step (every process) weighs ``1 / usual
+        samples`` and every demonstration ``1 / demonstrations``, after the trainer's division by gradient
+        accumulation and DDP's mean over processes (docs/algorithms/chord.md#normalisation)."""
         samples, experts = float(inputs["step_samples"][0]), float(inputs["step_expert_samples"][0])
-        scale = self.current_gradient_accumulation_steps * self.accelerator.num_processes
-        weights = (scale / max(samples - experts, 1.0), scale / max(experts, 1.0))
-        if weights not in self._step_losses:
-            if len(self._step_losses) > 64:  # step counts repeat; keep the cache small
-                self._step_losses.clear()
-            self._step_losses[weights] = self.algorithm.build_policy_loss(
-                usual_sample_weight=weights[0], expert_sample_weight=weights[1]
-            )
-        return self._step_losses[weights]
+        micro_steps = self.current_gradient_accumulation_steps * self.accelerator.num_processes
+        usual, expert = step_sample_weights(samples - experts, experts, micro_steps)
+        return {"usual": usual, "expert": expert}
 
     def _trainer_state(self) -> dict[str, Any]:
         return {**super()._trainer_state(), "expert_cursor": self._expert_cursor}

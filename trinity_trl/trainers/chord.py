@@ -17,6 +17,7 @@ from trl.trainer.utils import pad
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.component import Component, argument_types
+from ..algorithms.policy_loss import step_sample_weights
 from ..data.loading import SeededPasses
 from ..training import checks
 from ..training.loss import LossBatch
@@ -248,10 +249,10 @@ class ChordConfig(ChordFields, TrinityConfig):
         optimizer step)``; the trainer divides by GA, so each sample counts ``1 / B_u``."""
         steps = self.gradient_accumulation_steps / self.steps_per_generation  # generation batches per step
         rollouts = self.per_device_train_batch_size * self.steps_per_generation
-        return {
-            "usual_sample_weight": self.gradient_accumulation_steps / (rollouts * steps),
-            "expert_sample_weight": self.gradient_accumulation_steps / (self.local_expert_rows() * steps),
-        }
+        usual, expert = step_sample_weights(
+            rollouts * steps, self.local_expert_rows() * steps, self.gradient_accumulation_steps
+        )
+        return {"usual_sample_weight": usual, "expert_sample_weight": expert}
 
 
 def _expert_columns(dataset: Dataset) -> str:
@@ -373,9 +374,10 @@ class ChordTrainer(ExpertRowsLoss, TrinityTrainer):
         if mode == "train":
             return self.components.policy_loss
         if self._eval_policy_loss is None:
-            rows = self.args.per_device_eval_batch_size
+            rows = self.args.per_device_eval_batch_size  # an eval micro-batch is its own step
+            usual, expert = step_sample_weights(rows, rows, 1)
             self._eval_policy_loss = self.algorithm.build_policy_loss(
-                usual_sample_weight=1.0 / rows, expert_sample_weight=1.0 / rows
+                usual_sample_weight=usual, expert_sample_weight=expert
             )
         return self._eval_policy_loss
 

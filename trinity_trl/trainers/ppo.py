@@ -32,7 +32,7 @@ from ..data.model import resolve_model
 from ..training import checks
 from ..training.advantages import Advantages, AdvantageSources
 from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
-from ..training.loss import LossBatch
+from ..training.loss import LossBatch, masked_finite
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
@@ -395,7 +395,7 @@ class PPOTrainer(TrinityTrainer):
         loss_mask = loss_mask * finite
         aggregation = self.loss_normalizer.plan(LossBatch.from_trl(inputs), loss_mask, self.algorithm.loss_agg_mode)
         loss, metrics = clipped_value_loss(
-            *(checks.masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
+            *(masked_finite(t, loss_mask) for t in (values, inputs["old_values"], inputs["returns"])),
             loss_mask,
             self.args.cliprange_value,
             aggregation,

@@ -57,23 +57,20 @@ class TrinityLossMixin:
         entropies: torch.Tensor | None,
         aux_loss: torch.Tensor | None,
         mode: str,
-        policy_loss: Any = None,
     ) -> torch.Tensor:
         """The loss to back-propagate for one micro-batch: ``logps`` / ``entropies`` ``(B, T)`` of ``batch``'s rows
         under ``model`` (``entropies`` ``None`` when no entropy term runs), ``aux_loss`` the MoE auxiliary loss (or
-        ``None``). ``policy_loss``: the loss to evaluate (default `_policy_loss_for` ``mode``). Appends the
-        ``actor/*`` and ``guards/*`` metrics of ``mode``."""
+        ``None``). Appends the ``actor/*`` and ``guards/*`` metrics of ``mode``."""
         # numerical guards (checks.py): trained tokens with non-finite inputs leave the mask, and every
-        # untrained position is zeroed, so no NaN/inf reaches the loss or its gradient
+        # untrained position is zeroed (`micro_batch_loss`), so no NaN/inf reaches the loss or its gradient
         mask, guard_metrics = checks.guard_loss_mask(batch.mask, logps, batch, entropies)
-        loss_inputs = {k: checks.masked_finite(v, mask) for k, v in self._loss_inputs(batch, logps, mask).items()}
         loss, metrics = micro_batch_loss(
-            policy_loss if policy_loss is not None else self._policy_loss_for(mode),
+            self._policy_loss_for(mode),
             self.components,
             self.loss_normalizer,
             self.algorithm.loss_agg_mode,
             batch,
-            loss_inputs,
+            self._loss_inputs(batch, logps, mask),
             entropies,
             mask,
         )

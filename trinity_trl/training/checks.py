@@ -12,8 +12,8 @@ handled in a documented way that drops nothing silently (docs/guarantees.md#bad-
 * context: a prompt that cannot fit ``max_completion_length`` more tokens in the model's
   positions is rejected, naming the row and the lengths;
 * loss inputs: `guard_loss_mask` drops trained tokens whose log-probs or advantages are not
-  finite, and `masked_finite` zeroes every untrained position, so NaN/inf cannot reach the
-  loss or its gradient; each event is counted in a ``guards/*`` metric.
+  finite, and `trinity_trl.training.loss.masked_finite` zeroes every untrained position, so NaN/inf cannot reach
+  the loss or its gradient; each event is counted in a ``guards/*`` metric.
 """
 
 from __future__ import annotations
@@ -303,20 +303,6 @@ def guard_loss_mask(
         "guards/empty_mask": (mask == 0).all().float(),
     }
     return mask, metrics
-
-
-def masked_finite(value: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    """``value`` with 0 at every untrained position (``(B, T)``) or non-finite entry (``(B,)``/``(B, 1)``).
-
-    ``torch.where`` keeps the gradient of trained positions and gives exactly 0 elsewhere, so an
-    inf at a padded position cannot turn into a NaN gradient (0 · inf) inside the loss.
-    """
-    if value is None or not torch.is_tensor(value) or not value.is_floating_point():
-        return value
-    zero = torch.zeros((), dtype=value.dtype, device=value.device)
-    if value.shape == mask.shape:
-        return torch.where(mask != 0, value, zero)
-    return torch.where(torch.isfinite(value), value, zero)
 
 
 def zero_loss(model: torch.nn.Module) -> torch.Tensor:

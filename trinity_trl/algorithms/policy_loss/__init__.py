@@ -2,9 +2,9 @@
 ``POLICY_LOSS_FN``."""
 
 from . import chord, cispo, dpo, gspo, importance_sampling, mix, opmd, ppo, rec, sapo, sft, sppo, topr  # noqa: F401
-from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn
+from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn, RowClass
 from .chord import CHORDPolicyLossFn, MIXCHORDPolicyLossFn, mu_schedule_function
-from .mix import BatchGeometry, ExpertMixLossFn, MIXPolicyLossFn
+from .mix import BatchGeometry, ExpertMixLossFn, MIXPolicyLossFn, step_sample_weights
 from .sft import phi_function
 
 __all__ = [
@@ -16,6 +16,8 @@ __all__ = [
     "MIXCHORDPolicyLossFn",
     "MIXPolicyLossFn",
     "PolicyLossFn",
+    "RowClass",
     "mu_schedule_function",
     "phi_function",
+    "step_sample_weights",
 ]

@@ -149,12 +149,15 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
             )
         return max(values)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, expert_mask, step, **_):
-        global_step = self.global_step_of(step, logprob.shape[0])
-        mu = mu_schedule_function(global_step, self.mu_warmup_steps, self.mu_decay_steps, self.mu_peak, self.mu_valley)
-        loss, metrics = self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, mu)
-        metrics["mu"] = mu
-        return loss, metrics
+    def mu_of(self, step: Any, rows: int) -> float:
+        """μ at the batch's ``step`` (`global_step_of`)."""
+        schedule = (self.mu_warmup_steps, self.mu_decay_steps, self.mu_peak, self.mu_valley)
+        return mu_schedule_function(self.global_step_of(step, rows), *schedule)
+
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, expert_mask, step, **_):
+        values, metrics = super().token_losses(logprob, old_logprob, action_mask, advantages, expert_mask)
+        metrics["mu"] = self.mu_of(step, logprob.shape[0])
+        return values, metrics
 
 
 MIXCHORDPolicyLossFn = CHORDPolicyLossFn  # the class's name in Trinity-RFT

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
@@ -37,6 +37,8 @@ class CISPOPolicyLossFn(PolicyLossFn):
     Metrics: ``cispo_loss``, ``ppo_kl = MMEAN(ℓo − ℓ)``, ``unmasked_frac = MMEAN(M)``.
     """
 
+    loss_metric = "cispo_loss"
+
     def __init__(
         self,
         backend: str = "trl",
@@ -56,7 +58,7 @@ class CISPOPolicyLossFn(PolicyLossFn):
         self.mask_clip_range_high = _check_range("cispo", "mask_clip_range_high", mask_clip_range_high, None)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio).detach()
@@ -66,10 +68,8 @@ class CISPOPolicyLossFn(PolicyLossFn):
             too_high = (ratio > 1.0 + self.mask_clip_range_high) & (adv > 0)
             too_low = (ratio < 1.0 - self.mask_clip_range_low) & (adv < 0)
             keep = (~(too_high | too_low)).to(ratio.dtype)
-        loss = agg_loss(-adv * weight * keep * logprob, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
-            "cispo_loss": loss.detach(),
             "ppo_kl": masked_mean(-log_ratio, mask),
             "unmasked_frac": masked_mean(keep, mask),
         }
-        return loss, metrics
+        return -adv * weight * keep * logprob, metrics

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 from .ppo import resolve_clip_range
 
@@ -37,6 +37,7 @@ class GSPOPolicyLossFn(PolicyLossFn):
     preset_defaults = {"clip_range_low": 0.0003, "clip_range_high": 0.0004}
     # TRL's epsilon / epsilon_high are the same relative bounds (1 - epsilon, 1 + epsilon_high)
     trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
+    loss_metric = "pg_loss"
 
     def __init__(
         self,
@@ -70,7 +71,7 @@ class GSPOPolicyLossFn(PolicyLossFn):
     def sequence_level(self) -> bool:
         return True  # one ratio per row
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,)
@@ -78,11 +79,9 @@ class GSPOPolicyLossFn(PolicyLossFn):
 
         loss_unclipped = -adv * seq_ratio
         loss_clipped = -adv * torch.clamp(seq_ratio, 1.0 - self.clip_range_low, 1.0 + self.clip_range_high)
-        loss = agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg_mode)
         metrics: dict[str, Any] = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(logprob.dtype), mask),
             "ppo_kl": masked_mean(-log_ratio, mask),
-            "pg_loss": loss.detach(),
             "ppo_kl_seq": (-seq_log_ratio).mean(),
         }
-        return loss, metrics
+        return torch.maximum(loss_unclipped, loss_clipped), metrics

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, masked_mean
+from ..masked import masked_mean
 from .base import POLICY_LOSS_FN, AggregatedLossFn
 
 
@@ -22,14 +22,14 @@ class ImportanceSamplingLossFn(AggregatedLossFn):
     Metrics: ``pg_loss``, ``ratio/mean = MMEAN(r)``, ``approx_kl = MMEAN(−δ)`` (clamped δ).
     """
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    loss_metric = "pg_loss"
+
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask = action_mask
         log_ratio = torch.clamp(logprob - old_logprob, -20.0, 20.0)
         ratio = torch.exp(log_ratio)
-        loss = agg_loss(-advantages * ratio, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
-            "pg_loss": loss.detach(),
             "ratio/mean": masked_mean(ratio.detach(), mask),
             "approx_kl": masked_mean(-log_ratio.detach(), mask),
         }
-        return loss, metrics
+        return -advantages * ratio, metrics

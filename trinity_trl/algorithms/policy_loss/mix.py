@@ -9,6 +9,7 @@ them with the formula of docs/algorithms/chord.md#normalisation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from ..masked import check_loss_agg_mode
-from .base import POLICY_LOSS_FN, PolicyLossFn
+from .base import POLICY_LOSS_FN, PolicyLossFn, RowClass
 
 
 def _positive_int(owner: str, name: str, value: Any) -> int:
@@ -117,7 +118,20 @@ class BatchGeometry:
                 self.experience_per_gpu / (rows * self.usual_per_gpu),
                 self.experience_per_gpu / (rows * self.expert_per_gpu),
             )
-        return self.gradient_accumulation / self.usual_per_gpu, self.gradient_accumulation / self.expert_per_gpu
+        return step_sample_weights(self.usual_per_gpu, self.expert_per_gpu, self.gradient_accumulation)
+
+
+def step_sample_weights(usual: float, expert: float, micro_steps: float) -> tuple[float, float]:
+    """``(w_u, w_e) = (micro_steps / usual, micro_steps / expert)``: the per-sample weights that make each usual
+    (expert) sample weigh ``1 / usual`` (``1 / expert``) in an optimizer step of ``micro_steps`` micro-batches whose
+    losses the trainer divides by ``micro_steps`` (docs/algorithms/chord.md#normalisation).
+
+    ``usual``, ``expert``: the samples of each kind in the optimizer step, as the ``micro_steps`` count them (per
+    device: Trinity's ``Bu``, ``Be`` and ``gradient_accumulation``; every process: gradient accumulation times
+    processes); a count below 1 counts 1. The one formula of every trainer's weights: `BatchGeometry`'s fixed-size
+    branch, [`ChordConfig`][trinity_trl.trainers.ChordConfig] and the asynchronous CHORD trainer's each step.
+    """
+    return micro_steps / max(usual, 1.0), micro_steps / max(expert, 1.0)
 
 
 class ExpertMixLossFn(PolicyLossFn):
@@ -152,6 +166,7 @@ class ExpertMixLossFn(PolicyLossFn):
 
     # per-sample weights w_u, w_e over the optimizer step (docs/algorithms/chord.md#normalisation)
     weighs_samples_itself = True
+    loss_metric = "loss"
 
     @classmethod
     def summary_metrics(cls) -> dict[str, tuple[str, ...]]:
@@ -258,40 +273,54 @@ class ExpertMixLossFn(PolicyLossFn):
             )
         return mask
 
-    def mixed_loss(self, logprob, old_logprob, action_mask, advantages, expert_mask, mu: float):
-        """``(1−μ)·L_u + μ·L_e`` and the scaled ``usual/*``, ``expert/*`` and ``loss`` metrics.
+    def mu_of(self, step: Any, rows: int) -> float:
+        """The expert rows' share μ of the loss at the batch's ``step`` (``1 − μ`` for the usual rows); ``rows``: the
+        micro-batch's."""
+        raise NotImplementedError
 
-        ``logprob``, ``old_logprob``, ``action_mask``, ``advantages``: ``(B, T)``;
-        ``expert_mask``: ``(B,)`` bool. A subset with no rows contributes a 0 loss and no metrics.
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, expert_mask, **_):
+        """The inner PPO loss's per-token losses on usual rows and the inner SFT loss's on expert rows, each computed
+        on its own rows (``(n_u, T)``, ``(n_e, T)`` slices of the ``(B, T)`` inputs), and their metrics under
+        ``usual/`` and ``expert/``; aggregated by `row_classes` (docs/algorithms/chord.md#normalisation).
+
+        ``logprob``, ``old_logprob``, ``action_mask``, ``advantages``: ``(B, T)``; ``expert_mask``: ``(B,)`` bool.
+        A subset with no rows contributes no metrics.
         """
-        batch_size = logprob.shape[0]
         expert = self.expert_mask_of(expert_mask, logprob)
-        usual = ~expert
+        parts, metrics = [], {}
         n_expert = int(expert.sum())
-        n_usual = batch_size - n_expert
-        w_usual, w_expert = self.sample_weights(batch_size)
+        for name, rows, loss_fn, count in (
+            ("usual", ~expert, self.grpo_loss_fn, len(expert) - n_expert),
+            ("expert", expert, self.sft_loss_fn, n_expert),
+        ):
+            if count:
+                part, met = loss_fn.token_losses(
+                    logprob=logprob[rows],
+                    old_logprob=old_logprob[rows],
+                    action_mask=action_mask[rows],
+                    advantages=advantages[rows],
+                    raw_advantages=advantages[rows],
+                )
+                parts.append((rows, part))
+                metrics.update({f"{name}/{k}": v for k, v in met.items()})
+        # one tensor in the widest dtype of the parts (the PPO part follows float32 advantages, the SFT part ℓ's dtype)
+        dtype = functools.reduce(torch.promote_types, (part.dtype for _, part in parts), logprob.dtype)
+        values = torch.zeros(logprob.shape, dtype=dtype, device=logprob.device)
+        for rows, part in parts:
+            values = values.index_put((rows,), part.to(dtype))
+        return values, metrics
 
-        zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
-        metrics: dict[str, Any] = {}
-        loss_usual = loss_expert = zero
-        if n_usual > 0:
-            loss_usual, met = self.grpo_loss_fn.evaluate(
-                logprob=logprob[usual],
-                old_logprob=old_logprob[usual],
-                action_mask=action_mask[usual],
-                advantages=advantages[usual],
-            )
-            scale = n_usual * w_usual
-            loss_usual = loss_usual * scale
-            metrics.update({f"usual/{k}": v * scale for k, v in met.items()})
-        if n_expert > 0:
-            loss_expert, met = self.sft_loss_fn.evaluate(logprob=logprob[expert], action_mask=action_mask[expert])
-            scale = n_expert * w_expert
-            loss_expert = loss_expert * scale
-            metrics.update({f"expert/{k}": v * scale for k, v in met.items()})
-        loss = (1.0 - mu) * loss_usual + mu * loss_expert
-        metrics["loss"] = loss.detach()
-        return loss, metrics
+    def row_classes(self, logprob, expert_mask, step=None, **_) -> tuple[RowClass, ...]:
+        """Usual rows (PPO, ``grpo_loss_agg_mode``, ``1 − μ``, ``w_u``) and expert rows (SFT, ``sft_loss_agg_mode``,
+        ``μ``, ``w_e``): ``(1−μ)·n_u·w_u·L_u + μ·n_e·w_e·L_e`` (docs/algorithms/chord.md#normalisation)."""
+        expert = self.expert_mask_of(expert_mask, logprob)
+        w_usual, w_expert = self.sample_weights(logprob.shape[0])
+        mu = self.mu_of(step, logprob.shape[0])
+        usual, sft = self.grpo_loss_fn, self.sft_loss_fn
+        return (
+            RowClass("usual", ~expert, usual.effective_loss_agg_mode, 1.0 - mu, w_usual, usual.loss_metric_name()),
+            RowClass("expert", expert, sft.effective_loss_agg_mode, mu, w_expert, sft.loss_metric_name()),
+        )
 
 
 @POLICY_LOSS_FN.register("mix")
@@ -344,5 +373,5 @@ class MIXPolicyLossFn(ExpertMixLossFn):
         )
         self.mu = _unit_interval("mix", "mu", mu)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, expert_mask, **_):
-        return self.mixed_loss(logprob, old_logprob, action_mask, advantages, expert_mask, self.mu)
+    def mu_of(self, step: Any, rows: int) -> float:
+        return self.mu

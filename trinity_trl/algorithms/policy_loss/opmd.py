@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..masked import agg_loss, check_loss_agg_mode
+from ..masked import check_loss_agg_mode
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
@@ -20,6 +20,7 @@ class OPMDPolicyLossFn(PolicyLossFn):
     """
 
     inputs = ("action_mask", "advantages")
+    loss_metric = "opmd_loss"
 
     def __init__(self, backend: str = "trl", tau: float = 1.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
@@ -28,6 +29,5 @@ class OPMDPolicyLossFn(PolicyLossFn):
         self.tau = float(tau)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, action_mask, advantages, loss_agg_mode, **_):
-        loss = agg_loss(-advantages * logprob, action_mask, loss_agg_mode) / (1.0 + self.tau)
-        return loss, {"opmd_loss": loss.detach()}
+    def token_losses(self, logprob, advantages, **_):
+        return -advantages * logprob / (1.0 + self.tau), {}

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
@@ -42,6 +42,7 @@ class PPOPolicyLossFn(PolicyLossFn):
     preset_defaults = {"clip_range": 0.2}
     # TRL's epsilon / epsilon_high are the same relative bounds (1 - epsilon, 1 + epsilon_high)
     trl_config_fields = {"epsilon": "clip_range", "epsilon_high": "clip_range_high"}
+    loss_metric = "pg_loss"
 
     def __init__(
         self,
@@ -95,7 +96,7 @@ class PPOPolicyLossFn(PolicyLossFn):
     def sequence_level(self) -> bool:
         return self.enable_sequence_masking  # the mask uses each row's mean log-ratio
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, raw_advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, raw_advantages, **_):
         mask, adv = action_mask, advantages
         if self.fallback_to_policy_gradient:
             log_ratio = logprob - logprob.detach()
@@ -134,6 +135,4 @@ class PPOPolicyLossFn(PolicyLossFn):
             metrics["seq_mask/masked_tokens"] = drop.to(logprob.dtype).sum() / (weight.sum() + 1e-10)
             metrics["seq_mask/mean_sequence_kl"] = seq_kl.mean()
 
-        loss = agg_loss(token_loss, mask, loss_agg_mode)
-        metrics["pg_loss"] = loss.detach()
-        return loss, metrics
+        return token_loss, metrics

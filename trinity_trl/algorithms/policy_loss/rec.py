@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 REC_CLIP_MODES = ("none", "one-side", "gspo-one-side", "two-side", "ring")
@@ -33,6 +33,7 @@ class RECPolicyLossFn(PolicyLossFn):
     """
 
     preset_defaults = {"epsilon_low_prime": 0.6, "epsilon_high_prime": 2}
+    loss_metric = "pg_loss"
 
     def __init__(
         self,
@@ -92,7 +93,7 @@ class RECPolicyLossFn(PolicyLossFn):
         # aggregation built for that mode)
         return "seq-mean-token-mean" if self.clip_mode == "gspo-one-side" else self.loss_agg_mode
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         low, high = 1.0 - self.epsilon_low, 1.0 + self.epsilon_high
         ratio = torch.exp(logprob - old_logprob).detach()
@@ -135,6 +136,4 @@ class RECPolicyLossFn(PolicyLossFn):
         elif self.regularizer == "k2":
             token_loss = token_loss + self.regularizer_coef * (logprob - old_logprob) ** 2
 
-        loss = agg_loss(token_loss, mask, loss_agg_mode)
-        metrics = {"pg_clipfrac": masked_mean((~in_range).to(logprob.dtype), mask), "pg_loss": loss.detach()}
-        return loss, metrics
+        return token_loss, {"pg_clipfrac": masked_mean((~in_range).to(logprob.dtype), mask)}

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 SAPO_FORMS = ("trinity", "paper")
@@ -40,6 +40,7 @@ class SAPOPolicyLossFn(PolicyLossFn):
 
     # TRL's SAPO temperatures are the gate temperatures for positive / negative advantages
     trl_config_fields = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
+    loss_metric = "sapo_loss"
 
     def __init__(
         self,
@@ -61,7 +62,7 @@ class SAPOPolicyLossFn(PolicyLossFn):
             raise ValueError(f"sapo: unknown form {form!r}; allowed: {', '.join(SAPO_FORMS)}")
         self.form = form
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio)
@@ -75,12 +76,10 @@ class SAPOPolicyLossFn(PolicyLossFn):
         else:
             gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
             token_loss = -adv * gate
-        loss = agg_loss(token_loss, mask, loss_agg_mode)
         metrics: dict[str, Any] = {
-            "sapo_loss": loss.detach(),
             "ppo_kl": masked_mean(-log_ratio.detach(), mask),
             "avg_soft_gate": masked_mean(gate.detach(), mask),
             "avg_ratio": masked_mean(ratio.detach(), mask),
             "pos_adv_frac": masked_mean(positive.to(logprob.dtype), mask),
         }
-        return loss, metrics
+        return token_loss, metrics

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode
+from ..masked import check_loss_agg_mode
 from .base import POLICY_LOSS_FN, AggregatedLossFn, PolicyLossFn
 
 
@@ -23,10 +23,10 @@ class SFTLossFn(AggregatedLossFn):
     """
 
     inputs = ("action_mask",)
+    loss_metric = "sft_loss"
 
-    def compute(self, logprob, action_mask, loss_agg_mode, **_):
-        loss = agg_loss(-logprob, action_mask, loss_agg_mode)
-        return loss, {"sft_loss": loss.detach()}
+    def token_losses(self, logprob, **_):
+        return -logprob, {}
 
 
 @POLICY_LOSS_FN.register("sft_is")
@@ -38,10 +38,10 @@ class SFTISLossFn(AggregatedLossFn):
     """
 
     inputs = ("action_mask",)
+    loss_metric = "sft_is_loss"
 
-    def compute(self, logprob, action_mask, loss_agg_mode, **_):
-        loss = agg_loss(-logprob * torch.exp(logprob).detach(), action_mask, loss_agg_mode)
-        return loss, {"sft_is_loss": loss.detach()}
+    def token_losses(self, logprob, **_):
+        return -logprob * torch.exp(logprob).detach(), {}
 
 
 @POLICY_LOSS_FN.register("sft_phi")
@@ -56,6 +56,7 @@ class SFTPhiLossFn(PolicyLossFn):
     """
 
     inputs = ("action_mask",)
+    loss_metric = "sft_phi_loss"
 
     def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0):
         super().__init__(backend)
@@ -64,10 +65,9 @@ class SFTPhiLossFn(PolicyLossFn):
             raise ValueError(f"sft_phi: cutoff_prob must be in (0, 1], got {cutoff_prob}")
         self.cutoff_prob = float(cutoff_prob)
 
-    def compute(self, logprob, action_mask, loss_agg_mode, **_):
+    def token_losses(self, logprob, **_):
         weight = phi_function(torch.exp(logprob)).detach()
         clipped = logprob
         if self.cutoff_prob < 1.0:
             clipped = torch.clamp(logprob, max=math.log(self.cutoff_prob))
-        loss = agg_loss(-clipped * weight, action_mask, loss_agg_mode)
-        return loss, {"sft_phi_loss": loss.detach()}
+        return -clipped * weight, {}

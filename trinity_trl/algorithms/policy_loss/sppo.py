@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
@@ -22,6 +22,8 @@ class SPPOPolicyLossFn(PolicyLossFn):
     Metrics: ``pg_clipfrac = MMEAN(1 − in)``, ``pg_loss``.
     """
 
+    loss_metric = "pg_loss"
+
     def __init__(self, backend: str = "trl", epsilon: float = 0.3, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         if not epsilon > 0:
@@ -29,14 +31,10 @@ class SPPOPolicyLossFn(PolicyLossFn):
         self.epsilon = float(epsilon)
         self.loss_agg_mode = check_loss_agg_mode(loss_agg_mode)
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         log_ratio = logprob - old_logprob
         ratio = torch.exp(log_ratio).detach()
         in_range = ((ratio >= 1.0 / (1.0 + self.epsilon)) & (ratio <= 1.0 + self.epsilon)).to(logprob.dtype)
-        loss = agg_loss(-adv * log_ratio * in_range, mask, loss_agg_mode)
-        metrics: dict[str, Any] = {
-            "pg_clipfrac": masked_mean(1.0 - in_range, mask),
-            "pg_loss": loss.detach(),
-        }
-        return loss, metrics
+        metrics: dict[str, Any] = {"pg_clipfrac": masked_mean(1.0 - in_range, mask)}
+        return -adv * log_ratio * in_range, metrics

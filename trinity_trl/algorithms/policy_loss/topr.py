@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..masked import agg_loss, check_loss_agg_mode, masked_mean
+from ..masked import check_loss_agg_mode, masked_mean
 from .base import POLICY_LOSS_FN, PolicyLossFn
 
 
@@ -23,6 +23,8 @@ class TOPRPolicyLossFn(PolicyLossFn):
     Metrics: ``topr_loss``, ``avg_alpha = MMEAN(α)``, ``avg_ratio = MMEAN(r)``.
     """
 
+    loss_metric = "topr_loss"
+
     def __init__(self, backend: str = "trl", advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         self.advantage_threshold = float(advantage_threshold)
@@ -33,14 +35,9 @@ class TOPRPolicyLossFn(PolicyLossFn):
         # which branch a token takes depends on A itself unless the threshold is 0 (sign only)
         return self.advantage_threshold == 0.0
 
-    def compute(self, logprob, old_logprob, action_mask, advantages, loss_agg_mode, **_):
+    def token_losses(self, logprob, old_logprob, action_mask, advantages, **_):
         mask, adv = action_mask, advantages
         ratio = torch.exp(logprob - old_logprob).detach()
         alpha = torch.where(adv <= self.advantage_threshold, torch.clamp(ratio, 0.0, 1.0), torch.ones_like(ratio))
-        loss = agg_loss(-alpha * adv * logprob, mask, loss_agg_mode)
-        metrics: dict[str, Any] = {
-            "topr_loss": loss.detach(),
-            "avg_alpha": masked_mean(alpha, mask),
-            "avg_ratio": masked_mean(ratio, mask),
-        }
-        return loss, metrics
+        metrics: dict[str, Any] = {"avg_alpha": masked_mean(alpha, mask), "avg_ratio": masked_mean(ratio, mask)}
+        return -alpha * adv * logprob, metrics
