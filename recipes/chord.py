@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> ChordTrainer:
         peft_config=peft_config(args),
     )
     concise_progress(trainer)
+    if task.expert_name is not None:
+        trainer.set_model_card_demonstrations(task.expert_name)
     # 4. train, evaluating greedy completions of the held-out rows before and after (eval_metric)
     summary = train_and_evaluate(trainer, args, task.test, training_args.resume_from_checkpoint, rewards=rewards)
     trainer.add_model_card_section(terms_card_section(trainer.state.log_history))

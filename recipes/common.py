@@ -231,6 +231,37 @@ def peft_config(args) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ parsing
+#: options of the synchronous trainers (TRL's GRPOConfig) that the asynchronous ones do not take, and what to use
+#: instead under --asynchronous; any other one gets the generic line of `refuse_synchronous_options`
+ASYNCHRONOUS_INSTEAD = {
+    "steps_per_generation": "the worker generates one group at a time all along, and how far behind the trained "
+    "weights a sample may be is --max_staleness (weight syncs; --weight_sync_steps sets how often they happen)",
+    "generation_batch_size": "the worker generates one group (--num_generations completions) at a time; a "
+    "micro-batch holds --per_device_train_batch_size samples, or --token_budget tokens",
+    "num_iterations": "each sample is trained once; how stale it may be is --max_staleness",
+    "use_vllm": "--generation_backend vllm (TRL's worker against a vllm serve server at --vllm_server_base_url)",
+    "vllm_mode": "--generation_backend vllm (a vllm serve server at --vllm_server_base_url)",
+}
+
+
+def refuse_synchronous_options(known: list[str], unknown: list[str], where: str = "") -> None:
+    """Under --asynchronous (``known``: the asynchronous config's fields), an option only the synchronous trainers
+    take (a field of TRL's ``GRPOConfig``) is one line saying so and what the asynchronous one is, not an unknown
+    option with a "did you mean" (`ASYNCHRONOUS_INSTEAD`)."""
+    if "max_staleness" not in known:  # a synchronous config
+        return
+    from trl import GRPOConfig
+
+    synchronous = {f.name for f in fields(GRPOConfig)}
+    for key in unknown:
+        if key in synchronous:
+            instead = ASYNCHRONOUS_INSTEAD.get(key, "its options are TRL's AsyncGRPOConfig's (docs/asynchronous.md)")
+            raise UsageError(
+                f"--{key}{where} is an option of the synchronous trainers, not of the asynchronous one "
+                f"(--asynchronous): {instead}"
+            )
+
+
 def parse(
     config_classes: tuple, argv: list[str] | None, recipe: str, description: str = "", ignore: tuple[str, ...] = ()
 ) -> tuple:
@@ -281,6 +312,7 @@ def parse(
     known = [f.name for cls in config_classes for f in fields(cls)] + ["config"]
     unknown_keys = [key.removeprefix("--") for key in from_file[::2] if key.removeprefix("--") not in ignore]
     refuse_removed_options(config_classes, unknown_keys)
+    refuse_synchronous_options(known, unknown_keys, f" (in {config_file})")
     if unknown_keys:
         hints = [
             f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else k
@@ -298,6 +330,7 @@ def parse(
             unknown.append(key)
         i += 2 if has_value else 1
     refuse_removed_options(config_classes, unknown)
+    refuse_synchronous_options(known, unknown)
     if unknown:
         hints = [
             f"--{k} (did you mean --{close[0]}?)" if (close := difflib.get_close_matches(k, known, n=1)) else f"--{k}"
@@ -628,6 +661,7 @@ class Task:
     test: Any
     expert: Any  # prompt + completion; None when the dataset has no reference solutions
     name: str = BUNDLED_TASK  # how messages and the model card name the data
+    expert_name: str | None = None  # how the model card names the demonstrations (Markdown)
 
 
 def _take(dataset, n: int):
@@ -735,11 +769,12 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
                 f"dataset_config of the bundled {BUNDLED_TASK!r} task is its prompt style, one of "
                 f"{PROMPT_STYLES}; got {style!r}"
             )
-        expert = None
+        expert, expert_name = None, None
         if with_expert and args.expert_dataset_name is None:
             expert = arithmetic_expert_dataset(args.num_expert_rows or 256, seed=seed + 1, prompt_style=style)
+            expert_name = f"{len(expert)} worked solutions of the bundled `{BUNDLED_TASK}` task, generated"
         elif with_expert:
-            expert = _expert_dataset(args)
+            expert, expert_name = _expert_dataset(args), _expert_name(args)
         return Task(
             train=arithmetic_dataset(
                 "train",
@@ -750,6 +785,7 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
             ),
             test=arithmetic_dataset("test", args.num_eval_rows or 200, seed=seed, prompt_style=style),
             expert=expert,
+            expert_name=expert_name,
         )
     if args.rollout_kinds:  # a bundled config's key (chord_cpu's [mul, div]) on one's own data: not applicable
         print(
@@ -790,7 +826,8 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         )
         raise UsageError(f"eval_accuracy needs a held-out split {args.dataset_test_split!r}; {advice}")
     if with_expert and args.expert_dataset_name is not None:
-        return Task(train=_take(train, args.num_train_rows), test=test, expert=_expert_dataset(args), name=name)
+        expert = _expert_dataset(args)
+        return Task(_take(train, args.num_train_rows), test, expert, name, _expert_name(args))
     expert = expert_from(train) if with_expert else None
     if with_expert and expert is None:
         raise UsageError(
@@ -804,7 +841,15 @@ def load_task(args: RecipeArguments, seed: int = 0, with_expert: bool = False, r
         count = min(args.num_expert_rows or len(expert) // 2, len(expert) - 1)
         expert = expert.select(range(len(expert) - count, len(expert)))
         train = train.select(range(len(train) - count))
+        expert_name = f"{count} rows from the end of `{name}`'s training split (their reference solutions)"
+        return Task(_take(train, args.num_train_rows), test, expert, name, expert_name)
     return Task(train=_take(train, args.num_train_rows), test=test, expert=expert, name=name)
+
+
+def _expert_name(args: RecipeArguments) -> str:
+    from trinity_trl.data.loading import source_name
+
+    return f"`{source_name(args.expert_dataset_name)}`"
 
 
 def _expert_dataset(args: RecipeArguments):
@@ -919,7 +964,7 @@ def held_out_accuracy(trainer, test_set, args: RecipeArguments, label: str) -> f
     The model is unwrapped the way TRL unwraps it for generation (DeepSpeed ZeRO-3 parameters gathered).
     """
     import torch
-    from trl.models.utils import unwrap_model_for_generation
+    from trl.models import unwrap_model_for_generation
 
     accelerator = trainer.accelerator
     shard = test_set.shard(num_shards=accelerator.num_processes, index=accelerator.process_index, contiguous=True)
@@ -962,18 +1007,26 @@ def max_reward(func: Callable) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def score_completions(funcs: list[Callable], rows: list[dict], completions: list, completion_ids: list, state=None):
+def score_completions(
+    funcs: list[Callable],
+    rows: list[dict],
+    completions: list,
+    completion_ids: list,
+    state=None,
+    names: list[str] | None = None,
+):
     """``(len(rows), len(funcs))`` float64 rewards of ``completions`` (NaN where a function returns ``None``): each
     function called as TRL's GRPOTrainer calls a reward function, with ``prompts``, ``completions``,
     ``completion_ids``, the rows' other columns, ``trainer_state`` and ``log_extra`` / ``log_metric`` (which log
-    nothing here); async functions are run to completion. Errors and malformed results are named by
-    `trinity_trl.training.checks.checked_reward_func`."""
+    nothing here); async functions are run to completion. Errors and malformed results (a wrong number of rewards
+    included) are named by `trinity_trl.training.checks.checked_reward_func`, with ``names`` (as the command line
+    gave them, e.g. ``'rewards.py:exact'``; default: the functions' own names)."""
     import asyncio
 
     import torch
-    from trl.trainer.utils import is_async_callable
 
     from trinity_trl.training.checks import checked_reward_func
+    from trinity_trl.training.grpo_seams import is_async_callable
 
     columns = {
         key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
@@ -988,11 +1041,10 @@ def score_completions(funcs: list[Callable], rows: list[dict], completions: list
         "log_metric": lambda *a, **k: None,
     }
     scores = torch.full((len(rows), len(funcs)), float("nan"), dtype=torch.float64)
+    names = names or [getattr(func, "__name__", type(func).__name__) for func in funcs]
     for j, func in enumerate(funcs):
-        checked = checked_reward_func(func, getattr(func, "__name__", type(func).__name__))
+        checked = checked_reward_func(func, names[j])
         values = asyncio.run(checked(**kwargs)) if is_async_callable(func) else checked(**kwargs)
-        if len(values) != len(rows):
-            raise ValueError(f"reward function {func!r} returned {len(values)} rewards for {len(rows)} completions")
         scores[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
     return scores
 
@@ -1003,10 +1055,11 @@ def held_out_reward(trainer, test_set, args: RecipeArguments, rewards: list[Call
     declared maximum}, "rows": N}`` (functions without a declared maximum have no success share; a function's
     ``None`` leaves the row out of its mean and share). Each process scores its shard; sums and counts are added."""
     import torch
-    from trl.data_utils import is_conversational
-    from trl.models.utils import unwrap_model_for_generation
+    from trl import is_conversational
+    from trl.models import unwrap_model_for_generation
 
     from trinity_trl.data.arithmetic import greedy_completions
+    from trinity_trl.training.advantages import weighted_rewards
 
     accelerator = trainer.accelerator
     tokenizer = trainer.processing_class
@@ -1025,23 +1078,27 @@ def held_out_reward(trainer, test_set, args: RecipeArguments, rewards: list[Call
     completions = (
         [[{"role": "assistant", "content": t}] for t in texts] if rows and is_conversational(rows[0]) else texts
     )
-    scores = score_completions(rewards, rows, completions, ids, trainer.state) if rows else None
+    given = list(args.reward_funcs or [])  # the names the command line gave, for messages
+    given = given if len(given) == len(rewards) else None
+    scores = score_completions(rewards, rows, completions, ids, trainer.state, names=given) if rows else None
     weights = getattr(trainer.args, "reward_weights", None) or [1.0] * len(rewards)
     maxima = [max_reward(func) for func in rewards]
-    # per function: reward sum, scored rows, rows at the maximum; then the weighted sum's total and its rows
-    sums = torch.zeros(3 * len(rewards) + 2, dtype=torch.float64)
+    # per function: reward sum, scored rows, rows at the maximum; then the weighted sum's total, its rows, all rows
+    sums = torch.zeros(3 * len(rewards) + 3, dtype=torch.float64)
     if scores is not None:
         for j, top in enumerate(maxima):
             scored = ~scores[:, j].isnan()
             sums[3 * j] = scores[scored, j].sum()
             sums[3 * j + 1] = scored.sum()
             sums[3 * j + 2] = (scores[scored, j] >= top).sum() if top is not None else 0.0
-        weighted = (scores * torch.tensor(weights, dtype=torch.float64)).nansum(dim=1)
-        sums[-2], sums[-1] = weighted.sum(), float(len(rows))
+        # the weighted sum by the rule of training (a row no function scored is left out of the mean)
+        weighted = weighted_rewards(scores, torch.tensor(weights, dtype=torch.float64))
+        scorable = ~weighted.isnan()
+        sums[-3], sums[-2], sums[-1] = weighted[scorable].sum(), scorable.sum(), float(len(rows))
     sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").cpu().tolist()
     names = [getattr(func, "__name__", type(func).__name__) for func in rewards]
     result = {
-        "reward": sums[-2] / sums[-1],
+        "reward": sums[-3] / sums[-2] if sums[-2] else None,
         "rewards": {n: sums[3 * j] / sums[3 * j + 1] if sums[3 * j + 1] else None for j, n in enumerate(names)},
         "success": {
             n: sums[3 * j + 2] / sums[3 * j + 1]
@@ -1057,7 +1114,8 @@ def held_out_reward(trainer, test_set, args: RecipeArguments, rewards: list[Call
 
 def reward_summary(result: dict[str, Any], rewards: list[Callable]) -> str:
     """One line: mean reward (per function when several), success share where declared, rows, how."""
-    text = f"mean reward {result['reward']:.3f}"
+    mean = result["reward"]
+    text = f"mean reward {mean:.3f}" if mean is not None else "mean reward - (no row scored)"
     if len(result["rewards"]) > 1:
         text += (
             " (" + ", ".join(f"{n} {v:.3f}" if v is not None else f"{n} -" for n, v in result["rewards"].items()) + ")"
@@ -1119,10 +1177,11 @@ def evaluation_card_section(args, metric: str, rows: int, steps: int, before: An
         )
     else:
         names = ", ".join(f"`{getattr(f, '__name__', type(f).__name__)}`" for f in rewards)
+        means = ["-" if r["reward"] is None else f"{r['reward']:.3f}" for r in (before, after)]
         text = (
             f"The training reward function{'s' if len(rewards) > 1 else ''} {names} on {data} ({how}; the mean of "
-            f"the weighted reward sum): **{before['reward']:.3f}** before training, **{after['reward']:.3f}** after "
-            f"{steps} steps."
+            f"the weighted reward sum over the rows it scores): **{means[0]}** before training, **{means[1]}** "
+            f"after {steps} steps."
         )
         for name, share in after["success"].items():
             top = max_reward(next(f for f in rewards if getattr(f, "__name__", None) == name))
@@ -1168,7 +1227,10 @@ def save_outputs(trainer, args: RecipeArguments, summary: dict[str, Any]) -> Non
         outcome = ""
         if summary.get("accuracy_before") is not None:
             outcome = f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
-        elif summary.get("reward_before") is not None:
-            outcome = f"held-out mean reward {summary['reward_before']:.3f} -> {summary['reward_after']:.3f}; "
+        elif "reward_before" in summary:
+            before, after = (
+                "-" if summary[k] is None else f"{summary[k]:.3f}" for k in ("reward_before", "reward_after")
+            )
+            outcome = f"held-out mean reward {before} -> {after}; "
         written = "model, card, training_log.json and plot" if plotted else "model, card and training_log.json"
         print(f"[trinity-trl] {trainer.state.global_step} steps; {outcome}{written} in {output_dir}", flush=True)

@@ -83,10 +83,10 @@ def queue_item(sample) -> dict[str, Any]:
 
 def packed_batch(samples: list, pad_token_id: int, step_totals: bool = True) -> dict[str, Any]:
     """One micro-batch of ``samples`` in one packed row (one process), through TRL's ``TreeRow`` and our collator
-    (`trinity_trl.asynchronous.trl_seams`), with the optimizer step's totals of a one-micro-batch step."""
+    (`trinity_trl.asynchronous.async_grpo_seams`), with the optimizer step's totals of a one-micro-batch step."""
     from trl.experimental.async_grpo.packing import TreeRow
 
-    from trinity_trl.asynchronous.trl_seams import _collator_class
+    from trinity_trl.asynchronous.async_grpo_seams import _collator_class
 
     row = TreeRow()
     for sample in samples:
@@ -195,3 +195,37 @@ def recomputed_logps(model, sample, temperature: float = 0.7) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, start - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, ids[0, start:].unsqueeze(-1)).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------- reward functions
+# module-level (picklable, importable in a spawned process): the asynchronous trainers hand TRL's vLLM worker their
+# reward functions as one `RewardSum`, which TRL pickles into a spawned process
+
+
+def reward_a(completions, **kwargs):
+    """A finite value, None, +inf, a finite value."""
+    return [1.0, None, float("inf"), 2.0]
+
+
+def reward_b(completions, **kwargs):
+    """A finite value, NaN, a finite value, None."""
+    return [0.5, float("nan"), 1.0, None]
+
+
+def one_score(completions, **kwargs):
+    """One reward whatever the number of completions (a malformed result)."""
+    return [1.0]
+
+
+def score_in_spawned_child(rewards: list, kwargs: dict, results) -> None:
+    """What TRL's vLLM worker does with a reward function, in a process started as TRL starts its (``spawn``, the
+    environment scrubbed by TRL's own function): call each of ``rewards`` with ``kwargs`` and put each result (or
+    the error's one line) on ``results``."""
+    from trl.experimental.async_grpo.async_rollout_worker import _scrub_child_env
+
+    _scrub_child_env()
+    for reward in rewards:
+        try:
+            results.put(("ok", reward(**kwargs)))
+        except Exception as error:  # noqa: BLE001 (reported to the parent)
+            results.put(("error", f"{type(error).__name__}: {error}"))

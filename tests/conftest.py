@@ -27,6 +27,7 @@ if _TESTS_DIR not in sys.path:
 
 import importlib.util
 
+import peak_memory
 import pytest
 
 # tests/vllm_cpu needs vLLM (`make test-vllm` runs them in their own environment); `make test` does not collect them
@@ -83,10 +84,15 @@ def _force_cpu_paths(paths: list[str]) -> None:
             torch.backends.cuda.enable_math_sdp(True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    peak_memory.add_option(parser)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for line in HARMLESS_WARNING_FILTERS:
         config.addinivalue_line("filterwarnings", line)
     _force_cpu_paths(_cpu_paths())
+    peak_memory.register(config)  # each test's peak resident memory, the worst printed at the end
 
 
 def pytest_report_header(config: pytest.Config) -> str:

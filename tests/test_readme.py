@@ -170,6 +170,14 @@ def code_without_comments(code: str) -> str:
     return tokenize.untokenize((t.type, t.string) for t in tokens if t.type != tokenize.COMMENT)
 
 
+def test_every_block_runs_on_the_tiny_model():
+    """A block names its model by keyword (``model="bundled"``), so the substitution above gives it the tiny test model:
+    a positional ``"bundled"`` trained the real SmolLM2-135M with full fine-tuning inside the blocks' interpreter
+    (docs/asynchronous.md's multi-step block: 2.7 GB more resident memory, kept for the rest of the run)."""
+    for name, code in BLOCKS:
+        assert '"bundled"' not in adapted(code, "/tiny"), f"{name}: give the model as model=..., so the test swaps it"
+
+
 def test_no_block_has_an_elided_argument():
     for name, code in BLOCKS:
         elided = re.search(r"[(\[,=] *\.\.\.", code_without_comments(code))

@@ -20,7 +20,7 @@ from trinity_trl.trainers import ChordConfig, ChordTrainer, CISPOConfig, CISPOTr
 # our metrics as the integrations name them: transformers' `rewrite_logs` prefixes training logs with "train/"
 CHORD_KEYS = (
     "train/actor/mu",
-    "train/actor/expert/sft_phi_loss",
+    "train/actor/expert/sft_loss",
     "train/actor/usual/pg_loss",
     "train/chord/expert_rows",
     "train/actor/loss",
@@ -119,7 +119,11 @@ def test_chord_metrics_go_to_trackio_locally_and_push_creates_no_space(tmp_path,
     logs = SQLiteStorage.get_logs("chord-tracking", "run-1")
     rows = {row["train/global_step"]: row for row in logs if "train/actor/mu" in row}
     assert_rows_match(rows, logged_steps(trainer, CHORD_KEYS))
-    assert all(row["train/actor/mu"] == pytest.approx(0.1) for row in rows.values())  # mu_peak = mu_valley = 0.1
+    # ChordConfig()'s CHORD-μ: μ decaying (cosine) from 0.9 to 0.05 over the run's max_steps (2)
+    from trinity_trl.algorithms.policy_loss.chord import mu_schedule_function
+
+    logged = [row["train/actor/mu"] for _, row in sorted(rows.items())]
+    assert logged == pytest.approx([mu_schedule_function(int(s), 0, 2, 0.9, 0.05) for s in sorted(rows)])
 
     trainer.push_to_hub()
     assert "model.safetensors" in fake_hub.files("tester/chord-trackio")

@@ -114,7 +114,7 @@ def tool_chat_template(tokenizer: Any = "bundled", template: str = "qwen2_5", **
         ValueError: an unknown ``template``, or a tokenizer without the special tokens the template writes (the model
             would see them as plain text and never learn where turns end).
     """
-    import trl.chat_template_utils
+    from .chat_template_seams import stored_chat_template
 
     if template not in TOOL_CHAT_TEMPLATES:
         raise ValueError(f"template must be one of {sorted(TOOL_CHAT_TEMPLATES)}, got {template!r}")
@@ -131,5 +131,5 @@ def tool_chat_template(tokenizer: Any = "bundled", template: str = "qwen2_5", **
             f"the {template!r} chat template writes {', '.join(TOOL_CHAT_TEMPLATES[template])} as special tokens; "
             f"this tokenizer has no {', '.join(missing)}"
         )
-    tokenizer.chat_template = getattr(trl.chat_template_utils, f"{template}_chat_template")
+    tokenizer.chat_template = stored_chat_template(template)
     return tokenizer

@@ -7,8 +7,8 @@ import torch
 from async_helpers import packed_batch, rollout_sample
 
 import trinity_trl.trainers.async_trinity  # noqa: F401 (imports TRL's experimental module without its warning)
+from trinity_trl.asynchronous.async_grpo_seams import EXPERT_KEY, POLICY_VERSION_KEY
 from trinity_trl.asynchronous.batch import SampleLayout, unpack
-from trinity_trl.asynchronous.trl_seams import EXPERT_KEY, POLICY_VERSION_KEY
 
 
 def test_terms_land_in_their_samples_row_in_order_and_gradients_flow_back():

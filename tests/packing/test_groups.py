@@ -108,7 +108,7 @@ def test_micro_batches_hold_whole_groups_and_others_keep_trl_shuffle(tmp_path, t
     for name, weight in rows_weights.items():
         assert_close(grouped_weights[name], weight, terms=GRAD_TERMS, msg=name)
     # a batch that is not whole groups: TRL's shuffle, one log line
-    from trinity_trl.packing.groups import whole_groups
+    from trinity_trl.training.grpo_seams import whole_groups
 
     class Stub:
         args = type("A", (), {"prefix_packing_whole_groups": True, "steps_per_generation": 2})()

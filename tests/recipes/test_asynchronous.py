@@ -109,18 +109,19 @@ def test_recipes_without_an_asynchronous_twin_refuse_it(command, config, tiny_mo
 
 
 def test_an_option_only_the_synchronous_trainer_has_is_named(tiny_model_dir, tmp_path):
-    with pytest.raises(UsageError, match="steps_per_generation"):
-        cli(
-            [
-                "cispo",
-                "--config",
-                "cispo_cpu",
-                "--model_name_or_path",
-                tiny_model_dir,
-                "--output_dir",
-                str(tmp_path),
-                "--asynchronous",
-                "--steps_per_generation",
-                "2",
-            ]
-        )
+    """A synchronous option under --asynchronous is one line saying it is one, and what the asynchronous one is (it
+    was an unknown option with "did you mean --num_generations?"), on the command line and in a config file."""
+    base = ["cispo", "--config", "cispo_cpu", "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path)]
+    with pytest.raises(UsageError) as info:
+        cli([*base, "--asynchronous", "--steps_per_generation", "2"])
+    assert str(info.value).startswith(
+        "--steps_per_generation is an option of the synchronous trainers, not of the asynchronous one "
+        "(--asynchronous): the worker generates one group at a time all along, and how far behind the trained "
+        "weights a sample may be is --max_staleness"
+    )
+    assert "did you mean" not in str(info.value) and "\n" not in str(info.value)
+    config = tmp_path / "mine.yaml"
+    config.write_text("asynchronous: true\nuse_vllm: true\n")
+    with pytest.raises(UsageError, match=r"--use_vllm \(in .*mine.yaml\) is an option of the synchronous trainers.*"
+                       "--generation_backend vllm"):  # fmt: skip
+        cli(["cispo", "--config", str(config), "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path)])

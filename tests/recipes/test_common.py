@@ -539,3 +539,29 @@ def test_a_run_from_the_command_line_logs_every_step_unless_told_otherwise(tmp_p
     (_, config) = parse((RecipeArguments, CISPOConfig), ["--logging_steps", "3"], "cispo")
     assert config.logging_steps == 3
     assert CISPOConfig(output_dir=str(tmp_path), use_cpu=True).logging_steps == 10  # Python keeps TRL's default
+
+
+def _one_score(completions, **kwargs):
+    return [1.0]
+
+
+def _half_scored(completions, **kwargs):
+    return [None, 2.0]
+
+
+def test_the_held_out_scoring_names_a_malformed_reward_function_as_given_and_sums_by_the_rule():
+    """A reward function returning the wrong number of rewards is named as the command line gave it (it was named by
+    its repr, ``<function one_score at 0x...>``), and the held-out rows' weighted sum follows the training rule."""
+    import torch
+
+    from trinity_trl.recipes.common import score_completions
+    from trinity_trl.training.advantages import weighted_rewards
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    with pytest.raises(ValueError) as info:
+        score_completions([_one_score], rows, ["x", "y"], [[1], [2]], names=["badlen:one_score"])
+    assert str(info.value).startswith("reward function 'badlen:one_score' returned 1 rewards for 2 completions")
+    scores = score_completions([_half_scored], rows, ["x", "y"], [[1], [2]])
+    assert torch.equal(
+        weighted_rewards(scores, torch.ones(1, dtype=torch.float64)).isnan(), torch.tensor([True, False])
+    )

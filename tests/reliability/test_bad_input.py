@@ -189,7 +189,7 @@ def test_async_reward_function_failure_is_named(tmp_path, tiny_model_dir):
             r"'bad_reward' returned '1.0' \(str\) for row 0; a reward must be a number",
         ),
         ([1.0, [2.0], 1.0, 1.0], TypeError, r"returned \[2.0\] \(list\) for row 1"),
-        ([1.0, 2.0], ValueError, r"'bad_reward' returned 2 rewards, but 4 were expected"),
+        ([1.0, 2.0], ValueError, r"'bad_reward' returned 2 rewards for 4 completions; it must return one per"),
     ],
     ids=["none", "scalar", "string", "nested", "wrong_length"],
 )

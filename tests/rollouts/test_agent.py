@@ -790,3 +790,31 @@ def test_the_agents_extra_names_every_client_and_make_install_installs_it():
     assert {"fastapi", "uvicorn", "openai", "anthropic", "openai-agents"} <= names
     install = re.search(r'pip install --quiet -e "\.\[([\w,]+)\]"', (root / "Makefile").read_text())
     assert install and "agents" in install.group(1).split(",")
+
+
+async def sdk_agent_without_tools(client, row):
+    """An OpenAI Agents SDK agent over the run's client (the SDK raises on a Responses answer that is incomplete)."""
+    from agents import Agent, OpenAIProvider, RunConfig, Runner
+
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    result = await Runner.run(Agent(name="answerer", instructions="Answer."), f"task {row['task']}", run_config=config)
+    return float(str(row["task"] * 3 - 1) in result.final_output)
+
+
+def test_runs_that_raise_after_a_cut_answer_are_said_to_be_cut(tmp_path, tool_model_dir, caplog):
+    """The OpenAI Agents SDK raises when the policy's answer is cut at max_completion_length (Responses status
+    'incomplete'): the step's fault line says the runs raised right after a cut answer and what to raise, and they
+    are counted (agent/errors_after_cut_answer)."""
+    import logging
+
+    trainer = make(
+        tmp_path, tool_model_dir, sdk_agent_without_tools, tasks(2), num_generations=2, per_device_train_batch_size=4,
+        max_completion_length=4,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="trinity_trl"):
+        trainer.train()
+    (entry,) = [e for e in trainer.state.log_history if "agent/errors" in e]
+    assert entry["agent/errors"] == entry["agent/errors_after_cut_answer"] == 4.0
+    assert "4 of 4 agent runs raised (first: ModelBehaviorError: Responses stream ended" in caplog.text
+    assert "4 of them raised right after the policy's answer was cut at max_completion_length=4 tokens" in caplog.text
+    assert "raise max_completion_length" in caplog.text

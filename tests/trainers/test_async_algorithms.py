@@ -110,7 +110,7 @@ def test_chord_mixes_demonstrations_in_at_its_share_with_mu_in_optimizer_steps(t
         )
         assert abs(entry["chord/expert_share"] - 0.25) <= 1 / 8  # 6 rollouts + 2 demonstrations (within one)
         assert entry["batch/samples_per_step"] == 8
-        assert entry["actor/expert/sft_phi_loss"] > 0  # demonstrations reached the SFT part
+        assert entry["actor/expert/sft_loss"] > 0  # demonstrations reached the (plain: CHORD-μ) SFT part
     assert trainer._expert_cursor >= 4 * 2 - 1
 
 

@@ -8,6 +8,7 @@ Also here: the config (fields honoured or refused in one line) and what the trai
 
 from __future__ import annotations
 
+import threading
 from dataclasses import fields
 
 import pytest
@@ -19,7 +20,7 @@ from tolerance import assert_close
 from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
-from trinity_trl.asynchronous.trl_seams import POLICY_VERSION_KEY
+from trinity_trl.asynchronous.async_grpo_seams import POLICY_VERSION_KEY
 from trinity_trl.trainers import (
     AsyncChordConfig,
     AsyncChordTrainer,
@@ -319,7 +320,9 @@ def test_trains_with_its_own_worker_and_logs_staleness(tmp_path, tiny_model_dir,
     assert not trainer.rollout_worker._thread  # stopped by TRL's training loop
 
 
-def _scripted(stale_every: int = 0, **kwargs):
+def _scripted(stale_every: int = 0, untrained_before: int = 0, **kwargs):
+    """A scripted worker of groups of 4 samples; every ``stale_every``-th sample far too stale, and the first
+    ``untrained_before`` samples with no token to train (unscorable)."""
     from async_helpers import ScriptedWorker
 
     stale = []
@@ -334,6 +337,7 @@ def _scripted(stale_every: int = 0, **kwargs):
             1.0 if n % 2 else -1.0,
             group_id=n // 4,
             model_version=-100 if old else version,
+            trained=n >= untrained_before,
         )
 
     worker = ScriptedWorker(make_sample, **kwargs)
@@ -361,7 +365,7 @@ def test_max_staleness_is_honoured_and_drops_are_counted(tmp_path, tiny_model_di
 def test_samples_too_old_for_the_weights_they_train_leave_the_loss(tmp_path, tiny_model_dir, tiny_dataset):
     """A sample more than max_staleness weight syncs behind the weights it would train is no longer trained on (its
     tokens leave the loss) and is counted; the others' loss is what it is without it."""
-    from trinity_trl.asynchronous.trl_seams import MODEL_VERSION_KEY
+    from trinity_trl.asynchronous.async_grpo_seams import MODEL_VERSION_KEY
 
     trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_staleness=1)
     trainer.model_version = 5
@@ -396,9 +400,11 @@ def test_a_worker_that_dies_or_stalls_ends_the_run_in_one_line(how, tmp_path, ti
     assert ("failed" in message) if how == "dies" else ("stalled" in message)
 
 
-def test_checkpoint_and_resume_continue_where_training_stopped(tmp_path, tiny_model_dir, tiny_dataset):
-    """A checkpoint carries the worker's prompt position (the first group not trained on) and the KL state; a resumed
-    run restarts the worker there and trains on from the checkpoint's step."""
+def test_checkpoint_and_resume_continue_at_the_first_group_not_trained(tmp_path, tiny_model_dir, tiny_dataset):
+    """A checkpoint carries the worker's prompt position and the KL state. Micro-batches of 4 samples, groups of 4,
+    nothing stale: each optimizer step trains one group, so after 2 steps the loss has trained groups 0 and 1 and the
+    checkpoint resumes at group 2, which the resumed run's step 3 trains (a group counted as trained when TRL's
+    collator batched it, one micro-batch ahead, would resume at 3: group 2 never trained)."""
     import json
     import os
 
@@ -407,12 +413,133 @@ def test_checkpoint_and_resume_continue_where_training_stopped(tmp_path, tiny_mo
     checkpoint = os.path.join(first.args.output_dir, "checkpoint-2")
     with open(os.path.join(checkpoint, "trinity_trainer_state.json")) as f:
         state = json.load(f)
-    trained = set(first._trained_groups)
-    assert state["prompt_position"] == min(set(range(len(trained) + 1)) - trained)
+    assert state["prompt_position"] == 2 and state["dropped_groups"] == 0
     second = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_steps=3, save_strategy="steps", save_steps=2)
     second.train(resume_from_checkpoint=checkpoint)
     assert second.state.global_step == 3
-    assert min(second._trained_groups) >= state["prompt_position"]  # the worker started at the saved position
+    assert min(second._trained_groups) == 2  # the worker started at the saved position, and step 3 trained it
+
+
+def test_groups_dropped_as_stale_are_counted_and_the_resume_position_skips_them(tmp_path, tiny_model_dir, tiny_dataset):
+    """With max_staleness 0 the worker's queued groups go stale at each weight sync and are dropped: the checkpoint
+    counts them and resumes after the last group trained or dropped, never at a dropped one."""
+    import json
+    import os
+
+    trainer = _train_run(
+        tmp_path, tiny_model_dir, tiny_dataset, max_steps=3, max_staleness=0, save_strategy="steps", save_steps=3
+    )
+    trainer.train()
+    with open(os.path.join(trainer.args.output_dir, "checkpoint-3", "trinity_trainer_state.json")) as f:
+        state = json.load(f)
+    ledger = trainer.group_ledger
+    assert state["prompt_position"] == ledger.resume() and state["dropped_groups"] == len(ledger.dropped_only)
+    assert set(range(state["prompt_position"])) <= ledger.trained | ledger.dropped
+    logged = [entry["async/dropped_groups"] for entry in trainer.state.log_history if "async/dropped_groups" in entry]
+    assert logged[-1] <= state["dropped_groups"]
+
+
+def test_max_staleness_zero_trains_every_step_on_samples_of_the_current_weights(tmp_path, tiny_model_dir, tiny_dataset):
+    """max_staleness=0: every optimizer step trains on samples of the weights it trains (none left out of the loss as
+    too stale). accelerate's prepared loader took each micro-batch one step ahead, before the weight sync that made
+    it stale: every step after the first trained nothing."""
+    trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_steps=3, max_staleness=0)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "actor/loss" in entry]
+    assert trainer.state.global_step == 3 and len(logged) == 3
+    for entry in logged:
+        assert entry["async/dropped_stale_total"] == 0.0 and entry.get("async/staleness_max") == 0.0, entry
+
+
+@pytest.mark.parametrize("untrained", [4, 10**9], ids=["first-step", "every-step"])
+def test_a_step_with_no_sample_to_train_takes_no_optimizer_step(
+    untrained, tmp_path, tiny_model_dir, tiny_dataset, caplog
+):
+    """A step whose samples have no token to train (unscorable) takes no optimizer step: global_step and the
+    learning-rate schedule do not advance, it is counted (async/skipped_steps_total) and said at the end; a run in
+    which no step had a sample says it trained nothing, its weights unchanged."""
+    import logging
+
+    worker = _scripted(untrained_before=untrained)
+    trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, worker=worker, max_steps=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with caplog.at_level(logging.WARNING, logger="trinity_trl"):
+        trainer.train()
+    steps = [state["step"] for state in trainer.optimizer.optimizer.state.values()]
+    if untrained == 4:  # the first micro-batch (one step) has nothing to train
+        assert trainer.state.global_step == 2 and trainer.skipped_steps == 1
+        assert all(int(step) == 2 for step in steps) and trainer.lr_scheduler.last_epoch == 2
+        assert sum(entry.get("async/skipped_steps_total", 0.0) for entry in trainer.state.log_history) == 1.0
+        assert "1 step(s) had no sample to train" in caplog.text
+    else:
+        assert trainer.state.global_step == 0 and trainer.skipped_steps >= 2 and not steps
+        assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+        assert "trained nothing" in caplog.text
+
+
+_hang_started: list[float] = []
+_release = threading.Event()
+
+
+def hanging_reward(completions, **kwargs):
+    """A reward function that never returns (until the test releases it)."""
+    import time
+
+    _hang_started.append(time.monotonic())
+    _release.wait(300)
+    return [0.0] * len(completions)
+
+
+def test_a_reward_function_that_hangs_ends_the_run_within_the_heartbeat_limit_naming_it(
+    tmp_path, tiny_model_dir, tiny_dataset
+):
+    """A reward function that hangs ends the run within heartbeat_stale_after_s plus TRL's 5 s poll of the worker's
+    health, with one line naming it; the stop does not wait for the thread stuck in it (it stays a daemon)."""
+    import time
+
+    trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, reward_funcs=hanging_reward, heartbeat_stale_after_s=2)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            trainer.train()
+        ended = time.monotonic()
+    finally:
+        _release.set()
+    message = str(info.value)
+    assert "inside the reward function 'hanging_reward', which has not returned" in message and "\n" not in message
+    assert ended - _hang_started[0] < 2 + 5 + 8, ended - _hang_started[0]  # 8 s for a busy machine
+
+
+def test_a_trainer_that_trained_can_be_freed(tmp_path, tiny_model_dir, tiny_dataset):
+    """TRL's queue dataset starts a thread that never ends and holds the trainer (through the dataset): every trainer
+    that trained stayed alive with its models and its worker's copy (a test process grew past 8 GB). After train(),
+    nothing of TRL's holds it."""
+    import gc
+    import weakref
+
+    trainer = _train_run(tmp_path, tiny_model_dir, tiny_dataset, max_steps=1)
+    trainer.train()
+    held = [weakref.ref(trainer), weakref.ref(trainer.model), weakref.ref(trainer.rollout_worker.model)]
+    del trainer
+    gc.collect()
+    assert [ref() is None for ref in held] == [True, True, True]
+
+
+def test_a_sliding_window_model_is_refused_before_it_loads(tmp_path, tiny_model_dir, tiny_dataset):
+    """The kernels run full causal attention: a model whose config makes layers attend within a window is refused in
+    one line when the trainer is built, read from its config (not at the first training forward, after both models
+    loaded and the worker generated)."""
+    import json
+    import shutil
+
+    windowed = tmp_path / "windowed"
+    shutil.copytree(tiny_model_dir, windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    config["layer_types"] = ["full_attention", "sliding_attention"]
+    (windowed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding window of 4 tokens in 1 of its 2 layers") as info:
+        _train_run(tmp_path, str(windowed), tiny_dataset)
+    assert "\n" not in str(info.value)
 
 
 def test_teardown_exits_zero(tmp_path, tiny_model_dir):
@@ -466,6 +593,8 @@ def test_a_plain_async_grpo_config_is_converted(tmp_path):
         ({"tree_attention_kernel": "flex"}, "tree_attention_kernel must be one of"),
         ({"vllm_server_base_url": "http://x:8000"}, "generation_backend='transformers' does not use"),
         ({"log_completions": True}, "generation_backend='transformers' does not use"),
+        ({"eval_strategy": "steps", "eval_steps": 1}, "eval_strategy='steps' asks for evaluation during training"),
+        ({"eval_on_start": True}, "eval_on_start=True asks for evaluation"),
     ],
 )
 def test_config_refusals_are_one_line(options, message, tmp_path):
@@ -573,24 +702,53 @@ def test_lora_kl_reference_is_the_policy_without_its_adapter(tmp_path, float64_m
     assert asynchronous._metrics["train"]["actor/kl_loss"][-1] > 1e-6
 
 
-def _reward_a(completions, **kwargs):
-    return [1.0, None, float("inf"), 2.0]
+REWARD_KWARGS = {"prompts": ["p"] * 4, "completions": ["a", "b", "c", "d"], "completion_ids": [[1]] * 4}
 
 
-def _reward_b(completions, **kwargs):
-    return [0.5, float("nan"), 1.0, None]
-
-
-def test_trls_worker_gets_one_picklable_weighted_reward_with_the_unscorable_rule():
+def test_trls_worker_gets_one_picklable_weighted_reward_by_the_rule_of_every_path():
     """For TRL's vLLM worker (which sums its reward functions with weight 1 in a spawned process): one picklable
-    function, the weighted sum, None where no function scored or the sum is not finite (TRL's z-score then leaves
-    the completion out of its group instead of turning the group's advantages into NaN)."""
+    function whose weighted sum is `weighted_rewards`' (docs/guarantees.md#bad-rewards): a function's None, NaN or
+    inf leaves that function out of the row's sum, and a row no function scored is None (TRL's z-score then leaves
+    it out of its group instead of turning the group's advantages into NaN)."""
     import pickle
+
+    from async_helpers import reward_a, reward_b
 
     from trinity_trl.trainers.async_trinity import RewardSum
 
-    reward = pickle.loads(pickle.dumps(RewardSum([_reward_a, _reward_b], [1.0, 2.0])))
-    assert reward(completions=[0, 1, 2, 3]) == [2.0, None, None, 2.0]
+    reward = pickle.loads(pickle.dumps(RewardSum([reward_a, reward_b], [1.0, 2.0])))
+    # rows: 1 + 2*0.5; neither scored; inf left out: 2*1; 2 (b's None left out)
+    assert reward(**REWARD_KWARGS) == [2.0, None, 2.0, 2.0]
+
+
+def test_the_reward_sum_scores_in_a_process_spawned_as_trls_worker_spawns_it():
+    """TRL pickles the reward functions into a process it starts with ``spawn`` (no state of the parent): RewardSum
+    and `weighted_rewards` import there, score by the rule, and name a function whose result is malformed."""
+    import multiprocessing
+
+    from async_helpers import one_score, reward_a, reward_b, score_in_spawned_child
+
+    from trinity_trl.trainers.async_trinity import RewardSum
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    rewards = [RewardSum([reward_a, reward_b], [1.0, 2.0]), RewardSum([one_score], [1.0])]
+    child = context.Process(target=score_in_spawned_child, args=(rewards, REWARD_KWARGS, results), daemon=True)
+    child.start()
+    try:
+        outcomes = [results.get(timeout=600) for _ in rewards]
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.terminate()
+    assert outcomes == [
+        ("ok", [2.0, None, 2.0, 2.0]),
+        (
+            "error",
+            "ValueError: reward function 'one_score' returned 1 rewards for 4 completions; it must return one per "
+            "completion (None where it does not score one)",
+        ),
+    ]
 
 
 def test_the_worker_needs_reward_functions(tmp_path, tiny_model_dir, tiny_dataset):

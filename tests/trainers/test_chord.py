@@ -119,6 +119,7 @@ def test_loss_equals_library_mix_chord_on_the_same_tensors(tmp_path, tiny_model_
     reference = cls(
         **{
             **cls.default_args(),
+            "enable_phi_function": False,  # ChordConfig()'s CHORD-μ (the loss's own default is φ)
             "mu_warmup_steps": 1,
             "mu_decay_steps": 2,
             "mu_peak": 0.5,
@@ -153,7 +154,7 @@ def test_logs_mu_losses_and_token_counts(tmp_path, tiny_model_dir):
     log = trainer.state.log_history[0]
     for key in (
         "actor/mu",
-        "actor/expert/sft_phi_loss",
+        "actor/expert/sft_loss",  # ChordConfig()'s CHORD-μ: a plain SFT term
         "actor/usual/pg_loss",
         "chord/expert_tokens",
         "chord/on_policy_tokens",
@@ -366,7 +367,10 @@ def test_resume_restores_the_expert_stream_position(tmp_path, tiny_model_dir):
 
 
 def test_eval_loss_does_not_depend_on_the_eval_batch_size(tmp_path, tiny_model_dir):
-    trainer = make_trainer(tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2, per_device_eval_batch_size=8)
+    trainer = make_trainer(
+        tmp_path, tiny_model_dir, max_steps=1, expert_batch_size=2, per_device_eval_batch_size=8, mu_peak=0.1,
+        mu_valley=0.1,
+    )  # fmt: skip
     loss_fn = trainer._policy_loss_for("eval")
     torch.manual_seed(0)
     logps, adv = -torch.rand(8, 5), torch.randn(8, 5)

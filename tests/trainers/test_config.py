@@ -704,7 +704,8 @@ def test_chord_config_shows_no_kl_and_what_it_builds():
     config = ChordConfig()  # TRL users write this: beta=0.0 means no KL
     shown_matches_built(config)
     assert "kl_loss=Component('none')" in repr(config) and not config.take_components().kl_loss.enabled
-    assert "mu_peak=0.1" in repr(config)  # the loss's arguments as built, not the unset fields (None)
+    # the loss's arguments as built: ChordConfig()'s CHORD-μ (the loss's own defaults are CHORD-φ's)
+    assert "mu_peak=0.9" in repr(config) and "enable_phi_function=False" in repr(config)
 
 
 def test_the_repr_shows_the_options_set_and_trls_fields_changed_from_trls_defaults(tmp_path):

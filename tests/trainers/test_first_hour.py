@@ -199,7 +199,10 @@ def test_card_describes_chord_mu_or_phi_as_configured(tmp_path, tiny_model_dir):
 
     mu = card(enable_phi_function=False, mu_peak=0.9, mu_valley=0.05, mu_decay_steps=20)
     assert "Variant: CHORD-μ (plain SFT term); μ starts at 0.9 and decays (cosine) to 0.05 over 20 steps." in mu
-    phi = card()
+    assert "| demonstrations | 4 rows given as `expert_dataset` |" in mu  # the card names its demonstrations
+    default = card()  # ChordConfig()'s default: CHORD-μ over the run (max_steps)
+    assert "Variant: CHORD-μ (plain SFT term); μ starts at 0.9 and decays (cosine) to 0.05 over 2 steps." in default
+    phi = card(enable_phi_function=True, mu_peak=0.1, mu_valley=0.1, mu_decay_steps=0)  # the default before 0.2.0
     assert "Variant: CHORD-φ" in phi and "constant μ = 0.1" in phi
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
-from trinity_trl.training.trl_seams import captured_return
+from trinity_trl.training.grpo_seams import captured_return
 
 G = 4
 

@@ -368,8 +368,8 @@ def test_trl_builds_its_generation_config_with_compilation_off(basic_run):
 def test_trls_transformers_generation_calls_the_models_generate_with_its_config_alone(basic_run):
     """``_generate_single_turn`` (transformers path) calls ``generate`` of the unwrapped model with the padded ids,
     their mask and ``self.generation_config``, nothing else: what the grouped prefill's stand-in takes
-    (trl_seams.intercepted)."""
-    from trinity_trl.training.trl_seams import intercepted
+    (grpo_seams.intercepted)."""
+    from trinity_trl.training.grpo_seams import intercepted
 
     model = basic_run.accelerator.unwrap_model(basic_run.model_wrapped)
     seen = []
@@ -394,7 +394,7 @@ def test_trls_checkpointing_toggles_add_an_input_hook_every_time(basic_run, tiny
     """TRL turns activation checkpointing off and on around each generation (``unwrap_model_for_generation``) and
     around its no-grad log-prob passes (``disable_gradient_checkpointing``); each time, transformers adds one more
     forward hook on a full fine-tuning model's input embeddings (which compiled decoding's guards then see). Our
-    trainers undo it (trl_seams.input_hooks_kept, tests/training/test_trl_seams.py)."""
+    trainers undo it (trl_seams.input_hooks_kept, tests/training/test_grpo_seams.py)."""
     from transformers import AutoModelForCausalLM
     from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 

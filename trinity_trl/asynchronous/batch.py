@@ -33,6 +33,7 @@ class PackedMicroBatch:
             worker that does not say).
         model_version: ``(S,)`` the same as TRL counts it (weight syncs; NaN: a demonstration).
         expert: ``(S,)`` bool, the demonstrations (CHORD).
+        group: ``(S,)`` int64, each sample's prompt group (TRL's ``group_id``: the worker's stream position).
         micro_batch: the micro-batch's counts over every process's row, as floats: ``trained_tokens``,
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
     """
@@ -46,12 +47,13 @@ class PackedMicroBatch:
     policy_version: torch.Tensor
     model_version: torch.Tensor
     expert: torch.Tensor
+    group: torch.Tensor
     micro_batch: dict[str, float]
 
 
 def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
     """``inputs``: what the trainer's ``compute_loss`` receives for this process (one row of TRL's collated
-    micro-batch, with the per-sample fields of `trinity_trl.asynchronous.trl_seams.SampleFieldsCollator`). The
+    micro-batch, with the per-sample fields of `trinity_trl.asynchronous.async_grpo_seams.SampleFieldsCollator`). The
     padding TRL adds so rows of different processes stack is dropped, as TRL's own ``compute_loss`` drops it."""
     attended = inputs["attention_mask"].bool()
     selected = inputs["token_index"] >= 0
@@ -79,6 +81,7 @@ def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
         policy_version=inputs["sample_policy_version"][0, :samples],
         model_version=inputs["sample_model_version"][0, :samples],
         expert=inputs["sample_expert"][0, :samples] != 0,
+        group=inputs["sample_group"][0, :samples],
         micro_batch=micro_batch,
     )
 

@@ -33,6 +33,7 @@ from ..rollouts.multi_step import MultiStepRollout
 from ..rollouts.protocols import RolloutContext
 from ..rollouts.runs import Run, experience_info
 from ..training.advantages import check_declared_step_rewards, weighted_rewards
+from .async_grpo_seams import rollout_sample
 from .worker import TransformersRolloutWorker
 
 
@@ -122,6 +123,14 @@ class MultiStepWorker(TransformersRolloutWorker):
             done.set()
             thread.join()
 
+    @property
+    def _playing(self) -> str:
+        """What the thread is in while a group plays (for a stall: an environment's ``reset`` / ``step`` has no time
+        bound of its own; an agent's is ``agent_timeout``)."""
+        if isinstance(self.rollout, AgentRollout):
+            return "the group's agent runs"
+        return "the group's environment runs (an environment's reset or step)"
+
     def step_advantages(self, runs: list[Run], rewards: torch.Tensor) -> tuple[list[list[float | None]], dict]:
         """Per run and step, its advantage (``None``: not trained, its run unscorable or its group filtered), and
         the component's metrics; as `StepGRPOTrainer` computes them for one task's group."""
@@ -150,7 +159,7 @@ class MultiStepWorker(TransformersRolloutWorker):
         rows = [dict(self.dataset[self.order.row(position)]) for position in positions]
         size = self.num_generations
         version = self.model_version
-        with self._agents_at_work():
+        with self._agents_at_work(), self._inside(self._playing):
             runs = self.rollout([dict(row) for row in rows for _ in range(size)])
         return [
             self._task_samples(
@@ -177,8 +186,6 @@ class MultiStepWorker(TransformersRolloutWorker):
     ) -> tuple[list[Any], dict[str, float]]:
         """One task's samples and metrics from its ``runs`` (scored here); ``rollout_metrics``: the rollout's own
         metrics of the call, over ``played`` runs."""
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
         size = self.num_generations
         prompt = row.get("prompt") or [{"role": "user", "content": ""}]
         conversational = is_conversation(prompt)
@@ -186,7 +193,9 @@ class MultiStepWorker(TransformersRolloutWorker):
         completions = [[{"role": "assistant", "content": s.text}] if conversational else s.text for s in last]
         columns = {k: [v] * size for k, v in row.items() if k not in ("prompt", "completion")}
         columns["env_reward"] = [run.reward for run in runs]
-        per_func = self.scorer.rewards([prompt] * size, completions, [s.completion_ids for s in last], columns)
+        per_func = self.scorer.rewards(
+            [prompt] * size, completions, [s.completion_ids for s in last], columns, self._inside
+        )
         rewards = weighted_rewards(per_func, self.scorer.reward_weights)
         advantages, advantage_metrics = self.step_advantages(runs, rewards)
         finite = rewards[torch.isfinite(rewards)]
@@ -208,7 +217,7 @@ class MultiStepWorker(TransformersRolloutWorker):
                         **{f"rewards/{n}": float(per_func[i, f]) for f, n in enumerate(self.scorer.reward_func_names)},
                     }
                 samples.append(
-                    RolloutSample(
+                    rollout_sample(
                         prompt=run.messages[: first_messages + 2 * s],
                         completion=[{"role": "assistant", "content": step.text}],
                         input_ids=np.asarray(step.prompt_ids + step.completion_ids, dtype=np.int64),

@@ -43,6 +43,7 @@ import torch
 from ..data.loading import SeededPasses, is_conversation, prompt_token_ids
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
 from ..training.decoding import GroupedDecoding, compile_refusal, model_facts, plan_decoding
+from .async_grpo_seams import rollout_sample
 
 logger = logging.getLogger("trinity_trl")
 
@@ -75,13 +76,22 @@ class GroupScorer:
         self.reward_weights = reward_weights
         self.estimator = estimator
 
-    def rewards(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict) -> torch.Tensor:
-        """``(G, F)`` every function's reward per completion, NaN for ``None``."""
+    def rewards(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        columns: dict,
+        inside: Callable[[str], contextlib.AbstractContextManager] | None = None,
+    ) -> torch.Tensor:
+        """``(G, F)`` every function's reward per completion, NaN for ``None``. ``inside(what)``: entered around each
+        call (the worker's record of the user code it is in, for its stall message)."""
         values = []
-        for func in self.reward_funcs:
-            result = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
+        for func, name in zip(self.reward_funcs, self.reward_func_names):
+            with (inside or _nowhere)(f"the reward function {name!r}"):
+                result = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
             values.append([float("nan") if r is None else float(r) for r in result])
         return torch.tensor(values, dtype=torch.float32).T.reshape(len(completions), len(self.reward_funcs))
 
@@ -94,10 +104,12 @@ class GroupScorer:
         logps: torch.Tensor,
         mask: torch.Tensor,
         group_index: int,
+        inside: Callable[[str], contextlib.AbstractContextManager] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Advantages]:
         """``(rewards per function (G, F), weighted rewards (G,), advantages)`` of a group; ``logps`` / ``mask``
-        ``(G, T)``: the completions' sampled log-probs and tokens (for components that read them)."""
-        per_func = self.rewards(prompts, completions, completion_ids, columns)
+        ``(G, T)``: the completions' sampled log-probs and tokens (for components that read them); ``inside``: as
+        `rewards`."""
+        per_func = self.rewards(prompts, completions, completion_ids, columns, inside)
         rewards = weighted_rewards(per_func, self.reward_weights)
         size = len(completions)
         sources = AdvantageSources(behaviour_logps=lambda: logps, reference_logps=lambda: None)
@@ -107,6 +119,10 @@ class GroupScorer:
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+def _nowhere(what: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class _StopWhen:
@@ -242,6 +258,8 @@ class TransformersRolloutWorker:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._heartbeat = time.monotonic()
+        self._in_user_code: str | None = None  # the user code the thread is in now ("the reward function 'x'")
+        self._stalled = False  # check_health found the thread stuck: stop() does not wait for it
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def _decoding(self, compile_generation: str, one_prefill_per_group: bool, compile_config: Any) -> GroupedDecoding:
@@ -307,17 +325,28 @@ class TransformersRolloutWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread and wait up to ``timeout`` seconds for it; not at all when `check_health` found it stuck
+        in user code (a reward function that hangs never sees the stop: the daemon thread is left to the process)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+            self._thread.join(0 if self._stalled else timeout)
+            if self._thread.is_alive() and not self._stalled:
                 logger.warning("the rollout worker did not stop within %.0f s; leaving its (daemon) thread", timeout)
         self._thread = None
+
+    @contextlib.contextmanager
+    def _inside(self, what: str) -> Iterator[None]:
+        """While the block runs, the worker thread is in user code ``what`` (named by a stall)."""
+        previous, self._in_user_code = self._in_user_code, what
+        try:
+            yield
+        finally:
+            self._in_user_code = previous
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise (one line) if the worker failed, ended, or made no progress for ``stale_after_s`` seconds: no token
         generated, no group scored and queued, and not waiting for the trainer (a slow generation is progress; a
-        reward function that hangs is not)."""
+        reward function that hangs is not, and is named)."""
         if self._failure is not None:
             error = self._failure
             raise RuntimeError(f"the rollout worker failed: {type(error).__name__}: {error}") from error
@@ -325,8 +354,12 @@ class TransformersRolloutWorker:
             raise RuntimeError("the rollout worker stopped")
         idle = time.monotonic() - self._heartbeat
         if idle > stale_after_s:
+            where = self._in_user_code
+            self._stalled = where is not None
+            inside = f" inside {where}, which has not returned" if where is not None else ""
             raise RuntimeError(
-                f"the rollout worker stalled: no progress for {idle:.0f} s (heartbeat_stale_after_s={stale_after_s:g})"
+                f"the rollout worker stalled: no progress for {idle:.0f} s{inside} "
+                f"(heartbeat_stale_after_s={stale_after_s:g})"
             )
 
     # ------------------------------------------------------------------------------------- the loop
@@ -453,7 +486,6 @@ class TransformersRolloutWorker:
         started: float,
     ) -> tuple[list[Any], dict[str, float]]:
         """A group's ``RolloutSample``s and metrics from its completions (scored here)."""
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
         prompt = row["prompt"]
         columns = {k: [v] * self.num_generations for k, v in row.items() if k not in ("prompt", "completion")}
@@ -467,7 +499,7 @@ class TransformersRolloutWorker:
             mask[i, : len(lp)] = 1.0
             logps[i, : len(lp)] = torch.tensor(lp)
         per_func, rewards, result = self.scorer(
-            [prompt] * self.num_generations, completions, completion_ids, columns, logps, mask, position
+            [prompt] * self.num_generations, completions, completion_ids, columns, logps, mask, position, self._inside
         )
         advantages = result.advantages
         finite = rewards[torch.isfinite(rewards)]
@@ -483,7 +515,7 @@ class TransformersRolloutWorker:
                 **{f"rewards/{name}": float(per_func[i, f]) for f, name in enumerate(self.scorer.reward_func_names)},
             }
             samples.append(
-                RolloutSample(
+                rollout_sample(
                     prompt=messages,
                     completion=completions[i] if conversational else [{"role": "assistant", "content": texts[i]}],
                     input_ids=np.asarray(prompt_ids + ids, dtype=np.int64),

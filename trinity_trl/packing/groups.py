@@ -26,9 +26,7 @@ where the option was set to ``True``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,36 +105,3 @@ def trainer_whole_groups(trainer: Any) -> tuple[bool, str]:
         args.per_device_train_batch_size,
         trainer.num_generations,
     )
-
-
-@contextlib.contextmanager
-def whole_groups(trainer: Any) -> Iterator[None]:
-    """While TRL's ``_prepare_inputs`` runs: shuffle generation batches by groups instead of rows, where the
-    trainer's ``args.prefix_packing_whole_groups`` asks for it or its default turns it on (see the module docs)."""
-    on, _ = trainer_whole_groups(trainer)
-    if not on:
-        yield
-        return
-    explicit = getattr(trainer.args, "prefix_packing_whole_groups", None) is not None
-    import trl.trainer.grpo_trainer as grpo
-
-    row_shuffle = grpo.shuffle_sequence_dict
-    group = trainer.num_generations
-    logged = trainer.__dict__.setdefault("_whole_groups_logged", set())
-
-    def shuffle(batch):
-        reason = group_blocks_reason(batch, group)
-        if reason is None:
-            return shuffle_groups(batch, group)
-        if reason not in logged:
-            logged.add(reason)
-            (logger.warning if explicit else logger.debug)(
-                "prefix_packing_whole_groups: TRL's row shuffle for this batch: %s", reason
-            )
-        return row_shuffle(batch)
-
-    grpo.shuffle_sequence_dict = shuffle
-    try:
-        yield
-    finally:
-        grpo.shuffle_sequence_dict = row_shuffle

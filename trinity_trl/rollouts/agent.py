@@ -194,6 +194,11 @@ def run_segments(record: RunRecord) -> tuple[list[tuple[int, int]], list[list[in
     return steps, segments
 
 
+def _last_answer_cut(record: RunRecord) -> bool:
+    """Whether the last answer the policy gave ``record``'s run was cut at ``max_completion_length``."""
+    return bool(record.calls and record.calls[-1].choices) and record.calls[-1].choices[-1].finish_reason == "length"
+
+
 class AgentRollout(PlayedRollout):
     """Plays an agent function over the policy endpoint (see the module docstring).
 
@@ -411,13 +416,14 @@ class AgentRollout(PlayedRollout):
                 CANCEL_GRACE_S,
             )
         outcomes = [w.outcome.result() if w.outcome.done() else ("timeout", None, None) for w in workers]
-        counts = {"error": 0, "timeout": 0}
+        counts = {"error": 0, "timeout": 0, "error_after_cut": 0}
         first: dict[str, Any] = {}
         runs, self.infos, self.recorded = [], [], []
         for row, record, (outcome, reward, info) in zip(rows, records, outcomes):
             if outcome != "ok":
                 counts[outcome] += 1
                 first.setdefault(outcome, info)
+                counts["error_after_cut"] += outcome == "error" and _last_answer_cut(record)
                 reward = 0.0 if self.on_failure == "zero" else math.nan
             runs.append(self._run(record, reward))
             self.infos.append(info)
@@ -430,8 +436,10 @@ class AgentRollout(PlayedRollout):
         self._counted = Counter(endpoint.counters)
         n = max(1, len(runs))
         self.metrics = {
+            "agent/runs": float(len(runs)),
             "agent/errors": float(counts["error"]),
             "agent/timeouts": float(counts["timeout"]),
+            "agent/errors_after_cut_answer": float(counts["error_after_cut"]),
             **{f"agent/{name}": float(counters[name]) for name in COUNTERS},
             "agent/calls_per_run": sum(len(r.calls) for r in records) / n,
             "agent/runs_without_calls": float(sum(not r.calls for r in records)),
@@ -441,10 +449,21 @@ class AgentRollout(PlayedRollout):
         return runs
 
     def _log_faults(self, counts, first, counters, examples, n: int) -> None:
-        """One warning line per kind of fault of this rollout, with its count and the first instance."""
+        """One warning line per kind of fault of this rollout, with its count and the first instance; runs that
+        raised right after the policy's answer was cut at ``max_completion_length`` are said to have (the OpenAI
+        Agents SDK raises on a Responses answer whose status is ``incomplete``)."""
         scored = "scored 0" if self.on_failure == "zero" else "left unscored"
+        cut = ""
+        if counts["error_after_cut"]:
+            limit = self.endpoint.max_completion_length
+            cut = (
+                f"; {counts['error_after_cut']} of them raised right after the policy's answer was cut at "
+                f"max_completion_length={limit} tokens (finish reason 'length'; a Responses answer's status "
+                "'incomplete', on which the OpenAI Agents SDK raises): raise max_completion_length "
+                "(docs/environments.md#cut-answers)"
+            )
         lines = {
-            "error": f"agent runs raised (first: {first.get('error')}); {scored}",
+            "error": f"agent runs raised (first: {first.get('error')}); {scored}{cut}",
             "timeout": f"agent runs took more than agent_timeout={self.timeout:g} s of their own time; {scored}",
         }
         for kind, text in lines.items():

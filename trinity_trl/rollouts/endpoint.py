@@ -198,7 +198,7 @@ class ChatRenderer:
     def __init__(self, tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None):
         import copy
 
-        from trl.chat_template_utils import add_response_schema
+        from trl import add_response_schema
 
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -248,7 +248,7 @@ class ChatRenderer:
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None) -> tuple[dict, bool]:
         """The assistant message of a sampled turn, and whether it holds a tool call the parser could not read (TRL
         then takes the turn as text, and so does the endpoint)."""
-        from trl.chat_template_utils import parse_response
+        from ..chat_template_seams import parse_response
 
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         if not tools or self.parser is None:

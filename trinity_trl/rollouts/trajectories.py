@@ -154,7 +154,7 @@ class ToolRollout:
         tool call), ``"tool_call"`` (still calling a tool: stopped by ``max_env_steps`` or ``max_completion_length``)
         or ``"malformed"`` (the response template's tool-call opener is there but TRL's parser found no valid call,
         so TRL took the turn as the final answer: the run ends there, scored as it is)."""
-        from trl.chat_template_utils import parse_response
+        from ..chat_template_seams import parse_response
 
         tokenizer = self.tokenizer
         template = getattr(tokenizer, "response_template", None)

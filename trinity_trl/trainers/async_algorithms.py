@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..algorithms.policy_loss import step_sample_weights
-from ..asynchronous.trl_seams import SampleStream
+from ..asynchronous.async_grpo_seams import SampleStream, rollout_sample
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
 from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
@@ -145,8 +145,9 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             self.policy_versions,
             demonstrations=self._demonstration,
             expert_ratio=self.args.expert_share(),
-            kept=lambda version: self.model_version - version <= self.args.max_staleness,  # TRL's staleness filter
+            kept=self._kept_by_trl,
             model_version=lambda: self.model_version,
+            ledger=self.group_ledger,
         )
 
     def get_train_dataloader(self):
@@ -163,7 +164,6 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
         """The next demonstration as a ``RolloutSample``: its prompt as the worker tokenizes prompts, its answer and
         the end-of-sequence token trained, behaviour log-probs and advantage 0 (docs/algorithms/chord.md#expert-rows),
         in the stream next to the group it follows."""
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
         if self._expert_order is None:
             self._expert_order = SeededPasses(len(self.expert_dataset), self.args.seed)
@@ -175,7 +175,7 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             completion = expert_completion_ids(self.processing_class, answer, self.args.max_completion_length)
             self._expert_cache[index] = (prompt_ids, completion)
         prompt_ids, completion = self._expert_cache[index]
-        return RolloutSample(
+        return rollout_sample(
             prompt=[],
             completion=[],
             input_ids=np.asarray(prompt_ids + completion, dtype=np.int64),

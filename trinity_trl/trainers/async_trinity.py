@@ -7,7 +7,7 @@ and LoRA adapter sync to vLLM; its loss is one fixed PPO clip. Here the loss is 
 the same code the synchronous trainers run (`trinity_trl.trainers.trinity_loss.TrinityLossMixin`): any policy loss,
 entropy and KL terms, aggregation mode and normalisation, configured as in [`TrinityConfig`][] (the same fields,
 presets, YAML and command line). The seams it needs beyond TRL's public ones are in
-`trinity_trl.asynchronous.trl_seams`, each with its reason.
+`trinity_trl.asynchronous.async_grpo_seams`, each with its reason.
 
 Where samples come from (``generation_backend``):
 
@@ -22,41 +22,43 @@ Where samples come from (``generation_backend``):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 from trl import GRPOConfig
-from trl.import_utils import TRLExperimentalWarning
 
-with warnings.catch_warnings():
-    # TRL warns once, on the first import of trl.experimental, that its API may change: trinity_trl pins TRL 1.16.*
-    # and its contract tests (tests/asynchronous/test_async_seams.py) fail when what we use changes
-    warnings.simplefilter("ignore", TRLExperimentalWarning)
+from ..asynchronous.async_grpo_seams import quiet_experimental_import
+
+with quiet_experimental_import():  # TRL's warning that its experimental API may change
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-from ..asynchronous.batch import SampleLayout, unpack
-from ..asynchronous.trl_seams import (
+from ..asynchronous.async_grpo_seams import (
     TREE_KERNEL_CHOICES,
     TRL_TREE_ATTENTION,
     PolicyVersions,
     SampleStream,
+    StreamLoader,
     account_step,
     cpu_safe_peak_flops,
     kernel_for,
     register_tree_attention,
+    release_rollout_dataset,
+    tree_attention_refusal,
     tree_plan,
     trl_collator,
 )
+from ..asynchronous.batch import SampleLayout, unpack
+from ..asynchronous.progress import GroupLedger
 from ..asynchronous.worker import GroupScorer, LocalWeightTransfer, TransformersRolloutWorker
 from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing.selection import compute_dtype
 from ..training import checks
-from ..training.advantages import AdvantageEstimator
+from ..training.advantages import AdvantageEstimator, weighted_rewards
 from ..training.decoding import choose_decoding
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, use_concise_progress
@@ -65,6 +67,8 @@ from .common import default_output_dir, load_processor
 from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, GenerationFields, from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .trinity_loss import TrinityLossMixin
+
+logger = logging.getLogger("trinity_trl")
 
 GENERATION_BACKENDS = ("transformers", "vllm")
 # AsyncGRPOConfig fields that only TRL's vLLM worker reads: with generation_backend="transformers" a value other than
@@ -165,6 +169,7 @@ class AsyncTrinityConfig(AlgorithmFields, GenerationFields, AsyncGRPOConfig):
 
     def __post_init__(self):
         apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
+        check_no_evaluation(self)  # before transformers' own check, which asks for an eval_dataset
         super().__post_init__()
         check_saving_options(self)
         if self.generation_backend not in GENERATION_BACKENDS:
@@ -192,6 +197,23 @@ def groups_per_step(args: Any) -> int:
     micro-batch, ``gradient_accumulation_steps`` micro-batches) over ``num_generations``; the worker generates them in
     one ``generate`` call."""
     return max(1, math.ceil(args.per_device_train_batch_size * args.gradient_accumulation_steps / args.num_generations))
+
+
+#: TrainingArguments fields that ask for evaluation during training, and their off values
+EVALUATION_FIELDS = {"eval_strategy": "no", "eval_on_start": False, "load_best_model_at_end": False}
+
+
+def check_no_evaluation(args: Any) -> None:
+    """Refuse, in one line, evaluation during training: TRL's asynchronous trainer has no evaluation loop and the
+    asynchronous trainers take no ``eval_dataset`` (docs/asynchronous.md#what-it-does-not-run)."""
+    for name, off in EVALUATION_FIELDS.items():
+        value = getattr(args, name)
+        if getattr(value, "value", value) != off:
+            raise ValueError(
+                f"{type(args).__name__}: {name}={getattr(value, 'value', value)!r} asks for evaluation during "
+                f"training, which the asynchronous trainers do not run (TRL's asynchronous trainer has none); leave "
+                f"{name} at {off!r} and evaluate the saved model after training (a recipe's eval_accuracy does)"
+            )
 
 
 def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinityConfig) -> None:
@@ -240,6 +262,20 @@ def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinit
             )
 
 
+def check_model_config(model: str, args: AsyncTrinityConfig) -> None:
+    """Refuse, in one line and before any weight loads, a model whose attention our tree kernels cannot run
+    (`trinity_trl.asynchronous.async_grpo_seams.tree_attention_refusal`), read from its config."""
+    from transformers import AutoConfig
+
+    kwargs = _init_kwargs(args)
+    config = AutoConfig.from_pretrained(
+        model, trust_remote_code=kwargs["trust_remote_code"], revision=kwargs.get("revision")
+    )
+    reason = tree_attention_refusal(config)
+    if reason is not None:
+        raise ValueError(f"{model}: {reason}")
+
+
 def _init_kwargs(args: AsyncTrinityConfig) -> dict[str, Any]:
     """How TRL's AsyncGRPOTrainer loads the policy (``model_init_kwargs``, with ``trust_remote_code`` and ``dtype``),
     for the other copies of the checkpoint: the worker's and the KL terms' reference."""
@@ -251,33 +287,28 @@ def _init_kwargs(args: AsyncTrinityConfig) -> dict[str, Any]:
 
 class RewardSum:
     """The reward functions as ONE picklable reward function for TRL's vLLM worker (which runs them in a spawned
-    process and sums them with weight 1): the weighted sum of the functions' values, ``None`` (unscorable: left out
-    of the group's z-score, advantage 0) where no function scored or the sum is not finite: the rule of
-    docs/guarantees.md, where TRL's own sum would let one ``inf`` turn its whole group's advantages into NaN."""
+    process and sums them with weight 1): their weighted sum by `trinity_trl.training.advantages.weighted_rewards`,
+    the rule of every other path (docs/guarantees.md#bad-rewards): a function's ``None``, NaN or infinite value leaves
+    that function out of the completion's sum, and a completion no function scored (or whose sum is not finite) is
+    ``None``, which TRL's z-score leaves out of its group (TRL's own sum would let one ``inf`` turn the group's
+    advantages into NaN). Each function is called as `trinity_trl.training.checks.checked_reward_func` calls it, so a
+    failure or a malformed result is named."""
 
     __name__ = "reward"
 
     def __init__(self, funcs: list[Any], weights: list[float]):
         self.funcs, self.weights = funcs, weights
 
-    def __call__(self, **kwargs: Any) -> list[float | None]:
-        import asyncio
-        import inspect
+    def __call__(self, *, prompts: list, completions: list, completion_ids: list, **columns: Any) -> list[float | None]:
+        from ..training.grpo_seams import get_callable_name
 
-        total: list[float | None] = [None] * len(kwargs["completions"])
-        for func, weight in zip(self.funcs, self.weights):
-            values = func(**kwargs)
-            if inspect.isawaitable(values):
-                values = asyncio.run(_awaited(values))
-            for i, value in enumerate(values):
-                if value is None or (isinstance(value, float) and math.isnan(value)):
-                    continue
-                total[i] = (total[i] or 0.0) + weight * float(value)
-        return [t if t is not None and math.isfinite(t) else None for t in total]
-
-
-async def _awaited(awaitable):
-    return await awaitable
+        names = [get_callable_name(f) for f in self.funcs]
+        weights = torch.tensor(self.weights, dtype=torch.float32)
+        # the checked wrappers are closures (not picklable): built in the process that scores
+        checked = [checks.checked_reward_func(f, n) for f, n in zip(self.funcs, names)]
+        per_func = GroupScorer(checked, names, weights, None).rewards(prompts, completions, completion_ids, columns)
+        total = weighted_rewards(per_func, weights)
+        return [value if math.isfinite(value) else None for value in total.tolist()]
 
 
 class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, AsyncGRPOTrainer):
@@ -329,6 +360,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         if args is None:
             args = self.config_class(output_dir=default_output_dir(model, self.config_class.__name__))
         args = from_trl_config(args, self.config_class, type(self).__name__)  # a plain AsyncGRPOConfig is converted
+        check_model_config(model, args)  # before any weight loads
         self.components = args.take_components()
         self.algorithm = self.components.algorithm
         check_async_components(type(self), self.components, args)
@@ -366,7 +398,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             trl_rewards = reward_funcs
         else:
             trl_rewards = [RewardSum(reward_funcs, list(weights))] if reward_funcs else []
-        with cpu_safe_peak_flops():  # trl_seams 1
+        with cpu_safe_peak_flops():  # async_grpo_seams 1
             super().__init__(
                 model=model,
                 reward_funcs=trl_rewards,
@@ -381,7 +413,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
                 rollout_worker=rollout_worker,
                 weight_transfer=weight_transfer,
             )
-        register_tree_attention()  # trl_seams 2: after TRL's __init__ registered its own
+        register_tree_attention()  # async_grpo_seams 2: after TRL's __init__ registered its own
         check_run(self.accelerator, self.args)
         if self.accelerator.num_processes > 1:
             raise ValueError(
@@ -401,15 +433,18 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         )
         self.state_files = TrainerStateFiles(self.accelerator.process_index, self.accelerator.device)
         self.policy_versions = PolicyVersions()
+        self.group_ledger = GroupLedger()  # the groups trained and dropped, for the checkpoint's resume position
+        self._dropped_before = 0  # groups dropped whole before the checkpoint this run resumed from
+        self.skipped_steps = 0  # optimizer steps of this run that had no sample to train (none taken)
         if self.accelerator.is_main_process:
-            self.rollout_queue = self._sample_stream(self.rollout_queue)  # trl_seams 3
+            self.rollout_queue = self._sample_stream(self.rollout_queue)  # async_grpo_seams 3
         self._set_card_identity()
         use_concise_progress(self)
 
     # ------------------------------------------------------------------------------------ construction
     def _transformers_worker(self, model: str, args, tokenizer, dataset, reward_funcs) -> TransformersRolloutWorker:
         """Our worker, with its own copy of the policy loaded as TRL loads the trainer's (on the trainer's device)."""
-        from trl.trainer.utils import create_model_from_path, get_callable_name
+        from ..training.grpo_seams import create_model_from_path, get_callable_name
 
         copy = create_model_from_path(model, device_map=None, attn_implementation="sdpa", **_init_kwargs(args))
         copy.to(args.device)
@@ -463,9 +498,9 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         """The frozen reference of the KL terms: ``None`` under PEFT (the policy with its adapter disabled, as TRL
         does), else a second copy of the checkpoint with TRL's packed attention and fused head."""
         from accelerate.utils import is_peft_model
-        from trl.trainer.utils import add_fused_lm_head, create_model_from_path
 
         from ..training.engines import prepare_frozen_model
+        from ..training.grpo_seams import add_fused_lm_head, create_model_from_path
 
         if is_peft_model(self.accelerator.unwrap_model(self.model)):
             return None
@@ -477,18 +512,42 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         return prepare_frozen_model(reference, self.accelerator)
 
     def _sample_stream(self, source) -> SampleStream:
-        """The stream TRL's queue dataset reads: the worker's samples, stamped with their policy versions."""
-        return SampleStream(source, self.policy_versions)
+        """The stream TRL's queue dataset reads: the worker's samples, stamped with their policy versions; a sample
+        TRL's staleness filter will drop is recorded in the group ledger."""
+        return SampleStream(source, self.policy_versions, kept=self._kept_by_trl, ledger=self.group_ledger)
+
+    def _kept_by_trl(self, model_version: int) -> bool:
+        """TRL's staleness filter: whether its queue dataset keeps a sample of ``model_version`` now."""
+        return self.model_version - model_version <= self.args.max_staleness
+
+    def _too_stale(self, model_versions: torch.Tensor) -> torch.Tensor:
+        """``(S,)`` bool: the samples more than ``max_staleness`` weight syncs behind the weights trained now (a
+        demonstration, NaN, never)."""
+        return (self.model_version - model_versions) > self.args.max_staleness  # NaN compares False
 
     # ------------------------------------------------------------------------------------ TRL's seams
     def get_train_dataloader(self):
-        with trl_collator():  # trl_seams 3: TRL's collator plus each sample's fields
-            return super().get_train_dataloader()
+        with trl_collator():  # async_grpo_seams 3: TRL's collator plus each sample's fields
+            prepared = super().get_train_dataloader()
+        return StreamLoader(prepared)  # async_grpo_seams 4: no micro-batch is taken before the loop asks for it
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """transformers fetches an optimizer step's micro-batches before the first forward: their totals (trained
-        tokens, samples, demonstrations of every process) go into each, for the step-level normalisations."""
+        """transformers fetches an optimizer step's micro-batches before the first forward (after the last weight
+        sync: `StreamLoader` reads nothing ahead): their totals (trained tokens, samples, demonstrations of every
+        process) go into each, for the step-level normalisations. A step whose micro-batches hold no token to train
+        (every sample unscorable, filtered or too stale) takes no optimizer step: no batch is handed to the loop, so
+        neither ``global_step`` nor the learning-rate schedule advances and the weights are not synced; it is counted
+        (``async/skipped_steps_total``, `skipped_steps`) and its groups are used up."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches and not any(self._trainable_tokens(b) for b in batches):
+            for batch in batches:
+                samples = int(batch["sample_count"][0])
+                own = batch["sample_expert"][0, :samples] == 0
+                stale = self._too_stale(batch["sample_model_version"][0, :samples])
+                self.group_ledger.record(batch["sample_group"][0, :samples][own].tolist(), stale[own].tolist())
+            self.skipped_steps += 1
+            self._metrics["train"]["async/skipped_steps_total"].append(1.0)
+            return [], num_items
         totals = {
             "step_trained_tokens": sum(float(b["global_n_tokens"][0]) for b in batches),
             "step_samples": sum(float(b["global_n_samples"][0]) for b in batches),
@@ -498,9 +557,16 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             batch.update({key: torch.tensor([value]) for key, value in totals.items()})
         return batches, num_items
 
+    def _trainable_tokens(self, batch: dict[str, Any]) -> float:
+        """The tokens of one micro-batch (this process's row) the loss would train: those of its samples within
+        ``max_staleness``."""
+        samples = int(batch["sample_count"][0])
+        keep = ~self._too_stale(batch["sample_model_version"][0, :samples])
+        return float((batch["sample_trained_tokens"][0, :samples] * keep).sum())
+
     def _sync_weight(self):
         super()._sync_weight()
-        if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (trl_seams 3)
+        if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (seams 3)
             self.policy_versions.record(self.model_version, self.state.global_step)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -522,8 +588,10 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             entropies = layout.pad(outputs.entropy.flatten()[packed.token_index])
         staleness = self.state.global_step - packed.policy_version.to(torch.float32)  # NaN: demonstrations
         # max_staleness against the weights trained on: TRL's queue dataset drops a sample that is too old when it
-        # takes it from the queue, but the data loader takes the next micro-batch's samples one weight sync ahead
-        too_stale = (self.model_version - packed.model_version) > self.args.max_staleness  # NaN compares False
+        # takes it from the queue; one that a token-budget batcher held over from the last step may be older now
+        too_stale = self._too_stale(packed.model_version)
+        own = ~packed.expert
+        self.group_ledger.record(packed.group[own].tolist(), too_stale[own].tolist())  # where the loss runs
         mask = layout.mask.to(device) * (~too_stale).to(device).unsqueeze(1)
         batch = LossBatch(
             mask=mask,
@@ -558,7 +626,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
     def _reference_logps(self, model, packed, plan, layout: SampleLayout) -> torch.Tensor:
         """The trained tokens' log-probs under the reference: our own forward of the packed row (the reference model,
         or under PEFT the policy with its adapter disabled)."""
-        from trl.trainer.utils import use_adapter
+        from ..training.grpo_seams import use_adapter
 
         if self.ref_model is not None:
             outputs = self.ref_model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan)
@@ -570,21 +638,23 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:
-        """What a checkpoint carries beyond TRL's (``trinity_trainer_state.json``)."""
+        """What a checkpoint carries beyond TRL's (``trinity_trainer_state.json``): the KL state and, with our worker,
+        the first prompt group neither trained nor dropped (`GroupLedger.resume`; TRL's own checkpoint counts a
+        group trained when its collator batched it) and how many groups were dropped whole so far."""
         state: dict[str, Any] = {"kl_loss": self.components.kl_loss.state_dict()}
         if isinstance(self.rollout_worker, TransformersRolloutWorker):
-            first = self._groups_before_resume  # the worker's first group of this run (group id = stream position)
-            while first in self._trained_groups:  # TRL's set of the groups it trained on
-                first += 1
-            state["prompt_position"] = first
+            state["prompt_position"] = self.group_ledger.resume()
+            state["dropped_groups"] = self._dropped_before + len(self.group_ledger.dropped_only)
         return state
 
     def _load_trainer_state(self, state: dict[str, Any]) -> None:
         self.components.kl_loss.load_state_dict(state["kl_loss"])
         if "prompt_position" in state and isinstance(self.rollout_worker, TransformersRolloutWorker):
-            # the worker restarts at the first group not trained on; TRL counts epochs from there
+            # the worker restarts at the first group neither trained nor dropped; TRL counts epochs from there
             self.rollout_worker.position = state["prompt_position"]
             self._groups_before_resume = state["prompt_position"]
+            self.group_ledger = GroupLedger(start=state["prompt_position"])
+            self._dropped_before = state.get("dropped_groups", 0)
 
     def _save_checkpoint_extras(self, folder: str) -> None:
         super()._save_checkpoint_extras(folder)
@@ -602,4 +672,40 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         pool_metrics(self._metrics[mode], None)  # one process (checked above): count metrics summed
+        if mode == "train" and "loss" in logs:
+            dropped = self._dropped_before + len(self.group_ledger.dropped_only)
+            self._metrics[mode]["async/dropped_groups"].append(float(dropped))  # so far in the run
         super().log(logs, start_time)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """TRL's ``train``; then, when optimizer steps had no sample to train (`get_batch_samples`), one line
+        saying how many and, when no step trained at all, that the run trained nothing."""
+        skipped_before, steps_before = self.skipped_steps, self.state.global_step
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            release_rollout_dataset(self)  # async_grpo_seams 5: else TRL's thread keeps this trainer alive
+        skipped = self.skipped_steps - skipped_before
+        if skipped and self.is_world_process_zero():
+            trained = self.state.global_step - steps_before
+            why = (
+                f"every sample was unscorable (no reward), filtered by the advantage, or more than "
+                f"max_staleness={self.args.max_staleness} weight syncs old"
+            )
+            if trained == 0:
+                logger.warning(
+                    "%s trained nothing: none of its %d steps had a sample to train (%s), so it took no optimizer "
+                    "step and the model is unchanged",
+                    type(self).__name__,
+                    skipped,
+                    why,
+                )
+            else:
+                logger.warning(
+                    "%s: %d step(s) had no sample to train (%s) and took no optimizer step (global_step and the "
+                    "learning-rate schedule did not advance for them; async/skipped_steps_total)",
+                    type(self).__name__,
+                    skipped,
+                    why,
+                )
+        return output

@@ -56,6 +56,11 @@ class AlgorithmCardMixin:
         """Name the training data on the model card (default: the train dataset's own name, if it has one)."""
         self.model_card.dataset = name
 
+    def set_model_card_demonstrations(self, text: str) -> None:
+        """Name the demonstrations on the model card (Markdown; default: the expert dataset's own name, if it has
+        one, else its number of rows)."""
+        self.model_card.demonstrations = text
+
     def _set_card_identity(self) -> None:
         """The card's algorithm name and paper: the trainer's own name (CISPO, SAPO, ...) or the preset's."""
         preset_name, self._paper = paper_for(self.algorithm.algorithm)
@@ -78,6 +83,7 @@ class AlgorithmCardMixin:
             dataset_name=dataset_name,
             train_dataset=self.train_dataset,
             load_from=getattr(self, "hub_model_id", None) or self.args.output_dir,
+            expert_dataset=getattr(self, "expert_dataset", None),
         )
 
     def push_to_hub(self, *args, **kwargs):

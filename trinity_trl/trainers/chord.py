@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from trl.trainer.utils import pad
 
 from ..algorithms import POLICY_LOSS_FN
 from ..algorithms.component import Component, argument_types
 from ..algorithms.policy_loss import step_sample_weights
 from ..data.loading import SeededPasses
 from ..training import checks
+from ..training.grpo_seams import pad
 from ..training.loss import LossBatch
 from ..training.metrics import append_metrics
 from .config import TrinityConfig, from_trl_config, preset_component
@@ -55,6 +55,12 @@ PAPER_CONFIGS: dict[str, ChordPaperConfig] = {
 #: μ decay steps of the release's CHORD-μ (Trinity-RFT's example run); the paper configuration scales it to the run
 RELEASED_MU_DECAY_STEPS = 200
 DEFAULT_EXPERT_DATA_RATIO = 0.25
+#: ``ChordConfig()``'s CHORD (each field, left unset and not given in ``policy_loss``, takes this value): CHORD-μ, a
+#: plain SFT term whose weight μ decays (cosine) from 0.9 to 0.05 without warm-up over the run (``max_steps``; the
+#: release's 200 steps when it is unset), the variant our pre-registered study found ahead of SFT then GRPO and
+#: CHORD-φ behind it (one 135M model, one toy task: docs/trainers/chord.md#default). The ``mix_chord`` loss's own
+#: ``default_args()`` stay Trinity-RFT's (CHORD-φ, constant μ 0.1).
+DEFAULT_CHORD = {"enable_phi_function": False, "mu_warmup_steps": 0, "mu_peak": 0.9, "mu_valley": 0.05}
 
 
 @dataclass
@@ -82,15 +88,17 @@ class ChordFields:
         },
     )
     mu_warmup_steps: int | None = field(
-        default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: the loss's 0."}
+        default=None, metadata={"help": "Linear warm-up steps of mu (0 -> mu_peak); unset: 0."}
     )
     mu_decay_steps: int | None = field(
-        default=None, metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley); unset: the loss's 0."}
+        default=None,
+        metadata={"help": "Cosine decay steps of mu (mu_peak -> mu_valley); unset: max_steps (200 if unset)."},
     )
-    mu_peak: float | None = field(default=None, metadata={"help": "Peak mu; unset: the loss's 0.1."})
-    mu_valley: float | None = field(default=None, metadata={"help": "Final mu; unset: the loss's 0.1."})
+    mu_peak: float | None = field(default=None, metadata={"help": "Peak mu; unset: 0.9 (CHORD-mu)."})
+    mu_valley: float | None = field(default=None, metadata={"help": "Final mu; unset: 0.05 (CHORD-mu)."})
     enable_phi_function: bool | None = field(
-        default=None, metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss; unset: the loss's True."}
+        default=None,
+        metadata={"help": "phi(p)=p(1-p) token weights on the SFT loss (CHORD-phi); unset: False (CHORD-mu)."},
     )
     sft_loss_agg_mode: str | None = field(default=None, metadata={"help": "Aggregation of the SFT part."})
 
@@ -111,6 +119,8 @@ class ChordFields:
             )
         if self.paper_config is not None:
             self._apply_paper_config()  # first: it sets the expert share
+        elif self._policy_loss_name() == "mix_chord":
+            self._apply_default_chord()
         if self.expert_data_ratio is None:
             self.expert_data_ratio = DEFAULT_EXPERT_DATA_RATIO
         if not 0.0 < self.expert_data_ratio < 1.0:
@@ -126,6 +136,14 @@ class ChordFields:
                 f"{expert / (expert + rollouts):.3f}; make per_device_train_batch_size a multiple of 4 "
                 "(and leave expert_batch_size unset)"
             )
+
+    def _apply_default_chord(self) -> None:
+        """Fill the μ / φ fields left unset (and not given in ``policy_loss``) with `DEFAULT_CHORD`: CHORD-μ."""
+        given = self.policy_loss.args if self.policy_loss is not None else {}
+        decay = self.max_steps if self.max_steps > 0 else RELEASED_MU_DECAY_STEPS
+        for name, value in {**DEFAULT_CHORD, "mu_decay_steps": decay}.items():
+            if getattr(self, name) is None and name not in given:
+                setattr(self, name, value)
 
     def _apply_paper_config(self) -> None:
         """Fill the unset fields with the paper variant's released values; refuse fields set to other values."""
@@ -201,19 +219,22 @@ class ChordConfig(ChordFields, TrinityConfig):
             warm-up over the whole run, `max_steps`, unless `mu_decay_steps` is set (the release decays over 200
             steps); CHORD-φ: φ-weighted SFT term, constant μ 0.1). Unset fields take these values; a field set to
             another value is an error, as is a batch whose expert share would not be exactly 0.2.
-        mu_warmup_steps (`int`, *optional*): Steps of linear warm-up of μ from 0 to `mu_peak` (the loss's default: 0).
-        mu_decay_steps (`int`, *optional*): Steps of cosine decay of μ from `mu_peak` to `mu_valley` (default 0).
-        mu_peak (`float`, *optional*): μ at the end of the warm-up (default 0.1).
-        mu_valley (`float`, *optional*): μ after the decay (default 0.1).
+        mu_warmup_steps (`int`, *optional*): Steps of linear warm-up of μ from 0 to `mu_peak` (default 0).
+        mu_decay_steps (`int`, *optional*): Steps of cosine decay of μ from `mu_peak` to `mu_valley` (default:
+            `max_steps`, the whole run; 200, the release's, when `max_steps` is unset).
+        mu_peak (`float`, *optional*): μ at the end of the warm-up (default 0.9).
+        mu_valley (`float`, *optional*): μ after the decay (default 0.05).
         enable_phi_function (`bool`, *optional*):
-            Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ, the default); `False` uses plain SFT
-            (CHORD-μ).
+            Weight each expert token's NLL by `φ(p) = p(1 − p)` (CHORD-φ); `False` (the default) uses plain SFT
+            (CHORD-μ). The defaults make `ChordConfig()` CHORD-μ, the variant the study in docs/benchmarks.md found
+            ahead of SFT then GRPO (one 135M model, one toy task); CHORD-φ with its released constant μ:
+            `enable_phi_function=True, mu_peak=0.1, mu_valley=0.1, mu_decay_steps=0` (the default before 0.2.0).
         sft_loss_agg_mode (`str` or `None`, *optional*): Aggregation of the SFT part (default: `loss_agg_mode`).
         policy_loss (`dict`, *optional*): the loss's other arguments, e.g.
             `{"grpo_loss_agg_mode": "seq-mean-token-mean"}` (aggregation of the RL (PPO) part, default:
             `loss_agg_mode`).
 
-    The μ fields are the `mix_chord` loss's arguments of the same names: a field left unset keeps the loss's default
+    The μ fields are the `mix_chord` loss's arguments of the same names: a field left unset takes the default above
     (or the value given in `policy_loss`, where `policy_loss={"mu_peak": 0.9}` is the same as `mu_peak=0.9`); the
     same argument set to two values is an error. The paper's variants with their released settings:
     `paper_config="chord_mu"` or `"chord_phi"`. For MIX, μ is constant: set it with `policy_loss={"mu": ...}` (the

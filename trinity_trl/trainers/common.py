@@ -36,9 +36,9 @@ def prepare_teacher(teacher_model: Any, accelerator, dtype, temperature: float):
     """A teacher (a model or path) frozen, with TRL's fused LM head, prepared for evaluation in the run's engine
     (sharded like TRL's reference model under DeepSpeed ZeRO-3 and FSDP)."""
     from transformers import AutoModelForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
 
     from ..training.engines import prepare_frozen_model
+    from ..training.grpo_seams import add_fused_lm_head
 
     if isinstance(teacher_model, str):
         teacher_model = AutoModelForCausalLM.from_pretrained(teacher_model, dtype=dtype)

@@ -32,9 +32,9 @@ from ..data.model import resolve_model
 from ..training import checks
 from ..training.advantages import Advantages, AdvantageSources
 from ..training.critic_engine import CRITIC_OPTIMIZER_FILE, build_critic
+from ..training.grpo_seams import bind_trl_arguments, trained_mask
 from ..training.loss import LossBatch, masked_finite
 from ..training.metrics import append_metrics
-from ..training.trl_seams import bind_trl_arguments, trained_mask
 from .common import default_output_dir
 from .config import TrinityConfig, from_trl_config
 from .trinity import TrinityTrainer
@@ -215,7 +215,8 @@ class PPOTrainer(TrinityTrainer):
         ``quantization_config``), with a scalar head, optional PEFT adapter, no dropout."""
         from accelerate.utils import is_peft_model
         from transformers import AutoConfig, AutoModelForTokenClassification, set_seed
-        from trl.trainer.utils import create_model_from_path, disable_dropout_in_model
+
+        from ..training.grpo_seams import create_model_from_path, disable_dropout_in_model
 
         if value_model is not None and args.value_model_name_or_path is not None:
             raise ValueError("give the critic once: either the value_model argument or value_model_name_or_path")

@@ -31,9 +31,9 @@ from ..algorithms.component import Component
 from ..algorithms.masked import check_loss_agg_mode
 from ..checkpointing.checkpoints import CompleteCheckpoints
 from ..data.model import resolve_model
+from ..training.grpo_seams import bind_trl_arguments
 from ..training.metrics import append_process_means
 from ..training.model_card import paper_for
-from ..training.trl_seams import bind_trl_arguments
 from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import ComponentsBuiltOnce, component_fields

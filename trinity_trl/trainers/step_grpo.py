@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
 from ..algorithms.component import Component, argument_types
@@ -47,8 +46,8 @@ from ..rollouts.runs import Run, StepState, TrainingRow, experience_info
 from ..training import checks
 from ..training.advantages import check_declared_step_rewards
 from ..training.engines import engine_of, zero_stage
+from ..training.grpo_seams import bind_trl_arguments, pad, skip_trl_reference_pass, temporarily
 from ..training.metrics import append_metrics
-from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
 from .config import TrinityConfig, from_trl_config, preset_component
 from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
@@ -376,7 +375,7 @@ class StepGRPOTrainer(TrinityTrainer):
 
     def _trl_generate(self, inputs: list[dict[str, Any]], **attributes) -> dict[str, Any]:
         """TRL's generation and scoring of ``inputs`` (through `TrinityTrainer`), with ``attributes`` of this trainer
-        set for the call (trl_seams.temporarily): how a `Rollout` plays through TRL. A ``rollout_func`` is checked as
+        set for the call (grpo_seams.temporarily): how a `Rollout` plays through TRL. A ``rollout_func`` is checked as
         a user's would be."""
         if attributes.get("rollout_func") is not None:
             attributes["rollout_func"] = checks.checked_rollout_func(attributes["rollout_func"])

@@ -30,18 +30,13 @@ from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
 from ..packing.compiled import compile_backend
-from ..packing.groups import whole_groups
 from ..packing.selection import CompileBudget, gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.decoding import GroupedDecoding, choose_decoding, compile_refusal, model_facts, plan_decoding
 from ..training.engines import engine_of, zero_stage
 from ..training.generation import FORWARD_KEYS, TRLGeneration
-from ..training.loss import LossBatch, LossNormalizer
-from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
-from ..training.scoring import Scoring
-from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
-from ..training.trl_seams import (
+from ..training.grpo_seams import (
     bind_trl_arguments,
     captured_return,
     input_hooks_kept,
@@ -49,7 +44,12 @@ from ..training.trl_seams import (
     temporarily,
     trained_mask,
     use_cpu_colocate_weight_sync,
+    whole_groups,
 )
+from ..training.loss import LossBatch, LossNormalizer
+from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
+from ..training.scoring import Scoring
+from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig, from_trl_config
@@ -104,7 +104,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
         if self.requires_prompt and given.get("environment_factory") is None:
             checks.check_prompt_dataset(given.get("train_dataset"), "train_dataset")
             checks.check_prompt_dataset(given.get("eval_dataset"), "eval_dataset")
-        # TRL loads a reference model (or disables the adapter for it) iff beta != 0 (see trl_seams)
+        # TRL loads a reference model (or disables the adapter for it) iff beta != 0 (see grpo_seams)
         start_run(args)
         with temporarily(args, beta=1.0 if self.algorithm.needs_reference else 0.0):
             super().__init__(**given)
@@ -124,7 +124,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
         # one compile budget per run: compiled generation, compiled layers (prefix_packing_compile), a forced flex
         self.compile_budget = CompileBudget()
         self.decoding = self._decoding(args)  # compile_generation, one_prefill_per_group (training/decoding.py)
-        # the forward and reward passes are looked up at call time: TRL's seams (trl_seams.captured_return) and
+        # the forward and reward passes are looked up at call time: TRL's seams (grpo_seams.captured_return) and
         # subclasses wrap them on the instance
         self.scoring = Scoring(
             forward=lambda *a, **k: self._get_per_token_logps_and_entropies(*a, **k),
@@ -182,7 +182,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
         self._max_positions = checks.model_max_positions(self.accelerator.unwrap_model(self.model))
         checks.check_completion_room(self.max_completion_length, self._max_positions)
         self._set_card_identity()
-        use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (trl_seams)
+        use_cpu_colocate_weight_sync(self)  # vLLM colocated on a CPU (grpo_seams)
         use_concise_progress(self)  # one line per logging step, not transformers' metric dict (training/metrics)
 
     # ----------------------------------------------------------------------------- subclass hooks
@@ -338,7 +338,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
         if self.requires_prompt and self.environment_factories is None:
             checks.check_batch_prompts(inputs)
         with (
-            captured_return(self, "_calculate_rewards") as rewards_per_func,  # gathered rewards (trl_seams)
+            captured_return(self, "_calculate_rewards") as rewards_per_func,  # gathered rewards (grpo_seams)
             input_hooks_kept(self.accelerator.unwrap_model(self.model_wrapped)),  # TRL's checkpointing toggles
         ):
             output = super()._generate_and_score_completions(inputs)
@@ -455,7 +455,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
 
     # ------------------------------------------------------------------------------ state, logs
     def evaluate(self, *args, **kwargs):
-        reopen_trackio_run(self)  # evaluate() after train() with report_to="trackio" (trl_seams)
+        reopen_trackio_run(self)  # evaluate() after train() with report_to="trackio" (grpo_seams)
         return super().evaluate(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

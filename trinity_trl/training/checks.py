@@ -142,15 +142,21 @@ def _raise_context(name: str, err: Exception, row: int | None, kwargs: dict[str,
     return RewardFunctionError(f"reward function {name!r} raised {type(err).__name__}: {err} {where}")
 
 
-def _validated(name: str, output: Any) -> list[Any]:
-    """``output`` as a list of rewards, each a number or ``None``: a NaN or +-inf is a ``None`` (the function did not
-    score that completion), the one rule for bad rewards of every source (docs/guarantees.md#bad-rewards)."""
+def _validated(name: str, output: Any, expected: int) -> list[Any]:
+    """``output`` as a list of ``expected`` rewards, each a number or ``None``: a NaN or +-inf is a ``None`` (the
+    function did not score that completion), the one rule for bad rewards of every source
+    (docs/guarantees.md#bad-rewards)."""
     if output is None or isinstance(output, (str, bytes, dict)) or not hasattr(output, "__len__"):
         raise TypeError(
             f"reward function {name!r} returned {short(output)} ({type(output).__name__}); it must return a list "
             "with one reward per completion: a number, or None where it does not score the completion"
         )
     values = list(output)
+    if len(values) != expected:
+        raise ValueError(
+            f"reward function {name!r} returned {len(values)} rewards for {expected} completions; it must return "
+            "one per completion (None where it does not score one)"
+        )
     for row, value in enumerate(values):
         if value is None:
             continue
@@ -207,7 +213,7 @@ def check_reward_columns(reward_funcs: Any, dataset: Any, name: str) -> None:
 
 def checked_reward_func(func: Any, name: str) -> Any:
     """``func`` (sync or async) with its failures and malformed results reported by name and row."""
-    from trl.trainer.utils import is_async_callable
+    from .grpo_seams import is_async_callable
 
     if is_async_callable(func):
 
@@ -224,7 +230,7 @@ def checked_reward_func(func: Any, name: str) -> Any:
                         row = i
                         break
                 raise _raise_context(name, err, row, kwargs) from err
-            return _validated(name, output)
+            return _validated(name, output, len(kwargs["completions"]))
 
         return checked_async
 
@@ -241,7 +247,7 @@ def checked_reward_func(func: Any, name: str) -> Any:
                     row = i
                     break
             raise _raise_context(name, err, row, kwargs) from err
-        return _validated(name, output)
+        return _validated(name, output, len(kwargs["completions"]))
 
     return checked
 

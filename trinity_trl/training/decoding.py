@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .trl_seams import (
+from .grpo_seams import (
     CompileEvents,
     cache_keyword,
     compile_on_every_device,
@@ -305,7 +305,7 @@ class GroupedDecoding:
     def around(self, model: Any) -> Iterator[None]:
         """While the block runs (one of TRL's generation calls): ``model.generate`` goes through `generate`, and the
         forward hooks transformers adds to ``model`` when TRL turns activation checkpointing off and on around the
-        call are removed again (`trinity_trl.training.trl_seams.input_hooks_kept`)."""
+        call are removed again (`trinity_trl.training.grpo_seams.input_hooks_kept`)."""
         original = model.generate
         with (
             input_hooks_kept(model),

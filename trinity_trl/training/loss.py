@@ -35,7 +35,7 @@ import torch
 
 from ..algorithms.masked import aggregation_mode, masked_sum
 from ..algorithms.policy_loss.base import TOKEN_LOSSES
-from .trl_seams import trained_mask
+from .grpo_seams import trained_mask
 
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 

@@ -88,18 +88,22 @@ def replace_logged_advantages(logged, gather: Callable, advantages, mask) -> Non
 
 
 # the labels of the one-line progress summary, in order
-SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu")
+SUMMARY_LABELS = ("reward", "loss", "rl", "sft", "kl", "value", "mu", "staleness")
+# the seconds of a step, the first one logged: TRL's synchronous trainers' step time; the asynchronous trainers' step
+# (from the end of the step before; the first step has none) or, for the first, its forward and backward
+STEP_SECONDS = ("step_time", "perf/step_s", "perf/fwd_bwd_s")
 
 
 def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``(label, keys)`` pairs of the progress summary (the first key logged wins): reward and loss, the
     terms the policy loss class declares (`trinity_trl.algorithms.PolicyLossFn.summary_metrics`), the
-    KL loss and the critic's value loss."""
+    KL loss, the critic's value loss and the asynchronous trainers' mean staleness (optimizer steps)."""
     keys: dict[str, tuple[str, ...]] = {
         "reward": ("reward",),
         "loss": ("loss",),
         "kl": ("actor/kl_loss",),
         "value": ("critic/vf_loss",),
+        "staleness": ("async/staleness",),
     }
     if policy_loss is not None:
         keys.update(
@@ -111,14 +115,15 @@ def summary_metrics(policy_loss: Any = None) -> tuple[tuple[str, tuple[str, ...]
 
 def summary_line(step: int, max_steps: int, logs: dict[str, Any], metrics: tuple | None = None) -> str:
     """``step 3/20 | reward 0.250 | loss 0.1230 | rl -0.0400 | sft 0.5100 | mu 0.620 | 14.2 s``
-    (``metrics``: `summary_metrics` of the trainer's policy loss)."""
+    (``metrics``: `summary_metrics` of the trainer's policy loss; the seconds: `STEP_SECONDS`)."""
     parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
     for label, keys in metrics if metrics is not None else summary_metrics():
         key = next((k for k in keys if k in logs), None)
         if key is not None:
             parts.append(f"{label} {_number(logs[key], '.4g')}")
-    if "step_time" in logs:
-        parts.append(f"{_number(logs['step_time'], '.1f')} s")
+    seconds = next((key for key in STEP_SECONDS if logs.get(key) is not None), None)
+    if seconds is not None:
+        parts.append(f"{_number(logs[seconds], '.1f')} s")
     return " | ".join(parts)
 
 
@@ -168,20 +173,58 @@ def use_concise_progress(trainer: Any) -> None:
             trainer.add_callback(concise(metrics))
 
 
+def _logged(entry: dict[str, Any], name: str) -> float | None:
+    """``name`` of a log entry, under its synchronous spelling or the asynchronous trainers' (``<name>_total``)."""
+    value = entry.get(name, entry.get(f"{name}_total"))
+    return None if value is None else float(value)
+
+
+def every_agent_run_failed(log_history: list[dict[str, Any]]) -> str | None:
+    """The closing remark of a run in which every agent run failed (raised or timed out) at every logged step, else
+    None: such a run trains on nothing its agents did, yet ends as a good run does."""
+    steps = [entry for entry in log_history if _logged(entry, "agent/runs")]
+    if not steps:
+        return None
+    failed = [(_logged(e, "agent/errors") or 0.0) + (_logged(e, "agent/timeouts") or 0.0) for e in steps]
+    if any(f < _logged(e, "agent/runs") for f, e in zip(failed, steps)):
+        return None
+    errors = sum(_logged(e, "agent/errors") or 0.0 for e in steps)
+    timeouts = sum(_logged(e, "agent/timeouts") or 0.0 for e in steps)
+    cut = sum(_logged(e, "agent/errors_after_cut_answer") or 0.0 for e in steps)
+    after_cut = f", {cut:g} of them right after an answer cut at max_completion_length" if cut else ""
+    return (
+        f"every agent run failed at every logged step ({errors:g} raised{after_cut}, {timeouts:g} timed out, over "
+        "the logged steps), so the policy learned nothing from its agents; the warning lines of each step name the "
+        "first failure (docs/environments.md#agent-metrics)"
+    )
+
+
 def no_learning_signal(log_history: list[dict[str, Any]]) -> str | None:
-    """The closing remark of a run whose reward never varied within any group of rollouts, else None.
+    """The closing remark of a run that learned nothing from its rewards, else None: every agent run failed
+    (`every_agent_run_failed`), or the reward never varied within any group of rollouts.
 
     GRPO-style advantages are each rollout's reward against its group's: when every group's rollouts got the same
     reward at every logged step (TRL's ``frac_reward_zero_std`` was 1 throughout), every advantage was zero and the
     policy loss had no gradient from the rewards, whatever the loss curve shows (PPO's advantages come from its
-    critic, but a reward that never varied gives it nothing to learn either). ``log_history``:
-    ``trainer.state.log_history``.
+    critic, but a reward that never varied gives it nothing to learn either). A trainer with an SFT term on
+    demonstrations (CHORD, MIX: ``actor/mu`` logged) still trained that term, and the remark says so: what the model
+    learned came from the demonstrations. ``log_history``: ``trainer.state.log_history``.
     """
+    if remark := every_agent_run_failed(log_history):
+        return remark
     fractions = [entry["frac_reward_zero_std"] for entry in log_history if "frac_reward_zero_std" in entry]
     if not fractions or min(fractions) < 1.0:
         return None
     rewards = {round(float(entry["reward"]), 4) for entry in log_history if "reward" in entry}
     same = f"every rollout got reward {rewards.pop():g}" if len(rewards) == 1 else "no group's rewards differed"
+    mus = [float(entry["actor/mu"]) for entry in log_history if entry.get("actor/mu") is not None]
+    if mus and max(mus) > 0:
+        return (
+            f"no learning signal from the rewards: the reward never varied within a group of rollouts ({same} at "
+            "every logged step), so the RL term learned nothing; what the model learned came from the SFT term on "
+            f"the demonstrations (its weight mu {mus[0]:.3g} -> {mus[-1]:.3g}); for the RL term, use prompts the "
+            "model sometimes solves, more rollouts per prompt (num_generations) or a reward with partial credit"
+        )
     return (
         f"no learning signal: the reward never varied within a group of rollouts ({same} at every logged step), "
         "so the policy learned nothing from its rewards; use prompts the model sometimes solves, more rollouts per "

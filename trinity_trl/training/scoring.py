@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from trl.data_utils import is_conversational
+from trl import is_conversational
 
 from . import checks
 from .advantages import weighted_rewards
@@ -89,7 +89,7 @@ class Scoring:
     def reference_logps(self, rows: dict) -> torch.Tensor:
         """Reference log-probs of rows TRL did not score (expert or step rows), as TRL obtains them:
         the reference model, or the policy with its adapter disabled under PEFT."""
-        from trl.trainer.utils import use_adapter
+        from .grpo_seams import use_adapter
 
         if self.reference is not None:
             return self.logps(self.reference, rows)

@@ -4,16 +4,36 @@
 methods, and some behaviour is switched by a config attribute rather than an argument. Every
 workaround of that kind lives here, so a reader (or a TRL upgrade) finds all of them in one file;
 the contract tests (``tests/trainers/test_trl_contract.py``) fail loudly if TRL changes them.
+
+It is also the one place the package imports TRL's trainer helpers that ``trl`` does not export
+(``trl.trainer.utils``: `pad`, `add_fused_lm_head`, `create_model_from_path`, `disable_dropout_in_model`,
+`use_adapter`, `get_callable_name`, `is_async_callable`) and patches TRL's GRPO module (`whole_groups`).
+``tests/test_trl_surface.py`` lists every private name of TRL the package imports, overrides, reads or
+patches, and fails when the source and the list differ.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator
 from typing import Any
 
+from trl.trainer.utils import (  # noqa: F401 (TRL's non-public helpers: the package imports them from here)
+    add_fused_lm_head,
+    create_model_from_path,
+    disable_dropout_in_model,
+    get_callable_name,
+    is_async_callable,
+    pad,
+    use_adapter,
+)
+
 from ..overrides import temporarily  # noqa: F401 (the trainers' seams import it from here too)
+from ..packing.groups import group_blocks_reason, shuffle_groups, trainer_whole_groups
+
+logger = logging.getLogger("trinity_trl")
 
 
 class _Captured:
@@ -125,6 +145,42 @@ def bind_trl_arguments(base: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
         else:
             continue
     return arguments
+
+
+@contextlib.contextmanager
+def whole_groups(trainer: Any) -> Iterator[None]:
+    """While TRL's ``_prepare_inputs`` runs: shuffle generation batches by groups instead of rows, where the
+    trainer's ``args.prefix_packing_whole_groups`` asks for it or its default turns it on
+    (`trinity_trl.packing.groups.resolve_whole_groups`). TRL calls its module's ``shuffle_sequence_dict`` by name and
+    offers no other way to change it: for the block, the name is bound to our shuffle, which falls back to TRL's row
+    shuffle (one log line) where the batch is not whole groups."""
+    on, _ = trainer_whole_groups(trainer)
+    if not on:
+        yield
+        return
+    explicit = getattr(trainer.args, "prefix_packing_whole_groups", None) is not None
+    import trl.trainer.grpo_trainer as grpo
+
+    row_shuffle = grpo.shuffle_sequence_dict
+    group = trainer.num_generations
+    logged = trainer.__dict__.setdefault("_whole_groups_logged", set())
+
+    def shuffle(batch):
+        reason = group_blocks_reason(batch, group)
+        if reason is None:
+            return shuffle_groups(batch, group)
+        if reason not in logged:
+            logged.add(reason)
+            (logger.warning if explicit else logger.debug)(
+                "prefix_packing_whole_groups: TRL's row shuffle for this batch: %s", reason
+            )
+        return row_shuffle(batch)
+
+    grpo.shuffle_sequence_dict = shuffle
+    try:
+        yield
+    finally:
+        grpo.shuffle_sequence_dict = row_shuffle
 
 
 def trained_mask(batch: dict[str, Any]) -> Any:

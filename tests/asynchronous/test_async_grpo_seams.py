@@ -1,5 +1,5 @@
-"""The seams of TRL's AsyncGRPOTrainer we use beyond its public ones (trinity_trl/asynchronous/trl_seams.py): each
-does what its reason says, and the contract checks fail loudly if TRL changes what they rely on."""
+"""The seams of TRL's AsyncGRPOTrainer we use beyond its public ones (trinity_trl/asynchronous/async_grpo_seams.py):
+each does what its reason says, and the contract checks fail loudly if TRL changes what they rely on."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from helpers import TINY_MODEL_TERMS, build_tiny_model, build_tiny_tokenizer
 from tolerance import assert_close
 
 import trinity_trl.trainers.async_trinity  # noqa: F401 (imports TRL's experimental module without its warning)
-from trinity_trl.asynchronous import trl_seams
-from trinity_trl.asynchronous.trl_seams import (
+from trinity_trl.asynchronous import async_grpo_seams
+from trinity_trl.asynchronous.async_grpo_seams import (
     EXPERT_KEY,
     POLICY_VERSION_KEY,
     PolicyVersions,
@@ -38,7 +38,7 @@ def test_trl_contract():
 
     assert callable(trl_async.get_peak_flops_per_device)  # seam 1: looked up by name in TRL's __init__
     assert "get_peak_flops_per_device(self.accelerator" in inspect.getsource(trl_async.AsyncGRPOTrainer.__init__)
-    assert packing.TREE_ATTENTION == trl_seams.TRL_TREE_ATTENTION == "tree_fa3"  # seam 2
+    assert packing.TREE_ATTENTION == async_grpo_seams.TRL_TREE_ATTENTION == "tree_fa3"  # seam 2
     assert "DataCollatorForRollout(" in inspect.getsource(trl_async.AsyncGRPOTrainer.get_train_dataloader)  # seam 3
     assert {"model_version", "metrics", "group_id"} <= set(inspect.signature(RolloutSample).parameters)
     source = inspect.getsource(trl_async.RolloutQueueDataset.__iter__)
@@ -107,7 +107,7 @@ def test_tree_fa3_is_our_kernel_and_matches_each_sample_alone(with_plan, monkeyp
 
     monkeypatch.setattr(packing, "_flash_attn", lambda: pytest.fail("TRL's Hub kernel was fetched"))
     register_tree_attention()
-    assert AttentionInterface._global_mapping["tree_fa3"] is trl_seams.tree_fa3_attention
+    assert AttentionInterface._global_mapping["tree_fa3"] is async_grpo_seams.tree_fa3_attention
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer).to(torch.float64).eval()
     samples = _samples()
@@ -115,7 +115,7 @@ def test_tree_fa3_is_our_kernel_and_matches_each_sample_alone(with_plan, monkeyp
     tree = {key: packed[key] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
     extra = {}
     if with_plan:
-        extra[trl_seams.PLAN_KWARG] = trl_seams.tree_plan(
+        extra[async_grpo_seams.PLAN_KWARG] = async_grpo_seams.tree_plan(
             tree, kernel_for("auto", torch.device("cpu"), torch.float64), torch.device("cpu")
         )
     model.config._attn_implementation = "tree_fa3"
@@ -228,3 +228,35 @@ def test_the_trained_model_still_generates_and_scores_plain_batches():
         reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert_close(got[mask.bool()], expected[mask.bool()], terms=TINY_MODEL_TERMS)
     assert torch.equal(generated, reference)
+
+
+# ------------------------------------------------------------------------------------------- models the kernels refuse
+def _configs():
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    small = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    return {
+        "qwen2-window-off": (Qwen2Config(**small, use_sliding_window=False, sliding_window=16), None),
+        "qwen2-window-on": (
+            Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+            "sliding window of 16 tokens in 1 of its 2 layers",
+        ),
+        "mistral-window": (MistralConfig(**small), "sliding window of 4096 tokens in every layer"),
+        "mistral-no-window": (MistralConfig(**small, sliding_window=None), None),
+        "gemma2": (Gemma2Config(**small), "sliding window of 4096 tokens in 1 of its 2 layers"),
+        "gemma2-full-softcapped": (
+            Gemma2Config(**small, sliding_window=None, layer_types=["full_attention"] * 2),
+            "soft-caps its attention logits",
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2-window-off", "qwen2-window-on", "mistral-window", "mistral-no-window",
+                                  "gemma2", "gemma2-full-softcapped"])  # fmt: skip
+def test_models_the_tree_kernels_cannot_run_are_named_from_their_config(name):
+    """Read from the config's layer types and window (no weights): a window that is set but off trains."""
+    from trinity_trl.asynchronous.async_grpo_seams import tree_attention_refusal
+
+    config, expected = _configs()[name]
+    reason = tree_attention_refusal(config)
+    assert reason is None if expected is None else expected in reason

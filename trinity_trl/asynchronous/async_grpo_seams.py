@@ -1,6 +1,6 @@
 """The places where TRL 1.16's ``AsyncGRPOTrainer`` leaves no public seam for what our asynchronous trainers need,
-each done once here with its reason (the asynchronous twin of `trinity_trl.training.trl_seams`). The contract tests
-(``tests/asynchronous/test_async_seams.py``) fail loudly if TRL changes what they rely on.
+each done once here with its reason (the asynchronous twin of `trinity_trl.training.grpo_seams`). The contract tests
+(``tests/asynchronous/test_async_grpo_seams.py``) fail loudly if TRL changes what they rely on.
 
 1. **Peak FLOPs off a GPU** (`cpu_safe_peak_flops`). ``AsyncGRPOTrainer.__init__`` asks TRL's
    ``get_peak_flops_per_device`` for the device's peak FLOPs (for its MFU metrics), which calls
@@ -28,6 +28,21 @@ each done once here with its reason (the asynchronous twin of `trinity_trl.train
    ``get_train_dataloader`` that builds the collator) reads them back into per-sample tensors of each packed row;
    `PolicyVersions` turns TRL's model version (a count of weight syncs) into the policy version (optimizer steps).
 
+4. **A loader that does not read ahead** (`StreamLoader`). TRL's ``get_train_dataloader`` returns accelerate's prepared
+   loader, which takes the next micro-batch from TRL's queue dataset before it hands over the current one (to learn
+   whether the stream ended). The queue dataset drops a sample that is too stale when it takes it: one micro-batch
+   ahead, against the weights of the step before, so with ``max_staleness=0`` every micro-batch after the first was
+   taken before the weight sync that made it stale. The asynchronous trainers run on one process and their stream
+   never ends, so they iterate TRL's batcher and collator through a plain loader instead: a micro-batch is taken
+   from the queue when the training loop asks for it, after the last weight sync (waiting inside the dataset would
+   not help: accelerate's read-ahead would wait there for the next step's samples before this step trains).
+
+5. **A trainer that can be freed** (`release_rollout_dataset`). TRL's queue dataset starts a daemon thread (its
+   rollout-trace logger) that never ends and holds the dataset, whose ``model_version_fn`` closes over the trainer:
+   every trainer that trained stayed alive for the rest of the process, with its model, optimizer state, worker (and
+   the worker's copy of the model) and queued samples (seen in the test suite: a process running the trainers'
+   tests grew past 8 GB and was killed). After ``train()`` the dataset's references are dropped.
+
 Replacing TRL's ``compute_loss`` also means keeping its per-step throughput accounting (`account_step`), which TRL's
 ``_log_step_metrics`` reads.
 """
@@ -37,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,6 +64,7 @@ from ..packing.attention import TreePlan, tree_attention
 from ..packing.kernels import KERNELS
 from ..packing.selection import choose
 from ..packing.tree import PackedRows, Segment
+from .progress import GroupLedger
 
 logger = logging.getLogger("trinity_trl")
 
@@ -64,6 +81,28 @@ TREE_KERNEL_CHOICES = ("auto", "sdpa_segments", "varlen", "flash_attn")
 POLICY_VERSION_KEY = "sample/policy_version"
 MODEL_VERSION_KEY = "sample/model_version"
 EXPERT_KEY = "chord/expert_share"
+
+
+# ==================================================================================== TRL's non-public names
+@contextlib.contextmanager
+def quiet_experimental_import() -> Iterator[None]:
+    """While the block runs, TRL's warning on the first import of ``trl.experimental`` (that its API may change) is
+    silenced: trinity_trl pins TRL 1.16.*, and ``tests/test_trl_surface.py`` and the contract tests
+    (``tests/asynchronous/test_async_grpo_seams.py``) fail when what we use changes."""
+    from trl.import_utils import TRLExperimentalWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TRLExperimentalWarning)
+        yield
+
+
+def rollout_sample(**fields: Any) -> Any:
+    """TRL's ``RolloutSample`` of ``fields`` (one scored completion on the queue: ``prompt``, ``completion``,
+    ``input_ids``, ``completion_mask``, ``old_log_probs``, ``advantage``, ``model_version``, ``group_id``,
+    ``metrics``), which TRL's asynchronous package does not export; imported when the first sample is made."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    return RolloutSample(**fields)
 
 
 # ==================================================================================== 1. peak FLOPs
@@ -215,6 +254,36 @@ def _mask(**kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(**kwargs)
 
 
+def tree_attention_refusal(config: Any) -> str | None:
+    """Why our tree kernels cannot run the model of ``config`` (a transformers config; a multimodal one's text config
+    is read), else ``None``: they run full causal attention, so a model whose layers attend within a sliding window
+    (``layer_types`` naming ``sliding_attention`` with a window set, or a ``sliding_window`` applied to every layer by
+    a config without layer types, as Mistral's) or soft-cap their attention logits cannot train. A config whose
+    window is off (Qwen2's ``use_sliding_window=False``) can. Read when the trainer is built, before any weight loads;
+    the kernel refuses the same at its first forward."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    windowed = window is not None and ("sliding_attention" in layer_types if layer_types else True)
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if windowed:
+        where = (
+            f"{sum(t == 'sliding_attention' for t in layer_types)} of its {len(layer_types)} layers"
+            if layer_types
+            else "every layer"
+        )
+        return (
+            f"the model attends within a sliding window of {window} tokens in {where}; the asynchronous trainers' "
+            "tree kernels run full causal attention (train it with a synchronous trainer, or with the window off)"
+        )
+    if softcap:
+        return (
+            f"the model soft-caps its attention logits (attn_logit_softcapping={softcap}); the asynchronous "
+            "trainers' tree kernels do not (train it with a synchronous trainer)"
+        )
+    return None
+
+
 def register_tree_attention() -> None:
     """Register ``"tree_fa3"`` with our kernels (replacing TRL's Hub-downloading function under that name)."""
     from transformers import AttentionInterface
@@ -241,6 +310,7 @@ class SampleStream:
         kept: whether TRL's staleness filter will keep a rollout sample (``model_version`` -> bool); the share is
             counted over kept samples only.
         model_version: the trainer's current model version (TRL's count), for demonstrations.
+        ledger: where a rollout sample that TRL's staleness filter will drop (``kept`` false) is recorded as dropped.
     """
 
     def __init__(
@@ -251,6 +321,7 @@ class SampleStream:
         expert_ratio: float = 0.0,
         kept: Callable[[int], bool] | None = None,
         model_version: Callable[[], int] | None = None,
+        ledger: GroupLedger | None = None,
     ):
         if demonstrations is not None and not 0.0 < expert_ratio < 1.0:
             raise ValueError(f"expert_ratio must be in (0, 1), got {expert_ratio}")
@@ -260,6 +331,7 @@ class SampleStream:
         self.expert_ratio = expert_ratio
         self.kept = kept or (lambda version: True)
         self.model_version = model_version or (lambda: 0)
+        self.ledger = ledger
         self.rollouts = 0  # rollout samples handed on that TRL keeps
         self.experts = 0  # demonstrations handed on
         self._last_group = -1
@@ -280,9 +352,12 @@ class SampleStream:
         sample = self.source.get(block, timeout)
         sample.metrics[POLICY_VERSION_KEY] = float(self.policy_version(sample.model_version))
         sample.metrics[MODEL_VERSION_KEY] = float(sample.model_version)
+        kept = self.kept(sample.model_version)
+        if not kept and self.ledger is not None:
+            self.ledger.record([sample.group_id], [True])
         if self.demonstrations is not None:
             sample.metrics[EXPERT_KEY] = 0.0
-            if self.kept(sample.model_version):
+            if kept:
                 self.rollouts += 1
                 self._last_group = sample.group_id
         return sample
@@ -305,12 +380,16 @@ def _trl_collator_class() -> type:
 
 #: the per-sample tensors `SampleFieldsCollator` adds to a packed micro-batch (dimension 0: one row per process, as
 #: TRL's keys): ``sample_policy_version`` and ``sample_model_version`` ``(P, S)`` (NaN past a row's samples and for
-#: demonstrations), ``sample_expert`` ``(P, S)`` (1 for a demonstration), ``sample_count`` ``(P,)``, and per
-#: micro-batch, repeated on each row, ``global_n_samples`` and ``global_n_expert``
+#: demonstrations), ``sample_expert`` ``(P, S)`` (1 for a demonstration), ``sample_group`` ``(P, S)`` int64 (the
+#: sample's prompt group, TRL's ``group_id``; -1 past a row's samples), ``sample_trained_tokens`` ``(P, S)`` (its
+#: tokens the loss takes), ``sample_count`` ``(P,)``, and per micro-batch, repeated on each row, ``global_n_samples``
+#: and ``global_n_expert``
 SAMPLE_FIELD_KEYS = (
     "sample_policy_version",
     "sample_model_version",
     "sample_expert",
+    "sample_group",
+    "sample_trained_tokens",
     "sample_count",
     "global_n_samples",
     "global_n_expert",
@@ -331,9 +410,13 @@ def _collator_class() -> type:
             versions = torch.full((len(rows), width), float("nan"))
             model_versions = torch.full((len(rows), width), float("nan"))
             expert = torch.zeros((len(rows), width))
+            groups = torch.full((len(rows), width), -1, dtype=torch.long)
+            trained = torch.zeros((len(rows), width))
             for r, row in enumerate(rows):
                 for s, sample in enumerate(row.samples):
                     metrics = sample["metrics"]
+                    groups[r, s] = int(sample["group_id"])
+                    trained[r, s] = float(sample["completion_mask"].sum())
                     expert[r, s] = float(metrics.get(EXPERT_KEY, 0.0))
                     if not expert[r, s]:
                         versions[r, s] = float(metrics.get(POLICY_VERSION_KEY, float("nan")))
@@ -342,6 +425,8 @@ def _collator_class() -> type:
             batch["sample_policy_version"] = versions
             batch["sample_model_version"] = model_versions
             batch["sample_expert"] = expert
+            batch["sample_group"] = groups
+            batch["sample_trained_tokens"] = trained
             batch["sample_count"] = counts
             batch["global_n_samples"] = torch.full((len(rows),), float(counts.sum()))
             batch["global_n_expert"] = torch.full((len(rows),), float(expert.sum()))
@@ -358,6 +443,35 @@ def trl_collator() -> Iterator[None]:
 
     with temporarily(trl_async, DataCollatorForRollout=_collator_class()):
         yield
+
+
+class StreamLoader(torch.utils.data.DataLoader):
+    """The training loader of the asynchronous trainers (seam 4): TRL's batcher and collator, as accelerate's
+    ``prepared`` loader holds them, iterated by a plain loader that takes a micro-batch from the queue only when the
+    training loop asks for one. One stream for the whole run (its samples never end): every ``iter()`` continues it,
+    so a new epoch of transformers' loop loses no sample a batcher holds. One process only (accelerate's loader is
+    what splits a micro-batch across processes)."""
+
+    def __init__(self, prepared: torch.utils.data.DataLoader):
+        super().__init__(prepared.dataset, batch_size=1, collate_fn=prepared.collate_fn, num_workers=0)
+        self._stream: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._stream is None:
+            self._stream = super().__iter__()
+        return self._stream
+
+
+def release_rollout_dataset(trainer: Any) -> None:
+    """Drop what TRL's queue dataset of ``trainer`` (the last ``get_train_dataloader``'s) holds (seam 5): the trainer
+    (through ``model_version_fn``), the worker (``check_health_fn``), the queue and the metric lists. The dataset is
+    not iterated again: the next ``train()`` builds a new one."""
+    dataset = getattr(trainer, "_rollout_dataset", None)
+    if dataset is None:
+        return
+    dataset.model_version_fn = dataset.check_health_fn = dataset.queue = None
+    dataset.metrics = {}
+    trainer._rollout_dataset = None
 
 
 class PolicyVersions:

@@ -1,4 +1,4 @@
-"""`trinity_trl/training/trl_seams.py`: the TRL workarounds (`temporarily`, `captured_return`,
+"""`trinity_trl/training/grpo_seams.py`: the TRL workarounds (`temporarily`, `captured_return`,
 `skip_trl_reference_pass`) on plain objects. Their use against TRL itself is pinned by test_trl_contract.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trinity_trl.training.trl_seams import (
+from trinity_trl.training.grpo_seams import (
     CompileEvents,
     cache_keyword,
     captured_return,
@@ -140,7 +140,7 @@ def test_skip_trl_reference_pass_zeroes_beta_and_keeps_the_reference():
 def test_bind_trl_arguments_names_every_argument_whatever_the_base_order():
     from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
-    from trinity_trl.training.trl_seams import bind_trl_arguments
+    from trinity_trl.training.grpo_seams import bind_trl_arguments
 
     grpo = bind_trl_arguments(GRPOTrainer, "m", None, "args", "train", "eval", processing_class="tok")
     assert grpo == {
@@ -160,7 +160,7 @@ def test_bind_trl_arguments_names_every_argument_whatever_the_base_order():
 def test_trained_mask_applies_the_tool_mask_when_present():
     import torch
 
-    from trinity_trl.training.trl_seams import trained_mask
+    from trinity_trl.training.grpo_seams import trained_mask
 
     completion = torch.tensor([[1, 1, 1, 0]])
     assert torch.equal(trained_mask({"completion_mask": completion}), completion)
