@@ -1,4 +1,4 @@
-"""The 19 presets of docs/algorithms/presets.md#preset-table and configuration resolution of
+"""The presets (Trinity-RFT's 19 and `m2po`) of docs/algorithms/presets.md#preset-table and configuration resolution of
 docs/algorithms/presets.md#resolution."""
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ TABLE = {
         "none",
         "none",
     ),
+    "m2po": (False, False, False, True, "experience", 8, "default", "m2po", "grpo", "none", "none", "none"),
 }
 
 

@@ -307,7 +307,7 @@ def test_sapo_temperatures_are_rejected_outside_sapo_and_honoured_with_it(tmp_pa
 # 2. Resolution at config construction
 
 
-@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_TYPE.names()))  # the 19: tests/algorithms/test_registry.py
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHM_TYPE.names()))  # every preset: tests/algorithms/test_registry.py
 def test_every_preset_resolves(tmp_path, algorithm):
     resolved = _config(tmp_path, algorithm=algorithm).resolved_algorithm()
     assert resolved.algorithm == algorithm
