@@ -35,6 +35,8 @@ class PackedMicroBatch:
         expert: ``(S,)`` bool, the demonstrations (CHORD).
         micro_batch: the micro-batch's counts over every process's row, as floats: ``trained_tokens``,
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
+        step_mask: ``(M,)`` each loss term's value of the mask the policy loss chose over the optimizer step (1: kept;
+            `trinity_trl.training.step_mask`), or ``None`` when none was chosen.
     """
 
     forward: dict[str, Any]
@@ -47,6 +49,7 @@ class PackedMicroBatch:
     model_version: torch.Tensor
     expert: torch.Tensor
     micro_batch: dict[str, float]
+    step_mask: torch.Tensor | None = None
 
 
 def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
@@ -80,6 +83,7 @@ def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
         model_version=inputs["sample_model_version"][0, :samples],
         expert=inputs["sample_expert"][0, :samples] != 0,
         micro_batch=micro_batch,
+        step_mask=inputs["step_mask"][selected] if "step_mask" in inputs else None,
     )
 
 

@@ -22,6 +22,7 @@ are drawn, not the recorded log-probs (as with TRL's vLLM worker without ``proce
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -135,6 +136,9 @@ class TransformersRolloutWorker:
         queue_maxsize: the queue's capacity (TRL's ``queue_maxsize``; 0: unbounded).
         seed: the prompt order's seed.
         start_position: the position in the prompt stream to start at (a resumed run: the first untrained group).
+        weight_lag: generate with the weights of this many syncs before the newest (0: the newest): a controlled
+            staleness for benchmarks and studies (``benchmarks/m2po_study.py``); the worker then holds
+            ``weight_lag + 1`` copies of the weights. Until that many syncs have come, the oldest received.
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class TransformersRolloutWorker:
         queue_maxsize: int = 0,
         seed: int = 0,
         start_position: int = 0,
+        weight_lag: int = 0,
     ):
         from transformers import GenerationConfig
 
@@ -192,6 +197,11 @@ class TransformersRolloutWorker:
         self._lock = threading.Lock()
         self._staged: dict[str, torch.Tensor] | None = None
         self._committed: tuple[dict[str, torch.Tensor], int] | None = None
+        if weight_lag < 0:
+            raise ValueError(f"weight_lag must be >= 0, got {weight_lag}")
+        self.weight_lag = weight_lag
+        self._received: collections.deque = collections.deque()  # the last weight_lag + 1 commits (weight_lag > 0)
+        self._lagged_version: int | None = None  # the version committed from them last
         self.model_version = -1  # TRL's version of the weights the copy holds (-1: none received yet)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -210,10 +220,21 @@ class TransformersRolloutWorker:
             self._staged = staged
 
     def update_model_version(self, model_version: int) -> None:
-        """TRL's seam: the weights staged since the last call are the policy of ``model_version``."""
+        """TRL's seam: the weights staged since the last call are the policy of ``model_version``. With ``weight_lag``,
+        the weights committed for the next group are those received ``weight_lag`` syncs before these."""
         with self._lock:
-            if self._staged is not None:
+            if self._staged is None:
+                return
+            if not self.weight_lag:
                 self._committed, self._staged = (self._staged, model_version), None
+                return
+            self._received.append((self._staged, model_version))
+            self._staged = None
+            while len(self._received) > self.weight_lag + 1:
+                self._received.popleft()
+            if self._received[0][1] != self._lagged_version:
+                self._committed = self._received[0]
+                self._lagged_version = self._received[0][1]
 
     def _load_committed(self) -> None:
         with self._lock:
