@@ -54,30 +54,35 @@ def niceness() -> int | None:
         return None
 
 
-def machine_description(device: str = "cpu") -> dict:
-    """Platform, CPU, core count, library versions, torch threads, niceness (and the GPU on CUDA)."""
-    import torch
-    import transformers
-    import trl
+def package_version(name: str) -> str | None:
+    """The installed version of ``name`` from its metadata (nothing imported), None when not installed."""
+    from importlib import metadata
 
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_basics(device: str = "cpu") -> dict:
+    """Platform, CPU, core count, library versions and niceness, without importing torch or the libraries."""
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
+        **{name: package_version(name) for name in ("torch", "transformers", "trl", "peft")},
         "cpu": cpu_model(),
         "os_cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "niceness": niceness(),
         "device": device,
     }
-    try:
-        import peft
+    return {k: v for k, v in info.items() if v is not None or k in ("torch", "transformers", "trl")}
 
-        info["peft"] = peft.__version__
-    except ImportError:
-        pass
+
+def machine_description(device: str = "cpu") -> dict:
+    """`machine_basics` plus this process's torch threads (and the GPU on CUDA)."""
+    import torch
+
+    info = {**machine_basics(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

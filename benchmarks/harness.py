@@ -1,0 +1,393 @@
+"""One harness for the benchmarks and studies: sides run in fresh processes, alternating, repeated; medians and
+min-max; the machine and its load; result files rewritten after every finished sample.
+
+A study is a short script on it::
+
+    bench = harness.Bench("whole_step", out, config=vars(args), device="cpu", render=markdown_of_my_study)
+    part = bench.part("0.5b", mark_s=300, description="prompt 256, completion 128, G 8")
+    part.run([harness.Side("ours", "whole_step:run_side", {...}), harness.Side("trl", ...)], repeats=3,
+             reference="trl", ratios=("step_s",))
+    return bench.finish()
+
+* **A side** names a function ``module:function`` of ``benchmarks/`` that takes a JSON-able spec and returns a
+  JSON-able dict (its sample). Each call runs in a fresh ``python benchmarks/harness.py --child ...`` process (its
+  own allocator, compile caches in memory, CUDA context), in its own process group, stopped (the group killed) at
+  its timeout.
+* **Repeats alternate**: the sides run in the given order on even repeats and reversed on odd ones (ABC, CBA, ...),
+  so slow drifts of the machine's load fall on every side alike.
+* **Time marks**: a part is given ``mark_s`` (seconds since the bench started). A part that starts after its mark
+  skips itself; one that reaches its mark between repeats stops there; both are recorded with why. ``budget_s``
+  (the whole bench) caps every process's timeout, so a GPU command cannot run past its limit.
+* **Results**: ``<out>/<name>.json`` (configuration, machine, load average at the start, at the end and before every
+  sample, every sample, per-side medians and min-max, paired ratios) and ``<out>/<name>.md`` (tables), both
+  rewritten after every finished sample, so a run stopped by its budget keeps what finished.
+
+The offline environment, machine description and memory helpers are `bench_common`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import bench_common as bc  # sets the offline environment before torch/trl are imported
+
+BENCHMARKS = Path(__file__).resolve().parent
+RESULTS = BENCHMARKS / "results"
+#: what every side's process gets unless the side says otherwise: one torch thread (see benchmarks/README.md)
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: ``run`` (``"module:function"`` in ``benchmarks/``) called with ``spec`` in a fresh
+    process with ``env`` added to the environment."""
+
+    name: str
+    run: str
+    spec: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    timeout_s: float = 1800.0
+
+
+# ------------------------------------------------------------------------------------------------- processes
+def run_in_fresh_process(side: Side, timeout_s: float, log: Path | None = None) -> dict:
+    """``side`` in a new process group; its sample, or ``{"error": ...}`` (the timeout, or the exit status and the
+    end of its output). The child's output is appended to ``log`` (else kept in a temporary file)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", side.run, "--spec", json.dumps(side.spec)]
+    with tempfile.TemporaryDirectory(prefix="harness-") as work:
+        result, output = Path(work) / "result.json", log or Path(work) / "output.log"
+        since = output.stat().st_size if output.is_file() else 0
+        with open(output, "a") as out:
+            out.write(f"\n===== {side.name}: {side.run} {json.dumps(side.spec)}\n")
+            out.flush()
+            start = time.perf_counter()
+            proc = subprocess.Popen(
+                command,
+                cwd=bc.ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **CHILD_ENV, **side.env, "HARNESS_RESULT": str(result)},
+            )
+            try:
+                proc.wait(timeout=max(timeout_s, 1.0))
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                return {
+                    "error": f"timed out after {timeout_s:.0f} s",
+                    "timed_out": True,
+                    "output_tail": tail(output, since),
+                }
+        if proc.returncode != 0 or not result.is_file():
+            return {"error": f"exit status {proc.returncode}", "output_tail": tail(output, since)}
+        return {**json.loads(result.read_text()), "process_wall_s": time.perf_counter() - start}
+
+
+def tail(path: Path, since: int = 0, chars: int = 3000) -> str:
+    """The last ``chars`` characters of ``path`` after its first ``since`` bytes (one side's own output)."""
+    with open(path, "rb") as f:
+        f.seek(since)
+        return f.read().decode(errors="replace")[-chars:]
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group that ``proc`` leads, then SIGKILL what is left after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def child_main(target: str, spec: dict) -> int:
+    """In the fresh process: call ``target`` with ``spec`` and hand its sample back through the result pipe."""
+    module_name, _, function = target.partition(":")
+    sys.path.insert(0, str(BENCHMARKS))
+    sample = getattr(importlib.import_module(module_name), function)(spec)
+    Path(os.environ["HARNESS_RESULT"]).write_text(json.dumps(sample))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def numeric_leaves(sample: dict, prefix: str = "") -> dict[str, float]:
+    """``{"a.b": 1.0}`` for every int/float leaf of nested dicts (lists and strings left out)."""
+    leaves = {}
+    for key, value in sample.items():
+        if isinstance(value, dict):
+            leaves.update(numeric_leaves(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            leaves[prefix + key] = float(value)
+    return leaves
+
+
+def spread(values: list[float]) -> dict | None:
+    """Median, min, max and count of ``values`` (None when empty)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": bc.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(repeats: list[dict], reference: str | None, ratios: tuple[str, ...]) -> dict:
+    """Per side and numeric metric, the spread over repeats; per side, the spread of its ratio to ``reference`` in
+    the same repeat (paired) for each metric of ``ratios``."""
+    sides = list(dict.fromkeys(name for r in repeats for name in r["samples"]))
+    per_side = {}
+    for name in sides:
+        leaves = [numeric_leaves(r["samples"][name]) for r in repeats if ok(r["samples"].get(name))]
+        keys = list(dict.fromkeys(k for leaf in leaves for k in leaf))
+        per_side[name] = {k: spread([leaf.get(k) for leaf in leaves]) for k in keys}
+    paired = {}
+    if reference:
+        for name in sides:
+            if name == reference:
+                continue
+            paired[name] = {}
+            for metric in ratios:
+                values = []
+                for r in repeats:
+                    a, b = r["samples"].get(name), r["samples"].get(reference)
+                    if ok(a) and ok(b):
+                        values.append(bc.ratio(numeric_leaves(a).get(metric), numeric_leaves(b).get(metric)))
+                paired[name][metric] = spread(values)
+    return {"sides": per_side, "ratios": paired, "reference": reference}
+
+
+def ok(sample: dict | None) -> bool:
+    return sample is not None and "error" not in sample
+
+
+# ----------------------------------------------------------------------------------------------------- bench
+class Bench:
+    """A benchmark run: its parts, result files and time marks. ``render(report) -> str`` adds the study's own
+    Markdown after the harness's tables."""
+
+    def __init__(
+        self,
+        name: str,
+        out: str | os.PathLike,
+        *,
+        config: dict,
+        device: str = "cpu",
+        title: str | None = None,
+        render=None,
+        budget_s: float | None = None,
+        log: bool = False,
+    ):
+        self.name, self.out, self.render, self.budget_s = name, Path(out), render, budget_s
+        self.start = time.monotonic()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = self.out / f"{name}.log" if log else None
+        self.report = {
+            "name": name,
+            "title": title or name,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join([bc.interpreter(), *sys.argv]),
+            "config": config,
+            # without importing torch here: the sides report the device's name (``gpu``), added when first seen
+            "machine": {**bc.machine_basics(device), "torch_threads": f"{CHILD_ENV['OMP_NUM_THREADS']} per side"},
+            "load_average_start": bc.loadavg(),
+            "load_average_end": None,
+            "total_wall_s": 0.0,
+            "parts": {},
+        }
+        self.write()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def remaining(self) -> float:
+        return float("inf") if self.budget_s is None else self.budget_s - self.elapsed()
+
+    def part(self, name: str, *, mark_s: float | None = None, description: str = "") -> Part:
+        """A new part; it skips itself at once (recorded) when its time mark has passed."""
+        record = {"description": description, "mark_s": mark_s, "status": "running", "why": None}
+        self.report["parts"][name] = record
+        part = Part(self, name, record)
+        part.check_mark("before it started")
+        self.write()
+        return part
+
+    def write(self) -> None:
+        self.report["load_average_end"] = bc.loadavg()
+        self.report["total_wall_s"] = self.elapsed()
+        (self.out / f"{self.name}.json").write_text(json.dumps(self.report, indent=1) + "\n")
+        (self.out / f"{self.name}.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        r = self.report
+        lines = [
+            f"# {r['title']}",
+            "",
+            f"`{r['command']}`, {r['date']}, {r['total_wall_s']:.0f} s. {bc.machine_line(r['machine'])}",
+            f"Load average (1/5/15 min): {r['load_average_start']} at the start, {r['load_average_end']} at the end.",
+            "",
+        ]
+        for name, part in r["parts"].items():
+            lines += part_markdown(name, part)
+        if self.render is not None:
+            lines.append(self.render(r))
+        return "\n".join(lines).rstrip() + "\n"
+
+    def finish(self) -> int:
+        """Write the files a last time and print where they are; 0 when every part finished without error."""
+        self.write()
+        print((self.out / f"{self.name}.md").read_text())
+        print(f"wrote {self.out / (self.name + '.json')} and .md ({self.elapsed():.0f} s)")
+        return 0 if all(p["status"] == "done" for p in self.report["parts"].values()) else 1
+
+
+class Part:
+    """One part of a bench: repeats of its sides, with its time mark."""
+
+    def __init__(self, bench: Bench, name: str, record: dict):
+        self.bench, self.name, self.record = bench, name, record
+
+    @property
+    def skipped(self) -> bool:
+        return self.record["status"] in ("skipped", "cut")
+
+    def check_mark(self, when: str) -> bool:
+        """True (and the part marked skipped, or cut when something already ran) once its time mark has passed."""
+        mark = self.record["mark_s"]
+        if self.skipped:
+            return True
+        if mark is not None and self.bench.elapsed() > mark:
+            ran = bool(self.record.get("repeats") or self.record.get("uncounted"))
+            self.record["status"] = "cut" if ran else "skipped"
+            self.record["why"] = f"its time mark ({mark:.0f} s) had passed {when} ({self.bench.elapsed():.0f} s)"
+            self.bench.write()
+            return True
+        return False
+
+    def timeout(self, side: Side) -> float:
+        return min(side.timeout_s, self.bench.remaining())
+
+    def run_once(self, side: Side, label: str) -> dict | None:
+        """One uncounted process (e.g. the one that warms the on-disk compile caches), kept under ``uncounted``."""
+        if self.check_mark(f"before {label}"):
+            return None
+        sample = self._sample(side)
+        self.record.setdefault("uncounted", {})[label] = sample
+        self.bench.write()
+        return sample
+
+    def run(self, sides: list[Side], repeats: int, *, reference: str | None = None, ratios: tuple[str, ...] = ()):
+        """``repeats`` rounds of every side, alternating the order; the files are rewritten after every sample."""
+        self.record.setdefault("repeats", [])
+        self.record["reference"] = reference
+        for index in range(repeats):
+            if self.check_mark(f"before repeat {index + 1}"):
+                break
+            order = sides if index % 2 == 0 else sides[::-1]
+            repeat = {"order": [s.name for s in order], "samples": {}}
+            self.record["repeats"].append(repeat)
+            for side in order:
+                repeat["samples"][side.name] = self._sample(side)
+                self.record["summary"] = summarise(self.record["repeats"], reference, ratios)
+                self.bench.write()
+                if repeat["samples"][side.name].get("timed_out"):
+                    self.record["status"], self.record["why"] = "cut", f"{side.name} timed out"
+                    return
+        if self.record["status"] == "running":
+            failed = [n for r in self.record["repeats"] for n, s in r["samples"].items() if not ok(s)]
+            self.record["status"] = "failed" if failed else "done"
+            self.record["why"] = f"failed samples: {', '.join(failed)}" if failed else None
+        self.bench.write()
+
+    def _sample(self, side: Side) -> dict:
+        load = bc.loadavg()
+        started = self.bench.elapsed()
+        sample = run_in_fresh_process(side, self.timeout(side), self.bench.log)
+        print(f"[{self.bench.name}/{self.name}] {side.name}: {summary_line(sample)}", flush=True)
+        if sample.get("gpu") and not self.bench.report["machine"].get("gpu"):
+            self.bench.report["machine"]["gpu"] = sample["gpu"]
+        return {**sample, "loadavg_before": load, "started_s": started}
+
+
+def summary_line(sample: dict) -> str:
+    if not ok(sample):
+        return "ERROR " + sample["error"]
+    return ", ".join(f"{k} {v:.3g}" for k, v in list(numeric_leaves(sample).items())[:6])
+
+
+# -------------------------------------------------------------------------------------------------- machine
+# ------------------------------------------------------------------------------------------------- markdown
+def cell(stat: dict | None, spec: str = ".3g") -> str:
+    """``median (min-max)`` of a `spread`, or ``n/a``."""
+    if not stat:
+        return "n/a"
+    if stat["n"] == 1:
+        return f"{stat['median']:{spec}}"
+    return f"{stat['median']:{spec}} ({stat['min']:{spec}}-{stat['max']:{spec}})"
+
+
+def part_markdown(name: str, part: dict, metrics: tuple[str, ...] | None = None) -> list[str]:
+    """The part's status, its per-side table of ``metrics`` (default: the ratios' metrics) and its repeats."""
+    lines = [f"## {name}", ""]
+    if part.get("description"):
+        lines += [part["description"], ""]
+    status = f"Status: **{part['status']}**" + (f" ({part['why']})" if part.get("why") else "") + "."
+    lines += [status, ""]
+    summary = part.get("summary")
+    if not summary:
+        return lines
+    ratios = summary["ratios"]
+    metrics = metrics or tuple(dict.fromkeys(m for side in ratios.values() for m in side))
+    if metrics:
+        ref = summary["reference"]
+        lines += [
+            "| side | " + " | ".join(f"{m}, median (min-max) | / {ref} (paired)" for m in metrics) + " |",
+            "|---|" + "---|---|" * len(metrics),
+        ]
+        for side, stats in summary["sides"].items():
+            cells = [f"{cell(stats.get(m))} | {cell(ratios.get(side, {}).get(m))}" for m in metrics]
+            lines.append(f"| {side} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["| repeat | order | load before each side |", "|---|---|---|"]
+    for i, repeat in enumerate(part.get("repeats", []), start=1):
+        loads = "; ".join(f"{n} {s.get('loadavg_before')}" for n, s in repeat["samples"].items())
+        errors = [f"{n}: {s['error']}" for n, s in repeat["samples"].items() if not ok(s)]
+        lines.append(
+            f"| {i} | {' '.join(repeat['order'])} | {loads}{' ERRORS ' + '; '.join(errors) if errors else ''} |"
+        )
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def add_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """The options every study on the harness takes."""
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"repeats per part (default {repeats})")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one repeat: checks that it runs")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (caps every process)")
+    parser.add_argument(
+        "--out", default=None, help="results folder (default $OUT, else benchmarks/results; --dry-run: a temporary one)"
+    )
+
+
+def out_dir(args) -> str:
+    out = args.out or os.environ.get("OUT")
+    return out or (tempfile.mkdtemp(prefix="bench-dry-") if args.dry_run else str(RESULTS))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="the harness's child process (run by Part.run)")
+    parser.add_argument("--child", required=True, metavar="MODULE:FUNCTION")
+    parser.add_argument("--spec", required=True, help="the side's spec, JSON")
+    cli = parser.parse_args()
+    sys.exit(child_main(cli.child, json.loads(cli.spec)))
