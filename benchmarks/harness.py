@@ -10,9 +10,9 @@ A study is a short script on it::
     return bench.finish()
 
 * **A side** names a function ``module:function`` of ``benchmarks/`` that takes a JSON-able spec and returns a
-  JSON-able dict (its sample). Each call runs in a fresh ``python benchmarks/harness.py --child ...`` process (its
-  own allocator, compile caches in memory, CUDA context), in its own process group, stopped (the group killed) at
-  its timeout.
+  JSON-able dict (its sample). Each call runs in a fresh process (its own allocator, in-memory compile caches and
+  CUDA context) in its own process group, stopped (the group killed) at its timeout: spawned, or with
+  ``preload=("torch", ...)`` forked from a server that imported those modules once (`Launcher`).
 * **Repeats alternate**: the sides run in the given order on even repeats and reversed on odd ones (ABC, CBA, ...),
   so slow drifts of the machine's load fall on every side alike.
 * **Time marks**: a part is given ``mark_s`` (seconds since the bench started). A part that starts after its mark
@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,37 +61,115 @@ class Side:
 
 
 # ------------------------------------------------------------------------------------------------- processes
-def run_in_fresh_process(side: Side, timeout_s: float, log: Path | None = None) -> dict:
-    """``side`` in a new process group; its sample, or ``{"error": ...}`` (the timeout, or the exit status and the
-    end of its output). The child's output is appended to ``log`` (else kept in a temporary file)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", side.run, "--spec", json.dumps(side.spec)]
-    with tempfile.TemporaryDirectory(prefix="harness-") as work:
-        result, output = Path(work) / "result.json", log or Path(work) / "output.log"
-        since = output.stat().st_size if output.is_file() else 0
-        with open(output, "a") as out:
-            out.write(f"\n===== {side.name}: {side.run} {json.dumps(side.spec)}\n")
-            out.flush()
+class Launcher:
+    """Starts each side in a fresh process, in its own session (its process group is stopped at its timeout).
+
+    Without ``preload``: ``python benchmarks/harness.py --child ...`` (everything imported afresh). With ``preload``
+    (module names): forked from ``multiprocessing``'s forkserver, a server process that imported those modules once
+    and never touched a device (``PYTORCH_NVML_BASED_CUDA_CHECK``: torch asks NVML whether CUDA exists, so a forked
+    child still gets its own CUDA context): each sample is still a new process (its own allocator, caches and
+    context) without paying the imports again, several seconds a process. If the first forked sample fails before
+    any succeeded, forking does not work there and every later sample is spawned."""
+
+    def __init__(self, preload: tuple[str, ...] = ()):
+        self.context, self.forked_once = None, False
+        if preload:
+            import multiprocessing
+
+            os.environ.update(CHILD_ENV)  # the server's imports read these (torch's thread count)
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+            self.context = multiprocessing.get_context("forkserver")
+            self.context.set_forkserver_preload(list(preload))
+
+    def run(self, side: Side, timeout_s: float, log: Path | None = None) -> dict:
+        """``side``'s sample, or ``{"error": ...}`` (the timeout, or the exit status and the end of its output). The
+        child's output is appended to ``log`` (else kept in a temporary file)."""
+        with tempfile.TemporaryDirectory(prefix="harness-") as work:
+            result, output = Path(work) / "result.json", log or Path(work) / "output.log"
+            since = output.stat().st_size if output.is_file() else 0
+            with open(output, "a") as out:
+                out.write(f"\n===== {side.name}: {side.run} {json.dumps(side.spec)}\n")
+            env = {**CHILD_ENV, **side.env, "HARNESS_RESULT": str(result)}
             start = time.perf_counter()
-            proc = subprocess.Popen(
+            forked = self.context is not None
+            proc = self._fork(side, env, output) if forked else self._spawn(side, env, output)
+            returncode = wait_or_stop(proc, timeout_s)
+            if returncode is None:
+                error = f"timed out after {timeout_s:.0f} s"
+                return {"error": error, "timed_out": True, "output_tail": tail(output, since)}
+            if returncode != 0 or not result.is_file():
+                if forked and not self.forked_once:
+                    print("[harness] a forked sample failed before any succeeded; spawning from now on", flush=True)
+                    self.context = None
+                return {"error": f"exit status {returncode}", "output_tail": tail(output, since)}
+            self.forked_once = self.forked_once or forked
+            return {**json.loads(result.read_text()), "process_wall_s": time.perf_counter() - start}
+
+    def _spawn(self, side: Side, env: dict, output: Path):
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", side.run, "--spec", json.dumps(side.spec)]
+        with open(output, "a") as out:
+            return subprocess.Popen(
                 command,
                 cwd=bc.ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **CHILD_ENV, **side.env, "HARNESS_RESULT": str(result)},
+                env={**os.environ, **env},
             )
+
+    def _fork(self, side: Side, env: dict, output: Path):
+        proc = self.context.Process(target=forked_child, args=(side.run, side.spec, env, str(output)))
+        proc.start()
+        return proc
+
+
+def wait_or_stop(proc, timeout_s: float) -> int | None:
+    """The exit status of ``proc`` (a ``Popen`` or a ``multiprocessing.Process``, each leading its own process
+    group), or None after stopping its group at the timeout. Interrupted (Ctrl-C, or SIGTERM, which raises
+    ``SystemExit`` meanwhile), it stops the group too before passing the interruption on: no sample outlives the
+    bench."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+    try:
+        if isinstance(proc, subprocess.Popen):
             try:
-                proc.wait(timeout=max(timeout_s, 1.0))
+                return proc.wait(timeout=max(timeout_s, 1.0))
             except subprocess.TimeoutExpired:
-                stop_group(proc)
-                return {
-                    "error": f"timed out after {timeout_s:.0f} s",
-                    "timed_out": True,
-                    "output_tail": tail(output, since),
-                }
-        if proc.returncode != 0 or not result.is_file():
-            return {"error": f"exit status {proc.returncode}", "output_tail": tail(output, since)}
-        return {**json.loads(result.read_text()), "process_wall_s": time.perf_counter() - start}
+                pass
+        else:
+            proc.join(max(timeout_s, 1.0))
+            if not proc.is_alive():
+                return proc.exitcode
+        stop_group(proc)
+        return None
+    except BaseException:
+        stop_group(proc)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def stop_group(proc) -> None:
+    """SIGTERM the process group that ``proc`` leads, then SIGKILL what is left after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        if isinstance(proc, subprocess.Popen):
+            try:
+                proc.wait(timeout=5)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        proc.join(5)
+        if not proc.is_alive():
+            return
 
 
 def tail(path: Path, since: int = 0, chars: int = 3000) -> str:
@@ -100,18 +179,21 @@ def tail(path: Path, since: int = 0, chars: int = 3000) -> str:
         return f.read().decode(errors="replace")[-chars:]
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group that ``proc`` leads, then SIGKILL what is left after 5 s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def forked_child(target: str, spec: dict, env: dict, output: str) -> None:
+    """A forked sample: its own session, its output to ``output``, the side's environment, then `child_main`."""
+    os.setsid()
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if "torch" in sys.modules:  # imported by the server before this side's thread count was known
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = child_main(target, spec)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
 
 
 def child_main(target: str, spec: dict) -> int:
@@ -188,8 +270,10 @@ class Bench:
         render=None,
         budget_s: float | None = None,
         log: bool = False,
+        preload: tuple[str, ...] = (),
     ):
         self.name, self.out, self.render, self.budget_s = name, Path(out), render, budget_s
+        self.launcher = Launcher(preload)
         self.start = time.monotonic()
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = self.out / f"{name}.log" if log else None
@@ -313,7 +397,7 @@ class Part:
     def _sample(self, side: Side) -> dict:
         load = bc.loadavg()
         started = self.bench.elapsed()
-        sample = run_in_fresh_process(side, self.timeout(side), self.bench.log)
+        sample = self.bench.launcher.run(side, self.timeout(side), self.bench.log)
         print(f"[{self.bench.name}/{self.name}] {side.name}: {summary_line(sample)}", flush=True)
         if sample.get("gpu") and not self.bench.report["machine"].get("gpu"):
             self.bench.report["machine"]["gpu"] = sample["gpu"]

@@ -51,12 +51,23 @@ def sides_env(tmp_path):
     return {"PYTHONPATH": str(tmp_path / "mod")}
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within 5 s."""
+    for _ in range(50):
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.exists() or stat.read_text().split()[2] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _side(name, function, env, **spec):
     return harness.Side(name, f"toy_sides:{function}", spec, env)
 
 
-def test_sides_alternate_in_fresh_processes_with_paired_ratios(tmp_path, sides_env):
-    bench = harness.Bench("toy", tmp_path / "out", config={"k": 1})
+@pytest.mark.parametrize("preload", [(), ("json",)], ids=["spawned", "forked"])
+def test_sides_alternate_in_fresh_processes_with_paired_ratios(tmp_path, sides_env, preload):
+    bench = harness.Bench("toy", tmp_path / "out", config={"k": 1}, preload=preload)
     part = bench.part("p", description="three sides")
     sides = [
         _side("a", "value", sides_env, value=1.0),
@@ -73,6 +84,7 @@ def test_sides_alternate_in_fresh_processes_with_paired_ratios(tmp_path, sides_e
     assert [r["samples"]["b"]["seen"] for r in record["repeats"]] == [1, 4, 7]
     pids = [r["samples"][s]["pid"] for r in record["repeats"] for s in ("a", "c")]
     assert len(set(pids)) == 6 and os.getpid() not in pids  # a fresh process per sample
+    assert all(r["samples"][s]["process_wall_s"] > 0 for r in record["repeats"] for s in "abc")
     summary = record["summary"]
     assert summary["sides"]["a"]["phases.generation"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 3}
     assert summary["ratios"]["a"]["step_s"]["median"] == pytest.approx(0.25)
@@ -84,8 +96,9 @@ def test_sides_alternate_in_fresh_processes_with_paired_ratios(tmp_path, sides_e
     assert "| a | 1 (1-1) | 0.25 (0.25-0.25) |" in text and "| 2 | c b a |" in text
 
 
-def test_a_part_past_its_time_mark_skips_itself_and_a_hung_side_is_stopped(tmp_path, sides_env):
-    bench = harness.Bench("toy", tmp_path, config={}, budget_s=60)
+@pytest.mark.parametrize("preload", [(), ("json",)], ids=["spawned", "forked"])
+def test_a_part_past_its_time_mark_skips_itself_and_a_hung_side_is_stopped(tmp_path, sides_env, preload):
+    bench = harness.Bench("toy", tmp_path, config={}, budget_s=60, preload=preload)
     late = bench.part("late", mark_s=0.0)
     assert late.skipped
     late.run([_side("a", "value", sides_env, value=1.0)], repeats=2)  # runs nothing
@@ -103,13 +116,7 @@ def test_a_part_past_its_time_mark_skips_itself_and_a_hung_side_is_stopped(tmp_p
     assert parts["hung"]["status"] == "cut" and parts["hung"]["why"] == "h timed out"
     (repeat,) = parts["hung"]["repeats"]
     assert repeat["samples"]["h"]["timed_out"] and list(repeat["samples"]) == ["h"]
-    grandchild = int(pid_file.read_text())
-    for _ in range(50):  # the whole process group was stopped, the side's own children too
-        if not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the side's child process survived its timeout")
+    assert _stopped(int(pid_file.read_text())), "the side's child process survived its timeout"  # the whole group
 
 
 def test_a_part_reaching_its_mark_between_repeats_keeps_what_finished(tmp_path, sides_env):
@@ -122,3 +129,26 @@ def test_a_part_reaching_its_mark_between_repeats_keeps_what_finished(tmp_path, 
     assert repeat["samples"]["a"]["step_s"] == 1.0
     assert "this side fails" in repeat["samples"]["f"]["output_tail"]  # a failing side's own output is kept
     assert record["summary"]["sides"]["a"]["step_s"]["n"] == 1 and record["summary"]["sides"]["f"] == {}
+
+
+def test_a_stopped_bench_stops_the_sample_it_runs(tmp_path, sides_env):
+    """SIGTERM to the driver (a device command at its limit, `kill`): the running sample's whole group stops too."""
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "grandchild.pid"
+    driver = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import harness\n"
+        "bench = harness.Bench('toy', sys.argv[2], config={})\n"
+        "side = harness.Side('h', 'toy_sides:hang', {'pid_file': sys.argv[3]}, {'PYTHONPATH': sys.argv[4]})\n"
+        "bench.part('p').run([side], repeats=1)\n"
+    )
+    args = [str(ROOT / "benchmarks"), str(tmp_path), str(pid_file), sides_env["PYTHONPATH"]]
+    proc = subprocess.Popen([sys.executable, "-c", driver, *args])
+    for _ in range(300):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _stopped(int(pid_file.read_text())), "the running sample survived its stopped bench"
