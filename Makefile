@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install docs lint test test-verifiers-04 test-fast test-gpu gpu-check gpu-check-async test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
+.PHONY: install docs lint test test-verifiers-04 test-fast test-gpu gpu-check gpu-check-async gpu-check-step test-distributed test-cpu-paths test-stress ci-stress demo demo-algorithms vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -81,12 +81,13 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -m gpu -rs tests/packing
 
 # The GPU verification (benchmarks/gpu_check.py), each part with a time budget, results (at most 8 files) under $$OUT
-# or a temporary folder. Default parts, within 9 minutes on an H200: `profile` (one profiled step each of ours
-# packed, ours padded and TRL's at 1.5B P1024/C256) and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch and at gradient
-# accumulation 4, 5 repeats, a fresh process per side). A second command runs the rest:
-# `make gpu-check PARTS=tests,trainers,small,lora` (the CUDA tests, every trainer for 2 steps, the 0.5B and LoRA
-# points). On the lent GPU machine: `bash .gpu/run.sh make gpu-check`; here, on CPU with tiny shapes:
-# `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
+# or a temporary folder, each command within 8 minutes on an H200. Default parts: `profile` (one process of at most
+# 90 s: launch cost, training passes packed and padded at 1.5B and its 28-layer twin, trainer steps split into phases)
+# and `bench` (1.5B P1024/C256 and P2048/C512 at one prompt per micro-batch, sides ours, ours with compiled layers and
+# TRL, 5 repeats asked, a fresh process per side, results after every repeat). Then, as further commands:
+# `make gpu-check PARTS=accumulation,small` (gradient accumulation 4, the 0.5B points) and
+# `make gpu-check PARTS=tests,trainers,lora`. On the lent GPU machine: `bash .gpu/run.sh make gpu-check`; here, on
+# CPU with tiny shapes: `make gpu-check DRY_RUN=1`. GPU_CHECK_ARGS passes more options (e.g. "--budget-bench 300").
 DRY_RUN ?=
 PARTS ?=
 GPU_CHECK_ARGS ?=
@@ -104,6 +105,17 @@ ASYNC_CHECK_ARGS ?= --device cuda --model qwen2.5-0.5b --repeats 3 --steps 6 --p
 	--completion 128 --timeout 240 --no-lora
 gpu-check-async:
 	$(GPU_PY) benchmarks/async_vs_sync.py $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run,$(ASYNC_CHECK_ARGS))
+
+# The whole step at TRL's defaults on the lent GPU (benchmarks/whole_step.py --gpu, docs/benchmarks.md#whole-step):
+# ours, TRL's GRPOTrainer and TRL with continuous batching, each repeat a fresh process per side, every step split into
+# generation, reward, log-prob forwards, loss, backward, optimizer and the rest. Random weights of Qwen2.5-0.5B's
+# shape, prompt 256, completion 128, G 8 (TRL's default batch), 1 warm-up and 2 timed steps a run: a first uncounted
+# process warms the compile caches, then 3 repeats; then 1.5B at prompt 1024, one repeat. Results (whole_step_cuda
+# .json/.md/.log) under $$OUT after every sample; a part starts no repeat after its time mark and the whole run stops
+# within 430 s (run.sh's installs come before it). On the GPU machine: `bash .gpu/run.sh make gpu-check-step`; here,
+# the same parts on CPU with the tiny model: `make gpu-check-step DRY_RUN=1`.
+gpu-check-step:
+	$(GPU_PY) benchmarks/whole_step.py --gpu $(if $(filter-out 0 no false,$(DRY_RUN)),--dry-run)
 
 # DeepSpeed ZeRO-2/3 and FSDP2 against DDP, 2 CPU processes each, launched with `accelerate launch` and the configs
 # of recipes/accelerate/ (tests/engines/test_engines.py): 4 to 8 minutes on a 2-core machine, including the first

@@ -314,19 +314,7 @@ class Bench:
         (self.out / f"{self.name}.md").write_text(self.markdown())
 
     def markdown(self) -> str:
-        r = self.report
-        lines = [
-            f"# {r['title']}",
-            "",
-            f"`{r['command']}`, {r['date']}, {r['total_wall_s']:.0f} s. {bc.machine_line(r['machine'])}",
-            f"Load average (1/5/15 min): {r['load_average_start']} at the start, {r['load_average_end']} at the end.",
-            "",
-        ]
-        for name, part in r["parts"].items():
-            lines += part_markdown(name, part)
-        if self.render is not None:
-            lines.append(self.render(r))
-        return "\n".join(lines).rstrip() + "\n"
+        return report_markdown(self.report, self.render)
 
     def finish(self) -> int:
         """Write the files a last time and print where they are; 0 when every part finished without error."""
@@ -334,6 +322,33 @@ class Bench:
         print((self.out / f"{self.name}.md").read_text())
         print(f"wrote {self.out / (self.name + '.json')} and .md ({self.elapsed():.0f} s)")
         return 0 if all(p["status"] == "done" for p in self.report["parts"].values()) else 1
+
+
+def report_markdown(report: dict, render=None) -> str:
+    """The Markdown of a bench's report: the machine and load, each part's tables, then ``render(report)``."""
+    r = report
+    lines = [
+        f"# {r['title']}",
+        "",
+        f"`{r['command']}`, {r['date']}, {r['total_wall_s']:.0f} s. {bc.machine_line(r['machine'])}",
+        f"Load average (1/5/15 min): {r['load_average_start']} at the start, {r['load_average_end']} at the end.",
+        "",
+    ]
+    for name, part in r["parts"].items():
+        lines += part_markdown(name, part)
+    if render is not None:
+        lines.append(render(r))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def rewrite(path: str | os.PathLike, render=None, update=None) -> None:
+    """Re-read a bench's ``.json``, apply ``update(report)`` (derived figures), write it and its ``.md`` again."""
+    path = Path(path)
+    report = json.loads(path.read_text())
+    if update is not None:
+        update(report)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.with_suffix(".md").write_text(report_markdown(report, render))
 
 
 class Part:

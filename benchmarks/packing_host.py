@@ -162,7 +162,8 @@ def worker(spec: dict) -> dict:
     import torch
     import torch.nn.attention.varlen as varlen_module
     import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from prefix_packing import qwen2_config
+    from transformers import Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     import trinity_trl
@@ -180,18 +181,7 @@ def worker(spec: dict) -> dict:
     KERNELS["varlen"].dtypes = None  # and float32 for bf16 (the stand-in takes any dtype)
 
     s = spec["shape"]
-    config = Qwen2Config(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["hidden"] // s["heads"],
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
+    config = qwen2_config(s, s["vocab"], 8192, head_dim=s["hidden"] // s["heads"], attn_implementation="sdpa")
     torch.manual_seed(spec["seed"])
     model = Qwen2ForCausalLM(config)
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",))

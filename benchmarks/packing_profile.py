@@ -1,37 +1,40 @@
 #!/usr/bin/env python
-"""One profiled training step of ours (packed, and with packing off) and of TRL's (padded) at Qwen2.5-1.5B, prompt
-1024, completion 256, G 8 (issue 42 item 1): where the packed step's host time goes on a GPU.
+"""Where the packed training pass's time goes on a GPU, and what the host's floor is (issue 53): ONE process, the
+models built on the device (nothing on disk), a result line written after every measurement, each part skipped (or
+cut) once its time mark has passed, at most 90 s in all on an H200.
 
-Each side (``ours``, ``ours_padded``: packing off, the layout ``auto`` keeps where packing does not pay; ``trl``)
-trains in its own fresh process (`prefix_packing.py`'s worker, the benchmark's exact setting: random model
-of the 1.5B shape with the real vocabulary, bf16, activation checkpointing on, TRL's defaults, completions of
-exactly C tokens). After its warm-up (ours: ``prefix_packing_kernel="varlen"`` forced, so that the profiled step is
-packed whatever ``auto`` would decide), one step runs under ``torch.profiler`` (CPU and CUDA activities) with
-``torch.cuda.set_sync_debug_mode("warn")`` (every synchronising CUDA call warns; each warning is recorded with the
-Python stack that made it), and the next step under ``cProfile`` (where the Python time goes, by function and by
-package). The summary, per side:
+Parts, in this order (marks in `MARKS`, seconds since the start):
 
-* the step's host wall time against the GPU's busy time (the sum of its kernels' durations);
-* aten operations and host reads of device data (``aten::_local_scalar_dense``) in the step;
-* the top host operations by self CPU time, the CUDA runtime calls (launches, copies, syncs) with counts and times;
-* every device synchronisation: the runtime's synchronising calls and the sync-debug warnings, each with its stack;
-* kernel launches per decoder layer (all launches of the step / layers), and the top GPU kernels;
-* the Python functions and packages that took the host's time.
+1. ``launch``: the host's cost of one kernel launch (5,000 one-element in-place additions queued back to back, timed
+   on the host without a sync: the enqueue time each; then drained) and of one module call (5,000 calls of an empty
+   ``nn.Module``, and of one with a forward hook): the per-launch figure the issue's 50-70 µs was only inferred from.
+2. ``passes``: one training pass (the fused-head log-prob forward of one prompt x 8 completions and its backward,
+   activation checkpointing on, bf16) per model (``twin``: 28 layers of tiny width, where the GPU has almost nothing
+   to do, then ``1.5B``: random weights of Qwen2.5-1.5B's shape with its vocabulary), point (prompt 1024 /
+   completion 256, then 2048 / 512) and layout (``packed``: ours with the ``varlen`` kernel forced; ``padded``:
+   TRL's rows): the host's enqueue time (the forward and backward calls, no sync inside) against the event span
+   (CUDA events at its start and end) and the GPU's busy time (the sum of its kernels, from a profiled repeat), the
+   kernel launches and the syncs (the CUDA runtime's synchronising calls and ``set_sync_debug_mode("warn")``'s
+   warnings); for 1.5B at 1024/256 also the profile's top kernels and top host operations.
+3. ``steps``: one full trainer step per side, after warm-up steps, split into phases by `phases.PhaseTimer`
+   (generation, reward, log-prob forwards, loss, backward, optimizer, the rest; host and device clocks): ours with
+   padded rows (``prefix_packing=False``: what ``auto`` runs where it keeps padded rows), TRL's ``GRPOTrainer``, ours
+   packed (``varlen`` forced). The first two locate the 5-13 % by which ours with padded rows trailed TRL on the H200.
 
 Results: ``packing_profile_cuda.{json,md}`` in ``--out`` (``$OUT`` on the lent machine; ``packing_profile.{json,md}``
-in a dry run on CPU, where only CPU activities and cProfile run), rewritten after each side (ours, TRL, ours padded),
-so that a run stopped by its time budget keeps the sides that finished. ``make gpu-check`` runs it as its first part
-(``PARTS=profile``)::
+on CPU), through `harness.Bench` and rewritten after every measurement. On CPU (``--dry-run``, a test) the same code
+runs tiny shapes (the profiler has no CUDA activity there: launches and GPU time are not measured)::
 
-    python benchmarks/packing_profile.py --device cuda          # on the GPU machine
-    python benchmarks/packing_profile.py --quick                # here, on CPU: the same code on a tiny model
+    python benchmarks/packing_profile.py --device cuda          # on the GPU machine (make gpu-check's first part)
+    python benchmarks/packing_profile.py --dry-run              # here, on CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
+import gc
+import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
+import harness
 
 #: CUDA runtime/driver calls that launch a kernel
 LAUNCHES = (
@@ -52,27 +56,45 @@ LAUNCHES = (
 )
 #: CUDA runtime calls that make the host wait for the device
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaMemcpy")
-#: the profiled processes: ours packed (the forced kernel), ours with packing off (the padded layout: what `auto`
-#: runs where it keeps padded rows, to set against TRL's own padded step), TRL's
-SIDES = ("ours", "trl", "ours_padded")
-#: packages the cProfile summary groups the host's Python time by
-PACKAGES = ("trinity_trl", "trl", "transformers", "accelerate", "peft", "torch", "datasets")
+#: packages a sync warning's stack is shortened to
+PACKAGES = ("trinity_trl", "trl", "transformers", "accelerate", "peft", "torch")
+REAL_VOCAB = 151936
+G = 8
+#: the models of the ``passes`` part (and ``1.5B`` for ``steps``); a dry run's tiny stand-ins
+SHAPES = {
+    "twin": {"hidden": 128, "layers": 28, "heads": 2, "kv_heads": 1, "intermediate": 256, "vocab": REAL_VOCAB},
+    "1.5B": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960, "vocab": REAL_VOCAB},
+}
+DRY_SHAPES = {
+    "twin": {"hidden": 32, "layers": 4, "heads": 2, "kv_heads": 1, "intermediate": 64, "vocab": 512},
+    "1.5B": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512},
+}
+POINTS = ((1024, 256), (2048, 512))
+DRY_POINTS = ((32, 8),)
+#: each part's time mark (seconds since the start): a part starts nothing after it. 90 s in all on an H200: `launch`
+#: takes about 2 s, `passes` about 5 s for the twin and 20-30 s for 1.5B (its model built once), `steps` 10-15 s a side
+MARKS = {"launch": 10.0, "passes": 50.0, "steps": 82.0}
+#: a dry run's marks are this many times larger (a loaded 2-core machine)
+DRY_RUN_SLACK = 20
+SIDES = ("ours_padded", "trl", "ours")
 
 
-# ------------------------------------------------------------------------------------- in the worker
-class _Syncs:
-    """``torch.cuda.set_sync_debug_mode("warn")``'s warnings, each with the Python stack that made it."""
+# ------------------------------------------------------------------------------------------------ measurements
+class Syncs:
+    """``torch.cuda.set_sync_debug_mode("warn")``'s warnings while open, each counted with the stack that made it."""
 
-    def __init__(self):
-        self.seen: collections.Counter = collections.Counter()
-        self._previous = None
+    def __init__(self, cuda: bool):
+        self.cuda, self.seen = cuda, collections.Counter()
 
     def __enter__(self):
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")
-        self._previous = warnings.showwarning
-        warnings.showwarning = self._record
+        self._previous, warnings.showwarning = warnings.showwarning, self._record
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def _record(self, message, category, filename, lineno, file=None, line=None):
@@ -80,14 +102,22 @@ class _Syncs:
         if "synchroniz" not in text.lower():
             return
         frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
-        ours = [f for f in frames if any(f"/{p}/" in f.filename for p in PACKAGES[:5]) or "benchmarks/" in f.filename]
+        ours = [f for f in frames if any(f"/{p}/" in f.filename for p in PACKAGES[:5])]
         stack = " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed((ours or frames)[-4:]))
         self.seen[(text, stack)] += 1
 
     def __exit__(self, *exc):
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = self._previous
         self._catch.__exit__(*exc)
         return False
+
+    @property
+    def count(self) -> int:
+        return sum(self.seen.values())
 
 
 def _short(path: str) -> str:
@@ -95,253 +125,427 @@ def _short(path: str) -> str:
         marker = f"/{package}/"
         if marker in path:
             return package + "/" + path.split(marker, 1)[1]
-    return path.rsplit("/", 2)[-1] if "benchmarks/" not in path else "benchmarks/" + path.split("benchmarks/", 1)[1]
+    return path.rsplit("/", 2)[-1]
 
 
-def start(torch_profile: bool, cuda: bool):
-    """At a step's beginning: the profiler (``torch_profile``) or cProfile; returns the state `stop` takes."""
-    import torch
-
-    if not torch_profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
-        return {"kind": "cprofile", "prof": prof, "start": time.perf_counter()}
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities, record_shapes=False, with_stack=False)
-    prof.__enter__()
-    syncs = _Syncs().__enter__()
-    if cuda:
-        torch.cuda.set_sync_debug_mode("warn")
-    return {"kind": "torch", "prof": prof, "syncs": syncs, "cuda": cuda, "start": time.perf_counter()}
-
-
-def stop(state: dict, spec: dict) -> dict:
-    """At the step's end: the summary of what ``state`` recorded."""
-    import torch
-
-    wall = time.perf_counter() - state["start"]
-    if state["kind"] == "cprofile":
-        state["prof"].disable()
-        return {"kind": "cprofile", "wall_s": wall, **_cprofile_summary(state["prof"])}
-    if state["cuda"]:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    state["syncs"].__exit__(None, None, None)
-    state["prof"].__exit__(None, None, None)
-    return {"kind": "torch", "wall_s": wall, **_torch_summary(state["prof"], state["syncs"], spec)}
-
-
-def _torch_summary(prof, syncs: _Syncs, spec: dict) -> dict:
+def profile_summary(prof, layers: int, top: int = 0) -> dict:
+    """What one profiled pass did: GPU busy time, kernels run, launches (per layer), aten operations, host reads,
+    synchronising runtime calls; with ``top``, the top kernels, host operations and runtime calls."""
     from torch.autograd import DeviceType
 
-    events = prof.key_averages()
     host, runtime, kernels = [], [], []
-    for e in events:
-        device = getattr(e, "device_type", DeviceType.CPU)
-        self_cpu = e.self_cpu_time_total / 1e3
-        if device == DeviceType.CUDA:
+    for e in prof.key_averages():
+        if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CUDA:
             kernels.append({"name": e.key[:120], "count": e.count, "ms": getattr(e, "self_device_time_total", 0) / 1e3})
         elif e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudnn"):
-            runtime.append({"name": e.key, "count": e.count, "ms": self_cpu})
+            runtime.append({"name": e.key, "count": e.count, "ms": e.self_cpu_time_total / 1e3})
         else:
-            host.append(
-                {"name": e.key[:120], "count": e.count, "self_ms": self_cpu, "total_ms": e.cpu_time_total / 1e3}
-            )
+            host.append({"name": e.key[:120], "count": e.count, "self_ms": e.self_cpu_time_total / 1e3})
     host.sort(key=lambda x: -x["self_ms"])
     runtime.sort(key=lambda x: -x["ms"])
     kernels.sort(key=lambda x: -x["ms"])
-    layers = spec.get("layers") or 1
     launches = sum(r["count"] for r in runtime if r["name"] in LAUNCHES)
-    sync_calls = [r for r in runtime if r["name"] in SYNCS or "Synchronize" in r["name"]]
     aten = [h for h in host if h["name"].startswith("aten::")]
-    return {
-        "aten_ops": sum(h["count"] for h in aten),
-        "host_reads": sum(h["count"] for h in aten if h["name"] == "aten::_local_scalar_dense"),
-        "host_ops_self_ms": sum(h["self_ms"] for h in host),
-        "gpu_busy_ms": sum(k["ms"] for k in kernels),
+    out = {
+        "gpu_busy_ms": sum(k["ms"] for k in kernels) if kernels else None,
         "kernels_run": sum(k["count"] for k in kernels),
         "launches": launches,
-        "layers": layers,
-        "launches_per_layer": launches / layers,
-        "top_host_ops": host[:25],
-        "host_op_counts": {h["name"]: h["count"] for h in host},
-        "runtime_calls": runtime[:25],
-        "sync_calls": sync_calls,
-        "sync_warnings": [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common()],
-        "top_kernels": kernels[:15],
+        "launches_per_layer": launches / max(layers, 1),
+        "aten_ops": sum(h["count"] for h in aten),
+        "host_reads": sum(h["count"] for h in aten if h["name"] == "aten::_local_scalar_dense"),
+        "sync_calls": sum(r["count"] for r in runtime if r["name"] in SYNCS or "Synchronize" in r["name"]),
     }
+    if top:
+        out.update(top_kernels=kernels[:top], top_host_ops=host[:top], runtime_calls=runtime[:top])
+    return out
 
 
-def _cprofile_summary(prof) -> dict:
-    import pstats
+def launch_costs(device: str, n: int) -> dict:
+    """Host microseconds per kernel launch and per module call (see the module docs)."""
+    import torch
 
-    stats = pstats.Stats(prof)
-    rows, packages = [], collections.Counter()
-    for (path, line, name), (calls, _, tottime, cumtime, _) in stats.stats.items():
-        package = next((p for p in PACKAGES if f"/{p}/" in path), "other" if not path.startswith("~") else "builtin")
-        packages[package] += tottime
-        rows.append(
-            {
-                "function": f"{_short(path)}:{line} {name}",
-                "calls": calls,
-                "tottime_ms": tottime * 1e3,
-                "cumtime_ms": cumtime * 1e3,
-            }
-        )
-    ours = [r for r in rows if r["function"].startswith("trinity_trl/")]
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    x = torch.zeros(1, device=device)
+    for _ in range(100):  # warm: the allocator, the kernel's first load
+        x.add_(1)
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    enqueued = time.perf_counter() - start
+    sync()
+    drained = time.perf_counter() - start
+    empty, hooked = torch.nn.Identity(), torch.nn.Identity()
+    hooked.register_forward_hook(lambda module, args, output: None)
+    calls = {}
+    for name, module in (("module_call_us", empty), ("hooked_module_call_us", hooked)):
+        start = time.perf_counter()
+        for _ in range(n):
+            module(x)
+        calls[name] = (time.perf_counter() - start) / n * 1e6
     return {
-        "by_package_ms": {k: v * 1e3 for k, v in packages.most_common()},
-        "top_tottime": sorted(rows, key=lambda r: -r["tottime_ms"])[:25],
-        "top_cumtime_trinity_trl": sorted(ours, key=lambda r: -r["cumtime_ms"])[:20],
+        "launches": n,
+        "launch_us": enqueued / n * 1e6,
+        "launch_drained_us": drained / n * 1e6,  # enqueue, then the device's queue emptied: per launch
+        **calls,
     }
 
 
-# ------------------------------------------------------------------------------------------ driver
-def markdown(report: dict) -> str:
-    c = report["config"]
-    lines = [
-        f"# One profiled training step, ours (packed, and padded) and TRL's{' (DRY RUN on CPU)' if c['quick'] else ''}",
-        "",
-        f"Command: `{report['command']}`",
-        "",
-        bc.machine_line(report["machine"]),
-        f"Date: {report['date']}. Point: {report['point']}; ours with `prefix_packing_kernel={c['kernel']!r}` (so the "
-        f"profiled step is packed), `ours_padded` with `prefix_packing=False`; each side in its own process, "
-        f"{c['warmup']} warm-up steps, then one step under torch.profiler (CPU + CUDA activities, "
-        "`torch.cuda.set_sync_debug_mode('warn')`) and one under cProfile.",
-        "",
-        "| side | step wall (s) | GPU busy (s) | host ops self (s) | aten ops | host reads | kernels run | launches "
-        "| launches per layer | sync calls | sync warnings |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for side, s in report["sides"].items():
-        t = s.get("torch") or {}
-        lines.append(
-            f"| {side} | {bc.fmt(t.get('wall_s'))} | {bc.fmt((t.get('gpu_busy_ms') or 0) / 1e3)} "
-            f"| {bc.fmt((t.get('host_ops_self_ms') or 0) / 1e3)} | {t.get('aten_ops', 'n/a')} "
-            f"| {t.get('host_reads', 'n/a')} | {t.get('kernels_run', 'n/a')} "
-            f"| {t.get('launches', 'n/a')} | {bc.fmt(t.get('launches_per_layer'), '.0f')} "
-            f"| {sum(x['count'] for x in t.get('sync_calls', []))} "
-            f"| {sum(x['count'] for x in t.get('sync_warnings', []))} |"
+def build_model(shape: dict, device: str, dtype):
+    """A random Qwen2 of ``shape``, initialised on ``device`` (nothing on disk), with TRL's fused LM head, activation
+    checkpointing on (non-reentrant, TRL's setting) and in training mode."""
+    import torch
+    from prefix_packing import qwen2_config
+    from transformers import Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = qwen2_config(shape, shape["vocab"])
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    add_fused_lm_head(model, outputs=("log_probs",))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def batch(prompt: int, completion: int, vocab: int, device: str, seed: int = 0):
+    """One prompt x `G` completions, TRL's layout (no padding: every completion exactly ``completion`` tokens)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (1, prompt), generator=generator).expand(G, prompt)
+    ids = torch.cat([shared, torch.randint(3, vocab, (G, completion), generator=generator)], 1).to(device)
+    return ids, torch.ones_like(ids), completion
+
+
+def one_pass(model, layout: str, packing, ids, mask, keep) -> None:
+    """The training pass: log-probs of the completion tokens, packed or padded, and the backward of their sum."""
+    if layout == "packed":
+        out = packing.logps_and_entropies(model, ids, mask, keep, None, False, False, {})
+        if out is None:
+            raise RuntimeError("the packed pass fell back to padded rows")
+        logps = out.logps
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-keep] = -100
+        logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
+    logps.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def measure_pass(model, layout: str, packing, ids, mask, keep, device: str, layers: int, top: int = 0) -> dict:
+    """One warm-up pass, 3 timed (host enqueue, event span), then one profiled (GPU busy, launches, syncs)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    one_pass(model, layout, packing, ids, mask, keep)
+    sync()
+    hosts, spans = [], []
+    for _ in range(3):
+        begin = torch.cuda.Event(enable_timing=True) if cuda else None
+        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            begin.record()
+        start = time.perf_counter()
+        one_pass(model, layout, packing, ids, mask, keep)
+        hosts.append(time.perf_counter() - start)
+        if cuda:
+            end.record()
+        sync()
+        spans.append(begin.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - start)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with Syncs(cuda) as syncs, profile(activities=activities) as prof:
+        one_pass(model, layout, packing, ids, mask, keep)
+        sync()
+    summary = profile_summary(prof, layers, top)
+    host = statistics.median(hosts)
+    busy = summary["gpu_busy_ms"] / 1e3 if summary["gpu_busy_ms"] is not None else None
+    return {
+        "host_enqueue_s": host,
+        "event_span_s": statistics.median(spans),
+        "gpu_busy_s": busy,
+        "host_us_per_launch": host / summary["launches"] * 1e6 if summary["launches"] else None,
+        "sync_warnings": syncs.count,
+        "sync_stacks": [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common(5)],
+        **summary,
+    }
+
+
+def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: str, warmup: int) -> dict:
+    """One side's trainer on a model built on ``device``: ``warmup`` steps, then one timed step split by the phase
+    timer."""
+    import torch
+    from datasets import Dataset
+    from phases import PhaseTimer
+    from prefix_packing import char_reward, fixed_rollout, prompt_texts
+
+    sys.path.insert(0, str(bc.ROOT / "tests"))
+    from helpers import build_tiny_tokenizer
+
+    cuda = device == "cuda"
+    tokenizer = build_tiny_tokenizer()
+    model = build_model(shape, device, torch.bfloat16 if cuda else torch.float32)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    steps = warmup + 1
+    dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, prompt, steps + 2, 0)})
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix=f"packing_profile_{side}_"),
+        per_device_train_batch_size=G,
+        num_generations=G,
+        max_completion_length=completion,
+        max_steps=steps,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    if cuda:
+        common["bf16"] = True
+    else:  # ours' CPU defaults turn activation checkpointing off: on for both sides, as on a GPU
+        common.update(use_cpu=True, bf16=False, activation_checkpointing=True)
+    rollout = fixed_rollout({"seed": 0, "completion_len": completion}, tokenizer)
+    kwargs = dict(model=model, reward_funcs=char_reward, train_dataset=dataset, processing_class=tokenizer)
+    if side == "trl":
+        from trl import GRPOConfig, GRPOTrainer
+
+        trainer = GRPOTrainer(**kwargs, args=GRPOConfig(loss_type="grpo", **common), rollout_func=rollout)
+    else:
+        from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+        packing = {"prefix_packing": False} if side == "ours_padded" else {"prefix_packing_kernel": packed_kernel(cuda)}
+        config = TrinityConfig(
+            algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean", **packing, **common
         )
-    for side, s in report["sides"].items():
-        t, p = s.get("torch") or {}, s.get("cprofile") or {}
+        trainer = TrinityTrainer(**kwargs, args=config, rollout_func=rollout)
+    timer = PhaseTimer(trainer)
+    trainer.train()
+    timer.remove()
+    last = timer.steps[-1]
+    result = {
+        "steps_s": [round(s["step_s"], 4) for s in timer.steps],
+        "step_s": last["step_s"],
+        "host": last["host"],
+        "device": last["device"],
+        "calls": last["calls"],
+    }
+    del trainer, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def packed_kernel(cuda: bool) -> str:
+    return "varlen" if cuda else "sdpa_segments"
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+class Profile:
+    """The run: a `harness.Bench` whose parts this one process fills, one measurement at a time."""
+
+    def __init__(self, args):
+        self.args, self.cuda = args, args.device == "cuda"
+        self.name = "packing_profile_cuda" if self.cuda else "packing_profile"
+        slack = DRY_RUN_SLACK if args.dry_run else 1
+        self.marks = {k: v * slack for k, v in MARKS.items()}
+        self.shapes = DRY_SHAPES if args.dry_run else SHAPES
+        self.points = DRY_POINTS if args.dry_run else POINTS
+        config = {k: v for k, v in vars(args).items() if k != "out"} | {"marks_s": self.marks, "shapes": self.shapes}
+        self.bench = harness.Bench(
+            self.name,
+            args.out,
+            config=config,
+            device=args.device,
+            title="Packed training pass on the host: launches, passes, trainer steps" + (" (DRY RUN)" * args.dry_run),
+            render=markdown,
+        )
+
+    def part(self, name: str, description: str):
+        part = self.bench.part(name, mark_s=self.marks[name], description=description)
+        part.record["measurements"] = []
+        return part
+
+    def past_mark(self, part, label: str) -> bool:
+        """True (the part cut, or skipped if nothing ran yet) once its mark has passed; else False."""
+        if self.bench.elapsed() <= part.record["mark_s"]:
+            return False
+        ran = bool(part.record["measurements"])
+        part.record["status"] = "cut" if ran else "skipped"
+        part.record["why"] = f"its time mark ({part.record['mark_s']:.0f} s) passed before {label}"
+        self.bench.write()
+        return True
+
+    def add(self, part, measurement: dict) -> None:
+        part.record["measurements"].append(measurement)
+        line = ", ".join(f"{k} {v:.4g}" for k, v in measurement.items() if isinstance(v, float))
+        print(f"[profile/{part.name}] {measurement.get('label', '')}: {line}", flush=True)
+        self.bench.write()
+
+    def done(self, part) -> None:
+        if part.record["status"] == "running":
+            part.record["status"] = "done"
+        self.bench.write()
+
+    def run(self) -> int:
+        import torch
+
+        torch.set_num_threads(1)
+        device = self.args.device
+        part = self.part("launch", "host µs per kernel launch and per module call")
+        if not part.skipped:
+            self.add(part, {"label": "launch", **launch_costs(device, 5000)})
+            self.done(part)
+        part = self.part("passes", "one training pass per model, point and layout (see the script's docs)")
+        if not part.skipped:
+            self.passes(part, device)
+        part = self.part("steps", "one trainer step per side, split by the phase timer")
+        if not part.skipped:
+            prompt, completion = self.points[0]
+            for side in SIDES:
+                if self.past_mark(part, side):
+                    break
+                try:
+                    result = trainer_step(side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup)
+                except Exception as err:  # recorded; the next side runs
+                    result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+                self.add(part, {"label": side, "side": side, "point": f"P{prompt}/C{completion}", **result})
+            self.done(part)
+        self.bench.finish()
+        errors = [m for p in self.bench.report["parts"].values() for m in p.get("measurements", []) if "error" in m]
+        return 1 if errors else 0
+
+    def passes(self, part, device: str) -> None:
+        import torch
+
+        from trinity_trl.packing import PrefixPacking
+
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        packing = PrefixPacking(True, 1.0, lambda m: m, _nullcontext, packed_kernel(self.cuda), device)
+        for model_name in ("twin", "1.5B"):
+            if self.past_mark(part, f"the {model_name} model"):
+                return
+            shape = self.shapes[model_name]
+            model = build_model(shape, device, dtype)
+            for prompt, completion in self.points:
+                ids, mask, keep = batch(prompt, completion, shape["vocab"], device)
+                for layout in ("packed", "padded"):
+                    label = f"{model_name} P{prompt}/C{completion} {layout}"
+                    if self.past_mark(part, label):
+                        return
+                    top = 12 if model_name == "1.5B" and (prompt, completion) == self.points[0] else 0
+                    try:
+                        result = measure_pass(model, layout, packing, ids, mask, keep, device, shape["layers"], top)
+                    except Exception as err:  # recorded; the next measurement runs
+                        result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+                    self.add(part, {"label": label, "model": model_name, "point": f"P{prompt}/C{completion}",
+                                    "layout": layout, "tokens": int(ids.numel()), **result})  # fmt: skip
+            del model
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+        self.done(part)
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------------- markdown
+def _ms(value) -> str:
+    return "n/a" if value is None else f"{value * 1e3:.1f}"
+
+
+def markdown(report: dict) -> str:
+    parts = report["parts"]
+    lines = []
+    launch = (parts.get("launch") or {}).get("measurements") or []
+    if launch:
+        m = launch[0]
         lines += [
+            "### Launch and call costs (host)",
             "",
-            f"## {side}",
-            "",
-            "Every device synchronisation (sync-debug warnings, with the stack that made it):",
+            f"{bc.fmt(m.get('launch_us'), '.1f')} µs per launch queued ({bc.fmt(m.get('launch_drained_us'), '.1f')} "
+            f"µs with the queue drained), {bc.fmt(m.get('module_call_us'), '.1f')} µs per call of an empty module, "
+            f"{bc.fmt(m.get('hooked_module_call_us'), '.1f')} µs with one forward hook ({m.get('launches')} each).",
             "",
         ]
-        lines += [f"- x{w['count']} {w['message']}: {w['stack']}" for w in t.get("sync_warnings", [])] or ["- none"]
-        lines += ["", "CUDA runtime calls (count, host ms):", ""]
-        lines += [f"- {r['name']}: {r['count']}, {r['ms']:.1f} ms" for r in t.get("runtime_calls", [])[:12]]
-        lines += ["", "Top host operations by self CPU time (count, self ms, total ms):", ""]
+    passes = (parts.get("passes") or {}).get("measurements") or []
+    if passes:
         lines += [
-            f"- {h['name']}: {h['count']}, {h['self_ms']:.1f}, {h['total_ms']:.1f}"
-            for h in t.get("top_host_ops", [])[:15]
+            "### Training passes (one prompt x 8, forward and backward, activation checkpointing on)",
+            "",
+            "| model | point | layout | tokens | host enqueue (ms) | event span (ms) | GPU busy (ms) | launches "
+            "| host µs per launch | aten ops | syncs (calls / warnings) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        lines += ["", "Top GPU kernels (count, ms):", ""]
-        lines += [f"- {k['name']}: {k['count']}, {k['ms']:.1f}" for k in t.get("top_kernels", [])[:10]] or [
-            "- none (CPU)"
-        ]
-        lines += ["", "Python time by package (cProfile, the next step; ms):", ""]
-        lines.append(", ".join(f"{k} {v:.0f}" for k, v in (p.get("by_package_ms") or {}).items()) or "n/a")
-        lines += ["", "trinity_trl's functions by cumulative time (calls, ms):", ""]
+        for m in passes:
+            if "error" in m:
+                lines.append(
+                    f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | ERROR {m['error'][:200]} |"
+                )
+                continue
+            lines.append(
+                f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | {_ms(m.get('host_enqueue_s'))} "
+                f"| {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} | {m.get('launches')} "
+                f"| {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
+                f"| {m.get('sync_calls')} / {m.get('sync_warnings')} |"
+            )
+        for m in passes:
+            if m.get("top_kernels") or m.get("top_host_ops"):
+                lines += ["", f"Profile of {m['label']}: top GPU kernels (count, ms):", ""]
+                lines += [f"- {k['name']}: {k['count']}, {k['ms']:.1f}" for k in m.get("top_kernels", [])] or ["- none"]
+                lines += ["", "top host operations (count, self ms):", ""]
+                lines += [f"- {h['name']}: {h['count']}, {h['self_ms']:.1f}" for h in m.get("top_host_ops", [])]
+        lines.append("")
+    steps = (parts.get("steps") or {}).get("measurements") or []
+    if steps:
+        from phases import PHASES
+
         lines += [
-            f"- {r['function']}: {r['calls']}, {r['cumtime_ms']:.1f}" for r in p.get("top_cumtime_trinity_trl", [])[:12]
+            "### Trainer steps, split by the phase timer (host s; device s where read)",
+            "",
+            "| side | point | step | " + " | ".join(PHASES) + " | steps (all, s) |",
+            "|---|---|---|" + "---|" * len(PHASES) + "---|",
         ]
-    lines += ["", f"Total wall time {report['total_wall_s']:.0f} s.", ""]
+        for m in steps:
+            if "error" in m:
+                lines.append(f"| {m['side']} | {m['point']} | ERROR {m['error'][:300]} |")
+                continue
+            device = m.get("device") or {}
+            cells = [
+                f"{m['host'][p]:.3f}" + (f" / {device[p]:.3f}" if p in device else "") for p in PHASES
+            ]  # fmt: skip
+            lines.append(
+                f"| {m['side']} | {m['point']} | {m['step_s']:.3f} | " + " | ".join(cells) + f" | {m['steps_s']} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    import prefix_packing as pp
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--point", default="qwen2.5-1.5b:1024:256:8", help="MODEL:P:C:G (default 1.5B 1024/256)")
-    parser.add_argument("--kernel", help="ours' prefix_packing_kernel (default varlen on CUDA, sdpa_segments on CPU)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--quick", action="store_true", help="on CPU: a tiny model, the same code")
-    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, the same code")
+    parser.add_argument("--warmup", type=int, default=None, help="trainer steps before the timed one (2; 1 dry run)")
+    parser.add_argument("--out", default=None, help="results folder (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda"
-    if args.quick:
-        args.point = "tiny:32:8:4"
-    point = pp.parse_point(args.point)
-    args.kernel = args.kernel or ("varlen" if cuda else "sdpa_segments")
-    started = time.perf_counter()
-    layers = pp.MODEL_SHAPES[point.model]["layers"] if point.model in pp.MODEL_SHAPES else 2
-    shape = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128}
-    sides = {}
-    with tempfile.TemporaryDirectory(prefix="packing_profile_") as tmp:
-        runner = pp.Runner(Path(tmp), args.timeout, fork=False)
-        made = runner.run(
-            {
-                "make_model": point.model,
-                "model_dir": str(Path(tmp) / "model"),
-                "device": args.device,
-                "threads": 1,
-                "bf16": cuda,
-                "seed": 0,
-                "shape": shape,
-            }
-        )
-        base = {
-            "model": made["path"],
-            "device": args.device,
-            "threads": 1,
-            "bf16": cuda,
-            "steps": args.warmup + 2,
-            "warmup": args.warmup,
-            "trl_warmup": args.warmup,
-            "prompt_len": point.prompt_len,
-            "completion_len": point.completion_len,
-            "generations": point.generations,
-            "prompts_per_step": 1,
-            "accumulation": 1,
-            "lora": False,
-            "learning_rate": None,
-            "seed": 0,
-            "point": point.name,
-            "packing": True,
-            "kernel": args.kernel,
-            "rollout": "fixed",
-            "ac": None if cuda else False,
-            "optim": None,
-            "part_timing": False,
-            "equivalence": False,
-            "break_packed": False,
-            "profile": {"step": args.warmup},
-            "layers": layers,
-        }
-        name = "packing_profile_cuda" if cuda else "packing_profile"
-        for side in SIDES:  # the report is rewritten after each side: a part stopped by its budget keeps what finished
-            trainer, padded = side.removesuffix("_padded"), side == "ours_padded"
-            result = runner.run(
-                dict(base, sides=[trainer], **({"packing": False, "kernel": "auto"} if padded else {}))
-            )[trainer]
-            profiles = {p["kind"]: p for p in result.get("profile", [])}
-            sides[side] = {"step_s": result["step_s"], "kernels": result.get("kernels"), **profiles}
-            print(f"[profile] {side}: steps {[round(x, 3) for x in result['step_s']]}", flush=True)
-            report = {
-                "benchmark": name,
-                "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
-                "date": time.strftime("%Y-%m-%d"),
-                "machine": bc.machine_description(args.device),
-                "config": vars(args),
-                "point": point.name,
-                "sides": sides,
-                "total_wall_s": time.perf_counter() - started,
-            }
-            bc.write_report(args.out, name, report, markdown(report))
-    return 0
+    if args.warmup is None:
+        args.warmup = 1 if args.dry_run else 2
+    args.out = args.out or harness.out_dir(argparse.Namespace(out=None, dry_run=False))
+    return Profile(args).run()
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ group's prompt once and no padding.
   backward would change what a host-bound step costs); the training part (the loss's forward and backward between
   syncs) is measured only with ``--part-timing``. Memory on CUDA: the allocator's peak during the loss's forward
   and backward above what was allocated at its start (host-side bookkeeping: no sync), and during ``train()``.
-* **A repeat is a fresh process per side**, sides alternating (ours, TRL, ours, TRL, ...), at least 5 repeats
-  (``--repeats``, default 5 on CUDA); points are interleaved within a repeat, so a run stopped early keeps the same
-  number of repeats at every point. The figures are the median over repeats of each run's median step, with the
-  min-max over repeats. On CUDA the processes are forked from a server that imported the libraries and never
-  touched CUDA (``multiprocessing``'s forkserver: a fresh process, CUDA context and allocator each, without paying
-  the imports 40 times; the same on CPU); ``--no-fork`` spawns each from scratch.
+* **A repeat is a fresh process per side**, sides alternating (``--sides``: ours, TRL in one repeat, TRL, ours in
+  the next; with ``ours_compiled``, ours with ``prefix_packing_compile=True``, ABC then CBA, after one uncounted
+  ``ours_compiled`` run that warms the on-disk compile caches), at least 5 repeats (``--repeats``, default 5 on CUDA);
+  points are interleaved within a repeat, so a run stopped early keeps the same number of repeats at every point.
+  The figures are the median over repeats of each run's median step, with the min-max over repeats. On CUDA the
+  processes are forked from a server that imported the libraries and never touched CUDA (``multiprocessing``'s
+  forkserver: a fresh process, CUDA context and allocator each, without paying the imports 40 times; the same on
+  CPU); ``--no-fork`` spawns each from scratch.
 * **TRL at its defaults except what the point names**: ``per_device_train_batch_size = G x K``,
   ``num_generations = G``, ``gradient_accumulation_steps = GA``, ``max_completion_length = C``, LoRA; and, on both
   sides, ``loss_type="grpo"`` (TRL's default is ``"dapo"``; ``"grpo"`` is the objective ours trains), completions of
@@ -30,11 +32,16 @@ group's prompt once and no padding.
 * **Warm-up per side**: TRL's runs skip their first ``--trl-warmup`` steps (CUDA/cuBLAS start-up); ours skip
   theirs until ``auto``'s calibration has decided (``--warmup``). **Calibration is charged as seconds per run**: our
   warm-up steps' excess over our steady step, less TRL's warm-up steps' excess over its steady step.
+* **What ran is recorded**: each run's ``auto`` verdicts and the layouts (kernel or ``padded``) of every step's
+  training forwards. A point's ``train`` figure and ratio read the runs of ours that had decided by their timed
+  steps; a run whose timed steps all ended with ``auto`` still deciding is counted apart (``undecided_runs``, its own
+  ratio). ``not_measured`` lists only the points with no repeat at all; ``fewer_repeats`` the others cut short.
 
 On CUDA (``--device cuda --bf16``) the point sets (``--point-set``, :data:`POINT_SETS`): ``target`` (the default: 1.5B
-at P1024/C256 and P2048/C512, G 8, one prompt per micro-batch, then the same two at gradient accumulation 4 with
-``prefix_packing_token_budget`` at its default where the installed ``TrinityConfig`` has it), ``small`` (0.5B),
-``lora`` (1.5B with LoRA). Random models of the Qwen2.5 shapes with the real vocabulary (151,936), saved in bf16.
+at P1024/C256 and P2048/C512, G 8, one prompt per micro-batch), ``accumulation`` (the same two at gradient
+accumulation 4, with ``prefix_packing_token_budget`` at its default where the installed ``TrinityConfig`` has it),
+``small`` (0.5B), ``lora`` (1.5B with LoRA). Random models of the Qwen2.5 shapes with the real vocabulary (151,936),
+saved in bf16.
 
 Equivalence: in each point's first repeat, ours runs the first micro-batch again on the trained model, packed
 through a forced kernel and padded (:func:`check_equivalence`); the relative L2 differences of its log-probs and
@@ -47,7 +54,7 @@ runs it.
 Run it niced from the repository root::
 
     nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results        # the CPU grid, hours
-    python benchmarks/prefix_packing.py --device cuda --bf16                                  # the target points
+    python benchmarks/prefix_packing.py --device cuda --bf16 --sides ours,ours_compiled,trl  # the target points
     python benchmarks/prefix_packing.py --device cuda --bf16 --points qwen2.5-1.5b:1024:256:8:ga4
 """
 
@@ -86,6 +93,10 @@ MODEL_SHAPES = {
     "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
     "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
 }
+#: the sides a point can run (``--sides``): ours at its defaults, ours with compiled layers (``prefix_packing_compile``,
+#: CUDA), TRL's ``GRPOTrainer``
+SIDES = ("ours", "ours_compiled", "trl")
+OURS = ("ours", "ours_compiled")
 #: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
@@ -142,6 +153,8 @@ POINT_SETS = {
     "target": [
         Point("qwen2.5-1.5b", 1024, 256, 8),
         Point("qwen2.5-1.5b", 2048, 512, 8),
+    ],
+    "accumulation": [
         Point("qwen2.5-1.5b", 1024, 256, 8, accumulation=4),
         Point("qwen2.5-1.5b", 2048, 512, 8, accumulation=4),
     ],
@@ -236,6 +249,8 @@ def worker(spec_path: str) -> int:
             own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
             if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
                 own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+            elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
+                own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
             results[side] = train_side(own)
             gc.collect()
             if spec["device"] == "cuda":
@@ -333,7 +348,7 @@ def train_side(spec: dict) -> dict:
 
         peft["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **LORA)
     rollout = fixed_rollout(spec, tokenizer) if spec.get("rollout") == "fixed" else None
-    if spec["side"] == "ours":
+    if spec["side"] in OURS:
         from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
         ours = dict(
@@ -343,6 +358,8 @@ def train_side(spec: dict) -> dict:
             prefix_packing=spec["packing"],
             prefix_packing_kernel=spec.get("kernel", "auto"),
         )
+        if spec["side"] == "ours_compiled":  # compiled decoder layers for packed forwards (issue 53)
+            ours["prefix_packing_compile"] = True
         if spec.get("accumulation", 1) > 1 and has_token_budget():
             ours["prefix_packing_token_budget"] = None  # its default, named: the point is about it
         config = TrinityConfig(**ours, **common)
@@ -370,8 +387,6 @@ def train_side(spec: dict) -> dict:
         )
 
     steps: list[dict] = []
-    profile = spec.get("profile")
-    profiler_state: dict = {}
     trained = trainer
 
     def deciding() -> bool:
@@ -380,21 +395,14 @@ def train_side(spec: dict) -> dict:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             sync()
-            if profile and len(steps) in (profile["step"], profile["step"] + 1):
-                import packing_profile
-
-                profiler_state["active"] = packing_profile.start(len(steps) == profile["step"], cuda)
             steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
 
         def on_step_end(self, args, state, control, **kw):
             sync()
             steps[-1]["end"] = time.perf_counter()
             steps[-1]["deciding"] = deciding()
-            if profiler_state.get("active") is not None:
-                import packing_profile
-
-                result = packing_profile.stop(profiler_state.pop("active"), spec)
-                profiler_state.setdefault("results", []).append(result)
+            steps[-1]["layouts"] = dict(kernels)  # the layouts of this step's training forwards
+            kernels.clear()
 
     trainer.add_callback(StepTimer())
     generate = trainer._generate
@@ -473,8 +481,8 @@ def train_side(spec: dict) -> dict:
 
     handler = Verdicts(level=logging.INFO)
     logging.getLogger("trinity_trl").addHandler(handler)
-    kernels: dict[str, int] = {}
-    if spec["side"] == "ours":  # which kernel each training forward ran ("padded": TRL's rows)
+    kernels: dict[str, int] = {}  # the current step's training forwards, by layout
+    if spec["side"] in OURS:  # which kernel each training forward ran ("padded": TRL's rows)
         packing = trainer.prefix_packing.logps_and_entropies
 
         def counting_packing(*a, **kw):
@@ -494,6 +502,10 @@ def train_side(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         cuda_before = torch.cuda.memory_allocated()
+    if spec["side"] == "ours_compiled":
+        from torch._dynamo.utils import counters
+
+        counters.clear()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     trainer.train()
     sync()
@@ -509,7 +521,7 @@ def train_side(spec: dict) -> dict:
         "train_part_s": [s["train_part"] for s in done] if part_timing else [],
         "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
         "auto_log": verdicts,
-        "auto_verdicts": auto_verdicts(trainer) if spec["side"] == "ours" else None,  # never raises
+        "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
         "generation_s": [s["generation"] for s in done],
         "warmup": spec["warmup"],
         "train_wall_s": wall,
@@ -529,12 +541,13 @@ def train_side(spec: dict) -> dict:
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "loadavg_end": bc.loadavg(),
         "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
-        "kernels": kernels,
-        "token_budget": has_token_budget() if spec["side"] == "ours" else None,
+        "kernels": _total([s.get("layouts", {}) for s in done]),
+        "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
+        "token_budget": has_token_budget() if spec["side"] in OURS else None,
         "pid": os.getpid(),
     }
-    if profiler_state.get("results"):
-        result["profile"] = profiler_state["results"]
+    if spec["side"] == "ours_compiled":
+        result["compiled"] = compile_counts(trainer)
     if cuda:
         result["cuda_peak_above_start_mib"] = (memory["overall"] - cuda_before) / 2**20
         result["cuda_peak_allocated_mib"] = memory["overall"] / 2**20
@@ -545,6 +558,32 @@ def train_side(spec: dict) -> dict:
             result["equivalence_check"] = {"equivalent": False, "error": f"{type(err).__name__}: {err}"[-2000:]}
     del trainer
     return result
+
+
+def _total(counts: list[dict]) -> dict:
+    total: dict[str, int] = {}
+    for c in counts:
+        for name, n in c.items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def compile_counts(trainer) -> dict:
+    """What compiling the decoder layers did in the run (``prefix_packing_compile``): graphs compiled for them, the
+    run's compile budget, dynamo's graph breaks and frames (read after ``train()``: never raises)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        layers = trainer.prefix_packing.compiled
+        return {
+            "layer_graphs": layers.graphs if layers is not None else None,
+            "budget_graphs": trainer.prefix_packing.compile_budget.graphs,
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "frames": dict(counters["frames"]),
+            "unique_graphs": counters["stats"].get("unique_graphs"),
+        }
+    except Exception as err:  # the timings stand
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def still_deciding(trainer) -> bool:
@@ -820,6 +859,7 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
 
     steps, gens = pick(result["step_s"]), pick(result["generation_s"])
     peaks = [x for x in pick(result.get("train_part_peak_mib", [])) if x is not None]
+    deciding = result.get("deciding") or []
     return {
         "step_s": bc.median(steps),
         "generation_s": bc.median(gens),
@@ -828,6 +868,10 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
         "train_part_peak_mib": max(peaks) if peaks else None,
         "timed_steps": len(keep),
         "undecided_steps": undecided_steps(result, warmup),
+        # a run whose timed steps all ended with auto still deciding: its figure mixes layouts (counted apart)
+        "decided": not keep or any(i >= len(deciding) or not deciding[i] for i in keep),
+        "timed_layouts": pick(result.get("step_layouts", [])),
+        "verdicts": result.get("auto_verdicts"),
     }
 
 
@@ -837,12 +881,20 @@ def _spread(values: list) -> dict:
 
 
 def side_summary(results: list[dict]) -> dict:
-    """Medians over repeats of each run's median (with min-max), the kernels, auto's verdicts."""
+    """Medians over repeats of each run's median (with min-max), the kernels, auto's verdicts. ``train_s`` and its
+    spread read the runs that decided before or during their timed steps; the undecided ones are counted apart
+    (``undecided_runs``, ``train_s_undecided``)."""
     per_run = [run_summary(r) for r in results]
-    out = {key: bc.median([p[key] for p in per_run]) for key in per_run[0]}
-    out["train_s_spread"] = _spread([p["train_s"] for p in per_run])
+    numeric = [k for k, v in per_run[0].items() if not isinstance(v, (bool, list, dict))]
+    out = {key: bc.median([p[key] for p in per_run]) for key in numeric}
+    decided = [p for p in per_run if p["decided"]]
+    undecided = [p for p in per_run if not p["decided"]]
+    out["train_s"] = bc.median([p["train_s"] for p in decided])
+    out["train_s_spread"] = _spread([p["train_s"] for p in decided])
+    out["train_s_undecided"] = _spread([p["train_s"] for p in undecided])
     out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
-    out["undecided_runs"] = sum(1 for p in per_run if p.get("undecided_steps"))
+    out["undecided_runs"] = len(undecided)
+    out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
     for key in (
         "process_peak_rss_mib",
         "train_peak_rss_above_start_mib",
@@ -862,8 +914,10 @@ def side_summary(results: list[dict]) -> dict:
     out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
     forwards = [x for r in results for x in r.get("forwards_per_step", [])]
     out["forwards_per_step"] = bc.median(forwards) if forwards else None
-    out["per_run"] = per_run
+    out["per_run"] = per_run  # each repeat's verdicts and the layouts of its timed steps
+    out["auto_verdicts_per_run"] = [p["verdicts"] for p in per_run]
     out["auto_verdicts"] = results[0].get("auto_verdicts")
+    out["compiled"] = [r["compiled"] for r in results if r.get("compiled")]
     out["auto_log"] = results[0].get("auto_log", [])
     out["token_budget"] = results[0].get("token_budget")
     out["repeats"] = len(results)
@@ -891,7 +945,10 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     for x, y in zip(ours, trl):
         loss += [abs(u - v) for u, v in zip(x["losses"], y["losses"])]
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
-    paired = [bc.ratio(run_summary(x)["train_s"], run_summary(y)["train_s"]) for x, y in zip(ours, trl)]
+    # paired: each repeat's ours / TRL, over the repeats whose run of ours decided (the others apart)
+    pairs = [(run_summary(x), run_summary(y)) for x, y in zip(ours, trl)]
+    paired = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if x["decided"]]
+    paired_undecided = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if not x["decided"]]
     calibration = [calibration_seconds(x, y) for x, y in zip(ours, trl)]
     checks = [r["equivalence_check"] for r in ours if r.get("equivalence_check")]
     trajectory = bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL
@@ -903,6 +960,7 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         "trl": st,
         "train_ratio": bc.ratio(so["train_s"], st["train_s"]),
         "train_ratio_per_repeat": _spread(paired),
+        "train_ratio_undecided_runs": _spread(paired_undecided),
         "step_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "train_part_ratio": bc.ratio(so["train_part_s"], st["train_part_s"]),
         "part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
@@ -919,27 +977,35 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
+def qwen2_config(shape: dict, vocab: int = REAL_VOCAB, max_positions: int = 4096, **extra):
+    """The ``Qwen2Config`` of a random model of ``shape`` (``hidden``, ``intermediate``, ``layers``, ``heads``,
+    ``kv_heads``) with ``vocab`` entries and tied embeddings (as Qwen2.5-0.5B/1.5B); ``extra``: more config fields."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
 def save_random_real_vocab_qwen2(path: Path, device: str, seed: int, bf16: bool = False, **shape) -> str:
     """A random Qwen2 of ``shape`` with the real vocabulary (tied embeddings, as Qwen2.5-0.5B/1.5B), initialised on
     ``device`` (fast on a GPU) and saved with the tests' tiny tokenizer: in bf16 with ``bf16`` (the dtype of the
     real checkpoints, which the trainers then load), else in float32."""
     import torch
     from helpers import build_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=REAL_VOCAB,
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+    config = qwen2_config(
+        shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
     )
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
@@ -1000,15 +1066,18 @@ def markdown(report: dict) -> str:
         "| kernels (training forwards) | equivalent |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for point in report["results"]:
-        r = point["comparison"]
+    rows = [(point["name"], point["comparison"]) for point in report["results"]]
+    rows += [
+        (point["name"] + " **compiled**", point["compiled"]) for point in report["results"] if point.get("compiled")
+    ]
+    for name, r in rows:
         o, t, e = r["ours"], r["trl"], r["equivalence"]
         d = e.get("direct") or {}
         check = "yes" if e["equivalent"] else "NO"
         if d.get("logps_rel_l2") is not None:
             check += f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
         lines.append(
-            f"| {point['name']} | {o['repeats']} / {t['repeats']} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
+            f"| {name} | {o['repeats']} / {t['repeats']} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
             f"| {_cell(o['train_s_spread'])} | {_cell(t['train_s_spread'])} | **{bc.fmt(r['train_ratio'])}** "
             f"| {_cell(r['train_ratio_per_repeat'])} | {bc.fmt(r['step_ratio'])} "
             f"| {_cell(o['train_part_peak_mib_spread'], '.0f')} | {_cell(t['train_part_peak_mib_spread'], '.0f')} "
@@ -1031,9 +1100,9 @@ def markdown(report: dict) -> str:
                 else ""
             )
             + (
-                f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs still deciding after the warm-up "
-                "(their figures read the steps after the verdict, or every step after the warm-up where none was "
-                "decided)"
+                f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs never decided by their timed steps, "
+                "counted apart: ours / TRL over them "
+                f"{_cell(r.get('train_ratio_undecided_runs'))}"
                 if r["ours"].get("undecided_runs")
                 else ""
             )
@@ -1047,6 +1116,21 @@ def markdown(report: dict) -> str:
             )
             + "."
         )
+        for side, comparison in (("ours", r), ("ours compiled", point.get("compiled"))):
+            if not comparison:
+                continue
+            for i, run in enumerate(comparison["ours"].get("per_run", []), start=1):
+                verdicts = run.get("verdicts")
+                verdict = ", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-"
+                layouts = " | ".join(
+                    ", ".join(f"{k} x{n}" for k, n in step.items()) or "-" for step in run["timed_layouts"]
+                )
+                lines.append(
+                    f"  - {side}, repeat {i}: verdict {verdict}; timed steps' layouts [{layouts}]; train "
+                    f"{bc.fmt(run['train_s'])} s{'' if run['decided'] else ' (UNDECIDED: counted apart)'}"
+                )
+            for counts in comparison["ours"].get("compiled", []):
+                lines.append(f"  - compiled layers: {counts}")
         if c.get("part_timing"):
             lines.append(
                 "  Training part (loss forward + backward, between syncs): ours "
@@ -1073,7 +1157,16 @@ def markdown(report: dict) -> str:
             f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
         ]
     if report["not_measured"]:
-        lines += ["", f"Not measured (run cut short): {', '.join(report['not_measured'])}."]
+        lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
+    if report.get("fewer_repeats"):
+        cut = ", ".join(f"{k} ({n} of {c['repeats']})" for k, n in report["fewer_repeats"].items())
+        lines += ["", f"Fewer repeats than asked (run cut short): {cut}."]
+    for run in report.get("uncounted_runs", []):
+        lines += [
+            "",
+            f"Uncounted run ({run['side']}, {run['point']}: warms the compile cache): "
+            + (f"ERROR {run['error'][-300:]}" if run.get("error") else f"train {bc.fmt(run.get('train_s'))} s"),
+        ]
     for f in report.get("failed_points", []):
         lines += ["", f"FAILED {f['point']}: {f['error'][-400:]}"]
     lines += ["", f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
@@ -1132,7 +1225,8 @@ def summarise(results: list[dict]) -> dict:
 
 
 def write(args, argv, results, missing, parameters, descriptions, started, load_start) -> None:
-    """Write the report of what was measured so far (``missing``: the points not measured yet)."""
+    """Write the report of what was measured so far (``missing``: the points not measured at all; ``args.
+    fewer_repeats``: those measured fewer times than asked, with their counts)."""
     memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
     command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
     report = {
@@ -1146,7 +1240,7 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "config": {
             k: v
             for k, v in vars(args).items()
-            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points")
+            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
         },
         "model_descriptions": descriptions,
         "parameters_by_model": parameters,
@@ -1158,6 +1252,8 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "summary": summarise(results),
         "results": results,
         "not_measured": missing,
+        "fewer_repeats": getattr(args, "fewer_repeats", {}),
+        "uncounted_runs": getattr(args, "uncounted", []),
         "failed_points": getattr(args, "failed_points", []),
         "total_wall_s": time.perf_counter() - started + getattr(args, "resumed_wall_s", 0.0),
     }
@@ -1238,6 +1334,11 @@ def main(argv=None) -> int:
         help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)",
     )
     parser.add_argument("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
+    parser.add_argument(
+        "--sides",
+        help=f"comma-separated sides of {', '.join(SIDES)} (default ours,trl; ours_compiled: prefix_packing_compile, "
+        "after one uncounted run that warms the compile cache)",
+    )
     parser.add_argument("--part-timing", action="store_true", help="also time the loss's forward+backward (syncs)")
     parser.add_argument("--same-process", action="store_true", help="both sides of a repeat in one process (smoke)")
     parser.add_argument("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
@@ -1271,6 +1372,9 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     if args.rollout is None:
         args.rollout = "fixed" if cuda else "generate"
+    args.sides = [x.strip() for x in (args.sides or "ours,trl").split(",") if x.strip()]
+    if set(args.sides) - set(SIDES) or not {"ours", "trl"} <= set(args.sides):
+        parser.error(f"--sides takes ours, trl and optionally ours_compiled; got {args.sides}")
     if cuda:
         import torch
 
@@ -1337,14 +1441,26 @@ def main(argv=None) -> int:
                 }
             )
             paths[model], descriptions[model] = made["path"], made["description"]
-        runs = {p.key: {"ours": [], "trl": []} for p in points}
+        runs = {p.key: {side: [] for side in args.sides} for p in points}
         failed: set[str] = set()
+        args.uncounted = []
+        if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
+            point = points[0]
+            base = point_spec(args, point, paths[point.model])
+            try:
+                result = runner.run(dict(base, sides=["ours_compiled"]))["ours_compiled"]
+                args.uncounted.append({"point": point.name, "side": "ours_compiled", **run_summary(result)})
+                log_run(point, "ours_compiled (uncounted: warms the compile cache)", -1, args.repeats, result)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                print(f"[{point.name}] the compile-cache run FAILED: {err}", flush=True)
+                args.uncounted.append({"point": point.name, "side": "ours_compiled", "error": str(err)[-2000:]})
         for rep in range(args.repeats):
+            order = list(args.sides) if rep % 2 == 0 else list(args.sides)[::-1]  # ABC, CBA, ...
             for point in points:
                 if point.key in failed:
                     continue
                 base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
-                batches = [["ours", "trl"]] if args.same_process else [["ours"], ["trl"]]
+                batches = [order] if args.same_process else [[side] for side in order]
                 try:
                     for sides in batches:
                         for side, result in runner.run(dict(base, sides=sides)).items():
@@ -1360,27 +1476,29 @@ def main(argv=None) -> int:
                 measured = []
                 for p in points:
                     sides = runs[p.key]
-                    n = min(len(sides["ours"]), len(sides["trl"]))
+                    n = min(len(v) for v in sides.values())
                     if n == 0:
                         continue
-                    for result in sides["ours"] + sides["trl"]:
-                        parameters[p.model] = result["parameters"]
+                    for side_runs in sides.values():
+                        for result in side_runs:
+                            parameters[p.model] = result["parameters"]
                     spec = point_spec(args, p, paths[p.model])
-                    measured.append(
-                        {
-                            "key": p.key,
-                            "name": p.name,
-                            **dataclasses.asdict(p),
-                            "repeats": n,
-                            "departures": departures(spec, sides["ours"][0].get("token_budget")),
-                            "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
-                            "runs": {"ours": sides["ours"][:n], "trl": sides["trl"][:n]},
-                        }
-                    )
+                    entry = {
+                        "key": p.key,
+                        "name": p.name,
+                        **dataclasses.asdict(p),
+                        "repeats": n,
+                        "departures": departures(spec, sides["ours"][0].get("token_budget")),
+                        "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
+                        "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
+                    }
+                    if "ours_compiled" in sides:
+                        entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], memory_key)
+                    measured.append(entry)
                 kept = [r for r in results if r["key"] not in runs]  # resumed points
-                missing = [
-                    p.name for p in points if min(len(runs[p.key]["ours"]), len(runs[p.key]["trl"])) < args.repeats
-                ]
+                done = {p.name: min(len(v) for v in runs[p.key].values()) for p in points}
+                missing = [name for name, n in done.items() if n == 0]  # not measured at all
+                args.fewer_repeats = {name: n for name, n in done.items() if 0 < n < args.repeats}
                 write(args, argv, kept + measured, missing, parameters, descriptions, started, load_start)
         if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
             write(args, argv, results, [], parameters, descriptions, started, load_start)

@@ -131,6 +131,139 @@ def test_a_part_reaching_its_mark_between_repeats_keeps_what_finished(tmp_path, 
     assert record["summary"]["sides"]["a"]["step_s"]["n"] == 1 and record["summary"]["sides"]["f"] == {}
 
 
+# ------------------------------------------------------------------------------------------------- phase timer
+import phases  # noqa: E402
+
+
+class FakeEvent:
+    """`torch.cuda.Event` on CPU: records the host clock; ``query`` is False until the test says the device
+    passed it; ``synchronize`` is counted (the timer may call it only at the end of training)."""
+
+    passed = False
+    synchronized = 0
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def query(self):
+        return FakeEvent.passed
+
+    def synchronize(self):
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def _train(trainer, **timer_kwargs):
+    timer = phases.PhaseTimer(trainer, **timer_kwargs)
+    trainer.train()
+    return timer
+
+
+def _trl_trainer(tmp_path, model, dataset, **config):
+    from helpers import length_reward, tiny_grpo_kwargs
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), **{"max_steps": 2, **config}))
+    return GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=dataset)
+
+
+def _assert_partition(step):
+    """Every phase is there (0 when it did not run) and the phases add up to the step."""
+    assert set(step["host"]) == set(phases.PHASES)
+    assert all(v >= 0 for v in step["host"].values())
+    resolution = max(time.get_clock_info("perf_counter").resolution, 1e-9)
+    assert sum(step["host"].values()) == pytest.approx(step["step_s"], abs=20 * resolution)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+def test_phase_timer_splits_trls_steps_and_ours(tmp_path, tiny_model_dir, tiny_dataset):
+    """TRL's GRPOTrainer at its defaults (no old or reference log-probs: logprob 0), with a reference model (beta:
+    logprob runs) and our TrinityTrainer: every step split, the phases add up to the step, the seams checked
+    (check=True). TRL's run also takes the CUDA path with a stand-in event: nothing is waited on during training, a
+    step's device split is read at a later step's start once the device passed its events (else at the end)."""
+    from helpers import length_reward, tiny_grpo_kwargs
+    from transformers import TrainerCallback
+
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    FakeEvent.passed, FakeEvent.synchronized, seen = False, 0, []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # after the timer's own callback
+            seen.append((FakeEvent.synchronized, [s["device"] is not None for s in plain.steps]))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            FakeEvent.passed = state.global_step == 2  # the device passed steps 0 and 1 after step 1's end
+
+    trainer = _trl_trainer(tmp_path / "a", tiny_model_dir, tiny_dataset, max_steps=3)
+    plain = phases.PhaseTimer(trainer, cuda=True, event_class=FakeEvent, check=True)
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert seen == [(0, []), (0, [False]), (0, [True, True])]
+    assert FakeEvent.synchronized == 1  # the end of training waits for the last step's events
+    with_ref = _train(_trl_trainer(tmp_path / "b", tiny_model_dir, tiny_dataset, beta=0.1), check=True)
+    ours_trainer = TrinityTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=tiny_dataset,
+        args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "c"), algorithm="grpo")),
+    )
+    ours = _train(ours_trainer, check=True)
+    for timer in (plain, with_ref, ours):
+        assert [s["global_step"] for s in timer.steps] == list(range(len(timer.steps))) and len(timer.steps) >= 2
+        for step in timer.steps:
+            _assert_partition(step)
+            for phase in ("generation", "reward", "loss", "backward", "optimizer", "rest"):
+                assert step["host"][phase] > 0, (phase, step)
+            assert step["calls"]["generation"] == 1 and step["calls"]["backward"] >= 1
+    for step in plain.steps:
+        assert set(step["device"]) == set(phases.PHASES) and step["host"]["logprob"] == step["calls"]["logprob"] == 0
+        # the stand-in events read the host clock just after the timer's own reading of each boundary
+        assert step["device_step_s"] == pytest.approx(step["step_s"], abs=1e-3)
+        assert step["device"]["generation"] == pytest.approx(step["host"]["generation"], abs=1e-3)
+    assert all(s["host"]["logprob"] > 0 and s["calls"]["logprob"] >= 1 for s in with_ref.steps)
+    assert all(s["device"] is None for s in ours.steps)  # no CUDA here
+    summary = phases.summarise_steps(plain.steps, skip=1)
+    assert summary["step_s"] > 0 and set(summary["host"]) == set(summary["device"]) == set(phases.PHASES)
+    ours.remove()
+    assert not {"compute_loss", "_generate_single_turn", "_calculate_rewards"} & set(vars(ours_trainer))
+    assert "backward" not in vars(ours_trainer.accelerator)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+def test_phase_timer_fails_when_a_seam_is_not_wrapped(tmp_path, tiny_model_dir, tiny_dataset, monkeypatch):
+    """With check=True a forward or a gradient outside the wrapped seams raises instead of landing in `rest`; a
+    trainer without a seam is refused when the timer is made."""
+    trainer = _trl_trainer(tmp_path / "a", tiny_model_dir, tiny_dataset, max_steps=1)
+    monkeypatch.setattr(phases, "SEAMS", {k: v for k, v in phases.SEAMS.items() if k != "compute_loss"})
+    with pytest.raises(phases.PhaseError, match="forward of the policy ran in no phase"):
+        _train(trainer, check=True)
+    monkeypatch.undo()
+    trainer = _trl_trainer(tmp_path / "b", tiny_model_dir, tiny_dataset, max_steps=1)
+    monkeypatch.setattr(phases.PhaseTimer, "_wrap_logprob", lambda self, trainer: None)
+    monkeypatch.setattr(trainer.accelerator, "backward", trainer.accelerator.backward)  # left unwrapped below
+    original_wrap = phases.PhaseTimer._wrap
+    monkeypatch.setattr(
+        phases.PhaseTimer,
+        "_wrap",
+        lambda self, obj, attr, phase: None if attr == "backward" else original_wrap(self, obj, attr, phase),
+    )
+    with pytest.raises(phases.PhaseError, match="gradient was accumulated outside"):
+        _train(trainer, check=True)
+    monkeypatch.undo()
+
+    class NoGeneration:
+        accelerator = trainer.accelerator
+
+    with pytest.raises(phases.PhaseError, match="no method '_generate_single_turn'"):
+        phases.PhaseTimer(NoGeneration())
+
+
 def test_a_stopped_bench_stops_the_sample_it_runs(tmp_path, sides_env):
     """SIGTERM to the driver (a device command at its limit, `kill`): the running sample's whole group stops too."""
     import signal

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(script: str, *args: str, timeout: int = 600, env: dict | None = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         check=False,
@@ -257,12 +257,8 @@ def test_prefix_packing_points_parse_with_their_options():
         1,
     )
     assert parse_point(point.key) == point
-    assert [p.key for p in POINT_SETS["target"]] == [
-        "qwen2.5-1.5b:1024:256:8",
-        "qwen2.5-1.5b:2048:512:8",
-        "qwen2.5-1.5b:1024:256:8:ga4",
-        "qwen2.5-1.5b:2048:512:8:ga4",
-    ]
+    assert [p.key for p in POINT_SETS["target"]] == ["qwen2.5-1.5b:1024:256:8", "qwen2.5-1.5b:2048:512:8"]
+    assert [p.key for p in POINT_SETS["accumulation"]] == ["qwen2.5-1.5b:1024:256:8:ga4", "qwen2.5-1.5b:2048:512:8:ga4"]
     for bad in ("qwen2.5-1.5b:1024:256", "gpt:1:2:3", "qwen2.5-1.5b:1024:256:8:fast"):
         with pytest.raises(ValueError):
             parse_point(bad)
@@ -472,7 +468,7 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     packed-vs-padded check, and the trainers trained 2 steps with packing."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
-    parts = "profile,tests,bench,trainers"
+    parts = "profile,bench,tests,trainers"
     proc = subprocess.run(
         [
             sys.executable,
@@ -499,9 +495,12 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     summary = _load(out / "gpu_check.json")
     assert summary["dry_run"] and list(summary["parts"]) == parts.split(",")
     assert all(part["status"] == "passed" and part["wall_s"] > 0 for part in summary["parts"].values())
-    sides = summary["parts"]["profile"]["sides"]
-    assert set(sides) == {"ours", "ours_padded", "trl"}
-    assert all(sides[s]["aten_ops"] > 0 and sides[s]["host_reads"] >= 0 for s in sides), sides
+    profile = summary["parts"]["profile"]
+    assert {p["status"] for p in profile["parts"].values()} == {"done"}, profile["parts"]
+    assert profile["launch"]["launch_us"] > 0 and profile["launch"]["module_call_us"] > 0
+    assert len(profile["passes"]) == 4 and all(p["aten_ops"] > 0 and p["host_enqueue_s"] > 0 for p in profile["passes"])
+    assert [s["side"] for s in profile["steps"]] == ["ours_padded", "trl", "ours"]
+    assert all(s["step_s"] > 0 and s["host"]["backward"] > 0 for s in profile["steps"]), profile["steps"]
     tests = summary["parts"]["tests"]["counts"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # the CUDA tests skip on CPU, with the reason
     (point,) = summary["parts"]["bench"]["points"]
@@ -516,45 +515,55 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
 
 
 def test_gpu_check_runs_the_profile_and_the_target_points_by_default():
-    """Without --parts: the profile, then the benchmark's target points (1.5B at one prompt per micro-batch and at
-    gradient accumulation 4), 5 repeats; the other parts are named by PARTS."""
+    """Without --parts: the profile (at most 90 s), then the benchmark's target points (1.5B at one prompt per
+    micro-batch) with ours, ours compiled and TRL, 5 repeats; the other parts are named by PARTS, each command within
+    the 8 minutes of the GPU check's bound."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu_check
+    from prefix_packing import POINT_SETS
 
     assert gpu_check.DEFAULT_PARTS == ("profile", "bench") and gpu_check.BENCH_SETS["bench"] == "target"
-    # a device command runs at most 540 s; run.sh's installs and the parts' start-up took 41 s on an H200
-    assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 540 - 60
+    assert gpu_check.BENCH_SIDES["bench"] == "ours,ours_compiled,trl" and gpu_check.BUDGETS["profile"] <= 90
+    assert all(p.accumulation == 1 and p.model == "qwen2.5-1.5b" for p in POINT_SETS["target"])
+    # a command runs at most 8 minutes; run.sh's installs and the parts' start-up took 41 s on an H200
+    assert sum(gpu_check.BUDGETS[p] for p in gpu_check.DEFAULT_PARTS) <= 480 - 60
+    for command in (("accumulation", "small"), ("tests", "trainers", "lora")):  # the further commands
+        assert sum(gpu_check.BUDGETS[p] for p in command) <= 480 - 60, command
 
 
-def test_packing_profile_keeps_the_sides_that_finished(tmp_path, monkeypatch):
-    """The profile writes its report after each side (ours, TRL, ours padded): on the H200 (2026-11-28) the part was
-    stopped by its budget before its last side and reported nothing. Here the third side's process fails: the report
-    holds the first two."""
+def test_packing_profile_writes_after_every_measurement_and_skips_parts_past_their_marks(tmp_path, monkeypatch):
+    """The profile is one process that rewrites its report after every measurement: on the H200 (2026-11-28) the
+    part was stopped by its budget and reported nothing. Here the process is stopped during its third pass: the
+    report on disk holds the launch costs and the first two passes. And a part whose time mark has passed is skipped,
+    recorded as such."""
     sys.path.insert(0, str(BENCHMARKS))
     import packing_profile
-    import prefix_packing
+    import torch
 
-    ran = []
+    passes = []
 
-    class Runner:
-        def __init__(self, *a, **kw):
-            pass
+    def measure_pass(*args, **kwargs):
+        passes.append(args[1])
+        if len(passes) == 3:
+            raise SystemExit("stopped by its budget")
+        return {"host_enqueue_s": 0.1, "event_span_s": 0.2, "gpu_busy_s": None, "launches": 0, "aten_ops": 9}
 
-        def run(self, spec):
-            if "make_model" in spec:
-                return {"path": str(tmp_path / "model")}
-            ran.append(spec)
-            if len(ran) == 3:
-                raise RuntimeError("stopped by its budget")
-            side = spec["sides"][0]
-            return {side: {"step_s": [0.5, 0.4], "kernels": {}, "profile": [{"kind": "torch", "aten_ops": 7}]}}
+    monkeypatch.setattr(packing_profile, "launch_costs", lambda device, n: {"launches": n, "launch_us": 2.0})
+    monkeypatch.setattr(packing_profile, "build_model", lambda *a: object())
+    monkeypatch.setattr(packing_profile, "batch", lambda p, c, vocab, device: (torch.zeros(8, p + c), None, c))
+    monkeypatch.setattr(packing_profile, "measure_pass", measure_pass)
+    with pytest.raises(SystemExit, match="stopped"):
+        packing_profile.main(["--dry-run", "--out", str(tmp_path)])
+    parts = _load(tmp_path / "packing_profile.json")["parts"]
+    assert parts["launch"]["status"] == "done" and parts["launch"]["measurements"][0]["launch_us"] == 2.0
+    assert [m["layout"] for m in parts["passes"]["measurements"]] == ["packed", "padded"]
+    assert "| twin | P32/C8 | padded |" in (tmp_path / "packing_profile.md").read_text()
 
-    monkeypatch.setattr(prefix_packing, "Runner", Runner)
-    with pytest.raises(RuntimeError, match="stopped"):
-        packing_profile.main(["--quick", "--out", str(tmp_path)])
-    report = _load(tmp_path / "packing_profile.json")
-    assert list(report["sides"]) == ["ours", "trl"] and report["sides"]["trl"]["torch"]["aten_ops"] == 7
-    assert ran[2]["packing"] is False and ran[0]["packing"] is True  # the third side: ours with packing off
+    monkeypatch.setattr(packing_profile, "MARKS", {"launch": 1e6, "passes": -1.0, "steps": -1.0})
+    assert packing_profile.main(["--dry-run", "--out", str(tmp_path / "marks")]) == 0
+    parts = _load(tmp_path / "marks" / "packing_profile.json")["parts"]
+    assert parts["launch"]["status"] == "done"
+    assert parts["passes"]["status"] == parts["steps"]["status"] == "skipped" and "time mark" in parts["steps"]["why"]
 
 
 def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
@@ -613,7 +622,7 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     """A run's figure reads its steps after the warm-up that ended with every `auto` verdict taken: on the H200
     (2026-11-28) the verdict at gradient accumulation 4 came at step 3 to 5, after a 3-step warm-up, so the old
     reading mixed calibration steps (both layouts in turn) into the medians. Where no step after the warm-up was
-    decided, all of them are read and the run is counted as undecided."""
+    decided, all of them are read, and the run is counted apart from the decided ones."""
     sys.path.insert(0, str(BENCHMARKS))
     import prefix_packing as pp
 
@@ -635,7 +644,11 @@ def test_prefix_packing_reads_only_steps_after_autos_verdict():
     side = pp.side_summary(
         [dict(run, micro_batch=None, forwarded_token_ratio=[]), dict(never, micro_batch=None, forwarded_token_ratio=[])]
     )
-    assert side["undecided_runs"] == 2
+    # the run that never decided is counted apart: the side's figure is the decided run's (issue 53)
+    assert side["undecided_runs"] == 1 and side["runs_still_deciding_after_warmup"] == 2
+    assert side["train_s"] == pytest.approx(0.75) and side["train_s_spread"]["max"] == pytest.approx(0.75)
+    assert side["train_s_undecided"]["median"] == pp.run_summary(never)["train_s"]
+    assert [r["decided"] for r in side["per_run"]] == [True, False]
 
     class Calibration:
         def __init__(self, verdicts):
@@ -805,3 +818,119 @@ def test_async_bundled_dry_run(tmp_path):
     for r in runs.values():
         assert r["steps"] == 2 and r["finite"] and len(r["losses"]) == 2 and len(r["staleness"]) == 2, r
     assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
+
+
+def test_whole_step_gpu_command_dry_run(tmp_path):
+    """`make gpu-check-step DRY_RUN=1`: the GPU run's parts and sides on CPU with the tiny model, into $OUT (no --out):
+    per part its model, the cache-warming run, then ours, TRL and TRL with continuous batching, each a fresh process
+    whose steps are split by the phase timer (seams checked); the results hold every sample, the dtypes, the
+    compilation counts and the split table."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import phases
+    import whole_step
+
+    out = tmp_path / "out"
+    _run("whole_step.py", "--gpu", "--dry-run", env={"OUT": str(out)})
+    assert sorted(p.name for p in out.iterdir()) == [f"whole_step_cuda_dry.{x}" for x in ("json", "log", "md")]
+    report = _load(out / "whole_step_cuda_dry.json")
+    _check_machine(report)
+    assert report["config"]["sides"] == list(whole_step.GPU_SIDES) == ["ours", "trl", "trl_cb"]
+    assert len(report["parts"]) == len(whole_step.GPU_PARTS)
+    for index, part in enumerate(report["parts"].values()):
+        assert part["status"] == "done", part["why"]
+        # the first part's uncounted run warms the compile caches; the later parts spend their time on repeats
+        assert list(part["uncounted"]) == ["model", "ours, cold caches"][: 2 if index == 0 else 1]
+        (repeat,) = part["repeats"]
+        assert repeat["order"] == ["ours", "trl", "trl_cb"]
+        for name, sample in repeat["samples"].items():
+            assert len(sample["steps"]) == 2 and sample["step_s"] > 0, name  # 1 warm-up + 1 timed step
+            assert set(sample["phases"]) == set(phases.PHASES) and sample["phases"]["generation"] > 0
+            assert sample["dtype"]["parameters"] == "torch.float32" and sample["dtype"]["autocast"] is None
+            assert set(sample["compile"]) == {"dynamo_compiles", "cudagraph_recordings", "cudagraph_replays"}
+            assert len(sample["compile_per_step"]) == 2 and len(sample["completion_tokens"]) == 2
+        assert repeat["samples"]["ours"]["trainer"] == "TrinityTrainer"
+        assert any("continuous batching cache" in d for d in repeat["samples"]["trl_cb"]["departures"])
+        assert [s["generation"]["continuous_batching"] for s in repeat["samples"].values()] == [False, False, True]
+        for sample in repeat["samples"].values():  # the training part: the timed step less its generation
+            timed = sample["steps"][1]
+            assert sample["train_s"] == pytest.approx(timed["step_s"] - timed["host"]["generation"])
+        assert {"step_s", "train_s", "phases.generation"} <= set(part["summary"]["ratios"]["ours"])
+        assert part["summary"]["ratios"]["ours"]["train_s"]["median"] > 0
+        assert "compiled" in part["compilation"]
+    text = (out / "whole_step_cuda_dry.md").read_text()
+    assert "## The split, per side" in text and "| ours | float32 |" in text and "| trl_cb | float32 |" in text
+    (out / "whole_step_cuda_dry.md").unlink()
+    assert whole_step.main(["--report-only", str(out / "whole_step_cuda_dry.json")]) == 0  # re-rendered alike
+    assert (out / "whole_step_cuda_dry.md").read_text() == text
+
+
+def test_whole_step_charges_compilation_per_run_and_counts_compilations():
+    """The compilation charge: ours' first-step excess beyond TRL's, cold (the cache-warming run) and warm, repaid by
+    the gain per step over the eager side (ours_off where it ran); and the counter sees dynamo compile a frame."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    import whole_step
+
+    def run(side, step, excess, compiles=1):
+        return {"step_s": step, "first_step_excess_s": excess, "compile": {"dynamo_compiles": compiles}}
+
+    part = {
+        "uncounted": {"ours, cold caches": run("ours", 1.0, 21.0)},
+        "repeats": [
+            {"samples": {"ours": run("ours", 1.0, 6.0), "trl": run("trl", 3.0, 1.0), "ours_off": run("o", 2.0, 1.0)}},
+            {"samples": {"ours": run("ours", 1.2, 5.0), "trl": run("trl", 3.2, 1.0), "ours_off": run("o", 2.2, 1.2)}},
+        ],
+    }
+    c = whole_step.compilation(part)
+    assert c["eager_side"] == "ours_off" and c["warm_s"] == pytest.approx(4.5) and c["cold_s"] == pytest.approx(20.0)
+    assert c["gain_per_step_s"] == pytest.approx(1.0)
+    assert c["repaid_after_steps"] == {"cold": pytest.approx(20.0), "warm": pytest.approx(4.5)}
+    without_warming = {"repeats": part["repeats"]}  # ours' counted runs compiled cold
+    assert whole_step.compilation(without_warming)["warm_s"] is None
+    assert whole_step.compilation(without_warming)["cold_s"] == pytest.approx(4.5)
+    for repeat in part["repeats"]:
+        del repeat["samples"]["ours_off"]
+    c = whole_step.compilation(part)
+    assert c["eager_side"] == "trl" and c["gain_per_step_s"] == pytest.approx(2.0)
+    assert c["repaid_after_steps"]["warm"] == pytest.approx(2.25)
+    for repeat in part["repeats"]:
+        repeat["samples"]["ours"]["compile"]["dynamo_compiles"] = 0
+    assert whole_step.compilation(part) == {"compiled": False}
+
+    torch._dynamo.reset()  # (clears the compilation callbacks too: the counter registers after it)
+    counters = whole_step.CompileCounters()
+    torch.compile(lambda x: torch.sin(x) + 1, backend="eager")(torch.ones(3))
+    assert counters.totals()["dynamo_compiles"] >= 1 and counters.totals()["cudagraph_recordings"] == 0
+
+
+def test_the_readme_and_docs_quote_the_committed_whole_step():
+    """The README's first performance figure and docs/benchmarks.md#whole-step are the committed results' paired
+    medians (benchmarks/results/whole_step.json), not a number typed once and left behind."""
+    report = _load(BENCHMARKS / "results" / "whole_step.json")
+    (part,) = [p for p in report["parts"].values() if p.get("repeats")]
+    step, train = (part["summary"]["ratios"]["ours"][k] for k in ("step_s", "train_s"))
+    readme = (ROOT / "README.md").read_text()
+    assert f"takes {step['median']:.2f}x TRL's\n  time, its training part {train['median']:.2f}x" in readme
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    spread = f"{step['min']:.2f}-{step['max']:.2f}"
+    quote = f"**{step['median']:.2f}x TRL's time for the whole step** (paired ratios {spread})"
+    assert quote in docs and f"{train['median']:.2f}x for its training part" in docs
+
+
+def test_generation_speed_sides_decode_the_job_they_name():
+    """benchmarks/generation_speed.py's sides, in this process on the tiny model: each decodes the G copies of one
+    prompt to the full completion length (the side asserts the output's shape) in float32, and the reading names
+    the paired ratio."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import generation_speed
+
+    spec = {"model": "tiny", "prompt": 12, "completion": 3, "group": 4, "calls": 1}
+    plain = generation_speed.run_side({**spec, "side": "plain"})
+    grouped = generation_speed.run_side({**spec, "side": "grouped"})
+    for sample in (plain, grouped):
+        assert sample["dtype"] == "torch.float32" and len(sample["timed_s"]) == 1 and sample["generate_s"] > 0
+        assert sample["compilations"] == 0
+    report = {
+        "parts": {"p": {"summary": {"ratios": {"grouped": {"generate_s": {"median": 0.5, "min": 0.4, "max": 0.6}}}}}}
+    }
+    assert "`grouped` generation took 0.50x `plain`'s (paired per repeat, 0.40-0.60)" in generation_speed.render(report)

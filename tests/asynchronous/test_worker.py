@@ -55,6 +55,16 @@ def make_worker(tokenizer, reward_funcs=(length_reward,), temperature=0.7, max_c
     )
 
 
+def assert_logps_of(model, samples) -> None:
+    """Each sample's recorded log-probs are those of a plain forward of ``model`` (the weights that sampled it)."""
+    for sample in samples:
+        assert_close(
+            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
+            recomputed_logps(model, sample),
+            terms=TINY_MODEL_TERMS,
+        )
+
+
 def test_recorded_tokens_and_logprobs_are_what_was_sampled(tokenizer):
     """The ids of a sample are the ids ``generate`` drew (through the first end-of-sequence token), and its log-probs
     are those ids' log-probabilities at the sampling temperature under the weights the worker holds (the trainer's
@@ -113,21 +123,11 @@ def test_new_weights_are_taken_between_groups_only(tokenizer):
     torch.manual_seed(0)
     first, _ = worker.rollout_group(0)
     assert len(calls) > 3 and {s.model_version for s in first} == {1}
-    for sample in first:
-        assert_close(
-            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            recomputed_logps(old_model, sample),
-            terms=TINY_MODEL_TERMS,
-        )
+    assert_logps_of(old_model, first)
     worker._load_committed()  # what the worker's loop does before each group
     second, _ = worker.rollout_group(1)
     assert {s.model_version for s in second} == {2}
-    for sample in second:
-        assert_close(
-            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
-            recomputed_logps(new_model, sample),
-            terms=TINY_MODEL_TERMS,
-        )
+    assert_logps_of(new_model, second)
     staged_only = make_worker(tokenizer)
     staged_only.stage_weights(iter(new_model.named_parameters()))  # sent, never committed by TRL
     staged_only._load_committed()
@@ -265,3 +265,68 @@ def test_a_slow_generation_is_progress_not_a_stall(tokenizer):
     _wait(lambda: worker.rollout_buffer.qsize() >= G or worker._failure is not None, timeout=120)
     worker.stop()
     assert worker._failure is None and len(checks) >= 4  # the group took > 0.5 s x 4 and was never stale
+
+
+def test_a_steps_groups_come_from_one_generate_call_each_group_prefilled_once(tokenizer):
+    """``groups_per_generate`` groups (an optimizer step's) are sampled by one ``generate`` call whose grouped prefill
+    encodes each group's prompt once; each group is scored on its own and its log-probs are those of the weights."""
+    worker = make_worker(tokenizer, groups_per_generate=3)
+    trainer_model = build_tiny_model(tokenizer, seed=7)
+    send(worker, trainer_model, version=2)
+    worker._load_committed()
+    generate, calls = worker.model.generate, []
+    forwards = []
+    handle = worker.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return generate(*args, **kwargs)
+
+    worker.model.generate = counting
+    try:
+        groups = worker.rollout_groups([0, 1, 2])
+    finally:
+        handle.remove()
+    assert calls == [3 * G] and forwards[0] == 3  # one call; its prefill: the 3 distinct prompts
+    assert [len(samples) for samples, _ in groups] == [G, G, G]
+    assert [{s.group_id for s in samples} for samples, _ in groups] == [{0}, {1}, {2}]
+    prompts = [worker.dataset[worker.order.row(p)]["prompt"] for p in range(3)]
+    for (samples, metrics), prompt in zip(groups, prompts):
+        assert all(s.prompt == prompt and s.model_version == 2 for s in samples)
+        assert metrics["rollout/generate_s"] > 0
+        assert_logps_of(trainer_model, samples)
+
+
+def test_a_repetition_penalty_changes_the_draws_not_the_recorded_logprobs(tokenizer):
+    """The recorded log-probs are ``log_softmax(logits / T)`` of the model's own logits, before the repetition penalty
+    (as before top-k/top-p): what the trainer's forward computes."""
+    worker = make_worker(tokenizer, repetition_penalty=3.0)
+    trainer_model = build_tiny_model(tokenizer, seed=7)
+    send(worker, trainer_model, version=1)
+    worker._load_committed()
+    torch.manual_seed(0)
+    samples, _ = worker.rollout_group(0)
+    assert_logps_of(trainer_model, samples)
+
+
+def test_compiled_decoding_in_the_worker_decodes_with_the_weights_it_loaded(tokenizer):
+    """compile_generation='on' (torch's eager backend, on this CPU): the worker's static cache holds the dataset's
+    longest prompt, and weights loaded in place between two calls are the ones the next compiled call samples with
+    (recorded log-probs are those of a plain forward of the new weights), without compiling again."""
+    from transformers import CompileConfig
+
+    worker = make_worker(
+        tokenizer, compile_generation="on", compile_config=CompileConfig(backend="eager", mode="default")
+    )
+    assert worker.decoding.choice.compiled and worker.decoding.cache_length.tokens == 64
+    for version, seed in ((1, 5), (2, 11)):
+        trainer_model = build_tiny_model(tokenizer, seed=seed)
+        send(worker, trainer_model, version=version)
+        worker._load_committed()
+        samples, _ = worker.rollout_group(version)
+        assert_logps_of(trainer_model, samples)
+        if version == 1:
+            compiled = worker.decoding.compilations
+    assert compiled >= 1 and worker.decoding.compilations == compiled

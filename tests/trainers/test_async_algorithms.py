@@ -194,15 +194,16 @@ def test_an_agent_trains_asynchronously_each_call_a_step(tmp_path, tiny_model_di
     worker = trainer.rollout_worker
     assert isinstance(worker, MultiStepWorker)
     queued = []
-    rollout_group = worker.rollout_group
+    rollout_groups = worker.rollout_groups
 
-    def recording(position):
-        samples, metrics = rollout_group(position)
-        queued.append(samples)
-        return samples, metrics
+    def recording(positions):
+        groups = rollout_groups(positions)
+        queued.extend(samples for samples, _ in groups)
+        return groups
 
-    worker.rollout_group = recording
+    worker.rollout_groups = recording
     trainer.train()
+    assert queued
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "agent/calls_per_run" in entry]
     assert logs and all(entry["agent/calls_per_run"] == 2.0 for entry in logs)

@@ -365,6 +365,23 @@ def test_bad_modes(tmp_path, field):
         _config(tmp_path, **{field: "bad_mode"})
 
 
+def test_the_generation_fields_are_in_every_trainer_config_and_checked(tmp_path):
+    """compile_generation and one_prefill_per_group (docs/generation.md): the same fields, defaults and checks in the
+    synchronous and asynchronous configs, shown by the repr when changed."""
+    from trinity_trl import AsyncTrinityConfig, ChordConfig, StepGRPOConfig
+
+    for cls in (TrinityConfig, ChordConfig, StepGRPOConfig, AsyncTrinityConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert (defaults["compile_generation"], defaults["one_prefill_per_group"]) == ("auto", True), cls
+        with pytest.raises(ValueError, match="compile_generation must be one of .*'auto', 'on', 'off'.*got 'yes'"):
+            _config(tmp_path, cls, compile_generation="yes")
+        with pytest.raises(ValueError, match="one_prefill_per_group must be True or False"):
+            _config(tmp_path, cls, one_prefill_per_group="no")
+    config = _config(tmp_path, compile_generation="off", one_prefill_per_group=False)
+    assert "compile_generation='off', one_prefill_per_group=False" in repr(config)
+    assert "compile_generation" not in repr(_config(tmp_path))
+
+
 def test_args_given_as_json_strings_are_parsed(tmp_path):
     config = _config(
         tmp_path,

@@ -352,3 +352,58 @@ def test_old_logps_present_iff_ga_not_a_multiple_of_spg_times_iterations(
         )
     for output in trainer.recorded.batches:
         assert ("old_per_token_logps" in output) is expected, key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation: what compiled decoding and the grouped prefill (trinity_trl/training/decoding.py) rely on
+
+
+def test_trl_builds_its_generation_config_with_compilation_off(basic_run):
+    """TRL 1.16 disables transformers' compiled decoding (``disable_compile=True``) and asks for no static cache: our
+    trainers turn both on in this config after TRL built it (compile_generation)."""
+    config = basic_run.generation_config
+    assert config.disable_compile is True and config.cache_implementation is None
+
+
+def test_trls_transformers_generation_calls_the_models_generate_with_its_config_alone(basic_run):
+    """``_generate_single_turn`` (transformers path) calls ``generate`` of the unwrapped model with the padded ids,
+    their mask and ``self.generation_config``, nothing else: what the grouped prefill's stand-in takes
+    (trl_seams.intercepted)."""
+    from trinity_trl.training.trl_seams import intercepted
+
+    model = basic_run.accelerator.unwrap_model(basic_run.model_wrapped)
+    seen = []
+
+    def stand_in(*args, **kwargs):
+        seen.append((args, kwargs))
+        ids = kwargs["input_ids"]
+        return torch.cat([ids, torch.full((ids.shape[0], 2), basic_run.eos_token_ids[0])], dim=1)
+
+    with intercepted(model, "generate", stand_in):
+        completions, _ = basic_run._generate_single_turn([[7, 8, 9], [10, 11]], None, {}, 1)
+    assert "generate" not in vars(model)
+    ((args, kwargs),) = seen
+    assert args == () and set(kwargs) == {"input_ids", "attention_mask", "generation_config"}
+    assert kwargs["generation_config"] is basic_run.generation_config
+    assert kwargs["input_ids"].tolist() == [[7, 8, 9], [basic_run.processing_class.pad_token_id, 10, 11]]
+    assert kwargs["attention_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert completions == [[basic_run.eos_token_ids[0]]] * 2
+
+
+def test_trls_checkpointing_toggles_add_an_input_hook_every_time(basic_run, tiny_model_dir):
+    """TRL turns activation checkpointing off and on around each generation (``unwrap_model_for_generation``) and
+    around its no-grad log-prob passes (``disable_gradient_checkpointing``); each time, transformers adds one more
+    forward hook on a full fine-tuning model's input embeddings (which compiled decoding's guards then see). Our
+    trainers undo it (trl_seams.input_hooks_kept, tests/training/test_trl_seams.py)."""
+    from transformers import AutoModelForCausalLM
+    from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.gradient_checkpointing_enable()
+    hooks = model.get_input_embeddings()._forward_hooks
+    assert len(hooks) == 1 and len(model._require_grads_hooks) == 1
+    with unwrap_model_for_generation(model, basic_run.accelerator):
+        pass
+    with disable_gradient_checkpointing(model):
+        pass
+    assert len(hooks) == 3 and len(model._require_grads_hooks) == 1  # the list keeps only the newest handle

@@ -1,7 +1,8 @@
 """Numerical parity with TRL: the CISPO and SAPO trainers against TRL's own `GRPOTrainer(loss_type="cispo" | "sapo")`
 on the same batch and weights give the same loss and the same gradient of every parameter (and differ exactly where
 the documented behaviour differs: TRL's absolute CISPO cap, Trinity's SAPO form), also under gradient accumulation
-with global normalisation and with vLLM importance-sampling weights.
+with global normalisation and with vLLM importance-sampling weights; and `TrinityTrainer`'s GRPO against TRL's
+defaults (`loss_type="dapo"`), the pair the whole-step benchmark compares.
 
 This promise spans the config, the loss and the trainer, so it has its own file. Batches come from the trainer's
 `_generate_and_score_completions` seam, optionally hardened (tests/helpers.py `generate_batch`, `harden_batch`).
@@ -23,7 +24,7 @@ from helpers import (
 from tolerance import assert_close
 from trl import GRPOConfig, GRPOTrainer
 
-from trinity_trl.trainers import CISPOConfig, CISPOTrainer, SAPOConfig, SAPOTrainer
+from trinity_trl.trainers import CISPOConfig, CISPOTrainer, SAPOConfig, SAPOTrainer, TrinityConfig, TrinityTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -34,6 +35,11 @@ def _args(path, cls, **overrides):
     settings = {"steps_per_generation": 1, "gradient_accumulation_steps": 1}
     settings.update(overrides)
     return cls(**tiny_grpo_kwargs(output_dir=str(path), **settings))
+
+
+def _trainer(trainer_cls, config_cls, path, model, dataset, **config):
+    args = _args(path, config_cls, **config)
+    return trainer_cls(model=model, reward_funcs=length_reward, train_dataset=dataset, args=args)
 
 
 def _assert_same(result_a, result_b, scale=1.0):
@@ -238,3 +244,34 @@ def test_vllm_importance_sampling_ratio_matches_trl(tmp_path, tiny_model_dir, ti
     shape = (G, width) if is_level == "token" else (G, 1)
     batch["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=generator)
     _assert_same(loss_and_grads(ours, batch), loss_and_grads(theirs, batch))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# c. GRPO against TRL's defaults (loss_type="dapo"): the `ours` side of benchmarks/whole_step.py
+
+
+def test_grpo_with_global_normalisation_matches_trls_defaults(tmp_path, tiny_model_dir, tiny_dataset):
+    """`TrinityConfig(algorithm="grpo", loss_normalization="global", advantage={"epsilon": 1e-4})` trains what
+    `GRPOTrainer` trains at TRL's defaults (`loss_type="dapo"`, `beta=0`, group z-score with 1e-4): the same
+    completions and advantages from the same weights and seed, the same loss and gradients on and off policy (the
+    dual clip at 3 binds neither batch: it needs a ratio above 3 with a negative advantage)."""
+    ours = _trainer(
+        TrinityTrainer,
+        TrinityConfig,
+        tmp_path / "ours",
+        tiny_model_dir,
+        tiny_dataset,
+        algorithm="grpo",
+        loss_normalization="global",
+        advantage={"epsilon": 1e-4},
+    )
+    theirs = _trainer(GRPOTrainer, GRPOConfig, tmp_path / "trl", tiny_model_dir, tiny_dataset)
+    assert theirs.loss_type == "dapo" and theirs.beta == 0.0 and ours.ref_model is None
+    batch, trl_batch = generate_batch(ours, tiny_dataset), generate_batch(theirs, tiny_dataset)
+    assert torch.equal(batch["completion_ids"], trl_batch["completion_ids"])  # same weights, seed and sampler
+    assert batch["advantages"].abs().sum() > 0
+    # a group z-score of 4 rewards: a handful of roundings on each side
+    assert_close(batch["advantages"], trl_batch["advantages"], terms=G)
+    _assert_same(loss_and_grads(ours, batch), loss_and_grads(theirs, batch))
+    hardened = harden_batch(ours, batch)
+    _assert_same(loss_and_grads(ours, hardened), loss_and_grads(theirs, hardened))

@@ -6,8 +6,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from trinity_trl.training.trl_seams import captured_return, skip_trl_reference_pass, temporarily
+from trinity_trl.training.trl_seams import (
+    CompileEvents,
+    cache_keyword,
+    captured_return,
+    compile_on_every_device,
+    input_hooks_kept,
+    intercepted,
+    is_full_attention_cache,
+    skip_trl_reference_pass,
+    temporarily,
+)
 
 
 class Scorer:
@@ -155,3 +166,94 @@ def test_trained_mask_applies_the_tool_mask_when_present():
     assert torch.equal(trained_mask({"completion_mask": completion}), completion)
     tools = torch.tensor([[1, 0, 1, 1]])
     assert torch.equal(trained_mask({"completion_mask": completion, "tool_mask": tools}), torch.tensor([[1, 0, 1, 0]]))
+
+
+# ---------------------------------------------------------------------------------------------- generation seams
+def test_intercepted_stands_in_for_one_object_and_leaves_no_trace():
+    scorer, other = Scorer(offset=1), Scorer(offset=1)
+    with intercepted(scorer, "score", lambda x: -x):
+        assert scorer.score(2) == -2 and other.score(2) == 3
+    assert "score" not in vars(scorer) and scorer.score(2) == 3
+    scorer.score = lambda x: 0  # an instance attribute of that name comes back
+    with intercepted(scorer, "score", lambda x: -x):
+        assert scorer.score(2) == -2
+    assert scorer.score(2) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from helpers import build_tiny_model, build_tiny_tokenizer
+
+    return build_tiny_model(build_tiny_tokenizer())
+
+
+def test_input_hooks_kept_removes_the_hooks_a_checkpointing_toggle_adds(tiny_model):
+    """Full fine-tuning: the toggle leaves the first hook registered and adds one; the block's hooks are removed
+    (the handles, and transformers' list of them, as they were). Where the toggle removed the old hook itself (a
+    PEFT adapter loaded through transformers), the new one stays: the model keeps exactly one."""
+    model = tiny_model
+    model.gradient_checkpointing_enable()
+    hooks = model.get_input_embeddings()._forward_hooks
+    kept = model._require_grads_hooks
+    for _ in range(3):
+        with input_hooks_kept(model):
+            model.gradient_checkpointing_disable()
+            model.gradient_checkpointing_enable()
+            assert len(hooks) == 2
+        assert len(hooks) == 1 and model._require_grads_hooks is kept
+    with input_hooks_kept(model):
+        model.disable_input_require_grads()  # what the toggle does with transformers' PEFT integration
+        model.enable_input_require_grads()
+    assert len(hooks) == 1 and model._require_grads_hooks is not kept
+    model.gradient_checkpointing_disable()
+    model.disable_input_require_grads()
+    assert len(hooks) == 0
+
+
+def test_compile_on_every_device_sets_transformers_flag_that_lets_generate_compile_on_a_cpu(tiny_model):
+    """transformers (5.23, 5.24) compiles ``generate``'s decoding only on CUDA/XPU/TPU-like devices unless the
+    private ``CompileConfig._compile_all_devices`` is set (``_valid_auto_compile_criteria``)."""
+    from transformers import CompileConfig, GenerationConfig, StaticCache
+
+    model_kwargs = {cache_keyword(tiny_model): StaticCache(config=tiny_model.config, max_cache_len=16)}
+    config = GenerationConfig(compile_config=CompileConfig(backend="eager"), disable_compile=False)
+    assert not tiny_model._valid_auto_compile_criteria(model_kwargs, config)
+    compile_on_every_device(config.compile_config)
+    assert config.compile_config._compile_all_devices is True
+    assert tiny_model._valid_auto_compile_criteria(model_kwargs, config)
+
+
+def test_transformers_refuses_a_cache_together_with_cache_implementation(tiny_model):
+    """Why the grouped prefill unsets ``cache_implementation`` in its copy of the config when it passes a cache."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
+        tiny_model.generate(
+            input_ids=ids,
+            max_new_tokens=1,
+            cache_implementation="static",
+            **{cache_keyword(tiny_model): DynamicCache(config=tiny_model.config)},
+        )
+
+
+def test_cache_keyword_and_full_attention_layers_of_the_installed_transformers(tiny_model):
+    import transformers
+
+    assert cache_keyword(tiny_model) == ("cache" if transformers.__version__ >= "5.24" else "past_key_values")
+    assert is_full_attention_cache(tiny_model)
+
+
+def test_compile_events_count_dynamos_compilations():
+    """dynamo's compilation callbacks (``torch._dynamo.callback_handler``): one per graph compiled, none for a call
+    that reuses one."""
+
+    @torch.compile(backend="eager")
+    def double(x):
+        return x * 2
+
+    with CompileEvents() as events:
+        double(torch.ones(3))
+    with CompileEvents() as again:
+        double(torch.ones(3))
+    assert (events.compilations, again.compilations, events.recordings) == (1, 0, 0)

@@ -135,16 +135,43 @@ class MultiStepWorker(TransformersRolloutWorker):
         score = {(e.eid.run, e.eid.step): float(e.advantages) for e in scored}
         return [[score.get((i, s)) for s in range(len(run.steps))] for i, run in enumerate(runs)], metrics
 
-    def rollout_group(self, position: int) -> tuple[list[Any], dict[str, float]]:
-        """The ``num_generations`` runs of the task at ``position``: one ``RolloutSample`` per step, and metrics."""
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
+    def rollout_groups(self, positions: list[int]) -> list[tuple[list[Any], dict[str, float]]]:
+        """The ``num_generations`` runs of each task at ``positions``, played together (the rollout batches every
+        run's next turn into one ``generate`` call): for each task, one ``RolloutSample`` per step, and metrics."""
         started = time.monotonic()
-        row = dict(self.dataset[self.order.row(position)])
+        rows = [dict(self.dataset[self.order.row(position)]) for position in positions]
         size = self.num_generations
         version = self.model_version
         with self._agents_at_work():
-            runs = self.rollout([dict(row) for _ in range(size)])
+            runs = self.rollout([dict(row) for row in rows for _ in range(size)])
+        return [
+            self._task_samples(
+                position,
+                row,
+                runs[k * size : (k + 1) * size],
+                version,
+                started,
+                rollout_metrics=None if k else self.rollout.metrics,
+                played=len(runs),
+            )
+            for k, (position, row) in enumerate(zip(positions, rows))
+        ]
+
+    def _task_samples(
+        self,
+        position: int,
+        row: dict,
+        runs: list[Run],
+        version: int,
+        started: float,
+        rollout_metrics: dict[str, float] | None,
+        played: int,
+    ) -> tuple[list[Any], dict[str, float]]:
+        """One task's samples and metrics from its ``runs`` (scored here); ``rollout_metrics``: the rollout's own
+        metrics of the call, over ``played`` runs."""
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        size = self.num_generations
         prompt = row.get("prompt") or [{"role": "user", "content": ""}]
         conversational = is_conversation(prompt)
         last = [run.steps[-1] for run in runs]
@@ -198,10 +225,11 @@ class MultiStepWorker(TransformersRolloutWorker):
             "frac_reward_zero_std": float(len(finite) > 1 and bool((finite == finite[0]).all())),
             **{k: float(v) for k, v in advantage_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
         }
-        # the rollout's own (an agent's faults): a mean over runs as a rate, a count summed over the logging window
-        for name, value in self.rollout.metrics.items():
+        # the rollout's own (an agent's faults) over the whole call, with its first task only: a mean over runs as a
+        # rate, a count summed over the logging window
+        for name, value in (rollout_metrics or {}).items():
             if name.endswith("_per_run"):
-                metrics[name] = (float(value) * len(runs), float(len(runs)))
+                metrics[name] = (float(value) * played, float(played))
             else:
                 metrics[f"{name}_total"] = float(value)
         return samples, metrics

@@ -1,22 +1,27 @@
 """A rollout worker for TRL's ``AsyncGRPOTrainer`` that generates with transformers, and its weight transfer.
 
 `TransformersRolloutWorker` implements TRL's ``RolloutWorkerProtocol``: a thread of the training process generates
-one group of ``num_generations`` completions at a time with ``model.generate`` from **its own copy** of the policy,
-scores it with the reward functions, computes the group's advantages with the trainer's advantage component
-(`GroupScorer`, the same `trinity_trl.training.advantages.AdvantageEstimator` the synchronous trainers run) and pushes
-one ``RolloutSample`` per completion onto a ``queue.Queue`` the trainer drains. No vLLM server: it runs on a CPU and on
-any GPU.
+completions with ``model.generate`` from **its own copy** of the policy, the groups of ``num_generations`` completions
+of ``groups_per_generate`` prompts (an optimizer step's worth) in one call, scores each group with the reward
+functions, computes its advantages with the trainer's advantage component (`GroupScorer`, the same
+`trinity_trl.training.advantages.AdvantageEstimator` the synchronous trainers run) and pushes one ``RolloutSample``
+per completion onto a ``queue.Queue`` the trainer drains. No vLLM server: it runs on a CPU and on any GPU. It decodes
+as the synchronous trainers do (`trinity_trl.training.decoding`): one prefill per group, compiled decoding where
+``compile_generation`` turns it on.
 
 Weights reach the copy through `LocalWeightTransfer` (TRL's ``WeightTransferProtocol``): at each of TRL's weight syncs
 ``send_weights`` copies the trainer's weights into a staging dict, ``update_model_version`` commits them under TRL's
-new model version, and the worker loads them **between two groups**, so a group is never sampled from weights being
-changed and every sample carries the version of the weights that generated it.
+new model version, and the worker loads them (in place) **between two generate calls**, so a group is never sampled
+from weights being changed and every sample carries the version of the weights that generated it. Since a call holds
+a step's groups, a sample can be up to one call staler than with one group per call (TRL's ``max_staleness`` and the
+logged ``async/staleness`` count it).
 
 A sample's recorded tokens are the ones ``generate`` sampled (cut after the first end-of-sequence token), and its
 recorded log-probs are those tokens' log-probabilities under the sampling temperature, ``log_softmax(logits / T)``,
-from the logits ``generate`` returned: what the trainer's forward computes for the same weights (so the importance
-ratio of a sample trained at once is 1). ``top_p`` / ``top_k`` / ``min_p`` / ``repetition_penalty`` change which tokens
-are drawn, not the recorded log-probs (as with TRL's vLLM worker without ``processed_logprobs``).
+taken step by step as ``generate`` draws them (`_SampledLogps`): what the trainer's forward computes for the same
+weights (so the importance ratio of a sample trained at once is 1). ``top_p`` / ``top_k`` / ``min_p`` /
+``repetition_penalty`` change which tokens are drawn, not the recorded log-probs (as with TRL's vLLM worker without
+``processed_logprobs``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 
 from ..data.loading import SeededPasses, is_conversation, prompt_token_ids
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
+from ..training.decoding import GroupedDecoding, compile_refusal, model_facts, plan_decoding
 
 logger = logging.getLogger("trinity_trl")
 
@@ -116,6 +122,33 @@ class _StopWhen:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+class _SampledLogps:
+    """The log-probability of each token ``generate`` samples, at the sampling temperature, kept one step at a time
+    (transformers' ``output_logits`` would keep every step's full-vocabulary logits: ``rows x tokens x vocabulary``).
+
+    As a logits processor (`processor`) it sees a step's logits before the sampling warpers (temperature, top-k,
+    top-p, min-p: transformers applies a caller's processors first) and keeps ``log_softmax(logits / T)``; as a
+    stopping criterion (`criterion`), called once the step's token is drawn, it keeps that token's entry. A repetition
+    penalty goes after it in the processor list, so it does not change what is recorded."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.current: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def processor(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.current = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def criterion(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.steps.append(self.current.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def logps(self) -> torch.Tensor:
+        """``(rows, steps)``: the recorded log-probs."""
+        return torch.stack(self.steps, dim=1)
+
+
 class TransformersRolloutWorker:
     """TRL's ``RolloutWorkerProtocol`` with transformers' ``generate`` (see the module docs).
 
@@ -139,6 +172,10 @@ class TransformersRolloutWorker:
         weight_lag: generate with the weights of this many syncs before the newest (0: the newest): a controlled
             staleness for benchmarks and studies (``benchmarks/m2po_study.py``); the worker then holds
             ``weight_lag + 1`` copies of the weights. Until that many syncs have come, the oldest received.
+        groups_per_generate: groups generated by one ``generate`` call (the trainer: an optimizer step's samples).
+        compile_generation, one_prefill_per_group: how it decodes (the trainer config's fields,
+            `trinity_trl.training.decoding`); ``compile_config``: the ``CompileConfig`` of compiled decoding (``None``:
+            transformers' default).
     """
 
     def __init__(
@@ -162,8 +199,12 @@ class TransformersRolloutWorker:
         seed: int = 0,
         start_position: int = 0,
         weight_lag: int = 0,
+        groups_per_generate: int = 1,
+        compile_generation: str = "auto",
+        one_prefill_per_group: bool = True,
+        compile_config: Any = None,
     ):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, RepetitionPenaltyLogitsProcessor
 
         self.model = model.eval().requires_grad_(False)
         self.device = next(model.parameters()).device
@@ -181,13 +222,17 @@ class TransformersRolloutWorker:
             top_p=top_p,
             top_k=top_k or None,
             min_p=min_p,
-            repetition_penalty=repetition_penalty,
             eos_token_id=self.eos_token_ids,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
-            output_logits=True,
             return_dict_in_generate=True,
         )
+        # after the log-prob recorder (`_SampledLogps`), which records the logits before the penalty
+        self.penalty = [] if repetition_penalty == 1.0 else [RepetitionPenaltyLogitsProcessor(repetition_penalty)]
+        if groups_per_generate < 1:
+            raise ValueError(f"groups_per_generate must be >= 1, got {groups_per_generate}")
+        self.groups_per_generate = groups_per_generate
+        self.decoding = self._decoding(compile_generation, one_prefill_per_group, compile_config)
         self.max_queued_samples = max_queued_samples
         self.order = SeededPasses(len(dataset), seed)
         self.position = start_position  # the next group's position in the prompt stream (its group id)
@@ -208,6 +253,27 @@ class TransformersRolloutWorker:
         self._failure: BaseException | None = None
         self._heartbeat = time.monotonic()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _decoding(self, compile_generation: str, one_prefill_per_group: bool, compile_config: Any) -> GroupedDecoding:
+        """How the worker decodes (`trinity_trl.training.decoding`): its copy is a plain model on one device, so
+        compiled decoding is refused only for a quantized or offloaded copy; the static cache holds the dataset's
+        longest prompt."""
+
+        def longest_prompt() -> int:
+            prompts = self.dataset["prompt"] if "prompt" in getattr(self.dataset, "column_names", ()) else []
+            return max(map(len, prompt_token_ids(self.tokenizer, prompts, self.chat_template_kwargs)), default=0)
+
+        return plan_decoding(
+            compile_generation,
+            one_prefill_per_group,
+            config=self.generation_config,
+            device=self.device,
+            refusal=compile_refusal(engine="single", **model_facts(self.model)),
+            longest_prompt=longest_prompt,
+            owner="the rollout worker",
+            compile_config=compile_config,
+            on_prefill=self._beat,
+        )
 
     # ------------------------------------------------------------------------------------- weights
     def stage_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -251,6 +317,12 @@ class TransformersRolloutWorker:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.groups_per_generate > 1:
+            logger.info(
+                "the rollout worker generates %d groups per generate call (an optimizer step's) and loads new weights "
+                "between calls: a sample can be up to one call staler than with one group per call",
+                self.groups_per_generate,
+            )
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="trinity-rollout-worker", daemon=True)
         self._thread.start()
@@ -292,16 +364,18 @@ class TransformersRolloutWorker:
                     continue
                 # on a GPU the worker's own stream: loading the weights and generating are ordered on it, and overlap
                 # the trainer's kernels (the staged copies are complete: stage_weights synchronised its stream)
+                positions = list(range(self.position, self.position + self.groups_per_generate))
                 with self._on_own_stream():
                     self._load_committed()
-                    samples, metrics = self.rollout_group(self.position)
-                for sample in samples:
-                    self._put(sample)
-                try:
-                    self.metrics_queue.put_nowait(metrics)
-                except queue.Full:
-                    pass  # the trainer stopped reading metrics; generation must not wait for it
-                self.position += 1
+                    groups = self.rollout_groups(positions)
+                for samples, metrics in groups:
+                    for sample in samples:
+                        self._put(sample)
+                    try:  # the groups of a call: the staleness it adds (docs/generation.md#asynchronous)
+                        self.metrics_queue.put_nowait({**metrics, "rollout/groups_per_call": float(len(positions))})
+                    except queue.Full:
+                        pass  # the trainer stopped reading metrics; generation must not wait for it
+                self.position += len(positions)
                 self._heartbeat = time.monotonic()
         except BaseException as error:  # noqa: BLE001 (reported by check_health, in one line)
             self._failure = error
@@ -329,25 +403,28 @@ class TransformersRolloutWorker:
 
     @torch.no_grad()
     def generate_many(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion of each prompt (prompts of different lengths are left-padded into one ``generate`` call):
-        the sampled ids (through the first end-of-sequence token) and their log-probs under the sampling
-        temperature."""
-        from transformers import StoppingCriteriaList
+        """One completion of each prompt (prompts of different lengths are left-padded into one ``generate`` call,
+        consecutive copies of a prompt prefilled once): the sampled ids (through the first end-of-sequence token) and
+        their log-probs under the sampling temperature."""
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         width = max(len(p) for p in prompts)
         pad_id = self.generation_config.pad_token_id
         pad_id = self.eos_token_ids[0] if pad_id is None else pad_id
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        out = self.model.generate(
+        recorder = _SampledLogps(self.temperature)
+        out = self.decoding.generate(
+            self.model,
+            self.model.generate,
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=self.generation_config,
-            stopping_criteria=StoppingCriteriaList([_StopWhen(self._stop, self._beat)]),
+            logits_processor=LogitsProcessorList([recorder.processor, *self.penalty]),
+            stopping_criteria=StoppingCriteriaList([recorder.criterion, _StopWhen(self._stop, self._beat)]),
         )
         new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float() / self.temperature
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        logps = recorder.logps()[: new.shape[0], : new.shape[1]]
         eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
         ids, lps = [], []
         for row in range(new.shape[0]):
@@ -359,15 +436,48 @@ class TransformersRolloutWorker:
 
     def rollout_group(self, position: int) -> tuple[list[Any], dict[str, float]]:
         """The group at ``position`` of the prompt stream: its ``RolloutSample``s and the worker's metrics."""
+        ((samples, metrics),) = self.rollout_groups([position])
+        return samples, metrics
+
+    def rollout_groups(self, positions: list[int]) -> list[tuple[list[Any], dict[str, float]]]:
+        """The groups at ``positions`` of the prompt stream, generated by one ``generate`` call: for each, its
+        ``RolloutSample``s and the worker's metrics (``rollout/generate_s``: the seconds of the whole call)."""
+        started = time.monotonic()
+        rows = [dict(self.dataset[self.order.row(position)]) for position in positions]
+        prompt_ids = prompt_token_ids(self.tokenizer, [row["prompt"] for row in rows], self.chat_template_kwargs)
+        version = self.model_version
+        completion_ids, completion_logps = self.generate_many(
+            [ids for ids in prompt_ids for _ in range(self.num_generations)]
+        )
+        size = self.num_generations
+        return [
+            self._group_samples(
+                position,
+                row,
+                ids,
+                completion_ids[k * size : (k + 1) * size],
+                completion_logps[k * size : (k + 1) * size],
+                version,
+                started,
+            )
+            for k, (position, row, ids) in enumerate(zip(positions, rows, prompt_ids))
+        ]
+
+    def _group_samples(
+        self,
+        position: int,
+        row: dict,
+        prompt_ids: list[int],
+        completion_ids: list[list[int]],
+        completion_logps: list[list[float]],
+        version: int,
+        started: float,
+    ) -> tuple[list[Any], dict[str, float]]:
+        """A group's ``RolloutSample``s and metrics from its completions (scored here)."""
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-        started = time.monotonic()
-        row = dict(self.dataset[self.order.row(position)])
         prompt = row["prompt"]
         columns = {k: [v] * self.num_generations for k, v in row.items() if k not in ("prompt", "completion")}
-        (prompt_ids,) = prompt_token_ids(self.tokenizer, [prompt], self.chat_template_kwargs)
-        version = self.model_version
-        completion_ids, completion_logps = self.generate(prompt_ids)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
         conversational = is_conversation(prompt)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts

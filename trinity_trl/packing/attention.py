@@ -98,6 +98,14 @@ def tree_attention_forward(
     return plan.kernel.attend(plan.plan, query, key, value, scaling), None
 
 
+def keep_hidden_states(plan: TreePlan, output: Any) -> Any:
+    """The backbone's ``output`` with only ``plan.keep``'s positions of its ``last_hidden_state`` (all where ``keep`` is
+    ``None``)."""
+    if plan.keep is not None and output is not None:
+        output["last_hidden_state"] = output["last_hidden_state"][:, plan.keep]
+    return output
+
+
 def _no_mask(**kwargs) -> None:
     """The mask function of ``TREE_ATTENTION``: a packed row's attention pattern is its plan."""
     return None
@@ -112,7 +120,8 @@ def register() -> None:
     AttentionMaskInterface.register(TREE_ATTENTION, _no_mask)
 
 
-def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+def layers_of(backbone: torch.nn.Module) -> list[torch.nn.Module]:
+    """``backbone``'s decoder layers (transformers' ``GradientCheckpointingLayer`` modules)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in backbone.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -121,9 +130,8 @@ def _layers(backbone: torch.nn.Module) -> list[torch.nn.Module]:
 def attention_modules(backbone: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules of ``backbone``'s decoder layers (``self_attn``), the modules that look up the attention
     function by the config's name."""
-    return [
-        layer.self_attn for layer in _layers(backbone) if isinstance(getattr(layer, "self_attn", None), torch.nn.Module)
-    ]
+    layers = layers_of(backbone)
+    return [layer.self_attn for layer in layers if isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
 
 
 class _Route:
@@ -164,9 +172,7 @@ class _Route:
     def _leave_backbone(self, module, args, kwargs, output):
         self._leave(module, args, kwargs, output)
         plan = kwargs.get(PLAN_KWARG)
-        if plan is not None and plan.keep is not None and output is not None:
-            output["last_hidden_state"] = output["last_hidden_state"][:, plan.keep]
-        return output
+        return keep_hidden_states(plan, output) if plan is not None else output
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -194,7 +200,7 @@ def route(backbone: torch.nn.Module, plan: TreePlan) -> TreePlan:
         register()
         _registered = True
     if backbone not in _modules:
-        layers = _layers(backbone)
+        layers = layers_of(backbone)
         _modules[backbone] = (layers, attention_modules(backbone))
     layers, modules = _modules[backbone]
     while True:  # a finalizer run by the garbage collector in between may have just removed the route

@@ -29,6 +29,7 @@ import torch
 
 from . import attention
 from .attention import PLAN_KWARG, TreePlan
+from .compiled import OP_KERNELS, CompiledLayers, OpKernel, check_compile_request, compiled_inputs
 from .kernels import TreeKernel
 from .selection import (
     Calibration,
@@ -95,6 +96,8 @@ def tree_inputs(
     forward, under which ``backbone``'s calls run the tree attention (`attention.route`); ``keep``: the positions of
     the backbone's output to keep (``None``: all)."""
     device = packed.input_ids.device
+    if isinstance(kernel, OpKernel):  # compiled layers: the dispatcher set once routes the plan (no hooks)
+        return compiled_inputs(packed, TreePlan(kernel, kernel.plan(packed, device), keep))
     plan = attention.route(backbone, TreePlan(kernel, kernel.plan(packed, device), keep))
     return {
         "input_ids": packed.input_ids[None],
@@ -207,6 +210,10 @@ class PrefixPacking:
         gather: with several processes, ``all_gather_object`` over them: ``auto``'s verdicts are taken
             from every rank's timings at `synchronize` (`selection.Calibration`).
         timer: the stopwatch factory of the calibration (tests inject one).
+        compile: ``prefix_packing_compile``: ``None`` (off), or the ``torch.compile`` backend (a name or a callable) of
+            the decoder layers of packed forwards (`compiled.CompiledLayers`; the trainers pass ``"inductor"``).
+        compile_budget: the run's `selection.CompileBudget` (one per run, shared with compiled generation); a new
+            one where not given.
     """
 
     def __init__(
@@ -219,7 +226,10 @@ class PrefixPacking:
         device: torch.device | str | None = None,
         gather: Gather | None = None,
         timer: Timer = Stopwatch,
+        compile: Any = None,
+        compile_budget: CompileBudget | None = None,
     ):
+        check_compile_request(compile is not None, True, kernel)
         if enabled and device is not None:
             check_kernel_request(kernel, device)
         elif kernel not in ("auto", "varlen", "flash_attn", "flex", "sdpa_segments"):
@@ -237,7 +247,8 @@ class PrefixPacking:
         self._choices: dict[tuple, Choice] = {}
         self._logged: set[str] = set()
         self.calibration = Calibration(timer, gather)
-        self.compile_budget = CompileBudget()
+        self.compile_budget = compile_budget if compile_budget is not None else CompileBudget()
+        self.compiled = CompiledLayers(compile, self.compile_budget) if enabled and compile is not None else None
 
     def _inspect(self, model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
         if model not in self._models:
@@ -296,6 +307,11 @@ class PrefixPacking:
         rows, width = input_ids.shape
         grad = torch.is_grad_enabled()
         chunked = batch_size is not None and batch_size < rows
+        kernel = self._compiled_kernel(inner, choice.kernel, input_ids.device)
+        if kernel is not choice.kernel and not self.compiled.warm(grad):
+            # compiling: the first packed passes of each grad mode run packed, untimed (auto times compiled passes)
+            chunks = self._chunks(kernel, input_ids, attention_mask, logits_to_keep, batch_size if chunked else None)
+            return _Plan(chunks, kernel, inner) if chunks is not None and self._passes(chunks, input_ids) else None
         if choice.calibrate:
             if chunked:  # TRL forwards these in chunks of batch_size rows: follow the verdict for such chunks
                 if not self.calibration.verdict(shape_class(inner, grad, batch_size, width)):
@@ -304,14 +320,26 @@ class PrefixPacking:
                 key = shape_class(inner, grad, rows, width)
                 if self.calibration.calibrating(key):
                     return self._calibrate(
-                        model, inner, key, grad, choice.kernel, input_ids, attention_mask, logits_to_keep, critic
+                        model, inner, key, grad, kernel, input_ids, attention_mask, logits_to_keep, critic
                     )
                 if not self.calibration.verdict(key):
                     return None  # decided padded (or waiting for the ranks' verdict): the tree is not built
-        chunks = self._chunks(choice.kernel, input_ids, attention_mask, logits_to_keep, batch_size if chunked else None)
+        chunks = self._chunks(kernel, input_ids, attention_mask, logits_to_keep, batch_size if chunked else None)
         if chunks is None or not self._passes(chunks, input_ids):
             return None  # too little shared or padded to be worth it: the padded forward is as fast
-        return _Plan(chunks, choice.kernel, inner)
+        return _Plan(chunks, kernel, inner)
+
+    def _compiled_kernel(self, inner: torch.nn.Module, kernel: TreeKernel, device: torch.device) -> TreeKernel:
+        """``kernel``, or under ``prefix_packing_compile`` the tree op that stands for it in compiled layers (the
+        layers compiled and the dispatcher set on ``inner`` at its first packed forward)."""
+        if self.compiled is None or kernel.name not in OP_KERNELS:
+            return kernel
+        reason = self.compiled.install(inner)
+        if reason is not None:
+            self._fall_back(f"prefix_packing_compile: the layers are not compiled ({reason}); eager packed forwards")
+            return kernel
+        self.compiled.signature(torch.is_grad_enabled(), self._compute_dtype(inner, device))
+        return OP_KERNELS[kernel.name]
 
     def _chunks(self, kernel, input_ids, attention_mask, logits_to_keep, batch_size) -> list[PackedRows] | None:
         try:
@@ -415,6 +443,11 @@ class PrefixPacking:
         finally:
             timing.remove()
 
+    def _ran(self, kernel: TreeKernel) -> None:
+        """A packed forward ran: under compiled layers, counted towards their warm-up (`_pack`)."""
+        if isinstance(kernel, OpKernel):
+            self.compiled.ran(torch.is_grad_enabled())
+
     def _compiling(self, kernel: TreeKernel, model: torch.nn.Module, device: torch.device):
         """Around a packed forward: a forced ``flex`` counts its graphs and keeps the recompile limit above them."""
         if kernel.name != "flex":
@@ -457,6 +490,7 @@ class PrefixPacking:
                 lp, ent = packed_logps(model, backbone, packed, plan.kernel, compute_entropy, self._autocast)
             logps.append(lp)
             entropies.append(ent)
+        self._ran(plan.kernel)
         shape = (input_ids.shape[0], logits_to_keep)
         return PackedOutput(
             _scatter(plan.chunks, logps, shape),
@@ -477,6 +511,7 @@ class PrefixPacking:
         with self._compiling(plan.kernel, critic, input_ids.device):
             backbone = plan.inner.base_model
             values = [packed_critic_values(critic, backbone, p, plan.kernel, self._autocast) for p in plan.chunks]
+        self._ran(plan.kernel)
         return _scatter(plan.chunks, values, (input_ids.shape[0], logits_to_keep))
 
 

@@ -12,11 +12,16 @@ micro-batch changes. With ``loss_normalization="global"`` (every token of the op
 the same, counted over the whole generation batch) and whole generation batches per optimizer step
 (``steps_per_generation`` dividing ``gradient_accumulation_steps``), that leaves the step's gradient
 unchanged up to float rounding, except with ``loss_agg_mode="seq-mean-token-sum-norm"`` (always per
-micro-batch); with ``"micro_batch"`` each micro-batch's mean weighs its own rows, as with TRL's
-random split.
+micro-batch); with ``"micro_batch"`` each micro-batch's mean weighs its own rows, so whole groups change
+the gradient (and a seeded run) against TRL's random split.
+
+Hence the default (``None``, `resolve_whole_groups`): on exactly where the gradient is provably unchanged
+(and there is more than one micro-batch per generation batch), TRL's row shuffle elsewhere, ``"micro_batch"``
+included. ``True`` turns it on anyway, ``False`` off.
 
 Where the generation batch is not made of such blocks (CHORD's appended expert rows, StepGRPO's
-per-step rows, groups split across processes), TRL's row shuffle runs instead, with one log line.
+per-step rows, groups split across processes), TRL's row shuffle runs instead, with one log line
+where the option was set to ``True``.
 """
 
 from __future__ import annotations
@@ -63,13 +68,56 @@ def shuffle_groups(batch: dict[str, Any], group: int, generator: torch.Generator
     return {key: permute(value) for key, value in batch.items()}
 
 
+def resolve_whole_groups(
+    requested: bool | None,
+    loss_normalization: str,
+    loss_agg_mode: str,
+    steps_per_generation: int,
+    gradient_accumulation_steps: int,
+    per_device_train_batch_size: int,
+    num_generations: int,
+) -> tuple[bool, str]:
+    """``(on, why)``: whether generation batches are shuffled by groups, for ``prefix_packing_whole_groups`` =
+    ``requested`` (``None``: on exactly where the optimizer step's gradient is provably unchanged; see the module
+    docs)."""
+    if requested is not None:
+        return bool(requested), "set"
+    if steps_per_generation <= 1:
+        return False, "one micro-batch per generation batch holds whole groups already"
+    if per_device_train_batch_size % num_generations:
+        return False, "micro-batches are not whole groups (per_device_train_batch_size not a multiple of G)"
+    if loss_normalization != "global":
+        return False, f"loss_normalization={loss_normalization!r}: whole groups would change each micro-batch's mean"
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return False, "seq-mean-token-sum-norm normalises per micro-batch"
+    if gradient_accumulation_steps % steps_per_generation:
+        return False, "steps_per_generation does not divide gradient_accumulation_steps"
+    return True, "the step's gradient is unchanged (global normalisation, whole generation batches per step)"
+
+
+def trainer_whole_groups(trainer: Any) -> tuple[bool, str]:
+    """`resolve_whole_groups` for ``trainer``'s config and algorithm."""
+    args = trainer.args
+    return resolve_whole_groups(
+        getattr(args, "prefix_packing_whole_groups", False),
+        getattr(args, "loss_normalization", "micro_batch"),
+        trainer.algorithm.loss_agg_mode,
+        args.steps_per_generation,
+        args.gradient_accumulation_steps,
+        args.per_device_train_batch_size,
+        trainer.num_generations,
+    )
+
+
 @contextlib.contextmanager
 def whole_groups(trainer: Any) -> Iterator[None]:
     """While TRL's ``_prepare_inputs`` runs: shuffle generation batches by groups instead of rows, where the
-    trainer's ``args.prefix_packing_whole_groups`` asks for it (see the module docs)."""
-    if not getattr(trainer.args, "prefix_packing_whole_groups", False):
+    trainer's ``args.prefix_packing_whole_groups`` asks for it or its default turns it on (see the module docs)."""
+    on, _ = trainer_whole_groups(trainer)
+    if not on:
         yield
         return
+    explicit = getattr(trainer.args, "prefix_packing_whole_groups", None) is not None
     import trl.trainer.grpo_trainer as grpo
 
     row_shuffle = grpo.shuffle_sequence_dict
@@ -82,7 +130,9 @@ def whole_groups(trainer: Any) -> Iterator[None]:
             return shuffle_groups(batch, group)
         if reason not in logged:
             logged.add(reason)
-            logger.warning("prefix_packing_whole_groups: TRL's row shuffle for this batch: %s", reason)
+            (logger.warning if explicit else logger.debug)(
+                "prefix_packing_whole_groups: TRL's row shuffle for this batch: %s", reason
+            )
         return row_shuffle(batch)
 
     grpo.shuffle_sequence_dict = shuffle

@@ -582,7 +582,7 @@ def _describe(shape: tuple) -> str:
     return f"{rows} rows up to {width} tokens, {'forward+backward' if grad else 'forward'}"
 
 
-# ============================================================================ compilation (forced flex)
+# ============================================================================ compilation (one budget per run)
 def _recompile_limit_name() -> str:
     import torch._dynamo.config as dynamo_config
 
@@ -590,25 +590,37 @@ def _recompile_limit_name() -> str:
 
 
 class CompileBudget:
-    """The graphs a forced ``flex`` compiles: ``graphs_per_signature`` (a static graph for the first
-    packed length, then a dynamic one) for each signature (grad mode, dtype, head dim, heads and KV
-    heads) seen; `limit` raises dynamo's recompile limit (``torch._dynamo.config``, its public
-    knob) around the packed forward so that these graphs never hit it (past the limit, torch falls
-    back to eager FlexAttention, which materialises the whole score matrix)."""
+    """The graphs one run compiles, whoever compiles them, and dynamo's recompile limit kept above them.
+
+    Each user counts its signatures (``add``): a forced ``flex`` (``user="flex"``: a static graph for the first packed
+    length, then a dynamic one, for each grad mode, dtype, head dim, heads and KV heads), compiled decoder layers
+    (``"layers"``: one dynamic graph per grad mode and dtype, `compiled.CompiledLayers`) and compiled generation
+    (``"generation"``, one graph per mode and batch bucket) all add to the one budget a trainer holds. `limit` raises
+    dynamo's recompile limit (``torch._dynamo.config``, its public knob) around a compiled call so that the graphs
+    counted never reach it (past the limit, torch falls back to eager: for flex, the whole score matrix). The limit
+    applies per compiled function; the budget's total bounds them all."""
 
     def __init__(self, graphs_per_signature: int = 2, read_limit: Callable[[], int] | None = None):
         self.graphs_per_signature = graphs_per_signature
-        self.signatures: set[tuple] = set()
+        self.signatures: dict[tuple, int] = {}  # (user, signature) -> its graphs
         self._read_limit = read_limit
 
-    def add(self, signature: tuple) -> int:
-        """Count ``signature``; returns the graphs needed so far."""
-        self.signatures.add(signature)
+    def add(self, signature: tuple, user: str = "flex", graphs: int | None = None) -> int:
+        """Count ``signature`` of ``user`` (``graphs`` of them; default ``graphs_per_signature``); returns the graphs
+        needed so far."""
+        self.signatures.setdefault((user, signature), self.graphs_per_signature if graphs is None else graphs)
         return self.graphs
 
     @property
     def graphs(self) -> int:
-        return self.graphs_per_signature * len(self.signatures)
+        return sum(self.signatures.values())
+
+    def by_user(self) -> dict[str, int]:
+        """The graphs counted per user."""
+        out: dict[str, int] = {}
+        for (user, _), graphs in self.signatures.items():
+            out[user] = out.get(user, 0) + graphs
+        return out
 
     def current_limit(self) -> int:
         if self._read_limit is not None:

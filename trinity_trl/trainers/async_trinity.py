@@ -57,12 +57,13 @@ from ..data.model import resolve_model
 from ..packing.selection import compute_dtype
 from ..training import checks
 from ..training.advantages import AdvantageEstimator
+from ..training.decoding import choose_decoding
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, use_concise_progress
 from ..training.step_mask import STEP_MASK_KEY, StepTokens, step_masks
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor
-from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, from_trl_config
+from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, GenerationFields, from_trl_config
 from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
 from .trinity_loss import TrinityLossMixin
 
@@ -98,7 +99,7 @@ def _grpo_field(name: str) -> Any:
 
 
 @dataclass
-class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
+class AsyncTrinityConfig(AlgorithmFields, GenerationFields, AsyncGRPOConfig):
     r"""
     Configuration of [`AsyncTrinityTrainer`][]: every option of TRL's
     [`AsyncGRPOConfig`](https://huggingface.co/docs/trl/main/en/async_grpo_trainer) (the queue, `max_staleness`,
@@ -127,6 +128,12 @@ class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
             `"micro_batch"`: each micro-batch's token (sample) mean, divided by `gradient_accumulation_steps`, as TRL's
             asynchronous trainer does. `"global"`: every trained token (sample) of the optimizer step weighs the
             same, whatever the size of its micro-batch (micro-batches vary in size under `token_budget`).
+        compile_generation (`str`, *optional*, defaults to `"auto"`): How the `"transformers"` worker decodes, as in
+            [`TrinityConfig`][] (compiled decoding on CUDA; docs/generation.md). The worker generates an optimizer
+            step's groups in one `generate` call. With `"vllm"` (or a `rollout_worker` of your own) it does nothing
+            (one log line when set to `"on"`).
+        one_prefill_per_group (`bool`, *optional*, defaults to `True`): The worker's prompts encoded once per group,
+            as in [`TrinityConfig`][] (one log line when set to `False` with `"vllm"` or your own worker).
 
     `max_staleness` counts TRL's weight syncs (one per optimizer step unless `weight_sync_steps > 1`); the logged
     `async/staleness` counts optimizer steps: the policy version a sample was generated with (the number of
@@ -177,7 +184,15 @@ class AsyncTrinityConfig(AlgorithmFields, AsyncGRPOConfig):
                         f"{type(self).__name__}: {name}={value!r} sets {what}, which generation_backend='transformers' "
                         f"does not use; leave it at {default!r} or set generation_backend='vllm'"
                     )
+        self.check_generation_fields()
         self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
+
+
+def groups_per_step(args: Any) -> int:
+    """The groups an optimizer step trains, at least one: its samples (``per_device_train_batch_size`` per
+    micro-batch, ``gradient_accumulation_steps`` micro-batches) over ``num_generations``; the worker generates them in
+    one ``generate`` call."""
+    return max(1, math.ceil(args.per_device_train_batch_size * args.gradient_accumulation_steps / args.num_generations))
 
 
 def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinityConfig) -> None:
@@ -341,6 +356,14 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             if own_worker:
                 rollout_worker = self._transformers_worker(model, args, processing_class, train_dataset, reward_funcs)
                 weight_transfer = weight_transfer or LocalWeightTransfer(rollout_worker)
+        if not own_worker:  # TRL's vLLM worker or the user's: our decoding options do not reach it (one line if set)
+            choose_decoding(
+                args.compile_generation,
+                args.one_prefill_per_group,
+                device="cpu",
+                backend="TRL's vLLM worker" if rollout_worker is None else "the rollout_worker passed in",
+                refusal=None,
+            )
             trl_rewards = reward_funcs
         else:
             trl_rewards = [RewardSum(reward_funcs, list(weights))] if reward_funcs else []
@@ -427,6 +450,9 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             chat_template_kwargs=args.chat_template_kwargs,
             queue_maxsize=args.queue_maxsize,
             seed=args.seed,
+            groups_per_generate=groups_per_step(args),
+            compile_generation=args.compile_generation,
+            one_prefill_per_group=args.one_prefill_per_group,
         )
 
     def _make_worker(self, *args: Any, **kwargs: Any) -> TransformersRolloutWorker:

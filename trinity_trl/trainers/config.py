@@ -10,7 +10,9 @@ from trl import GRPOConfig
 
 from ..algorithms import ALGORITHM_TYPE, GLOBAL_DEFAULTS, POLICY_LOSS_FN, AlgorithmConfig, resolve_algorithm_config
 from ..algorithms.component import Component
+from ..packing.compiled import check_compile_request
 from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
+from ..training.decoding import COMPILE_GENERATION_CHOICES
 from ..training.loss import LOSS_NORMALIZATIONS
 from .components import ComponentsBuiltOnce, component_fields
 from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
@@ -379,8 +381,39 @@ class AlgorithmFields(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelli
         return resolved
 
 
+COMPILE_GENERATION_HELP = (
+    "Decode with transformers' static KV cache and its compilation of the model (CUDA graphs on CUDA): 'auto' (on on "
+    "CUDA for one process or DDP, full fine-tuning or LoRA; off elsewhere), 'on' (also on a CPU; refused under "
+    "DeepSpeed ZeRO-3, FSDP, quantized or offloaded models) or 'off'. Ignored with vLLM."
+)
+ONE_PREFILL_PER_GROUP_HELP = (
+    "Encode each distinct prompt of a generation batch once (a group's G copies share it) before transformers' "
+    "generate samples each copy's completion; the same completions as G prefills up to float rounding."
+)
+
+
 @dataclass
-class TrinityConfig(AlgorithmFields, GRPOConfig):
+class GenerationFields:
+    """How the trainer's transformers generation decodes (`trinity_trl.training.decoding`, docs/generation.md), the
+    same fields in every trainer config (synchronous and asynchronous): compiled decoding and one prefill per group.
+    A config calls `check_generation_fields` in its ``__post_init__``."""
+
+    compile_generation: str = field(
+        default="auto", metadata={"help": COMPILE_GENERATION_HELP, "choices": list(COMPILE_GENERATION_CHOICES)}
+    )
+    one_prefill_per_group: bool = field(default=True, metadata={"help": ONE_PREFILL_PER_GROUP_HELP})
+
+    def check_generation_fields(self) -> None:
+        if self.compile_generation not in COMPILE_GENERATION_CHOICES:
+            raise ValueError(
+                f"compile_generation must be one of {COMPILE_GENERATION_CHOICES}, got {self.compile_generation!r}"
+            )
+        if not isinstance(self.one_prefill_per_group, bool):
+            raise ValueError(f"one_prefill_per_group must be True or False, got {self.one_prefill_per_group!r}")
+
+
+@dataclass
+class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -438,12 +471,22 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
             kept only for the shapes where it times faster than the padded forward on the same first
             micro-batches (one log line each), else the padded forward. A forced kernel that cannot run on the
             device is an error.
-        prefix_packing_whole_groups (`bool`, *optional*, defaults to `False`):
+        prefix_packing_whole_groups (`bool` or `None`, *optional*, defaults to `None`):
             Shuffle each generation batch by groups rather than by rows (TRL), so that a micro-batch holds
             whole groups and packing shares their prompts (`per_device_train_batch_size` a multiple of
-            `num_generations`). With `loss_normalization="global"` and whole generation batches per optimizer
-            step the gradient is unchanged (docs/prefix-packing.md). Batches that are not whole groups keep TRL's
-            shuffle (one log line).
+            `num_generations`). `None`: on exactly where the optimizer step's gradient is unchanged by it
+            (`loss_normalization="global"`, a `loss_agg_mode` other than `seq-mean-token-sum-norm`,
+            `steps_per_generation` above 1 and dividing `gradient_accumulation_steps`), TRL's row shuffle elsewhere.
+            `True` turns it on anyway: under `"micro_batch"` each micro-batch's mean then weighs whole groups, and
+            seeded runs change (docs/prefix-packing.md#whole-groups-per-micro-batch). Batches that are not whole
+            groups keep TRL's shuffle (one log line where set to `True`).
+        prefix_packing_compile (`bool`, *optional*, defaults to `False`):
+            Compile the decoder layers for packed training forwards (`torch.compile` with dynamic shapes, the
+            inductor backend; generation and padded forwards stay as they are), with the tree attention as one
+            custom op, so that a layer compiles once whatever the tree and launches fewer kernels (the packed pass
+            at TRL's micro-batch is bound by the host's launches on a GPU). Off until a GPU measurement shows it
+            pays (docs/prefix-packing.md#compiled-layers); with `auto` on CUDA the packed passes are timed only
+            once compiled. Not under DeepSpeed or FSDP, nor with `torch_compile=True` or `prefix_packing_kernel="flex"`.
         prefix_packing_token_budget (`int` or `None`, *optional*, defaults to `None`):
             Token budget of the packed training forwards, in forwarded packed tokens per forward. The micro-batches
             of one optimizer step (gradient accumulation, `steps_per_generation` above 1; within one generation
@@ -456,6 +499,18 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
             How a component value's arguments combine with the component's `default_args()`: `"merge"` lays
             your keys over the defaults (so `policy_loss={"clip_range_high": 0.28}` keeps `clip_range=0.2`);
             `"replace"` uses your arguments alone, as Trinity-RFT does.
+        compile_generation (`str`, *optional*, defaults to `"auto"`):
+            Decode with transformers' static KV cache and its own compilation of the model's forward
+            (`torch.compile`; CUDA graphs on CUDA). `"auto"`: on on CUDA in one process or DDP, full fine-tuning or
+            LoRA; off on a CPU (where it does not pay) and where it cannot run. `"on"`: also on a CPU; an error under
+            DeepSpeed ZeRO-3, FSDP, with a quantized model or layers offloaded to the CPU. `"off"`: TRL's eager
+            decoding. With vLLM or continuous batching it does nothing (one log line when set to `"on"`). The cache's
+            length is fixed once per run (docs/generation.md#compiled-decoding).
+        one_prefill_per_group (`bool`, *optional*, defaults to `True`):
+            Encode each distinct prompt of a generation batch once, not once per copy: the group's G rows start from
+            one shared KV cache, each encodes its prompt's last token and samples its own completion (the same
+            completions as separate prefills, up to float rounding). Transformers generation only: vLLM and continuous
+            batching share prompts their own way.
 
     TRL options whose job a component takes over (`beta`, `loss_type`, `epsilon`, `epsilon_high`,
     `delta`, `importance_sampling_level`, `scale_rewards`, `multi_objective_aggregation`,
@@ -488,9 +543,20 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
             "padded rows."
         },
     )
-    prefix_packing_whole_groups: bool = field(
+    prefix_packing_whole_groups: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups. None: on "
+            "only where the step's gradient is unchanged (global normalisation, whole generation batches per step)."
+        },
+    )
+
+    prefix_packing_compile: bool = field(
         default=False,
-        metadata={"help": "Shuffle generation batches by groups, not rows, so micro-batches hold whole groups."},
+        metadata={
+            "help": "Compile the decoder layers for packed training forwards (torch.compile, dynamic shapes; the tree "
+            "attention as one custom op): fewer kernel launches. Off until measured faster on a GPU."
+        },
     )
 
     # token-budget micro-batches (training/token_budget.py)
@@ -522,6 +588,8 @@ class TrinityConfig(AlgorithmFields, GRPOConfig):
                 f"prefix_packing_kernel={self.prefix_packing_kernel!r} has no effect with prefix_packing=False"
             )
         _check_token_budget(self.prefix_packing_token_budget, self.prefix_packing)
+        self.check_generation_fields()
+        check_compile_request(self.prefix_packing_compile, self.prefix_packing, self.prefix_packing_kernel, self)
         self.check_algorithm_fields()  # builds the components now (bad names and arguments fail here), once
 
 

@@ -29,11 +29,13 @@ from trl import GRPOTrainer
 from ..checkpointing.checkpoints import CompleteCheckpoints, TrainerStateFiles
 from ..data.model import resolve_model
 from ..packing import PrefixPacking
+from ..packing.compiled import compile_backend
 from ..packing.groups import whole_groups
-from ..packing.selection import gather_objects
+from ..packing.selection import CompileBudget, gather_objects
 from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
-from ..training.engines import engine_of
+from ..training.decoding import GroupedDecoding, choose_decoding, compile_refusal, model_facts, plan_decoding
+from ..training.engines import engine_of, zero_stage
 from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
@@ -43,6 +45,7 @@ from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
 from ..training.trl_seams import (
     bind_trl_arguments,
     captured_return,
+    input_hooks_kept,
     reopen_trackio_run,
     temporarily,
     trained_mask,
@@ -117,6 +120,9 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             else prepare_teacher(teacher_model, self.accelerator, self.model.dtype, self.temperature)
         )
         self.generation = TRLGeneration(self)
+        # one compile budget per run: compiled generation, compiled layers (prefix_packing_compile), a forced flex
+        self.compile_budget = CompileBudget()
+        self.decoding = self._decoding(args)  # compile_generation, one_prefill_per_group (training/decoding.py)
         # the forward and reward passes are looked up at call time: TRL's seams (trl_seams.captured_return) and
         # subclasses wrap them on the instance
         self.scoring = Scoring(
@@ -138,6 +144,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             args.prefix_packing_kernel,
             self.accelerator.device,
             gather=gather_objects if self.accelerator.num_processes > 1 else None,
+            compile=compile_backend(args.prefix_packing_compile, engine_of(self.accelerator)),
+            compile_budget=self.compile_budget,
         )
         self.add_callback(_PackingVerdicts(self.prefix_packing))
         self.token_budget = TokenBudget(  # prefix_packing_token_budget (training/token_budget.py)
@@ -278,10 +286,66 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
             self._buffered_inputs = unfinished_batch
 
     # ------------------------------------------------------------------------------- generation
+    def _decoding(self, args: TrinityConfig) -> GroupedDecoding:
+        """How this run decodes with transformers' ``generate`` (docs/generation.md). With compiled decoding, TRL's
+        generation config (built with ``disable_compile=True``) is the seam: compilation on, transformers' static
+        cache, its length fixed once from the longest prompt of the datasets."""
+        if self.use_vllm or self.use_transformers_continuous_batching:  # no generation config of TRL's to set
+            backend = "vLLM" if self.use_vllm else "continuous batching"
+            choice = choose_decoding(
+                args.compile_generation, args.one_prefill_per_group, device="cpu", backend=backend, refusal=None
+            )
+            return GroupedDecoding(choice)
+        refusal = compile_refusal(
+            engine=engine_of(self.accelerator),
+            zero3=zero_stage(self.accelerator) == 3,
+            cache=self.generation_config.cache_implementation,
+            **model_facts(self.accelerator.unwrap_model(self.model)),
+        )
+        return plan_decoding(
+            args.compile_generation,
+            args.one_prefill_per_group,
+            config=self.generation_config,
+            device=self.accelerator.device,
+            refusal=refusal,
+            longest_prompt=self._longest_prompt,
+            owner=type(self).__name__,
+            compile_budget=self.compile_budget,
+        )
+
+    def _longest_prompt(self) -> int:
+        """The longest prompt of the training and evaluation datasets, in tokens as TRL tokenizes them (0 where they
+        cannot be read ahead: an iterable dataset, prompts an environment writes)."""
+        datasets = [self.train_dataset]
+        eval_datasets = self.eval_dataset
+        datasets += list(eval_datasets.values()) if isinstance(eval_datasets, dict) else [eval_datasets]
+        longest = 0
+        for dataset in datasets:
+            if self.environment_factories is not None or not hasattr(dataset, "column_names"):
+                continue
+            if "prompt" not in dataset.column_names or not hasattr(dataset, "__len__"):
+                continue
+            prompts = dataset["prompt"]
+            for start in range(0, len(prompts), 256):
+                ids = self.generation.tokenize_conversations(list(prompts[start : start + 256]))
+                longest = max([longest, *map(len, ids)])
+        return longest
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's generation of one turn (every generation of our trainers passes here), through this run's decoding
+        (`trinity_trl.training.decoding.GroupedDecoding.around`); with vLLM, TRL's alone."""
+        if self.use_vllm:
+            return super()._generate_single_turn(*args, **kwargs)
+        with self.decoding.around(self.accelerator.unwrap_model(self.model_wrapped)):
+            return super()._generate_single_turn(*args, **kwargs)
+
     def _generate_and_score_completions(self, inputs):
         if self.requires_prompt and self.environment_factories is None:
             checks.check_batch_prompts(inputs)
-        with captured_return(self, "_calculate_rewards") as rewards_per_func:  # gathered rewards (trl_seams)
+        with (
+            captured_return(self, "_calculate_rewards") as rewards_per_func,  # gathered rewards (trl_seams)
+            input_hooks_kept(self.accelerator.unwrap_model(self.model_wrapped)),  # TRL's checkpointing toggles
+        ):
             output = super()._generate_and_score_completions(inputs)
         checks.check_context(
             output["prompt_mask"].sum(1).tolist(),

@@ -132,3 +132,126 @@ def trained_mask(batch: dict[str, Any]) -> Any:
     ``tool_mask`` (0 on tool-result tokens) when TRL's tool loop produced one."""
     mask = batch["completion_mask"]
     return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+# ------------------------------------------------------------------------------------------------ generation seams
+# What compiled decoding and the grouped prefill (training/decoding.py) need from TRL, transformers and torch that
+# they do not offer as a public interface; tests/trainers/test_trl_contract.py pins each one.
+
+
+@contextlib.contextmanager
+def intercepted(obj: Any, method: str, replacement: Any) -> Iterator[None]:
+    """``obj.<method>`` is ``replacement`` while the block runs (an attribute of this object only), then what it was.
+
+    TRL 1.16 generates with ``unwrapped_model.generate(**inputs, generation_config=self.generation_config)`` inside
+    ``GRPOTrainer._generate_single_turn`` and takes no cache or hook from outside: the grouped prefill and the static
+    cache of compiled decoding reach that call by standing in for the model's ``generate`` for the one call.
+    """
+    shadowed = vars(obj).get(method)
+    object.__setattr__(obj, method, replacement)
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            object.__delattr__(obj, method)
+        else:
+            object.__setattr__(obj, method, shadowed)
+
+
+@contextlib.contextmanager
+def input_hooks_kept(model: Any) -> Iterator[None]:
+    """Leave the input-embedding hooks of ``model`` (and of the transformers models inside it) as the block found
+    them.
+
+    TRL turns activation checkpointing off and on around every generation (``trl/models/utils.py``,
+    ``_unwrap_model_for_generation``). transformers 5.23/5.24 add a forward hook on the input embeddings at every
+    ``activation_checkpointing_enable`` (``enable_input_require_grads``, which keeps the handles in
+    ``_require_grads_hooks``), but remove them on disable only for models with a PEFT adapter loaded through
+    transformers. So a full fine-tuning model (and a PEFT ``PeftModel``'s base) gains one hook per generation: every
+    forward calls them all, and compiled decoding, whose guards check the hooks, recompiles at every step until
+    torch's recompile limit turns compilation off. Hooks added during the block are removed again (the handles'
+    ``remove()``) when the ones the block started with are still registered; when the block removed those itself, the
+    new ones stay (they replace them).
+    """
+    from transformers import PreTrainedModel
+
+    owners = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    before = [(m, vars(m).get("_require_grads_hooks"), vars(m).get("_require_grads_hook")) for m in owners]
+    try:
+        yield
+    finally:
+        for owner, hooks, first in before:
+            now = vars(owner).get("_require_grads_hooks")
+            if now is hooks or not hooks or not all(_registered(h) for h in hooks):
+                continue
+            for handle in now or []:
+                if not any(handle is h for h in hooks):
+                    handle.remove()
+            owner._require_grads_hooks = hooks
+            if first is not None:
+                owner._require_grads_hook = first
+
+
+def _registered(handle: Any) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def compile_on_every_device(compile_config: Any) -> Any:
+    """Let ``generate`` compile with ``compile_config`` on a device other than CUDA/XPU/TPU (a CPU): transformers'
+    ``_valid_auto_compile_criteria`` reads the private flag ``CompileConfig._compile_all_devices`` (5.23, 5.24), its
+    own "for testing" switch."""
+    compile_config._compile_all_devices = True
+    return compile_config
+
+
+def cache_keyword(model: Any) -> str:
+    """The name under which ``model``'s forward and ``generate`` take a KV cache: ``cache`` (transformers 5.24) or
+    ``past_key_values`` (5.23; 5.24 still accepts it, with a deprecation warning)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def is_full_attention_cache(model: Any) -> bool:
+    """Whether every layer of ``model``'s dynamic KV cache is a plain full-attention layer (no sliding window, no
+    shared or linear-attention layers): the grouped prefill copies such layers' keys and values row by row."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = DynamicCache(config=base.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+class CompileEvents:
+    """Counts, while the block runs, the graphs ``torch.compile`` builds (``compilations``) and the CUDA graphs it
+    records (``recordings``), through dynamo's compilation callbacks (``torch._dynamo.callback_handler``, torch >=
+    2.6; events of every thread count). Without them, nothing is counted."""
+
+    def __init__(self):
+        self.compilations = 0
+        self.recordings = 0
+
+    def _started(self, args: Any) -> None:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        if trigger == "CUDAGRAPH_RECORDING":
+            self.recordings += 1
+        elif trigger == "DYNAMO":
+            self.compilations += 1
+
+    def __enter__(self) -> CompileEvents:
+        handler = _compile_callbacks()
+        if handler is not None:
+            handler.register_start_callback(self._started)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        handler = _compile_callbacks()
+        if handler is not None:
+            handler.remove_start_callback(self._started)
+
+
+def _compile_callbacks() -> Any:
+    import torch._dynamo
+
+    return getattr(torch._dynamo, "callback_handler", None)
