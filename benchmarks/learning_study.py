@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
-import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +39,11 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
-import seed_stats
+import seeded_study
+from seeded_study import cell as _cell
+from seeded_study import finished, load_runs, paired_tests, planned_runs, scored_runs, tuning  # noqa: F401 (tests)
+from seeded_study import mean as _mean
+from seeded_study import spread as _spread
 
 # The pre-registration (issue 45 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -84,7 +85,7 @@ TEMPLATES = ("add", "sub", "mul", "div", "two_step")
 
 def plan_key(plan: dict = PLAN) -> str:
     """The plan's fingerprint: runs are kept under it."""
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
+    return seeded_study.plan_key(plan)
 
 
 def sft_steps(plan: dict) -> int:
@@ -112,49 +113,6 @@ def eval_points(plan: dict, arm: str) -> list[int]:
         first = sft_steps(plan)
         return [first, first + steps // 2, first + steps]
     return [steps // 4, steps // 2, steps]
-
-
-# ------------------------------------------------------------------------------------------ runs file
-def load_runs(path: Path, key: str) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["plan"] == key]
-
-
-def finished(records: list[dict], arm: str, seed: int | None, lr: float | None) -> dict | None:
-    return next((r for r in records if (r["arm"], r["seed"], r["lr"]) == (arm, seed, lr)), None)
-
-
-def tuning(records: list[dict], plan: dict, arm: str) -> dict:
-    """The arm's tuning so far: ``{grid, val, lr, next, at_edge}``. ``next`` is the rate still to run (the grid's
-    values in order, then an extension past the edge the best value sits on), ``None`` once tuning is done; ``lr``
-    is the best validation accuracy's rate (a tie goes to the lower rate)."""
-    grid = list(plan["grid"])
-    runs = {r["lr"]: r["val"] for r in records if r["arm"] == arm and r["seed"] == plan["tune_seed"]}
-    for lr in grid:
-        if lr not in runs:
-            return {"grid": grid, "val": runs, "lr": None, "next": lr, "at_edge": None}
-    extensions = 0
-    while True:
-        best = max(sorted(grid), key=lambda lr: runs[lr])  # max keeps the first of equals: the lower rate
-        low, high = min(grid), max(grid)
-        edge = "low" if best == low else "high" if best == high else None
-        if edge is None or extensions == plan["max_extensions"]:
-            return {"grid": sorted(grid), "val": runs, "lr": best, "next": None, "at_edge": edge}
-        beyond = _rate(low / plan["grid_factor"] if edge == "low" else high * plan["grid_factor"])
-        grid.append(beyond)
-        extensions += 1
-        if beyond not in runs:
-            return {"grid": sorted(grid), "val": runs, "lr": None, "next": beyond, "at_edge": edge}
-
-
-def _rate(value: float) -> float:
-    return float(f"{value:.6g}")  # 1e-4 / 3 -> 3.33333e-05, the same float on every call
-
-
-def planned_runs(plan: dict) -> int:
-    """Runs of the plan, its grid not extended (each extension adds one)."""
-    return len(plan["arms"]) * (len(plan["grid"]) + len(plan["scored_seeds"]))
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -377,17 +335,9 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -
     import transformers
 
     transformers.logging.set_verbosity_error()
-    key = plan_key(plan)
-    path = out / RUNS_FILE
-    out.mkdir(parents=True, exist_ok=True)
-    records = load_runs(path, key)
-    print(f"plan {key}: {len(records)} records in {path}; load {bc.loadavg()}", flush=True)
-
-    def append(record: dict) -> None:
-        record = {"plan": key, **record, "load_average": bc.loadavg(), "finished": time.strftime("%Y-%m-%d %H:%M")}
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        records.append(record)
+    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
+    records, append = runs_file.records, runs_file.append
+    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
 
     model = model_override or _bundled()
     data = task_data(plan)
@@ -410,7 +360,7 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -
         print(f"base model: {final['all']:.3f} {final['by_kind']}", flush=True)
         del base
 
-    def run(arm: str, seed: int, lr: float, role: str) -> None:
+    def run(arm: str, seed: int, lr: float, role: str) -> bool:
         print(f"[{role} seed {seed}] {arm} lr {lr:g}: training ({time.strftime('%H:%M')}) ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="learning_study_") as tmp:
             result = run_arm(arm, model, seed, lr, plan, data, Path(tmp), validate=role == "tune")
@@ -422,19 +372,9 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -
             flush=True,
         )
         gc.collect()
+        return True
 
-    while True:  # the tuning seed, arm after arm at each grid value, then the extensions past an edge
-        pending = [(arm, t["next"]) for arm in plan["arms"] if (t := tuning(records, plan, arm))["next"] is not None]
-        if not pending:
-            break
-        arm, lr = min(pending, key=lambda p: plan["grid"].index(p[1]) if p[1] in plan["grid"] else 99)
-        run(arm, plan["tune_seed"], lr, "tune")
-    rates = {arm: tuning(records, plan, arm)["lr"] for arm in plan["arms"]}
-    print(f"rates: {rates}", flush=True)
-    for seed in plan["scored_seeds"]:  # whole seeds first: an interrupted study leaves complete pairs
-        for arm in plan["arms"]:
-            if finished(records, arm, seed, rates[arm]) is None:
-                run(arm, seed, rates[arm], "scored")
+    seeded_study.run_in_order(records, plan, run)
     print("study complete", flush=True)
     return 0
 
@@ -452,27 +392,9 @@ def _final(run: dict) -> dict:
 
 def summarise(records: list[dict], plan: dict = PLAN) -> dict:
     """The pre-registered tests and the descriptive tables, from the finished runs."""
-    rates = {arm: tuning(records, plan, arm) for arm in plan["arms"]}
-    scored = {
-        arm: {
-            r["seed"]: r for r in records if r["arm"] == arm and r["role"] == "scored" and r["lr"] == rates[arm]["lr"]
-        }
-        for arm in plan["arms"]
-    }
-    complete = [s for s in plan["scored_seeds"] if all(s in scored[arm] for arm in plan["arms"])]
-    tests = {}
-    comparisons = {"primary": plan["primary"], **{f"secondary {i + 1}": c for i, c in enumerate(plan["secondary"])}}
-    for name, (a, b) in comparisons.items():
-        seeds = [s for s in plan["scored_seeds"] if s in scored[a] and s in scored[b]]
-        diffs = [_final(scored[a][s])["all"] - _final(scored[b][s])["all"] for s in seeds]
-        tests[name] = {"arms": [a, b], "seeds": seeds, "diffs": diffs, **seed_stats.paired_t(diffs, plan["confidence"])}
-        for group in ("covered", "uncovered"):
-            group_diffs = [_final(scored[a][s])[group] - _final(scored[b][s])[group] for s in seeds]
-            tests[name][group] = {"diffs": group_diffs, **seed_stats.paired_t(group_diffs, plan["confidence"])}
-    adjusted = seed_stats.holm({name: t["p"] for name, t in tests.items()})
-    for name, test in tests.items():
-        test["p_holm"] = adjusted[name]
-        test["significant"] = None if test["p_holm"] is None else test["p_holm"] < plan["alpha"]
+    rates, scored, complete = scored_runs(records, plan)
+    groups = {group: (lambda run, group=group: _final(run)[group]) for group in ("covered", "uncovered")}
+    tests = paired_tests(plan, scored, lambda run: _final(run)["all"], extra=groups)
     base = next((r for r in records if r["arm"] == "base"), None)
     arms = {}
     for arm in plan["arms"]:
@@ -495,32 +417,12 @@ def summarise(records: list[dict], plan: dict = PLAN) -> dict:
         }
     total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
     return {
-        "plan": plan,
-        "plan_key": plan_key(plan),
-        "complete_seeds": complete,
-        "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
-        "runs_done": sum(r["arm"] != "base" for r in records),
-        "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+        **seeded_study.progress(records, plan, rates, complete),
         "tests": tests,
         "arms": arms,
         "base": None if base is None else {k: _final(base)[k] for k in (*GROUPS, "by_kind")},
         "cpu_s": total,
     }
-
-
-def _spread(values: list[float]) -> dict | None:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {
-        "mean": statistics.mean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "n": len(values),
-    }
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.mean(values) if values else None
 
 
 def _curve(runs: list[dict]) -> list[dict]:
@@ -565,31 +467,14 @@ def _learned(runs: list[dict], base: dict | None, plan: dict) -> dict:
 
 def markdown(summary: dict) -> str:
     plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
-    seeds = summary["complete_seeds"]
-    lines = ["# The pre-registered CHORD study (issue 45)", ""]
-    if summary["partial"]:
-        lines += [
-            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
-            f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
-            "intervals over the seeds reached, not its result.",
-            "",
-        ]
+    lines = seeded_study.header_lines(summary, "The pre-registered CHORD study (issue 45)", "learning_study_plan.md")
     lines += [
-        f"Plan `{summary['plan_key']}` (`learning_study_plan.md`, committed before the first scored run). CPU time of "
-        f"the finished runs: {summary['cpu_s'] / 3600:.1f} h of one core.",
-        "",
         "## Pre-registered tests (held-out accuracy after the last step, paired t over the scored seeds)",
         "",
         "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, t in tests.items():
-        a, b = (LABELS[x] for x in t["arms"])
-        interval = "n/a" if t["low"] is None else f"[{t['low']:+.3f}, {t['high']:+.3f}]"
-        lines.append(
-            f"| {name}: {a} minus {b} | {len(t['seeds'])} | {', '.join(f'{d:+.3f}' for d in t['diffs'])} | "
-            f"{bc.fmt(t['mean'], '+.3f')} | {interval} | {bc.fmt(t['p'], '.3f')} | {bc.fmt(t['p_holm'], '.3f')} |"
-        )
+    lines += seeded_study.test_rows(tests, LABELS)
     lines += [
         "",
         "Descriptive, not tested: the same differences on the covered and uncovered templates.",
@@ -600,8 +485,7 @@ def markdown(summary: dict) -> str:
     for name, t in tests.items():
         for group in ("covered", "uncovered"):
             g = t[group]
-            interval = "n/a" if g["low"] is None else f"[{g['low']:+.3f}, {g['high']:+.3f}]"
-            lines.append(f"| {name} | {group} | {bc.fmt(g['mean'], '+.3f')} | {interval} |")
+            lines.append(f"| {name} | {group} | {bc.fmt(g['mean'], '+.3f')} | {seeded_study.interval(g)} |")
     lines += [
         "",
         "## Arms",
@@ -622,16 +506,7 @@ def markdown(summary: dict) -> str:
             f"Base model: {base['all']:.3f} ({', '.join(f'{k} {v:.3f}' for k, v in base['by_kind'].items())}).",
         ]
     lines += ["", "## Tuning (validation accuracy on the tuning seed)", ""]
-    for arm, s in arms.items():
-        t = s["tuning"]
-        values = ", ".join(f"{lr:g}: {bc.fmt(t['val'].get(lr))}" for lr in t["grid"])
-        state = (
-            "unfinished"
-            if t["next"] is not None
-            else f"chose {t['lr']:g}"
-            + (f" (still on the {t['at_edge']} edge after {plan['max_extensions']} extensions)" if t["at_edge"] else "")
-        )
-        lines.append(f"- {LABELS[arm]}: {values}; {state}.")
+    lines += seeded_study.tuning_lines(arms, plan, LABELS)
     lines += ["", "## Per template: final accuracy and what each run did with the template", ""]
     lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
     for arm, s in arms.items():
@@ -666,59 +541,15 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cell(row: dict | None, spec: str = ".3f") -> str:
-    if row is None:
-        return "n/a"
-    return f"{row['mean']:{spec}} ± {row['std']:{spec}}" if row["n"] > 1 else f"{row['mean']:{spec}}"
-
-
 def status(out: Path, plan: dict = PLAN) -> str:
     records = load_runs(out / RUNS_FILE, plan_key(plan))
-    summary = summarise(records, plan)
-    runs = [r for r in records if r["arm"] != "base"]
-    cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in runs)
-    lines = [
-        f"plan {summary['plan_key']}: {summary['runs_done']} of about {summary['runs_planned']} runs done; "
-        f"{len(summary['complete_seeds'])} of {len(plan['scored_seeds'])} scored seeds complete",
-        f"CPU time of the finished runs: {cpu / 3600:.2f} h ({cpu / max(1, len(runs)):.0f} s a run)",
-    ]
-    for arm, s in summary["arms"].items():
-        t = s["tuning"]
-        lines.append(f"  {arm}: tuning {t['val']} -> {t['lr']}; scored seeds {s['seeds']}")
-    if runs:
-        last = runs[-1]
-        lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
-        eta = _eta(records, summary["runs_planned"] - summary["runs_done"])
-        if eta:
-            lines.append(eta)
-    return "\n".join(lines)
-
-
-def _eta(records: list[dict], left: int) -> str | None:
-    """Runs left and the wall time they take at the pace seen so far (the median time between finished runs)."""
-    import datetime
-
-    stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
-    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
-    if not gaps:
-        return None
-    pace = statistics.median(gaps)
-    hours = left * pace / 3600
-    return f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
+    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan))
 
 
 def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
     """``learning_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
     ``learning_study_runs.jsonl``."""
-    records = load_runs(runs_path, plan_key(plan))
-    summary = summarise(records, plan)
-    to.mkdir(parents=True, exist_ok=True)
-    target = to / "learning_study_runs.jsonl"
-    if runs_path.resolve() != target.resolve():
-        shutil.copyfile(runs_path, target)
-    (to / "learning_study.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (to / "learning_study.md").write_text(markdown(summary))
-    return summary
+    return seeded_study.write_summary(runs_path, to, "learning_study", plan, summarise, markdown)
 
 
 def measure(out: Path, steps: int, model_override: str | None = None) -> int:

@@ -934,3 +934,75 @@ def test_generation_speed_sides_decode_the_job_they_name():
         "parts": {"p": {"summary": {"ratios": {"grouped": {"generate_s": {"median": 0.5, "min": 0.4, "max": 0.6}}}}}}
     }
     assert "`grouped` generation took 0.50x `plain`'s (paired per repeat, 0.40-0.60)" in generation_speed.render(report)
+def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
+    """The GiGPO study end to end on a random tiny model and a miniature plan: a base record, the tuning seed, then
+    whole seeds; a restart runs nothing finished; the summary's tests are the per-seed differences of the evaluation
+    games' success; a missing run makes it partial; a spent CPU budget stops the study and says so."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_common
+    import gigpo_study as gs
+
+    model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
+    plan = {
+        **gs.PLAN,
+        **{"steps": 2, "probe_steps": [1], "scored_seeds": [1], "grid": [1e-3], "max_extensions": 0},
+        **{"high": 3, "max_env_steps": 2, "completion_len": 4, "num_generations": 4, "train_tasks": 8},
+        **{"eval_plays": 2, "val_plays": 1},
+    }
+    out = tmp_path / "study"
+    gs.run_study(out, plan, str(model))
+    records = [json.loads(line) for line in (out / gs.RUNS_FILE).read_text().splitlines()]
+    order = [(r["arm"], r["seed"], r["role"]) for r in records]
+    assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
+        (a, 1, "scored") for a in plan["arms"]
+    ]
+    gigpo, step_grpo = records[-3], records[-2]
+    assert [p["step"] for p in gigpo["points"]] == [1, 2] and gigpo["points"][-1]["n"] == 6  # 3 targets x 2 plays
+    assert gigpo["optimizer_steps"] == 2 and gigpo["runs_played"] == 8 and records[1]["val"] is not None
+    assert all(0.0 <= h <= 1.0 for h in gigpo["anchor_hit_ratio"] if h is not None)
+    assert step_grpo["anchor_hit_ratio"] == [None, None]  # step-wise GRPO logs no anchor hits
+    gs.run_study(out, plan, str(model))  # a restart: nothing left to run
+    assert len((out / gs.RUNS_FILE).read_text().splitlines()) == len(records)
+    summary = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "results", plan)
+    assert not summary["partial"] and summary["complete_seeds"] == [1]
+    success = {r["arm"]: r["points"][-1]["success"] for r in records if r["role"] == "scored"}
+    assert summary["tests"]["primary"]["diffs"] == [success["gigpo"] - success["step_grpo"]]
+    assert summary["tests"]["secondary 1"]["diffs"] == [success["gigpo"] - success["gigpo_omega0"]]
+    assert "## Pre-registered tests" in (tmp_path / "results" / "gigpo_study.md").read_text()
+    (out / gs.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
+    partial = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "partial", plan)
+    assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete**" in gs.markdown(partial)
+    spent = {**plan, "cpu_budget_h": 0.0}  # another plan: its own runs, stopped after the base model
+    gs.run_study(tmp_path / "spent", spent, str(model))
+    stopped = gs.summarise(gs.load_runs(tmp_path / "spent" / gs.RUNS_FILE, gs.plan_key(spent)), spent)
+    assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in gs.markdown(stopped)
+    assert "of the 0.0 h budget" in gs.status(tmp_path / "spent", spent)
+
+
+def test_the_gigpo_plan_is_committed_under_its_fingerprint_and_the_chord_plan_is_unchanged():
+    """The GiGPO study's plan file names the fingerprint of the PLAN its script runs (changing a value of the plan
+    changes it), and the finished CHORD study keeps its own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gigpo_study
+    import learning_study
+
+    assert learning_study.plan_key() == "cb3f9c6bfb3b"
+    plan_file = (BENCHMARKS / "results" / "gigpo_study_plan.md").read_text()
+    assert f"**`{gigpo_study.plan_key()}`**" in plan_file
+    assert gigpo_study.plan_key({**gigpo_study.PLAN, "steps": 41}) != gigpo_study.plan_key()
+
+
+def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and while
+    the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gigpo_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "gigpo_study.md").read_text() == markdown(summary)
+    assert any(r["arm"] == "base" for r in load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #gigpo-study }") :]
+    if summary["partial"]:
+        assert "**Running; no result yet.**" in section[:200]

@@ -28,7 +28,7 @@ POLICY_KEYS = [
 ]
 KL_KEYS = ["none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3"]
 ENTROPY_KEYS = ["default", "mix", "none"]
-GROUP_ADV_KEYS = ["grpo", "step_wise_grpo", "opmd", "asymre", "reinforce", "rec"]
+GROUP_ADV_KEYS = ["grpo", "step_wise_grpo", "gigpo", "opmd", "asymre", "reinforce", "rec"]
 BATCH_ADV_KEYS = [
     "ppo",
     "reinforceplusplus",
@@ -58,6 +58,7 @@ PRESETS = [
     "sppo",
     "rec",
     "multi_step_grpo",
+    "gigpo",
     "on_policy_distill",
     "m2po",
 ]

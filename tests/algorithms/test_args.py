@@ -53,6 +53,7 @@ PINNED_DEFAULT_ARGS = {
         "grpo": {"epsilon": 1e-6, "std_threshold": None, "duplicate_experiences": False, "rank_penalty": None,
                  "std_cal_level": "group"},
         "step_wise_grpo": {"epsilon": 1e-6, "enable_step_norm": False, "std_threshold": None, "std_cal_level": "group"},
+        "gigpo": {"omega": 1.0, "gamma": 1.0, "fnorm": "none", "epsilon": 1e-6},
         "opmd": {"opmd_baseline": "mean", "tau": 1.0},
         "asymre": {"baseline_shift": -0.1},
         "reinforce": {},

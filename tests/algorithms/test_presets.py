@@ -1,5 +1,5 @@
-"""The presets (Trinity-RFT's 19 and `m2po`) of docs/algorithms/presets.md#preset-table and configuration resolution of
-docs/algorithms/presets.md#resolution."""
+"""The presets (Trinity-RFT's 19, `m2po` and `gigpo`) of docs/algorithms/presets.md#preset-table and configuration
+resolution of docs/algorithms/presets.md#resolution."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ TABLE = {
         "k2",
         "default",
     ),
+    "gigpo": (False, True, False, True, "experience", 8, "default", "ppo", "gigpo", "none", "k2", "default"),
     "on_policy_distill": (
         False,
         False,

@@ -45,9 +45,11 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def make_worker(tokenizer, max_env_steps: int = 3, **advantage_args) -> MultiStepWorker:
+def make_worker(
+    tokenizer, max_env_steps: int = 3, advantage: str = "step_wise_grpo", **advantage_args
+) -> MultiStepWorker:
     Scripted.built = 0
-    advantage = ADVANTAGE_FN.get("step_wise_grpo")(**advantage_args)
+    advantage = ADVANTAGE_FN.get(advantage)(**advantage_args)
     # the worker scores runs with the reward functions and the step-wise component, never the group estimator
     scorer = GroupScorer([environment_reward], ["environment_reward"], torch.ones(1), estimator=None)
     return MultiStepWorker(
@@ -134,3 +136,20 @@ def test_a_group_below_the_std_threshold_trains_nothing(tokenizer):
     samples, metrics = worker.rollout_group(position=0)
     assert all(s.completion_mask.sum() == 0 and s.advantage == 0.0 for s in samples)
     assert metrics["filtered_count"] == float(sum(t for t, f in zip(TURNS, FINAL) if f is not None))
+
+
+def test_gigpo_adds_the_anchor_state_step_advantage(tokenizer):
+    """GiGPO on the same group: the scored runs (returns 1, 0, 2) all act from "start" first, runs 1 and 3 then from
+    "turn 1". Episode advantages 0, -1, 1; at "start" the step advantages equal them, at "turn 1" returns 0 and 2 give
+    -1 and 1; so run 0: [0], run 1: [-2, -2], run 3: [2, 2], each / (1 + 1e-6)."""
+    worker = make_worker(tokenizer, advantage="gigpo")
+    send(worker, build_tiny_model(tokenizer, seed=3), version=1)
+    worker._load_committed()
+    samples, metrics = worker.rollout_group(position=0)
+    for run, expected in zip(by_run(samples), [[0.0], [-2.0, -2.0], None, [2.0, 2.0]]):
+        if expected is None:  # unscorable: trains nothing
+            assert all(s.completion_mask.sum() == 0 and s.advantage == 0.0 for s in run)
+            continue
+        for sample, value in zip(run, expected, strict=True):
+            assert math.isclose(sample.advantage, value / (1 + 1e-6), rel_tol=1e-6, abs_tol=1e-7)
+    assert metrics["gigpo/anchor_hit_ratio"] == 1.0 and metrics["gigpo/later_steps"] == 2.0

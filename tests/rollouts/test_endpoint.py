@@ -183,6 +183,9 @@ def test_rewritten_history_starts_a_new_segment_and_n_choices_are_steps(endpoint
     run = runs[0]
     assert [len(s.completion_ids) for s in run.steps[:2]] == [2, 2]
     assert run.segments == [[0], [1, 2], [3]] and not run.prefix_preserving
+    # GiGPO's state of an agent's step: the request's conversation as rendered; the n choices of a call share it
+    assert [s.state_key for s in run.steps] == [f"request_ids:{','.join(map(str, s.prompt_ids))}" for s in run.steps]
+    assert run.steps[0].state_key == run.steps[1].state_key != run.steps[2].state_key
     # a cut turn is closed with EOS before the next turn's tokens
     assert run.steps[2].prompt_ids[: len(run.steps[1].prompt_ids) + 3] == (
         run.steps[1].prompt_ids + run.steps[1].completion_ids + [ep.generator.eos_token_id]
@@ -290,6 +293,7 @@ def test_faults_are_counted_and_scored_and_nothing_hangs(endpoint, caplog):
     assert m["agent/late_calls"] == 1.0 and rewards["late_caller"] == 1.0
     # runs without a call: a stand-in step in no segment (never trained)
     assert runs[kinds.index("late")].segments == []
+    assert runs[kinds.index("late")].steps[0].state_key is None  # and a state of its own (GiGPO)
 
     # a call of an earlier step's run, during the next step, is refused as late too
     async def caller(client, row):

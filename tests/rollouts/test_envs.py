@@ -37,8 +37,13 @@ def test_number_guess_feedback_and_rewards():
     env = NumberGuessEnv()
     env.reset(target=7, low=1, high=10)
     low = env.step("3")
-    assert low == StepResult("3 is wrong. The number is higher.", reward=0.0, done=False, info={"guess": 3})
-    assert env.step("between 2 and 9").info == {"guess": 9}  # the last number of the turn is the guess
+    assert low == StepResult(
+        "3 is wrong. The number is higher.", reward=0.0, done=False, info={"guess": 3, "env_state_hash": (4, 10)}
+    )
+    # the last number of the turn is the guess; the state is the range the hints leave
+    assert env.step("between 2 and 9").info == {"guess": 9, "env_state_hash": (4, 8)}
+    assert env.step("2").info == {"guess": 2, "env_state_hash": (4, 8)}  # outside the range: nothing learned
+    assert env.step("no number").info == {"env_state_hash": (4, 8)}
     assert env.step("7").done
 
 

@@ -7,6 +7,8 @@ real tokenizer and TRL's generation: tests/trainers/test_step_grpo.py.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from trinity_trl.rollouts import Environment, MultiStepRollout, PolicyEndpoint, StepResult
@@ -217,6 +219,56 @@ def test_the_first_prompt_is_the_rows_prompt_and_the_first_observation(prompt, o
     (run,) = MultiStepRollout(generator, Start, max_env_steps=1)([{"prompt": prompt}])
     assert run.messages == expected
     assert generator.calls[0] == [chat_template(expected, True)]
+
+
+def test_each_step_records_the_state_it_acted_from_and_its_declared_reward():
+    """GiGPO's inputs (docs/trainers/step-grpo.md#gigpo): the reset observation (or the row's prompt), then the previous
+    step's ``info["env_state_hash"]`` or its observation; ``info["step_reward"]`` where declared."""
+
+    class Walk(Environment):
+        def reset(self, start=None, **row):
+            self.turn = 0
+            return start
+
+        def step(self, action):
+            self.turn += 1
+            if self.turn == 1:
+                return StepResult("Left.", reward=0.3, info={"env_state_hash": (2, "x"), "step_reward": 0.5})
+            if self.turn == 2:
+                return StepResult("Right.", reward=0.6)
+            return StepResult("End.", reward=1.0, done=True, info={"step_reward": 1})
+
+    rollout = MultiStepRollout(ScriptedGenerator(echo), Walk, max_env_steps=5)
+    with_observation, without = rollout(
+        [{"prompt": "Hi", "start": "Room 1."}, {"prompt": [{"role": "user", "content": "Hi"}]}]
+    )
+    assert [s.state_key for s in with_observation.steps] == [
+        "observation:Room 1.",
+        "env_state_hash:(2, 'x')",  # the environment's own name of its state, not the observation
+        "observation:Right.",
+    ]
+    assert without.steps[0].state_key == 'prompt:[{"content": "Hi", "role": "user"}]'
+    assert [s.step_reward for s in with_observation.steps] == [0.5, None, 1.0]
+    assert [s.reward for s in with_observation.steps] == [0.3, 0.6, 1.0]  # the reward as returned, unchanged
+    assert with_observation.step_states()[1] == (
+        hashlib.blake2b(b"env_state_hash:(2, 'x')", digest_size=16).hexdigest(),
+        None,
+    )
+
+
+@pytest.mark.parametrize("declared", [float("nan"), "0.5", True])
+def test_a_declared_step_reward_must_be_a_finite_number(declared):
+    class Bad(Environment):
+        def reset(self, **row):
+            return "Go."
+
+        def step(self, action):
+            return StepResult(None, done=True, info={"step_reward": declared})
+
+    with pytest.raises(
+        EnvironmentFailure, match=r"run 0 \(\), turn 0: Bad.step\(\): info\['step_reward'\]=.* a finite"
+    ):
+        MultiStepRollout(ScriptedGenerator(echo), Bad, max_env_steps=1)([{"prompt": "a"}])
 
 
 # ---------------------------------------------------------------------------------------------------- errors

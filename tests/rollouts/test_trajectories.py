@@ -25,6 +25,9 @@ def test_each_block_of_model_tokens_is_a_step_whose_prompt_extends_the_previous_
         ([1, 2, 10, 11, 90, 91, 20, 92], [30, 31], [-0.4, -0.5]),
     ]
     assert run.reward == 0.5 and run.prefix_preserving and run.done
+    # the state each turn acted from (GiGPO): the run's prompt, then the tool results the previous turn got back
+    assert [s.state_key for s in run.steps] == ["prompt_ids:1,2", "tool_result_ids:90,91", "tool_result_ids:92"]
+    assert all(s.step_reward is None for s in run.steps)  # TRL's tool loop declares no step rewards
     for before, after in zip(run.steps, run.steps[1:]):
         assert (
             after.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)]

@@ -607,8 +607,8 @@ def test_other_configs_are_still_a_type_error(tmp_path):
 #: the presets whose Trinity-RFT defaults add a KL loss (k2, kl_coef 0.001), which a trainer config with TRL's
 #: beta=0.0 and no kl_loss no longer adds (CHANGELOG.md); dpo keeps its own (its preset always has one)
 PRESETS_WITH_A_TRINITY_KL = {
-    "cispo", "grpo", "gspo", "mix", "mix_chord", "multi_step_grpo", "opmd", "ppo", "rec", "reinforceplusplus",
-    "rloo", "sapo", "topr",
+    "cispo", "gigpo", "grpo", "gspo", "mix", "mix_chord", "multi_step_grpo", "opmd", "ppo", "rec",
+    "reinforceplusplus", "rloo", "sapo", "topr",
 }  # fmt: skip
 
 

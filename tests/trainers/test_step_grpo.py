@@ -404,3 +404,103 @@ def test_a_rollout_that_does_not_fit_is_refused_at_construction(tmp_path, tiny_m
             rollout=FixedRuns(),
             environment_factory=NumberGuessEnv,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GiGPO (docs/trainers/step-grpo.md#gigpo): the trainer records each step's state and feeds it to the advantage
+
+
+class AnchorEnv(Environment):
+    """Run i (in the order the environments are built) walks the states ``PATHS[i]`` (each an observation) and ends
+    with reward ``FINAL[i]``: docs/algorithms/advantages.md#gigpo's reference runs A, B, C, plus D that ends at once.
+    The reset observation, s0, is every run's first state."""
+
+    PATHS = [["s1"], ["s2"], ["s1", "s3"], []]
+    FINAL = [1.0, 0.0, 0.5, 0.5]
+    built = 0
+
+    def reset(self, **row):
+        self.index, self.turn = AnchorEnv.built % 4, 0
+        AnchorEnv.built += 1
+        return "s0"
+
+    def step(self, action):
+        path = self.PATHS[self.index]
+        self.turn += 1
+        if self.turn > len(path):
+            return StepResult("Done.", reward=self.FINAL[self.index], done=True)
+        return StepResult(path[self.turn - 1], reward=9.0)  # a decoy: GiGPO reads the last step's reward
+
+
+def test_gigpo_trains_each_step_with_its_anchor_state_advantage(tmp_path, tiny_model_dir):
+    AnchorEnv.built = 0
+    trainer = make(tmp_path, tiny_model_dir, Dataset.from_dict({"task": [0] * 4}), env=AnchorEnv, algorithm="gigpo")
+    assert trainer.components.advantage_fn.needs_step_states and trainer.algorithm.advantage.name == "gigpo"
+    trainer.train()
+    runs = runs_of(trainer)
+    assert [len(run.steps) for run in runs] == [2, 2, 3, 1]
+    # the state each step acted from: the reset observation, then the previous step's observation
+    assert [[s.state_key for s in run.steps] for run in runs][2] == [
+        "observation:s0",
+        "observation:s1",
+        "observation:s3",
+    ]
+    # the reference values (omega 1, gamma 1, F none), each divided by 1 + epsilon; D, alone after s0, gets 0
+    expected = [[1.0, 0.75], [-1.0, -0.5], [0.0, -0.25, 0.0], [0.0]]
+    for got, want in zip(trainer.step_advantages, expected):
+        assert got == [approx(v / (1 + 1e-6), terms=16, scale=2.0) for v in want]
+    trained = torch.cat([rows["advantages"][rows["sample_count"].bool()] for rows in loss_inputs(trainer)])
+    assert sorted(set(trained[trained != 0].tolist())) == approx(sorted({v for r in expected for v in r} - {0.0}))
+    logged = trainer.state.log_history[0]
+    assert logged["gigpo/anchor_hit_ratio"] == 0.5  # A's and C's second steps act from s1; B's s2 and C's s3 alone
+    assert logged["gigpo/later_steps"] == 4.0
+
+
+class DeclaringEnv(Environment):
+    """Two turns, each declaring an immediate reward of 0.25 beside a running score of 0.25 per turn."""
+
+    def reset(self, **row):
+        self.turn = 0
+        return "Go."
+
+    def step(self, action):
+        self.turn += 1
+        return StepResult("Again.", reward=0.25 * self.turn, done=self.turn == 2, info={"step_reward": 0.25})
+
+
+def test_gigpo_sums_declared_step_rewards_and_refuses_reward_functions_they_would_hide(tmp_path, tiny_model_dir):
+    trainer = make(tmp_path, tiny_model_dir, Dataset.from_dict({"task": [0] * 4}), env=DeclaringEnv, algorithm="gigpo")
+    trainer.train()
+    assert [[s.step_reward for s in run.steps] for run in runs_of(trainer)] == [[0.25, 0.25]] * 4
+    assert trainer.step_advantages == [[0.0, 0.0]] * 4  # equal returns
+    with_reward_functions = StepGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=Dataset.from_dict({"task": [0] * 4}),
+        environment_factory=DeclaringEnv,
+        args=StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path / "x"), max_steps=1, algorithm="gigpo")),
+    )
+    with pytest.raises(ValueError, match=r"declares info\['step_reward'\].*\['environment_reward', 'length_reward'\]"):
+        with_reward_functions.train()
+
+
+def test_gigpo_is_refused_where_no_step_states_are_recorded_and_with_step_wise_grpo_options(tmp_path, tiny_model_dir):
+    from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+
+    with pytest.raises(ValueError, match="advantage 'gigpo' compares the steps of multi-step runs.*StepGRPOTrainer"):
+        TrinityTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=Dataset.from_dict({"prompt": ["a", "b", "c", "d"]}),
+            args=TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="gigpo")),
+        )
+    with pytest.raises(ValueError, match="std_threshold=0.0 is an option of the step_wise_grpo advantage; 'gigpo'"):
+        StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), algorithm="gigpo", std_threshold=0.0))
+    # the preset brings gigpo; advantage= brings it under another preset, and its arguments pass through
+    config = StepGRPOConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path), advantage={"name": "gigpo", "omega": 0.0}))
+    assert config.resolved_algorithm().advantage.args == {
+        "omega": 0.0,
+        "gamma": 1.0,
+        "fnorm": "none",
+        "epsilon": 1e-6,
+    }

@@ -89,6 +89,8 @@ def main() -> None:
                 prompt_length=2,
                 reward=reward,
                 logprobs=torch.full((4,), -0.1 * (r + 1)),
+                # one-turn runs: every run of a task acted from its prompt (GiGPO's anchor state)
+                info={"state_key": f"prompt {t}"} if cls.needs_step_states else {},
             )
             for t, row in enumerate(rewards)
             for r, reward in enumerate(row)

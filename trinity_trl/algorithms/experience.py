@@ -13,6 +13,10 @@ from typing import Any, ClassVar
 import torch
 
 GROUP_LEVELS = {"task": "tid", "run": "rid", "step": "sid"}
+#: ``Experience.info`` key: the state a step of a multi-step run acted from (a string, or ``None`` when unknown)
+STATE_KEY = "state_key"
+#: ``Experience.info`` key: the immediate reward the environment declared for the step (absent: none declared)
+STEP_REWARD = "step_reward"
 
 
 @dataclass

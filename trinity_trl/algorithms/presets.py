@@ -1,4 +1,5 @@
-"""The algorithm presets (Trinity-RFT's 19 and `m2po`) and configuration resolution (docs/algorithms/presets.md).
+"""The algorithm presets (Trinity-RFT's 19, `m2po` and `gigpo`) and configuration resolution
+(docs/algorithms/presets.md).
 
 A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
 ``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
@@ -434,6 +435,22 @@ class MultiStepGRPOAlgorithm(AlgorithmType):
     recipe = "step_grpo"
     trainer = "StepGRPOTrainer"
     pass
+
+
+@_preset(
+    "gigpo",
+    display_name="GiGPO",
+    paper_title="Group-in-Group Policy Optimization for LLM Agent Training",
+    description="GiGPO for multi-step agents: the run's group-relative advantage plus an anchor-state step advantage",
+    paper="arXiv:2505.10978",
+    repeat_times=8,
+    policy_loss="ppo",
+    advantage="gigpo",
+    **_RL,
+)
+class GiGPOAlgorithm(AlgorithmType):
+    recipe = "step_grpo"
+    trainer = "StepGRPOTrainer"
 
 
 @_preset(

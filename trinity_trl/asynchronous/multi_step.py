@@ -31,8 +31,8 @@ from ..data.loading import is_conversation, prompt_token_ids
 from ..rollouts.agent import AgentRollout
 from ..rollouts.multi_step import MultiStepRollout
 from ..rollouts.protocols import RolloutContext
-from ..rollouts.runs import Run
-from ..training.advantages import weighted_rewards
+from ..rollouts.runs import Run, experience_info
+from ..training.advantages import check_declared_step_rewards, weighted_rewards
 from .worker import TransformersRolloutWorker
 
 
@@ -125,8 +125,16 @@ class MultiStepWorker(TransformersRolloutWorker):
     def step_advantages(self, runs: list[Run], rewards: torch.Tensor) -> tuple[list[list[float | None]], dict]:
         """Per run and step, its advantage (``None``: not trained, its run unscorable or its group filtered), and
         the component's metrics; as `StepGRPOTrainer` computes them for one task's group."""
+        states = None
+        if self.advantage_fn.needs_step_states:  # GiGPO: each step's state key and declared reward
+            states = [run.step_states() for run in runs]
+            check_declared_step_rewards(states, self.scorer.reward_func_names, self.scorer.reward_weights)
         experiences = [
-            Experience(eid=EID(batch=0, task=0, run=i, step=s), reward=float(rewards[i]))
+            Experience(
+                eid=EID(batch=0, task=0, run=i, step=s),
+                reward=float(rewards[i]),
+                info={} if states is None else experience_info(states[i][s]),
+            )
             for i, run in enumerate(runs)
             if math.isfinite(float(rewards[i]))
             for s in range(len(run.steps))

@@ -38,7 +38,7 @@ from typing import Any
 
 from .endpoint import COUNTERS, Call, ChatRenderer, PolicyEndpoint, RunRecord
 from .protocols import PlayedRollout, RolloutContext
-from .runs import Run, Step
+from .runs import Run, Step, tokens_state
 
 logger = logging.getLogger(__name__)
 
@@ -470,6 +470,8 @@ class AgentRollout(PlayedRollout):
                     reward,
                     choice.message["content"],
                     policy_version=call.policy_version,
+                    # the request's conversation before the policy's answer, as rendered (GiGPO's anchor state)
+                    state_key=tokens_state("request_ids", call.prompt_ids),
                 )
             )
         return Run(

@@ -25,7 +25,7 @@ from typing import Any
 from .environment import EnvironmentFailure, StepResult
 from .generation import Generator
 from .protocols import STEP_PROTOCOL, PlayedRollout, RolloutContext
-from .runs import Run, Step
+from .runs import Run, Step, declared_state, declared_step_reward, observation_state, prompt_state
 
 __all__ = ["HISTORY_MODES", "MultiStepRollout", "Run", "Step"]
 
@@ -135,7 +135,7 @@ class MultiStepRollout(PlayedRollout):
         if self.generator is None:
             self.generator = context.generation
 
-    def _start(self, index: int, row: dict[str, Any]) -> tuple[Any, Run]:
+    def _start(self, index: int, row: dict[str, Any]) -> tuple[Any, Run, str]:
         factory = self.environment_factory
         kwargs = {k: v for k, v in row.items() if k != "prompt"}
         if isinstance(factory, dict):
@@ -153,17 +153,20 @@ class MultiStepRollout(PlayedRollout):
             raise EnvironmentFailure(
                 f"run {index} ({_describe(row)}): {type(env).__name__}.reset() failed: {type(err).__name__}: {err}"
             ) from err
-        return env, Run(messages=_initial_messages(row, observation))
+        # the state the first turn acts from: the reset observation, else the row's prompt (GiGPO's anchor state)
+        state = prompt_state(row.get("prompt")) if observation is None else observation_state(observation)
+        return env, Run(messages=_initial_messages(row, observation)), state
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[Run]:
         generator = self.generator
         if generator is None:
             raise RuntimeError("MultiStepRollout has no generator: pass one, or let StepGRPOTrainer start() it")
-        runs, environments = [], []
+        runs, environments, states = [], [], []
         for index, row in enumerate(rows):
-            env, run = self._start(index, row)
+            env, run, state = self._start(index, row)
             runs.append(run)
             environments.append(env)
+            states.append(state)
         prompts = generator.tokenize_conversations([run.messages for run in runs])
         try:
             for turn in range(self.max_env_steps):
@@ -177,9 +180,22 @@ class MultiStepRollout(PlayedRollout):
                     where = f"run {i} ({_describe(rows[i])}), turn {turn}"
                     result = self._step(environments[i], text, where)
                     reward = math.nan if result.reward is None else float(result.reward)
+                    try:
+                        step_reward = declared_step_reward(result.info)
+                    except ValueError as err:
+                        raise EnvironmentFailure(f"{where}: {type(environments[i]).__name__}.step(): {err}") from err
                     run.steps.append(
-                        Step(prompts[i], completion, logprobs[j] if logprobs is not None else None, reward, text)
+                        Step(
+                            prompts[i],
+                            completion,
+                            logprobs[j] if logprobs is not None else None,
+                            reward,
+                            text,
+                            state_key=states[i],
+                            step_reward=step_reward,
+                        )
                     )
+                    states[i] = declared_state(result.info, result.observation)
                     run.reward = reward
                     if result.done:
                         run.done = True

@@ -10,16 +10,69 @@ advantage.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..algorithms.experience import STATE_KEY, STEP_REWARD
+
+#: the key of a step's `StepResult.info` that names the environment's state after the step (any value with a stable
+#: ``repr``; it replaces the observation as the next step's state key). ``info["step_reward"]`` (`STEP_REWARD`)
+#: declares the step's immediate reward (GiGPO's r_t).
+ENV_STATE_HASH = "env_state_hash"
+
+#: what GiGPO reads of one step (`Run.step_states`): its hashed state key and declared reward (each ``None`` if unknown)
+StepState = tuple[str | None, float | None]
+
+
+def observation_state(observation: str) -> str:
+    """The state key of a step that acts after ``observation`` (an environment's text)."""
+    return f"observation:{observation}"
+
+
+def prompt_state(prompt: Any) -> str:
+    """The state key of a run's first step when ``reset`` returned no observation: the row's ``prompt`` (a string or
+    a conversation)."""
+    return f"prompt:{prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)}"
+
+
+def tokens_state(kind: str, ids: Sequence[int]) -> str:
+    """The state key of token ids (a tool result, an agent's request): ``kind`` says which."""
+    return f"{kind}:{','.join(map(str, ids))}"
+
+
+def declared_state(info: dict[str, Any], observation: str | None) -> str | None:
+    """The state key of the step after one whose `StepResult` had ``info`` and ``observation``: the environment's
+    ``info["env_state_hash"]`` when it gives one, else the observation (``None`` when there is none)."""
+    if ENV_STATE_HASH in info:
+        return f"{ENV_STATE_HASH}:{info[ENV_STATE_HASH]!r}"
+    return None if observation is None else observation_state(observation)
+
+
+def declared_step_reward(info: dict[str, Any]) -> float | None:
+    """``info["step_reward"]`` as a float (``None`` when absent); ``ValueError`` when it is not a finite number."""
+    if STEP_REWARD not in info:
+        return None
+    value = info[STEP_REWARD]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"info['step_reward']={value!r}: a declared step reward is a finite number")
+    return float(value)
 
 
 @dataclass
 class Step:
     """One turn: ``prompt_ids`` (conversation so far), ``completion_ids`` (the model's turn, as sampled),
-    ``logprobs`` (their sampling log-probs, when known); ``policy_version``: the number of optimizer steps taken by
-    the weights that sampled it, when the rollout records it (agents do; ``None`` otherwise)."""
+    ``logprobs`` (their sampling log-probs, when known); ``reward``: what the environment returned with the step (a
+    running score for some environments: the run's reward is its last step's); ``policy_version``: the number of
+    optimizer steps taken by the weights that sampled it, when the rollout records it (agents do; ``None`` otherwise).
+
+    ``state_key``: the state the turn acted from, for GiGPO's anchor groups (docs/algorithms/advantages.md#gigpo):
+    the bundled rollouts record it (docs/trainers/step-grpo.md#gigpo); ``None`` when unknown. ``step_reward``: the
+    immediate reward the environment declared for the step (``info["step_reward"]`` of its `StepResult`), ``None``
+    when it declared none."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -27,6 +80,8 @@ class Step:
     reward: float
     text: str
     policy_version: int | None = None
+    state_key: str | None = None
+    step_reward: float | None = None
 
 
 @dataclass
@@ -76,6 +131,18 @@ class Run:
     messages: list[dict[str, Any]] = field(default_factory=list)
     segments: list[list[int]] | None = None
     malformed: bool = False
+
+    def step_states(self) -> list[StepState]:
+        """Per step, what GiGPO reads (docs/algorithms/advantages.md#gigpo): its ``state_key`` hashed (BLAKE2b, 32 hex
+        characters: small enough to gather across processes whatever the key's length; ``None`` when unknown) and its
+        declared ``step_reward`` (``None``: none declared)."""
+        return [
+            (
+                None if s.state_key is None else hashlib.blake2b(s.state_key.encode(), digest_size=16).hexdigest(),
+                s.step_reward,
+            )
+            for s in self.steps
+        ]
 
     def chains(self, shared: bool) -> list[list[int]]:
         """The step indices of each training row: each segment (or the whole prefix-preserving run) in one row when
@@ -127,3 +194,9 @@ class Run:
                 )
             )
         return rows
+
+
+def experience_info(state: StepState) -> dict[str, Any]:
+    """The ``Experience.info`` of a step whose `Run.step_states` entry is ``state``."""
+    key, reward = state
+    return {STATE_KEY: key} if reward is None else {STATE_KEY: key, STEP_REWARD: reward}

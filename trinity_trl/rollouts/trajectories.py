@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .protocols import TOOL_PROTOCOL, RolloutContext, TrlGenerate
-from .runs import Run, Step
+from .runs import Run, Step, tokens_state
 
 
 def turn_spans(model_token_mask: Sequence[int]) -> list[tuple[int, int]]:
@@ -58,6 +58,9 @@ def run_from_trajectory(
         raise ValueError(f"logprobs has {len(logprobs)} entries for {len(completion_ids)} completion tokens")
     prompt, completion = list(prompt_ids), list(completion_ids)
     spans = turn_spans(model_token_mask) or [(0, len(completion))]  # no model token: one (empty) turn
+    # the state a turn acts from (GiGPO's anchor state): the first turn's prompt (the row's prompt with what reset
+    # returned), then the tool results the previous turn got back
+    previous_ends = [None] + [end for _, end in spans[:-1]]
     steps = [
         Step(
             prompt + completion[:start],
@@ -65,8 +68,11 @@ def run_from_trajectory(
             None if logprobs is None else [float(x) for x in logprobs[start:end]],
             reward,
             "",
+            state_key=tokens_state("prompt_ids", prompt)
+            if before is None
+            else tokens_state("tool_result_ids", completion[before:start]),
         )
-        for start, end in spans
+        for (start, end), before in zip(spans, previous_ends)
     ]
     return Run(steps=steps, reward=reward, done=True, prefix_preserving=True)
 

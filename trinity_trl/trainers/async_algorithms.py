@@ -208,7 +208,8 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
 class AsyncStepGRPOConfig(StepWiseFields, AsyncTrinityConfig):
     r"""
     Configuration of [`AsyncStepGRPOTrainer`][]: the fields and defaults of [`StepGRPOConfig`][] (preset
-    `multi_step_grpo`, `step_wise_grpo` advantages) on [`AsyncTrinityConfig`][], with the transformers worker.
+    `multi_step_grpo`, `step_wise_grpo` advantages; `algorithm="gigpo"` for GiGPO's) on [`AsyncTrinityConfig`][],
+    with the transformers worker.
 
     Parameters:
         max_env_steps (`int`, *optional*, defaults to `5`):
@@ -218,7 +219,8 @@ class AsyncStepGRPOConfig(StepWiseFields, AsyncTrinityConfig):
             chat-template tokens (never re-tokenized). `"messages"`: the conversation is re-rendered by the chat
             template every turn.
         enable_step_norm (`bool`, *optional*, defaults to `False`):
-            Divide a run's advantage by its number of steps, so long runs do not weigh more.
+            Divide a run's advantage by its number of steps, so long runs do not weigh more (step-wise GRPO only, as
+            the next two: refused with `gigpo`).
         std_cal_level (`str`, *optional*, defaults to `"group"`):
             Standard deviation the run rewards are normalised by: the task group's (`"group"`) or none (`"none"`:
             reward minus group mean). `"batch"` is refused: each group is scored alone, as it is played.

@@ -216,7 +216,9 @@ class AlgorithmFields(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpelli
 
     removed_spellings = flat_component_spellings(*COMPONENT_FIELDS)
 
-    algorithm: str = field(default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets)."})
+    algorithm: str = field(
+        default="grpo", metadata={"help": "Algorithm preset (one of the 19 Trinity presets, or 'gigpo')."}
+    )
     policy_loss: dict | str | None = field(
         default=None,
         metadata={
@@ -426,7 +428,7 @@ class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
         algorithm (`str`, *optional*, defaults to `"grpo"`):
             One of the 19 presets: `sft`, `ppo`, `grpo`, `reinforceplusplus`, `rloo`, `opmd`, `asymre`,
             `dpo`, `topr`, `cispo`, `gspo`, `sapo`, `mix`, `mix_chord`, `raft`, `sppo`, `rec`,
-            `multi_step_grpo`, `on_policy_distill`.
+            `multi_step_grpo`, `on_policy_distill`; or `gigpo` (multi-step runs: [`StepGRPOTrainer`][]).
         policy_loss (`str`, `dict`, `Component` or `None`, *optional*):
             The policy loss and its arguments, in one value: a name (`"cispo"`), a mapping
             `{"name": "cispo", "clip_range_high": 5.0}` (YAML `policy_loss: {name: cispo, clip_range_high: 5.0}`,

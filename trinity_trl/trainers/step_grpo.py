@@ -33,7 +33,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import pad
 
 from ..algorithms import ADVANTAGE_FN, EID, Experience
-from ..algorithms.component import Component
+from ..algorithms.component import Component, argument_types
 from ..rollouts.agent import FAILURE_MODES, AgentRollout, check_agent, check_agent_generation
 from ..rollouts.choice import environment_rollout
 from ..rollouts.multi_step import HISTORY_MODES
@@ -43,16 +43,19 @@ from ..rollouts.protocols import (
     check_rollout,
     environment_reward,  # noqa: F401 (its home until issue 37; imported from here)
 )
-from ..rollouts.runs import Run, TrainingRow
+from ..rollouts.runs import Run, StepState, TrainingRow, experience_info
 from ..training import checks
+from ..training.advantages import check_declared_step_rewards
 from ..training.engines import engine_of, zero_stage
 from ..training.metrics import append_metrics
 from ..training.trl_seams import bind_trl_arguments, skip_trl_reference_pass, temporarily
-from .config import TrinityConfig, from_trl_config
+from .config import TrinityConfig, from_trl_config, preset_component
 from .spellings import component_argument_spelling
 from .trinity import TrinityTrainer
 
 STD_CAL_LEVELS = ("group", "batch", "none")
+#: the fields of `StepWiseFields` that are arguments of step-wise GRPO's advantage
+STEP_WISE_GRPO_OPTIONS = ("enable_step_norm", "std_cal_level", "std_threshold")
 
 
 @dataclass
@@ -94,20 +97,30 @@ class StepWiseFields:
             raise ValueError(f"std_cal_level must be one of {STD_CAL_LEVELS}, got {self.std_cal_level!r}")
 
     def _implied_components(self) -> dict[str, Component]:
-        advantage = self.component_name("advantage") or "step_wise_grpo"
-        if not ADVANTAGE_FN.get(advantage).step_wise:
+        preset = preset_component(self.algorithm, "advantage").name  # gigpo's; step_wise_grpo for other presets
+        advantage = self.component_name("advantage") or (
+            preset if ADVANTAGE_FN.get(preset).step_wise else "step_wise_grpo"
+        )
+        cls = ADVANTAGE_FN.get(advantage)
+        if not cls.step_wise:
             raise ValueError(
-                f"{type(self).__name__} needs a step-wise advantage function such as 'step_wise_grpo' (it scores "
-                f"runs and gives each step its run's score), got advantage={advantage!r}"
+                f"{type(self).__name__} needs a step-wise advantage function such as 'step_wise_grpo' or 'gigpo' (it "
+                f"scores runs and the steps in them), got advantage={advantage!r}"
             )
-        return {
-            "advantage": Component(
-                advantage,
-                enable_step_norm=self.enable_step_norm,
-                std_cal_level=self.std_cal_level,
-                std_threshold=self.std_threshold,
-            )
-        }
+        # the step-wise GRPO options: passed to an advantage that takes them, refused when set for one that does not
+        defaults = {f.name: f.default for f in fields(StepWiseFields)}
+        takes = argument_types(cls)
+        implied = {}
+        for name in STEP_WISE_GRPO_OPTIONS:
+            value = getattr(self, name)
+            if name in takes:
+                implied[name] = value
+            elif value != defaults[name]:
+                raise ValueError(
+                    f"{name}={value!r} is an option of the step_wise_grpo advantage; {advantage!r} does not take it "
+                    f"(leave it at {defaults[name]!r}; its own arguments: {', '.join(takes)})"
+                )
+        return {"advantage": Component(advantage, **implied)}
 
 
 @dataclass
@@ -115,7 +128,8 @@ class StepGRPOConfig(StepWiseFields, TrinityConfig):
     r"""
     Configuration of [`StepGRPOTrainer`][] (preset `multi_step_grpo`: PPO-clip loss, `step_wise_grpo`
     advantages; no KL term unless `kl_loss` names one, e.g. the preset's `k2`; any policy loss of the library can
-    replace PPO).
+    replace PPO). `algorithm="gigpo"` trains with GiGPO's advantage instead (docs/trainers/step-grpo.md#gigpo; its
+    arguments in `advantage`, e.g. `{"omega": 0.5}`).
 
     Parameters:
         max_env_steps (`int`, *optional*, defaults to `5`):
@@ -127,7 +141,8 @@ class StepGRPOConfig(StepWiseFields, TrinityConfig):
             re-rendered by the chat template every turn. Only for reset/step environments: TRL's tool loop always
             extends the token history.
         enable_step_norm (`bool`, *optional*, defaults to `False`):
-            Divide a run's advantage by its number of steps, so long runs do not weigh more.
+            Divide a run's advantage by its number of steps, so long runs do not weigh more (step-wise GRPO only, as
+            the next two: refused with `gigpo`).
         std_cal_level (`str`, *optional*, defaults to `"group"`):
             Standard deviation used to normalise run rewards: the task group's (`"group"`), the whole
             batch's (`"batch"`), or none (`"none"`: reward minus group mean).
@@ -135,7 +150,8 @@ class StepGRPOConfig(StepWiseFields, TrinityConfig):
             Skip task groups whose reward std is at most this (and single-run groups); their steps get
             no gradient and are counted in `filtered_count`.
         advantage (`dict`, *optional*): the step-wise advantage and its arguments, e.g.
-            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std).
+            `{"name": "step_wise_grpo", "epsilon": 1e-6}` (`epsilon`: added to the std) or
+            `{"name": "gigpo", "omega": 1.0, "gamma": 1.0, "fnorm": "none"}`.
         shared_prefix (`bool`, *optional*, defaults to `True`):
             When each turn's prompt is exactly the previous prompt + completion + observation (always with
             `history="tokens"`), train the whole run as ONE row: one forward pass over the run, each
@@ -251,6 +267,7 @@ class StepGRPOTrainer(TrinityTrainer):
     _name = "Step-wise GRPO"
     config_class = StepGRPOConfig
     requires_prompt = False  # a task's prompt may come from reset()
+    plays_runs = True  # each step's state recorded (GiGPO)
     rollouts_add_reward_inputs = True  # env_reward, from the runs
 
     def __init__(
@@ -387,9 +404,13 @@ class StepGRPOTrainer(TrinityTrainer):
         device = output["prompt_ids"].device
         steps = self.accelerator.gather(torch.tensor([len(run.steps) for run in runs], device=device)).cpu().tolist()
         first = self._local_rows(len(runs)).start
+        # GiGPO: each step's state key and declared reward, of every process's runs
+        states = self._gathered_step_states(runs) if self.components.advantage_fn.needs_step_states else None
         experiences = [
             Experience(
-                eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s), reward=value
+                eid=EID(batch=self._generation_count, task=i // group_size, run=i % group_size, step=s),
+                reward=value,
+                info={} if states is None else experience_info(states[i][s]),
             )
             for i, (value, count) in enumerate(zip(rewards.tolist(), steps))
             if math.isfinite(value)
@@ -425,6 +446,17 @@ class StepGRPOTrainer(TrinityTrainer):
         metrics["multi_step/rows_per_run"] = batch["sample_count"].bool().sum().item() / max(1, len(runs))
         append_metrics(self._metrics[mode], metrics)
         return batch
+
+    def _gathered_step_states(self, runs: list[Run]) -> list[list[StepState]]:
+        """`Run.step_states` of every process's runs, in the order of the gathered rewards (one line when steps declare
+        rewards that would make reward functions ignored: `check_declared_step_rewards`)."""
+        states = [run.step_states() for run in runs]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            states = gather_object(states)
+        check_declared_step_rewards(states, self.reward_func_names, self.reward_weights)
+        return states
 
     def _step_batch(self, output: dict, runs: list[Run], advantages: list[list[float | None]]) -> dict:
         """The training batch of this process's runs: each run's `TrainingRow`s (a whole run per row when it is

@@ -74,6 +74,8 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
     supports_expert_rows: ClassVar[bool] = False
     #: trains a value model that provides critic values (PPOTrainer)
     has_critic: ClassVar[bool] = False
+    #: plays multi-step runs and records each step's state (StepGRPOTrainer): what GiGPO's advantage reads
+    plays_runs: ClassVar[bool] = False
     #: every dataset row needs a non-empty ``prompt`` (StepGRPOTrainer: environments may supply it)
     requires_prompt: ClassVar[bool] = True
     #: the rollouts add inputs of the reward functions beyond the dataset's columns (StepGRPOTrainer: env_reward)

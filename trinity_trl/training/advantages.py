@@ -72,6 +72,22 @@ def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> t
     return rewards
 
 
+def check_declared_step_rewards(
+    step_states: list[list[tuple[Any, float | None]]], reward_func_names: list[str], weights: torch.Tensor
+) -> None:
+    """One line when steps declare their rewards (``step_states``: per run, per step, ``(state, declared reward or
+    None)``) while the runs are also scored by reward functions beyond the environment's (``reward_func_names``, the
+    environment's first, and their ``weights``): the return GiGPO compares is then the sum of the declared rewards,
+    and those functions would be ignored."""
+    declared = any(reward is not None for run in step_states for _, reward in run)
+    if declared and (len(reward_func_names) != 1 or float(weights[0]) != 1.0):
+        raise ValueError(
+            "the environment declares info['step_reward'], so a run's return is the sum of its declared step "
+            f"rewards; the reward functions {list(reward_func_names)} (weights {weights.tolist()}) would be ignored: "
+            "score runs by the environment alone (no reward_funcs, weight 1), or declare no step rewards"
+        )
+
+
 def best_of_group(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``(N,)`` bool: the completions with their group's highest reward, in groups whose rewards
     are not all equal (RAFT). Unscored completions (NaN) are never kept."""

@@ -417,6 +417,12 @@ def check_components(
             f"{args.per_device_train_batch_size * args.steps_per_generation}) must hold whole groups of "
             f"num_generations={args.num_generations}"
         )
+    if advantage.needs_step_states and not getattr(trainer_cls, "plays_runs", False):
+        raise ValueError(
+            f"advantage {name!r} compares the steps of multi-step runs by the state each acted from; "
+            f"{trainer_cls.__name__} generates one turn per prompt and records no states: use StepGRPOTrainer (or "
+            "AsyncStepGRPOTrainer) with an environment or agent="
+        )
     if advantage.needs_values and not trainer_cls.has_critic:
         raise ValueError(
             f"advantage {name!r} (GAE) needs critic values; it is only available with a value model (PPOTrainer)"

@@ -14,11 +14,13 @@ CLASS_FLAGS = (
     "needs_reward_baselines",
     "whitens",
     "step_wise",
+    "needs_step_states",
 )
 DECLARED = {
     # key: the CLASS_FLAGS that are true (all others false)
     "grpo": set(), "opmd": set(), "asymre": set(), "reinforce": set(), "rec": set(),
     "step_wise_grpo": {"step_wise"},
+    "gigpo": {"step_wise", "needs_step_states"},
     "ppo": {"needs_values", "whitens"},
     "reinforceplusplus": {"whitens"},
     "rloo": set(), "grpo_verl": set(), "opmd_verl": set(), "asymre_verl": set(),
@@ -49,6 +51,7 @@ GROUP_PROPERTIES = [
     ("grpo", {"duplicate_experiences": True, "std_threshold": 0.0}, False, True),
     ("step_wise_grpo", {}, False, False),
     ("step_wise_grpo", {"std_threshold": 0.0}, False, False),
+    ("gigpo", {}, False, False),
     ("opmd", {}, False, False),
     ("asymre", {}, False, False),
     ("reinforce", {}, False, False),

@@ -4,6 +4,7 @@
 from . import (  # noqa: F401
     asymre,
     gae,
+    gigpo,
     grpo,
     on_policy_distill,
     opmd,
@@ -15,12 +16,15 @@ from . import (  # noqa: F401
     step_wise_grpo,
 )
 from .base import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, scalar_rewards_to_token_level
+from .gigpo import GiGPOAdvantage, GiGPOAdvantageFn
 from .step_wise_grpo import StepWiseGRPOAdvantage, StepWiseGRPOAdvantageFn
 
 __all__ = [
     "ADVANTAGE_FN",
     "AdvantageFn",
     "BatchAdvantageFn",
+    "GiGPOAdvantage",
+    "GiGPOAdvantageFn",
     "GroupAdvantageFn",
     "StepWiseGRPOAdvantage",
     "StepWiseGRPOAdvantageFn",

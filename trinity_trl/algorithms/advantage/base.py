@@ -32,6 +32,9 @@ class AdvantageFn(ComponentArgs):
     whitens: ClassVar[bool] = False
     # scores whole runs and broadcasts the score to each of the run's steps (multi-step agents)
     step_wise: ClassVar[bool] = False
+    # reads each step's state key and declared step reward (``exp.info["state_key"]``, ``exp.info["step_reward"]``),
+    # which only trainers that play multi-step runs record (GiGPO)
+    needs_step_states: ClassVar[bool] = False
 
     @classmethod
     def compute_in_trainer(cls) -> bool:

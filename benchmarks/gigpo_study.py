@@ -1,0 +1,546 @@
+#!/usr/bin/env python
+"""The pre-registered GiGPO study of issue 55 (item 3): GiGPO against step-wise GRPO and against GiGPO with omega = 0.
+
+    python benchmarks/gigpo_study.py pilot --out /work/studies/gigpo-pilot   # tuning seed only: anchor hits and cost
+    python benchmarks/gigpo_study.py run --out /work/studies/gigpo          # resumable: a restart skips finished runs
+    python benchmarks/gigpo_study.py status --out /work/studies/gigpo       # runs done / planned, CPU time so far
+    python benchmarks/gigpo_study.py summarise --out /work/studies/gigpo --to benchmarks/results   # tests over seeds
+
+The plan is ``PLAN`` below, written out in ``benchmarks/results/gigpo_study_plan.md`` and committed before the first
+scored run; a runs file made under another plan (its fingerprint, ``plan_key``) is never mixed in. What it compares,
+on the bundled number game over 1..16 (``NumberGuessEnv`` with partial credit: higher/lower hints, at most
+``max_env_steps`` guesses) with SmolLM2-135M-Instruct + LoRA, 8 runs of one task a step:
+
+* ``gigpo``: ``StepGRPOConfig(algorithm="gigpo")`` as released (omega 1, gamma 1, F none): each turn's advantage is
+  its run's episode advantage plus the step advantage among the task's turns that acted from the same range of
+  numbers (the game's ``info["env_state_hash"]``);
+* ``step_grpo``: the ``multi_step_grpo`` preset: the run's z-scored reward (F std) on every turn;
+* ``gigpo_omega0``: GiGPO with omega 0: the episode advantage alone, with GiGPO's normalisation (F none), no step
+  term. ``gigpo`` against it isolates the step term; it against ``step_grpo`` the normalisation.
+
+The tuning seed runs each arm over the learning-rate grid (validation games, never the evaluation games); an optimum
+on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
+run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
+the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
+descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # sets the offline environment before torch/trl imports
+import harness
+import seeded_study
+from seeded_study import cell, finished, interval, load_runs, mean, spread
+
+# The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
+# are not resumed or summarised with these.
+PLAN = {
+    "arms": ["gigpo", "step_grpo", "gigpo_omega0"],
+    "primary": ["gigpo", "step_grpo"],
+    "secondary": [["gigpo", "gigpo_omega0"]],
+    "metric": "success rate (target found) of the evaluation games played at temperature 1 after the last step",
+    "alpha": 0.05,
+    "confidence": 0.95,
+    "model": "bundled",
+    "lora_r": 16,
+    "low": 1,
+    "high": 16,
+    "partial_credit": True,
+    "max_env_steps": 4,
+    "completion_len": 12,
+    "temperature": 1.0,
+    "steps": 30,
+    "num_generations": 8,  # one task (a target) played 8 times a step
+    "train_tasks": 256,
+    "eval_plays": 3,  # evaluation: every target played this many times (48 games), sampling seed eval_seed
+    "eval_seed": 55,
+    "val_plays": 2,  # validation (tuning seed only): every target this many times, sampling seed val_seed
+    "val_seed": 155,
+    "probe_steps": [],  # also evaluated after these steps (described, not tested); none: the pilot's cost
+    "tune_seed": 0,
+    "scored_seeds": [1, 2, 3, 4, 5],
+    "grid": [1e-4, 3e-4, 1e-3],
+    "grid_factor": 3.0,
+    "max_extensions": 1,
+    "cpu_budget_h": 16.0,
+    "run_timeout_h": 24.0,  # wall time after which a run's process is stopped (a hung run), the study with it
+}
+RUNS_FILE = "runs.jsonl"
+LABELS = {"gigpo": "GiGPO", "step_grpo": "step-wise GRPO", "gigpo_omega0": "GiGPO omega 0", "base": "base model"}
+
+
+def plan_key(plan: dict = PLAN) -> str:
+    """The plan's fingerprint: runs are kept under it."""
+    return seeded_study.plan_key(plan)
+
+
+# ------------------------------------------------------------------------------------------ the game
+def environment(plan: dict):
+    from trinity_trl.rollouts import NumberGuessEnv
+
+    return NumberGuessEnv(partial_credit=plan["partial_credit"])
+
+
+def training_tasks(plan: dict, seed: int):
+    """The targets a run trains on (drawn with its seed; the trainer's sampler shuffles them with the same seed)."""
+    from trinity_trl.rollouts import number_guess_dataset
+
+    return number_guess_dataset(plan["train_tasks"], low=plan["low"], high=plan["high"], seed=seed)
+
+
+def games(plan: dict, plays: int) -> list[dict]:
+    """Every target of the range, ``plays`` times each: the rows of an evaluation (or validation)."""
+    return [
+        {"target": t, "low": plan["low"], "high": plan["high"]}
+        for t in range(plan["low"], plan["high"] + 1)
+        for _ in range(plays)
+    ]
+
+
+class PolicyGenerator:
+    """The rollouts' generation interface (`trinity_trl.rollouts.generation.Generator`) over a model: transformers'
+    ``generate`` at the plan's temperature (or greedy), left-padded batches, the model's chat template."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, temperature: float | None):
+        from trinity_trl.data.loading import prompt_token_ids
+
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = {tokenizer.eos_token_id}
+        self._prompt_ids = prompt_token_ids
+
+    def tokenize_conversations(self, conversations):
+        return self._prompt_ids(self.tokenizer, conversations)
+
+    def render(self, messages, add_generation_prompt):
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        )
+
+    def generate(self, prompt_ids):
+        import torch
+
+        width = max(len(p) for p in prompt_ids)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+        sampling = (
+            {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+            if self.temperature
+            else {"do_sample": False}
+        )
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad, **sampling
+            )
+        completions = []
+        for row in out[:, width:].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in self.eos_token_ids), len(row))
+            completions.append(row[:end])
+        return completions, None
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def play(model, tokenizer, plan: dict, plays: int, seed: int, temperature: float | None) -> dict:
+    """Play every target ``plays`` times with ``model`` (sampling from ``seed``; ``temperature=None``: greedy):
+    the success rate, the mean final reward, the mean number of guesses, and each game's outcome."""
+    import torch
+
+    from trinity_trl.rollouts import MultiStepRollout
+
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    generator = PolicyGenerator(model, tokenizer, plan["completion_len"], temperature)
+    rows = games(plan, plays)
+    runs = MultiStepRollout(generator, lambda: environment(plan), plan["max_env_steps"], "tokens")(rows)
+    if was_training:
+        model.train()
+    solved = [int(run.reward == 1.0) for run in runs]
+    return {
+        "n": len(runs),
+        "success": sum(solved) / len(runs),
+        "reward": statistics.mean(run.reward for run in runs),
+        "turns": statistics.mean(len(run.steps) for run in runs),
+        "outcomes": solved,
+        "targets": [row["target"] for row in rows],
+    }
+
+
+# ------------------------------------------------------------------------------------------ training
+def _namespace(plan: dict) -> SimpleNamespace:
+    """The fields ``learning.py``'s helpers read."""
+    return SimpleNamespace(lora_r=plan["lora_r"], device="cpu", bf16=False)
+
+
+def arm_settings(arm: str) -> dict:
+    """The ``StepGRPOConfig`` fields that make ``arm``."""
+    if arm == "gigpo":
+        return {"algorithm": "gigpo"}
+    if arm == "gigpo_omega0":
+        return {"algorithm": "gigpo", "advantage": {"omega": 0.0}}
+    if arm == "step_grpo":
+        return {"algorithm": "multi_step_grpo"}
+    raise ValueError(f"unknown arm {arm!r}; the arms: gigpo, step_grpo, gigpo_omega0")
+
+
+def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_dir: str):
+    from learning import common_config, lora_config
+
+    from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
+
+    config = StepGRPOConfig(
+        **common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **arm_settings(arm),
+        per_device_train_batch_size=plan["num_generations"],
+        num_generations=plan["num_generations"],
+        max_completion_length=plan["completion_len"],
+        temperature=plan["temperature"],
+        max_env_steps=plan["max_env_steps"],
+        kl_loss="none",  # no KL term in any arm, stated (the presets name k2)
+    )
+    return StepGRPOTrainer(
+        model=model,
+        args=config,
+        train_dataset=training_tasks(plan, seed),
+        environment_factory=lambda: environment(plan),
+        peft_config=lora_config(_namespace(plan)),
+    )
+
+
+def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, validate: bool) -> dict:
+    """One run: per-step logs (run reward, anchor hit ratio), the evaluation after each probe step and the last,
+    the validation success rate (tuning runs), greedy success on each target once, cost."""
+    from transformers import PrinterCallback, TrainerCallback
+
+    trainer = trainer_for(arm, model, seed, lr, plan, str(tmp / arm))
+    trainer.remove_callback(PrinterCallback)
+    tokenizer = trainer.processing_class
+    points: list[dict] = []
+    eval_cpu = [0.0]
+
+    def evaluate(step: int, keep: bool) -> dict:
+        cpu = time.process_time()
+        point = {"step": step, **play(trainer.model, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
+        if not keep:
+            point.pop("outcomes"), point.pop("targets")
+        eval_cpu[0] += time.process_time() - cpu
+        print(f"    step {step}: success {point['success']:.3f}, reward {point['reward']:.3f}", flush=True)
+        return point
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            if state.global_step in plan["probe_steps"] and state.global_step < plan["steps"]:
+                points.append(evaluate(state.global_step, keep=False))
+
+    trainer.add_callback(Probe())
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer.train()
+    wall, train_cpu = time.perf_counter() - start, time.process_time() - cpu - eval_cpu[0]
+    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    points.append(evaluate(trainer.state.global_step, keep=True))
+    cpu = time.process_time()
+    val = None
+    if validate:
+        val = play(trainer.model, tokenizer, plan, plan["val_plays"], plan["val_seed"], 1.0)["success"]
+    greedy = play(trainer.model, tokenizer, plan, 1, plan["eval_seed"], None)
+    eval_cpu[0] += time.process_time() - cpu
+    return {
+        "points": points,
+        "val": val,
+        "greedy_success": greedy["success"],
+        "optimizer_steps": trainer.state.global_step,
+        "runs_played": trainer.state.global_step * plan["num_generations"],
+        "train_cpu_s": train_cpu,
+        "train_wall_s": wall,
+        "eval_cpu_s": eval_cpu[0],
+        "run_reward": [e.get("multi_step/run_reward") for e in logs],
+        "steps_per_run": [e.get("multi_step/steps_per_run") for e in logs],
+        "anchor_hit_ratio": [e.get("gigpo/anchor_hit_ratio") for e in logs],
+        "loss": [e.get("loss") for e in logs],
+    }
+
+
+def _bundled() -> str:
+    from trinity_trl.data import bundled_model_dir
+
+    return str(bundled_model_dir())
+
+
+def _quiet() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def run_side(spec: dict) -> dict:
+    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
+    ``model``; the base model's evaluation when ``arm`` is ``"base"``."""
+    _quiet()
+    plan, model = spec["plan"], spec["model"]
+    if spec["arm"] == "base":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cpu = time.process_time()
+        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+        final = {"step": 0, **play(base, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
+        greedy = play(base, tokenizer, plan, 1, plan["eval_seed"], None)["success"]
+        return {"points": [final], "greedy_success": greedy, "eval_cpu_s": time.process_time() - cpu}
+    with tempfile.TemporaryDirectory(prefix="gigpo_study_") as tmp:
+        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
+
+
+def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -> int:
+    """Run what is missing of the plan (`seeded_study.run_in_order`), each run in a fresh process (`harness`), until
+    the study is complete or its CPU budget is spent; a run that fails or passes ``run_timeout_h`` stops the study
+    (a restart tries it again)."""
+    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
+    records = runs_file.records
+    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+    model = model_override or _bundled()
+    launcher = harness.Launcher(preload=("torch", "transformers", "trl"))
+
+    def spent_h() -> float:
+        return sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+
+    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
+        if spent_h() >= plan["cpu_budget_h"]:
+            print(f"CPU budget of {plan['cpu_budget_h']} h spent ({spent_h():.2f} h): stopping", flush=True)
+            return False
+        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
+        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
+        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
+        side = harness.Side(name, "gigpo_study:run_side", spec)
+        result = launcher.run(side, plan["run_timeout_h"] * 3600, log=out / "runs.log")
+        if "error" in result:
+            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
+            return False
+        result.pop("process_wall_s", None)
+        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
+        final = result["points"][-1]
+        print(
+            f"[{name}]: success {final['success']:.3f}, validation {bc.fmt(result.get('val'))}, "
+            f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} evaluating, "
+            f"load {bc.loadavg()}",
+            flush=True,
+        )
+        return True
+
+    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
+        return 0
+    if seeded_study.run_in_order(records, plan, run):
+        print("study complete", flush=True)
+    return 0
+
+
+def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
+    """Before the plan is frozen: GiGPO on the tuning seed at the grid's middle rate for ``steps`` steps, reporting
+    its anchor hit ratio per step and the cost of a step and of an evaluation (never a scored seed)."""
+    _quiet()
+    plan = {**plan, "steps": steps, "probe_steps": []}
+    model = model_override or _bundled()  # in this process: the pilot is one run
+    out.mkdir(parents=True, exist_ok=True)
+    lr = plan["grid"][len(plan["grid"]) // 2]
+    with tempfile.TemporaryDirectory(prefix="gigpo_pilot_") as tmp:
+        result = run_arm("gigpo", model, plan["tune_seed"], lr, plan, Path(tmp), validate=False)
+    hits = [h for h in result["anchor_hit_ratio"] if h is not None]
+    report = {
+        "machine": bc.machine_description("cpu"),
+        "load_average": bc.loadavg(),
+        "arm": "gigpo",
+        "seed": plan["tune_seed"],
+        "lr": lr,
+        "steps": result["optimizer_steps"],
+        "anchor_hit_ratio": result["anchor_hit_ratio"],
+        "anchor_hit_ratio_mean": mean(hits),
+        "steps_per_run": result["steps_per_run"],
+        "run_reward": result["run_reward"],
+        "train_cpu_s_per_step": result["train_cpu_s"] / max(1, result["optimizer_steps"]),
+        "eval_cpu_s": result["eval_cpu_s"],
+        "eval_games": result["points"][-1]["n"],
+        "success_after": result["points"][-1]["success"],
+        "greedy_success_after": result["greedy_success"],
+    }
+    (out / "gigpo_pilot.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ summary
+def _final(run: dict) -> dict:
+    return run["points"][-1]
+
+
+def summarise(records: list[dict], plan: dict = PLAN) -> dict:
+    """The pre-registered tests and the descriptive tables, from the finished runs."""
+    rates, scored, complete = seeded_study.scored_runs(records, plan)
+    reward = {"reward": lambda run: _final(run)["reward"]}
+    tests = seeded_study.paired_tests(plan, scored, lambda run: _final(run)["success"], extra=reward)
+    base = next((r for r in records if r["arm"] == "base"), None)
+    arms = {}
+    for arm in plan["arms"]:
+        runs = [scored[arm][s] for s in sorted(scored[arm])]
+        hits = [h for r in runs for h in r["anchor_hit_ratio"] if h is not None]
+        arms[arm] = {
+            "lr": rates[arm]["lr"],
+            "tuning": rates[arm],
+            "seeds": sorted(scored[arm]),
+            "optimizer_steps": sorted({r["optimizer_steps"] for r in runs}),
+            "runs_played": sorted({r["runs_played"] for r in runs}),
+            "success": spread([_final(r)["success"] for r in runs]),
+            "reward": spread([_final(r)["reward"] for r in runs]),
+            "turns": spread([_final(r)["turns"] for r in runs]),
+            "greedy_success": spread([r["greedy_success"] for r in runs]),
+            "curve": _curve(runs),
+            "anchor_hit_ratio": mean(hits),
+            "mean_run_reward": mean([v for r in runs for v in r["run_reward"] if v is not None]),
+            "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
+            "eval_cpu_s_per_run": spread([r["eval_cpu_s"] for r in runs]),
+        }
+    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    return {
+        **seeded_study.progress(records, plan, rates, complete),
+        "tests": tests,
+        "arms": arms,
+        "base": None if base is None else {**{k: _final(base)[k] for k in ("success", "reward")}, **_greedy(base)},
+        "cpu_s": total,
+        "budget_spent": total / 3600 >= plan["cpu_budget_h"],
+    }
+
+
+def _greedy(run: dict) -> dict:
+    return {"greedy_success": run.get("greedy_success")}
+
+
+def _curve(runs: list[dict]) -> list[dict]:
+    """Mean success at each evaluated step over the runs."""
+    steps = sorted({p["step"] for r in runs for p in r["points"]})
+    return [
+        {"step": step, "success": spread([p["success"] for r in runs for p in r["points"] if p["step"] == step])}
+        for step in steps
+    ]
+
+
+def markdown(summary: dict) -> str:
+    plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
+    lines = seeded_study.header_lines(summary, "The pre-registered GiGPO study (issue 55)", "gigpo_study_plan.md")
+    lines += [
+        "## Pre-registered tests (success rate of the evaluation games after the last step, paired t over the seeds)",
+        "",
+        "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += seeded_study.test_rows(tests, LABELS)
+    lines += [
+        "",
+        "Descriptive, not tested: the same differences in the mean final reward (partial credit) of the games.",
+        "",
+        "| comparison | mean | 95 % interval |",
+        "|---|---|---|",
+    ]
+    for name, t in tests.items():
+        lines.append(f"| {name} | {bc.fmt(t['reward']['mean'], '+.3f')} | {interval(t['reward'])} |")
+    lines += [
+        "",
+        "## Arms",
+        "",
+        "| arm | rate | seeds | optimizer steps | runs played | success | final reward | guesses | greedy success | "
+        "anchor hit ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, s in arms.items():
+        lines.append(
+            f"| {LABELS[arm]} | {bc.fmt(s['lr'], 'g')} | {len(s['seeds'])} | {s['optimizer_steps']} | "
+            f"{s['runs_played']} | {cell(s['success'])} | {cell(s['reward'])} | {cell(s['turns'], '.2f')} | "
+            f"{cell(s['greedy_success'])} | {bc.fmt(s['anchor_hit_ratio'], '.3f')} |"
+        )
+    base = summary["base"]
+    if base:
+        lines += [
+            "",
+            f"Base model: success {base['success']:.3f}, final reward {base['reward']:.3f}, greedy success "
+            f"{bc.fmt(base['greedy_success'])}.",
+        ]
+    lines += ["", "## Tuning (validation success on the tuning seed)", ""]
+    lines += seeded_study.tuning_lines(arms, plan, LABELS)
+    lines += ["", "## Curves (mean success over the scored seeds)", ""]
+    for arm, s in arms.items():
+        points = "; ".join(f"step {c['step']}: {cell(c['success'])}" for c in s["curve"]) or "no run yet"
+        lines.append(f"- {LABELS[arm]}: {points}")
+    lines += [
+        "",
+        "## Cost",
+        "",
+        "| arm | training CPU s / run | evaluating CPU s / run | mean run reward in training |",
+        "|---|---|---|---|",
+    ]
+    for arm, s in arms.items():
+        lines.append(
+            f"| {LABELS[arm]} | {cell(s['train_cpu_s_per_run'], '.0f')} | {cell(s['eval_cpu_s_per_run'], '.0f')} | "
+            f"{bc.fmt(s['mean_run_reward'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def status(out: Path, plan: dict = PLAN) -> str:
+    records = load_runs(out / RUNS_FILE, plan_key(plan))
+    budget = f" of the {plan['cpu_budget_h']} h budget"
+    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan, budget))
+
+
+def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
+    """``gigpo_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
+    ``gigpo_study_runs.jsonl``."""
+    return seeded_study.write_summary(runs_path, to, "gigpo_study", plan, summarise, markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "status", "summarise", "pilot"):
+        command = sub.add_parser(name)
+        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
+        if name == "summarise":
+            command.add_argument("--to", required=True, help="where gigpo_study.{json,md} and the runs file go")
+        if name == "pilot":
+            command.add_argument("--steps", type=int, default=10)
+        if name in ("run", "pilot"):
+            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    if args.command == "run":
+        return run_study(out, PLAN, args.model)
+    if args.command == "status":
+        print(status(out))
+        return 0
+    if args.command == "summarise":
+        summary = write_summary(out / RUNS_FILE, Path(args.to))
+        print(markdown(summary))
+        return 0
+    return pilot(out, PLAN, args.model, args.steps)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

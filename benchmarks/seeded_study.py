@@ -1,0 +1,276 @@
+"""What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py``, issue 55): the
+plan's fingerprint, the runs file and resuming it, the tuning rule, the order of the runs (the tuning seed, then whole
+scored seeds), the paired tests over seeds with Holm's correction, and the summary's shared lines.
+
+A study's plan is a dict with at least ``arms``, ``primary`` (two arms), ``secondary`` (pairs of arms), ``alpha``,
+``confidence``, ``tune_seed``, ``scored_seeds``, ``grid``, ``grid_factor`` and ``max_extensions``. Its runs are JSON
+lines ``{"plan": fingerprint, "arm", "seed", "lr", "role": "base" | "tune" | "scored", "val", ...}``; a run recorded
+under another fingerprint is never resumed or summarised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import bench_common as bc
+import seed_stats
+
+
+def plan_key(plan: dict) -> str:
+    """The plan's fingerprint: runs are kept under it."""
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def load_runs(path: Path, key: str) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["plan"] == key]
+
+
+class RunsFile:
+    """The runs of one plan in ``path`` (JSON lines), appended as each finishes."""
+
+    def __init__(self, path: Path, plan: dict):
+        self.path, self.key = path, plan_key(plan)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.records = load_runs(path, self.key)
+
+    def append(self, record: dict) -> None:
+        record = {"plan": self.key, **record, "load_average": bc.loadavg(), "finished": time.strftime("%Y-%m-%d %H:%M")}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.records.append(record)
+
+
+def finished(records: list[dict], arm: str, seed: int | None, lr: float | None) -> dict | None:
+    return next((r for r in records if (r["arm"], r["seed"], r["lr"]) == (arm, seed, lr)), None)
+
+
+def tuning(records: list[dict], plan: dict, arm: str) -> dict:
+    """The arm's tuning so far: ``{grid, val, lr, next, at_edge}``. ``next`` is the rate still to run (the grid's
+    values in order, then an extension past the edge the best value sits on), ``None`` once tuning is done; ``lr``
+    is the best validation value's rate (a tie goes to the lower rate)."""
+    grid = list(plan["grid"])
+    runs = {r["lr"]: r["val"] for r in records if r["arm"] == arm and r["seed"] == plan["tune_seed"]}
+    for lr in grid:
+        if lr not in runs:
+            return {"grid": grid, "val": runs, "lr": None, "next": lr, "at_edge": None}
+    extensions = 0
+    while True:
+        best = max(sorted(grid), key=lambda lr: runs[lr])  # max keeps the first of equals: the lower rate
+        low, high = min(grid), max(grid)
+        edge = "low" if best == low else "high" if best == high else None
+        if edge is None or extensions == plan["max_extensions"]:
+            return {"grid": sorted(grid), "val": runs, "lr": best, "next": None, "at_edge": edge}
+        beyond = _rate(low / plan["grid_factor"] if edge == "low" else high * plan["grid_factor"])
+        grid.append(beyond)
+        extensions += 1
+        if beyond not in runs:
+            return {"grid": sorted(grid), "val": runs, "lr": None, "next": beyond, "at_edge": edge}
+
+
+def _rate(value: float) -> float:
+    return float(f"{value:.6g}")  # 1e-4 / 3 -> 3.33333e-05, the same float on every call
+
+
+def planned_runs(plan: dict) -> int:
+    """Runs of the plan, its grid not extended (each extension adds one)."""
+    return len(plan["arms"]) * (len(plan["grid"]) + len(plan["scored_seeds"]))
+
+
+def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float, str], bool]) -> bool:
+    """Run what is missing, in the pre-registered order: the tuning seed (arm after arm at each grid value, then the
+    extensions past an edge), then the scored seeds one after the other, every arm of a seed before the next seed, so
+    that an interrupted study leaves whole seeds. ``run(arm, seed, lr, role)`` runs one and records it in
+    ``records``; it returns False to stop the study (e.g. a spent budget). Returns whether the study is complete."""
+    while True:
+        pending = [(arm, t["next"]) for arm in plan["arms"] if (t := tuning(records, plan, arm))["next"] is not None]
+        if not pending:
+            break
+        arm, lr = min(pending, key=lambda p: plan["grid"].index(p[1]) if p[1] in plan["grid"] else 99)
+        if not run(arm, plan["tune_seed"], lr, "tune"):
+            return False
+    rates = {arm: tuning(records, plan, arm)["lr"] for arm in plan["arms"]}
+    print(f"rates: {rates}", flush=True)
+    for seed in plan["scored_seeds"]:
+        for arm in plan["arms"]:
+            if finished(records, arm, seed, rates[arm]) is None and not run(arm, seed, rates[arm], "scored"):
+                return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ summary
+def scored_runs(records: list[dict], plan: dict) -> tuple[dict, dict, list[int]]:
+    """``(tuning per arm, {arm: {seed: scored run at the arm's rate}}, the scored seeds every arm finished)``."""
+    rates = {arm: tuning(records, plan, arm) for arm in plan["arms"]}
+    scored = {
+        arm: {
+            r["seed"]: r for r in records if r["arm"] == arm and r["role"] == "scored" and r["lr"] == rates[arm]["lr"]
+        }
+        for arm in plan["arms"]
+    }
+    complete = [s for s in plan["scored_seeds"] if all(s in scored[arm] for arm in plan["arms"])]
+    return rates, scored, complete
+
+
+def progress(records: list[dict], plan: dict, rates: dict, complete: list[int]) -> dict:
+    """The summary's bookkeeping: the fingerprint, the complete seeds, whether the study is partial (a seed missing or
+    tuning unfinished), runs done and planned (the grid's extensions counted), and the CPU seconds of every run."""
+    return {
+        "plan": plan,
+        "plan_key": plan_key(plan),
+        "complete_seeds": complete,
+        "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
+        "runs_done": sum(r["arm"] != "base" for r in records),
+        "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+    }
+
+
+def header_lines(summary: dict, title: str, plan_file: str) -> list[str]:
+    """The summary's title, the PARTIAL banner while the study is partial, and the plan line."""
+    plan, seeds = summary["plan"], summary["complete_seeds"]
+    lines = [f"# {title}", ""]
+    if summary["partial"]:
+        lines += [
+            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
+            f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
+            "intervals over the seeds reached, not its result.",
+            "",
+        ]
+        if summary.get("budget_spent"):
+            lines += [f"The CPU budget ({plan['cpu_budget_h']} h of one core) is spent: the study stops here.", ""]
+    return lines + [
+        f"Plan `{summary['plan_key']}` (`{plan_file}`, committed before the first scored run). CPU time of "
+        f"the finished runs: {summary['cpu_s'] / 3600:.1f} h of one core.",
+        "",
+    ]
+
+
+def paired_tests(plan: dict, scored: dict, outcome: Callable[[dict], float], extra: dict | None = None) -> dict:
+    """The pre-registered tests: per comparison (``primary``, ``secondary 1``, ...), the per-seed differences of
+    ``outcome(run)`` over the seeds both arms reached, a paired t with its interval, Holm's adjusted p over the
+    comparisons and whether it is below ``alpha``. ``extra``: ``{name: value(run)}`` of descriptive differences
+    (the same seeds, a paired t each, not in the family)."""
+    tests = {}
+    comparisons = {"primary": plan["primary"], **{f"secondary {i + 1}": c for i, c in enumerate(plan["secondary"])}}
+    for name, (a, b) in comparisons.items():
+        seeds = [s for s in plan["scored_seeds"] if s in scored[a] and s in scored[b]]
+        diffs = [outcome(scored[a][s]) - outcome(scored[b][s]) for s in seeds]
+        tests[name] = {"arms": [a, b], "seeds": seeds, "diffs": diffs, **seed_stats.paired_t(diffs, plan["confidence"])}
+        for label, value in (extra or {}).items():
+            more = [value(scored[a][s]) - value(scored[b][s]) for s in seeds]
+            tests[name][label] = {"diffs": more, **seed_stats.paired_t(more, plan["confidence"])}
+    adjusted = seed_stats.holm({name: t["p"] for name, t in tests.items()})
+    for name, test in tests.items():
+        test["p_holm"] = adjusted[name]
+        test["significant"] = None if test["p_holm"] is None else test["p_holm"] < plan["alpha"]
+    return tests
+
+
+def spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {
+        "mean": statistics.mean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def mean(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
+def cell(row: dict | None, spec: str = ".3f") -> str:
+    if row is None:
+        return "n/a"
+    return f"{row['mean']:{spec}} ± {row['std']:{spec}}" if row["n"] > 1 else f"{row['mean']:{spec}}"
+
+
+def interval(t: dict) -> str:
+    return "n/a" if t["low"] is None else f"[{t['low']:+.3f}, {t['high']:+.3f}]"
+
+
+def test_rows(tests: dict, labels: dict) -> list[str]:
+    """The table rows of the pre-registered tests."""
+    rows = []
+    for name, t in tests.items():
+        a, b = (labels[x] for x in t["arms"])
+        rows.append(
+            f"| {name}: {a} minus {b} | {len(t['seeds'])} | {', '.join(f'{d:+.3f}' for d in t['diffs'])} | "
+            f"{bc.fmt(t['mean'], '+.3f')} | {interval(t)} | {bc.fmt(t['p'], '.3f')} | {bc.fmt(t['p_holm'], '.3f')} |"
+        )
+    return rows
+
+
+def tuning_lines(arms: dict, plan: dict, labels: dict) -> list[str]:
+    """One line per arm: its validation value at each rate and the rate chosen (or that tuning is unfinished)."""
+    lines = []
+    for arm, s in arms.items():
+        t = s["tuning"]
+        values = ", ".join(f"{lr:g}: {bc.fmt(t['val'].get(lr))}" for lr in t["grid"])
+        state = (
+            "unfinished"
+            if t["next"] is not None
+            else f"chose {t['lr']:g}"
+            + (f" (still on the {t['at_edge']} edge after {plan['max_extensions']} extensions)" if t["at_edge"] else "")
+        )
+        lines.append(f"- {labels[arm]}: {values}; {state}.")
+    return lines
+
+
+def status_lines(records: list[dict], summary: dict, plan: dict, budget: str = "") -> list[str]:
+    """What ``status`` prints: runs done and planned, complete seeds, CPU time, each arm's tuning and seeds, the last
+    run and the time the rest takes at the pace so far."""
+    runs = [r for r in records if r["arm"] != "base"]
+    cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in runs)
+    lines = [
+        f"plan {summary['plan_key']}: {summary['runs_done']} of about {summary['runs_planned']} runs done; "
+        f"{len(summary['complete_seeds'])} of {len(plan['scored_seeds'])} scored seeds complete",
+        f"CPU time of the finished runs: {cpu / 3600:.2f} h{budget} ({cpu / max(1, len(runs)):.0f} s a run)",
+    ]
+    for arm, s in summary["arms"].items():
+        t = s["tuning"]
+        lines.append(f"  {arm}: tuning {t['val']} -> {t['lr']}; scored seeds {s['seeds']}")
+    if runs:
+        last = runs[-1]
+        lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
+        eta = _eta(records, summary["runs_planned"] - summary["runs_done"])
+        if eta:
+            lines.append(eta)
+    return lines
+
+
+def _eta(records: list[dict], left: int) -> str | None:
+    """Runs left and the wall time they take at the pace seen so far (the median time between finished runs)."""
+    stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    if not gaps:
+        return None
+    pace = statistics.median(gaps)
+    hours = left * pace / 3600
+    return f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
+
+
+def write_summary(
+    runs_path: Path, to: Path, name: str, plan: dict, summarise: Callable, markdown: Callable[[dict], str]
+) -> dict:
+    """``<name>.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
+    ``<name>_runs.jsonl``."""
+    records = load_runs(runs_path, plan_key(plan))
+    summary = summarise(records, plan)
+    to.mkdir(parents=True, exist_ok=True)
+    target = to / f"{name}_runs.jsonl"
+    if runs_path.resolve() != target.resolve():
+        shutil.copyfile(runs_path, target)
+    (to / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (to / f"{name}.md").write_text(markdown(summary))
+    return summary
