@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The pre-registered M2PO study of issue 55 (item 3): M2PO against CISPO on samples 4 optimizer steps stale.
+"""The pre-registered M2PO study of issue 55 (item 3): M2PO against CISPO on samples at least 4 optimizer steps stale.
 
     python benchmarks/m2po_study.py pilot --out /work/studies/m2po-pilot   # tuning seed only: cost, staleness, masks
     python benchmarks/m2po_study.py run --out /work/studies/m2po           # resumable: a restart skips finished runs
@@ -53,7 +53,7 @@ PLAN = {
     "model": "bundled",
     "lora_r": 16,
     "weight_lag": 4,  # the worker samples with the weights of 4 optimizer steps before the newest
-    "max_staleness": 6,  # TRL's filter: above lag + the queue's delay, so no sample is dropped for staleness
+    "max_staleness": 8,  # TRL's filter: above the lag + the pipeline's 2 steps (the pilot: 6), so none is dropped
     "steps": 48,
     "num_generations": 8,  # one prompt x 8 completions a step
     "micro_batch": 4,  # samples per micro-batch: 2 micro-batches a step (gradient accumulation 2)
@@ -70,7 +70,7 @@ PLAN = {
     "grid": [1e-4, 3e-4, 1e-3],
     "grid_factor": 3.0,
     "max_extensions": 1,
-    "cpu_budget_h": 12.0,
+    "cpu_budget_h": 14.0,
     "run_timeout_h": 24.0,  # wall time after which a run's process is stopped (a hung run), the study with it
 }
 RUNS_FILE = "runs.jsonl"
@@ -293,7 +293,7 @@ def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps
     """Before the plan is frozen: both arms on the tuning seed at the grid's middle rate for ``steps`` steps, in this
     process (never a scored seed): the cost of a step and of scoring, the staleness reached, M2PO's masks."""
     _quiet()
-    plan = {**plan, "steps": steps}
+    plan = {**plan, "steps": steps, "eval_rows": 20}  # scoring's cost per problem, not a result
     model = model_override or _bundled()
     data = task_data(plan)
     out.mkdir(parents=True, exist_ok=True)

@@ -1065,3 +1065,17 @@ def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     stopped = ms.summarise(ms.load_runs(tmp_path / "spent" / ms.RUNS_FILE, ms.plan_key(spent)), spent)
     assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in ms.markdown(stopped)
     assert "of the 0.0 h budget" in ms.status(tmp_path / "spent", spent)
+
+
+def test_the_m2po_plan_is_committed_under_its_fingerprint():
+    """The M2PO study's plan file names the fingerprint of the PLAN its script runs (changing a value of the plan
+    changes it); the other studies keep theirs."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gigpo_study
+    import learning_study
+    import m2po_study
+
+    assert learning_study.plan_key() == "cb3f9c6bfb3b" and gigpo_study.plan_key() == "8359d859c68f"
+    plan_file = (BENCHMARKS / "results" / "m2po_study_plan.md").read_text()
+    assert f"**`{m2po_study.plan_key()}`**" in plan_file
+    assert m2po_study.plan_key({**m2po_study.PLAN, "weight_lag": 3}) != m2po_study.plan_key()
