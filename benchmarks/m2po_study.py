@@ -25,9 +25,7 @@ runs, paired tests, summary lines) is ``seeded_study.py``; each run is a fresh p
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 import harness
 import seeded_study
-from seeded_study import cell, finished, interval, load_runs, mean, spread
+from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -434,9 +432,7 @@ def markdown(summary: dict) -> str:
 
 
 def status(out: Path, plan: dict = PLAN) -> str:
-    records = load_runs(out / RUNS_FILE, plan_key(plan))
-    budget = f" of the {plan['cpu_budget_h']} h budget"
-    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan, budget))
+    return seeded_study.status_text(out, RUNS_FILE, plan, summarise)
 
 
 def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
@@ -446,30 +442,7 @@ def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "status", "summarise", "pilot"):
-        command = sub.add_parser(name)
-        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
-        if name == "summarise":
-            command.add_argument("--to", required=True, help="where m2po_study.{json,md} and the runs file go")
-        if name == "pilot":
-            command.add_argument("--steps", type=int, default=10)
-        if name in ("run", "pilot"):
-            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = Path(args.out)
-    if args.command == "run":
-        return run_study(out, PLAN, args.model)
-    if args.command == "status":
-        print(status(out))
-        return 0
-    if args.command == "summarise":
-        summary = write_summary(out / RUNS_FILE, Path(args.to))
-        print(markdown(summary))
-        return 0
-    return pilot(out, PLAN, args.model, args.steps)
+    return seeded_study.command_line(argv, __doc__.split("\n\n")[0], "m2po_study", sys.modules[__name__])
 
 
 if __name__ == "__main__":

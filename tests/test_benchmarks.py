@@ -1079,3 +1079,19 @@ def test_the_m2po_plan_is_committed_under_its_fingerprint():
     plan_file = (BENCHMARKS / "results" / "m2po_study_plan.md").read_text()
     assert f"**`{m2po_study.plan_key()}`**" in plan_file
     assert m2po_study.plan_key({**m2po_study.PLAN, "weight_lag": 3}) != m2po_study.plan_key()
+
+
+def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), and while
+    the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from m2po_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "m2po_study.md").read_text() == markdown(summary)
+    assert any(r["arm"] == "base" for r in load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #m2po-study }") :]
+    if summary["partial"]:
+        assert "**Running; no result yet.**" in section[:200]
