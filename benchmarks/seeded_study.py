@@ -274,3 +274,43 @@ def write_summary(
     (to / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     (to / f"{name}.md").write_text(markdown(summary))
     return summary
+
+
+# ------------------------------------------------------------------------------------------ command line
+def status_text(out: Path, runs_file: str, plan: dict, summarise: Callable) -> str:
+    """What a study's ``status`` prints for its folder ``out``."""
+    records = load_runs(out / runs_file, plan_key(plan))
+    budget = f" of the {plan['cpu_budget_h']} h budget"
+    return "\n".join(status_lines(records, summarise(records, plan), plan, budget))
+
+
+def command_line(argv: list[str] | None, description: str, name: str, study) -> int:
+    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands. ``study``: its module, with ``PLAN``,
+    ``RUNS_FILE``, ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``pilot``; ``name``: its results'
+    file name (``<name>.{json,md}``)."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command_name in ("run", "status", "summarise", "pilot"):
+        command = sub.add_parser(command_name)
+        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
+        if command_name == "summarise":
+            command.add_argument("--to", required=True, help=f"where {name}.{{json,md}} and the runs file go")
+        if command_name == "pilot":
+            command.add_argument("--steps", type=int, default=10)
+        if command_name in ("run", "pilot"):
+            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    if args.command == "run":
+        return study.run_study(out, study.PLAN, args.model)
+    if args.command == "status":
+        print(study.status(out))
+        return 0
+    if args.command == "summarise":
+        print(study.markdown(study.write_summary(out / study.RUNS_FILE, Path(args.to))))
+        return 0
+    return study.pilot(out, study.PLAN, args.model, args.steps)

@@ -4,6 +4,7 @@ measured, never asserted)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -820,80 +821,6 @@ def test_async_bundled_dry_run(tmp_path):
     assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
 
 
-def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
-    """The GiGPO study end to end on a random tiny model and a miniature plan: a base record, the tuning seed, then
-    whole seeds; a restart runs nothing finished; the summary's tests are the per-seed differences of the evaluation
-    games' success; a missing run makes it partial; a spent CPU budget stops the study and says so."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import bench_common
-    import gigpo_study as gs
-
-    model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
-    plan = {
-        **gs.PLAN,
-        **{"steps": 2, "probe_steps": [1], "scored_seeds": [1], "grid": [1e-3], "max_extensions": 0},
-        **{"high": 3, "max_env_steps": 2, "completion_len": 4, "num_generations": 4, "train_tasks": 8},
-        **{"eval_plays": 2, "val_plays": 1},
-    }
-    out = tmp_path / "study"
-    gs.run_study(out, plan, str(model))
-    records = [json.loads(line) for line in (out / gs.RUNS_FILE).read_text().splitlines()]
-    order = [(r["arm"], r["seed"], r["role"]) for r in records]
-    assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
-        (a, 1, "scored") for a in plan["arms"]
-    ]
-    gigpo, step_grpo = records[-3], records[-2]
-    assert [p["step"] for p in gigpo["points"]] == [1, 2] and gigpo["points"][-1]["n"] == 6  # 3 targets x 2 plays
-    assert gigpo["optimizer_steps"] == 2 and gigpo["runs_played"] == 8 and records[1]["val"] is not None
-    assert all(0.0 <= h <= 1.0 for h in gigpo["anchor_hit_ratio"] if h is not None)
-    assert step_grpo["anchor_hit_ratio"] == [None, None]  # step-wise GRPO logs no anchor hits
-    gs.run_study(out, plan, str(model))  # a restart: nothing left to run
-    assert len((out / gs.RUNS_FILE).read_text().splitlines()) == len(records)
-    summary = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "results", plan)
-    assert not summary["partial"] and summary["complete_seeds"] == [1]
-    success = {r["arm"]: r["points"][-1]["success"] for r in records if r["role"] == "scored"}
-    assert summary["tests"]["primary"]["diffs"] == [success["gigpo"] - success["step_grpo"]]
-    assert summary["tests"]["secondary 1"]["diffs"] == [success["gigpo"] - success["gigpo_omega0"]]
-    assert "## Pre-registered tests" in (tmp_path / "results" / "gigpo_study.md").read_text()
-    (out / gs.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
-    partial = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "partial", plan)
-    assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete**" in gs.markdown(partial)
-    spent = {**plan, "cpu_budget_h": 0.0}  # another plan: its own runs, stopped after the base model
-    gs.run_study(tmp_path / "spent", spent, str(model))
-    stopped = gs.summarise(gs.load_runs(tmp_path / "spent" / gs.RUNS_FILE, gs.plan_key(spent)), spent)
-    assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in gs.markdown(stopped)
-    assert "of the 0.0 h budget" in gs.status(tmp_path / "spent", spent)
-
-
-def test_the_gigpo_plan_is_committed_under_its_fingerprint_and_the_chord_plan_is_unchanged():
-    """The GiGPO study's plan file names the fingerprint of the PLAN its script runs (changing a value of the plan
-    changes it), and the finished CHORD study keeps its own."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import gigpo_study
-    import learning_study
-
-    assert learning_study.plan_key() == "cb3f9c6bfb3b"
-    plan_file = (BENCHMARKS / "results" / "gigpo_study_plan.md").read_text()
-    assert f"**`{gigpo_study.plan_key()}`**" in plan_file
-    assert gigpo_study.plan_key({**gigpo_study.PLAN, "steps": 41}) != gigpo_study.plan_key()
-
-
-def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
-    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and while
-    the study is partial the docs say it is running and quote no result."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from gigpo_study import PLAN, load_runs, markdown, plan_key, summarise
-
-    results = BENCHMARKS / "results"
-    summary = summarise(load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)), PLAN)
-    assert (results / "gigpo_study.md").read_text() == markdown(summary)
-    assert any(r["arm"] == "base" for r in load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)))
-    docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = docs[docs.index("{ #gigpo-study }") :]
-    if summary["partial"]:
-        assert "**Running; no result yet.**" in section[:200]
-
-
 def test_whole_step_gpu_command_dry_run(tmp_path):
     """`make gpu-check-step DRY_RUN=1`: the GPU run's parts and sides on CPU with the tiny model, into $OUT (no --out):
     per part its model, the cache-warming run, then ours, TRL and TRL with continuous batching, each a fresh process
@@ -1008,3 +935,163 @@ def test_generation_speed_sides_decode_the_job_they_name():
         "parts": {"p": {"summary": {"ratios": {"grouped": {"generate_s": {"median": 0.5, "min": 0.4, "max": 0.6}}}}}}
     }
     assert "`grouped` generation took 0.50x `plain`'s (paired per repeat, 0.40-0.60)" in generation_speed.render(report)
+
+
+def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
+    """The GiGPO study end to end on a random tiny model and a miniature plan: a base record, the tuning seed, then
+    whole seeds; a restart runs nothing finished; the summary's tests are the per-seed differences of the evaluation
+    games' success; a missing run makes it partial; a spent CPU budget stops the study and says so."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_common
+    import gigpo_study as gs
+
+    model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
+    plan = {
+        **gs.PLAN,
+        **{"steps": 2, "probe_steps": [1], "scored_seeds": [1], "grid": [1e-3], "max_extensions": 0},
+        **{"high": 3, "max_env_steps": 2, "completion_len": 4, "num_generations": 4, "train_tasks": 8},
+        **{"eval_plays": 2, "val_plays": 1},
+    }
+    out = tmp_path / "study"
+    gs.run_study(out, plan, str(model))
+    records = [json.loads(line) for line in (out / gs.RUNS_FILE).read_text().splitlines()]
+    order = [(r["arm"], r["seed"], r["role"]) for r in records]
+    assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
+        (a, 1, "scored") for a in plan["arms"]
+    ]
+    gigpo, step_grpo = records[-3], records[-2]
+    assert [p["step"] for p in gigpo["points"]] == [1, 2] and gigpo["points"][-1]["n"] == 6  # 3 targets x 2 plays
+    assert gigpo["optimizer_steps"] == 2 and gigpo["runs_played"] == 8 and records[1]["val"] is not None
+    assert all(0.0 <= h <= 1.0 for h in gigpo["anchor_hit_ratio"] if h is not None)
+    assert step_grpo["anchor_hit_ratio"] == [None, None]  # step-wise GRPO logs no anchor hits
+    gs.run_study(out, plan, str(model))  # a restart: nothing left to run
+    assert len((out / gs.RUNS_FILE).read_text().splitlines()) == len(records)
+    summary = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "results", plan)
+    assert not summary["partial"] and summary["complete_seeds"] == [1]
+    success = {r["arm"]: r["points"][-1]["success"] for r in records if r["role"] == "scored"}
+    assert summary["tests"]["primary"]["diffs"] == [success["gigpo"] - success["step_grpo"]]
+    assert summary["tests"]["secondary 1"]["diffs"] == [success["gigpo"] - success["gigpo_omega0"]]
+    assert "## Pre-registered tests" in (tmp_path / "results" / "gigpo_study.md").read_text()
+    (out / gs.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
+    partial = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "partial", plan)
+    assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete**" in gs.markdown(partial)
+    spent = {**plan, "cpu_budget_h": 0.0}  # another plan: its own runs, stopped after the base model
+    gs.run_study(tmp_path / "spent", spent, str(model))
+    stopped = gs.summarise(gs.load_runs(tmp_path / "spent" / gs.RUNS_FILE, gs.plan_key(spent)), spent)
+    assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in gs.markdown(stopped)
+    assert "of the 0.0 h budget" in gs.status(tmp_path / "spent", spent)
+
+
+def test_the_gigpo_plan_is_committed_under_its_fingerprint_and_the_chord_plan_is_unchanged():
+    """The GiGPO study's plan file names the fingerprint of the PLAN its script runs (changing a value of the plan
+    changes it), and the finished CHORD study keeps its own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gigpo_study
+    import learning_study
+
+    assert learning_study.plan_key() == "cb3f9c6bfb3b"
+    plan_file = (BENCHMARKS / "results" / "gigpo_study_plan.md").read_text()
+    assert f"**`{gigpo_study.plan_key()}`**" in plan_file
+    assert gigpo_study.plan_key({**gigpo_study.PLAN, "steps": 41}) != gigpo_study.plan_key()
+
+
+def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and while
+    the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gigpo_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "gigpo_study.md").read_text() == markdown(summary)
+    assert any(r["arm"] == "base" for r in load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #gigpo-study }") :]
+    if summary["partial"]:
+        assert "**Running; no result yet.**" in section[:200]
+
+
+def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
+    """The M2PO study end to end on a random tiny model and a miniature plan: a base record, the tuning seed, then a
+    whole scored seed, each run in AsyncTrinityTrainer whose worker samples with lagged weights (its staleness logged
+    per step); a restart runs nothing finished; the summary's test is the per-seed difference of the held-out
+    accuracy; a missing run makes it partial; a spent CPU budget stops the study and says so."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_common
+    import m2po_study as ms
+    import transformers
+
+    class InProcess:  # each run in this process (the fresh-process launcher is tested with the harness): seconds
+        def run(self, side, timeout_s, log=None):
+            module, function = side.run.split(":")
+            verbosity = transformers.logging.get_verbosity()
+            try:
+                return getattr(importlib.import_module(module), function)(side.spec)
+            finally:
+                transformers.logging.set_verbosity(verbosity)
+
+    model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
+    plan = {
+        **ms.PLAN,
+        **{"steps": 3, "weight_lag": 1, "max_staleness": 4, "scored_seeds": [1], "grid": [1e-3], "max_extensions": 0},
+        **{"num_generations": 4, "micro_batch": 2, "completion_len": 4, "train_rows": 8},
+        **{"eval_rows": 10, "val_rows": 5, "eval_max_new_tokens": 4, "lora_r": 4},
+    }
+    out = tmp_path / "study"
+    ms.run_study(out, plan, str(model), InProcess())
+    records = [json.loads(line) for line in (out / ms.RUNS_FILE).read_text().splitlines()]
+    order = [(r["arm"], r["seed"], r["role"]) for r in records]
+    assert order == [("base", None, "base"), ("m2po", 0, "tune"), ("cispo", 0, "tune"), ("m2po", 1, "scored")] + [
+        ("cispo", 1, "scored")
+    ]
+    m2po, cispo = records[-2], records[-1]
+    for run in (m2po, cispo):
+        assert run["optimizer_steps"] == 3 and len(run["staleness"]) == 3 and run["points"][-1]["n"] == 10
+        assert all(s is not None and 0 <= s <= 4 for s in run["staleness"])  # logged at every step
+    assert all(f is not None for f in m2po["masked_fraction"]) and set(cispo["masked_fraction"]) == {None}
+    assert records[1]["val"] is not None and records[3]["val"] is None  # validation on the tuning seed only
+    ms.run_study(out, plan, str(model), InProcess())  # a restart: nothing left to run
+    assert len((out / ms.RUNS_FILE).read_text().splitlines()) == len(records)
+    summary = ms.write_summary(out / ms.RUNS_FILE, tmp_path / "results", plan)
+    assert not summary["partial"] and summary["complete_seeds"] == [1]
+    assert summary["tests"]["primary"]["diffs"] == [m2po["points"][-1]["all"] - cispo["points"][-1]["all"]]
+    text = (tmp_path / "results" / "m2po_study.md").read_text()
+    assert "## Pre-registered test" in text and "weight_lag=1" in text
+    (out / ms.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
+    partial = ms.write_summary(out / ms.RUNS_FILE, tmp_path / "partial", plan)
+    assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete** (both arms)" in ms.markdown(partial)
+    spent = {**plan, "cpu_budget_h": 0.0}  # another plan: its own runs, stopped after the base model
+    ms.run_study(tmp_path / "spent", spent, str(model), InProcess())
+    stopped = ms.summarise(ms.load_runs(tmp_path / "spent" / ms.RUNS_FILE, ms.plan_key(spent)), spent)
+    assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in ms.markdown(stopped)
+    assert "of the 0.0 h budget" in ms.status(tmp_path / "spent", spent)
+
+
+def test_the_m2po_plan_is_committed_under_its_fingerprint():
+    """The M2PO study's plan file names the fingerprint of the PLAN its script runs (changing a value of the plan
+    changes it); the other studies keep theirs."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gigpo_study
+    import learning_study
+    import m2po_study
+
+    assert learning_study.plan_key() == "cb3f9c6bfb3b" and gigpo_study.plan_key() == "8359d859c68f"
+    plan_file = (BENCHMARKS / "results" / "m2po_study_plan.md").read_text()
+    assert f"**`{m2po_study.plan_key()}`**" in plan_file
+    assert m2po_study.plan_key({**m2po_study.PLAN, "weight_lag": 3}) != m2po_study.plan_key()
+
+
+def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
+    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), and while
+    the study is partial the docs say it is running and quote no result."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from m2po_study import PLAN, load_runs, markdown, plan_key, summarise
+
+    results = BENCHMARKS / "results"
+    summary = summarise(load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)), PLAN)
+    assert (results / "m2po_study.md").read_text() == markdown(summary)
+    assert any(r["arm"] == "base" for r in load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)))
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("{ #m2po-study }") :]
+    if summary["partial"]:
+        assert "**Running; no result yet.**" in section[:200]

@@ -24,6 +24,7 @@ POLICY_KEYS = [
     "importance_sampling",
     "mix",
     "mix_chord",
+    "m2po",
 ]
 KL_KEYS = ["none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3"]
 ENTROPY_KEYS = ["default", "mix", "none"]
@@ -59,6 +60,7 @@ PRESETS = [
     "multi_step_grpo",
     "gigpo",
     "on_policy_distill",
+    "m2po",
 ]
 
 

@@ -45,6 +45,7 @@ PINNED_DEFAULT_ARGS = {
         "mix": {"mu": 0.1, "clip_range": 0.2, "loss_agg_mode": "token-mean"},
         "mix_chord": {"mu_warmup_steps": 0, "mu_decay_steps": 0, "mu_peak": 0.1, "mu_valley": 0.1, "clip_range": 0.2,
                       "enable_phi_function": True, "loss_agg_mode": "token-mean"},
+        "m2po": {"m2_threshold": 0.04, "loss_agg_mode": "token-mean", "log_ratio_clip": 20.0},
     },
     KL_FN: {name: _KL for name in ("none", "k1", "k2", "k3", "low_var_kl", "abs", "corrected_k3")},
     ENTROPY_LOSS_FN: {name: _ENTROPY for name in ("default", "mix", "none")},

@@ -1,5 +1,5 @@
-"""The presets (Trinity-RFT's 19 and `gigpo`) of docs/algorithms/presets.md#preset-table and configuration resolution of
-docs/algorithms/presets.md#resolution."""
+"""The presets (Trinity-RFT's 19, `m2po` and `gigpo`) of docs/algorithms/presets.md#preset-table and configuration
+resolution of docs/algorithms/presets.md#resolution."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ TABLE = {
         "none",
         "none",
     ),
+    "m2po": (False, False, False, True, "experience", 8, "default", "m2po", "grpo", "none", "none", "none"),
 }
 
 

@@ -134,6 +134,32 @@ def test_new_weights_are_taken_between_groups_only(tokenizer):
     assert staged_only.model_version == -1
 
 
+def test_a_weight_lag_generates_with_the_weights_of_that_many_syncs_before(tokenizer):
+    """``weight_lag=2``: after each of five syncs the worker holds the weights received two syncs before the newest
+    (the oldest received until three have come), and a group's samples carry that version and its log-probs; a lag
+    of 0 holds the newest."""
+    models = {version: build_tiny_model(tokenizer, seed=20 + version) for version in range(1, 6)}
+    lagged, fresh = make_worker(tokenizer, weight_lag=2), make_worker(tokenizer)
+    held = []
+    for version, model in models.items():
+        for worker in (lagged, fresh):
+            send(worker, model, version=version)
+            worker._load_committed()  # what the worker's loop does before each group
+        held.append((lagged.model_version, fresh.model_version))
+    assert held == [(1, 1), (1, 2), (1, 3), (2, 4), (3, 5)]
+    torch.manual_seed(0)
+    samples, _ = lagged.rollout_group(0)
+    assert {s.model_version for s in samples} == {3}
+    for sample in samples:
+        assert_close(
+            torch.tensor(sample.old_log_probs[sample.completion_mask == 1]),
+            recomputed_logps(models[3], sample),
+            terms=TINY_MODEL_TERMS,
+        )
+    with pytest.raises(ValueError, match="weight_lag must be >= 0, got -1"):
+        make_worker(tokenizer, weight_lag=-1)
+
+
 def test_unscorable_rewards_follow_the_synchronous_rule(tokenizer):
     """A None, NaN or infinite reward makes the completion unscorable: no trained token, advantage 0, left out of the
     group's statistics (the others' advantages are the synchronous trainers' `group_advantages` of the scored ones),

@@ -9,7 +9,7 @@ Registries (name -> class, ``.get(name)``, ``.names()``):
 * ``ADVANTAGE_FN``: group operators (grpo, step_wise_grpo, opmd, asymre, reinforce, rec) and
   batch functions (ppo, reinforceplusplus, rloo, remax, grpo_verl, opmd_verl, asymre_verl,
   on_policy_distill)
-* ``ALGORITHM_TYPE``: the 19 presets
+* ``ALGORITHM_TYPE``: the presets (Trinity-RFT's 19 and ``m2po``)
 
 Trinity-RFT's class names that differ from ours are importable too: ``MIXCHORDPolicyLossFn`` (the
 ``mix_chord`` loss, ``CHORDPolicyLossFn``) and ``StepWiseGRPOAdvantageFn`` (``StepWiseGRPOAdvantage``).

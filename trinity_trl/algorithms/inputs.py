@@ -25,6 +25,7 @@ INPUT_ALIASES: dict[str, tuple[str, ...]] = {
     "step": ("step",),
     "teacher_logprobs": ("teacher_logprobs", "teacher_log_prob", "teacher_per_token_logps"),
     "entropy": ("entropy", "entropies"),
+    "step_mask": ("step_mask", "m2po_mask"),
 }
 
 # backend -> internal name -> the name that backend uses (for ``select_keys``)

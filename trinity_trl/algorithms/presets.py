@@ -1,4 +1,5 @@
-"""The algorithm presets (Trinity-RFT's 19 and `gigpo`) and configuration resolution (docs/algorithms/presets.md).
+"""The algorithm presets (Trinity-RFT's 19, `m2po` and `gigpo`) and configuration resolution
+(docs/algorithms/presets.md).
 
 A preset is a class with flags (``use_critic``, ``use_reference``, ``compute_advantage_in_trainer``,
 ``can_balance_batch``, ``use_rollout``), a data ``schema`` and ``default_config()``: the components
@@ -466,6 +467,21 @@ class GiGPOAlgorithm(AlgorithmType):
 class OnPolicyDistillAlgorithm(AlgorithmType):
     use_reference = False
     compute_advantage_in_trainer = True
+
+
+@_preset(
+    "m2po",
+    display_name="M2PO",
+    paper_title="Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
+    description="M2PO: an unclipped policy gradient masking the stale tokens of largest squared log-ratio",
+    paper="arXiv:2510.01161",
+    repeat_times=8,
+    policy_loss="m2po",
+    advantage="grpo",
+    **_NO_KL,
+)
+class M2POAlgorithm(AlgorithmType):
+    use_reference = False
 
 
 def build_component(registry: Registry, component: Component, **trainer_arguments: Any):

@@ -36,6 +36,8 @@ class PackedMicroBatch:
         group: ``(S,)`` int64, each sample's prompt group (TRL's ``group_id``: the worker's stream position).
         micro_batch: the micro-batch's counts over every process's row, as floats: ``trained_tokens``,
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
+        step_mask: ``(M,)`` each loss term's value of the mask the policy loss chose over the optimizer step (1: kept;
+            `trinity_trl.training.step_mask`), or ``None`` when none was chosen.
     """
 
     forward: dict[str, Any]
@@ -49,6 +51,7 @@ class PackedMicroBatch:
     expert: torch.Tensor
     group: torch.Tensor
     micro_batch: dict[str, float]
+    step_mask: torch.Tensor | None = None
 
 
 def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
@@ -83,6 +86,7 @@ def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:
         expert=inputs["sample_expert"][0, :samples] != 0,
         group=inputs["sample_group"][0, :samples],
         micro_batch=micro_batch,
+        step_mask=inputs["step_mask"][selected] if "step_mask" in inputs else None,
     )
 
 

@@ -62,6 +62,7 @@ from ..training.advantages import AdvantageEstimator, weighted_rewards
 from ..training.decoding import choose_decoding
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, use_concise_progress
+from ..training.step_mask import STEP_MASK_KEY, StepTokens, step_masks
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor
 from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, GenerationFields, from_trl_config
@@ -555,6 +556,8 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         }
         for batch in batches:
             batch.update({key: torch.tensor([value]) for key, value in totals.items()})
+        if batches and self.components.policy_loss.needs_step_mask:
+            self._choose_step_mask(batches)
         return batches, num_items
 
     def _trainable_tokens(self, batch: dict[str, Any]) -> float:
@@ -563,6 +566,40 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         samples = int(batch["sample_count"][0])
         keep = ~self._too_stale(batch["sample_model_version"][0, :samples])
         return float((batch["sample_trained_tokens"][0, :samples] * keep).sum())
+
+    def _choose_step_mask(self, batches: list[dict[str, Any]]) -> None:
+        """The mask a policy loss chooses over the whole optimizer step (``needs_step_mask``, M2PO;
+        `trinity_trl.training.step_mask`): before the step's first forward, a pass without gradient over its
+        micro-batches under the current weights (one process: nothing to gather); each micro-batch carries its part,
+        one value per loss term as TRL lists them, to the loss."""
+        model, parts, layouts = self.model_wrapped, [], []
+        with torch.no_grad(), self.compute_loss_context_manager():
+            for batch in batches:
+                inputs = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                packed = unpack(inputs)
+                outputs, _ = self._forward_packed(model, packed)
+                layout = SampleLayout(packed.segment, packed.samples)
+                logps = layout.pad(outputs.log_probs.flatten()[packed.token_index])
+                mask = layout.mask.to(logps.device) * (~self._too_stale(packed.model_version)).to(logps.device)[:, None]
+                loss_batch = LossBatch(
+                    mask=mask, advantages=layout.pad(packed.advantages), old_logps=layout.pad(packed.old_logps)
+                )
+                parts.append(StepTokens.of(self._loss_inputs(loss_batch, logps, mask), mask))
+                layouts.append(layout)
+        for batch, layout, mask in zip(batches, layouts, step_masks(self.components.policy_loss, parts)):
+            index = batch["token_index"]  # the row's loss terms (-1: none), as `unpack` selects them
+            terms = torch.ones(index.shape, dtype=torch.float32, device=index.device)
+            terms[index >= 0] = mask.flatten()[layout.flat].to(index.device, torch.float32)
+            batch[STEP_MASK_KEY] = terms
+
+    def _forward_packed(self, model, packed) -> tuple[Any, Any]:
+        """The policy's outputs on one packed row (TRL's fused head: per-token log-probs and entropies) and the row's
+        tree plan (built once per forward: every layer and the backward use it)."""
+        device = packed.token_index.device
+        kernel = self._tree_kernel(compute_dtype(model, device, self.accelerator.autocast))
+        plan = tree_plan(packed.forward, kernel, device)
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        return model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan, **router), plan
 
     def _sync_weight(self):
         super()._sync_weight()
@@ -575,11 +612,8 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         mode = "train" if self.model.training else "eval"
         packed = unpack(inputs)
         device = packed.token_index.device
-        kernel = self._tree_kernel(compute_dtype(model, device, self.accelerator.autocast))
-        plan = tree_plan(packed.forward, kernel, device)  # once per forward: every layer and the backward use it
-        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         started = time.time()
-        outputs = model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan, **router)
+        outputs, plan = self._forward_packed(model, packed)
         forward_s = time.time() - started
         layout = SampleLayout(packed.segment, packed.samples)
         logps = layout.pad(outputs.log_probs.flatten()[packed.token_index])
@@ -603,6 +637,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             global_samples=inputs["step_samples"][0],
             staleness=staleness,
             class_weights=self._class_weights(inputs),
+            step_mask=None if packed.step_mask is None else layout.pad(packed.step_mask, fill=1.0),
         )
         loss = self._micro_batch_loss(model, batch, logps, entropies, getattr(outputs, "aux_loss", None), mode)
         trained = staleness[~torch.isnan(staleness) & ~too_stale]

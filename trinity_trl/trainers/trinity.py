@@ -49,6 +49,7 @@ from ..training.grpo_seams import (
 from ..training.loss import LossBatch, LossNormalizer
 from ..training.metrics import append_metrics, pool_metrics, replace_logged_advantages, use_concise_progress
 from ..training.scoring import Scoring
+from ..training.step_mask import STEP_MASK_KEY, STEP_MASK_STEP_KEY, StepTokens, process_gather, step_masks, step_members
 from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
@@ -168,6 +169,12 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
         )
         self.loss_normalizer = LossNormalizer(
             args.loss_normalization, self.accelerator.num_processes, args.steps_per_generation
+        )
+        self._gather_step_tokens = process_gather(  # a step mask's tokens of every process (training/step_mask.py)
+            self.accelerator.gather,
+            self.accelerator.pad_across_processes,
+            self.accelerator.process_index,
+            self.accelerator.num_processes,
         )
         self.advantage_estimator = AdvantageEstimator(
             self.components.advantage_fn,
@@ -421,9 +428,36 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
 
     # ------------------------------------------------------------------------------------- loss
     def _compute_loss(self, model, inputs):
+        if self.model.training and self.components.policy_loss.needs_step_mask:
+            self._choose_step_mask(model, inputs)
         if self.model.training and self.token_budget.enabled:  # micro-batches merged into packed forwards
             return self.token_budget.loss(model, inputs, self._micro_step(), self._forward_and_loss)
         return self._forward_and_loss(model, inputs)
+
+    def _choose_step_mask(self, model, inputs) -> None:
+        """At the first micro-batch of an optimizer step, the mask a policy loss chooses over the whole step
+        (``needs_step_mask``, M2PO; `trinity_trl.training.step_mask`): a pass without gradient over the step's
+        micro-batches in TRL's buffer under the current weights, every process's log-ratios gathered; each micro-batch
+        carries its part to the loss. A batch without behaviour log-probs (TRL computes none when every micro-batch
+        is trained by the weights that generated it) has log-ratios 0: nothing to mask, no pass."""
+        if inputs.get("old_per_token_logps") is None or inputs.get(STEP_MASK_STEP_KEY) == self.state.global_step:
+            return
+        spg = self.args.steps_per_generation
+        members = step_members(
+            self._buffered_inputs,
+            self._step,
+            spg,
+            spg * self.num_iterations,
+            self.current_gradient_accumulation_steps,
+            inputs,
+        )
+        parts = []
+        for member in members:
+            batch = LossBatch.from_trl(member)
+            logps = self.scoring.logps(model, member)
+            parts.append(StepTokens.of(self._loss_inputs(batch, logps, batch.mask), batch.mask))
+        for member, mask in zip(members, step_masks(self.components.policy_loss, parts, self._gather_step_tokens)):
+            member[STEP_MASK_KEY], member[STEP_MASK_STEP_KEY] = mask, self.state.global_step
 
     def _micro_step(self) -> MicroStep:
         """Where this ``training_step`` stands in transformers' and TRL's loops (the token budget's window)."""

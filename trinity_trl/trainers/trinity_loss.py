@@ -37,13 +37,16 @@ class TrinityLossMixin:
             advantages = (
                 advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
             ) * batch.importance_sampling_ratio
-        return {
+        inputs = {
             "logprob": logps,
             "old_logprob": logps.detach() if batch.old_logps is None else batch.old_logps,
             "action_mask": mask,
             "advantages": advantages,
             "ref_logprob": batch.ref_logps,
         }
+        if batch.step_mask is not None:  # the part of the optimizer step's mask (a loss with needs_step_mask)
+            inputs["step_mask"] = batch.step_mask
+        return inputs
 
     def _policy_loss_for(self, mode: str):
         """The policy loss of a training or evaluation micro-batch (ChordTrainer weighs eval rows apart)."""

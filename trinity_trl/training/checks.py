@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .step_mask import window_refusal
+
 if TYPE_CHECKING:
     from .loss import LossBatch
 
@@ -386,6 +388,19 @@ def check_components(
             "vLLM importance-sampling weight cannot be applied through the advantages; set "
             "vllm_importance_sampling_correction=False"
         )
+    if policy.needs_step_mask and getattr(args, "steps_per_generation", None) is not None:
+        # the synchronous trainers (the asynchronous ones hold each step's micro-batches before its first forward)
+        behaviour_logps = (getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction) or (
+            advantage is not None and (advantage.needs_old_logprobs or components.kl_penalty.enabled)
+        )
+        reason = window_refusal(
+            args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps, bool(behaviour_logps)
+        )
+        if reason is not None:
+            raise ValueError(
+                f"policy loss {algorithm.policy_loss.name!r} chooses its mask over each optimizer step's tokens before "
+                f"the step's first backward: {reason}"
+            )
     if getattr(args, "sync_ref_model", False) and not algorithm.needs_reference:
         raise ValueError(
             "sync_ref_model=True updates the reference model, but this algorithm uses none (no KL loss or "

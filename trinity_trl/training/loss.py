@@ -36,6 +36,7 @@ import torch
 from ..algorithms.masked import aggregation_mode, masked_sum
 from ..algorithms.policy_loss.base import TOKEN_LOSSES
 from .grpo_seams import trained_mask
+from .step_mask import STEP_MASK_KEY
 
 LOSS_NORMALIZATIONS = ("micro_batch", "global")
 
@@ -71,6 +72,9 @@ class LossBatch:
         class_weights: ``{row class: per-sample weight}`` of this optimizer step, replacing the policy loss's own
             (`trinity_trl.algorithms.policy_loss.RowClass`: MIX/CHORD's ``usual`` and ``expert`` rows weighed from
             each step's counts by the asynchronous trainers); ``None``: the loss's own weights.
+        step_mask: ``(B, T)`` this micro-batch's part of the mask its policy loss chose over the whole optimizer step
+            (1: kept; a loss with ``needs_step_mask``, M2PO: `trinity_trl.training.step_mask`); ``None``: none was
+            chosen (all log-ratios 0, or an evaluation batch: the loss chooses over the micro-batch).
     """
 
     mask: torch.Tensor
@@ -86,6 +90,7 @@ class LossBatch:
     global_samples: torch.Tensor | None = None
     staleness: torch.Tensor | None = None
     class_weights: dict[str, float] | None = None
+    step_mask: torch.Tensor | None = None
 
     @classmethod
     def from_trl(cls, inputs: dict[str, Any]) -> LossBatch:
@@ -102,6 +107,7 @@ class LossBatch:
             step_width=inputs.get("step_width"),
             global_tokens=inputs.get("global_loss_tokens"),
             global_samples=inputs.get("global_loss_rows"),
+            step_mask=inputs.get(STEP_MASK_KEY),
         )
 
 

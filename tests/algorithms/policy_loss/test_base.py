@@ -175,6 +175,7 @@ DECLARED = {
     "dpo": (False, False, True, False, False, False, False),
     "mix": (True, True, False, True, False, True, False),
     "mix_chord": (True, True, False, True, True, True, False),
+    "m2po": _RL,
 }  # fmt: skip
 
 

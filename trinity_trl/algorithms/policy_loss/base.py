@@ -169,6 +169,11 @@ class PolicyLossFn(ComponentArgs):
     weighs_samples_itself: ClassVar[bool] = False
     #: Whether the loss compares chosen/rejected pairs of rows (DPO): only TrinityDPOTrainer can run it.
     pairwise: ClassVar[bool] = False
+    #: Whether the loss masks tokens chosen over the whole optimizer step (M2PO): a trainer computes `step_mask` over
+    #: every trained token of the step (each micro-batch and process) in a pass without gradient before the step's
+    #: first backward, and gives each micro-batch its part as the ``step_mask`` input
+    #: (docs/algorithms/custom-components.md#step-mask).
+    needs_step_mask: ClassVar[bool] = False
 
     @classmethod
     def takes_aggregation(cls) -> bool:
@@ -191,6 +196,12 @@ class PolicyLossFn(ComponentArgs):
         """``(per-token losses (B, T), metrics)`` of the cleaned ``inputs`` (see the class docs). What a subclass
         implements; never aggregated here."""
         raise NotImplementedError
+
+    def step_mask(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """The tokens to keep, ``(N,)`` bool, of an optimizer step's ``N`` trained tokens (every micro-batch and
+        process, in the trainer's order), from their log-ratios ``ℓ − ℓo`` under the current weights and their
+        advantages (``(N,)`` each). What a loss with `needs_step_mask` implements."""
+        raise NotImplementedError(f"policy loss {self.display_name()!r} declares no step mask")
 
     def row_classes(self, **inputs: Any) -> tuple[RowClass, ...]:
         """The classes of rows whose token losses are aggregated apart (MIX/CHORD), for these ``inputs``; ``()``
@@ -394,6 +405,7 @@ def _probe_inputs(loss: PolicyLossFn) -> dict[str, Any]:
         "entropy": torch.ones(shape),
         "expert_mask": torch.tensor([False, True]),
         "step": 1,
+        "step_mask": torch.ones(shape),
     }
     names = ("logprob", *loss.inputs, *loss.optional_inputs)
     inputs = {name: given.get(name, torch.zeros(_PROBE_ROWS)) for name in names}  # other inputs: one value per row
