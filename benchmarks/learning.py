@@ -681,10 +681,20 @@ def _lr(value: float) -> str:
 
 
 def markdown(report: dict) -> str:
+    lines = markdown_header(report) + accuracy_lines(report) + paired_lines(report.get("paired")) + cost_lines(report)
+    if report.get("notes"):
+        lines += ["Notes:", ""] + [f"- {note}" for note in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _uncovered(config: dict) -> list[str]:
+    return [k for k in ("add", "sub", "mul", "div", "two_step") if k not in config["covered"]]
+
+
+def markdown_header(report: dict) -> list[str]:
+    """The setting, the task, the model and the tuning budget, then the tuning table."""
     c, m = report["config"], report["machine"]
-    summary = report["summary"]
-    steps = sorted({int(k) for s in summary.values() for k in s["accuracy"]["all"]})
-    uncovered = [k for k in ("add", "sub", "mul", "div", "two_step") if k not in c["covered"]]
+    uncovered = _uncovered(c)
     grid = ", ".join(_lr(x) for x in c["learning_rates"])
     lines = [
         "# Learning benchmark: " + ", ".join(LABELS.get(m, m) for m in c["methods"]),
@@ -737,11 +747,16 @@ def markdown(report: dict) -> str:
         cells = [bc.fmt(rate["val"].get(str(x), rate["val"].get(x))) for x in c["learning_rates"]]
         chosen = _lr(rate["lr"]) + ("" if rate["complete"] else " (grid not finished)")
         lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells) + f" | {chosen} |")
-    lines.append("")
+    return lines + [""]
+
+
+def accuracy_lines(report: dict) -> list[str]:
+    c, summary, lines = report["config"], report["summary"], []
+    steps = sorted({int(k) for s in summary.values() for k in s["accuracy"]["all"]})
     for group, title in (
         ("all", "all templates"),
         ("covered", f"covered templates ({', '.join(c['covered'])})"),
-        ("uncovered", f"uncovered templates ({', '.join(uncovered)})"),
+        ("uncovered", f"uncovered templates ({', '.join(_uncovered(c))})"),
     ):
         lines += [
             f"## Accuracy, {title} (mean ± std over seeds)",
@@ -757,7 +772,11 @@ def markdown(report: dict) -> str:
                 + " |"
             )
         lines.append("")
-    pair = report.get("paired")
+    return lines
+
+
+def paired_lines(pair: dict | None) -> list[str]:
+    lines = []
     if pair:
         a, b = (LABELS[x] for x in pair["methods"])
         lines += [
@@ -796,14 +815,18 @@ def markdown(report: dict) -> str:
             for group, g in pair["problems_by_group"].items():
                 lines.append(f"| {group} | {g['only_a']} | {g['only_b']} | {g['sign_test_p']:.3g} |")
             lines.append("")
-    lines += [
+    return lines
+
+
+def cost_lines(report: dict) -> list[str]:
+    lines = [
         "## Cost and rollouts",
         "",
         "| method | CPU s / step (train) | generation share | wall s / step (train) | eval CPU s / run | "
         "mean train reward | rollout groups with a reward spread |",
         "|---|---|---|---|---|---|---|",
     ]
-    for method, s in summary.items():
+    for method, s in report["summary"].items():
         share = s.get("generation_share")
         signal = s.get("rl_groups_with_signal")
         lines.append(
@@ -821,9 +844,7 @@ def markdown(report: dict) -> str:
         ),
         "",
     ]
-    if report.get("notes"):
-        lines += ["Notes:", ""] + [f"- {note}" for note in report["notes"]] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(
