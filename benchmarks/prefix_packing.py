@@ -4,7 +4,7 @@
 Each point (a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per micro-batch,
 gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
 ``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")`` (the pair
-``trl_overhead.py`` and the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
+the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
 group's prompt once and no padding.
 
 **Protocol** (issue 42):

@@ -63,34 +63,6 @@ def test_algorithms_quick(tmp_path):
     assert "% of model" in (tmp_path / "algorithms.md").read_text()
 
 
-def test_trl_overhead_quick_one_pair(tmp_path):
-    _run("trl_overhead.py", "--quick", "--pairs", "cispo", "--out", str(tmp_path))
-    report = _load(tmp_path / "trl_overhead.json")
-    _check_machine(report)
-    pair = report["results"]["cispo"]
-    for side in ("ours", "trl"):
-        assert {"step_s", "train_s", "generation_s", "process_peak_rss_mib", "micro_batch"} <= set(pair[side])
-        assert pair[side]["step_s"] > 0
-    assert {"step", "train", "step_paired", "memory"} <= set(pair["ratio"])
-    # the pair is equivalent: both sides log the same loss and gradient norm at every step
-    assert pair["equivalence"]["loss_max_abs_diff"] < 1e-3
-    assert pair["equivalence"]["grad_norm_max_rel_diff"] < 1e-2
-    text = (tmp_path / "trl_overhead.md").read_text()
-    assert "| cispo | " in text and "| cispo | ours |" in text  # the comparison row and its time breakdown
-
-
-@pytest.mark.slow
-def test_trl_overhead_quick_all(tmp_path):
-    _run("trl_overhead.py", "--quick", "--out", str(tmp_path))
-    report = _load(tmp_path / "trl_overhead.json")
-    assert set(report["results"]) == {"cispo", "sapo", "gspo", "grpo", "chord"}
-    for name in ("cispo", "sapo", "gspo", "grpo"):
-        assert report["results"][name]["equivalence"]["grad_norm_max_rel_diff"] < 1e-2, name
-    chord = report["results"]["chord"]
-    assert chord["ours"]["micro_batch"]["rows"] == chord["trl_same_rows"]["micro_batch"]["rows"]
-    assert {"train_vs_same_rows", "added_train_over_extra_rows_cost"} <= set(chord["ratio"])
-
-
 def test_learning_quick_tiny_tunes_each_method_resumes_and_pairs(tmp_path):
     tiny = [
         "--model",
@@ -262,24 +234,6 @@ def test_prefix_packing_points_parse_with_their_options():
     for bad in ("qwen2.5-1.5b:1024:256", "gpt:1:2:3", "qwen2.5-1.5b:1024:256:8:fast"):
         with pytest.raises(ValueError):
             parse_point(bad)
-
-
-def test_demo_profile_on_the_tiny_model(tmp_path, tiny_model_dir):
-    """The demo's own trainer, built from its config with overrides; each phase is timed and the shares add up."""
-    small = ["num_train_rows=8", "num_eval_rows=4", "eval_batch_size=4", "eval_max_new_tokens=4"]
-    small += ["max_completion_length=4", "num_expert_rows=8", "lora_r=4", "lora_alpha=8"]
-    sets = [arg for pair in zip(["--set"] * 9, [f"model_name_or_path={tiny_model_dir}", *small]) for arg in pair]
-    _run("demo_profile.py", *sets, "--warmup", "0", "--steps", "1", "--label", "t", "--out", str(tmp_path))
-    report = _load(tmp_path / "demo_profile-t.json")
-    _check_machine(report)
-    assert report["eval"]["rows"] == 4 and report["gradient_checkpointing"] is False  # the CPU default
-    for part in ("eval", "step"):
-        phases = {row["phase"]: row for row in report[part]["phases"]}
-        assert abs(sum(row["share"] for row in phases.values()) - 1.0) < 1e-6, part
-    assert {"backward", "optimizer step", "loss/log-prob helper/forward"} <= set(phases)
-    assert set(report["lora"]) == {"train shape (4 x prompt+40)", "decode shape (20 x 1 token)"}  # 4 held-out rows
-    assert all(v["lora_cpu_s"] > 0 and v["plain_cpu_s"] > 0 for v in report["lora"].values())
-    assert "## One training step" in (tmp_path / "demo_profile-t.md").read_text()
 
 
 # what benchmarks/README.md states of the study's default (paired) setting and of its full setting (--full)
