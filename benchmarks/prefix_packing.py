@@ -71,12 +71,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
+import harness
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
 #: the CPU grid's targets (issue 34; the `train` column, tiny model)
@@ -228,38 +228,31 @@ def fixed_rollout(spec: dict, tokenizer):
 
 
 # ------------------------------------------------------------------------------------- worker
-def worker(spec_path: str) -> int:
-    """Train the runs described by the JSON spec (one per side in ``spec["sides"]``, in this one process);
-    write ``{side: measurements}`` to ``spec["result"]`` (or the error to ``spec["result"] + ".error"``)."""
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        import torch
+def work(spec: dict) -> dict:
+    """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (its path and description),
+    or train the runs of ``spec["sides"]`` one after the other (``{side: measurements}``)."""
+    import torch
 
-        torch.set_num_threads(spec["threads"])
-        warnings.filterwarnings("ignore")
-        import transformers
+    torch.set_num_threads(spec["threads"])
+    warnings.filterwarnings("ignore")
+    import transformers
 
-        transformers.logging.set_verbosity_error()
-        if spec.get("make_model"):
-            path, description = make_model(spec["make_model"], spec)
-            Path(spec["result"]).write_text(json.dumps({"path": path, "description": description}))
-            return 0
-        results = {}
-        for side in spec["sides"]:
-            own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
-            if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
-                own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
-            elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
-                own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
-            results[side] = train_side(own)
-            gc.collect()
-            if spec["device"] == "cuda":
-                torch.cuda.empty_cache()
-        Path(spec["result"]).write_text(json.dumps(results))
-    except BaseException:
-        Path(spec["result"] + ".error").write_text(traceback.format_exc())
-        raise
-    return 0
+    transformers.logging.set_verbosity_error()
+    if spec.get("make_model"):
+        path, description = make_model(spec["make_model"], spec)
+        return {"path": path, "description": description}
+    results = {}
+    for side in spec["sides"]:
+        own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
+        if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
+            own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+        elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
+            own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
+        results[side] = train_side(own)
+        gc.collect()
+        if spec["device"] == "cuda":
+            torch.cuda.empty_cache()
+    return results
 
 
 def has_token_budget() -> bool:
@@ -764,76 +757,29 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- driver
 class Runner:
-    """Runs worker processes: forked from a server that imported the libraries (``multiprocessing``'s forkserver; on
-    CUDA, where it saves each run the imports), or spawned from scratch (``subprocess``). Each run is a fresh
-    process; one that does not finish within ``timeout`` seconds is killed."""
+    """Runs `work` in fresh processes through `harness.Launcher`: forked from a server that imported the libraries
+    (on CUDA it saves each run the imports), or spawned from scratch; one that does not finish within ``timeout``
+    seconds is stopped (`subprocess.TimeoutExpired`), one that fails raises `RuntimeError`."""
 
-    PRELOAD = ["bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers"]
+    PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 
     def __init__(self, tmp: Path, timeout: float, fork: bool):
-        self.tmp, self.timeout, self.fork = tmp, timeout, fork
-        self.index = 0
-        self.context = None
-        self.forked_once = False
-        if fork:
-            import multiprocessing
-
-            # the server must not initialise CUDA (a forked child could not use it): NVML answers is_available()
-            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-            self.context = multiprocessing.get_context("forkserver")
-            self.context.set_forkserver_preload(self.PRELOAD)
+        self.tmp, self.timeout, self.index = tmp, timeout, 0
+        self.launcher = harness.Launcher(self.PRELOAD if fork else ())
 
     def run(self, spec: dict) -> dict:
         self.index += 1
-        spec = dict(
-            spec, output_dir=str(self.tmp / f"out{self.index}"), result=str(self.tmp / f"result{self.index}.json")
+        spec = dict(spec, output_dir=str(self.tmp / f"out{self.index}"))
+        label = f"{spec.get('point', spec.get('make_model', ''))}/{'+'.join(spec.get('sides', []))}"
+        result = self.launcher.run(
+            harness.Side(label, "prefix_packing:work", spec, timeout_s=self.timeout), self.timeout
         )
-        path = self.tmp / f"spec{self.index}.json"
-        path.write_text(json.dumps(spec))
-        if self.context is not None:
-            returncode, stderr = self._fork(path, spec)
-            if returncode != 0 and not self.forked_once:  # forking does not work here: spawn from now on
-                print(
-                    f"[runner] a forked run failed before any succeeded; spawning instead:\n{stderr[-1500:]}",
-                    flush=True,
-                )
-                self.context = None
-            else:
-                self.forked_once = self.forked_once or returncode == 0
-        if self.context is None:
-            proc = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-            )
-            returncode, stderr = proc.returncode, proc.stderr
-        if returncode != 0 or not Path(spec["result"]).is_file():
-            label = spec.get("point", spec.get("make_model", ""))
-            raise RuntimeError(
-                f"run {label}/{'+'.join(spec.get('sides', []))} failed (rc {returncode}):\n{stderr[-4000:]}"
-            )
-        return json.loads(Path(spec["result"]).read_text())
-
-    def _fork(self, path: Path, spec: dict) -> tuple[int, str]:
-        error = Path(spec["result"] + ".error")
-        process = self.context.Process(target=_forked_worker, args=(str(path),))
-        process.start()
-        process.join(self.timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(f"worker {self.index}", self.timeout)
-        return process.exitcode, error.read_text() if error.is_file() else ""
-
-
-def _forked_worker(spec_path: str) -> None:
-    code = worker(spec_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        raise SystemExit(code)
+        if result.get("timed_out"):
+            raise subprocess.TimeoutExpired(f"run {label}", self.timeout)
+        if "error" in result:
+            raise RuntimeError(f"run {label} failed ({result['error']}):\n{result['output_tail']}")
+        result.pop("process_wall_s", None)
+        return result
 
 
 def make_model(name: str, spec: dict) -> tuple[str, str]:
@@ -1301,7 +1247,7 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "config": {
             k: v
             for k, v in vars(args).items()
-            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
+            if k not in ("out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
         },
         "model_descriptions": descriptions,
         "parameters_by_model": parameters,
@@ -1325,7 +1271,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--point-set",
@@ -1416,8 +1361,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args.worker)
     points = settle(args, parser)
     started, load_start = time.perf_counter(), bc.loadavg()
     state = Measured(args, argv, started, load_start)
