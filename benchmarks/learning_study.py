@@ -38,6 +38,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
@@ -157,47 +158,20 @@ def planned_runs(plan: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------ training
-def lora_config(plan: dict):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=plan["lora_r"], lora_alpha=2 * plan["lora_r"], target_modules="all-linear", task_type="CAUSAL_LM"
+def _namespace(plan: dict) -> SimpleNamespace:
+    """The fields ``learning.py``'s helpers read."""
+    return SimpleNamespace(
+        lora_r=plan["lora_r"],
+        device="cpu",
+        bf16=False,
+        val_rows=plan["val_rows"],
+        prompt_style=plan["prompt_style"],
     )
 
 
-def validation_set(plan: dict, data: dict):
-    """``plan["val_rows"]`` training-split problems that are neither RL prompts nor demonstrations, the templates
-    taking turns (for choosing the learning rate; the held-out split is never used for it)."""
-    from datasets import Dataset
-
-    from trinity_trl.data.arithmetic import TEMPLATES, make_problems
-
-    count = plan["val_rows"]
-    used = {_text(p) for p in data["train"]["prompt"]} | {_text(p) for p in data["expert"]["prompt"]}
-    pool = make_problems("train", 4 * count + 40, 2, prompt_style=plan["prompt_style"])
-    by_kind = {k: [r for r in pool if r["kind"] == k and _text(r["prompt"]) not in used] for k in TEMPLATES}
-    rows = [by_kind[k][i] for i in range(4 * count) for k in TEMPLATES if i < len(by_kind[k])]
-    if len(rows) < count:
-        raise ValueError(f"only {len(rows)} validation problems apart from the training rows")
-    return Dataset.from_list(rows[:count])
-
-
-def timed_generation(trainer, seconds: list[float]) -> None:
-    """Add the CPU seconds of each of ``trainer``'s rollout generations (TRL's single-turn generation) to
-    ``seconds[0]`` (the trainer's own method, wrapped on this instance only)."""
-    generate = trainer._generate_single_turn
-
-    def timed(*a, **kw):
-        cpu = time.process_time()
-        try:
-            return generate(*a, **kw)
-        finally:
-            seconds[0] += time.process_time() - cpu
-
-    trainer._generate_single_turn = timed
-
-
 def task_data(plan: dict) -> dict:
+    from learning import validation_set
+
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
     data = {
@@ -208,7 +182,7 @@ def task_data(plan: dict) -> dict:
         ),
     }
     data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
-    data["val"] = validation_set(plan, data)
+    data["val"] = validation_set(_namespace(plan), data)
     return data
 
 
@@ -251,21 +225,9 @@ def _text(completion) -> str:
 
 
 def _common(plan: dict, seed: int, lr: float, steps: int, output_dir: str) -> dict:
-    return {
-        "output_dir": output_dir,
-        "use_cpu": True,
-        "bf16": False,
-        "activation_checkpointing": False,
-        "max_steps": steps,
-        "learning_rate": lr,
-        "lr_scheduler_type": "constant",
-        "report_to": "none",
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "seed": seed,
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-    }
+    from learning import common_config
+
+    return common_config(_namespace(plan), seed, output_dir, steps, lr)
 
 
 def _rl(plan: dict) -> dict:
@@ -279,6 +241,8 @@ def _rl(plan: dict) -> dict:
 
 
 def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
+    from learning import lora_config
+
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import ChordConfig, ChordTrainer
 
@@ -291,17 +255,21 @@ def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: 
         args=config,
         train_dataset=data["train"],
         expert_dataset=data["expert"],
-        peft_config=lora_config(plan),
+        peft_config=lora_config(_namespace(plan)),
     )
 
 
 def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
+    from learning import lora_config
+
     from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
 
     config = TrinitySFTConfig(
         **_common(plan, seed, lr, sft_steps(plan), output_dir), per_device_train_batch_size=plan["sft_rows_per_step"]
     )
-    return TrinitySFTTrainer(model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(plan))
+    return TrinitySFTTrainer(
+        model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(_namespace(plan))
+    )
 
 
 def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
@@ -322,6 +290,7 @@ def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict,
 def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset: int = 0) -> dict:
     """Train, scoring the probe problems after each stage step in ``probes`` (stage step -> global step); CPU and
     wall seconds of training (without the probes) and of generation, per-step logs."""
+    from learning import timed_generation
     from transformers import PrinterCallback, TrainerCallback
 
     trainer.remove_callback(PrinterCallback)
