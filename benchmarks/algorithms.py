@@ -162,119 +162,52 @@ def batch_inputs(batch: int, length: int, group_size: int, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- components
-def bench_policy_losses(base: dict, reps: int, warmup: int) -> tuple[dict, dict]:
-    from trinity_trl.algorithms import POLICY_LOSS_FN
-
+def bench_components(label: str, registry, call, base: dict, reps: int, warmup: int, **fixed):
+    """Every component of ``registry``, built with its default arguments (and ``fixed``): ``call(fn, inputs)``
+    (its loss) timed without gradients, and with its backward on fresh inputs. A policy loss (``label``
+    ``"policy loss"``) is timed on fresh inputs both ways and must give a loss to differentiate. A component whose
+    inputs do not fit is listed in ``skipped`` with why."""
+    policy = label == "policy loss"
     results, skipped = {}, {}
-    for name in POLICY_LOSS_FN.names():
-        cls = POLICY_LOSS_FN.get(name)
+    for name in registry.names():
+        cls = registry.get(name)
+        args = {**cls.default_args(), **fixed}
         try:
-            fn = cls(**cls.default_args())
-            state = {}
+            fn = cls(**args)
 
-            def forward(fn=fn, state=state):
-                state["inputs"] = loss_inputs(base)
+            def forward(fn=fn):
                 with torch.no_grad():
-                    fn.evaluate(**state["inputs"])
+                    call(fn, loss_inputs(base) if policy else base)
 
             def forward_backward(fn=fn):
-                loss, _ = fn.evaluate(**loss_inputs(base))
-                loss.backward()
+                loss = call(fn, loss_inputs(base))
+                if policy or (isinstance(loss, torch.Tensor) and loss.requires_grad):
+                    loss.backward()
 
             forward_backward()  # fails here (and is skipped) if the inputs do not fit
             results[name] = {
                 "forward": time_call(forward, reps, warmup),
                 "forward_backward": time_call(forward_backward, reps, warmup),
-                "args": cls.default_args(),
+                "args": args,
             }
         except Exception as err:  # noqa: BLE001 (reported, not hidden)
             skipped[name] = f"{type(err).__name__}: {err}"
-        print(f"policy loss {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
+        print(f"{label} {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
     return results, skipped
 
 
-def bench_kl(base: dict, reps: int, warmup: int) -> tuple[dict, dict]:
-    from trinity_trl.algorithms import KL_FN
-
-    results, skipped = {}, {}
-    for name in KL_FN.names():
-        cls = KL_FN.get(name)
-        try:
-            fn = cls(**cls.default_args())
-
-            def forward_backward(fn=fn):
-                inputs = loss_inputs(base)
-                loss, _ = fn.calculate_kl_loss(
-                    inputs["logprob"],
-                    inputs["ref_logprob"],
-                    inputs["action_mask"],
-                    "token-mean",
-                    old_logprob=inputs["old_logprob"],
-                )
-                if loss.requires_grad:
-                    loss.backward()
-
-            def forward(fn=fn):
-                with torch.no_grad():
-                    fn.calculate_kl_loss(
-                        base["logprob"],
-                        base["ref_logprob"],
-                        base["action_mask"],
-                        "token-mean",
-                        old_logprob=base["old_logprob"],
-                    )
-
-            forward_backward()
-            results[name] = {
-                "forward": time_call(forward, reps, warmup),
-                "forward_backward": time_call(forward_backward, reps, warmup),
-                "args": cls.default_args(),
-            }
-        except Exception as err:  # noqa: BLE001
-            skipped[name] = f"{type(err).__name__}: {err}"
-        print(f"KL {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
-    return results, skipped
+def policy_loss_of(fn, inputs: dict):
+    return fn.evaluate(**inputs)[0]
 
 
-def bench_entropy(base: dict, reps: int, warmup: int) -> tuple[dict, dict]:
-    from trinity_trl.algorithms import ENTROPY_LOSS_FN
+def kl_loss_of(fn, inputs: dict):
+    keys = ("logprob", "ref_logprob", "action_mask")
+    return fn.calculate_kl_loss(*(inputs[k] for k in keys), "token-mean", old_logprob=inputs["old_logprob"])[0]
 
-    results, skipped = {}, {}
-    for name in ENTROPY_LOSS_FN.names():
-        cls = ENTROPY_LOSS_FN.get(name)
-        try:
-            fn = cls(**{**cls.default_args(), "entropy_coef": 0.001})
 
-            def forward_backward(fn=fn):
-                inputs = loss_inputs(base)
-                loss, _ = fn(
-                    entropy=inputs["entropy"],
-                    action_mask=inputs["action_mask"],
-                    expert_mask=inputs["expert_mask"],
-                    loss_agg_mode="token-mean",
-                )
-                if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                    loss.backward()
-
-            def forward(fn=fn):
-                with torch.no_grad():
-                    fn(
-                        entropy=base["entropy"],
-                        action_mask=base["action_mask"],
-                        expert_mask=base["expert_mask"],
-                        loss_agg_mode="token-mean",
-                    )
-
-            forward_backward()
-            results[name] = {
-                "forward": time_call(forward, reps, warmup),
-                "forward_backward": time_call(forward_backward, reps, warmup),
-                "args": {**cls.default_args(), "entropy_coef": 0.001},
-            }
-        except Exception as err:  # noqa: BLE001
-            skipped[name] = f"{type(err).__name__}: {err}"
-        print(f"entropy {name}: {_short(results.get(name), skipped.get(name))}", flush=True)
-    return results, skipped
+def entropy_loss_of(fn, inputs: dict):
+    keys = ("entropy", "action_mask", "expert_mask")
+    return fn(**{k: inputs[k] for k in keys}, loss_agg_mode="token-mean")[0]
 
 
 def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
@@ -526,9 +459,14 @@ def main(argv=None) -> int:
 
     base = token_batch(args.batch, args.length, args.seed)
     results, skipped = {}, {}
-    results["policy_loss"], skipped["policy_loss"] = bench_policy_losses(base, args.reps, args.warmup)
-    results["kl"], skipped["kl"] = bench_kl(base, args.reps, args.warmup)
-    results["entropy"], skipped["entropy"] = bench_entropy(base, args.reps, args.warmup)
+    from trinity_trl.algorithms import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
+
+    for key, label, registry, call, fixed in (
+        ("policy_loss", "policy loss", POLICY_LOSS_FN, policy_loss_of, {}),
+        ("kl", "KL", KL_FN, kl_loss_of, {}),
+        ("entropy", "entropy", ENTROPY_LOSS_FN, entropy_loss_of, {"entropy_coef": 0.001}),
+    ):
+        results[key], skipped[key] = bench_components(label, registry, call, base, args.reps, args.warmup, **fixed)
     results["advantage"], skipped["advantage"] = bench_advantages(args, (args.batch, args.length))
     model = bench_model(args)
 

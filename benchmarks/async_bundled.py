@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # noqa: E402
+import harness  # noqa: E402
 
 RUNS = ("cispo", "sapo", "gspo", "chord_mu", "chord_phi", "step_grpo")
 
@@ -121,12 +122,20 @@ def one_run(name: str, args, work: str) -> dict:
     }
 
 
-def run_one(name: str, args, work: str) -> dict:
+def side_sample(spec: dict) -> dict:
+    """`one_run` in a `harness` side's fresh process."""
+    return one_run(spec["name"], argparse.Namespace(**spec), spec["work"])
+
+
+def run_one(name: str, args, work: str, launcher: harness.Launcher) -> dict:
     """One algorithm in a fresh process (the machine's load recorded before it)."""
-    command = [sys.executable, __file__, "--one", name, "--work", work, *args.passthrough]
-    return bench_common.result_of_process(
-        command, args.timeout, {"run": name, "loadavg_before": bench_common.loadavg()}
-    )
+    record = {"run": name, "loadavg_before": bench_common.loadavg()}
+    spec = {"name": name, "work": work, "steps": args.steps, "completion": args.completion, "dry_run": args.dry_run}
+    sample = launcher.run(harness.Side(name, "async_bundled:side_sample", spec, timeout_s=args.timeout), args.timeout)
+    sample.pop("process_wall_s", None)
+    if "error" in sample:
+        return {**record, "error": f"{sample['error']}\n{sample.get('output_tail', '')}"}
+    return {**record, **sample}
 
 
 def markdown(report: dict) -> str:
@@ -180,21 +189,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="the tiny random model instead of the bundled one")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--name", default=None)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.passthrough = ["--steps", str(args.steps), "--completion", str(args.completion)]
-    if args.dry_run:
-        args.passthrough.append("--dry-run")
-    if args.one:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        print("RESULT " + json.dumps(one_run(args.one, args, args.work)), flush=True)
-        return
+    launcher = harness.Launcher()
     start, load_start = time.perf_counter(), bench_common.loadavg()
     with tempfile.TemporaryDirectory() as work:
         runs = []
         for name in args.only or RUNS:
-            runs.append(run_one(name, args, work))
+            runs.append(run_one(name, args, work, launcher))
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "error"}), flush=True)
             if "error" in runs[-1]:
                 print(runs[-1]["error"], file=sys.stderr)

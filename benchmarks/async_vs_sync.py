@@ -12,13 +12,14 @@ asynchronous side batches a fixed number of samples, `token_budget=0`), learning
 (`max_staleness` 4). Both sides generate with transformers (`model.generate`): the synchronous trainer, then trains;
 the asynchronous trainer's worker thread generates the next groups while the trainer trains.
 
-Each run is a fresh process (`--one sync|async`); a round runs both sides, alternating which goes first, so the two
-sides of a round share the machine's load. Per run: `train_s` (wall seconds of `trainer.train()` to `--steps`
-optimizer steps), `generated_tokens` (completion tokens the reward function saw), `trained_tokens` (completion tokens
-in the loss: all generated ones synchronously; asynchronously the `batch/trained_tokens_per_step` TRL logs),
-`trained_tokens_per_s`, `staleness_mean` (optimizer steps between the weights that generated a trained sample and the
-weights it trained; 0 synchronously) and the per-step mean reward. Writes `results/async_vs_sync*.json|md`: medians
-(min-max) over rounds and the async/sync ratios of each round, with the machine and the load average before each run.
+Each run is a fresh process (`harness.Launcher`; on CPU one torch thread, the CPU default); a round runs both sides,
+alternating which goes first, so the two sides of a round share the machine's load. Per run: `train_s` (wall seconds
+of `trainer.train()` to `--steps` optimizer steps), `generated_tokens` (completion tokens the reward function saw),
+`trained_tokens` (completion tokens in the loss: all generated ones synchronously; asynchronously the
+`batch/trained_tokens_per_step` TRL logs), `trained_tokens_per_s`, `staleness_mean` (optimizer steps between the
+weights that generated a trained sample and the weights it trained; 0 synchronously) and the per-step mean reward.
+Writes `results/async_vs_sync*.json|md`: medians (min-max) over rounds and the async/sync ratios of each round, with
+the machine and the load average before each run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import tempfile
 import time
 
 import bench_common
+import harness
 
 RESULTS = bench_common.ROOT / "benchmarks" / "results"
 
@@ -131,12 +133,26 @@ def one_run(side: str, args, work: str) -> dict:
     }
 
 
-def run_side(side: str, args, work: str) -> dict:
-    """One side in a fresh process (the machine's load recorded before it)."""
-    command = [sys.executable, __file__, "--one", side, "--work", work, *args.passthrough]
-    return bench_common.result_of_process(
-        command, args.timeout, {"side": side, "loadavg_before": bench_common.loadavg()}
-    )
+CONFIG = ("algorithm", "model", "device", "steps", "prompts", "generations", "completion", "lora", "seed")
+
+
+def side_sample(spec: dict) -> dict:
+    """`one_run` in a `harness` side's fresh process."""
+    return one_run(spec["side"], argparse.Namespace(**spec), spec["work"])
+
+
+def run_side(side: str, args, work: str, launcher: harness.Launcher) -> dict:
+    """One side in a fresh process (the machine's load recorded before it). On CUDA the process keeps the torch
+    threads it would get alone (``OMP_NUM_THREADS`` as set, else one per core)."""
+    record = {"side": side, "loadavg_before": bench_common.loadavg()}
+    spec = {**{k: getattr(args, k) for k in CONFIG}, "side": side, "work": work}
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
+    run = harness.Side(side, "async_vs_sync:side_sample", spec, threads if args.device == "cuda" else {}, args.timeout)
+    sample = launcher.run(run, args.timeout)
+    sample.pop("process_wall_s", None)
+    if "error" in sample:
+        return {**record, "error": f"{sample['error']}\n{sample.get('output_tail', '')}"}
+    return {**record, **sample}
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -240,31 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", default=None, help="results file name (default async_vs_sync[_<device>])")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the Markdown of a results file")
-    parser.add_argument("--one", choices=["sync", "async"], help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dry_run:
         args.model, args.steps, args.repeats, args.completion = "tiny", 2, 1, 8
-    if args.one:
-        print("RESULT " + json.dumps(one_run(args.one, args, args.work)), flush=True)
-        return 0
     if args.report_only:
         with open(args.report_only) as f:
             report = json.load(f)
         with open(os.path.splitext(args.report_only)[0] + ".md", "w") as f:
             f.write(markdown(report))
         return 0
-    args.passthrough = [
-        f"--algorithm={args.algorithm}",
-        f"--model={args.model}",
-        f"--device={args.device}",
-        f"--steps={args.steps}",
-        f"--prompts={args.prompts}",
-        f"--generations={args.generations}",
-        f"--completion={args.completion}",
-        f"--seed={args.seed}",
-        *([] if args.lora else ["--no-lora"]),
-    ]
+    launcher = harness.Launcher()
     started, load_start = time.time(), bench_common.loadavg()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as work:
@@ -273,15 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             order = ("sync", "async") if i % 2 == 0 else ("async", "sync")
             record = {"first": order[0]}
             for side in order:
-                record[side] = run_side(side, args, work)
+                record[side] = run_side(side, args, work, launcher)
                 print(f"round {i + 1} {side}: {record[side].get('train_s', record[side].get('error'))}", flush=True)
             rounds.append(record)
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "config": {
-            k: getattr(args, k)
-            for k in ("algorithm", "model", "device", "steps", "prompts", "generations", "completion", "lora", "seed")
-        },
+        "config": {k: getattr(args, k) for k in CONFIG},
         "machine": bench_common.machine_description(args.device),
         "rounds": rounds,
         "summary": summarise(rounds),

@@ -186,23 +186,6 @@ def save_random_qwen2(
     return str(path)
 
 
-# -------------------------------------------------------------------------------------- processes
-def result_of_process(command: list[str], timeout: float, record: dict) -> dict:
-    """Run ``command`` (a benchmark's own one-run mode, which prints its result as one ``RESULT <json>`` line) and
-    return ``record`` with that result's keys added, or with ``error``: the timeout, or the end of its stderr."""
-    import json
-    import subprocess
-
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**record, "error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {**record, "error": proc.stderr[-3000:]}
-    return {**record, **json.loads(lines[-1][len("RESULT ") :])}
-
-
 # --------------------------------------------------------------------------------------- reports
 def write_report(out_dir: str | os.PathLike, name: str, report: dict, markdown: str) -> None:
     """Write ``<name>.json`` and ``<name>.md`` to ``out_dir``, print the Markdown and where both went."""

@@ -499,7 +499,27 @@ def markdown(summary: dict) -> str:
     for name in summary["requested_parts"]:
         p = parts.get(name, {"status": "not run yet"})
         lines.append(f"| {name} | {p['status']} | {fmt(p.get('wall_s'), '.0f')} | {fmt(p.get('budget_s'), '.0f')} |")
-    profile = parts.get("profile")
+    lines += profile_lines(parts.get("profile")) + tests_lines(parts.get("tests")) + bench_lines(summary)
+    trainers = parts.get("trainers")
+    if trainers:
+        lines += ["", "Trainers, 2 steps with packing auto:", ""]
+        for r in trainers["trainers"]:
+            ratios = r.get("forwarded_token_ratio") or []
+            lines.append(
+                f"- {r['trainer']}: {'ok' if r['ok'] else 'FAILED'}"
+                + (f", losses {[round(x, 4) for x in r.get('losses', [])]}" if r.get("losses") else "")
+                + (f", forwarded-token ratios {[round(x, 2) for x in ratios][:4]}" if ratios else "")
+                + (f": {r['error'][:200]}" if r.get("error") else "")
+            )
+    for name in summary["requested_parts"]:
+        p = parts.get(name, {})
+        if p.get("log_tail") and p["status"] != "passed":
+            lines += ["", f"Last lines of {name}'s log:", "", "```", *p["log_tail"][-8:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def profile_lines(profile: dict | None) -> list[str]:
+    lines = []
     if profile:
         lines += ["", "Profile (packing_profile_cuda.md has the details):", ""]
         for name, p in profile.get("parts", {}).items():
@@ -524,7 +544,11 @@ def markdown(summary: dict) -> str:
                 + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
                 + (f", ERROR {x['error'][:200]}" if x.get("error") else "")
             )
-    tests = parts.get("tests")
+    return lines
+
+
+def tests_lines(tests: dict | None) -> list[str]:
+    lines = []
     if tests:
         c = tests.get("counts", {})
         lines += [
@@ -535,6 +559,12 @@ def markdown(summary: dict) -> str:
         lines += [f"- {f}" for f in tests.get("failures", [])[:10]]
         for reason, n in list(c.get("skip_reasons", {}).items())[:3]:
             lines.append(f"- skipped x{n}: {reason}")
+    return lines
+
+
+def bench_lines(summary: dict) -> list[str]:
+    """The benchmark parts' table, departures and notes, and issue 42's targets."""
+    parts, lines = summary["parts"], []
     names = ("lora", "small", "accumulation", "bench")
     bench = next((parts[n] for n in names if n in parts and parts[n].get("points")), None)
     if bench:
@@ -588,22 +618,7 @@ def markdown(summary: dict) -> str:
         lines += ["", "Targets (issue 42):", ""]
         for t in summary["targets"]:
             lines.append(f"- {t['point']} {t['metric']}: {fmt(t['value'])} (<= {t['bound']}): {MET[t['met']]}")
-    trainers = parts.get("trainers")
-    if trainers:
-        lines += ["", "Trainers, 2 steps with packing auto:", ""]
-        for r in trainers["trainers"]:
-            ratios = r.get("forwarded_token_ratio") or []
-            lines.append(
-                f"- {r['trainer']}: {'ok' if r['ok'] else 'FAILED'}"
-                + (f", losses {[round(x, 4) for x in r.get('losses', [])]}" if r.get("losses") else "")
-                + (f", forwarded-token ratios {[round(x, 2) for x in ratios][:4]}" if ratios else "")
-                + (f": {r['error'][:200]}" if r.get("error") else "")
-            )
-    for name in summary["requested_parts"]:
-        p = parts.get(name, {})
-        if p.get("log_tail") and p["status"] != "passed":
-            lines += ["", f"Last lines of {name}'s log:", "", "```", *p["log_tail"][-8:], "```"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def auto_log(point: dict) -> str:

@@ -4,7 +4,7 @@
 Each point (a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per micro-batch,
 gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
 ``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")`` (the pair
-``trl_overhead.py`` and the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
+the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
 group's prompt once and no padding.
 
 **Protocol** (issue 42):
@@ -71,12 +71,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
+import harness
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
 #: the CPU grid's targets (issue 34; the `train` column, tiny model)
@@ -228,38 +228,31 @@ def fixed_rollout(spec: dict, tokenizer):
 
 
 # ------------------------------------------------------------------------------------- worker
-def worker(spec_path: str) -> int:
-    """Train the runs described by the JSON spec (one per side in ``spec["sides"]``, in this one process);
-    write ``{side: measurements}`` to ``spec["result"]`` (or the error to ``spec["result"] + ".error"``)."""
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        import torch
+def work(spec: dict) -> dict:
+    """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (its path and description),
+    or train the runs of ``spec["sides"]`` one after the other (``{side: measurements}``)."""
+    import torch
 
-        torch.set_num_threads(spec["threads"])
-        warnings.filterwarnings("ignore")
-        import transformers
+    torch.set_num_threads(spec["threads"])
+    warnings.filterwarnings("ignore")
+    import transformers
 
-        transformers.logging.set_verbosity_error()
-        if spec.get("make_model"):
-            path, description = make_model(spec["make_model"], spec)
-            Path(spec["result"]).write_text(json.dumps({"path": path, "description": description}))
-            return 0
-        results = {}
-        for side in spec["sides"]:
-            own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
-            if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
-                own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
-            elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
-                own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
-            results[side] = train_side(own)
-            gc.collect()
-            if spec["device"] == "cuda":
-                torch.cuda.empty_cache()
-        Path(spec["result"]).write_text(json.dumps(results))
-    except BaseException:
-        Path(spec["result"] + ".error").write_text(traceback.format_exc())
-        raise
-    return 0
+    transformers.logging.set_verbosity_error()
+    if spec.get("make_model"):
+        path, description = make_model(spec["make_model"], spec)
+        return {"path": path, "description": description}
+    results = {}
+    for side in spec["sides"]:
+        own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
+        if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
+            own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+        elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
+            own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
+        results[side] = train_side(own)
+        gc.collect()
+        if spec["device"] == "cuda":
+            torch.cuda.empty_cache()
+    return results
 
 
 def has_token_budget() -> bool:
@@ -301,22 +294,30 @@ def departures(spec: dict, token_budget: bool | None = None) -> list[str]:
 
 def train_side(spec: dict) -> dict:
     """Train one side of a point; return its measurements."""
-    import torch
     from datasets import Dataset
-    from transformers import AutoConfig, AutoTokenizer, TrainerCallback
-
-    cuda = spec["device"] == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     per_step = spec.get("prompts_per_step", 1) * spec.get("accumulation", 1)
     dataset = Dataset.from_dict(
         {"prompt": prompt_texts(tokenizer, spec["prompt_len"], per_step * (spec["steps"] + 2), spec["seed"])}
     )
-    vocab = AutoConfig.from_pretrained(spec["model"]).vocab_size
+    trainer = side_trainer(spec, tokenizer, dataset)
+    probe = SideProbe(spec, trainer)
+    result = probe.train()
+    if spec["side"] == "ours" and probe.first_inputs and spec.get("equivalence"):
+        try:
+            result["equivalence_check"] = check_equivalence(trainer, probe.first_inputs[0], spec)
+        except Exception as err:  # the timings stand; the check reports what broke it
+            result["equivalence_check"] = {"equivalent": False, "error": f"{type(err).__name__}: {err}"[-2000:]}
+    del trainer, probe
+    return result
+
+
+def side_arguments(spec: dict, tokenizer) -> dict:
+    """The training arguments both sides share (TRL's `GRPOConfig` fields)."""
+    from transformers import AutoConfig
+
     common: dict = dict(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec["generations"] * spec.get("prompts_per_step", 1),
@@ -330,26 +331,33 @@ def train_side(spec: dict) -> dict:
         seed=spec["seed"],
         disable_tqdm=True,
     )
-    if not cuda:
+    if spec["device"] != "cuda":
         common.update(use_cpu=True, bf16=False, activation_checkpointing=bool(spec.get("ac")))
     else:
         common["bf16"] = bool(spec["bf16"])
         if spec.get("ac") is False:
             common["activation_checkpointing"] = False
+    vocab = AutoConfig.from_pretrained(spec["model"]).vocab_size
     if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
         common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
     if spec.get("optim"):
         common["optim"] = spec["optim"]
     if spec.get("learning_rate") is not None:
         common["learning_rate"] = spec["learning_rate"]
-    peft = {}
+    return common
+
+
+def side_trainer(spec: dict, tokenizer, dataset):
+    """The side's trainer: ours (`TrinityTrainer`, GRPO as TRL's default loss) or TRL's `GRPOTrainer`."""
+    common = side_arguments(spec, tokenizer)
+    extra = {"rollout_func": fixed_rollout(spec, tokenizer) if spec.get("rollout") == "fixed" else None}
     if spec.get("lora"):
         from peft import LoraConfig
 
-        peft["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **LORA)
-    rollout = fixed_rollout(spec, tokenizer) if spec.get("rollout") == "fixed" else None
+        extra["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **LORA)
     if spec["side"] in OURS:
-        from trinity_trl.trainers import TrinityConfig, TrinityTrainer
+        from trinity_trl.trainers import TrinityConfig as Config
+        from trinity_trl.trainers import TrinityTrainer as Trainer
 
         ours = dict(
             algorithm="grpo",
@@ -362,202 +370,223 @@ def train_side(spec: dict) -> dict:
             ours["prefix_packing_compile"] = True
         if spec.get("accumulation", 1) > 1 and has_token_budget():
             ours["prefix_packing_token_budget"] = None  # its default, named: the point is about it
-        config = TrinityConfig(**ours, **common)
-        trainer = TrinityTrainer(
-            model=spec["model"],
-            reward_funcs=char_reward,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            rollout_func=rollout,
-            **peft,
-        )
+        config = Config(**ours, **common)
     else:
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOConfig as Config
+        from trl import GRPOTrainer as Trainer
 
-        config = GRPOConfig(loss_type="grpo", **common)
-        trainer = GRPOTrainer(
-            model=spec["model"],
-            reward_funcs=char_reward,
-            args=config,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            rollout_func=rollout,
-            **peft,
-        )
+        config = Config(loss_type="grpo", **common)
+    return Trainer(
+        model=spec["model"],
+        reward_funcs=char_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        **extra,
+    )
 
-    steps: list[dict] = []
-    trained = trainer
 
-    def deciding() -> bool:
-        return still_deciding(trained)
+class SideProbe:
+    """Wraps a side's trainer to time its steps, generation and training part (the loss's forward and backward),
+    count its micro-batch and training forwards' layouts, keep auto's verdicts, and measure its memory."""
 
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            sync()
-            steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
+    def __init__(self, spec: dict, trainer):
+        import torch
 
-        def on_step_end(self, args, state, control, **kw):
-            sync()
-            steps[-1]["end"] = time.perf_counter()
-            steps[-1]["deciding"] = deciding()
-            steps[-1]["layouts"] = dict(kernels)  # the layouts of this step's training forwards
-            kernels.clear()
+        self.torch, self.spec, self.trainer = torch, spec, trainer
+        self.cuda = spec["device"] == "cuda"
+        # the training part's time only with --part-timing (syncs around each: they change a host-bound step, so the
+        # headline `train` column is measured without them); its peak memory on CUDA (the allocator's host-side
+        # bookkeeping: no sync)
+        self.part_timing = spec.get("part_timing", False)
+        self.steps: list[dict] = []
+        self.batches: list[dict] = []
+        self.first_inputs: list[dict] = []
+        self.memory = {"base": 0, "overall": 0}
+        self.verdicts: list[str] = []  # auto's log lines (one per shape class decided, and fall-backs)
+        self.kernels: dict[str, int] = {}  # the current step's training forwards, by layout
+        self._time_steps()
+        self._time_generation()
+        self._count_batches()
+        self._time_training_part()
+        if spec["side"] in OURS:
+            self._count_kernels()
 
-    trainer.add_callback(StepTimer())
-    generate = trainer._generate
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
 
-    def timed_generate(*a, **kw):
-        sync()
+    def _time_steps(self) -> None:
+        from transformers import TrainerCallback
+
+        probe = self
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                probe.sync()
+                probe.steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
+
+            def on_step_end(self, args, state, control, **kw):
+                probe.sync()
+                step = probe.steps[-1]
+                step.update(end=time.perf_counter(), deciding=still_deciding(probe.trainer))
+                step["layouts"] = dict(probe.kernels)  # the layouts of this step's training forwards
+                probe.kernels.clear()
+
+        self.trainer.add_callback(StepTimer())
+
+    def _time_generation(self) -> None:
+        generate = self.trainer._generate
+
+        def timed_generate(*a, **kw):
+            self.sync()
+            start = time.perf_counter()
+            out = generate(*a, **kw)
+            self.sync()
+            self.steps[-1]["generation"] += time.perf_counter() - start
+            return out
+
+        self.trainer._generate = timed_generate
+
+    def _count_batches(self) -> None:
+        compute_loss = self.trainer._compute_loss
+
+        def counting_compute_loss(model, inputs):
+            if not self.batches:  # the first micro-batch's shape (reading its mask is a host sync: once only)
+                self.batches.append(
+                    {
+                        "rows": int(inputs["prompt_ids"].shape[0]),
+                        "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
+                        "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
+                    }
+                )
+            return compute_loss(model, inputs)
+
+        self.trainer._compute_loss = counting_compute_loss
+
+    def _timed(self, call, *a, **kw):
+        if self.part_timing:
+            self.sync()
         start = time.perf_counter()
-        out = generate(*a, **kw)
-        sync()
-        steps[-1]["generation"] += time.perf_counter() - start
+        out = call(*a, **kw)
+        if self.part_timing:
+            self.sync()
+            self.steps[-1]["train_part"] += time.perf_counter() - start
         return out
 
-    trainer._generate = timed_generate
-    compute_loss = trainer._compute_loss
-    batches: list[dict] = []
+    def _time_training_part(self) -> None:
+        torch, cuda, memory = self.torch, self.cuda, self.memory
+        compute_loss, backward = self.trainer.compute_loss, self.trainer.accelerator.backward
 
-    def counting_compute_loss(model, inputs):
-        if not batches:  # the first micro-batch's shape (reading its mask is a host sync: once only)
-            batches.append(
-                {
-                    "rows": int(inputs["prompt_ids"].shape[0]),
-                    "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
-                    "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
-                }
-            )
-        return compute_loss(model, inputs)
+        def timed_compute_loss(model, inputs, *a, **kw):
+            if not self.first_inputs and self.spec.get("equivalence"):
+                self.first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+            if cuda:
+                memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+                memory["base"] = torch.cuda.memory_allocated()
+            return self._timed(compute_loss, model, inputs, *a, **kw)
 
-    trainer._compute_loss = counting_compute_loss
-    # the training part: the loss's forward (compute_loss) and its backward. Its peak memory on CUDA (the allocator's
-    # host-side bookkeeping: no sync); its time only with --part-timing (syncs around each: they change a host-bound
-    # step, so the headline `train` column is measured without them)
-    part_timing = spec.get("part_timing", False)
-    first_inputs: list[dict] = []
-    memory = {"base": 0, "overall": 0}
-    compute_loss_public = trainer.compute_loss
+        def timed_backward(loss, **kw):
+            self._timed(backward, loss, **kw)
+            if cuda:
+                peak = (torch.cuda.max_memory_allocated() - memory["base"]) / 2**20
+                self.steps[-1]["train_part_peak_mib"] = max(self.steps[-1].get("train_part_peak_mib", 0.0), peak)
 
-    def timed_compute_loss(model, inputs, *a, **kw):
-        if not first_inputs and spec.get("equivalence"):
-            first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-        if part_timing:
-            sync()
-        if cuda:
-            memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-            memory["base"] = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        out = compute_loss_public(model, inputs, *a, **kw)
-        if part_timing:
-            sync()
-            steps[-1]["train_part"] += time.perf_counter() - start
-        return out
+        self.trainer.compute_loss = timed_compute_loss
+        self.trainer.accelerator.backward = timed_backward
 
-    trainer.compute_loss = timed_compute_loss
-    backward = trainer.accelerator.backward
-
-    def timed_backward(loss, **kw):
-        if part_timing:
-            sync()
-        start = time.perf_counter()
-        backward(loss, **kw)
-        if part_timing:
-            sync()
-            steps[-1]["train_part"] += time.perf_counter() - start
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() - memory["base"]
-            steps[-1]["train_part_peak_mib"] = max(steps[-1].get("train_part_peak_mib", 0.0), peak / 2**20)
-
-    trainer.accelerator.backward = timed_backward
-    verdicts: list[str] = []  # auto's log lines (one per shape class decided, and fall-backs)
-
-    class Verdicts(logging.Handler):
-        def emit(self, record):
-            message = record.getMessage()
-            if "prefix packing" in message:
-                verdicts.append(message)
-
-    handler = Verdicts(level=logging.INFO)
-    logging.getLogger("trinity_trl").addHandler(handler)
-    kernels: dict[str, int] = {}  # the current step's training forwards, by layout
-    if spec["side"] in OURS:  # which kernel each training forward ran ("padded": TRL's rows)
-        packing = trainer.prefix_packing.logps_and_entropies
+    def _count_kernels(self) -> None:
+        """Which kernel each training forward ran ("padded": TRL's rows)."""
+        packing = self.trainer.prefix_packing.logps_and_entropies
 
         def counting_packing(*a, **kw):
             out = packing(*a, **kw)
-            if torch.is_grad_enabled():
+            if self.torch.is_grad_enabled():
                 name = "padded" if out is None else out.kernel
-                kernels[name] = kernels.get(name, 0) + 1
+                self.kernels[name] = self.kernels.get(name, 0) + 1
             return out
 
-        trainer.prefix_packing.logps_and_entropies = counting_packing
+        self.trainer.prefix_packing.logps_and_entropies = counting_packing
 
-    gc.collect()
-    bc.malloc_trim()
-    rss_before = bc.read_status_kb("VmRSS")
-    hwm_reset = (not cuda) and bc.reset_peak_rss()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        cuda_before = torch.cuda.memory_allocated()
-    if spec["side"] == "ours_compiled":
-        from torch._dynamo.utils import counters
+    def train(self) -> dict:
+        """Train (auto's verdicts and the memory watched); the side's measurements."""
+        torch, spec = self.torch, self.spec
+        verdicts = self.verdicts
 
-        counters.clear()
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    trainer.train()
-    sync()
-    wall = time.perf_counter() - wall_start
-    logging.getLogger("trinity_trl").removeHandler(handler)
-    if cuda:
-        memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
-    logs = trainer.state.log_history
-    done = [s for s in steps if "end" in s]
-    result = {
-        "step_s": [s["end"] - s["begin"] for s in done],
-        "deciding": [s["deciding"] for s in done],
-        "train_part_s": [s["train_part"] for s in done] if part_timing else [],
-        "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
-        "auto_log": verdicts,
-        "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
-        "generation_s": [s["generation"] for s in done],
-        "warmup": spec["warmup"],
-        "train_wall_s": wall,
-        "cpu_util": (time.process_time() - cpu_start) / wall if wall > 0 else None,
-        "process_peak_rss_mib": bc.max_rss_mib(),
-        "train_peak_rss_above_start_mib": (
+        class Verdicts(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if "prefix packing" in message:
+                    verdicts.append(message)
+
+        handler = Verdicts(level=logging.INFO)
+        logging.getLogger("trinity_trl").addHandler(handler)
+        gc.collect()
+        bc.malloc_trim()
+        rss_before = bc.read_status_kb("VmRSS")
+        hwm_reset = (not self.cuda) and bc.reset_peak_rss()
+        cuda_before = 0
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            cuda_before = torch.cuda.memory_allocated()
+        if spec["side"] == "ours_compiled":
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        self.trainer.train()
+        self.sync()
+        wall = time.perf_counter() - wall_start
+        logging.getLogger("trinity_trl").removeHandler(handler)
+        result = self.result(wall, time.process_time() - cpu_start)
+        result["train_peak_rss_above_start_mib"] = (
             (bc.read_status_kb("VmHWM") - rss_before) / 1024 if hwm_reset and rss_before is not None else None
-        ),
-        "micro_batch": batches[0] if batches else None,
-        "losses": [e["loss"] for e in logs if "loss" in e],
-        "grad_norms": [e["grad_norm"] for e in logs if "grad_norm" in e],
-        "forwarded_token_ratio": [
-            e["packing/forwarded_token_ratio"] for e in logs if "packing/forwarded_token_ratio" in e
-        ],
-        "forwards_per_step": [e["packing/forwards_per_step"] for e in logs if "packing/forwards_per_step" in e],
-        "parameters": sum(p.numel() for p in trainer.model.parameters()),
-        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-        "loadavg_end": bc.loadavg(),
-        "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
-        "kernels": _total([s.get("layouts", {}) for s in done]),
-        "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
-        "token_budget": has_token_budget() if spec["side"] in OURS else None,
-        "pid": os.getpid(),
-    }
-    if spec["side"] == "ours_compiled":
-        result["compiled"] = compile_counts(trainer)
-    if cuda:
-        result["cuda_peak_above_start_mib"] = (memory["overall"] - cuda_before) / 2**20
-        result["cuda_peak_allocated_mib"] = memory["overall"] / 2**20
-    if spec["side"] == "ours" and first_inputs and spec.get("equivalence"):
-        try:
-            result["equivalence_check"] = check_equivalence(trainer, first_inputs[0], spec)
-        except Exception as err:  # the timings stand; the check reports what broke it
-            result["equivalence_check"] = {"equivalent": False, "error": f"{type(err).__name__}: {err}"[-2000:]}
-    del trainer
-    return result
+        )
+        if self.cuda:
+            self.memory["overall"] = max(self.memory["overall"], torch.cuda.max_memory_allocated())
+            result["cuda_peak_above_start_mib"] = (self.memory["overall"] - cuda_before) / 2**20
+            result["cuda_peak_allocated_mib"] = self.memory["overall"] / 2**20
+        return result
+
+    def result(self, wall: float, cpu: float) -> dict:
+        spec, trainer = self.spec, self.trainer
+        logs = trainer.state.log_history
+        done = [s for s in self.steps if "end" in s]
+
+        def logged(key: str) -> list:
+            return [e[key] for e in logs if key in e]
+
+        result = {
+            "step_s": [s["end"] - s["begin"] for s in done],
+            "deciding": [s["deciding"] for s in done],
+            "train_part_s": [s["train_part"] for s in done] if self.part_timing else [],
+            "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
+            "auto_log": self.verdicts,
+            "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
+            "generation_s": [s["generation"] for s in done],
+            "warmup": spec["warmup"],
+            "train_wall_s": wall,
+            "cpu_util": cpu / wall if wall > 0 else None,
+            "process_peak_rss_mib": bc.max_rss_mib(),
+            "micro_batch": self.batches[0] if self.batches else None,
+            "losses": logged("loss"),
+            "grad_norms": logged("grad_norm"),
+            "forwarded_token_ratio": logged("packing/forwarded_token_ratio"),
+            "forwards_per_step": logged("packing/forwards_per_step"),
+            "parameters": sum(p.numel() for p in trainer.model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "loadavg_end": bc.loadavg(),
+            "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
+            "kernels": _total([s.get("layouts", {}) for s in done]),
+            "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
+            "token_budget": has_token_budget() if spec["side"] in OURS else None,
+            "pid": os.getpid(),
+        }
+        if spec["side"] == "ours_compiled":
+            result["compiled"] = compile_counts(trainer)
+        return result
 
 
 def _total(counts: list[dict]) -> dict:
@@ -728,76 +757,29 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- driver
 class Runner:
-    """Runs worker processes: forked from a server that imported the libraries (``multiprocessing``'s forkserver; on
-    CUDA, where it saves each run the imports), or spawned from scratch (``subprocess``). Each run is a fresh
-    process; one that does not finish within ``timeout`` seconds is killed."""
+    """Runs `work` in fresh processes through `harness.Launcher`: forked from a server that imported the libraries
+    (on CUDA it saves each run the imports), or spawned from scratch; one that does not finish within ``timeout``
+    seconds is stopped (`subprocess.TimeoutExpired`), one that fails raises `RuntimeError`."""
 
-    PRELOAD = ["bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers"]
+    PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 
     def __init__(self, tmp: Path, timeout: float, fork: bool):
-        self.tmp, self.timeout, self.fork = tmp, timeout, fork
-        self.index = 0
-        self.context = None
-        self.forked_once = False
-        if fork:
-            import multiprocessing
-
-            # the server must not initialise CUDA (a forked child could not use it): NVML answers is_available()
-            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-            self.context = multiprocessing.get_context("forkserver")
-            self.context.set_forkserver_preload(self.PRELOAD)
+        self.tmp, self.timeout, self.index = tmp, timeout, 0
+        self.launcher = harness.Launcher(self.PRELOAD if fork else ())
 
     def run(self, spec: dict) -> dict:
         self.index += 1
-        spec = dict(
-            spec, output_dir=str(self.tmp / f"out{self.index}"), result=str(self.tmp / f"result{self.index}.json")
+        spec = dict(spec, output_dir=str(self.tmp / f"out{self.index}"))
+        label = f"{spec.get('point', spec.get('make_model', ''))}/{'+'.join(spec.get('sides', []))}"
+        result = self.launcher.run(
+            harness.Side(label, "prefix_packing:work", spec, timeout_s=self.timeout), self.timeout
         )
-        path = self.tmp / f"spec{self.index}.json"
-        path.write_text(json.dumps(spec))
-        if self.context is not None:
-            returncode, stderr = self._fork(path, spec)
-            if returncode != 0 and not self.forked_once:  # forking does not work here: spawn from now on
-                print(
-                    f"[runner] a forked run failed before any succeeded; spawning instead:\n{stderr[-1500:]}",
-                    flush=True,
-                )
-                self.context = None
-            else:
-                self.forked_once = self.forked_once or returncode == 0
-        if self.context is None:
-            proc = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--worker", str(path)],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-            )
-            returncode, stderr = proc.returncode, proc.stderr
-        if returncode != 0 or not Path(spec["result"]).is_file():
-            label = spec.get("point", spec.get("make_model", ""))
-            raise RuntimeError(
-                f"run {label}/{'+'.join(spec.get('sides', []))} failed (rc {returncode}):\n{stderr[-4000:]}"
-            )
-        return json.loads(Path(spec["result"]).read_text())
-
-    def _fork(self, path: Path, spec: dict) -> tuple[int, str]:
-        error = Path(spec["result"] + ".error")
-        process = self.context.Process(target=_forked_worker, args=(str(path),))
-        process.start()
-        process.join(self.timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(f"worker {self.index}", self.timeout)
-        return process.exitcode, error.read_text() if error.is_file() else ""
-
-
-def _forked_worker(spec_path: str) -> None:
-    code = worker(spec_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        raise SystemExit(code)
+        if result.get("timed_out"):
+            raise subprocess.TimeoutExpired(f"run {label}", self.timeout)
+        if "error" in result:
+            raise RuntimeError(f"run {label} failed ({result['error']}):\n{result['output_tail']}")
+        result.pop("process_wall_s", None)
+        return result
 
 
 def make_model(name: str, spec: dict) -> tuple[str, str]:
@@ -1029,6 +1011,14 @@ def _cell(spread: dict | None, spec: str = ".3f") -> str:
 
 
 def markdown(report: dict) -> str:
+    lines = markdown_header(report) + markdown_table(report)
+    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
+    for point in report["results"]:
+        lines += point_notes(point, report["config"])
+    return "\n".join(lines + target_lines(report) + tail_lines(report))
+
+
+def markdown_header(report: dict) -> list[str]:
     c, m = report["config"], report["machine"]
     cuda = c["device"] == "cuda"
     mem = "CUDA peak allocated above start" if cuda else "peak RSS during train() above start"
@@ -1066,6 +1056,11 @@ def markdown(report: dict) -> str:
         "| kernels (training forwards) | equivalent |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    return lines
+
+
+def markdown_table(report: dict) -> list[str]:
+    lines = []
     rows = [(point["name"], point["comparison"]) for point in report["results"]]
     rows += [
         (point["name"] + " **compiled**", point["compiled"]) for point in report["results"] if point.get("compiled")
@@ -1085,60 +1080,68 @@ def markdown(report: dict) -> str:
             f"| {_cell(r['calibration_s_per_run'], '.2f')} "
             f"| {', '.join(f'{k} x{n}' for k, n in sorted(o.get('kernels', {}).items())) or '-'} | {check} |"
         )
-    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
-    for point in report["results"]:
-        r = point["comparison"]
-        d = r["equivalence"].get("direct") or {}
-        verdicts = r["ours"].get("auto_verdicts")
-        lines.append(f"- **{point['name']}**: {'; '.join(point['departures'])}.")
-        lines.append(
-            "  `auto`: "
-            + (", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-")
-            + (
-                f"; forwards per step {bc.fmt(r['ours']['forwards_per_step'], '.1f')}"
-                if r["ours"].get("forwards_per_step")
-                else ""
-            )
-            + (
-                f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs never decided by their timed steps, "
-                "counted apart: ours / TRL over them "
-                f"{_cell(r.get('train_ratio_undecided_runs'))}"
-                if r["ours"].get("undecided_runs")
-                else ""
-            )
-            + (
-                f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
-                f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
-                f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
-                f"(tol {bc.fmt(d.get('grads_rtol'), '.1e')})"
-                if d.get("logps_rel_l2") is not None
-                else (f". Direct check: {d.get('error') or d.get('reason')}" if d else "")
-            )
-            + "."
+    return lines
+
+
+def point_notes(point: dict, c: dict) -> list[str]:
+    """A point's departures, `auto`'s verdicts, the direct check and each run of ours."""
+    lines = []
+    r = point["comparison"]
+    d = r["equivalence"].get("direct") or {}
+    verdicts = r["ours"].get("auto_verdicts")
+    lines.append(f"- **{point['name']}**: {'; '.join(point['departures'])}.")
+    lines.append(
+        "  `auto`: "
+        + (", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-")
+        + (
+            f"; forwards per step {bc.fmt(r['ours']['forwards_per_step'], '.1f')}"
+            if r["ours"].get("forwards_per_step")
+            else ""
         )
-        for side, comparison in (("ours", r), ("ours compiled", point.get("compiled"))):
-            if not comparison:
-                continue
-            for i, run in enumerate(comparison["ours"].get("per_run", []), start=1):
-                verdicts = run.get("verdicts")
-                verdict = ", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-"
-                layouts = " | ".join(
-                    ", ".join(f"{k} x{n}" for k, n in step.items()) or "-" for step in run["timed_layouts"]
-                )
-                lines.append(
-                    f"  - {side}, repeat {i}: verdict {verdict}; timed steps' layouts [{layouts}]; train "
-                    f"{bc.fmt(run['train_s'])} s{'' if run['decided'] else ' (UNDECIDED: counted apart)'}"
-                )
-            for counts in comparison["ours"].get("compiled", []):
-                lines.append(f"  - compiled layers: {counts}")
-        if c.get("part_timing"):
-            lines.append(
-                "  Training part (loss forward + backward, between syncs): ours "
-                f"{bc.fmt(r['ours']['train_part_s'])} s, "
-                f"TRL {bc.fmt(r['trl']['train_part_s'])} s, ratio {bc.fmt(r['train_part_ratio'])}."
+        + (
+            f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs never decided by their timed steps, "
+            "counted apart: ours / TRL over them "
+            f"{_cell(r.get('train_ratio_undecided_runs'))}"
+            if r["ours"].get("undecided_runs")
+            else ""
+        )
+        + (
+            f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
+            f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
+            f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
+            f"(tol {bc.fmt(d.get('grads_rtol'), '.1e')})"
+            if d.get("logps_rel_l2") is not None
+            else (f". Direct check: {d.get('error') or d.get('reason')}" if d else "")
+        )
+        + "."
+    )
+    for side, comparison in (("ours", r), ("ours compiled", point.get("compiled"))):
+        if not comparison:
+            continue
+        for i, run in enumerate(comparison["ours"].get("per_run", []), start=1):
+            verdicts = run.get("verdicts")
+            verdict = ", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-"
+            layouts = " | ".join(
+                ", ".join(f"{k} x{n}" for k, n in step.items()) or "-" for step in run["timed_layouts"]
             )
-    s = report["summary"]
-    if cuda:
+            lines.append(
+                f"  - {side}, repeat {i}: verdict {verdict}; timed steps' layouts [{layouts}]; train "
+                f"{bc.fmt(run['train_s'])} s{'' if run['decided'] else ' (UNDECIDED: counted apart)'}"
+            )
+        for counts in comparison["ours"].get("compiled", []):
+            lines.append(f"  - compiled layers: {counts}")
+    if c.get("part_timing"):
+        lines.append(
+            "  Training part (loss forward + backward, between syncs): ours "
+            f"{bc.fmt(r['ours']['train_part_s'])} s, "
+            f"TRL {bc.fmt(r['trl']['train_part_s'])} s, ratio {bc.fmt(r['train_part_ratio'])}."
+        )
+    return lines
+
+
+def target_lines(report: dict) -> list[str]:
+    s, lines = report["summary"], []
+    if report["config"]["device"] == "cuda":
         lines += ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
         for t in s.get("cuda_targets", []):
             met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
@@ -1156,6 +1159,11 @@ def markdown(report: dict) -> str:
             f"{TARGETS['short_prompt_train_time_ratio_max']}): "
             f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
         ]
+    return lines
+
+
+def tail_lines(report: dict) -> list[str]:
+    c, lines = report["config"], []
     if report["not_measured"]:
         lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
     if report.get("fewer_repeats"):
@@ -1169,8 +1177,7 @@ def markdown(report: dict) -> str:
         ]
     for f in report.get("failed_points", []):
         lines += ["", f"FAILED {f['point']}: {f['error'][-400:]}"]
-    lines += ["", f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
-    return "\n".join(lines)
+    return lines + ["", f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
 
 
 def summarise(results: list[dict]) -> dict:
@@ -1240,7 +1247,7 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
         "config": {
             k: v
             for k, v in vars(args).items()
-            if k not in ("worker", "out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
+            if k not in ("out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
         },
         "model_descriptions": descriptions,
         "parameters_by_model": parameters,
@@ -1260,11 +1267,10 @@ def write(args, argv, results, missing, parameters, descriptions, started, load_
     bc.write_report(args.out, report["benchmark"], report, markdown(report))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--point-set",
@@ -1349,9 +1355,42 @@ def main(argv=None) -> int:
         default=os.environ.get("OUT") or "benchmarks/results",
         help="directory for the report (default $OUT where set, as on the lent GPU machine, else benchmarks/results)",
     )
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args.worker)
+    points = settle(args, parser)
+    started, load_start = time.perf_counter(), bc.loadavg()
+    state = Measured(args, argv, started, load_start)
+    points = state.resume(points)
+    with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp_name:
+        tmp = Path(tmp_name)
+        runner = Runner(tmp, args.timeout, fork=not args.no_fork and not args.same_process)
+        paths = make_models(args, runner, tmp, points, state.descriptions)
+        runs = {p.key: {side: [] for side in args.sides} for p in points}
+        args.uncounted = []
+        if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
+            warm_compile_cache(args, runner, points[0], paths)
+        failed: set[str] = set()
+        for rep in range(args.repeats):
+            order = list(args.sides) if rep % 2 == 0 else list(args.sides)[::-1]  # ABC, CBA, ...
+            for point in points:
+                if point.key in failed:
+                    continue
+                if not run_repeat(args, runner, point, paths, rep, order, runs[point.key]):
+                    failed.add(point.key)
+                    continue
+                # the report after every repeat of every point: a run stopped early keeps what finished
+                state.write(points, paths, runs)
+        if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
+            write(args, argv, state.results, [], state.parameters, state.descriptions, started, load_start)
+    return 1 if args.failed_points else 0
+
+
+def settle(args, parser) -> list[Point]:
+    """Fill the defaults that depend on the device and the setting, check the options; the points to measure."""
     cuda = args.device == "cuda"
     if args.quick:
         args.points = ["tiny:32:8:4"]
@@ -1403,106 +1442,116 @@ def main(argv=None) -> int:
         parser.error(str(err))
     if args.steps is not None and args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
+    return points
 
-    started, load_start = time.perf_counter(), bc.loadavg()
-    results, parameters, descriptions, commands = [], {}, {}, []
-    args.failed_points = []
-    if args.resume:
+
+def make_models(args, runner, tmp: Path, points: list[Point], descriptions: dict) -> dict:
+    """Each model the points name, saved once (in a worker process); their paths by name."""
+    paths = {}
+    shape = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "intermediate": args.intermediate,
+    }
+    for model in dict.fromkeys(p.model for p in points):
+        made = runner.run(
+            {
+                "make_model": model,
+                "model_dir": str(tmp / f"model_{model}"),
+                "device": args.device,
+                "threads": args.threads,
+                "bf16": args.bf16,
+                "seed": args.seed,
+                "shape": shape,
+            }
+        )
+        paths[model], descriptions[model] = made["path"], made["description"]
+    return paths
+
+
+def warm_compile_cache(args, runner, point: Point, paths: dict) -> None:
+    """One uncounted run of ``ours_compiled`` (recorded under ``uncounted_runs``)."""
+    base = point_spec(args, point, paths[point.model])
+    try:
+        result = runner.run(dict(base, sides=["ours_compiled"]))["ours_compiled"]
+        args.uncounted.append({"point": point.name, "side": "ours_compiled", **run_summary(result)})
+        log_run(point, "ours_compiled (uncounted: warms the compile cache)", -1, args.repeats, result)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        print(f"[{point.name}] the compile-cache run FAILED: {err}", flush=True)
+        args.uncounted.append({"point": point.name, "side": "ours_compiled", "error": str(err)[-2000:]})
+
+
+def run_repeat(args, runner, point: Point, paths: dict, rep: int, order: list[str], runs: dict) -> bool:
+    """One repeat of ``point``, its sides in ``order``; False (the failure recorded) when a run failed."""
+    base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
+    batches = [order] if args.same_process else [[side] for side in order]
+    try:
+        for sides in batches:
+            for side, result in runner.run(dict(base, sides=sides)).items():
+                runs[side].append(result)
+                log_run(point, side, rep, args.repeats, result)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the other points run
+        print(f"[{point.name}] FAILED: {err}", flush=True)
+        args.failed_points.append({"point": point.name, "error": str(err)[-3000:]})
+        return False
+    return True
+
+
+class Measured:
+    """What the report holds: the points measured so far (and those of a resumed report), models and commands."""
+
+    def __init__(self, args, argv, started: float, load_start):
+        self.args, self.argv, self.started, self.load_start = args, argv, started, load_start
+        self.results, self.parameters, self.descriptions = [], {}, {}
+        args.failed_points, args.commands = [], []
+
+    def resume(self, points: list[Point]) -> list[Point]:
+        """With ``--resume``: the earlier report's points kept, the points still to measure."""
+        args = self.args
+        if not args.resume:
+            return points
         earlier = json.loads(Path(args.resume).read_text())
-        results = earlier["results"]
-        parameters, descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
-        commands = earlier.get("commands", [earlier["command"]])
-        done = {r["key"] for r in results}
-        points = [p for p in points if p.key not in done]
+        self.results = earlier["results"]
+        self.parameters, self.descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
+        args.commands = earlier.get("commands", [earlier["command"]])
         args.resumed_wall_s = earlier["total_wall_s"]
-    args.commands = commands
-    memory_key = "cuda_peak_above_start_mib" if cuda else "train_peak_rss_above_start_mib"
-    with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp_name:
-        tmp = Path(tmp_name)
-        runner = Runner(tmp, args.timeout, fork=not args.no_fork and not args.same_process)
-        paths = {}
-        shape = {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "intermediate": args.intermediate,
+        done = {r["key"] for r in self.results}
+        return [p for p in points if p.key not in done]
+
+    def entry(self, point: Point, paths: dict, sides: dict, n: int) -> dict:
+        """The report's entry of a point measured ``n`` times on every side."""
+        memory_key = "cuda_peak_above_start_mib" if self.args.device == "cuda" else "train_peak_rss_above_start_mib"
+        for side_runs in sides.values():
+            for result in side_runs:
+                self.parameters[point.model] = result["parameters"]
+        spec = point_spec(self.args, point, paths[point.model])
+        entry = {
+            "key": point.key,
+            "name": point.name,
+            **dataclasses.asdict(point),
+            "repeats": n,
+            "departures": departures(spec, sides["ours"][0].get("token_budget")),
+            "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
+            "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
         }
-        for model in dict.fromkeys(p.model for p in points):
-            made = runner.run(
-                {
-                    "make_model": model,
-                    "model_dir": str(tmp / f"model_{model}"),
-                    "device": args.device,
-                    "threads": args.threads,
-                    "bf16": args.bf16,
-                    "seed": args.seed,
-                    "shape": shape,
-                }
-            )
-            paths[model], descriptions[model] = made["path"], made["description"]
-        runs = {p.key: {side: [] for side in args.sides} for p in points}
-        failed: set[str] = set()
-        args.uncounted = []
-        if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
-            point = points[0]
-            base = point_spec(args, point, paths[point.model])
-            try:
-                result = runner.run(dict(base, sides=["ours_compiled"]))["ours_compiled"]
-                args.uncounted.append({"point": point.name, "side": "ours_compiled", **run_summary(result)})
-                log_run(point, "ours_compiled (uncounted: warms the compile cache)", -1, args.repeats, result)
-            except (RuntimeError, subprocess.TimeoutExpired) as err:
-                print(f"[{point.name}] the compile-cache run FAILED: {err}", flush=True)
-                args.uncounted.append({"point": point.name, "side": "ours_compiled", "error": str(err)[-2000:]})
-        for rep in range(args.repeats):
-            order = list(args.sides) if rep % 2 == 0 else list(args.sides)[::-1]  # ABC, CBA, ...
-            for point in points:
-                if point.key in failed:
-                    continue
-                base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
-                batches = [order] if args.same_process else [[side] for side in order]
-                try:
-                    for sides in batches:
-                        for side, result in runner.run(dict(base, sides=sides)).items():
-                            runs[point.key][side].append(result)
-                            log_run(point, side, rep, args.repeats, result)
-                except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the other points run
-                    print(f"[{point.name}] FAILED: {err}", flush=True)
-                    args.failed_points.append({"point": point.name, "error": str(err)[-3000:]})
-                    failed.add(point.key)
-                    continue
-                # the report after every repeat of every point: a run stopped early keeps what finished
-                results = [r for r in results if r["key"] != point.key]
-                measured = []
-                for p in points:
-                    sides = runs[p.key]
-                    n = min(len(v) for v in sides.values())
-                    if n == 0:
-                        continue
-                    for side_runs in sides.values():
-                        for result in side_runs:
-                            parameters[p.model] = result["parameters"]
-                    spec = point_spec(args, p, paths[p.model])
-                    entry = {
-                        "key": p.key,
-                        "name": p.name,
-                        **dataclasses.asdict(p),
-                        "repeats": n,
-                        "departures": departures(spec, sides["ours"][0].get("token_budget")),
-                        "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
-                        "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
-                    }
-                    if "ours_compiled" in sides:
-                        entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], memory_key)
-                    measured.append(entry)
-                kept = [r for r in results if r["key"] not in runs]  # resumed points
-                done = {p.name: min(len(v) for v in runs[p.key].values()) for p in points}
-                missing = [name for name, n in done.items() if n == 0]  # not measured at all
-                args.fewer_repeats = {name: n for name, n in done.items() if 0 < n < args.repeats}
-                write(args, argv, kept + measured, missing, parameters, descriptions, started, load_start)
-        if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
-            write(args, argv, results, [], parameters, descriptions, started, load_start)
-    return 1 if args.failed_points else 0
+        if "ours_compiled" in sides:
+            entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], memory_key)
+        return entry
+
+    def write(self, points: list[Point], paths: dict, runs: dict) -> None:
+        """The report of every point measured so far (resumed points kept)."""
+        args = self.args
+        counts = {p.key: min(len(v) for v in runs[p.key].values()) for p in points}
+        measured = [self.entry(p, paths, runs[p.key], counts[p.key]) for p in points if counts[p.key]]
+        kept = [r for r in self.results if r["key"] not in runs]  # resumed points
+        done = {p.name: counts[p.key] for p in points}
+        missing = [name for name, n in done.items() if n == 0]  # not measured at all
+        args.fewer_repeats = {name: n for name, n in done.items() if 0 < n < args.repeats}
+        write(
+            args, self.argv, kept + measured, missing, self.parameters, self.descriptions, self.started, self.load_start
+        )
 
 
 def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -> dict:
