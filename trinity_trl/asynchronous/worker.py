@@ -60,8 +60,8 @@ class GroupScorer:
         reward_func_names: their names (the ``rewards/<name>`` metrics).
         reward_weights: ``(F,)`` weights of the functions.
         estimator: the trainer's advantage estimator (group-level components only; the trainer refuses others);
-            ``None`` where only `rewards` is used (`trinity_trl.asynchronous.multi_step.MultiStepWorker` scores runs
-            with its step-wise component).
+            ``None`` where only `rewards` is used (`trinity_trl.asynchronous.multi_step_worker.MultiStepWorker` scores
+            runs with its step-wise component).
     """
 
     def __init__(

@@ -18,10 +18,10 @@ from ..asynchronous.async_grpo_seams import SampleStream, rollout_sample
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
 from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
-from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
-from .cispo import CISPOFields
+from .chord_trainer import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
+from .cispo_trainer import CISPOFields
 from .config import from_trl_config
-from .sapo import SAPOFields
+from .sapo_trainer import SAPOFields
 from .step_grpo import StepWiseFields, agent_rollout, check_agent_options
 
 
@@ -250,9 +250,9 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
     """[`AsyncTrinityTrainer`][] playing multi-step runs of reset/step environments with step-wise GRPO (see
     [`AsyncStepGRPOConfig`][]): [`StepGRPOTrainer`][] with generation overlapping training.
 
-    Its worker (`trinity_trl.asynchronous.multi_step.MultiStepWorker`) plays `num_generations` runs of a task with the
-    code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward or the agent's return
-    value first, then `reward_funcs` on the final turn), and queues every step as its own sample with its run's
+    Its worker (`trinity_trl.asynchronous.multi_step_worker.MultiStepWorker`) plays `num_generations` runs of a task
+    with the code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward or the agent's
+    return value first, then `reward_funcs` on the final turn), and queues every step as its own sample with its run's
     step-wise advantage.
 
     Args:
@@ -352,7 +352,7 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]]})
 
     def _make_worker(self, *args: Any, **kwargs: Any):
-        from ..asynchronous.multi_step import MultiStepWorker
+        from ..asynchronous.multi_step_worker import MultiStepWorker
 
         return MultiStepWorker(
             *args, rollout=self.environment_rollout, advantage_fn=self.components.advantage_fn, **kwargs

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn, batch_get, group_index
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn, batch_get, group_index
 
 GRPO_STD_CAL_LEVELS = ("group", "batch")
 
