@@ -624,7 +624,7 @@ def test_loss_arguments_under_trl_names_reach_the_loss(tmp_path):
     ],
 )
 def test_algorithms_the_asynchronous_trainers_cannot_run_are_refused(options, message, tmp_path):
-    from trinity_trl.trainers.async_trinity import check_async_components
+    from trinity_trl.trainers.async_config import check_async_components
 
     config = AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path), **options))
     with pytest.raises(ValueError, match=message) as info:
@@ -638,7 +638,7 @@ def test_every_async_grpo_config_field_is_honoured_or_refused():
     from transformers import TrainingArguments
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    from trinity_trl.trainers.async_trinity import ASYNC_REPLACED_FIELDS, VLLM_WORKER_FIELDS
+    from trinity_trl.trainers.async_config import ASYNC_REPLACED_FIELDS, VLLM_WORKER_FIELDS
 
     honoured = {
         "model_init_kwargs": "both models' loading",
@@ -714,7 +714,7 @@ def test_trls_worker_gets_one_picklable_weighted_reward_by_the_rule_of_every_pat
 
     from async_helpers import reward_a, reward_b
 
-    from trinity_trl.trainers.async_trinity import RewardSum
+    from trinity_trl.asynchronous.vllm_rewards import RewardSum
 
     reward = pickle.loads(pickle.dumps(RewardSum([reward_a, reward_b], [1.0, 2.0])))
     # rows: 1 + 2*0.5; neither scored; inf left out: 2*1; 2 (b's None left out)
@@ -728,7 +728,7 @@ def test_the_reward_sum_scores_in_a_process_spawned_as_trls_worker_spawns_it():
 
     from async_helpers import one_score, reward_a, reward_b, score_in_spawned_child
 
-    from trinity_trl.trainers.async_trinity import RewardSum
+    from trinity_trl.asynchronous.vllm_rewards import RewardSum
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

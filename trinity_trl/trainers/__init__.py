@@ -43,7 +43,7 @@ from .trinity import TrinityTrainer
 
 #: the asynchronous trainers (TRL's experimental AsyncGRPOTrainer), imported on first access (PEP 562)
 _ASYNC: dict[str, str] = {
-    "AsyncTrinityConfig": "async_trinity",
+    "AsyncTrinityConfig": "async_config",
     "AsyncTrinityTrainer": "async_trinity",
     "AsyncCISPOConfig": "async_algorithms",
     "AsyncCISPOTrainer": "async_algorithms",

@@ -17,7 +17,8 @@ from ..algorithms.policy_loss import step_sample_weights
 from ..asynchronous.async_grpo_seams import SampleStream, rollout_sample
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
-from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
+from .async_config import AsyncTrinityConfig
+from .async_trinity import AsyncTrinityTrainer
 from .chord_trainer import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
 from .cispo_trainer import CISPOFields
 from .config import from_trl_config
