@@ -632,6 +632,27 @@ def test_algorithms_the_asynchronous_trainers_cannot_run_are_refused(options, me
     assert "\n" not in str(info.value)
 
 
+def test_the_vllm_path_asks_the_advantages_declared_property_never_its_name(tmp_path, monkeypatch):
+    """TRL's vLLM worker computes its own group z-score: the advantage that may run there is the one declaring
+    `equals_trl_group_zscore`, whatever it is called (docs/asynchronous.md#with-vllm)."""
+    from trinity_trl.algorithms.advantage.grpo import GRPOGroupAdvantage
+    from trinity_trl.algorithms.advantage.opmd_advantage import OPMDGroupAdvantage
+    from trinity_trl.trainers.async_config import check_async_components
+
+    def check(algorithm: str) -> None:
+        config = AsyncTrinityConfig(
+            **tiny_async_kwargs(output_dir=str(tmp_path), algorithm=algorithm, generation_backend="vllm")
+        )
+        check_async_components(AsyncTrinityTrainer, config.take_components(), config)
+
+    check("grpo")
+    monkeypatch.setattr(GRPOGroupAdvantage, "equals_trl_group_zscore", property(lambda self: False))
+    with pytest.raises(ValueError, match="at its defaults"):
+        check("grpo")
+    monkeypatch.setattr(OPMDGroupAdvantage, "equals_trl_group_zscore", property(lambda self: True))
+    check("opmd")
+
+
 def test_every_async_grpo_config_field_is_honoured_or_refused():
     """Each of TRL's AsyncGRPOConfig fields (beyond TrainingArguments') is listed here with what honours it; a new
     TRL field fails this test until it is sorted."""

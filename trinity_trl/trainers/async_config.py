@@ -201,10 +201,7 @@ def check_async_components(trainer_cls: type, components: Any, args: AsyncTrinit
                 "(AsyncStepGRPOTrainer plays multi-step runs)"
             )
     if args.generation_backend == "vllm":
-        from ..algorithms import ADVANTAGE_FN
-
-        default = ADVANTAGE_FN.get("grpo").default_args()
-        if not policy.reads_advantages or name != "grpo" or dict(algorithm.advantage.args) != default:
+        if not policy.reads_advantages or advantage is None or not advantage.equals_trl_group_zscore:
             raise ValueError(
                 "generation_backend='vllm' uses TRL's worker, whose advantage is its group z-score of the rewards: "
                 f"the algorithm's advantage must be 'grpo' at its defaults (got {name!r} with "

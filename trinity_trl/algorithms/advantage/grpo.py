@@ -155,6 +155,11 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
     def uses_batch_statistics(self) -> bool:
         return self.std_cal_level == "batch"
 
+    @property
+    def equals_trl_group_zscore(self) -> bool:
+        """True at the default arguments only: every other argument changes the scores or the groups kept."""
+        return type(self) is GRPOGroupAdvantage and vars(self) == vars(GRPOGroupAdvantage())
+
     def group_scores(
         self, group: list[Experience], batch_std: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
