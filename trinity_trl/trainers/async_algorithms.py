@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..algorithms.policy_loss import step_sample_weights
-from ..asynchronous.async_grpo_seams import SampleStream, rollout_sample
+from ..asynchronous.async_grpo_seams import SampleStream, completion_sample
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
 from .async_config import AsyncTrinityConfig
@@ -176,15 +174,16 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             completion = expert_completion_ids(self.processing_class, answer, self.args.max_completion_length)
             self._expert_cache[index] = (prompt_ids, completion)
         prompt_ids, completion = self._expert_cache[index]
-        return rollout_sample(
+        return completion_sample(
+            prompt_ids,
+            completion,
+            None,
+            trained=True,
+            advantage=0.0,
+            version=model_version,
+            group_id=group_id,
             prompt=[],
             completion=[],
-            input_ids=np.asarray(prompt_ids + completion, dtype=np.int64),
-            completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(completion), dtype=np.int64),
-            old_log_probs=np.zeros(len(prompt_ids) + len(completion), dtype=np.float32),
-            advantage=0.0,
-            model_version=model_version,
-            group_id=group_id,
             metrics={},
         )
 
