@@ -18,7 +18,7 @@ with quiet_experimental_import():  # TRL's warning that its experimental API may
 
 from ..training import checks
 from .config import REPLACED_GRPO_FIELDS, AlgorithmFields, GenerationFields
-from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
+from .machine import MachineFields
 
 GENERATION_BACKENDS = ("transformers", "vllm")
 # AsyncGRPOConfig fields that only TRL's vLLM worker reads: with generation_backend="transformers" a value other than
@@ -52,7 +52,7 @@ def _grpo_field(name: str) -> Any:
 
 
 @dataclass
-class AsyncTrinityConfig(AlgorithmFields, GenerationFields, AsyncGRPOConfig):
+class AsyncTrinityConfig(MachineFields, AlgorithmFields, GenerationFields, AsyncGRPOConfig):
     r"""
     Configuration of [`AsyncTrinityTrainer`][]: every option of TRL's
     [`AsyncGRPOConfig`](https://huggingface.co/docs/trl/main/en/async_grpo_trainer) (the queue, `max_staleness`,
@@ -115,13 +115,11 @@ class AsyncTrinityConfig(AlgorithmFields, GenerationFields, AsyncGRPOConfig):
     sapo_temperature_pos: float = _grpo_field("sapo_temperature_pos")
     sapo_temperature_neg: float = _grpo_field("sapo_temperature_neg")
 
-    torch_threads: int | None = torch_threads_field()
+    def check_before_trl(self) -> None:
+        check_no_evaluation(self)  # before transformers' own check, which asks for an eval_dataset
 
     def __post_init__(self):
-        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
-        check_no_evaluation(self)  # before transformers' own check, which asks for an eval_dataset
         super().__post_init__()
-        check_saving_options(self)
         if self.generation_backend not in GENERATION_BACKENDS:
             raise ValueError(
                 f"generation_backend must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}"
