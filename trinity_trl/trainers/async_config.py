@@ -54,9 +54,10 @@ def _grpo_field(name: str) -> Any:
 @dataclass
 class AsyncTrinityConfig(MachineFields, AlgorithmFields, GenerationFields, AsyncGRPOConfig):
     r"""
-    Configuration of [`AsyncTrinityTrainer`][]: every option of TRL's
-    [`AsyncGRPOConfig`](https://huggingface.co/docs/trl/main/en/async_grpo_trainer) (the queue, `max_staleness`,
-    `token_budget`, the vLLM server, ...) plus the algorithm, with exactly the fields of [`TrinityConfig`][]:
+    Configuration of [`AsyncTrinityTrainer`][trinity_trl.trainers.async_trinity.AsyncTrinityTrainer]: every option
+    of TRL's [`AsyncGRPOConfig`](https://huggingface.co/docs/trl/main/en/async_grpo_trainer) (the queue,
+    `max_staleness`, `token_budget`, the vLLM server, ...) plus the algorithm, with exactly the fields of
+    [`TrinityConfig`][]:
     `algorithm`, `policy_loss`, `advantage`, `kl_loss`, `kl_penalty`, `entropy_loss`, `loss_agg_mode`,
     `loss_normalization`, `component_args_mode`, and TRL's names of loss arguments (`epsilon`, `epsilon_high`,
     `sapo_temperature_pos` / `_neg`).
