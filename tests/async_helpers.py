@@ -8,7 +8,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 
@@ -53,18 +52,20 @@ def rollout_sample(
     trained: bool = True,
     metrics: dict[str, float] | None = None,
 ):
-    """A TRL ``RolloutSample`` of one completion (``logps``: its behaviour log-probs, one per completion token)."""
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+    """A TRL ``RolloutSample`` of one completion (``logps``: its behaviour log-probs, one per completion token), by
+    the package's one builder."""
+    from trinity_trl.asynchronous.async_grpo_seams import completion_sample
 
-    return RolloutSample(
+    return completion_sample(
+        prompt_ids,
+        completion_ids,
+        logps,
+        trained=trained,
+        advantage=advantage,
+        version=model_version,
+        group_id=group_id,
         prompt=[],
         completion=[],
-        input_ids=np.asarray(prompt_ids + completion_ids, dtype=np.int64),
-        completion_mask=np.asarray([0] * len(prompt_ids) + [int(trained)] * len(completion_ids), dtype=np.int64),
-        old_log_probs=np.asarray([0.0] * len(prompt_ids) + list(logps), dtype=np.float32),
-        advantage=float(advantage),
-        model_version=model_version,
-        group_id=group_id,
         metrics=dict(metrics or {}),
     )
 

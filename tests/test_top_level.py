@@ -38,7 +38,7 @@ def test_import_trinity_trl_imports_no_trainer_torch_or_trl():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=scaled_timeout(120)
     ).stdout.splitlines()
-    assert out == ["[]", "trinity_trl.trainers.chord True"]
+    assert out == ["[]", "trinity_trl.trainers.chord_trainer True"]
 
 
 def test_importing_every_trainer_imports_no_agent_request_model():

@@ -235,7 +235,7 @@ def _trl_private_names() -> frozenset[str]:
 #: private names TRL binds that the package also uses, but not on TRL's objects: whose they are
 NOT_TRL = {
     "_forward": "trinity_trl.training.token_budget's own attribute",
-    "_trainer": "trinity_trl.training.generation's own attribute",
+    "_trainer": "trinity_trl.training.trl_generation's own attribute",
     "_initialized": "transformers' TrackioCallback (grpo_seams.reopen_trackio_run)",
 }
 

@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 #: public name -> the module it is imported from on first access (PEP 562): every trainer and config, which the
-#: trainers package re-exports from its own module (trinity_trl/trainers/chord.py, ...)
+#: trainers package re-exports from its own module (trinity_trl/trainers/chord_trainer.py, ...)
 _LAZY: dict[str, str] = {name: "trinity_trl.trainers" for name in __all__ if name not in globals()}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first access

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trinity_trl.algorithms.advantage import ADVANTAGE_FN
-from trinity_trl.algorithms.advantage.base import batch_get
+from trinity_trl.algorithms.advantage.advantage_fn import batch_get
 from trinity_trl.algorithms.inputs import resolve_inputs, same_value
 
 from .conftest import make_batch

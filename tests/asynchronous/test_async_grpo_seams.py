@@ -191,6 +191,34 @@ def test_demonstrations_keep_their_share_of_the_kept_samples(ratio):
     assert experts == int(ratio / (1 - ratio) * kept + 1e-9)
 
 
+def test_one_builder_lays_a_completion_out_as_trls_sample():
+    """`completion_sample`: prompt then completion ids, the completion trained or not, behaviour log-probs 0 over the
+    prompt (and over a completion sampled without them: a demonstration), one advantage, version and group."""
+    from trinity_trl.asynchronous.async_grpo_seams import completion_sample
+
+    sample = completion_sample(
+        [1, 2],
+        [3, 4, 5],
+        [-0.5, -1.0, -1.5],
+        trained=True,
+        advantage=0.25,
+        version=3,
+        group_id=7,
+        prompt=[{"role": "user", "content": "q"}],
+        completion=[{"role": "assistant", "content": "a"}],
+        metrics={"reward": 1.0},
+    )
+    assert sample.input_ids.dtype == np.int64 and sample.input_ids.tolist() == [1, 2, 3, 4, 5]
+    assert sample.completion_mask.tolist() == [0, 0, 1, 1, 1]
+    assert sample.old_log_probs.dtype == np.float32 and sample.old_log_probs.tolist() == [0.0, 0.0, -0.5, -1.0, -1.5]
+    assert (sample.advantage, sample.model_version, sample.group_id) == (0.25, 3, 7)
+    assert sample.prompt[0]["content"] == "q" and sample.metrics == {"reward": 1.0}
+    untrained = completion_sample(
+        [1], [2, 3], None, trained=False, advantage=0, version=0, group_id=0, prompt=[], completion=[], metrics={}
+    )
+    assert untrained.completion_mask.tolist() == [0, 0, 0] and untrained.old_log_probs.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_the_collator_reads_each_samples_fields_back():
     samples = _samples()
     samples[0].metrics.update({POLICY_VERSION_KEY: 2.0})

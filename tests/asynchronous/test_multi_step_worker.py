@@ -14,7 +14,7 @@ from helpers import TINY_MODEL_TERMS, build_tiny_model, build_tiny_tokenizer
 from tolerance import assert_close
 
 from trinity_trl.algorithms import ADVANTAGE_FN
-from trinity_trl.asynchronous.multi_step import MultiStepWorker
+from trinity_trl.asynchronous.multi_step_worker import MultiStepWorker
 from trinity_trl.asynchronous.worker import GroupScorer
 from trinity_trl.rollouts import Environment, MultiStepRollout, StepResult
 from trinity_trl.rollouts.protocols import environment_reward

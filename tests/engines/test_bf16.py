@@ -205,7 +205,7 @@ def train_recording_dtypes(trainer, monkeypatch) -> tuple[list[float], dict[str,
 
         monkeypatch.setattr(trinity_module, "micro_batch_loss", recording)
         if hasattr(trainer, "critic"):
-            import trinity_trl.trainers.ppo as ppo_module
+            import trinity_trl.trainers.ppo_trainer as ppo_module
 
             value_loss = ppo_module.clipped_value_loss
 

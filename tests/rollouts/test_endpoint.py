@@ -319,7 +319,7 @@ def test_failed_runs_are_dropped_when_asked(endpoint):
 
 
 def test_run_segments_follow_parents():
-    from trinity_trl.rollouts.endpoint import Call, Choice, RunRecord
+    from trinity_trl.rollouts.request import Call, Choice, RunRecord
 
     def call(parent, n=1):
         return Call([], None, [], parent, [Choice([1], None, {"content": ""}, "stop") for _ in range(n)])

@@ -1,6 +1,6 @@
-"""`trinity_trl/rollouts/registry.py`: a new environment from a file outside the package (issue 37, "Done means"),
-registered with `register_environment` and trained through Python, YAML (``import:`` beside the YAML file) and the
-command line (``--import``, ``--environment``)."""
+"""`trinity_trl/rollouts/environment_registry.py`: a new environment from a file outside the package (issue 37,
+"Done means"), registered with `register_environment` and trained through Python, YAML (``import:`` beside the YAML
+file) and the command line (``--import``, ``--environment``)."""
 
 from __future__ import annotations
 

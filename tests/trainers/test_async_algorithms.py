@@ -186,7 +186,7 @@ async def two_call_agent(client, row):
 def test_an_agent_trains_asynchronously_each_call_a_step(tmp_path, tiny_model_dir):
     """``agent=``: the worker serves its copy of the policy on the endpoint; every call of a run is a sample (2 per
     run here), trained on the ids it sampled: a run's second call extends its first call's prompt and completion."""
-    from trinity_trl.asynchronous.multi_step import MultiStepWorker
+    from trinity_trl.asynchronous.multi_step_worker import MultiStepWorker
 
     tasks = Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]] * 4, "task": list(range(4))})
     args = AsyncStepGRPOConfig(**tiny_async_kwargs(output_dir=str(tmp_path), max_env_steps=2, agent_timeout=60.0))

@@ -624,12 +624,33 @@ def test_loss_arguments_under_trl_names_reach_the_loss(tmp_path):
     ],
 )
 def test_algorithms_the_asynchronous_trainers_cannot_run_are_refused(options, message, tmp_path):
-    from trinity_trl.trainers.async_trinity import check_async_components
+    from trinity_trl.trainers.async_config import check_async_components
 
     config = AsyncTrinityConfig(**tiny_async_kwargs(output_dir=str(tmp_path), **options))
     with pytest.raises(ValueError, match=message) as info:
         check_async_components(AsyncTrinityTrainer, config.take_components(), config)
     assert "\n" not in str(info.value)
+
+
+def test_the_vllm_path_asks_the_advantages_declared_property_never_its_name(tmp_path, monkeypatch):
+    """TRL's vLLM worker computes its own group z-score: the advantage that may run there is the one declaring
+    `equals_trl_group_zscore`, whatever it is called (docs/asynchronous.md#with-vllm)."""
+    from trinity_trl.algorithms.advantage.grpo import GRPOGroupAdvantage
+    from trinity_trl.algorithms.advantage.opmd_advantage import OPMDGroupAdvantage
+    from trinity_trl.trainers.async_config import check_async_components
+
+    def check(algorithm: str) -> None:
+        config = AsyncTrinityConfig(
+            **tiny_async_kwargs(output_dir=str(tmp_path), algorithm=algorithm, generation_backend="vllm")
+        )
+        check_async_components(AsyncTrinityTrainer, config.take_components(), config)
+
+    check("grpo")
+    monkeypatch.setattr(GRPOGroupAdvantage, "equals_trl_group_zscore", property(lambda self: False))
+    with pytest.raises(ValueError, match="at its defaults"):
+        check("grpo")
+    monkeypatch.setattr(OPMDGroupAdvantage, "equals_trl_group_zscore", property(lambda self: True))
+    check("opmd")
 
 
 def test_every_async_grpo_config_field_is_honoured_or_refused():
@@ -638,7 +659,7 @@ def test_every_async_grpo_config_field_is_honoured_or_refused():
     from transformers import TrainingArguments
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
-    from trinity_trl.trainers.async_trinity import ASYNC_REPLACED_FIELDS, VLLM_WORKER_FIELDS
+    from trinity_trl.trainers.async_config import ASYNC_REPLACED_FIELDS, VLLM_WORKER_FIELDS
 
     honoured = {
         "model_init_kwargs": "both models' loading",
@@ -714,7 +735,7 @@ def test_trls_worker_gets_one_picklable_weighted_reward_by_the_rule_of_every_pat
 
     from async_helpers import reward_a, reward_b
 
-    from trinity_trl.trainers.async_trinity import RewardSum
+    from trinity_trl.asynchronous.vllm_rewards import RewardSum
 
     reward = pickle.loads(pickle.dumps(RewardSum([reward_a, reward_b], [1.0, 2.0])))
     # rows: 1 + 2*0.5; neither scored; inf left out: 2*1; 2 (b's None left out)
@@ -728,7 +749,7 @@ def test_the_reward_sum_scores_in_a_process_spawned_as_trls_worker_spawns_it():
 
     from async_helpers import one_score, reward_a, reward_b, score_in_spawned_child
 
-    from trinity_trl.trainers.async_trinity import RewardSum
+    from trinity_trl.asynchronous.vllm_rewards import RewardSum
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

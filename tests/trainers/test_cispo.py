@@ -1,5 +1,5 @@
-"""`trinity_trl/trainers/cispo.py`: CISPOConfig's fields reach the cispo loss, and CISPOTrainer is a TrinityTrainer
-with that config. Its loss and gradients against TRL's `loss_type="cispo"`: test_trl_parity.py."""
+"""`trinity_trl/trainers/cispo_trainer.py`: CISPOConfig's fields reach the cispo loss, and CISPOTrainer is a
+TrinityTrainer with that config. Its loss and gradients against TRL's `loss_type="cispo"`: test_trl_parity.py."""
 
 from __future__ import annotations
 

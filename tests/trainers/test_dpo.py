@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/dpo.py`: `TrinityDPOTrainer`, the `dpo` preset on TRL's own `DPOTrainer`.
+"""`trinity_trl/trainers/dpo_trainer.py`: `TrinityDPOTrainer`, the `dpo` preset on TRL's own `DPOTrainer`.
 
 Losses are checked against an independent computation: log-probs from a plain forward of the same weights
 (`logits → log_softmax → gather` at the shifted labels, tests/helpers.py `plain_token_logps`), fed to the library
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
-from trinity_trl.trainers.dpo import REPLACED_DPO_FIELDS, TrinityDPOConfig, TrinityDPOTrainer
+from trinity_trl.trainers.dpo_trainer import REPLACED_DPO_FIELDS, TrinityDPOConfig, TrinityDPOTrainer
 
 ROWS = [(a, b) for a in range(1, 5) for b in range(1, 5)]  # 16 rows
 

@@ -32,7 +32,7 @@ from transformers import (
 from trinity_trl.algorithms import ADVANTAGE_FN, KL_FN, clipped_value_loss
 from trinity_trl.algorithms.advantage import scalar_rewards_to_token_level
 from trinity_trl.trainers import PPOConfig, PPOTrainer, TrinityConfig
-from trinity_trl.trainers.ppo import CRITIC_DIR, CRITIC_OPTIMIZER_FILE
+from trinity_trl.trainers.ppo_trainer import CRITIC_DIR, CRITIC_OPTIMIZER_FILE
 
 LORA = lora_config()
 DIST_SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "ppo_equivalence.py"

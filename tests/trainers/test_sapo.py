@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/sapo.py`: SAPOConfig's defaults and fields reach the sapo loss, and SAPOTrainer is a
+"""`trinity_trl/trainers/sapo_trainer.py`: SAPOConfig's defaults and fields reach the sapo loss, and SAPOTrainer is a
 TrinityTrainer with that config. Its loss and gradients against TRL's `loss_type="sapo"`: test_trl_parity.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`trinity_trl/trainers/sft.py`: `TrinitySFTTrainer`, the `sft` preset (and the `sft_*` losses) on TRL's own
+"""`trinity_trl/trainers/sft_trainer.py`: `TrinitySFTTrainer`, the `sft` preset (and the `sft_*` losses) on TRL's own
 `SFTTrainer`.
 
 Losses are checked against an independent computation: log-probs from a plain forward of the same weights
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, T
 from trl import SFTConfig, SFTTrainer
 
 from trinity_trl.algorithms import POLICY_LOSS_FN, agg_loss
-from trinity_trl.trainers.sft import REPLACED_SFT_FIELDS, TrinitySFTConfig, TrinitySFTTrainer
+from trinity_trl.trainers.sft_trainer import REPLACED_SFT_FIELDS, TrinitySFTConfig, TrinitySFTTrainer
 
 ROWS = [(a, b) for a in range(1, 5) for b in range(1, 5)]  # 16 rows
 

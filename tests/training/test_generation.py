@@ -1,4 +1,4 @@
-"""`trinity_trl/training/generation.py`: `TRLGeneration`, the rollouts' `Generator` over a TRL trainer, agrees with
+"""`trinity_trl/training/trl_generation.py`: `TRLGeneration`, the rollouts' `Generator` over a TRL trainer, agrees with
 the tokenizer's chat template and with transformers' own `generate` on the tiny model (greedy decoding, so the
 comparison is exact). Multi-step rollouts through it: tests/trainers/test_step_grpo.py."""
 
@@ -10,7 +10,7 @@ from helpers import length_reward, tiny_conversational_dataset, tiny_grpo_kwargs
 
 from trinity_trl.rollouts import Generator
 from trinity_trl.trainers import TrinityConfig, TrinityTrainer
-from trinity_trl.training.generation import TRLGeneration
+from trinity_trl.training.trl_generation import TRLGeneration
 
 MAX_NEW_TOKENS = 8
 

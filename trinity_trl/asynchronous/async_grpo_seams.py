@@ -105,6 +105,38 @@ def rollout_sample(**fields: Any) -> Any:
     return RolloutSample(**fields)
 
 
+def completion_sample(
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    logprobs: list[float] | None,
+    *,
+    trained: bool,
+    advantage: float,
+    version: int,
+    group_id: int,
+    prompt: list[dict[str, Any]],
+    completion: list[dict[str, Any]],
+    metrics: dict[str, Any],
+) -> Any:
+    """The one way a scored completion becomes TRL's ``RolloutSample``: ``input_ids`` the prompt's ids then the
+    completion's, ``completion_mask`` 0 over the prompt and ``trained`` over the completion, ``old_log_probs`` 0 over
+    the prompt then the completion's sampling log-probs (0 each where ``logprobs`` is ``None``: a demonstration),
+    ``advantage`` one number, ``model_version`` the policy version that sampled it, ``group_id`` its group's stream
+    position; ``prompt``, ``completion`` (messages) and ``metrics`` as TRL logs them."""
+    sampled = [0.0] * len(completion_ids) if logprobs is None else list(logprobs)
+    return rollout_sample(
+        prompt=prompt,
+        completion=completion,
+        input_ids=np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64),
+        completion_mask=np.asarray([0] * len(prompt_ids) + [int(trained)] * len(completion_ids), dtype=np.int64),
+        old_log_probs=np.asarray([0.0] * len(prompt_ids) + sampled, dtype=np.float32),
+        advantage=float(advantage),
+        model_version=version,
+        group_id=group_id,
+        metrics=metrics,
+    )
+
+
 # ==================================================================================== 1. peak FLOPs
 @contextlib.contextmanager
 def cpu_safe_peak_flops() -> Iterator[None]:

@@ -44,7 +44,7 @@ import torch
 from ..data.loading import SeededPasses, is_conversation, prompt_token_ids
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, weighted_rewards
 from ..training.decoding import GroupedDecoding, compile_refusal, model_facts, plan_decoding
-from .async_grpo_seams import rollout_sample
+from .async_grpo_seams import completion_sample
 
 logger = logging.getLogger("trinity_trl")
 
@@ -61,8 +61,8 @@ class GroupScorer:
         reward_func_names: their names (the ``rewards/<name>`` metrics).
         reward_weights: ``(F,)`` weights of the functions.
         estimator: the trainer's advantage estimator (group-level components only; the trainer refuses others);
-            ``None`` where only `rewards` is used (`trinity_trl.asynchronous.multi_step.MultiStepWorker` scores runs
-            with its step-wise component).
+            ``None`` where only `rewards` is used (`trinity_trl.asynchronous.multi_step_worker.MultiStepWorker` scores
+            runs with its step-wise component).
     """
 
     def __init__(
@@ -536,15 +536,16 @@ class TransformersRolloutWorker:
                 **{f"rewards/{name}": float(per_func[i, f]) for f, name in enumerate(self.scorer.reward_func_names)},
             }
             samples.append(
-                rollout_sample(
+                completion_sample(
+                    prompt_ids,
+                    ids,
+                    completion_logps[i],
+                    trained=trained,
+                    advantage=float(adv) if adv.dim() == 0 else float(adv[: len(ids)].mean()),
+                    version=version,
+                    group_id=position,
                     prompt=messages,
                     completion=completions[i] if conversational else [{"role": "assistant", "content": texts[i]}],
-                    input_ids=np.asarray(prompt_ids + ids, dtype=np.int64),
-                    completion_mask=np.asarray([0] * len(prompt_ids) + [int(trained)] * len(ids), dtype=np.int64),
-                    old_log_probs=np.asarray([0.0] * len(prompt_ids) + completion_logps[i], dtype=np.float32),
-                    advantage=float(adv) if adv.dim() == 0 else float(adv[: len(ids)].mean()),
-                    model_version=version,
-                    group_id=position,
                     metrics=metrics,
                 )
             )

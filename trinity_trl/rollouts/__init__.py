@@ -10,6 +10,7 @@ OpenAI client over the trainer's `PolicyEndpoint` (the ``agents`` extra). OpenEn
 from .agent import AgentRollout
 from .endpoint import ChatRenderer, PolicyEndpoint
 from .environment import Environment, EnvironmentFailure, StepResult
+from .environment_registry import ENVIRONMENTS, NamedEnvironment, register_environment
 from .envs import (
     CalculatorEnv,
     CalculatorToolEnv,
@@ -29,7 +30,6 @@ from .protocols import (
     environment_reward,
     resolve_protocol,
 )
-from .registry import ENVIRONMENTS, NamedEnvironment, register_environment
 from .runs import Run, Step, TrainingRow
 from .trajectories import ToolRollout, run_from_trajectory
 

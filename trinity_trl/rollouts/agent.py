@@ -36,8 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import COUNTERS, Call, ChatRenderer, PolicyEndpoint, RunRecord
+from .endpoint import COUNTERS, ChatRenderer, PolicyEndpoint
 from .protocols import PlayedRollout, RolloutContext
+from .request import Call, RunRecord
 from .runs import Run, Step, tokens_state
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class RecordedRun:
         outcome: ``"ok"``, ``"error"`` (the agent raised, or returned something that is not a number) or
             ``"timeout"``.
         info: what the agent returned beside its reward (or the fault's message).
-        calls: the model calls the endpoint answered, in order (`endpoint.Call`: ``prompt_ids``, and per
+        calls: the model calls the endpoint answered, in order (`request.Call`: ``prompt_ids``, and per
             choice ``completion_ids``, ``logprobs`` (the sampling log-probs), ``message``; and ``policy_version``,
             the optimizer steps taken by the weights that sampled it); each choice is one step.
     """

@@ -3,7 +3,7 @@
 Pydantic models that mirror the ``openai`` package's request types (``openai.types.chat.CompletionCreateParams`` and
 the message, content-part and tool types it names), strictly (`body`). `parse_request` turns a raw body into a
 `ChatRequest` or a `body.BodyError` that names the field; `ChatRequest.to_request` gives the recorder's
-`endpoint.Request`. Nothing that fails here reaches the training thread.
+`request.Request`. Nothing that fails here reaches the training thread.
 
 Fields accepted and not used, because they do not change what is sampled: ``model`` (every name is answered by the
 policy), ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier``, ``prompt_cache_key``,
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from .body import BodyError, Number, Rules, Strict, parse_body
-from .endpoint import Request
+from .request import Request
 
 __all__ = ["BodyError", "ChatRequest", "parse_request"]
 

@@ -2,7 +2,7 @@
 
 A multi-step rollout tokenizes conversations with the model's chat template, generates the next
 turn of many conversations in one batched call, and decodes the result. The trainer provides an
-object with these methods (``trinity_trl.training.generation.TRLGeneration`` wraps TRL's
+object with these methods (``trinity_trl.training.trl_generation.TRLGeneration`` wraps TRL's
 transformers / vLLM generation); tests can provide a scripted one.
 """
 

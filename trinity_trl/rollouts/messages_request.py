@@ -2,7 +2,7 @@
 
 Pydantic models that mirror the ``anthropic`` package's request types (``anthropic.types.MessageCreateParams`` and
 the message, content-block and tool types it names), strictly (`body`); `parse_request` gives a `MessagesRequest` or
-a `body.BodyError` naming the field, and `MessagesRequest.to_request` the recorder's `endpoint.Request`: ``system``
+a `body.BodyError` naming the field, and `MessagesRequest.to_request` the recorder's `request.Request`: ``system``
 becomes the system message, an assistant's ``tool_use`` blocks its tool calls, a user's ``tool_result`` blocks the
 tool results (one tool message each, before the user's text).
 
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, field_validator
 
 from .body import BodyError, Number, Rules, Strict, parse_body
-from .endpoint import Request
+from .request import Request
 
 __all__ = ["BodyError", "MessagesRequest", "parse_request"]
 

@@ -2,7 +2,7 @@
 
 Pydantic models that mirror the ``openai`` package's request types (``openai.types.responses.ResponseCreateParams``
 and the input-item, content and tool types it names), strictly (`body`); `parse_request` gives a `ResponsesRequest` or
-a `body.BodyError` naming the field, and `ResponsesRequest.to_request` the recorder's `endpoint.Request`: the
+a `body.BodyError` naming the field, and `ResponsesRequest.to_request` the recorder's `request.Request`: the
 ``instructions`` become the system message, message items the conversation's turns, an assistant's ``function_call``
 items its tool calls and ``function_call_output`` items the tool results.
 
@@ -22,7 +22,7 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from .body import BodyError, Number, Rules, Strict, parse_body
 from .chat_request import arguments
-from .endpoint import Request
+from .request import Request
 
 __all__ = ["BodyError", "ResponsesRequest", "parse_request"]
 

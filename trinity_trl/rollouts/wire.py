@@ -1,7 +1,7 @@
 """The wire formats of the policy endpoint (`endpoint`): for each, where it is served, how its body is read
 (`chat_request`, `responses_request`, `messages_request`), how a recorded call is answered, and how an error looks.
 
-An answer is built from the call as recorded (`endpoint.Call`: the parsed assistant message, the sampled ids and
+An answer is built from the call as recorded (`request.Call`: the parsed assistant message, the sampled ids and
 log-probs) with the types of the package that speaks the format: ``openai``'s ``ChatCompletion`` /
 ``ChatCompletionChunk`` and ``Response`` / ``ResponseStreamEvent``, ``anthropic``'s ``Message`` /
 ``RawMessageStreamEvent``. A streamed answer is generated whole (the policy samples a batch at once) and then written
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import chat_request, messages_request, responses_request
-from .endpoint import Choice, Pending, RequestError
+from .request import Choice, Pending, RequestError
 
 Decode = Callable[[list[int]], str]
 
 
 @dataclass(frozen=True)
 class Format:
-    """A wire format: ``name`` (recorded in `endpoint.Call.wire`), ``path`` (under ``/v1``), ``parse(raw)`` (the typed
+    """A wire format: ``name`` (recorded in `request.Call.wire`), ``path`` (under ``/v1``), ``parse(raw)`` (the typed
     body, or `body.BodyError`), ``reply(pending, model, decode)`` (a JSON object, or the list of server-sent events of
     a streamed answer) and ``error_body(err)``."""
 

@@ -31,19 +31,19 @@ for _alias in ("is_gradient_checkpointing", "gradient_checkpointing_enable", "gr
 import importlib
 from typing import Any
 
-from .chord import ChordConfig, ChordTrainer
-from .cispo import CISPOConfig, CISPOTrainer
+from .chord_trainer import ChordConfig, ChordTrainer
+from .cispo_trainer import CISPOConfig, CISPOTrainer
 from .config import TrinityConfig
-from .dpo import TrinityDPOConfig, TrinityDPOTrainer
-from .ppo import PPOConfig, PPOTrainer
-from .sapo import SAPOConfig, SAPOTrainer
-from .sft import TrinitySFTConfig, TrinitySFTTrainer
+from .dpo_trainer import TrinityDPOConfig, TrinityDPOTrainer
+from .ppo_trainer import PPOConfig, PPOTrainer
+from .sapo_trainer import SAPOConfig, SAPOTrainer
+from .sft_trainer import TrinitySFTConfig, TrinitySFTTrainer
 from .step_grpo import StepGRPOConfig, StepGRPOTrainer
 from .trinity import TrinityTrainer
 
 #: the asynchronous trainers (TRL's experimental AsyncGRPOTrainer), imported on first access (PEP 562)
 _ASYNC: dict[str, str] = {
-    "AsyncTrinityConfig": "async_trinity",
+    "AsyncTrinityConfig": "async_config",
     "AsyncTrinityTrainer": "async_trinity",
     "AsyncCISPOConfig": "async_algorithms",
     "AsyncCISPOTrainer": "async_algorithms",

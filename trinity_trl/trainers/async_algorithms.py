@@ -11,17 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..algorithms.policy_loss import step_sample_weights
-from ..asynchronous.async_grpo_seams import SampleStream, rollout_sample
+from ..asynchronous.async_grpo_seams import SampleStream, completion_sample
 from ..data.loading import SeededPasses, check_demonstrations, prompt_token_ids
 from ..overrides import temporarily
-from .async_trinity import AsyncTrinityConfig, AsyncTrinityTrainer
-from .chord import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
-from .cispo import CISPOFields
+from .async_config import AsyncTrinityConfig
+from .async_trinity import AsyncTrinityTrainer
+from .chord_trainer import ChordFields, ExpertRowsLoss, _expert_columns, expert_completion_ids, expert_example
+from .cispo_trainer import CISPOFields
 from .config import from_trl_config
-from .sapo import SAPOFields
+from .sapo_trainer import SAPOFields
 from .step_grpo import StepWiseFields, agent_rollout, check_agent_options
 
 
@@ -175,15 +174,16 @@ class AsyncChordTrainer(ExpertRowsLoss, AsyncTrinityTrainer):
             completion = expert_completion_ids(self.processing_class, answer, self.args.max_completion_length)
             self._expert_cache[index] = (prompt_ids, completion)
         prompt_ids, completion = self._expert_cache[index]
-        return rollout_sample(
+        return completion_sample(
+            prompt_ids,
+            completion,
+            None,
+            trained=True,
+            advantage=0.0,
+            version=model_version,
+            group_id=group_id,
             prompt=[],
             completion=[],
-            input_ids=np.asarray(prompt_ids + completion, dtype=np.int64),
-            completion_mask=np.asarray([0] * len(prompt_ids) + [1] * len(completion), dtype=np.int64),
-            old_log_probs=np.zeros(len(prompt_ids) + len(completion), dtype=np.float32),
-            advantage=0.0,
-            model_version=model_version,
-            group_id=group_id,
             metrics={},
         )
 
@@ -252,9 +252,9 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
     """[`AsyncTrinityTrainer`][] playing multi-step runs of reset/step environments with step-wise GRPO (see
     [`AsyncStepGRPOConfig`][]): [`StepGRPOTrainer`][] with generation overlapping training.
 
-    Its worker (`trinity_trl.asynchronous.multi_step.MultiStepWorker`) plays `num_generations` runs of a task with the
-    code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward or the agent's return
-    value first, then `reward_funcs` on the final turn), and queues every step as its own sample with its run's
+    Its worker (`trinity_trl.asynchronous.multi_step_worker.MultiStepWorker`) plays `num_generations` runs of a task
+    with the code `StepGRPOTrainer` plays them with, scores the runs (the environment's last-step reward or the agent's
+    return value first, then `reward_funcs` on the final turn), and queues every step as its own sample with its run's
     step-wise advantage.
 
     Args:
@@ -354,7 +354,7 @@ class AsyncStepGRPOTrainer(AsyncTrinityTrainer):
         return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]]})
 
     def _make_worker(self, *args: Any, **kwargs: Any):
-        from ..asynchronous.multi_step import MultiStepWorker
+        from ..asynchronous.multi_step_worker import MultiStepWorker
 
         return MultiStepWorker(
             *args, rollout=self.environment_rollout, advantage_fn=self.components.advantage_fn, **kwargs

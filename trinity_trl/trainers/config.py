@@ -15,7 +15,7 @@ from ..packing.selection import KERNEL_CHOICES as PREFIX_PACKING_KERNELS
 from ..training.decoding import COMPILE_GENERATION_CHOICES
 from ..training.loss import LOSS_NORMALIZATIONS
 from .components import ComponentsBuiltOnce, component_fields
-from .machine import apply_cpu_defaults, check_saving_options, torch_threads_field
+from .machine import MachineFields
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # GRPOConfig fields that TRL's built-in loss or advantage uses and that trinity_trl replaces by a
@@ -415,7 +415,7 @@ class GenerationFields:
 
 
 @dataclass
-class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
+class TrinityConfig(MachineFields, AlgorithmFields, GenerationFields, GRPOConfig):
     r"""
     Configuration of [`TrinityTrainer`][]: every
     [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig) option, plus the algorithm.
@@ -571,12 +571,8 @@ class TrinityConfig(AlgorithmFields, GenerationFields, GRPOConfig):
         },
     )
 
-    torch_threads: int | None = torch_threads_field()
-
     def __post_init__(self):
-        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
-        check_saving_options(self)
         if not 0.0 < self.prefix_packing_max_token_ratio <= 1.0:
             raise ValueError(
                 f"prefix_packing_max_token_ratio must be in (0, 1], got {self.prefix_packing_max_token_ratio!r}"

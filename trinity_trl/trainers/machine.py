@@ -33,6 +33,24 @@ def torch_threads_field() -> Any:
     return dataclasses.field(default=None, metadata={"help": TORCH_THREADS_HELP})
 
 
+@dataclasses.dataclass
+class MachineFields:
+    """What every trinity_trl config shares about the machine it runs on: the ``torch_threads`` field, the CPU
+    defaults set before TRL's own ``__post_init__`` (`apply_cpu_defaults`), and the saving options checked after it
+    (`check_saving_options`). First among a config's bases, so that its ``__post_init__`` wraps TRL's."""
+
+    torch_threads: int | None = torch_threads_field()
+
+    def __post_init__(self):
+        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
+        self.check_before_trl()
+        super().__post_init__()
+        check_saving_options(self)
+
+    def check_before_trl(self) -> None:
+        """What the config refuses before TRL's ``__post_init__`` runs (nothing by default)."""
+
+
 def apply_cpu_defaults(config: Any) -> None:
     """The precision and checkpointing defaults that suit where the run happens, set on ``config`` before TRL's own
     ``__post_init__`` (which would turn bf16 on, and transformers then refuse the config on a machine without GPU).

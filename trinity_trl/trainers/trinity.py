@@ -35,7 +35,6 @@ from ..training import checks
 from ..training.advantages import AdvantageEstimator, Advantages, AdvantageSources, refill_rows, weighted_rewards
 from ..training.decoding import GroupedDecoding, choose_decoding, compile_refusal, model_facts, plan_decoding
 from ..training.engines import engine_of, zero_stage
-from ..training.generation import FORWARD_KEYS, TRLGeneration
 from ..training.grpo_seams import (
     bind_trl_arguments,
     captured_return,
@@ -51,6 +50,7 @@ from ..training.metrics import append_metrics, pool_metrics, replace_logged_adva
 from ..training.scoring import Scoring
 from ..training.step_mask import STEP_MASK_KEY, STEP_MASK_STEP_KEY, StepTokens, process_gather, step_masks, step_members
 from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
+from ..training.trl_generation import FORWARD_KEYS, TRLGeneration
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
 from .config import TrinityConfig, from_trl_config

@@ -22,7 +22,7 @@ from ..training.metrics import append_metrics
 class TrinityLossMixin:
     """Trainer mixin: ``_micro_batch_loss`` and the two hooks a trainer overrides (``_loss_inputs``,
     ``_policy_loss_for``). A mixin because subclasses override the hooks by name (ChordTrainer and AsyncChordTrainer
-    add expert rows through `trinity_trl.trainers.chord.ExpertRowsLoss`).
+    add expert rows through `trinity_trl.trainers.chord_trainer.ExpertRowsLoss`).
 
     What it reads of its host: ``components``, ``algorithm``, ``loss_normalizer``, ``model``, ``_metrics`` and TRL's
     ``current_gradient_accumulation_steps``, ``aux_loss_enabled``, ``router_aux_loss_coef``.

@@ -18,8 +18,8 @@ from trl import is_conversational
 
 from . import checks
 from .advantages import weighted_rewards
-from .generation import FORWARD_KEYS
 from .metrics import append_metrics
+from .trl_generation import FORWARD_KEYS
 
 
 class Scoring:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .generation import FORWARD_KEYS
+from .trl_generation import FORWARD_KEYS
 
 logger = logging.getLogger("trinity_trl")
 

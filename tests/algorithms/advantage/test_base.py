@@ -1,4 +1,4 @@
-"""What the advantage base classes give every function (``advantage/base.py``): the properties a
+"""What the advantage base classes give every function (``advantage/advantage_fn.py``): the properties a
 function declares to a trainer."""
 
 from __future__ import annotations

@@ -115,3 +115,25 @@ def test_grpo_all_groups_skipped_gives_empty(duplicate):
 def test_grpo_batch_std_with_one_experience_is_one():
     out, _ = run_fn("grpo", exps=make_group_experiences(tasks=(3,)), std_cal_level="batch")
     assert_advantage(out[0], 0.7 / (1.0 + 1e-6))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"epsilon": 1e-4},
+        {"std_threshold": 0.0},
+        {"std_threshold": 0.0, "duplicate_experiences": True},
+        {"rank_penalty": 0.1},
+        {"std_cal_level": "batch"},
+    ],
+)
+def test_grpo_equals_trls_group_zscore_at_its_default_arguments_only(args):
+    """The declared property the asynchronous trainers' vLLM path asks (docs/asynchronous.md#with-vllm)."""
+    assert ADVANTAGE_FN.get("grpo")().equals_trl_group_zscore
+    assert not ADVANTAGE_FN.get("grpo")(**args).equals_trl_group_zscore
+
+
+def test_no_other_advantage_equals_trls_group_zscore():
+    for name in ADVANTAGE_FN.names():
+        if name != "grpo":
+            assert not ADVANTAGE_FN.get(name)().equals_trl_group_zscore, name

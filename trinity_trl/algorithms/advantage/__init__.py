@@ -7,15 +7,15 @@ from . import (  # noqa: F401
     gigpo,
     grpo,
     on_policy_distill,
-    opmd,
-    rec,
+    opmd_advantage,
+    rec_advantage,
     reinforce,
     reinforceplusplus,
     remax,
     rloo,
     step_wise_grpo,
 )
-from .base import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, scalar_rewards_to_token_level
+from .advantage_fn import ADVANTAGE_FN, AdvantageFn, BatchAdvantageFn, GroupAdvantageFn, scalar_rewards_to_token_level
 from .gigpo import GiGPOAdvantage, GiGPOAdvantageFn
 from .step_wise_grpo import StepWiseGRPOAdvantage, StepWiseGRPOAdvantageFn
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn
 from .grpo import experience_rewards, group_mean, row_groups, row_scores, write_row_advantages
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..masked import masked_whiten
-from .base import ADVANTAGE_FN, BatchAdvantageFn, batch_get
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get
 from .reinforceplusplus import check_discount, discounted_reverse_cumsum
 
 

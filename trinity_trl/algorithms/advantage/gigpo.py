@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..experience import STATE_KEY, STEP_REWARD, Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, GroupAdvantageFn
 from .grpo import check_choice, experience_rewards
 
 GIGPO_FNORMS = ("std", "none")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn, batch_get, group_index
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn, batch_get, group_index
 
 GRPO_STD_CAL_LEVELS = ("group", "batch")
 
@@ -154,6 +154,11 @@ class GRPOGroupAdvantage(GroupAdvantageFn):
     @property
     def uses_batch_statistics(self) -> bool:
         return self.std_cal_level == "batch"
+
+    @property
+    def equals_trl_group_zscore(self) -> bool:
+        """True at the default arguments only: every other argument changes the scores or the groups kept."""
+        return type(self) is GRPOGroupAdvantage and vars(self) == vars(GRPOGroupAdvantage())
 
     def group_scores(
         self, group: list[Experience], batch_std: torch.Tensor | None

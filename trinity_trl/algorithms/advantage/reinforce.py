@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, GroupAdvantageFn
 from .grpo import experience_rewards
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..masked import masked_fill_invalid
-from .base import ADVANTAGE_FN, BatchAdvantageFn, batch_get
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get
 
 
 @ADVANTAGE_FN.register("remax")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .base import ADVANTAGE_FN, BatchAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn
 from .grpo import group_mean, row_groups, row_scores, write_row_advantages
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, GroupAdvantageFn
 from .grpo import check_choice, check_positive, experience_rewards
 
 STEP_WISE_STD_CAL_LEVELS = ("group", "batch", "none")

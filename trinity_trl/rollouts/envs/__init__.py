@@ -1,6 +1,6 @@
 """Bundled environments that need several steps to solve."""
 
-from ..registry import ENVIRONMENTS, NamedEnvironment
+from ..environment_registry import ENVIRONMENTS, NamedEnvironment
 from .calculator import CalculatorEnv, CalculatorToolEnv, calculator_dataset, calculator_tool_dataset
 from .calculator_agent import calculator_agent
 from .number_guess import NumberGuessEnv, number_guess_dataset

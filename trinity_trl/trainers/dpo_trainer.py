@@ -44,7 +44,7 @@ from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import ComponentsBuiltOnce, component_fields
 from .config import ShowsWhatTrains, from_trl_config
-from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
+from .machine import MachineFields, check_run, start_run
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
@@ -72,7 +72,7 @@ _DPO_FIELD_DEFAULTS = {"beta": 0.1, "label_smoothing": 0.0}
 
 
 @dataclass
-class TrinityDPOConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, DPOConfig):
+class TrinityDPOConfig(MachineFields, ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, DPOConfig):
     r"""
     Configuration of [`TrinityDPOTrainer`][]: every
     [`DPOConfig`](https://huggingface.co/docs/trl/dpo_trainer#trl.DPOConfig) option, plus the `dpo` preset's KL
@@ -122,12 +122,8 @@ class TrinityDPOConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpell
         metadata={"help": "Aggregation of the KL and entropy terms: token-mean, seq-mean-token-sum, ..."},
     )
 
-    torch_threads: int | None = torch_threads_field()
-
     def __post_init__(self):
-        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
-        check_saving_options(self)
         owner = type(self).__name__
         component_fields(self, ("policy_loss", "kl_loss", "entropy_loss"))
         # a component value without a name keeps this config's (kl_loss={"kl_coef": 0.0} is still k2)

@@ -33,7 +33,7 @@ from ..rollouts.multi_step import MultiStepRollout
 from ..rollouts.protocols import RolloutContext
 from ..rollouts.runs import Run, experience_info
 from ..training.advantages import check_declared_step_rewards, weighted_rewards
-from .async_grpo_seams import rollout_sample
+from .async_grpo_seams import completion_sample
 from .worker import TransformersRolloutWorker
 
 
@@ -207,8 +207,7 @@ class MultiStepWorker(TransformersRolloutWorker):
             segments = None if run.segments is None else {s for segment in run.segments for s in segment}
             for s, step in enumerate(run.steps):
                 advantage = advantages[i][s]
-                trained = int(advantage is not None and (segments is None or s in segments))
-                logps = step.logprobs or [0.0] * len(step.completion_ids)
+                trained = advantage is not None and (segments is None or s in segments)
                 metrics = {}
                 if s == len(run.steps) - 1:  # a run's reward once (TRL averages a metric over the samples carrying it)
                     metrics = {
@@ -217,17 +216,16 @@ class MultiStepWorker(TransformersRolloutWorker):
                         **{f"rewards/{n}": float(per_func[i, f]) for f, n in enumerate(self.scorer.reward_func_names)},
                     }
                 samples.append(
-                    rollout_sample(
+                    completion_sample(
+                        step.prompt_ids,
+                        step.completion_ids,
+                        step.logprobs or None,
+                        trained=trained,
+                        advantage=0.0 if advantage is None else advantage,
+                        version=version,
+                        group_id=position,
                         prompt=run.messages[: first_messages + 2 * s],
                         completion=[{"role": "assistant", "content": step.text}],
-                        input_ids=np.asarray(step.prompt_ids + step.completion_ids, dtype=np.int64),
-                        completion_mask=np.asarray(
-                            [0] * len(step.prompt_ids) + [trained] * len(step.completion_ids), dtype=np.int64
-                        ),
-                        old_log_probs=np.asarray([0.0] * len(step.prompt_ids) + list(logps), dtype=np.float32),
-                        advantage=0.0 if advantage is None else float(advantage),
-                        model_version=version,
-                        group_id=position,
                         metrics=metrics,
                     )
                 )

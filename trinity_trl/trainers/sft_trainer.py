@@ -38,7 +38,7 @@ from .card import AlgorithmCardMixin
 from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
 from .components import ComponentsBuiltOnce, component_fields
 from .config import ShowsWhatTrains, from_trl_config
-from .machine import apply_cpu_defaults, check_run, check_saving_options, start_run, torch_threads_field
+from .machine import MachineFields, check_run, start_run
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
@@ -56,7 +56,7 @@ REPLACED_SFT_FIELDS: dict[str, tuple[Any, str]] = {
 
 
 @dataclass
-class TrinitySFTConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, SFTConfig):
+class TrinitySFTConfig(MachineFields, ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpellings, SFTConfig):
     r"""
     Configuration of [`TrinitySFTTrainer`][]: every
     [`SFTConfig`](https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig) option, plus Trinity-RFT's SFT loss.
@@ -98,12 +98,8 @@ class TrinitySFTConfig(ShowsWhatTrains, ComponentsBuiltOnce, RefusesRemovedSpell
         },
     )
 
-    torch_threads: int | None = torch_threads_field()
-
     def __post_init__(self):
-        apply_cpu_defaults(self)  # before TRL's defaults: float32 and no checkpointing without an accelerator
         super().__post_init__()
-        check_saving_options(self)
         owner = type(self).__name__
         component_fields(self, ("policy_loss",))
         if not POLICY_LOSS_FN.get(self._policy_loss_name()).is_sft_type():

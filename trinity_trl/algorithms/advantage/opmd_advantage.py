@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, GroupAdvantageFn
 from .grpo import (
     check_choice,
     check_positive,

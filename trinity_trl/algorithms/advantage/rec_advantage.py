@@ -13,7 +13,7 @@ import random
 import torch
 
 from ..experience import Experience, gather_metrics, group_by
-from .base import ADVANTAGE_FN, GroupAdvantageFn
+from .advantage_fn import ADVANTAGE_FN, GroupAdvantageFn
 from .grpo import check_choice, check_positive, experience_rewards
 
 REC_DROPS = (None, "balance")

@@ -40,6 +40,13 @@ class AdvantageFn(ComponentArgs):
     def compute_in_trainer(cls) -> bool:
         raise NotImplementedError
 
+    @property
+    def equals_trl_group_zscore(self) -> bool:
+        """Whether this advantage, with these arguments, is the group z-score of the rewards that TRL's asynchronous
+        vLLM worker computes itself, so that the worker's advantages may stand in for it
+        (docs/asynchronous.md#with-vllm)."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
 
