@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -278,26 +277,10 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, v
     }
 
 
-def _bundled() -> str:
-    from trinity_trl.data import bundled_model_dir
-
-    return str(bundled_model_dir())
-
-
-def _quiet() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
 def run_side(spec: dict) -> dict:
     """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
     ``model``; the base model's evaluation when ``arm`` is ``"base"``."""
-    _quiet()
+    seeded_study.quiet_run()
     plan, model = spec["plan"], spec["model"]
     if spec["arm"] == "base":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -318,7 +301,7 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -
     runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
     records = runs_file.records
     print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
-    model = model_override or _bundled()
+    model = model_override or seeded_study.bundled_model()
     launcher = harness.Launcher(preload=("torch", "transformers", "trl"))
 
     def spent_h() -> float:
@@ -357,9 +340,9 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
     """Before the plan is frozen: GiGPO on the tuning seed at the grid's middle rate for ``steps`` steps, reporting
     its anchor hit ratio per step and the cost of a step and of an evaluation (never a scored seed)."""
-    _quiet()
+    seeded_study.quiet_run()
     plan = {**plan, "steps": steps, "probe_steps": []}
-    model = model_override or _bundled()  # in this process: the pilot is one run
+    model = model_override or seeded_study.bundled_model()  # in this process: the pilot is one run
     out.mkdir(parents=True, exist_ok=True)
     lr = plan["grid"][len(plan["grid"]) // 2]
     with tempfile.TemporaryDirectory(prefix="gigpo_pilot_") as tmp:

@@ -29,7 +29,6 @@ import json
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,26 +210,10 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
     }
 
 
-def _bundled() -> str:
-    from trinity_trl.data import bundled_model_dir
-
-    return str(bundled_model_dir())
-
-
-def _quiet() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
 def run_side(spec: dict) -> dict:
     """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
     ``model``; the base model's held-out score when ``arm`` is ``"base"``."""
-    _quiet()
+    seeded_study.quiet_run()
     plan, model = spec["plan"], spec["model"]
     data = task_data(plan)
     if spec["arm"] == "base":
@@ -251,7 +234,7 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, l
     runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
     records = runs_file.records
     print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
-    model = model_override or _bundled()
+    model = model_override or seeded_study.bundled_model()
     launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
 
     def spent_h() -> float:
@@ -290,9 +273,9 @@ def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, l
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
     """Before the plan is frozen: both arms on the tuning seed at the grid's middle rate for ``steps`` steps, in this
     process (never a scored seed): the cost of a step and of scoring, the staleness reached, M2PO's masks."""
-    _quiet()
+    seeded_study.quiet_run()
     plan = {**plan, "steps": steps, "eval_rows": 20}  # scoring's cost per problem, not a result
-    model = model_override or _bundled()
+    model = model_override or seeded_study.bundled_model()
     data = task_data(plan)
     out.mkdir(parents=True, exist_ok=True)
     lr = plan["grid"][len(plan["grid"]) // 2]

@@ -314,3 +314,23 @@ def command_line(argv: list[str] | None, description: str, name: str, study) -> 
         print(study.markdown(study.write_summary(out / study.RUNS_FILE, Path(args.to))))
         return 0
     return study.pilot(out, study.PLAN, args.model, args.steps)
+
+
+def bundled_model() -> str:
+    """The bundled SmolLM2-135M-Instruct's directory (the studies' model)."""
+    from trinity_trl.data import bundled_model_dir
+
+    return str(bundled_model_dir())
+
+
+def quiet_run() -> None:
+    """A study run's process: one torch thread, no warnings, transformers' errors only."""
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
