@@ -65,6 +65,7 @@ class FakeAdvantage:
     in_trainer: bool = False
     needs_logprobs: bool = False
     refills_filtered_groups: bool = False
+    needs_step_states: bool = False
 
     def compute_in_trainer(self) -> bool:
         return self.in_trainer
@@ -74,7 +75,11 @@ class FakeAdvantage:
 class FakeComponents:
     policy_loss: Any = field(
         default_factory=lambda: SimpleNamespace(
-            pairwise=False, needs_expert_rows=False, linear_in_advantage=True, reads_advantages=True
+            pairwise=False,
+            needs_expert_rows=False,
+            linear_in_advantage=True,
+            reads_advantages=True,
+            needs_step_mask=False,
         )
     )
     kl_penalty: Any = field(default_factory=lambda: SimpleNamespace(enabled=False))
@@ -128,7 +133,11 @@ def test_offline_data_points_to_its_trainer(schema, trainer):
 def test_expert_rows_need_a_trainer_that_adds_them():
     components = FakeComponents(
         policy_loss=SimpleNamespace(
-            pairwise=False, needs_expert_rows=True, linear_in_advantage=True, reads_advantages=True
+            pairwise=False,
+            needs_expert_rows=True,
+            linear_in_advantage=True,
+            reads_advantages=True,
+            needs_step_mask=False,
         )
     )
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' needs expert rows; use ChordTrainer"):
@@ -141,7 +150,11 @@ def test_a_pairwise_loss_is_refused_by_the_rollout_trainers():
     replace); it is refused at construction."""
     components = FakeComponents(
         policy_loss=SimpleNamespace(
-            pairwise=True, needs_expert_rows=False, linear_in_advantage=True, reads_advantages=False
+            pairwise=True,
+            needs_expert_rows=False,
+            linear_in_advantage=True,
+            reads_advantages=False,
+            needs_step_mask=False,
         )
     )
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' compares chosen/rejected pairs.*TrinityDPOTrainer"):
@@ -174,7 +187,11 @@ def test_an_entropy_of_expert_rows_needs_expert_rows():
 def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():
     components = FakeComponents(
         policy_loss=SimpleNamespace(
-            pairwise=False, needs_expert_rows=False, linear_in_advantage=False, reads_advantages=True
+            pairwise=False,
+            needs_expert_rows=False,
+            linear_in_advantage=False,
+            reads_advantages=True,
+            needs_step_mask=False,
         )
     )
     with pytest.raises(
@@ -242,7 +259,13 @@ def test_group_operators_needing_behaviour_logps_or_refilling_groups_are_accepte
 )
 def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
     """A loss that reads no advantages (RAFT's SFT loss) never runs the advantage function."""
-    policy = SimpleNamespace(pairwise=False, needs_expert_rows=False, linear_in_advantage=False, reads_advantages=False)
+    policy = SimpleNamespace(
+        pairwise=False,
+        needs_expert_rows=False,
+        linear_in_advantage=False,
+        reads_advantages=False,
+        needs_step_mask=False,
+    )
     check(components=FakeComponents(policy_loss=policy, advantage_fn=advantage))
     check(components=FakeComponents(advantage_fn=None))  # a preset without an advantage function
 

@@ -330,6 +330,8 @@ def test_global_normalization_of_the_micro_batches_is_the_spec_over_the_whole_st
 MICRO_BATCHES_BEFORE = pathlib.Path(__file__).with_name("micro_batch_losses_before.json")
 ROWS, WIDTH, ACCUMULATION = 6, 7, 2
 KL_ENTROPY = {"kl_loss": {"name": "k3", "kl_coef": 0.05}, "entropy_loss": {"name": "default", "entropy_coef": 0.01}}
+#: `ChordConfig()` before 0.2.0 (CHORD-phi, constant mu 0.1): the values recorded before the loss contract used it
+CHORD_PHI_BEFORE = {"enable_phi_function": True, "mu_peak": 0.1, "mu_valley": 0.1, "mu_decay_steps": 0}
 #: (case id, trainer, config options, batch options)
 TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
     ("grpo", "TrinityTrainer", {**KL_ENTROPY}, {}),
@@ -357,8 +359,8 @@ TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
         {"segments": True},
     ),
     ("guards", "TrinityTrainer", {**KL_ENTROPY}, {"poison": True}),
-    ("chord", "ChordTrainer", {"expert_batch_size": 2, **KL_ENTROPY}, {"experts": 2}),
-    ("chord-eval", "ChordTrainer", {"expert_batch_size": 2}, {"mode": "eval"}),
+    ("chord", "ChordTrainer", {"expert_batch_size": 2, **KL_ENTROPY, **CHORD_PHI_BEFORE}, {"experts": 2}),
+    ("chord-eval", "ChordTrainer", {"expert_batch_size": 2, **CHORD_PHI_BEFORE}, {"mode": "eval"}),
     ("chord-mu", "ChordTrainer", {"paper_config": "chord_mu", "max_steps": 50, "num_generations": 8}, {"experts": 1}),
     (
         "mix",
@@ -374,7 +376,12 @@ TRAINER_CASES: list[tuple[str, str, dict, dict]] = [
         {"staleness": True},
     ),
     ("async-sapo-global", "AsyncTrinityTrainer", {"algorithm": "sapo", "loss_normalization": "global"}, {}),
-    ("async-chord", "AsyncChordTrainer", {"expert_batch_size": 2}, {"experts": 2, "staleness": True}),
+    (
+        "async-chord",
+        "AsyncChordTrainer",
+        {"expert_batch_size": 2, **CHORD_PHI_BEFORE},
+        {"experts": 2, "staleness": True},
+    ),
     (
         "async-mix",
         "AsyncChordTrainer",
