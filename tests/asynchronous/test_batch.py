@@ -39,9 +39,9 @@ def test_unpack_reads_trls_row_and_our_fields():
     assert packed.samples == 4
     assert packed.expert.tolist() == [False, False, True, False]
     assert packed.policy_version[[0, 1, 3]].tolist() == [3.0, 2.0, 1.0]
-    layout = SampleLayout(packed.segment, packed.samples)
-    assert layout.pad(packed.old_logps).tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0], [0.0, 0.0, 0.0], [0.0] * 3]
-    assert layout.pad(packed.advantages)[:, 0].tolist() == [1.5, -1.5, 0.0, 0.0]
+    layout = packed.layout  # the per-sample layout unpack builds
+    assert packed.pad(packed.old_logps).tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0], [0.0, 0.0, 0.0], [0.0] * 3]
+    assert packed.pad(packed.advantages)[:, 0].tolist() == [1.5, -1.5, 0.0, 0.0]
     assert layout.mask.sum(1).tolist() == [2.0, 3.0, 1.0, 0.0]  # the untrained sample stays a (masked) sample
     assert packed.micro_batch["samples"] == 4.0 and packed.micro_batch["expert_samples"] == 1.0
     assert packed.micro_batch["trained_tokens"] == 6.0

@@ -10,7 +10,7 @@ the terms there and back (a scatter, so gradients flow to the packed forward's l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ class PackedMicroBatch:
             ``forward_tokens``, ``mean_seq_len``, ``samples``, ``expert_samples``.
         step_mask: ``(M,)`` each loss term's value of the mask the policy loss chose over the optimizer step (1: kept;
             `trinity_trl.training.step_mask`), or ``None`` when none was chosen.
+        layout: where each loss term sits in the ``(S, L)`` per-sample layout the losses read (`pad` puts term values
+            there).
     """
 
     forward: dict[str, Any]
@@ -52,6 +54,15 @@ class PackedMicroBatch:
     group: torch.Tensor
     micro_batch: dict[str, float]
     step_mask: torch.Tensor | None = None
+    layout: SampleLayout = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.layout = SampleLayout(self.segment, self.samples)
+
+    def pad(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """``(M,)`` values of the row's loss terms (its own fields, or the forward's outputs at ``token_index``) as
+        ``(S, L)``, ``fill`` where a sample has no token (differentiable)."""
+        return self.layout.pad(values, fill)
 
 
 def unpack(inputs: dict[str, Any]) -> PackedMicroBatch:

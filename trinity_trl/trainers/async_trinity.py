@@ -47,7 +47,7 @@ from ..asynchronous.async_grpo_seams import (
     tree_plan,
     trl_collator,
 )
-from ..asynchronous.batch import SampleLayout, unpack
+from ..asynchronous.batch import unpack
 from ..asynchronous.progress import GroupLedger
 from ..asynchronous.vllm_rewards import RewardSum
 from ..asynchronous.worker import GroupScorer, LocalWeightTransfer, TransformersRolloutWorker
@@ -359,14 +359,12 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
                 inputs = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 packed = unpack(inputs)
                 outputs, _ = self._forward_packed(model, packed)
-                layout = SampleLayout(packed.segment, packed.samples)
-                logps = layout.pad(outputs.log_probs.flatten()[packed.token_index])
-                mask = layout.mask.to(logps.device) * (~self._too_stale(packed.model_version)).to(logps.device)[:, None]
+                logps, mask, _ = self._sample_rows(packed, outputs)
                 loss_batch = LossBatch(
-                    mask=mask, advantages=layout.pad(packed.advantages), old_logps=layout.pad(packed.old_logps)
+                    mask=mask, advantages=packed.pad(packed.advantages), old_logps=packed.pad(packed.old_logps)
                 )
                 parts.append(StepTokens.of(self._loss_inputs(loss_batch, logps, mask), mask))
-                layouts.append(layout)
+                layouts.append(packed.layout)
         for batch, layout, mask in zip(batches, layouts, step_masks(self.components.policy_loss, parts)):
             index = batch["token_index"]  # the row's loss terms (-1: none), as `unpack` selects them
             terms = torch.ones(index.shape, dtype=torch.float32, device=index.device)
@@ -382,6 +380,16 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         return model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan, **router), plan
 
+    def _sample_rows(self, packed, outputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One packed row in the per-sample layout the loss reads: the trained tokens' log-probs ``(S, L)``, their
+        mask, and the samples ``(S,)`` more than ``max_staleness`` weight syncs behind the weights trained now, which
+        leave the mask. (TRL's queue dataset drops a sample that is too old when it takes it from the queue; one that a
+        token-budget batcher held over from the last step may be older now.)"""
+        logps = packed.pad(outputs.log_probs.flatten()[packed.token_index])
+        too_stale = self._too_stale(packed.model_version)
+        mask = packed.layout.mask.to(logps.device) * (~too_stale).to(logps.device).unsqueeze(1)
+        return logps, mask, too_stale
+
     def _sync_weight(self):
         super()._sync_weight()
         if self.accelerator.is_main_process:  # TRL counts syncs; our staleness counts optimizer steps (seams 3)
@@ -392,33 +400,27 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             raise ValueError(f"{type(self).__name__} does not return model outputs from compute_loss")
         mode = "train" if self.model.training else "eval"
         packed = unpack(inputs)
-        device = packed.token_index.device
         started = time.time()
         outputs, plan = self._forward_packed(model, packed)
         forward_s = time.time() - started
-        layout = SampleLayout(packed.segment, packed.samples)
-        logps = layout.pad(outputs.log_probs.flatten()[packed.token_index])
+        logps, mask, too_stale = self._sample_rows(packed, outputs)
         entropies = None
         if self.components.entropy_loss.enabled:
-            entropies = layout.pad(outputs.entropy.flatten()[packed.token_index])
+            entropies = packed.pad(outputs.entropy.flatten()[packed.token_index])
         staleness = self.state.global_step - packed.policy_version.to(torch.float32)  # NaN: demonstrations
-        # max_staleness against the weights trained on: TRL's queue dataset drops a sample that is too old when it
-        # takes it from the queue; one that a token-budget batcher held over from the last step may be older now
-        too_stale = self._too_stale(packed.model_version)
         own = ~packed.expert
         self.group_ledger.record(packed.group[own].tolist(), too_stale[own].tolist())  # where the loss runs
-        mask = layout.mask.to(device) * (~too_stale).to(device).unsqueeze(1)
         batch = LossBatch(
             mask=mask,
-            advantages=layout.pad(packed.advantages),
-            old_logps=layout.pad(packed.old_logps),
-            ref_logps=self._reference_logps(model, packed, plan, layout) if self.algorithm.needs_reference else None,
+            advantages=packed.pad(packed.advantages),
+            old_logps=packed.pad(packed.old_logps),
+            ref_logps=self._reference_logps(model, packed, plan) if self.algorithm.needs_reference else None,
             expert_rows=packed.expert if self.supports_expert_rows else None,
             global_tokens=inputs["step_trained_tokens"][0],
             global_samples=inputs["step_samples"][0],
             staleness=staleness,
             class_weights=self._class_weights(inputs),
-            step_mask=None if packed.step_mask is None else layout.pad(packed.step_mask, fill=1.0),
+            step_mask=None if packed.step_mask is None else packed.pad(packed.step_mask, fill=1.0),
         )
         loss = self._micro_batch_loss(model, batch, logps, entropies, getattr(outputs, "aux_loss", None), mode)
         trained = staleness[~torch.isnan(staleness) & ~too_stale]
@@ -439,7 +441,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
         return None
 
     @torch.no_grad()
-    def _reference_logps(self, model, packed, plan, layout: SampleLayout) -> torch.Tensor:
+    def _reference_logps(self, model, packed, plan) -> torch.Tensor:
         """The trained tokens' log-probs under the reference: our own forward of the packed row (the reference model,
         or under PEFT the policy with its adapter disabled)."""
         from ..training.grpo_seams import use_adapter
@@ -450,7 +452,7 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
             unwrapped = self.accelerator.unwrap_model(model)
             with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                 outputs = model(**packed.forward, fused_lm_head=True, trinity_tree_plan=plan)
-        return layout.pad(outputs.log_probs.flatten()[packed.token_index].detach())
+        return packed.pad(outputs.log_probs.flatten()[packed.token_index].detach())
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:
