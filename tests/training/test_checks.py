@@ -7,6 +7,8 @@ the guards in training runs: tests/reliability/test_guards.py.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -19,8 +21,10 @@ from trl import GRPOConfig
 from trinity_trl.algorithms.component import Component
 from trinity_trl.trainers import ChordConfig, ChordTrainer, TrinityConfig, TrinityTrainer
 from trinity_trl.training.checks import (
+    RewardFunctionError,
     check_completion_room,
     check_components,
+    checked_reward_func,
     guard_loss_mask,
     hub_errors_in_one_line,
 )
@@ -480,3 +484,30 @@ def test_a_trainer_refuses_such_a_reward_before_it_loads_the_model(tmp_path):
     args = TrinityConfig(**tiny_grpo_kwargs(output_dir=str(tmp_path)))
     with pytest.raises(ValueError, match=r"'capital_reward' takes 'answer', but train_dataset has no such column"):
         TrinityTrainer(model=str(tmp_path / "never-loaded"), reward_funcs=capital_reward, train_dataset=data, args=args)
+
+
+def test_a_checked_reward_function_names_what_raised_and_where_sync_or_async():
+    """The checks are written once for both kinds of function: a sync one stays sync and its exception keeps its type
+    (even StopIteration, which a coroutine around it would turn into RuntimeError); an async one is awaited."""
+
+    def sync_reward(prompts, completions, **_):
+        if "bad" in completions:
+            raise StopIteration("no score")
+        return [1.0] * len(completions)
+
+    async def async_reward(prompts, completions, **_):
+        await asyncio.sleep(0)
+        if "bad" in completions:
+            raise ValueError("no score")
+        return [2.0] * len(completions)
+
+    checked = checked_reward_func(sync_reward, "sync_reward")
+    assert not inspect.iscoroutinefunction(checked)
+    assert checked(prompts=["p", "q"], completions=["a", "b"]) == [1.0, 1.0]
+    with pytest.raises(RewardFunctionError, match=r"'sync_reward' raised StopIteration: no score on row 1 of"):
+        checked(prompts=["p", "q"], completions=["a", "bad"])
+    checked_async = checked_reward_func(async_reward, "async_reward")
+    assert inspect.iscoroutinefunction(checked_async)
+    assert asyncio.run(checked_async(prompts=["p"], completions=["a"])) == [2.0]
+    with pytest.raises(RewardFunctionError, match=r"'async_reward' raised ValueError: no score on row 1 of"):
+        asyncio.run(checked_async(prompts=["p", "q"], completions=["a", "bad"]))

@@ -19,6 +19,11 @@ STATE_KEY = "state_key"
 STEP_REWARD = "step_reward"
 
 
+def _id_of(*fields: str) -> property:
+    """An `EID` property: its ``fields`` joined by ``/``."""
+    return property(lambda eid: "/".join(str(getattr(eid, name)) for name in fields), doc=f"``{'/'.join(fields)}``")
+
+
 @dataclass
 class EID:
     """Experience id. ``task`` groups GRPO-like advantages, ``run`` is one trajectory, ``step`` a turn."""
@@ -29,21 +34,14 @@ class EID:
     step: int = 0
     suffix: str = field(default_factory=lambda: secrets.token_hex(3))
 
-    @property
-    def tid(self) -> str:
-        return f"{self.batch}/{self.task}"
-
-    @property
-    def rid(self) -> str:
-        return f"{self.batch}/{self.task}/{self.run}"
-
-    @property
-    def sid(self) -> str:
-        return f"{self.batch}/{self.task}/{self.step}"
-
-    @property
-    def uid(self) -> str:
-        return f"{self.batch}/{self.task}/{self.run}/{self.step}/{self.suffix}"
+    tid = _id_of("batch", "task")
+    """The task's id ``batch/task``: the group of GRPO-like advantages."""
+    rid = _id_of("batch", "task", "run")
+    """The run's id ``batch/task/run``: one trajectory."""
+    sid = _id_of("batch", "task", "step")
+    """The step's id ``batch/task/step``: the same turn of every run of a task."""
+    uid = _id_of("batch", "task", "run", "step", "suffix")
+    """The experience's own id ``batch/task/run/step/suffix``."""
 
 
 @dataclass

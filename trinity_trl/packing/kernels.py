@@ -300,18 +300,25 @@ def _varlen_api() -> tuple[Any, dict[str, Any], bool] | None:
     return varlen_attn, causal, "enable_gqa" in params
 
 
-class Varlen(TreeKernel):
-    """``torch.nn.attention.varlen.varlen_attn`` over the gathered keys (torch >= 2.10, CUDA)."""
+class _GatheredKeysKernel(TreeKernel):
+    """A CUDA kernel over the gathered keys with cumulative query/key offsets (`Varlen`, `FlashAttn`): the same plan,
+    the same host arrays, the same layouts; each says what software it misses and how it attends."""
 
-    name = "varlen"
     dtypes = HALF
     array_names = ("key_index", "cu")
+    #: the start of the reason given on a device without CUDA
+    cuda_only: ClassVar[str]
+
+    def missing_software(self) -> str | None:
+        """Why the installed software cannot run the kernel (``None``: it can)."""
+        raise NotImplementedError
 
     def unavailable(self, device: torch.device) -> str | None:
-        if _varlen_api() is None:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
+        missing = self.missing_software()
+        if missing is not None:
+            return missing
         if device.type != "cuda":
-            return f"varlen_attn has CUDA kernels only (device {device.type})"
+            return f"{self.cuda_only} (device {device.type})"
         return _capability_reason(self.name, device)
 
     def arrays(self, segments, num_tokens):
@@ -319,6 +326,21 @@ class Varlen(TreeKernel):
 
     def plan(self, packed, device):
         return _varlen_plan(self, packed, device)
+
+    def __call__(self, plan, query, key, value, scale):
+        return self.attend(plan, query, key, value, scale).transpose(1, 2)
+
+
+class Varlen(_GatheredKeysKernel):
+    """``torch.nn.attention.varlen.varlen_attn`` over the gathered keys (torch >= 2.10, CUDA)."""
+
+    name = "varlen"
+    cuda_only = "varlen_attn has CUDA kernels only"
+
+    def missing_software(self) -> str | None:
+        if _varlen_api() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
+        return None
 
     def attend(self, plan, query, key, value, scale):
         varlen_attn, causal, has_gqa = _varlen_api()
@@ -333,9 +355,6 @@ class Varlen(TreeKernel):
             k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
         out = varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **extra)
         return out.unsqueeze(0)
-
-    def __call__(self, plan, query, key, value, scale):
-        return self.attend(plan, query, key, value, scale).transpose(1, 2)
 
 
 @cache
@@ -361,14 +380,13 @@ def _flash_attn_version() -> tuple[int, ...] | None:
         return None
 
 
-class FlashAttn(TreeKernel):
+class FlashAttn(_GatheredKeysKernel):
     """FlashAttention 2's ``flash_attn_varlen_func`` over the gathered keys (CUDA, installed separately)."""
 
     name = "flash_attn"
-    dtypes = HALF
-    array_names = ("key_index", "cu")
+    cuda_only = "FlashAttention runs on CUDA only"
 
-    def unavailable(self, device: torch.device) -> str | None:
+    def missing_software(self) -> str | None:
         if _flash_attn_varlen() is None:
             return "the flash_attn package is not installed (pip install flash-attn)"
         version = _flash_attn_version()
@@ -379,15 +397,7 @@ class FlashAttn(TreeKernel):
                 f"flash_attn {found} is installed; the tree needs its bottom-right causal mask, flash_attn >= {need} "
                 "(pip install -U flash-attn)"
             )
-        if device.type != "cuda":
-            return f"FlashAttention runs on CUDA only (device {device.type})"
-        return _capability_reason(self.name, device)
-
-    def arrays(self, segments, num_tokens):
-        return _varlen_arrays(segments)
-
-    def plan(self, packed, device):
-        return _varlen_plan(self, packed, device)
+        return None
 
     def attend(self, plan, query, key, value, scale):
         query, key, value = plan.cast(query, key, value)
@@ -396,9 +406,6 @@ class FlashAttn(TreeKernel):
             q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, dropout_p=0.0, softmax_scale=scale, causal=True
         )
         return out.unsqueeze(0)
-
-    def __call__(self, plan, query, key, value, scale):
-        return self.attend(plan, query, key, value, scale).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------- FlexAttention

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 Number = StrictInt | StrictFloat
 
@@ -33,6 +33,19 @@ class Strict(BaseModel):
     """A request object: unknown fields refused, no type coercion."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class OpenAIBookkeeping(Strict):
+    """The bookkeeping fields of OpenAI's chat-completions and Responses requests: accepted and unused, since they do
+    not change what is sampled."""
+
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
 
 
 @dataclass(frozen=True)

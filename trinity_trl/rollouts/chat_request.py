@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from .body import BodyError, Number, Rules, Strict, parse_body
+from .body import BodyError, Number, OpenAIBookkeeping, Rules, Strict, parse_body
 from .request import Request
 
 __all__ = ["BodyError", "ChatRequest", "parse_request"]
@@ -119,8 +119,9 @@ class StreamOptions(Strict):
     include_obfuscation: StrictBool | None = None
 
 
-class ChatRequest(Strict):
-    """The fields of a chat-completions request the endpoint honours (see the module docstring for the rest)."""
+class ChatRequest(OpenAIBookkeeping):
+    """The fields of a chat-completions request the endpoint honours (see the module docstring for the rest), and the
+    bookkeeping fields it accepts."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
     model: StrictStr
@@ -142,14 +143,6 @@ class ChatRequest(Strict):
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
-    # bookkeeping fields that do not change what is sampled
-    user: StrictStr | None = None
-    metadata: dict[str, StrictStr] | None = None
-    store: StrictBool | None = None
-    service_tier: StrictStr | None = None
-    safety_identifier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
-    prompt_cache_retention: StrictStr | None = None
 
     @property
     def stops(self) -> list[str]:

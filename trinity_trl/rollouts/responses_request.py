@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
-from .body import BodyError, Number, Rules, Strict, parse_body
+from .body import BodyError, Number, OpenAIBookkeeping, Rules, Strict, parse_body
 from .chat_request import arguments
 from .request import Request
 
@@ -136,8 +136,9 @@ class StreamOptions(Strict):
     include_obfuscation: StrictBool | None = None
 
 
-class ResponsesRequest(Strict):
-    """The fields of a Responses request the endpoint takes (see the module docstring)."""
+class ResponsesRequest(OpenAIBookkeeping):
+    """The fields of a Responses request the endpoint takes (see the module docstring), the bookkeeping fields among
+    them."""
 
     input: StrictStr | Annotated[list[Item], Field(min_length=1)]
     model: StrictStr | None = None
@@ -156,14 +157,6 @@ class ResponsesRequest(Strict):
     background: Literal[False] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    # bookkeeping fields that do not change what is sampled
-    store: StrictBool | None = None
-    metadata: dict[str, StrictStr] | None = None
-    user: StrictStr | None = None
-    service_tier: StrictStr | None = None
-    safety_identifier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
-    prompt_cache_retention: StrictStr | None = None
 
     def to_request(self) -> Request:
         tools = None

@@ -63,6 +63,7 @@ from ..training.step_mask import STEP_MASK_KEY, StepTokens, step_masks
 from .async_config import AsyncTrinityConfig, check_async_components, groups_per_step
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor
+from .components import TrainerCapabilities
 from .config import from_trl_config
 from .machine import check_run, start_run
 from .trinity_loss import TrinityLossMixin
@@ -93,7 +94,9 @@ def _init_kwargs(args: AsyncTrinityConfig) -> dict[str, Any]:
     return kwargs
 
 
-class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, AsyncGRPOTrainer):
+class AsyncTrinityTrainer(
+    AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, TrainerCapabilities, AsyncGRPOTrainer
+):
     """TRL's ``AsyncGRPOTrainer`` running any Trinity-RFT algorithm (see the module docs and [`AsyncTrinityConfig`][]).
 
     Arguments are those of TRL's ``AsyncGRPOTrainer``: ``model`` (an id or a path; ``"bundled"`` for the bundled
@@ -109,11 +112,6 @@ class AsyncTrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMi
     _tag_names = ["trl", "trinity_trl", "async-grpo"]
     _name = "Trinity"
     config_class: ClassVar[type[AsyncTrinityConfig]] = AsyncTrinityConfig
-    #: mixes expert (demonstration) rows into the sample stream (AsyncChordTrainer)
-    supports_expert_rows: ClassVar[bool] = False
-    has_critic: ClassVar[bool] = False
-    #: its worker plays multi-step runs (AsyncStepGRPOTrainer): a step-wise advantage is its advantage
-    plays_runs: ClassVar[bool] = False
     #: the training dataset must be prompts (a ``prompt`` column); a trainer whose tasks may come from an
     #: environment's ``reset()`` checks its dataset itself
     requires_prompt_dataset: ClassVar[bool] = True

@@ -55,6 +55,15 @@ PAPER_CONFIGS: dict[str, ChordPaperConfig] = {
 #: μ decay steps of the release's CHORD-μ (Trinity-RFT's example run); the paper configuration scales it to the run
 RELEASED_MU_DECAY_STEPS = 200
 DEFAULT_EXPERT_DATA_RATIO = 0.25
+#: the config's fields that are the CHORD loss's arguments of the same names (one left unset keeps the loss's default)
+CHORD_LOSS_FIELDS = (
+    "mu_warmup_steps",
+    "mu_decay_steps",
+    "mu_peak",
+    "mu_valley",
+    "enable_phi_function",
+    "sft_loss_agg_mode",
+)
 #: ``ChordConfig()``'s CHORD (each field, left unset and not given in ``policy_loss``, takes this value): CHORD-μ, a
 #: plain SFT term whose weight μ decays (cosine) from 0.9 to 0.05 without warm-up over the run (``max_steps``; the
 #: release's 200 steps when it is unset), the variant our pre-registered study found ahead of SFT then GRPO and
@@ -184,15 +193,7 @@ class ChordFields:
             setattr(self, name, value)
 
     def _implied_components(self) -> dict[str, Component]:
-        schedule = Component(
-            mu_warmup_steps=self.mu_warmup_steps,
-            mu_decay_steps=self.mu_decay_steps,
-            mu_peak=self.mu_peak,
-            mu_valley=self.mu_valley,
-            enable_phi_function=self.enable_phi_function,
-            sft_loss_agg_mode=self.sft_loss_agg_mode,
-        )
-        given = {name: value for name, value in schedule.args.items() if value is not None}
+        given = {name: getattr(self, name) for name in CHORD_LOSS_FIELDS if getattr(self, name) is not None}
         takes = argument_types(_policy_loss_class(self))
         misplaced = [name for name in given if name not in takes]
         if misplaced:

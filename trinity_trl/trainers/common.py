@@ -1,5 +1,6 @@
 """What the trainers share to meet TRL: the processor a model name loads, a frozen teacher, the default output folder,
-the fused-LM-head outputs of TRL's SFT/DPO forwards, and the parallelism they refuse.
+the fused-LM-head outputs of TRL's SFT/DPO forwards, the parallelism they refuse, and the SFT/DPO trainers'
+shared start.
 
 The other shared pieces have their own homes: `machine` (where the run happens), `components` (the
 algorithm's components), `card` (the model card's seams)."""
@@ -11,6 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from .machine import check_run, start_run
 
 
 def load_processor(model: str, args, rl: bool = True):
@@ -105,3 +108,17 @@ def reject_sequence_sharding(trainer, owner: str) -> None:
                 f"{owner} does not support context or sequence parallelism ({flag}): Trinity's losses aggregate over "
                 "whole sequences of a micro-batch, which these modes split across processes"
             )
+
+
+def init_trl_trainer(trainer, trl_init, model, args, given: dict[str, Any], components) -> None:
+    """The shared start of the SFT and DPO trainers: TRL's ``__init__`` (``trl_init``) on the bound arguments
+    ``given``, with the processor `load_processor` gives a model named by a string (no RL padding), inside the run's
+    machine checks (`trinity_trl.trainers.machine.start_run` / ``check_run``), then the checks and the policy loss
+    every trainer of a non-GRPO TRL class needs."""
+    if isinstance(model, str) and given.get("processing_class") is None:
+        given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
+    start_run(args)
+    trl_init(**given)
+    check_run(trainer.accelerator, trainer.args)
+    reject_sequence_sharding(trainer, type(trainer).__name__)
+    trainer.policy_loss = components.policy_loss

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..algorithms import AlgorithmConfig
 from ..algorithms.advantage import AdvantageFn
@@ -19,6 +19,20 @@ from ..algorithms.component import Component
 from ..algorithms.entropy import EntropyLossFn
 from ..algorithms.kl import KLFn
 from ..algorithms.policy_loss import PolicyLossFn
+
+
+class TrainerCapabilities:
+    """What a trainer class adds to the components it runs, checked against what they need
+    (`trinity_trl.training.checks.check_components`): the flags of both trainer families (`TrinityTrainer`,
+    `AsyncTrinityTrainer`), each set by the subclass that has the capability."""
+
+    #: mixes expert (demonstration) rows into its batches (ChordTrainer, AsyncChordTrainer)
+    supports_expert_rows: ClassVar[bool] = False
+    #: trains a value model that provides critic values (PPOTrainer)
+    has_critic: ClassVar[bool] = False
+    #: plays multi-step runs and records each step's state (StepGRPOTrainer, AsyncStepGRPOTrainer): what a step-wise
+    #: advantage (GiGPO's) reads
+    plays_runs: ClassVar[bool] = False
 
 
 def component_fields(config: Any, fields: Iterable[str]) -> None:

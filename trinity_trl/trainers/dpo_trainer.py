@@ -41,10 +41,10 @@ from ..training.grpo_seams import bind_trl_arguments
 from ..training.metrics import append_process_means
 from ..training.model_card import paper_for
 from .card import AlgorithmCardMixin
-from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .common import capture_fused_outputs, default_output_dir, init_trl_trainer
 from .components import ComponentsBuiltOnce, component_fields
 from .config import ShowsWhatTrains, from_trl_config
-from .machine import MachineFields, check_run, start_run
+from .machine import MachineFields
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # DPOConfig / TrainingArguments fields that select or reshape TRL's own DPO loss. The trainer computes
@@ -224,13 +224,7 @@ class TrinityDPOTrainer(AlgorithmCardMixin, CompleteCheckpoints, DPOTrainer):
         components = args.take_components()  # built once, when the config was checked
         self.algorithm = components.algorithm
         given = bind_trl_arguments(DPOTrainer, model, ref_model, args, *pos, **kwargs)
-        if isinstance(model, str) and given.get("processing_class") is None:
-            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        start_run(args)
-        super().__init__(**given)
-        check_run(self.accelerator, self.args)
-        reject_sequence_sharding(self, type(self).__name__)
-        self.policy_loss = components.policy_loss
+        init_trl_trainer(self, super().__init__, model, args, given, components)
         self.kl_loss = components.kl_loss
         self.entropy_loss = components.entropy_loss
         self._name, self._paper = paper_for(self.algorithm.algorithm)

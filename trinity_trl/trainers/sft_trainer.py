@@ -35,10 +35,10 @@ from ..training.grpo_seams import bind_trl_arguments
 from ..training.metrics import append_process_means
 from ..training.model_card import paper_for
 from .card import AlgorithmCardMixin
-from .common import capture_fused_outputs, default_output_dir, load_processor, reject_sequence_sharding
+from .common import capture_fused_outputs, default_output_dir, init_trl_trainer
 from .components import ComponentsBuiltOnce, component_fields
 from .config import ShowsWhatTrains, from_trl_config
-from .machine import MachineFields, check_run, start_run
+from .machine import MachineFields
 from .spellings import RefusesRemovedSpellings, flat_component_spellings
 
 # SFTConfig / TrainingArguments fields that would change or replace the loss this trainer computes.
@@ -177,13 +177,7 @@ class TrinitySFTTrainer(AlgorithmCardMixin, CompleteCheckpoints, SFTTrainer):
         given = bind_trl_arguments(SFTTrainer, model, args, *pos, **kwargs)
         if given.get("compute_loss_func") is not None:  # passed positionally
             raise ValueError(f"{type(self).__name__} computes its loss from policy_loss; do not pass compute_loss_func")
-        if isinstance(model, str) and given.get("processing_class") is None:
-            given["processing_class"] = load_processor(model, args, rl=False)  # with hf_tokenizer's corrections
-        start_run(args)
-        super().__init__(**given)
-        check_run(self.accelerator, self.args)
-        reject_sequence_sharding(self, type(self).__name__)
-        self.policy_loss = components.policy_loss
+        init_trl_trainer(self, super().__init__, model, args, given, components)
         self._name, self._paper = paper_for(self.algorithm.algorithm)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

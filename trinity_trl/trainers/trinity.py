@@ -53,12 +53,13 @@ from ..training.token_budget import MicroStep, TokenBudget, resolve_token_budget
 from ..training.trl_generation import FORWARD_KEYS, TRLGeneration
 from .card import AlgorithmCardMixin
 from .common import default_output_dir, load_processor, prepare_teacher
+from .components import TrainerCapabilities
 from .config import TrinityConfig, from_trl_config
 from .machine import check_run, start_run
 from .trinity_loss import TrinityLossMixin
 
 
-class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, GRPOTrainer):
+class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, TrainerCapabilities, GRPOTrainer):
     """A ``GRPOTrainer`` that runs any Trinity-RFT algorithm preset (see [`TrinityConfig`][]).
 
     Arguments are those of [`GRPOTrainer`](https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOTrainer), plus
@@ -69,13 +70,7 @@ class TrinityTrainer(AlgorithmCardMixin, CompleteCheckpoints, TrinityLossMixin, 
     _tag_names = ["trl", "trinity_trl"]
     _name = "Trinity"
     config_class: ClassVar[type[TrinityConfig]] = TrinityConfig
-    # --- what a subclass adds (checked against what the components need) ---
-    #: appends expert (demonstration) rows to each generation batch (ChordTrainer)
-    supports_expert_rows: ClassVar[bool] = False
-    #: trains a value model that provides critic values (PPOTrainer)
-    has_critic: ClassVar[bool] = False
-    #: plays multi-step runs and records each step's state (StepGRPOTrainer): what GiGPO's advantage reads
-    plays_runs: ClassVar[bool] = False
+    # --- what a subclass adds (checked against what the components need; and `TrainerCapabilities`) ---
     #: every dataset row needs a non-empty ``prompt`` (StepGRPOTrainer: environments may supply it)
     requires_prompt: ClassVar[bool] = True
     #: the rollouts add inputs of the reward functions beyond the dataset's columns (StepGRPOTrainer: env_reward)

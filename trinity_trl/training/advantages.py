@@ -179,6 +179,7 @@ def refill_rows(
     return refilled
 
 
+@dataclass(eq=False)
 class AdvantageEstimator:
     """Computes a generation batch's advantages with the trainer's components.
 
@@ -191,21 +192,12 @@ class AdvantageEstimator:
         seed: the run's seed (the draws of operators that refill filtered groups derive from it).
     """
 
-    def __init__(
-        self,
-        advantage_fn: AdvantageFn | None,
-        policy_loss: PolicyLossFn,
-        kl_penalty: KLFn,
-        gather: Callable[[torch.Tensor], torch.Tensor],
-        pad_across_processes: Callable[..., torch.Tensor],
-        seed: int = 0,
-    ):
-        self.advantage_fn = advantage_fn
-        self.seed = seed
-        self.policy_loss = policy_loss
-        self.kl_penalty = kl_penalty
-        self.gather = gather
-        self.pad_across_processes = pad_across_processes
+    advantage_fn: AdvantageFn | None
+    policy_loss: PolicyLossFn
+    kl_penalty: KLFn
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    pad_across_processes: Callable[..., torch.Tensor]
+    seed: int = 0
 
     def __call__(
         self,

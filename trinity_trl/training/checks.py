@@ -221,37 +221,47 @@ def checked_reward_func(func: Any, name: str) -> Any:
 
         @functools.wraps(func)
         async def checked_async(**kwargs):
-            try:
-                output = await func(**kwargs)
-            except Exception as err:
-                n, row = len(kwargs["completions"]), None
-                for i in range(n):
-                    try:
-                        await func(**_row_kwargs(kwargs, i, n))
-                    except Exception:  # noqa: BLE001 (locating the row only)
-                        row = i
-                        break
-                raise _raise_context(name, err, row, kwargs) from err
-            return _validated(name, output, len(kwargs["completions"]))
+            return await _checked_call(func, name, kwargs, awaits=True)
 
         return checked_async
 
     @functools.wraps(func)
     def checked(**kwargs):
-        try:
-            output = func(**kwargs)
-        except Exception as err:
-            n, row = len(kwargs["completions"]), None
-            for i in range(n):  # only on failure: find the row that raises alone
-                try:
-                    func(**_row_kwargs(kwargs, i, n))
-                except Exception:  # noqa: BLE001 (locating the row only)
-                    row = i
-                    break
-            raise _raise_context(name, err, row, kwargs) from err
-        return _validated(name, output, len(kwargs["completions"]))
+        return _run_unsuspended(_checked_call(func, name, kwargs, awaits=False))
 
     return checked
+
+
+async def _checked_call(func: Any, name: str, kwargs: dict[str, Any], awaits: bool) -> Any:
+    """The checks of `checked_reward_func`, written once for both kinds of function: what ``func`` returns is awaited
+    when ``awaits`` (an async function); a sync one runs in a coroutine that never suspends (`_run_unsuspended`)."""
+    try:
+        output = func(**kwargs)
+        if awaits:
+            output = await output
+    except Exception as err:
+        n, row = len(kwargs["completions"]), None
+        for i in range(n):  # only on failure: find the row that raises alone
+            try:
+                alone = func(**_row_kwargs(kwargs, i, n))
+                if awaits:
+                    await alone
+            except Exception:  # noqa: BLE001 (locating the row only)
+                row = i
+                break
+        raise _raise_context(name, err, row, kwargs) from err
+    return _validated(name, output, len(kwargs["completions"]))
+
+
+def _run_unsuspended(coroutine: Any) -> Any:
+    """The result of a coroutine that awaits nothing asynchronous, run to its end in this thread without an event
+    loop (so a sync reward function stays sync; its exceptions propagate as they are)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a sync reward function's check suspended; it cannot run without an event loop")
 
 
 # --------------------------------------------------------------------------------- rollout_func

@@ -11,6 +11,7 @@ packing, multimodal inputs and TRL's fused head apply to these passes too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from .metrics import append_metrics
 from .trl_generation import FORWARD_KEYS
 
 
+@dataclass(eq=False)
 class Scoring:
     """Extra no-grad passes over a batch's rows, for the inputs a component asks for.
 
@@ -39,27 +41,15 @@ class Scoring:
         reward_weights: ``(reward functions,)`` TRL's ``reward_weights``.
     """
 
-    def __init__(
-        self,
-        forward: Callable[..., tuple[torch.Tensor, Any, Any]],
-        batch_size: int,
-        policy: Callable[[], torch.nn.Module],
-        reference: torch.nn.Module | None,
-        unwrap: Callable[[torch.nn.Module], torch.nn.Module],
-        teacher: torch.nn.Module | None,
-        generation: Any,
-        score: Callable[..., torch.Tensor],
-        reward_weights: torch.Tensor,
-    ):
-        self.forward = forward
-        self.batch_size = batch_size
-        self.policy = policy
-        self.reference = reference
-        self.unwrap = unwrap
-        self.teacher = teacher
-        self.generation = generation
-        self.score = score
-        self.reward_weights = reward_weights
+    forward: Callable[..., tuple[torch.Tensor, Any, Any]]
+    batch_size: int
+    policy: Callable[[], torch.nn.Module]
+    reference: torch.nn.Module | None
+    unwrap: Callable[[torch.nn.Module], torch.nn.Module]
+    teacher: torch.nn.Module | None
+    generation: Any
+    score: Callable[..., torch.Tensor]
+    reward_weights: torch.Tensor
 
     @torch.no_grad()
     def logps(self, model: torch.nn.Module, rows: dict) -> torch.Tensor:

@@ -199,3 +199,18 @@ def test_constructors_take_the_spec_arguments_explicitly(key):
         "usual_sample_weight",
         "expert_sample_weight",
     ]
+
+
+@pytest.mark.parametrize("key", ["mix", "mix_chord"])
+def test_a_call_is_placed_by_the_one_signature(key):
+    """MIX and CHORD declare their own arguments; ExpertMixLossFn's follow them in one signature, which places a
+    positional call and refuses an unknown keyword as a hand-written constructor would."""
+    cls = POLICY_LOSS_FN.get(key)
+    own = [0.2] if key == "mix" else [0, 0, 0.1, 0.1, True]  # mu; or the μ schedule and enable_phi_function
+    # then Trinity-RFT's order: clip_range, _low, _high, the six batch-geometry arguments, loss_agg_mode
+    fn = cls("trl", *own, 0.3, None, None, None, 8, None, None, None, None, "seq-mean-token-mean")
+    assert (fn.grpo_loss_fn.clip_range_low, fn.grpo_loss_fn.clip_range_high) == (0.3, 0.3)
+    assert fn.geometry.ppo_mini_batch_size == 8
+    assert fn.loss_agg_mode == "seq-mean-token-mean"
+    with pytest.raises(TypeError, match=rf"{cls.__name__}.__init__\(\) got an unexpected keyword argument 'foo'"):
+        cls(foo=1)

@@ -146,3 +146,13 @@ def scalar_rewards_to_token_level(rewards: torch.Tensor, attention_mask: torch.T
 
 
 ADVANTAGE_FN: Registry[type[AdvantageFn]] = Registry("advantage function")
+
+
+def batch_get_token_level(batch: dict[str, Any], *names: str) -> list[Any]:
+    """`batch_get` of each of ``names`` and then of ``action_mask``: ``(B, T)`` tensors of one shape, else a one-line
+    ``ValueError`` naming each shape."""
+    tensors = [batch_get(batch, name) for name in (*names, "action_mask")]
+    if len({tuple(t.shape) for t in tensors}) != 1 or tensors[0].dim() != 2:
+        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(names, tensors))
+        raise ValueError(f"{shapes} and response_mask {tuple(tensors[-1].shape)} must all be (B, T)")
+    return tensors

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..masked import masked_whiten
-from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get_token_level
 from .reinforceplusplus import check_discount, discounted_reverse_cumsum
 
 
@@ -38,14 +38,7 @@ class GAEAdvantage(BatchAdvantageFn):
 
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
-        rewards = batch_get(batch, "token_level_rewards")
-        values = batch_get(batch, "values")
-        mask = batch_get(batch, "action_mask")
-        if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
-            raise ValueError(
-                f"token_level_rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and response_mask "
-                f"{tuple(mask.shape)} must all be (B, T)"
-            )
+        rewards, values, mask = batch_get_token_level(batch, "token_level_rewards", "values")
         values = values.to(rewards.dtype)
         next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=-1)
         # δ in the reward dtype with the reference's operation order; the scan itself runs in float64

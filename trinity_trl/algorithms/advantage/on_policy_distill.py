@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..masked import masked_fill_invalid
-from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get
+from .advantage_fn import ADVANTAGE_FN, BatchAdvantageFn, batch_get_token_level
 
 
 @ADVANTAGE_FN.register("on_policy_distill")
@@ -37,14 +37,7 @@ class OnPolicyDistillAdvantage(BatchAdvantageFn):
 
     @torch.no_grad()
     def process(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
-        teacher = batch_get(batch, "teacher_logprobs")
-        old = batch_get(batch, "old_logprob")
-        mask = batch_get(batch, "action_mask")
-        if not (teacher.shape == old.shape == mask.shape) or teacher.dim() != 2:
-            raise ValueError(
-                f"teacher_logprobs {tuple(teacher.shape)}, old_logprob {tuple(old.shape)} and response_mask "
-                f"{tuple(mask.shape)} must all be (B, T)"
-            )
+        teacher, old, mask = batch_get_token_level(batch, "teacher_logprobs", "old_logprob")
         reverse_kl = (masked_fill_invalid(old, mask) - masked_fill_invalid(teacher, mask)) * mask.to(old.dtype)
         advantages = -self.kl_coef * reverse_kl
         batch["advantages"] = advantages

@@ -49,6 +49,11 @@ class RowClass:
     loss_metric: str
 
 
+def _reads(key: str) -> property:
+    """A `PolicyLossFn` property: whether the loss's ``inputs`` hold ``key`` (what a trainer must provide)."""
+    return property(lambda self: key in self.inputs, doc=f"Whether the loss reads ``{key}`` (it is in ``inputs``).")
+
+
 class PolicyLossFn(ComponentArgs):
     """A policy loss: ``loss, metrics = fn(logprob=..., **inputs)``.
 
@@ -113,31 +118,17 @@ class PolicyLossFn(ComponentArgs):
         """One sentence for the model card about this loss as built (a variant, a schedule), or ``None``."""
         return None
 
-    @property
-    def reads_advantages(self) -> bool:
-        """Whether the loss uses advantages. A trainer gives a loss that does not (an SFT loss) the
-        best-rewarded completions of each group instead (RAFT)."""
-        return "advantages" in self.inputs
-
-    @property
-    def needs_old_logprob(self) -> bool:
-        """Whether the loss reads the behaviour (old) log-probs."""
-        return "old_logprob" in self.inputs
-
-    @property
-    def needs_ref_logprob(self) -> bool:
-        """Whether the loss reads reference-model log-probs (DPO): the trainer must load a reference."""
-        return "ref_logprob" in self.inputs
-
-    @property
-    def needs_expert_rows(self) -> bool:
-        """Whether the loss mixes expert (SFT) rows into the batch (``expert_mask``, MIX/CHORD)."""
-        return "expert_mask" in self.inputs
-
-    @property
-    def needs_step(self) -> bool:
-        """Whether the loss reads the global training ``step`` (CHORD's μ schedule)."""
-        return "step" in self.inputs
+    reads_advantages = _reads("advantages")
+    """Whether the loss uses advantages. A trainer gives a loss that does not (an SFT loss) the
+    best-rewarded completions of each group instead (RAFT)."""
+    needs_old_logprob = _reads("old_logprob")
+    """Whether the loss reads the behaviour (old) log-probs."""
+    needs_ref_logprob = _reads("ref_logprob")
+    """Whether the loss reads reference-model log-probs (DPO): the trainer must load a reference."""
+    needs_expert_rows = _reads("expert_mask")
+    """Whether the loss mixes expert (SFT) rows into the batch (``expert_mask``, MIX/CHORD)."""
+    needs_step = _reads("step")
+    """Whether the loss reads the global training ``step`` (CHORD's μ schedule)."""
 
     @property
     def linear_in_advantage(self) -> bool:

@@ -59,21 +59,7 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         mu_peak: float = 0.1,
         mu_valley: float = 0.1,
         enable_phi_function: bool = True,
-        clip_range: float | None = None,
-        clip_range_low: float | None = None,
-        clip_range_high: float | None = None,
-        use_dynamic_bsz: bool | None = None,
-        ppo_mini_batch_size: int | None = None,
-        ppo_micro_batch_size_per_gpu: int | None = None,
-        ngpus_trainer: int | None = None,
-        train_batch_size_usual: int | None = None,
-        train_batch_size_expert: int | None = None,
-        loss_agg_mode: str = "token-mean",
-        sft_loss_agg_mode: str | None = None,
-        grpo_loss_agg_mode: str | None = None,
-        *,
-        usual_sample_weight: float | None = None,
-        expert_sample_weight: float | None = None,
+        **shared: Any,
     ):
         if mu_warmup_steps < 0 or mu_decay_steps < 0:
             raise ValueError(
@@ -83,23 +69,7 @@ class CHORDPolicyLossFn(ExpertMixLossFn):
         self.mu_peak = _unit_interval("mix_chord", "mu_peak", mu_peak)
         self.mu_valley = _unit_interval("mix_chord", "mu_valley", mu_valley)
         self.enable_phi_function = bool(enable_phi_function)  # read by build_sft_loss_fn below
-        super().__init__(
-            backend,
-            clip_range=clip_range,
-            clip_range_low=clip_range_low,
-            clip_range_high=clip_range_high,
-            use_dynamic_bsz=use_dynamic_bsz,
-            ppo_mini_batch_size=ppo_mini_batch_size,
-            ppo_micro_batch_size_per_gpu=ppo_micro_batch_size_per_gpu,
-            ngpus_trainer=ngpus_trainer,
-            train_batch_size_usual=train_batch_size_usual,
-            train_batch_size_expert=train_batch_size_expert,
-            loss_agg_mode=loss_agg_mode,
-            sft_loss_agg_mode=sft_loss_agg_mode,
-            grpo_loss_agg_mode=grpo_loss_agg_mode,
-            usual_sample_weight=usual_sample_weight,
-            expert_sample_weight=expert_sample_weight,
-        )
+        super().__init__(backend, **shared)
 
     def card_note(self) -> str | None:
         """The CHORD variant (CHORD-μ: plain SFT term; CHORD-φ: φ-weighted) and μ's schedule."""

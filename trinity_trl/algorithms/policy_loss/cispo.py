@@ -37,8 +37,6 @@ class CISPOPolicyLossFn(PolicyLossFn):
     Metrics: ``cispo_loss``, ``ppo_kl = MMEAN(ℓo − ℓ)``, ``unmasked_frac = MMEAN(M)``.
     """
 
-    loss_metric = "cispo_loss"
-
     def __init__(
         self,
         backend: str = "trl",

@@ -43,7 +43,6 @@ class DPOLossFn(PolicyLossFn):
     # aggregation, and no rollout trainer can run it (``pairwise``)
     weighs_samples_itself = True
     pairwise = True
-    loss_metric = "dpo_loss"
 
     def __init__(
         self, backend: str = "trl", beta: float = 0.1, label_smoothing: float = 0.0, *, allow_odd_rows: bool = False

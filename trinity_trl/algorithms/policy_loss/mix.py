@@ -10,6 +10,7 @@ them with the formula of docs/algorithms/chord.md#normalisation.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,14 @@ def _positive_float(owner: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def _floor_quotient(numerator: str, denominator: str) -> property:
+    """A `BatchGeometry` property: the floor division of two of its counts (as the reference derives them)."""
+    return property(
+        lambda geometry: getattr(geometry, numerator) // getattr(geometry, denominator),
+        doc=f"``{numerator} // {denominator}``",
+    )
 
 
 @dataclass(frozen=True)
@@ -85,23 +94,12 @@ class BatchGeometry:
             if value < 1:
                 raise ValueError(f"{owner}: {name} must be >= 1, got {value}")
 
-    @property
-    def experience_per_gpu(self) -> int:
-        return self.ppo_mini_batch_size // self.ngpus_trainer
-
-    @property
-    def gradient_accumulation(self) -> int:
-        return self.ppo_mini_batch_size // self.ppo_micro_batch_size_per_gpu
-
-    @property
-    def usual_per_gpu(self) -> int:
-        """``Bu``: usual samples per GPU per optimizer step."""
-        return self.train_batch_size_usual // self.ngpus_trainer
-
-    @property
-    def expert_per_gpu(self) -> int:
-        """``Be``: expert samples per GPU per optimizer step."""
-        return self.train_batch_size_expert // self.ngpus_trainer
+    experience_per_gpu = _floor_quotient("ppo_mini_batch_size", "ngpus_trainer")
+    gradient_accumulation = _floor_quotient("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu")
+    usual_per_gpu = _floor_quotient("train_batch_size_usual", "ngpus_trainer")
+    """``Bu``: usual samples per GPU per optimizer step."""
+    expert_per_gpu = _floor_quotient("train_batch_size_expert", "ngpus_trainer")
+    """``Be``: expert samples per GPU per optimizer step."""
 
     def sample_weights(self, rows: int) -> tuple[float, float]:
         """``(w_u, w_e)`` for a micro-batch of ``rows`` rows (``B``, usual and expert together)::
@@ -132,6 +130,14 @@ def step_sample_weights(usual: float, expert: float, micro_steps: float) -> tupl
     branch, [`ChordConfig`][trinity_trl.trainers.ChordConfig] and the asynchronous CHORD trainer's each step.
     """
     return micro_steps / max(usual, 1.0), micro_steps / max(expert, 1.0)
+
+
+def _of_geometry(name: str) -> property:
+    """An `ExpertMixLossFn` property: `BatchGeometry`'s ``name`` of the loss's batch geometry, ``None`` when the loss
+    was given explicit sample weights."""
+    return property(
+        lambda loss: None if loss.geometry is None else getattr(loss.geometry, name), doc=f"`BatchGeometry.{name}`"
+    )
 
 
 class ExpertMixLossFn(PolicyLossFn):
@@ -172,6 +178,16 @@ class ExpertMixLossFn(PolicyLossFn):
     def summary_metrics(cls) -> dict[str, tuple[str, ...]]:
         """The RL part on usual rows, the SFT part on expert rows, and μ."""
         return {"rl": ("usual/pg_loss",), "sft": ("expert/sft_loss", "expert/sft_phi_loss"), "mu": ("mu",)}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass declares only its own arguments, ``__init__(self, backend="trl", <its own>, **shared)``, and
+        passes ``shared`` on to this class's constructor: its constructor then takes its own arguments and, after
+        them, every argument of this one, as one signature (what `argument_types`, ``default_args()`` and positional
+        calls see). The shared arguments are declared once, here."""
+        init = cls.__dict__.get("__init__")
+        if init is not None and "shared" in inspect.signature(init).parameters:
+            cls.__init__ = _with_shared_arguments(init)
+        super().__init_subclass__(**kwargs)
 
     def __init__(
         self,
@@ -232,27 +248,13 @@ class ExpertMixLossFn(PolicyLossFn):
         self.sft_loss_fn = self.build_sft_loss_fn(sft_loss_agg_mode or loss_agg_mode)
 
     # Trinity's derived values (docs/algorithms/chord.md#normalisation), None when explicit sample weights are used
-    @property
-    def use_dynamic_bsz(self) -> bool | None:
-        return None if self.geometry is None else self.geometry.use_dynamic_bsz
-
-    @property
-    def experience_per_gpu(self) -> int | None:
-        return None if self.geometry is None else self.geometry.experience_per_gpu
-
-    @property
-    def gradient_accumulation(self) -> int | None:
-        return None if self.geometry is None else self.geometry.gradient_accumulation
-
-    @property
-    def train_batch_size_usual(self) -> int | None:
-        """``Bu`` (per GPU)."""
-        return None if self.geometry is None else self.geometry.usual_per_gpu
-
-    @property
-    def train_batch_size_expert(self) -> int | None:
-        """``Be`` (per GPU)."""
-        return None if self.geometry is None else self.geometry.expert_per_gpu
+    use_dynamic_bsz = _of_geometry("use_dynamic_bsz")
+    experience_per_gpu = _of_geometry("experience_per_gpu")
+    gradient_accumulation = _of_geometry("gradient_accumulation")
+    train_batch_size_usual = _of_geometry("usual_per_gpu")
+    """``Bu`` (per GPU)."""
+    train_batch_size_expert = _of_geometry("expert_per_gpu")
+    """``Be`` (per GPU)."""
 
     def sample_weights(self, rows: int) -> tuple[float, float]:
         """``(w_u, w_e)`` for a micro-batch of ``rows`` rows."""
@@ -323,6 +325,30 @@ class ExpertMixLossFn(PolicyLossFn):
         )
 
 
+def _with_shared_arguments(init: Any) -> Any:
+    """``init`` (``__init__(self, backend, <own arguments>, **shared)``) with the signature of its own arguments
+    followed by `ExpertMixLossFn`'s (`ExpertMixLossFn.__init_subclass__`): a call is bound to that signature, so a
+    positional or unknown argument is placed or refused as by a hand-written constructor."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    shared = list(inspect.signature(ExpertMixLossFn.__init__).parameters.values())[2:]  # after self and backend
+    parameters = own + shared
+    parameters.sort(key=lambda p: p.kind is p.KEYWORD_ONLY)  # stable: the keyword-only ones last
+    signature = inspect.Signature(parameters)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+        except TypeError as error:
+            raise TypeError(f"{init.__qualname__}() {error}") from None
+        init(**arguments)
+
+    __init__.__signature__ = signature
+    hints = {**ExpertMixLossFn.__init__.__annotations__, **init.__annotations__}
+    __init__.__annotations__ = {name: hint for name, hint in hints.items() if name != "shared"}
+    return __init__
+
+
 @POLICY_LOSS_FN.register("mix")
 class MIXPolicyLossFn(ExpertMixLossFn):
     """MIX: ``(1−mu)·L_u + mu·L_e`` with a constant ``mu`` in ``[0, 1]`` (docs/algorithms/chord.md#mix).
@@ -334,43 +360,8 @@ class MIXPolicyLossFn(ExpertMixLossFn):
 
     preset_defaults = {"clip_range": 0.2}
 
-    def __init__(
-        self,
-        backend: str = "trl",
-        mu: float = 0.1,
-        clip_range: float | None = None,
-        clip_range_low: float | None = None,
-        clip_range_high: float | None = None,
-        use_dynamic_bsz: bool | None = None,
-        ppo_mini_batch_size: int | None = None,
-        ppo_micro_batch_size_per_gpu: int | None = None,
-        ngpus_trainer: int | None = None,
-        train_batch_size_usual: int | None = None,
-        train_batch_size_expert: int | None = None,
-        loss_agg_mode: str = "token-mean",
-        sft_loss_agg_mode: str | None = None,
-        grpo_loss_agg_mode: str | None = None,
-        *,
-        usual_sample_weight: float | None = None,
-        expert_sample_weight: float | None = None,
-    ):
-        super().__init__(
-            backend,
-            clip_range=clip_range,
-            clip_range_low=clip_range_low,
-            clip_range_high=clip_range_high,
-            use_dynamic_bsz=use_dynamic_bsz,
-            ppo_mini_batch_size=ppo_mini_batch_size,
-            ppo_micro_batch_size_per_gpu=ppo_micro_batch_size_per_gpu,
-            ngpus_trainer=ngpus_trainer,
-            train_batch_size_usual=train_batch_size_usual,
-            train_batch_size_expert=train_batch_size_expert,
-            loss_agg_mode=loss_agg_mode,
-            sft_loss_agg_mode=sft_loss_agg_mode,
-            grpo_loss_agg_mode=grpo_loss_agg_mode,
-            usual_sample_weight=usual_sample_weight,
-            expert_sample_weight=expert_sample_weight,
-        )
+    def __init__(self, backend: str = "trl", mu: float = 0.1, **shared: Any):
+        super().__init__(backend, **shared)
         self.mu = _unit_interval("mix", "mu", mu)
 
     def mu_of(self, step: Any, rows: int) -> float:

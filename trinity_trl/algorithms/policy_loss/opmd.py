@@ -20,7 +20,6 @@ class OPMDPolicyLossFn(PolicyLossFn):
     """
 
     inputs = ("action_mask", "advantages")
-    loss_metric = "opmd_loss"
 
     def __init__(self, backend: str = "trl", tau: float = 1.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)

@@ -40,7 +40,6 @@ class SAPOPolicyLossFn(PolicyLossFn):
 
     # TRL's SAPO temperatures are the gate temperatures for positive / negative advantages
     trl_config_fields = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
-    loss_metric = "sapo_loss"
 
     def __init__(
         self,

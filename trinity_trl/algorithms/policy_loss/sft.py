@@ -23,7 +23,6 @@ class SFTLossFn(AggregatedLossFn):
     """
 
     inputs = ("action_mask",)
-    loss_metric = "sft_loss"
 
     def token_losses(self, logprob, **_):
         return -logprob, {}
@@ -38,7 +37,6 @@ class SFTISLossFn(AggregatedLossFn):
     """
 
     inputs = ("action_mask",)
-    loss_metric = "sft_is_loss"
 
     def token_losses(self, logprob, **_):
         return -logprob * torch.exp(logprob).detach(), {}
@@ -56,7 +54,6 @@ class SFTPhiLossFn(PolicyLossFn):
     """
 
     inputs = ("action_mask",)
-    loss_metric = "sft_phi_loss"
 
     def __init__(self, backend: str = "trl", loss_agg_mode: str = "token-mean", cutoff_prob: float = 1.0):
         super().__init__(backend)

@@ -23,8 +23,6 @@ class TOPRPolicyLossFn(PolicyLossFn):
     Metrics: ``topr_loss``, ``avg_alpha = MMEAN(α)``, ``avg_ratio = MMEAN(r)``.
     """
 
-    loss_metric = "topr_loss"
-
     def __init__(self, backend: str = "trl", advantage_threshold: float = 0.0, loss_agg_mode: str = "token-mean"):
         super().__init__(backend)
         self.advantage_threshold = float(advantage_threshold)
