@@ -27,9 +27,7 @@ descriptive tables from whatever runs are finished, and says plainly when the st
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,9 +37,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
-import harness
 import seeded_study
-from seeded_study import cell, finished, interval, load_runs, mean, spread
+from seeded_study import cell, interval, mean, spread
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -185,7 +182,7 @@ def play(model, tokenizer, plan: dict, plays: int, seed: int, temperature: float
 
 # ------------------------------------------------------------------------------------------ training
 def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields ``learning.py``'s helpers read."""
+    """The fields `seeded_study`'s run set-up reads."""
     return SimpleNamespace(lora_r=plan["lora_r"], device="cpu", bf16=False)
 
 
@@ -201,12 +198,11 @@ def arm_settings(arm: str) -> dict:
 
 
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_dir: str):
-    from learning import common_config, lora_config
 
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     config = StepGRPOConfig(
-        **common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["num_generations"],
         num_generations=plan["num_generations"],
@@ -220,7 +216,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_d
         args=config,
         train_dataset=training_tasks(plan, seed),
         environment_factory=lambda: environment(plan),
-        peft_config=lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(_namespace(plan)),
     )
 
 
@@ -294,47 +290,14 @@ def run_side(spec: dict) -> dict:
         return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
 
 
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -> int:
-    """Run what is missing of the plan (`seeded_study.run_in_order`), each run in a fresh process (`harness`), until
-    the study is complete or its CPU budget is spent; a run that fails or passes ``run_timeout_h`` stops the study
-    (a restart tries it again)."""
-    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
-    records = runs_file.records
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
+    """`seeded_study.run_study`: each run in a fresh process (`run_side`)."""
     model = model_override or seeded_study.bundled_model()
-    launcher = harness.Launcher(preload=("torch", "transformers", "trl"))
 
-    def spent_h() -> float:
-        return sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+    def outcome(result: dict) -> str:
+        return f"success {result['points'][-1]['success']:.3f}"
 
-    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
-        if spent_h() >= plan["cpu_budget_h"]:
-            print(f"CPU budget of {plan['cpu_budget_h']} h spent ({spent_h():.2f} h): stopping", flush=True)
-            return False
-        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
-        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
-        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
-        side = harness.Side(name, "gigpo_study:run_side", spec)
-        result = launcher.run(side, plan["run_timeout_h"] * 3600, log=out / "runs.log")
-        if "error" in result:
-            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
-            return False
-        result.pop("process_wall_s", None)
-        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        final = result["points"][-1]
-        print(
-            f"[{name}]: success {final['success']:.3f}, validation {bc.fmt(result.get('val'))}, "
-            f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} evaluating, "
-            f"load {bc.loadavg()}",
-            flush=True,
-        )
-        return True
-
-    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
-        return 0
-    if seeded_study.run_in_order(records, plan, run):
-        print("study complete", flush=True)
-    return 0
+    return seeded_study.run_study(out, plan, RUNS_FILE, "gigpo_study:run_side", model, outcome, launcher)
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
@@ -487,9 +450,7 @@ def markdown(summary: dict) -> str:
 
 
 def status(out: Path, plan: dict = PLAN) -> str:
-    records = load_runs(out / RUNS_FILE, plan_key(plan))
-    budget = f" of the {plan['cpu_budget_h']} h budget"
-    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan, budget))
+    return seeded_study.status_text(out, RUNS_FILE, plan, summarise)
 
 
 def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
@@ -499,30 +460,7 @@ def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "status", "summarise", "pilot"):
-        command = sub.add_parser(name)
-        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
-        if name == "summarise":
-            command.add_argument("--to", required=True, help="where gigpo_study.{json,md} and the runs file go")
-        if name == "pilot":
-            command.add_argument("--steps", type=int, default=10)
-        if name in ("run", "pilot"):
-            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = Path(args.out)
-    if args.command == "run":
-        return run_study(out, PLAN, args.model)
-    if args.command == "status":
-        print(status(out))
-        return 0
-    if args.command == "summarise":
-        summary = write_summary(out / RUNS_FILE, Path(args.to))
-        print(markdown(summary))
-        return 0
-    return pilot(out, PLAN, args.model, args.steps)
+    return seeded_study.command_line(argv, __doc__.split("\n\n")[0], "gigpo_study", sys.modules[__name__])
 
 
 if __name__ == "__main__":

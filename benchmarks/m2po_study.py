@@ -34,7 +34,6 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
-import harness
 import seeded_study
 from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
 
@@ -91,7 +90,7 @@ def arm_settings(arm: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ data and evaluation
 def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields ``learning.py``'s helpers read."""
+    """The fields `seeded_study`'s run set-up reads."""
     return SimpleNamespace(
         lora_r=plan["lora_r"], device="cpu", bf16=False, val_rows=plan["val_rows"], prompt_style=plan["prompt_style"]
     )
@@ -100,7 +99,6 @@ def _namespace(plan: dict) -> SimpleNamespace:
 def task_data(plan: dict) -> dict:
     """The RL prompts, the held-out problems (test split, the templates in equal numbers) and the validation problems
     (training split, none of them an RL prompt), the same for every run."""
-    from learning import validation_set
 
     from trinity_trl.data import arithmetic_dataset
 
@@ -109,7 +107,9 @@ def task_data(plan: dict) -> dict:
         "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=style),
         "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=style),
     }
-    data["val"] = validation_set(_namespace(plan), {"train": data["train"], "expert": data["train"].select([])})
+    data["val"] = seeded_study.validation_set(
+        _namespace(plan), {"train": data["train"], "expert": data["train"].select([])}
+    )
     return data
 
 
@@ -136,7 +136,6 @@ def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
 # ------------------------------------------------------------------------------------------ training
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
     """``AsyncTrinityTrainer`` of ``arm`` whose worker samples with the weights of ``weight_lag`` steps before."""
-    from learning import common_config, lora_config
 
     from trinity_trl.asynchronous.worker import TransformersRolloutWorker
     from trinity_trl.data import arithmetic_reward
@@ -148,7 +147,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
 
     samples = plan["num_generations"]
     config = AsyncTrinityConfig(
-        **common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["micro_batch"],
         gradient_accumulation_steps=samples // plan["micro_batch"],
@@ -164,7 +163,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
         reward_funcs=arithmetic_reward,
         args=config,
         train_dataset=data["train"],
-        peft_config=lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(_namespace(plan)),
     )
 
 
@@ -228,46 +227,13 @@ def run_side(spec: dict) -> dict:
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
-    """Run what is missing of the plan (`seeded_study.run_in_order`), each run in a fresh process (`harness`), until
-    the study is complete or its CPU budget is spent; a run that fails or passes ``run_timeout_h`` stops the study
-    (a restart tries it again). ``launcher``: `harness.Launcher` (tests give another)."""
-    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
-    records = runs_file.records
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+    """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
     model = model_override or seeded_study.bundled_model()
-    launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
+    return seeded_study.run_study(out, plan, RUNS_FILE, "m2po_study:run_side", model, held_out, launcher)
 
-    def spent_h() -> float:
-        return sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
 
-    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
-        if spent_h() >= plan["cpu_budget_h"]:
-            print(f"CPU budget of {plan['cpu_budget_h']} h spent ({spent_h():.2f} h): stopping", flush=True)
-            return False
-        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
-        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
-        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
-        result = launcher.run(
-            harness.Side(name, "m2po_study:run_side", spec), plan["run_timeout_h"] * 3600, out / "runs.log"
-        )
-        if "error" in result:
-            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
-            return False
-        result.pop("process_wall_s", None)
-        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        print(
-            f"[{name}]: held-out {result['points'][-1]['all']:.3f}, validation {bc.fmt(result.get('val'))}, "
-            f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} scoring, "
-            f"load {bc.loadavg()}",
-            flush=True,
-        )
-        return True
-
-    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
-        return 0
-    if seeded_study.run_in_order(records, plan, run):
-        print("study complete", flush=True)
-    return 0
+def held_out(result: dict) -> str:
+    return f"held-out {result['points'][-1]['all']:.3f}"
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:

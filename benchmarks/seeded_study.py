@@ -106,6 +106,49 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
     return True
 
 
+def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome: Callable, launcher=None) -> int:
+    """Run what is missing of the plan (`run_in_order`, the base model first), each run in a fresh process through
+    ``launcher`` (`harness.Launcher`; tests give one that runs in-process) calling ``target`` (``module:function``)
+    with ``{arm, seed, lr, role, plan, model}``, until the study is complete or its CPU budget (``cpu_budget_h``,
+    where the plan has one) is spent; a run that fails or passes ``run_timeout_h`` stops the study (a restart tries
+    it again). ``outcome(result)``: the run's figure for the progress line."""
+    import harness
+
+    runs_file = RunsFile(out / runs_file, plan)
+    records = runs_file.records
+    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+    launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
+    budget_h = plan.get("cpu_budget_h")
+
+    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
+        spent_h = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+        if budget_h is not None and spent_h >= budget_h:
+            print(f"CPU budget of {budget_h} h spent ({spent_h:.2f} h): stopping", flush=True)
+            return False
+        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
+        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
+        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
+        timeout_s = plan.get("run_timeout_h", 24.0) * 3600
+        result = launcher.run(harness.Side(name, target, spec), timeout_s, out / "runs.log")
+        if "error" in result:
+            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
+            return False
+        result.pop("process_wall_s", None)
+        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
+        print(
+            f"[{name}]: {outcome(result)}, validation {bc.fmt(result.get('val'))}, {result.get('train_cpu_s', 0):.0f} "
+            f"CPU s training + {result['eval_cpu_s']:.0f} evaluating, load {bc.loadavg()}",
+            flush=True,
+        )
+        return True
+
+    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
+        return 0
+    if run_in_order(records, plan, run):
+        print("study complete", flush=True)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ summary
 def scored_runs(records: list[dict], plan: dict) -> tuple[dict, dict, list[int]]:
     """``(tuning per arm, {arm: {seed: scored run at the arm's rate}}, the scored seeds every arm finished)``."""
@@ -284,23 +327,24 @@ def status_text(out: Path, runs_file: str, plan: dict, summarise: Callable) -> s
     return "\n".join(status_lines(records, summarise(records, plan), plan, budget))
 
 
-def command_line(argv: list[str] | None, description: str, name: str, study) -> int:
-    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands. ``study``: its module, with ``PLAN``,
-    ``RUNS_FILE``, ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``pilot``; ``name``: its results'
-    file name (``<name>.{json,md}``)."""
+def command_line(argv: list[str] | None, description: str, name: str, study, probe: str = "pilot", steps: int = 10):
+    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands (``probe``: the last one's name, e.g.
+    ``measure``, with ``--steps``, default ``steps``). ``study``: its module, with ``PLAN``, ``RUNS_FILE``,
+    ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``probe(out, plan, model, steps)``; ``name``: its
+    results' file name (``<name>.{json,md}``)."""
     import argparse
     import os
 
     parser = argparse.ArgumentParser(description=description)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command_name in ("run", "status", "summarise", "pilot"):
+    for command_name in ("run", "status", "summarise", probe):
         command = sub.add_parser(command_name)
         command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
         if command_name == "summarise":
             command.add_argument("--to", required=True, help=f"where {name}.{{json,md}} and the runs file go")
-        if command_name == "pilot":
-            command.add_argument("--steps", type=int, default=10)
-        if command_name in ("run", "pilot"):
+        if command_name == probe:
+            command.add_argument("--steps", type=int, default=steps)
+        if command_name in ("run", probe):
             command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -313,7 +357,7 @@ def command_line(argv: list[str] | None, description: str, name: str, study) -> 
     if args.command == "summarise":
         print(study.markdown(study.write_summary(out / study.RUNS_FILE, Path(args.to))))
         return 0
-    return study.pilot(out, study.PLAN, args.model, args.steps)
+    return getattr(study, probe)(out, study.PLAN, args.model, args.steps)
 
 
 def bundled_model() -> str:
@@ -334,3 +378,64 @@ def quiet_run() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+
+
+# ------------------------------------------------------------------------------------------ run set-up
+# ``args``: any object with the fields each reads (``lora_r``, ``device``, ``bf16``, ``val_rows``, ``prompt_style``).
+def lora_config(args):
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def common_config(args, seed: int, output_dir: str, steps: int, lr: float) -> dict:
+    """The training arguments every study run shares."""
+    return {
+        "output_dir": output_dir,
+        "use_cpu": args.device == "cpu",
+        "bf16": args.bf16,
+        "activation_checkpointing": False,
+        "max_steps": steps,
+        "learning_rate": lr,
+        "lr_scheduler_type": "constant",
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": seed,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+
+
+def validation_set(args, data: dict):
+    """``args.val_rows`` training-split problems that are neither RL prompts nor demonstrations, the templates
+    taking turns (for choosing the learning rate; the held-out split is never used for it)."""
+    from datasets import Dataset
+
+    from trinity_trl.data.arithmetic import TEMPLATES, make_problems
+
+    def text(prompt) -> str:
+        return prompt[-1]["content"]
+
+    used = {text(p) for p in data["train"]["prompt"]} | {text(p) for p in data["expert"]["prompt"]}
+    pool = make_problems("train", 4 * args.val_rows + 40, 2, prompt_style=args.prompt_style)
+    by_kind = {k: [r for r in pool if r["kind"] == k and text(r["prompt"]) not in used] for k in TEMPLATES}
+    rows = [by_kind[k][i] for i in range(4 * args.val_rows) for k in TEMPLATES if i < len(by_kind[k])]
+    if len(rows) < args.val_rows:
+        raise ValueError(f"only {len(rows)} validation problems apart from the training rows")
+    return Dataset.from_list(rows[: args.val_rows])
+
+
+def timed_generation(trainer, seconds: list[float]) -> None:
+    """Add the CPU seconds of each of ``trainer``'s rollout generations (TRL's single-turn generation) to
+    ``seconds[0]`` (the trainer's own method, wrapped on this instance only)."""
+    generate = trainer._generate_single_turn
+
+    def timed(*a, **kw):
+        cpu = time.process_time()
+        try:
+            return generate(*a, **kw)
+        finally:
+            seconds[0] += time.process_time() - cpu
+
+    trainer._generate_single_turn = timed
