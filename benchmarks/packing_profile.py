@@ -198,11 +198,10 @@ def build_model(shape: dict, device: str, dtype):
     """A random Qwen2 of ``shape``, initialised on ``device`` (nothing on disk), with TRL's fused LM head, activation
     checkpointing on (non-reentrant, TRL's setting) and in training mode."""
     import torch
-    from prefix_packing import qwen2_config
     from transformers import Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    config = qwen2_config(shape, shape["vocab"])
+    config = bc.qwen2_config(shape, shape["vocab"])
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
     add_fused_lm_head(model, outputs=("log_probs",))

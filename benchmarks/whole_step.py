@@ -66,28 +66,12 @@ GENERATIONS = 8  # TRL's default num_generations and per_device_train_batch_size
 
 # ------------------------------------------------------------------------------------------------- one side
 def make_model(spec: dict) -> dict:
-    """In a fresh process: the model directory of ``spec["model"]`` (random models are made and saved here)."""
+    """In a fresh process: the model directory of ``spec["model"]`` (random models are made and saved here; those of
+    a real shape in bf16)."""
     import bench_common as bc
 
-    name, work = spec["model"], spec["work"]
-    if name == "bundled":
-        from trinity_trl.data import bundled_model_dir
-
-        return {"path": str(bundled_model_dir()), "about": "SmolLM2-135M-Instruct (bundled; Llama, vocab 49152)"}
-    if name == "tiny":
-        path = bc.save_random_qwen2(os.path.join(work, "tiny"), hidden=64, layers=2, heads=4, kv_heads=2)
-        return {"path": path, "about": "random Qwen2 (hidden 64, 2 layers) with the tests' tiny tokenizer"}
-    from pathlib import Path
-
-    from prefix_packing import MODEL_SHAPES, REAL_VOCAB, save_random_real_vocab_qwen2
-
-    shape = MODEL_SHAPES[name]
-    path = save_random_real_vocab_qwen2(Path(work) / name, spec["device"], seed=0, bf16=True, **shape)
-    about = (
-        f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape (hidden {shape['hidden']}, {shape['layers']} "
-        f"layers, vocab {REAL_VOCAB}) saved in bf16, with the tests' tiny tokenizer"
-    )
-    return {"path": path, "about": about}
+    name = spec["model"]
+    return bc.random_model(name, os.path.join(spec["work"], name), spec["device"], bf16=name not in ("tiny", "bundled"))
 
 
 def build_trainer(spec: dict, completions: list):
