@@ -500,26 +500,6 @@ def test_async_vs_sync_dry_run(tmp_path):
     assert "| time to 2 steps (s) |" in (tmp_path / "async_vs_sync_dry.md").read_text()
 
 
-def test_async_bundled_dry_run(tmp_path):
-    """benchmarks/async_bundled.py on the tiny model: each asynchronous trainer it names trains its steps in a fresh
-    process, CHORD through paper_config, step-wise GRPO on the number-guessing environment (three of the six here:
-    the script's own loop runs them all the same way)."""
-    only = ("--only", "gspo", "--only", "chord_phi", "--only", "step_grpo")
-    _run("async_bundled.py", "--dry-run", *only, "--out", str(tmp_path))
-    report = _load(tmp_path / "async_bundled_dry.json")
-    _check_machine(report)
-    runs = {r["run"]: r for r in report["runs"]}
-    assert set(runs) == {"gspo", "chord_phi", "step_grpo"}
-    assert (
-        runs["step_grpo"]["trainer"] == "AsyncStepGRPOTrainer" and runs["step_grpo"]["algorithm"] == "multi_step_grpo"
-    )
-    assert runs["gspo"]["trainer"] == "AsyncTrinityTrainer" and runs["gspo"]["algorithm"] == "gspo"
-    assert runs["chord_phi"]["trainer"] == "AsyncChordTrainer" and runs["chord_phi"]["mu"] == [0.1, 0.1]
-    for r in runs.values():
-        assert r["steps"] == 2 and r["finite"] and len(r["losses"]) == 2 and len(r["staleness"]) == 2, r
-    assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
-
-
 def test_whole_step_gpu_command_dry_run(tmp_path):
     """`make gpu-check-step DRY_RUN=1`: the GPU run's parts and sides on CPU with the tiny model, into $OUT (no --out):
     per part its model, the cache-warming run, then ours, TRL and TRL with continuous batching, each a fresh process
