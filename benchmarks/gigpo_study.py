@@ -18,11 +18,8 @@ on the bundled number game over 1..16 (``NumberGuessEnv`` with partial credit: h
 * ``gigpo_omega0``: GiGPO with omega 0: the episode advantage alone, with GiGPO's normalisation (F none), no step
   term. ``gigpo`` against it isolates the step term; it against ``step_grpo`` the normalisation.
 
-The tuning seed runs each arm over the learning-rate grid (validation games, never the evaluation games); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
-the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
-descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
@@ -181,11 +177,6 @@ def play(model, tokenizer, plan: dict, plays: int, seed: int, temperature: float
 
 
 # ------------------------------------------------------------------------------------------ training
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields `seeded_study`'s run set-up reads."""
-    return SimpleNamespace(lora_r=plan["lora_r"], device="cpu", bf16=False)
-
-
 def arm_settings(arm: str) -> dict:
     """The ``StepGRPOConfig`` fields that make ``arm``."""
     if arm == "gigpo":
@@ -202,7 +193,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_d
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     config = StepGRPOConfig(
-        **seeded_study.common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["num_generations"],
         num_generations=plan["num_generations"],
@@ -216,7 +207,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_d
         args=config,
         train_dataset=training_tasks(plan, seed),
         environment_factory=lambda: environment(plan),
-        peft_config=seeded_study.lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
@@ -274,20 +265,13 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, v
 
 
 def run_side(spec: dict) -> dict:
-    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
-    ``model``; the base model's evaluation when ``arm`` is ``"base"``."""
-    seeded_study.quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`seeded_study.run_side`: the base model's evaluation (sampled and greedy games) when ``arm`` is ``"base"``."""
+    return seeded_study.run_side(spec, evaluate_base, run_arm)
 
-        cpu = time.process_time()
-        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        final = {"step": 0, **play(base, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
-        greedy = play(base, tokenizer, plan, 1, plan["eval_seed"], None)["success"]
-        return {"points": [final], "greedy_success": greedy, "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="gigpo_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
+
+def evaluate_base(model, tokenizer, plan: dict) -> dict:
+    final = {"step": 0, **play(model, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
+    return {"points": [final], "greedy_success": play(model, tokenizer, plan, 1, plan["eval_seed"], None)["success"]}
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:

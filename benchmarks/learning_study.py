@@ -17,11 +17,8 @@ held-out problems from all five) with SmolLM2-135M-Instruct + LoRA:
 * ``sft_grpo``: SFT on 8 demonstrations a step for a quarter as many steps, then GRPO (1 prompt x 8, no KL) for as
   many steps as CHORD: the same demonstrations and rollouts in all, more optimizer steps (reported).
 
-The tuning seed runs each arm over the learning-rate grid (validation problems, never the held-out ones); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
-the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
-descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
@@ -112,17 +108,6 @@ def eval_points(plan: dict, arm: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields `seeded_study`'s run set-up reads."""
-    return SimpleNamespace(
-        lora_r=plan["lora_r"],
-        device="cpu",
-        bf16=False,
-        val_rows=plan["val_rows"],
-        prompt_style=plan["prompt_style"],
-    )
-
-
 def task_data(plan: dict) -> dict:
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
@@ -134,7 +119,7 @@ def task_data(plan: dict) -> dict:
         ),
     }
     data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
-    data["val"] = seeded_study.validation_set(_namespace(plan), data)
+    data["val"] = seeded_study.validation_set(plan, data)
     return data
 
 
@@ -178,7 +163,7 @@ def _text(completion) -> str:
 
 def _common(plan: dict, seed: int, lr: float, steps: int, output_dir: str) -> dict:
 
-    return seeded_study.common_config(_namespace(plan), seed, output_dir, steps, lr)
+    return seeded_study.common_config(seed, output_dir, steps, lr)
 
 
 def _rl(plan: dict) -> dict:
@@ -205,7 +190,7 @@ def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: 
         args=config,
         train_dataset=data["train"],
         expert_dataset=data["expert"],
-        peft_config=seeded_study.lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
@@ -217,7 +202,7 @@ def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output
         **_common(plan, seed, lr, sft_steps(plan), output_dir), per_device_train_batch_size=plan["sft_rows_per_step"]
     )
     return TrinitySFTTrainer(
-        model=model, args=config, train_dataset=data["expert"], peft_config=seeded_study.lora_config(_namespace(plan))
+        model=model, args=config, train_dataset=data["expert"], peft_config=seeded_study.lora_config(plan)
     )
 
 
@@ -318,20 +303,16 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
 
 
 def run_side(spec: dict) -> dict:
-    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
-    ``model``; the base model's held-out score when ``arm`` is ``"base"``."""
-    seeded_study.quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    data = task_data(plan)
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
+    data = task_data(spec["plan"])
 
-        cpu = time.process_time()
-        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        final = {"step": 0, **score(base, tokenizer, data["test"], plan, keep=True)}
-        return {"points": [final], "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="learning_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, data, Path(tmp), spec["role"] == "tune")
+    def base(model, tokenizer, plan: dict) -> dict:
+        return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
+
+    def arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, validate: bool) -> dict:
+        return run_arm(arm, model, seed, lr, plan, data, tmp, validate)
+
+    return seeded_study.run_side(spec, base, arm)
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:

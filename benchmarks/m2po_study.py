@@ -15,12 +15,8 @@ the weights of ``weight_lag`` optimizer steps before the newest (`TransformersRo
 * ``cispo``: ``algorithm="cispo"`` as released (weights clipped at 1.28, GRPO advantages), without its preset's k2
   KL term (``kl_loss="none"``: the arms differ in the policy loss alone).
 
-The tuning seed runs each arm over the learning-rate grid (validation problems, never the held-out ones); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run both arms at their rates, seed after seed. ``summarise`` computes the pre-registered test (a paired t over the
-scored seeds reached, with its 95 % interval) and the descriptive tables from whatever runs are finished, and says
-plainly when the study is partial. What the learning studies share (fingerprint, runs file, tuning rule, order of the
-runs, paired tests, summary lines) is ``seeded_study.py``; each run is a fresh process (``harness.py``).
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
@@ -89,13 +84,6 @@ def arm_settings(arm: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ data and evaluation
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields `seeded_study`'s run set-up reads."""
-    return SimpleNamespace(
-        lora_r=plan["lora_r"], device="cpu", bf16=False, val_rows=plan["val_rows"], prompt_style=plan["prompt_style"]
-    )
-
-
 def task_data(plan: dict) -> dict:
     """The RL prompts, the held-out problems (test split, the templates in equal numbers) and the validation problems
     (training split, none of them an RL prompt), the same for every run."""
@@ -107,9 +95,7 @@ def task_data(plan: dict) -> dict:
         "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=style),
         "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=style),
     }
-    data["val"] = seeded_study.validation_set(
-        _namespace(plan), {"train": data["train"], "expert": data["train"].select([])}
-    )
+    data["val"] = seeded_study.validation_set(plan, {"train": data["train"], "expert": data["train"].select([])})
     return data
 
 
@@ -147,7 +133,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
 
     samples = plan["num_generations"]
     config = AsyncTrinityConfig(
-        **seeded_study.common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["micro_batch"],
         gradient_accumulation_steps=samples // plan["micro_batch"],
@@ -163,7 +149,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
         reward_funcs=arithmetic_reward,
         args=config,
         train_dataset=data["train"],
-        peft_config=seeded_study.lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
@@ -210,20 +196,16 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
 
 
 def run_side(spec: dict) -> dict:
-    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
-    ``model``; the base model's held-out score when ``arm`` is ``"base"``."""
-    seeded_study.quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    data = task_data(plan)
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
+    data = task_data(spec["plan"])
 
-        cpu = time.process_time()
-        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        final = {"step": 0, **score(base, tokenizer, data["test"], plan, keep=True)}
-        return {"points": [final], "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="m2po_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, data, Path(tmp), spec["role"] == "tune")
+    def base(model, tokenizer, plan: dict) -> dict:
+        return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
+
+    def arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, validate: bool) -> dict:
+        return run_arm(arm, model, seed, lr, plan, data, tmp, validate)
+
+    return seeded_study.run_side(spec, base, arm)
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:

@@ -1,6 +1,14 @@
-"""What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py``, issue 55): the
-plan's fingerprint, the runs file and resuming it, the tuning rule, the order of the runs (the tuning seed, then whole
-scored seeds), the paired tests over seeds with Holm's correction, and the summary's shared lines.
+"""What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py`` and
+``m2po_study.py``, issue 55): the plan's fingerprint, the runs file and resuming it, running it (each run a fresh
+process through `harness`, the base model first), the tuning rule, the order of the runs, the paired tests over
+seeds with Holm's correction, the summary's shared lines and the run set-up (LoRA, training arguments, validation
+problems).
+
+The tuning seed runs each arm over the learning-rate grid (validation problems or games, never the held-out ones); an
+optimum on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored
+seeds then run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise``
+computes the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals)
+and the descriptive tables from whatever runs are finished.
 
 A study's plan is a dict with at least ``arms``, ``primary`` (two arms), ``secondary`` (pairs of arms), ``alpha``,
 ``confidence``, ``tune_seed``, ``scored_seeds``, ``grid``, ``grid_factor`` and ``max_extensions``. Its runs are JSON
@@ -104,6 +112,24 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
             if finished(records, arm, seed, rates[arm]) is None and not run(arm, seed, rates[arm], "scored"):
                 return False
     return True
+
+
+def run_side(spec: dict, evaluate_base: Callable, run_arm: Callable) -> dict:
+    """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan, tmp,
+    validate)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan)`` on the untrained model (its CPU
+    time added as ``eval_cpu_s``)."""
+    import tempfile
+
+    quiet_run()
+    plan, model = spec["plan"], spec["model"]
+    if spec["arm"] == "base":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cpu = time.process_time()
+        base = evaluate_base(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), plan)
+        return {**base, "eval_cpu_s": time.process_time() - cpu}
+    with tempfile.TemporaryDirectory(prefix="seeded_study_") as tmp:
+        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
 
 
 def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome: Callable, launcher=None) -> int:
@@ -381,19 +407,20 @@ def quiet_run() -> None:
 
 
 # ------------------------------------------------------------------------------------------ run set-up
-# ``args``: any object with the fields each reads (``lora_r``, ``device``, ``bf16``, ``val_rows``, ``prompt_style``).
-def lora_config(args):
+# (on the CPU, in float32; from the plan's ``lora_r``, ``val_rows`` and ``prompt_style``)
+def lora_config(plan: dict):
     from peft import LoraConfig
 
-    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+    r = plan["lora_r"]
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def common_config(args, seed: int, output_dir: str, steps: int, lr: float) -> dict:
+def common_config(seed: int, output_dir: str, steps: int, lr: float) -> dict:
     """The training arguments every study run shares."""
     return {
         "output_dir": output_dir,
-        "use_cpu": args.device == "cpu",
-        "bf16": args.bf16,
+        "use_cpu": True,
+        "bf16": False,
         "activation_checkpointing": False,
         "max_steps": steps,
         "learning_rate": lr,
@@ -407,8 +434,8 @@ def common_config(args, seed: int, output_dir: str, steps: int, lr: float) -> di
     }
 
 
-def validation_set(args, data: dict):
-    """``args.val_rows`` training-split problems that are neither RL prompts nor demonstrations, the templates
+def validation_set(plan: dict, data: dict):
+    """``plan["val_rows"]`` training-split problems that are neither RL prompts nor demonstrations, the templates
     taking turns (for choosing the learning rate; the held-out split is never used for it)."""
     from datasets import Dataset
 
@@ -418,12 +445,13 @@ def validation_set(args, data: dict):
         return prompt[-1]["content"]
 
     used = {text(p) for p in data["train"]["prompt"]} | {text(p) for p in data["expert"]["prompt"]}
-    pool = make_problems("train", 4 * args.val_rows + 40, 2, prompt_style=args.prompt_style)
+    val_rows = plan["val_rows"]
+    pool = make_problems("train", 4 * val_rows + 40, 2, prompt_style=plan["prompt_style"])
     by_kind = {k: [r for r in pool if r["kind"] == k and text(r["prompt"]) not in used] for k in TEMPLATES}
-    rows = [by_kind[k][i] for i in range(4 * args.val_rows) for k in TEMPLATES if i < len(by_kind[k])]
-    if len(rows) < args.val_rows:
+    rows = [by_kind[k][i] for i in range(4 * val_rows) for k in TEMPLATES if i < len(by_kind[k])]
+    if len(rows) < val_rows:
         raise ValueError(f"only {len(rows)} validation problems apart from the training rows")
-    return Dataset.from_list(rows[: args.val_rows])
+    return Dataset.from_list(rows[:val_rows])
 
 
 def timed_generation(trainer, seconds: list[float]) -> None:
