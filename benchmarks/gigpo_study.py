@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 import seeded_study
-from seeded_study import cell, interval, mean, spread
+from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
