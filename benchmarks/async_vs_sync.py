@@ -183,9 +183,7 @@ def _ok(record: dict) -> bool:
 
 
 def fmt(stat: dict | None, spec: str = ".3g") -> str:
-    if not stat:
-        return "n/a"
-    return f"{stat['median']:{spec}} ({stat['min']:{spec}}-{stat['max']:{spec}})"
+    return bench_common.range_cell(stat, spec)
 
 
 def markdown(report: dict) -> str:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from bench_common import fmt  # noqa: E402
+from bench_common import range_cell as spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("profile", "bench", "accumulation", "small", "lora", "tests", "trainers")
@@ -57,6 +59,9 @@ TRAINERS = ("trinity", "chord", "cispo", "sapo", "ppo", "step_grpo")
 BENCH_SETS = {"bench": "target", "accumulation": "accumulation", "small": "small", "lora": "lora"}
 BENCH_SIDES = {"bench": "ours,ours_compiled,trl", "accumulation": "ours,trl", "small": "ours,trl", "lora": "ours,trl"}
 BENCH_REPEATS = {"bench": None, "accumulation": 2, "small": 2, "lora": 2}
+#: what the summary keeps of each profiled training pass
+PASS_KEYS = ("label", "host_enqueue_s", "event_span_s", "gpu_busy_s", "launches", "host_us_per_launch", "aten_ops")
+PASS_KEYS += ("sync_calls", "sync_warnings", "error")
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -125,24 +130,7 @@ def part_profile(args, out: Path) -> dict:
     summary = {name: {"status": p.get("status"), "why": p.get("why")} for name, p in parts.items()}
     measurements = {name: p.get("measurements", []) for name, p in parts.items()}
     launch = next(iter(measurements.get("launch", [])), {})
-    passes = [
-        {
-            k: m.get(k)
-            for k in (
-                "label",
-                "host_enqueue_s",
-                "event_span_s",
-                "gpu_busy_s",
-                "launches",
-                "host_us_per_launch",
-                "aten_ops",
-                "sync_calls",
-                "sync_warnings",
-                "error",
-            )
-        }  # fmt: skip
-        for m in measurements.get("passes", [])
-    ]
+    passes = [{k: m.get(k) for k in PASS_KEYS} for m in measurements.get("passes", [])]
     keys = ("side", "step_s", "host", "device", "error")
     steps = [{k: m.get(k) for k in keys} for m in measurements.get("steps", [])]
     errors = [m["label"] for ms in measurements.values() for m in ms if "error" in m]
@@ -408,16 +396,6 @@ MET = {True: "PASS", False: "FAIL", None: "not measured"}
 def targets(summary: dict) -> list[dict]:
     """Issue 42's targets against the benchmark's summary (every benchmark part writes the same report)."""
     return list(summary.get("cuda_targets", []))
-
-
-def fmt(value, spec=".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def spread(value: dict | None, spec=".3f") -> str:
-    if not value or value.get("median") is None:
-        return "n/a"
-    return f"{fmt(value['median'], spec)} ({fmt(value['min'], spec)}-{fmt(value['max'], spec)})"
 
 
 def markdown(summary: dict) -> str:

@@ -304,25 +304,17 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
 
 def run_side(spec: dict) -> dict:
     """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
-    data = task_data(spec["plan"])
+    return seeded_study.run_side(spec, evaluate_base, run_arm, task_data)
 
-    def base(model, tokenizer, plan: dict) -> dict:
-        return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
 
-    def arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, validate: bool) -> dict:
-        return run_arm(arm, model, seed, lr, plan, data, tmp, validate)
-
-    return seeded_study.run_side(spec, base, arm)
+def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:
+    return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
     """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
     model = model_override or seeded_study.bundled_model()
-
-    def outcome(result: dict) -> str:
-        return f"held-out {result['points'][-1]['all']:.3f}"
-
-    return seeded_study.run_study(out, plan, RUNS_FILE, "learning_study:run_side", model, outcome, launcher)
+    return seeded_study.run_study(out, plan, RUNS_FILE, "learning_study:run_side", model, launcher=launcher)
 
 
 # ------------------------------------------------------------------------------------------ summary

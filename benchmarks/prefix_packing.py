@@ -802,21 +802,11 @@ def side_summary(results: list[dict]) -> dict:
     out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
     out["undecided_runs"] = len(undecided)
     out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
-    for key in (
-        "process_peak_rss_mib",
-        "train_peak_rss_above_start_mib",
-        "cuda_peak_above_start_mib",
-        "cuda_peak_allocated_mib",
-        "cpu_util",
-        "first_step_s",
-    ):
+    memory = ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib")
+    for key in (*memory, "cuda_peak_allocated_mib", "cpu_util", "first_step_s"):
         out[key] = bc.median([r.get(key) for r in results])
     out["micro_batch"] = results[0]["micro_batch"]
-    kernels: dict[str, int] = {}
-    for r in results:
-        for name, n in r.get("kernels", {}).items():
-            kernels[name] = kernels.get(name, 0) + n
-    out["kernels"] = kernels
+    out["kernels"] = _total([r.get("kernels", {}) for r in results])
     ratios = [x for r in results for x in r["forwarded_token_ratio"]]
     out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
     forwards = [x for r in results for x in r.get("forwards_per_step", [])]
@@ -884,10 +874,7 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
-def _cell(spread: dict | None, spec: str = ".3f") -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    return f"{bc.fmt(spread['median'], spec)} ({bc.fmt(spread['min'], spec)}-{bc.fmt(spread['max'], spec)})"
+_cell = bc.range_cell  # median (min-max)
 
 
 def markdown(report: dict) -> str:

@@ -114,30 +114,32 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
     return True
 
 
-def run_side(spec: dict, evaluate_base: Callable, run_arm: Callable) -> dict:
-    """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan, tmp,
-    validate)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan)`` on the untrained model (its CPU
-    time added as ``eval_cpu_s``)."""
+def run_side(spec: dict, evaluate_base: Callable, run_arm: Callable, task_data: Callable | None = None) -> dict:
+    """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan, [data,]
+    tmp, validate=...)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan[, data])`` on the
+    untrained model (its CPU time added as ``eval_cpu_s``); ``data``: ``task_data(plan)`` where the study has one."""
     import tempfile
 
     quiet_run()
     plan, model = spec["plan"], spec["model"]
+    data = () if task_data is None else (task_data(plan),)
     if spec["arm"] == "base":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cpu = time.process_time()
-        base = evaluate_base(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), plan)
-        return {**base, "eval_cpu_s": time.process_time() - cpu}
+        loaded = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+        return {**evaluate_base(*loaded, plan, *data), "eval_cpu_s": time.process_time() - cpu}
     with tempfile.TemporaryDirectory(prefix="seeded_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
+        role = spec["role"]
+        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, *data, Path(tmp), validate=role == "tune")
 
 
-def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome: Callable, launcher=None) -> int:
+def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome=None, launcher=None) -> int:
     """Run what is missing of the plan (`run_in_order`, the base model first), each run in a fresh process through
     ``launcher`` (`harness.Launcher`; tests give one that runs in-process) calling ``target`` (``module:function``)
     with ``{arm, seed, lr, role, plan, model}``, until the study is complete or its CPU budget (``cpu_budget_h``,
     where the plan has one) is spent; a run that fails or passes ``run_timeout_h`` stops the study (a restart tries
-    it again). ``outcome(result)``: the run's figure for the progress line."""
+    it again). ``outcome(result)``: the run's figure for the progress line (default: the held-out accuracy)."""
     import harness
 
     runs_file = RunsFile(out / runs_file, plan)
@@ -145,6 +147,7 @@ def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, ou
     print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
     launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
     budget_h = plan.get("cpu_budget_h")
+    outcome = outcome or (lambda result: f"held-out {result['points'][-1]['all']:.3f}")
 
     def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
         spent_h = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
