@@ -1,29 +1,11 @@
 #!/usr/bin/env python
 """Benchmark: cost of every registered algorithm component against the model's own forward + backward.
 
-Times, on synthetic tensors of realistic size, every key of the registries in
-``trinity_trl.algorithms`` built with its ``default_args()``:
-
-* ``POLICY_LOSS_FN``: ``fn.evaluate(...)`` (how the trainers call it) + ``loss.backward()`` on a
-  ``B x T`` batch (default 64 x 4096 = 262 144 tokens, ragged masks, ``logprob`` a leaf that
-  requires grad); also the forward alone;
-* ``KL_FN``: ``calculate_kl_loss(...)`` + backward, same sizes;
-* ``ENTROPY_LOSS_FN``: the entropy term + backward, same sizes;
-* ``ADVANTAGE_FN``: group operators on ``--experiences`` ``Experience`` objects in ``--groups``
-  groups (default 10 000 in 1 000, responses of ``--experience-len`` tokens); batch (trainer-side)
-  functions on the same ``B x T`` batch (token-level: GAE, REINFORCE++, ...) and on the
-  experiences' shape (grouped: rloo, grpo_verl, ...), all no-grad.
-
-The reference is one forward + backward of SmolLM2-135M (its bundled config, random weights: the
-cost does not depend on the values) with a next-token cross-entropy loss. A 64 x 4096 forward +
-backward of 135M parameters takes tens of minutes on a small CPU, so it is measured on a slice
-(``--model-batch`` x ``--model-len``, default 1 x 1024) and scaled linearly per token to the
-component's number of tokens. Attention grows faster than linearly with the length, so the
-scaled figure underestimates the model at 4096 tokens and the percentages are upper bounds.
-
-Components that need inputs this script cannot build with default arguments are skipped and
-listed with the reason (e.g. ``remax`` needs rewards of greedy baseline rollouts: here they are
-built, so nothing is skipped unless an error says otherwise).
+Times, on synthetic tensors of realistic size, every key of ``POLICY_LOSS_FN``, ``KL_FN``, ``ENTROPY_LOSS_FN`` (the
+call as the trainers make it, + ``backward()``) and ``ADVANTAGE_FN`` (no grad) in ``trinity_trl.algorithms``, built
+with its ``default_args()``, against one forward + backward of SmolLM2-135M measured on a slice and scaled linearly
+per token (the percentages are upper bounds). What it builds, the options and the latest figures:
+benchmarks/README.md (`algorithms.py`); components whose inputs it cannot build are skipped and listed with why.
 
     nice -n 5 .venv/bin/python benchmarks/algorithms.py --out benchmarks/results
     nice -n 5 .venv/bin/python benchmarks/algorithms.py --quick --out /tmp/bench

@@ -37,11 +37,7 @@ import harness
 RESULTS = bench_common.ROOT / "benchmarks" / "results"
 
 #: random-weight models of real shapes for a GPU without model weights (../shared/gpu/README.md)
-SHAPES = {
-    "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
-    "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
-    "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128},
-}
+SHAPES = {**bench_common.MODEL_SHAPES, "tiny": bench_common.TINY_SHAPE}
 ALGORITHMS = {
     "cispo": ("CISPOConfig", "CISPOTrainer", "AsyncCISPOConfig", "AsyncCISPOTrainer"),
     "sapo": ("SAPOConfig", "SAPOTrainer", "AsyncSAPOConfig", "AsyncSAPOTrainer"),
@@ -55,8 +51,7 @@ def model_path(name: str, work: str) -> str:
         return "bundled"
     path = os.path.join(work, name)
     if not os.path.isdir(path):
-        shape = SHAPES[name]
-        bench_common.save_random_qwen2(path, max_positions=2048, **shape)
+        bench_common.save_random_qwen2(path, max_positions=2048, **SHAPES[name])
     return path
 
 
@@ -188,9 +183,7 @@ def _ok(record: dict) -> bool:
 
 
 def fmt(stat: dict | None, spec: str = ".3g") -> str:
-    if not stat:
-        return "n/a"
-    return f"{stat['median']:{spec}} ({stat['min']:{spec}}-{stat['max']:{spec}})"
+    return bench_common.range_cell(stat, spec)
 
 
 def markdown(report: dict) -> str:

@@ -147,6 +147,33 @@ def max_rss_mib() -> float:
 
 
 # ------------------------------------------------------------------------------------ tiny model
+REAL_VOCAB = 151936
+#: random models of these shapes (Qwen2.5 configs; tied embeddings) with the real vocabulary
+MODEL_SHAPES = {
+    "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
+    "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
+}
+TINY_SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128}
+
+
+def qwen2_config(shape: dict, vocab: int = REAL_VOCAB, max_positions: int = 4096, **extra):
+    """The ``Qwen2Config`` of a random model of ``shape`` (``hidden``, ``intermediate``, ``layers``, ``heads``,
+    ``kv_heads``) with ``vocab`` entries and tied embeddings (as Qwen2.5-0.5B/1.5B); ``extra``: more config fields."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        **extra,
+    )
+
+
 def save_random_qwen2(
     path: str | os.PathLike,
     hidden: int = 256,
@@ -156,34 +183,55 @@ def save_random_qwen2(
     intermediate: int = 688,
     max_positions: int = 1024,
     seed: int = 0,
+    vocab: int | None = None,
+    device: str = "cpu",
+    bf16: bool = False,
 ) -> str:
-    """A random Qwen2 with the tests' tiny BPE tokenizer (vocab ~490, ChatML), saved with it to ``path``."""
+    """A random Qwen2 with the tests' tiny BPE tokenizer (vocab ~490, ChatML), saved with it to ``path``. ``vocab``:
+    a larger vocabulary (the real one's LM head; the tokenizer still the tiny one); ``device``: where it is initialised
+    (fast on a GPU); ``bf16``: saved in bf16 (the dtype of the real checkpoints), else in float32."""
     import torch
     from helpers import build_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
+    shape = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "intermediate": intermediate}
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+    config = qwen2_config(shape, vocab or len(tokenizer), max_positions, **ids)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = model.to(torch.bfloat16) if bf16 else model
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the workers need the memory, not this process
     return str(path)
+
+
+def random_model(name: str, path: str | os.PathLike, device: str = "cpu", seed: int = 0, bf16: bool = False) -> dict:
+    """``{"path", "about"}`` of ``name``: ``bundled`` (SmolLM2-135M-Instruct), ``tiny`` (`TINY_SHAPE`) or a random
+    model of a `MODEL_SHAPES` shape with the real vocabulary, saved to ``path`` with the tests' tiny tokenizer."""
+    if name == "bundled":
+        from trinity_trl.data import bundled_model_dir
+
+        return {"path": str(bundled_model_dir()), "about": "SmolLM2-135M-Instruct (bundled; Llama, vocab 49152)"}
+    tiny = name == "tiny"
+    shape = TINY_SHAPE if tiny else MODEL_SHAPES[name]
+    vocab = None if tiny else REAL_VOCAB
+    path = save_random_qwen2(path, **shape, max_positions=4096, seed=seed, vocab=vocab, device=device, bf16=bf16)
+    about = f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape ({describe_shape(shape, vocab or 489)})"
+    return {"path": path, "about": f"{about}{' saved in bf16' if bf16 else ''}, with the tests' tiny tokenizer"}
+
+
+def describe_shape(s: dict, vocab: int) -> str:
+    return (
+        f"hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} KV, intermediate "
+        f"{s['intermediate']}, vocab {vocab}"
+    )
 
 
 # --------------------------------------------------------------------------------------- reports
@@ -211,3 +259,10 @@ def ratio(a, b) -> float | None:
 
 def fmt(value, spec: str = ".3f", suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def range_cell(stat: dict | None, spec: str = ".3f") -> str:
+    """``median (min-max)`` of a ``{"median", "min", "max"}`` dict, or ``n/a``."""
+    if not stat or stat.get("median") is None:
+        return "n/a"
+    return f"{fmt(stat['median'], spec)} ({fmt(stat['min'], spec)}-{fmt(stat['max'], spec)})"

@@ -18,30 +18,23 @@ on the bundled number game over 1..16 (``NumberGuessEnv`` with partial credit: h
 * ``gigpo_omega0``: GiGPO with omega 0: the episode advantage alone, with GiGPO's normalisation (F none), no step
   term. ``gigpo`` against it isolates the step term; it against ``step_grpo`` the normalisation.
 
-The tuning seed runs each arm over the learning-rate grid (validation games, never the evaluation games); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
-the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
-descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
-import harness
 import seeded_study
-from seeded_study import cell, finished, interval, load_runs, mean, spread
+from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -184,11 +177,6 @@ def play(model, tokenizer, plan: dict, plays: int, seed: int, temperature: float
 
 
 # ------------------------------------------------------------------------------------------ training
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields ``learning.py``'s helpers read."""
-    return SimpleNamespace(lora_r=plan["lora_r"], device="cpu", bf16=False)
-
-
 def arm_settings(arm: str) -> dict:
     """The ``StepGRPOConfig`` fields that make ``arm``."""
     if arm == "gigpo":
@@ -201,12 +189,11 @@ def arm_settings(arm: str) -> dict:
 
 
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_dir: str):
-    from learning import common_config, lora_config
 
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     config = StepGRPOConfig(
-        **common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["num_generations"],
         num_generations=plan["num_generations"],
@@ -220,7 +207,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_d
         args=config,
         train_dataset=training_tasks(plan, seed),
         environment_factory=lambda: environment(plan),
-        peft_config=lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
@@ -278,63 +265,23 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, v
 
 
 def run_side(spec: dict) -> dict:
-    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
-    ``model``; the base model's evaluation when ``arm`` is ``"base"``."""
-    seeded_study.quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        cpu = time.process_time()
-        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        final = {"step": 0, **play(base, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
-        greedy = play(base, tokenizer, plan, 1, plan["eval_seed"], None)["success"]
-        return {"points": [final], "greedy_success": greedy, "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="gigpo_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, Path(tmp), validate=spec["role"] == "tune")
+    """`seeded_study.run_side`: the base model's evaluation (sampled and greedy games) when ``arm`` is ``"base"``."""
+    return seeded_study.run_side(spec, evaluate_base, run_arm)
 
 
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -> int:
-    """Run what is missing of the plan (`seeded_study.run_in_order`), each run in a fresh process (`harness`), until
-    the study is complete or its CPU budget is spent; a run that fails or passes ``run_timeout_h`` stops the study
-    (a restart tries it again)."""
-    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
-    records = runs_file.records
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+def evaluate_base(model, tokenizer, plan: dict) -> dict:
+    final = {"step": 0, **play(model, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
+    return {"points": [final], "greedy_success": play(model, tokenizer, plan, 1, plan["eval_seed"], None)["success"]}
+
+
+def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
+    """`seeded_study.run_study`: each run in a fresh process (`run_side`)."""
     model = model_override or seeded_study.bundled_model()
-    launcher = harness.Launcher(preload=("torch", "transformers", "trl"))
 
-    def spent_h() -> float:
-        return sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+    def outcome(result: dict) -> str:
+        return f"success {result['points'][-1]['success']:.3f}"
 
-    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
-        if spent_h() >= plan["cpu_budget_h"]:
-            print(f"CPU budget of {plan['cpu_budget_h']} h spent ({spent_h():.2f} h): stopping", flush=True)
-            return False
-        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
-        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
-        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
-        side = harness.Side(name, "gigpo_study:run_side", spec)
-        result = launcher.run(side, plan["run_timeout_h"] * 3600, log=out / "runs.log")
-        if "error" in result:
-            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
-            return False
-        result.pop("process_wall_s", None)
-        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        final = result["points"][-1]
-        print(
-            f"[{name}]: success {final['success']:.3f}, validation {bc.fmt(result.get('val'))}, "
-            f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} evaluating, "
-            f"load {bc.loadavg()}",
-            flush=True,
-        )
-        return True
-
-    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
-        return 0
-    if seeded_study.run_in_order(records, plan, run):
-        print("study complete", flush=True)
-    return 0
+    return seeded_study.run_study(out, plan, RUNS_FILE, "gigpo_study:run_side", model, outcome, launcher)
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
@@ -487,9 +434,7 @@ def markdown(summary: dict) -> str:
 
 
 def status(out: Path, plan: dict = PLAN) -> str:
-    records = load_runs(out / RUNS_FILE, plan_key(plan))
-    budget = f" of the {plan['cpu_budget_h']} h budget"
-    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan, budget))
+    return seeded_study.status_text(out, RUNS_FILE, plan, summarise)
 
 
 def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
@@ -499,30 +444,7 @@ def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "status", "summarise", "pilot"):
-        command = sub.add_parser(name)
-        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
-        if name == "summarise":
-            command.add_argument("--to", required=True, help="where gigpo_study.{json,md} and the runs file go")
-        if name == "pilot":
-            command.add_argument("--steps", type=int, default=10)
-        if name in ("run", "pilot"):
-            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = Path(args.out)
-    if args.command == "run":
-        return run_study(out, PLAN, args.model)
-    if args.command == "status":
-        print(status(out))
-        return 0
-    if args.command == "summarise":
-        summary = write_summary(out / RUNS_FILE, Path(args.to))
-        print(markdown(summary))
-        return 0
-    return pilot(out, PLAN, args.model, args.steps)
+    return seeded_study.command_line(argv, __doc__.split("\n\n")[0], "gigpo_study", sys.modules[__name__])
 
 
 if __name__ == "__main__":

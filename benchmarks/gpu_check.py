@@ -1,37 +1,14 @@
 #!/usr/bin/env python
 """`make gpu-check`: the GPU verification of prefix packing, each command at most 8 minutes on one H200 (issues 34,
-42 and 53).
+42 and 53); its parts, budgets and files: docs/prefix-packing.md#the-gpu-check.
 
-Parts, each in its own process group with its own time budget (a part that overruns is stopped, keeping what it wrote;
-the others run), in this order:
-
-* ``profile`` (default): ``benchmarks/packing_profile.py``, one process of at most 90 s: the host's cost per kernel
-  launch and module call, one training pass per model (1.5B, its 28-layer twin of tiny width), point and layout
-  (host enqueue time against GPU busy time and event span, launches, syncs), the profiler's top kernels and host
-  operations, one trainer step per side split into phases;
-* ``bench`` (default): ``benchmarks/prefix_packing.py`` at its ``target`` points (1.5B P1024/C256 and P2048/C512, G 8,
-  TRL's micro-batch of one prompt), sides ours (eager, packing ``auto``), ours with compiled layers
-  (``prefix_packing_compile``) and TRL, alternating, 5 repeats asked, a fresh process per side, after one uncounted
-  compiled run that warms the compile cache; the report rewritten after every repeat;
-* ``accumulation``: the same two points at gradient accumulation 4 (ours and TRL, 2 repeats);
-* ``small``: the 0.5B points (ours and TRL, 2 repeats); ``lora``: the 1.5B LoRA points (added to the same report);
-* ``tests``: the CUDA tests, ``python -m pytest -q -m gpu tests/packing`` (junit XML kept);
-* ``trainers``: every trainer with prefix packing for 2 steps with ``prefix_packing_kernel="auto"`` on CUDA, on the
-  tests' tiny model.
-
-Default parts: ``profile,bench`` (`BUDGETS`: 420 s, with run.sh's installs and the start-up within 8 minutes); the
-rest as a second command, ``PARTS=accumulation,small`` then ``PARTS=tests,trainers,lora``, each within 8 minutes.
-
-Results go to ``--out`` (default ``$OUT``, where the lent GPU machine sends files back from; else a new temporary
-folder), at most 8 files: ``gpu_check.md`` and ``gpu_check.json`` (the summary, rewritten after each part, so a
-stopped run keeps what finished), ``gpu_check.log`` (every part's output), ``gpu_tests.xml``,
-``packing_profile_cuda.{json,md}`` and ``prefix_packing_cuda.{json,md}``. The summary is printed at the end.
-
-``--dry-run`` runs the same parts on CPU with tiny shapes (the CUDA tests skip with their reason, the profile and
-the benchmark run their quick settings without the compiled side, whose inductor compilation is for the GPU; the
-trainers run on CPU with ``auto``); ``tests/test_benchmarks.py`` runs it.
-
-On the lent GPU machine, from the repository root (see ../shared/gpu/README.md)::
+Parts (`PARTS`), each in its own process group with its own time budget (`BUDGETS`: a part that overruns is stopped,
+keeping what it wrote; the others run): ``profile`` (``benchmarks/packing_profile.py``) and ``bench``
+(``benchmarks/prefix_packing.py`` at its ``target`` points) by default; ``accumulation``, ``small``, ``lora`` (more
+point sets, added to the same report), ``tests`` (the CUDA tests) and ``trainers`` (every trainer with prefix packing
+for 2 steps) as further commands. Results: at most 8 files in ``--out`` (default ``$OUT``, else a temporary folder),
+``gpu_check.{md,json}`` rewritten after each part. ``--dry-run`` runs the same parts on CPU with tiny shapes
+(``tests/test_benchmarks.py``)::
 
     bash .gpu/run.sh make gpu-check
     bash .gpu/run.sh make gpu-check PARTS=accumulation,small
@@ -43,13 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from bench_common import fmt  # noqa: E402
+from bench_common import range_cell as spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("profile", "bench", "accumulation", "small", "lora", "tests", "trainers")
@@ -78,45 +59,25 @@ TRAINERS = ("trinity", "chord", "cispo", "sapo", "ppo", "step_grpo")
 BENCH_SETS = {"bench": "target", "accumulation": "accumulation", "small": "small", "lora": "lora"}
 BENCH_SIDES = {"bench": "ours,ours_compiled,trl", "accumulation": "ours,trl", "small": "ours,trl", "lora": "ours,trl"}
 BENCH_REPEATS = {"bench": None, "accumulation": 2, "small": 2, "lora": 2}
+#: what the summary keeps of each profiled training pass
+PASS_KEYS = ("label", "host_enqueue_s", "event_span_s", "gpu_busy_s", "launches", "host_us_per_launch", "aten_ops")
+PASS_KEYS += ("sync_calls", "sync_warnings", "error")
 
 
 # ------------------------------------------------------------------------------------------ processes
 def run_part(command: list[str], log: Path, budget: float, env: dict | None = None) -> dict:
     """Run ``command`` in its own process group, its output appended to ``log``; stop the group after ``budget``
-    seconds."""
+    seconds (`harness.wait_or_stop`)."""
     start = time.perf_counter()
     with open(log, "a") as out:
         out.write(f"\n===== {' '.join(command)}\n")
         out.flush()
+        env = {**os.environ, **(env or {})}
         proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
-        timed_out = False
-        try:
-            proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stop_group(proc)
+        timed_out = harness.wait_or_stop(proc, budget) is None
     return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.perf_counter() - start}
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group that ``proc`` leads, then SIGKILL what is left after 5 s."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def tail(path: Path, lines: int = 15, since: int = 0) -> list[str]:
@@ -169,24 +130,7 @@ def part_profile(args, out: Path) -> dict:
     summary = {name: {"status": p.get("status"), "why": p.get("why")} for name, p in parts.items()}
     measurements = {name: p.get("measurements", []) for name, p in parts.items()}
     launch = next(iter(measurements.get("launch", [])), {})
-    passes = [
-        {
-            k: m.get(k)
-            for k in (
-                "label",
-                "host_enqueue_s",
-                "event_span_s",
-                "gpu_busy_s",
-                "launches",
-                "host_us_per_launch",
-                "aten_ops",
-                "sync_calls",
-                "sync_warnings",
-                "error",
-            )
-        }  # fmt: skip
-        for m in measurements.get("passes", [])
-    ]
+    passes = [{k: m.get(k) for k in PASS_KEYS} for m in measurements.get("passes", [])]
     keys = ("side", "step_s", "host", "device", "error")
     steps = [{k: m.get(k) for k in keys} for m in measurements.get("steps", [])]
     errors = [m["label"] for ms in measurements.values() for m in ms if "error" in m]
@@ -357,7 +301,7 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
     import torch
     import transformers
     from datasets import Dataset
-    from helpers import length_reward, save_tiny_model, tiny_grpo_kwargs
+    from helpers import length_reward, save_tiny_model, tiny_conversational_dataset, tiny_grpo_kwargs
 
     from trinity_trl import trainers as t
 
@@ -367,28 +311,12 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on a CPU")
     model_dir = save_tiny_model(Path(work) / "model")
-    system = "You are a careful assistant. Answer with the number only."
-    prompts = Dataset.from_dict(
-        {
-            "prompt": [
-                [{"role": "system", "content": system}, {"role": "user", "content": f"What is {a}+{a + 1}?"}]
-                for a in range(8)
-            ],
-            "answer": [str(2 * a + 1) for a in range(8)],
-        }
-    )
-    expert = Dataset.from_dict(
-        {
-            "messages": [
-                [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"What is {a}+1?"},
-                    {"role": "assistant", "content": f"It is {a + 1}."},
-                ]
-                for a in range(8)
-            ]
-        }
-    )
+    prompts = tiny_conversational_dataset(8)
+    turns = [
+        [{"role": "user", "content": f"What is {a}+1?"}, {"role": "assistant", "content": f"It is {a + 1}."}]
+        for a in range(8)
+    ]
+    expert = Dataset.from_dict({"messages": turns})
     device = {
         "use_cpu": not cuda,
         "bf16": cuda,
@@ -468,16 +396,6 @@ MET = {True: "PASS", False: "FAIL", None: "not measured"}
 def targets(summary: dict) -> list[dict]:
     """Issue 42's targets against the benchmark's summary (every benchmark part writes the same report)."""
     return list(summary.get("cuda_targets", []))
-
-
-def fmt(value, spec=".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def spread(value: dict | None, spec=".3f") -> str:
-    if not value or value.get("median") is None:
-        return "n/a"
-    return f"{fmt(value['median'], spec)} ({fmt(value['min'], spec)}-{fmt(value['max'], spec)})"
 
 
 def markdown(summary: dict) -> str:

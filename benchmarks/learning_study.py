@@ -17,25 +17,17 @@ held-out problems from all five) with SmolLM2-135M-Instruct + LoRA:
 * ``sft_grpo``: SFT on 8 demonstrations a step for a quarter as many steps, then GRPO (1 prompt x 8, no KL) for as
   many steps as CHORD: the same demonstrations and rollouts in all, more optimizer steps (reported).
 
-The tuning seed runs each arm over the learning-rate grid (validation problems, never the held-out ones); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise`` computes
-the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals) and the
-descriptive tables from whatever runs are finished, and says plainly when the study is partial.
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import json
-import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
@@ -116,20 +108,7 @@ def eval_points(plan: dict, arm: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields ``learning.py``'s helpers read."""
-    return SimpleNamespace(
-        lora_r=plan["lora_r"],
-        device="cpu",
-        bf16=False,
-        val_rows=plan["val_rows"],
-        prompt_style=plan["prompt_style"],
-    )
-
-
 def task_data(plan: dict) -> dict:
-    from learning import validation_set
-
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
     data = {
@@ -140,7 +119,7 @@ def task_data(plan: dict) -> dict:
         ),
     }
     data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
-    data["val"] = validation_set(_namespace(plan), data)
+    data["val"] = seeded_study.validation_set(plan, data)
     return data
 
 
@@ -183,9 +162,8 @@ def _text(completion) -> str:
 
 
 def _common(plan: dict, seed: int, lr: float, steps: int, output_dir: str) -> dict:
-    from learning import common_config
 
-    return common_config(_namespace(plan), seed, output_dir, steps, lr)
+    return seeded_study.common_config(seed, output_dir, steps, lr)
 
 
 def _rl(plan: dict) -> dict:
@@ -199,7 +177,6 @@ def _rl(plan: dict) -> dict:
 
 
 def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-    from learning import lora_config
 
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import ChordConfig, ChordTrainer
@@ -213,12 +190,11 @@ def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: 
         args=config,
         train_dataset=data["train"],
         expert_dataset=data["expert"],
-        peft_config=lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
 def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-    from learning import lora_config
 
     from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
 
@@ -226,7 +202,7 @@ def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output
         **_common(plan, seed, lr, sft_steps(plan), output_dir), per_device_train_batch_size=plan["sft_rows_per_step"]
     )
     return TrinitySFTTrainer(
-        model=model, args=config, train_dataset=data["expert"], peft_config=lora_config(_namespace(plan))
+        model=model, args=config, train_dataset=data["expert"], peft_config=seeded_study.lora_config(plan)
     )
 
 
@@ -248,14 +224,13 @@ def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict,
 def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset: int = 0) -> dict:
     """Train, scoring the probe problems after each stage step in ``probes`` (stage step -> global step); CPU and
     wall seconds of training (without the probes) and of generation, per-step logs."""
-    from learning import timed_generation
     from transformers import PrinterCallback, TrainerCallback
 
     trainer.remove_callback(PrinterCallback)
     points: list[dict] = []
     eval_cpu, generation_cpu = [0.0], [0.0]
     if hasattr(trainer, "_generate_single_turn"):
-        timed_generation(trainer, generation_cpu)
+        seeded_study.timed_generation(trainer, generation_cpu)
 
     class Probe(TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
@@ -327,62 +302,19 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
     return result
 
 
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None) -> int:
-    import torch
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
-    records, append = runs_file.records, runs_file.append
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
-
-    model = model_override or _bundled()
-    data = task_data(plan)
-    if finished(records, "base", None, None) is None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        cpu = time.process_time()
-        base = AutoModelForCausalLM.from_pretrained(model)
-        final = {"step": 0, **score(base, AutoTokenizer.from_pretrained(model), data["test"], plan, keep=True)}
-        append(
-            {
-                "arm": "base",
-                "seed": None,
-                "lr": None,
-                "role": "base",
-                "points": [final],
-                "eval_cpu_s": time.process_time() - cpu,
-            }
-        )
-        print(f"base model: {final['all']:.3f} {final['by_kind']}", flush=True)
-        del base
-
-    def run(arm: str, seed: int, lr: float, role: str) -> bool:
-        print(f"[{role} seed {seed}] {arm} lr {lr:g}: training ({time.strftime('%H:%M')}) ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix="learning_study_") as tmp:
-            result = run_arm(arm, model, seed, lr, plan, data, Path(tmp), validate=role == "tune")
-        append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        final = result["points"][-1]
-        print(
-            f"[{role} seed {seed}] {arm} lr {lr:g}: held-out {final['all']:.3f}, validation {bc.fmt(result['val'])}, "
-            f"{result['train_cpu_s']:.0f} CPU s training + {result['eval_cpu_s']:.0f} scoring, load {bc.loadavg()}",
-            flush=True,
-        )
-        gc.collect()
-        return True
-
-    seeded_study.run_in_order(records, plan, run)
-    print("study complete", flush=True)
-    return 0
+def run_side(spec: dict) -> dict:
+    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
+    return seeded_study.run_side(spec, evaluate_base, run_arm, task_data)
 
 
-def _bundled() -> str:
-    from trinity_trl.data import bundled_model_dir
+def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:
+    return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
 
-    return str(bundled_model_dir())
+
+def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
+    """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
+    model = model_override or seeded_study.bundled_model()
+    return seeded_study.run_study(out, plan, RUNS_FILE, "learning_study:run_side", model, launcher=launcher)
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -552,16 +484,13 @@ def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
     return seeded_study.write_summary(runs_path, to, "learning_study", plan, summarise, markdown)
 
 
-def measure(out: Path, steps: int, model_override: str | None = None) -> int:
+def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 8) -> int:
     """The cost of one run of each arm (``steps`` CHORD steps, a quarter of them SFT then ``steps`` GRPO), for sizing
     the plan: CPU seconds per step and per scored problem."""
-    import torch
-
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    plan = {**PLAN, "steps": steps, "eval_rows": 50, "probe_rows": 25, "val_rows": 25}  # per-problem cost suffices
+    seeded_study.quiet_run()
+    plan = {**plan, "steps": steps, "eval_rows": 50, "probe_rows": 25, "val_rows": 25}  # per-problem cost suffices
     data = task_data(plan)
-    model = model_override or _bundled()
+    model = model_override or seeded_study.bundled_model()
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for arm in plan["arms"]:
@@ -584,30 +513,8 @@ def measure(out: Path, steps: int, model_override: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "status", "summarise", "measure"):
-        command = sub.add_parser(name)
-        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
-        if name == "summarise":
-            command.add_argument("--to", required=True, help="where learning_study.{json,md} and the runs file go")
-        if name == "measure":
-            command.add_argument("--steps", type=int, default=8)
-        if name in ("run", "measure"):
-            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = Path(args.out)
-    if args.command == "run":
-        return run_study(out, PLAN, args.model)
-    if args.command == "status":
-        print(status(out))
-        return 0
-    if args.command == "summarise":
-        summary = write_summary(out / RUNS_FILE, Path(args.to))
-        print(markdown(summary))
-        return 0
-    return measure(out, args.steps, args.model)
+    name, description = "learning_study", __doc__.split("\n\n")[0]
+    return seeded_study.command_line(argv, description, name, sys.modules[__name__], probe="measure", steps=8)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,8 @@ the weights of ``weight_lag`` optimizer steps before the newest (`TransformersRo
 * ``cispo``: ``algorithm="cispo"`` as released (weights clipped at 1.28, GRPO advantages), without its preset's k2
   KL term (``kl_loss="none"``: the arms differ in the policy loss alone).
 
-The tuning seed runs each arm over the learning-rate grid (validation problems, never the held-out ones); an optimum
-on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored seeds then
-run both arms at their rates, seed after seed. ``summarise`` computes the pre-registered test (a paired t over the
-scored seeds reached, with its 95 % interval) and the descriptive tables from whatever runs are finished, and says
-plainly when the study is partial. What the learning studies share (fingerprint, runs file, tuning rule, order of the
-runs, paired tests, summary lines) is ``seeded_study.py``; each run is a fresh process (``harness.py``).
+The order of the runs (the tuning seed over the learning-rate grid, then whole scored seeds), the tuning rule and the
+pre-registered tests over the seeds: `seeded_study`; ``summarise`` says plainly when the study is partial.
 """
 
 from __future__ import annotations
@@ -30,11 +26,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
-import harness
 import seeded_study
 from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
 
@@ -90,17 +84,9 @@ def arm_settings(arm: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ data and evaluation
-def _namespace(plan: dict) -> SimpleNamespace:
-    """The fields ``learning.py``'s helpers read."""
-    return SimpleNamespace(
-        lora_r=plan["lora_r"], device="cpu", bf16=False, val_rows=plan["val_rows"], prompt_style=plan["prompt_style"]
-    )
-
-
 def task_data(plan: dict) -> dict:
     """The RL prompts, the held-out problems (test split, the templates in equal numbers) and the validation problems
     (training split, none of them an RL prompt), the same for every run."""
-    from learning import validation_set
 
     from trinity_trl.data import arithmetic_dataset
 
@@ -109,7 +95,7 @@ def task_data(plan: dict) -> dict:
         "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=style),
         "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=style),
     }
-    data["val"] = validation_set(_namespace(plan), {"train": data["train"], "expert": data["train"].select([])})
+    data["val"] = seeded_study.validation_set(plan, {"train": data["train"], "expert": data["train"].select([])})
     return data
 
 
@@ -136,7 +122,6 @@ def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
 # ------------------------------------------------------------------------------------------ training
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
     """``AsyncTrinityTrainer`` of ``arm`` whose worker samples with the weights of ``weight_lag`` steps before."""
-    from learning import common_config, lora_config
 
     from trinity_trl.asynchronous.worker import TransformersRolloutWorker
     from trinity_trl.data import arithmetic_reward
@@ -148,7 +133,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
 
     samples = plan["num_generations"]
     config = AsyncTrinityConfig(
-        **common_config(_namespace(plan), seed, output_dir, plan["steps"], lr),
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr),
         **arm_settings(arm),
         per_device_train_batch_size=plan["micro_batch"],
         gradient_accumulation_steps=samples // plan["micro_batch"],
@@ -164,7 +149,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
         reward_funcs=arithmetic_reward,
         args=config,
         train_dataset=data["train"],
-        peft_config=lora_config(_namespace(plan)),
+        peft_config=seeded_study.lora_config(plan),
     )
 
 
@@ -211,63 +196,18 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
 
 
 def run_side(spec: dict) -> dict:
-    """One run in its own process (a `harness.Side`): ``spec`` holds ``arm``, ``seed``, ``lr``, ``role``, ``plan`` and
-    ``model``; the base model's held-out score when ``arm`` is ``"base"``."""
-    seeded_study.quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    data = task_data(plan)
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
+    return seeded_study.run_side(spec, evaluate_base, run_arm, task_data)
 
-        cpu = time.process_time()
-        base, tokenizer = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        final = {"step": 0, **score(base, tokenizer, data["test"], plan, keep=True)}
-        return {"points": [final], "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="m2po_study_") as tmp:
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, data, Path(tmp), spec["role"] == "tune")
+
+def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:
+    return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
 
 
 def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
-    """Run what is missing of the plan (`seeded_study.run_in_order`), each run in a fresh process (`harness`), until
-    the study is complete or its CPU budget is spent; a run that fails or passes ``run_timeout_h`` stops the study
-    (a restart tries it again). ``launcher``: `harness.Launcher` (tests give another)."""
-    runs_file = seeded_study.RunsFile(out / RUNS_FILE, plan)
-    records = runs_file.records
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+    """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
     model = model_override or seeded_study.bundled_model()
-    launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
-
-    def spent_h() -> float:
-        return sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
-
-    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
-        if spent_h() >= plan["cpu_budget_h"]:
-            print(f"CPU budget of {plan['cpu_budget_h']} h spent ({spent_h():.2f} h): stopping", flush=True)
-            return False
-        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
-        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
-        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
-        result = launcher.run(
-            harness.Side(name, "m2po_study:run_side", spec), plan["run_timeout_h"] * 3600, out / "runs.log"
-        )
-        if "error" in result:
-            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
-            return False
-        result.pop("process_wall_s", None)
-        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        print(
-            f"[{name}]: held-out {result['points'][-1]['all']:.3f}, validation {bc.fmt(result.get('val'))}, "
-            f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} scoring, "
-            f"load {bc.loadavg()}",
-            flush=True,
-        )
-        return True
-
-    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
-        return 0
-    if seeded_study.run_in_order(records, plan, run):
-        print("study complete", flush=True)
-    return 0
+    return seeded_study.run_study(out, plan, RUNS_FILE, "m2po_study:run_side", model, launcher=launcher)
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:

@@ -1,29 +1,16 @@
 #!/usr/bin/env python
 """Where the packed training pass's time goes on a GPU, and what the host's floor is (issue 53): ONE process, the
 models built on the device (nothing on disk), a result line written after every measurement, each part skipped (or
-cut) once its time mark has passed, at most 90 s in all on an H200.
+cut) once its time mark has passed, at most 90 s in all on an H200 (``make gpu-check``'s ``profile`` part:
+docs/prefix-packing.md#the-gpu-check).
 
-Parts, in this order (marks in `MARKS`, seconds since the start):
-
-1. ``launch``: the host's cost of one kernel launch (5,000 one-element in-place additions queued back to back, timed
-   on the host without a sync: the enqueue time each; then drained) and of one module call (5,000 calls of an empty
-   ``nn.Module``, and of one with a forward hook): the per-launch figure the issue's 50-70 µs was only inferred from.
-2. ``passes``: one training pass (the fused-head log-prob forward of one prompt x 8 completions and its backward,
-   activation checkpointing on, bf16) per model (``twin``: 28 layers of tiny width, where the GPU has almost nothing
-   to do, then ``1.5B``: random weights of Qwen2.5-1.5B's shape with its vocabulary), point (prompt 1024 /
-   completion 256, then 2048 / 512) and layout (``packed``: ours with the ``varlen`` kernel forced; ``padded``:
-   TRL's rows): the host's enqueue time (the forward and backward calls, no sync inside) against the event span
-   (CUDA events at its start and end) and the GPU's busy time (the sum of its kernels, from a profiled repeat), the
-   kernel launches and the syncs (the CUDA runtime's synchronising calls and ``set_sync_debug_mode("warn")``'s
-   warnings); for 1.5B at 1024/256 also the profile's top kernels and top host operations.
-3. ``steps``: one full trainer step per side, after warm-up steps, split into phases by `phases.PhaseTimer`
-   (generation, reward, log-prob forwards, loss, backward, optimizer, the rest; host and device clocks): ours with
-   padded rows (``prefix_packing=False``: what ``auto`` runs where it keeps padded rows), TRL's ``GRPOTrainer``, ours
-   packed (``varlen`` forced). The first two locate the 5-13 % by which ours with padded rows trailed TRL on the H200.
-
-Results: ``packing_profile_cuda.{json,md}`` in ``--out`` (``$OUT`` on the lent machine; ``packing_profile.{json,md}``
-on CPU), through `harness.Bench` and rewritten after every measurement. On CPU (``--dry-run``, a test) the same code
-runs tiny shapes (the profiler has no CUDA activity there: launches and GPU time are not measured)::
+Parts, in this order (marks in `MARKS`): ``launch`` (the host's cost of one kernel launch and of one module call),
+``passes`` (one training pass per model, point and layout, packed with ``varlen`` or padded: host enqueue time
+against event span and GPU busy time, launches, syncs; the profiler's top kernels and host operations at 1.5B
+1024/256) and ``steps`` (one trainer step per side split into phases by `phases.PhaseTimer`: ours padded, TRL's,
+ours packed). Results: ``packing_profile_cuda.{json,md}`` in ``--out`` (``$OUT`` on the lent machine;
+``packing_profile.{json,md}`` on CPU) through `harness.Bench`. On CPU (``--dry-run``, a test) the same code runs tiny
+shapes (no CUDA activity: launches and GPU time are not measured)::
 
     python benchmarks/packing_profile.py --device cuda          # on the GPU machine (make gpu-check's first part)
     python benchmarks/packing_profile.py --dry-run              # here, on CPU
@@ -198,11 +185,10 @@ def build_model(shape: dict, device: str, dtype):
     """A random Qwen2 of ``shape``, initialised on ``device`` (nothing on disk), with TRL's fused LM head, activation
     checkpointing on (non-reentrant, TRL's setting) and in training mode."""
     import torch
-    from prefix_packing import qwen2_config
     from transformers import Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    config = qwen2_config(shape, shape["vocab"])
+    config = bc.qwen2_config(shape, shape["vocab"])
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
     add_fused_lm_head(model, outputs=("log_probs",))

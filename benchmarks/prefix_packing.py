@@ -1,61 +1,15 @@
 #!/usr/bin/env python
 """Benchmark: the prefix-shared packed training step against TRL's ``GRPOTrainer`` (padded rows).
 
-Each point (a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per micro-batch,
-gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
-``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")`` (the pair
-the parity tests prove equivalent), whose default ``prefix_packing=True`` forwards each
-group's prompt once and no padding.
-
-**Protocol** (issue 42):
-
-* **The figure is the ``train`` column**: the whole optimizer step (``on_step_begin`` to ``on_step_end``: scoring,
-  the log-prob forwards, loss, backward, the optimizer) minus TRL's generation (timed around ``_generate``), the
-  median over a run's steps after its warm-up. Nothing is synchronised inside the step (a sync between forward and
-  backward would change what a host-bound step costs); the training part (the loss's forward and backward between
-  syncs) is measured only with ``--part-timing``. Memory on CUDA: the allocator's peak during the loss's forward
-  and backward above what was allocated at its start (host-side bookkeeping: no sync), and during ``train()``.
-* **A repeat is a fresh process per side**, sides alternating (``--sides``: ours, TRL in one repeat, TRL, ours in
-  the next; with ``ours_compiled``, ours with ``prefix_packing_compile=True``, ABC then CBA, after one uncounted
-  ``ours_compiled`` run that warms the on-disk compile caches), at least 5 repeats (``--repeats``, default 5 on CUDA);
-  points are interleaved within a repeat, so a run stopped early keeps the same number of repeats at every point.
-  The figures are the median over repeats of each run's median step, with the min-max over repeats. On CUDA the
-  processes are forked from a server that imported the libraries and never touched CUDA (``multiprocessing``'s
-  forkserver: a fresh process, CUDA context and allocator each, without paying the imports 40 times; the same on
-  CPU); ``--no-fork`` spawns each from scratch.
-* **TRL at its defaults except what the point names**: ``per_device_train_batch_size = G x K``,
-  ``num_generations = G``, ``gradient_accumulation_steps = GA``, ``max_completion_length = C``, LoRA; and, on both
-  sides, ``loss_type="grpo"`` (TRL's default is ``"dapo"``; ``"grpo"`` is the objective ours trains), completions of
-  exactly ``C`` random tokens from a ``rollout_func`` on CUDA (no sampling: the same on both sides, and not in the
-  ``train`` column), ``logging_steps=1``, ``max_steps``, no saving or reporting. Every departure is written beside the
-  figure in the report (`departures`).
-* **Warm-up per side**: TRL's runs skip their first ``--trl-warmup`` steps (CUDA/cuBLAS start-up); ours skip
-  theirs until ``auto``'s calibration has decided (``--warmup``). **Calibration is charged as seconds per run**: our
-  warm-up steps' excess over our steady step, less TRL's warm-up steps' excess over its steady step.
-* **What ran is recorded**: each run's ``auto`` verdicts and the layouts (kernel or ``padded``) of every step's
-  training forwards. A point's ``train`` figure and ratio read the runs of ours that had decided by their timed
-  steps; a run whose timed steps all ended with ``auto`` still deciding is counted apart (``undecided_runs``, its own
-  ratio). ``not_measured`` lists only the points with no repeat at all; ``fewer_repeats`` the others cut short.
-
-On CUDA (``--device cuda --bf16``) the point sets (``--point-set``, :data:`POINT_SETS`): ``target`` (the default: 1.5B
-at P1024/C256 and P2048/C512, G 8, one prompt per micro-batch), ``accumulation`` (the same two at gradient
-accumulation 4, with ``prefix_packing_token_budget`` at its default where the installed ``TrinityConfig`` has it),
-``small`` (0.5B), ``lora`` (1.5B with LoRA). Random models of the Qwen2.5 shapes with the real vocabulary (151,936),
-saved in bf16.
-
-Equivalence: in each point's first repeat, ours runs the first micro-batch again on the trained model, packed
-through a forced kernel and padded (:func:`check_equivalence`); the relative L2 differences of its log-probs and
-gradient are held to tolerances derived for the dtype (:func:`equivalence_tolerances`).
-
-Results go to ``--out``: ``$OUT`` where set (the lent GPU machine sends back what is written there), else
-``benchmarks/results``; ``prefix_packing_cuda.{json,md}`` on CUDA. ``make gpu-check`` (``benchmarks/gpu_check.py``)
-runs it.
-
-Run it niced from the repository root::
+Each point (:class:`Point`: a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per
+micro-batch, gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
+``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")``, each repeat a fresh
+process per side through ``harness.Launcher``, sides alternating; the figure is the ``train`` column (the optimizer
+step minus TRL's generation). The protocol, the point sets and the direct packed-vs-padded check:
+benchmarks/README.md (`prefix_packing.py`). ``make gpu-check`` (``benchmarks/gpu_check.py``) runs it on CUDA.
 
     nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results        # the CPU grid, hours
     python benchmarks/prefix_packing.py --device cuda --bf16 --sides ours,ours_compiled,trl  # the target points
-    python benchmarks/prefix_packing.py --device cuda --bf16 --points qwen2.5-1.5b:1024:256:8:ga4
 """
 
 from __future__ import annotations
@@ -87,12 +41,7 @@ TARGETS = {
     "short_prompt": 64,
     "short_prompt_train_time_ratio_max": 1.03,
 }
-REAL_VOCAB = 151936
-#: random models of these shapes (Qwen2.5 configs; tied embeddings) with the real vocabulary
-MODEL_SHAPES = {
-    "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
-    "qwen2.5-1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
-}
+MODEL_SHAPES, REAL_VOCAB = bc.MODEL_SHAPES, bc.REAL_VOCAB
 #: the sides a point can run (``--sides``): ours at its defaults, ours with compiled layers (``prefix_packing_compile``,
 #: CUDA), TRL's ``GRPOTrainer``
 SIDES = ("ours", "ours_compiled", "trl")
@@ -784,35 +733,11 @@ class Runner:
 
 def make_model(name: str, spec: dict) -> tuple[str, str]:
     """In a worker: the model directory of ``name`` (a random model is created and saved there)."""
-    if name == "tiny":
-        s = spec["shape"]
-        path = bc.save_random_qwen2(
-            spec["model_dir"],
-            hidden=s["hidden"],
-            layers=s["layers"],
-            heads=s["heads"],
-            kv_heads=s["kv_heads"],
-            intermediate=s["intermediate"],
-            max_positions=4096,
-            seed=spec["seed"],
-        )
-        return path, (
-            f"random Qwen2 (hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads / {s['kv_heads']} "
-            f"KV, intermediate {s['intermediate']}, vocab 489) with the tests' tiny BPE tokenizer"
-        )
-    if name in MODEL_SHAPES:
-        shape = MODEL_SHAPES[name]
-        path = save_random_real_vocab_qwen2(
-            Path(spec["model_dir"]), spec["device"], spec["seed"], spec["bf16"], **shape
-        )
-        return path, (
-            f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape (hidden {shape['hidden']}, {shape['layers']} "
-            f"layers, {shape['heads']} heads / {shape['kv_heads']} KV, intermediate {shape['intermediate']}, vocab "
-            f"{REAL_VOCAB}) with the tests' tiny BPE tokenizer"
-        )
-    from trinity_trl.data import bundled_model_dir
-
-    return str(bundled_model_dir()), "SmolLM2-135M-Instruct (bundled, Llama architecture, vocab 49152)"
+    if name != "tiny":
+        made = bc.random_model(name, spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
+        return made["path"], made["about"]
+    path = bc.save_random_qwen2(spec["model_dir"], **spec["shape"], max_positions=4096, seed=spec["seed"])
+    return path, f"random Qwen2 ({bc.describe_shape(spec['shape'], 489)}) with the tests' tiny BPE tokenizer"
 
 
 def timed_steps(result: dict, warmup: int | None = None) -> list[int]:
@@ -877,21 +802,11 @@ def side_summary(results: list[dict]) -> dict:
     out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
     out["undecided_runs"] = len(undecided)
     out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
-    for key in (
-        "process_peak_rss_mib",
-        "train_peak_rss_above_start_mib",
-        "cuda_peak_above_start_mib",
-        "cuda_peak_allocated_mib",
-        "cpu_util",
-        "first_step_s",
-    ):
+    memory = ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib")
+    for key in (*memory, "cuda_peak_allocated_mib", "cpu_util", "first_step_s"):
         out[key] = bc.median([r.get(key) for r in results])
     out["micro_batch"] = results[0]["micro_batch"]
-    kernels: dict[str, int] = {}
-    for r in results:
-        for name, n in r.get("kernels", {}).items():
-            kernels[name] = kernels.get(name, 0) + n
-    out["kernels"] = kernels
+    out["kernels"] = _total([r.get("kernels", {}) for r in results])
     ratios = [x for r in results for x in r["forwarded_token_ratio"]]
     out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
     forwards = [x for r in results for x in r.get("forwards_per_step", [])]
@@ -959,55 +874,7 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
-def qwen2_config(shape: dict, vocab: int = REAL_VOCAB, max_positions: int = 4096, **extra):
-    """The ``Qwen2Config`` of a random model of ``shape`` (``hidden``, ``intermediate``, ``layers``, ``heads``,
-    ``kv_heads``) with ``vocab`` entries and tied embeddings (as Qwen2.5-0.5B/1.5B); ``extra``: more config fields."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        **extra,
-    )
-
-
-def save_random_real_vocab_qwen2(path: Path, device: str, seed: int, bf16: bool = False, **shape) -> str:
-    """A random Qwen2 of ``shape`` with the real vocabulary (tied embeddings, as Qwen2.5-0.5B/1.5B), initialised on
-    ``device`` (fast on a GPU) and saved with the tests' tiny tokenizer: in bf16 with ``bf16`` (the dtype of the
-    real checkpoints, which the trainers then load), else in float32."""
-    import torch
-    from helpers import build_tiny_tokenizer
-    from transformers import Qwen2ForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    config = qwen2_config(
-        shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
-    )
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if bf16:
-        model = model.to(torch.bfloat16)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the workers need the memory, not this process
-    return str(path)
-
-
-def _cell(spread: dict | None, spec: str = ".3f") -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    return f"{bc.fmt(spread['median'], spec)} ({bc.fmt(spread['min'], spec)}-{bc.fmt(spread['max'], spec)})"
+_cell = bc.range_cell  # median (min-max)
 
 
 def markdown(report: dict) -> str:

@@ -1,6 +1,14 @@
-"""What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py``, issue 55): the
-plan's fingerprint, the runs file and resuming it, the tuning rule, the order of the runs (the tuning seed, then whole
-scored seeds), the paired tests over seeds with Holm's correction, and the summary's shared lines.
+"""What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py`` and
+``m2po_study.py``, issue 55): the plan's fingerprint, the runs file and resuming it, running it (each run a fresh
+process through `harness`, the base model first), the tuning rule, the order of the runs, the paired tests over
+seeds with Holm's correction, the summary's shared lines and the run set-up (LoRA, training arguments, validation
+problems).
+
+The tuning seed runs each arm over the learning-rate grid (validation problems or games, never the held-out ones); an
+optimum on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored
+seeds then run every arm at its rate, seed after seed, so that an interrupted study leaves whole seeds. ``summarise``
+computes the pre-registered tests (a paired t over the scored seeds reached, Holm-corrected, with 95 % intervals)
+and the descriptive tables from whatever runs are finished.
 
 A study's plan is a dict with at least ``arms``, ``primary`` (two arms), ``secondary`` (pairs of arms), ``alpha``,
 ``confidence``, ``tune_seed``, ``scored_seeds``, ``grid``, ``grid_factor`` and ``max_extensions``. Its runs are JSON
@@ -104,6 +112,70 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
             if finished(records, arm, seed, rates[arm]) is None and not run(arm, seed, rates[arm], "scored"):
                 return False
     return True
+
+
+def run_side(spec: dict, evaluate_base: Callable, run_arm: Callable, task_data: Callable | None = None) -> dict:
+    """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan, [data,]
+    tmp, validate=...)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan[, data])`` on the
+    untrained model (its CPU time added as ``eval_cpu_s``); ``data``: ``task_data(plan)`` where the study has one."""
+    import tempfile
+
+    quiet_run()
+    plan, model = spec["plan"], spec["model"]
+    data = () if task_data is None else (task_data(plan),)
+    if spec["arm"] == "base":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cpu = time.process_time()
+        loaded = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+        return {**evaluate_base(*loaded, plan, *data), "eval_cpu_s": time.process_time() - cpu}
+    with tempfile.TemporaryDirectory(prefix="seeded_study_") as tmp:
+        role = spec["role"]
+        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, *data, Path(tmp), validate=role == "tune")
+
+
+def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome=None, launcher=None) -> int:
+    """Run what is missing of the plan (`run_in_order`, the base model first), each run in a fresh process through
+    ``launcher`` (`harness.Launcher`; tests give one that runs in-process) calling ``target`` (``module:function``)
+    with ``{arm, seed, lr, role, plan, model}``, until the study is complete or its CPU budget (``cpu_budget_h``,
+    where the plan has one) is spent; a run that fails or passes ``run_timeout_h`` stops the study (a restart tries
+    it again). ``outcome(result)``: the run's figure for the progress line (default: the held-out accuracy)."""
+    import harness
+
+    runs_file = RunsFile(out / runs_file, plan)
+    records = runs_file.records
+    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+    launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
+    budget_h = plan.get("cpu_budget_h")
+    outcome = outcome or (lambda result: f"held-out {result['points'][-1]['all']:.3f}")
+
+    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
+        spent_h = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+        if budget_h is not None and spent_h >= budget_h:
+            print(f"CPU budget of {budget_h} h spent ({spent_h:.2f} h): stopping", flush=True)
+            return False
+        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
+        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
+        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
+        timeout_s = plan.get("run_timeout_h", 24.0) * 3600
+        result = launcher.run(harness.Side(name, target, spec), timeout_s, out / "runs.log")
+        if "error" in result:
+            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
+            return False
+        result.pop("process_wall_s", None)
+        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
+        print(
+            f"[{name}]: {outcome(result)}, validation {bc.fmt(result.get('val'))}, {result.get('train_cpu_s', 0):.0f} "
+            f"CPU s training + {result['eval_cpu_s']:.0f} evaluating, load {bc.loadavg()}",
+            flush=True,
+        )
+        return True
+
+    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
+        return 0
+    if run_in_order(records, plan, run):
+        print("study complete", flush=True)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -284,23 +356,24 @@ def status_text(out: Path, runs_file: str, plan: dict, summarise: Callable) -> s
     return "\n".join(status_lines(records, summarise(records, plan), plan, budget))
 
 
-def command_line(argv: list[str] | None, description: str, name: str, study) -> int:
-    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands. ``study``: its module, with ``PLAN``,
-    ``RUNS_FILE``, ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``pilot``; ``name``: its results'
-    file name (``<name>.{json,md}``)."""
+def command_line(argv: list[str] | None, description: str, name: str, study, probe: str = "pilot", steps: int = 10):
+    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands (``probe``: the last one's name, e.g.
+    ``measure``, with ``--steps``, default ``steps``). ``study``: its module, with ``PLAN``, ``RUNS_FILE``,
+    ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``probe(out, plan, model, steps)``; ``name``: its
+    results' file name (``<name>.{json,md}``)."""
     import argparse
     import os
 
     parser = argparse.ArgumentParser(description=description)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command_name in ("run", "status", "summarise", "pilot"):
+    for command_name in ("run", "status", "summarise", probe):
         command = sub.add_parser(command_name)
         command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
         if command_name == "summarise":
             command.add_argument("--to", required=True, help=f"where {name}.{{json,md}} and the runs file go")
-        if command_name == "pilot":
-            command.add_argument("--steps", type=int, default=10)
-        if command_name in ("run", "pilot"):
+        if command_name == probe:
+            command.add_argument("--steps", type=int, default=steps)
+        if command_name in ("run", probe):
             command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -313,7 +386,7 @@ def command_line(argv: list[str] | None, description: str, name: str, study) -> 
     if args.command == "summarise":
         print(study.markdown(study.write_summary(out / study.RUNS_FILE, Path(args.to))))
         return 0
-    return study.pilot(out, study.PLAN, args.model, args.steps)
+    return getattr(study, probe)(out, study.PLAN, args.model, args.steps)
 
 
 def bundled_model() -> str:
@@ -334,3 +407,66 @@ def quiet_run() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+
+
+# ------------------------------------------------------------------------------------------ run set-up
+# (on the CPU, in float32; from the plan's ``lora_r``, ``val_rows`` and ``prompt_style``)
+def lora_config(plan: dict):
+    from peft import LoraConfig
+
+    r = plan["lora_r"]
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def common_config(seed: int, output_dir: str, steps: int, lr: float) -> dict:
+    """The training arguments every study run shares."""
+    return {
+        "output_dir": output_dir,
+        "use_cpu": True,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "max_steps": steps,
+        "learning_rate": lr,
+        "lr_scheduler_type": "constant",
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": seed,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+
+
+def validation_set(plan: dict, data: dict):
+    """``plan["val_rows"]`` training-split problems that are neither RL prompts nor demonstrations, the templates
+    taking turns (for choosing the learning rate; the held-out split is never used for it)."""
+    from datasets import Dataset
+
+    from trinity_trl.data.arithmetic import TEMPLATES, make_problems
+
+    def text(prompt) -> str:
+        return prompt[-1]["content"]
+
+    used = {text(p) for p in data["train"]["prompt"]} | {text(p) for p in data["expert"]["prompt"]}
+    val_rows = plan["val_rows"]
+    pool = make_problems("train", 4 * val_rows + 40, 2, prompt_style=plan["prompt_style"])
+    by_kind = {k: [r for r in pool if r["kind"] == k and text(r["prompt"]) not in used] for k in TEMPLATES}
+    rows = [by_kind[k][i] for i in range(4 * val_rows) for k in TEMPLATES if i < len(by_kind[k])]
+    if len(rows) < val_rows:
+        raise ValueError(f"only {len(rows)} validation problems apart from the training rows")
+    return Dataset.from_list(rows[:val_rows])
+
+
+def timed_generation(trainer, seconds: list[float]) -> None:
+    """Add the CPU seconds of each of ``trainer``'s rollout generations (TRL's single-turn generation) to
+    ``seconds[0]`` (the trainer's own method, wrapped on this instance only)."""
+    generate = trainer._generate_single_turn
+
+    def timed(*a, **kw):
+        cpu = time.process_time()
+        try:
+            return generate(*a, **kw)
+        finally:
+            seconds[0] += time.process_time() - cpu
+
+    trainer._generate_single_turn = timed

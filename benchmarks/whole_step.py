@@ -1,40 +1,18 @@
 #!/usr/bin/env python
 """The whole step a user waits for, at TRL's defaults: ours against TRL's ``GRPOTrainer`` on the same job with
 transformers generation, and TRL with its continuous batching, each step split into phases (`phases.PhaseTimer`).
+The sides, the job, its departures from TRL's defaults, the protocol and how compilation is charged:
+docs/benchmarks.md#whole-step.
 
     nice -n 5 python benchmarks/whole_step.py                       # the CPU points (bundled SmolLM2-135M)
     python benchmarks/whole_step.py --gpu                           # `make gpu-check-step`: the GPU run (8 minutes)
     python benchmarks/whole_step.py --dry-run                       # tiny shapes on CPU (tests/test_benchmarks.py)
 
-**Sides** (each repeat a fresh process per side, the order alternating; `harness`):
-
-* ``ours``: ``TrinityTrainer`` with ``TrinityConfig(algorithm="grpo", loss_normalization="global",
-  advantage={"epsilon": 1e-4})``, at our defaults otherwise (prefix packing, and issue 51's ``compile_generation``
-  and ``one_prefill_per_group`` where the installed config has them). That trains what TRL's defaults train
-  (``loss_type="dapo"``, no KL, group z-score with TRL's 1e-4): the same loss and gradients
-  (``tests/trainers/test_trl_parity.py::test_grpo_with_global_normalisation_matches_trls_defaults``).
-* ``ours_off``: the same with ``compile_generation="off"`` and ``one_prefill_per_group=False`` (what issue 51's
-  generation brings); not run where the installed config lacks them.
-* ``trl``: ``GRPOTrainer(GRPOConfig(...))`` at TRL's defaults; ``trl_cb``: the same with
-  ``use_transformers_continuous_batching=True``.
-
-**The job**: plain-text prompts of exactly ``P`` tokens, one prompt a step with ``G`` = 8 completions of at most
-``C`` tokens (TRL's default batch: ``per_device_train_batch_size`` 8, ``num_generations`` 8), a reward of the
-completion's length, TRL's other defaults (learning rate 1e-6, ``logging_steps`` 10, ...). Departures, the same on
-every side and written in the results: the run's length and ``max_completion_length``; on a CPU ``use_cpu=True``,
-``bf16=False`` (TRL's ``GRPOConfig`` refuses its bf16 default there), float32 weights (the bundled checkpoint
-declares bf16, which TRL would load) and no activation checkpointing (ours' CPU defaults, given to TRL too), and a
-sized continuous-batching cache for ``trl_cb`` (sized from the host's memory it took 12 GB and 42 s per call);
-with a random model of the real vocabulary, ``suppress_tokens`` for the ids the tests' tokenizer cannot decode.
-
-**Per run** (1 warm-up step, then the timed ones): the median timed step and its phases (host clock; on CUDA also
-the device's), the first step, the process's start-up, each side's dtype, the generation settings in force,
-compilations (dynamo frames, CUDA-graph recordings and replays, per step) and peak memory.
-
-**Compilation** is charged per run: the first step's excess over the steady step beyond TRL's own (eager) first-step
-excess; cold (the first, uncounted process with an empty compile cache, ``TORCHINDUCTOR_CACHE_DIR`` under the run's
-folder) and warm (the timed processes); repaid after ``charge / (eager step - our step)`` steps, the eager step
-being ``ours_off``'s where it ran, else TRL's.
+Sides (`SIDES`; each repeat a fresh process per side, the order alternating, through `harness`): ``ours``
+(``TrinityTrainer``, GRPO trained as TRL's defaults train it), ``ours_off`` (the same without issue 51's generation
+settings), ``trl`` (``GRPOTrainer`` at TRL's defaults) and ``trl_cb`` (with continuous batching). Per run: 1 warm-up
+step, then the timed ones: the median timed step and its phases, the first step, the start-up, each side's dtype and
+generation settings, compilations per step and peak memory.
 """
 
 from __future__ import annotations
@@ -66,28 +44,12 @@ GENERATIONS = 8  # TRL's default num_generations and per_device_train_batch_size
 
 # ------------------------------------------------------------------------------------------------- one side
 def make_model(spec: dict) -> dict:
-    """In a fresh process: the model directory of ``spec["model"]`` (random models are made and saved here)."""
+    """In a fresh process: the model directory of ``spec["model"]`` (random models are made and saved here; those of
+    a real shape in bf16)."""
     import bench_common as bc
 
-    name, work = spec["model"], spec["work"]
-    if name == "bundled":
-        from trinity_trl.data import bundled_model_dir
-
-        return {"path": str(bundled_model_dir()), "about": "SmolLM2-135M-Instruct (bundled; Llama, vocab 49152)"}
-    if name == "tiny":
-        path = bc.save_random_qwen2(os.path.join(work, "tiny"), hidden=64, layers=2, heads=4, kv_heads=2)
-        return {"path": path, "about": "random Qwen2 (hidden 64, 2 layers) with the tests' tiny tokenizer"}
-    from pathlib import Path
-
-    from prefix_packing import MODEL_SHAPES, REAL_VOCAB, save_random_real_vocab_qwen2
-
-    shape = MODEL_SHAPES[name]
-    path = save_random_real_vocab_qwen2(Path(work) / name, spec["device"], seed=0, bf16=True, **shape)
-    about = (
-        f"random Qwen2 of the {name.replace('qwen', 'Qwen')} shape (hidden {shape['hidden']}, {shape['layers']} "
-        f"layers, vocab {REAL_VOCAB}) saved in bf16, with the tests' tiny tokenizer"
-    )
-    return {"path": path, "about": about}
+    name = spec["model"]
+    return bc.random_model(name, os.path.join(spec["work"], name), spec["device"], bf16=name not in ("tiny", "bundled"))
 
 
 def build_trainer(spec: dict, completions: list):

@@ -147,15 +147,6 @@ def test_configs_learning_reward_quarters():
     assert reward_quarters([*history, {"train_runtime": 1.0}]) == (0.0, 0.6, 0.5)
 
 
-def test_threads_quick_on_the_tiny_model(tmp_path, tiny_model_dir):
-    output = tmp_path / "threads.json"
-    _run(
-        "threads.py", "--threads", "1", "--steps", "1", "--no-busy", "--model", tiny_model_dir, "--output", str(output)
-    )
-    (run,) = _load(output)["runs"]
-    assert run["threads"] == 1 and run["threads_used"] == 1 and len(run["step_times"]) == 1
-
-
 def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     """`make gpu-check DRY_RUN=1`: the parts on CPU into $OUT (no --out), at most 8 files, the summary first; the
     profile summarised both sides' steps, the benchmark ran two repeats (fresh processes) with its direct
@@ -383,6 +374,21 @@ def test_prefix_packing_bf16_tolerances_come_from_the_dtype():
     assert bf16["logps_rtol"] > 100 * fp32["logps_rtol"]  # bf16's eps is 2**16 times float32's
 
 
+class InProcess:
+    """A study's launcher that runs each run in this process (the fresh-process launcher is tested with the harness
+    and the GiGPO study): seconds instead of a process start each."""
+
+    def run(self, side, timeout_s, log=None):
+        import transformers
+
+        module, function = side.run.split(":")
+        verbosity = transformers.logging.get_verbosity()
+        try:
+            return getattr(importlib.import_module(module), function)(side.spec)
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+
+
 def test_learning_study_tuning_extends_an_edge_and_stops():
     """The pre-registered tuning: the grid in order, a best value on an edge extends the grid past it (at most
     max_extensions times), a tie goes to the lower rate."""
@@ -424,7 +430,7 @@ def test_learning_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
         "eval_max_new_tokens": 8,
     }
     out = tmp_path / "study"
-    ls.run_study(out, plan, str(model))
+    ls.run_study(out, plan, str(model), InProcess())
     records = [json.loads(line) for line in (out / ls.RUNS_FILE).read_text().splitlines()]
     order = [(r["arm"], r["seed"], r["role"]) for r in records]
     assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
@@ -436,7 +442,7 @@ def test_learning_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     final = records[-1]["points"][-1]
     assert len(final["completions"]) == len(final["outcomes"]) == 10 and records[-1]["val"] is None
     assert [p["n"] for p in records[1]["points"]] == [5, 5, 10] and 0.0 <= records[1]["val"] <= 1.0
-    ls.run_study(out, plan, str(model))  # a restart: nothing left to run
+    ls.run_study(out, plan, str(model), InProcess())  # a restart: nothing left to run
     assert len((out / ls.RUNS_FILE).read_text().splitlines()) == len(records)
     summary = ls.write_summary(out / ls.RUNS_FILE, tmp_path / "results", plan)
     assert not summary["partial"] and summary["complete_seeds"] == [1, 2]
@@ -492,26 +498,6 @@ def test_async_vs_sync_dry_run(tmp_path):
     assert round_["sync"]["staleness_mean"] == 0.0 and round_["async"]["staleness_mean"] >= 0.0
     assert report["summary"]["ratio_time_to_steps"]["median"] > 0
     assert "| time to 2 steps (s) |" in (tmp_path / "async_vs_sync_dry.md").read_text()
-
-
-def test_async_bundled_dry_run(tmp_path):
-    """benchmarks/async_bundled.py on the tiny model: each asynchronous trainer it names trains its steps in a fresh
-    process, CHORD through paper_config, step-wise GRPO on the number-guessing environment (three of the six here:
-    the script's own loop runs them all the same way)."""
-    only = ("--only", "gspo", "--only", "chord_phi", "--only", "step_grpo")
-    _run("async_bundled.py", "--dry-run", *only, "--out", str(tmp_path))
-    report = _load(tmp_path / "async_bundled_dry.json")
-    _check_machine(report)
-    runs = {r["run"]: r for r in report["runs"]}
-    assert set(runs) == {"gspo", "chord_phi", "step_grpo"}
-    assert (
-        runs["step_grpo"]["trainer"] == "AsyncStepGRPOTrainer" and runs["step_grpo"]["algorithm"] == "multi_step_grpo"
-    )
-    assert runs["gspo"]["trainer"] == "AsyncTrinityTrainer" and runs["gspo"]["algorithm"] == "gspo"
-    assert runs["chord_phi"]["trainer"] == "AsyncChordTrainer" and runs["chord_phi"]["mu"] == [0.1, 0.1]
-    for r in runs.values():
-        assert r["steps"] == 2 and r["finite"] and len(r["losses"]) == 2 and len(r["staleness"]) == 2, r
-    assert "| chord_phi | `AsyncChordTrainer` | 2 |" in (tmp_path / "async_bundled_dry.md").read_text()
 
 
 def test_whole_step_gpu_command_dry_run(tmp_path):
@@ -712,16 +698,6 @@ def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     sys.path.insert(0, str(BENCHMARKS))
     import bench_common
     import m2po_study as ms
-    import transformers
-
-    class InProcess:  # each run in this process (the fresh-process launcher is tested with the harness): seconds
-        def run(self, side, timeout_s, log=None):
-            module, function = side.run.split(":")
-            verbosity = transformers.logging.get_verbosity()
-            try:
-                return getattr(importlib.import_module(module), function)(side.spec)
-            finally:
-                transformers.logging.set_verbosity(verbosity)
 
     model = bench_common.save_random_qwen2(tmp_path / "model", hidden=64, layers=2, intermediate=128)
     plan = {
