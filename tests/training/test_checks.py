@@ -75,17 +75,18 @@ class FakeAdvantage:
         return self.in_trainer
 
 
+def fake_policy_loss(**declared: bool) -> SimpleNamespace:
+    """A stand-in policy loss declaring what the checks read: a per-token loss linear in the advantage, reading
+    advantages, with no expert rows and no step mask, unless ``declared`` says otherwise."""
+    needs = dict(
+        pairwise=False, needs_expert_rows=False, linear_in_advantage=True, reads_advantages=True, needs_step_mask=False
+    )
+    return SimpleNamespace(**{**needs, **declared})
+
+
 @dataclass
 class FakeComponents:
-    policy_loss: Any = field(
-        default_factory=lambda: SimpleNamespace(
-            pairwise=False,
-            needs_expert_rows=False,
-            linear_in_advantage=True,
-            reads_advantages=True,
-            needs_step_mask=False,
-        )
-    )
+    policy_loss: Any = field(default_factory=fake_policy_loss)
     kl_penalty: Any = field(default_factory=lambda: SimpleNamespace(enabled=False))
     entropy_loss: Any = field(default_factory=lambda: SimpleNamespace(needs_expert_mask=False))
     advantage_fn: Any = field(default_factory=FakeAdvantage)
@@ -135,15 +136,7 @@ def test_offline_data_points_to_its_trainer(schema, trainer):
 
 
 def test_expert_rows_need_a_trainer_that_adds_them():
-    components = FakeComponents(
-        policy_loss=SimpleNamespace(
-            pairwise=False,
-            needs_expert_rows=True,
-            linear_in_advantage=True,
-            reads_advantages=True,
-            needs_step_mask=False,
-        )
-    )
+    components = FakeComponents(policy_loss=fake_policy_loss(needs_expert_rows=True))
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' needs expert rows; use ChordTrainer"):
         check(components=components)
     check(ExpertTrainer, components=components)
@@ -152,15 +145,7 @@ def test_expert_rows_need_a_trainer_that_adds_them():
 def test_a_pairwise_loss_is_refused_by_the_rollout_trainers():
     """DPO's loss compares chosen/rejected pairs: a rollout trainer once failed at its first step (no aggregation to
     replace); it is refused at construction."""
-    components = FakeComponents(
-        policy_loss=SimpleNamespace(
-            pairwise=True,
-            needs_expert_rows=False,
-            linear_in_advantage=True,
-            reads_advantages=False,
-            needs_step_mask=False,
-        )
-    )
+    components = FakeComponents(policy_loss=fake_policy_loss(pairwise=True, reads_advantages=False))
     with pytest.raises(ValueError, match=r"policy loss 'my_loss' compares chosen/rejected pairs.*TrinityDPOTrainer"):
         check(components=components)
 
@@ -189,15 +174,7 @@ def test_an_entropy_of_expert_rows_needs_expert_rows():
 
 
 def test_vllm_importance_sampling_needs_a_loss_linear_in_the_advantage():
-    components = FakeComponents(
-        policy_loss=SimpleNamespace(
-            pairwise=False,
-            needs_expert_rows=False,
-            linear_in_advantage=False,
-            reads_advantages=True,
-            needs_step_mask=False,
-        )
-    )
+    components = FakeComponents(policy_loss=fake_policy_loss(linear_in_advantage=False))
     with pytest.raises(
         ValueError,
         match=r"policy loss 'my_loss' with these arguments is not linear in the advantage.*"
@@ -263,13 +240,7 @@ def test_group_operators_needing_behaviour_logps_or_refilling_groups_are_accepte
 )
 def test_advantage_needs_are_not_checked_when_no_advantage_is_read(advantage):
     """A loss that reads no advantages (RAFT's SFT loss) never runs the advantage function."""
-    policy = SimpleNamespace(
-        pairwise=False,
-        needs_expert_rows=False,
-        linear_in_advantage=False,
-        reads_advantages=False,
-        needs_step_mask=False,
-    )
+    policy = fake_policy_loss(linear_in_advantage=False, reads_advantages=False)
     check(components=FakeComponents(policy_loss=policy, advantage_fn=advantage))
     check(components=FakeComponents(advantage_fn=None))  # a preset without an advantage function
 
