@@ -142,6 +142,8 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
             "--trainers",
             "trinity",
             "ppo",
+            "--test-paths",  # one file of CUDA tests (the part's command and report; collecting all takes longer)
+            "tests/packing/test_kernels.py",
         ],
         check=False,
         cwd=ROOT,
