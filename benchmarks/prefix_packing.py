@@ -1263,13 +1263,11 @@ def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -
 
 
 def log_run(point: Point, side: str, rep: int, repeats: int, result: dict) -> None:
-    s, cuda_peak = run_summary(result), result.get("cuda_peak_above_start_mib")
-    kernels = f", kernels {result['kernels']}" if result.get("kernels") else ""
+    s, peak = run_summary(result), bc.fmt(result.get("cuda_peak_above_start_mib"), ".0f")
     print(
         f"[{point.name} rep {rep + 1}/{repeats}] {side}: train {bc.fmt(s['train_s'])} s, step {bc.fmt(s['step_s'])} s, "
-        f"part peak {bc.fmt(s['train_part_peak_mib'], '.0f')} MiB, first step {bc.fmt(result.get('first_step_s'))} s"
-        + (f", peak {bc.fmt(cuda_peak, '.0f')} MiB" if cuda_peak is not None else "")
-        + f"{kernels}, pid {result.get('pid')}, load {bc.loadavg()}",
+        f"first step {bc.fmt(result.get('first_step_s'))} s, CUDA peak {peak} MiB, kernels {result.get('kernels')}, "
+        f"pid {result.get('pid')}, load {bc.loadavg()}",
         flush=True,
     )
 
