@@ -122,6 +122,7 @@ def one_run(side: str, args, work: str) -> dict:
         "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
         "rewards": [entry.get("reward") for entry in steps],
         "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,  # the report's machine line
     }
 
 
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # on CUDA a run keeps the torch threads it would get alone (OMP_NUM_THREADS as set, else one per core)
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
+    if args.device == "cuda":
+        bench.report["machine"]["torch_threads"] = f"{threads['OMP_NUM_THREADS']} per side"
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as work:
         model_path(args.model, work)  # once, before the first run
         spec = {**config, "work": work}
