@@ -54,15 +54,16 @@ TINY_LLAMA = {
 
 
 # ------------------------------------------------------------------------------------- timing
-def time_call(fn, reps: int, warmup: int) -> dict:
-    """Median / min / max wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
+def time_call(fn, reps: int, warmup: int, setup=tuple) -> dict:
+    """Median / min / max wall seconds of ``fn(*setup())`` over ``reps`` calls after ``warmup`` calls (``setup``
+    untimed)."""
     samples = []
-    for _ in range(reps):
+    for rep in range(warmup + reps):
+        args = setup()
         start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+        fn(*args)
+        if rep >= warmup:
+            samples.append(time.perf_counter() - start)
     return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)}
 
 
@@ -197,6 +198,7 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
 
     results, skipped = {}, {}
     group_size = args.experiences // args.groups
+    exp_shape = (args.experiences, args.groups, args.experience_len)
     batches = {
         "tokens": (token_shape, batch_inputs(*token_shape, group_size=args.token_group_size, seed=args.seed)),
         "experiences": (
@@ -216,33 +218,17 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
                             fn(dict(batch))
 
                     call()
-                    results[f"{name} [{label}]"] = {
-                        "kind": "batch",
-                        "name": name,
-                        "shape": list(shape),
-                        "tokens": shape[0] * shape[1],
-                        "group_size": args.token_group_size if label == "tokens" else group_size,
-                        "time": time_call(call, args.reps, args.warmup),
-                        "args": cls.default_args(),
-                    }
-            else:
-                samples = []
-                for rep in range(args.warmup + args.reps):
-                    exps = experiences(args.experiences, args.groups, args.experience_len, args.seed + rep)
-                    start = time.perf_counter()
-                    with torch.no_grad():
-                        fn(exps)
-                    if rep >= args.warmup:
-                        samples.append(time.perf_counter() - start)
-                results[name] = {
-                    "kind": "group",
-                    "name": name,
-                    "shape": [args.experiences, args.experience_len],
-                    "tokens": args.experiences * args.experience_len,
-                    "group_size": group_size,
-                    "time": {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)},
-                    "args": cls.default_args(),
-                }
+                    size = args.token_group_size if label == "tokens" else group_size
+                    entry = {"kind": "batch", "name": name, "shape": list(shape), "tokens": shape[0] * shape[1]}
+                    entry |= {"group_size": size, "time": time_call(call, args.reps, args.warmup)}
+                    results[f"{name} [{label}]"] = entry | {"args": cls.default_args()}
+            else:  # each call on fresh experiences, made before it is timed
+                seeds = iter(range(args.seed, args.seed + args.warmup + args.reps))
+                with torch.no_grad():
+                    timed = time_call(fn, args.reps, args.warmup, lambda s=seeds: (experiences(*exp_shape, next(s)),))
+                shape = [args.experiences, args.experience_len]
+                results[name] = {"kind": "group", "name": name, "shape": shape, "tokens": shape[0] * shape[1]}
+                results[name] |= {"group_size": group_size, "time": timed, "args": cls.default_args()}
         except Exception as err:  # noqa: BLE001
             skipped[name] = f"{type(err).__name__}: {err}"
         for key in [k for k in results if results[k]["name"] == name]:
@@ -454,9 +440,13 @@ def main(argv=None) -> int:
 
     tokens = args.batch * args.length
     shares = {
-        name: percent(r["forward_backward"]["median_s"], tokens, model) for name, r in results["policy_loss"].items()
+        family: {name: percent(r["forward_backward"]["median_s"], tokens, model) for name, r in results[family].items()}
+        for family in ("policy_loss", "kl", "entropy")
     }
-    worst = max(shares, key=shares.get)
+    shares["advantage"] = {
+        k: percent(r["time"]["median_s"], r["tokens"], model) for k, r in results["advantage"].items()
+    }
+    worst = max(shares["policy_loss"], key=shares["policy_loss"].get)
     report = {
         "benchmark": "algorithms",
         "command": " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])]),
@@ -467,26 +457,11 @@ def main(argv=None) -> int:
         "model": model,
         "results": results,
         "skipped": skipped,
-        "percent_of_model": {
-            family: {
-                name: percent(r["forward_backward"]["median_s"], tokens, model) for name, r in results[family].items()
-            }
-            for family in ("policy_loss", "kl", "entropy")
-        }
-        | {
-            "advantage": {
-                k: percent(r["time"]["median_s"], r["tokens"], model) for k, r in results["advantage"].items()
-            }
-        },
-        "summary": {
-            "worst_loss": worst,
-            "worst_loss_percent": shares[worst],
-            "target_percent": TARGET_PERCENT,
-            "target_met": shares[worst] < TARGET_PERCENT,
-        },
-        "total_wall_s": None,
+        "percent_of_model": shares,
+        "summary": {"worst_loss": worst, "worst_loss_percent": shares["policy_loss"][worst]},
+        "total_wall_s": time.perf_counter() - started,
     }
-    report["total_wall_s"] = time.perf_counter() - started
+    report["summary"] |= {"target_percent": TARGET_PERCENT, "target_met": shares["policy_loss"][worst] < TARGET_PERCENT}
     bc.write_report(args.out, "algorithms", report, markdown(report))
     return 0
 

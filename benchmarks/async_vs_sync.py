@@ -12,32 +12,29 @@ asynchronous side batches a fixed number of samples, `token_budget=0`), learning
 (`max_staleness` 4). Both sides generate with transformers (`model.generate`): the synchronous trainer, then trains;
 the asynchronous trainer's worker thread generates the next groups while the trainer trains.
 
-Each run is a fresh process (`harness.Launcher`; on CPU one torch thread, the CPU default); a round runs both sides,
+Each run is a fresh process (on CPU one torch thread, the CPU default), on `harness.Bench`: a round runs both sides,
 alternating which goes first, so the two sides of a round share the machine's load. Per run: `train_s` (wall seconds
 of `trainer.train()` to `--steps` optimizer steps), `generated_tokens` (completion tokens the reward function saw),
 `trained_tokens` (completion tokens in the loss: all generated ones synchronously; asynchronously the
 `batch/trained_tokens_per_step` TRL logs), `trained_tokens_per_s`, `staleness_mean` (optimizer steps between the
 weights that generated a trained sample and the weights it trained; 0 synchronously) and the per-step mean reward.
-Writes `results/async_vs_sync*.json|md`: medians (min-max) over rounds and the async/sync ratios of each round, with
-the machine and the load average before each run.
+Writes `results/async_vs_sync*.json|md` (the harness's: every sample, medians (min-max) over rounds, the async/sync
+ratios of each round, the machine and the load average before each run).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 
-import bench_common
+import bench_common as bc
 import harness
 
-RESULTS = bench_common.ROOT / "benchmarks" / "results"
-
 #: random-weight models of real shapes for a GPU without model weights (../shared/gpu/README.md)
-SHAPES = {**bench_common.MODEL_SHAPES, "tiny": bench_common.TINY_SHAPE}
+SHAPES = {**bc.MODEL_SHAPES, "tiny": bc.TINY_SHAPE}
 ALGORITHMS = {
     "cispo": ("CISPOConfig", "CISPOTrainer", "AsyncCISPOConfig", "AsyncCISPOTrainer"),
     "sapo": ("SAPOConfig", "SAPOTrainer", "AsyncSAPOConfig", "AsyncSAPOTrainer"),
@@ -51,7 +48,7 @@ def model_path(name: str, work: str) -> str:
         return "bundled"
     path = os.path.join(work, name)
     if not os.path.isdir(path):
-        bench_common.save_random_qwen2(path, max_positions=2048, **SHAPES[name])
+        bc.save_random_qwen2(path, max_positions=2048, **SHAPES[name])
     return path
 
 
@@ -125,6 +122,7 @@ def one_run(side: str, args, work: str) -> dict:
         "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
         "rewards": [entry.get("reward") for entry in steps],
         "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,  # the report's machine line
     }
 
 
@@ -136,98 +134,25 @@ def side_sample(spec: dict) -> dict:
     return one_run(spec["side"], argparse.Namespace(**spec), spec["work"])
 
 
-def run_side(side: str, args, work: str, launcher: harness.Launcher) -> dict:
-    """One side in a fresh process (the machine's load recorded before it). On CUDA the process keeps the torch
-    threads it would get alone (``OMP_NUM_THREADS`` as set, else one per core)."""
-    record = {"side": side, "loadavg_before": bench_common.loadavg()}
-    spec = {**{k: getattr(args, k) for k in CONFIG}, "side": side, "work": work}
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
-    run = harness.Side(side, "async_vs_sync:side_sample", spec, threads if args.device == "cuda" else {}, args.timeout)
-    sample = launcher.run(run, args.timeout)
-    sample.pop("process_wall_s", None)
-    if "error" in sample:
-        return {**record, "error": f"{sample['error']}\n{sample.get('output_tail', '')}"}
-    return {**record, **sample}
-
-
-def summarise(rounds: list[dict]) -> dict:
-    def values(side, key):
-        return [r[side][key] for r in rounds if key in r[side] and r[side][key] is not None]
-
-    summary = {}
-    for key in ("train_s", "trained_tokens_per_s", "staleness_mean", "generated_tokens", "trained_tokens"):
-        for side in ("sync", "async"):
-            vals = values(side, key)
-            if vals:
-                summary[f"{side}_{key}"] = {"median": bench_common.median(vals), "min": min(vals), "max": max(vals)}
-    ratios = {
-        "time_to_steps": [r["async"]["train_s"] / r["sync"]["train_s"] for r in rounds if _ok(r)],
-        "tokens_per_s": [
-            r["async"]["trained_tokens_per_s"] / r["sync"]["trained_tokens_per_s"] for r in rounds if _ok(r)
-        ],
-    }
-    for key, vals in ratios.items():
-        if vals:
-            summary[f"ratio_{key}"] = {"median": bench_common.median(vals), "min": min(vals), "max": max(vals)}
-    for side in ("sync", "async"):
-        curves = [r[side]["rewards"] for r in rounds if "rewards" in r[side]]
-        if curves:
-            summary[f"{side}_reward_curve_median"] = [
-                bench_common.median([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves)))
-            ]
-    return summary
-
-
-def _ok(record: dict) -> bool:
-    return "train_s" in record["sync"] and "train_s" in record["async"]
-
-
-def fmt(stat: dict | None, spec: str = ".3g") -> str:
-    return bench_common.range_cell(stat, spec)
-
-
-def markdown(report: dict) -> str:
-    s, c = report["summary"], report["config"]
-    lines = [
-        "# Synchronous vs asynchronous training on the same job",
-        "",
-        f"`benchmarks/async_vs_sync.py`, {report['date']}. {bench_common.machine_line(report['machine'])}",
-        "",
-        f"Job: {c['algorithm']} on `{c['model']}` ({'LoRA r 16, ' if c['lora'] else ''}{c['prompts']} prompt(s) x "
-        f"{c['generations']} completions of at most {c['completion']} tokens per optimizer step), {c['steps']} "
-        f"optimizer steps, device `{c['device']}`; {len(report['rounds'])} rounds, each a fresh process per side, "
-        "the side that goes first alternating; torch threads per run: "
-        + ", ".join(sorted({str(r[side].get("torch_threads")) for r in report["rounds"] for side in ("sync", "async")}))
-        + ". Medians (min-max) over rounds.",
-        "",
-        "| | synchronous | asynchronous | async / sync (per round) |",
-        "|---|---|---|---|",
-        f"| time to {c['steps']} steps (s) | {fmt(s.get('sync_train_s'))} | {fmt(s.get('async_train_s'))} | "
-        f"{fmt(s.get('ratio_time_to_steps'))} |",
-        f"| trained completion tokens / s | {fmt(s.get('sync_trained_tokens_per_s'))} | "
-        f"{fmt(s.get('async_trained_tokens_per_s'))} | {fmt(s.get('ratio_tokens_per_s'))} |",
-        f"| mean staleness (optimizer steps) | 0 | {fmt(s.get('async_staleness_mean'))} | |",
-        f"| completion tokens generated | {fmt(s.get('sync_generated_tokens'))} | "
-        f"{fmt(s.get('async_generated_tokens'))} | |",
-        "",
-        "Reward per step (median over rounds): synchronous "
-        + ", ".join(f"{v:.3f}" for v in s.get("sync_reward_curve_median", []) if v is not None)
-        + "; asynchronous "
-        + ", ".join(f"{v:.3f}" for v in s.get("async_reward_curve_median", []) if v is not None)
-        + ".",
-        "",
-        "| round | first | load before (sync / async) | sync s | async s | ratio | async staleness |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for i, r in enumerate(report["rounds"], start=1):
-        sync, asyn = r["sync"], r["async"]
-        ratio = f"{asyn['train_s'] / sync['train_s']:.3f}" if _ok(r) else "n/a"
-        times = [f"{side['train_s']:.1f}" if "train_s" in side else "failed" for side in (sync, asyn)]
-        lines.append(
-            f"| {i} | {r['first']} | {sync['loadavg_before']} / {asyn['loadavg_before']} | {times[0]} | {times[1]} | "
-            f"{ratio} | {asyn.get('staleness_mean')} |"
-        )
-    return "\n".join(lines) + "\n"
+def render(report: dict) -> str:
+    """The study's lines after the harness's tables: the staleness, the tokens generated and the reward curves."""
+    lines = []
+    for part in report["parts"].values():
+        sides, curves = (part.get("summary") or {}).get("sides", {}), []
+        for side in sides:  # the median reward of each step over the rounds
+            runs = [r["samples"][side]["rewards"] for r in part["repeats"] if harness.ok(r["samples"].get(side))]
+            steps = range(max(map(len, runs), default=0))
+            curves.append(f"{side} " + ", ".join(bc.fmt(bc.median([r[i] for r in runs if i < len(r)])) for i in steps))
+        lines += [
+            f"Mean staleness of the asynchronous side: {harness.cell(sides.get('async', {}).get('staleness_mean'))} "
+            "optimizer steps. Completion tokens generated: "
+            + "; ".join(f"{s} {harness.cell(v.get('generated_tokens'))}" for s, v in sides.items())
+            + ".",
+            "",
+            "Reward per step (median over rounds): " + "; ".join(curves) + ".",
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,57 +161,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="bundled", choices=["bundled", *SHAPES])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--completion", type=int, default=40, help="max completion tokens")
     parser.add_argument("--no-lora", dest="lora", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--dry-run", action="store_true", help="the tiny model, 2 steps, one round")
-    parser.add_argument(
-        "--out", default=None, help="results folder (default $OUT, else benchmarks/results; --dry-run: a temporary one)"
-    )
     parser.add_argument("--name", default=None, help="results file name (default async_vs_sync[_<device>])")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the Markdown of a results file")
+    harness.add_arguments(parser, repeats=5)  # --repeats, --dry-run (the tiny model, 2 steps, one round), --out
     args = parser.parse_args(argv)
+    if args.report_only:
+        harness.rewrite(args.report_only, render)
+        return 0
     if args.dry_run:
         args.model, args.steps, args.repeats, args.completion = "tiny", 2, 1, 8
-    if args.report_only:
-        with open(args.report_only) as f:
-            report = json.load(f)
-        with open(os.path.splitext(args.report_only)[0] + ".md", "w") as f:
-            f.write(markdown(report))
-        return 0
-    launcher = harness.Launcher()
-    started, load_start = time.time(), bench_common.loadavg()
-    rounds = []
-    with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as work:
-        model_path(args.model, work)  # once, before the first run
-        for i in range(args.repeats):
-            order = ("sync", "async") if i % 2 == 0 else ("async", "sync")
-            record = {"first": order[0]}
-            for side in order:
-                record[side] = run_side(side, args, work, launcher)
-                print(f"round {i + 1} {side}: {record[side].get('train_s', record[side].get('error'))}", flush=True)
-            rounds.append(record)
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "config": {k: getattr(args, k) for k in CONFIG},
-        "machine": bench_common.machine_description(args.device),
-        "rounds": rounds,
-        "summary": summarise(rounds),
-        "total_wall_s": time.time() - started,
-        "load_average_start": load_start,
-        "load_average_end": bench_common.loadavg(),
-    }
     name = args.name or (
         "async_vs_sync" + ("" if args.device == "cpu" else f"_{args.device}") + ("_dry" if args.dry_run else "")
     )
-    out = args.out or os.environ.get("OUT")
-    out = out or (tempfile.mkdtemp(prefix="async_vs_sync-dry-") if args.dry_run else RESULTS)
-    bench_common.write_report(out, name, report, markdown(report))
-    return 0 if all(_ok(r) for r in rounds) else 1
+    config = {k: getattr(args, k) for k in CONFIG}
+    title = "Synchronous vs asynchronous training on the same job"
+    out, budget = harness.out_dir(args), args.budget
+    bench = harness.Bench(name, out, config=config, device=args.device, title=title, render=render, budget_s=budget)
+    job = (
+        f"{args.algorithm} on `{args.model}` ({'LoRA r 16, ' if args.lora else ''}{args.prompts} prompt(s) x "
+        f"{args.generations} completions of at most {args.completion} tokens per optimizer step), {args.steps} "
+        f"optimizer steps, device `{args.device}`; a round is a fresh process per side, the first side alternating."
+    )
+    # on CUDA a run keeps the torch threads it would get alone (OMP_NUM_THREADS as set, else one per core)
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
+    if args.device == "cuda":
+        bench.report["machine"]["torch_threads"] = f"{threads['OMP_NUM_THREADS']} per side"
+    with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as work:
+        model_path(args.model, work)  # once, before the first run
+        spec = {**config, "work": work}
+        env = threads if args.device == "cuda" else {}
+        run = "async_vs_sync:side_sample"
+        sides = [harness.Side(s, run, {**spec, "side": s}, env, args.timeout) for s in ("sync", "async")]
+        bench.part("job", description=job).run(
+            sides, args.repeats, reference="sync", ratios=("train_s", "trained_tokens_per_s")
+        )
+    return bench.finish()
 
 
 if __name__ == "__main__":

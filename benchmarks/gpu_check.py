@@ -208,44 +208,12 @@ def part_bench(args, out: Path, part: str = "bench") -> dict:
         return {"status": "passed", "wall_s": 0.0, "note": "CUDA point sets: the dry run's bench covers the code"}
     run = run_part(command, log, getattr(args, f"budget_{part}"), env={"OUT": str(out)})
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    points = []
-    rows = [
-        (result, comparison, side)
+    points = [
+        bench_point(result, comparison, suffix)
         for result in (report or {}).get("results", [])
-        for side, comparison in (("ours", result["comparison"]), ("ours compiled", result.get("compiled")))
+        for suffix, comparison in (("", result["comparison"]), (" compiled", result.get("compiled")))
         if comparison
     ]
-    for r, c, side in rows:
-        direct = c["equivalence"].get("direct") or {}
-        points.append(
-            {
-                "point": r["name"] + (" compiled" if side == "ours compiled" else ""),
-                "repeats": r["repeats"],
-                "train_ratio": c.get("train_ratio"),
-                "train_ratio_per_repeat": c.get("train_ratio_per_repeat"),
-                "ours_train_s": c["ours"].get("train_s_spread"),
-                "trl_train_s": c["trl"].get("train_s_spread"),
-                "step_ratio": c.get("step_ratio"),
-                "part_memory_ratio": c.get("part_memory_ratio"),
-                "calibration_s_per_run": c.get("calibration_s_per_run"),
-                "forwarded_token_ratio": c["ours"].get("forwarded_token_ratio"),
-                "forwards_per_step": c["ours"].get("forwards_per_step"),
-                "kernels": c["ours"].get("kernels"),
-                "auto_verdicts": c["ours"].get("auto_verdicts"),
-                "auto_verdicts_per_run": c["ours"].get("auto_verdicts_per_run"),
-                "undecided_runs": c["ours"].get("undecided_runs"),
-                "train_ratio_undecided_runs": c.get("train_ratio_undecided_runs"),
-                "compiled": c["ours"].get("compiled"),
-                "auto_log": c["ours"].get("auto_log", [])[:6],
-                "departures": r.get("departures", []),
-                "equivalent": c["equivalence"]["equivalent"],
-                "logps_rel_l2": direct.get("logps_rel_l2"),
-                "logps_rtol": direct.get("logps_rtol"),
-                "grads_rel_l2": direct.get("grads_rel_l2"),
-                "grads_rtol": direct.get("grads_rtol"),
-                "equivalence_error": direct.get("error"),
-            }
-        )
     failed = (report or {}).get("failed_points", [])
     missing = (report or {}).get("not_measured", [])
     fewer = (report or {}).get("fewer_repeats", {})
@@ -268,6 +236,22 @@ def part_bench(args, out: Path, part: str = "bench") -> dict:
         "summary": (report or {}).get("summary", {}),
         "log_tail": tail(log, since=since) if status != "passed" else [],
     }
+
+
+def bench_point(r: dict, c: dict, suffix: str) -> dict:
+    """What the summary keeps of a benchmark point ``r``: ``c``, ours (or ours compiled: ``suffix``) against TRL."""
+    ours, direct = c["ours"], c["equivalence"].get("direct") or {}
+    point = {"point": r["name"] + suffix, "repeats": r["repeats"]}
+    point |= {k: c.get(k) for k in ("train_ratio", "train_ratio_per_repeat")}
+    point |= {"ours_train_s": ours.get("train_s_spread"), "trl_train_s": c["trl"].get("train_s_spread")}
+    point |= {k: c.get(k) for k in ("step_ratio", "part_memory_ratio", "calibration_s_per_run")}
+    point |= {k: ours.get(k) for k in ("forwarded_token_ratio", "forwards_per_step", "kernels", "auto_verdicts")}
+    point |= {k: ours.get(k) for k in ("auto_verdicts_per_run", "undecided_runs")}
+    point |= {"train_ratio_undecided_runs": c.get("train_ratio_undecided_runs"), "compiled": ours.get("compiled")}
+    point |= {"auto_log": ours.get("auto_log", [])[:6], "departures": r.get("departures", [])}
+    point |= {"equivalent": c["equivalence"]["equivalent"]}
+    point |= {k: direct.get(k) for k in ("logps_rel_l2", "logps_rtol", "grads_rel_l2", "grads_rtol")}
+    return point | {"equivalence_error": direct.get("error")}
 
 
 def part_trainers(args, out: Path) -> dict:

@@ -367,7 +367,7 @@ class Part:
         if self.skipped:
             return True
         if mark is not None and self.bench.elapsed() > mark:
-            ran = bool(self.record.get("repeats") or self.record.get("uncounted"))
+            ran = any(self.record.get(k) for k in ("repeats", "uncounted", "measurements"))
             self.record["status"] = "cut" if ran else "skipped"
             self.record["why"] = f"its time mark ({mark:.0f} s) had passed {when} ({self.bench.elapsed():.0f} s)"
             self.bench.write()

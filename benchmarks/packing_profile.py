@@ -362,16 +362,6 @@ class Profile:
         part.record["measurements"] = []
         return part
 
-    def past_mark(self, part, label: str) -> bool:
-        """True (the part cut, or skipped if nothing ran yet) once its mark has passed; else False."""
-        if self.bench.elapsed() <= part.record["mark_s"]:
-            return False
-        ran = bool(part.record["measurements"])
-        part.record["status"] = "cut" if ran else "skipped"
-        part.record["why"] = f"its time mark ({part.record['mark_s']:.0f} s) passed before {label}"
-        self.bench.write()
-        return True
-
     def add(self, part, measurement: dict) -> None:
         part.record["measurements"].append(measurement)
         line = ", ".join(f"{k} {v:.4g}" for k, v in measurement.items() if isinstance(v, float))
@@ -399,7 +389,7 @@ class Profile:
         if not part.skipped:
             prompt, completion = self.points[0]
             for side in SIDES:
-                if self.past_mark(part, side):
+                if part.check_mark(f"before {side}"):
                     break
                 try:
                     result = trainer_step(side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup)
@@ -419,7 +409,7 @@ class Profile:
         dtype = torch.bfloat16 if self.cuda else torch.float32
         packing = PrefixPacking(True, 1.0, lambda m: m, _nullcontext, packed_kernel(self.cuda), device)
         for model_name in ("twin", "1.5B"):
-            if self.past_mark(part, f"the {model_name} model"):
+            if part.check_mark(f"before the {model_name} model"):
                 return
             shape = self.shapes[model_name]
             model = build_model(shape, device, dtype)
@@ -427,7 +417,7 @@ class Profile:
                 ids, mask, keep = batch(prompt, completion, shape["vocab"], device)
                 for layout in ("packed", "padded"):
                     label = f"{model_name} P{prompt}/C{completion} {layout}"
-                    if self.past_mark(part, label):
+                    if part.check_mark(f"before {label}"):
                         return
                     top = 12 if model_name == "1.5B" and (prompt, completion) == self.points[0] else 0
                     try:

@@ -6,10 +6,11 @@ micro-batch, gradient accumulation ``GA``, full fine-tuning or LoRA) is trained 
 ``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")``, each repeat a fresh
 process per side through ``harness.Launcher``, sides alternating; the figure is the ``train`` column (the optimizer
 step minus TRL's generation). The protocol, the point sets and the direct packed-vs-padded check:
-benchmarks/README.md (`prefix_packing.py`). ``make gpu-check`` (``benchmarks/gpu_check.py``) runs it on CUDA.
+benchmarks/README.md (`prefix_packing.py`). ``make gpu-check`` (``benchmarks/gpu_check.py``) runs it on CUDA; on CPU
+it runs the ``--points`` named (the CPU grid is retired: benchmarks/README.md).
 
-    nice -n 5 .venv/bin/python benchmarks/prefix_packing.py --out benchmarks/results        # the CPU grid, hours
     python benchmarks/prefix_packing.py --device cuda --bf16 --sides ours,ours_compiled,trl  # the target points
+    python benchmarks/prefix_packing.py --quick --repeats 2                                   # one tiny point, CPU
 """
 
 from __future__ import annotations
@@ -33,14 +34,12 @@ import bench_common as bc  # sets the offline environment before torch/trl impor
 import harness
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
-#: the CPU grid's targets (issue 34; the `train` column, tiny model)
-TARGETS = {
-    "headline": (1024, 128, 8),
-    "headline_train_time_ratio_max": 0.5,
-    "headline_memory_ratio_max": 0.6,
-    "short_prompt": 64,
-    "short_prompt_train_time_ratio_max": 1.03,
-}
+#: the retired CPU grid's targets (issue 34), kept in the report (``targets.cpu``; its summary keys null) so the
+#: report's keys stay those `make gpu-check` and earlier reports have
+CPU_TARGETS = {"headline": [1024, 128, 8], "headline_train_time_ratio_max": 0.5, "headline_memory_ratio_max": 0.6}
+CPU_TARGETS |= {"short_prompt": 64, "short_prompt_train_time_ratio_max": 1.03}
+CPU_SUMMARY = ("headline_train_time_ratio", "headline_memory_ratio", "headline_met")
+CPU_SUMMARY += ("short_prompt_worst_train_time_ratio", "short_prompt_met")
 MODEL_SHAPES, REAL_VOCAB = bc.MODEL_SHAPES, bc.REAL_VOCAB
 #: the sides a point can run (``--sides``): ours at its defaults, ours with compiled layers (``prefix_packing_compile``,
 #: CUDA), TRL's ``GRPOTrainer``
@@ -178,8 +177,8 @@ def fixed_rollout(spec: dict, tokenizer):
 
 # ------------------------------------------------------------------------------------- worker
 def work(spec: dict) -> dict:
-    """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (its path and description),
-    or train the runs of ``spec["sides"]`` one after the other (``{side: measurements}``)."""
+    """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (`bench_common.random_model`:
+    its ``path`` and ``about``), or train ``spec["side"]``'s run (its measurements)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -188,20 +187,13 @@ def work(spec: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     if spec.get("make_model"):
-        path, description = make_model(spec["make_model"], spec)
-        return {"path": path, "description": description}
-    results = {}
-    for side in spec["sides"]:
-        own = dict(spec, side=side, output_dir=f"{spec['output_dir']}_{side}")
-        if side == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
-            own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
-        elif side == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
-            own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
-        results[side] = train_side(own)
-        gc.collect()
-        if spec["device"] == "cuda":
-            torch.cuda.empty_cache()
-    return results
+        return bc.random_model(spec["make_model"], spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
+    own = dict(spec)
+    if spec["side"] == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
+        own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
+    elif spec["side"] == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
+        own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
+    return train_side(own)
 
 
 def has_token_budget() -> bool:
@@ -719,25 +711,14 @@ class Runner:
     def run(self, spec: dict) -> dict:
         self.index += 1
         spec = dict(spec, output_dir=str(self.tmp / f"out{self.index}"))
-        label = f"{spec.get('point', spec.get('make_model', ''))}/{'+'.join(spec.get('sides', []))}"
-        result = self.launcher.run(
-            harness.Side(label, "prefix_packing:work", spec, timeout_s=self.timeout), self.timeout
-        )
+        label = f"{spec.get('point', spec.get('make_model', ''))}/{spec.get('side', '')}"
+        result = self.launcher.run(harness.Side(label, "prefix_packing:work", spec), self.timeout)
         if result.get("timed_out"):
             raise subprocess.TimeoutExpired(f"run {label}", self.timeout)
         if "error" in result:
             raise RuntimeError(f"run {label} failed ({result['error']}):\n{result['output_tail']}")
         result.pop("process_wall_s", None)
         return result
-
-
-def make_model(name: str, spec: dict) -> tuple[str, str]:
-    """In a worker: the model directory of ``name`` (a random model is created and saved there)."""
-    if name != "tiny":
-        made = bc.random_model(name, spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
-        return made["path"], made["about"]
-    path = bc.save_random_qwen2(spec["model_dir"], **spec["shape"], max_positions=4096, seed=spec["seed"])
-    return path, f"random Qwen2 ({bc.describe_shape(spec['shape'], 489)}) with the tests' tiny BPE tokenizer"
 
 
 def timed_steps(result: dict, warmup: int | None = None) -> list[int]:
@@ -1007,25 +988,12 @@ def point_notes(point: dict, c: dict) -> list[str]:
 
 
 def target_lines(report: dict) -> list[str]:
-    s, lines = report["summary"], []
-    if report["config"]["device"] == "cuda":
-        lines += ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
-        for t in s.get("cuda_targets", []):
-            met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-            lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
-    else:
-        lines += [
-            "",
-            "Targets (CPU, issue 34; `train` ratio):",
-            "",
-            f"- prompt 1024, completion 128, G 8: train ratio {bc.fmt(s['headline_train_time_ratio'])} (target <= "
-            f"{TARGETS['headline_train_time_ratio_max']}), memory ratio {bc.fmt(s['headline_memory_ratio'])} "
-            f"(target <= {TARGETS['headline_memory_ratio_max']}): "
-            f"{'met' if s['headline_met'] else 'NOT met' if s['headline_met'] is not None else 'not measured'}",
-            f"- prompt 64: worst train ratio {bc.fmt(s['short_prompt_worst_train_time_ratio'])} (target <= "
-            f"{TARGETS['short_prompt_train_time_ratio_max']}): "
-            f"{'met' if s['short_prompt_met'] else 'NOT met' if s['short_prompt_met'] is not None else 'not measured'}",
-        ]
+    if report["config"]["device"] != "cuda":
+        return []
+    lines = ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
+    for t in report["summary"]["cuda_targets"]:
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
     return lines
 
 
@@ -1048,90 +1016,87 @@ def tail_lines(report: dict) -> list[str]:
 
 
 def summarise(results: list[dict]) -> dict:
-    """The CPU grid's targets (issue 34) and, on CUDA, issue 42's (`CUDA_TARGETS`)."""
-
-    def find(model, p, c, g):
-        return next(
-            (
-                r
-                for r in results
-                if (r["model"], r["prompt_len"], r["completion_len"], r["generations"]) == (model, p, c, g)
-            ),
-            None,
-        )
-
-    headline = find("tiny", *TARGETS["headline"])
-    short = [
-        r["comparison"]["train_ratio"]
-        for r in results
-        if r["model"] == "tiny" and r["prompt_len"] == TARGETS["short_prompt"]
-    ]
-    summary = {
-        "headline_train_time_ratio": headline and headline["comparison"]["train_ratio"],
-        "headline_memory_ratio": headline and headline["comparison"]["memory_ratio"],
-        "headline_met": None
-        if headline is None or headline["comparison"]["memory_ratio"] is None
-        else bool(
-            headline["comparison"]["train_ratio"] <= TARGETS["headline_train_time_ratio_max"]
-            and headline["comparison"]["memory_ratio"] <= TARGETS["headline_memory_ratio_max"]
-        ),
-        "short_prompt_worst_train_time_ratio": max(short) if short else None,
-        "short_prompt_met": None if not short else max(short) <= TARGETS["short_prompt_train_time_ratio_max"],
-        "all_equivalent": all(r["comparison"]["equivalence"]["equivalent"] for r in results),
-    }
-    by_key = {r["key"]: r for r in results}
-    targets = []
+    """Issue 42's targets (`CUDA_TARGETS`) against the points measured, and whether every point was equivalent."""
+    by_key, targets = {r["key"]: r for r in results}, []
     for key, metric, bound in CUDA_TARGETS:
-        found = by_key.get(key)
-        value = found["comparison"].get(metric) if found else None
-        targets.append(
-            {
-                "point": parse_point(key).name,
-                "key": key,
-                "metric": metric,
-                "bound": bound,
-                "value": value,
-                "met": None if value is None else value <= bound,
-            }
-        )
-    summary["cuda_targets"] = targets
-    return summary
+        value = by_key[key]["comparison"].get(metric) if key in by_key else None
+        targets.append({"point": parse_point(key).name, "key": key, "metric": metric, "bound": bound, "value": value})
+        targets[-1]["met"] = None if value is None else value <= bound
+    equivalent = all(r["comparison"]["equivalence"]["equivalent"] for r in results)
+    return {**dict.fromkeys(CPU_SUMMARY), "all_equivalent": equivalent, "cuda_targets": targets}
 
 
-def write(args, argv, results, missing, parameters, descriptions, started, load_start) -> None:
-    """Write the report of what was measured so far (``missing``: the points not measured at all; ``args.
-    fewer_repeats``: those measured fewer times than asked, with their counts)."""
-    memory_key = "cuda_peak_above_start_mib" if args.device == "cuda" else "train_peak_rss_above_start_mib"
-    command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
-    report = {
-        "benchmark": "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
-        "command": command,
-        "commands": [*getattr(args, "commands", []), command],  # a resumed report: every run that made it
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
-        "load_average_start": load_start,
-        "load_average_end": bc.loadavg(),
-        "config": {
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("out", "commands", "resumed_wall_s", "failed_points", "uncounted", "fewer_repeats")
-        },
-        "model_descriptions": descriptions,
-        "parameters_by_model": parameters,
-        "memory_key": memory_key,
-        "targets": {
-            "cpu": {k: list(v) if isinstance(v, tuple) else v for k, v in TARGETS.items()},
-            "cuda": [list(t) for t in CUDA_TARGETS],
-        },
-        "summary": summarise(results),
-        "results": results,
-        "not_measured": missing,
-        "fewer_repeats": getattr(args, "fewer_repeats", {}),
-        "uncounted_runs": getattr(args, "uncounted", []),
-        "failed_points": getattr(args, "failed_points", []),
-        "total_wall_s": time.perf_counter() - started + getattr(args, "resumed_wall_s", 0.0),
-    }
-    bc.write_report(args.out, report["benchmark"], report, markdown(report))
+class Report:
+    """The report: the points measured so far (and those of a resumed report), rewritten after every repeat."""
+
+    def __init__(self, args, argv):
+        self.args, self.started, self.load_start = args, time.perf_counter(), bc.loadavg()
+        self.command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
+        self.results, self.parameters, self.descriptions, self.commands = [], {}, {}, []
+        self.failed_points, self.uncounted, self.resumed_wall_s = [], [], 0.0
+
+    def resume(self, points: list[Point]) -> list[Point]:
+        """With ``--resume``: the earlier report's points kept, the points still to measure."""
+        if not self.args.resume:
+            return points
+        earlier = json.loads(Path(self.args.resume).read_text())
+        self.results, self.resumed_wall_s = earlier["results"], earlier["total_wall_s"]
+        self.parameters, self.descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
+        self.commands = earlier.get("commands", [earlier["command"]])
+        done = {r["key"] for r in self.results}
+        return [p for p in points if p.key not in done]
+
+    def entry(self, point: Point, paths: dict, sides: dict, n: int) -> dict:
+        """The report's entry of a point measured ``n`` times on every side."""
+        for result in (r for side_runs in sides.values() for r in side_runs):
+            self.parameters[point.model] = result["parameters"]
+        spec = point_spec(self.args, point, paths[point.model])
+        entry = {
+            "key": point.key,
+            "name": point.name,
+            **dataclasses.asdict(point),
+            "repeats": n,
+            "departures": departures(spec, sides["ours"][0].get("token_budget")),
+            "comparison": compare(sides["ours"][:n], sides["trl"][:n], self.memory_key),
+            "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
+        }
+        if "ours_compiled" in sides:
+            entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], self.memory_key)
+        return entry
+
+    @property
+    def memory_key(self) -> str:
+        return "cuda_peak_above_start_mib" if self.args.device == "cuda" else "train_peak_rss_above_start_mib"
+
+    def write(self, points: list[Point], paths: dict, runs: dict) -> None:
+        """Write the report of every point measured so far (``not_measured``: no repeat finished; ``fewer_repeats``:
+        fewer than asked, with their counts)."""
+        args = self.args
+        counts = {p.key: min(len(v) for v in runs[p.key].values()) for p in points}
+        measured = [self.entry(p, paths, runs[p.key], counts[p.key]) for p in points if counts[p.key]]
+        results = [r for r in self.results if r["key"] not in runs] + measured  # resumed points kept
+        report = {
+            "benchmark": "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
+            "command": self.command,
+            "commands": [*self.commands, self.command],  # a resumed report: every run that made it
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
+            "load_average_start": self.load_start,
+            "load_average_end": bc.loadavg(),
+            "config": {k: v for k, v in vars(args).items() if k != "out"},
+            "model_descriptions": self.descriptions,
+            "parameters_by_model": self.parameters,
+            "memory_key": self.memory_key,
+            "targets": {"cpu": CPU_TARGETS, "cuda": [list(t) for t in CUDA_TARGETS]},
+            "summary": summarise(results),
+            "results": results,
+            "not_measured": [p.name for p in points if counts[p.key] == 0],
+            "fewer_repeats": {p.name: counts[p.key] for p in points if 0 < counts[p.key] < args.repeats},
+            "uncounted_runs": self.uncounted,
+            "failed_points": self.failed_points,
+            "total_wall_s": time.perf_counter() - self.started + self.resumed_wall_s,
+        }
+        bc.write_report(args.out, report["benchmark"], report, markdown(report))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1140,63 +1105,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--point-set",
-        default=None,
-        help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)",
+        "--point-set", help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)"
     )
     parser.add_argument(
         "--points",
         nargs="+",
         metavar="MODEL:P:C:G[:kN][:gaN][:lora]",
-        help="exactly these points, e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4",
+        help="exactly these points (needed on CPU), e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4",
     )
-    parser.add_argument("--models", nargs="+", choices=["tiny", *MODEL_SHAPES], help="CPU grid: models (tiny)")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", help="CPU grid: default 64 256 1024")
-    parser.add_argument("--completion-lens", type=int, nargs="+", help="CPU grid: default 32 128")
-    parser.add_argument("--generations", type=int, nargs="+", help="CPU grid: default 4 8 16")
-    parser.add_argument(
-        "--kernel",
-        default="auto",
-        choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"],
-        help="our prefix_packing_kernel",
-    )
-    parser.add_argument(
-        "--bundled-point",
-        type=int,
-        nargs=3,
-        metavar=("P", "C", "G"),
-        default=[256, 32, 8],
-        help="CPU grid: one point on the bundled SmolLM2-135M-Instruct",
-    )
-    parser.add_argument("--no-bundled", action="store_true", help="skip the bundled-model point")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"])
     parser.add_argument("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
     parser.add_argument("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + 3)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + timed steps)")
     parser.add_argument(
-        "--warmup",
-        type=int,
-        help="our untimed first steps: auto's calibration (default 7 on CUDA at one micro-batch per step, 1 CPU)",
+        "--warmup", type=int, help="our untimed first steps: auto's calibration (default 7 CUDA, 1 CPU)"
     )
     parser.add_argument("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
-    parser.add_argument(
-        "--accumulation-warmup",
-        type=int,
-        default=3,
-        help="our untimed first steps at gradient accumulation > 1 (each step holds several micro-batches)",
-    )
-    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3)")
-    parser.add_argument(
-        "--long-prompt", type=int, default=1024, help="CPU: points from this prompt length run --long-steps"
-    )
-    parser.add_argument("--long-steps", type=int, default=1, help="CPU: timed steps at long-prompt points")
+    parser.add_argument("--accumulation-warmup", type=int, default=3, help="our warm-up at gradient accumulation > 1")
+    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3 on CUDA, 1 CPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--learning-rate", type=float, help="both sides (default: each trainer's default)")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     parser.add_argument("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
@@ -1213,7 +1142,6 @@ def build_parser() -> argparse.ArgumentParser:
         "after one uncounted run that warms the compile cache)",
     )
     parser.add_argument("--part-timing", action="store_true", help="also time the loss's forward+backward (syncs)")
-    parser.add_argument("--same-process", action="store_true", help="both sides of a repeat in one process (smoke)")
     parser.add_argument("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
     parser.add_argument("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
     parser.add_argument("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
@@ -1226,58 +1154,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    points = settle(args, parser)
-    started, load_start = time.perf_counter(), bc.loadavg()
-    state = Measured(args, argv, started, load_start)
-    points = state.resume(points)
-    with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp_name:
-        tmp = Path(tmp_name)
-        runner = Runner(tmp, args.timeout, fork=not args.no_fork and not args.same_process)
-        paths = make_models(args, runner, tmp, points, state.descriptions)
+    args = (parser := build_parser()).parse_args(argv)
+    report = Report(args, argv)
+    points = report.resume(settle(args, parser))
+    with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp:
+        runner = Runner(Path(tmp), args.timeout, fork=not args.no_fork)
+        paths = {}
+        for model in dict.fromkeys(p.model for p in points):  # each model saved once, in a worker process
+            spec = {"make_model": model, "model_dir": f"{tmp}/model_{model}", "device": args.device}
+            made = runner.run({**spec, "threads": args.threads, "bf16": args.bf16, "seed": args.seed})
+            paths[model], report.descriptions[model] = made["path"], made["about"]
         runs = {p.key: {side: [] for side in args.sides} for p in points}
-        args.uncounted = []
         if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
-            warm_compile_cache(args, runner, points[0], paths)
+            run_repeat(args, runner, points[0], paths, -1, ["ours_compiled"], None, report)
         failed: set[str] = set()
         for rep in range(args.repeats):
             order = list(args.sides) if rep % 2 == 0 else list(args.sides)[::-1]  # ABC, CBA, ...
-            for point in points:
-                if point.key in failed:
-                    continue
-                if not run_repeat(args, runner, point, paths, rep, order, runs[point.key]):
+            for point in [p for p in points if p.key not in failed]:  # points interleaved within a repeat
+                if not run_repeat(args, runner, point, paths, rep, order, runs[point.key], report):
                     failed.add(point.key)
-                    continue
-                # the report after every repeat of every point: a run stopped early keeps what finished
-                state.write(points, paths, runs)
+                report.write(points, paths, runs)  # after every repeat of every point: a run stopped early keeps it
         if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
-            write(args, argv, state.results, [], state.parameters, state.descriptions, started, load_start)
-    return 1 if args.failed_points else 0
+            report.write([], paths, {})
+    return 1 if report.failed_points else 0
 
 
 def settle(args, parser) -> list[Point]:
     """Fill the defaults that depend on the device and the setting, check the options; the points to measure."""
     cuda = args.device == "cuda"
     if args.quick:
-        args.points = ["tiny:32:8:4"]
-        args.warmup, args.trl_warmup, args.timed_steps, args.no_bundled = 1, 1, 1, True
-        args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 128
-    defaults = {
-        "repeats": 5 if cuda else 1,
-        "warmup": 7 if cuda else 1,
-        "trl_warmup": 2 if cuda else 1,
-        "timed_steps": 3 if cuda else 1,
-        "models": ["tiny"],
-        "prompt_lens": [64, 256, 1024],
-        "completion_lens": [32, 128],
-        "generations": [4, 8, 16],
-    }
-    for key, value in defaults.items():
+        args.points, args.warmup, args.trl_warmup, args.timed_steps = ["tiny:32:8:4"], 1, 1, 1
+    defaults = {"repeats": (5, 1), "warmup": (7, 1), "trl_warmup": (2, 1), "timed_steps": (3, 1)}
+    for key, (on_cuda, on_cpu) in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.rollout is None:
-        args.rollout = "fixed" if cuda else "generate"
+            setattr(args, key, on_cuda if cuda else on_cpu)
+    args.rollout = args.rollout or ("fixed" if cuda else "generate")
     args.sides = [x.strip() for x in (args.sides or "ours,trl").split(",") if x.strip()]
     if set(args.sides) - set(SIDES) or not {"ours", "trl"} <= set(args.sides):
         parser.error(f"--sides takes ours, trl and optionally ours_compiled; got {args.sides}")
@@ -1286,25 +1197,13 @@ def settle(args, parser) -> list[Point]:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda but torch.cuda.is_available() is False")
+    elif not args.points:
+        parser.error("on CPU give --points (or --quick); the CPU grid is retired (benchmarks/README.md)")
+    names = (args.point_set or "target").split(",")
+    if not args.points and set(names) - set(POINT_SETS):
+        parser.error(f"--point-set takes {', '.join(POINT_SETS)}, got {names}")
     try:
-        if args.points:
-            points = [parse_point(text) for text in args.points]
-        elif cuda:
-            names = (args.point_set or "target").split(",")
-            unknown = [n for n in names if n not in POINT_SETS]
-            if unknown:
-                parser.error(f"--point-set takes {', '.join(POINT_SETS)}, got {unknown}")
-            points = [p for n in names for p in POINT_SETS[n]]
-        else:
-            points = [
-                Point(m, p, c, g)
-                for m in args.models
-                for p in args.prompt_lens
-                for c in args.completion_lens
-                for g in args.generations
-            ]
-            if not args.no_bundled:
-                points.append(Point("bundled", *args.bundled_point))
+        points = [parse_point(t) for t in args.points] if args.points else [p for n in names for p in POINT_SETS[n]]
     except ValueError as err:
         parser.error(str(err))
     if args.steps is not None and args.steps <= args.warmup:
@@ -1312,130 +1211,43 @@ def settle(args, parser) -> list[Point]:
     return points
 
 
-def make_models(args, runner, tmp: Path, points: list[Point], descriptions: dict) -> dict:
-    """Each model the points name, saved once (in a worker process); their paths by name."""
-    paths = {}
-    shape = {
-        "hidden": args.hidden,
-        "layers": args.layers,
-        "heads": args.heads,
-        "kv_heads": args.kv_heads,
-        "intermediate": args.intermediate,
-    }
-    for model in dict.fromkeys(p.model for p in points):
-        made = runner.run(
-            {
-                "make_model": model,
-                "model_dir": str(tmp / f"model_{model}"),
-                "device": args.device,
-                "threads": args.threads,
-                "bf16": args.bf16,
-                "seed": args.seed,
-                "shape": shape,
-            }
-        )
-        paths[model], descriptions[model] = made["path"], made["description"]
-    return paths
-
-
-def warm_compile_cache(args, runner, point: Point, paths: dict) -> None:
-    """One uncounted run of ``ours_compiled`` (recorded under ``uncounted_runs``)."""
-    base = point_spec(args, point, paths[point.model])
-    try:
-        result = runner.run(dict(base, sides=["ours_compiled"]))["ours_compiled"]
-        args.uncounted.append({"point": point.name, "side": "ours_compiled", **run_summary(result)})
-        log_run(point, "ours_compiled (uncounted: warms the compile cache)", -1, args.repeats, result)
-    except (RuntimeError, subprocess.TimeoutExpired) as err:
-        print(f"[{point.name}] the compile-cache run FAILED: {err}", flush=True)
-        args.uncounted.append({"point": point.name, "side": "ours_compiled", "error": str(err)[-2000:]})
-
-
-def run_repeat(args, runner, point: Point, paths: dict, rep: int, order: list[str], runs: dict) -> bool:
-    """One repeat of ``point``, its sides in ``order``; False (the failure recorded) when a run failed."""
+def run_repeat(args, runner, point: Point, paths: dict, rep: int, order: list[str], runs: dict | None, report) -> bool:
+    """One repeat of ``point``, its sides in ``order``, each a fresh process; False (the failure recorded) when a
+    run failed. ``runs`` None: the uncounted run that warms the compile caches (kept under ``uncounted_runs``)."""
     base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
-    batches = [order] if args.same_process else [[side] for side in order]
     try:
-        for sides in batches:
-            for side, result in runner.run(dict(base, sides=sides)).items():
+        for side in order:
+            result = runner.run(dict(base, side=side))
+            if runs is None:
+                report.uncounted.append({"point": point.name, "side": side, **run_summary(result)})
+            else:
                 runs[side].append(result)
-                log_run(point, side, rep, args.repeats, result)
+            log_run(
+                point,
+                side if runs is not None else f"{side} (uncounted: warms the compile cache)",
+                rep,
+                args.repeats,
+                result,
+            )
     except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the other points run
         print(f"[{point.name}] FAILED: {err}", flush=True)
-        args.failed_points.append({"point": point.name, "error": str(err)[-3000:]})
+        failure = {"point": point.name, "error": str(err)[-3000:]}
+        if runs is None:
+            report.uncounted.append({**failure, "side": "ours_compiled", "error": str(err)[-2000:]})
+        else:
+            report.failed_points.append(failure)
         return False
     return True
 
 
-class Measured:
-    """What the report holds: the points measured so far (and those of a resumed report), models and commands."""
-
-    def __init__(self, args, argv, started: float, load_start):
-        self.args, self.argv, self.started, self.load_start = args, argv, started, load_start
-        self.results, self.parameters, self.descriptions = [], {}, {}
-        args.failed_points, args.commands = [], []
-
-    def resume(self, points: list[Point]) -> list[Point]:
-        """With ``--resume``: the earlier report's points kept, the points still to measure."""
-        args = self.args
-        if not args.resume:
-            return points
-        earlier = json.loads(Path(args.resume).read_text())
-        self.results = earlier["results"]
-        self.parameters, self.descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
-        args.commands = earlier.get("commands", [earlier["command"]])
-        args.resumed_wall_s = earlier["total_wall_s"]
-        done = {r["key"] for r in self.results}
-        return [p for p in points if p.key not in done]
-
-    def entry(self, point: Point, paths: dict, sides: dict, n: int) -> dict:
-        """The report's entry of a point measured ``n`` times on every side."""
-        memory_key = "cuda_peak_above_start_mib" if self.args.device == "cuda" else "train_peak_rss_above_start_mib"
-        for side_runs in sides.values():
-            for result in side_runs:
-                self.parameters[point.model] = result["parameters"]
-        spec = point_spec(self.args, point, paths[point.model])
-        entry = {
-            "key": point.key,
-            "name": point.name,
-            **dataclasses.asdict(point),
-            "repeats": n,
-            "departures": departures(spec, sides["ours"][0].get("token_budget")),
-            "comparison": compare(sides["ours"][:n], sides["trl"][:n], memory_key),
-            "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
-        }
-        if "ours_compiled" in sides:
-            entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], memory_key)
-        return entry
-
-    def write(self, points: list[Point], paths: dict, runs: dict) -> None:
-        """The report of every point measured so far (resumed points kept)."""
-        args = self.args
-        counts = {p.key: min(len(v) for v in runs[p.key].values()) for p in points}
-        measured = [self.entry(p, paths, runs[p.key], counts[p.key]) for p in points if counts[p.key]]
-        kept = [r for r in self.results if r["key"] not in runs]  # resumed points
-        done = {p.name: counts[p.key] for p in points}
-        missing = [name for name, n in done.items() if n == 0]  # not measured at all
-        args.fewer_repeats = {name: n for name, n in done.items() if 0 < n < args.repeats}
-        write(
-            args, self.argv, kept + measured, missing, self.parameters, self.descriptions, self.started, self.load_start
-        )
-
-
 def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -> dict:
     """The worker's spec for ``point`` (steps and warm-up per side: ours until auto's calibration has decided)."""
-    accumulation = point.accumulation > 1
-    warmup = args.accumulation_warmup if accumulation else args.warmup
-    timed = args.timed_steps
-    if args.device == "cpu" and point.prompt_len >= args.long_prompt:
-        timed = args.long_steps
-    steps = args.steps or warmup + timed
+    warmup = args.accumulation_warmup if point.accumulation > 1 else args.warmup
+    spec = {"model": model_path, "steps": args.steps or warmup + args.timed_steps, "warmup": warmup}
+    spec |= {k: getattr(args, k) for k in ("device", "threads", "bf16", "learning_rate", "seed", "kernel", "rollout")}
+    spec |= {k: getattr(args, k) for k in ("optim", "part_timing", "break_packed")}
     return {
-        "model": model_path,
-        "device": args.device,
-        "threads": args.threads,
-        "bf16": args.bf16,
-        "steps": steps,
-        "warmup": warmup,
+        **spec,
         "trl_warmup": min(args.trl_warmup, warmup),
         "prompt_len": point.prompt_len,
         "completion_len": point.completion_len,
@@ -1443,29 +1255,19 @@ def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -
         "prompts_per_step": point.prompts,
         "accumulation": point.accumulation,
         "lora": point.lora,
-        "learning_rate": args.learning_rate,
-        "seed": args.seed,
         "point": point.name,
         "packing": True,
-        "kernel": args.kernel,
-        "rollout": args.rollout,
         "ac": args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing),
-        "optim": args.optim,
-        "part_timing": args.part_timing,
         "equivalence": equivalence,
-        "break_packed": args.break_packed,
     }
 
 
 def log_run(point: Point, side: str, rep: int, repeats: int, result: dict) -> None:
-    s = run_summary(result)
-    cuda_peak = result.get("cuda_peak_above_start_mib")
-    kernels = f", kernels {result['kernels']}" if result.get("kernels") else ""
+    s, peak = run_summary(result), bc.fmt(result.get("cuda_peak_above_start_mib"), ".0f")
     print(
         f"[{point.name} rep {rep + 1}/{repeats}] {side}: train {bc.fmt(s['train_s'])} s, step {bc.fmt(s['step_s'])} s, "
-        f"part peak {bc.fmt(s['train_part_peak_mib'], '.0f')} MiB, first step {bc.fmt(result.get('first_step_s'))} s"
-        + (f", peak {bc.fmt(cuda_peak, '.0f')} MiB" if cuda_peak is not None else "")
-        + f"{kernels}, pid {result.get('pid')}, load {bc.loadavg()}",
+        f"first step {bc.fmt(result.get('first_step_s'))} s, CUDA peak {peak} MiB, kernels {result.get('kernels')}, "
+        f"pid {result.get('pid')}, load {bc.loadavg()}",
         flush=True,
     )
 

@@ -171,17 +171,11 @@ def run_side(spec: dict) -> dict:
         "steps": steps,
         "compile": counters.totals(),
         "compile_per_step": counters.per_step,
-        "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mib(),
+        "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else harness.bc.max_rss_mib(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if cuda else None,
         "run_s": time.perf_counter() - started,
     }
-
-
-def _peak_rss_mib() -> float:
-    import bench_common as bc
-
-    return bc.max_rss_mib()
 
 
 class CompileCounters:
@@ -388,7 +382,8 @@ def compilation(part: dict) -> dict:
 def markdown(report: dict) -> str:
     """The split of every side's step, the dtypes, compilation and departures (after the harness's tables)."""
     lines = ["## The split, per side (median over repeats of each run's median timed step; seconds)", ""]
-    phases_order = ("generation", "reward", "logprob", "loss", "backward", "optimizer", "rest")
+    from phases import PHASES as phases_order
+
     for name, part in report["parts"].items():
         summary = part.get("summary")
         if not summary:

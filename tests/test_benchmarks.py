@@ -83,28 +83,6 @@ def test_seed_stats_match_students_t_and_holm():
     assert holm({"a": 0.03, "b": 0.02}) == {"a": 0.04, "b": 0.04}  # step-down: never below an earlier step
 
 
-def test_prefix_packing_quick(tmp_path):
-    """One tiny point, two repeats: each repeat a fresh process per side (forked), ours then TRL's; the report gives
-    the medians over repeats with their min-max, and every departure from the trainers' defaults."""
-    _run("prefix_packing.py", "--quick", "--repeats", "2", "--out", str(tmp_path))
-    report = _load(tmp_path / "prefix_packing.json")
-    _check_machine(report)
-    (point,) = report["results"]
-    comparison = point["comparison"]
-    for key in ("train_ratio", "step_ratio", "memory_ratio"):
-        assert comparison[key] > 0, key
-    runs = point["runs"]
-    assert point["repeats"] == 2 and len(runs["ours"]) == len(runs["trl"]) == 2
-    assert len({r["pid"] for r in runs["ours"] + runs["trl"]}) == 4  # a fresh process per side and repeat
-    spread = comparison["ours"]["train_s_spread"]
-    assert spread["min"] <= spread["median"] <= spread["max"]
-    assert comparison["ours"]["forwarded_token_ratio"] < 1.0  # the packed forward ran
-    assert comparison["equivalence"]["equivalent"], comparison["equivalence"]
-    assert any("loss_type='grpo'" in d for d in point["departures"])
-    assert report["not_measured"] == [] and "headline_met" in report["summary"]
-    assert "| tiny P32/C8/G4 K1 | 2 / 2 |" in (tmp_path / "prefix_packing.md").read_text()
-
-
 def test_prefix_packing_points_parse_with_their_options():
     sys.path.insert(0, str(BENCHMARKS))
     from prefix_packing import POINT_SETS, parse_point
@@ -164,6 +142,8 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
             "--trainers",
             "trinity",
             "ppo",
+            "--test-paths",  # one file of CUDA tests (the part's command and report; collecting all takes longer)
+            "tests/packing/test_kernels.py",
         ],
         check=False,
         cwd=ROOT,
@@ -190,6 +170,18 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # the CUDA tests skip on CPU, with the reason
     (point,) = summary["parts"]["bench"]["points"]
     assert point["equivalent"] and point["repeats"] == 2 and point["train_ratio"] > 0 and point["grads_rtol"] > 0
+    # the benchmark's own report: each repeat a fresh process per side, medians over repeats with their min-max
+    report = _load(out / "prefix_packing.json")
+    _check_machine(report)
+    (point,) = report["results"]
+    assert point["repeats"] == 2 and len({r["pid"] for r in point["runs"]["ours"] + point["runs"]["trl"]}) == 4
+    comparison = point["comparison"]
+    assert all(comparison[key] > 0 for key in ("train_ratio", "step_ratio", "memory_ratio")), comparison
+    spread = comparison["ours"]["train_s_spread"]
+    assert spread["min"] <= spread["median"] <= spread["max"]
+    assert comparison["ours"]["forwarded_token_ratio"] < 1.0  # the packed forward ran
+    assert any("loss_type='grpo'" in d for d in point["departures"]) and report["not_measured"] == []
+    assert "| tiny P32/C8/G4 K1 | 2 / 2 |" in (out / "prefix_packing.md").read_text()
     trainers = summary["parts"]["trainers"]["trainers"]
     assert [t["trainer"] for t in trainers] == ["trinity", "ppo"]
     for t in trainers:
@@ -260,11 +252,9 @@ def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
             str(BENCHMARKS / "gpu_check.py"),
             "--dry-run",
             "--parts",
-            "tests,trainers",
-            "--budget-tests",
+            "bench,accumulation",  # run in this order; a dry run's `accumulation` passes at once
+            "--budget-bench",
             "0.5",
-            "--trainers",
-            "trinity",
             "--out",
             str(out),
         ],
@@ -277,8 +267,8 @@ def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout[-3000:]  # a part did not pass
     parts = _load(out / "gpu_check.json")["parts"]
-    assert parts["tests"]["status"] == "timeout" and parts["tests"]["wall_s"] < 30
-    assert parts["trainers"]["status"] == "passed" and parts["trainers"]["trainers"][0]["ok"]
+    assert parts["bench"]["status"] == "timeout" and parts["bench"]["wall_s"] < 30
+    assert parts["accumulation"]["status"] == "passed"
 
 
 def test_prefix_packing_direct_check_fails_on_a_wrong_packed_forward(tiny_model_dir, tmp_path):
@@ -375,8 +365,9 @@ def test_prefix_packing_bf16_tolerances_come_from_the_dtype():
 
 
 class InProcess:
-    """A study's launcher that runs each run in this process (the fresh-process launcher is tested with the harness
-    and the GiGPO study): seconds instead of a process start each."""
+    """A study's launcher that runs each run in this process (the fresh-process launcher, forked or spawned, is tested
+    with the harness: tests/test_bench_harness.py): seconds instead of a process start each. The sample goes through
+    JSON, as it does from a fresh process."""
 
     def run(self, side, timeout_s, log=None):
         import transformers
@@ -384,7 +375,7 @@ class InProcess:
         module, function = side.run.split(":")
         verbosity = transformers.logging.get_verbosity()
         try:
-            return getattr(importlib.import_module(module), function)(side.spec)
+            return json.loads(json.dumps(getattr(importlib.import_module(module), function)(side.spec)))
         finally:
             transformers.logging.set_verbosity(verbosity)
 
@@ -487,17 +478,26 @@ def test_the_committed_study_summary_is_that_of_the_committed_runs():
 
 
 def test_async_vs_sync_dry_run(tmp_path):
-    """`make gpu-check-async DRY_RUN=1`: one round of both sides on the tiny model, each a fresh process."""
+    """`make gpu-check-async DRY_RUN=1`: one round of both sides on the tiny model (on `harness.Bench`), each a fresh
+    process; the report re-renders from its JSON alike."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import async_vs_sync
+
     _run("async_vs_sync.py", "--dry-run", "--out", str(tmp_path))
     report = _load(tmp_path / "async_vs_sync_dry.json")
     _check_machine(report)
-    (round_,) = report["rounds"]
-    for side in ("sync", "async"):
-        assert round_[side]["steps"] == 2 and round_[side]["trained_tokens"] > 0, round_[side]
-        assert len(round_[side]["rewards"]) == 2
-    assert round_["sync"]["staleness_mean"] == 0.0 and round_["async"]["staleness_mean"] >= 0.0
-    assert report["summary"]["ratio_time_to_steps"]["median"] > 0
-    assert "| time to 2 steps (s) |" in (tmp_path / "async_vs_sync_dry.md").read_text()
+    (part,) = report["parts"].values()
+    (round_,) = part["repeats"]
+    assert part["status"] == "done" and round_["order"] == ["sync", "async"]
+    for side, sample in round_["samples"].items():
+        assert sample["steps"] == 2 and sample["trained_tokens"] > 0 and len(sample["rewards"]) == 2, (side, sample)
+    assert round_["samples"]["sync"]["staleness_mean"] == 0.0 and round_["samples"]["async"]["staleness_mean"] >= 0
+    assert part["summary"]["ratios"]["async"]["train_s"]["median"] > 0
+    text = (tmp_path / "async_vs_sync_dry.md").read_text()
+    assert "| async |" in text and "Reward per step (median over rounds): sync " in text
+    (tmp_path / "async_vs_sync_dry.md").unlink()
+    assert async_vs_sync.main(["--report-only", str(tmp_path / "async_vs_sync_dry.json")]) == 0
+    assert (tmp_path / "async_vs_sync_dry.md").read_text() == text
 
 
 def test_whole_step_gpu_command_dry_run(tmp_path):
@@ -632,7 +632,7 @@ def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
         **{"eval_plays": 2, "val_plays": 1},
     }
     out = tmp_path / "study"
-    gs.run_study(out, plan, str(model))
+    gs.run_study(out, plan, str(model), InProcess())
     records = [json.loads(line) for line in (out / gs.RUNS_FILE).read_text().splitlines()]
     order = [(r["arm"], r["seed"], r["role"]) for r in records]
     assert order == [("base", None, "base")] + [(a, 0, "tune") for a in plan["arms"]] + [
@@ -643,7 +643,7 @@ def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     assert gigpo["optimizer_steps"] == 2 and gigpo["runs_played"] == 8 and records[1]["val"] is not None
     assert all(0.0 <= h <= 1.0 for h in gigpo["anchor_hit_ratio"] if h is not None)
     assert step_grpo["anchor_hit_ratio"] == [None, None]  # step-wise GRPO logs no anchor hits
-    gs.run_study(out, plan, str(model))  # a restart: nothing left to run
+    gs.run_study(out, plan, str(model), InProcess())  # a restart: nothing left to run
     assert len((out / gs.RUNS_FILE).read_text().splitlines()) == len(records)
     summary = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "results", plan)
     assert not summary["partial"] and summary["complete_seeds"] == [1]
@@ -655,7 +655,7 @@ def test_gigpo_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     partial = gs.write_summary(out / gs.RUNS_FILE, tmp_path / "partial", plan)
     assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete**" in gs.markdown(partial)
     spent = {**plan, "cpu_budget_h": 0.0}  # another plan: its own runs, stopped after the base model
-    gs.run_study(tmp_path / "spent", spent, str(model))
+    gs.run_study(tmp_path / "spent", spent, str(model), InProcess())
     stopped = gs.summarise(gs.load_runs(tmp_path / "spent" / gs.RUNS_FILE, gs.plan_key(spent)), spent)
     assert stopped["runs_done"] == 0 and "The CPU budget (0.0 h of one core) is spent" in gs.markdown(stopped)
     assert "of the 0.0 h budget" in gs.status(tmp_path / "spent", spent)
