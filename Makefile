@@ -39,12 +39,18 @@ docs: $(STAMP)
 # pytest-xdist workers: the tests run torch on one thread each (tests/conftest.py), so one worker per core, at most 4
 # (each worker holds its own models and builds its own session fixtures). `make test TEST_WORKERS=0` runs in-process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+# xdist's work-stealing scheduler: each worker starts on an equal share of the tests in collection order and a worker
+# that runs dry takes half of another's queue, so the workers end together (the default `load` scheduler hands out
+# chunks whose last ones can leave one worker idle; replaying the suite's per-test durations through both policies
+# gave worksteal 1-4% less wall time, never more). Shares stay contiguous: a module is seldom split between workers
+# (which would build its module-scoped fixtures twice).
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 
 # Lint, then the whole suite except the multi-process engine tests (`distributed`), which have their own target, and
 # the teardown stress test (`stress`), which only `make test-stress` runs.
 # Then verifiers 0.4 in its own environment (test-verifiers-04): .venv keeps verifiers 0.3.1, the classic API.
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not distributed and not stress"
+	$(PY) -m pytest -q $(XDIST) -m "not distributed and not stress"
 	$(MAKE) --no-print-directory test-verifiers-04
 
 # verifiers 0.4 (the v1 stack) in its own environment, since .venv keeps 0.3.1 for the classic API: the project with
@@ -71,7 +77,7 @@ test-verifiers-04: $(VF04_STAMP)
 	$(VENV_VF04)/bin/python -m pytest -q -n 0 tests/rollouts/test_verifiers_v1.py tests/rollouts/test_verifiers_versions.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not stress" -x
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not stress" -x
 
 # The CUDA tests (marked `gpu`: every packing kernel against the padded forward, every trainer with packing on CUDA).
 # Elsewhere they are skipped with the reason. On the lent GPU machine, which has no network and no .venv:
@@ -130,7 +136,7 @@ CPU_PATHS ?= mkldnn_off threads_1 threads_2 math_sdpa
 test-cpu-paths: $(STAMP)
 	@set -e; for path in $(CPU_PATHS); do \
 		echo "== TRINITY_TEST_CPU_PATH=$$path"; \
-		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not distributed and not stress"; \
+		TRINITY_TEST_CPU_PATH=$$path $(PY) -m pytest -q $(XDIST) -m "not slow and not distributed and not stress"; \
 	done
 
 # The whole suite, the engine suite, then the teardown stress test (`stress`: the shortest DDP, ZeRO-3 and FSDP recipe

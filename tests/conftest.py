@@ -29,6 +29,11 @@ import importlib.util
 
 import peak_memory
 import pytest
+from launching import environment_extension_cache
+
+# DeepSpeed's CPU ranks JIT-build an op into torch's extension cache; a build shared with another environment is
+# rebuilt (minutes) whenever the other one used it last, so each environment gets its own (tests/launching.py)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", environment_extension_cache())
 
 # tests/vllm_cpu needs vLLM (`make test-vllm` runs them in their own environment); `make test` does not collect them
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_cpu"]

@@ -16,6 +16,11 @@
   take that lock at start-up to build or check their ``shm_comm`` op; a rank killed while holding it leaves a lock
   that every later DeepSpeed launch waits on forever (torch's ``FileBaton`` has no timeout). That is how a launch
   retried after losing its port once hung CI for 13 minutes.
+* **One JIT-build cache per environment.** The op DeepSpeed builds records the absolute paths of the environment that
+  built it (its build file names that virtualenv's torch and DeepSpeed), so environments sharing torch's default
+  cache (CI's checkout, a developer's, worktrees) rebuild it in turn, about 3 minutes on 2 busy cores each time, and
+  wait on each other's lock. tests/conftest.py sets ``TORCH_EXTENSIONS_DIR`` to :func:`environment_extension_cache`
+  unless it is set already; every launched process inherits it.
 
 Every launched script meets the other ranks at a barrier before ``destroy_process_group`` (notes/TRL_1_16.md §7).
 """
@@ -45,9 +50,23 @@ LAUNCH_ATTEMPTS = 3
 STALE_BUILD_LOCK_S = 15 * 60
 
 
+def _default_extension_root() -> Path:
+    """torch's default JIT extension cache on Linux (it adds a folder per accelerator, ``py311_cpu``, below it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+
+
+def environment_extension_cache(prefix: str | None = None) -> str:
+    """This environment's own JIT extension cache: ``env-<its path>`` in torch's default one (``prefix``: the
+    environment, ``sys.prefix`` unless given)."""
+    import sys
+
+    name = re.sub(r"[^\w.-]", "_", (prefix or sys.prefix).strip(os.sep))
+    return str(_default_extension_root() / f"env-{name}")
+
+
 def extension_cache() -> Path:
     """torch's JIT extension cache, where DeepSpeed builds its CPU ops (``TORCH_EXTENSIONS_DIR`` or its default)."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _default_extension_root())
 
 
 def clear_build_locks(*, newer_than: float | None = None, older_than_s: float | None = None) -> list[Path]:
@@ -55,7 +74,8 @@ def clear_build_locks(*, newer_than: float | None = None, older_than_s: float | 
     (a timestamp: those a killed attempt left) or more than ``older_than_s`` seconds ago (those an interrupted session
     left); return the removed paths, each announced in one line."""
     root, now, removed = extension_cache(), time.time(), []
-    for lock in sorted(root.glob("*/*/lock")) if root.is_dir() else []:
+    # <op>/lock below TORCH_EXTENSIONS_DIR; <accelerator>/<op>/lock below torch's default cache
+    for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}) if root.is_dir() else []:
         try:
             mtime = lock.stat().st_mtime
         except FileNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from pathlib import Path
 
 import launching
 import pytest
@@ -168,3 +169,16 @@ def test_only_locks_of_a_killed_attempt_or_an_earlier_session_are_removed(tmp_pa
     assert fresh.exists() and not old.exists()
     assert launching.clear_build_locks(newer_than=time.time() + 60) == [] and fresh.exists()
     assert launching.clear_build_locks(newer_than=time.time() - 60) == [fresh]
+
+
+def test_each_environment_builds_its_jit_ops_in_a_cache_of_its_own(tmp_path, monkeypatch):
+    # an op built by one virtualenv names its paths: two environments sharing one cache rebuilt it in turn (minutes)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours, theirs = (launching.environment_extension_cache(p) for p in ("/work/ci/.venv", "/work/main/.venv"))
+    assert ours != theirs and all(Path(c).parent == tmp_path / "torch_extensions" for c in (ours, theirs))
+    # torch builds an op at <TORCH_EXTENSIONS_DIR>/<op>; a lock left there is found (and one below the default cache)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", ours)
+    lock = Path(ours) / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert launching.clear_build_locks(newer_than=0) == [lock] and not lock.exists()

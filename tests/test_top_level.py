@@ -26,36 +26,37 @@ def test_every_public_trainer_and_config_is_at_the_top_level():
         trinity_trl.ChordTrainr  # noqa: B018
 
 
-def test_import_trinity_trl_imports_no_trainer_torch_or_trl():
-    """Checked in a fresh interpreter: this test session has imported all of them already."""
+@pytest.fixture(scope="module")
+def fresh_imports() -> list[str]:
+    """What a fresh interpreter holds after ``import trinity_trl``, then after importing the trainers, the rollouts
+    and packing: checked in a fresh interpreter because this test session has imported all of them already. One
+    interpreter serves both tests below (each import of TRL costs seconds): the first lines are printed before any
+    trainer is imported, so each test reads the state it checks."""
     code = (
         "import sys, trinity_trl\n"
         "heavy = ['torch', 'trl', 'transformers', 'datasets', 'trinity_trl.trainers']\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "from trinity_trl import ChordTrainer\n"
         "print(ChordTrainer.__module__, 'trl' in sys.modules)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=scaled_timeout(120)
-    ).stdout.splitlines()
-    assert out == ["[]", "trinity_trl.trainers.chord_trainer True"]
-
-
-def test_importing_every_trainer_imports_no_agent_request_model():
-    """The typed request models need pydantic (the ``agents`` extra's, through FastAPI): they are imported when an
-    endpoint serves, not with the trainers (the lent GPU machine, for one, has no pydantic)."""
-    code = (
-        "import sys\n"
-        "from trinity_trl import StepGRPOTrainer, ChordTrainer, TrinityTrainer\n"
+        "from trinity_trl import StepGRPOTrainer, TrinityTrainer\n"
         "import trinity_trl.rollouts, trinity_trl.packing\n"
         "typed = ['trinity_trl.rollouts.' + m for m in ('body', 'chat_request', 'responses_request', "
         "'messages_request', 'wire')]\n"
         "print(sorted(m for m in typed + ['fastapi', 'anthropic'] if m in sys.modules))\n"
     )
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=scaled_timeout(180)
     ).stdout.splitlines()
-    assert out == ["[]"]
+
+
+def test_import_trinity_trl_imports_no_trainer_torch_or_trl(fresh_imports):
+    assert fresh_imports[:2] == ["[]", "trinity_trl.trainers.chord_trainer True"]
+
+
+def test_importing_every_trainer_imports_no_agent_request_model(fresh_imports):
+    """The typed request models need pydantic (the ``agents`` extra's, through FastAPI): they are imported when an
+    endpoint serves, not with the trainers (the lent GPU machine, for one, has no pydantic)."""
+    assert fresh_imports[2:] == ["[]"]
 
 
 @pytest.mark.parametrize(

@@ -524,7 +524,8 @@ def test_bundled_smollm2_calculator_tool_task(tmp_path):
     dialogue), so each run's FIRST turn is forced to a calc call (sampled by the real model, see force_turns);
     everything after is the model's own sampling through TRL's generation. Shows on the real model and template:
     TRL parses the call, CalculatorToolEnv executes it, the result is rendered as a tool turn, the model's own
-    next turn follows, and both turns are trained as steps for a few optimizer steps."""
+    next turn follows, and both turns are trained as steps of an optimizer step (one: each of its 4 runs shows all
+    of this, and it is the same first step as with max_steps=2, which took twice as long)."""
     import time
 
     from peft import LoraConfig
@@ -539,7 +540,7 @@ def test_bundled_smollm2_calculator_tool_task(tmp_path):
         args = StepGRPOConfig(
             **tiny_grpo_kwargs(
                 output_dir=str(tmp_path / "out"),
-                max_steps=2,
+                max_steps=1,
                 num_generations=2,
                 per_device_train_batch_size=4,
                 max_completion_length=96,
@@ -572,7 +573,7 @@ def test_bundled_smollm2_calculator_tool_task(tmp_path):
     finally:
         torch.set_num_threads(threads)
     logs = [entry for entry in trainer.state.log_history if "multi_step/steps_per_run" in entry]
-    assert len(logs) == 2 and trainer.state.global_step == 2
+    assert len(logs) == args.max_steps and trainer.state.global_step == args.max_steps
     for entry in logs:
         assert entry["tools/call_frequency"] >= 1.0 and entry["tools/failure_frequency"] == 0.0  # parsed, executed
         assert entry["multi_step/steps_per_run"] >= 2.0  # the model's own turn after the tool result is a step
