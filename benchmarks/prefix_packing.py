@@ -974,42 +974,51 @@ def summarise(results: list[dict]) -> dict:
 
 
 def derive(report: dict) -> None:
-    """The figures per point, from the parts' repeats (a repeat counts for a point when each of its sides finished):
-    ``results`` (`compare`), ``summary`` (issue 42's targets), what failed, was not measured or was cut short, and the
-    uncounted runs that warm the compile cache."""
-    memory_key = (
-        "cuda_peak_above_start_mib" if report["config"]["device"] == "cuda" else "train_peak_rss_above_start_mib"
-    )
-    new = {"results": [], "failed_points": [], "not_measured": [], "fewer_repeats": {}, "uncounted_runs": []}
+    """The figures per point, from the parts' repeats (a repeat counts for a point when each of its sides finished;
+    a point measured again in a later part, after ``--resume``, by its latest part): ``results`` (`compare`),
+    ``summary`` (issue 42's targets), what failed, was not measured or was cut short, and the uncounted runs that
+    warm the compile cache."""
+    device = report["config"]["device"]
+    memory_key = "cuda_peak_above_start_mib" if device == "cuda" else "train_peak_rss_above_start_mib"
+    results, failed, counts, names, uncounted = {}, {}, {}, {}, []
     for part in report["parts"].values():
         for key, name in part.get("points", {}).items():
-            names = [f"{key}/{side}" for side in part["sides"]]
-            samples = [[r["samples"].get(n) for n in names] for r in part.get("repeats", [])]
+            samples = [[r["samples"].get(f"{key}/{side}") for side in part["sides"]] for r in part.get("repeats", [])]
             complete = [row for row in samples if all(harness.ok(x) for x in row)]
-            failed = next((x for row in samples for x in row if x is not None and not harness.ok(x)), None)
-            if failed:
-                new["failed_points"].append({"point": name, "error": f"{failed['error']}: {failed['output_tail']}"})
-            if not complete:
-                new["not_measured"].append(name)
-                continue
-            if len(complete) < report["config"]["repeats"]:
-                new["fewer_repeats"][name] = len(complete)
-            runs = {side: [row[i] for row in complete] for i, side in enumerate(part["sides"])}
-            model = report.setdefault("models", {}).setdefault(parse_point(key).model, {})
-            model["parameters"] = runs["ours"][0]["parameters"]
-            entry = {"key": key, "name": name, **dataclasses.asdict(parse_point(key)), "repeats": len(complete)}
-            entry |= {"departures": runs["ours"][0].get("departures", [])}
-            entry["comparison"] = compare(runs["ours"], runs["trl"], memory_key)
-            if "ours_compiled" in runs:
-                entry["compiled"] = compare(runs["ours_compiled"], runs["trl"], memory_key)
-            new["results"].append(entry | {"runs": runs})
+            error = next((x for row in samples for x in row if x is not None and not harness.ok(x)), None)
+            names[key], counts[key] = name, len(complete)
+            failed.pop(key, None)
+            if error:
+                failed[key] = {"point": name, "error": f"{error['error']}: {error['output_tail']}"}
+            if complete:
+                results[key] = point_entry(report, key, name, dict(zip(part["sides"], zip(*complete))), memory_key)
         for label, run in part.get("uncounted", {}).items():
             if label.startswith("ours_compiled"):
                 summary = {"error": run["error"]} if not harness.ok(run) else run_summary(run)
-                new["uncounted_runs"].append({"point": label.split(" at ")[-1], "side": "ours_compiled", **summary})
+                uncounted.append({"point": label.split(" at ")[-1], "side": "ours_compiled", **summary})
     report.update(
-        new, memory_key=memory_key, targets=[list(t) for t in CUDA_TARGETS], summary=summarise(new["results"])
+        results=list(results.values()),
+        failed_points=list(failed.values()),
+        not_measured=[names[k] for k, n in counts.items() if n == 0],
+        fewer_repeats={names[k]: n for k, n in counts.items() if 0 < n < report["config"]["repeats"]},
+        uncounted_runs=uncounted,
+        memory_key=memory_key,
+        targets=[list(t) for t in CUDA_TARGETS],
+        summary=summarise(list(results.values())),
     )
+
+
+def point_entry(report: dict, key: str, name: str, runs: dict, memory_key: str) -> dict:
+    """A measured point: its figures (ours, and ours compiled where it ran, against TRL) and every run."""
+    runs = {side: list(side_runs) for side, side_runs in runs.items()}
+    point = parse_point(key)
+    report.setdefault("models", {}).setdefault(point.model, {})["parameters"] = runs["ours"][0]["parameters"]
+    entry = {"key": key, "name": name, **dataclasses.asdict(point), "repeats": len(runs["ours"])}
+    entry |= {"departures": runs["ours"][0].get("departures", [])}
+    entry["comparison"] = compare(runs["ours"], runs["trl"], memory_key)
+    if "ours_compiled" in runs:
+        entry["compiled"] = compare(runs["ours_compiled"], runs["trl"], memory_key)
+    return entry | {"runs": runs}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1080,8 +1089,8 @@ def main(argv=None) -> int:
         update=derive,
         resume=args.resume,
     )
-    done = {key for part in bench.report["parts"].values() for key in part.get("points", {})}
-    points = [p for p in points if p.key not in done]  # a resumed report's points are kept, not measured again
+    done = {r["key"] for r in bench.report["results"]}
+    points = [p for p in points if p.key not in done]  # a resumed report's measured points are kept
     label = "points" if args.points else args.point_set or "target"
     label += f" ({len(bench.report['parts']) + 1})" if label in bench.report["parts"] else ""
     part = bench.part(label, description=", ".join(p.name for p in points) or "nothing left to measure")
