@@ -331,14 +331,6 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
 
 
 # ----------------------------------------------------------------------------------------- summary
-MET = {True: "PASS", False: "FAIL", None: "not measured"}
-
-
-def targets(summary: dict) -> list[dict]:
-    """Issue 42's targets against the benchmark's summary (every benchmark part writes the same report)."""
-    return list(summary.get("cuda_targets", []))
-
-
 def markdown(summary: dict) -> str:
     env, parts = summary["environment"], summary["parts"]
     lines = [
@@ -422,33 +414,16 @@ def tests_lines(tests: dict | None) -> list[str]:
 
 
 def bench_lines(summary: dict) -> list[str]:
-    """The benchmark's table and notes (from its own report, as prefix_packing's Markdown has them), each benchmark
-    part's failures and cuts, and issue 42's targets."""
+    """The benchmark's own Markdown (its report covers every benchmark part: its table, notes, targets and what
+    failed or was cut)."""
     import prefix_packing
 
-    parts, lines = summary["parts"], []
     path = Path(summary["out"]) / ("prefix_packing.json" if summary["dry_run"] else "prefix_packing_cuda.json")
-    if not any(parts.get(n, {}).get("points") for n in BENCH_SETS) or not path.is_file():
-        return lines
-    report = json.loads(path.read_text())
-    lines += ["", "Benchmark (the table of prefix_packing's report; ours / TRL, < 1: ours faster or smaller):", ""]
-    lines += prefix_packing.markdown_table(report) + [""]
-    for point in report["results"]:
-        lines += prefix_packing.point_notes(point, report["config"])
-    for name in BENCH_SETS:
-        part = parts.get(name) or {}
-        lines += [f"- {name}: FAILED {f['point']}: {f['error'][-300:]}" for f in part.get("failed_points", [])]
-        if part.get("not_measured"):
-            lines.append(f"- {name}: not measured (no repeat finished): {', '.join(part['not_measured'])}")
-        if part.get("fewer_repeats"):
-            cut = ", ".join(f"{k} ({n})" for k, n in part["fewer_repeats"].items())
-            lines.append(f"- {name}: fewer repeats than asked (run cut by its budget): {cut}")
-        for run in part.get("uncounted_runs", []):
-            lines.append(f"- {name}: uncounted compile-cache run ({run['point']}): {run.get('error') or 'ok'}")
-    lines += ["", "Targets (issue 42):", ""]
-    for t in summary["targets"]:
-        lines.append(f"- {t['point']} {t['metric']}: {fmt(t['value'])} (<= {t['bound']}): {MET[t['met']]}")
-    return lines
+    if not any(summary["parts"].get(n, {}).get("points") for n in BENCH_SETS) or not path.is_file():
+        return []
+    return ["", "Benchmark (`" + path.name.replace(".json", ".md") + "` from here on):", ""] + prefix_packing.markdown(
+        json.loads(path.read_text())
+    ).splitlines()
 
 
 def write_summary(out: Path, summary: dict) -> None:
@@ -552,7 +527,7 @@ def main(argv=None) -> int:
         result["budget_s"] = budget
         summary["parts"][name] = result
         if result.get("summary"):
-            summary["targets"] = targets(result["summary"])
+            summary["targets"] = result["summary"]["cuda_targets"]  # issue 42's, from the benchmark's report
         summary["total_wall_s"] = time.perf_counter() - started
         write_summary(out, summary)
         print(f"[gpu-check] {name}: {result['status']} ({fmt(result.get('wall_s'), '.0f')} s)", flush=True)

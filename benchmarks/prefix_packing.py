@@ -4,7 +4,7 @@
 Each point (:class:`Point`: a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per
 micro-batch, gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
 ``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")``, each repeat a fresh
-process per side through ``harness.Launcher``, sides alternating; the figure is the ``train`` column (the optimizer
+process per side on ``harness.Bench``, sides alternating; the figure is the ``train`` column (the optimizer
 step minus TRL's generation). The protocol, the point sets and the direct packed-vs-padded check:
 benchmarks/README.md (`prefix_packing.py`). ``make gpu-check`` (``benchmarks/gpu_check.py``) runs it on CUDA; on CPU
 it runs the ``--points`` named (the CPU grid is retired: benchmarks/README.md).
@@ -808,7 +808,8 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
-_cell = bc.range_cell  # median (min-max)
+def _cell(stat: dict | None, spec: str = ".3f") -> str:
+    return harness.cell(stat, spec)  # median (min-max)
 
 
 def markdown(report: dict) -> str:
