@@ -946,11 +946,11 @@ def target_lines(report: dict) -> list[str]:
 
 
 def tail_lines(report: dict) -> list[str]:
-    c, lines = report["config"], []
+    lines = []
     if report["not_measured"]:
         lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
     if report.get("fewer_repeats"):
-        cut = ", ".join(f"{k} ({n} of {c['repeats']})" for k, n in report["fewer_repeats"].items())
+        cut = ", ".join(f"{k} ({n} finished)" for k, n in report["fewer_repeats"].items())
         lines += ["", f"Fewer repeats than asked (run cut short): {cut}."]
     for run in report.get("uncounted_runs", []):
         lines += [
@@ -987,7 +987,7 @@ def derive(report: dict) -> None:
             samples = [[r["samples"].get(f"{key}/{side}") for side in part["sides"]] for r in part.get("repeats", [])]
             complete = [row for row in samples if all(harness.ok(x) for x in row)]
             error = next((x for row in samples for x in row if x is not None and not harness.ok(x)), None)
-            names[key], counts[key] = name, len(complete)
+            names[key], counts[key] = name, (len(complete), part.get("repeats_asked", report["config"]["repeats"]))
             failed.pop(key, None)
             if error:
                 failed[key] = {"point": name, "error": f"{error['error']}: {error['output_tail']}"}
@@ -1000,8 +1000,8 @@ def derive(report: dict) -> None:
     report.update(
         results=list(results.values()),
         failed_points=list(failed.values()),
-        not_measured=[names[k] for k, n in counts.items() if n == 0],
-        fewer_repeats={names[k]: n for k, n in counts.items() if 0 < n < report["config"]["repeats"]},
+        not_measured=[names[k] for k, (n, _) in counts.items() if n == 0],
+        fewer_repeats={names[k]: n for k, (n, asked) in counts.items() if 0 < n < asked},
         uncounted_runs=uncounted,
         memory_key=memory_key,
         targets=[list(t) for t in CUDA_TARGETS],
@@ -1094,8 +1094,9 @@ def main(argv=None) -> int:
     points = [p for p in points if p.key not in done]  # a resumed report's measured points are kept
     label = "points" if args.points else args.point_set or "target"
     label += f" ({len(bench.report['parts']) + 1})" if label in bench.report["parts"] else ""
-    part = bench.part(label, description=", ".join(p.name for p in points) or "nothing left to measure")
-    part.record |= {"points": {p.key: p.name for p in points}, "sides": args.sides}
+    about = f"{', '.join(p.name for p in points)}; {args.repeats} repeat(s) asked" if points else "nothing to measure"
+    part = bench.part(label, description=about)
+    part.record |= {"points": {p.key: p.name for p in points}, "sides": args.sides, "repeats_asked": args.repeats}
     with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp:
         paths, sides = {}, []
         for model in dict.fromkeys(p.model for p in points):  # each model saved once, in a worker process

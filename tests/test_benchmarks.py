@@ -293,16 +293,18 @@ def test_prefix_packing_resume_keeps_the_measured_points_and_measures_the_rest(t
         return sample | {"forwarded_token_ratio": [0.5], "parameters": 10, "micro_batch": None, "departures": []}
 
     monkeypatch.setattr(harness.Launcher, "run", run)
-    args = ["--out", str(tmp_path), "--repeats", "1", "--no-equivalence", "--points"]
-    assert prefix_packing.main([*args, "tiny:32:8:4", "tiny:32:8:2"]) == 1  # a point failed
+    args = ["--out", str(tmp_path), "--no-equivalence", "--points"]
+    assert prefix_packing.main(["--repeats", "1", *args, "tiny:32:8:4", "tiny:32:8:2"]) == 1  # a point failed
     report = _load(tmp_path / "prefix_packing.json")
     assert [r["key"] for r in report["results"]] == ["tiny:32:8:4"] and report["not_measured"] == ["tiny P32/C8/G2 K1"]
     assert report["results"][0]["comparison"]["train_ratio"] == pytest.approx(0.1 / 0.3)
     ran.clear()
     resume = ["--resume", str(tmp_path / "prefix_packing.json")]
-    prefix_packing.main([*args, "tiny:32:8:4", "tiny:32:8:2", *resume])
-    assert ran == ["model tiny", "tiny:32:8:2/ours", "tiny:32:8:2/trl"]  # only the point not measured
+    prefix_packing.main(["--repeats", "2", *args, "tiny:32:8:4", "tiny:32:8:2", *resume])
+    ours, trl = "tiny:32:8:2/ours", "tiny:32:8:2/trl"
+    assert ran == ["model tiny", ours, trl, trl, ours]  # only the point not measured, its sides alternating
     report = _load(tmp_path / "prefix_packing.json")
+    assert report["fewer_repeats"] == {}  # each part against the repeats it asked
     assert list(report["parts"]) == ["points", "points (2)"] and len(report["commands"]) == 2
     assert [r["key"] for r in report["results"]] == ["tiny:32:8:4"] and len(report["failed_points"]) == 1
 
