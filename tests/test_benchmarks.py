@@ -294,8 +294,11 @@ def test_prefix_packing_resume_keeps_the_measured_points_and_measures_the_rest(t
 
     monkeypatch.setattr(harness.Launcher, "run", run)
     args = ["--out", str(tmp_path), "--no-equivalence", "--points"]
-    assert prefix_packing.main(["--repeats", "1", *args, "tiny:32:8:4", "tiny:32:8:2"]) == 1  # a point failed
+    first = ["--repeats", "1", "--sides", "ours,ours_compiled,trl", *args, "tiny:32:8:4", "tiny:32:8:2"]
+    assert prefix_packing.main(first) == 1  # a point failed
+    assert ran[:3] == ["model tiny", "tiny:32:8:4/ours_compiled", "tiny:32:8:4/ours"]  # the cache warmed first
     report = _load(tmp_path / "prefix_packing.json")
+    assert report["uncounted_runs"][0]["point"] == "tiny P32/C8/G4 K1" and "compiled" in report["results"][0]
     assert [r["key"] for r in report["results"]] == ["tiny:32:8:4"] and report["not_measured"] == ["tiny P32/C8/G2 K1"]
     assert report["results"][0]["comparison"]["train_ratio"] == pytest.approx(0.1 / 0.3)
     ran.clear()
