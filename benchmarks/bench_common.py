@@ -259,10 +259,3 @@ def ratio(a, b) -> float | None:
 
 def fmt(value, spec: str = ".3f", suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
-
-
-def range_cell(stat: dict | None, spec: str = ".3f") -> str:
-    """``median (min-max)`` of a ``{"median", "min", "max"}`` dict, or ``n/a``."""
-    if not stat or stat.get("median") is None:
-        return "n/a"
-    return f"{fmt(stat['median'], spec)} ({fmt(stat['min'], spec)}-{fmt(stat['max'], spec)})"

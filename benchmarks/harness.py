@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import bench_common as bc  # sets the offline environment before torch/trl are imported
@@ -257,7 +257,8 @@ def ok(sample: dict | None) -> bool:
 # ----------------------------------------------------------------------------------------------------- bench
 class Bench:
     """A benchmark run: its parts, result files and time marks. ``render(report) -> str`` adds the study's own
-    Markdown after the harness's tables."""
+    Markdown after the harness's tables; ``update(report)`` adds derived figures before every write. ``resume``: an
+    earlier report (its parts and keys kept, its commands listed under ``commands``), to which new parts are added."""
 
     def __init__(
         self,
@@ -271,8 +272,10 @@ class Bench:
         budget_s: float | None = None,
         log: bool = False,
         preload: tuple[str, ...] = (),
+        update=None,
+        resume: str | os.PathLike | None = None,
     ):
-        self.name, self.out, self.render, self.budget_s = name, Path(out), render, budget_s
+        self.name, self.out, self.render, self.budget_s, self.update = name, Path(out), render, budget_s, update
         self.launcher = Launcher(preload)
         self.start = time.monotonic()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -290,6 +293,12 @@ class Bench:
             "total_wall_s": 0.0,
             "parts": {},
         }
+        self.resumed_wall_s = 0.0
+        if resume:
+            earlier = json.loads(Path(resume).read_text())
+            commands = [*earlier.get("commands", [earlier["command"]]), self.report["command"]]
+            self.report = {**earlier, **self.report, "parts": earlier["parts"], "commands": commands}
+            self.resumed_wall_s = earlier["total_wall_s"]
         self.write()
 
     def elapsed(self) -> float:
@@ -309,7 +318,9 @@ class Bench:
 
     def write(self) -> None:
         self.report["load_average_end"] = bc.loadavg()
-        self.report["total_wall_s"] = self.elapsed()
+        self.report["total_wall_s"] = self.elapsed() + self.resumed_wall_s
+        if self.update is not None:
+            self.update(self.report)
         (self.out / f"{self.name}.json").write_text(json.dumps(self.report, indent=1) + "\n")
         (self.out / f"{self.name}.md").write_text(self.markdown())
 
@@ -330,7 +341,8 @@ def report_markdown(report: dict, render=None) -> str:
     lines = [
         f"# {r['title']}",
         "",
-        f"`{r['command']}`, {r['date']}, {r['total_wall_s']:.0f} s. {bc.machine_line(r['machine'])}",
+        "; then ".join(f"`{c}`" for c in r.get("commands", [r["command"]]))
+        + f", {r['date']}, {r['total_wall_s']:.0f} s. {bc.machine_line(r['machine'])}",
         f"Load average (1/5/15 min): {r['load_average_start']} at the start, {r['load_average_end']} at the end.",
         "",
     ]
@@ -396,7 +408,8 @@ class Part:
             order = sides if index % 2 == 0 else sides[::-1]
             repeat = {"order": [s.name for s in order], "samples": {}}
             self.record["repeats"].append(repeat)
-            for side in order:
+            for side in order:  # the child reads its repeat's index in HARNESS_REPEAT
+                side = replace(side, env={**side.env, "HARNESS_REPEAT": str(index)})
                 repeat["samples"][side.name] = self._sample(side)
                 self.record["summary"] = summarise(self.record["repeats"], reference, ratios)
                 self.bench.write()

@@ -4,7 +4,7 @@
 Each point (:class:`Point`: a model, prompt length ``P``, completion length ``C``, group size ``G``, ``K`` prompts per
 micro-batch, gradient accumulation ``GA``, full fine-tuning or LoRA) is trained by TRL's ``GRPOTrainer`` and by
 ``TrinityTrainer(algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean")``, each repeat a fresh
-process per side through ``harness.Launcher``, sides alternating; the figure is the ``train`` column (the optimizer
+process per side on ``harness.Bench``, sides alternating; the figure is the ``train`` column (the optimizer
 step minus TRL's generation). The protocol, the point sets and the direct packed-vs-padded check:
 benchmarks/README.md (`prefix_packing.py`). ``make gpu-check`` (``benchmarks/gpu_check.py``) runs it on CUDA; on CPU
 it runs the ``--points`` named (the CPU grid is retired: benchmarks/README.md).
@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import logging
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,17 +32,13 @@ import bench_common as bc  # sets the offline environment before torch/trl impor
 import harness
 
 EQUIVALENCE_GRAD_RTOL, EQUIVALENCE_LOSS_ATOL = 1e-3, 1e-4
-#: the retired CPU grid's targets (issue 34), kept in the report (``targets.cpu``; its summary keys null) so the
-#: report's keys stay those `make gpu-check` and earlier reports have
-CPU_TARGETS = {"headline": [1024, 128, 8], "headline_train_time_ratio_max": 0.5, "headline_memory_ratio_max": 0.6}
-CPU_TARGETS |= {"short_prompt": 64, "short_prompt_train_time_ratio_max": 1.03}
-CPU_SUMMARY = ("headline_train_time_ratio", "headline_memory_ratio", "headline_met")
-CPU_SUMMARY += ("short_prompt_worst_train_time_ratio", "short_prompt_met")
 MODEL_SHAPES, REAL_VOCAB = bc.MODEL_SHAPES, bc.REAL_VOCAB
 #: the sides a point can run (``--sides``): ours at its defaults, ours with compiled layers (``prefix_packing_compile``,
 #: CUDA), TRL's ``GRPOTrainer``
 SIDES = ("ours", "ours_compiled", "trl")
 OURS = ("ours", "ours_compiled")
+#: what the forkserver imports once (`harness.Launcher`): on CUDA it saves each run the imports
+PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 #: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
@@ -188,22 +182,17 @@ def work(spec: dict) -> dict:
     transformers.logging.set_verbosity_error()
     if spec.get("make_model"):
         return bc.random_model(spec["make_model"], spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
-    own = dict(spec)
+    # the direct packed-vs-padded check in a point's first repeat only
+    own = dict(spec, equivalence=spec.get("equivalence") and os.environ.get("HARNESS_REPEAT", "0") == "0")
     if spec["side"] == "trl":  # TRL's runs skip only their start-up steps; the same timed steps follow
         own.update(warmup=spec["trl_warmup"], steps=spec["trl_warmup"] + spec["steps"] - spec["warmup"])
     elif spec["side"] == "ours_compiled":  # its first packed passes compile (auto's trial starts after them)
         own.update(warmup=spec["warmup"] + 2, steps=spec["steps"] + 2)
-    return train_side(own)
+    gpu = torch.cuda.get_device_name() if spec["device"] == "cuda" else None
+    return {**train_side(own), "departures": departures(spec), "gpu": gpu}
 
 
-def has_token_budget() -> bool:
-    """Whether the installed ``TrinityConfig`` has ``prefix_packing_token_budget`` (issue 42 item 2)."""
-    from trinity_trl.trainers import TrinityConfig
-
-    return any(f.name == "prefix_packing_token_budget" for f in dataclasses.fields(TrinityConfig))
-
-
-def departures(spec: dict, token_budget: bool | None = None) -> list[str]:
+def departures(spec: dict) -> list[str]:
     """What each side sets beyond its trainer's defaults (besides the point itself), for the report."""
     common = [
         "loss_type='grpo' on TRL's side (its default 'dapo'; 'grpo' is the objective ours trains)",
@@ -222,12 +211,7 @@ def departures(spec: dict, token_budget: bool | None = None) -> list[str]:
     if spec.get("lora"):
         common.append(f"LoRA {LORA} (both)")
     if spec.get("accumulation", 1) > 1:
-        if token_budget:
-            common.append(
-                "ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)"
-            )
-        elif token_budget is False:
-            common.append("ours: no prefix_packing_token_budget in this version (one packed forward per micro-batch)")
+        common.append("ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)")
     if spec.get("kernel", "auto") != "auto":
         common.append(f"ours: prefix_packing_kernel={spec['kernel']!r}")
     return common
@@ -309,7 +293,7 @@ def side_trainer(spec: dict, tokenizer, dataset):
         )
         if spec["side"] == "ours_compiled":  # compiled decoder layers for packed forwards (issue 53)
             ours["prefix_packing_compile"] = True
-        if spec.get("accumulation", 1) > 1 and has_token_budget():
+        if spec.get("accumulation", 1) > 1:
             ours["prefix_packing_token_budget"] = None  # its default, named: the point is about it
         config = Config(**ours, **common)
     else:
@@ -522,7 +506,6 @@ class SideProbe:
             "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
             "kernels": _total([s.get("layouts", {}) for s in done]),
             "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
-            "token_budget": has_token_budget() if spec["side"] in OURS else None,
             "pid": os.getpid(),
         }
         if spec["side"] == "ours_compiled":
@@ -697,30 +680,6 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------- driver
-class Runner:
-    """Runs `work` in fresh processes through `harness.Launcher`: forked from a server that imported the libraries
-    (on CUDA it saves each run the imports), or spawned from scratch; one that does not finish within ``timeout``
-    seconds is stopped (`subprocess.TimeoutExpired`), one that fails raises `RuntimeError`."""
-
-    PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
-
-    def __init__(self, tmp: Path, timeout: float, fork: bool):
-        self.tmp, self.timeout, self.index = tmp, timeout, 0
-        self.launcher = harness.Launcher(self.PRELOAD if fork else ())
-
-    def run(self, spec: dict) -> dict:
-        self.index += 1
-        spec = dict(spec, output_dir=str(self.tmp / f"out{self.index}"))
-        label = f"{spec.get('point', spec.get('make_model', ''))}/{spec.get('side', '')}"
-        result = self.launcher.run(harness.Side(label, "prefix_packing:work", spec), self.timeout)
-        if result.get("timed_out"):
-            raise subprocess.TimeoutExpired(f"run {label}", self.timeout)
-        if "error" in result:
-            raise RuntimeError(f"run {label} failed ({result['error']}):\n{result['output_tail']}")
-        result.pop("process_wall_s", None)
-        return result
-
-
 def timed_steps(result: dict, warmup: int | None = None) -> list[int]:
     """The steps a run's figures are read from: those after its warm-up, less any that ended with ``auto`` still
     deciding (``deciding``: its calibration's passes alternate layouts, so they are not the steady step). Where every
@@ -763,11 +722,6 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
     }
 
 
-def _spread(values: list) -> dict:
-    values = [v for v in values if v is not None]
-    return {"median": bc.median(values), "min": min(values) if values else None, "max": max(values) if values else None}
-
-
 def side_summary(results: list[dict]) -> dict:
     """Medians over repeats of each run's median (with min-max), the kernels, auto's verdicts. ``train_s`` and its
     spread read the runs that decided before or during their timed steps; the undecided ones are counted apart
@@ -778,9 +732,9 @@ def side_summary(results: list[dict]) -> dict:
     decided = [p for p in per_run if p["decided"]]
     undecided = [p for p in per_run if not p["decided"]]
     out["train_s"] = bc.median([p["train_s"] for p in decided])
-    out["train_s_spread"] = _spread([p["train_s"] for p in decided])
-    out["train_s_undecided"] = _spread([p["train_s"] for p in undecided])
-    out["train_part_peak_mib_spread"] = _spread([p["train_part_peak_mib"] for p in per_run])
+    out["train_s_spread"] = harness.spread([p["train_s"] for p in decided])
+    out["train_s_undecided"] = harness.spread([p["train_s"] for p in undecided])
+    out["train_part_peak_mib_spread"] = harness.spread([p["train_part_peak_mib"] for p in per_run])
     out["undecided_runs"] = len(undecided)
     out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
     memory = ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib")
@@ -797,7 +751,6 @@ def side_summary(results: list[dict]) -> dict:
     out["auto_verdicts"] = results[0].get("auto_verdicts")
     out["compiled"] = [r["compiled"] for r in results if r.get("compiled")]
     out["auto_log"] = results[0].get("auto_log", [])
-    out["token_budget"] = results[0].get("token_budget")
     out["repeats"] = len(results)
     return out
 
@@ -837,14 +790,14 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         "ours": so,
         "trl": st,
         "train_ratio": bc.ratio(so["train_s"], st["train_s"]),
-        "train_ratio_per_repeat": _spread(paired),
-        "train_ratio_undecided_runs": _spread(paired_undecided),
+        "train_ratio_per_repeat": harness.spread(paired),
+        "train_ratio_undecided_runs": harness.spread(paired_undecided),
         "step_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "train_part_ratio": bc.ratio(so["train_part_s"], st["train_part_s"]),
         "part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
         "memory_ratio": bc.ratio(so[memory_key], st[memory_key]),
         "process_peak_memory_ratio": bc.ratio(so["process_peak_rss_mib"], st["process_peak_rss_mib"]),
-        "calibration_s_per_run": _spread(calibration),
+        "calibration_s_per_run": harness.spread(calibration),
         "equivalence": {
             "equivalent": bool(equivalent),
             "loss_max_abs_diff": max(loss) if loss else None,
@@ -855,7 +808,8 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
     }
 
 
-_cell = bc.range_cell  # median (min-max)
+def _cell(stat: dict | None, spec: str = ".3f") -> str:
+    return harness.cell(stat, spec)  # median (min-max)
 
 
 def markdown(report: dict) -> str:
@@ -867,23 +821,15 @@ def markdown(report: dict) -> str:
 
 
 def markdown_header(report: dict) -> list[str]:
-    c, m = report["config"], report["machine"]
-    cuda = c["device"] == "cuda"
-    mem = "CUDA peak allocated above start" if cuda else "peak RSS during train() above start"
+    c = report["config"]
+    mem = "CUDA peak allocated above start" if c["device"] == "cuda" else "peak RSS during train() above start"
     lines = [
-        "# Prefix-shared packed training step vs TRL's `GRPOTrainer`",
+        "## The points",
         "",
-        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Command: "
-        + "; then ".join(f"`{x}`" for x in report["commands"]),
-        "",
-        bc.machine_line(m),
-        f"Date: {report['date']}. Load average (1/5/15 min): {report['load_average_start']} at start, "
-        f"{report['load_average_end']} at end.",
-        "",
-        "Models: "
+        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Models: "
         + "; ".join(
-            f"`{name}`: {desc} ({report['parameters_by_model'].get(name, 0) / 1e6:.1f}M parameters)"
-            for name, desc in report["model_descriptions"].items()
+            f"`{name}`: {m.get('about')} ({(m.get('parameters') or 0) / 1e6:.1f}M parameters)"
+            for name, m in report.get("models", {}).items()
         )
         + f". {'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
         f"loss_agg_mode='seq-mean-token-mean')`, `prefix_packing_kernel={c.get('kernel', 'auto')!r}`; TRL: "
@@ -899,16 +845,18 @@ def markdown_header(report: dict) -> list[str]:
         "`calibration`: seconds a run of ours spent in `auto`'s calibration (its warm-up excess over its steady "
         "step, less TRL's). `tokens fwd`: tokens the packed forwards process / tokens of TRL's padded micro-batches.",
         "",
-        "| point | repeats | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | per repeat | step ratio "
-        "| ours part memory (MiB) | TRL part memory (MiB) | **part memory ratio** | memory ratio | calibration (s/run) "
-        "| kernels (training forwards) | equivalent |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return lines
 
 
 def markdown_table(report: dict) -> list[str]:
-    lines = []
+    """The points' table (gpu_check.md repeats it)."""
+    lines = [
+        "| point | repeats | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | per repeat | step ratio "
+        "| ours part memory (MiB) | TRL part memory (MiB) | **part memory ratio** | memory ratio | calibration (s/run) "
+        "| kernels (training forwards) | equivalent |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = [(point["name"], point["comparison"]) for point in report["results"]]
     rows += [
         (point["name"] + " **compiled**", point["compiled"]) for point in report["results"] if point.get("compiled")
@@ -998,11 +946,11 @@ def target_lines(report: dict) -> list[str]:
 
 
 def tail_lines(report: dict) -> list[str]:
-    c, lines = report["config"], []
+    lines = []
     if report["not_measured"]:
         lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
     if report.get("fewer_repeats"):
-        cut = ", ".join(f"{k} ({n} of {c['repeats']})" for k, n in report["fewer_repeats"].items())
+        cut = ", ".join(f"{k} ({n} finished)" for k, n in report["fewer_repeats"].items())
         lines += ["", f"Fewer repeats than asked (run cut short): {cut}."]
     for run in report.get("uncounted_runs", []):
         lines += [
@@ -1012,7 +960,7 @@ def tail_lines(report: dict) -> list[str]:
         ]
     for f in report.get("failed_points", []):
         lines += ["", f"FAILED {f['point']}: {f['error'][-400:]}"]
-    return lines + ["", f"Total wall time {report['total_wall_s'] / 60:.1f} min.", ""]
+    return lines + [""]
 
 
 def summarise(results: list[dict]) -> dict:
@@ -1023,80 +971,55 @@ def summarise(results: list[dict]) -> dict:
         targets.append({"point": parse_point(key).name, "key": key, "metric": metric, "bound": bound, "value": value})
         targets[-1]["met"] = None if value is None else value <= bound
     equivalent = all(r["comparison"]["equivalence"]["equivalent"] for r in results)
-    return {**dict.fromkeys(CPU_SUMMARY), "all_equivalent": equivalent, "cuda_targets": targets}
+    return {"all_equivalent": equivalent, "cuda_targets": targets}
 
 
-class Report:
-    """The report: the points measured so far (and those of a resumed report), rewritten after every repeat."""
+def derive(report: dict) -> None:
+    """The figures per point, from the parts' repeats (a repeat counts for a point when each of its sides finished;
+    a point measured again in a later part, after ``--resume``, by its latest part): ``results`` (`compare`),
+    ``summary`` (issue 42's targets), what failed, was not measured or was cut short, and the uncounted runs that
+    warm the compile cache."""
+    device = report["config"]["device"]
+    memory_key = "cuda_peak_above_start_mib" if device == "cuda" else "train_peak_rss_above_start_mib"
+    results, failed, counts, names, uncounted = {}, {}, {}, {}, []
+    for part in report["parts"].values():
+        for key, name in part.get("points", {}).items():
+            samples = [[r["samples"].get(f"{key}/{side}") for side in part["sides"]] for r in part.get("repeats", [])]
+            complete = [row for row in samples if all(harness.ok(x) for x in row)]
+            error = next((x for row in samples for x in row if x is not None and not harness.ok(x)), None)
+            names[key], counts[key] = name, (len(complete), part.get("repeats_asked", report["config"]["repeats"]))
+            failed.pop(key, None)
+            if error:
+                failed[key] = {"point": name, "error": f"{error['error']}: {error['output_tail']}"}
+            if complete:
+                results[key] = point_entry(report, key, name, dict(zip(part["sides"], zip(*complete))), memory_key)
+        for label, run in part.get("uncounted", {}).items():
+            if label.startswith("ours_compiled"):
+                summary = {"error": run["error"]} if not harness.ok(run) else run_summary(run)
+                uncounted.append({"point": label.split(" at ")[-1], "side": "ours_compiled", **summary})
+    report.update(
+        results=list(results.values()),
+        failed_points=list(failed.values()),
+        not_measured=[names[k] for k, (n, _) in counts.items() if n == 0],
+        fewer_repeats={names[k]: n for k, (n, asked) in counts.items() if 0 < n < asked},
+        uncounted_runs=uncounted,
+        memory_key=memory_key,
+        targets=[list(t) for t in CUDA_TARGETS],
+        summary=summarise(list(results.values())),
+    )
 
-    def __init__(self, args, argv):
-        self.args, self.started, self.load_start = args, time.perf_counter(), bc.loadavg()
-        self.command = " ".join([bc.interpreter(), *(sys.argv if argv is None else [__file__, *argv])])
-        self.results, self.parameters, self.descriptions, self.commands = [], {}, {}, []
-        self.failed_points, self.uncounted, self.resumed_wall_s = [], [], 0.0
 
-    def resume(self, points: list[Point]) -> list[Point]:
-        """With ``--resume``: the earlier report's points kept, the points still to measure."""
-        if not self.args.resume:
-            return points
-        earlier = json.loads(Path(self.args.resume).read_text())
-        self.results, self.resumed_wall_s = earlier["results"], earlier["total_wall_s"]
-        self.parameters, self.descriptions = earlier["parameters_by_model"], earlier["model_descriptions"]
-        self.commands = earlier.get("commands", [earlier["command"]])
-        done = {r["key"] for r in self.results}
-        return [p for p in points if p.key not in done]
-
-    def entry(self, point: Point, paths: dict, sides: dict, n: int) -> dict:
-        """The report's entry of a point measured ``n`` times on every side."""
-        for result in (r for side_runs in sides.values() for r in side_runs):
-            self.parameters[point.model] = result["parameters"]
-        spec = point_spec(self.args, point, paths[point.model])
-        entry = {
-            "key": point.key,
-            "name": point.name,
-            **dataclasses.asdict(point),
-            "repeats": n,
-            "departures": departures(spec, sides["ours"][0].get("token_budget")),
-            "comparison": compare(sides["ours"][:n], sides["trl"][:n], self.memory_key),
-            "runs": {side: side_runs[:n] for side, side_runs in sides.items()},
-        }
-        if "ours_compiled" in sides:
-            entry["compiled"] = compare(sides["ours_compiled"][:n], sides["trl"][:n], self.memory_key)
-        return entry
-
-    @property
-    def memory_key(self) -> str:
-        return "cuda_peak_above_start_mib" if self.args.device == "cuda" else "train_peak_rss_above_start_mib"
-
-    def write(self, points: list[Point], paths: dict, runs: dict) -> None:
-        """Write the report of every point measured so far (``not_measured``: no repeat finished; ``fewer_repeats``:
-        fewer than asked, with their counts)."""
-        args = self.args
-        counts = {p.key: min(len(v) for v in runs[p.key].values()) for p in points}
-        measured = [self.entry(p, paths, runs[p.key], counts[p.key]) for p in points if counts[p.key]]
-        results = [r for r in self.results if r["key"] not in runs] + measured  # resumed points kept
-        report = {
-            "benchmark": "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
-            "command": self.command,
-            "commands": [*self.commands, self.command],  # a resumed report: every run that made it
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": bc.machine_description(args.device) | {"torch_threads": args.threads},
-            "load_average_start": self.load_start,
-            "load_average_end": bc.loadavg(),
-            "config": {k: v for k, v in vars(args).items() if k != "out"},
-            "model_descriptions": self.descriptions,
-            "parameters_by_model": self.parameters,
-            "memory_key": self.memory_key,
-            "targets": {"cpu": CPU_TARGETS, "cuda": [list(t) for t in CUDA_TARGETS]},
-            "summary": summarise(results),
-            "results": results,
-            "not_measured": [p.name for p in points if counts[p.key] == 0],
-            "fewer_repeats": {p.name: counts[p.key] for p in points if 0 < counts[p.key] < args.repeats},
-            "uncounted_runs": self.uncounted,
-            "failed_points": self.failed_points,
-            "total_wall_s": time.perf_counter() - self.started + self.resumed_wall_s,
-        }
-        bc.write_report(args.out, report["benchmark"], report, markdown(report))
+def point_entry(report: dict, key: str, name: str, runs: dict, memory_key: str) -> dict:
+    """A measured point: its figures (ours, and ours compiled where it ran, against TRL) and every run."""
+    runs = {side: list(side_runs) for side, side_runs in runs.items()}
+    point = parse_point(key)
+    report.setdefault("models", {}).setdefault(point.model, {})["parameters"] = runs["ours"][0]["parameters"]
+    entry = {"key": key, "name": name, **dataclasses.asdict(point), "repeats": len(runs["ours"])}
+    entry |= {"departures": runs["ours"][0].get("departures", [])}
+    entry["comparison"] = compare(runs["ours"], runs["trl"], memory_key)
+    if "ours_compiled" in runs:
+        entry["compiled"] = compare(runs["ours_compiled"], runs["trl"], memory_key)
+    return entry | {"runs": runs}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1155,28 +1078,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = (parser := build_parser()).parse_args(argv)
-    report = Report(args, argv)
-    points = report.resume(settle(args, parser))
+    points = settle(args, parser)
+    bench = harness.Bench(
+        "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
+        args.out,
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        device=args.device,
+        title="Prefix-shared packed training step vs TRL's `GRPOTrainer`",
+        render=markdown,
+        preload=() if args.no_fork else PRELOAD,
+        update=derive,
+        resume=args.resume,
+    )
+    done = {r["key"] for r in bench.report["results"]}
+    points = [p for p in points if p.key not in done]  # a resumed report's measured points are kept
+    label = "points" if args.points else args.point_set or "target"
+    label += f" ({len(bench.report['parts']) + 1})" if label in bench.report["parts"] else ""
+    about = f"{', '.join(p.name for p in points)}; {args.repeats} repeat(s) asked" if points else "nothing to measure"
+    part = bench.part(label, description=about)
+    part.record |= {"points": {p.key: p.name for p in points}, "sides": args.sides, "repeats_asked": args.repeats}
     with tempfile.TemporaryDirectory(prefix="prefix_packing_") as tmp:
-        runner = Runner(Path(tmp), args.timeout, fork=not args.no_fork)
-        paths = {}
+        paths, sides = {}, []
         for model in dict.fromkeys(p.model for p in points):  # each model saved once, in a worker process
-            spec = {"make_model": model, "model_dir": f"{tmp}/model_{model}", "device": args.device}
-            made = runner.run({**spec, "threads": args.threads, "bf16": args.bf16, "seed": args.seed})
-            paths[model], report.descriptions[model] = made["path"], made["about"]
-        runs = {p.key: {side: [] for side in args.sides} for p in points}
+            spec = {"make_model": model, "model_dir": f"{tmp}/model_{model}", "threads": args.threads}
+            spec |= {k: getattr(args, k) for k in ("device", "bf16", "seed")}
+            made = part.run_once(harness.Side(f"model {model}", "prefix_packing:work", spec), f"model {model}")
+            if not harness.ok(made):
+                return bench.finish() or 1
+            paths[model] = made["path"]
+            bench.report.setdefault("models", {}).setdefault(model, {})["about"] = made["about"]
+        for point in points:
+            spec = point_spec(args, point, paths[point.model], output_dir=f"{tmp}/{point.key}")
+            sides += [
+                harness.Side(f"{point.key}/{s}", "prefix_packing:work", {**spec, "side": s}, {}, args.timeout)
+                for s in args.sides
+            ]
         if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
-            run_repeat(args, runner, points[0], paths, -1, ["ours_compiled"], None, report)
-        failed: set[str] = set()
-        for rep in range(args.repeats):
-            order = list(args.sides) if rep % 2 == 0 else list(args.sides)[::-1]  # ABC, CBA, ...
-            for point in [p for p in points if p.key not in failed]:  # points interleaved within a repeat
-                if not run_repeat(args, runner, point, paths, rep, order, runs[point.key], report):
-                    failed.add(point.key)
-                report.write(points, paths, runs)  # after every repeat of every point: a run stopped early keeps it
-        if not points:  # a resumed run with nothing left to measure: rewrite the report as it is
-            report.write([], paths, {})
-    return 1 if report.failed_points else 0
+            warm = next(s for s in sides if s.name.endswith("/ours_compiled"))
+            part.run_once(warm, f"ours_compiled, uncounted: warms the compile cache, at {points[0].name}")
+        part.run(sides, args.repeats)
+    return bench.finish()
 
 
 def settle(args, parser) -> list[Point]:
@@ -1211,36 +1152,7 @@ def settle(args, parser) -> list[Point]:
     return points
 
 
-def run_repeat(args, runner, point: Point, paths: dict, rep: int, order: list[str], runs: dict | None, report) -> bool:
-    """One repeat of ``point``, its sides in ``order``, each a fresh process; False (the failure recorded) when a
-    run failed. ``runs`` None: the uncounted run that warms the compile caches (kept under ``uncounted_runs``)."""
-    base = point_spec(args, point, paths[point.model], equivalence=rep == 0 and not args.no_equivalence)
-    try:
-        for side in order:
-            result = runner.run(dict(base, side=side))
-            if runs is None:
-                report.uncounted.append({"point": point.name, "side": side, **run_summary(result)})
-            else:
-                runs[side].append(result)
-            log_run(
-                point,
-                side if runs is not None else f"{side} (uncounted: warms the compile cache)",
-                rep,
-                args.repeats,
-                result,
-            )
-    except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported; the other points run
-        print(f"[{point.name}] FAILED: {err}", flush=True)
-        failure = {"point": point.name, "error": str(err)[-3000:]}
-        if runs is None:
-            report.uncounted.append({**failure, "side": "ours_compiled", "error": str(err)[-2000:]})
-        else:
-            report.failed_points.append(failure)
-        return False
-    return True
-
-
-def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -> dict:
+def point_spec(args, point: Point, model_path: str, output_dir: str) -> dict:
     """The worker's spec for ``point`` (steps and warm-up per side: ours until auto's calibration has decided)."""
     warmup = args.accumulation_warmup if point.accumulation > 1 else args.warmup
     spec = {"model": model_path, "steps": args.steps or warmup + args.timed_steps, "warmup": warmup}
@@ -1258,18 +1170,9 @@ def point_spec(args, point: Point, model_path: str, equivalence: bool = False) -
         "point": point.name,
         "packing": True,
         "ac": args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing),
-        "equivalence": equivalence,
+        "equivalence": not args.no_equivalence,
+        "output_dir": output_dir,
     }
-
-
-def log_run(point: Point, side: str, rep: int, repeats: int, result: dict) -> None:
-    s, peak = run_summary(result), bc.fmt(result.get("cuda_peak_above_start_mib"), ".0f")
-    print(
-        f"[{point.name} rep {rep + 1}/{repeats}] {side}: train {bc.fmt(s['train_s'])} s, step {bc.fmt(s['step_s'])} s, "
-        f"first step {bc.fmt(result.get('first_step_s'))} s, CUDA peak {peak} MiB, kernels {result.get('kernels')}, "
-        f"pid {result.get('pid')}, load {bc.loadavg()}",
-        flush=True,
-    )
 
 
 if __name__ == "__main__":

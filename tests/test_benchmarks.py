@@ -175,6 +175,8 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     _check_machine(report)
     (point,) = report["results"]
     assert point["repeats"] == 2 and len({r["pid"] for r in point["runs"]["ours"] + point["runs"]["trl"]}) == 4
+    # the direct check runs in the point's first repeat only (the harness hands the child its repeat's index)
+    assert [bool(r.get("equivalence_check")) for r in point["runs"]["ours"]] == [True, False]
     comparison = point["comparison"]
     assert all(comparison[key] > 0 for key in ("train_ratio", "step_ratio", "memory_ratio")), comparison
     spread = comparison["ours"]["train_s_spread"]
@@ -269,6 +271,45 @@ def test_gpu_check_stops_a_part_over_budget_and_runs_the_rest(tmp_path):
     parts = _load(out / "gpu_check.json")["parts"]
     assert parts["bench"]["status"] == "timeout" and parts["bench"]["wall_s"] < 30
     assert parts["accumulation"]["status"] == "passed"
+
+
+def test_prefix_packing_resume_keeps_the_measured_points_and_measures_the_rest(tmp_path, monkeypatch):
+    """`--resume` (gpu_check's later benchmark parts): the earlier report's parts and commands are kept, its measured
+    points are not run again, a point it could not measure is, and the figures per point read every part."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import harness
+    import prefix_packing
+
+    ran = []
+
+    def run(self, side, timeout_s, log=None):  # no processes: the samples a run of each side would give
+        ran.append(side.name)
+        if side.spec.get("make_model"):
+            return {"path": "unused", "about": "a stand-in"}
+        if side.name.startswith("tiny:32:8:2"):
+            return {"error": "exit status 1", "output_tail": "broken"}
+        steps = [0.5, 0.2, 0.2] if side.spec["side"] == "ours" else [0.5, 0.4, 0.4]
+        sample = {"step_s": steps, "generation_s": [0.1] * 3, "warmup": 1, "losses": [1.0], "grad_norms": [1.0]}
+        return sample | {"forwarded_token_ratio": [0.5], "parameters": 10, "micro_batch": None, "departures": []}
+
+    monkeypatch.setattr(harness.Launcher, "run", run)
+    args = ["--out", str(tmp_path), "--no-equivalence", "--points"]
+    first = ["--repeats", "1", "--sides", "ours,ours_compiled,trl", *args, "tiny:32:8:4", "tiny:32:8:2"]
+    assert prefix_packing.main(first) == 1  # a point failed
+    assert ran[:3] == ["model tiny", "tiny:32:8:4/ours_compiled", "tiny:32:8:4/ours"]  # the cache warmed first
+    report = _load(tmp_path / "prefix_packing.json")
+    assert report["uncounted_runs"][0]["point"] == "tiny P32/C8/G4 K1" and "compiled" in report["results"][0]
+    assert [r["key"] for r in report["results"]] == ["tiny:32:8:4"] and report["not_measured"] == ["tiny P32/C8/G2 K1"]
+    assert report["results"][0]["comparison"]["train_ratio"] == pytest.approx(0.1 / 0.3)
+    ran.clear()
+    resume = ["--resume", str(tmp_path / "prefix_packing.json")]
+    prefix_packing.main(["--repeats", "2", *args, "tiny:32:8:4", "tiny:32:8:2", *resume])
+    ours, trl = "tiny:32:8:2/ours", "tiny:32:8:2/trl"
+    assert ran == ["model tiny", ours, trl, trl, ours]  # only the point not measured, its sides alternating
+    report = _load(tmp_path / "prefix_packing.json")
+    assert report["fewer_repeats"] == {}  # each part against the repeats it asked
+    assert list(report["parts"]) == ["points", "points (2)"] and len(report["commands"]) == 2
+    assert [r["key"] for r in report["results"]] == ["tiny:32:8:4"] and len(report["failed_points"]) == 1
 
 
 def test_prefix_packing_direct_check_fails_on_a_wrong_packed_forward(tiny_model_dir, tmp_path):
