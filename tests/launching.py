@@ -51,8 +51,10 @@ STALE_BUILD_LOCK_S = 15 * 60
 
 
 def _default_extension_root() -> Path:
-    """torch's default JIT extension cache on Linux (it adds a folder per accelerator, ``py311_cpu``, below it)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    """torch's default JIT extension cache (torch adds a folder per accelerator, ``py311_cpu``, below it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
 
 
 def environment_extension_cache(prefix: str | None = None) -> str:
