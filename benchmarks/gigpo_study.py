@@ -88,11 +88,8 @@ def training_tasks(plan: dict, seed: int):
 
 def games(plan: dict, plays: int) -> list[dict]:
     """Every target of the range, ``plays`` times each: the rows of an evaluation (or validation)."""
-    return [
-        {"target": t, "low": plan["low"], "high": plan["high"]}
-        for t in range(plan["low"], plan["high"] + 1)
-        for _ in range(plays)
-    ]
+    low, high = plan["low"], plan["high"]
+    return [{"target": t, "low": low, "high": high} for t in range(low, high + 1) for _ in range(plays)]
 
 
 class PolicyGenerator:
@@ -112,11 +109,8 @@ class PolicyGenerator:
         return self._prompt_ids(self.tokenizer, conversations)
 
     def render(self, messages, add_generation_prompt):
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
-        )
+        kwargs = {"add_generation_prompt": add_generation_prompt, "tokenize": True, "return_dict": False}
+        return list(self.tokenizer.apply_chat_template(messages, **kwargs))
 
     def generate(self, prompt_ids):
         import torch
@@ -125,11 +119,8 @@ class PolicyGenerator:
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        sampling = (
-            {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
-            if self.temperature
-            else {"do_sample": False}
-        )
+        sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+        sampling = sampling if self.temperature else {"do_sample": False}
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad, **sampling
@@ -183,7 +174,6 @@ def arm_settings(arm: str) -> dict:
 
 
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_dir: str):
-
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     config = StepGRPOConfig(

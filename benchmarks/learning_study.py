@@ -105,12 +105,11 @@ def eval_points(plan: dict, arm: str) -> list[int]:
 def task_data(plan: dict) -> dict:
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
+    style = plan["prompt_style"]
     data = {
-        "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=plan["prompt_style"]),
-        "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=plan["prompt_style"]),
-        "expert": arithmetic_expert_dataset(
-            plan["expert_pool"], seed=1, kinds=plan["covered"], prompt_style=plan["prompt_style"]
-        ),
+        "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=style),
+        "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=style),
+        "expert": arithmetic_expert_dataset(plan["expert_pool"], seed=1, kinds=plan["covered"], prompt_style=style),
     }
     data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
     data["val"] = seeded_study.validation_set(plan, data)
@@ -158,7 +157,6 @@ def _rl(plan: dict) -> dict:
 
 
 def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import ChordConfig, ChordTrainer
 
@@ -167,18 +165,13 @@ def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: 
     )
     if config.local_expert_rows() != expert_rows(plan):
         raise RuntimeError(f"{arm}: {config.local_expert_rows()} demonstrations a step, planned {expert_rows(plan)}")
+    lora = seeded_study.lora_config(plan)
     return ChordTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        expert_dataset=data["expert"],
-        peft_config=seeded_study.lora_config(plan),
+        model, arithmetic_reward, config, data["train"], expert_dataset=data["expert"], peft_config=lora
     )
 
 
 def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-
     from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
 
     config = TrinitySFTConfig(
@@ -198,13 +191,7 @@ def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict,
     config = TrinityConfig(
         **seeded_study.common_config(seed, output_dir, plan["steps"], lr), **_rl(plan), algorithm="grpo"
     )
-    return TrinityTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        processing_class=tokenizer,
-    )
+    return TrinityTrainer(model, arithmetic_reward, config, data["train"], processing_class=tokenizer)
 
 
 def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset: int = 0) -> dict:
@@ -221,10 +208,8 @@ def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset:
         def on_step_end(self, targs, state, control, **kwargs):
             if state.global_step in probes:
                 cpu = time.process_time()
-                point = {
-                    "step": probes[state.global_step],
-                    **score(trainer.model, trainer.processing_class, data["probe"], plan),
-                }
+                step = probes[state.global_step]
+                point = {"step": step, **score(trainer.model, trainer.processing_class, data["probe"], plan)}
                 eval_cpu[0] += time.process_time() - cpu
                 points.append(point)
                 print(f"    step {point['step']}: probe accuracy {point['all']:.3f} {point['by_kind']}", flush=True)

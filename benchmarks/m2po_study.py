@@ -81,7 +81,6 @@ def arm_settings(arm: str) -> dict:
 def task_data(plan: dict) -> dict:
     """The RL prompts, the held-out problems (test split, the templates in equal numbers) and the validation problems
     (training split, none of them an RL prompt), the same for every run."""
-
     from trinity_trl.data import arithmetic_dataset
 
     style = plan["prompt_style"]
@@ -108,7 +107,6 @@ def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
 # ------------------------------------------------------------------------------------------ training
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
     """``AsyncTrinityTrainer`` of ``arm`` whose worker samples with the weights of ``weight_lag`` steps before."""
-
     from trinity_trl.asynchronous.worker import TransformersRolloutWorker
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import AsyncTrinityConfig, AsyncTrinityTrainer
@@ -131,11 +129,7 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
         loss_normalization=plan["loss_normalization"],
     )
     return LaggedWorkerTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        peft_config=seeded_study.lora_config(plan),
+        model, arithmetic_reward, config, data["train"], peft_config=seeded_study.lora_config(plan)
     )
 
 
