@@ -180,13 +180,9 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
     results, skipped = {}, {}
     group_size = args.experiences // args.groups
     exp_shape = (args.experiences, args.groups, args.experience_len)
-    batches = {
-        "tokens": (token_shape, batch_inputs(*token_shape, group_size=args.token_group_size, seed=args.seed)),
-        "experiences": (
-            (args.experiences, args.experience_len),
-            batch_inputs(args.experiences, args.experience_len, group_size=group_size, seed=args.seed),
-        ),
-    }
+    batches = {"tokens": (token_shape, batch_inputs(*token_shape, args.token_group_size, args.seed))}
+    exp_tokens = (args.experiences, args.experience_len)
+    batches["experiences"] = (exp_tokens, batch_inputs(*exp_tokens, group_size, args.seed))
     for name in ADVANTAGE_FN.names():
         cls = ADVANTAGE_FN.get(name)
         try:

@@ -13,13 +13,9 @@ import statistics
 import sys
 from pathlib import Path
 
-_OFFLINE = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "WANDB_MODE": "disabled",
-}
-_OFFLINE |= {"TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false", "DISABLE_MLFLOW_INTEGRATION": "TRUE"}
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+_OFFLINE |= {"WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+_OFFLINE |= {"DISABLE_MLFLOW_INTEGRATION": "TRUE"}
 for _name, _value in _OFFLINE.items():
     os.environ.setdefault(_name, _value)
 

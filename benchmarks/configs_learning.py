@@ -56,21 +56,12 @@ def run(config: str, label: str, overrides: list[str], note: str) -> dict:
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    record = {
-        "config": config,
-        "label": label,
-        "command": " ".join(["trinity-trl", recipe, "--config", config, *overrides]),
-        "returncode": proc.returncode,
-        "wall_s": round(wall, 1),
-        "loadavg_before": load_before,
-        "loadavg_after": bench_common.loadavg(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "niceness": bench_common.niceness(),
-        "cpu": bench_common.cpu_model(),
-        "cores": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "note": note,
-    }
+    shown = " ".join(["trinity-trl", recipe, "--config", config, *overrides])
+    record = {"config": config, "label": label, "command": shown, "returncode": proc.returncode}
+    record |= {"wall_s": round(wall, 1), "loadavg_before": load_before, "loadavg_after": bench_common.loadavg()}
+    record |= {"omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "niceness": bench_common.niceness()}
+    record |= {"cpu": bench_common.cpu_model(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    record["note"] = note
     if proc.returncode != 0:
         record["error"] = proc.stderr[-2000:]
         return record

@@ -407,12 +407,9 @@ def cost_lines(arms: dict, labels: dict, evaluating: str = "scoring", extra: dic
     extra = extra or {}
     columns = ["training CPU s / run", f"{evaluating} CPU s / run", *extra]
 
-    def cells(s: dict) -> list:
-        return [cell(s["train_cpu_s_per_run"], ".0f"), cell(s["eval_cpu_s_per_run"], ".0f")] + [
-            value(s) for value in extra.values()
-        ]
-
-    return ["", "## Cost", ""] + arm_table(arms, labels, columns, cells)
+    cells = [lambda s: cell(s["train_cpu_s_per_run"], ".0f"), lambda s: cell(s["eval_cpu_s_per_run"], ".0f")]
+    cells += extra.values()
+    return ["", "## Cost", ""] + arm_table(arms, labels, columns, lambda s: [value(s) for value in cells])
 
 
 def tuning_lines(arms: dict, plan: dict, labels: dict, what: str) -> list[str]:
@@ -448,21 +445,16 @@ def status_lines(records: list[dict], summary: dict, plan: dict, budget: str = "
     if runs:
         last = runs[-1]
         lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
-        eta = _eta(records, summary["runs_planned"] - summary["runs_done"])
-        if eta:
-            lines.append(eta)
+        # runs left and the wall time they take at the pace so far (the median time between finished runs)
+        stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
+        gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+        if gaps:
+            left, pace = summary["runs_planned"] - summary["runs_done"], statistics.median(gaps)
+            hours = left * pace / 3600
+            lines.append(
+                f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
+            )
     return lines
-
-
-def _eta(records: list[dict], left: int) -> str | None:
-    """Runs left and the wall time they take at the pace seen so far (the median time between finished runs)."""
-    stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
-    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
-    if not gaps:
-        return None
-    pace = statistics.median(gaps)
-    hours = left * pace / 3600
-    return f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
 
 
 def bundled_model() -> str:
@@ -496,21 +488,10 @@ def lora_config(plan: dict):
 
 def common_config(seed: int, output_dir: str, steps: int, lr: float) -> dict:
     """The training arguments every study run shares."""
-    return {
-        "output_dir": output_dir,
-        "use_cpu": True,
-        "bf16": False,
-        "activation_checkpointing": False,
-        "max_steps": steps,
-        "learning_rate": lr,
-        "lr_scheduler_type": "constant",
-        "report_to": "none",
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "seed": seed,
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-    }
+    config = {"output_dir": output_dir, "use_cpu": True, "bf16": False, "activation_checkpointing": False}
+    config |= {"max_steps": steps, "learning_rate": lr, "lr_scheduler_type": "constant", "report_to": "none"}
+    config |= {"save_strategy": "no", "logging_steps": 1, "seed": seed, "dataloader_num_workers": 0}
+    return config | {"disable_tqdm": True}
 
 
 def validation_set(plan: dict, data: dict):
