@@ -259,19 +259,11 @@ def bench_model(args) -> dict:
     print(f"model: {description}, {args.model_batch} x {args.model_len} tokens ...", flush=True)
     timing = time_call(forward_backward, args.model_reps, args.model_warmup)
     tokens = args.model_batch * args.model_len
-    print(
-        f"model forward+backward: {timing['median_s']:.2f} s ({timing['median_s'] / tokens * 1e3:.3f} ms/token)",
-        flush=True,
-    )
-    return {
-        "description": description,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "batch": args.model_batch,
-        "length": args.model_len,
-        "tokens": tokens,
-        "forward_backward": timing,
-        "seconds_per_token": timing["median_s"] / tokens,
-    }
+    seconds = timing["median_s"]
+    print(f"model forward+backward: {seconds:.2f} s ({seconds / tokens * 1e3:.3f} ms/token)", flush=True)
+    parameters = sum(p.numel() for p in model.parameters())
+    out = {"description": description, "parameters": parameters, "batch": args.model_batch, "length": args.model_len}
+    return out | {"tokens": tokens, "forward_backward": timing, "seconds_per_token": seconds / tokens}
 
 
 # ------------------------------------------------------------------------------- reporting

@@ -261,23 +261,13 @@ def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps
     with tempfile.TemporaryDirectory(prefix="gigpo_pilot_") as tmp:
         result = run_arm("gigpo", model, plan["tune_seed"], lr, plan, Path(tmp), validate=False)
     hits = [h for h in result["anchor_hit_ratio"] if h is not None]
-    report = {
-        "machine": bc.machine_description("cpu"),
-        "load_average": bc.loadavg(),
-        "arm": "gigpo",
-        "seed": plan["tune_seed"],
-        "lr": lr,
-        "steps": result["optimizer_steps"],
-        "anchor_hit_ratio": result["anchor_hit_ratio"],
-        "anchor_hit_ratio_mean": mean(hits),
-        "steps_per_run": result["steps_per_run"],
-        "run_reward": result["run_reward"],
-        "train_cpu_s_per_step": result["train_cpu_s"] / max(1, result["optimizer_steps"]),
-        "eval_cpu_s": result["eval_cpu_s"],
-        "eval_games": result["points"][-1]["n"],
-        "success_after": result["points"][-1]["success"],
-        "greedy_success_after": result["greedy_success"],
-    }
+    report = {"machine": bc.machine_description("cpu"), "load_average": bc.loadavg(), "arm": "gigpo"}
+    report |= {"seed": plan["tune_seed"], "lr": lr, "steps": result["optimizer_steps"]}
+    report |= {"anchor_hit_ratio": result["anchor_hit_ratio"], "anchor_hit_ratio_mean": mean(hits)}
+    report |= {"steps_per_run": result["steps_per_run"], "run_reward": result["run_reward"]}
+    report |= {"train_cpu_s_per_step": result["train_cpu_s"] / max(1, result["optimizer_steps"])}
+    report |= {"eval_cpu_s": result["eval_cpu_s"], "eval_games": final(result)["n"]}
+    report |= {"success_after": final(result)["success"], "greedy_success_after": result["greedy_success"]}
     (out / "gigpo_pilot.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1), flush=True)
     return 0

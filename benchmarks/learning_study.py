@@ -398,15 +398,11 @@ def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, ste
         with tempfile.TemporaryDirectory(prefix="learning_study_cost_") as tmp:
             result = run_arm(arm, model, 99, 3e-4, plan, data, Path(tmp), validate=True)
         scored = plan["eval_rows"] + plan["val_rows"] + 2 * plan["probe_rows"]
-        results[arm] = {
-            "optimizer_steps": result["optimizer_steps"],
-            "train_cpu_s": result["train_cpu_s"],
-            "train_cpu_s_per_step": result["train_cpu_s"] / result["optimizer_steps"],
-            "eval_cpu_s": result["eval_cpu_s"],
-            "eval_cpu_s_per_problem": result["eval_cpu_s"] / scored,
-            "generation_cpu_s": result["generation_cpu_s"],
-            "load_average": bc.loadavg(),
-        }
+        train, evaluate, optimizer_steps = result["train_cpu_s"], result["eval_cpu_s"], result["optimizer_steps"]
+        results[arm] = {"optimizer_steps": optimizer_steps, "train_cpu_s": train}
+        results[arm] |= {"train_cpu_s_per_step": train / optimizer_steps, "eval_cpu_s": evaluate}
+        results[arm] |= {"eval_cpu_s_per_problem": evaluate / scored, "generation_cpu_s": result["generation_cpu_s"]}
+        results[arm]["load_average"] = bc.loadavg()
         print(arm, results[arm], flush=True)
     report = {"machine": bc.machine_description("cpu"), "steps": steps, "results": results}
     (out / "learning_study_cost.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -65,6 +65,11 @@ PLAN = {
     "run_timeout_h": 24.0,  # wall time after which a run's process is stopped (a hung run), the study with it
 }
 LABELS = {"m2po": "M2PO", "cispo": "CISPO", "base": "base model"}
+#: what a run keeps of each step's logs: its key -> the logged name (``reward``: the mean of the step's trained samples)
+LOGGED = {"train_reward": "reward", "staleness": "async/staleness", "staleness_max": "async/staleness_max"}
+LOGGED |= {"dropped_stale": "async/dropped_stale_total", "masked_fraction": "actor/m2po/masked_fraction"}
+LOGGED |= {"trust_region_fraction": "actor/m2po/trust_region_fraction", "m2_before": "actor/m2po/m2_before"}
+LOGGED |= {"unmasked_frac": "actor/unmasked_frac", "loss": "loss", "grad_norm": "grad_norm"}
 TEMPLATES = ("add", "sub", "mul", "div", "two_step")
 
 
@@ -133,10 +138,6 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
     )
 
 
-def _per_step(logs: list[dict], key: str) -> list[float | None]:
-    return [entry.get(key) for entry in logs]
-
-
 def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, tmp: Path, validate: bool) -> dict:
     """One run: per-step logs (training reward, staleness, M2PO's masks or CISPO's kept share, loss, gradient
     norm), the held-out score after the last step (each problem's outcome kept), the validation accuracy (tuning
@@ -148,25 +149,10 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
     final = {"step": trainer.state.global_step, **score(trainer.model, tokenizer, data["test"], plan, keep=True)}
     val = score(trainer.model, tokenizer, data["val"], plan)["all"] if validate else None
     eval_cpu = time.process_time() - cpu
-    return {
-        "points": [final],
-        "val": val,
-        "optimizer_steps": trainer.state.global_step,
-        "rollouts": trainer.state.global_step * plan["num_generations"],
-        "train_cpu_s": train_cpu,
-        "train_wall_s": wall,
-        "eval_cpu_s": eval_cpu,
-        "train_reward": _per_step(logs, "reward"),  # the mean reward of the step's trained samples
-        "staleness": _per_step(logs, "async/staleness"),
-        "staleness_max": _per_step(logs, "async/staleness_max"),
-        "dropped_stale": _per_step(logs, "async/dropped_stale_total"),
-        "masked_fraction": _per_step(logs, "actor/m2po/masked_fraction"),
-        "trust_region_fraction": _per_step(logs, "actor/m2po/trust_region_fraction"),
-        "m2_before": _per_step(logs, "actor/m2po/m2_before"),
-        "unmasked_frac": _per_step(logs, "actor/unmasked_frac"),
-        "loss": _per_step(logs, "loss"),
-        "grad_norm": _per_step(logs, "grad_norm"),
-    }
+    result = {"points": [final], "val": val, "optimizer_steps": trainer.state.global_step}
+    result |= {"rollouts": trainer.state.global_step * plan["num_generations"], "train_cpu_s": train_cpu}
+    result |= {"train_wall_s": wall, "eval_cpu_s": eval_cpu}
+    return result | {key: [entry.get(name) for entry in logs] for key, name in LOGGED.items()}
 
 
 def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:

@@ -450,10 +450,8 @@ def status_lines(records: list[dict], summary: dict, plan: dict, budget: str = "
         gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
         if gaps:
             left, pace = summary["runs_planned"] - summary["runs_done"], statistics.median(gaps)
-            hours = left * pace / 3600
-            lines.append(
-                f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
-            )
+            wall = f"about {left * pace / 3600:.1f} h of wall time"
+            lines.append(f"{left} runs left; at the median {pace / 60:.0f} min a run so far, {wall}")
     return lines
 
 
