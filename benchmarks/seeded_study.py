@@ -1,8 +1,8 @@
 """What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py`` and
 ``m2po_study.py``, issue 55): the plan's fingerprint, the runs file and resuming it, running it (each run a fresh
 process through `harness`, the base model first), the tuning rule, the order of the runs, the paired tests over
-seeds with Holm's correction, the summary's shared lines and the run set-up (LoRA, training arguments, validation
-problems).
+seeds with Holm's correction, the summary's shared lines and tables and the run set-up (LoRA, training arguments,
+validation problems). `Study` gives a study its module-level entry points (the launcher runs ``<study>:run_side``).
 
 The tuning seed runs each arm over the learning-rate grid (validation problems or games, never the held-out ones); an
 optimum on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored
