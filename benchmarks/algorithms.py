@@ -27,30 +27,11 @@ import torch
 TARGET_PERCENT = 2.0
 
 # SmolLM2-135M-Instruct (LlamaForCausalLM), used when the bundled checkpoint is not installed
-SMOLLM2_135M = {
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "hidden_act": "silu",
-}
-TINY_LLAMA = {
-    **SMOLLM2_135M,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-}
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9}
+SMOLLM2_135M |= {"num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192}
+SMOLLM2_135M |= {"tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "hidden_act": "silu"}
+TINY_LLAMA = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16}
+TINY_LLAMA |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -199,13 +180,9 @@ def bench_advantages(args, token_shape: tuple[int, int]) -> tuple[dict, dict]:
     results, skipped = {}, {}
     group_size = args.experiences // args.groups
     exp_shape = (args.experiences, args.groups, args.experience_len)
-    batches = {
-        "tokens": (token_shape, batch_inputs(*token_shape, group_size=args.token_group_size, seed=args.seed)),
-        "experiences": (
-            (args.experiences, args.experience_len),
-            batch_inputs(args.experiences, args.experience_len, group_size=group_size, seed=args.seed),
-        ),
-    }
+    batches = {"tokens": (token_shape, batch_inputs(*token_shape, args.token_group_size, args.seed))}
+    exp_tokens = (args.experiences, args.experience_len)
+    batches["experiences"] = (exp_tokens, batch_inputs(*exp_tokens, group_size, args.seed))
     for name in ADVANTAGE_FN.names():
         cls = ADVANTAGE_FN.get(name)
         try:
@@ -282,19 +259,11 @@ def bench_model(args) -> dict:
     print(f"model: {description}, {args.model_batch} x {args.model_len} tokens ...", flush=True)
     timing = time_call(forward_backward, args.model_reps, args.model_warmup)
     tokens = args.model_batch * args.model_len
-    print(
-        f"model forward+backward: {timing['median_s']:.2f} s ({timing['median_s'] / tokens * 1e3:.3f} ms/token)",
-        flush=True,
-    )
-    return {
-        "description": description,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "batch": args.model_batch,
-        "length": args.model_len,
-        "tokens": tokens,
-        "forward_backward": timing,
-        "seconds_per_token": timing["median_s"] / tokens,
-    }
+    seconds = timing["median_s"]
+    print(f"model forward+backward: {seconds:.2f} s ({seconds / tokens * 1e3:.3f} ms/token)", flush=True)
+    parameters = sum(p.numel() for p in model.parameters())
+    out = {"description": description, "parameters": parameters, "batch": args.model_batch, "length": args.model_len}
+    return out | {"tokens": tokens, "forward_backward": timing, "seconds_per_token": seconds / tokens}
 
 
 # ------------------------------------------------------------------------------- reporting
@@ -309,32 +278,23 @@ def markdown(report: dict) -> str:
     lines = [
         "# Cost of the algorithm components against the model's forward + backward",
         "",
-        (
-            f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}"
-            f"Command: `{report['command']}`"
-        ),
+        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Command: `{report['command']}`",
         "",
         bc.machine_line(m),
-        (
-            f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
-            f"(on {m['os_cpu_count']} cores)."
-        ),
+        f"Load average (1/5/15 min): {report['load_average_start']} at start, {report['load_average_end']} at end "
+        f"(on {m['os_cpu_count']} cores).",
         "",
-        (
-            f"Reference: {model['description']} ({model['parameters'] / 1e6:.1f}M parameters, fp32), forward + "
-            f"backward with a next-token cross-entropy, measured on {model['batch']} x {model['length']} tokens: "
-            f"{model['forward_backward']['median_s']:.2f} s (median of {c['model_reps']}), "
-            f"i.e. {model['seconds_per_token'] * 1e3:.3f} ms per token, **scaled linearly** to each component's "
-            f"tokens (for {c['batch']} x {c['length']} = {tokens} tokens: {model_on_batch:.0f} s). Attention grows "
-            "faster than linearly with length, so at 4096 tokens the real model costs more than this and the "
-            f"percentages below are upper bounds. Target: every loss below {TARGET_PERCENT:g} % of the model."
-        ),
+        f"Reference: {model['description']} ({model['parameters'] / 1e6:.1f}M parameters, fp32), forward + "
+        f"backward with a next-token cross-entropy, measured on {model['batch']} x {model['length']} tokens: "
+        f"{model['forward_backward']['median_s']:.2f} s (median of {c['model_reps']}), "
+        f"i.e. {model['seconds_per_token'] * 1e3:.3f} ms per token, **scaled linearly** to each component's "
+        f"tokens (for {c['batch']} x {c['length']} = {tokens} tokens: {model_on_batch:.0f} s). Attention grows "
+        "faster than linearly with length, so at 4096 tokens the real model costs more than this and the "
+        f"percentages below are upper bounds. Target: every loss below {TARGET_PERCENT:g} % of the model.",
         "",
-        (
-            f"Losses, KL and entropy terms on {c['batch']} x {c['length']} tokens (ragged masks, a quarter of the rows "
-            f"expert), default arguments; `forward` = the call under no_grad, `fwd+bwd` = the call + "
-            f"`loss.backward()` (median of {c['reps']} after {c['warmup']} warm-up):"
-        ),
+        f"Losses, KL and entropy terms on {c['batch']} x {c['length']} tokens (ragged masks, a quarter of the rows "
+        f"expert), default arguments; `forward` = the call under no_grad, `fwd+bwd` = the call + "
+        f"`loss.backward()` (median of {c['reps']} after {c['warmup']} warm-up):",
         "",
         "| component | key | forward (ms) | fwd+bwd (ms) | % of model fwd+bwd | < 2 % |",
         "|---|---|---|---|---|---|",
@@ -349,13 +309,10 @@ def markdown(report: dict) -> str:
             )
     lines += [
         "",
-        (
-            f"Advantage functions (no grad; once per generation batch): group operators on {c['experiences']} "
-            f"experiences in {c['groups']} groups ({c['experience_len']}-token responses); batch functions on the "
-            f"{c['batch']} x {c['length']} token batch (groups of {c['token_group_size']} rows) "
-            f"and on the experiences' "
-            f"shape ({c['experiences']} x {c['experience_len']}, {c['groups']} groups):"
-        ),
+        f"Advantage functions (no grad; once per generation batch): group operators on {c['experiences']} "
+        f"experiences in {c['groups']} groups ({c['experience_len']}-token responses); batch functions on the "
+        f"{c['batch']} x {c['length']} token batch (groups of {c['token_group_size']} rows) and on the experiences' "
+        f"shape ({c['experiences']} x {c['experience_len']}, {c['groups']} groups):",
         "",
         "| key | kind | shape | time (ms) | % of model fwd+bwd on those tokens |",
         "|---|---|---|---|---|",
@@ -376,19 +333,15 @@ def markdown(report: dict) -> str:
     ]
     worst = report["summary"]
     lines += [
-        (
-            f"Largest loss share: `{worst['worst_loss']}` at {worst['worst_loss_percent']:.4f} % of the model "
-            f"(target < {TARGET_PERCENT:g} %: {'met' if worst['target_met'] else 'NOT met'})."
-        ),
+        f"Largest loss share: `{worst['worst_loss']}` at {worst['worst_loss_percent']:.4f} % of the model "
+        f"(target < {TARGET_PERCENT:g} %: {'met' if worst['target_met'] else 'NOT met'}).",
         "",
     ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="rows of the loss / KL / token-advantage batch")
     parser.add_argument("--length", type=int, default=4096, help="tokens per row of that batch")
     parser.add_argument("--token-group-size", type=int, default=8, help="group size of the token batch (uid)")
@@ -402,18 +355,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model-len", type=int, default=1024)
     parser.add_argument("--model-reps", type=int, default=3)
     parser.add_argument("--model-warmup", type=int, default=1)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch.set_num_threads (1: steadier on shared cores; the same for every measurement)",
-    )
+    threads = "torch.set_num_threads (1: steadier on shared cores; the same for every measurement)"
+    parser.add_argument("--threads", type=int, default=1, help=threads)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="small setting: 8 x 512 tokens, 1000 experiences in 100 groups, model on 1 x 128, 2 reps",
-    )
+    quick = "small setting: 8 x 512 tokens, 1000 experiences in 100 groups, model on 1 x 128, 2 reps"
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--out", default="benchmarks/results", help="directory for algorithms.json / .md")
     args = parser.parse_args(argv)
     if args.quick:

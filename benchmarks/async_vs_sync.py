@@ -69,23 +69,11 @@ def one_run(side: str, args, work: str) -> dict:
     reward.__name__ = "arithmetic_reward"
     sync_config, sync_trainer, async_config, async_trainer = ALGORITHMS[args.algorithm]
     rows = args.prompts * args.generations
-    common = {
-        "output_dir": os.path.join(work, f"out-{side}"),
-        "max_steps": args.steps,
-        "learning_rate": 1e-3,
-        "per_device_train_batch_size": rows,
-        "num_generations": args.generations,
-        "max_completion_length": args.completion,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        "seed": args.seed,
-    }
-    if args.device == "cpu":
-        common["use_cpu"] = True
-    else:
-        common.update(bf16=True)
+    common = {"output_dir": os.path.join(work, f"out-{side}"), "max_steps": args.steps, "learning_rate": 1e-3}
+    common |= {"per_device_train_batch_size": rows, "num_generations": args.generations, "seed": args.seed}
+    common |= {"max_completion_length": args.completion, "logging_steps": 1, "save_strategy": "no"}
+    common |= {"report_to": "none", "disable_tqdm": True}
+    common |= {"use_cpu": True} if args.device == "cpu" else {"bf16": True}
     if args.algorithm == "grpo":
         common["algorithm"] = "grpo"
     if side == "async":
@@ -96,11 +84,7 @@ def one_run(side: str, args, work: str) -> dict:
         trainer_class = getattr(trinity_trl, sync_trainer)
     peft = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM") if args.lora else None
     trainer = trainer_class(
-        model_path(args.model, work),
-        reward,
-        config,
-        arithmetic_dataset("train", num_rows=256),
-        peft_config=peft,
+        model_path(args.model, work), reward, config, arithmetic_dataset("train", 256), peft_config=peft
     )
     start = time.perf_counter()
     trainer.train()

@@ -13,15 +13,10 @@ import statistics
 import sys
 from pathlib import Path
 
-for _name, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_MODE": "disabled",
-    "DISABLE_MLFLOW_INTEGRATION": "TRUE",
-}.items():
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+_OFFLINE |= {"WANDB_MODE": "disabled", "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+_OFFLINE |= {"DISABLE_MLFLOW_INTEGRATION": "TRUE"}
+for _name, _value in _OFFLINE.items():
     os.environ.setdefault(_name, _value)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,17 +156,10 @@ def qwen2_config(shape: dict, vocab: int = REAL_VOCAB, max_positions: int = 4096
     ``kv_heads``) with ``vocab`` entries and tied embeddings (as Qwen2.5-0.5B/1.5B); ``extra``: more config fields."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        **extra,
-    )
+    sizes = {"hidden_size": shape["hidden"], "intermediate_size": shape["intermediate"], **extra}
+    sizes |= {"num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"]}
+    sizes |= {"num_key_value_heads": shape["kv_heads"], "max_position_embeddings": max_positions}
+    return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, **sizes)
 
 
 def save_random_qwen2(

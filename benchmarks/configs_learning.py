@@ -50,40 +50,18 @@ def reward_quarters(log_history: list[dict]) -> tuple[float, float, float]:
 def run(config: str, label: str, overrides: list[str], note: str) -> dict:
     recipe = recipe_of(config)
     out = tempfile.mkdtemp(prefix=f"configs_learning_{label}_")
-    command = [
-        sys.executable,
-        "-m",
-        "trinity_trl.cli",
-        recipe,
-        "--config",
-        config,
-        "--output_dir",
-        out,
-        "--overwrite_output_dir",
-        "true",
-        "--plot",
-        "false",
-        *overrides,
-    ]
+    command = [sys.executable, "-m", "trinity_trl.cli", recipe, "--config", config, "--output_dir", out]
+    command += ["--overwrite_output_dir", "true", "--plot", "false", *overrides]
     load_before = bench_common.loadavg()
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    record = {
-        "config": config,
-        "label": label,
-        "command": " ".join(["trinity-trl", recipe, "--config", config, *overrides]),
-        "returncode": proc.returncode,
-        "wall_s": round(wall, 1),
-        "loadavg_before": load_before,
-        "loadavg_after": bench_common.loadavg(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "niceness": bench_common.niceness(),
-        "cpu": bench_common.cpu_model(),
-        "cores": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "note": note,
-    }
+    shown = " ".join(["trinity-trl", recipe, "--config", config, *overrides])
+    record = {"config": config, "label": label, "command": shown, "returncode": proc.returncode}
+    record |= {"wall_s": round(wall, 1), "loadavg_before": load_before, "loadavg_after": bench_common.loadavg()}
+    record |= {"omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "niceness": bench_common.niceness()}
+    record |= {"cpu": bench_common.cpu_model(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    record["note"] = note
     if proc.returncode != 0:
         record["error"] = proc.stderr[-2000:]
         return record
@@ -97,12 +75,8 @@ def run(config: str, label: str, overrides: list[str], note: str) -> dict:
         record.update(metric="held-out accuracy", before=summary["accuracy_before"], after=summary["accuracy_after"])
     else:
         first, last, spread = reward_quarters(history)
-        record.update(
-            metric="mean reward, first/last quarter of steps",
-            before=round(first, 3),
-            after=round(last, 3),
-            steps_with_reward_spread=round(spread, 3),
-        )
+        record.update(metric="mean reward, first/last quarter of steps", before=round(first, 3), after=round(last, 3))
+        record["steps_with_reward_spread"] = round(spread, 3)
     record["closing_lines"] = [line for line in proc.stdout.splitlines() if line.startswith("[trinity-trl]")][-3:]
     return record
 
@@ -130,18 +104,8 @@ def write_markdown(jsonl=JSONL, markdown=MARKDOWN) -> None:
             if "steps_with_reward_spread" in r:
                 metric += f" (spread in {r['steps_with_reward_spread']:.0%} of steps)"
             load = f"{r['loadavg_before'][0]} -> {r['loadavg_after'][0]}" if r["loadavg_before"] else "?"
-            cells = [
-                r["config"],
-                f"`{r['command']}`",
-                metric,
-                f"{r['before']:.3f}",
-                f"{r['after']:.3f}",
-                str(r["steps"]),
-                str(r["s_per_step"]),
-                str(r["wall_s"]),
-                load,
-                r["note"],
-            ]
+            cells = [r["config"], f"`{r['command']}`", metric, f"{r['before']:.3f}", f"{r['after']:.3f}"]
+            cells += [str(r["steps"]), str(r["s_per_step"]), str(r["wall_s"]), load, r["note"]]
         lines.append("| " + " | ".join(cells) + " |")
     if records:
         lines += ["", f"Machine: {records[-1]['cpu']}, {records[-1]['cores']} cores."]

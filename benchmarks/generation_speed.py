@@ -63,12 +63,8 @@ def run_side(spec: dict) -> dict:
     def generate() -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            if decoding is None:
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-            else:
-                out = decoding.generate(
-                    model, model.generate, input_ids=ids, attention_mask=mask, generation_config=config
-                )
+            inputs = {"input_ids": ids, "attention_mask": mask, "generation_config": config}
+            out = model.generate(**inputs) if decoding is None else decoding.generate(model, model.generate, **inputs)
         assert out.shape == (group, prompt + completion), out.shape
         return time.perf_counter() - start
 
@@ -116,24 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, prompt, completion, group = DRY_POINT if args.dry_run else CPU_POINT
     repeats, calls = (1, 1) if args.dry_run else (args.repeats, args.calls)
+    job = {"model": model, "prompt": prompt, "completion": completion, "group": group, "calls": calls}
     bench = harness.Bench(
         "generation_speed",
         harness.out_dir(args),
-        config={"model": model, "prompt": prompt, "completion": completion, "group": group, "calls": calls},
+        config=job,
         title="Generation alone: one prefill per group and compiled decoding against plain generate",
         render=render,
         budget_s=args.budget,
     )
     point = f"{model} P{prompt} C{completion} G{group}"
     part = bench.part(point, description=f"{model}, prompt {prompt}, completion {completion}, {group} copies, float32")
-    sides = [
-        harness.Side(
-            side,
-            "generation_speed:run_side",
-            {"side": side, "model": model, "prompt": prompt, "completion": completion, "group": group, "calls": calls},
-        )
-        for side in SIDES
-    ]
+    sides = [harness.Side(side, "generation_speed:run_side", {"side": side, **job}) for side in SIDES]
     part.run(sides, repeats, reference="plain", ratios=("generate_s",))
     return bench.finish()
 

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 import seeded_study
-from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
+from seeded_study import RUNS_FILE, cell, final, finished, load_runs, mean, spread  # noqa: F401 (for callers)
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -69,13 +69,7 @@ PLAN = {
     "cpu_budget_h": 16.0,
     "run_timeout_h": 24.0,  # wall time after which a run's process is stopped (a hung run), the study with it
 }
-RUNS_FILE = "runs.jsonl"
 LABELS = {"gigpo": "GiGPO", "step_grpo": "step-wise GRPO", "gigpo_omega0": "GiGPO omega 0", "base": "base model"}
-
-
-def plan_key(plan: dict = PLAN) -> str:
-    """The plan's fingerprint: runs are kept under it."""
-    return seeded_study.plan_key(plan)
 
 
 # ------------------------------------------------------------------------------------------ the game
@@ -94,11 +88,8 @@ def training_tasks(plan: dict, seed: int):
 
 def games(plan: dict, plays: int) -> list[dict]:
     """Every target of the range, ``plays`` times each: the rows of an evaluation (or validation)."""
-    return [
-        {"target": t, "low": plan["low"], "high": plan["high"]}
-        for t in range(plan["low"], plan["high"] + 1)
-        for _ in range(plays)
-    ]
+    low, high = plan["low"], plan["high"]
+    return [{"target": t, "low": low, "high": high} for t in range(low, high + 1) for _ in range(plays)]
 
 
 class PolicyGenerator:
@@ -118,11 +109,8 @@ class PolicyGenerator:
         return self._prompt_ids(self.tokenizer, conversations)
 
     def render(self, messages, add_generation_prompt):
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
-        )
+        kwargs = {"add_generation_prompt": add_generation_prompt, "tokenize": True, "return_dict": False}
+        return list(self.tokenizer.apply_chat_template(messages, **kwargs))
 
     def generate(self, prompt_ids):
         import torch
@@ -131,11 +119,8 @@ class PolicyGenerator:
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        sampling = (
-            {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
-            if self.temperature
-            else {"do_sample": False}
-        )
+        sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+        sampling = sampling if self.temperature else {"do_sample": False}
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=self.max_new_tokens, pad_token_id=pad, **sampling
@@ -189,7 +174,6 @@ def arm_settings(arm: str) -> dict:
 
 
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_dir: str):
-
     from trinity_trl.trainers import StepGRPOConfig, StepGRPOTrainer
 
     config = StepGRPOConfig(
@@ -214,10 +198,9 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, output_d
 def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, validate: bool) -> dict:
     """One run: per-step logs (run reward, anchor hit ratio), the evaluation after each probe step and the last,
     the validation success rate (tuning runs), greedy success on each target once, cost."""
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import TrainerCallback
 
     trainer = trainer_for(arm, model, seed, lr, plan, str(tmp / arm))
-    trainer.remove_callback(PrinterCallback)
     tokenizer = trainer.processing_class
     points: list[dict] = []
     eval_cpu = [0.0]
@@ -237,10 +220,8 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, v
                 points.append(evaluate(state.global_step, keep=False))
 
     trainer.add_callback(Probe())
-    start, cpu = time.perf_counter(), time.process_time()
-    trainer.train()
-    wall, train_cpu = time.perf_counter() - start, time.process_time() - cpu - eval_cpu[0]
-    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    wall, cpu, logs = seeded_study.train(trainer)
+    train_cpu = cpu - eval_cpu[0]
     points.append(evaluate(trainer.state.global_step, keep=True))
     cpu = time.process_time()
     val = None
@@ -264,24 +245,9 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, tmp: Path, v
     }
 
 
-def run_side(spec: dict) -> dict:
-    """`seeded_study.run_side`: the base model's evaluation (sampled and greedy games) when ``arm`` is ``"base"``."""
-    return seeded_study.run_side(spec, evaluate_base, run_arm)
-
-
 def evaluate_base(model, tokenizer, plan: dict) -> dict:
     final = {"step": 0, **play(model, tokenizer, plan, plan["eval_plays"], plan["eval_seed"], 1.0)}
     return {"points": [final], "greedy_success": play(model, tokenizer, plan, 1, plan["eval_seed"], None)["success"]}
-
-
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
-    """`seeded_study.run_study`: each run in a fresh process (`run_side`)."""
-    model = model_override or seeded_study.bundled_model()
-
-    def outcome(result: dict) -> str:
-        return f"success {result['points'][-1]['success']:.3f}"
-
-    return seeded_study.run_study(out, plan, RUNS_FILE, "gigpo_study:run_side", model, outcome, launcher)
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
@@ -295,72 +261,43 @@ def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps
     with tempfile.TemporaryDirectory(prefix="gigpo_pilot_") as tmp:
         result = run_arm("gigpo", model, plan["tune_seed"], lr, plan, Path(tmp), validate=False)
     hits = [h for h in result["anchor_hit_ratio"] if h is not None]
-    report = {
-        "machine": bc.machine_description("cpu"),
-        "load_average": bc.loadavg(),
-        "arm": "gigpo",
-        "seed": plan["tune_seed"],
-        "lr": lr,
-        "steps": result["optimizer_steps"],
-        "anchor_hit_ratio": result["anchor_hit_ratio"],
-        "anchor_hit_ratio_mean": mean(hits),
-        "steps_per_run": result["steps_per_run"],
-        "run_reward": result["run_reward"],
-        "train_cpu_s_per_step": result["train_cpu_s"] / max(1, result["optimizer_steps"]),
-        "eval_cpu_s": result["eval_cpu_s"],
-        "eval_games": result["points"][-1]["n"],
-        "success_after": result["points"][-1]["success"],
-        "greedy_success_after": result["greedy_success"],
-    }
+    report = {"machine": bc.machine_description("cpu"), "load_average": bc.loadavg(), "arm": "gigpo"}
+    report |= {"seed": plan["tune_seed"], "lr": lr, "steps": result["optimizer_steps"]}
+    report |= {"anchor_hit_ratio": result["anchor_hit_ratio"], "anchor_hit_ratio_mean": mean(hits)}
+    report |= {"steps_per_run": result["steps_per_run"], "run_reward": result["run_reward"]}
+    report |= {"train_cpu_s_per_step": result["train_cpu_s"] / max(1, result["optimizer_steps"])}
+    report |= {"eval_cpu_s": result["eval_cpu_s"], "eval_games": final(result)["n"]}
+    report |= {"success_after": final(result)["success"], "greedy_success_after": result["greedy_success"]}
     (out / "gigpo_pilot.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1), flush=True)
     return 0
 
 
 # ------------------------------------------------------------------------------------------ summary
-def _final(run: dict) -> dict:
-    return run["points"][-1]
-
-
 def summarise(records: list[dict], plan: dict = PLAN) -> dict:
     """The pre-registered tests and the descriptive tables, from the finished runs."""
-    rates, scored, complete = seeded_study.scored_runs(records, plan)
-    reward = {"reward": lambda run: _final(run)["reward"]}
-    tests = seeded_study.paired_tests(plan, scored, lambda run: _final(run)["success"], extra=reward)
-    base = next((r for r in records if r["arm"] == "base"), None)
-    arms = {}
-    for arm in plan["arms"]:
-        runs = [scored[arm][s] for s in sorted(scored[arm])]
-        hits = [h for r in runs for h in r["anchor_hit_ratio"] if h is not None]
-        arms[arm] = {
-            "lr": rates[arm]["lr"],
-            "tuning": rates[arm],
-            "seeds": sorted(scored[arm]),
-            "optimizer_steps": sorted({r["optimizer_steps"] for r in runs}),
-            "runs_played": sorted({r["runs_played"] for r in runs}),
-            "success": spread([_final(r)["success"] for r in runs]),
-            "reward": spread([_final(r)["reward"] for r in runs]),
-            "turns": spread([_final(r)["turns"] for r in runs]),
-            "greedy_success": spread([r["greedy_success"] for r in runs]),
-            "curve": _curve(runs),
-            "anchor_hit_ratio": mean(hits),
-            "mean_run_reward": mean([v for r in runs for v in r["run_reward"] if v is not None]),
-            "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
-            "eval_cpu_s_per_run": spread([r["eval_cpu_s"] for r in runs]),
-        }
-    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    reward = {"reward": lambda run: final(run)["reward"]}
+    return seeded_study.summary(records, plan, lambda run: final(run)["success"], reward, _arm, _base)
+
+
+def _arm(runs: list[dict], base: dict | None) -> dict:
+    hits = [h for r in runs for h in r["anchor_hit_ratio"] if h is not None]
     return {
-        **seeded_study.progress(records, plan, rates, complete),
-        "tests": tests,
-        "arms": arms,
-        "base": None if base is None else {**{k: _final(base)[k] for k in ("success", "reward")}, **_greedy(base)},
-        "cpu_s": total,
-        "budget_spent": total / 3600 >= plan["cpu_budget_h"],
+        "runs_played": sorted({r["runs_played"] for r in runs}),
+        "success": spread([final(r)["success"] for r in runs]),
+        "reward": spread([final(r)["reward"] for r in runs]),
+        "turns": spread([final(r)["turns"] for r in runs]),
+        "greedy_success": spread([r["greedy_success"] for r in runs]),
+        "curve": _curve(runs),
+        "anchor_hit_ratio": mean(hits),
+        "mean_run_reward": mean([v for r in runs for v in r["run_reward"] if v is not None]),
+        "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
+        "eval_cpu_s_per_run": spread([r["eval_cpu_s"] for r in runs]),
     }
 
 
-def _greedy(run: dict) -> dict:
-    return {"greedy_success": run.get("greedy_success")}
+def _base(run: dict) -> dict:
+    return {**{k: final(run)[k] for k in ("success", "reward")}, "greedy_success": run.get("greedy_success")}
 
 
 def _curve(runs: list[dict]) -> list[dict]:
@@ -375,36 +312,12 @@ def _curve(runs: list[dict]) -> list[dict]:
 def markdown(summary: dict) -> str:
     plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
     lines = seeded_study.header_lines(summary, "The pre-registered GiGPO study (issue 55)", "gigpo_study_plan.md")
-    lines += [
-        "## Pre-registered tests (success rate of the evaluation games after the last step, paired t over the seeds)",
-        "",
-        "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    lines += seeded_study.test_rows(tests, LABELS)
-    lines += [
-        "",
-        "Descriptive, not tested: the same differences in the mean final reward (partial credit) of the games.",
-        "",
-        "| comparison | mean | 95 % interval |",
-        "|---|---|---|",
-    ]
-    for name, t in tests.items():
-        lines.append(f"| {name} | {bc.fmt(t['reward']['mean'], '+.3f')} | {interval(t['reward'])} |")
-    lines += [
-        "",
-        "## Arms",
-        "",
-        "| arm | rate | seeds | optimizer steps | runs played | success | final reward | guesses | greedy success | "
-        "anchor hit ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, s in arms.items():
-        lines.append(
-            f"| {LABELS[arm]} | {bc.fmt(s['lr'], 'g')} | {len(s['seeds'])} | {s['optimizer_steps']} | "
-            f"{s['runs_played']} | {cell(s['success'])} | {cell(s['reward'])} | {cell(s['turns'], '.2f')} | "
-            f"{cell(s['greedy_success'])} | {bc.fmt(s['anchor_hit_ratio'], '.3f')} |"
-        )
+    heading = "Pre-registered tests (success rate of the evaluation games after the last step, paired t over the seeds)"
+    lines += seeded_study.test_lines(heading, tests, LABELS)
+    text = "the same differences in the mean final reward (partial credit) of the games."
+    lines += seeded_study.descriptive_lines(text, tests, ["reward"]) + ["", "## Arms", ""]
+    columns = ["runs played", "success", "final reward", "guesses", "greedy success", "anchor hit ratio"]
+    lines += seeded_study.arm_table(arms, LABELS, columns, _cells, rates=True)
     base = summary["base"]
     if base:
         lines += [
@@ -412,40 +325,29 @@ def markdown(summary: dict) -> str:
             f"Base model: success {base['success']:.3f}, final reward {base['reward']:.3f}, greedy success "
             f"{bc.fmt(base['greedy_success'])}.",
         ]
-    lines += ["", "## Tuning (validation success on the tuning seed)", ""]
-    lines += seeded_study.tuning_lines(arms, plan, LABELS)
+    lines += seeded_study.tuning_lines(arms, plan, LABELS, "success")
     lines += ["", "## Curves (mean success over the scored seeds)", ""]
     for arm, s in arms.items():
         points = "; ".join(f"step {c['step']}: {cell(c['success'])}" for c in s["curve"]) or "no run yet"
         lines.append(f"- {LABELS[arm]}: {points}")
-    lines += [
-        "",
-        "## Cost",
-        "",
-        "| arm | training CPU s / run | evaluating CPU s / run | mean run reward in training |",
-        "|---|---|---|---|",
+    extra = {"mean run reward in training": lambda s: bc.fmt(s["mean_run_reward"])}
+    return "\n".join(lines + seeded_study.cost_lines(arms, LABELS, "evaluating", extra)) + "\n"
+
+
+def _cells(s: dict) -> list:
+    return [s["runs_played"], cell(s["success"]), cell(s["reward"]), cell(s["turns"], ".2f")] + [
+        cell(s["greedy_success"]),
+        bc.fmt(s["anchor_hit_ratio"], ".3f"),
     ]
-    for arm, s in arms.items():
-        lines.append(
-            f"| {LABELS[arm]} | {cell(s['train_cpu_s_per_run'], '.0f')} | {cell(s['eval_cpu_s_per_run'], '.0f')} | "
-            f"{bc.fmt(s['mean_run_reward'])} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
-def status(out: Path, plan: dict = PLAN) -> str:
-    return seeded_study.status_text(out, RUNS_FILE, plan, summarise)
+def _outcome(result: dict) -> str:
+    return f"success {result['points'][-1]['success']:.3f}"
 
 
-def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
-    """``gigpo_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
-    ``gigpo_study_runs.jsonl``."""
-    return seeded_study.write_summary(runs_path, to, "gigpo_study", plan, summarise, markdown)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return seeded_study.command_line(argv, __doc__.split("\n\n")[0], "gigpo_study", sys.modules[__name__])
-
+STUDY = seeded_study.Study("gigpo_study", __doc__, PLAN, summarise, markdown, outcome=_outcome)
+STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, pilot
+plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":
     raise SystemExit(main())

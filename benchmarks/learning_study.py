@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 import seeded_study
+from seeded_study import RUNS_FILE, final, finished, load_runs, planned_runs, tuning  # noqa: F401 (tests, callers)
 from seeded_study import cell as _cell
-from seeded_study import finished, load_runs, paired_tests, planned_runs, scored_runs, tuning  # noqa: F401 (tests)
 from seeded_study import mean as _mean
 from seeded_study import spread as _spread
 
@@ -69,15 +69,9 @@ PLAN = {
     "grid_factor": 3.0,
     "max_extensions": 2,
 }
-RUNS_FILE = "runs.jsonl"
 LABELS = {"chord_phi": "CHORD-phi", "chord_mu": "CHORD-mu", "sft_grpo": "SFT then GRPO", "base": "base model"}
 GROUPS = ("all", "covered", "uncovered")
 TEMPLATES = ("add", "sub", "mul", "div", "two_step")
-
-
-def plan_key(plan: dict = PLAN) -> str:
-    """The plan's fingerprint: runs are kept under it."""
-    return seeded_study.plan_key(plan)
 
 
 def sft_steps(plan: dict) -> int:
@@ -111,12 +105,11 @@ def eval_points(plan: dict, arm: str) -> list[int]:
 def task_data(plan: dict) -> dict:
     from trinity_trl.data import arithmetic_dataset, arithmetic_expert_dataset
 
+    style = plan["prompt_style"]
     data = {
-        "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=plan["prompt_style"]),
-        "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=plan["prompt_style"]),
-        "expert": arithmetic_expert_dataset(
-            plan["expert_pool"], seed=1, kinds=plan["covered"], prompt_style=plan["prompt_style"]
-        ),
+        "train": arithmetic_dataset("train", plan["train_rows"], seed=0, prompt_style=style),
+        "test": arithmetic_dataset("test", plan["eval_rows"], seed=0, prompt_style=style),
+        "expert": arithmetic_expert_dataset(plan["expert_pool"], seed=1, kinds=plan["covered"], prompt_style=style),
     }
     data["probe"] = data["test"].select(range(plan["probe_rows"]))  # the templates take turns: 20 of each
     data["val"] = seeded_study.validation_set(plan, data)
@@ -126,17 +119,9 @@ def task_data(plan: dict) -> dict:
 def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
     """Greedy accuracy overall, on the covered and uncovered templates and per template; with ``keep``, each
     problem's outcome, template and completion."""
-    from trinity_trl.data import accuracy_by_kind, arithmetic_reward, evaluate_accuracy
+    from trinity_trl.data import accuracy_by_kind, arithmetic_reward
 
-    _, completions = evaluate_accuracy(
-        model,
-        tokenizer,
-        dataset,
-        batch_size=50,
-        max_new_tokens=plan["eval_max_new_tokens"],
-        progress=False,
-        return_completions=True,
-    )
+    completions = seeded_study.greedy_completions(model, tokenizer, dataset, plan)
     kinds = list(dataset["kind"])
     outcomes = [int(r) for r in arithmetic_reward(completions, list(dataset["answer"]))]
 
@@ -161,11 +146,6 @@ def _text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-def _common(plan: dict, seed: int, lr: float, steps: int, output_dir: str) -> dict:
-
-    return seeded_study.common_config(seed, output_dir, steps, lr)
-
-
 def _rl(plan: dict) -> dict:
     return {
         "per_device_train_batch_size": plan["rollouts_per_step"],
@@ -177,29 +157,26 @@ def _rl(plan: dict) -> dict:
 
 
 def chord_trainer(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import ChordConfig, ChordTrainer
 
-    config = ChordConfig(**_common(plan, seed, lr, plan["steps"], output_dir), **_rl(plan), paper_config=arm)
+    config = ChordConfig(
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr), **_rl(plan), paper_config=arm
+    )
     if config.local_expert_rows() != expert_rows(plan):
         raise RuntimeError(f"{arm}: {config.local_expert_rows()} demonstrations a step, planned {expert_rows(plan)}")
+    lora = seeded_study.lora_config(plan)
     return ChordTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        expert_dataset=data["expert"],
-        peft_config=seeded_study.lora_config(plan),
+        model, arithmetic_reward, config, data["train"], expert_dataset=data["expert"], peft_config=lora
     )
 
 
 def sft_trainer(model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
-
     from trinity_trl.trainers import TrinitySFTConfig, TrinitySFTTrainer
 
     config = TrinitySFTConfig(
-        **_common(plan, seed, lr, sft_steps(plan), output_dir), per_device_train_batch_size=plan["sft_rows_per_step"]
+        **seeded_study.common_config(seed, output_dir, sft_steps(plan), lr),
+        per_device_train_batch_size=plan["sft_rows_per_step"],
     )
     return TrinitySFTTrainer(
         model=model, args=config, train_dataset=data["expert"], peft_config=seeded_study.lora_config(plan)
@@ -211,22 +188,17 @@ def grpo_trainer(model, tokenizer, seed: int, lr: float, plan: dict, data: dict,
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import TrinityConfig, TrinityTrainer
 
-    config = TrinityConfig(**_common(plan, seed, lr, plan["steps"], output_dir), **_rl(plan), algorithm="grpo")
-    return TrinityTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        processing_class=tokenizer,
+    config = TrinityConfig(
+        **seeded_study.common_config(seed, output_dir, plan["steps"], lr), **_rl(plan), algorithm="grpo"
     )
+    return TrinityTrainer(model, arithmetic_reward, config, data["train"], processing_class=tokenizer)
 
 
 def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset: int = 0) -> dict:
     """Train, scoring the probe problems after each stage step in ``probes`` (stage step -> global step); CPU and
     wall seconds of training (without the probes) and of generation, per-step logs."""
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import TrainerCallback
 
-    trainer.remove_callback(PrinterCallback)
     points: list[dict] = []
     eval_cpu, generation_cpu = [0.0], [0.0]
     if hasattr(trainer, "_generate_single_turn"):
@@ -236,19 +208,14 @@ def train_stage(trainer, data: dict, plan: dict, probes: dict[int, int], offset:
         def on_step_end(self, targs, state, control, **kwargs):
             if state.global_step in probes:
                 cpu = time.process_time()
-                point = {
-                    "step": probes[state.global_step],
-                    **score(trainer.model, trainer.processing_class, data["probe"], plan),
-                }
+                step = probes[state.global_step]
+                point = {"step": step, **score(trainer.model, trainer.processing_class, data["probe"], plan)}
                 eval_cpu[0] += time.process_time() - cpu
                 points.append(point)
                 print(f"    step {point['step']}: probe accuracy {point['all']:.3f} {point['by_kind']}", flush=True)
 
     trainer.add_callback(Probe())
-    start, cpu = time.perf_counter(), time.process_time()
-    trainer.train()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    wall, cpu, logs = seeded_study.train(trainer)
     reward_key = next((k for k in (logs[0] if logs else {}) if k.startswith("rewards/") and k.endswith("/mean")), None)
     return {
         "points": points,
@@ -302,59 +269,34 @@ def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, 
     return result
 
 
-def run_side(spec: dict) -> dict:
-    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
-    return seeded_study.run_side(spec, evaluate_base, run_arm, task_data)
-
-
 def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:
     return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
 
 
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
-    """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
-    model = model_override or seeded_study.bundled_model()
-    return seeded_study.run_study(out, plan, RUNS_FILE, "learning_study:run_side", model, launcher=launcher)
-
-
 # ------------------------------------------------------------------------------------------ summary
-def _final(run: dict) -> dict:
-    return run["points"][-1]
-
-
 def summarise(records: list[dict], plan: dict = PLAN) -> dict:
     """The pre-registered tests and the descriptive tables, from the finished runs."""
-    rates, scored, complete = scored_runs(records, plan)
-    groups = {group: (lambda run, group=group: _final(run)[group]) for group in ("covered", "uncovered")}
-    tests = paired_tests(plan, scored, lambda run: _final(run)["all"], extra=groups)
-    base = next((r for r in records if r["arm"] == "base"), None)
-    arms = {}
-    for arm in plan["arms"]:
-        runs = [scored[arm][s] for s in sorted(scored[arm])]
-        arms[arm] = {
-            "lr": rates[arm]["lr"],
-            "tuning": rates[arm],
-            "seeds": sorted(scored[arm]),
-            "optimizer_steps": sorted({r["optimizer_steps"] for r in runs}),
-            "demonstrations": sorted({r["demonstrations"] for r in runs}),
-            "rollouts": sorted({r["rollouts"] for r in runs}),
-            "final": {g: _spread([_final(r)[g] for r in runs]) for g in GROUPS},
-            "by_kind": {k: _spread([_final(r)["by_kind"][k] for r in runs]) for k in TEMPLATES},
-            "curve": _curve(runs),
-            "templates": _learned(runs, base, plan),
-            "train_cpu_s_per_run": _spread([r["train_cpu_s"] for r in runs]),
-            "eval_cpu_s_per_run": _spread([r["eval_cpu_s"] for r in runs]),
-            "rollout_groups_with_spread": _mean([1.0 - v for r in runs for v in r["frac_reward_zero_std"]]),
-            "mean_train_reward": _mean([v for r in runs for v in r["train_reward"] if v is not None]),
-        }
-    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    groups = {group: (lambda run, group=group: final(run)[group]) for group in ("covered", "uncovered")}
+    return seeded_study.summary(records, plan, lambda run: final(run)["all"], groups, _arm, _base)
+
+
+def _arm(runs: list[dict], base: dict | None) -> dict:
     return {
-        **seeded_study.progress(records, plan, rates, complete),
-        "tests": tests,
-        "arms": arms,
-        "base": None if base is None else {k: _final(base)[k] for k in (*GROUPS, "by_kind")},
-        "cpu_s": total,
+        "demonstrations": sorted({r["demonstrations"] for r in runs}),
+        "rollouts": sorted({r["rollouts"] for r in runs}),
+        "final": {g: _spread([final(r)[g] for r in runs]) for g in GROUPS},
+        "by_kind": {k: _spread([final(r)["by_kind"][k] for r in runs]) for k in TEMPLATES},
+        "curve": _curve(runs),
+        "templates": _learned(runs, base),
+        "train_cpu_s_per_run": _spread([r["train_cpu_s"] for r in runs]),
+        "eval_cpu_s_per_run": _spread([r["eval_cpu_s"] for r in runs]),
+        "rollout_groups_with_spread": _mean([1.0 - v for r in runs for v in r["frac_reward_zero_std"]]),
+        "mean_train_reward": _mean([v for r in runs for v in r["train_reward"] if v is not None]),
     }
+
+
+def _base(run: dict) -> dict:
+    return {k: final(run)[k] for k in (*GROUPS, "by_kind")}
 
 
 def _curve(runs: list[dict]) -> list[dict]:
@@ -374,13 +316,13 @@ def _curve(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _learned(runs: list[dict], base: dict | None, plan: dict) -> dict:
+def _learned(runs: list[dict], base: dict | None) -> dict:
     """Per template, how many runs never learned it (every point at most the base model's accuracy + 0.1), learned
     and kept it, or forgot it (a point at least base + 0.2, and the last step at least 0.2 below that peak): the
     pre-registered description (benchmarks/results/learning_study_plan.md)."""
     out = {}
     for kind in TEMPLATES:
-        floor = _final(base)["by_kind"][kind] if base else 0.0
+        floor = final(base)["by_kind"][kind] if base else 0.0
         counts = {"never learned": 0, "kept": 0, "forgot": 0, "other": 0}
         for run in runs:
             values = [p["by_kind"][kind] for p in run["points"]]
@@ -400,54 +342,25 @@ def _learned(runs: list[dict], base: dict | None, plan: dict) -> dict:
 def markdown(summary: dict) -> str:
     plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
     lines = seeded_study.header_lines(summary, "The pre-registered CHORD study (issue 45)", "learning_study_plan.md")
-    lines += [
-        "## Pre-registered tests (held-out accuracy after the last step, paired t over the scored seeds)",
-        "",
-        "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    lines += seeded_study.test_rows(tests, LABELS)
-    lines += [
-        "",
-        "Descriptive, not tested: the same differences on the covered and uncovered templates.",
-        "",
-        "| comparison | group | mean | 95 % interval |",
-        "|---|---|---|---|",
-    ]
-    for name, t in tests.items():
-        for group in ("covered", "uncovered"):
-            g = t[group]
-            lines.append(f"| {name} | {group} | {bc.fmt(g['mean'], '+.3f')} | {seeded_study.interval(g)} |")
-    lines += [
-        "",
-        "## Arms",
-        "",
-        "| arm | rate | seeds | optimizer steps | demonstrations | rollouts | all | covered | uncovered |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, s in arms.items():
-        cells = [_cell(s["final"][g]) for g in GROUPS]
-        lines.append(
-            f"| {LABELS[arm]} | {bc.fmt(s['lr'], 'g')} | {len(s['seeds'])} | {s['optimizer_steps']} | "
-            f"{s['demonstrations']} | {s['rollouts']} | " + " | ".join(cells) + " |"
-        )
+    heading = "Pre-registered tests (held-out accuracy after the last step, paired t over the scored seeds)"
+    lines += seeded_study.test_lines(heading, tests, LABELS)
+    text = "the same differences on the covered and uncovered templates."
+    lines += seeded_study.descriptive_lines(text, tests, ["covered", "uncovered"]) + ["", "## Arms", ""]
+    columns = ["demonstrations", "rollouts", *GROUPS]
+    lines += seeded_study.arm_table(arms, LABELS, columns, _cells, rates=True)
     base = summary["base"]
     if base:
         lines += [
             "",
             f"Base model: {base['all']:.3f} ({', '.join(f'{k} {v:.3f}' for k, v in base['by_kind'].items())}).",
         ]
-    lines += ["", "## Tuning (validation accuracy on the tuning seed)", ""]
-    lines += seeded_study.tuning_lines(arms, plan, LABELS)
+    lines += seeded_study.tuning_lines(arms, plan, LABELS, "accuracy")
     lines += ["", "## Per template: final accuracy and what each run did with the template", ""]
-    lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
-    for arm, s in arms.items():
-        lines.append(f"| {LABELS[arm]} | " + " | ".join(_cell(s["by_kind"][k]) for k in TEMPLATES) + " |")
+    lines += seeded_study.arm_table(
+        arms, LABELS, list(TEMPLATES), lambda s: [_cell(s["by_kind"][k]) for k in TEMPLATES]
+    )
     lines += ["", "Runs that never learned / learned and kept / forgot each template (definitions in the plan):", ""]
-    lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
-    for arm, s in arms.items():
-        cells = [f"{c['never learned']} / {c['kept']} / {c['forgot']}" for c in s["templates"].values()]
-        lines.append(f"| {LABELS[arm]} | " + " | ".join(cells) + " |")
+    lines += seeded_study.arm_table(arms, LABELS, list(TEMPLATES), _template_cells)
     lines += [
         "",
         "## Curves (mean over the scored seeds; intermediate points on the first "
@@ -457,31 +370,19 @@ def markdown(summary: dict) -> str:
     for arm, s in arms.items():
         points = "; ".join(f"step {c['step']}: {_cell(c['all'])}" for c in s["curve"])
         lines.append(f"- {LABELS[arm]}: {points}")
-    lines += [
-        "",
-        "## Cost",
-        "",
-        "| arm | training CPU s / run | scoring CPU s / run | rollout groups with a reward "
-        "spread | mean train reward |",
-        "|---|---|---|---|---|",
-    ]
-    for arm, s in arms.items():
-        lines.append(
-            f"| {LABELS[arm]} | {_cell(s['train_cpu_s_per_run'], '.0f')} | {_cell(s['eval_cpu_s_per_run'], '.0f')} | "
-            f"{bc.fmt(s['rollout_groups_with_spread'], '.2f')} | {bc.fmt(s['mean_train_reward'])} |"
-        )
-    return "\n".join(lines) + "\n"
+    extra = {
+        "rollout groups with a reward spread": lambda s: bc.fmt(s["rollout_groups_with_spread"], ".2f"),
+        "mean train reward": lambda s: bc.fmt(s["mean_train_reward"]),
+    }
+    return "\n".join(lines + seeded_study.cost_lines(arms, LABELS, extra=extra)) + "\n"
 
 
-def status(out: Path, plan: dict = PLAN) -> str:
-    records = load_runs(out / RUNS_FILE, plan_key(plan))
-    return "\n".join(seeded_study.status_lines(records, summarise(records, plan), plan))
+def _cells(s: dict) -> list:
+    return [s["demonstrations"], s["rollouts"]] + [_cell(s["final"][g]) for g in GROUPS]
 
 
-def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
-    """``learning_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
-    ``learning_study_runs.jsonl``."""
-    return seeded_study.write_summary(runs_path, to, "learning_study", plan, summarise, markdown)
+def _template_cells(s: dict) -> list:
+    return [f"{c['never learned']} / {c['kept']} / {c['forgot']}" for c in s["templates"].values()]
 
 
 def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 8) -> int:
@@ -497,25 +398,20 @@ def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, ste
         with tempfile.TemporaryDirectory(prefix="learning_study_cost_") as tmp:
             result = run_arm(arm, model, 99, 3e-4, plan, data, Path(tmp), validate=True)
         scored = plan["eval_rows"] + plan["val_rows"] + 2 * plan["probe_rows"]
-        results[arm] = {
-            "optimizer_steps": result["optimizer_steps"],
-            "train_cpu_s": result["train_cpu_s"],
-            "train_cpu_s_per_step": result["train_cpu_s"] / result["optimizer_steps"],
-            "eval_cpu_s": result["eval_cpu_s"],
-            "eval_cpu_s_per_problem": result["eval_cpu_s"] / scored,
-            "generation_cpu_s": result["generation_cpu_s"],
-            "load_average": bc.loadavg(),
-        }
+        train, evaluate, optimizer_steps = result["train_cpu_s"], result["eval_cpu_s"], result["optimizer_steps"]
+        results[arm] = {"optimizer_steps": optimizer_steps, "train_cpu_s": train}
+        results[arm] |= {"train_cpu_s_per_step": train / optimizer_steps, "eval_cpu_s": evaluate}
+        results[arm] |= {"eval_cpu_s_per_problem": evaluate / scored, "generation_cpu_s": result["generation_cpu_s"]}
+        results[arm]["load_average"] = bc.loadavg()
         print(arm, results[arm], flush=True)
     report = {"machine": bc.machine_description("cpu"), "steps": steps, "results": results}
     (out / "learning_study_cost.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    name, description = "learning_study", __doc__.split("\n\n")[0]
-    return seeded_study.command_line(argv, description, name, sys.modules[__name__], probe="measure", steps=8)
-
+STUDY = seeded_study.Study("learning_study", __doc__, PLAN, summarise, markdown, task_data=task_data, steps=8)
+STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, measure
+plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # sets the offline environment before torch/trl imports
 import seeded_study
-from seeded_study import cell, finished, interval, load_runs, mean, spread  # noqa: F401 (load_runs: for callers)
+from seeded_study import RUNS_FILE, cell, final, finished, load_runs, mean, spread  # noqa: F401 (for callers)
 
 # The pre-registration (issue 55 item 3). Changing any value changes the fingerprint: runs made under another plan
 # are not resumed or summarised with these.
@@ -64,14 +64,13 @@ PLAN = {
     "cpu_budget_h": 14.0,
     "run_timeout_h": 24.0,  # wall time after which a run's process is stopped (a hung run), the study with it
 }
-RUNS_FILE = "runs.jsonl"
 LABELS = {"m2po": "M2PO", "cispo": "CISPO", "base": "base model"}
+#: what a run keeps of each step's logs: its key -> the logged name (``reward``: the mean of the step's trained samples)
+LOGGED = {"train_reward": "reward", "staleness": "async/staleness", "staleness_max": "async/staleness_max"}
+LOGGED |= {"dropped_stale": "async/dropped_stale_total", "masked_fraction": "actor/m2po/masked_fraction"}
+LOGGED |= {"trust_region_fraction": "actor/m2po/trust_region_fraction", "m2_before": "actor/m2po/m2_before"}
+LOGGED |= {"unmasked_frac": "actor/unmasked_frac", "loss": "loss", "grad_norm": "grad_norm"}
 TEMPLATES = ("add", "sub", "mul", "div", "two_step")
-
-
-def plan_key(plan: dict = PLAN) -> str:
-    """The plan's fingerprint: runs are kept under it."""
-    return seeded_study.plan_key(plan)
 
 
 def arm_settings(arm: str) -> dict:
@@ -87,7 +86,6 @@ def arm_settings(arm: str) -> dict:
 def task_data(plan: dict) -> dict:
     """The RL prompts, the held-out problems (test split, the templates in equal numbers) and the validation problems
     (training split, none of them an RL prompt), the same for every run."""
-
     from trinity_trl.data import arithmetic_dataset
 
     style = plan["prompt_style"]
@@ -101,17 +99,9 @@ def task_data(plan: dict) -> dict:
 
 def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
     """Greedy accuracy overall and per template; with ``keep``, each problem's outcome."""
-    from trinity_trl.data import accuracy_by_kind, arithmetic_reward, evaluate_accuracy
+    from trinity_trl.data import accuracy_by_kind, arithmetic_reward
 
-    _, completions = evaluate_accuracy(
-        model,
-        tokenizer,
-        dataset,
-        batch_size=50,
-        max_new_tokens=plan["eval_max_new_tokens"],
-        progress=False,
-        return_completions=True,
-    )
+    completions = seeded_study.greedy_completions(model, tokenizer, dataset, plan)
     by_kind = accuracy_by_kind(completions, dataset)
     point = {"n": len(completions), "all": by_kind["all"], "by_kind": {k: v for k, v in by_kind.items() if k != "all"}}
     if keep:
@@ -122,7 +112,6 @@ def score(model, tokenizer, dataset, plan: dict, keep: bool = False) -> dict:
 # ------------------------------------------------------------------------------------------ training
 def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, output_dir: str):
     """``AsyncTrinityTrainer`` of ``arm`` whose worker samples with the weights of ``weight_lag`` steps before."""
-
     from trinity_trl.asynchronous.worker import TransformersRolloutWorker
     from trinity_trl.data import arithmetic_reward
     from trinity_trl.trainers import AsyncTrinityConfig, AsyncTrinityTrainer
@@ -145,69 +134,29 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
         loss_normalization=plan["loss_normalization"],
     )
     return LaggedWorkerTrainer(
-        model=model,
-        reward_funcs=arithmetic_reward,
-        args=config,
-        train_dataset=data["train"],
-        peft_config=seeded_study.lora_config(plan),
+        model, arithmetic_reward, config, data["train"], peft_config=seeded_study.lora_config(plan)
     )
-
-
-def _per_step(logs: list[dict], key: str) -> list[float | None]:
-    return [entry.get(key) for entry in logs]
 
 
 def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, tmp: Path, validate: bool) -> dict:
     """One run: per-step logs (training reward, staleness, M2PO's masks or CISPO's kept share, loss, gradient
     norm), the held-out score after the last step (each problem's outcome kept), the validation accuracy (tuning
     runs), its cost."""
-    from transformers import PrinterCallback
-
     trainer = trainer_for(arm, model, seed, lr, plan, data, str(tmp / arm))
-    trainer.remove_callback(PrinterCallback)
-    start, cpu = time.perf_counter(), time.process_time()
-    trainer.train()
-    wall, train_cpu = time.perf_counter() - start, time.process_time() - cpu
-    logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    wall, train_cpu, logs = seeded_study.train(trainer)
     cpu = time.process_time()
     tokenizer = trainer.processing_class
     final = {"step": trainer.state.global_step, **score(trainer.model, tokenizer, data["test"], plan, keep=True)}
     val = score(trainer.model, tokenizer, data["val"], plan)["all"] if validate else None
     eval_cpu = time.process_time() - cpu
-    return {
-        "points": [final],
-        "val": val,
-        "optimizer_steps": trainer.state.global_step,
-        "rollouts": trainer.state.global_step * plan["num_generations"],
-        "train_cpu_s": train_cpu,
-        "train_wall_s": wall,
-        "eval_cpu_s": eval_cpu,
-        "train_reward": _per_step(logs, "reward"),  # the mean reward of the step's trained samples
-        "staleness": _per_step(logs, "async/staleness"),
-        "staleness_max": _per_step(logs, "async/staleness_max"),
-        "dropped_stale": _per_step(logs, "async/dropped_stale_total"),
-        "masked_fraction": _per_step(logs, "actor/m2po/masked_fraction"),
-        "trust_region_fraction": _per_step(logs, "actor/m2po/trust_region_fraction"),
-        "m2_before": _per_step(logs, "actor/m2po/m2_before"),
-        "unmasked_frac": _per_step(logs, "actor/unmasked_frac"),
-        "loss": _per_step(logs, "loss"),
-        "grad_norm": _per_step(logs, "grad_norm"),
-    }
-
-
-def run_side(spec: dict) -> dict:
-    """`seeded_study.run_side` on the task's data: the base model's held-out score when ``arm`` is ``"base"``."""
-    return seeded_study.run_side(spec, evaluate_base, run_arm, task_data)
+    result = {"points": [final], "val": val, "optimizer_steps": trainer.state.global_step}
+    result |= {"rollouts": trainer.state.global_step * plan["num_generations"], "train_cpu_s": train_cpu}
+    result |= {"train_wall_s": wall, "eval_cpu_s": eval_cpu}
+    return result | {key: [entry.get(name) for entry in logs] for key, name in LOGGED.items()}
 
 
 def evaluate_base(model, tokenizer, plan: dict, data: dict) -> dict:
     return {"points": [{"step": 0, **score(model, tokenizer, data["test"], plan, keep=True)}]}
-
-
-def run_study(out: Path, plan: dict = PLAN, model_override: str | None = None, launcher=None) -> int:
-    """`seeded_study.run_study`: each run in a fresh process (`run_side`; ``launcher``: tests give another)."""
-    model = model_override or seeded_study.bundled_model()
-    return seeded_study.run_study(out, plan, RUNS_FILE, "m2po_study:run_side", model, launcher=launcher)
 
 
 def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps: int = 10) -> int:
@@ -239,10 +188,6 @@ def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps
 
 
 # ------------------------------------------------------------------------------------------ summary
-def _final(run: dict) -> dict:
-    return run["points"][-1]
-
-
 def _last_quarter(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return mean(values[len(values) - max(1, len(values) // 4) :]) if values else None
@@ -250,123 +195,73 @@ def _last_quarter(values: list) -> float | None:
 
 def summarise(records: list[dict], plan: dict = PLAN) -> dict:
     """The pre-registered test and the descriptive tables, from the finished runs."""
-    rates, scored, complete = seeded_study.scored_runs(records, plan)
     extra = {"training reward, last quarter of the steps": lambda run: _last_quarter(run["train_reward"])}
-    tests = seeded_study.paired_tests(plan, scored, lambda run: _final(run)["all"], extra=extra)
-    base = next((r for r in records if r["arm"] == "base"), None)
-    arms = {}
-    for arm in plan["arms"]:
-        runs = [scored[arm][s] for s in sorted(scored[arm])]
-        arms[arm] = {
-            "lr": rates[arm]["lr"],
-            "tuning": rates[arm],
-            "seeds": sorted(scored[arm]),
-            "optimizer_steps": sorted({r["optimizer_steps"] for r in runs}),
-            "held_out": spread([_final(r)["all"] for r in runs]),
-            "by_kind": {k: spread([_final(r)["by_kind"].get(k) for r in runs]) for k in TEMPLATES},
-            "staleness": mean([v for r in runs for v in r["staleness"] if v is not None]),
-            "staleness_max": max((v for r in runs for v in r["staleness_max"] if v is not None), default=None),
-            "dropped_stale": sum(v or 0.0 for r in runs for v in r["dropped_stale"]),
-            "masked_fraction": mean([v for r in runs for v in r["masked_fraction"] if v is not None]),
-            "trust_region_fraction": mean([v for r in runs for v in r["trust_region_fraction"] if v is not None]),
-            "unmasked_frac": mean([v for r in runs for v in r["unmasked_frac"] if v is not None]),
-            "train_reward": mean([v for r in runs for v in r["train_reward"] if v is not None]),
-            "train_reward_last_quarter": spread([_last_quarter(r["train_reward"]) for r in runs]),
-            "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
-            "eval_cpu_s_per_run": spread([r["eval_cpu_s"] for r in runs]),
-        }
-    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    return seeded_study.summary(records, plan, lambda run: final(run)["all"], extra, _arm, _base)
+
+
+def _arm(runs: list[dict], base: dict | None) -> dict:
+    def logged(key: str) -> list:
+        return [v for r in runs for v in r[key] if v is not None]
+
     return {
-        **seeded_study.progress(records, plan, rates, complete),
-        "tests": tests,
-        "arms": arms,
-        "base": None if base is None else {"all": _final(base)["all"], "by_kind": _final(base)["by_kind"]},
-        "cpu_s": total,
-        "budget_spent": total / 3600 >= plan["cpu_budget_h"],
+        "held_out": spread([final(r)["all"] for r in runs]),
+        "by_kind": {k: spread([final(r)["by_kind"].get(k) for r in runs]) for k in TEMPLATES},
+        "staleness": mean(logged("staleness")),
+        "staleness_max": max(logged("staleness_max"), default=None),
+        "dropped_stale": sum(v or 0.0 for r in runs for v in r["dropped_stale"]),
+        "masked_fraction": mean(logged("masked_fraction")),
+        "trust_region_fraction": mean(logged("trust_region_fraction")),
+        "unmasked_frac": mean(logged("unmasked_frac")),
+        "train_reward": mean(logged("train_reward")),
+        "train_reward_last_quarter": spread([_last_quarter(r["train_reward"]) for r in runs]),
+        "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
+        "eval_cpu_s_per_run": spread([r["eval_cpu_s"] for r in runs]),
     }
+
+
+def _base(run: dict) -> dict:
+    return {"all": final(run)["all"], "by_kind": final(run)["by_kind"]}
 
 
 def markdown(summary: dict) -> str:
     plan, tests, arms = summary["plan"], summary["tests"], summary["arms"]
-    title = "The pre-registered M2PO study (issue 55)"
-    # seeded_study's banner counts "all three arms" (its first two studies had three); this one has two
-    lines = [
-        line.replace("(all three arms)", "(both arms)")
-        for line in seeded_study.header_lines(summary, title, "m2po_study_plan.md")
-    ]
+    lines = seeded_study.header_lines(summary, "The pre-registered M2PO study (issue 55)", "m2po_study_plan.md")
     lines += [
         f"Every sample generated by the weights of {plan['weight_lag']} optimizer steps before the newest "
         f"(`TransformersRolloutWorker(weight_lag={plan['weight_lag']})`); the staleness each run reached is below.",
         "",
-        "## Pre-registered test (held-out accuracy after the last step, paired t over the seeds)",
-        "",
-        "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |",
-        "|---|---|---|---|---|---|---|",
     ]
-    lines += seeded_study.test_rows(tests, LABELS)
-    lines += [
-        "",
-        "Descriptive, not tested: the same difference in the mean training reward of the last quarter of the steps.",
-        "",
-        "| comparison | mean | 95 % interval |",
-        "|---|---|---|",
-    ]
-    for name, t in tests.items():
-        d = t["training reward, last quarter of the steps"]
-        lines.append(f"| {name} | {bc.fmt(d['mean'], '+.3f')} | {interval(d)} |")
-    lines += [
-        "",
-        "## Arms",
-        "",
-        "| arm | rate | seeds | optimizer steps | held-out accuracy | staleness (mean / max) | dropped stale | "
-        "M2PO masked / trust region | CISPO kept | training reward (all / last quarter) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, s in arms.items():
-        lines.append(
-            f"| {LABELS[arm]} | {bc.fmt(s['lr'], 'g')} | {len(s['seeds'])} | {s['optimizer_steps']} | "
-            f"{cell(s['held_out'])} | {bc.fmt(s['staleness'], '.2f')} / {bc.fmt(s['staleness_max'], '.0f')} | "
-            f"{s['dropped_stale']:.0f} | {bc.fmt(s['masked_fraction'], '.4f')} / "
-            f"{bc.fmt(s['trust_region_fraction'], '.3f')} | {bc.fmt(s['unmasked_frac'], '.3f')} | "
-            f"{bc.fmt(s['train_reward'])} / {cell(s['train_reward_last_quarter'])} |"
-        )
+    heading = "Pre-registered test (held-out accuracy after the last step, paired t over the seeds)"
+    lines += seeded_study.test_lines(heading, tests, LABELS)
+    text = "the same difference in the mean training reward of the last quarter of the steps."
+    lines += seeded_study.descriptive_lines(text, tests, ["training reward, last quarter of the steps"])
+    columns = ["held-out accuracy", "staleness (mean / max)", "dropped stale", "M2PO masked / trust region"]
+    columns += ["CISPO kept", "training reward (all / last quarter)"]
+    lines += ["", "## Arms", ""] + seeded_study.arm_table(arms, LABELS, columns, _cells, rates=True)
     base = summary["base"]
     if base:
         kinds = ", ".join(f"{k} {v:.3f}" for k, v in base["by_kind"].items())
         lines += ["", f"Base model: {base['all']:.3f} ({kinds})."]
-    lines += ["", "## Tuning (validation accuracy on the tuning seed)", ""]
-    lines += seeded_study.tuning_lines(arms, plan, LABELS)
+    lines += seeded_study.tuning_lines(arms, plan, LABELS, "accuracy")
     lines += ["", "## Per template (held-out accuracy, mean ± std over the scored seeds)", ""]
-    lines += ["| arm | " + " | ".join(TEMPLATES) + " |", "|---|" + "---|" * len(TEMPLATES)]
-    for arm, s in arms.items():
-        lines.append(f"| {LABELS[arm]} | " + " | ".join(cell(s["by_kind"][k]) for k in TEMPLATES) + " |")
-    lines += [
-        "",
-        "## Cost",
-        "",
-        "| arm | training CPU s / run | scoring CPU s / run |",
-        "|---|---|---|",
+    lines += seeded_study.arm_table(arms, LABELS, list(TEMPLATES), lambda s: [cell(s["by_kind"][k]) for k in TEMPLATES])
+    return "\n".join(lines + seeded_study.cost_lines(arms, LABELS)) + "\n"
+
+
+def _cells(s: dict) -> list:
+    return [
+        cell(s["held_out"]),
+        f"{bc.fmt(s['staleness'], '.2f')} / {bc.fmt(s['staleness_max'], '.0f')}",
+        f"{s['dropped_stale']:.0f}",
+        f"{bc.fmt(s['masked_fraction'], '.4f')} / {bc.fmt(s['trust_region_fraction'], '.3f')}",
+        bc.fmt(s["unmasked_frac"], ".3f"),
+        f"{bc.fmt(s['train_reward'])} / {cell(s['train_reward_last_quarter'])}",
     ]
-    for arm, s in arms.items():
-        lines.append(
-            f"| {LABELS[arm]} | {cell(s['train_cpu_s_per_run'], '.0f')} | {cell(s['eval_cpu_s_per_run'], '.0f')} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
-def status(out: Path, plan: dict = PLAN) -> str:
-    return seeded_study.status_text(out, RUNS_FILE, plan, summarise)
-
-
-def write_summary(runs_path: Path, to: Path, plan: dict = PLAN) -> dict:
-    """``m2po_study.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
-    ``m2po_study_runs.jsonl``."""
-    return seeded_study.write_summary(runs_path, to, "m2po_study", plan, summarise, markdown)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return seeded_study.command_line(argv, __doc__.split("\n\n")[0], "m2po_study", sys.modules[__name__])
-
+STUDY = seeded_study.Study("m2po_study", __doc__, PLAN, summarise, markdown, task_data=task_data)
+STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, pilot
+plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":
     raise SystemExit(main())

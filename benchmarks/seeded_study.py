@@ -1,8 +1,8 @@
 """What the pre-registered learning studies share (``learning_study.py``, issue 45; ``gigpo_study.py`` and
 ``m2po_study.py``, issue 55): the plan's fingerprint, the runs file and resuming it, running it (each run a fresh
 process through `harness`, the base model first), the tuning rule, the order of the runs, the paired tests over
-seeds with Holm's correction, the summary's shared lines and the run set-up (LoRA, training arguments, validation
-problems).
+seeds with Holm's correction, the summary's shared lines and tables and the run set-up (LoRA, training arguments,
+validation problems). `Study` gives a study its module-level entry points (the launcher runs ``<study>:run_side``).
 
 The tuning seed runs each arm over the learning-rate grid (validation problems or games, never the held-out ones); an
 optimum on the grid's edge extends the grid past that edge (at most ``max_extensions`` times per arm). The scored
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import bench_common as bc
 import seed_stats
+
+RUNS_FILE = "runs.jsonl"  # a study's runs, in its folder
 
 
 def plan_key(plan: dict) -> str:
@@ -114,68 +116,135 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
     return True
 
 
-def run_side(spec: dict, evaluate_base: Callable, run_arm: Callable, task_data: Callable | None = None) -> dict:
-    """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan, [data,]
-    tmp, validate=...)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan[, data])`` on the
-    untrained model (its CPU time added as ``eval_cpu_s``); ``data``: ``task_data(plan)`` where the study has one."""
-    import tempfile
+class Study:
+    """A study's module-level entry points (`entry_points`) over its ``plan``, ``summarise(records, plan)`` and
+    ``markdown(summary)``: ``name`` is its module and its results' file name (``<name>.{json,md}``); ``functions``:
+    ``evaluate_base``, ``run_arm`` and ``task_data`` (see `run_side`), ``probe(out, plan, model, steps)`` (its last
+    subcommand, e.g. ``measure``, ``--steps`` default ``steps``) and ``outcome`` (see `run_study`)."""
 
-    quiet_run()
-    plan, model = spec["plan"], spec["model"]
-    data = () if task_data is None else (task_data(plan),)
-    if spec["arm"] == "base":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, name: str, doc: str, plan: dict, summarise: Callable, markdown: Callable, **functions):
+        self.name, self.description, self.plan = name, doc.split("\n\n")[0], plan
+        self.summarise, self.markdown, self.task_data, self.outcome, self.steps = summarise, markdown, None, None, 10
+        self.__dict__.update(functions)  # evaluate_base, run_arm, probe; task_data, outcome, steps where given
 
-        cpu = time.process_time()
-        loaded = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
-        return {**evaluate_base(*loaded, plan, *data), "eval_cpu_s": time.process_time() - cpu}
-    with tempfile.TemporaryDirectory(prefix="seeded_study_") as tmp:
-        role = spec["role"]
-        return run_arm(spec["arm"], model, spec["seed"], spec["lr"], plan, *data, Path(tmp), validate=role == "tune")
+    def entry_points(self) -> tuple:
+        """``plan_key, run_side, run_study, status, write_summary, main`` (the launcher runs ``<name>:run_side``)."""
+        return self.plan_key, self.run_side, self.run_study, self.status, self.write_summary, self.main
 
+    def plan_key(self, plan: dict | None = None) -> str:
+        """The plan's fingerprint: runs are kept under it."""
+        return plan_key(self.plan if plan is None else plan)
 
-def run_study(out: Path, plan: dict, runs_file: str, target: str, model: str, outcome=None, launcher=None) -> int:
-    """Run what is missing of the plan (`run_in_order`, the base model first), each run in a fresh process through
-    ``launcher`` (`harness.Launcher`; tests give one that runs in-process) calling ``target`` (``module:function``)
-    with ``{arm, seed, lr, role, plan, model}``, until the study is complete or its CPU budget (``cpu_budget_h``,
-    where the plan has one) is spent; a run that fails or passes ``run_timeout_h`` stops the study (a restart tries
-    it again). ``outcome(result)``: the run's figure for the progress line (default: the held-out accuracy)."""
-    import harness
+    def run_side(self, spec: dict) -> dict:
+        """One run in its own process (a `harness.Side` of `run_study`): ``run_arm(arm, model, seed, lr, plan,
+        [data,] tmp, validate=...)``, or, for the arm ``"base"``, ``evaluate_base(model, tokenizer, plan[, data])`` on
+        the untrained model (its CPU time added as ``eval_cpu_s``); ``data``: ``task_data(plan)`` where the study has
+        one."""
+        import tempfile
 
-    runs_file = RunsFile(out / runs_file, plan)
-    records = runs_file.records
-    print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
-    launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
-    budget_h = plan.get("cpu_budget_h")
-    outcome = outcome or (lambda result: f"held-out {result['points'][-1]['all']:.3f}")
+        quiet_run()
+        plan, model = spec["plan"], spec["model"]
+        data = () if self.task_data is None else (self.task_data(plan),)
+        if spec["arm"] == "base":
+            from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
-        spent_h = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
-        if budget_h is not None and spent_h >= budget_h:
-            print(f"CPU budget of {budget_h} h spent ({spent_h:.2f} h): stopping", flush=True)
-            return False
-        name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
-        print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
-        spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
-        timeout_s = plan.get("run_timeout_h", 24.0) * 3600
-        result = launcher.run(harness.Side(name, target, spec), timeout_s, out / "runs.log")
-        if "error" in result:
-            print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
-            return False
-        result.pop("process_wall_s", None)
-        runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
-        print(
-            f"[{name}]: {outcome(result)}, validation {bc.fmt(result.get('val'))}, {result.get('train_cpu_s', 0):.0f} "
-            f"CPU s training + {result['eval_cpu_s']:.0f} evaluating, load {bc.loadavg()}",
-            flush=True,
-        )
-        return True
+            cpu = time.process_time()
+            loaded = AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+            return {**self.evaluate_base(*loaded, plan, *data), "eval_cpu_s": time.process_time() - cpu}
+        with tempfile.TemporaryDirectory(prefix="seeded_study_") as tmp:
+            arm, validate = spec["arm"], spec["role"] == "tune"
+            return self.run_arm(arm, model, spec["seed"], spec["lr"], plan, *data, Path(tmp), validate=validate)
 
-    if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
+    def run_study(self, out: Path, plan: dict | None = None, model_override: str | None = None, launcher=None) -> int:
+        """Run what is missing of the plan (`run_in_order`, the base model first), each run in a fresh process through
+        ``launcher`` (`harness.Launcher`; tests give one that runs in-process) calling `run_side` with ``{arm, seed,
+        lr, role, plan, model}``, until the study is complete or its CPU budget (``cpu_budget_h``, where the plan has
+        one) is spent; a run that fails or passes ``run_timeout_h`` stops the study (a restart tries it again).
+        ``outcome(result)``: the run's figure for the progress line (default: the held-out accuracy)."""
+        import harness
+
+        plan, model = self.plan if plan is None else plan, model_override or bundled_model()
+        runs_file = RunsFile(out / RUNS_FILE, plan)
+        records = runs_file.records
+        print(f"plan {runs_file.key}: {len(records)} records in {runs_file.path}; load {bc.loadavg()}", flush=True)
+        launcher = launcher or harness.Launcher(preload=("torch", "transformers", "trl"))
+        budget_h = plan.get("cpu_budget_h")
+        outcome = self.outcome or (lambda result: f"held-out {result['points'][-1]['all']:.3f}")
+
+        def run(arm: str, seed: int | None, lr: float | None, role: str) -> bool:
+            spent_h = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records) / 3600
+            if budget_h is not None and spent_h >= budget_h:
+                print(f"CPU budget of {budget_h} h spent ({spent_h:.2f} h): stopping", flush=True)
+                return False
+            name = f"{role} seed {seed} {arm} lr {lr if lr is None else f'{lr:g}'}"
+            print(f"[{name}]: started {time.strftime('%H:%M')}", flush=True)
+            spec = {"arm": arm, "seed": seed, "lr": lr, "role": role, "plan": plan, "model": model}
+            timeout_s = plan.get("run_timeout_h", 24.0) * 3600
+            result = launcher.run(harness.Side(name, f"{self.name}:run_side", spec), timeout_s, out / "runs.log")
+            if "error" in result:
+                print(f"[{name}]: {result['error']}; stopping (output in {out / 'runs.log'})", flush=True)
+                return False
+            result.pop("process_wall_s", None)
+            runs_file.append({"arm": arm, "seed": seed, "lr": lr, "role": role, **result})
+            cost = f"{result.get('train_cpu_s', 0):.0f} CPU s training + {result['eval_cpu_s']:.0f} evaluating"
+            validation = bc.fmt(result.get("val"))
+            print(f"[{name}]: {outcome(result)}, validation {validation}, {cost}, load {bc.loadavg()}", flush=True)
+            return True
+
+        if finished(records, "base", None, None) is None and not run("base", None, None, "base"):
+            return 0
+        if run_in_order(records, plan, run):
+            print("study complete", flush=True)
         return 0
-    if run_in_order(records, plan, run):
-        print("study complete", flush=True)
-    return 0
+
+    def status(self, out: Path, plan: dict | None = None) -> str:
+        """What ``status`` prints for the study's folder ``out``."""
+        plan = self.plan if plan is None else plan
+        records = load_runs(out / RUNS_FILE, plan_key(plan))
+        budget = f" of the {plan['cpu_budget_h']} h budget" if "cpu_budget_h" in plan else ""
+        return "\n".join(status_lines(records, self.summarise(records, plan), plan, budget))
+
+    def write_summary(self, runs_path: Path, to: Path, plan: dict | None = None) -> dict:
+        """``<name>.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
+        ``<name>_runs.jsonl``."""
+        plan = self.plan if plan is None else plan
+        records = load_runs(runs_path, plan_key(plan))
+        summary = self.summarise(records, plan)
+        to.mkdir(parents=True, exist_ok=True)
+        target = to / f"{self.name}_runs.jsonl"
+        if runs_path.resolve() != target.resolve():
+            shutil.copyfile(runs_path, target)
+        (to / f"{self.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (to / f"{self.name}.md").write_text(self.markdown(summary))
+        return summary
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """The ``run`` / ``status`` / ``summarise`` / probe subcommands."""
+        import argparse
+        import os
+
+        probe = self.probe.__name__
+        parser = argparse.ArgumentParser(description=self.description)
+        sub = parser.add_subparsers(dest="command", required=True)
+        for command_name in ("run", "status", "summarise", probe):
+            command = sub.add_parser(command_name)
+            command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
+            if command_name == "summarise":
+                command.add_argument("--to", required=True, help=f"where {self.name}.{{json,md}} and the runs file go")
+            if command_name == probe:
+                command.add_argument("--steps", type=int, default=self.steps)
+            if command_name in ("run", probe):
+                command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
+        args = parser.parse_args(argv)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        out = Path(args.out)
+        if args.command == "run":
+            return self.run_study(out, self.plan, args.model)
+        if args.command in ("status", "summarise"):
+            summarise = args.command == "summarise"
+            print(self.markdown(self.write_summary(out / RUNS_FILE, Path(args.to))) if summarise else self.status(out))
+            return 0
+        return self.probe(out, self.plan, args.model, args.steps)
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -192,26 +261,49 @@ def scored_runs(records: list[dict], plan: dict) -> tuple[dict, dict, list[int]]
     return rates, scored, complete
 
 
-def progress(records: list[dict], plan: dict, rates: dict, complete: list[int]) -> dict:
-    """The summary's bookkeeping: the fingerprint, the complete seeds, whether the study is partial (a seed missing or
-    tuning unfinished), runs done and planned (the grid's extensions counted), and the CPU seconds of every run."""
-    return {
+def summary(records: list[dict], plan: dict, outcome: Callable, extra: dict, arm_fields: Callable, base: Callable):
+    """A study's summary of its finished runs: the fingerprint, the complete seeds, whether the study is partial (a
+    seed missing or tuning unfinished), runs done and planned (the grid's extensions counted), the pre-registered
+    tests (`paired_tests` of ``outcome`` and ``extra``), per arm its rate, tuning, seeds, optimizer steps and
+    ``arm_fields(runs, base_run)`` of its scored runs, ``base(run)`` of the base model's run, the CPU seconds of every
+    run and, where the plan has a CPU budget, whether it is spent."""
+    rates, scored, complete = scored_runs(records, plan)
+    base_run = next((r for r in records if r["arm"] == "base"), None)
+    arms = {}
+    for arm in plan["arms"]:
+        runs = [scored[arm][s] for s in sorted(scored[arm])]
+        arms[arm] = {"lr": rates[arm]["lr"], "tuning": rates[arm], "seeds": sorted(scored[arm])}
+        arms[arm] |= {"optimizer_steps": sorted({r["optimizer_steps"] for r in runs}), **arm_fields(runs, base_run)}
+    total = sum(r.get("train_cpu_s", 0) + r.get("eval_cpu_s", 0) for r in records)
+    out = {
         "plan": plan,
         "plan_key": plan_key(plan),
         "complete_seeds": complete,
         "partial": len(complete) < len(plan["scored_seeds"]) or any(t["next"] is not None for t in rates.values()),
         "runs_done": sum(r["arm"] != "base" for r in records),
         "runs_planned": planned_runs(plan) + sum(len(t["grid"]) - len(plan["grid"]) for t in rates.values()),
+        "tests": paired_tests(plan, scored, outcome, extra),
+        "arms": arms,
+        "base": None if base_run is None else base(base_run),
+        "cpu_s": total,
     }
+    if "cpu_budget_h" in plan:
+        out["budget_spent"] = total / 3600 >= plan["cpu_budget_h"]
+    return out
+
+
+def final(run: dict) -> dict:
+    """A run's last evaluation point."""
+    return run["points"][-1]
 
 
 def header_lines(summary: dict, title: str, plan_file: str) -> list[str]:
     """The summary's title, the PARTIAL banner while the study is partial, and the plan line."""
     plan, seeds = summary["plan"], summary["complete_seeds"]
-    lines = [f"# {title}", ""]
+    lines, arms = [f"# {title}", ""], {2: "both arms", 3: "all three arms"}[len(plan["arms"])]
     if summary["partial"]:
         lines += [
-            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** (all three arms), "
+            f"**PARTIAL: {len(seeds)} of {len(plan['scored_seeds'])} scored seeds complete** ({arms}), "
             f"{summary['runs_done']} of about {summary['runs_planned']} runs. The study is not finished; these are the "
             "intervals over the seeds reached, not its result.",
             "",
@@ -271,21 +363,59 @@ def interval(t: dict) -> str:
     return "n/a" if t["low"] is None else f"[{t['low']:+.3f}, {t['high']:+.3f}]"
 
 
-def test_rows(tests: dict, labels: dict) -> list[str]:
-    """The table rows of the pre-registered tests."""
-    rows = []
+def test_lines(heading: str, tests: dict, labels: dict) -> list[str]:
+    """The pre-registered tests' section: its ``heading`` and a table row per test."""
+    lines = [f"## {heading}", "", "| test | seeds | per-seed differences | mean | 95 % interval | p | p (Holm) |"]
+    lines.append("|---|---|---|---|---|---|---|")
     for name, t in tests.items():
         a, b = (labels[x] for x in t["arms"])
-        rows.append(
+        lines.append(
             f"| {name}: {a} minus {b} | {len(t['seeds'])} | {', '.join(f'{d:+.3f}' for d in t['diffs'])} | "
             f"{bc.fmt(t['mean'], '+.3f')} | {interval(t)} | {bc.fmt(t['p'], '.3f')} | {bc.fmt(t['p_holm'], '.3f')} |"
         )
-    return rows
+    return lines
 
 
-def tuning_lines(arms: dict, plan: dict, labels: dict) -> list[str]:
-    """One line per arm: its validation value at each rate and the rate chosen (or that tuning is unfinished)."""
-    lines = []
+def descriptive_lines(text: str, tests: dict, keys: list[str]) -> list[str]:
+    """The descriptive differences ``keys`` of each test (`paired_tests`'s ``extra``): a table after ``text``, with a
+    column naming the key when there are several."""
+    grouped = len(keys) > 1
+    lines = ["", f"Descriptive, not tested: {text}", ""]
+    lines += ["| comparison | group | mean | 95 % interval |" if grouped else "| comparison | mean | 95 % interval |"]
+    lines += ["|---|---|---|---|" if grouped else "|---|---|---|"]
+    for name, t in tests.items():
+        for key in keys:
+            group = f" {key} |" if grouped else ""
+            lines.append(f"| {name} |{group} {bc.fmt(t[key]['mean'], '+.3f')} | {interval(t[key])} |")
+    return lines
+
+
+def arm_table(arms: dict, labels: dict, columns: list[str], cells: Callable[[dict], list], rates=False) -> list[str]:
+    """A table with a row per arm: its label, then ``cells(arm's summary)`` under ``columns`` (with ``rates``, first
+    its rate, scored seeds and optimizer steps)."""
+    lead = ["rate", "seeds", "optimizer steps"] if rates else []
+    lines = ["| arm | " + " | ".join(lead + columns) + " |", "|---|" + "---|" * len(lead + columns)]
+    for arm, s in arms.items():
+        row = ([bc.fmt(s["lr"], "g"), len(s["seeds"]), s["optimizer_steps"]] if rates else []) + cells(s)
+        lines.append(f"| {labels[arm]} | " + " | ".join(map(str, row)) + " |")
+    return lines
+
+
+def cost_lines(arms: dict, labels: dict, evaluating: str = "scoring", extra: dict | None = None) -> list[str]:
+    """The Cost section: training and evaluating CPU seconds per run of each arm, then ``extra`` columns (``{column:
+    cell(arm's summary)}``)."""
+    extra = extra or {}
+    columns = ["training CPU s / run", f"{evaluating} CPU s / run", *extra]
+
+    cells = [lambda s: cell(s["train_cpu_s_per_run"], ".0f"), lambda s: cell(s["eval_cpu_s_per_run"], ".0f")]
+    cells += extra.values()
+    return ["", "## Cost", ""] + arm_table(arms, labels, columns, lambda s: [value(s) for value in cells])
+
+
+def tuning_lines(arms: dict, plan: dict, labels: dict, what: str) -> list[str]:
+    """The Tuning section: per arm its validation ``what`` at each rate and the rate chosen (or that tuning is
+    unfinished)."""
+    lines = ["", f"## Tuning (validation {what} on the tuning seed)", ""]
     for arm, s in arms.items():
         t = s["tuning"]
         values = ", ".join(f"{lr:g}: {bc.fmt(t['val'].get(lr))}" for lr in t["grid"])
@@ -315,78 +445,14 @@ def status_lines(records: list[dict], summary: dict, plan: dict, budget: str = "
     if runs:
         last = runs[-1]
         lines.append(f"last finished: {last['arm']} seed {last['seed']} lr {last['lr']:g} at {last.get('finished')}")
-        eta = _eta(records, summary["runs_planned"] - summary["runs_done"])
-        if eta:
-            lines.append(eta)
+        # runs left and the wall time they take at the pace so far (the median time between finished runs)
+        stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
+        gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+        if gaps:
+            left, pace = summary["runs_planned"] - summary["runs_done"], statistics.median(gaps)
+            wall = f"about {left * pace / 3600:.1f} h of wall time"
+            lines.append(f"{left} runs left; at the median {pace / 60:.0f} min a run so far, {wall}")
     return lines
-
-
-def _eta(records: list[dict], left: int) -> str | None:
-    """Runs left and the wall time they take at the pace seen so far (the median time between finished runs)."""
-    stamps = [datetime.datetime.strptime(r["finished"], "%Y-%m-%d %H:%M") for r in records if r.get("finished")]
-    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
-    if not gaps:
-        return None
-    pace = statistics.median(gaps)
-    hours = left * pace / 3600
-    return f"{left} runs left; at the median {pace / 60:.0f} min a run so far, about {hours:.1f} h of wall time"
-
-
-def write_summary(
-    runs_path: Path, to: Path, name: str, plan: dict, summarise: Callable, markdown: Callable[[dict], str]
-) -> dict:
-    """``<name>.json`` / ``.md`` in ``to`` from ``runs_path``, and the runs file copied beside them as
-    ``<name>_runs.jsonl``."""
-    records = load_runs(runs_path, plan_key(plan))
-    summary = summarise(records, plan)
-    to.mkdir(parents=True, exist_ok=True)
-    target = to / f"{name}_runs.jsonl"
-    if runs_path.resolve() != target.resolve():
-        shutil.copyfile(runs_path, target)
-    (to / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (to / f"{name}.md").write_text(markdown(summary))
-    return summary
-
-
-# ------------------------------------------------------------------------------------------ command line
-def status_text(out: Path, runs_file: str, plan: dict, summarise: Callable) -> str:
-    """What a study's ``status`` prints for its folder ``out``."""
-    records = load_runs(out / runs_file, plan_key(plan))
-    budget = f" of the {plan['cpu_budget_h']} h budget"
-    return "\n".join(status_lines(records, summarise(records, plan), plan, budget))
-
-
-def command_line(argv: list[str] | None, description: str, name: str, study, probe: str = "pilot", steps: int = 10):
-    """A study's ``run`` / ``status`` / ``summarise`` / ``pilot`` subcommands (``probe``: the last one's name, e.g.
-    ``measure``, with ``--steps``, default ``steps``). ``study``: its module, with ``PLAN``, ``RUNS_FILE``,
-    ``run_study``, ``status``, ``write_summary``, ``markdown`` and ``probe(out, plan, model, steps)``; ``name``: its
-    results' file name (``<name>.{json,md}``)."""
-    import argparse
-    import os
-
-    parser = argparse.ArgumentParser(description=description)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for command_name in ("run", "status", "summarise", probe):
-        command = sub.add_parser(command_name)
-        command.add_argument("--out", required=True, help="the study's folder (runs.jsonl), outside the repository")
-        if command_name == "summarise":
-            command.add_argument("--to", required=True, help=f"where {name}.{{json,md}} and the runs file go")
-        if command_name == probe:
-            command.add_argument("--steps", type=int, default=steps)
-        if command_name in ("run", probe):
-            command.add_argument("--model", default=None, help="a model folder instead of the bundled one (tests)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    out = Path(args.out)
-    if args.command == "run":
-        return study.run_study(out, study.PLAN, args.model)
-    if args.command == "status":
-        print(study.status(out))
-        return 0
-    if args.command == "summarise":
-        print(study.markdown(study.write_summary(out / study.RUNS_FILE, Path(args.to))))
-        return 0
-    return getattr(study, probe)(out, study.PLAN, args.model, args.steps)
 
 
 def bundled_model() -> str:
@@ -420,21 +486,10 @@ def lora_config(plan: dict):
 
 def common_config(seed: int, output_dir: str, steps: int, lr: float) -> dict:
     """The training arguments every study run shares."""
-    return {
-        "output_dir": output_dir,
-        "use_cpu": True,
-        "bf16": False,
-        "activation_checkpointing": False,
-        "max_steps": steps,
-        "learning_rate": lr,
-        "lr_scheduler_type": "constant",
-        "report_to": "none",
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "seed": seed,
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-    }
+    config = {"output_dir": output_dir, "use_cpu": True, "bf16": False, "activation_checkpointing": False}
+    config |= {"max_steps": steps, "learning_rate": lr, "lr_scheduler_type": "constant", "report_to": "none"}
+    config |= {"save_strategy": "no", "logging_steps": 1, "seed": seed, "dataloader_num_workers": 0}
+    return config | {"disable_tqdm": True}
 
 
 def validation_set(plan: dict, data: dict):
@@ -470,3 +525,23 @@ def timed_generation(trainer, seconds: list[float]) -> None:
             seconds[0] += time.process_time() - cpu
 
     trainer._generate_single_turn = timed
+
+
+def train(trainer) -> tuple[float, float, list[dict]]:
+    """``trainer.train()`` without its printed logs: its wall and CPU seconds and its per-step logs."""
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer.train()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+
+
+def greedy_completions(model, tokenizer, dataset, plan: dict) -> list:
+    """The greedy completions of ``dataset``'s problems (``plan["eval_max_new_tokens"]`` tokens at most)."""
+    from trinity_trl.data import evaluate_accuracy
+
+    max_new_tokens = plan["eval_max_new_tokens"]
+    kwargs = {"batch_size": 50, "max_new_tokens": max_new_tokens, "progress": False, "return_completions": True}
+    return evaluate_accuracy(model, tokenizer, dataset, **kwargs)[1]
