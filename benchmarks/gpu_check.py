@@ -350,7 +350,7 @@ def markdown(summary: dict) -> str:
     for name in summary["requested_parts"]:
         p = parts.get(name, {"status": "not run yet"})
         lines.append(f"| {name} | {p['status']} | {fmt(p.get('wall_s'), '.0f')} | {fmt(p.get('budget_s'), '.0f')} |")
-    lines += profile_lines(parts.get("profile")) + tests_lines(parts.get("tests")) + bench_lines(summary)
+    lines += profile_lines(summary) + tests_lines(parts.get("tests")) + bench_lines(summary)
     trainers = parts.get("trainers")
     if trainers:
         lines += ["", "Trainers, 2 steps with packing auto:", ""]
@@ -369,33 +369,18 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_lines(profile: dict | None) -> list[str]:
-    lines = []
-    if profile:
-        lines += ["", "Profile (packing_profile_cuda.md has the details):", ""]
-        for name, p in profile.get("parts", {}).items():
-            lines.append(f"- part {name}: {p['status']}" + (f" ({p['why']})" if p.get("why") else ""))
-        launch = profile.get("launch") or {}
-        if launch.get("launch_us") is not None:
-            lines.append(
-                f"- {fmt(launch['launch_us'], '.1f')} µs of host time per kernel launch, "
-                f"{fmt(launch['module_call_us'], '.1f')} µs per module call"
-            )
-        for x in profile.get("passes", []):
-            lines.append(
-                f"- pass {x['label']}: host {fmt(x['host_enqueue_s'])} s, span {fmt(x['event_span_s'])} s, GPU busy "
-                f"{fmt(x['gpu_busy_s'])} s, {x.get('launches')} launches ({fmt(x['host_us_per_launch'], '.1f')} µs "
-                f"each), syncs {x.get('sync_calls')} / {x.get('sync_warnings')}"
-                + (f", ERROR {x['error'][:200]}" if x.get("error") else "")
-            )
-        for x in profile.get("steps", []):
-            host = x.get("host") or {}
-            lines.append(
-                f"- step {x['side']}: {fmt(x.get('step_s'))} s; "
-                + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
-                + (f", ERROR {x['error'][:200]}" if x.get("error") else "")
-            )
-    return lines
+def profile_lines(summary: dict) -> list[str]:
+    """The profile's own Markdown (``packing_profile[_cuda].md``: its launch costs, passes and steps)."""
+    import packing_profile
+
+    path = Path(summary["out"]) / ("packing_profile.json" if summary["dry_run"] else "packing_profile_cuda.json")
+    if "profile" not in summary["parts"] or not path.is_file():
+        return []
+    report = json.loads(path.read_text())
+    parts = [
+        f"- part {n}: {p['status']}" + (f" ({p['why']})" if p.get("why") else "") for n, p in report["parts"].items()
+    ]
+    return ["", f"Profile (`{path.stem}.md`):", "", *parts, "", *packing_profile.markdown(report).splitlines()]
 
 
 def tests_lines(tests: dict | None) -> list[str]:

@@ -272,7 +272,7 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     import torch
     from datasets import Dataset
     from phases import PhaseTimer
-    from prefix_packing import char_reward, fixed_rollout, prompt_texts
+    from prefix_packing import prompt_texts, side_trainer
 
     sys.path.insert(0, str(bc.ROOT / "tests"))
     from helpers import build_tiny_tokenizer
@@ -284,36 +284,10 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     steps = warmup + 1
     dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, prompt, steps + 2, 0)})
-    common = dict(
-        output_dir=tempfile.mkdtemp(prefix=f"packing_profile_{side}_"),
-        per_device_train_batch_size=G,
-        num_generations=G,
-        max_completion_length=completion,
-        max_steps=steps,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    if cuda:
-        common["bf16"] = True
-    else:  # ours' CPU defaults turn activation checkpointing off: on for both sides, as on a GPU
-        common.update(use_cpu=True, bf16=False, activation_checkpointing=True)
-    rollout = fixed_rollout({"seed": 0, "completion_len": completion}, tokenizer)
-    kwargs = dict(model=model, reward_funcs=char_reward, train_dataset=dataset, processing_class=tokenizer)
-    if side == "trl":
-        from trl import GRPOConfig, GRPOTrainer
-
-        trainer = GRPOTrainer(**kwargs, args=GRPOConfig(loss_type="grpo", **common), rollout_func=rollout)
-    else:
-        from trinity_trl.trainers import TrinityConfig, TrinityTrainer
-
-        packing = {"prefix_packing": False} if side == "ours_padded" else {"prefix_packing_kernel": packed_kernel(cuda)}
-        config = TrinityConfig(
-            algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean", **packing, **common
-        )
-        trainer = TrinityTrainer(**kwargs, args=config, rollout_func=rollout)
+    spec = {"side": "trl" if side == "trl" else "ours", "packing": side != "ours_padded", "rollout": "fixed"}
+    spec |= {"kernel": packed_kernel(cuda), "model": model, "generations": G, "completion_len": completion}
+    spec |= {"steps": steps, "seed": 0, "device": device, "bf16": cuda, "ac": True}  # checkpointing on CPU too
+    trainer = side_trainer(spec | {"output_dir": tempfile.mkdtemp(prefix="packing_profile_")}, tokenizer, dataset)
     timer = PhaseTimer(trainer)
     trainer.train()
     timer.remove()

@@ -40,6 +40,13 @@ OURS = ("ours", "ours_compiled")
 #: what the forkserver imports once (`harness.Launcher`): on CUDA it saves each run the imports
 PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 #: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
+#: the run's logged figures (``trainer.state.log_history``) a result keeps
+LOGGED = {
+    "losses": "loss",
+    "grad_norms": "grad_norm",
+    "forwarded_token_ratio": "packing/forwarded_token_ratio",
+    "forwards_per_step": "packing/forwards_per_step",
+}
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
@@ -228,8 +235,8 @@ def train_side(spec: dict) -> dict:
         {"prompt": prompt_texts(tokenizer, spec["prompt_len"], per_step * (spec["steps"] + 2), spec["seed"])}
     )
     trainer = side_trainer(spec, tokenizer, dataset)
-    probe = SideProbe(spec, trainer)
-    result = probe.train()
+    probe = probe_class()(spec, trainer)
+    result = train_probed(spec, trainer, probe)
     if spec["side"] == "ours" and probe.first_inputs and spec.get("equivalence"):
         try:
             result["equivalence_check"] = check_equivalence(trainer, probe.first_inputs[0], spec)
@@ -262,7 +269,9 @@ def side_arguments(spec: dict, tokenizer) -> dict:
         common["bf16"] = bool(spec["bf16"])
         if spec.get("ac") is False:
             common["activation_checkpointing"] = False
-    vocab = AutoConfig.from_pretrained(spec["model"]).vocab_size
+    # the model's path, or (packing_profile.py) the model itself
+    vocab = getattr(spec["model"], "config", None) or AutoConfig.from_pretrained(spec["model"])
+    vocab = vocab.vocab_size
     if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
         common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
     if spec.get("optim"):
@@ -311,206 +320,138 @@ def side_trainer(spec: dict, tokenizer, dataset):
     )
 
 
-class SideProbe:
-    """Wraps a side's trainer to time its steps, generation and training part (the loss's forward and backward),
-    count its micro-batch and training forwards' layouts, keep auto's verdicts, and measure its memory."""
+def probe_class():
+    from phases import PhaseTimer
 
-    def __init__(self, spec: dict, trainer):
-        import torch
+    class Probe(PhaseTimer):
+        """`phases.PhaseTimer` on a side's trainer (each step's ``generation``, ``loss`` and ``backward`` phases), and
+        beside it what the report reads per step: the training forwards' layouts, whether ``auto`` was still
+        deciding at the step's end, the training part's peak memory on CUDA (the allocator's host-side bookkeeping:
+        no sync); and the first micro-batch's shape and inputs (the direct check's)."""
 
-        self.torch, self.spec, self.trainer = torch, spec, trainer
-        self.cuda = spec["device"] == "cuda"
-        # the training part's time only with --part-timing (syncs around each: they change a host-bound step, so the
-        # headline `train` column is measured without them); its peak memory on CUDA (the allocator's host-side
-        # bookkeeping: no sync)
-        self.part_timing = spec.get("part_timing", False)
-        self.steps: list[dict] = []
-        self.batches: list[dict] = []
-        self.first_inputs: list[dict] = []
-        self.memory = {"base": 0, "overall": 0}
-        self.verdicts: list[str] = []  # auto's log lines (one per shape class decided, and fall-backs)
-        self.kernels: dict[str, int] = {}  # the current step's training forwards, by layout
-        self._time_steps()
-        self._time_generation()
-        self._count_batches()
-        self._time_training_part()
-        if spec["side"] in OURS:
-            self._count_kernels()
+        def __init__(self, spec: dict, trainer):
+            super().__init__(trainer)
+            import torch
 
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
+            self.torch, self.spec, self.extra, self.layouts, self.peak = torch, spec, [], {}, None
+            self.batches, self.first_inputs, self.memory = [], [], {"base": 0, "overall": 0}
+            compute_loss = trainer._compute_loss
 
-    def _time_steps(self) -> None:
-        from transformers import TrainerCallback
+            def first_batch(model, inputs):
+                if not self.batches:  # reading its mask is a host sync: once only
+                    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+                    real = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+                    self.batches.append({"rows": int(prompt.shape[0]), "padded_tokens": int(prompt.numel() +
+                                         completion.numel()), "real_tokens": real})  # fmt: skip
+                    if spec.get("equivalence"):
+                        self.first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+                return compute_loss(model, inputs)
 
-        probe = self
+            self._replace(trainer, "_compute_loss", first_batch)
+            if spec["side"] in OURS:  # which kernel each training forward ran ("padded": TRL's rows)
+                packing = trainer.prefix_packing.logps_and_entropies
 
-        class StepTimer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):
-                probe.sync()
-                probe.steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
+                def counting(*a, **kw):
+                    out = packing(*a, **kw)
+                    if torch.is_grad_enabled():
+                        name = "padded" if out is None else out.kernel
+                        self.layouts[name] = self.layouts.get(name, 0) + 1
+                    return out
 
-            def on_step_end(self, args, state, control, **kw):
-                probe.sync()
-                step = probe.steps[-1]
-                step.update(end=time.perf_counter(), deciding=still_deciding(probe.trainer))
-                step["layouts"] = dict(probe.kernels)  # the layouts of this step's training forwards
-                probe.kernels.clear()
+                self._replace(trainer.prefix_packing, "logps_and_entropies", counting)
 
-        self.trainer.add_callback(StepTimer())
+        def enter(self, phase: str) -> None:
+            if phase == "loss" and self.cuda:
+                cuda, memory = self.torch.cuda, self.memory
+                memory["overall"] = max(memory["overall"], cuda.max_memory_allocated())
+                cuda.reset_peak_memory_stats()
+                memory["base"] = cuda.memory_allocated()
+            super().enter(phase)
 
-    def _time_generation(self) -> None:
-        generate = self.trainer._generate
+        def exit(self) -> None:
+            phase = self._stack[-1]
+            super().exit()
+            if phase == "backward" and self.cuda:
+                peak = (self.torch.cuda.max_memory_allocated() - self.memory["base"]) / 2**20
+                self.peak = max(self.peak or 0.0, peak)
 
-        def timed_generate(*a, **kw):
-            self.sync()
-            start = time.perf_counter()
-            out = generate(*a, **kw)
-            self.sync()
-            self.steps[-1]["generation"] += time.perf_counter() - start
-            return out
-
-        self.trainer._generate = timed_generate
-
-    def _count_batches(self) -> None:
-        compute_loss = self.trainer._compute_loss
-
-        def counting_compute_loss(model, inputs):
-            if not self.batches:  # the first micro-batch's shape (reading its mask is a host sync: once only)
-                self.batches.append(
-                    {
-                        "rows": int(inputs["prompt_ids"].shape[0]),
-                        "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
-                        "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
-                    }
+        def end_step(self) -> None:
+            if self._marks is not None:
+                self.extra.append(
+                    {"deciding": still_deciding(self.trainer), "layouts": self.layouts, "peak": self.peak}
                 )
-            return compute_loss(model, inputs)
+                self.layouts, self.peak = {}, None
+            super().end_step()
 
-        self.trainer._compute_loss = counting_compute_loss
+    return Probe
 
-    def _timed(self, call, *a, **kw):
-        if self.part_timing:
-            self.sync()
-        start = time.perf_counter()
-        out = call(*a, **kw)
-        if self.part_timing:
-            self.sync()
-            self.steps[-1]["train_part"] += time.perf_counter() - start
-        return out
 
-    def _time_training_part(self) -> None:
-        torch, cuda, memory = self.torch, self.cuda, self.memory
-        compute_loss, backward = self.trainer.compute_loss, self.trainer.accelerator.backward
+def train_probed(spec: dict, trainer, probe) -> dict:
+    """Train (auto's verdicts and the memory watched); the side's measurements, per step from the phase timer:
+    ``step_s`` and ``generation_s`` host seconds, ``train_part_s`` the ``loss`` and ``backward`` phases (on the
+    device's clock on CUDA)."""
+    torch, verdicts = probe.torch, []  # auto's log lines (one per shape class decided, and fall-backs)
 
-        def timed_compute_loss(model, inputs, *a, **kw):
-            if not self.first_inputs and self.spec.get("equivalence"):
-                self.first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-            if cuda:
-                memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
-                memory["base"] = torch.cuda.memory_allocated()
-            return self._timed(compute_loss, model, inputs, *a, **kw)
+    class Verdicts(logging.Handler):
+        def emit(self, record):
+            if "prefix packing" in (message := record.getMessage()):
+                verdicts.append(message)
 
-        def timed_backward(loss, **kw):
-            self._timed(backward, loss, **kw)
-            if cuda:
-                peak = (torch.cuda.max_memory_allocated() - memory["base"]) / 2**20
-                self.steps[-1]["train_part_peak_mib"] = max(self.steps[-1].get("train_part_peak_mib", 0.0), peak)
+    handler = Verdicts(level=logging.INFO)
+    logging.getLogger("trinity_trl").addHandler(handler)
+    gc.collect()
+    bc.malloc_trim()
+    rss_before, cuda_before = bc.read_status_kb("VmRSS"), 0
+    hwm_reset = (not probe.cuda) and bc.reset_peak_rss()
+    if probe.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_before = torch.cuda.memory_allocated()
+    if spec["side"] == "ours_compiled":
+        from torch._dynamo.utils import counters
 
-        self.trainer.compute_loss = timed_compute_loss
-        self.trainer.accelerator.backward = timed_backward
-
-    def _count_kernels(self) -> None:
-        """Which kernel each training forward ran ("padded": TRL's rows)."""
-        packing = self.trainer.prefix_packing.logps_and_entropies
-
-        def counting_packing(*a, **kw):
-            out = packing(*a, **kw)
-            if self.torch.is_grad_enabled():
-                name = "padded" if out is None else out.kernel
-                self.kernels[name] = self.kernels.get(name, 0) + 1
-            return out
-
-        self.trainer.prefix_packing.logps_and_entropies = counting_packing
-
-    def train(self) -> dict:
-        """Train (auto's verdicts and the memory watched); the side's measurements."""
-        torch, spec = self.torch, self.spec
-        verdicts = self.verdicts
-
-        class Verdicts(logging.Handler):
-            def emit(self, record):
-                message = record.getMessage()
-                if "prefix packing" in message:
-                    verdicts.append(message)
-
-        handler = Verdicts(level=logging.INFO)
-        logging.getLogger("trinity_trl").addHandler(handler)
-        gc.collect()
-        bc.malloc_trim()
-        rss_before = bc.read_status_kb("VmRSS")
-        hwm_reset = (not self.cuda) and bc.reset_peak_rss()
-        cuda_before = 0
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            cuda_before = torch.cuda.memory_allocated()
-        if spec["side"] == "ours_compiled":
-            from torch._dynamo.utils import counters
-
-            counters.clear()
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
-        self.trainer.train()
-        self.sync()
-        wall = time.perf_counter() - wall_start
-        logging.getLogger("trinity_trl").removeHandler(handler)
-        result = self.result(wall, time.process_time() - cpu_start)
-        result["train_peak_rss_above_start_mib"] = (
+        counters.clear()
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    trainer.train()
+    wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    logging.getLogger("trinity_trl").removeHandler(handler)
+    probe.remove()
+    steps, logs = probe.steps, trainer.state.log_history
+    result = {
+        "step_s": [s["step_s"] for s in steps],
+        "deciding": [x["deciding"] for x in probe.extra],
+        "train_part_s": [(s["device"] or s["host"])["loss"] + (s["device"] or s["host"])["backward"] for s in steps],
+        "train_part_peak_mib": [x["peak"] for x in probe.extra],
+        "phases_s": [{"host": s["host"], "device": s["device"]} for s in steps],
+        "auto_log": verdicts,
+        "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
+        "generation_s": [s["host"]["generation"] for s in steps],
+        "warmup": spec["warmup"],
+        "train_wall_s": wall,
+        "cpu_util": cpu / wall if wall > 0 else None,
+        "process_peak_rss_mib": bc.max_rss_mib(),
+        "micro_batch": probe.batches[0] if probe.batches else None,
+        **{key: [e[name] for e in logs if name in e] for key, name in LOGGED.items()},
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "loadavg_end": bc.loadavg(),
+        "first_step_s": steps[0]["step_s"] if steps else None,
+        "kernels": _total([x["layouts"] for x in probe.extra]),
+        "step_layouts": [x["layouts"] for x in probe.extra],  # the training forwards' layouts, step by step
+        "pid": os.getpid(),
+        "train_peak_rss_above_start_mib": (
             (bc.read_status_kb("VmHWM") - rss_before) / 1024 if hwm_reset and rss_before is not None else None
-        )
-        if self.cuda:
-            self.memory["overall"] = max(self.memory["overall"], torch.cuda.max_memory_allocated())
-            result["cuda_peak_above_start_mib"] = (self.memory["overall"] - cuda_before) / 2**20
-            result["cuda_peak_allocated_mib"] = self.memory["overall"] / 2**20
-        return result
-
-    def result(self, wall: float, cpu: float) -> dict:
-        spec, trainer = self.spec, self.trainer
-        logs = trainer.state.log_history
-        done = [s for s in self.steps if "end" in s]
-
-        def logged(key: str) -> list:
-            return [e[key] for e in logs if key in e]
-
-        result = {
-            "step_s": [s["end"] - s["begin"] for s in done],
-            "deciding": [s["deciding"] for s in done],
-            "train_part_s": [s["train_part"] for s in done] if self.part_timing else [],
-            "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
-            "auto_log": self.verdicts,
-            "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
-            "generation_s": [s["generation"] for s in done],
-            "warmup": spec["warmup"],
-            "train_wall_s": wall,
-            "cpu_util": cpu / wall if wall > 0 else None,
-            "process_peak_rss_mib": bc.max_rss_mib(),
-            "micro_batch": self.batches[0] if self.batches else None,
-            "losses": logged("loss"),
-            "grad_norms": logged("grad_norm"),
-            "forwarded_token_ratio": logged("packing/forwarded_token_ratio"),
-            "forwards_per_step": logged("packing/forwards_per_step"),
-            "parameters": sum(p.numel() for p in trainer.model.parameters()),
-            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "loadavg_end": bc.loadavg(),
-            "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
-            "kernels": _total([s.get("layouts", {}) for s in done]),
-            "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
-            "pid": os.getpid(),
+        ),
+    }
+    if probe.cuda:
+        overall = max(probe.memory["overall"], torch.cuda.max_memory_allocated())
+        result |= {
+            "cuda_peak_above_start_mib": (overall - cuda_before) / 2**20,
+            "cuda_peak_allocated_mib": overall / 2**20,
         }
-        if spec["side"] == "ours_compiled":
-            result["compiled"] = compile_counts(trainer)
-        return result
+    if spec["side"] == "ours_compiled":
+        result["compiled"] = compile_counts(trainer)
+    return result
 
 
 def _total(counts: list[dict]) -> dict:
