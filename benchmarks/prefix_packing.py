@@ -16,6 +16,7 @@ it runs the ``--points`` named (the CPU grid is retired: benchmarks/README.md).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import logging
@@ -135,21 +136,16 @@ CUDA_TARGETS = [
 def prompt_texts(tokenizer, length: int, count: int, seed: int) -> list[str]:
     """``count`` plain-text prompts of exactly ``length`` tokens: words that are one token each with
     their leading space (the tokenizer splits words apart, so the count is exact)."""
-    words = []
-    for token in sorted(tokenizer.get_vocab()):
-        text = tokenizer.convert_tokens_to_string([token])
-        if (
-            text.startswith(" ")
-            and text[1:].isalpha()
-            and len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
-        ):
-            words.append(text)
+
+    def tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    texts = (tokenizer.convert_tokens_to_string([token]) for token in sorted(tokenizer.get_vocab()))
+    words = [text for text in texts if text.startswith(" ") and text[1:].isalpha() and tokens(text) == 1]
     rng = random.Random(seed)
     prompts = ["".join(rng.choice(words) for _ in range(length)) for _ in range(count)]
-    for p in prompts:
-        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
-        if n != length:
-            raise RuntimeError(f"a prompt has {n} tokens, wanted {length}")
+    if any(tokens(p) != length for p in prompts):
+        raise RuntimeError(f"a prompt is not {length} tokens long")
     return prompts
 
 
@@ -205,23 +201,22 @@ def departures(spec: dict) -> list[str]:
         "loss_type='grpo' on TRL's side (its default 'dapo'; 'grpo' is the objective ours trains)",
         "logging_steps=1, max_steps, save_strategy='no', report_to='none' (both)",
     ]
-    if spec.get("rollout") == "fixed":
-        common.append(f"completions of exactly C={spec['completion_len']} random tokens from a rollout_func (both)")
-    if spec["device"] == "cpu":
-        common.append("use_cpu=True, bf16=False, activation checkpointing " + ("on" if spec.get("ac") else "off"))
-    elif spec.get("ac") is False:
-        common.append("activation checkpointing off (both; TRL's default is on)")
-    if spec.get("optim"):
-        common.append(f"optim={spec['optim']!r} (both)")
-    if spec.get("learning_rate") is not None:
-        common.append(f"learning_rate={spec['learning_rate']} (both)")
-    if spec.get("lora"):
-        common.append(f"LoRA {LORA} (both)")
-    if spec.get("accumulation", 1) > 1:
-        common.append("ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)")
-    if spec.get("kernel", "auto") != "auto":
-        common.append(f"ours: prefix_packing_kernel={spec['kernel']!r}")
-    return common
+    cpu, get = spec["device"] == "cpu", spec.get
+    optional = {
+        f"completions of exactly C={get('completion_len')} random tokens from a rollout_func (both)": (
+            get("rollout") == "fixed"
+        ),
+        f"use_cpu=True, bf16=False, activation checkpointing {'on' if get('ac') else 'off'}": cpu,
+        "activation checkpointing off (both; TRL's default is on)": not cpu and get("ac") is False,
+        f"optim={get('optim')!r} (both)": bool(get("optim")),
+        f"learning_rate={get('learning_rate')} (both)": get("learning_rate") is not None,
+        f"LoRA {LORA} (both)": bool(get("lora")),
+        "ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)": (
+            get("accumulation", 1) > 1
+        ),
+        f"ours: prefix_packing_kernel={get('kernel')!r}": get("kernel", "auto") != "auto",
+    }
+    return common + [text for text, applies in optional.items() if applies]
 
 
 def train_side(spec: dict) -> dict:
@@ -250,19 +245,11 @@ def side_arguments(spec: dict, tokenizer) -> dict:
     """The training arguments both sides share (TRL's `GRPOConfig` fields)."""
     from transformers import AutoConfig
 
-    common: dict = dict(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec["generations"] * spec.get("prompts_per_step", 1),
-        num_generations=spec["generations"],
-        gradient_accumulation_steps=spec.get("accumulation", 1),
-        max_completion_length=spec["completion_len"],
-        max_steps=spec["steps"],
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=spec["seed"],
-        disable_tqdm=True,
-    )
+    common = {"output_dir": spec["output_dir"], "num_generations": spec["generations"], "seed": spec["seed"]}
+    common |= {"per_device_train_batch_size": spec["generations"] * spec.get("prompts_per_step", 1)}
+    common |= {"gradient_accumulation_steps": spec.get("accumulation", 1), "max_steps": spec["steps"]}
+    common |= {"max_completion_length": spec["completion_len"], "logging_steps": 1, "disable_tqdm": True}
+    common |= {"report_to": "none", "save_strategy": "no"}
     if spec["device"] != "cuda":
         common.update(use_cpu=True, bf16=False, activation_checkpointing=bool(spec.get("ac")))
     else:
@@ -274,11 +261,7 @@ def side_arguments(spec: dict, tokenizer) -> dict:
     vocab = vocab.vocab_size
     if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
         common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
-    if spec.get("optim"):
-        common["optim"] = spec["optim"]
-    if spec.get("learning_rate") is not None:
-        common["learning_rate"] = spec["learning_rate"]
-    return common
+    return common | {k: spec[k] for k in ("optim", "learning_rate") if spec.get(k) is not None}
 
 
 def side_trainer(spec: dict, tokenizer, dataset):
@@ -293,13 +276,8 @@ def side_trainer(spec: dict, tokenizer, dataset):
         from trinity_trl.trainers import TrinityConfig as Config
         from trinity_trl.trainers import TrinityTrainer as Trainer
 
-        ours = dict(
-            algorithm="grpo",
-            kl_loss="none",
-            loss_agg_mode="seq-mean-token-mean",
-            prefix_packing=spec["packing"],
-            prefix_packing_kernel=spec.get("kernel", "auto"),
-        )
+        ours = {"algorithm": "grpo", "kl_loss": "none", "loss_agg_mode": "seq-mean-token-mean"}
+        ours |= {"prefix_packing": spec["packing"], "prefix_packing_kernel": spec.get("kernel", "auto")}
         if spec["side"] == "ours_compiled":  # compiled decoder layers for packed forwards (issue 53)
             ours["prefix_packing_compile"] = True
         if spec.get("accumulation", 1) > 1:
@@ -310,14 +288,8 @@ def side_trainer(spec: dict, tokenizer, dataset):
         from trl import GRPOTrainer as Trainer
 
         config = Config(loss_type="grpo", **common)
-    return Trainer(
-        model=spec["model"],
-        reward_funcs=char_reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        **extra,
-    )
+    data = {"train_dataset": dataset, "processing_class": tokenizer}
+    return Trainer(model=spec["model"], reward_funcs=char_reward, args=config, **data, **extra)
 
 
 def probe_class():
@@ -455,11 +427,7 @@ def train_probed(spec: dict, trainer, probe) -> dict:
 
 
 def _total(counts: list[dict]) -> dict:
-    total: dict[str, int] = {}
-    for c in counts:
-        for name, n in c.items():
-            total[name] = total.get(name, 0) + n
-    return total
+    return dict(sum(map(collections.Counter, counts), collections.Counter()))
 
 
 def compile_counts(trainer) -> dict:
