@@ -278,16 +278,12 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
             )
         common = {"model": model_dir, "reward_funcs": length_reward, "train_dataset": prompts}
         if name == "chord":
-            config = t.ChordConfig(**kwargs, expert_batch_size=2, mu_peak=0.5, mu_valley=0.5)
-            return t.ChordTrainer(**common, expert_dataset=expert, args=config)
-        if name == "trinity":
-            return t.TrinityTrainer(**common, args=t.TrinityConfig(**kwargs, algorithm="grpo"))
-        config_cls, trainer_cls = {
-            "cispo": (t.CISPOConfig, t.CISPOTrainer),
-            "sapo": (t.SAPOConfig, t.SAPOTrainer),
-            "ppo": (t.PPOConfig, t.PPOTrainer),
-        }[name]
-        return trainer_cls(**common, args=config_cls(**kwargs))
+            common["expert_dataset"] = expert
+            kwargs |= {"expert_batch_size": 2, "mu_peak": 0.5, "mu_valley": 0.5}
+        elif name == "trinity":
+            kwargs["algorithm"] = "grpo"
+        prefix = {"trinity": "Trinity", "chord": "Chord", "cispo": "CISPO", "sapo": "SAPO", "ppo": "PPO"}[name]
+        return getattr(t, f"{prefix}Trainer")(**common, args=getattr(t, f"{prefix}Config")(**kwargs))
 
     messages: list[str] = []
 
@@ -419,18 +415,15 @@ def write_summary(out: Path, summary: dict) -> None:
 # -------------------------------------------------------------------------------------------- main
 def commit() -> str | None:
     """The checkout's commit (``git``), where there is one; ``None`` on a copy without ``.git``."""
+
+    def git(*args: str):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
-    ).stdout.strip()
-    return out.stdout.strip() + ("+local changes" if dirty else "")
+    return head.stdout.strip() + ("+local changes" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def main(argv=None) -> int:
@@ -476,18 +469,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment()
     command = " ".join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
-    summary = {
-        "command": command,
-        "dry_run": args.dry_run,
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
-        "environment": env,
-        "requested_parts": requested,
-        "parts": {},
-        "targets": [],
-        "out": str(out),
-        "total_wall_s": 0.0,
-    }
+    summary = {"command": command, "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d"), "commit": commit()}
+    summary |= {"environment": env, "requested_parts": requested, "parts": {}, "targets": [], "out": str(out)}
+    summary["total_wall_s"] = 0.0
     write_summary(out, summary)
     runners = {"profile": part_profile, "tests": part_tests, "trainers": part_trainers}  # the others: BENCH_SETS
     for name in requested:

@@ -721,61 +721,52 @@ def _cell(stat: dict | None, spec: str = ".3f") -> str:
     return harness.cell(stat, spec)  # median (min-max)
 
 
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k}: {v}" if isinstance(v, bool) or v is None else f"{k} x{v}" for k, v in counts.items())
+
+
 def markdown(report: dict) -> str:
-    lines = markdown_header(report) + markdown_table(report)
-    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
-    for point in report["results"]:
-        lines += point_notes(point, report["config"])
-    return "\n".join(lines + target_lines(report) + tail_lines(report))
-
-
-def markdown_header(report: dict) -> list[str]:
-    c = report["config"]
+    """The points: the setting and protocol, the table (gpu_check.md repeats this Markdown), each point's notes,
+    issue 42's targets on CUDA, and what failed, was not measured or was cut short."""
+    c, models = report["config"], report.get("models", {})
     mem = "CUDA peak allocated above start" if c["device"] == "cuda" else "peak RSS during train() above start"
+    about = "; ".join(
+        f"`{n}`: {m.get('about')} ({(m.get('parameters') or 0) / 1e6:.1f}M parameters)" for n, m in models.items()
+    )
     lines = [
         "## The points",
         "",
-        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Models: "
-        + "; ".join(
-            f"`{name}`: {m.get('about')} ({(m.get('parameters') or 0) / 1e6:.1f}M parameters)"
-            for name, m in report.get("models", {}).items()
-        )
-        + f". {'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
+        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Models: {about}. "
+        f"{'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
         f"loss_agg_mode='seq-mean-token-mean')`, `prefix_packing_kernel={c.get('kernel', 'auto')!r}`; TRL: "
         "`GRPOTrainer` at its defaults except the departures below.",
         "",
-        f"Protocol: a repeat is a fresh process per side, sides alternating (ours, TRL, ours, TRL, ...; points "
-        f"interleaved), {c['repeats']} repeat(s) asked; `train` = the whole optimizer step minus TRL's generation "
-        "(scoring, log-prob forwards, loss, backward, optimizer), the median over a run's steps after its warm-up "
-        f"(ours: {c['warmup']} steps, `auto`'s calibration; TRL: {c['trl_warmup']}; at gradient accumulation > 1: "
+        "Protocol (benchmarks/README.md): a repeat is a fresh process per side, sides alternating, points "
+        f"interleaved; {c['repeats']} repeat(s) asked. `train` = the optimizer step (from its start to the next "
+        "step's, split by `phases.PhaseTimer`) minus its generation phase, the median over a run's steps after its "
+        f"warm-up (ours: {c['warmup']} steps, `auto`'s calibration; TRL: {c['trl_warmup']}; at accumulation > 1: "
         f"{c['accumulation_warmup']} / {min(c['trl_warmup'], c['accumulation_warmup'])}); figures: median over repeats "
         "(min-max). Ratios ours / TRL (< 1: ours faster / smaller); `per repeat`: each repeat's ours / TRL. "
         f"Memory: {mem}; `part memory`: the peak during the loss's forward and backward above its start. "
         "`calibration`: seconds a run of ours spent in `auto`'s calibration (its warm-up excess over its steady "
         "step, less TRL's). `tokens fwd`: tokens the packed forwards process / tokens of TRL's padded micro-batches.",
         "",
-    ]
-    return lines
-
-
-def markdown_table(report: dict) -> list[str]:
-    """The points' table (gpu_check.md repeats it)."""
-    lines = [
         "| point | repeats | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | per repeat | step ratio "
         "| ours part memory (MiB) | TRL part memory (MiB) | **part memory ratio** | memory ratio | calibration (s/run) "
         "| kernels (training forwards) | equivalent |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * 15 + "|",
     ]
-    rows = [(point["name"], point["comparison"]) for point in report["results"]]
-    rows += [
-        (point["name"] + " **compiled**", point["compiled"]) for point in report["results"] if point.get("compiled")
-    ]
-    for name, r in rows:
+    rows = [(p["name"], p["comparison"]) for p in report["results"]]
+    for name, r in rows + [
+        (p["name"] + " **compiled**", p["compiled"]) for p in report["results"] if p.get("compiled")
+    ]:
         o, t, e = r["ours"], r["trl"], r["equivalence"]
         d = e.get("direct") or {}
-        check = "yes" if e["equivalent"] else "NO"
-        if d.get("logps_rel_l2") is not None:
-            check += f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
+        check = ("yes" if e["equivalent"] else "NO") + (
+            f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
+            if d.get("logps_rel_l2") is not None
+            else ""
+        )
         lines.append(
             f"| {name} | {o['repeats']} / {t['repeats']} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
             f"| {_cell(o['train_s_spread'])} | {_cell(t['train_s_spread'])} | **{bc.fmt(r['train_ratio'])}** "
@@ -783,63 +774,50 @@ def markdown_table(report: dict) -> list[str]:
             f"| {_cell(o['train_part_peak_mib_spread'], '.0f')} | {_cell(t['train_part_peak_mib_spread'], '.0f')} "
             f"| **{bc.fmt(r['part_memory_ratio'])}** | {bc.fmt(r['memory_ratio'])} "
             f"| {_cell(r['calibration_s_per_run'], '.2f')} "
-            f"| {', '.join(f'{k} x{n}' for k, n in sorted(o.get('kernels', {}).items())) or '-'} | {check} |"
+            f"| {_counts(dict(sorted(o.get('kernels', {}).items()))) or '-'} | {check} |"
         )
-    return lines
+    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
+    for point in report["results"]:
+        lines += point_notes(point, c)
+    return "\n".join(lines + target_lines(report) + tail_lines(report))
 
 
 def point_notes(point: dict, c: dict) -> list[str]:
     """A point's departures, `auto`'s verdicts, the direct check and each run of ours."""
-    lines = []
-    r = point["comparison"]
+    r, o = point["comparison"], point["comparison"]["ours"]
     d = r["equivalence"].get("direct") or {}
-    verdicts = r["ours"].get("auto_verdicts")
-    lines.append(f"- **{point['name']}**: {'; '.join(point['departures'])}.")
-    lines.append(
-        "  `auto`: "
-        + (", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-")
-        + (
-            f"; forwards per step {bc.fmt(r['ours']['forwards_per_step'], '.1f')}"
-            if r["ours"].get("forwards_per_step")
-            else ""
+    notes = [_counts(o.get("auto_verdicts") or {}) or "-"]
+    if o.get("forwards_per_step"):
+        notes.append(f"forwards per step {bc.fmt(o['forwards_per_step'], '.1f')}")
+    if o.get("undecided_runs"):
+        notes.append(
+            f"{o['undecided_runs']} of {o['repeats']} runs never decided by their timed steps, counted apart: ours / "
+            f"TRL over them {_cell(r.get('train_ratio_undecided_runs'))}"
         )
-        + (
-            f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs never decided by their timed steps, "
-            "counted apart: ours / TRL over them "
-            f"{_cell(r.get('train_ratio_undecided_runs'))}"
-            if r["ours"].get("undecided_runs")
-            else ""
-        )
-        + (
-            f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
-            f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
+    check = ""
+    if d.get("logps_rel_l2") is not None:
+        check = (
+            f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs {bc.fmt(d.get('logps_rel_l2'), '.1e')} "
             f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
             f"(tol {bc.fmt(d.get('grads_rtol'), '.1e')})"
-            if d.get("logps_rel_l2") is not None
-            else (f". Direct check: {d.get('error') or d.get('reason')}" if d else "")
         )
-        + "."
-    )
+    elif d:
+        check = f". Direct check: {d.get('error') or d.get('reason')}"
+    lines = [f"- **{point['name']}**: {'; '.join(point['departures'])}.", f"  `auto`: {'; '.join(notes)}{check}."]
     for side, comparison in (("ours", r), ("ours compiled", point.get("compiled"))):
-        if not comparison:
-            continue
-        for i, run in enumerate(comparison["ours"].get("per_run", []), start=1):
-            verdicts = run.get("verdicts")
-            verdict = ", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-"
-            layouts = " | ".join(
-                ", ".join(f"{k} x{n}" for k, n in step.items()) or "-" for step in run["timed_layouts"]
-            )
+        for i, run in enumerate((comparison or {}).get("ours", {}).get("per_run", []), start=1):
+            layouts = " | ".join(_counts(step) or "-" for step in run["timed_layouts"])
             lines.append(
-                f"  - {side}, repeat {i}: verdict {verdict}; timed steps' layouts [{layouts}]; train "
-                f"{bc.fmt(run['train_s'])} s{'' if run['decided'] else ' (UNDECIDED: counted apart)'}"
+                f"  - {side}, repeat {i}: verdict {_counts(run.get('verdicts') or {}) or '-'}; timed steps' layouts "
+                f"[{layouts}]; train {bc.fmt(run['train_s'])} s"
+                + ("" if run["decided"] else " (UNDECIDED: counted apart)")
             )
-        for counts in comparison["ours"].get("compiled", []):
-            lines.append(f"  - compiled layers: {counts}")
+        lines += [f"  - compiled layers: {counts}" for counts in (comparison or {}).get("ours", {}).get("compiled", [])]
     if c.get("part_timing"):
         lines.append(
-            "  Training part (loss forward + backward, between syncs): ours "
-            f"{bc.fmt(r['ours']['train_part_s'])} s, "
-            f"TRL {bc.fmt(r['trl']['train_part_s'])} s, ratio {bc.fmt(r['train_part_ratio'])}."
+            f"  Training part (the loss and backward phases; on CUDA on the device's clock): ours "
+            f"{bc.fmt(o['train_part_s'])} s, TRL {bc.fmt(r['trl']['train_part_s'])} s, "
+            f"ratio {bc.fmt(r['train_part_ratio'])}."
         )
     return lines
 

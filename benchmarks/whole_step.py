@@ -7,12 +7,6 @@ docs/benchmarks.md#whole-step.
     nice -n 5 python benchmarks/whole_step.py                       # the CPU points (bundled SmolLM2-135M)
     python benchmarks/whole_step.py --gpu                           # `make gpu-check-step`: the GPU run (8 minutes)
     python benchmarks/whole_step.py --dry-run                       # tiny shapes on CPU (tests/test_benchmarks.py)
-
-Sides (`SIDES`; each repeat a fresh process per side, the order alternating, through `harness`): ``ours``
-(``TrinityTrainer``, GRPO trained as TRL's defaults train it), ``ours_off`` (the same without issue 51's generation
-settings), ``trl`` (``GRPOTrainer`` at TRL's defaults) and ``trl_cb`` (with continuous batching). Per run: 1 warm-up
-step, then the timed ones: the median timed step and its phases, the first step, the start-up, each side's dtype and
-generation settings, compilations per step and peak memory.
 """
 
 from __future__ import annotations
@@ -382,45 +376,43 @@ def compilation(part: dict) -> dict:
 def markdown(report: dict) -> str:
     """The split of every side's step, the dtypes, compilation and departures (after the harness's tables)."""
     lines = ["## The split, per side (median over repeats of each run's median timed step; seconds)", ""]
-    from phases import PHASES as phases_order
+    from phases import PHASES
 
     for name, part in report["parts"].items():
-        summary = part.get("summary")
-        if not summary:
-            continue
-        lines += [
-            f"### {name}",
-            "",
-            "| side | dtype | step | " + " | ".join(phases_order) + " | first step | start-up |",
-            "|---|---|---|" + "---|" * (len(phases_order) + 2),
+        sides = (part.get("summary") or {}).get("sides", {})
+        samples = {
+            s: next((r["samples"][s] for r in part["repeats"] if harness.ok(r["samples"].get(s))), None) for s in sides
+        }
+        tables = [
+            ("", "phases", "step_s", "| dtype "),
+            ("On the device's clock (CUDA events):", "device_phases", "device_step_s", ""),
         ]
-        for side, stats in summary["sides"].items():
-            sample = next((r["samples"][side] for r in part["repeats"] if harness.ok(r["samples"].get(side))), None)
-            if sample is None:
+        lines += [f"### {name}", ""] if sides else []
+        for title, phases, step, dtype in tables:
+            if title and not any(f"{phases}.generation" in s for s in sides.values()):
                 continue
-            d = sample["dtype"]
-            dtype = d["parameters"].replace("torch.", "") + (f" + {d['autocast']} autocast" if d["autocast"] else "")
-            if d["parameters_after"] != d["parameters"]:
-                dtype += f", {d['parameters_after'].replace('torch.', '')} after generating"
-            cells = [harness.cell(stats.get(f"phases.{p}")) for p in phases_order]
-            lines.append(
-                f"| {side} | {dtype} | {harness.cell(stats.get('step_s'))} | "
-                + " | ".join(cells)
-                + f" | {harness.cell(stats.get('first_step_s'))} | {harness.cell(stats.get('init_s'))} |"
-            )
-        if any("device_phases.generation" in s for s in summary["sides"].values()):
-            lines += [
-                "",
-                "On the device's clock (CUDA events):",
-                "",
-                "| side | step | " + " | ".join(phases_order) + " |",
-                "|---|---|" + "---|" * len(phases_order),
+            extra = " | first step | start-up" if not title else ""
+            lines += ([title, ""] if title else []) + [
+                f"| side {dtype}| step | " + " | ".join(PHASES) + f"{extra} |",
+                "|---|" + "---|" * (len(PHASES) + 1 + (3 if not title else 0)),
             ]
-            for side, stats in summary["sides"].items():
-                cells = [harness.cell(stats.get(f"device_phases.{p}")) for p in phases_order]
-                lines.append(f"| {side} | {harness.cell(stats.get('device_step_s'))} | " + " | ".join(cells) + " |")
-        lines += ["", *_settings(part), ""]
+            for side, stats in sides.items():
+                if samples[side] is None:
+                    continue
+                cells = [harness.cell(stats.get(f"{phases}.{p}")) for p in PHASES]
+                if not title:
+                    cells += [harness.cell(stats.get("first_step_s")), harness.cell(stats.get("init_s"))]
+                kind = f"| {dtype_text(samples[side]['dtype'])} " if dtype else ""
+                lines.append(f"| {side} {kind}| {harness.cell(stats.get(step))} | " + " | ".join(cells) + " |")
+            lines.append("")
+        lines += [*_settings(part), ""] if sides else []
     return "\n".join(lines)
+
+
+def dtype_text(d: dict) -> str:
+    text = d["parameters"].replace("torch.", "") + (f" + {d['autocast']} autocast" if d["autocast"] else "")
+    after = d["parameters_after"].replace("torch.", "")
+    return text + (f", {after} after generating" if d["parameters_after"] != d["parameters"] else "")
 
 
 def _settings(part: dict) -> list[str]:
