@@ -128,9 +128,8 @@ def profile_summary(prof, layers: int, top: int = 0) -> dict:
             runtime.append({"name": e.key, "count": e.count, "ms": e.self_cpu_time_total / 1e3})
         else:
             host.append({"name": e.key[:120], "count": e.count, "self_ms": e.self_cpu_time_total / 1e3})
-    host.sort(key=lambda x: -x["self_ms"])
-    runtime.sort(key=lambda x: -x["ms"])
-    kernels.sort(key=lambda x: -x["ms"])
+    for rows, key in ((host, "self_ms"), (runtime, "ms"), (kernels, "ms")):
+        rows.sort(key=lambda x: -x[key])
     launches = sum(r["count"] for r in runtime if r["name"] in LAUNCHES)
     aten = [h for h in host if h["name"].startswith("aten::")]
     out = {
@@ -173,12 +172,8 @@ def launch_costs(device: str, n: int) -> dict:
         for _ in range(n):
             module(x)
         calls[name] = (time.perf_counter() - start) / n * 1e6
-    return {
-        "launches": n,
-        "launch_us": enqueued / n * 1e6,
-        "launch_drained_us": drained / n * 1e6,  # enqueue, then the device's queue emptied: per launch
-        **calls,
-    }
+    # launch_drained_us: enqueue, then the device's queue emptied: per launch
+    return {"launches": n, "launch_us": enqueued / n * 1e6, "launch_drained_us": drained / n * 1e6, **calls}
 
 
 def build_model(shape: dict, device: str, dtype):
@@ -291,14 +286,8 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     timer = PhaseTimer(trainer)
     trainer.train()
     timer.remove()
-    last = timer.steps[-1]
-    result = {
-        "steps_s": [round(s["step_s"], 4) for s in timer.steps],
-        "step_s": last["step_s"],
-        "host": last["host"],
-        "device": last["device"],
-        "calls": last["calls"],
-    }
+    result = {k: timer.steps[-1][k] for k in ("step_s", "host", "device", "calls")}
+    result["steps_s"] = [round(s["step_s"], 4) for s in timer.steps]
     del trainer, model
     gc.collect()
     if cuda:
@@ -322,21 +311,20 @@ class Profile:
         self.shapes = DRY_SHAPES if args.dry_run else SHAPES
         self.points = DRY_POINTS if args.dry_run else POINTS
         config = {k: v for k, v in vars(args).items() if k != "out"} | {"marks_s": self.marks, "shapes": self.shapes}
-        self.bench = harness.Bench(
-            self.name,
-            args.out,
-            config=config,
-            device=args.device,
-            title="Packed training pass on the host: launches, passes, trainer steps" + (" (DRY RUN)" * args.dry_run),
-            render=markdown,
-        )
+        title = "Packed training pass on the host: launches, passes, trainer steps" + (" (DRY RUN)" * args.dry_run)
+        self.bench = harness.Bench(self.name, args.out, config=config, device=args.device, title=title, render=markdown)
 
     def part(self, name: str, description: str):
         part = self.bench.part(name, mark_s=self.marks[name], description=description)
         part.record["measurements"] = []
         return part
 
-    def add(self, part, measurement: dict) -> None:
+    def add(self, part, about: dict, call, *args) -> None:
+        """``call(*args)``'s measurement (or its error: the next one runs) with ``about``, written at once."""
+        try:
+            measurement = {**about, **call(*args)}
+        except Exception as err:
+            measurement = {**about, "error": f"{type(err).__name__}: {err}"[-1500:]}
         part.record["measurements"].append(measurement)
         line = ", ".join(f"{k} {v:.4g}" for k, v in measurement.items() if isinstance(v, float))
         print(f"[profile/{part.name}] {measurement.get('label', '')}: {line}", flush=True)
@@ -354,7 +342,7 @@ class Profile:
         device = self.args.device
         part = self.part("launch", "host µs per kernel launch and per module call")
         if not part.skipped:
-            self.add(part, {"label": "launch", **launch_costs(device, 5000)})
+            self.add(part, {"label": "launch"}, launch_costs, device, 5000)
             self.done(part)
         part = self.part("passes", "one training pass per model, point and layout (see the script's docs)")
         if not part.skipped:
@@ -365,11 +353,10 @@ class Profile:
             for side in SIDES:
                 if part.check_mark(f"before {side}"):
                     break
-                try:
-                    result = trainer_step(side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup)
-                except Exception as err:  # recorded; the next side runs
-                    result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
-                self.add(part, {"label": side, "side": side, "point": f"P{prompt}/C{completion}", **result})
+                about = {"label": side, "side": side, "point": f"P{prompt}/C{completion}"}
+                self.add(
+                    part, about, trainer_step, side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup
+                )
             self.done(part)
         self.bench.finish()
         errors = [m for p in self.bench.report["parts"].values() for m in p.get("measurements", []) if "error" in m]
@@ -394,12 +381,11 @@ class Profile:
                     if part.check_mark(f"before {label}"):
                         return
                     top = 12 if model_name == "1.5B" and (prompt, completion) == self.points[0] else 0
-                    try:
-                        result = measure_pass(model, layout, packing, ids, mask, keep, device, shape["layers"], top)
-                    except Exception as err:  # recorded; the next measurement runs
-                        result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
-                    self.add(part, {"label": label, "model": model_name, "point": f"P{prompt}/C{completion}",
-                                    "layout": layout, "tokens": int(ids.numel()), **result})  # fmt: skip
+                    about = {"label": label, "model": model_name, "point": f"P{prompt}/C{completion}", "layout": layout}
+                    about["tokens"] = int(ids.numel())
+                    self.add(
+                        part, about, measure_pass, model, layout, packing, ids, mask, keep, device, shape["layers"], top
+                    )
             del model
             gc.collect()
             if self.cuda:
@@ -419,9 +405,8 @@ def _ms(value) -> str:
 
 
 def markdown(report: dict) -> str:
-    parts = report["parts"]
-    lines = []
-    launch = (parts.get("launch") or {}).get("measurements") or []
+    measured = {name: part.get("measurements") or [] for name, part in report["parts"].items()}
+    launch, passes, steps, lines = measured.get("launch"), measured.get("passes"), measured.get("steps"), []
     if launch:
         m = launch[0]
         lines += [
@@ -432,7 +417,6 @@ def markdown(report: dict) -> str:
             f"{bc.fmt(m.get('hooked_module_call_us'), '.1f')} µs with one forward hook ({m.get('launches')} each).",
             "",
         ]
-    passes = (parts.get("passes") or {}).get("measurements") or []
     if passes:
         lines += [
             "### Training passes (one prompt x 8, forward and backward, activation checkpointing on)",
@@ -442,15 +426,13 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in passes:
+            row = f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} "
             if "error" in m:
-                lines.append(
-                    f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | ERROR {m['error'][:200]} |"
-                )
+                lines.append(f"{row}| ERROR {m['error'][:200]} |")
                 continue
             lines.append(
-                f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | {_ms(m.get('host_enqueue_s'))} "
-                f"| {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} | {m.get('launches')} "
-                f"| {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
+                f"{row}| {_ms(m.get('host_enqueue_s'))} | {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} "
+                f"| {m.get('launches')} | {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
                 f"| {m.get('sync_calls')} / {m.get('sync_warnings')} |"
             )
         for m in passes:
@@ -460,7 +442,6 @@ def markdown(report: dict) -> str:
                 lines += ["", "top host operations (count, self ms):", ""]
                 lines += [f"- {h['name']}: {h['count']}, {h['self_ms']:.1f}" for h in m.get("top_host_ops", [])]
         lines.append("")
-    steps = (parts.get("steps") or {}).get("measurements") or []
     if steps:
         from phases import PHASES
 

@@ -39,6 +39,7 @@ MODEL_SHAPES, REAL_VOCAB = bc.MODEL_SHAPES, bc.REAL_VOCAB
 SIDES = ("ours", "ours_compiled", "trl")
 OURS = ("ours", "ours_compiled")
 #: what the forkserver imports once (`harness.Launcher`): on CUDA it saves each run the imports
+WORK = "prefix_packing:work"  # the harness's child: a side's run, or a model saved
 PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 #: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
 #: the run's logged figures (``trainer.state.log_history``) a result keeps
@@ -638,30 +639,22 @@ def side_summary(results: list[dict]) -> dict:
     per_run = [run_summary(r) for r in results]
     numeric = [k for k, v in per_run[0].items() if not isinstance(v, (bool, list, dict))]
     out = {key: bc.median([p[key] for p in per_run]) for key in numeric}
-    decided = [p for p in per_run if p["decided"]]
-    undecided = [p for p in per_run if not p["decided"]]
-    out["train_s"] = bc.median([p["train_s"] for p in decided])
-    out["train_s_spread"] = harness.spread([p["train_s"] for p in decided])
-    out["train_s_undecided"] = harness.spread([p["train_s"] for p in undecided])
+    decided = [p["train_s"] for p in per_run if p["decided"]]
+    out |= {"train_s": bc.median(decided), "train_s_spread": harness.spread(decided)}
+    out["train_s_undecided"] = harness.spread([p["train_s"] for p in per_run if not p["decided"]])
     out["train_part_peak_mib_spread"] = harness.spread([p["train_part_peak_mib"] for p in per_run])
-    out["undecided_runs"] = len(undecided)
+    out["undecided_runs"] = sum(1 for p in per_run if not p["decided"])
     out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
     memory = ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib")
     for key in (*memory, "cuda_peak_allocated_mib", "cpu_util", "first_step_s"):
         out[key] = bc.median([r.get(key) for r in results])
-    out["micro_batch"] = results[0]["micro_batch"]
-    out["kernels"] = _total([r.get("kernels", {}) for r in results])
-    ratios = [x for r in results for x in r["forwarded_token_ratio"]]
-    out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
-    forwards = [x for r in results for x in r.get("forwards_per_step", [])]
-    out["forwards_per_step"] = bc.median(forwards) if forwards else None
+    for key in ("forwarded_token_ratio", "forwards_per_step"):
+        out[key] = bc.median([x for r in results for x in r.get(key, [])])
+    out |= {"micro_batch": results[0]["micro_batch"], "kernels": _total([r.get("kernels", {}) for r in results])}
     out["per_run"] = per_run  # each repeat's verdicts and the layouts of its timed steps
-    out["auto_verdicts_per_run"] = [p["verdicts"] for p in per_run]
-    out["auto_verdicts"] = results[0].get("auto_verdicts")
-    out["compiled"] = [r["compiled"] for r in results if r.get("compiled")]
-    out["auto_log"] = results[0].get("auto_log", [])
-    out["repeats"] = len(results)
-    return out
+    out |= {"auto_verdicts_per_run": [p["verdicts"] for p in per_run], "auto_verdicts": results[0].get("auto_verdicts")}
+    out |= {"compiled": [r["compiled"] for r in results if r.get("compiled")], "repeats": len(results)}
+    return out | {"auto_log": results[0].get("auto_log", [])}
 
 
 def calibration_seconds(ours: dict, trl: dict) -> float | None:
@@ -687,8 +680,7 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
     # paired: each repeat's ours / TRL, over the repeats whose run of ours decided (the others apart)
     pairs = [(run_summary(x), run_summary(y)) for x, y in zip(ours, trl)]
-    paired = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if x["decided"]]
-    paired_undecided = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if not x["decided"]]
+    paired = {d: [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if x["decided"] == d] for d in (True, False)}
     calibration = [calibration_seconds(x, y) for x, y in zip(ours, trl)]
     checks = [r["equivalence_check"] for r in ours if r.get("equivalence_check")]
     trajectory = bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL
@@ -699,8 +691,8 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         "ours": so,
         "trl": st,
         "train_ratio": bc.ratio(so["train_s"], st["train_s"]),
-        "train_ratio_per_repeat": harness.spread(paired),
-        "train_ratio_undecided_runs": harness.spread(paired_undecided),
+        "train_ratio_per_repeat": harness.spread(paired[True]),
+        "train_ratio_undecided_runs": harness.spread(paired[False]),
         "step_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "train_part_ratio": bc.ratio(so["train_part_s"], st["train_part_s"]),
         "part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
@@ -910,73 +902,48 @@ def point_entry(report: dict, key: str, name: str, runs: dict, memory_key: str) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--point-set", help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)"
-    )
-    parser.add_argument(
-        "--points",
-        nargs="+",
-        metavar="MODEL:P:C:G[:kN][:gaN][:lora]",
-        help="exactly these points (needed on CPU), e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4",
-    )
-    parser.add_argument("--kernel", default="auto", choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"])
-    parser.add_argument("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
-    parser.add_argument("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + timed steps)")
-    parser.add_argument(
-        "--warmup", type=int, help="our untimed first steps: auto's calibration (default 7 CUDA, 1 CPU)"
-    )
-    parser.add_argument("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
-    parser.add_argument("--accumulation-warmup", type=int, default=3, help="our warm-up at gradient accumulation > 1")
-    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3 on CUDA, 1 CPU)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--learning-rate", type=float, help="both sides (default: each trainer's default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
-    parser.add_argument("--rollout", choices=("generate", "fixed"), help="default: fixed on CUDA, generate on CPU")
-    parser.add_argument(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)",
-    )
-    parser.add_argument("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
-    parser.add_argument(
-        "--sides",
-        help=f"comma-separated sides of {', '.join(SIDES)} (default ours,trl; ours_compiled: prefix_packing_compile, "
-        "after one uncounted run that warms the compile cache)",
-    )
-    parser.add_argument("--part-timing", action="store_true", help="also time the loss's forward+backward (syncs)")
-    parser.add_argument("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
-    parser.add_argument("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
-    parser.add_argument("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
-    parser.add_argument(
-        "--out",
-        default=os.environ.get("OUT") or "benchmarks/results",
-        help="directory for the report (default $OUT where set, as on the lent GPU machine, else benchmarks/results)",
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--device", choices=("cpu", "cuda"), default="cpu")
+    add("--point-set", help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)")
+    add("--points", nargs="+", metavar="MODEL:P:C:G[:kN][:gaN][:lora]", help="exactly these points (needed on CPU), "
+        "e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4")  # fmt: skip
+    add("--kernel", default="auto", choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"])
+    add("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
+    add("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
+    add("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + timed steps)")
+    add("--warmup", type=int, help="our untimed first steps: auto's calibration (default 7 CUDA, 1 CPU)")
+    add("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
+    add("--accumulation-warmup", type=int, default=3, help="our warm-up at gradient accumulation > 1")
+    add("--timed-steps", type=int, help="timed steps per run (default 3 on CUDA, 1 CPU)")
+    add("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
+    add("--bf16", action="store_true")
+    add("--learning-rate", type=float, help="both sides (default: each trainer's default)")
+    add("--seed", type=int, default=0)
+    add("--timeout", type=float, default=1800, help="seconds allowed per run")
+    add("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
+    add("--rollout", choices=("generate", "fixed"), help="default: fixed on CUDA, generate on CPU")
+    add("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+        help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)")  # fmt: skip
+    add("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
+    add("--sides", help=f"comma-separated sides of {', '.join(SIDES)} (default ours,trl; ours_compiled: "
+        "prefix_packing_compile, after one uncounted run that warms the compile cache)")  # fmt: skip
+    add("--part-timing", action="store_true", help="also report the training part: the loss and backward phases")
+    add("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
+    add("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
+    add("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
+    add("--out", default=os.environ.get("OUT") or "benchmarks/results", help="directory for the report (default "
+        "$OUT where set, as on the lent GPU machine, else benchmarks/results)")  # fmt: skip
     return parser
 
 
 def main(argv=None) -> int:
     args = (parser := build_parser()).parse_args(argv)
     points = settle(args, parser)
-    bench = harness.Bench(
-        "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
-        args.out,
-        config={k: v for k, v in vars(args).items() if k != "out"},
-        device=args.device,
-        title="Prefix-shared packed training step vs TRL's `GRPOTrainer`",
-        render=markdown,
-        preload=() if args.no_fork else PRELOAD,
-        update=derive,
-        resume=args.resume,
-    )
+    name, config = "prefix_packing" + ("_cuda" if args.device == "cuda" else ""), vars(args).copy()
+    options = {"title": "Prefix-shared packed training step vs TRL's `GRPOTrainer`", "render": markdown}
+    options |= {"preload": () if args.no_fork else PRELOAD, "update": derive, "resume": args.resume}
+    bench = harness.Bench(name, config.pop("out"), config=config, device=args.device, **options)
     done = {r["key"] for r in bench.report["results"]}
     points = [p for p in points if p.key not in done]  # a resumed report's measured points are kept
     label = "points" if args.points else args.point_set or "target"
@@ -989,17 +956,14 @@ def main(argv=None) -> int:
         for model in dict.fromkeys(p.model for p in points):  # each model saved once, in a worker process
             spec = {"make_model": model, "model_dir": f"{tmp}/model_{model}", "threads": args.threads}
             spec |= {k: getattr(args, k) for k in ("device", "bf16", "seed")}
-            made = part.run_once(harness.Side(f"model {model}", "prefix_packing:work", spec), f"model {model}")
+            made = part.run_once(harness.Side(f"model {model}", WORK, spec), f"model {model}")
             if not harness.ok(made):
                 return bench.finish() or 1
             paths[model] = made["path"]
             bench.report.setdefault("models", {}).setdefault(model, {})["about"] = made["about"]
         for point in points:
             spec = point_spec(args, point, paths[point.model], output_dir=f"{tmp}/{point.key}")
-            sides += [
-                harness.Side(f"{point.key}/{s}", "prefix_packing:work", {**spec, "side": s}, {}, args.timeout)
-                for s in args.sides
-            ]
+            sides += [harness.Side(f"{point.key}/{s}", WORK, {**spec, "side": s}, {}, args.timeout) for s in args.sides]
         if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
             warm = next(s for s in sides if s.name.endswith("/ours_compiled"))
             part.run_once(warm, f"ours_compiled, uncounted: warms the compile cache, at {points[0].name}")
@@ -1013,9 +977,8 @@ def settle(args, parser) -> list[Point]:
     if args.quick:
         args.points, args.warmup, args.trl_warmup, args.timed_steps = ["tiny:32:8:4"], 1, 1, 1
     defaults = {"repeats": (5, 1), "warmup": (7, 1), "trl_warmup": (2, 1), "timed_steps": (3, 1)}
-    for key, (on_cuda, on_cpu) in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, on_cuda if cuda else on_cpu)
+    for key in [key for key in defaults if getattr(args, key) is None]:
+        setattr(args, key, defaults[key][0 if cuda else 1])
     args.rollout = args.rollout or ("fixed" if cuda else "generate")
     args.sides = [x.strip() for x in (args.sides or "ours,trl").split(",") if x.strip()]
     if set(args.sides) - set(SIDES) or not {"ours", "trl"} <= set(args.sides):
@@ -1045,21 +1008,11 @@ def point_spec(args, point: Point, model_path: str, output_dir: str) -> dict:
     spec = {"model": model_path, "steps": args.steps or warmup + args.timed_steps, "warmup": warmup}
     spec |= {k: getattr(args, k) for k in ("device", "threads", "bf16", "learning_rate", "seed", "kernel", "rollout")}
     spec |= {k: getattr(args, k) for k in ("optim", "part_timing", "break_packed")}
-    return {
-        **spec,
-        "trl_warmup": min(args.trl_warmup, warmup),
-        "prompt_len": point.prompt_len,
-        "completion_len": point.completion_len,
-        "generations": point.generations,
-        "prompts_per_step": point.prompts,
-        "accumulation": point.accumulation,
-        "lora": point.lora,
-        "point": point.name,
-        "packing": True,
-        "ac": args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing),
-        "equivalence": not args.no_equivalence,
-        "output_dir": output_dir,
-    }
+    spec |= {"prompt_len": point.prompt_len, "completion_len": point.completion_len, "lora": point.lora}
+    spec |= {"generations": point.generations, "prompts_per_step": point.prompts, "accumulation": point.accumulation}
+    ac = args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing)
+    spec |= {"point": point.name, "packing": True, "ac": ac, "equivalence": not args.no_equivalence}
+    return spec | {"trl_warmup": min(args.trl_warmup, warmup), "output_dir": output_dir}
 
 
 if __name__ == "__main__":

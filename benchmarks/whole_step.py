@@ -63,15 +63,9 @@ def build_trainer(spec: dict, completions: list):
         return [len(ids) / 10.0 for ids in completion_ids]
 
     completions_per_step = completions
-    job = {
-        "output_dir": os.path.join(spec["work"], f"out-{side}-{os.getpid()}"),
-        "max_completion_length": spec["completion"],
-        "max_steps": steps,
-        "report_to": "none",
-        "save_strategy": "no",
-        "seed": spec["seed"],
-        "disable_tqdm": True,
-    }
+    job = {"output_dir": os.path.join(spec["work"], f"out-{side}-{os.getpid()}"), "max_steps": steps}
+    job |= {"max_completion_length": spec["completion"], "seed": spec["seed"], "disable_tqdm": True}
+    job |= {"report_to": "none", "save_strategy": "no"}
     departures = [f"max_completion_length={spec['completion']}", f"max_steps={steps}"]
     if cpu:
         job.update(use_cpu=True, bf16=False, activation_checkpointing=False)
@@ -208,11 +202,9 @@ class CompileCounters:
     def callback(self):
         from transformers import TrainerCallback
 
-        counters = self
-
         class Snapshot(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                counters.per_step.append(counters.totals())
+            def on_step_end(snapshot, args, state, control, **kwargs):
+                self.per_step.append(self.totals())
 
         return Snapshot()
 
@@ -288,17 +280,8 @@ def run_part(bench, part_name, model, prompt, completion, names, env, work, args
         part.record.update(status="failed", why="its model could not be made")
         return
     part.record["description"] = part.record["description"].replace(f"`{model}`", made["about"])
-    common = {
-        "model_path": made["path"],
-        "work": work,
-        "device": device,
-        "prompt": prompt,
-        "completion": completion,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "seed": args.seed,
-        "check": args.dry_run,
-    }
+    common = {"model_path": made["path"], "work": work, "device": device, "prompt": prompt, "completion": completion}
+    common |= {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, "check": args.dry_run}
     if "ours" in names and first:  # warms the on-disk compile caches; its first step is the cold compile charge
         part.run_once(sides_of(["ours"], {**common, "steps": 1}, env, args.timeout)[0], "ours, cold caches")
     repeats = GPU_REPEATS[part_name] if gpu else args.repeats
