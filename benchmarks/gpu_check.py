@@ -243,6 +243,7 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
     import transformers
     from datasets import Dataset
     from helpers import length_reward, save_tiny_model, tiny_conversational_dataset, tiny_grpo_kwargs
+    from prefix_packing import PackingLog
 
     from trinity_trl import trainers as t
 
@@ -285,17 +286,9 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
         prefix = {"trinity": "Trinity", "chord": "Chord", "cispo": "CISPO", "sapo": "SAPO", "ppo": "PPO"}[name]
         return getattr(t, f"{prefix}Trainer")(**common, args=getattr(t, f"{prefix}Config")(**kwargs))
 
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            if "prefix packing" in text:
-                messages.append(text)
-
-    logging.getLogger("trinity_trl").addHandler(Collect(level=logging.INFO))
+    logging.getLogger("trinity_trl").addHandler(log := PackingLog())
     for name in names:
-        messages.clear()
+        log.lines.clear()
         start = time.perf_counter()
         row: dict = {"trainer": name}
         try:
@@ -310,7 +303,7 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
                 steps=trainer.state.global_step,
                 losses=losses,
                 forwarded_token_ratio=ratios,
-                packing_log=list(dict.fromkeys(messages))[:6],
+                packing_log=list(dict.fromkeys(log.lines))[:6],
                 error=None if finite else f"expected 2 finite losses, got {losses}",
             )
             del trainer

@@ -77,7 +77,7 @@ class Syncs:
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")
-        self._previous, warnings.showwarning = warnings.showwarning, self._record
+        warnings.showwarning = self._record  # catch_warnings puts the previous one back
         if self.cuda:
             import torch
 
@@ -98,7 +98,6 @@ class Syncs:
             import torch
 
             torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._previous
         self._catch.__exit__(*exc)
         return False
 

@@ -359,19 +359,24 @@ def probe_class():
     return Probe
 
 
+class PackingLog(logging.Handler):
+    """The ``trinity_trl`` log's prefix-packing lines (``auto``'s verdicts, fall-backs) while it is attached."""
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        if "prefix packing" in (message := record.getMessage()):
+            self.lines.append(message)
+
+
 def train_probed(spec: dict, trainer, probe) -> dict:
     """Train (auto's verdicts and the memory watched); the side's measurements, per step from the phase timer:
     ``step_s`` and ``generation_s`` host seconds, ``train_part_s`` the ``loss`` and ``backward`` phases (on the
     device's clock on CUDA)."""
-    torch, verdicts = probe.torch, []  # auto's log lines (one per shape class decided, and fall-backs)
-
-    class Verdicts(logging.Handler):
-        def emit(self, record):
-            if "prefix packing" in (message := record.getMessage()):
-                verdicts.append(message)
-
-    handler = Verdicts(level=logging.INFO)
-    logging.getLogger("trinity_trl").addHandler(handler)
+    torch, verdicts = probe.torch, PackingLog()  # auto's log lines (one per shape class decided, and fall-backs)
+    logging.getLogger("trinity_trl").addHandler(verdicts)
     gc.collect()
     bc.malloc_trim()
     rss_before, cuda_before = bc.read_status_kb("VmRSS"), 0
@@ -387,7 +392,7 @@ def train_probed(spec: dict, trainer, probe) -> dict:
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     trainer.train()
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
-    logging.getLogger("trinity_trl").removeHandler(handler)
+    logging.getLogger("trinity_trl").removeHandler(verdicts)
     probe.remove()
     steps, logs = probe.steps, trainer.state.log_history
     result = {
@@ -396,7 +401,7 @@ def train_probed(spec: dict, trainer, probe) -> dict:
         "train_part_s": [(s["device"] or s["host"])["loss"] + (s["device"] or s["host"])["backward"] for s in steps],
         "train_part_peak_mib": [x["peak"] for x in probe.extra],
         "phases_s": [{"host": s["host"], "device": s["device"]} for s in steps],
-        "auto_log": verdicts,
+        "auto_log": verdicts.lines,
         "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
         "generation_s": [s["host"]["generation"] for s in steps],
         "warmup": spec["warmup"],
@@ -614,7 +619,7 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
     def pick(values):
         return [values[i] for i in keep if i < len(values)]
 
-    steps, gens = pick(result["step_s"]), pick(result["generation_s"])
+    steps, gens, split = pick(result["step_s"]), pick(result["generation_s"]), pick(result.get("phases_s", []))
     peaks = [x for x in pick(result.get("train_part_peak_mib", [])) if x is not None]
     deciding = result.get("deciding") or []
     return {
@@ -628,6 +633,10 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
         # a run whose timed steps all ended with auto still deciding: its figure mixes layouts (counted apart)
         "decided": not keep or any(i >= len(deciding) or not deciding[i] for i in keep),
         "timed_layouts": pick(result.get("step_layouts", [])),
+        # the phase timer's split (on the device's clock where read)
+        "phases_s": {p: bc.median([(s["device"] or s["host"])[p] for s in split]) for p in split[0]["host"]}
+        if split
+        else {},
         "verdicts": result.get("auto_verdicts"),
     }
 
@@ -651,6 +660,8 @@ def side_summary(results: list[dict]) -> dict:
     for key in ("forwarded_token_ratio", "forwards_per_step"):
         out[key] = bc.median([x for r in results for x in r.get(key, [])])
     out |= {"micro_batch": results[0]["micro_batch"], "kernels": _total([r.get("kernels", {}) for r in results])}
+    phases = dict.fromkeys(p for r in per_run for p in r.get("phases_s") or {})
+    out["phases_s"] = {p: bc.median([(r.get("phases_s") or {}).get(p) for r in per_run]) for p in phases}
     out["per_run"] = per_run  # each repeat's verdicts and the layouts of its timed steps
     out |= {"auto_verdicts_per_run": [p["verdicts"] for p in per_run], "auto_verdicts": results[0].get("auto_verdicts")}
     out |= {"compiled": [r["compiled"] for r in results if r.get("compiled")], "repeats": len(results)}
@@ -805,6 +816,10 @@ def point_notes(point: dict, c: dict) -> list[str]:
                 + ("" if run["decided"] else " (UNDECIDED: counted apart)")
             )
         lines += [f"  - compiled layers: {counts}" for counts in (comparison or {}).get("ours", {}).get("compiled", [])]
+    ours_split, trl_split = o.get("phases_s") or {}, r["trl"].get("phases_s") or {}
+    if ours_split:
+        split = ", ".join(f"{p} {1e3 * v:.1f} / {1e3 * (trl_split.get(p) or 0):.1f}" for p, v in ours_split.items())
+        lines.append(f"  Phases (`phases.PhaseTimer`; median ms, ours / TRL): {split}.")
     if c.get("part_timing"):
         lines.append(
             f"  Training part (the loss and backward phases; on CUDA on the device's clock): ours "
