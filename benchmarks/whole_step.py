@@ -123,8 +123,9 @@ def run_side(spec: dict) -> dict:
     steps, warmup = timer.steps, spec["warmup"]
     summary = summarise_steps(steps, skip=warmup)
     first = steps[0]
-    generation_config = getattr(trainer, "generation_config", None)
-    return {
+    generation_config, args = getattr(trainer, "generation_config", None), trainer.args
+    ours = {k: getattr(args, k) for k in ("compile_generation", "one_prefill_per_group") if hasattr(args, k)}
+    record = {
         "side": spec["side"],
         "trainer": type(trainer).__name__,
         "departures": departures,
@@ -138,20 +139,11 @@ def run_side(spec: dict) -> dict:
             "continuous_batching": bool(getattr(trainer, "use_transformers_continuous_batching", False)),
             "disable_compile": getattr(generation_config, "disable_compile", None),
             "cache_implementation": getattr(generation_config, "cache_implementation", None),
-            **{
-                k: getattr(trainer.args, k)
-                for k in ("compile_generation", "one_prefill_per_group")
-                if hasattr(trainer.args, k)
-            },
+            **ours,
         },
         "init_s": init_s,
         "step_s": summary["step_s"],
         "phases": summary["host"],
-        **(
-            {"device_step_s": summary["device_step_s"], "device_phases": summary["device"]}
-            if "device" in summary
-            else {}
-        ),
         "first_step_s": first["step_s"],
         "first_step_excess_s": first["step_s"] - summary["step_s"],
         "first_generation_excess_s": first["host"]["generation"] - summary["host"]["generation"],
@@ -162,8 +154,10 @@ def run_side(spec: dict) -> dict:
         "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else harness.bc.max_rss_mib(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if cuda else None,
-        "run_s": time.perf_counter() - started,
     }
+    if "device" in summary:  # CUDA: the split on the device's clock
+        record |= {"device_step_s": summary["device_step_s"], "device_phases": summary["device"]}
+    return record | {"run_s": time.perf_counter() - started}
 
 
 class CompileCounters:
@@ -214,14 +208,6 @@ def sides_of(names, common: dict, env: dict, timeout_s: float) -> list[harness.S
     return [harness.Side(n, "whole_step:run_side", {**common, "side": n}, env, timeout_s) for n in names]
 
 
-def has_generation_options() -> bool:
-    """Whether the installed TrinityConfig has issue 51's generation fields (read from its source, no import)."""
-    from pathlib import Path
-
-    text = (Path(harness.bc.ROOT) / "trinity_trl" / "trainers" / "config.py").read_text()
-    return "compile_generation" in text and "one_prefill_per_group" in text
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_arguments(parser, repeats=3)
@@ -243,16 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         parts = {f"{n}, dry run: tiny P{p // 16} C8": ("tiny", p // 16, 8) for n, (_, p, _) in parts.items()}
         args.steps, args.repeats = 1, 1
     names = args.sides or (GPU_SIDES if args.gpu else SIDES)
-    if "ours_off" in names and not has_generation_options():
-        names = [n for n in names if n != "ours_off"]  # it would equal ours
     budget = GPU_BUDGET_S if args.gpu and args.budget is None else args.budget
     name = args.name or "whole_step" + ("_cuda" if args.gpu else "") + ("_dry" if args.dry_run else "")
     work = tempfile.mkdtemp(prefix="whole_step-")
     env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, "inductor"), "TRITON_CACHE_DIR": os.path.join(work, "triton")}
     config = {**{k: v for k, v in vars(args).items() if k != "out"}, "device": device, "sides": list(names)}
     options = {"device": device, "render": markdown, "budget_s": budget, "preload": PRELOAD, "log": args.gpu}
+    options["title"] = "The whole step at TRL's defaults: ours against TRL's GRPOTrainer"
     bench = harness.Bench(name, harness.out_dir(args), config=config, **options)
-    bench.report["title"] = "The whole step at TRL's defaults: ours against TRL's GRPOTrainer"
     try:
         for index, (part_name, (model, prompt, completion)) in enumerate(parts.items()):
             run_part(bench, part_name, model, prompt, completion, names, env, work, args, device, index == 0)
@@ -341,19 +325,9 @@ def compilation(part: dict) -> dict:
     eager = "ours_off" if runs["ours_off"] else "trl"
     gain = steady(eager) - steady("ours")
 
-    def repaid(charge: float | None) -> float | None:
-        if charge is None or gain <= 0:
-            return None
-        return max(charge, 0.0) / gain
-
-    return {
-        "compiled": True,
-        "warm_s": warm,
-        "cold_s": cold,
-        "eager_side": eager,
-        "gain_per_step_s": gain,
-        "repaid_after_steps": {"cold": repaid(cold), "warm": repaid(warm)},
-    }
+    repaid = {k: None if c is None or gain <= 0 else max(c, 0.0) / gain for k, c in (("cold", cold), ("warm", warm))}
+    record = {"compiled": True, "warm_s": warm, "cold_s": cold, "eager_side": eager, "gain_per_step_s": gain}
+    return record | {"repaid_after_steps": repaid}
 
 
 def markdown(report: dict) -> str:
