@@ -420,22 +420,14 @@ def commit() -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, the CUDA tests skip")
-    parser.add_argument(
-        "--parts",
-        default=",".join(DEFAULT_PARTS),
-        help=f"comma-separated subset of {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)})",
-    )
+    parts, default = ",".join(PARTS), ",".join(DEFAULT_PARTS)
+    parser.add_argument("--parts", default=default, help=f"comma-separated subset of {parts} (default {default})")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT, else a temp one)")
     for name in PARTS:
-        parser.add_argument(
-            f"--budget-{name}",
-            type=float,
-            help=f"seconds (default {BUDGETS[name]:.0f}; {DRY_RUN_SLACK}x that in a dry run, on a shared CPU)",
-        )
+        slack = f"{DRY_RUN_SLACK}x that in a dry run, on a shared CPU"
+        parser.add_argument(f"--budget-{name}", type=float, help=f"seconds (default {BUDGETS[name]:.0f}; {slack})")
     parser.add_argument("--bench-run-timeout", type=float, help=f"per process, default {BENCH_RUN_TIMEOUT:.0f} s")
     parser.add_argument("--repeats", type=int, default=5, help="benchmark repeats (fresh processes per side)")
     parser.add_argument("--bench-points", nargs="+", metavar="MODEL:P:C:G", help="bench part: instead of its set")

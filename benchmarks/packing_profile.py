@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import statistics
 import sys
@@ -149,10 +150,7 @@ def launch_costs(device: str, n: int) -> dict:
     """Host microseconds per kernel launch and per module call (see the module docs)."""
     import torch
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     x = torch.zeros(1, device=device)
     for _ in range(100):  # warm: the allocator, the kernel's first load
         x.add_(1)
@@ -222,17 +220,12 @@ def measure_pass(model, layout: str, packing, ids, mask, keep, device: str, laye
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if cuda else lambda: None
     one_pass(model, layout, packing, ids, mask, keep)
     sync()
     hosts, spans = [], []
     for _ in range(3):
-        begin = torch.cuda.Event(enable_timing=True) if cuda else None
-        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        begin, end = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else (None, None)
         if cuda:
             begin.record()
         start = time.perf_counter()
@@ -247,17 +240,12 @@ def measure_pass(model, layout: str, packing, ids, mask, keep, device: str, laye
         one_pass(model, layout, packing, ids, mask, keep)
         sync()
     summary = profile_summary(prof, layers, top)
-    host = statistics.median(hosts)
-    busy = summary["gpu_busy_ms"] / 1e3 if summary["gpu_busy_ms"] is not None else None
-    return {
-        "host_enqueue_s": host,
-        "event_span_s": statistics.median(spans),
-        "gpu_busy_s": busy,
-        "host_us_per_launch": host / summary["launches"] * 1e6 if summary["launches"] else None,
-        "sync_warnings": syncs.count,
-        "sync_stacks": [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common(5)],
-        **summary,
-    }
+    host, busy = statistics.median(hosts), summary["gpu_busy_ms"]
+    out = {"host_enqueue_s": host, "event_span_s": statistics.median(spans), "sync_warnings": syncs.count}
+    out["gpu_busy_s"] = busy / 1e3 if busy is not None else None
+    out["host_us_per_launch"] = host / summary["launches"] * 1e6 if summary["launches"] else None
+    out["sync_stacks"] = [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common(5)]
+    return out | summary
 
 
 def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: str, warmup: int) -> dict:
@@ -367,7 +355,7 @@ class Profile:
         from trinity_trl.packing import PrefixPacking
 
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        packing = PrefixPacking(True, 1.0, lambda m: m, _nullcontext, packed_kernel(self.cuda), device)
+        packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, packed_kernel(self.cuda), device)
         for model_name in ("twin", "1.5B"):
             if part.check_mark(f"before the {model_name} model"):
                 return
@@ -390,12 +378,6 @@ class Profile:
             if self.cuda:
                 torch.cuda.empty_cache()
         self.done(part)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------- markdown

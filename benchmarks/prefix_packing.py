@@ -178,11 +178,10 @@ def work(spec: dict) -> dict:
     """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (`bench_common.random_model`:
     its ``path`` and ``about``), or train ``spec["side"]``'s run (its measurements)."""
     import torch
+    import transformers
 
     torch.set_num_threads(spec["threads"])
     warnings.filterwarnings("ignore")
-    import transformers
-
     transformers.logging.set_verbosity_error()
     if spec.get("make_model"):
         return bc.random_model(spec["make_model"], spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
@@ -442,14 +441,10 @@ def compile_counts(trainer) -> dict:
     try:
         from torch._dynamo.utils import counters
 
-        layers = trainer.prefix_packing.compiled
-        return {
-            "layer_graphs": layers.graphs if layers is not None else None,
-            "budget_graphs": trainer.prefix_packing.compile_budget.graphs,
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "frames": dict(counters["frames"]),
-            "unique_graphs": counters["stats"].get("unique_graphs"),
-        }
+        layers, budget = trainer.prefix_packing.compiled, trainer.prefix_packing.compile_budget
+        counts = {"layer_graphs": layers.graphs if layers is not None else None, "budget_graphs": budget.graphs}
+        counts |= {"graph_breaks": sum(counters["graph_break"].values()), "frames": dict(counters["frames"])}
+        return counts | {"unique_graphs": counters["stats"].get("unique_graphs")}
     except Exception as err:  # the timings stand
         return {"error": f"{type(err).__name__}: {err}"}
 
@@ -525,11 +520,9 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
     from trinity_trl.packing import KERNELS, PrefixPacking
 
-    device = trainer.accelerator.device
+    device, kernel = trainer.accelerator.device, "sdpa_segments"  # a fused kernel on CUDA
     if device.type == "cuda":
         kernel = next((k for k in ("varlen", "flash_attn", "flex") if KERNELS[k].unavailable(device) is None), None)
-    else:
-        kernel = "sdpa_segments"
     if kernel is None:
         return {"equivalent": None, "reason": "no fused kernel available"}
     model, original = trainer.model, trainer.prefix_packing
@@ -782,7 +775,7 @@ def markdown(report: dict) -> str:
     lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
     for point in report["results"]:
         lines += point_notes(point, c)
-    return "\n".join(lines + target_lines(report) + tail_lines(report))
+    return "\n".join(lines + tail_lines(report))
 
 
 def point_notes(point: dict, c: dict) -> list[str]:
@@ -829,18 +822,14 @@ def point_notes(point: dict, c: dict) -> list[str]:
     return lines
 
 
-def target_lines(report: dict) -> list[str]:
-    if report["config"]["device"] != "cuda":
-        return []
-    lines = ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
-    for t in report["summary"]["cuda_targets"]:
+def tail_lines(report: dict) -> list[str]:
+    """Issue 42's targets on CUDA; what was not measured, cut short, failed; the uncounted runs."""
+    lines = ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""] * (
+        report["config"]["device"] == "cuda"
+    )
+    for t in report["summary"]["cuda_targets"] if lines else []:
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
-    return lines
-
-
-def tail_lines(report: dict) -> list[str]:
-    lines = []
     if report["not_measured"]:
         lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
     if report.get("fewer_repeats"):
