@@ -267,12 +267,8 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     steps = warmup + 1
     dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, prompt, steps + 2, 0)})
     spec = {"side": "trl" if side == "trl" else "ours", "packing": side != "ours_padded", "rollout": "fixed"}
-    spec |= {
-        "kernel": packed_kernel(cuda) if side == "ours" else "auto",
-        "model": model,
-        "generations": G,
-        "completion_len": completion,
-    }
+    spec |= {"kernel": packed_kernel(cuda) if side == "ours" else "auto", "model": model, "generations": G}
+    spec["completion_len"] = completion
     spec |= {"steps": steps, "seed": 0, "device": device, "bf16": cuda, "ac": True}  # checkpointing on CPU too
     trainer = side_trainer(spec | {"output_dir": tempfile.mkdtemp(prefix="packing_profile_")}, tokenizer, dataset)
     timer = PhaseTimer(trainer)
