@@ -243,6 +243,7 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
     import transformers
     from datasets import Dataset
     from helpers import length_reward, save_tiny_model, tiny_conversational_dataset, tiny_grpo_kwargs
+    from prefix_packing import PackingLog
 
     from trinity_trl import trainers as t
 
@@ -278,28 +279,16 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
             )
         common = {"model": model_dir, "reward_funcs": length_reward, "train_dataset": prompts}
         if name == "chord":
-            config = t.ChordConfig(**kwargs, expert_batch_size=2, mu_peak=0.5, mu_valley=0.5)
-            return t.ChordTrainer(**common, expert_dataset=expert, args=config)
-        if name == "trinity":
-            return t.TrinityTrainer(**common, args=t.TrinityConfig(**kwargs, algorithm="grpo"))
-        config_cls, trainer_cls = {
-            "cispo": (t.CISPOConfig, t.CISPOTrainer),
-            "sapo": (t.SAPOConfig, t.SAPOTrainer),
-            "ppo": (t.PPOConfig, t.PPOTrainer),
-        }[name]
-        return trainer_cls(**common, args=config_cls(**kwargs))
+            common["expert_dataset"] = expert
+            kwargs |= {"expert_batch_size": 2, "mu_peak": 0.5, "mu_valley": 0.5}
+        elif name == "trinity":
+            kwargs["algorithm"] = "grpo"
+        prefix = {"trinity": "Trinity", "chord": "Chord", "cispo": "CISPO", "sapo": "SAPO", "ppo": "PPO"}[name]
+        return getattr(t, f"{prefix}Trainer")(**common, args=getattr(t, f"{prefix}Config")(**kwargs))
 
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            if "prefix packing" in text:
-                messages.append(text)
-
-    logging.getLogger("trinity_trl").addHandler(Collect(level=logging.INFO))
+    logging.getLogger("trinity_trl").addHandler(log := PackingLog())
     for name in names:
-        messages.clear()
+        log.lines.clear()
         start = time.perf_counter()
         row: dict = {"trainer": name}
         try:
@@ -314,7 +303,7 @@ def trainers_worker(results: str, work: str, names: list[str], dry_run: bool) ->
                 steps=trainer.state.global_step,
                 losses=losses,
                 forwarded_token_ratio=ratios,
-                packing_log=list(dict.fromkeys(messages))[:6],
+                packing_log=list(dict.fromkeys(log.lines))[:6],
                 error=None if finite else f"expected 2 finite losses, got {losses}",
             )
             del trainer
@@ -350,7 +339,7 @@ def markdown(summary: dict) -> str:
     for name in summary["requested_parts"]:
         p = parts.get(name, {"status": "not run yet"})
         lines.append(f"| {name} | {p['status']} | {fmt(p.get('wall_s'), '.0f')} | {fmt(p.get('budget_s'), '.0f')} |")
-    lines += profile_lines(parts.get("profile")) + tests_lines(parts.get("tests")) + bench_lines(summary)
+    lines += profile_lines(summary) + tests_lines(parts.get("tests")) + bench_lines(summary)
     trainers = parts.get("trainers")
     if trainers:
         lines += ["", "Trainers, 2 steps with packing auto:", ""]
@@ -369,33 +358,18 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_lines(profile: dict | None) -> list[str]:
-    lines = []
-    if profile:
-        lines += ["", "Profile (packing_profile_cuda.md has the details):", ""]
-        for name, p in profile.get("parts", {}).items():
-            lines.append(f"- part {name}: {p['status']}" + (f" ({p['why']})" if p.get("why") else ""))
-        launch = profile.get("launch") or {}
-        if launch.get("launch_us") is not None:
-            lines.append(
-                f"- {fmt(launch['launch_us'], '.1f')} µs of host time per kernel launch, "
-                f"{fmt(launch['module_call_us'], '.1f')} µs per module call"
-            )
-        for x in profile.get("passes", []):
-            lines.append(
-                f"- pass {x['label']}: host {fmt(x['host_enqueue_s'])} s, span {fmt(x['event_span_s'])} s, GPU busy "
-                f"{fmt(x['gpu_busy_s'])} s, {x.get('launches')} launches ({fmt(x['host_us_per_launch'], '.1f')} µs "
-                f"each), syncs {x.get('sync_calls')} / {x.get('sync_warnings')}"
-                + (f", ERROR {x['error'][:200]}" if x.get("error") else "")
-            )
-        for x in profile.get("steps", []):
-            host = x.get("host") or {}
-            lines.append(
-                f"- step {x['side']}: {fmt(x.get('step_s'))} s; "
-                + ", ".join(f"{k} {v:.3f}" for k, v in host.items())
-                + (f", ERROR {x['error'][:200]}" if x.get("error") else "")
-            )
-    return lines
+def profile_lines(summary: dict) -> list[str]:
+    """The profile's own Markdown (``packing_profile[_cuda].md``: its launch costs, passes and steps)."""
+    import packing_profile
+
+    path = Path(summary["out"]) / ("packing_profile.json" if summary["dry_run"] else "packing_profile_cuda.json")
+    if "profile" not in summary["parts"] or not path.is_file():
+        return []
+    report = json.loads(path.read_text())
+    parts = [
+        f"- part {n}: {p['status']}" + (f" ({p['why']})" if p.get("why") else "") for n, p in report["parts"].items()
+    ]
+    return ["", f"Profile (`{path.stem}.md`):", "", *parts, "", *packing_profile.markdown(report).splitlines()]
 
 
 def tests_lines(tests: dict | None) -> list[str]:
@@ -434,37 +408,26 @@ def write_summary(out: Path, summary: dict) -> None:
 # -------------------------------------------------------------------------------------------- main
 def commit() -> str | None:
     """The checkout's commit (``git``), where there is one; ``None`` on a copy without ``.git``."""
+
+    def git(*args: str):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
-    ).stdout.strip()
-    return out.stdout.strip() + ("+local changes" if dirty else "")
+    return head.stdout.strip() + ("+local changes" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="on CPU: tiny shapes, the CUDA tests skip")
-    parser.add_argument(
-        "--parts",
-        default=",".join(DEFAULT_PARTS),
-        help=f"comma-separated subset of {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)})",
-    )
+    parts, default = ",".join(PARTS), ",".join(DEFAULT_PARTS)
+    parser.add_argument("--parts", default=default, help=f"comma-separated subset of {parts} (default {default})")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT, else a temp one)")
     for name in PARTS:
-        parser.add_argument(
-            f"--budget-{name}",
-            type=float,
-            help=f"seconds (default {BUDGETS[name]:.0f}; {DRY_RUN_SLACK}x that in a dry run, on a shared CPU)",
-        )
+        slack = f"{DRY_RUN_SLACK}x that in a dry run, on a shared CPU"
+        parser.add_argument(f"--budget-{name}", type=float, help=f"seconds (default {BUDGETS[name]:.0f}; {slack})")
     parser.add_argument("--bench-run-timeout", type=float, help=f"per process, default {BENCH_RUN_TIMEOUT:.0f} s")
     parser.add_argument("--repeats", type=int, default=5, help="benchmark repeats (fresh processes per side)")
     parser.add_argument("--bench-points", nargs="+", metavar="MODEL:P:C:G", help="bench part: instead of its set")
@@ -491,18 +454,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     env = environment()
     command = " ".join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
-    summary = {
-        "command": command,
-        "dry_run": args.dry_run,
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
-        "environment": env,
-        "requested_parts": requested,
-        "parts": {},
-        "targets": [],
-        "out": str(out),
-        "total_wall_s": 0.0,
-    }
+    summary = {"command": command, "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d"), "commit": commit()}
+    summary |= {"environment": env, "requested_parts": requested, "parts": {}, "targets": [], "out": str(out)}
+    summary["total_wall_s"] = 0.0
     write_summary(out, summary)
     runners = {"profile": part_profile, "tests": part_tests, "trainers": part_trainers}  # the others: BENCH_SETS
     for name in requested:

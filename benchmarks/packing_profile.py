@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import statistics
 import sys
@@ -77,7 +78,7 @@ class Syncs:
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.simplefilter("always")
-        self._previous, warnings.showwarning = warnings.showwarning, self._record
+        warnings.showwarning = self._record  # catch_warnings puts the previous one back
         if self.cuda:
             import torch
 
@@ -98,7 +99,6 @@ class Syncs:
             import torch
 
             torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._previous
         self._catch.__exit__(*exc)
         return False
 
@@ -128,9 +128,8 @@ def profile_summary(prof, layers: int, top: int = 0) -> dict:
             runtime.append({"name": e.key, "count": e.count, "ms": e.self_cpu_time_total / 1e3})
         else:
             host.append({"name": e.key[:120], "count": e.count, "self_ms": e.self_cpu_time_total / 1e3})
-    host.sort(key=lambda x: -x["self_ms"])
-    runtime.sort(key=lambda x: -x["ms"])
-    kernels.sort(key=lambda x: -x["ms"])
+    for rows, key in ((host, "self_ms"), (runtime, "ms"), (kernels, "ms")):
+        rows.sort(key=lambda x: -x[key])
     launches = sum(r["count"] for r in runtime if r["name"] in LAUNCHES)
     aten = [h for h in host if h["name"].startswith("aten::")]
     out = {
@@ -151,10 +150,7 @@ def launch_costs(device: str, n: int) -> dict:
     """Host microseconds per kernel launch and per module call (see the module docs)."""
     import torch
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     x = torch.zeros(1, device=device)
     for _ in range(100):  # warm: the allocator, the kernel's first load
         x.add_(1)
@@ -173,12 +169,8 @@ def launch_costs(device: str, n: int) -> dict:
         for _ in range(n):
             module(x)
         calls[name] = (time.perf_counter() - start) / n * 1e6
-    return {
-        "launches": n,
-        "launch_us": enqueued / n * 1e6,
-        "launch_drained_us": drained / n * 1e6,  # enqueue, then the device's queue emptied: per launch
-        **calls,
-    }
+    # launch_drained_us: enqueue, then the device's queue emptied: per launch
+    return {"launches": n, "launch_us": enqueued / n * 1e6, "launch_drained_us": drained / n * 1e6, **calls}
 
 
 def build_model(shape: dict, device: str, dtype):
@@ -228,17 +220,12 @@ def measure_pass(model, layout: str, packing, ids, mask, keep, device: str, laye
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if cuda else lambda: None
     one_pass(model, layout, packing, ids, mask, keep)
     sync()
     hosts, spans = [], []
     for _ in range(3):
-        begin = torch.cuda.Event(enable_timing=True) if cuda else None
-        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        begin, end = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else (None, None)
         if cuda:
             begin.record()
         start = time.perf_counter()
@@ -253,17 +240,12 @@ def measure_pass(model, layout: str, packing, ids, mask, keep, device: str, laye
         one_pass(model, layout, packing, ids, mask, keep)
         sync()
     summary = profile_summary(prof, layers, top)
-    host = statistics.median(hosts)
-    busy = summary["gpu_busy_ms"] / 1e3 if summary["gpu_busy_ms"] is not None else None
-    return {
-        "host_enqueue_s": host,
-        "event_span_s": statistics.median(spans),
-        "gpu_busy_s": busy,
-        "host_us_per_launch": host / summary["launches"] * 1e6 if summary["launches"] else None,
-        "sync_warnings": syncs.count,
-        "sync_stacks": [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common(5)],
-        **summary,
-    }
+    host, busy = statistics.median(hosts), summary["gpu_busy_ms"]
+    out = {"host_enqueue_s": host, "event_span_s": statistics.median(spans), "sync_warnings": syncs.count}
+    out["gpu_busy_s"] = busy / 1e3 if busy is not None else None
+    out["host_us_per_launch"] = host / summary["launches"] * 1e6 if summary["launches"] else None
+    out["sync_stacks"] = [{"message": m, "stack": s, "count": n} for (m, s), n in syncs.seen.most_common(5)]
+    return out | summary
 
 
 def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: str, warmup: int) -> dict:
@@ -272,7 +254,7 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     import torch
     from datasets import Dataset
     from phases import PhaseTimer
-    from prefix_packing import char_reward, fixed_rollout, prompt_texts
+    from prefix_packing import prompt_texts, side_trainer
 
     sys.path.insert(0, str(bc.ROOT / "tests"))
     from helpers import build_tiny_tokenizer
@@ -284,47 +266,16 @@ def trainer_step(side: str, shape: dict, prompt: int, completion: int, device: s
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     steps = warmup + 1
     dataset = Dataset.from_dict({"prompt": prompt_texts(tokenizer, prompt, steps + 2, 0)})
-    common = dict(
-        output_dir=tempfile.mkdtemp(prefix=f"packing_profile_{side}_"),
-        per_device_train_batch_size=G,
-        num_generations=G,
-        max_completion_length=completion,
-        max_steps=steps,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    if cuda:
-        common["bf16"] = True
-    else:  # ours' CPU defaults turn activation checkpointing off: on for both sides, as on a GPU
-        common.update(use_cpu=True, bf16=False, activation_checkpointing=True)
-    rollout = fixed_rollout({"seed": 0, "completion_len": completion}, tokenizer)
-    kwargs = dict(model=model, reward_funcs=char_reward, train_dataset=dataset, processing_class=tokenizer)
-    if side == "trl":
-        from trl import GRPOConfig, GRPOTrainer
-
-        trainer = GRPOTrainer(**kwargs, args=GRPOConfig(loss_type="grpo", **common), rollout_func=rollout)
-    else:
-        from trinity_trl.trainers import TrinityConfig, TrinityTrainer
-
-        packing = {"prefix_packing": False} if side == "ours_padded" else {"prefix_packing_kernel": packed_kernel(cuda)}
-        config = TrinityConfig(
-            algorithm="grpo", kl_loss="none", loss_agg_mode="seq-mean-token-mean", **packing, **common
-        )
-        trainer = TrinityTrainer(**kwargs, args=config, rollout_func=rollout)
+    spec = {"side": "trl" if side == "trl" else "ours", "packing": side != "ours_padded", "rollout": "fixed"}
+    spec |= {"kernel": packed_kernel(cuda) if side == "ours" else "auto", "model": model, "generations": G}
+    spec["completion_len"] = completion
+    spec |= {"steps": steps, "seed": 0, "device": device, "bf16": cuda, "ac": True}  # checkpointing on CPU too
+    trainer = side_trainer(spec | {"output_dir": tempfile.mkdtemp(prefix="packing_profile_")}, tokenizer, dataset)
     timer = PhaseTimer(trainer)
     trainer.train()
     timer.remove()
-    last = timer.steps[-1]
-    result = {
-        "steps_s": [round(s["step_s"], 4) for s in timer.steps],
-        "step_s": last["step_s"],
-        "host": last["host"],
-        "device": last["device"],
-        "calls": last["calls"],
-    }
+    result = {k: timer.steps[-1][k] for k in ("step_s", "host", "device", "calls")}
+    result["steps_s"] = [round(s["step_s"], 4) for s in timer.steps]
     del trainer, model
     gc.collect()
     if cuda:
@@ -348,21 +299,20 @@ class Profile:
         self.shapes = DRY_SHAPES if args.dry_run else SHAPES
         self.points = DRY_POINTS if args.dry_run else POINTS
         config = {k: v for k, v in vars(args).items() if k != "out"} | {"marks_s": self.marks, "shapes": self.shapes}
-        self.bench = harness.Bench(
-            self.name,
-            args.out,
-            config=config,
-            device=args.device,
-            title="Packed training pass on the host: launches, passes, trainer steps" + (" (DRY RUN)" * args.dry_run),
-            render=markdown,
-        )
+        title = "Packed training pass on the host: launches, passes, trainer steps" + (" (DRY RUN)" * args.dry_run)
+        self.bench = harness.Bench(self.name, args.out, config=config, device=args.device, title=title, render=markdown)
 
     def part(self, name: str, description: str):
         part = self.bench.part(name, mark_s=self.marks[name], description=description)
         part.record["measurements"] = []
         return part
 
-    def add(self, part, measurement: dict) -> None:
+    def add(self, part, about: dict, call, *args) -> None:
+        """``call(*args)``'s measurement (or its error: the next one runs) with ``about``, written at once."""
+        try:
+            measurement = {**about, **call(*args)}
+        except Exception as err:
+            measurement = {**about, "error": f"{type(err).__name__}: {err}"[-1500:]}
         part.record["measurements"].append(measurement)
         line = ", ".join(f"{k} {v:.4g}" for k, v in measurement.items() if isinstance(v, float))
         print(f"[profile/{part.name}] {measurement.get('label', '')}: {line}", flush=True)
@@ -380,7 +330,7 @@ class Profile:
         device = self.args.device
         part = self.part("launch", "host µs per kernel launch and per module call")
         if not part.skipped:
-            self.add(part, {"label": "launch", **launch_costs(device, 5000)})
+            self.add(part, {"label": "launch"}, launch_costs, device, 5000)
             self.done(part)
         part = self.part("passes", "one training pass per model, point and layout (see the script's docs)")
         if not part.skipped:
@@ -391,11 +341,10 @@ class Profile:
             for side in SIDES:
                 if part.check_mark(f"before {side}"):
                     break
-                try:
-                    result = trainer_step(side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup)
-                except Exception as err:  # recorded; the next side runs
-                    result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
-                self.add(part, {"label": side, "side": side, "point": f"P{prompt}/C{completion}", **result})
+                about = {"label": side, "side": side, "point": f"P{prompt}/C{completion}"}
+                self.add(
+                    part, about, trainer_step, side, self.shapes["1.5B"], prompt, completion, device, self.args.warmup
+                )
             self.done(part)
         self.bench.finish()
         errors = [m for p in self.bench.report["parts"].values() for m in p.get("measurements", []) if "error" in m]
@@ -407,7 +356,7 @@ class Profile:
         from trinity_trl.packing import PrefixPacking
 
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        packing = PrefixPacking(True, 1.0, lambda m: m, _nullcontext, packed_kernel(self.cuda), device)
+        packing = PrefixPacking(True, 1.0, lambda m: m, contextlib.nullcontext, packed_kernel(self.cuda), device)
         for model_name in ("twin", "1.5B"):
             if part.check_mark(f"before the {model_name} model"):
                 return
@@ -420,23 +369,16 @@ class Profile:
                     if part.check_mark(f"before {label}"):
                         return
                     top = 12 if model_name == "1.5B" and (prompt, completion) == self.points[0] else 0
-                    try:
-                        result = measure_pass(model, layout, packing, ids, mask, keep, device, shape["layers"], top)
-                    except Exception as err:  # recorded; the next measurement runs
-                        result = {"error": f"{type(err).__name__}: {err}"[-1500:]}
-                    self.add(part, {"label": label, "model": model_name, "point": f"P{prompt}/C{completion}",
-                                    "layout": layout, "tokens": int(ids.numel()), **result})  # fmt: skip
+                    about = {"label": label, "model": model_name, "point": f"P{prompt}/C{completion}", "layout": layout}
+                    about["tokens"] = int(ids.numel())
+                    self.add(
+                        part, about, measure_pass, model, layout, packing, ids, mask, keep, device, shape["layers"], top
+                    )
             del model
             gc.collect()
             if self.cuda:
                 torch.cuda.empty_cache()
         self.done(part)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------------- markdown
@@ -445,9 +387,8 @@ def _ms(value) -> str:
 
 
 def markdown(report: dict) -> str:
-    parts = report["parts"]
-    lines = []
-    launch = (parts.get("launch") or {}).get("measurements") or []
+    measured = {name: part.get("measurements") or [] for name, part in report["parts"].items()}
+    launch, passes, steps, lines = measured.get("launch"), measured.get("passes"), measured.get("steps"), []
     if launch:
         m = launch[0]
         lines += [
@@ -458,7 +399,6 @@ def markdown(report: dict) -> str:
             f"{bc.fmt(m.get('hooked_module_call_us'), '.1f')} µs with one forward hook ({m.get('launches')} each).",
             "",
         ]
-    passes = (parts.get("passes") or {}).get("measurements") or []
     if passes:
         lines += [
             "### Training passes (one prompt x 8, forward and backward, activation checkpointing on)",
@@ -468,15 +408,13 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in passes:
+            row = f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} "
             if "error" in m:
-                lines.append(
-                    f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | ERROR {m['error'][:200]} |"
-                )
+                lines.append(f"{row}| ERROR {m['error'][:200]} |")
                 continue
             lines.append(
-                f"| {m['model']} | {m['point']} | {m['layout']} | {m['tokens']} | {_ms(m.get('host_enqueue_s'))} "
-                f"| {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} | {m.get('launches')} "
-                f"| {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
+                f"{row}| {_ms(m.get('host_enqueue_s'))} | {_ms(m.get('event_span_s'))} | {_ms(m.get('gpu_busy_s'))} "
+                f"| {m.get('launches')} | {bc.fmt(m.get('host_us_per_launch'), '.1f')} | {m.get('aten_ops')} "
                 f"| {m.get('sync_calls')} / {m.get('sync_warnings')} |"
             )
         for m in passes:
@@ -486,7 +424,6 @@ def markdown(report: dict) -> str:
                 lines += ["", "top host operations (count, self ms):", ""]
                 lines += [f"- {h['name']}: {h['count']}, {h['self_ms']:.1f}" for h in m.get("top_host_ops", [])]
         lines.append("")
-    steps = (parts.get("steps") or {}).get("measurements") or []
     if steps:
         from phases import PHASES
 

@@ -6,32 +6,10 @@ the rest, for our trainers and TRL's ``GRPOTrainer`` alike.
     timer.steps                        # one record per optimizer step (below)
     timer.remove()                     # the instance's own methods again
 
-**Seams** (wrapped on the instance, so other trainers in the process are untouched):
-
-==================================================  =============================================================
-seam                                                phase
-==================================================  =============================================================
-``_generate_single_turn``, ``rollout_func``         ``generation`` (TRL's transformers, continuous-batching and
-                                                    vLLM paths, and a ``rollout_func``)
-``_calculate_rewards``                              ``reward``
-``_get_per_token_logps_and_entropies`` (no grad)    ``logprob``: the old-policy, reference and teacher forwards
-``compute_loss``                                    ``loss``: the training forward and the loss (a log-prob call
-                                                    with gradients inside it stays in ``loss``)
-``accelerator.backward``                            ``backward``
-``_clip_grad_norm``, the optimizer step (callback)  ``optimizer``
-==================================================  =============================================================
-
-Everything else between the start of one optimizer step (``on_step_begin``) and the start of the next (or the end
-of training) is ``rest``: TRL's batching, tokenisation, advantages, metrics, logging, the learning-rate scheduler.
-
-**Accounting.** The timer keeps a stack of open phases and a list of boundaries per step; the time between two
-boundaries goes to the phase on top of the stack (``rest`` when none), so phases nest (a backward that a loss
-calls is ``backward``, not ``loss``), a phase that did not run is 0, and the phases of a step add up to the step.
-
-**No device syncs.** Host time is ``time.perf_counter``. On CUDA each boundary also records a CUDA event (a launch,
-no sync); a step's events are read at a later step's start (``Event.query``: only once the device has passed them,
-which the step's own syncs, the next generation's among them, guarantee) or at the end of training. ``device``
-then holds the same split on the device's clock.
+The seams (wrapped on the instance, so other trainers in the process are untouched: `SEAMS`, the log-probs
+without gradients, ``rollout_func``, ``accelerator.backward``, the optimizer step by callback), the phases, how they
+nest and add up to the step (``rest``: everything no seam covers), and why the timer adds no device sync (CUDA events
+read only once the device has passed them): docs/benchmarks.md#whole-step ("The split").
 
 **Checking the seams** (``check=True``, for tests and dry runs): a forward pre-hook on the policy's decoder and a
 gradient hook on one trainable parameter raise `PhaseError` when a forward runs outside ``generation``, ``logprob``,
@@ -90,7 +68,8 @@ class PhaseTimer:
             self._wrap(trainer, attr, phase)
         if getattr(trainer, "rollout_func", None) is not None:
             self._wrap(trainer, "rollout_func", "generation")
-        self._wrap_logprob(trainer)
+        # the log-prob forwards without gradients; the training forward's call is part of the loss that makes it
+        self._wrap(trainer, "_get_per_token_logps_and_entropies", "logprob", untimed=torch.is_grad_enabled)
         self._wrap(trainer.accelerator, "backward", "backward")
         self._callback = _StepCallback(self)
         trainer.add_callback(self._callback)
@@ -160,12 +139,15 @@ class PhaseTimer:
         self.read_device(wait=True)
 
     # ------------------------------------------------------------------------------------------------- seams
-    def _wrap(self, obj, attr: str, phase: str) -> None:
+    def _wrap(self, obj, attr: str, phase: str, untimed=None) -> None:
+        """Time ``obj.attr`` as ``phase``, except the calls where ``untimed()`` is true (their caller's phase)."""
         if not callable(getattr(obj, attr, None)):
             raise PhaseError(f"{type(obj).__name__} has no method {attr!r}: the phase timer cannot time {phase}")
         original = getattr(obj, attr)
 
         def timed(*args, **kwargs):
+            if untimed is not None and untimed():
+                return original(*args, **kwargs)
             self.enter(phase)
             try:
                 return original(*args, **kwargs)
@@ -178,25 +160,6 @@ class PhaseTimer:
         own = vars(obj).get(attr, _CLASS)  # an instance attribute (rollout_func) is put back, a method deleted
         setattr(obj, attr, wrapper)
         self._wrapped.append((obj, attr, own))
-
-    def _wrap_logprob(self, trainer) -> None:
-        import torch
-
-        attr = "_get_per_token_logps_and_entropies"
-        if not callable(getattr(trainer, attr, None)):
-            raise PhaseError(f"{type(trainer).__name__} has no method {attr!r}: the phase timer cannot time logprob")
-        original = getattr(trainer, attr)
-
-        def timed(*args, **kwargs):
-            if torch.is_grad_enabled():  # the training forward: part of the phase that calls it (loss)
-                return original(*args, **kwargs)
-            self.enter("logprob")
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.exit()
-
-        self._replace(trainer, attr, timed)
 
     def _add_checks(self) -> None:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)

@@ -16,6 +16,7 @@ it runs the ``--points`` named (the CPU grid is retired: benchmarks/README.md).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import logging
@@ -38,8 +39,16 @@ MODEL_SHAPES, REAL_VOCAB = bc.MODEL_SHAPES, bc.REAL_VOCAB
 SIDES = ("ours", "ours_compiled", "trl")
 OURS = ("ours", "ours_compiled")
 #: what the forkserver imports once (`harness.Launcher`): on CUDA it saves each run the imports
+WORK = "prefix_packing:work"  # the harness's child: a side's run, or a model saved
 PRELOAD = ("bench_common", "torch", "transformers", "datasets", "trl", "peft", "trinity_trl.trainers")
 #: LoRA of the ``lora`` points (both sides): a common setting, written beside the figures
+#: the run's logged figures (``trainer.state.log_history``) a result keeps
+LOGGED = {
+    "losses": "loss",
+    "grad_norms": "grad_norm",
+    "forwarded_token_ratio": "packing/forwarded_token_ratio",
+    "forwards_per_step": "packing/forwards_per_step",
+}
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
@@ -128,21 +137,16 @@ CUDA_TARGETS = [
 def prompt_texts(tokenizer, length: int, count: int, seed: int) -> list[str]:
     """``count`` plain-text prompts of exactly ``length`` tokens: words that are one token each with
     their leading space (the tokenizer splits words apart, so the count is exact)."""
-    words = []
-    for token in sorted(tokenizer.get_vocab()):
-        text = tokenizer.convert_tokens_to_string([token])
-        if (
-            text.startswith(" ")
-            and text[1:].isalpha()
-            and len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
-        ):
-            words.append(text)
+
+    def tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    texts = (tokenizer.convert_tokens_to_string([token]) for token in sorted(tokenizer.get_vocab()))
+    words = [text for text in texts if text.startswith(" ") and text[1:].isalpha() and tokens(text) == 1]
     rng = random.Random(seed)
     prompts = ["".join(rng.choice(words) for _ in range(length)) for _ in range(count)]
-    for p in prompts:
-        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
-        if n != length:
-            raise RuntimeError(f"a prompt has {n} tokens, wanted {length}")
+    if any(tokens(p) != length for p in prompts):
+        raise RuntimeError(f"a prompt is not {length} tokens long")
     return prompts
 
 
@@ -174,11 +178,10 @@ def work(spec: dict) -> dict:
     """In a fresh process (a `harness` side): make the model of ``spec["make_model"]`` (`bench_common.random_model`:
     its ``path`` and ``about``), or train ``spec["side"]``'s run (its measurements)."""
     import torch
+    import transformers
 
     torch.set_num_threads(spec["threads"])
     warnings.filterwarnings("ignore")
-    import transformers
-
     transformers.logging.set_verbosity_error()
     if spec.get("make_model"):
         return bc.random_model(spec["make_model"], spec["model_dir"], spec["device"], spec["seed"], spec["bf16"])
@@ -198,23 +201,22 @@ def departures(spec: dict) -> list[str]:
         "loss_type='grpo' on TRL's side (its default 'dapo'; 'grpo' is the objective ours trains)",
         "logging_steps=1, max_steps, save_strategy='no', report_to='none' (both)",
     ]
-    if spec.get("rollout") == "fixed":
-        common.append(f"completions of exactly C={spec['completion_len']} random tokens from a rollout_func (both)")
-    if spec["device"] == "cpu":
-        common.append("use_cpu=True, bf16=False, activation checkpointing " + ("on" if spec.get("ac") else "off"))
-    elif spec.get("ac") is False:
-        common.append("activation checkpointing off (both; TRL's default is on)")
-    if spec.get("optim"):
-        common.append(f"optim={spec['optim']!r} (both)")
-    if spec.get("learning_rate") is not None:
-        common.append(f"learning_rate={spec['learning_rate']} (both)")
-    if spec.get("lora"):
-        common.append(f"LoRA {LORA} (both)")
-    if spec.get("accumulation", 1) > 1:
-        common.append("ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)")
-    if spec.get("kernel", "auto") != "auto":
-        common.append(f"ours: prefix_packing_kernel={spec['kernel']!r}")
-    return common
+    cpu, get = spec["device"] == "cpu", spec.get
+    optional = {
+        f"completions of exactly C={get('completion_len')} random tokens from a rollout_func (both)": (
+            get("rollout") == "fixed"
+        ),
+        f"use_cpu=True, bf16=False, activation checkpointing {'on' if get('ac') else 'off'}": cpu,
+        "activation checkpointing off (both; TRL's default is on)": not cpu and get("ac") is False,
+        f"optim={get('optim')!r} (both)": bool(get("optim")),
+        f"learning_rate={get('learning_rate')} (both)": get("learning_rate") is not None,
+        f"LoRA {LORA} (both)": bool(get("lora")),
+        "ours: prefix_packing_token_budget=None (its default: the tokens of TRL's padded micro-batch)": (
+            get("accumulation", 1) > 1
+        ),
+        f"ours: prefix_packing_kernel={get('kernel')!r}": get("kernel", "auto") != "auto",
+    }
+    return common + [text for text, applies in optional.items() if applies]
 
 
 def train_side(spec: dict) -> dict:
@@ -228,8 +230,8 @@ def train_side(spec: dict) -> dict:
         {"prompt": prompt_texts(tokenizer, spec["prompt_len"], per_step * (spec["steps"] + 2), spec["seed"])}
     )
     trainer = side_trainer(spec, tokenizer, dataset)
-    probe = SideProbe(spec, trainer)
-    result = probe.train()
+    probe = probe_class()(spec, trainer)
+    result = train_probed(spec, trainer, probe)
     if spec["side"] == "ours" and probe.first_inputs and spec.get("equivalence"):
         try:
             result["equivalence_check"] = check_equivalence(trainer, probe.first_inputs[0], spec)
@@ -243,33 +245,23 @@ def side_arguments(spec: dict, tokenizer) -> dict:
     """The training arguments both sides share (TRL's `GRPOConfig` fields)."""
     from transformers import AutoConfig
 
-    common: dict = dict(
-        output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec["generations"] * spec.get("prompts_per_step", 1),
-        num_generations=spec["generations"],
-        gradient_accumulation_steps=spec.get("accumulation", 1),
-        max_completion_length=spec["completion_len"],
-        max_steps=spec["steps"],
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=spec["seed"],
-        disable_tqdm=True,
-    )
+    common = {"output_dir": spec["output_dir"], "num_generations": spec["generations"], "seed": spec["seed"]}
+    common |= {"per_device_train_batch_size": spec["generations"] * spec.get("prompts_per_step", 1)}
+    common |= {"gradient_accumulation_steps": spec.get("accumulation", 1), "max_steps": spec["steps"]}
+    common |= {"max_completion_length": spec["completion_len"], "logging_steps": 1, "disable_tqdm": True}
+    common |= {"report_to": "none", "save_strategy": "no"}
     if spec["device"] != "cuda":
         common.update(use_cpu=True, bf16=False, activation_checkpointing=bool(spec.get("ac")))
     else:
         common["bf16"] = bool(spec["bf16"])
         if spec.get("ac") is False:
             common["activation_checkpointing"] = False
-    vocab = AutoConfig.from_pretrained(spec["model"]).vocab_size
+    # the model's path, or (packing_profile.py) the model itself
+    vocab = getattr(spec["model"], "config", None) or AutoConfig.from_pretrained(spec["model"])
+    vocab = vocab.vocab_size
     if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
         common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
-    if spec.get("optim"):
-        common["optim"] = spec["optim"]
-    if spec.get("learning_rate") is not None:
-        common["learning_rate"] = spec["learning_rate"]
-    return common
+    return common | {k: spec[k] for k in ("optim", "learning_rate") if spec.get(k) is not None}
 
 
 def side_trainer(spec: dict, tokenizer, dataset):
@@ -284,13 +276,8 @@ def side_trainer(spec: dict, tokenizer, dataset):
         from trinity_trl.trainers import TrinityConfig as Config
         from trinity_trl.trainers import TrinityTrainer as Trainer
 
-        ours = dict(
-            algorithm="grpo",
-            kl_loss="none",
-            loss_agg_mode="seq-mean-token-mean",
-            prefix_packing=spec["packing"],
-            prefix_packing_kernel=spec.get("kernel", "auto"),
-        )
+        ours = {"algorithm": "grpo", "kl_loss": "none", "loss_agg_mode": "seq-mean-token-mean"}
+        ours |= {"prefix_packing": spec["packing"], "prefix_packing_kernel": spec.get("kernel", "auto")}
         if spec["side"] == "ours_compiled":  # compiled decoder layers for packed forwards (issue 53)
             ours["prefix_packing_compile"] = True
         if spec.get("accumulation", 1) > 1:
@@ -301,224 +288,151 @@ def side_trainer(spec: dict, tokenizer, dataset):
         from trl import GRPOTrainer as Trainer
 
         config = Config(loss_type="grpo", **common)
-    return Trainer(
-        model=spec["model"],
-        reward_funcs=char_reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        **extra,
-    )
+    data = {"train_dataset": dataset, "processing_class": tokenizer}
+    return Trainer(model=spec["model"], reward_funcs=char_reward, args=config, **data, **extra)
 
 
-class SideProbe:
-    """Wraps a side's trainer to time its steps, generation and training part (the loss's forward and backward),
-    count its micro-batch and training forwards' layouts, keep auto's verdicts, and measure its memory."""
+def probe_class():
+    from phases import PhaseTimer
 
-    def __init__(self, spec: dict, trainer):
-        import torch
+    class Probe(PhaseTimer):
+        """`phases.PhaseTimer` on a side's trainer (each step's ``generation``, ``loss`` and ``backward`` phases), and
+        beside it what the report reads per step: the training forwards' layouts, whether ``auto`` was still
+        deciding at the step's end, the training part's peak memory on CUDA (the allocator's host-side bookkeeping:
+        no sync); and the first micro-batch's shape and inputs (the direct check's)."""
 
-        self.torch, self.spec, self.trainer = torch, spec, trainer
-        self.cuda = spec["device"] == "cuda"
-        # the training part's time only with --part-timing (syncs around each: they change a host-bound step, so the
-        # headline `train` column is measured without them); its peak memory on CUDA (the allocator's host-side
-        # bookkeeping: no sync)
-        self.part_timing = spec.get("part_timing", False)
-        self.steps: list[dict] = []
-        self.batches: list[dict] = []
-        self.first_inputs: list[dict] = []
-        self.memory = {"base": 0, "overall": 0}
-        self.verdicts: list[str] = []  # auto's log lines (one per shape class decided, and fall-backs)
-        self.kernels: dict[str, int] = {}  # the current step's training forwards, by layout
-        self._time_steps()
-        self._time_generation()
-        self._count_batches()
-        self._time_training_part()
-        if spec["side"] in OURS:
-            self._count_kernels()
+        def __init__(self, spec: dict, trainer):
+            super().__init__(trainer)
+            import torch
 
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
+            self.torch, self.spec, self.extra, self.layouts, self.peak = torch, spec, [], {}, None
+            self.batches, self.first_inputs, self.memory = [], [], {"base": 0, "overall": 0}
+            compute_loss = trainer._compute_loss
 
-    def _time_steps(self) -> None:
-        from transformers import TrainerCallback
+            def first_batch(model, inputs):
+                if not self.batches:  # reading its mask is a host sync: once only
+                    prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+                    real = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+                    self.batches.append({"rows": int(prompt.shape[0]), "padded_tokens": int(prompt.numel() +
+                                         completion.numel()), "real_tokens": real})  # fmt: skip
+                    if spec.get("equivalence"):
+                        self.first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+                return compute_loss(model, inputs)
 
-        probe = self
+            self._replace(trainer, "_compute_loss", first_batch)
+            if spec["side"] in OURS:  # which kernel each training forward ran ("padded": TRL's rows)
+                packing = trainer.prefix_packing.logps_and_entropies
 
-        class StepTimer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kw):
-                probe.sync()
-                probe.steps.append({"begin": time.perf_counter(), "generation": 0.0, "train_part": 0.0})
+                def counting(*a, **kw):
+                    out = packing(*a, **kw)
+                    if torch.is_grad_enabled():
+                        name = "padded" if out is None else out.kernel
+                        self.layouts[name] = self.layouts.get(name, 0) + 1
+                    return out
 
-            def on_step_end(self, args, state, control, **kw):
-                probe.sync()
-                step = probe.steps[-1]
-                step.update(end=time.perf_counter(), deciding=still_deciding(probe.trainer))
-                step["layouts"] = dict(probe.kernels)  # the layouts of this step's training forwards
-                probe.kernels.clear()
+                self._replace(trainer.prefix_packing, "logps_and_entropies", counting)
 
-        self.trainer.add_callback(StepTimer())
+        def enter(self, phase: str) -> None:
+            if phase == "loss" and self.cuda:
+                cuda, memory = self.torch.cuda, self.memory
+                memory["overall"] = max(memory["overall"], cuda.max_memory_allocated())
+                cuda.reset_peak_memory_stats()
+                memory["base"] = cuda.memory_allocated()
+            super().enter(phase)
 
-    def _time_generation(self) -> None:
-        generate = self.trainer._generate
+        def exit(self) -> None:
+            phase = self._stack[-1]
+            super().exit()
+            if phase == "backward" and self.cuda:
+                peak = (self.torch.cuda.max_memory_allocated() - self.memory["base"]) / 2**20
+                self.peak = max(self.peak or 0.0, peak)
 
-        def timed_generate(*a, **kw):
-            self.sync()
-            start = time.perf_counter()
-            out = generate(*a, **kw)
-            self.sync()
-            self.steps[-1]["generation"] += time.perf_counter() - start
-            return out
-
-        self.trainer._generate = timed_generate
-
-    def _count_batches(self) -> None:
-        compute_loss = self.trainer._compute_loss
-
-        def counting_compute_loss(model, inputs):
-            if not self.batches:  # the first micro-batch's shape (reading its mask is a host sync: once only)
-                self.batches.append(
-                    {
-                        "rows": int(inputs["prompt_ids"].shape[0]),
-                        "padded_tokens": int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()),
-                        "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
-                    }
+        def end_step(self) -> None:
+            if self._marks is not None:
+                self.extra.append(
+                    {"deciding": still_deciding(self.trainer), "layouts": self.layouts, "peak": self.peak}
                 )
-            return compute_loss(model, inputs)
+                self.layouts, self.peak = {}, None
+            super().end_step()
 
-        self.trainer._compute_loss = counting_compute_loss
+    return Probe
 
-    def _timed(self, call, *a, **kw):
-        if self.part_timing:
-            self.sync()
-        start = time.perf_counter()
-        out = call(*a, **kw)
-        if self.part_timing:
-            self.sync()
-            self.steps[-1]["train_part"] += time.perf_counter() - start
-        return out
 
-    def _time_training_part(self) -> None:
-        torch, cuda, memory = self.torch, self.cuda, self.memory
-        compute_loss, backward = self.trainer.compute_loss, self.trainer.accelerator.backward
+class PackingLog(logging.Handler):
+    """The ``trinity_trl`` log's prefix-packing lines (``auto``'s verdicts, fall-backs) while it is attached."""
 
-        def timed_compute_loss(model, inputs, *a, **kw):
-            if not self.first_inputs and self.spec.get("equivalence"):
-                self.first_inputs.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-            if cuda:
-                memory["overall"] = max(memory["overall"], torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
-                memory["base"] = torch.cuda.memory_allocated()
-            return self._timed(compute_loss, model, inputs, *a, **kw)
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []
 
-        def timed_backward(loss, **kw):
-            self._timed(backward, loss, **kw)
-            if cuda:
-                peak = (torch.cuda.max_memory_allocated() - memory["base"]) / 2**20
-                self.steps[-1]["train_part_peak_mib"] = max(self.steps[-1].get("train_part_peak_mib", 0.0), peak)
+    def emit(self, record):
+        if "prefix packing" in (message := record.getMessage()):
+            self.lines.append(message)
 
-        self.trainer.compute_loss = timed_compute_loss
-        self.trainer.accelerator.backward = timed_backward
 
-    def _count_kernels(self) -> None:
-        """Which kernel each training forward ran ("padded": TRL's rows)."""
-        packing = self.trainer.prefix_packing.logps_and_entropies
+def train_probed(spec: dict, trainer, probe) -> dict:
+    """Train (auto's verdicts and the memory watched); the side's measurements, per step from the phase timer:
+    ``step_s`` and ``generation_s`` host seconds, ``train_part_s`` the ``loss`` and ``backward`` phases (on the
+    device's clock on CUDA)."""
+    torch, verdicts = probe.torch, PackingLog()  # auto's log lines (one per shape class decided, and fall-backs)
+    logging.getLogger("trinity_trl").addHandler(verdicts)
+    gc.collect()
+    bc.malloc_trim()
+    rss_before, cuda_before = bc.read_status_kb("VmRSS"), 0
+    hwm_reset = (not probe.cuda) and bc.reset_peak_rss()
+    if probe.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_before = torch.cuda.memory_allocated()
+    if spec["side"] == "ours_compiled":
+        from torch._dynamo.utils import counters
 
-        def counting_packing(*a, **kw):
-            out = packing(*a, **kw)
-            if self.torch.is_grad_enabled():
-                name = "padded" if out is None else out.kernel
-                self.kernels[name] = self.kernels.get(name, 0) + 1
-            return out
-
-        self.trainer.prefix_packing.logps_and_entropies = counting_packing
-
-    def train(self) -> dict:
-        """Train (auto's verdicts and the memory watched); the side's measurements."""
-        torch, spec = self.torch, self.spec
-        verdicts = self.verdicts
-
-        class Verdicts(logging.Handler):
-            def emit(self, record):
-                message = record.getMessage()
-                if "prefix packing" in message:
-                    verdicts.append(message)
-
-        handler = Verdicts(level=logging.INFO)
-        logging.getLogger("trinity_trl").addHandler(handler)
-        gc.collect()
-        bc.malloc_trim()
-        rss_before = bc.read_status_kb("VmRSS")
-        hwm_reset = (not self.cuda) and bc.reset_peak_rss()
-        cuda_before = 0
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            cuda_before = torch.cuda.memory_allocated()
-        if spec["side"] == "ours_compiled":
-            from torch._dynamo.utils import counters
-
-            counters.clear()
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
-        self.trainer.train()
-        self.sync()
-        wall = time.perf_counter() - wall_start
-        logging.getLogger("trinity_trl").removeHandler(handler)
-        result = self.result(wall, time.process_time() - cpu_start)
-        result["train_peak_rss_above_start_mib"] = (
+        counters.clear()
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    trainer.train()
+    wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    logging.getLogger("trinity_trl").removeHandler(verdicts)
+    probe.remove()
+    steps, logs = probe.steps, trainer.state.log_history
+    result = {
+        "step_s": [s["step_s"] for s in steps],
+        "deciding": [x["deciding"] for x in probe.extra],
+        "train_part_s": [(s["device"] or s["host"])["loss"] + (s["device"] or s["host"])["backward"] for s in steps],
+        "train_part_peak_mib": [x["peak"] for x in probe.extra],
+        "phases_s": [{"host": s["host"], "device": s["device"]} for s in steps],
+        "auto_log": verdicts.lines,
+        "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
+        "generation_s": [s["host"]["generation"] for s in steps],
+        "warmup": spec["warmup"],
+        "train_wall_s": wall,
+        "cpu_util": cpu / wall if wall > 0 else None,
+        "process_peak_rss_mib": bc.max_rss_mib(),
+        "micro_batch": probe.batches[0] if probe.batches else None,
+        **{key: [e[name] for e in logs if name in e] for key, name in LOGGED.items()},
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "loadavg_end": bc.loadavg(),
+        "first_step_s": steps[0]["step_s"] if steps else None,
+        "kernels": _total([x["layouts"] for x in probe.extra]),
+        "step_layouts": [x["layouts"] for x in probe.extra],  # the training forwards' layouts, step by step
+        "pid": os.getpid(),
+        "train_peak_rss_above_start_mib": (
             (bc.read_status_kb("VmHWM") - rss_before) / 1024 if hwm_reset and rss_before is not None else None
-        )
-        if self.cuda:
-            self.memory["overall"] = max(self.memory["overall"], torch.cuda.max_memory_allocated())
-            result["cuda_peak_above_start_mib"] = (self.memory["overall"] - cuda_before) / 2**20
-            result["cuda_peak_allocated_mib"] = self.memory["overall"] / 2**20
-        return result
-
-    def result(self, wall: float, cpu: float) -> dict:
-        spec, trainer = self.spec, self.trainer
-        logs = trainer.state.log_history
-        done = [s for s in self.steps if "end" in s]
-
-        def logged(key: str) -> list:
-            return [e[key] for e in logs if key in e]
-
-        result = {
-            "step_s": [s["end"] - s["begin"] for s in done],
-            "deciding": [s["deciding"] for s in done],
-            "train_part_s": [s["train_part"] for s in done] if self.part_timing else [],
-            "train_part_peak_mib": [s.get("train_part_peak_mib") for s in done],
-            "auto_log": self.verdicts,
-            "auto_verdicts": auto_verdicts(trainer) if spec["side"] in OURS else None,  # never raises
-            "generation_s": [s["generation"] for s in done],
-            "warmup": spec["warmup"],
-            "train_wall_s": wall,
-            "cpu_util": cpu / wall if wall > 0 else None,
-            "process_peak_rss_mib": bc.max_rss_mib(),
-            "micro_batch": self.batches[0] if self.batches else None,
-            "losses": logged("loss"),
-            "grad_norms": logged("grad_norm"),
-            "forwarded_token_ratio": logged("packing/forwarded_token_ratio"),
-            "forwards_per_step": logged("packing/forwards_per_step"),
-            "parameters": sum(p.numel() for p in trainer.model.parameters()),
-            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "loadavg_end": bc.loadavg(),
-            "first_step_s": done[0]["end"] - done[0]["begin"] if done else None,
-            "kernels": _total([s.get("layouts", {}) for s in done]),
-            "step_layouts": [s.get("layouts", {}) for s in done],  # the training forwards' layouts, step by step
-            "pid": os.getpid(),
+        ),
+    }
+    if probe.cuda:
+        overall = max(probe.memory["overall"], torch.cuda.max_memory_allocated())
+        result |= {
+            "cuda_peak_above_start_mib": (overall - cuda_before) / 2**20,
+            "cuda_peak_allocated_mib": overall / 2**20,
         }
-        if spec["side"] == "ours_compiled":
-            result["compiled"] = compile_counts(trainer)
-        return result
+    if spec["side"] == "ours_compiled":
+        result["compiled"] = compile_counts(trainer)
+    return result
 
 
 def _total(counts: list[dict]) -> dict:
-    total: dict[str, int] = {}
-    for c in counts:
-        for name, n in c.items():
-            total[name] = total.get(name, 0) + n
-    return total
+    return dict(sum(map(collections.Counter, counts), collections.Counter()))
 
 
 def compile_counts(trainer) -> dict:
@@ -527,14 +441,10 @@ def compile_counts(trainer) -> dict:
     try:
         from torch._dynamo.utils import counters
 
-        layers = trainer.prefix_packing.compiled
-        return {
-            "layer_graphs": layers.graphs if layers is not None else None,
-            "budget_graphs": trainer.prefix_packing.compile_budget.graphs,
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "frames": dict(counters["frames"]),
-            "unique_graphs": counters["stats"].get("unique_graphs"),
-        }
+        layers, budget = trainer.prefix_packing.compiled, trainer.prefix_packing.compile_budget
+        counts = {"layer_graphs": layers.graphs if layers is not None else None, "budget_graphs": budget.graphs}
+        counts |= {"graph_breaks": sum(counters["graph_break"].values()), "frames": dict(counters["frames"])}
+        return counts | {"unique_graphs": counters["stats"].get("unique_graphs")}
     except Exception as err:  # the timings stand
         return {"error": f"{type(err).__name__}: {err}"}
 
@@ -610,11 +520,9 @@ def check_equivalence(trainer, inputs: dict, spec: dict) -> dict:
 
     from trinity_trl.packing import KERNELS, PrefixPacking
 
-    device = trainer.accelerator.device
+    device, kernel = trainer.accelerator.device, "sdpa_segments"  # a fused kernel on CUDA
     if device.type == "cuda":
         kernel = next((k for k in ("varlen", "flash_attn", "flex") if KERNELS[k].unavailable(device) is None), None)
-    else:
-        kernel = "sdpa_segments"
     if kernel is None:
         return {"equivalent": None, "reason": "no fused kernel available"}
     model, original = trainer.model, trainer.prefix_packing
@@ -704,7 +612,7 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
     def pick(values):
         return [values[i] for i in keep if i < len(values)]
 
-    steps, gens = pick(result["step_s"]), pick(result["generation_s"])
+    steps, gens, split = pick(result["step_s"]), pick(result["generation_s"]), pick(result.get("phases_s", []))
     peaks = [x for x in pick(result.get("train_part_peak_mib", [])) if x is not None]
     deciding = result.get("deciding") or []
     return {
@@ -718,6 +626,10 @@ def run_summary(result: dict, warmup: int | None = None) -> dict:
         # a run whose timed steps all ended with auto still deciding: its figure mixes layouts (counted apart)
         "decided": not keep or any(i >= len(deciding) or not deciding[i] for i in keep),
         "timed_layouts": pick(result.get("step_layouts", [])),
+        # the phase timer's split (on the device's clock where read)
+        "phases_s": {p: bc.median([(s["device"] or s["host"])[p] for s in split]) for p in split[0]["host"]}
+        if split
+        else {},
         "verdicts": result.get("auto_verdicts"),
     }
 
@@ -729,30 +641,24 @@ def side_summary(results: list[dict]) -> dict:
     per_run = [run_summary(r) for r in results]
     numeric = [k for k, v in per_run[0].items() if not isinstance(v, (bool, list, dict))]
     out = {key: bc.median([p[key] for p in per_run]) for key in numeric}
-    decided = [p for p in per_run if p["decided"]]
-    undecided = [p for p in per_run if not p["decided"]]
-    out["train_s"] = bc.median([p["train_s"] for p in decided])
-    out["train_s_spread"] = harness.spread([p["train_s"] for p in decided])
-    out["train_s_undecided"] = harness.spread([p["train_s"] for p in undecided])
+    decided = [p["train_s"] for p in per_run if p["decided"]]
+    out |= {"train_s": bc.median(decided), "train_s_spread": harness.spread(decided)}
+    out["train_s_undecided"] = harness.spread([p["train_s"] for p in per_run if not p["decided"]])
     out["train_part_peak_mib_spread"] = harness.spread([p["train_part_peak_mib"] for p in per_run])
-    out["undecided_runs"] = len(undecided)
+    out["undecided_runs"] = sum(1 for p in per_run if not p["decided"])
     out["runs_still_deciding_after_warmup"] = sum(1 for p in per_run if p.get("undecided_steps"))
     memory = ("process_peak_rss_mib", "train_peak_rss_above_start_mib", "cuda_peak_above_start_mib")
     for key in (*memory, "cuda_peak_allocated_mib", "cpu_util", "first_step_s"):
         out[key] = bc.median([r.get(key) for r in results])
-    out["micro_batch"] = results[0]["micro_batch"]
-    out["kernels"] = _total([r.get("kernels", {}) for r in results])
-    ratios = [x for r in results for x in r["forwarded_token_ratio"]]
-    out["forwarded_token_ratio"] = bc.median(ratios) if ratios else None
-    forwards = [x for r in results for x in r.get("forwards_per_step", [])]
-    out["forwards_per_step"] = bc.median(forwards) if forwards else None
+    for key in ("forwarded_token_ratio", "forwards_per_step"):
+        out[key] = bc.median([x for r in results for x in r.get(key, [])])
+    out |= {"micro_batch": results[0]["micro_batch"], "kernels": _total([r.get("kernels", {}) for r in results])}
+    phases = dict.fromkeys(p for r in per_run for p in r.get("phases_s") or {})
+    out["phases_s"] = {p: bc.median([(r.get("phases_s") or {}).get(p) for r in per_run]) for p in phases}
     out["per_run"] = per_run  # each repeat's verdicts and the layouts of its timed steps
-    out["auto_verdicts_per_run"] = [p["verdicts"] for p in per_run]
-    out["auto_verdicts"] = results[0].get("auto_verdicts")
-    out["compiled"] = [r["compiled"] for r in results if r.get("compiled")]
-    out["auto_log"] = results[0].get("auto_log", [])
-    out["repeats"] = len(results)
-    return out
+    out |= {"auto_verdicts_per_run": [p["verdicts"] for p in per_run], "auto_verdicts": results[0].get("auto_verdicts")}
+    out |= {"compiled": [r["compiled"] for r in results if r.get("compiled")], "repeats": len(results)}
+    return out | {"auto_log": results[0].get("auto_log", [])}
 
 
 def calibration_seconds(ours: dict, trl: dict) -> float | None:
@@ -778,8 +684,7 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         grad += [abs(u - v) / max(abs(u), abs(v), 1e-12) for u, v in zip(x["grad_norms"], y["grad_norms"])]
     # paired: each repeat's ours / TRL, over the repeats whose run of ours decided (the others apart)
     pairs = [(run_summary(x), run_summary(y)) for x, y in zip(ours, trl)]
-    paired = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if x["decided"]]
-    paired_undecided = [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if not x["decided"]]
+    paired = {d: [bc.ratio(x["train_s"], y["train_s"]) for x, y in pairs if x["decided"] == d] for d in (True, False)}
     calibration = [calibration_seconds(x, y) for x, y in zip(ours, trl)]
     checks = [r["equivalence_check"] for r in ours if r.get("equivalence_check")]
     trajectory = bool(grad) and max(grad) < EQUIVALENCE_GRAD_RTOL and max(loss) < EQUIVALENCE_LOSS_ATOL
@@ -790,8 +695,8 @@ def compare(ours: list[dict], trl: list[dict], memory_key: str) -> dict:
         "ours": so,
         "trl": st,
         "train_ratio": bc.ratio(so["train_s"], st["train_s"]),
-        "train_ratio_per_repeat": harness.spread(paired),
-        "train_ratio_undecided_runs": harness.spread(paired_undecided),
+        "train_ratio_per_repeat": harness.spread(paired[True]),
+        "train_ratio_undecided_runs": harness.spread(paired[False]),
         "step_ratio": bc.ratio(so["step_s"], st["step_s"]),
         "train_part_ratio": bc.ratio(so["train_part_s"], st["train_part_s"]),
         "part_memory_ratio": bc.ratio(so["train_part_peak_mib"], st["train_part_peak_mib"]),
@@ -812,61 +717,52 @@ def _cell(stat: dict | None, spec: str = ".3f") -> str:
     return harness.cell(stat, spec)  # median (min-max)
 
 
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k}: {v}" if isinstance(v, bool) or v is None else f"{k} x{v}" for k, v in counts.items())
+
+
 def markdown(report: dict) -> str:
-    lines = markdown_header(report) + markdown_table(report)
-    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
-    for point in report["results"]:
-        lines += point_notes(point, report["config"])
-    return "\n".join(lines + target_lines(report) + tail_lines(report))
-
-
-def markdown_header(report: dict) -> list[str]:
-    c = report["config"]
+    """The points: the setting and protocol, the table (gpu_check.md repeats this Markdown), each point's notes,
+    issue 42's targets on CUDA, and what failed, was not measured or was cut short."""
+    c, models = report["config"], report.get("models", {})
     mem = "CUDA peak allocated above start" if c["device"] == "cuda" else "peak RSS during train() above start"
+    about = "; ".join(
+        f"`{n}`: {m.get('about')} ({(m.get('parameters') or 0) / 1e6:.1f}M parameters)" for n, m in models.items()
+    )
     lines = [
         "## The points",
         "",
-        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Models: "
-        + "; ".join(
-            f"`{name}`: {m.get('about')} ({(m.get('parameters') or 0) / 1e6:.1f}M parameters)"
-            for name, m in report.get("models", {}).items()
-        )
-        + f". {'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
+        f"{'**Quick setting** (smoke run, not for conclusions). ' if c['quick'] else ''}Models: {about}. "
+        f"{'bf16' if c['bf16'] else 'fp32'}. Ours: `TrinityTrainer(algorithm='grpo', kl_loss='none', "
         f"loss_agg_mode='seq-mean-token-mean')`, `prefix_packing_kernel={c.get('kernel', 'auto')!r}`; TRL: "
         "`GRPOTrainer` at its defaults except the departures below.",
         "",
-        f"Protocol: a repeat is a fresh process per side, sides alternating (ours, TRL, ours, TRL, ...; points "
-        f"interleaved), {c['repeats']} repeat(s) asked; `train` = the whole optimizer step minus TRL's generation "
-        "(scoring, log-prob forwards, loss, backward, optimizer), the median over a run's steps after its warm-up "
-        f"(ours: {c['warmup']} steps, `auto`'s calibration; TRL: {c['trl_warmup']}; at gradient accumulation > 1: "
+        "Protocol (benchmarks/README.md): a repeat is a fresh process per side, sides alternating, points "
+        f"interleaved; {c['repeats']} repeat(s) asked. `train` = the optimizer step (from its start to the next "
+        "step's, split by `phases.PhaseTimer`) minus its generation phase, the median over a run's steps after its "
+        f"warm-up (ours: {c['warmup']} steps, `auto`'s calibration; TRL: {c['trl_warmup']}; at accumulation > 1: "
         f"{c['accumulation_warmup']} / {min(c['trl_warmup'], c['accumulation_warmup'])}); figures: median over repeats "
         "(min-max). Ratios ours / TRL (< 1: ours faster / smaller); `per repeat`: each repeat's ours / TRL. "
         f"Memory: {mem}; `part memory`: the peak during the loss's forward and backward above its start. "
         "`calibration`: seconds a run of ours spent in `auto`'s calibration (its warm-up excess over its steady "
         "step, less TRL's). `tokens fwd`: tokens the packed forwards process / tokens of TRL's padded micro-batches.",
         "",
-    ]
-    return lines
-
-
-def markdown_table(report: dict) -> list[str]:
-    """The points' table (gpu_check.md repeats it)."""
-    lines = [
         "| point | repeats | tokens fwd | ours train (s) | TRL train (s) | **train ratio** | per repeat | step ratio "
         "| ours part memory (MiB) | TRL part memory (MiB) | **part memory ratio** | memory ratio | calibration (s/run) "
         "| kernels (training forwards) | equivalent |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * 15 + "|",
     ]
-    rows = [(point["name"], point["comparison"]) for point in report["results"]]
-    rows += [
-        (point["name"] + " **compiled**", point["compiled"]) for point in report["results"] if point.get("compiled")
-    ]
-    for name, r in rows:
+    rows = [(p["name"], p["comparison"]) for p in report["results"]]
+    for name, r in rows + [
+        (p["name"] + " **compiled**", p["compiled"]) for p in report["results"] if p.get("compiled")
+    ]:
         o, t, e = r["ours"], r["trl"], r["equivalence"]
         d = e.get("direct") or {}
-        check = "yes" if e["equivalent"] else "NO"
-        if d.get("logps_rel_l2") is not None:
-            check += f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
+        check = ("yes" if e["equivalent"] else "NO") + (
+            f" ({bc.fmt(d['logps_rel_l2'], '.1e')} / {bc.fmt(d['grads_rel_l2'], '.1e')})"
+            if d.get("logps_rel_l2") is not None
+            else ""
+        )
         lines.append(
             f"| {name} | {o['repeats']} / {t['repeats']} | {bc.fmt(o['forwarded_token_ratio'], '.2f')} "
             f"| {_cell(o['train_s_spread'])} | {_cell(t['train_s_spread'])} | **{bc.fmt(r['train_ratio'])}** "
@@ -874,79 +770,66 @@ def markdown_table(report: dict) -> list[str]:
             f"| {_cell(o['train_part_peak_mib_spread'], '.0f')} | {_cell(t['train_part_peak_mib_spread'], '.0f')} "
             f"| **{bc.fmt(r['part_memory_ratio'])}** | {bc.fmt(r['memory_ratio'])} "
             f"| {_cell(r['calibration_s_per_run'], '.2f')} "
-            f"| {', '.join(f'{k} x{n}' for k, n in sorted(o.get('kernels', {}).items())) or '-'} | {check} |"
+            f"| {_counts(dict(sorted(o.get('kernels', {}).items()))) or '-'} | {check} |"
         )
-    return lines
+    lines += ["", "Per point: departures from each trainer's defaults, `auto`'s verdicts, the direct check:", ""]
+    for point in report["results"]:
+        lines += point_notes(point, c)
+    return "\n".join(lines + tail_lines(report))
 
 
 def point_notes(point: dict, c: dict) -> list[str]:
     """A point's departures, `auto`'s verdicts, the direct check and each run of ours."""
-    lines = []
-    r = point["comparison"]
+    r, o = point["comparison"], point["comparison"]["ours"]
     d = r["equivalence"].get("direct") or {}
-    verdicts = r["ours"].get("auto_verdicts")
-    lines.append(f"- **{point['name']}**: {'; '.join(point['departures'])}.")
-    lines.append(
-        "  `auto`: "
-        + (", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-")
-        + (
-            f"; forwards per step {bc.fmt(r['ours']['forwards_per_step'], '.1f')}"
-            if r["ours"].get("forwards_per_step")
-            else ""
+    notes = [_counts(o.get("auto_verdicts") or {}) or "-"]
+    if o.get("forwards_per_step"):
+        notes.append(f"forwards per step {bc.fmt(o['forwards_per_step'], '.1f')}")
+    if o.get("undecided_runs"):
+        notes.append(
+            f"{o['undecided_runs']} of {o['repeats']} runs never decided by their timed steps, counted apart: ours / "
+            f"TRL over them {_cell(r.get('train_ratio_undecided_runs'))}"
         )
-        + (
-            f"; {r['ours']['undecided_runs']} of {r['ours']['repeats']} runs never decided by their timed steps, "
-            "counted apart: ours / TRL over them "
-            f"{_cell(r.get('train_ratio_undecided_runs'))}"
-            if r["ours"].get("undecided_runs")
-            else ""
-        )
-        + (
-            f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs "
-            f"{bc.fmt(d.get('logps_rel_l2'), '.1e')} "
+    check = ""
+    if d.get("logps_rel_l2") is not None:
+        check = (
+            f". Direct check ({d.get('kernel')}, {d.get('dtype')}): log-probs {bc.fmt(d.get('logps_rel_l2'), '.1e')} "
             f"(tol {bc.fmt(d.get('logps_rtol'), '.1e')}), gradient {bc.fmt(d.get('grads_rel_l2'), '.1e')} "
             f"(tol {bc.fmt(d.get('grads_rtol'), '.1e')})"
-            if d.get("logps_rel_l2") is not None
-            else (f". Direct check: {d.get('error') or d.get('reason')}" if d else "")
         )
-        + "."
-    )
+    elif d:
+        check = f". Direct check: {d.get('error') or d.get('reason')}"
+    lines = [f"- **{point['name']}**: {'; '.join(point['departures'])}.", f"  `auto`: {'; '.join(notes)}{check}."]
     for side, comparison in (("ours", r), ("ours compiled", point.get("compiled"))):
-        if not comparison:
-            continue
-        for i, run in enumerate(comparison["ours"].get("per_run", []), start=1):
-            verdicts = run.get("verdicts")
-            verdict = ", ".join(f"{k}: {v}" for k, v in verdicts.items()) if verdicts else "-"
-            layouts = " | ".join(
-                ", ".join(f"{k} x{n}" for k, n in step.items()) or "-" for step in run["timed_layouts"]
-            )
+        for i, run in enumerate((comparison or {}).get("ours", {}).get("per_run", []), start=1):
+            layouts = " | ".join(_counts(step) or "-" for step in run["timed_layouts"])
             lines.append(
-                f"  - {side}, repeat {i}: verdict {verdict}; timed steps' layouts [{layouts}]; train "
-                f"{bc.fmt(run['train_s'])} s{'' if run['decided'] else ' (UNDECIDED: counted apart)'}"
+                f"  - {side}, repeat {i}: verdict {_counts(run.get('verdicts') or {}) or '-'}; timed steps' layouts "
+                f"[{layouts}]; train {bc.fmt(run['train_s'])} s"
+                + ("" if run["decided"] else " (UNDECIDED: counted apart)")
             )
-        for counts in comparison["ours"].get("compiled", []):
-            lines.append(f"  - compiled layers: {counts}")
+        lines += [f"  - compiled layers: {counts}" for counts in (comparison or {}).get("ours", {}).get("compiled", [])]
+    ours_split, trl_split = o.get("phases_s") or {}, r["trl"].get("phases_s") or {}
+    if ours_split:
+        split = ", ".join(f"{p} {1e3 * v:.1f} / {1e3 * (trl_split.get(p) or 0):.1f}" for p, v in ours_split.items())
+        lines.append(f"  Phases (`phases.PhaseTimer`; median ms, ours / TRL): {split}.")
     if c.get("part_timing"):
         lines.append(
-            "  Training part (loss forward + backward, between syncs): ours "
-            f"{bc.fmt(r['ours']['train_part_s'])} s, "
-            f"TRL {bc.fmt(r['trl']['train_part_s'])} s, ratio {bc.fmt(r['train_part_ratio'])}."
+            f"  Training part (the loss and backward phases; on CUDA on the device's clock): ours "
+            f"{bc.fmt(o['train_part_s'])} s, TRL {bc.fmt(r['trl']['train_part_s'])} s, "
+            f"ratio {bc.fmt(r['train_part_ratio'])}."
         )
-    return lines
-
-
-def target_lines(report: dict) -> list[str]:
-    if report["config"]["device"] != "cuda":
-        return []
-    lines = ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""]
-    for t in report["summary"]["cuda_targets"]:
-        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
     return lines
 
 
 def tail_lines(report: dict) -> list[str]:
-    lines = []
+    """Issue 42's targets on CUDA; what was not measured, cut short, failed; the uncounted runs."""
+    lines = ["", "Targets (issue 42, one GPU; `train` ratio, part memory ratio):", ""] * (
+        report["config"]["device"] == "cuda"
+    )
+    for t in report["summary"]["cuda_targets"] if lines else []:
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        lines.append(f"- {t['point']} {t['metric']}: {bc.fmt(t['value'])} (target <= {t['bound']}): {met}")
     if report["not_measured"]:
         lines += ["", f"Not measured (no repeat finished): {', '.join(report['not_measured'])}."]
     if report.get("fewer_repeats"):
@@ -1023,73 +906,48 @@ def point_entry(report: dict, key: str, name: str, runs: dict, memory_key: str) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--point-set", help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)"
-    )
-    parser.add_argument(
-        "--points",
-        nargs="+",
-        metavar="MODEL:P:C:G[:kN][:gaN][:lora]",
-        help="exactly these points (needed on CPU), e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4",
-    )
-    parser.add_argument("--kernel", default="auto", choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"])
-    parser.add_argument("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
-    parser.add_argument("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + timed steps)")
-    parser.add_argument(
-        "--warmup", type=int, help="our untimed first steps: auto's calibration (default 7 CUDA, 1 CPU)"
-    )
-    parser.add_argument("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
-    parser.add_argument("--accumulation-warmup", type=int, default=3, help="our warm-up at gradient accumulation > 1")
-    parser.add_argument("--timed-steps", type=int, help="timed steps per run (default 3 on CUDA, 1 CPU)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--learning-rate", type=float, help="both sides (default: each trainer's default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
-    parser.add_argument("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
-    parser.add_argument("--rollout", choices=("generate", "fixed"), help="default: fixed on CUDA, generate on CPU")
-    parser.add_argument(
-        "--activation-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)",
-    )
-    parser.add_argument("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
-    parser.add_argument(
-        "--sides",
-        help=f"comma-separated sides of {', '.join(SIDES)} (default ours,trl; ours_compiled: prefix_packing_compile, "
-        "after one uncounted run that warms the compile cache)",
-    )
-    parser.add_argument("--part-timing", action="store_true", help="also time the loss's forward+backward (syncs)")
-    parser.add_argument("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
-    parser.add_argument("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
-    parser.add_argument("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
-    parser.add_argument(
-        "--out",
-        default=os.environ.get("OUT") or "benchmarks/results",
-        help="directory for the report (default $OUT where set, as on the lent GPU machine, else benchmarks/results)",
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--device", choices=("cpu", "cuda"), default="cpu")
+    add("--point-set", help=f"CUDA: comma-separated point sets of {', '.join(POINT_SETS)} (default target)")
+    add("--points", nargs="+", metavar="MODEL:P:C:G[:kN][:gaN][:lora]", help="exactly these points (needed on CPU), "
+        "e.g. qwen2.5-1.5b:1024:256:8 qwen2.5-1.5b:2048:512:8:ga4")  # fmt: skip
+    add("--kernel", default="auto", choices=["auto", "varlen", "flash_attn", "flex", "sdpa_segments"])
+    add("--resume", metavar="JSON", help="an earlier report: keep its points, run the others")
+    add("--repeats", type=int, help="fresh-process runs per side per point (default 5 on CUDA, 1 CPU)")
+    add("--steps", type=int, help="optimizer steps of ours per run (default: warm-up + timed steps)")
+    add("--warmup", type=int, help="our untimed first steps: auto's calibration (default 7 CUDA, 1 CPU)")
+    add("--trl-warmup", type=int, help="TRL's untimed first steps (default 2 on CUDA, 1 CPU)")
+    add("--accumulation-warmup", type=int, default=3, help="our warm-up at gradient accumulation > 1")
+    add("--timed-steps", type=int, help="timed steps per run (default 3 on CUDA, 1 CPU)")
+    add("--threads", type=int, default=1, help="torch threads per run (1 on a shared 2-core machine)")
+    add("--bf16", action="store_true")
+    add("--learning-rate", type=float, help="both sides (default: each trainer's default)")
+    add("--seed", type=int, default=0)
+    add("--timeout", type=float, default=1800, help="seconds allowed per run")
+    add("--quick", action="store_true", help="smoke setting: one tiny point, 2 steps")
+    add("--rollout", choices=("generate", "fixed"), help="default: fixed on CUDA, generate on CPU")
+    add("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+        help="both sides (default: the trainers' default on CUDA, on; off on CPU, our CPU default)")  # fmt: skip
+    add("--optim", help="both sides' optimizer (TrainingArguments.optim); default the trainers'")
+    add("--sides", help=f"comma-separated sides of {', '.join(SIDES)} (default ours,trl; ours_compiled: "
+        "prefix_packing_compile, after one uncounted run that warms the compile cache)")  # fmt: skip
+    add("--part-timing", action="store_true", help="also report the training part: the loss and backward phases")
+    add("--no-fork", action="store_true", help="spawn each run from scratch (no forkserver)")
+    add("--no-equivalence", action="store_true", help="skip the direct packed-vs-padded check")
+    add("--break-packed", action="store_true", help=argparse.SUPPRESS)  # self-test of the check
+    add("--out", default=os.environ.get("OUT") or "benchmarks/results", help="directory for the report (default "
+        "$OUT where set, as on the lent GPU machine, else benchmarks/results)")  # fmt: skip
     return parser
 
 
 def main(argv=None) -> int:
     args = (parser := build_parser()).parse_args(argv)
     points = settle(args, parser)
-    bench = harness.Bench(
-        "prefix_packing_cuda" if args.device == "cuda" else "prefix_packing",
-        args.out,
-        config={k: v for k, v in vars(args).items() if k != "out"},
-        device=args.device,
-        title="Prefix-shared packed training step vs TRL's `GRPOTrainer`",
-        render=markdown,
-        preload=() if args.no_fork else PRELOAD,
-        update=derive,
-        resume=args.resume,
-    )
+    name, config = "prefix_packing" + ("_cuda" if args.device == "cuda" else ""), vars(args).copy()
+    options = {"title": "Prefix-shared packed training step vs TRL's `GRPOTrainer`", "render": markdown}
+    options |= {"preload": () if args.no_fork else PRELOAD, "update": derive, "resume": args.resume}
+    bench = harness.Bench(name, config.pop("out"), config=config, device=args.device, **options)
     done = {r["key"] for r in bench.report["results"]}
     points = [p for p in points if p.key not in done]  # a resumed report's measured points are kept
     label = "points" if args.points else args.point_set or "target"
@@ -1102,17 +960,14 @@ def main(argv=None) -> int:
         for model in dict.fromkeys(p.model for p in points):  # each model saved once, in a worker process
             spec = {"make_model": model, "model_dir": f"{tmp}/model_{model}", "threads": args.threads}
             spec |= {k: getattr(args, k) for k in ("device", "bf16", "seed")}
-            made = part.run_once(harness.Side(f"model {model}", "prefix_packing:work", spec), f"model {model}")
+            made = part.run_once(harness.Side(f"model {model}", WORK, spec), f"model {model}")
             if not harness.ok(made):
                 return bench.finish() or 1
             paths[model] = made["path"]
             bench.report.setdefault("models", {}).setdefault(model, {})["about"] = made["about"]
         for point in points:
             spec = point_spec(args, point, paths[point.model], output_dir=f"{tmp}/{point.key}")
-            sides += [
-                harness.Side(f"{point.key}/{s}", "prefix_packing:work", {**spec, "side": s}, {}, args.timeout)
-                for s in args.sides
-            ]
+            sides += [harness.Side(f"{point.key}/{s}", WORK, {**spec, "side": s}, {}, args.timeout) for s in args.sides]
         if "ours_compiled" in args.sides and points:  # the on-disk compile caches warmed by a first, uncounted run
             warm = next(s for s in sides if s.name.endswith("/ours_compiled"))
             part.run_once(warm, f"ours_compiled, uncounted: warms the compile cache, at {points[0].name}")
@@ -1126,9 +981,8 @@ def settle(args, parser) -> list[Point]:
     if args.quick:
         args.points, args.warmup, args.trl_warmup, args.timed_steps = ["tiny:32:8:4"], 1, 1, 1
     defaults = {"repeats": (5, 1), "warmup": (7, 1), "trl_warmup": (2, 1), "timed_steps": (3, 1)}
-    for key, (on_cuda, on_cpu) in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, on_cuda if cuda else on_cpu)
+    for key in [key for key in defaults if getattr(args, key) is None]:
+        setattr(args, key, defaults[key][0 if cuda else 1])
     args.rollout = args.rollout or ("fixed" if cuda else "generate")
     args.sides = [x.strip() for x in (args.sides or "ours,trl").split(",") if x.strip()]
     if set(args.sides) - set(SIDES) or not {"ours", "trl"} <= set(args.sides):
@@ -1158,21 +1012,11 @@ def point_spec(args, point: Point, model_path: str, output_dir: str) -> dict:
     spec = {"model": model_path, "steps": args.steps or warmup + args.timed_steps, "warmup": warmup}
     spec |= {k: getattr(args, k) for k in ("device", "threads", "bf16", "learning_rate", "seed", "kernel", "rollout")}
     spec |= {k: getattr(args, k) for k in ("optim", "part_timing", "break_packed")}
-    return {
-        **spec,
-        "trl_warmup": min(args.trl_warmup, warmup),
-        "prompt_len": point.prompt_len,
-        "completion_len": point.completion_len,
-        "generations": point.generations,
-        "prompts_per_step": point.prompts,
-        "accumulation": point.accumulation,
-        "lora": point.lora,
-        "point": point.name,
-        "packing": True,
-        "ac": args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing),
-        "equivalence": not args.no_equivalence,
-        "output_dir": output_dir,
-    }
+    spec |= {"prompt_len": point.prompt_len, "completion_len": point.completion_len, "lora": point.lora}
+    spec |= {"generations": point.generations, "prompts_per_step": point.prompts, "accumulation": point.accumulation}
+    ac = args.activation_checkpointing if args.device == "cuda" else bool(args.activation_checkpointing)
+    spec |= {"point": point.name, "packing": True, "ac": ac, "equivalence": not args.no_equivalence}
+    return spec | {"trl_warmup": min(args.trl_warmup, warmup), "output_dir": output_dir}
 
 
 if __name__ == "__main__":

@@ -7,12 +7,6 @@ docs/benchmarks.md#whole-step.
     nice -n 5 python benchmarks/whole_step.py                       # the CPU points (bundled SmolLM2-135M)
     python benchmarks/whole_step.py --gpu                           # `make gpu-check-step`: the GPU run (8 minutes)
     python benchmarks/whole_step.py --dry-run                       # tiny shapes on CPU (tests/test_benchmarks.py)
-
-Sides (`SIDES`; each repeat a fresh process per side, the order alternating, through `harness`): ``ours``
-(``TrinityTrainer``, GRPO trained as TRL's defaults train it), ``ours_off`` (the same without issue 51's generation
-settings), ``trl`` (``GRPOTrainer`` at TRL's defaults) and ``trl_cb`` (with continuous batching). Per run: 1 warm-up
-step, then the timed ones: the median timed step and its phases, the first step, the start-up, each side's dtype and
-generation settings, compilations per step and peak memory.
 """
 
 from __future__ import annotations
@@ -69,15 +63,9 @@ def build_trainer(spec: dict, completions: list):
         return [len(ids) / 10.0 for ids in completion_ids]
 
     completions_per_step = completions
-    job = {
-        "output_dir": os.path.join(spec["work"], f"out-{side}-{os.getpid()}"),
-        "max_completion_length": spec["completion"],
-        "max_steps": steps,
-        "report_to": "none",
-        "save_strategy": "no",
-        "seed": spec["seed"],
-        "disable_tqdm": True,
-    }
+    job = {"output_dir": os.path.join(spec["work"], f"out-{side}-{os.getpid()}"), "max_steps": steps}
+    job |= {"max_completion_length": spec["completion"], "seed": spec["seed"], "disable_tqdm": True}
+    job |= {"report_to": "none", "save_strategy": "no"}
     departures = [f"max_completion_length={spec['completion']}", f"max_steps={steps}"]
     if cpu:
         job.update(use_cpu=True, bf16=False, activation_checkpointing=False)
@@ -135,8 +123,9 @@ def run_side(spec: dict) -> dict:
     steps, warmup = timer.steps, spec["warmup"]
     summary = summarise_steps(steps, skip=warmup)
     first = steps[0]
-    generation_config = getattr(trainer, "generation_config", None)
-    return {
+    generation_config, args = getattr(trainer, "generation_config", None), trainer.args
+    ours = {k: getattr(args, k) for k in ("compile_generation", "one_prefill_per_group") if hasattr(args, k)}
+    record = {
         "side": spec["side"],
         "trainer": type(trainer).__name__,
         "departures": departures,
@@ -150,20 +139,11 @@ def run_side(spec: dict) -> dict:
             "continuous_batching": bool(getattr(trainer, "use_transformers_continuous_batching", False)),
             "disable_compile": getattr(generation_config, "disable_compile", None),
             "cache_implementation": getattr(generation_config, "cache_implementation", None),
-            **{
-                k: getattr(trainer.args, k)
-                for k in ("compile_generation", "one_prefill_per_group")
-                if hasattr(trainer.args, k)
-            },
+            **ours,
         },
         "init_s": init_s,
         "step_s": summary["step_s"],
         "phases": summary["host"],
-        **(
-            {"device_step_s": summary["device_step_s"], "device_phases": summary["device"]}
-            if "device" in summary
-            else {}
-        ),
         "first_step_s": first["step_s"],
         "first_step_excess_s": first["step_s"] - summary["step_s"],
         "first_generation_excess_s": first["host"]["generation"] - summary["host"]["generation"],
@@ -174,8 +154,10 @@ def run_side(spec: dict) -> dict:
         "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else harness.bc.max_rss_mib(),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if cuda else None,
-        "run_s": time.perf_counter() - started,
     }
+    if "device" in summary:  # CUDA: the split on the device's clock
+        record |= {"device_step_s": summary["device_step_s"], "device_phases": summary["device"]}
+    return record | {"run_s": time.perf_counter() - started}
 
 
 class CompileCounters:
@@ -214,11 +196,9 @@ class CompileCounters:
     def callback(self):
         from transformers import TrainerCallback
 
-        counters = self
-
         class Snapshot(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                counters.per_step.append(counters.totals())
+            def on_step_end(snapshot, args, state, control, **kwargs):
+                self.per_step.append(self.totals())
 
         return Snapshot()
 
@@ -226,14 +206,6 @@ class CompileCounters:
 # ----------------------------------------------------------------------------------------------------- driver
 def sides_of(names, common: dict, env: dict, timeout_s: float) -> list[harness.Side]:
     return [harness.Side(n, "whole_step:run_side", {**common, "side": n}, env, timeout_s) for n in names]
-
-
-def has_generation_options() -> bool:
-    """Whether the installed TrinityConfig has issue 51's generation fields (read from its source, no import)."""
-    from pathlib import Path
-
-    text = (Path(harness.bc.ROOT) / "trinity_trl" / "trainers" / "config.py").read_text()
-    return "compile_generation" in text and "one_prefill_per_group" in text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,16 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         parts = {f"{n}, dry run: tiny P{p // 16} C8": ("tiny", p // 16, 8) for n, (_, p, _) in parts.items()}
         args.steps, args.repeats = 1, 1
     names = args.sides or (GPU_SIDES if args.gpu else SIDES)
-    if "ours_off" in names and not has_generation_options():
-        names = [n for n in names if n != "ours_off"]  # it would equal ours
     budget = GPU_BUDGET_S if args.gpu and args.budget is None else args.budget
     name = args.name or "whole_step" + ("_cuda" if args.gpu else "") + ("_dry" if args.dry_run else "")
     work = tempfile.mkdtemp(prefix="whole_step-")
     env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, "inductor"), "TRITON_CACHE_DIR": os.path.join(work, "triton")}
     config = {**{k: v for k, v in vars(args).items() if k != "out"}, "device": device, "sides": list(names)}
     options = {"device": device, "render": markdown, "budget_s": budget, "preload": PRELOAD, "log": args.gpu}
+    options["title"] = "The whole step at TRL's defaults: ours against TRL's GRPOTrainer"
     bench = harness.Bench(name, harness.out_dir(args), config=config, **options)
-    bench.report["title"] = "The whole step at TRL's defaults: ours against TRL's GRPOTrainer"
     try:
         for index, (part_name, (model, prompt, completion)) in enumerate(parts.items()):
             run_part(bench, part_name, model, prompt, completion, names, env, work, args, device, index == 0)
@@ -294,17 +264,8 @@ def run_part(bench, part_name, model, prompt, completion, names, env, work, args
         part.record.update(status="failed", why="its model could not be made")
         return
     part.record["description"] = part.record["description"].replace(f"`{model}`", made["about"])
-    common = {
-        "model_path": made["path"],
-        "work": work,
-        "device": device,
-        "prompt": prompt,
-        "completion": completion,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "seed": args.seed,
-        "check": args.dry_run,
-    }
+    common = {"model_path": made["path"], "work": work, "device": device, "prompt": prompt, "completion": completion}
+    common |= {"warmup": args.warmup, "steps": args.steps, "seed": args.seed, "check": args.dry_run}
     if "ours" in names and first:  # warms the on-disk compile caches; its first step is the cold compile charge
         part.run_once(sides_of(["ours"], {**common, "steps": 1}, env, args.timeout)[0], "ours, cold caches")
     repeats = GPU_REPEATS[part_name] if gpu else args.repeats
@@ -364,63 +325,51 @@ def compilation(part: dict) -> dict:
     eager = "ours_off" if runs["ours_off"] else "trl"
     gain = steady(eager) - steady("ours")
 
-    def repaid(charge: float | None) -> float | None:
-        if charge is None or gain <= 0:
-            return None
-        return max(charge, 0.0) / gain
-
-    return {
-        "compiled": True,
-        "warm_s": warm,
-        "cold_s": cold,
-        "eager_side": eager,
-        "gain_per_step_s": gain,
-        "repaid_after_steps": {"cold": repaid(cold), "warm": repaid(warm)},
-    }
+    repaid = {k: None if c is None or gain <= 0 else max(c, 0.0) / gain for k, c in (("cold", cold), ("warm", warm))}
+    record = {"compiled": True, "warm_s": warm, "cold_s": cold, "eager_side": eager, "gain_per_step_s": gain}
+    return record | {"repaid_after_steps": repaid}
 
 
 def markdown(report: dict) -> str:
     """The split of every side's step, the dtypes, compilation and departures (after the harness's tables)."""
     lines = ["## The split, per side (median over repeats of each run's median timed step; seconds)", ""]
-    from phases import PHASES as phases_order
+    from phases import PHASES
 
     for name, part in report["parts"].items():
-        summary = part.get("summary")
-        if not summary:
-            continue
-        lines += [
-            f"### {name}",
-            "",
-            "| side | dtype | step | " + " | ".join(phases_order) + " | first step | start-up |",
-            "|---|---|---|" + "---|" * (len(phases_order) + 2),
+        sides = (part.get("summary") or {}).get("sides", {})
+        samples = {
+            s: next((r["samples"][s] for r in part["repeats"] if harness.ok(r["samples"].get(s))), None) for s in sides
+        }
+        tables = [
+            ("", "phases", "step_s", "| dtype "),
+            ("On the device's clock (CUDA events):", "device_phases", "device_step_s", ""),
         ]
-        for side, stats in summary["sides"].items():
-            sample = next((r["samples"][side] for r in part["repeats"] if harness.ok(r["samples"].get(side))), None)
-            if sample is None:
+        lines += [f"### {name}", ""] if sides else []
+        for title, phases, step, dtype in tables:
+            if title and not any(f"{phases}.generation" in s for s in sides.values()):
                 continue
-            d = sample["dtype"]
-            dtype = d["parameters"].replace("torch.", "") + (f" + {d['autocast']} autocast" if d["autocast"] else "")
-            if d["parameters_after"] != d["parameters"]:
-                dtype += f", {d['parameters_after'].replace('torch.', '')} after generating"
-            cells = [harness.cell(stats.get(f"phases.{p}")) for p in phases_order]
-            lines.append(
-                f"| {side} | {dtype} | {harness.cell(stats.get('step_s'))} | "
-                + " | ".join(cells)
-                + f" | {harness.cell(stats.get('first_step_s'))} | {harness.cell(stats.get('init_s'))} |"
-            )
-        if any("device_phases.generation" in s for s in summary["sides"].values()):
-            lines += [
-                "",
-                "On the device's clock (CUDA events):",
-                "",
-                "| side | step | " + " | ".join(phases_order) + " |",
-                "|---|---|" + "---|" * len(phases_order),
+            extra = " | first step | start-up" if not title else ""
+            lines += ([title, ""] if title else []) + [
+                f"| side {dtype}| step | " + " | ".join(PHASES) + f"{extra} |",
+                "|---|" + "---|" * (len(PHASES) + 1 + (3 if not title else 0)),
             ]
-            for side, stats in summary["sides"].items():
-                cells = [harness.cell(stats.get(f"device_phases.{p}")) for p in phases_order]
-                lines.append(f"| {side} | {harness.cell(stats.get('device_step_s'))} | " + " | ".join(cells) + " |")
-        lines += ["", *_settings(part), ""]
+            for side, stats in sides.items():
+                if samples[side] is None:
+                    continue
+                cells = [harness.cell(stats.get(f"{phases}.{p}")) for p in PHASES]
+                if not title:
+                    cells += [harness.cell(stats.get("first_step_s")), harness.cell(stats.get("init_s"))]
+                kind = f"| {dtype_text(samples[side]['dtype'])} " if dtype else ""
+                lines.append(f"| {side} {kind}| {harness.cell(stats.get(step))} | " + " | ".join(cells) + " |")
+            lines.append("")
+        lines += [*_settings(part), ""] if sides else []
     return "\n".join(lines)
+
+
+def dtype_text(d: dict) -> str:
+    text = d["parameters"].replace("torch.", "") + (f" + {d['autocast']} autocast" if d["autocast"] else "")
+    after = d["parameters_after"].replace("torch.", "")
+    return text + (f", {after} after generating" if d["parameters_after"] != d["parameters"] else "")
 
 
 def _settings(part: dict) -> list[str]:

@@ -245,13 +245,12 @@ def test_phase_timer_fails_when_a_seam_is_not_wrapped(tmp_path, tiny_model_dir, 
         _train(trainer, check=True)
     monkeypatch.undo()
     trainer = _trl_trainer(tmp_path / "b", tiny_model_dir, tiny_dataset, max_steps=1)
-    monkeypatch.setattr(phases.PhaseTimer, "_wrap_logprob", lambda self, trainer: None)
     monkeypatch.setattr(trainer.accelerator, "backward", trainer.accelerator.backward)  # left unwrapped below
-    original_wrap = phases.PhaseTimer._wrap
+    original_wrap, unwrapped = phases.PhaseTimer._wrap, ("backward", "_get_per_token_logps_and_entropies")
     monkeypatch.setattr(
         phases.PhaseTimer,
         "_wrap",
-        lambda self, obj, attr, phase: None if attr == "backward" else original_wrap(self, obj, attr, phase),
+        lambda self, obj, attr, *a, **kw: None if attr in unwrapped else original_wrap(self, obj, attr, *a, **kw),
     )
     with pytest.raises(phases.PhaseError, match="gradient was accumulated outside"):
         _train(trainer, check=True)

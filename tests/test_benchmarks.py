@@ -184,6 +184,15 @@ def test_gpu_check_dry_run_runs_every_part_into_out(tmp_path):
     assert comparison["ours"]["forwarded_token_ratio"] < 1.0  # the packed forward ran
     assert any("loss_type='grpo'" in d for d in point["departures"]) and report["not_measured"] == []
     assert "| tiny P32/C8/G4 K1 | 2 / 2 |" in (out / "prefix_packing.md").read_text()
+    # a run's steps are split by phases.PhaseTimer: one layout count, `auto` state and split per step, the training
+    # part its loss and backward phases, the generation inside the step; gpu_check.md gives the split per point
+    run = point["runs"]["ours"][0]
+    assert len(run["step_layouts"]) == len(run["deciding"]) == len(run["phases_s"]) == len(run["step_s"]) >= 2
+    split = [p["host"] for p in run["phases_s"]]
+    assert run["train_part_s"] == pytest.approx([p["loss"] + p["backward"] for p in split])
+    assert all(0 < p["loss"] and 0 < g < s for p, g, s in zip(split, run["generation_s"], run["step_s"]))
+    assert sum(run["kernels"].values()) == sum(sum(s.values()) for s in run["step_layouts"]) >= len(run["step_s"])
+    assert "Phases (`phases.PhaseTimer`; median ms, ours / TRL): generation" in (out / "gpu_check.md").read_text()
     trainers = summary["parts"]["trainers"]["trainers"]
     assert [t["trainer"] for t in trainers] == ["trinity", "ppo"]
     for t in trainers:
