@@ -79,7 +79,7 @@ class PartRun:
             log.flush()
             env = {**os.environ, **(env or {})}
             proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, **harness.OWN_GROUP
             )
             timed_out = harness.wait_or_stop(proc, budget) is None
         self.run = {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.perf_counter() - start}

@@ -46,6 +46,10 @@ BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
 #: what every side's process gets unless the side says otherwise: one torch thread (see benchmarks/README.md)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+#: `subprocess.Popen` arguments that start a child leading its own process group (so `stop_group` reaches whatever it
+#: starts) in this process's session: on Linux a new session is a new scheduler autogroup, weighted as nice 0 whatever
+#: the nice of its processes, so a sample started by a study under ``nice -n 19`` would take a full core's share
+OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class Side:
 
 # ------------------------------------------------------------------------------------------------- processes
 class Launcher:
-    """Starts each side in a fresh process, in its own session (its process group is stopped at its timeout).
+    """Starts each side in a fresh process leading its own process group (stopped at its timeout), in this session.
 
     Without ``preload``: ``python benchmarks/harness.py --child ...`` (everything imported afresh). With ``preload``
     (module names): forked from ``multiprocessing``'s forkserver, a server process that imported those modules once
@@ -113,14 +117,27 @@ class Launcher:
                 cwd=bc.ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
                 env={**os.environ, **env},
+                **OWN_GROUP,
             )
 
     def _fork(self, side: Side, env: dict, output: Path):
         proc = self.context.Process(target=forked_child, args=(side.run, side.spec, env, str(output)))
         proc.start()
         return proc
+
+
+def autogroup_as_niced() -> None:
+    """Give this session's scheduler autogroup this process's nice, where it leads the session (Linux). A study started
+    as ``setsid nohup nice -n 19 python ...`` (benchmarks/README.md) is a new autogroup, and the kernel shares CPU
+    between autogroups by their own nice (0 when made), not their processes': without this its runs would take a full
+    share from everything else on the machine. A process that does not lead its session (run from a terminal) leaves
+    the terminal's autogroup alone; without autogroups (other systems, or the file read-only) it does nothing."""
+    if os.getsid(0) == os.getpid():
+        try:
+            Path("/proc/self/autogroup").write_text(str(os.nice(0)))
+        except OSError:
+            pass
 
 
 def wait_or_stop(proc, timeout_s: float) -> int | None:
@@ -180,8 +197,9 @@ def tail(path: Path, since: int = 0, chars: int = 3000) -> str:
 
 
 def forked_child(target: str, spec: dict, env: dict, output: str) -> None:
-    """A forked sample: its own session, its output to ``output``, the side's environment, then `child_main`."""
-    os.setsid()
+    """A forked sample: its own process group (`OWN_GROUP`), its output to ``output``, the side's environment, then
+    `child_main`."""
+    os.setpgid(0, 0)
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -223,6 +223,8 @@ class Study:
         import argparse
         import os
 
+        import harness
+
         probe = self.probe.__name__
         parser = argparse.ArgumentParser(description=self.description)
         sub = parser.add_subparsers(dest="command", required=True)
@@ -239,6 +241,7 @@ class Study:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         out = Path(args.out)
         if args.command == "run":
+            harness.autogroup_as_niced()
             return self.run_study(out, self.plan, args.model)
         if args.command in ("status", "summarise"):
             summarise = args.command == "summarise"

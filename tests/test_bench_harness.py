@@ -23,7 +23,8 @@ from pathlib import Path
 
 def value(spec):
     time.sleep(spec.get("sleep", 0))
-    return {"step_s": spec["value"], "phases": {"generation": spec["value"] * 2}, "pid": os.getpid()}
+    group = {"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0)}
+    return {"step_s": spec["value"], "phases": {"generation": spec["value"] * 2}, **group}
 
 
 def files_so_far(spec):
@@ -84,6 +85,10 @@ def test_sides_alternate_in_fresh_processes_with_paired_ratios(tmp_path, sides_e
     assert [r["samples"]["b"]["seen"] for r in record["repeats"]] == [1, 4, 7]
     pids = [r["samples"][s]["pid"] for r in record["repeats"] for s in ("a", "c")]
     assert len(set(pids)) == 6 and os.getpid() not in pids  # a fresh process per sample
+    # each leads its own process group (stopped whole at a timeout) in this session: a new session would be a new
+    # scheduler autogroup, weighted as nice 0 however niced the study that started it
+    samples = [r["samples"][s] for r in record["repeats"] for s in ("a", "c")]
+    assert all(s["pgid"] == s["pid"] and s["sid"] == os.getsid(0) for s in samples)
     assert all(r["samples"][s]["process_wall_s"] > 0 for r in record["repeats"] for s in "abc")
     summary = record["summary"]
     assert summary["sides"]["a"]["phases.generation"] == {"median": 2.0, "min": 2.0, "max": 2.0, "n": 3}
@@ -284,3 +289,30 @@ def test_a_stopped_bench_stops_the_sample_it_runs(tmp_path, sides_env):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert _stopped(int(pid_file.read_text())), "the running sample survived its stopped bench"
+
+
+AUTOGROUP_PROBE = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import harness
+if sys.argv[2] == "leader":
+    os.setsid()
+os.nice(7)
+before = Path("/proc/self/autogroup").read_text().split()[-1]
+harness.autogroup_as_niced()
+print(before, Path("/proc/self/autogroup").read_text().split()[-1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").is_file(), reason="the kernel has no scheduler autogroups")
+@pytest.mark.parametrize("role", ["leader", "member"])
+def test_a_study_leading_its_session_gives_its_autogroup_its_nice(role):
+    """`setsid nohup nice -n 19 python benchmarks/<study>.py run`: the new session's autogroup takes the study's nice;
+    a process inside someone else's session (a terminal's) leaves that session's autogroup as it was."""
+    import subprocess
+
+    probe = [sys.executable, "-c", AUTOGROUP_PROBE, str(ROOT / "benchmarks"), role]
+    before, after = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.split()
+    assert before == "0" or role == "member"
+    assert after == ("7" if role == "leader" else before)
