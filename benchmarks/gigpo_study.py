@@ -345,8 +345,17 @@ def _outcome(result: dict) -> str:
     return f"success {result['points'][-1]['success']:.3f}"
 
 
-STUDY = seeded_study.Study("gigpo_study", __doc__, PLAN, summarise, markdown, outcome=_outcome)
-STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, pilot
+STUDY = seeded_study.Study(
+    "gigpo_study",
+    __doc__,
+    PLAN,
+    summarise,
+    markdown,
+    run_arm=run_arm,
+    evaluate_base=evaluate_base,
+    probe=pilot,
+    outcome=_outcome,
+)
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":

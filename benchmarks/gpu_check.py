@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -159,13 +160,8 @@ def junit_counts(path: Path) -> dict:
         return {}
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    reasons: dict[str, int] = {}
-    for case in suite.iter("testcase"):
-        skipped = case.find("skipped")
-        if skipped is not None:
-            reason = (skipped.get("message") or "").strip()[:120]
-            reasons[reason] = reasons.get(reason, 0) + 1
-    counts["skip_reasons"] = reasons
+    skips = [case.find("skipped") for case in suite.iter("testcase")]
+    counts["skip_reasons"] = dict(Counter((s.get("message") or "").strip()[:120] for s in skips if s is not None))
     return counts
 
 

@@ -409,8 +409,18 @@ def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, ste
     return 0
 
 
-STUDY = seeded_study.Study("learning_study", __doc__, PLAN, summarise, markdown, task_data=task_data, steps=8)
-STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, measure
+STUDY = seeded_study.Study(
+    "learning_study",
+    __doc__,
+    PLAN,
+    summarise,
+    markdown,
+    run_arm=run_arm,
+    evaluate_base=evaluate_base,
+    probe=measure,
+    task_data=task_data,
+    steps=8,
+)
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":

@@ -259,8 +259,17 @@ def _cells(s: dict) -> list:
     ]
 
 
-STUDY = seeded_study.Study("m2po_study", __doc__, PLAN, summarise, markdown, task_data=task_data)
-STUDY.evaluate_base, STUDY.run_arm, STUDY.probe = evaluate_base, run_arm, pilot
+STUDY = seeded_study.Study(
+    "m2po_study",
+    __doc__,
+    PLAN,
+    summarise,
+    markdown,
+    run_arm=run_arm,
+    evaluate_base=evaluate_base,
+    probe=pilot,
+    task_data=task_data,
+)
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
 if __name__ == "__main__":

@@ -257,8 +257,7 @@ def side_arguments(spec: dict, tokenizer) -> dict:
         if spec.get("ac") is False:
             common["activation_checkpointing"] = False
     # the model's path, or (packing_profile.py) the model itself
-    vocab = getattr(spec["model"], "config", None) or AutoConfig.from_pretrained(spec["model"])
-    vocab = vocab.vocab_size
+    vocab = (getattr(spec["model"], "config", None) or AutoConfig.from_pretrained(spec["model"])).vocab_size
     if vocab > len(tokenizer):  # the real vocabulary's LM head; sample only ids the tiny tokenizer can decode
         common["generation_kwargs"] = {"suppress_tokens": list(range(len(tokenizer), vocab))}
     return common | {k: spec[k] for k in ("optim", "learning_rate") if spec.get(k) is not None}

@@ -118,14 +118,28 @@ def run_in_order(records: list[dict], plan: dict, run: Callable[[str, int, float
 
 class Study:
     """A study's module-level entry points (`entry_points`) over its ``plan``, ``summarise(records, plan)`` and
-    ``markdown(summary)``: ``name`` is its module and its results' file name (``<name>.{json,md}``); ``functions``:
-    ``evaluate_base``, ``run_arm`` and ``task_data`` (see `run_side`), ``probe(out, plan, model, steps)`` (its last
-    subcommand, e.g. ``measure``, ``--steps`` default ``steps``) and ``outcome`` (see `run_study`)."""
+    ``markdown(summary)``: ``name`` is its module and its results' file name (``<name>.{json,md}``); `run_side` calls
+    ``run_arm`` and ``evaluate_base`` (with ``task_data(plan)`` where given); ``probe(out, plan, model, steps)`` is its
+    last subcommand (e.g. ``measure``, ``--steps`` default ``steps``); ``outcome``: see `run_study`."""
 
-    def __init__(self, name: str, doc: str, plan: dict, summarise: Callable, markdown: Callable, **functions):
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        plan: dict,
+        summarise: Callable,
+        markdown: Callable,
+        *,
+        run_arm: Callable,
+        evaluate_base: Callable,
+        probe: Callable,
+        task_data: Callable | None = None,
+        outcome: Callable | None = None,
+        steps: int = 10,
+    ):
         self.name, self.description, self.plan = name, doc.split("\n\n")[0], plan
-        self.summarise, self.markdown, self.task_data, self.outcome, self.steps = summarise, markdown, None, None, 10
-        self.__dict__.update(functions)  # evaluate_base, run_arm, probe; task_data, outcome, steps where given
+        self.summarise, self.markdown, self.run_arm, self.evaluate_base = summarise, markdown, run_arm, evaluate_base
+        self.probe, self.task_data, self.outcome, self.steps = probe, task_data, outcome, steps
 
     def entry_points(self) -> tuple:
         """``plan_key, run_side, run_study, status, write_summary, main`` (the launcher runs ``<name>:run_side``)."""
