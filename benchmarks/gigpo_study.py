@@ -346,15 +346,7 @@ def _outcome(result: dict) -> str:
 
 
 STUDY = seeded_study.Study(
-    "gigpo_study",
-    __doc__,
-    PLAN,
-    summarise,
-    markdown,
-    run_arm=run_arm,
-    evaluate_base=evaluate_base,
-    probe=pilot,
-    outcome=_outcome,
+    "gigpo_study", __doc__, PLAN, summarise, markdown, run_arm, evaluate_base, pilot, outcome=_outcome
 )
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 

@@ -410,16 +410,7 @@ def measure(out: Path, plan: dict = PLAN, model_override: str | None = None, ste
 
 
 STUDY = seeded_study.Study(
-    "learning_study",
-    __doc__,
-    PLAN,
-    summarise,
-    markdown,
-    run_arm=run_arm,
-    evaluate_base=evaluate_base,
-    probe=measure,
-    task_data=task_data,
-    steps=8,
+    "learning_study", __doc__, PLAN, summarise, markdown, run_arm, evaluate_base, measure, task_data=task_data, steps=8
 )
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 

@@ -260,15 +260,7 @@ def _cells(s: dict) -> list:
 
 
 STUDY = seeded_study.Study(
-    "m2po_study",
-    __doc__,
-    PLAN,
-    summarise,
-    markdown,
-    run_arm=run_arm,
-    evaluate_base=evaluate_base,
-    probe=pilot,
-    task_data=task_data,
+    "m2po_study", __doc__, PLAN, summarise, markdown, run_arm, evaluate_base, pilot, task_data=task_data
 )
 plan_key, run_side, run_study, status, write_summary, main = STUDY.entry_points()
 
