@@ -132,7 +132,8 @@ def autogroup_as_niced() -> None:
     as ``setsid nohup nice -n 19 python ...`` (benchmarks/README.md) is a new autogroup, and the kernel shares CPU
     between autogroups by their own nice (0 when made), not their processes': without this its runs would take a full
     share from everything else on the machine. A process that does not lead its session (run from a terminal) leaves
-    the terminal's autogroup alone; without autogroups (other systems, or the file read-only) it does nothing."""
+    the terminal's autogroup alone; without autogroups (other systems, the file read-only, or init's session, which has
+    none of its own and shows an empty file) it does nothing."""
     if os.getsid(0) == os.getpid():
         try:
             Path("/proc/self/autogroup").write_text(str(os.nice(0)))
