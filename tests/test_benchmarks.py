@@ -522,9 +522,14 @@ def test_the_committed_study_summary_is_that_of_the_committed_runs():
     # finished: README and docs quote each pre-registered test exactly as the summary has it
     assert "no result yet" not in section[:400] and "no result yet" not in readme
     for t in summary["tests"].values():
-        quote = f"{t['mean']:+.3f}, 95 % interval [{t['low']:+.3f}, {t['high']:+.3f}], p {t['p']:.3f}"
-        quote += f" (Holm {t['p_holm']:.3f})"
-        assert quote in section and quote in readme, quote
+        assert _quoted(t) in section and _quoted(t) in readme, _quoted(t)
+
+
+def _quoted(test: dict) -> str:
+    """How README and docs quote a pre-registered test of a finished study: its mean, interval and p, as `summarise`
+    computed them."""
+    quote = f"{test['mean']:+.3f}, 95 % interval [{test['low']:+.3f}, {test['high']:+.3f}], p {test['p']:.3f}"
+    return quote + f" (Holm {test['p_holm']:.3f})"
 
 
 def test_async_vs_sync_dry_run(tmp_path):
@@ -801,8 +806,9 @@ def test_the_m2po_plan_is_committed_under_its_fingerprint():
 
 
 def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
-    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), and while
-    the study is partial the docs say it is running and quote no result."""
+    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), while the
+    study is partial the docs say it is running and quote no result, and once it is finished README and docs quote its
+    test exactly."""
     sys.path.insert(0, str(BENCHMARKS))
     from m2po_study import PLAN, load_runs, markdown, plan_key, summarise
 
@@ -814,3 +820,9 @@ def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
     section = docs[docs.index("{ #m2po-study }") :]
     if summary["partial"]:
         assert "**Running; no result yet.**" in section[:200]
+        return
+    section = section[: section.index("\n## ")]
+    readme = (ROOT / "README.md").read_text()
+    assert "no result yet" not in section
+    for t in summary["tests"].values():
+        assert _quoted(t) in section and _quoted(t) in readme, _quoted(t)
