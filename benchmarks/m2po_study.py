@@ -69,7 +69,7 @@ LABELS = {"m2po": "M2PO", "cispo": "CISPO", "base": "base model"}
 LOGGED = {"train_reward": "reward", "staleness": "async/staleness", "staleness_max": "async/staleness_max"}
 LOGGED |= {"dropped_stale": "async/dropped_stale_total", "masked_fraction": "actor/m2po/masked_fraction"}
 LOGGED |= {"trust_region_fraction": "actor/m2po/trust_region_fraction", "m2_before": "actor/m2po/m2_before"}
-LOGGED |= {"unmasked_frac": "actor/unmasked_frac", "loss": "loss", "grad_norm": "grad_norm"}
+LOGGED |= {"loss": "loss", "grad_norm": "grad_norm"}
 TEMPLATES = ("add", "sub", "mul", "div", "two_step")
 
 
@@ -139,9 +139,8 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
 
 
 def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, tmp: Path, validate: bool) -> dict:
-    """One run: per-step logs (training reward, staleness, M2PO's masks or CISPO's mask-clip share, loss, gradient
-    norm), the held-out score after the last step (each problem's outcome kept), the validation accuracy (tuning
-    runs), its cost."""
+    """One run: per-step logs (training reward, staleness, M2PO's masks, loss, gradient norm), the held-out score
+    after the last step (each problem's outcome kept), the validation accuracy (tuning runs), its cost."""
     trainer = trainer_for(arm, model, seed, lr, plan, data, str(tmp / arm))
     wall, train_cpu, logs = seeded_study.train(trainer)
     cpu = time.process_time()
@@ -180,7 +179,7 @@ def pilot(out: Path, plan: dict = PLAN, model_override: str | None = None, steps
             "eval_cpu_s": result["eval_cpu_s"],
             "held_out_after": result["points"][-1]["all"],
             **{key: result[key] for key in ("staleness", "staleness_max", "dropped_stale", "train_reward")},
-            **{key: result[key] for key in ("masked_fraction", "trust_region_fraction", "m2_before", "unmasked_frac")},
+            **{key: result[key] for key in ("masked_fraction", "trust_region_fraction", "m2_before")},
         }
         (out / "m2po_pilot.json").write_text(json.dumps({**report, "load_average_end": bc.loadavg()}, indent=1) + "\n")
         print(json.dumps({arm: report["arms"][arm]}, indent=1), flush=True)

@@ -730,8 +730,8 @@ def test_the_gigpo_plan_is_committed_under_its_fingerprint_and_the_chord_plan_is
 
 
 def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
-    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and while
-    the study is partial the docs say it is running and quote no result."""
+    """benchmarks/results/gigpo_study.md is what `summarise` makes of gigpo_study_runs.jsonl (no hand edits), and the
+    docs say what the study has come to (`_check_study_section`)."""
     sys.path.insert(0, str(BENCHMARKS))
     from gigpo_study import PLAN, load_runs, markdown, plan_key, summarise
 
@@ -739,10 +739,7 @@ def test_the_committed_gigpo_study_summary_is_that_of_the_committed_runs():
     summary = summarise(load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)), PLAN)
     assert (results / "gigpo_study.md").read_text() == markdown(summary)
     assert any(r["arm"] == "base" for r in load_runs(results / "gigpo_study_runs.jsonl", plan_key(PLAN)))
-    docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = docs[docs.index("{ #gigpo-study }") :]
-    if summary["partial"]:
-        assert "**Running; no result yet.**" in section[:200]
+    _check_study_section(summary, "gigpo-study")
 
 
 def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
@@ -806,9 +803,8 @@ def test_the_m2po_plan_is_committed_under_its_fingerprint():
 
 
 def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
-    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), while the
-    study is partial the docs say it is running and quote no result, and once it is finished README and docs quote its
-    test exactly."""
+    """benchmarks/results/m2po_study.md is what `summarise` makes of m2po_study_runs.jsonl (no hand edits), and the
+    docs say what the study has come to (`_check_study_section`)."""
     sys.path.insert(0, str(BENCHMARKS))
     from m2po_study import PLAN, load_runs, markdown, plan_key, summarise
 
@@ -816,12 +812,18 @@ def test_the_committed_m2po_study_summary_is_that_of_the_committed_runs():
     summary = summarise(load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)), PLAN)
     assert (results / "m2po_study.md").read_text() == markdown(summary)
     assert any(r["arm"] == "base" for r in load_runs(results / "m2po_study_runs.jsonl", plan_key(PLAN)))
+    _check_study_section(summary, "m2po-study")
+
+
+def _check_study_section(summary: dict, anchor: str) -> None:
+    """While a study is partial its section of docs/benchmarks.md says it is running and quotes no result; once it is
+    finished the section and README quote each of its pre-registered tests exactly."""
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = docs[docs.index("{ #m2po-study }") :]
+    section = docs[docs.index(f"{{ #{anchor} }}") :]
+    section = section[: section.index("\n## ")]
     if summary["partial"]:
         assert "**Running; no result yet.**" in section[:200]
         return
-    section = section[: section.index("\n## ")]
     readme = (ROOT / "README.md").read_text()
     assert "no result yet" not in section
     for t in summary["tests"].values():
