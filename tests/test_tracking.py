@@ -30,6 +30,7 @@ CHORD_KEYS = (
 CISPO_KEYS = (
     "train/actor/cispo_loss",
     "train/actor/unmasked_frac",
+    "train/actor/pg_clipfrac",
     "train/actor/loss",
     "train/actor/kl_loss",
     "train/loss",

@@ -132,7 +132,7 @@ LOSS_METRIC = {
 
 METRIC_NAMES = {
     "gspo": {"pg_clipfrac", "ppo_kl", "pg_loss", "ppo_kl_seq"},
-    "cispo": {"cispo_loss", "ppo_kl", "unmasked_frac"},
+    "cispo": {"cispo_loss", "ppo_kl", "unmasked_frac", "pg_clipfrac"},
     "sapo": {"sapo_loss", "ppo_kl", "avg_soft_gate", "avg_ratio", "pos_adv_frac"},
     "topr": {"topr_loss", "avg_alpha", "avg_ratio"},
     "sppo": {"pg_clipfrac", "pg_loss"},

@@ -41,6 +41,24 @@ def test_cispo_gradient_is_clipped_weight_times_reinforce():
         assert_close(_grad(fn, data), -adv * w * keep * mask / n, known_rtol=MEAN_EPSILON)
 
 
+@pytest.mark.parametrize(
+    "low, high, capped_below",
+    [(1.0, 0.28, False), (0.2, 0.2, True), (0.0, 0.0, True)],
+    ids=["default", "narrow", "none"],
+)
+def test_pg_clipfrac_is_the_share_of_tokens_whose_weight_the_range_capped(low, high, capped_below):
+    """Counted from the ratios, at either bound and whatever the advantage; padding is not counted (NaN there)."""
+    data = small_data()
+    mask = data["action_mask"]
+    data["logprob"] = data["logprob"].masked_fill(~mask, float("nan"))
+    ratio = torch.exp(data["logprob"] - data["old_logprob"])[mask]
+    below, above = ratio < 1 - low, ratio > 1 + high
+    assert bool(below.any()) is capped_below and above.any()  # the cases reach the bounds they test
+    _, metrics = build("cispo", clip_range_low=low, clip_range_high=high)(**data)
+    count = mask.sum().item()
+    assert_close(metrics["pg_clipfrac"], (below | above).sum().item() / count, terms=count, known_rtol=MEAN_EPSILON)
+
+
 BAD_ARGS = [
     ("cispo", {"loss_agg_mode": "sum"}, "allowed: token-mean"),
     ("cispo", {"clip_range_low": 1.5}, r"clip_range_low must be in \[0, 1.0\], got 1.5"),

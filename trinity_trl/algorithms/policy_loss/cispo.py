@@ -34,7 +34,8 @@ class CISPOPolicyLossFn(PolicyLossFn):
     TRL's ``epsilon_high`` is an absolute cap, so TRL equals this loss with the defaults when
     ``epsilon_high = 1 + clip_range_high`` and the micro-batch is the whole accumulation window.
 
-    Metrics: ``cispo_loss``, ``ppo_kl = MMEAN(ℓo − ℓ)``, ``unmasked_frac = MMEAN(M)``.
+    Metrics: ``cispo_loss``, ``ppo_kl = MMEAN(ℓo − ℓ)``, ``unmasked_frac = MMEAN(M)`` and ``pg_clipfrac =
+    MMEAN([w ≠ r])``, the share of tokens whose weight the range capped (either bound, whatever the advantage).
     """
 
     def __init__(
@@ -69,5 +70,6 @@ class CISPOPolicyLossFn(PolicyLossFn):
         metrics: dict[str, Any] = {
             "ppo_kl": masked_mean(-log_ratio, mask),
             "unmasked_frac": masked_mean(keep, mask),
+            "pg_clipfrac": masked_mean((weight != ratio).to(ratio.dtype), mask),
         }
         return -adv * weight * keep * logprob, metrics
