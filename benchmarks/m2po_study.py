@@ -69,7 +69,7 @@ LABELS = {"m2po": "M2PO", "cispo": "CISPO", "base": "base model"}
 LOGGED = {"train_reward": "reward", "staleness": "async/staleness", "staleness_max": "async/staleness_max"}
 LOGGED |= {"dropped_stale": "async/dropped_stale_total", "masked_fraction": "actor/m2po/masked_fraction"}
 LOGGED |= {"trust_region_fraction": "actor/m2po/trust_region_fraction", "m2_before": "actor/m2po/m2_before"}
-LOGGED |= {"loss": "loss", "grad_norm": "grad_norm"}
+LOGGED |= {"cispo_capped": "actor/pg_clipfrac", "loss": "loss", "grad_norm": "grad_norm"}
 TEMPLATES = ("add", "sub", "mul", "div", "two_step")
 
 
@@ -139,8 +139,9 @@ def trainer_for(arm: str, model: str, seed: int, lr: float, plan: dict, data: di
 
 
 def run_arm(arm: str, model: str, seed: int, lr: float, plan: dict, data: dict, tmp: Path, validate: bool) -> dict:
-    """One run: per-step logs (training reward, staleness, M2PO's masks, loss, gradient norm), the held-out score
-    after the last step (each problem's outcome kept), the validation accuracy (tuning runs), its cost."""
+    """One run: per-step logs (training reward, staleness, M2PO's masks, CISPO's capped share, loss, gradient norm),
+    the held-out score after the last step (each problem's outcome kept), the validation accuracy (tuning runs), its
+    cost."""
     trainer = trainer_for(arm, model, seed, lr, plan, data, str(tmp / arm))
     wall, train_cpu, logs = seeded_study.train(trainer)
     cpu = time.process_time()
@@ -199,8 +200,8 @@ def summarise(records: list[dict], plan: dict = PLAN) -> dict:
 
 
 def _arm(runs: list[dict], base: dict | None) -> dict:
-    def logged(key: str) -> list:
-        return [v for r in runs for v in r[key] if v is not None]
+    def logged(key: str) -> list:  # runs recorded before a key was logged have none of it
+        return [v for r in runs for v in r.get(key, []) if v is not None]
 
     return {
         "held_out": spread([final(r)["all"] for r in runs]),
@@ -211,6 +212,7 @@ def _arm(runs: list[dict], base: dict | None) -> dict:
         "masked_fraction": mean(logged("masked_fraction")),
         "trust_region_fraction": mean(logged("trust_region_fraction")),
         "m2_before": mean(logged("m2_before")),
+        "cispo_capped": mean(logged("cispo_capped")),
         "train_reward": mean(logged("train_reward")),
         "train_reward_last_quarter": spread([_last_quarter(r["train_reward"]) for r in runs]),
         "train_cpu_s_per_run": spread([r["train_cpu_s"] for r in runs]),
@@ -235,9 +237,10 @@ def markdown(summary: dict) -> str:
     text = "the same difference in the mean training reward of the last quarter of the steps."
     lines += seeded_study.descriptive_lines(text, tests, ["training reward, last quarter of the steps"])
     columns = ["held-out accuracy", "staleness (mean / max)", "dropped stale", "M2PO masked / trust region"]
-    columns += ["M2PO second moment before masking", "training reward (all / last quarter)"]
+    columns += ["M2PO second moment before masking", "CISPO capped", "training reward (all / last quarter)"]
     lines += ["", "## Arms", ""] + seeded_study.arm_table(arms, LABELS, columns, _cells, rates=True)
-    lines += ["", NOT_RECORDED]
+    if arms.get("cispo") and arms["cispo"]["cispo_capped"] is None:
+        lines += ["", NOT_RECORDED]
     base = summary["base"]
     if base:
         kinds = ", ".join(f"{k} {v:.3f}" for k, v in base["by_kind"].items())
@@ -251,7 +254,8 @@ def markdown(summary: dict) -> str:
 NOT_RECORDED = (
     "Not recorded: CISPO's share of tokens whose importance weight reached its cap, which the plan lists among the "
     "descriptive measures. The runs logged `actor/unmasked_frac` instead, the share kept by CISPO's optional mask "
-    "clip, which this preset leaves off (so 1 at every step); it says nothing of the cap."
+    "clip, which this preset leaves off (so 1 at every step); it says nothing of the cap. CISPO logs the capped share "
+    "(`actor/pg_clipfrac`) since these runs, and runs made now record it."
 )
 
 
@@ -262,6 +266,7 @@ def _cells(s: dict) -> list:
         f"{s['dropped_stale']:.0f}",
         f"{bc.fmt(s['masked_fraction'], '.4f')} / {bc.fmt(s['trust_region_fraction'], '.3f')}",
         bc.fmt(s["m2_before"], ".4f"),
+        bc.fmt(s["cispo_capped"], ".4f"),
         f"{bc.fmt(s['train_reward'])} / {cell(s['train_reward_last_quarter'])}",
     ]
 

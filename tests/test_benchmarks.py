@@ -770,6 +770,7 @@ def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
         assert run["optimizer_steps"] == 3 and len(run["staleness"]) == 3 and run["points"][-1]["n"] == 10
         assert all(s is not None and 0 <= s <= 4 for s in run["staleness"])  # logged at every step
     assert all(f is not None for f in m2po["masked_fraction"]) and set(cispo["masked_fraction"]) == {None}
+    assert all(0 <= f <= 1 for f in cispo["cispo_capped"]) and set(m2po["cispo_capped"]) == {None}  # the cap's share
     assert records[1]["val"] is not None and records[3]["val"] is None  # validation on the tuning seed only
     ms.run_study(out, plan, str(model), InProcess())  # a restart: nothing left to run
     assert len((out / ms.RUNS_FILE).read_text().splitlines()) == len(records)
@@ -778,6 +779,7 @@ def test_m2po_study_runs_resumes_and_summarises_on_the_tiny_model(tmp_path):
     assert summary["tests"]["primary"]["diffs"] == [m2po["points"][-1]["all"] - cispo["points"][-1]["all"]]
     text = (tmp_path / "results" / "m2po_study.md").read_text()
     assert "## Pre-registered test" in text and "weight_lag=1" in text
+    assert "CISPO capped" in text and ms.NOT_RECORDED not in text  # recorded, so not said to be missing
     (out / ms.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in records[:-1]) + "\n")
     partial = ms.write_summary(out / ms.RUNS_FILE, tmp_path / "partial", plan)
     assert partial["partial"] and "**PARTIAL: 0 of 1 scored seeds complete** (both arms)" in ms.markdown(partial)
